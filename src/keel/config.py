@@ -1,0 +1,379 @@
+"""ModelConfig: one dataclass for every architecture keel runs.
+
+A config comes from an HF `config.json` (`ModelConfig.from_hf`), from GGUF metadata
+(`keel.weights.gguf`), or is inferred from tensor shapes (`keel.weights.infer`). It is the
+single source of truth for the model, the weight loaders, the trainer and the serving engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keel.errors import ConfigError
+
+# HF `architectures` value -> keel family. The family decides HF defaults and name maps.
+HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
+MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
+
+# Defaults of the transformers config classes for fields a config.json may omit.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "qwen2_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+}
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (HF `rope_parameters` / `rope_scaling`)."""
+
+    type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to build a dense or mixture-of-experts decoder."""
+
+    architecture: str  # keel family: llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # Per layer: "full_attention" or "sliding_attention" (HF's `layer_types`).
+    layer_types: list[str] = field(default_factory=list)
+    # Mixture of experts (num_experts == 0: dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # Tokens and provenance.
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    dtype: str = "float32"  # the checkpoint's own dtype
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_layers
+        self.validate()
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` has a sparse MoE block (HF's decoder_sparse_step / mlp_only_layers rule)."""
+        if not self.is_moe or layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding-window size of `layer` in tokens (query sees keys with q_pos - k_pos < window)."""
+        if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
+            return self.sliding_window
+        return None
+
+    def validate(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ConfigError(f"invalid model config: {message}")
+
+        need(self.architecture in FAMILY_TO_HF, f"architecture {self.architecture!r} is not supported")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
+        need(
+            self.rope_scaling.type in ROPE_TYPES,
+            f"rope scaling type {self.rope_scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
+        )
+        if self.is_moe:
+            need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
+            need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
+
+    # ------------------------------------------------------------- parameters
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts: total, and active per token (MoE routes each token to top-k experts)."""
+        h, attn = self.hidden_size, 0
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        dense_mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        expert = 3 * h * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        total = active = 0
+        for layer in range(self.num_layers):
+            base = attn + 2 * h
+            if self.is_moe_layer(layer):
+                router = h * self.num_experts
+                total += base + router + shared + self.num_experts * expert
+                active += base + router + shared + self.num_experts_per_tok * expert
+            else:
+                total += base + dense_mlp
+                active += base + dense_mlp
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        total += embed + head + h
+        active += embed + head + h
+        return {"total": total, "active": active, "embedding": embed + head}
+
+    # ---------------------------------------------------------------- HF I/O
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from an HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None:
+            found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
+            raise ConfigError(
+                f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}"
+            )
+        family = HF_ARCHITECTURES[arch]
+        defaults = _FAMILY_DEFAULTS[family]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = hf.get(key)
+            return default if value is None else value
+
+        try:
+            hidden = int(hf["hidden_size"])
+            num_heads = int(hf["num_attention_heads"])
+            num_layers = int(hf["num_hidden_layers"])
+            vocab = int(hf["vocab_size"])
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        head_dim = int(get("head_dim", hidden // num_heads))
+        rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source)
+
+        sliding_window, layer_types = _sliding_from_hf(family, hf, num_layers)
+        eos = get("eos_token_id", [])
+        moe: dict[str, Any] = {}
+        if family in MOE_FAMILIES:
+            moe = {
+                "num_experts": int(get("num_local_experts", get("num_experts", 0))),
+                "num_experts_per_tok": int(get("num_experts_per_tok", 2)),
+                # Mixtral's experts use intermediate_size; Qwen MoE has a separate expert width.
+                "moe_intermediate_size": int(
+                    get("intermediate_size") if family == "mixtral" else get("moe_intermediate_size")
+                ),
+                "norm_topk_prob": True if family == "mixtral" else bool(get("norm_topk_prob", False)),
+                "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", 0))
+                if family == "qwen2_moe"
+                else 0,
+                "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
+                "mlp_only_layers": list(get("mlp_only_layers", [])),
+            }
+        if get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        attention_bias = bool(get("attention_bias", False))
+        qkv_bias = {
+            "qwen2": True,
+            "qwen2_moe": bool(get("qkv_bias", True)),
+        }.get(family, attention_bias)
+        return cls(
+            architecture=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size", 0)),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(get("num_key_value_heads", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("max_position_embeddings", defaults["max_position_embeddings"])),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only.
+            o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe") else False,
+            mlp_bias=bool(get("mlp_bias", False)) if family == "llama" else False,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=list(eos) if isinstance(eos, list) else [int(eos)],
+            pad_token_id=get("pad_token_id"),
+            dtype=str(get("dtype", get("torch_dtype", "float32"))),
+            **moe,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_hf(data, source=str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF config.json dict that transformers 5.x loads into the same architecture."""
+        hf: dict[str, Any] = {
+            "architectures": [FAMILY_TO_HF[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": _rope_to_hf(self.rope_theta, self.rope_scaling),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.dtype,
+        }
+        if self.architecture == "llama":
+            hf["attention_bias"] = self.qkv_bias
+            hf["mlp_bias"] = self.mlp_bias
+        if self.architecture in ("qwen3", "qwen3_moe"):
+            hf["attention_bias"] = self.qkv_bias
+        if self.architecture in ("mistral", "mixtral"):
+            hf["sliding_window"] = self.sliding_window
+        elif self.architecture != "llama":
+            hf["use_sliding_window"] = self.sliding_window is not None
+            hf["sliding_window"] = self.sliding_window
+            hf["layer_types"] = list(self.layer_types)
+            hf["max_window_layers"] = self.num_layers
+        if self.architecture == "mixtral":
+            hf["num_local_experts"] = self.num_experts
+            hf["num_experts_per_tok"] = self.num_experts_per_tok
+            hf["intermediate_size"] = self.moe_intermediate_size
+        elif self.is_moe:
+            hf.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+            if self.architecture == "qwen2_moe":
+                hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+                hf["qkv_bias"] = self.qkv_bias
+        return hf
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _rope_from_hf(hf: dict[str, Any], default_theta: float, source: str) -> tuple[float, RopeScaling]:
+    params = hf.get("rope_parameters") or {}
+    legacy = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    spec = params if params.get("rope_type", "default") != "default" or not legacy else legacy
+    rope_type = spec.get("rope_type", spec.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return theta, RopeScaling()
+    return theta, RopeScaling(
+        type=rope_type,
+        factor=float(spec.get("factor", 1.0)),
+        low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(spec.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
+    out: dict[str, Any] = {"rope_type": scaling.type, "rope_theta": theta}
+    if scaling.type in ("linear", "llama3"):
+        out["factor"] = scaling.factor
+    if scaling.type == "llama3":
+        out.update(
+            low_freq_factor=scaling.low_freq_factor,
+            high_freq_factor=scaling.high_freq_factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+        )
+    return out
+
+
+def _sliding_from_hf(family: str, hf: dict[str, Any], num_layers: int) -> tuple[int | None, list[str]]:
+    """Per-layer attention kinds, mirroring each transformers config class's own rule."""
+    window = hf.get("sliding_window") or None
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get("use_sliding_window", False):
+        window = None
+    layer_types = hf.get("layer_types")
+    if layer_types and len(layer_types) == num_layers:
+        return window, list(layer_types)
+    if window is None or family == "llama":
+        return None, ["full_attention"] * num_layers
+    max_window_layers = int(hf.get("max_window_layers", num_layers))
+    if family in ("qwen2", "qwen3"):
+        is_sliding = [i >= max_window_layers for i in range(num_layers)]
+    elif family == "qwen2_moe":
+        is_sliding = [bool((i + 1) % 2) and i < max_window_layers for i in range(num_layers)]
+    else:  # mistral, mixtral, qwen3_moe: every layer
+        is_sliding = [True] * num_layers
+    return window, ["sliding_attention" if s else "full_attention" for s in is_sliding]

@@ -1,0 +1,112 @@
+"""Grouped-query attention with optional sliding window, q/k norm and q/k/v bias.
+
+The same module runs a full-sequence forward (training, prefill) and incremental decode: the
+caller passes an `AttentionMetadata` with the query positions and, when decoding, a KV cache.
+The cache decides where keys and values live (contiguous here, paged in the serving engine);
+attention only asks it to store the new ones and hand back what the queries may see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.config import ModelConfig
+from keel.model.layers import RMSNorm, apply_rotary
+
+
+class KVCache(Protocol):
+    """Storage for keys and values across forward calls."""
+
+    def update(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+        """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`.
+
+        Returns (keys, values, key_positions): keys/values [B, H_kv, L, D] visible to the batch and
+        the position of each key ([L] shared by all rows, or [B, L]); a key whose position is
+        greater than a query's is masked (not yet written for that row, or padding).
+        """
+        ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention inputs, shared by every layer."""
+
+    positions: Tensor  # [B, S] int64: absolute position of each query token
+    cache: KVCache | None = None
+    # True when positions are 0..S-1 in every row and there is no cache: plain causal attention.
+    plain_causal: bool = False
+    rope: tuple[Tensor, Tensor] | None = None  # (cos, sin), filled by the model once per forward
+    # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
+    cache_plan: object | None = None
+    _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_sequence(cls, batch: int, seq_len: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Metadata of a plain forward over whole sequences starting at position 0."""
+        positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        return cls(positions=positions, plain_causal=True)
+
+    def mask(self, key_positions: Tensor, window: int | None) -> Tensor | None:
+        """Boolean mask [B, 1, S, L] (True = attend), built once per window size and reused by layers."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(key_positions, window)
+        return self._masks[window]
+
+    def _build_mask(self, key_positions: Tensor, window: int | None) -> Tensor | None:
+        q = self.positions.unsqueeze(-1)  # [B, S, 1]
+        k = key_positions.unsqueeze(-2) if key_positions.dim() == 2 else key_positions.view(1, 1, -1)
+        if window is None and q.shape[0] == 1 and q.shape[1] == 1 and self.cache is not None:
+            # One decode token: every key the cache returned is at or before it.
+            return None
+        allowed = k <= q
+        if window is not None:
+            allowed = allowed & (q - k < window)
+        return allowed.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.window = config.layer_window(layer)
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, config.q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_bias)
+        # Qwen3: RMSNorm over each head's q and k before the rotary embedding.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = meta.rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = q.transpose(1, 2)  # [B, H, S, D]
+
+        if meta.cache is not None:
+            k, v, key_positions = meta.cache.update(self.layer, k, v, meta)
+            mask, causal = meta.mask(key_positions, self.window), False
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if meta.plain_causal and self.window is None:
+                mask, causal = None, True  # lets SDPA pick its fused causal kernel
+            else:
+                mask, causal = meta.mask(meta.positions, self.window), False
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

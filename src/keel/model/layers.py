@@ -1,0 +1,91 @@
+"""Building blocks shared by every architecture: RMSNorm, rotary embeddings, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; statistics in float32 as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel: the common path in float32 and the cheapest at decode.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Reduced precision: normalise in float32, round once, then scale (bit-compatible with HF).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """Inverse frequencies of rotary embeddings, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) for given positions once per forward; layers apply them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device: torch.device | None = None) -> Tensor:
+        return rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+
+    def reset_buffers(self, device: torch.device) -> None:
+        """Recompute the frequencies (after a model built on the meta device is materialised)."""
+        self.inv_freq = self._inv_freq(device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.
+        return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary embedding (the HF weight layout): x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP of Llama-family models: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,137 @@
+"""The decoder stack: one definition for training, prefill and decode, dense or MoE.
+
+Module names follow the HF layout (`embed_tokens`, `layers.N.self_attn.q_proj`, ...) minus the
+`model.` prefix, so checkpoints map with few renames. Layers live in a ModuleDict keyed by
+their global index, and `embed_tokens`, `norm` and `lm_head` may be None, so that a pipeline
+stage is the same class with some parts removed (the torchtitan convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.config import ModelConfig
+from keel.model.attention import Attention, AttentionMetadata, KVCache
+from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from keel.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(config)
+            if config.is_moe_layer(layer)
+            else SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        )
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after loading)."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_buffers(self, device: torch.device | str = "cpu") -> None:
+        """Recompute non-persistent buffers, e.g. after building on the meta device."""
+        self.rotary.reset_buffers(torch.device(device))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Tensor:
+        """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage) -> logits [B, S, V].
+
+        positions [B, S]: absolute positions (default 0..S-1). cache: a KVCache for incremental
+        decoding. last_only: compute logits only for the last position (generation).
+        """
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        b, s = h.shape[:2]
+        if positions is None and cache is None:
+            meta = AttentionMetadata.for_sequence(b, s, device=h.device)
+        else:
+            if positions is None:
+                raise ValueError("positions are required with a KV cache")
+            meta = AttentionMetadata(positions=positions, cache=cache)
+        meta.rope = self.rotary(meta.positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, meta)
+        if self.norm is None:
+            return h
+        if last_only:
+            h = h[:, -1:]
+        h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def hidden_states(self, tokens: Tensor) -> list[Tensor]:
+        """Hidden state after every decoder layer for a full-sequence forward (alignment tools)."""
+        states: list[Tensor] = []
+        hooks = [layer.register_forward_hook(lambda _m, _i, out: states.append(out)) for layer in self.layers.values()]
+        try:
+            self(tokens)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return states
+
+
+def build_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
+    """A randomly initialised model (tests, training from scratch)."""
+    with torch.device(device):
+        model = Transformer(config)
+    init_weights(model)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, MoE):
+            nn.init.normal_(module.router.weight, std=std)
+            nn.init.normal_(module.experts.gate_up_proj, std=std)
+            nn.init.normal_(module.experts.down_proj, std=std)
+
+
+def cross_entropy_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)

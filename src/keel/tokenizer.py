@@ -1,0 +1,182 @@
+"""Tokenizer (HF `tokenizers`), chat templates (jinja2, rendered as transformers renders them),
+and incremental detokenization that only emits complete UTF-8 text."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from keel.errors import KeelError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        ids = list(eos_token_ids or [])
+        if eos_token is not None and (eos_id := tokenizer.token_to_id(eos_token)) is not None and eos_id not in ids:
+            ids.append(eos_id)
+        self.eos_token_ids = ids
+        self._template: jinja2.Template | None = None
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_hf_dir(cls, directory: str | Path, eos_token_ids: list[int] | None = None) -> Tokenizer | None:
+        """The tokenizer of an HF model directory, or None when it has no tokenizer.json."""
+        directory = Path(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.exists():
+            return None
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise KeelError(f"{path}: not a valid tokenizer file ({e})") from None
+        config: dict[str, Any] = {}
+        config_path = directory / TOKENIZER_CONFIG_FILE
+        if config_path.exists():
+            try:
+                config = json.loads(config_path.read_text())
+            except json.JSONDecodeError as e:
+                raise KeelError(f"{config_path}: not valid JSON ({e})") from None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (directory / CHAT_TEMPLATE_FILE).exists():
+            template = (directory / CHAT_TEMPLATE_FILE).read_text()
+        return cls(
+            tokenizer,
+            chat_template=template,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            eos_token_ids=eos_token_ids,
+        )
+
+    def save_hf(self, directory: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (with the chat template) for transformers."""
+        directory = Path(directory)
+        self.tokenizer.save(str(directory / TOKENIZER_FILE))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1_000_000_000,
+        }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    # ---------------------------------------------------------------- encoding
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render messages the way transformers' `apply_chat_template` does."""
+        if not self.chat_template:
+            raise KeelError("this model has no chat template; use a plain prompt (without --chat)")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template already writes any BOS token itself; transformers encodes it without extras.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # transformers' environment: sandboxed, trim_blocks/lstrip_blocks, tojson that keeps unicode.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise KeelError(f"chat template: syntax error at line {e.lineno}: {e.message}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding token by token splits multi-byte characters and breaks byte-level spaces, so each
+    step decodes a short window of recent tokens and emits only the new suffix, holding back text
+    while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD). Same scheme as vLLM/TGI.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decoding window
+        self.read_offset = 0  # tokens before this have been emitted
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]

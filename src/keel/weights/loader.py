@@ -1,0 +1,167 @@
+"""Open any model keel understands and build the keel model from it.
+
+MODEL may be an HF directory (config.json + safetensors), a directory of safetensors without a
+config (structure inferred from tensor shapes), a `.gguf` file, or a catalog name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from keel.catalog import CATALOG, resolve_catalog
+from keel.config import ModelConfig
+from keel.errors import KeelError, WeightsError
+from keel.model.transformer import Transformer
+from keel.tokenizer import Tokenizer
+from keel.weights.names import hf_source
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise KeelError(f"--dtype {name!r} is not supported (choose from {', '.join(DTYPES)})") from None
+
+
+class TensorReader(Protocol):
+    """HF-named tensors of a checkpoint, read lazily."""
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> Tensor: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its config, tensors, tokenizer and what was read vs inferred."""
+
+    path: Path
+    format: str  # "hf" | "hf-shapes" | "gguf"
+    config: ModelConfig
+    reader: TensorReader
+    tokenizer: Tokenizer | None
+    # Config field -> "read" (from config.json / GGUF metadata), "inferred" (from shapes),
+    # "hint" (from --head-dim/--num-heads) or "default" (not recoverable; the family default).
+    provenance: dict[str, str] = field(default_factory=dict)
+    # Bytes of the stored tensors by storage type (e.g. BF16, Q4_1).
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    checkpoint: Checkpoint
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.checkpoint.config
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.checkpoint.tokenizer
+
+
+def resolve_path(model: str | Path) -> Path:
+    """A path on disk, or the file behind a catalog name."""
+    path = Path(model)
+    if path.exists():
+        return path
+    if str(model) in CATALOG:
+        return resolve_catalog(str(model))
+    known = ", ".join(CATALOG)
+    raise KeelError(f"{model}: no such file or directory, and not a catalog name (catalog: {known})")
+
+
+def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: int | None = None) -> Checkpoint:
+    path = resolve_path(model)
+    if path.is_file():
+        if path.suffix == ".gguf" or _has_gguf_magic(path):
+            from keel.weights.gguf import open_gguf
+
+            return open_gguf(path)
+        raise KeelError(f"{path}: not a model (expected an HF directory, a .gguf file or a catalog name)")
+    from keel.weights.safetensors import SafetensorsReader
+
+    config_path = path / "config.json"
+    reader = SafetensorsReader(path)
+    if config_path.exists():
+        config = ModelConfig.from_json_file(config_path)
+        provenance = dict.fromkeys(_FIELDS, "read")
+        fmt = "hf"
+    else:
+        from keel.weights.infer import infer_config
+
+        config, provenance = infer_config(reader, head_dim=head_dim, num_heads=num_heads, source=str(path))
+        fmt = "hf-shapes"
+    tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_id)
+    sizes: dict[str, int] = {}
+    for name in reader.names():
+        dtype = reader.dtype(name)
+        numel = 1
+        for d in reader.shape(name):
+            numel *= d
+        sizes[dtype] = sizes.get(dtype, 0) + numel * _SAFETENSORS_BYTES.get(dtype, 4)
+    return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes)
+
+
+_FIELDS = [f for f in ModelConfig.__dataclass_fields__]
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """Fill a (meta-device) model from the checkpoint, checking every name and shape."""
+    config, reader = checkpoint.config, checkpoint.reader
+    available = reader.names()
+    state: dict[str, Tensor] = {}
+    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+        source = hf_source(config, name, available)
+        missing = [n for n in source.names if n not in available]
+        if missing:
+            raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name})")
+        tensor = source.combine([reader.get(n) for n in source.names])
+        if tuple(tensor.shape) != tuple(param.shape):
+            shown = source.names[0] if len(source.names) == 1 else f"{name} (from {source.names[0]}, ...)"
+            raise WeightsError(
+                f"{checkpoint.path}: tensor {shown} has shape {list(tensor.shape)}, "
+                f"expected {list(param.shape)} for this config"
+            )
+        state[name] = tensor.to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+
+
+def load_model(
+    model: str | Path,
+    dtype: str | torch.dtype = "float32",
+    *,
+    head_dim: int | None = None,
+    num_heads: int | None = None,
+    device: str = "cpu",
+) -> LoadedModel:
+    """Open a checkpoint and return the keel model (eval mode) with its tokenizer."""
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    with torch.device("meta"):
+        net = Transformer(checkpoint.config)
+    load_weights(net, checkpoint, torch_dtype)
+    net.reset_buffers(device)
+    net.to(device)
+    net.eval()
+    return LoadedModel(net, checkpoint)

@@ -1,0 +1,95 @@
+"""Name maps between HF checkpoints and keel's parameters (torchtitan's state_dict_adapter idea).
+
+keel names are HF names without the `model.` prefix, except for MoE blocks, which keel always
+calls `mlp` with a `router` and stacked `experts.gate_up_proj` / `experts.down_proj`. HF hub
+checkpoints store experts one by one (Mixtral: `block_sparse_moe.experts.E.w1/w2/w3`; Qwen-MoE:
+`mlp.experts.E.gate_proj/up_proj/down_proj`); transformers 5 in memory uses the stacked form.
+Both are read; the per-expert hub form is written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from keel.config import ModelConfig
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a keel parameter comes from: HF tensor names and how to combine them."""
+
+    names: tuple[str, ...]
+    combine: Callable[[list[Tensor]], Tensor]
+
+
+def _single(tensors: list[Tensor]) -> Tensor:
+    return tensors[0]
+
+
+def _moe_prefix(config: ModelConfig, layer: str) -> str:
+    block = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}"
+
+
+def _expert_names(config: ModelConfig) -> tuple[str, str, str]:
+    """(gate, up, down) per-expert weight names in the hub format."""
+    if config.architecture == "mixtral":
+        return "w1", "w3", "w2"
+    return "gate_proj", "up_proj", "down_proj"
+
+
+def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
+    """The HF tensors that make keel parameter `name`."""
+    if name == "lm_head.weight":
+        return Source(("lm_head.weight",), _single)
+    match = _LAYER.match(name)
+    if match is None or not match.group(2).startswith("mlp.") or not config.is_moe_layer(int(match.group(1))):
+        return Source((f"model.{name}",), _single)
+    layer, rest = match.group(1), match.group(2)
+    prefix = _moe_prefix(config, layer)
+    if rest == "mlp.router.weight":
+        return Source((f"{prefix}.gate.weight",), _single)
+    if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        stacked = f"{prefix}.{rest.removeprefix('mlp.')}"
+        if stacked in available:  # transformers-5 in-memory layout saved as is
+            return Source((stacked,), _single)
+        gate, up, down = _expert_names(config)
+        experts = range(config.num_experts)
+        if rest.endswith("down_proj"):
+            names = tuple(f"{prefix}.experts.{e}.{down}.weight" for e in experts)
+            return Source(names, torch.stack)
+        names = tuple(n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight"))
+        return Source(names, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]))
+    # Shared expert and its gate keep their HF names.
+    return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)
+
+
+def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """keel parameters -> HF hub-format tensors (per-expert weights), for `keel convert`."""
+    out: dict[str, Tensor] = {}
+    gate_name, up_name, down_name = _expert_names(config)
+    for name, tensor in state:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        match = _LAYER.match(name)
+        if match and match.group(2).startswith("mlp.experts.") and config.is_moe_layer(int(match.group(1))):
+            prefix = _moe_prefix(config, match.group(1))
+            if match.group(2) == "mlp.experts.gate_up_proj":
+                for e, weight in enumerate(tensor):
+                    gate, up = weight.chunk(2, dim=0)
+                    out[f"{prefix}.experts.{e}.{gate_name}.weight"] = gate.contiguous()
+                    out[f"{prefix}.experts.{e}.{up_name}.weight"] = up.contiguous()
+            else:
+                for e, weight in enumerate(tensor):
+                    out[f"{prefix}.experts.{e}.{down_name}.weight"] = weight.contiguous()
+            continue
+        source = hf_source(config, name, set())
+        out[source.names[0]] = tensor
+    return out

@@ -1,0 +1,94 @@
+"""Tiny random HF models of every supported architecture, built offline with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+
+# name -> (transformers config class, model class, extra config kwargs)
+TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            intermediate_size=128,
+            max_position_embeddings=16384,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "llama-linear-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(intermediate_size=128, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=128, sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "qwen2-sliding": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(intermediate_size=128, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=32)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            head_dim=16,
+        ),
+    ),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):
+    import transformers
+
+    config_cls, model_cls, extra = TINY_CONFIGS[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    # Random init leaves norms at 1 and biases at 0; perturb them so those paths are tested.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight") or pname.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save_hf_model(name: str, directory: Path, seed: int = 0):
+    model = build_hf_model(name, seed)
+    model.save_pretrained(directory)
+    return model
