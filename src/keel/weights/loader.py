@@ -24,6 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """A dtype name (see DTYPES) as a torch dtype."""
     try:
         return DTYPES[name]
     except KeyError:
@@ -155,9 +156,16 @@ def load_model(
     num_heads: int | None = None,
     device: str = "cpu",
 ) -> LoadedModel:
-    """Open a checkpoint and return the keel model (eval mode) with its tokenizer."""
-    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
+
+    dtype "auto" is the checkpoint's own float dtype; float32 for GGUF, whose weights are
+    quantized or mixed.
+    """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    if dtype == "auto":
+        auto = checkpoint.config.dtype if checkpoint.format != "gguf" else "float32"
+        dtype = auto if auto in DTYPES else "float32"
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
     load_weights(net, checkpoint, torch_dtype)

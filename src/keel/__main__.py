@@ -1,0 +1,5 @@
+import sys
+
+from keel.cli import main
+
+sys.exit(main())

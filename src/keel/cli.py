@@ -1,0 +1,167 @@
+"""`keel <command>`: the command-line entry point.
+
+User errors (KeelError) print one line, `keel: error: ...`, and exit 1 without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from keel.errors import KeelError
+
+
+def _add_model_args(p: argparse.ArgumentParser, dtype_default: str | None = "auto") -> None:
+    p.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
+    if dtype_default is not None:
+        p.add_argument(
+            "--dtype",
+            default=dtype_default,
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="compute dtype (auto: the checkpoint's float dtype; float32 for quantized GGUF)",
+        )
+    p.add_argument("--head-dim", type=int, default=None, help="head size, when config.json is missing")
+    p.add_argument("--num-heads", type=int, default=None, help="attention heads, when config.json is missing")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from keel.generate import GenerationStats, SamplingParams, stream_tokens
+    from keel.weights import load_model
+
+    _set_threads(args.threads)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    params.validate()
+    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = tokenizer.encode_chat(messages)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    eos = list(dict.fromkeys([*loaded.config.eos_token_id, *tokenizer.eos_token_ids]))
+    stats = GenerationStats()
+    detok = tokenizer.detokenizer()
+    out = sys.stdout
+    for token in stream_tokens(loaded.model, prompt_ids, params, eos, stats):
+        if token in eos and not params.ignore_eos:
+            break
+        out.write(detok.add(token))
+        out.flush()
+    out.write(detok.flush() + "\n")
+    out.flush()
+    print(
+        f"[keel] {str(loaded.model.dtype).removeprefix('torch.')}: prompt {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_second:.1f} tok/s; "
+        f"generated {stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tok/s "
+        f"(finish: {stats.finish_reason})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from keel.tools.inspect import describe, format_text
+    from keel.weights import open_checkpoint
+
+    info = describe(open_checkpoint(args.model, head_dim=args.head_dim, num_heads=args.num_heads))
+    print(json.dumps(info, indent=2, default=str) if args.json else format_text(info))
+    return 0
+
+
+def cmd_align(args: argparse.Namespace) -> int:
+    from keel.tools.align import align
+
+    _set_threads(args.threads)
+    report = align(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads)
+    print(report.format())
+    return 0 if report.passed else 1
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from keel.weights.convert import convert
+
+    dst = convert(
+        args.model,
+        args.dst,
+        dtype=args.dtype,
+        head_dim=args.head_dim,
+        num_heads=args.num_heads,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {dst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="print a checkpoint's structure, parameters and provenance")
+    _add_model_args(p, dtype_default=None)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("align", help="compare keel with transformers layer by layer")
+    _add_model_args(p, dtype_default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_align)
+
+    p = sub.add_parser("convert", help="write an HF-format directory (safetensors, config, tokenizer)")
+    _add_model_args(p, dtype_default=None)
+    p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeelError as e:
+        print(f"keel: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("keel: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `keel generate ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
