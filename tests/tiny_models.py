@@ -92,3 +92,30 @@ def save_hf_model(name: str, directory: Path, seed: int = 0):
     model = build_hf_model(name, seed)
     model.save_pretrained(directory)
     return model
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def save_byte_tokenizer(directory: Path, chat_template: str | None = CHATML) -> None:
+    """A byte-level tokenizer whose 256 base tokens fit the tiny models' vocab (ids 0..255);
+    two special tokens take the last ids so chat prompts work."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet)) if i < 254}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    directory = Path(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

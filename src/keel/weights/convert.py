@@ -1,0 +1,205 @@
+"""Export any model keel opens (HF directory, directory without config, GGUF, catalog name) as an
+HF-format directory that transformers loads: config.json, (sharded) safetensors with hub tensor
+names, tokenizer files with the chat template, and generation_config.json.
+
+Tensors are streamed: each keel parameter is read from the source, mapped to its HF names and
+written shard by shard, so peak memory is about one shard rather than the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from keel.config import ModelConfig
+from keel.errors import KeelError, WeightsError
+from keel.model.transformer import Transformer
+from keel.weights.loader import Checkpoint, open_checkpoint, parse_dtype
+from keel.weights.names import hf_source, keel_to_hf
+from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+# Storage types that are plain floating point; anything else in a GGUF file is a quantized block format.
+_FLOAT_STORAGE = {"F64", "F32", "F16", "BF16"}
+# transformers refuses safetensors files whose metadata does not name the framework.
+_METADATA = {"format": "pt"}
+
+
+def output_dtype(checkpoint: Checkpoint, dtype: str | None) -> str:
+    """The dtype to write: as asked, or "auto" = the checkpoint's own dtype.
+
+    Quantized GGUF weights have no float dtype of their own; bfloat16 keeps their range at half
+    the size of float32 (dequantized 4/8-bit values need no more precision than that).
+    """
+    if dtype not in (None, "auto"):
+        parse_dtype(dtype)  # one-line KeelError naming --dtype for an unknown name
+        return dtype
+    if checkpoint.format == "gguf" and any(
+        t.upper() not in _FLOAT_STORAGE for t in checkpoint.bytes_by_dtype
+    ):
+        return "bfloat16"
+    if checkpoint.config.dtype not in ("float32", "bfloat16", "float16"):
+        return "bfloat16"
+    return checkpoint.config.dtype
+
+
+def convert(
+    model: str | Path,
+    dst: str | Path,
+    dtype: str | None = None,
+    head_dim: int | None = None,
+    num_heads: int | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write `model` as an HF directory at `dst` (atomically) and return its path."""
+    dst = Path(dst)
+    _check_destination(dst, overwrite)
+    if max_shard_bytes <= 0:
+        raise KeelError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    try:
+        written = output_dtype(checkpoint, dtype)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        # Everything goes to a temporary sibling (same file system, so the final rename is atomic):
+        # a failure or an interrupt never leaves a half-written model at dst.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model directory
+        try:
+            _write(checkpoint, tmp, written, max_shard_bytes)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        checkpoint.reader.close()  # before the rename: dst may be the source itself (overwrite=True)
+    try:
+        _move_into_place(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _check_destination(dst: Path, overwrite: bool) -> None:
+    if dst.is_file() or dst.is_symlink():
+        raise KeelError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise KeelError(f"{dst}: directory exists and is not empty (pass --overwrite to replace it)")
+
+
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    if dst.is_dir() and any(dst.iterdir()):
+        if not overwrite:  # appeared while we were writing
+            raise KeelError(f"{dst}: directory exists and is not empty (pass --overwrite to replace it)")
+        # Move the old directory aside first, so dst is never missing a complete model for long
+        # and the old one is only deleted once the new one is in place.
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+        os.replace(dst, old / "model")
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(tmp, dst)  # replaces an empty directory too
+
+
+def _write(checkpoint: Checkpoint, out: Path, dtype: str, max_shard_bytes: int) -> None:
+    config = dataclasses.replace(checkpoint.config, dtype=dtype)
+    _write_weights(checkpoint, config, out, parse_dtype(dtype), max_shard_bytes)
+    hf = config.to_hf()
+    hf["dtype"] = dtype
+    _write_json(out / "config.json", hf)
+    _write_json(out / "generation_config.json", _generation_config(config))
+    if checkpoint.tokenizer is not None:
+        checkpoint.tokenizer.save_hf(out)
+
+
+def _generation_config(config: ModelConfig) -> dict[str, Any]:
+    gen: dict[str, Any] = {"bos_token_id": config.bos_token_id}
+    eos = config.eos_token_id
+    gen["eos_token_id"] = eos[0] if len(eos) == 1 else (list(eos) or None)
+    if config.pad_token_id is not None:
+        gen["pad_token_id"] = config.pad_token_id
+    return gen
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _hf_tensors(
+    checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, Tensor]]:
+    """HF hub-named tensors of the checkpoint, one keel parameter at a time, in `dtype`."""
+    reader = checkpoint.reader
+    available = reader.names()
+    with torch.device("meta"):  # names and shapes only; no memory
+        skeleton = Transformer(checkpoint.config)
+    # named_parameters lists a tied head once (as embed_tokens); keel_to_hf drops lm_head when tied.
+    for name, param in skeleton.named_parameters():
+        source = hf_source(checkpoint.config, name, available)
+        missing = [n for n in source.names if n not in available]
+        if missing:
+            raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name})")
+        tensor = source.combine([reader.get(n) for n in source.names])
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightsError(
+                f"{checkpoint.path}: tensor {source.names[0]} gives shape {list(tensor.shape)} for {name}, "
+                f"expected {list(param.shape)} for this config"
+            )
+        for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)]).items():
+            yield hf_name, _owned(hf_tensor.to(dtype))
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    """A contiguous tensor that owns all of its storage: safetensors refuses views that share memory
+    (per-expert slices of a stacked tensor are such views)."""
+    tensor = tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def _write_weights(
+    checkpoint: Checkpoint, config: ModelConfig, out: Path, dtype: torch.dtype, max_shard_bytes: int
+) -> None:
+    shards: list[list[str]] = []  # tensor names per written shard
+    pending: dict[str, Tensor] = {}
+    pending_bytes = total = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if pending:
+            save_file(pending, str(out / f"shard-{len(shards):05d}.safetensors"), metadata=_METADATA)
+            shards.append(list(pending))
+            pending, pending_bytes = {}, 0
+
+    for name, tensor in _hf_tensors(checkpoint, config, dtype):
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()  # a tensor larger than the limit still gets a shard of its own
+        pending[name] = tensor
+        pending_bytes += size
+        total += size
+    flush()
+
+    if len(shards) == 1:
+        os.replace(out / "shard-00000.safetensors", out / SINGLE_FILE)
+        return
+    # The shard count is known only now: rename to the hub's model-0000i-of-0000n names.
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out / f"shard-{i:05d}.safetensors", out / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / INDEX_FILE, index)

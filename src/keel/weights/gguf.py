@@ -1,0 +1,563 @@
+"""GGUF checkpoints (llama.cpp's format): config from metadata, HF-named tensors, tokenizer.
+
+A GGUF file carries everything in one place: the hyper-parameters as `<arch>.*` metadata keys, the
+vocabulary as `tokenizer.ggml.*` keys, and the tensors under llama.cpp names (`blk.N.attn_q.weight`)
+with shapes in ggml order (innermost dimension first). `open_gguf` turns that into the same
+`Checkpoint` the safetensors path builds: a `ModelConfig`, a reader that serves tensors under HF
+names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
+
+Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
+qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BPE vocabularies
+(`tokenizer.ggml.model == "gpt2"`). SentencePiece vocabularies (`"llama"`) raise a KeelError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from torch import Tensor
+
+from keel.config import _FAMILY_DEFAULTS, ModelConfig, RopeScaling
+from keel.errors import ConfigError, KeelError, WeightsError
+from keel.tokenizer import Tokenizer
+from keel.weights.loader import Checkpoint
+
+# general.architecture -> keel family ("llama" with experts becomes "mixtral" below).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+_T = GGMLQuantizationType
+SUPPORTED_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+
+# llama.cpp per-layer tensor name -> HF name after `model.layers.N.`. "{moe}" is the MoE block
+# (`mlp`, or `block_sparse_moe` for Mixtral).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Old Mixtral GGUFs store experts one by one (blk.N.ffn_gate.E.weight); names.py reads the hub form.
+_OLD_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+
+# Pre-tokenizer regexes, as llama.cpp (llama-vocab.cpp) and transformers' GGUF loader use them.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (regexes applied in turn, llama.cpp's ignore_merges flag)
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "default": ((_GPT2_SPLIT,), False),
+    "gpt2": ((_GPT2_SPLIT,), False),
+    # SmolLM / StarCoder: every digit alone, then the GPT-2 regex.
+    **{name: ((r"\p{N}", _GPT2_SPLIT), False) for name in ("smollm", "starcoder", "refact", "codeshell")},
+    **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
+    **{name: ((_LLAMA3_SPLIT,), False) for name in ("smaug-bpe", "dbrx")},
+    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def open_gguf(path: Path) -> Checkpoint:
+    """Open a .gguf file as a keel Checkpoint (config, HF-named tensors, tokenizer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise WeightsError(f"{path}: file not found")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # GGUFReader raises ValueError/struct errors/... on damaged files
+        raise WeightsError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
+    meta = _Metadata(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    config, provenance = _config_from_metadata(meta, tensors, path)
+    tensor_reader = GGUFTensorReader(path, reader, config)
+    tokenizer = _tokenizer_from_metadata(meta, config, path)
+    sizes: dict[str, int] = {}
+    for t in reader.tensors:
+        sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    return Checkpoint(path, "gguf", config, tensor_reader, tokenizer, provenance, sizes)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+class _Metadata:
+    """Typed access to GGUF key/values, with errors that name the file and key."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:
+            raise WeightsError(f"{self.path}: cannot read metadata key {key!r} ({_one_line(e)})") from None
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ConfigError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return value
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32: take the shortest decimal that rounds to it (1e-5, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+# ------------------------------------------------------------------------------------------ config
+def _config_from_metadata(
+    meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path
+) -> tuple[ModelConfig, dict[str, str]]:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+    k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    prov = {name: "default" for name in ModelConfig.__dataclass_fields__}
+
+    def read(field: str, value: Any, how: str = "read") -> Any:
+        prov[field] = how
+        return value
+
+    num_experts = int(k("expert_count", 0) or 0)
+    family = "mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch]
+    defaults = _FAMILY_DEFAULTS[family]
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    num_heads = _per_layer_constant(meta.require(f"{arch}.attention.head_count"), "attention.head_count", path)
+    kv_heads = k("attention.head_count_kv")
+    kv_heads = num_heads if kv_heads is None else _per_layer_constant(kv_heads, "attention.head_count_kv", path)
+    rope_dims = k("rope.dimension_count")
+    if k("attention.key_length") is not None:
+        head_dim = read("head_dim", int(k("attention.key_length")))
+    elif rope_dims is not None:  # llama.cpp writes the head size here for llama
+        head_dim = read("head_dim", int(rope_dims))
+    else:
+        head_dim = read("head_dim", hidden // num_heads, "inferred")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ConfigError(
+            f"{path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported"
+        )
+
+    embed = tensors.get("token_embd.weight")
+    tokens = meta.fields.get("tokenizer.ggml.tokens")
+    if k("vocab_size") is not None:
+        vocab = read("vocab_size", int(k("vocab_size")))
+    elif tokens is not None:
+        vocab = read("vocab_size", len(tokens.data))
+    elif embed is not None:
+        vocab = read("vocab_size", int(embed.shape[-1]), "inferred")
+    else:
+        raise ConfigError(f"{path}: cannot tell the vocabulary size (no vocab_size, token list or token_embd)")
+
+    rope_theta = _f32(k("rope.freq_base")) if k("rope.freq_base") is not None else defaults["rope_theta"]
+    if k("rope.freq_base") is not None:
+        prov["rope_theta"] = "read"
+    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, prov)
+
+    has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
+    num_layers = int(meta.require(f"{arch}.block_count"))
+    moe: dict[str, Any] = {}
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        moe = _moe_fields(meta, arch, family, tensors, num_layers, num_experts, read, path)
+    ffn = k("feed_forward_length")
+    if ffn is None and not moe:
+        raise ConfigError(f"{path}: GGUF metadata key {arch + '.feed_forward_length'!r} is missing")
+    eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    eps = k("attention.layer_norm_rms_epsilon")
+    ctx = k("context_length")
+
+    config = ModelConfig(
+        architecture=read("architecture", family),
+        vocab_size=vocab,
+        hidden_size=read("hidden_size", hidden),
+        intermediate_size=read("intermediate_size", int(ffn)) if ffn is not None else 0,
+        num_layers=read("num_layers", num_layers),
+        num_heads=read("num_heads", num_heads),
+        num_kv_heads=read("num_kv_heads", kv_heads, "read" if k("attention.head_count_kv") is not None else "default"),
+        head_dim=head_dim,
+        rms_norm_eps=read("rms_norm_eps", _f32(eps)) if eps is not None else defaults["rms_norm_eps"],
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        max_position_embeddings=read("max_position_embeddings", int(ctx))
+        if ctx is not None
+        else defaults["max_position_embeddings"],
+        # llama.cpp writes output.weight only when the head is not the embedding matrix.
+        tie_word_embeddings=read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
+        qkv_bias=read("qkv_bias", has("attn_q.bias"), "inferred"),
+        o_bias=read("o_bias", has("attn_output.bias"), "inferred"),
+        mlp_bias=read("mlp_bias", has("ffn_up.bias"), "inferred"),
+        qk_norm=read("qk_norm", has("attn_q_norm.weight"), "inferred"),
+        bos_token_id=read("bos_token_id", int(bos)) if bos is not None else None,
+        eos_token_id=read("eos_token_id", eos_ids) if eos_ids else [],
+        pad_token_id=read("pad_token_id", int(pad)) if pad is not None else None,
+        dtype=read("dtype", _checkpoint_dtype(tensors), "inferred"),
+        **moe,
+    )
+    return config, prov
+
+
+def _per_layer_constant(value: Any, key: str, path: Path) -> int:
+    """Head counts may be stored per layer (an array); keel needs one value for all layers."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ConfigError(f"{path}: per-layer {key} {sorted(set(value))} is not supported (needs one value)")
+        value = value[0]
+    return int(value)
+
+
+def _moe_fields(
+    meta: _Metadata,
+    arch: str,
+    family: str,
+    tensors: dict[str, ReaderTensor],
+    num_layers: int,
+    num_experts: int,
+    read: Callable[..., Any],
+    path: Path,
+) -> dict[str, Any]:
+    k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
+    if family == "mixtral":
+        width = k("feed_forward_length")
+    else:
+        width = k("expert_feed_forward_length")
+    how = "read"
+    if width is None:  # from the stacked down projection: ggml shape [I, H, E]
+        down = next((t for n, t in tensors.items() if n.endswith("ffn_down_exps.weight")), None)
+        if down is None:
+            raise ConfigError(f"{path}: cannot tell the expert width (no expert_feed_forward_length)")
+        width, how = int(down.shape[0]), "inferred"
+    # A layer without a router is dense (Qwen-MoE's mlp_only_layers).
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    # llama.cpp normalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
+    norm = k("expert_weights_norm")
+    shared = int(k("expert_shared_feed_forward_length", 0) or 0) if family == "qwen2_moe" else 0
+    return {
+        "num_experts": read("num_experts", num_experts),
+        "num_experts_per_tok": read("num_experts_per_tok", int(meta.require(f"{arch}.expert_used_count"))),
+        "moe_intermediate_size": read("moe_intermediate_size", int(width), how),
+        "norm_topk_prob": read("norm_topk_prob", bool(norm), "read")
+        if norm is not None
+        else family != "qwen2_moe",
+        "shared_expert_intermediate_size": read("shared_expert_intermediate_size", shared)
+        if family == "qwen2_moe"
+        else 0,
+        "mlp_only_layers": read("mlp_only_layers", dense, "inferred"),
+    }
+
+
+def _rope_scaling(
+    meta: _Metadata,
+    arch: str,
+    tensors: dict[str, ReaderTensor],
+    head_dim: int,
+    theta: float,
+    path: Path,
+    prov: dict[str, str],
+) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is not None:
+        kind = "linear"  # older files: only rope.scale_linear
+    if kind == "linear" and factor is not None and _f32(factor) != 1.0:
+        prov["rope_scaling"] = "read"
+        return RopeScaling(type="linear", factor=_f32(factor))
+    if kind not in (None, "none", "linear"):
+        raise ConfigError(f"{path}: rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is None:
+        return RopeScaling()
+    # Llama 3.x: the converter stores per-frequency divisors instead of the rope_scaling parameters.
+    scaling = _llama3_from_rope_freqs(_to_numpy(freqs, path), head_dim, theta, meta, arch)
+    if scaling is None:
+        raise ConfigError(
+            f"{path}: rope_freqs.weight does not match llama3 rope scaling; custom rope factors are not supported"
+        )
+    prov["rope_scaling"] = "inferred"
+    return scaling
+
+
+def _llama3_from_rope_freqs(
+    freqs: np.ndarray, head_dim: int, theta: float, meta: _Metadata, arch: str
+) -> RopeScaling | None:
+    """The llama3 RopeScaling whose frequencies equal base / rope_freqs, or None."""
+    from keel.model.layers import rope_inv_freq
+
+    freqs = freqs.astype(np.float64).reshape(-1)
+    if freqs.shape[0] != head_dim // 2:
+        return None
+    if np.allclose(freqs, 1.0):
+        return RopeScaling()
+    base = rope_inv_freq(head_dim, theta, RopeScaling()).double().numpy()
+    target = base / freqs
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    # Llama 3.1 / 3.2 / 3.3 all use low 1, high 4, original context 8192; factor is the largest divisor.
+    for low, high, old in ((1.0, 4.0, int(original or 8192)), (1.0, 4.0, 8192)):
+        candidate = RopeScaling("llama3", float(freqs.max()), low, high, old)
+        got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
+        if np.allclose(got, target, rtol=1e-4, atol=0):
+            return candidate
+    return None
+
+
+def _checkpoint_dtype(tensors: dict[str, ReaderTensor]) -> str:
+    """bfloat16/float16 when every matrix is stored so; float32 otherwise (keel dequantizes to float32)."""
+    kinds = {t.tensor_type for t in tensors.values() if len(t.shape) >= 2}
+    if kinds == {_T.BF16}:
+        return "bfloat16"
+    if kinds == {_T.F16}:
+        return "float16"
+    return "float32"
+
+
+# ----------------------------------------------------------------------------------------- tensors
+def _to_numpy(t: ReaderTensor, path: Path) -> np.ndarray:
+    """Dequantize one GGUF tensor to float32 in numpy (HF / row-major) shape."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(s.name for s in SUPPORTED_TYPES)
+        raise WeightsError(
+            f"{path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which keel cannot read "
+            f"(supported: {supported})"
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
+    try:
+        return dequantize(t.data, t.tensor_type).reshape(shape)
+    except Exception as e:
+        raise WeightsError(f"{path}: cannot read tensor {t.name!r} ({_one_line(e)})") from None
+
+
+def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """Undo llama.cpp's q/k row permutation (its rotary pairs adjacent rows; HF pairs row i with i + d/2)."""
+
+    def apply(arrays: list[np.ndarray]) -> np.ndarray:
+        w = arrays[0]
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    return apply
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One HF tensor: the GGUF tensors it is made of, its HF shape and how to combine them."""
+
+    sources: tuple[ReaderTensor, ...]
+    shape: tuple[int, ...]
+    combine: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def _single(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0]
+
+
+class GGUFTensorReader:
+    """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`."""
+
+    def __init__(self, path: Path, reader: GGUFReader, config: ModelConfig) -> None:
+        self.path = path
+        self._reader: GGUFReader | None = reader
+        self._entries: dict[str, _Entry] = {}
+        moe = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
+        # llama.cpp's converter permutes q/k rows for the llama architecture (Mixtral included) only.
+        permuted = config.architecture in ("llama", "mixtral")
+        tensors = {t.name: t for t in reader.tensors}
+        np_shape = lambda t: tuple(int(d) for d in reversed(t.shape.tolist()))  # noqa: E731
+        for name, t in tensors.items():
+            if name in _GLOBAL_NAMES:
+                self._add(_GLOBAL_NAMES[name], (t,), np_shape(t), _single)
+                continue
+            if match := _OLD_EXPERT.match(name):
+                layer, kind, expert = match.groups()
+                hf = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT[kind]}.weight"
+                self._add(hf, (t,), np_shape(t), _single)
+                continue
+            match = _LAYER_TENSOR.match(name)
+            if match is None:
+                continue  # rope_freqs.weight (read into the config) and tensors keel has no use for
+            layer, kind, suffix = match.groups()
+            prefix = f"model.layers.{layer}"
+            shape = np_shape(t)
+            if kind == "ffn_down_exps":
+                self._add(f"{prefix}.{moe}.experts.down_proj", (t,), shape, _single)
+            elif kind == "ffn_gate_exps":
+                up = tensors.get(f"blk.{layer}.ffn_up_exps.weight")
+                if up is None:
+                    raise WeightsError(f"{path}: tensor 'blk.{layer}.ffn_up_exps.weight' is missing")
+                # HF-v5 stacked layout: [E, 2I, H], gate rows first, then up.
+                stacked = (shape[0], shape[1] + np_shape(up)[1], shape[2])
+                concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
+                self._add(f"{prefix}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
+            elif kind == "ffn_gate_inp_shexp":  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
+                self._add(f"{prefix}.mlp.shared_expert_gate.{suffix}", (t,), (1, shape[-1]), lambda a: a[0].reshape(1, -1))
+            elif kind in _LAYER_NAMES:
+                hf = f"{prefix}.{_LAYER_NAMES[kind].format(moe=moe)}.{suffix}"
+                combine: Callable[[list[np.ndarray]], np.ndarray] = _single
+                if permuted and kind == "attn_q":
+                    combine = _unpermute(config.num_heads)
+                elif permuted and kind == "attn_k":
+                    combine = _unpermute(config.num_kv_heads)
+                self._add(hf, (t,), shape, combine)
+
+    def _add(self, name: str, sources: tuple[ReaderTensor, ...], shape: tuple[int, ...], combine) -> None:
+        self._entries[name] = _Entry(sources, shape, combine)
+
+    def names(self) -> set[str]:
+        return set(self._entries)
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise WeightsError(f"{self.path}: tensor {name!r} not found in the checkpoint") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> str:
+        """The ggml storage type (F32, Q4_K, ...) of the tensor's first GGUF source."""
+        return self._entry(name).sources[0].tensor_type.name
+
+    def gguf_names(self, name: str) -> list[str]:
+        """The llama.cpp tensor names behind an HF name."""
+        return [t.name for t in self._entry(name).sources]
+
+    def get(self, name: str) -> Tensor:
+        entry = self._entry(name)
+        if self._reader is None:
+            raise WeightsError(f"{self.path}: reader is closed")
+        array = entry.combine([_to_numpy(t, self.path) for t in entry.sources])
+        # F32 tensors are read-only views of the memory map and permuted ones are strided: copy those.
+        if not (array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32):
+            array = np.array(array, dtype=np.float32, order="C", copy=True)
+        return torch.from_numpy(array)
+
+    def close(self) -> None:
+        # GGUFReader has no close(); dropping it (and the tensor views) releases the memory map.
+        self._reader = None
+        self._entries = {}
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the alphabet byte-level BPE vocabularies are spelled in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _tokenizer_from_metadata(meta: _Metadata, config: ModelConfig, path: Path) -> Tokenizer | None:
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if model is None or tokens is None:
+        return None  # a weights-only GGUF
+    if model != "gpt2":
+        raise KeelError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported (keel reads byte-level BPE, 'gpt2', only)"
+        )
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_TOKENIZERS:
+        raise KeelError(
+            f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_PRE_TOKENIZERS)})"
+        )
+    splits, ignore_merges = _PRE_TOKENIZERS[pre]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+
+    # Tokens are stored in the byte-level alphabet already; respell any that are not (as transformers does).
+    alphabet_map = _bytes_to_unicode()
+    alphabet = set(alphabet_map.values())
+    spelled = [t if set(t) <= alphabet else "".join(alphabet_map[b] for b in t.encode()) for t in tokens]
+    vocab = {token: i for i, token in enumerate(spelled)}
+    tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits] + [byte_level]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) are special; user-defined ones (<think>) are matched whole.
+    # A control token outside the byte alphabet is a llama.cpp mislabel; transformers skips those too.
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types, strict=False)
+            if kind == _USER_DEFINED and t in vocab
+        ]
+    )
+
+    token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
+    bos = token_at(meta.get("tokenizer.ggml.bos_token_id"))
+    eos = token_at(meta.get("tokenizer.ggml.eos_token_id"))
+    # llama.cpp adds BOS by default for llama3-style vocabularies; the file's flag overrides.
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", ignore_merges)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    if (add_bos and bos is not None) or (add_eos and eos is not None):
+        first = [bos] if add_bos and bos is not None else []
+        last = [eos] if add_eos and eos is not None else []
+        specials = [(t, tok.token_to_id(t)) for t in dict.fromkeys(first + last)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join(first + ["$A"] + last),
+            pair=" ".join(first + ["$A"] + last + first + ["$B:1"] + last),
+            special_tokens=specials,
+        )
+    return Tokenizer(
+        tok,
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=config.eos_token_id,
+    )

@@ -1,0 +1,13 @@
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# tests import their helpers (tiny_models) by module name.
+sys.path.insert(0, str(Path(__file__).parent))
+# Deterministic and quiet: 2 threads (the CI machine's cores), no hub access ever.
+torch.set_num_threads(2)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

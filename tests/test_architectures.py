@@ -1,0 +1,160 @@
+"""Every supported architecture against transformers: logits, greedy decoding, align, counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import TINY_CONFIGS, save_hf_model
+
+from keel.cli import main as keel_main
+from keel.generate import SamplingParams, stream_tokens
+from keel.weights import load_model
+
+ARCHS = list(TINY_CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    models = {}
+    for name in ARCHS:
+        models[name] = (root / name, save_hf_model(name, root / name))
+    return models
+
+
+def _max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_logits_match_transformers(tiny_dirs, name):
+    directory, hf = tiny_dirs[name]
+    keel = load_model(directory, "float32").model
+    # Longer than twice the sliding window (8) of the windowed configs.
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, keel(tokens)
+    assert _max_rel(ours, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_greedy_tokens_match_transformers_generate(tiny_dirs, name):
+    directory, hf = tiny_dirs[name]
+    keel = load_model(directory, "float32").model
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    # No EOS on either side: 32 tokens come out whatever the random model predicts.
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)[0, 12:].tolist()
+    ours = list(stream_tokens(keel, prompt[0].tolist(), SamplingParams(max_tokens=32, ignore_eos=True)))
+    assert len(ours) == 32
+    assert ours == ref
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_keel_align_passes(tiny_dirs, name, capsys):
+    directory, _ = tiny_dirs[name]
+    assert keel_main(["align", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "logits" in out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_align_bfloat16_passes(tiny_dirs, name, capsys):
+    directory, _ = tiny_dirs[name]
+    assert keel_main(["align", str(directory), "--dtype", "bfloat16"]) == 0
+    assert "PASS (bfloat16" in capsys.readouterr().out
+
+
+def test_align_names_first_divergent_layer(tiny_dirs, monkeypatch, capsys):
+    """Break layer 1 of keel's model: align must fail and name layer 1."""
+    import keel.tools.align as align_mod
+
+    directory, _ = tiny_dirs["llama"]
+    real_load = align_mod.load_model
+
+    def broken_load(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        with torch.no_grad():
+            loaded.model.layers["1"].mlp.down_proj.weight.mul_(1.5)
+        return loaded
+
+    monkeypatch.setattr(align_mod, "load_model", broken_load)
+    assert keel_main(["align", str(directory)]) == 1
+    assert "first divergence at 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_parameter_counts_match_transformers(tiny_dirs, name):
+    directory, hf = tiny_dirs[name]
+    config = load_model(directory).config
+    assert config.param_counts()["total"] == sum(p.numel() for p in hf.parameters())
+
+
+def test_batched_decode_with_different_lengths_matches_single(tiny_dirs):
+    """Rows at different positions in one contiguous cache give the same tokens as one by one."""
+    from keel.generate import sample
+    from keel.model.cache import ContiguousKVCache
+
+    directory, _ = tiny_dirs["qwen2-sliding"]
+    model = load_model(directory).model
+    prompts = [list(range(5, 25)), list(range(40, 51))]
+    singles = [list(stream_tokens(model, p, SamplingParams(max_tokens=10, ignore_eos=True))) for p in prompts]
+
+    cache = ContiguousKVCache(model.config, 2, 40, torch.float32)
+    width = max(len(p) for p in prompts)
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])  # right padding
+    positions = torch.arange(width).expand(2, width)
+    with torch.no_grad():
+        logits = model(tokens, positions=positions, cache=cache)
+        lengths = torch.tensor([len(p) for p in prompts])
+        nxt = sample(logits[torch.arange(2), lengths - 1], SamplingParams())
+        out = [[t] for t in nxt.tolist()]
+        for _ in range(9):
+            logits = model(nxt[:, None], positions=lengths[:, None], cache=cache)
+            nxt = sample(logits[:, -1], SamplingParams())
+            lengths = lengths + 1
+            for row, t in zip(out, nxt.tolist(), strict=True):
+                row.append(t)
+    assert out == singles
+
+
+def test_moe_grouped_experts_equal_naive_per_token():
+    from keel.config import ModelConfig
+    from keel.model.moe import MoE
+
+    config = ModelConfig(
+        architecture="qwen2_moe",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        shared_expert_intermediate_size=20,
+        norm_topk_prob=False,
+    )
+    torch.manual_seed(0)
+    moe = MoE(config)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        got = moe(x)
+        flat = x.reshape(-1, 16)
+        probs = torch.softmax(flat @ moe.router.weight.T, dim=-1)
+        expected = []
+        for t in range(flat.shape[0]):
+            weights, ids = torch.topk(probs[t], 2)
+            acc = torch.zeros(16)
+            for w, e in zip(weights, ids, strict=True):
+                gate, up = (moe.experts.gate_up_proj[e] @ flat[t]).chunk(2)
+                acc += w * (moe.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+            shared = moe.shared_expert(flat[t])
+            acc += torch.sigmoid(moe.shared_expert_gate(flat[t])) * shared
+            expected.append(acc)
+    torch.testing.assert_close(got.reshape(-1, 16), torch.stack(expected), rtol=1e-5, atol=1e-5)
