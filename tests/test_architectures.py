@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TINY_CONFIGS, save_hf_model
 
 from keel.cli import main as keel_main
 from keel.generate import SamplingParams, stream_tokens
 from keel.weights import load_model
+from tiny_models import TINY_CONFIGS, save_hf_model
 
 ARCHS = list(TINY_CONFIGS)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 KEEL = [sys.executable, "-m", "keel"]

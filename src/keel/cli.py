@@ -68,8 +68,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.flush()
     out.write(detok.flush() + "\n")
     out.flush()
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
     print(
-        f"[keel] {str(loaded.model.dtype).removeprefix('torch.')}: prompt {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_second:.1f} tok/s; "
+        f"[keel] {dtype}: prompt {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_second:.1f} tok/s; "
         f"generated {stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tok/s "
         f"(finish: {stats.finish_reason})",
         file=sys.stderr,

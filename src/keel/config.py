@@ -183,9 +183,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
         if arch is None:
             found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
-            raise ConfigError(
-                f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}"
-            )
+            raise ConfigError(f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}")
         family = HF_ARCHITECTURES[arch]
         defaults = _FAMILY_DEFAULTS[family]
 

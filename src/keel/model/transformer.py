@@ -106,7 +106,9 @@ class Transformer(nn.Module):
         return states
 
 
-def build_model(config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
+def build_model(
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Transformer:
     """A randomly initialised model (tests, training from scratch)."""
     with torch.device(device):
         model = Transformer(config)

@@ -65,7 +65,9 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
         if rest.endswith("down_proj"):
             names = tuple(f"{prefix}.experts.{e}.{down}.weight" for e in experts)
             return Source(names, torch.stack)
-        names = tuple(n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight"))
+        names = tuple(
+            n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight")
+        )
         return Source(names, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]))
     # Shared expert and its gate keep their HF names.
     return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)

@@ -1,0 +1,21 @@
+"""Perplexity of a token sequence under a model (a single window; `keel eval` adds striding)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from keel.model.transformer import Transformer, cross_entropy_loss
+
+
+@torch.inference_mode()
+def perplexity(model: Transformer, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of tokens 1..N-1 given their prefixes)."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    if len(token_ids) > model.config.max_position_embeddings:
+        raise ValueError(f"{len(token_ids)} tokens exceed the context of {model.config.max_position_embeddings}")
+    tokens = torch.tensor([token_ids], device=model.device)
+    logits = model(tokens)
+    return math.exp(cross_entropy_loss(logits[:, :-1], tokens[:, 1:]).item())
