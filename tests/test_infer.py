@@ -29,13 +29,22 @@ UNRECOVERABLE = {
     "pad_token_id",
 }
 # Defaulted fields that change the logits (bos/eos/max_position_embeddings do not).
-NUMERIC = {"rms_norm_eps", "rope_theta", "rope_scaling", "sliding_window", "layer_types", "norm_topk_prob"}
+NUMERIC = {
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "sliding_window",
+    "layer_types",
+    "norm_topk_prob",
+    "num_experts_per_tok",
+}
 # Tiny configs whose unrecoverable values are the family defaults, so that the inferred config alone
 # reproduces transformers. The others set rope scaling (llama3-rope, llama-linear-rope), a sliding
-# window (mistral, qwen2-sliding, mixtral) or norm_topk_prob=True (qwen3_moe; Qwen's default is False):
+# window (mistral, qwen2-sliding, mixtral), norm_topk_prob=True (qwen3_moe; Qwen's default is False) or
+# top-2 routing (qwen2_moe; transformers' Qwen2-MoE default is top-4):
 # no tensor records those, so there the logits legitimately differ and only the fields are compared
 # (plus logits with the unrecoverable values taken from config.json, which checks the structure).
-DEFAULTS_COINCIDE = {"llama", "qwen2", "qwen3", "qwen2_moe"}
+DEFAULTS_COINCIDE = {"llama", "qwen2", "qwen3"}
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))  # longer than the windows
 

@@ -28,16 +28,45 @@ HF_ARCHITECTURES: dict[str, str] = {
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 
-# Defaults of the transformers config classes for fields a config.json may omit.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
-    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},
-    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
-    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
-    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
-    "qwen2_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
-    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+# Defaults of the transformers config classes, for fields a config.json may omit and for
+# fields that neither GGUF metadata nor tensor shapes can tell.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": None,
+    "eos_token_id": [],
 }
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": [2]},
+    "mistral": {**_COMMON_DEFAULTS, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": [2]},
+    "qwen2": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
+    "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
+    "mixtral": {
+        **_COMMON_DEFAULTS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 131072,
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,  # Mixtral always renormalises the top-k weights
+    },
+    "qwen2_moe": {
+        **_COMMON_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "intermediate_size": 5632,  # dense width, unused when every layer is sparse
+    },
+    "qwen3_moe": {
+        **_COMMON_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "intermediate_size": 6144,
+    },
+}
+_FAMILY_DEFAULTS = FAMILY_DEFAULTS  # old name, kept while callers move over
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -185,7 +214,7 @@ class ModelConfig:
             found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
             raise ConfigError(f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}")
         family = HF_ARCHITECTURES[arch]
-        defaults = _FAMILY_DEFAULTS[family]
+        defaults = FAMILY_DEFAULTS[family]
 
         def get(key: str, default: Any = None) -> Any:
             value = hf.get(key)
@@ -207,12 +236,14 @@ class ModelConfig:
         if family in MOE_FAMILIES:
             moe = {
                 "num_experts": int(get("num_local_experts", get("num_experts", 0))),
-                "num_experts_per_tok": int(get("num_experts_per_tok", 2)),
+                "num_experts_per_tok": int(get("num_experts_per_tok", defaults["num_experts_per_tok"])),
                 # Mixtral's experts use intermediate_size; Qwen MoE has a separate expert width.
                 "moe_intermediate_size": int(
                     get("intermediate_size") if family == "mixtral" else get("moe_intermediate_size")
                 ),
-                "norm_topk_prob": True if family == "mixtral" else bool(get("norm_topk_prob", False)),
+                "norm_topk_prob": True
+                if family == "mixtral"
+                else bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
                 "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", 0))
                 if family == "qwen2_moe"
                 else 0,

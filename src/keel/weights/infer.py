@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from keel.config import _FAMILY_DEFAULTS, ModelConfig, RopeScaling
+from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError
 
 EMBED = "model.embed_tokens.weight"
@@ -28,22 +28,6 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe))\.experts\
 # safetensors storage type -> keel dtype name (the checkpoint's own dtype).
 _STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float32"}
 
-# Values of the transformers config classes for fields shapes cannot tell (beyond config._FAMILY_DEFAULTS).
-_TOKEN_DEFAULTS: dict[str, tuple[int | None, list[int]]] = {
-    "llama": (1, [2]),
-    "mistral": (1, [2]),
-    "mixtral": (1, [2]),
-    "qwen2": (None, []),
-    "qwen3": (None, []),
-    "qwen2_moe": (None, []),
-    "qwen3_moe": (None, []),
-}
-# Mixtral always renormalises the top-k weights; the Qwen MoE configs default to not doing so.
-_NORM_TOPK_DEFAULTS = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": False}
-# Dense width of a Qwen MoE whose layers are all sparse (unused by the model, but a config needs one).
-_DENSE_WIDTH_DEFAULTS = {"qwen2_moe": 5632, "qwen3_moe": 6144}
-# The router's top-k is not in any tensor; 2 is Mixtral's value and the most common one.
-DEFAULT_EXPERTS_PER_TOK = 2
 
 # Fields shapes never determine: always the family default.
 UNRECOVERABLE = (
@@ -147,8 +131,8 @@ def infer_config(
     # --------------------------------------------------------------- family
     family, family_known = _family(moe, qk_norm, qkv_bias, o_bias, mlp_bias, fail)
     provenance["architecture"] = "inferred" if family_known else "default"
-    defaults = _FAMILY_DEFAULTS[family]
-    bos, eos = _TOKEN_DEFAULTS[family]
+    defaults = FAMILY_DEFAULTS[family]
+    bos, eos = defaults["bos_token_id"], defaults["eos_token_id"]
 
     intermediate = same_in_every_layer("mlp width", dense_widths) if dense_widths else 0
     provenance["intermediate_size"] = "inferred"
@@ -159,7 +143,7 @@ def infer_config(
             )
         intermediate = moe["width"]  # Mixtral's config has one width, used by every expert
     elif moe["num_experts"] and not dense_layers:
-        intermediate = _DENSE_WIDTH_DEFAULTS[family]
+        intermediate = defaults["intermediate_size"]
         provenance["intermediate_size"] = "default"
 
     moe_fields: dict[str, Any] = {}
@@ -167,9 +151,10 @@ def infer_config(
         step, mlp_only = _sparse_pattern(moe["sparse_layers"], num_layers)
         moe_fields = {
             "num_experts": moe["num_experts"],
-            "num_experts_per_tok": min(DEFAULT_EXPERTS_PER_TOK, moe["num_experts"]),
+            # The router's top-k is in no tensor: the family default, capped by the expert count.
+            "num_experts_per_tok": min(defaults["num_experts_per_tok"], moe["num_experts"]),
             "moe_intermediate_size": moe["width"],
-            "norm_topk_prob": _NORM_TOPK_DEFAULTS[family],
+            "norm_topk_prob": defaults["norm_topk_prob"],
             "shared_expert_intermediate_size": moe["shared_width"],
             "decoder_sparse_step": step,
             "mlp_only_layers": mlp_only,
