@@ -65,17 +65,22 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq(device)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, signed_sin), each [B, S, 1, D], for `apply_rotary`. The first half of sin is
+        negated once here so that rotate_half costs one roll per use instead of four ops."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.
-        return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+        return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary embedding (the HF weight layout): x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotate-half rotary embedding (the HF weight layout): x * cos + rotate_half(x) * sin.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1 .. -1, 1 .. 1]; the sign lives in
+    `signed_sin`. Negation is exact, so the result is bit-identical to the reference formula.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class SwiGLU(nn.Module):

@@ -109,9 +109,12 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
     if dtype not in TOLERANCES:
         raise KeelError(f"--dtype {dtype!r} is not supported for align (choose from {', '.join(TOLERANCES)})")
     try:
+        import transformers
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise KeelError("keel align needs transformers: pip install 'keel[align]'") from None
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     torch_dtype = parse_dtype(dtype)
     loaded = load_model(model, torch_dtype, head_dim=head_dim, num_heads=num_heads)
     tokens = alignment_input(loaded.config)
