@@ -24,11 +24,12 @@ DICKENS = (
     "noisiest authorities insisted on its being received, for good or for evil, in the superlative degree "
     "of comparison only."
 )
-# Measured: about 4.3 for these Q4_1 weights in float32 (the paragraph is famous and repetitive,
-# so lower than the ~8 of ordinary prose). A model with scrambled weights, a wrong rotary layout or
-# broken q/k un-permutation scores in the hundreds or thousands, so 8 separates working from broken
-# with margin on both sides.
-PPL_THRESHOLD = 8.0
+# Measured: 14.3 for these Q4_1 weights in float32 (12.99 on the Gettysburg Address), and
+# transformers' own GGUF loader gives bit-identical logits on the same ids, so this is the model,
+# not keel. (The issue's "about 8" was for another paragraph.) A 135M instruct model with 4-bit
+# weights is weak on 19th-century prose; with one layer's heads scrambled, a wrong rotary layout
+# or q/k left permuted the score goes to the hundreds, so 20 separates working from broken.
+PPL_THRESHOLD = 20.0
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BP
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 from torch import Tensor
 
-from keel.config import _FAMILY_DEFAULTS, ModelConfig, RopeScaling
+from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, KeelError, WeightsError
 from keel.tokenizer import Tokenizer
 from keel.weights.loader import Checkpoint
@@ -102,7 +104,10 @@ def open_gguf(path: Path) -> Checkpoint:
         raise WeightsError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
     meta = _Metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
-    config, provenance = _config_from_metadata(meta, tensors, path)
+    try:
+        config, provenance = _config_from_metadata(meta, tensors, path)
+    except (TypeError, ValueError, IndexError) as e:  # a key of the wrong type or shape
+        raise ConfigError(f"{path}: malformed GGUF metadata ({_one_line(e)})") from None
     tensor_reader = GGUFTensorReader(path, reader, config)
     tokenizer = _tokenizer_from_metadata(meta, config, path)
     sizes: dict[str, int] = {}
@@ -149,9 +154,7 @@ def _config_from_metadata(
 ) -> tuple[ModelConfig, dict[str, str]]:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ConfigError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
+        raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
     prov = {name: "default" for name in ModelConfig.__dataclass_fields__}
 
@@ -161,7 +164,7 @@ def _config_from_metadata(
 
     num_experts = int(k("expert_count", 0) or 0)
     family = "mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch]
-    defaults = _FAMILY_DEFAULTS[family]
+    defaults = FAMILY_DEFAULTS[family]
     hidden = int(meta.require(f"{arch}.embedding_length"))
     num_heads = _per_layer_constant(meta.require(f"{arch}.attention.head_count"), "attention.head_count", path)
     kv_heads = k("attention.head_count_kv")
@@ -175,7 +178,8 @@ def _config_from_metadata(
         head_dim = read("head_dim", hidden // num_heads, "inferred")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise ConfigError(
-            f"{path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported"
+            f"{path}: partial rotary embeddings are not supported "
+            f"(rope.dimension_count={rope_dims}, head_dim={head_dim})"
         )
 
     embed = tensors.get("token_embd.weight")
@@ -189,53 +193,60 @@ def _config_from_metadata(
     else:
         raise ConfigError(f"{path}: cannot tell the vocabulary size (no vocab_size, token list or token_embd)")
 
-    rope_theta = _f32(k("rope.freq_base")) if k("rope.freq_base") is not None else defaults["rope_theta"]
-    if k("rope.freq_base") is not None:
-        prov["rope_theta"] = "read"
-    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, prov)
+    def pick(field: str, value: Any, convert: Callable[[Any], Any]) -> Any:
+        """The metadata value (provenance "read"), or the family default when the key is absent."""
+        if value is not None:
+            return read(field, convert(value))
+        if field in defaults:
+            return copy.copy(defaults[field])
+        spec = ModelConfig.__dataclass_fields__[field]
+        if spec.default_factory is not dataclasses.MISSING:
+            return spec.default_factory()
+        return 0 if spec.default is dataclasses.MISSING else spec.default
 
+    rope_theta = pick("rope_theta", k("rope.freq_base"), _f32)
+    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, prov)
     has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
     num_layers = int(meta.require(f"{arch}.block_count"))
     moe: dict[str, Any] = {}
     if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
         moe = _moe_fields(meta, arch, family, tensors, num_layers, num_experts, read, path)
-    ffn = k("feed_forward_length")
-    if ffn is None and not moe:
+    elif k("feed_forward_length") is None:
         raise ConfigError(f"{path}: GGUF metadata key {arch + '.feed_forward_length'!r} is missing")
+    # llama.cpp stops generation at any of these; keel's eos list plays that role.
     eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
-    eps = k("attention.layer_norm_rms_epsilon")
-    ctx = k("context_length")
-
-    config = ModelConfig(
-        architecture=read("architecture", family),
-        vocab_size=vocab,
-        hidden_size=read("hidden_size", hidden),
-        intermediate_size=read("intermediate_size", int(ffn)) if ffn is not None else 0,
-        num_layers=read("num_layers", num_layers),
-        num_heads=read("num_heads", num_heads),
-        num_kv_heads=read("num_kv_heads", kv_heads, "read" if k("attention.head_count_kv") is not None else "default"),
-        head_dim=head_dim,
-        rms_norm_eps=read("rms_norm_eps", _f32(eps)) if eps is not None else defaults["rms_norm_eps"],
-        rope_theta=rope_theta,
-        rope_scaling=scaling,
-        max_position_embeddings=read("max_position_embeddings", int(ctx))
-        if ctx is not None
-        else defaults["max_position_embeddings"],
-        # llama.cpp writes output.weight only when the head is not the embedding matrix.
-        tie_word_embeddings=read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
-        qkv_bias=read("qkv_bias", has("attn_q.bias"), "inferred"),
-        o_bias=read("o_bias", has("attn_output.bias"), "inferred"),
-        mlp_bias=read("mlp_bias", has("ffn_up.bias"), "inferred"),
-        qk_norm=read("qk_norm", has("attn_q_norm.weight"), "inferred"),
-        bos_token_id=read("bos_token_id", int(bos)) if bos is not None else None,
-        eos_token_id=read("eos_token_id", eos_ids) if eos_ids else [],
-        pad_token_id=read("pad_token_id", int(pad)) if pad is not None else None,
-        dtype=read("dtype", _checkpoint_dtype(tensors), "inferred"),
-        **moe,
-    )
+    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None)) or None
+    try:
+        config = ModelConfig(
+            architecture=read("architecture", family),
+            vocab_size=vocab,
+            hidden_size=read("hidden_size", hidden),
+            # All-sparse MoE files have no dense width; the family default is then unused.
+            intermediate_size=pick("intermediate_size", k("feed_forward_length"), int),
+            num_layers=read("num_layers", num_layers),
+            num_heads=read("num_heads", num_heads),
+            num_kv_heads=read(
+                "num_kv_heads", kv_heads, "read" if k("attention.head_count_kv") is not None else "default"
+            ),
+            head_dim=head_dim,
+            rms_norm_eps=pick("rms_norm_eps", k("attention.layer_norm_rms_epsilon"), _f32),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=pick("max_position_embeddings", k("context_length"), int),
+            # llama.cpp writes output.weight only when the head is not the embedding matrix.
+            tie_word_embeddings=read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
+            qkv_bias=read("qkv_bias", has("attn_q.bias"), "inferred"),
+            o_bias=read("o_bias", has("attn_output.bias"), "inferred"),
+            mlp_bias=read("mlp_bias", has("ffn_up.bias"), "inferred"),
+            qk_norm=read("qk_norm", has("attn_q_norm.weight"), "inferred"),
+            bos_token_id=pick("bos_token_id", meta.get("tokenizer.ggml.bos_token_id"), int),
+            eos_token_id=pick("eos_token_id", eos_ids, list),
+            pad_token_id=pick("pad_token_id", meta.get("tokenizer.ggml.padding_token_id"), int),
+            dtype=read("dtype", _checkpoint_dtype(tensors), "inferred"),
+            **moe,
+        )
+    except ConfigError as e:  # ModelConfig.validate does not know the file
+        raise ConfigError(f"{path}: {e}") from None
     return config, prov
 
 
@@ -278,9 +289,7 @@ def _moe_fields(
         "num_experts": read("num_experts", num_experts),
         "num_experts_per_tok": read("num_experts_per_tok", int(meta.require(f"{arch}.expert_used_count"))),
         "moe_intermediate_size": read("moe_intermediate_size", int(width), how),
-        "norm_topk_prob": read("norm_topk_prob", bool(norm), "read")
-        if norm is not None
-        else family != "qwen2_moe",
+        "norm_topk_prob": read("norm_topk_prob", bool(norm), "read") if norm is not None else family != "qwen2_moe",
         "shared_expert_intermediate_size": read("shared_expert_intermediate_size", shared)
         if family == "qwen2_moe"
         else 0,
@@ -332,14 +341,13 @@ def _llama3_from_rope_freqs(
         return RopeScaling()
     base = rope_inv_freq(head_dim, theta, RopeScaling()).double().numpy()
     target = base / freqs
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    # Llama 3.1 / 3.2 / 3.3 all use low 1, high 4, original context 8192; factor is the largest divisor.
-    for low, high, old in ((1.0, 4.0, int(original or 8192)), (1.0, 4.0, 8192)):
-        candidate = RopeScaling("llama3", float(freqs.max()), low, high, old)
-        got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
-        if np.allclose(got, target, rtol=1e-4, atol=0):
-            return candidate
-    return None
+    # The file keeps only the resulting divisors. Llama 3.1 / 3.2 / 3.3 all use low_freq_factor 1,
+    # high_freq_factor 4 and an original context of 8192; the factor is the largest divisor. Accept
+    # that reading only if it reproduces every stored frequency.
+    original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 8192)
+    candidate = RopeScaling("llama3", float(freqs.max()), 1.0, 4.0, original)
+    got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
+    return candidate if np.allclose(got, target, rtol=1e-4, atol=0) else None
 
 
 def _checkpoint_dtype(tensors: dict[str, ReaderTensor]) -> str:
@@ -429,7 +437,8 @@ class GGUFTensorReader:
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
                 self._add(f"{prefix}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
             elif kind == "ffn_gate_inp_shexp":  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
-                self._add(f"{prefix}.mlp.shared_expert_gate.{suffix}", (t,), (1, shape[-1]), lambda a: a[0].reshape(1, -1))
+                row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
+                self._add(f"{prefix}.mlp.shared_expert_gate.{suffix}", (t,), (1, shape[-1]), row)
             elif kind in _LAYER_NAMES:
                 hf = f"{prefix}.{_LAYER_NAMES[kind].format(moe=moe)}.{suffix}"
                 combine: Callable[[list[np.ndarray]], np.ndarray] = _single
@@ -463,10 +472,14 @@ class GGUFTensorReader:
         return [t.name for t in self._entry(name).sources]
 
     def get(self, name: str) -> Tensor:
-        entry = self._entry(name)
         if self._reader is None:
-            raise WeightsError(f"{self.path}: reader is closed")
-        array = entry.combine([_to_numpy(t, self.path) for t in entry.sources])
+            raise WeightsError(f"{self.path}: the checkpoint is closed")
+        entry = self._entry(name)
+        arrays = [_to_numpy(t, self.path) for t in entry.sources]
+        try:
+            array = entry.combine(arrays)
+        except ValueError as e:  # e.g. a q/k row count that does not split into the config's heads
+            raise WeightsError(f"{self.path}: cannot form tensor {name!r} ({_one_line(e)})") from None
         # F32 tensors are read-only views of the memory map and permuted ones are strided: copy those.
         if not (array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32):
             array = np.array(array, dtype=np.float32, order="C", copy=True)
