@@ -34,8 +34,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Exit code 5 means no test is marked slow yet: not a failure.
 test-slow: setup
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]
 
 test-all: setup
 	$(BIN)/python -m pytest -q

@@ -101,3 +101,12 @@ def test_convert_loads_in_transformers_with_same_logits(smollm2, tmp_path):
     )
     text = "Naïve café: 12345 tokens, <|im_end|> 東京"
     assert hf_tok.encode(text) == smollm2.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keel_align_passes_on_the_real_checkpoint(dtype, capsys):
+    from keel.cli import main as keel_main
+
+    assert keel_main(["align", CATALOG_NAME, "--dtype", dtype]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") >= 31 and f"PASS ({dtype}" in out  # 30 layers + logits + verdict
