@@ -102,9 +102,7 @@ def test_dtype_bfloat16(tmp_path):
     convert(src, dst, dtype="bfloat16")
     assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
     before, after = _tensors(src / "model.safetensors"), _tensors(dst / "model.safetensors")
-    assert all(
-        after[n].dtype == torch.bfloat16 and torch.equal(after[n], before[n].bfloat16()) for n in before
-    )
+    assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], before[n].bfloat16()) for n in before)
     assert load_model(dst).checkpoint.config.dtype == "bfloat16"
     with pytest.raises(KeelError, match="--dtype 'int3'"):
         convert(src, tmp_path / "other", dtype="int3")
@@ -153,9 +151,7 @@ def test_tokenizer_and_generation_config(tmp_path):
     assert keel_tokenizer.encode("w3 w7 w200") == [3, 7, 200]
     auto = transformers.AutoTokenizer.from_pretrained(dst)
     messages = [{"role": "user", "content": "w5 w6"}]
-    assert auto.apply_chat_template(messages, tokenize=False) == keel_tokenizer.apply_chat_template(
-        messages, False
-    )
+    assert auto.apply_chat_template(messages, tokenize=False) == keel_tokenizer.apply_chat_template(messages, False)
 
     generation = transformers.GenerationConfig.from_pretrained(dst)
     assert (generation.bos_token_id, generation.eos_token_id) == (1, 2)
@@ -178,9 +174,7 @@ def test_from_shapes(tmp_path):
 
 def _checkpoint(fmt: str, storage: dict[str, int], dtype: str = "float32") -> Checkpoint:
     config = ModelConfig("llama", 16, 8, 16, 1, 2, 2, 4, dtype=dtype)
-    return Checkpoint(
-        path=None, format=fmt, config=config, reader=None, tokenizer=None, bytes_by_dtype=storage
-    )
+    return Checkpoint(path=None, format=fmt, config=config, reader=None, tokenizer=None, bytes_by_dtype=storage)
 
 
 def test_output_dtype():

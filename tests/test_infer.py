@@ -95,9 +95,7 @@ def test_config_from_shapes(name, tmp_path):
     # The structure is right: with the values shapes cannot give taken from config.json, the
     # inferred config reproduces transformers in every case.
     unrecoverable = {f: getattr(read, f) for f, p in provenance.items() if p == "default"}
-    assert (
-        _rel_err(_keel_logits(checkpoint, dataclasses.replace(inferred, **unrecoverable)), expected) <= 1e-4
-    )
+    assert _rel_err(_keel_logits(checkpoint, dataclasses.replace(inferred, **unrecoverable)), expected) <= 1e-4
 
     coincide = all(getattr(inferred, f) == getattr(read, f) for f in NUMERIC if provenance[f] == "default")
     assert coincide == (name in DEFAULTS_COINCIDE)
@@ -178,13 +176,10 @@ def test_stacked_experts(tmp_path):
     loaded = load_model(tmp_path / "hub")
     config = loaded.config
     stacked = {
-        f"model.layers.{i}.mlp.experts.{p}"
-        for i in range(config.num_layers)
-        for p in ("gate_up_proj", "down_proj")
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(config.num_layers) for p in ("gate_up_proj", "down_proj")
     }
     tensors = {
-        hf_source(config, name, stacked).names[0]: t.contiguous()
-        for name, t in loaded.model.state_dict().items()
+        hf_source(config, name, stacked).names[0]: t.contiguous() for name, t in loaded.model.state_dict().items()
     }
     assert stacked <= set(tensors)
     (tmp_path / "stacked").mkdir()

@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     for token in stream_tokens(loaded.model, prompt_ids, params, eos, stats):
         if token in eos and not params.ignore_eos:
-            break
+            continue  # not printed; the stream ends after it with finish reason "stop"
         out.write(detok.add(token))
         out.flush()
     out.write(detok.flush() + "\n")

@@ -44,9 +44,7 @@ def output_dtype(checkpoint: Checkpoint, dtype: str | None) -> str:
     if dtype not in (None, "auto"):
         parse_dtype(dtype)  # one-line KeelError naming --dtype for an unknown name
         return dtype
-    if checkpoint.format == "gguf" and any(
-        t.upper() not in _FLOAT_STORAGE for t in checkpoint.bytes_by_dtype
-    ):
+    if checkpoint.format == "gguf" and any(t.upper() not in _FLOAT_STORAGE for t in checkpoint.bytes_by_dtype):
         return "bfloat16"
     if checkpoint.config.dtype not in ("float32", "bfloat16", "float16"):
         return "bfloat16"
@@ -136,9 +134,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _hf_tensors(
-    checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, Tensor]]:
+def _hf_tensors(checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """HF hub-named tensors of the checkpoint, one keel parameter at a time, in `dtype`."""
     reader = checkpoint.reader
     available = reader.names()

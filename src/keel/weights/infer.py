@@ -138,9 +138,7 @@ def infer_config(
     provenance["intermediate_size"] = "inferred"
     if moe["num_experts"] and family == "mixtral":
         if dense_layers:
-            raise fail(
-                f"Mixtral-style experts, but layers {dense_layers} are dense; Mixtral has no dense layers"
-            )
+            raise fail(f"Mixtral-style experts, but layers {dense_layers} are dense; Mixtral has no dense layers")
         intermediate = moe["width"]  # Mixtral's config has one width, used by every expert
     elif moe["num_experts"] and not dense_layers:
         intermediate = defaults["intermediate_size"]
@@ -262,9 +260,7 @@ def _experts(
     sparse: list[int] = []
     counts, widths, shared_widths, styles = [], [], [], set()
     for i in layers:
-        block = next(
-            (b for b in ("block_sparse_moe", "mlp") if f"model.layers.{i}.{b}.gate.weight" in names), None
-        )
+        block = next((b for b in ("block_sparse_moe", "mlp") if f"model.layers.{i}.{b}.gate.weight" in names), None)
         if block is None:
             continue
         prefix = f"model.layers.{i}.{block}"
@@ -272,17 +268,13 @@ def _experts(
         if f"{prefix}.experts.gate_up_proj" in names:  # stacked: [E, 2I, H]
             stacked = shape(f"{prefix}.experts.gate_up_proj")
             if stacked[0] != num_experts:
-                raise fail(
-                    f"{prefix}.experts.gate_up_proj holds {stacked[0]} experts, the router {num_experts}"
-                )
+                raise fail(f"{prefix}.experts.gate_up_proj holds {stacked[0]} experts, the router {num_experts}")
             width = stacked[1] // 2
             styles.add("mixtral" if block == "block_sparse_moe" else "qwen")
         else:
             found = experts_of.get(prefix, set())
             if found != set(range(num_experts)):
-                raise fail(
-                    f"{prefix}: the router has {num_experts} experts but expert tensors {sorted(found)} exist"
-                )
+                raise fail(f"{prefix}: the router has {num_experts} experts but expert tensors {sorted(found)} exist")
             if f"{prefix}.experts.0.w1.weight" in names:
                 style, gate = "mixtral", "w1"
             else:
@@ -309,9 +301,7 @@ def _experts(
         if any(v != values[0] for v in values):
             raise fail(f"{what} differs between layers ({values}); keel needs the same in every sparse layer")
     if len(styles) > 1:
-        raise fail(
-            "expert tensors mix Mixtral (block_sparse_moe / w1,w2,w3) and Qwen (mlp / gate_proj) naming"
-        )
+        raise fail("expert tensors mix Mixtral (block_sparse_moe / w1,w2,w3) and Qwen (mlp / gate_proj) naming")
     return {
         "num_experts": counts[0],
         "width": widths[0],
