@@ -22,6 +22,7 @@ from keel.catalog import resolve_catalog
 from keel.errors import ConfigError, KeelError, WeightsError
 from keel.weights import load_model
 from keel.weights.gguf import open_gguf
+from tiny_models import build_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,74 +138,23 @@ def test_smollm_logits_match_transformers(smollm, smollm_path):
 
 
 # ----------------------------------------------------------------- synthetic GGUFs from HF models
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=512,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-# name -> (transformers config class, model class, extra config)
-MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
-    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
-    "llama-linear-rope": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
-    ),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=96,
-            num_experts=8,
-            num_experts_per_tok=2,
-            mlp_only_layers=[1],
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16),
-    ),
-}
+# Tiny models from tests/tiny_models.py, in 2 layers; GGUF metadata has no sliding window.
+MODELS = [
+    "llama",
+    "llama-bias",
+    "llama3-rope",
+    "llama-linear-rope",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+]
+OVERRIDES = {"mixtral": {"sliding_window": None}}
 
 
 def build_hf(name: str, seed: int = 0):
-    config_cls, model_cls, extra = MODELS[name]
-    config = getattr(transformers, config_cls)(**{**TINY, **extra})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
-            if pname.endswith("norm.weight") or pname.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
-            # a wrong q/k layout (the llama permutation) shows in the logits.
-            if pname.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(10)
-    return model.eval()
+    return build_hf_model(name, seed, num_hidden_layers=2, **OVERRIDES.get(name, {}))
 
 
 # A small byte-level BPE vocabulary (exactly 256 tokens), trained here on a few sentences.

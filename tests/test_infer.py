@@ -44,7 +44,7 @@ NUMERIC = {
 # top-2 routing (qwen2_moe; transformers' Qwen2-MoE default is top-4):
 # no tensor records those, so there the logits legitimately differ and only the fields are compared
 # (plus logits with the unrecoverable values taken from config.json, which checks the structure).
-DEFAULTS_COINCIDE = {"llama", "qwen2", "qwen3"}
+DEFAULTS_COINCIDE = {"llama", "llama-bias", "qwen2", "qwen3"}
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))  # longer than the windows
 

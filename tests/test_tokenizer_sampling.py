@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_byte_tokenizer
 
 from keel.errors import KeelError
 from keel.generate import SamplingParams, sample
 from keel.tokenizer import Tokenizer
+from tiny_models import save_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,11 @@ COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention
 # name -> (transformers config class, model class, extra config kwargs)
 TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128, tie_word_embeddings=True)),
+    "llama-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(intermediate_size=128, attention_bias=True, mlp_bias=True),
+    ),
     "llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
@@ -73,18 +78,23 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, **overrides):
+    """The tiny transformers model `name` (config fields in `overrides` replace the table's)."""
     import transformers
 
     config_cls, model_cls, extra = TINY_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
-    # Random init leaves norms at 1 and biases at 0; perturb them so those paths are tested.
     with torch.no_grad():
         for pname, p in model.named_parameters():
+            # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
             if pname.endswith("norm.weight") or pname.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
+            # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
+            if pname.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10)
     return model.eval()
 
 
