@@ -66,7 +66,6 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "intermediate_size": 6144,
     },
 }
-_FAMILY_DEFAULTS = FAMILY_DEFAULTS  # old name, kept while callers move over
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
