@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from keel.config import ModelConfig
-from keel.errors import KeelError, WeightsError
+from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.weights.loader import Checkpoint, open_checkpoint, parse_dtype
-from keel.weights.names import hf_source, keel_to_hf
+from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
+from keel.weights.names import keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -136,22 +136,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _hf_tensors(checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """HF hub-named tensors of the checkpoint, one keel parameter at a time, in `dtype`."""
-    reader = checkpoint.reader
-    available = reader.names()
     with torch.device("meta"):  # names and shapes only; no memory
         skeleton = Transformer(checkpoint.config)
     # named_parameters lists a tied head once (as embed_tokens); keel_to_hf drops lm_head when tied.
-    for name, param in skeleton.named_parameters():
-        source = hf_source(checkpoint.config, name, available)
-        missing = [n for n in source.names if n not in available]
-        if missing:
-            raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name})")
-        tensor = source.combine([reader.get(n) for n in source.names])
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise WeightsError(
-                f"{checkpoint.path}: tensor {source.names[0]} gives shape {list(tensor.shape)} for {name}, "
-                f"expected {list(param.shape)} for this config"
-            )
+    for name, tensor in checked_tensors(skeleton, checkpoint):
         for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)]).items():
             yield hf_name, _owned(hf_tensor.to(dtype))
 

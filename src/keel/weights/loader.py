@@ -6,6 +6,7 @@ config (structure inferred from tensor shapes), a `.gguf` file, or a catalog nam
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -129,12 +130,11 @@ def _has_gguf_magic(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-@torch.no_grad()
-def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
-    """Fill a (meta-device) model from the checkpoint, checking every name and shape."""
+def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tuple[str, Tensor]]:
+    """(keel name, tensor) for every parameter of `model`, read from the checkpoint (in its stored
+    precision), with missing tensors and wrong shapes reported as one-line WeightsErrors."""
     config, reader = checkpoint.config, checkpoint.reader
     available = reader.names()
-    state: dict[str, Tensor] = {}
     for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
         source = hf_source(config, name, available)
         missing = [n for n in source.names if n not in available]
@@ -147,7 +147,13 @@ def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype)
                 f"{checkpoint.path}: tensor {shown} has shape {list(tensor.shape)}, "
                 f"expected {list(param.shape)} for this config"
             )
-        state[name] = tensor.to(dtype)
+        yield name, tensor
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """Fill a (meta-device) model from the checkpoint, checking every name and shape."""
+    state = {name: tensor.to(dtype) for name, tensor in checked_tensors(model, checkpoint)}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
 
