@@ -20,16 +20,27 @@ from keel.model.layers import RMSNorm, apply_rotary
 
 
 class KVCache(Protocol):
-    """Storage for keys and values across forward calls."""
+    """Storage for keys and values across forward calls, and attention over that storage.
 
-    def update(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
-        """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`.
+    Where keys live decides how attention reads them (a contiguous buffer, pages through block
+    tables), so the cache computes the attention of the new queries: the model stays the same
+    whatever the cache.
+    """
 
-        Returns (keys, values, key_positions): keys/values [B, H_kv, L, D] visible to the batch and
-        the position of each key ([L] shared by all rows, or [B, L]); a key whose position is
-        greater than a query's is masked (not yet written for that row, or padding).
-        """
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+    ) -> Tensor:
+        """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`, and return the
+        attention output [B, H, S, D] of queries `q` ([B, H, S, D]) over every key they may see
+        (causal by position, within `window` tokens when set)."""
         ...
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads (q [B, H, S, D], k/v [B, H_kv, L, D])."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 @dataclass
@@ -96,17 +107,11 @@ class Attention(nn.Module):
         cos, sin = meta.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q = q.transpose(1, 2)  # [B, H, S, D]
-
         if meta.cache is not None:
-            k, v, key_positions = meta.cache.update(self.layer, k, v, meta)
-            mask, causal = meta.mask(key_positions, self.window), False
+            out = meta.cache.attend(self.layer, q, k, v, meta, self.window)
+        elif meta.plain_causal and self.window is None:
+            out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
         else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-            if meta.plain_causal and self.window is None:
-                mask, causal = None, True  # lets SDPA pick its fused causal kernel
-            else:
-                mask, causal = meta.mask(meta.positions, self.window), False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+            mask = meta.mask(meta.positions, self.window)
+            out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

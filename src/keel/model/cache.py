@@ -1,7 +1,7 @@
 """A contiguous KV cache: one [B, H_kv, max_len, D] buffer per layer, indexed by position.
 
-Used by `keel generate` and the decode benchmark. The serving engine's paged cache implements
-the same `KVCache.update` contract over fixed-size blocks.
+Used by single-sequence generation and the decode benchmark. The serving engine's paged cache
+implements the same `KVCache.attend` contract over fixed-size blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from keel.config import ModelConfig
-from keel.model.attention import AttentionMetadata
+from keel.model.attention import AttentionMetadata, sdpa
 
 
 class ContiguousKVCache:
@@ -41,7 +41,9 @@ class ContiguousKVCache:
             meta.cache_plan = (visible, rows)
         return meta.cache_plan
 
-    def update(self, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+    ) -> Tensor:
         visible, rows = self._prepare(meta)
         k_cache, v_cache = self.keys[layer], self.values[layer]
         if rows is None:
@@ -52,4 +54,6 @@ class ContiguousKVCache:
             # [B, S] positions per row: advanced indexing puts each row's tokens at its own slots.
             k_cache.permute(0, 2, 1, 3)[rows, meta.positions] = k
             v_cache.permute(0, 2, 1, 3)[rows, meta.positions] = v
-        return k_cache[:, :, :visible], v_cache[:, :, :visible], self._key_positions[:visible]
+        # Slot i holds position i; slots past a row's own tokens are masked as "after the query".
+        mask = meta.mask(self._key_positions[:visible], window)
+        return sdpa(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask)

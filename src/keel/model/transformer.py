@@ -70,11 +70,13 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         *,
         last_only: bool = False,
+        select: Tensor | None = None,
     ) -> Tensor:
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage) -> logits [B, S, V].
 
         positions [B, S]: absolute positions (default 0..S-1). cache: a KVCache for incremental
-        decoding. last_only: compute logits only for the last position (generation).
+        decoding. last_only: compute logits only for the last position (generation). select: indices
+        into the flattened B*S tokens whose logits are wanted (a packed serving batch) -> [N, V].
         """
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         b, s = h.shape[:2]
@@ -91,6 +93,8 @@ class Transformer(nn.Module):
             return h
         if last_only:
             h = h[:, -1:]
+        elif select is not None:
+            h = h.reshape(-1, h.shape[-1]).index_select(0, select)
         h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
 

@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, paged KV cache, runner, sampling, stop conditions, API."""

@@ -1,0 +1,263 @@
+"""The engine: scheduler + KV-cache manager + runner, stepped until requests finish.
+
+`LLMEngine.step()` schedules one batch, runs it, appends sampled tokens, detokenizes, checks
+stops and returns what changed. `keel.LLM` (offline batches) and `AsyncEngine` (the HTTP
+server) drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from keel.errors import KeelError
+from keel.model.transformer import Transformer
+from keel.serve.kv_cache import KVCacheManager, PagedKVCache, kv_bytes_per_block, parse_memory
+from keel.serve.request import Request, Status
+from keel.serve.runner import ModelRunner
+from keel.serve.sampling import SamplingParams, TokenLogprobs, request_generator
+from keel.serve.scheduler import Scheduler
+from keel.serve.stop import StopChecker
+from keel.tokenizer import IncrementalDetokenizer, Tokenizer
+from keel.weights.loader import LoadedModel, load_model
+
+log = logging.getLogger("keel.serve")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory: str | int | None = "2GiB"  # bytes or "2GiB"; None on GPU: a fraction of free memory
+    gpu_memory_utilization: float = 0.9  # of the free device memory after loading, when kv_cache_memory is None
+    num_blocks: int | None = None  # overrides the memory budget (tests)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's context
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    dtype: str = "auto"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `delta_text` / `delta_token_ids` are what this step added."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: object | None = None  # RequestStats
+
+
+class _Track:
+    """Output-side state of one request: text, stop checking, logprobs."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer | None) -> None:
+        self.detok: IncrementalDetokenizer | None = (
+            tokenizer.detokenizer(request.params.skip_special_tokens) if tokenizer else None
+        )
+        self.stop = StopChecker(request.params, request.eos_token_ids)
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [] if request.params.prompt_logprobs is not None else None
+        )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        device: str = "cpu",
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, device=device)
+        self.loaded = loaded
+        self.model: Transformer = loaded.model
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        mc = self.model.config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = self._num_blocks(device)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise KeelError(
+                f"KV cache of {num_blocks} blocks x {config.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
+            )
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            num_blocks * kv_bytes_per_block(mc, config.block_size, self.model.dtype) / 2**20,
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cache = PagedKVCache(mc, num_blocks, config.block_size, self.model.dtype, device)
+        windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.scheduling_policy,
+            # Blocks behind the window can be freed only when every layer slides.
+            sliding_window=next(iter(windows)) if len(windows) == 1 else None,
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
+        self.eos_token_ids = list(
+            dict.fromkeys(mc.eos_token_id + (self.tokenizer.eos_token_ids if self.tokenizer else []))
+        )
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    def _num_blocks(self, device: str) -> int:
+        config = self.config
+        if config.num_blocks is not None:
+            return config.num_blocks
+        per_block = kv_bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        if config.kv_cache_memory is None:
+            if not torch.cuda.is_available() or not str(device).startswith("cuda"):
+                raise KeelError("--kv-cache-memory is required on CPU (e.g. 2GiB)")
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * config.gpu_memory_utilization)
+        elif isinstance(config.kv_cache_memory, int):
+            budget = config.kv_cache_memory
+        else:
+            budget = parse_memory(config.kv_cache_memory)
+        return budget // per_block
+
+    # ------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KeelError("this model has no tokenizer: pass prompt token ids")
+            prompt_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            prompt_ids, text = list(prompt), None
+            vocab = self.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise KeelError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, priority=priority, prompt=text)
+        request.generator = request_generator(params, self.model.device)
+        self.scheduler.add(request)
+        self._tracks[request_id] = _Track(request, self.tokenizer)
+        self.num_prompt_tokens += len(prompt_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        track = self._tracks.pop(request_id)
+        track.stop.finish_reason = track.stop.finish_reason or "abort"
+        return self._output(request, track, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched)
+        now = time.perf_counter()
+        outputs = []
+        for request, n in sched.scheduled:
+            self.scheduler.advance(request, n)
+            track = self._tracks[request.request_id]
+            if request.request_id in result.prompt_logprobs and track.prompt_logprobs is not None:
+                entries = result.prompt_logprobs[request.request_id]
+                track.prompt_logprobs = entries if request.num_computed_tokens == n else track.prompt_logprobs + entries
+            token = result.token_ids.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk: nothing sampled yet
+            request.output_token_ids.append(token)
+            request.protected = False
+            if request.stats.first_token is None:
+                request.stats.first_token = now
+            request.stats.token_times.append(now)
+            self.num_generated_tokens += 1
+            if track.logprobs is not None and request.request_id in result.logprobs:
+                track.logprobs.append(result.logprobs[request.request_id])
+            delta = track.detok.add(token) if track.detok else ""
+            released, finished = track.stop.add(token, delta)  # stop tokens/strings, EOS, max_tokens
+            track.text += released
+            if finished:
+                self.scheduler.finish(request)
+                self._tracks.pop(request.request_id)
+            outputs.append(self._output(request, track, released, [token]))
+        return outputs
+
+    def _output(self, request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
+        finished = request.status is Status.FINISHED
+        logprobs = track.logprobs
+        completion = CompletionOutput(
+            index=0,
+            text=track.text,
+            token_ids=request.output_token_ids,
+            finish_reason=track.stop.finish_reason if finished else None,
+            stop_reason=track.stop.stop_reason if finished else None,
+            logprobs=logprobs,
+            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+            prompt_logprobs=track.prompt_logprobs,
+            num_cached_tokens=request.stats.cached_tokens,
+            metrics=request.stats,
+        )
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters for the metrics endpoint."""
+        kv = self.kv
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": kv.usage(),
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generated_tokens,
+        }

@@ -1,0 +1,307 @@
+"""Paged KV cache: block bookkeeping (this module's `KVCacheManager`) and block storage (`PagedKVCache`).
+
+The manager owns fixed-size blocks shared by all layers: a free queue in LRU order, reference
+counts, block tables per sequence, and prefix caching by chained block hashes (vLLM v1's
+design). It never touches tensors. Only *full* blocks are ever shared or cached, and a full
+block is never written again; a sequence's partially filled last block is always private to
+it, so copy-on-write never has to copy (the last prompt token is always recomputed, so even a
+fully cached prompt writes into a fresh block of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+from keel.model.attention import AttentionMetadata, sdpa
+
+log = logging.getLogger("keel.serve")
+
+NULL_BLOCK = -1  # a block-table entry whose block was freed (out of a sliding window)
+
+
+def block_hash(parent: int | None, tokens: Seq[int], extra: object = None) -> int:
+    """Chained hash of a full block: its tokens, everything before it (the parent hash), and an
+    extra key (future LoRA adapters / multimodal inputs) so different contexts never collide."""
+    return hash((parent, tuple(tokens), extra))
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered for prefix reuse
+    tokens: tuple[int, ...] = ()  # for cached blocks: verified on a hit, so a hash collision is harmless
+
+
+@dataclass
+class SequenceBlocks:
+    """A sequence's block table and how many of its blocks are hashed (registered in the cache)."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise KeelError(f"KV cache needs at least one block of one token (got {num_blocks} x {block_size})")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently used first. OrderedDict: O(1) pop-front,
+        # O(1) removal from the middle (a cache hit on a free block), O(1) append.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.seqs: dict[str, SequenceBlocks] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free_queue) / len(self.blocks)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self.seqs[seq_id].table
+
+    # ---------------------------------------------------------- prefix cache
+    def find_prefix(self, tokens: Seq[int], extra: object = None) -> list[tuple[int, int]]:
+        """(block id, hash) of the cached blocks that spell the longest cached prefix of `tokens`.
+
+        At most len(tokens) - 1 tokens are matched, rounded down to whole blocks: the last token is
+        always computed (its logits are needed) and written into a block of the sequence's own.
+        A pure lookup: nothing is held or counted until `allocate` takes the blocks.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs, found, parent = self.block_size, [], None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = block_hash(parent, chunk, extra)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != chunk:
+                break
+            found.append((block_id, h))
+            parent = h
+        return found
+
+    def record_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    # ------------------------------------------------------------ allocation
+    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
+        """New blocks a sequence needs to hold `num_tokens` tokens in total."""
+        have = len(self.seqs[seq_id].table) if seq_id in self.seqs else 0
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: list[tuple[int, int]] | None = None) -> bool:
+        """Grow the sequence's table to hold `num_tokens` tokens, starting a new sequence with the
+        cached `prefix` blocks (from `find_prefix`). All or nothing: False changes nothing."""
+        prefix = prefix or []
+        entry = self.seqs.get(seq_id)
+        if entry is None:
+            entry = SequenceBlocks()
+        else:
+            assert not prefix, "a prefix can only start a sequence"
+        need = max(0, -(-num_tokens // self.block_size) - len(entry.table) - len(prefix))
+        revived = sum(1 for block_id, _ in prefix if self.blocks[block_id].ref_count == 0)
+        if need + revived > len(self.free_queue):
+            return False
+        for block_id, h in prefix:
+            self._touch(block_id)
+            entry.table.append(block_id)
+            entry.hashes.append(h)
+        for _ in range(need):
+            block_id, _ = self.free_queue.popitem(last=False)  # least recently used free block
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its old prefix-cache entry
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.tokens = None, ()
+            block.ref_count = 1
+            entry.table.append(block_id)
+        self.seqs[seq_id] = entry
+        return True
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def commit(
+        self, seq_id: str, num_computed: int, tokens_between: Callable[[int, int], Seq[int]], extra: object = None
+    ) -> None:
+        """Register the sequence's blocks that are now full (their K/V computed) for prefix reuse.
+        `tokens_between(start, end)` gives the sequence's tokens; it is called only for new full blocks."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self.seqs[seq_id]
+        bs = self.block_size
+        parent = entry.hashes[-1] if entry.hashes else None
+        for i in range(len(entry.hashes), num_computed // bs):
+            chunk = tuple(tokens_between(i * bs, (i + 1) * bs))
+            h = block_hash(parent, chunk, extra)
+            entry.hashes.append(h)
+            parent = h
+            block_id = entry.table[i]
+            if block_id == NULL_BLOCK:
+                continue
+            block = self.blocks[block_id]
+            if h not in self.cached:  # an identical block cached by another sequence wins
+                block.hash, block.tokens = h, chunk
+                self.cached[h] = block_id
+
+    def free_outside_window(self, seq_id: str, first_needed_position: int) -> None:
+        """Sliding window: release blocks whose every position is before `first_needed_position`."""
+        entry = self.seqs[seq_id]
+        for i in range(min(first_needed_position // self.block_size, len(entry.table))):
+            if entry.table[i] != NULL_BLOCK:
+                self._release(entry.table[i])
+                entry.table[i] = NULL_BLOCK
+
+    def free(self, seq_id: str) -> None:
+        """Release all of a sequence's blocks. Tail blocks go to the free queue first, so they are
+        evicted before the shared prefix blocks that other requests are likelier to reuse."""
+        entry = self.seqs.pop(seq_id, None)
+        if entry is None:
+            return
+        for block_id in reversed(entry.table):
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+
+    def held_blocks(self, seq_id: str) -> int:
+        return sum(1 for b in self.seqs[seq_id].table if b != NULL_BLOCK) if seq_id in self.seqs else 0
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    value = text.strip().lower()
+    for unit, factor in units.items():
+        if value.endswith(unit):
+            try:
+                return int(float(value[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    try:
+        return int(value)
+    except ValueError:
+        raise KeelError(f"--kv-cache-memory {text!r}: expected a size such as 2GiB or 512MiB") from None
+
+
+@dataclass
+class StepPlan:
+    """How the tokens of one packed step map onto the paged cache (built by the runner).
+
+    Tokens of all scheduled sequences are packed into one row [1, T]. Decode tokens (one per
+    sequence) are attended as one batch; each prefill chunk is attended on its own.
+    """
+
+    slot_mapping: Tensor  # [T] flat slot (block * block_size + offset) where each token's K/V goes
+    decode_index: Tensor | None  # [Bd] positions in T of the decode tokens
+    decode_tables: Tensor | None  # [Bd, nb] block tables (NULL -> 0, masked anyway)
+    decode_positions: Tensor | None  # [Bd] position of each decode token
+    prefills: list[tuple[int, int, Tensor, Tensor]]  # (start, end, block table [nb], query positions [C])
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None, block_size: int) -> Tensor:
+        key = ("decode", window)
+        if key not in self._masks:
+            length = self.decode_tables.shape[1] * block_size
+            k = torch.arange(length, device=self.decode_positions.device).view(1, -1)
+            q = self.decode_positions.view(-1, 1)
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (q - k < window)
+            self._masks[key] = allowed[:, None, None, :]  # [Bd, 1, 1, L]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None, num_keys: int) -> Tensor:
+        key = (i, window)
+        if key not in self._masks:
+            q = self.prefills[i][3].view(-1, 1)
+            k = torch.arange(num_keys, device=q.device).view(1, -1)
+            allowed = k <= q
+            if window is not None:
+                allowed = allowed & (q - k < window)
+            self._masks[key] = allowed[None, None]  # [1, 1, C, L]
+        return self._masks[key]
+
+
+class PagedKVCache:
+    """Block storage for all layers: keys and values as [num_blocks * block_size, H_kv, D] per layer.
+
+    Implements the model's `KVCache.attend` for a packed step described by `plan` (set by the
+    runner before each forward): scatter the new K/V into their slots, then gather each
+    sequence's keys through its block table.
+    """
+
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str = "cpu"
+    ) -> None:
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.plan: StepPlan | None = None
+
+    def _gather(self, store: Tensor, tables: Tensor) -> Tensor:
+        """[..., nb] block ids -> [..., H_kv, nb * block_size, D] keys or values."""
+        blocks = store.view(self.num_blocks, self.block_size, *store.shape[1:])[tables]  # [..., nb, bs, H, D]
+        merged = blocks.flatten(-4, -3)  # [..., L, H, D]
+        return merged.transpose(-3, -2)
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+    ) -> Tensor:
+        plan = self.plan
+        k_store, v_store = self.keys[layer], self.values[layer]
+        k_store.index_copy_(0, plan.slot_mapping, k[0])
+        v_store.index_copy_(0, plan.slot_mapping, v[0])
+        queries = q[0]  # [H, T, D]
+        out = torch.empty_like(queries)
+        if plan.decode_index is not None:
+            qd = queries.index_select(1, plan.decode_index).transpose(0, 1).unsqueeze(2)  # [Bd, H, 1, D]
+            keys = self._gather(k_store, plan.decode_tables)
+            values = self._gather(v_store, plan.decode_tables)
+            od = sdpa(qd, keys, values, plan.decode_mask(window, self.block_size))
+            out.index_copy_(1, plan.decode_index, od.squeeze(2).transpose(0, 1))
+        for i, (start, end, table, _) in enumerate(plan.prefills):
+            keys = self._gather(k_store, table).unsqueeze(0)
+            values = self._gather(v_store, table).unsqueeze(0)
+            mask = plan.prefill_mask(i, window, keys.shape[2])
+            out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask)[0]
+        return out.unsqueeze(0)

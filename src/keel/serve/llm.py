@@ -1,0 +1,44 @@
+"""`keel.LLM`: offline batch generation on the engine (vLLM's `LLM` shape)."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from keel.serve.engine import EngineConfig, LLMEngine, RequestOutput
+from keel.serve.sampling import SamplingParams
+from keel.weights.loader import LoadedModel
+
+
+class LLM:
+    """LLM(model).generate(prompts, params) -> one RequestOutput per prompt, in input order."""
+
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **config_kwargs) -> None:
+        if config is None:
+            config = EngineConfig(**config_kwargs)
+        self.engine = LLMEngine(model, config)
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text, or token ids)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        ids = [
+            self.engine.add_request(p, sp, priority=(priority[i] if priority else 0))
+            for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
