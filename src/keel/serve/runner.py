@@ -94,7 +94,9 @@ class ModelRunner:
         tokens, positions, plan, select, samplers = self._plan(out)
         self.cache.plan = plan
         try:
-            logits = self.model(tokens, positions=positions, cache=self.cache, select=torch.tensor(select))
+            logits = self.model(
+                tokens, positions=positions, cache=self.cache, select=torch.tensor(select, dtype=torch.long)
+            )
         finally:
             self.cache.plan = None
         result = StepResult({}, {}, {})
