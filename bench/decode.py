@@ -51,10 +51,13 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def keel_decode(model, prompt: list[int], new_tokens: int) -> float:
-    from keel.generate import GenerationStats, SamplingParams, stream_tokens
+    from keel.generate import GenerationStats, stream_tokens
+    from keel.serve.sampling import SamplingParams
 
     stats = GenerationStats()
-    for _ in stream_tokens(model, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), stats=stats):
+    for _ in stream_tokens(
+        model, prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True), stats=stats
+    ):
         pass
     assert stats.generated_tokens == new_tokens
     return stats.decode_tokens_per_second

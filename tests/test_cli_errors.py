@@ -101,7 +101,7 @@ def test_prompt_longer_than_context(tiny, tmp_path):
 
 
 def test_bad_sampling_option(tiny):
-    assert_one_line_error(run_keel("generate", str(tiny), "--prompt", "hi", "--top-p", "1.5"), "--top-p")
+    assert_one_line_error(run_keel("generate", str(tiny), "--prompt", "hi", "--top-p", "1.5"), "top_p")
 
 
 def test_chat_without_template(tiny, tmp_path):

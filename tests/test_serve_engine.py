@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from keel.errors import KeelError
-from keel.generate import SamplingParams as SoloParams
 from keel.generate import stream_tokens
 from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from keel.weights import load_model
@@ -31,7 +30,7 @@ def models(tmp_path_factory):
 
 def solo(model, prompt: list[int], max_tokens: int) -> list[int]:
     """The reference: one request alone, contiguous cache (itself checked against transformers)."""
-    return list(stream_tokens(model, prompt, SoloParams(max_tokens=max_tokens, ignore_eos=True)))
+    return list(stream_tokens(model, prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
 
 
 def check_no_leak(engine: LLMEngine) -> None:

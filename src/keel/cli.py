@@ -34,7 +34,8 @@ def _set_threads(threads: int | None) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from keel.generate import GenerationStats, SamplingParams, stream_tokens
+    from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.serve.sampling import SamplingParams
     from keel.weights import load_model
 
     _set_threads(args.threads)
@@ -57,22 +58,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode_chat(messages)
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    eos = list(dict.fromkeys([*loaded.config.eos_token_id, *tokenizer.eos_token_ids]))
-    stats = GenerationStats()
-    detok = tokenizer.detokenizer()
-    out = sys.stdout
-    for token in stream_tokens(loaded.model, prompt_ids, params, eos, stats):
-        if token in eos and not params.ignore_eos:
-            continue  # not printed; the stream ends after it with finish reason "stop"
-        out.write(detok.add(token))
-        out.flush()
-    out.write(detok.flush() + "\n")
-    out.flush()
+    context = loaded.config.max_position_embeddings
+    if len(prompt_ids) >= context:
+        raise KeelError(f"prompt has {len(prompt_ids)} tokens; the model's context is {context} tokens")
+    params.max_tokens = min(params.max_tokens, context - len(prompt_ids))
+    # One request: a KV pool for exactly its length.
+    length = len(prompt_ids) + params.max_tokens
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=-(-length // 16), block_size=16, max_model_len=length))
+    engine.add_request(prompt_ids, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    stats, completion = out.metrics, out.outputs[0]
+    generated = len(completion.token_ids)
+    prefill_tps = len(prompt_ids) / (stats.first_token - stats.arrival)
+    times = stats.token_times
+    decode_tps = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     print(
-        f"[keel] {dtype}: prompt {stats.prompt_tokens} tokens at {stats.prefill_tokens_per_second:.1f} tok/s; "
-        f"generated {stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tok/s "
-        f"(finish: {stats.finish_reason})",
+        f"[keel] {dtype}: prompt {len(prompt_ids)} tokens at {prefill_tps:.1f} tok/s; "
+        f"generated {generated} tokens at {decode_tps:.1f} tok/s (finish: {completion.finish_reason})",
         file=sys.stderr,
     )
     return 0

@@ -1,7 +1,8 @@
-"""Single-sequence generation with a contiguous KV cache (`keel generate`, the decode benchmark).
+"""Single-sequence generation with a contiguous KV cache: the reference path.
 
-The serving engine (paged cache, continuous batching) replaces this for many requests; this is
-the simplest correct path: one prefill, then one token per forward.
+One prefill, then one token per forward, with the engine's sampler. The serving engine (paged
+cache, continuous batching) is what `keel generate` and the server use; this path is the
+baseline the engine is tested against and the decode benchmark's subject.
 """
 
 from __future__ import annotations
@@ -11,52 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 from keel.errors import KeelError
 from keel.model.cache import ContiguousKVCache
 from keel.model.transformer import Transformer
-
-
-@dataclass
-class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise KeelError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise KeelError(f"--temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise KeelError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise KeelError(f"--top-k must be >= 0, got {self.top_k}")
-
-
-def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
-    """logits [B, V] -> token ids [B]."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the first token always stays).
-        drop = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 
 
 @dataclass
@@ -96,17 +56,17 @@ def stream_tokens(
     max_new = min(params.max_tokens, context - len(prompt_ids))
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
+    stats.token_ids = []
     eos = set() if params.ignore_eos else set(eos_token_ids or [])
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator().manual_seed(params.seed)
+    sampler = Sampler()
+    state = RowState(params, request_generator(params, model.device), prompt_ids, stats.token_ids, list(eos))
 
     device = model.device
     cache = ContiguousKVCache(model.config, 1, len(prompt_ids) + max_new, model.dtype, device)
     tokens = torch.tensor([prompt_ids], device=device)
     start = time.perf_counter()
     logits = model(tokens, positions=torch.arange(len(prompt_ids), device=device)[None], cache=cache, last_only=True)
-    token = int(sample(logits[:, -1], params, generator))
+    token = int(sampler(logits[:, -1], [state]).token_ids[0])
     stats.prefill_seconds = time.perf_counter() - start
     decode_start = time.perf_counter()
     position = len(prompt_ids)
@@ -123,5 +83,5 @@ def stream_tokens(
             return
         step = torch.tensor([[token]], device=device)
         logits = model(step, positions=torch.tensor([[position]], device=device), cache=cache, last_only=True)
-        token = int(sample(logits[:, -1], params, generator))
+        token = int(sampler(logits[:, -1], [state]).token_ids[0])
         position += 1

@@ -1,12 +1,10 @@
-"""Incremental detokenization, chat templates, and sampling."""
+"""Incremental detokenization and chat templates (sampling: tests/test_serve_sampling.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from keel.errors import KeelError
-from keel.generate import SamplingParams, sample
 from keel.tokenizer import Tokenizer
 from tiny_models import save_byte_tokenizer
 
@@ -69,32 +67,3 @@ def test_chat_template_errors_are_keel_errors():
     broken = Tokenizer(HFTokenizer(models.BPE()), chat_template="{{ raise_exception('no system role') }}")
     with pytest.raises(KeelError, match="no system role"):
         broken.apply_chat_template([{"role": "user", "content": "x"}])
-
-
-LOGITS = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
-
-
-def test_greedy_and_top_k_1_pick_the_argmax():
-    assert sample(LOGITS, SamplingParams()).item() == 1
-    assert sample(LOGITS, SamplingParams(temperature=1.0, top_k=1)).item() == 1
-
-
-def test_top_k_and_top_p_restrict_the_candidates():
-    generator = torch.Generator().manual_seed(0)
-    batch = LOGITS.expand(2000, -1)
-    top2 = set(sample(batch, SamplingParams(temperature=1.0, top_k=2), generator).tolist())
-    assert top2 == {1, 3}
-    # softmax: p(1) = 0.64, p(3) = 0.24, p(2) = 0.09 ...: top_p 0.8 keeps tokens 1 and 3 only.
-    nucleus = set(sample(batch, SamplingParams(temperature=1.0, top_p=0.8), generator).tolist())
-    assert nucleus == {1, 3}
-    everything = set(sample(batch, SamplingParams(temperature=1.0), generator).tolist())
-    assert everything == {0, 1, 2, 3, 4}
-
-
-def test_seed_makes_sampling_reproducible():
-    params = SamplingParams(temperature=1.5)
-    batch = LOGITS.expand(64, -1)
-    first = sample(batch, params, torch.Generator().manual_seed(7))
-    again = sample(batch, params, torch.Generator().manual_seed(7))
-    other = sample(batch, params, torch.Generator().manual_seed(8))
-    assert torch.equal(first, again) and not torch.equal(first, other)
