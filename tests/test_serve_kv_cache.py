@@ -1,0 +1,100 @@
+"""KVCacheManager bookkeeping: allocation, reference counts, prefix hashing, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel.errors import KeelError
+from keel.serve.kv_cache import NULL_BLOCK, KVCacheManager, block_hash, parse_memory
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def commit_all(kv: KVCacheManager, seq: str, toks: list[int]) -> None:
+    kv.commit(seq, len(toks), lambda a, b: toks[a:b])
+
+
+def test_allocate_is_all_or_nothing_and_free_returns_everything():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    assert kv.allocate("a", 10)  # 3 blocks
+    assert kv.num_free_blocks == 1
+    assert not kv.allocate("b", 8)  # needs 2: refused, nothing taken
+    assert kv.num_free_blocks == 1 and "b" not in kv.seqs
+    assert kv.allocate("a", 12)  # still 3 blocks
+    assert kv.allocate("a", 13)  # the 4th
+    assert kv.num_free_blocks == 0 and kv.usage() == 1.0
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_prefix_is_shared_by_reference_and_never_covers_the_last_token():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = tokens(12)
+    assert kv.allocate("a", 12)
+    commit_all(kv, "a", prompt)
+    # Same 12 tokens: at most 11 may come from the cache -> 2 whole blocks.
+    found = kv.find_prefix(prompt)
+    assert [b for b, _ in found] == kv.block_table("a")[:2]
+    assert kv.allocate("b", 12, prefix=found)
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.block_table("b")[2] != kv.block_table("a")[2]  # the last block is private
+    assert [kv.blocks[b].ref_count for b in kv.block_table("a")] == [2, 2, 1]
+    # A different second block: only the first block matches (the hash chains the parent).
+    other = tokens(4) + tokens(8, start=100)
+    assert len(kv.find_prefix(other)) == 1
+
+
+def test_chained_hash_depends_on_the_parent_and_the_extra_key():
+    block = (1, 2, 3, 4)
+    assert block_hash(None, block) != block_hash(block_hash(None, (9, 9, 9, 9)), block)
+    assert block_hash(None, block, extra="adapter-a") != block_hash(None, block, extra="adapter-b")
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_in_lru_order():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    first, second = tokens(5), tokens(5, start=50)
+    kv.allocate("a", 5)
+    commit_all(kv, "a", first[:4])
+    kv.free("a")  # tail first: a's last block is evicted before its prefix blocks
+    assert len(kv.find_prefix(first)) == 2  # still cached while free
+    kv.allocate("b", 5)  # takes 3 of the 4 free blocks, least recently freed first
+    commit_all(kv, "b", second[:4])
+    # a's tail (uncached) and a's second block went first; its first block survives.
+    assert len(kv.find_prefix(first)) == 1
+    kv.free("b")
+    assert kv.allocate("c", 8)  # everything: all old entries evicted
+    assert kv.find_prefix(first) == [] and kv.find_prefix(second) == []
+
+
+def test_hit_on_a_free_cached_block_counts_against_capacity():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    prompt = tokens(5)
+    kv.allocate("a", 5)
+    commit_all(kv, "a", prompt[:4])
+    kv.free("a")
+    found = kv.find_prefix(prompt)
+    assert len(found) == 2
+    assert kv.allocate("b", 8, prefix=found) is False  # 2 revived + 2 new > 3 free
+    assert kv.num_free_blocks == 3 and all(b.ref_count == 0 for b in kv.blocks)
+    assert kv.allocate("b", 6, prefix=found)
+
+
+def test_sliding_window_frees_blocks_behind_the_window():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate("a", 20)
+    kv.free_outside_window("a", first_needed_position=9)  # positions 0..8 unneeded: blocks 0, 1 go
+    assert kv.block_table("a")[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert kv.held_blocks("a") == 3 and kv.num_free_blocks == 5
+    kv.free("a")
+    assert kv.num_free_blocks == 8
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(KeelError):
+        KVCacheManager(num_blocks=0, block_size=16)
+    assert parse_memory("2GiB") == 2 * 2**30 and parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory("4096") == 4096
+    with pytest.raises(KeelError, match="kv-cache-memory"):
+        parse_memory("lots")
