@@ -222,86 +222,91 @@ def parse_memory(text: str) -> int:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token queries of sequences with similar lengths, attended as one batch."""
+
+    index: Tensor  # [Bg] rows of the packed step
+    tables: Tensor  # [Bg, nb] block tables, padded with block 0 (masked by position)
+    positions: Tensor  # [Bg] position of each query token
+
+
+@dataclass
 class StepPlan:
     """How the tokens of one packed step map onto the paged cache (built by the runner).
 
     Tokens of all scheduled sequences are packed into one row [1, T]. Decode tokens (one per
-    sequence) are attended as one batch; each prefill chunk is attended on its own.
+    sequence) are attended in groups of similar length (little padding); each prefill chunk is
+    attended on its own.
     """
 
     slot_mapping: Tensor  # [T] flat slot (block * block_size + offset) where each token's K/V goes
-    decode_index: Tensor | None  # [Bd] positions in T of the decode tokens
-    decode_tables: Tensor | None  # [Bd, nb] block tables (NULL -> 0, masked anyway)
-    decode_positions: Tensor | None  # [Bd] position of each decode token
+    decodes: list[DecodeGroup]
     prefills: list[tuple[int, int, Tensor, Tensor]]  # (start, end, block table [nb], query positions [C])
     _masks: dict = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None, block_size: int) -> Tensor:
-        key = ("decode", window)
-        if key not in self._masks:
-            length = self.decode_tables.shape[1] * block_size
-            k = torch.arange(length, device=self.decode_positions.device).view(1, -1)
-            q = self.decode_positions.view(-1, 1)
-            allowed = k <= q
-            if window is not None:
-                allowed = allowed & (q - k < window)
-            self._masks[key] = allowed[:, None, None, :]  # [Bd, 1, 1, L]
-        return self._masks[key]
-
-    def prefill_mask(self, i: int, window: int | None, num_keys: int) -> Tensor:
-        key = (i, window)
-        if key not in self._masks:
-            q = self.prefills[i][3].view(-1, 1)
+    def mask(self, key: object, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
+        """[Q, L] boolean, True = attend; memoised per step for all layers."""
+        if (key, window) not in self._masks:
+            q = q_positions.view(-1, 1)
             k = torch.arange(num_keys, device=q.device).view(1, -1)
             allowed = k <= q
             if window is not None:
                 allowed = allowed & (q - k < window)
-            self._masks[key] = allowed[None, None]  # [1, 1, C, L]
-        return self._masks[key]
+            self._masks[(key, window)] = allowed
+        return self._masks[(key, window)]
 
 
 class PagedKVCache:
-    """Block storage for all layers: keys and values as [num_blocks * block_size, H_kv, D] per layer.
+    """Block storage for all layers, head-major: keys and values as [H_kv, num_blocks, block_size * D].
 
-    Implements the model's `KVCache.attend` for a packed step described by `plan` (set by the
-    runner before each forward): scatter the new K/V into their slots, then gather each
-    sequence's keys through its block table.
+    Head-major, so that gathering a sequence's blocks yields [H_kv, L, D] rows that feed batched
+    matmuls without another copy. Implements the model's `KVCache.attend` for a packed step
+    described by `plan` (set by the runner before each forward): scatter the new K/V into their
+    slots, then gather each group's blocks once per layer and attend.
     """
 
     def __init__(
         self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str = "cpu"
     ) -> None:
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.plan: StepPlan | None = None
 
     def _gather(self, store: Tensor, tables: Tensor) -> Tensor:
-        """[..., nb] block ids -> [..., H_kv, nb * block_size, D] keys or values."""
-        blocks = store.view(self.num_blocks, self.block_size, *store.shape[1:])[tables]  # [..., nb, bs, H, D]
-        merged = blocks.flatten(-4, -3)  # [..., L, H, D]
-        return merged.transpose(-3, -2)
+        """Block ids [B, nb] -> [H_kv, B, nb * block_size, D] (one index_select, contiguous)."""
+        rows = store.view(self.num_kv_heads, self.num_blocks, -1).index_select(1, tables.flatten())
+        return rows.view(self.num_kv_heads, tables.shape[0], -1, self.head_dim)
 
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
     ) -> Tensor:
         plan = self.plan
         k_store, v_store = self.keys[layer], self.values[layer]
-        k_store.index_copy_(0, plan.slot_mapping, k[0])
-        v_store.index_copy_(0, plan.slot_mapping, v[0])
+        k_store.index_copy_(1, plan.slot_mapping, k[0].transpose(0, 1))
+        v_store.index_copy_(1, plan.slot_mapping, v[0].transpose(0, 1))
         queries = q[0]  # [H, T, D]
         out = torch.empty_like(queries)
-        if plan.decode_index is not None:
-            qd = queries.index_select(1, plan.decode_index).transpose(0, 1).unsqueeze(2)  # [Bd, H, 1, D]
-            keys = self._gather(k_store, plan.decode_tables)
-            values = self._gather(v_store, plan.decode_tables)
-            od = sdpa(qd, keys, values, plan.decode_mask(window, self.block_size))
-            out.index_copy_(1, plan.decode_index, od.squeeze(2).transpose(0, 1))
-        for i, (start, end, table, _) in enumerate(plan.prefills):
-            keys = self._gather(k_store, table).unsqueeze(0)
-            values = self._gather(v_store, table).unsqueeze(0)
-            mask = plan.prefill_mask(i, window, keys.shape[2])
+        heads, group = queries.shape[0], queries.shape[0] // self.num_kv_heads
+        for g, dec in enumerate(plan.decodes):
+            keys, values = self._gather(k_store, dec.tables), self._gather(v_store, dec.tables)  # [Hkv, B, L, D]
+            qd = queries.index_select(1, dec.index).view(self.num_kv_heads, group, -1, self.head_dim)
+            qd = qd.transpose(1, 2)  # [Hkv, B, G, D]
+            # One-token queries: batched matmuls + float32 softmax beat SDPA's CPU kernel here
+            # (which is ~9x slower in bfloat16 for this shape).
+            scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [Hkv, B, G, L]
+            mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
+            scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1).to(values.dtype)
+            od = torch.matmul(probs, values)  # [Hkv, B, G, D]
+            out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, self.head_dim))
+        for i, (start, end, table, positions) in enumerate(plan.prefills):
+            keys, values = self._gather(k_store, table[None]), self._gather(v_store, table[None])
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, Hkv, L, D]
+            mask = plan.mask(i, positions, keys.shape[2], window)[None, None]
             out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask)[0]
         return out.unsqueeze(0)

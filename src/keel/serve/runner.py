@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from keel.model.transformer import Transformer
-from keel.serve.kv_cache import NULL_BLOCK, PagedKVCache, StepPlan
+from keel.serve.kv_cache import NULL_BLOCK, DecodeGroup, PagedKVCache, StepPlan
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
@@ -74,9 +74,7 @@ class ModelRunner:
         device = self.device
         plan = StepPlan(
             slot_mapping=torch.tensor(slots, device=device),
-            decode_index=torch.tensor(decode_index, device=device) if decode_index else None,
-            decode_tables=_padded(decode_tables, device) if decode_tables else None,
-            decode_positions=torch.tensor(decode_positions, device=device) if decode_positions else None,
+            decodes=_decode_groups(decode_index, decode_tables, decode_positions, device),
             prefills=[
                 (s, e, torch.tensor(b, device=device), torch.tensor(p, device=device)) for s, e, b, p in prefills
             ],
@@ -136,6 +134,24 @@ class ModelRunner:
         result.prompt_logprobs[request.request_id] = entries if start == 0 else entries[1:]
 
 
-def _padded(rows: list[list[int]], device) -> Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+def _decode_groups(index: list[int], tables: list[list[int]], positions: list[int], device) -> list[DecodeGroup]:
+    """Decode rows grouped by length: each group is padded to its longest table only. Sorted by
+    block count, a new group starts when a table is over 1.25x the group's first (or past 4 groups)."""
+    order = sorted(range(len(index)), key=lambda i: len(tables[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(tables[i]) <= 1.25 * len(tables[groups[-1][0]]) or len(groups) == 4):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    result = []
+    for rows in groups:
+        width = max(len(tables[i]) for i in rows)
+        result.append(
+            DecodeGroup(
+                index=torch.tensor([index[i] for i in rows], device=device),
+                tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows], device=device),
+                positions=torch.tensor([positions[i] for i in rows], device=device),
+            )
+        )
+    return result
