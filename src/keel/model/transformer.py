@@ -98,17 +98,6 @@ class Transformer(nn.Module):
         h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h
 
-    def hidden_states(self, tokens: Tensor) -> list[Tensor]:
-        """Hidden state after every decoder layer for a full-sequence forward (alignment tools)."""
-        states: list[Tensor] = []
-        hooks = [layer.register_forward_hook(lambda _m, _i, out: states.append(out)) for layer in self.layers.values()]
-        try:
-            self(tokens)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return states
-
 
 def build_model(
     config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None

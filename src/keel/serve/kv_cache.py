@@ -107,11 +107,6 @@ class KVCacheManager:
         self.prefix_hits += hit_tokens
 
     # ------------------------------------------------------------ allocation
-    def blocks_needed(self, seq_id: str, num_tokens: int) -> int:
-        """New blocks a sequence needs to hold `num_tokens` tokens in total."""
-        have = len(self.seqs[seq_id].table) if seq_id in self.seqs else 0
-        return max(0, -(-num_tokens // self.block_size) - have)
-
     def allocate(self, seq_id: str, num_tokens: int, prefix: list[tuple[int, int]] | None = None) -> bool:
         """Grow the sequence's table to hold `num_tokens` tokens, starting a new sequence with the
         cached `prefix` blocks (from `find_prefix`). All or nothing: False changes nothing."""
