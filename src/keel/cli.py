@@ -119,6 +119,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from keel.serve.openai.server import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -154,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=cmd_convert)
+
+    from keel.serve.openai.server import add_serve_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    _add_model_args(p)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    from keel.tools import bench_serve
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    bench_serve.register(bench_sub)
     return parser
 
 

@@ -3,7 +3,9 @@ and incremental detokenization that only emits complete UTF-8 text."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,21 @@ from keel.errors import KeelError
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _token_content(value: Any) -> str | None:
@@ -104,6 +121,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token: also for a token that is only part of a UTF-8 character
+        (which `decode` would show as U+FFFD). Byte-level BPE and SentencePiece byte tokens."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        table = _byte_level_decoder()
+        if piece and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return text.encode("utf-8")
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

@@ -1,19 +1,27 @@
 """AsyncEngine: the engine for asyncio servers.
 
-Model compute runs in one background thread that steps the engine whenever it has work; an
-asyncio event loop never blocks on it. `generate()` yields each step's output for one request
-(with `delta_text`); cancelling the consumer (a client that disconnects) aborts the request and
-frees its blocks at once.
+Model compute runs in one background thread that owns the engine. The event loop never touches
+the engine and never waits for a step: `generate()` posts an "add" command, `abort()` an "abort"
+command, and the thread applies pending commands between steps (so an abort frees its blocks
+before the next step runs). Outputs come back through the request's asyncio queue
+(`call_soon_threadsafe`). `stats()` returns the snapshot the thread publishes after each step.
+
+Anything with `LLMEngine`'s methods (add_request, abort_request, has_unfinished_requests, step,
+stats) can be driven this way; the naive transformers baseline is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
-from keel.serve.engine import LLMEngine, RequestOutput
+from keel.errors import KeelError
+from keel.serve.engine import RequestOutput
 from keel.serve.sampling import SamplingParams
 
 log = logging.getLogger("keel.serve")
@@ -23,13 +31,23 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can make progress."""
 
 
+class _Rejected:
+    """An add command the engine refused (bad request): re-raised in the caller."""
+
+    def __init__(self, error: KeelError) -> None:
+        self.error = error
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._lock = threading.Lock()  # the engine is not thread-safe: add/abort/step/stats take it
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._count_lock = threading.Lock()
+        self._pending_adds = 0  # posted but not yet applied: they are waiting requests too
+        self._stats: dict[str, float] = dict(engine.stats())
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="keel-engine", daemon=True)
         self._thread.start()
@@ -42,18 +60,27 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; the last one is finished.
+
+        Raises KeelError when the engine rejects the request (e.g. too long), EngineDeadError when
+        the engine has failed. Leaving the iteration early aborts the request.
+        """
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request_id = self.engine.add_request(prompt, params, request_id, priority)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._count_lock:
+            self._pending_adds += 1
+        self._post(("add", request_id, prompt, params, priority, asyncio.get_running_loop(), stream))
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
+                if isinstance(item, _Rejected):
+                    finished = True  # never admitted: nothing to abort
+                    raise item.error
                 if isinstance(item, BaseException):
+                    finished = True
                     raise EngineDeadError(f"engine failed: {item}") from item
                 finished = item.finished
                 yield item
@@ -64,44 +91,85 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
-            self._streams.pop(request_id, None)
+        """Abort a request; applied by the engine thread before its next step."""
+        self._post(("abort", request_id))
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's gauges and counters as of its last step (never blocks on a step)."""
+        stats = dict(self._stats)
+        with self._count_lock:
+            stats["num_requests_waiting"] = stats.get("num_requests_waiting", 0) + self._pending_adds
+        return stats
 
-    def shutdown(self) -> None:
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
 
     # --------------------------------------------------------------- thread
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params, priority, loop, stream = command
+                with self._count_lock:
+                    self._pending_adds -= 1
+                try:
+                    self.engine.add_request(prompt, params, request_id, priority)
+                except KeelError as e:
+                    loop.call_soon_threadsafe(stream.put_nowait, _Rejected(e))
+                    continue
+                self._streams[request_id] = (loop, stream)
+            else:
+                _, request_id = command
+                self.engine.abort_request(request_id)
+                self._streams.pop(request_id, None)
+
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wake.wait()
-                self._wake.clear()
-                continue
             try:
-                with self._lock:
-                    outputs = self.engine.step()
-                    targets = [(out, self._streams.get(out.request_id)) for out in outputs]
-                    for out in outputs:
-                        if out.finished:
-                            self._streams.pop(out.request_id, None)
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._stats = dict(self.engine.stats())
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = dict(self.engine.stats())
             except BaseException as e:  # deliver the failure to every waiting client, then stop
                 log.exception("engine step failed")
                 self.error = e
-                with self._lock:
-                    streams, self._streams = list(self._streams.values()), {}
-                for loop, queue in streams:
-                    loop.call_soon_threadsafe(queue.put_nowait, e)
+                streams, self._streams = list(self._streams.values()), {}
+                for loop, stream in streams:
+                    loop.call_soon_threadsafe(stream.put_nowait, e)
+                self._fail_pending(e)
                 return
-            for out, target in targets:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
                 if target is not None:
-                    loop, queue = target
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    loop, stream = target
+                    loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Answer adds posted after the failure, so no client waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                loop, stream = command[5], command[6]
+                loop.call_soon_threadsafe(stream.put_nowait, error)

@@ -84,6 +84,33 @@ class _Track:
         )
 
 
+def build_output(request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
+    """The RequestOutput of a request after a step (`delta`: text this step released)."""
+    finished = request.status is Status.FINISHED
+    logprobs = track.logprobs
+    completion = CompletionOutput(
+        index=0,
+        text=track.text,
+        token_ids=request.output_token_ids,
+        finish_reason=track.stop.finish_reason if finished else None,
+        stop_reason=track.stop.stop_reason if finished else None,
+        logprobs=logprobs,
+        cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+    )
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[completion],
+        finished=finished,
+        delta_text=delta,
+        delta_token_ids=delta_ids,
+        prompt_logprobs=track.prompt_logprobs,
+        num_cached_tokens=request.stats.cached_tokens,
+        metrics=request.stats,
+    )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -182,7 +209,7 @@ class LLMEngine:
             return None
         track = self._tracks.pop(request_id)
         track.stop.finish_reason = track.stop.finish_reason or "abort"
-        return self._output(request, track, "", [])
+        return build_output(request, track, "", [])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -218,33 +245,8 @@ class LLMEngine:
             if finished:
                 self.scheduler.finish(request)
                 self._tracks.pop(request.request_id)
-            outputs.append(self._output(request, track, released, [token]))
+            outputs.append(build_output(request, track, released, [token]))
         return outputs
-
-    def _output(self, request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
-        finished = request.status is Status.FINISHED
-        logprobs = track.logprobs
-        completion = CompletionOutput(
-            index=0,
-            text=track.text,
-            token_ids=request.output_token_ids,
-            finish_reason=track.stop.finish_reason if finished else None,
-            stop_reason=track.stop.stop_reason if finished else None,
-            logprobs=logprobs,
-            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            delta_text=delta,
-            delta_token_ids=delta_ids,
-            prompt_logprobs=track.prompt_logprobs,
-            num_cached_tokens=request.stats.cached_tokens,
-            metrics=request.stats,
-        )
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, float]:

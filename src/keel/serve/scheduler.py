@@ -164,8 +164,8 @@ class Scheduler:
             if not self.kv.allocate(request.request_id, computed + n, prefix=prefix):
                 break
             if request.stats.first_scheduled is None:  # count each request's prompt lookup once
-                usable = (len(tokens) - 1) // self.kv.block_size * self.kv.block_size
-                self.kv.record_prefix_lookup(usable, computed)
+                # Queries are all the request's tokens, as vLLM counts them, so hit rates compare.
+                self.kv.record_prefix_lookup(len(tokens), computed)
                 request.stats.cached_tokens = computed
             request.num_computed_tokens = computed
             self.waiting.popleft()

@@ -1,0 +1,1 @@
+"""`keel serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine."""

@@ -1,0 +1,161 @@
+"""`keel serve`: load the model, start the engine thread, run uvicorn until SIGTERM/SIGINT.
+
+The model is loaded before the port opens, so a bad model path is a one-line error and /health
+answers only once the model is ready. On SIGTERM uvicorn stops accepting connections, lets
+in-flight requests finish for up to `--shutdown-timeout` seconds, then cancels the rest (which
+aborts their engine requests); the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from keel.errors import KeelError
+
+log = logging.getLogger("keel.serve")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this Bearer key (tenant 'default', no limits); repeatable")  # fmt: skip
+    p.add_argument("--api-keys-file", default=None, metavar="F", help="TOML/JSON keys with tenants and limits")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="accepted requests waiting to run, over all tenants; beyond it: 503")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may spend queued + generating (0: no deadline)")  # fmt: skip
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask for")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="request body size limit")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")  # fmt: skip
+    p.add_argument("--audit-log", default=None, metavar="FILE", help="append audit lines here (default: stderr)")
+    p.add_argument("--audit-prompts", action="store_true", help="include prompt token ids in audit lines")
+    p.add_argument("--engine", default="keel", choices=["keel", "naive"],
+                   help="naive: transformers, one request at a time (a benchmark baseline)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache budget, e.g. 2GiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("port", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise KeelError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_tokens_cap is not None and args.max_tokens_cap < 1:
+        raise KeelError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
+    if args.request_timeout < 0 or args.shutdown_timeout < 0:
+        raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
+
+
+def _setup_logging(audit_path: str | None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    audit = logging.getLogger("keel.audit")
+    if audit_path:
+        handler = logging.FileHandler(audit_path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        audit.addHandler(handler)
+        audit.propagate = False
+
+
+def build_engine(args: argparse.Namespace):
+    """The AsyncEngine over the chosen engine, with the model loaded."""
+    from keel.serve.async_engine import AsyncEngine
+    from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.weights import load_model
+
+    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads)
+    if args.engine == "naive":
+        from keel.serve.naive import NaiveEngine
+
+        return AsyncEngine(NaiveEngine(loaded, args.max_model_len))
+    config = EngineConfig(
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+    )
+    return AsyncEngine(LLMEngine(loaded, config))
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a handled SIGTERM after its graceful shutdown (the process then dies
+        of the signal); a completed drain should exit 0, which is what orchestrators expect."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    return Server
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from keel.serve.openai.app import ServerSettings, create_app
+    from keel.serve.openai.tenants import Tenants
+
+    _check(args)
+    _setup_logging(args.audit_log)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tenants = Tenants.from_options(args.api_key, args.api_keys_file)  # before loading: a bad file fails fast
+    engine = build_engine(args)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or str(args.model),
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout or None,
+        max_tokens_cap=args.max_tokens_cap,
+        max_body_bytes=args.max_body_bytes,
+        audit_prompts=args.audit_prompts,
+    )
+    app = create_app(engine, settings, tenants)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=False,  # the audit line covers every request
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_config=None,
+    )
+    server = _server_class()(config)
+    log.info(
+        "serving %s as %r on http://%s:%d (%s engine, auth %s)",
+        args.model,
+        settings.served_model_name,
+        args.host,
+        args.port,
+        args.engine,
+        "on" if tenants.auth_required else "off",
+    )
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if not server.started:
+        raise KeelError(f"could not listen on {args.host}:{args.port} (in use, or not allowed)")
+    return 0

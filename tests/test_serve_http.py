@@ -1,0 +1,414 @@
+"""`keel serve` over real HTTP with the official openai client, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from keel.serve import LLM, SamplingParams
+from serve_process import ServerProcess
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+CONTEXT = 8192  # long enough that one request can outlive a short deadline
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("http") / "llama"
+    save_hf_model("llama", path, max_position_embeddings=CONTEXT)
+    save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Solo outputs: one request at a time in-process (max_num_seqs=1)."""
+    llm = LLM(str(model_dir), num_blocks=1024, max_num_seqs=1)
+
+    def run(prompt, max_tokens: int, **kw) -> str:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+    run.tokenizer = llm.engine.tokenizer
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--max-tokens-cap", "8000", log_path=log).wait_ready()
+    yield proc
+    assert proc.terminate() == 0, proc.logs()
+
+
+def client(server: ServerProcess, key: str = "none", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, **kw)
+
+
+def metrics(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    """Every sample as {(name, sorted labels): value}, parsed by prometheus_client's parser."""
+    text = httpx.get(server.base_url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "model_name"))))] = (
+                s.value
+            )
+    return out
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in samples.items() if n == name and all((k, v2) in lab for k, v2 in labels.items()))
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+# ---------------------------------------------------------------- the official client
+def test_completions_match_engine_streamed_or_not(server, reference):
+    c = client(server)
+    want = reference("The quick brown fox", 12)
+    r = c.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, **GREEDY)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(reference.tokenizer.encode("The quick brown fox"))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12 and r.object == "text_completion" and r.created > 0
+
+    chunks = list(c.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert len({ch.id for ch in chunks}) == 1
+
+    ids = reference.tokenizer.encode("token ids")  # prompt as token ids, and echo
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=5, echo=True, **GREEDY)
+    assert r.choices[0].text == "token ids" + reference(ids, 5)
+    r = c.completions.create(model="tiny", prompt=["one", "two"], max_tokens=4, **GREEDY)  # a batch of prompts
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == [reference("one", 4), reference("two", 4)]
+
+
+def test_chat_streamed_and_not(server, reference):
+    c = client(server)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    want = reference(reference.tokenizer.encode_chat(messages), 9)
+    r = c.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=9, **GREEDY)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length"
+    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=9, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # The system prompt's blocks were cached by the first request.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_stop_strings_logprobs_seed_and_n(server, reference):
+    c = client(server)
+    full = reference("stop here", 24)
+    stop = full[10:12]
+    r = c.completions.create(model="tiny", prompt="stop here", max_tokens=24, stop=[stop], **GREEDY)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert stop not in r.choices[0].text
+    streamed = c.completions.create(model="tiny", prompt="stop here", max_tokens=24, stop=stop, stream=True, **GREEDY)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == r.choices[0].text
+
+    r = c.completions.create(model="tiny", prompt="logprobs", max_tokens=6, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 3 <= len(top) <= 4 and chosen == pytest.approx(max(top.values()))  # greedy = argmax
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                     max_completion_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+
+    sampled = dict(model="tiny", prompt="seeded", max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = c.completions.create(seed=1234, **sampled).choices[0].text
+    b = c.completions.create(seed=1234, **sampled).choices[0].text
+    other = [c.completions.create(seed=s, **sampled).choices[0].text for s in (1, 2, 3)]
+    assert a == b and any(o != a for o in other)
+
+    r = c.completions.create(n=3, seed=7, **sampled)
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 48 and len({ch.text for ch in r.choices}) > 1
+    again = c.completions.create(n=3, seed=7, **sampled)
+    assert [ch.text for ch in sorted(again.choices, key=lambda ch: ch.index)] == [
+        ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)
+    ]
+
+
+def test_64_concurrent_streams_equal_solo(server, reference):
+    prompts = [f"request {i}: " + "abcdefgh"[: i % 8] for i in range(64)]
+    lengths = [8 + (i * 7) % 25 for i in range(64)]
+
+    async def one(c: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, str | None]:
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True, **GREEDY)
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, lengths, strict=True)))
+
+    results = asyncio.run(main())
+    for prompt, n, (text, finish) in zip(prompts, lengths, results, strict=True):
+        assert finish == "length" and text == reference(prompt, n), prompt
+
+
+# ---------------------------------------------------------------- errors and validation
+def test_bad_requests_are_4xx_with_openai_errors(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=10, temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x" * 300, max_tokens=8000, **GREEDY)
+    assert "300" in e.value.message and "8000" in e.value.message and str(CONTEXT) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=8001)  # over --max-tokens-cap
+    assert "8000" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt=[999999], max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[], max_tokens=1)
+    url = server.base_url + "/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, content=b"x" * (5 * 2**20))
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+          "logprobs", "echo", "stream", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "stop_token_ids", "messages", "max_completion_tokens", "top_logprobs", "stream_options",
+          "min_tokens"]  # fmt: skip
+SMALL_VALID = {"model": st.just("tiny"), "prompt": st.just("hi"), "max_tokens": st.integers(-2, 4),
+               "messages": st.just([{"role": "user", "content": "hi"}])}  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    endpoint=st.sampled_from(["completions", "chat/completions"]),
+    body=st.dictionaries(
+        st.sampled_from(FIELDS), st.one_of(JSON_VALUES, st.integers(-3, 5), st.floats(-3, 3)), max_size=6
+    ),
+    base=st.fixed_dictionaries({}, optional=SMALL_VALID),
+)
+def test_fuzzed_bodies_never_500_never_hang(server, endpoint, body, base):
+    payload = {**base, **body}
+    if isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 8:
+        payload["max_tokens"] = 8  # keep the valid ones quick
+    payload.pop("max_completion_tokens", None) if not isinstance(payload.get("max_completion_tokens"), int) else None
+    if isinstance(payload.get("max_completion_tokens"), int):
+        payload["max_completion_tokens"] = min(payload["max_completion_tokens"], 8)
+    if isinstance(payload.get("n"), int):
+        payload["n"] = min(payload["n"], 3)
+    r = httpx.post(f"{server.base_url}/v1/{endpoint}", content=json.dumps(payload, allow_nan=True), timeout=30)
+    assert r.status_code in (200, 400, 404), (payload, r.status_code, r.text)
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+
+
+# ---------------------------------------------------------------- metrics, disconnects
+def test_metrics_parse_and_move(server):
+    before = metrics(server)
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="count me", max_tokens=7, **GREEDY)
+    after = metrics(server)
+    delta = lambda name, **lab: metric(after, name, **lab) - metric(before, name, **lab)  # noqa: E731
+    assert delta("keel:request_success_total", finished_reason="length", tenant="anonymous") == 1
+    assert delta("keel:generation_tokens_total", tenant="anonymous") == 7
+    assert delta("keel:prompt_tokens_total", tenant="anonymous") == r.usage.prompt_tokens
+    assert delta("keel:time_to_first_token_seconds_count") == 1
+    assert delta("keel:inter_token_latency_seconds_count") == 6
+    assert delta("keel:e2e_request_latency_seconds_count") == 1
+    assert delta("keel:request_queue_time_seconds_count") == 1
+    assert delta("keel:prefix_cache_queries_total") == r.usage.prompt_tokens
+    for gauge in ("keel:num_requests_running", "keel:num_requests_waiting", "keel:kv_cache_usage_perc"):
+        assert any(n == gauge for n, _ in after), gauge
+    assert any(n == "keel:num_preemptions_total" for n, _ in after)
+
+
+def wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = metrics(server)
+        if metric(m, "keel:num_requests_running") == 0 and metric(m, "keel:kv_cache_usage_perc") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle after {timeout} s")
+
+
+def test_disconnected_stream_is_aborted_and_frees_blocks(server):
+    before = wait_idle(server)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [line for line in (next(lines) for _ in range(6)) if line.startswith("data:")]
+        assert got
+        busy = metrics(server)
+        assert metric(busy, "keel:kv_cache_usage_perc") > 0 and metric(busy, "keel:num_requests_running") == 1
+    start = time.monotonic()
+    after = wait_idle(server)  # the abort reached the engine and its blocks are back
+    assert time.monotonic() - start < 5
+    aborted = metric(after, "keel:request_success_total", finished_reason="abort") - metric(
+        before, "keel:request_success_total", finished_reason="abort"
+    )
+    assert aborted == 1
+    assert metric(after, "keel:generation_tokens_total") - metric(before, "keel:generation_tokens_total") < 6000
+
+
+# ---------------------------------------------------------------- keys, tenants, limits, deadline
+@pytest.fixture(scope="module")
+def limited(model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("limited")
+    (d / "keys.toml").write_text(
+        '[[keys]]\nkey = "key-a"\ntenant = "a"\nmax_concurrent = 1\nmax_queued = 0\n'
+        '[[keys]]\nkey = "key-b"\ntenant = "b"\ntokens_per_minute = 60\n'
+        '[[keys]]\nkey = "key-c"\ntenant = "c"\n'
+    )
+    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--api-keys-file", str(d / "keys.toml"),
+                         "--max-num-seqs", "1", "--max-queue", "2", "--request-timeout", "2",
+                         log_path=d / "server.log").wait_ready()  # fmt: skip
+    yield proc
+    assert proc.terminate() == 0, proc.logs()
+
+
+def long_stream(server: ServerProcess, key: str, started: threading.Event, lines: list) -> None:
+    body = {"model": "tiny", "prompt": "hold", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        for line in r.iter_lines():
+            started.set()
+            lines.append(line)
+
+
+def test_api_keys(limited):
+    with pytest.raises(openai.AuthenticationError):
+        client(limited, "wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
+    r = httpx.post(limited.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert client(limited, "key-c").completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens
+    assert httpx.get(limited.base_url + "/health").status_code == 200  # health and metrics need no key
+
+
+def test_tenant_limits_429_with_retry_after(limited):
+    url = limited.base_url + "/v1/completions"
+    # b: 60 tokens per minute; a request that needs more is refused, and the bucket drains.
+    r = httpx.post(url, json={"prompt": "x" * 10, "max_tokens": 100}, headers={"Authorization": "Bearer key-b"})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    ok = httpx.post(url, json={"prompt": "x", "max_tokens": 40}, headers={"Authorization": "Bearer key-b"})
+    assert ok.status_code == 200
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 40}, headers={"Authorization": "Bearer key-b"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(r.headers["Retry-After"]) <= 60
+    # a: one request at a time, none queued.
+    started, lines = threading.Event(), []
+    holder = threading.Thread(target=long_stream, args=(limited, "key-a", started, lines))
+    holder.start()
+    assert started.wait(10)
+    r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer key-a"})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    # c has its own limits: not blocked by a.
+    holder.join(30)
+    assert any("deadline" in line for line in lines)  # the 2 s deadline ended the 6000-token stream
+
+
+def test_full_queue_is_503_at_once(limited):
+    """max_num_seqs 1 and max_queue 2: one running, two waiting, the next is refused at once."""
+    threads, events = [], []
+    for _ in range(3):
+        started = threading.Event()
+        t = threading.Thread(target=long_stream, args=(limited, "key-c", started, []))
+        t.start()
+        threads.append(t)
+        events.append(started)
+    deadline = time.monotonic() + 5
+    while metric(metrics(limited), "keel:num_requests_waiting") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    start = time.monotonic()
+    r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   headers={"Authorization": "Bearer key-c"})  # fmt: skip
+    assert r.status_code == 503 and "queue" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 1.0
+    for t in threads:
+        t.join(30)
+
+
+def test_deadline_aborts_and_frees_blocks(limited):
+    wait_idle(limited)
+    start = time.monotonic()
+    r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True},
+                   headers={"Authorization": "Bearer key-c"}, timeout=30)  # fmt: skip
+    assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+    assert 1.9 < time.monotonic() - start < 6
+    wait_idle(limited)
+
+
+# ---------------------------------------------------------------- SIGTERM
+def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
+    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30",
+                         log_path=tmp_path / "server.log").wait_ready()  # fmt: skip
+    results: list = [None] * 4
+
+    def call(i: int) -> None:
+        body = {"prompt": f"r{i}", "max_tokens": 1500, "ignore_eos": True}
+        results[i] = httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while metric(metrics(proc), "keel:num_requests_running") < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code = proc.terminate(timeout=60)
+    for t in threads:
+        t.join(60)
+    assert code == 0, proc.logs()
+    for r in results:
+        assert r is not None and r.status_code == 200, proc.logs()
+        assert r.json()["usage"]["completion_tokens"] == 1500
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(proc.base_url + "/health")
+
+
+# ---------------------------------------------------------------- keel bench serve against keel serve
+def test_bench_serve_against_keel_serve(server, tmp_path, capsys):
+    from keel.cli import main
+
+    result = tmp_path / "result.json"
+    code = main(["bench", "serve", "--base-url", server.base_url, "--model", "tiny", "--num-prompts", "8",
+                 "--input-len", "16", "--output-len", "8", "--ignore-eos", "--goodput", "ttft:60000",
+                 "--result-file", str(result), "--disable-tqdm"])  # fmt: skip
+    assert code == 0
+    data = json.loads(result.read_text())
+    assert data["completed"] == 8 and data["failed"] == 0 and data["total_output_tokens"] == 64
+    assert data["output_lens"] == [8] * 8 and all(t > 0 for t in data["ttfts"])
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])  # a 60 s TTFT SLO: all meet it
+    assert "Output token throughput" in capsys.readouterr().out
