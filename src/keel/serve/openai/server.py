@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 
 from keel.errors import KeelError
@@ -60,6 +61,21 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
     if args.request_timeout < 0 or args.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the (slow) model load when the address cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise KeelError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise KeelError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def _setup_logging(audit_path: str | None) -> None:
@@ -123,6 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tenants = Tenants.from_options(args.api_key, args.api_keys_file)  # before loading: a bad file fails fast
+    _check_port(args.host, args.port)
     engine = build_engine(args)
     settings = ServerSettings(
         served_model_name=args.served_model_name or str(args.model),
