@@ -124,6 +124,12 @@ class Admission:
             tenant.tokens = min(float(tenant.limits.tokens_per_minute), tenant.tokens + refund)
         tenant.slot_freed.set()
 
+    def __del__(self) -> None:
+        # Safety net: a streaming response whose body never started (the client left at once)
+        # never runs its generator's `finally`; the slot must still come back.
+        if not self._released:
+            self.release()
+
 
 class Tenants:
     """Authentication (key -> tenant) and admission against the tenant's limits."""

@@ -1,0 +1,1 @@
+"""Real text for benchmarks and evaluations, prepared once and cached on disk."""
