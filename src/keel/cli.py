@@ -168,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
+    from keel.train.launch import add_train_args, cmd_train
+
+    p = sub.add_parser("train", help="train (hybrid parallel via torchrun); `keel train plot RUN_DIR` draws curves")
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    from keel.train import data as train_data
+
+    p = sub.add_parser("data", help="training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    train_data.register(data_sub)
+
     from keel.tools import bench_serve
 
     p = sub.add_parser("bench", help="benchmarks")

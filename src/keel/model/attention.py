@@ -99,9 +99,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism q/k/v hold this rank's heads only, not num_heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = meta.rope
@@ -114,4 +115,4 @@ class Attention(nn.Module):
         else:
             mask = meta.mask(meta.positions, self.window)
             out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -53,7 +53,7 @@ class Checkpoint:
     """An opened checkpoint: its config, tensors, tokenizer and what was read vs inferred."""
 
     path: Path
-    format: str  # "hf" | "hf-shapes" | "gguf"
+    format: str  # "hf" | "hf-shapes" | "gguf" | "keel-dcp" (a keel train checkpoint)
     config: ModelConfig
     reader: TensorReader
     tokenizer: Tokenizer | None
@@ -97,9 +97,21 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
 
             return open_gguf(path)
         raise KeelError(f"{path}: not a model (expected an HF directory, a .gguf file or a catalog name)")
+    from keel.weights.dcp import DCPReader, is_dcp_checkpoint
     from keel.weights.safetensors import SafetensorsReader
 
     config_path = path / "config.json"
+    if is_dcp_checkpoint(path):  # a `keel train` checkpoint directory
+        if not config_path.exists():
+            raise KeelError(f"{path}: a training checkpoint without config.json (not written by keel train?)")
+        config = ModelConfig.from_json_file(config_path)
+        reader = DCPReader(path, config)
+        tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_id)
+        sizes = {}
+        for name in reader.names():
+            tensor = reader.get(name)
+            sizes[reader.dtype(name)] = sizes.get(reader.dtype(name), 0) + tensor.numel() * tensor.element_size()
+        return Checkpoint(path, "keel-dcp", config, reader, tokenizer, dict.fromkeys(_FIELDS, "read"), sizes)
     reader = SafetensorsReader(path)
     if config_path.exists():
         config = ModelConfig.from_json_file(config_path)

@@ -1,0 +1,80 @@
+"""Fault injection for tests and drills, from the environment variable KEEL_FAULTS.
+
+    KEEL_FAULTS="nan@5,spike@12:50,crash@8:1,crash_in_save@10:0,hang@7:0"
+
+- `nan@S`: step S's loss (hence its gradients) becomes NaN;
+- `spike@S:F`: step S's loss is multiplied by F (a loss spike with consistent gradients);
+- `crash@S:R`: rank R exits with code 1 before step S;
+- `crash_in_save@S:R`: rank R exits with code 1 after writing checkpoint S's files, before the commit;
+- `hang@S:R`: rank R sleeps forever before step S (the watchdog's case);
+- `stop@S`: behave as if SIGTERM arrived during step S (checkpoint after it, then stop).
+Loss faults fire once per process (a rollback that comes back to step S does not re-inject);
+process faults only on the first attempt (TORCHELASTIC_RESTART_COUNT = 0), so a torchrun restart
+recovers instead of crashing again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from keel.errors import KeelError
+
+
+class Faults:
+    def __init__(self, spec: str = "") -> None:
+        self.loss: dict[int, float] = {}
+        self.process: dict[tuple[str, int], int] = {}  # (kind, step) -> rank
+        self._fired: set[int] = set()
+        self.stop_step: int | None = None
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            kind, _, rest = item.partition("@")
+            step_text, _, arg = rest.partition(":")
+            try:
+                step = int(step_text)
+                if kind == "nan":
+                    self.loss[step] = math.nan
+                elif kind == "spike":
+                    self.loss[step] = float(arg or 100.0)
+                elif kind == "stop":
+                    self.stop_step = step
+                elif kind in ("crash", "crash_in_save", "hang"):
+                    self.process[(kind, step)] = int(arg or 0)
+                else:
+                    raise ValueError(kind)
+            except ValueError:
+                raise KeelError(f"KEEL_FAULTS: cannot parse {item!r} (see keel.train.faults)") from None
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        return cls(os.environ.get("KEEL_FAULTS", ""))
+
+    @staticmethod
+    def _first_attempt() -> bool:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    def loss_scale(self, step: int) -> float:
+        if step in self.loss and step not in self._fired:
+            self._fired.add(step)
+            return self.loss[step]
+        return 1.0
+
+    def before_step(self, step: int, rank: int) -> None:
+        if not self._first_attempt():
+            return
+        if self.process.get(("crash", step)) == rank:
+            print(f"KEEL_FAULTS: rank {rank} crashes before step {step}", flush=True)
+            os._exit(1)
+        if self.process.get(("hang", step)) == rank:
+            print(f"KEEL_FAULTS: rank {rank} hangs before step {step}", flush=True)
+            while True:
+                time.sleep(3600)
+
+    def stop_after(self, step: int) -> bool:
+        return self.stop_step == step and self._first_attempt()
+
+    def before_commit(self, step: int, rank: int) -> None:
+        if self._first_attempt() and self.process.get(("crash_in_save", step)) == rank:
+            print(f"KEEL_FAULTS: rank {rank} crashes while saving checkpoint {step}", flush=True)
+            os._exit(1)

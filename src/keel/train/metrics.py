@@ -1,0 +1,124 @@
+"""Training observability: FLOPs per token and MFU, the machine's peak, peak memory, the metrics file.
+
+MFU (model FLOPs utilisation) as torchtitan and the PaLM paper define it: model FLOPs per token x
+tokens per second / peak FLOP/s, with model FLOPs per token = 6 x (active non-embedding
+parameters + the LM head) + 12 x layers x heads x head_dim x seq_len (attention scores and
+values, forward + backward; causal masking not discounted, as PaLM counts it). Recomputation
+(activation checkpointing) is not counted: MFU, not HFU.
+
+The peak: on CPU it is measured at start (square matmuls in the training dtype on the threads
+torch uses; what "the measured matmul peak" of the benchmark means); on GPU it comes from the
+table below (dense, no sparsity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from keel.config import ModelConfig
+
+# Dense peak FLOP/s per GPU, (bf16/fp16, fp32 via TF32 where the vendor quotes it).
+GPU_PEAK_FLOPS = {
+    "A100": {"bf16": 312e12, "fp32": 156e12},
+    "H100": {"bf16": 989e12, "fp32": 494e12},
+    "H200": {"bf16": 989e12, "fp32": 494e12},
+    "B200": {"bf16": 2250e12, "fp32": 1100e12},
+    "MI300X": {"bf16": 1307e12, "fp32": 654e12},
+}
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token."""
+    counts = config.param_counts()
+    embed_only = config.vocab_size * config.hidden_size  # the input embedding is a lookup, no FLOPs
+    dense = counts["active"] - embed_only
+    if config.tie_word_embeddings:
+        dense += embed_only  # the tied head is still a matmul
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    return 6.0 * dense + attention
+
+
+def measure_cpu_peak(dtype: torch.dtype, max_size: int = 2048, seconds: float = 1.0) -> float:
+    """FLOP/s of square matmuls in `dtype` on this process's threads (best of a short run).
+
+    The size grows from 256 while a multiply stays fast, so a dtype without a fast kernel on this
+    CPU (float16 on most x86 parts: ~3 GFLOP/s) is measured in milliseconds, not minutes.
+    """
+    size = 256
+    while True:
+        a = torch.randn(size, size, dtype=dtype)
+        b = torch.randn(size, size, dtype=dtype)
+        torch.mm(a, b)  # warm-up (kernel selection)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if size >= max_size or time.perf_counter() - start > 0.02:
+            break
+        size *= 2
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """(peak FLOP/s, how it was obtained) for MFU."""
+    key = "fp32" if precision == "fp32" else "bf16"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for gpu, peaks in GPU_PEAK_FLOPS.items():
+            if gpu in name:
+                return peaks[key], f"{gpu} datasheet ({key}, dense)"
+        return 0.0, f"unknown GPU {name!r}: MFU not computed"
+    dtype = torch.float32 if precision == "fp32" else (torch.bfloat16 if precision == "bf16" else torch.float16)
+    return measure_cpu_peak(dtype), f"measured: {dtype} matmul on {torch.get_num_threads()} threads"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """GPU: max_memory_allocated; CPU: the process's RSS high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+class MetricsFile:
+    """Append-only JSONL, one object per logged step (rank 0 only), flushed each line so a crash
+    loses at most the line being written."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - lives as long as the run
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line after a crash
+    return records

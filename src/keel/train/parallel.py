@@ -1,0 +1,347 @@
+"""Parallelism passes applied from outside the model: tensor/sequence parallel, activation checkpointing, FSDP2.
+
+## The device mesh
+
+Every rank sits on one `DeviceMesh` with four named dims, outermost first:
+
+    ("pp", "dp_replicate", "dp_shard", "tp")      world = pp * dp_replicate * dp_shard * tp
+
+Size-1 dims are allowed and cost nothing. `tp` is innermost so that tensor-parallel groups (the most
+talkative) are neighbouring ranks, i.e. one node; `pp` is outermost (point-to-point only). The two
+data-parallel dims are also flattened into `"dp"`: the ranks that see different data, over which
+the loss is averaged and batches are split.
+
+| sub-mesh                          | used by                                                     |
+|-----------------------------------|-------------------------------------------------------------|
+| `mesh["tp"]`                      | `apply_tp` (DTensor placements, collectives inside a block) |
+| `mesh["dp_shard"]`                | FSDP (ZeRO-3) when `dp_replicate == 1`                      |
+| `mesh["dp_replicate", "dp_shard"]`| HSDP when `dp_replicate > 1`: replicate x shard (2-D)       |
+| `loss_mesh(mesh)` ("dp", flat)    | data loading rank/size, loss and metric all-reduce          |
+| `mesh["pp"]`                      | `keel.train.pipeline.build_pipeline` (send/recv)            |
+
+## Order of passes (torchtitan's)
+
+    split into pipeline stages -> TP (+SP) -> activation checkpointing -> FSDP per block, then root
+
+TP first, because FSDP shards the DTensor parameters TP produced a second time on the dp mesh (2-D
+`(Shard(0) on dp, Shard(k) on tp)` placements); AC before FSDP, so that FSDP's all-gather hooks sit
+outside the checkpointed region and the recomputation re-gathers nothing it still holds.
+
+## The TP plan (`apply_tp`), per architecture family
+
+| module                                   | style                                                       |
+|------------------------------------------|-------------------------------------------------------------|
+| `embed_tokens`                           | RowwiseParallel (vocab-parallel), output Shard(1) with SP   |
+| `layers.N.input_layernorm`, `post_...`   | SequenceParallel (SP only): activations Shard(1) on seq     |
+| `layers.N.self_attn`                     | PrepareModuleInput Shard(1) -> Replicate (SP all-gather)    |
+| `self_attn.q_proj/k_proj/v_proj`         | ColwiseParallel: each rank owns num_heads/tp heads          |
+| `self_attn.q_norm/k_norm` (Qwen3)        | SequenceParallel on the heads dim (weight grads all-reduced)|
+| `self_attn.o_proj`                       | RowwiseParallel, output reduce-scattered to Shard(1) (SP)   |
+| `layers.N.mlp` (dense SwiGLU)            | gate_proj/up_proj Colwise, down_proj Rowwise                |
+| `layers.N.mlp` (MoE)                     | replicated: gathered in, computed on every tp rank, re-split|
+| `norm`                                   | SequenceParallel (SP only)                                  |
+| `lm_head`                                | ColwiseParallel, logits gathered to Replicate               |
+
+Qwen2's q/k/v biases are sharded with their weights; Mistral's sliding window and Qwen3's q/k norm
+need nothing else. Requirements: `num_heads % tp == 0`, `num_kv_heads % tp == 0` (checked, ValueError),
+`intermediate_size % tp == 0`, and with SP the sequence length `% tp == 0`.
+
+Logits come out replicated (full `[B, S, V]` on every tp rank) rather than loss-parallel: the loss and
+the pipeline's loss function stay plain `cross_entropy`, at the cost of `B*S*V` floats per rank and an
+all-gather over the vocab. Loss-parallel (`Shard(-1)` logits + `loss_parallel()`) is the next step
+when vocabularies are large.
+
+With SP the residual stream between blocks is a DTensor sharded on the sequence, which keeps the
+model's own shape logic correct: `Transformer.forward` reads `B, S` from it (the global shape), so
+the positions and the rotary tables cover the whole sequence while each rank stores `S/tp` of the
+activations. At a pipeline-stage boundary the stage hands over the local shard (`[B, S/tp, H]`), and
+the next stage wraps it back into a DTensor. MoE blocks are not tensor-parallel (experts replicated
+over tp): under SP their input is all-gathered so every tp rank computes identical expert gradients.
+
+## What is sharded where, and memory per rank
+
+FSDP2 (`fully_shard`) groups each decoder block, then the root (embedding, final norm, head). Between
+uses, every parameter, its gradient and the AdamW states live only as `1/(dp_shard*tp)` shards
+(`Shard(0)` on dp_shard, and on tp as the TP plan says; replicated over dp_replicate with HSDP). A
+block's full parameters exist only while it runs (all-gathered in forward, re-gathered in backward
+when `reshard_after_forward=True`, kept between forward and backward otherwise).
+
+Persistent memory per rank for a model of P parameters, `pp` stages, N = dp_shard * tp (dp_replicate
+does not divide: HSDP replicas hold the same shards):
+
+    float32 training (this test suite): (4 param + 4 grad + 8 AdamW m, v) * P / (pp * N) = 16 P / (pp N) bytes
+    bf16 compute (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)): the same 16 P / (pp N),
+      because FSDP2 keeps the sharded parameters and gradients in fp32 (they are the master weights); it
+      equals the ZeRO-3 paper's (2 + 2 + 12) P / N (bf16 param + bf16 grad + fp32 master, m, v).
+
+Transient on top: the gathered copies of the block computing and the one prefetched (parameters, then
+gradients before their reduce-scatter: 2 x 4 bytes, or 2 bytes in bf16, x block params / tp); with
+`reshard_after_forward=False` every block of the stage stays gathered from its forward to its backward.
+Activations: per block input `B*S*H` (divided by tp under SP) with full AC, all block internals without.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from keel.model.layers import SwiGLU
+from keel.model.transformer import Transformer
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+ACMode = Literal["none", "full", "selective"]
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def build_mesh(
+    pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, device_type: str = "cpu"
+) -> DeviceMesh:
+    """The 4-D mesh ("pp", "dp_replicate", "dp_shard", "tp"), plus the flattened "dp" dim.
+
+    Needs an initialised default process group whose world size is the product of the dims.
+    """
+    sizes = (pp, dp_replicate, dp_shard, tp)
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} tp={tp}")
+    world = dist.get_world_size()
+    if pp * dp_replicate * dp_shard * tp != world:
+        raise ValueError(
+            f"pp*dp_replicate*dp_shard*tp = {pp}*{dp_replicate}*{dp_shard}*{tp} must equal the world size {world}"
+        )
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["tp"]
+
+
+def pp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["pp"]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: 1-D dp_shard (FSDP), or 2-D (dp_replicate, dp_shard) for HSDP."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding different data ("dp" = dp_replicate x dp_shard): average losses and metrics here."""
+    # _flatten returns the mesh build_mesh cached; slicing mesh["dp"] is deprecated for flattened dims.
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """(index, count) of this rank's slice of the global batch."""
+    dp = loss_mesh(mesh)
+    return dp.get_local_rank(), dp.size()
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def check_tp_divisible(model: Transformer, tp: int) -> None:
+    """ValueError unless every rank can own whole attention heads (and an equal MLP slice)."""
+    c = model.config
+    for name, value in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads)):
+        if value % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide {name} ({value}): each rank owns whole heads")
+    if any(isinstance(layer.mlp, SwiGLU) for layer in model.layers.values()) and c.intermediate_size % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide intermediate_size ({c.intermediate_size})")
+
+
+def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
+    # With SP the residual stream is a Shard(1) DTensor; rowwise outputs stay DTensors to add to it.
+    seq, out = (Shard(1), False) if sp else (Replicate(), True)
+    plan: dict[str, ParallelStyle] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=out),
+    }
+    if sp:
+        plan["input_layernorm"] = SequenceParallel()
+        plan["post_attention_layernorm"] = SequenceParallel()
+        # Gather the sequence once per block half; the meta argument is not a tensor.
+        plan["self_attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        )
+    if layer.self_attn.q_norm is not None:
+        # q/k are [B, S, heads/tp, D] local tensors: shard the norm on the heads dim, so that its
+        # replicated weight's gradient (a partial sum over this rank's heads) is all-reduced.
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if isinstance(layer.mlp, SwiGLU):
+        plan["mlp.gate_proj"] = ColwiseParallel()
+        plan["mlp.up_proj"] = ColwiseParallel()
+        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=out)
+        if sp:
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    elif sp:
+        # MoE, not tensor parallel: run it on the whole sequence with replicated experts on every tp
+        # rank (identical gradients, no reduction needed), then take this rank's sequence shard.
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
+        )
+    return plan
+
+
+def _seq_divisible_hook(tp: int):
+    def hook(module: nn.Module, args: tuple) -> None:
+        tokens = args[0]
+        if tokens.dim() == 2 and tokens.shape[1] % tp:
+            raise ValueError(f"sequence parallel needs the sequence length ({tokens.shape[1]}) divisible by tp ({tp})")
+
+    return hook
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> Transformer:
+    """Tensor parallel (Megatron layout) with optional sequence parallel norms, in place.
+
+    `model` may be a pipeline stage: missing embed_tokens / norm / lm_head are skipped, and under
+    sequence parallel the stage's input (when it has no embedding) and output (when it has no head)
+    are the local sequence shards [B, S/tp, H].
+    """
+    tp = tp_mesh.size()
+    check_tp_divisible(model, tp)
+    sp = sequence_parallel
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
+    top: dict[str, ParallelStyle] = {}
+    if model.embed_tokens is not None:
+        top["embed_tokens"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp
+        )
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        top["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if sp:
+        _apply_stage_boundaries(model, tp_mesh)
+        if model.embed_tokens is not None:
+            model.register_forward_pre_hook(_seq_divisible_hook(tp))
+    # Both styles sharded the shared weight on the vocab (Shard(0)) but each made its own parameter.
+    model.tie_weights()
+    return model
+
+
+def _apply_stage_boundaries(model: Transformer, mesh: DeviceMesh) -> None:
+    """A stage without embedding receives, and one without norm returns, the local sequence shard."""
+    wrap_in = model.embed_tokens is None
+    unwrap_out = model.norm is None
+    if wrap_in and unwrap_out:
+        style: ParallelStyle = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Shard(1),),
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+    elif wrap_in:
+        style = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+    elif unwrap_out:
+        style = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True)
+    else:
+        return
+    parallelize_module(model, mesh, style)
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+def apply_activation_checkpointing(model: Transformer, mode: ACMode = "full", every: int = 1) -> Transformer:
+    """Recompute blocks in backward instead of storing their activations, in place.
+
+    full: every block. selective: blocks whose global index is a multiple of `every` (keys of
+    `model.layers` are global indices, so a pipeline stage checkpoints the same blocks as the whole
+    model would). Wrapped blocks keep their state-dict keys.
+    """
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode must be none, full or selective, got {mode!r}")
+    if every < 1:
+        raise ValueError(f"activation checkpointing every must be >= 1, got {every}")
+    for name in list(model.layers.keys()):
+        if mode == "full" or int(name) % every == 0:
+            model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+    return model
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Transformer:
+    """FSDP2 (ZeRO-3) per decoder block, then the root (embedding, norm, head), in place.
+
+    A 2-D `dp_mesh` (dp_replicate, dp_shard) gives HSDP. With `param_dtype` bf16/fp16 the sharded
+    (master) parameters and optimizer states stay in their own dtype (fp32) and only the gathered
+    compute copies are cast; gradients are reduced in `reduce_dtype`.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's parameters are the first needed in backward: keep them gathered after forward.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    ac_mode: ACMode = "none",
+    ac_every: int = 1,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> Transformer:
+    """TP (when tp > 1), activation checkpointing, then FSDP/HSDP (when dp > 1), in that order, in place.
+
+    `model` is the whole model or one pipeline stage module (see keel.train.pipeline).
+    """
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], sequence_parallel)
+    apply_activation_checkpointing(model, ac_mode, ac_every)
+    if loss_mesh(mesh).size() > 1:
+        apply_fsdp(model, dp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward)
+    return model

@@ -1,0 +1,44 @@
+"""`keel train plot RUN_DIR`: loss and throughput of a run (from its metrics.jsonl) as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from keel.errors import KeelError
+from keel.train.metrics import read_metrics
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise KeelError(f"{path}: no metrics file (is {run_dir} a keel train run directory?)")
+    records = [r for r in read_metrics(path) if "loss" in r]
+    if not records:
+        raise KeelError(f"{path}: no training steps logged yet")
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1)
+    val = [r for r in records if r.get("val_loss") is not None]
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_tps.plot(steps, [r.get("tokens_per_s", 0) for r in records], color="tab:green", linewidth=1)
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    ax_tps.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "curves.png"
+    tmp = out.with_name(out.name + ".part.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,503 @@
+"""The training loop of one rank (`keel train` runs it under torchrun, or in-process for one rank).
+
+One step: `grad_accum` micro-batches forward + backward (through the pipeline schedule when
+pp > 1), the loss averaged over data-parallel ranks and pipeline stages, gradients unscaled (fp16)
+and clipped by their global norm over every mesh dimension and stage, the guard's verdict (NaN,
+spikes), then the optimizer and schedule step. Metrics go to the run's JSONL file; checkpoints to
+RUN/checkpoints (see keel.train.checkpoint). The model module is the one serving uses:
+parallelism is applied from outside (keel.train.parallel, keel.train.pipeline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+from keel.model.transformer import Transformer, build_model, cross_entropy_loss
+from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
+from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
+from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
+from keel.train.faults import Faults
+from keel.train.guard import TrainingGuard
+from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_memory_bytes
+from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.precision import DynamicLossScaler, clip_grad_norm_
+from keel.train.watchdog import StepWatchdog
+
+log = logging.getLogger("keel.train")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+class GuardStop(KeelError):
+    """The guard's policy ended the run."""
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    final_loss: float | None
+    losses: dict[int, float] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    stopped_by_signal: bool = False
+
+
+def _env_world() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world, local_rank = _env_world()
+        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if self.world > 1 and not dist.is_initialized():
+            _init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.rank, self.world)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.faults = Faults.from_env()
+        self._fault_scale = 1.0
+        self._stop_requested = False
+        self.model_config, self.tokenizer, model = self._build_model()
+        self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
+        self.mesh = None
+        self.pipeline = None
+        self._build_parallel(model)
+        opt = cfg.optimizer
+        self.optimizers = [
+            build_optimizer([m], opt.lr, tuple(opt.betas), opt.eps, opt.weight_decay, opt.fused) for m in self.modules
+        ]
+        sch = cfg.schedule
+        self.schedulers = [
+            build_scheduler(o, sch.warmup_steps, cfg.training.steps, sch.decay, sch.min_lr_ratio)
+            for o in self.optimizers
+        ]
+        tr = cfg.training
+        self.scaler = DynamicLossScaler(
+            tr.init_scale, tr.growth_factor, tr.backoff_factor, tr.growth_interval, enabled=tr.precision == "fp16"
+        )
+        g = cfg.guard
+        self.guard = TrainingGuard(g.nan, g.spike, g.spike_zscore, g.grad_norm_zscore, g.window, g.warmup)
+        self.train_file, self.val_file = open_datasets(cfg.data.path, cfg.data.val_path, cfg.data.val_tokens)
+        if self.train_file.vocab_size > self.model_config.vocab_size:
+            raise KeelError(
+                f"{cfg.data.path}: token ids up to {self.train_file.vocab_size - 1}, but the model's vocabulary has "
+                f"{self.model_config.vocab_size} entries"
+            )
+        dp_rank, dp_size = self._dp_rank_size()
+        self.loader = BatchLoader(
+            self.train_file, cfg.data.seq_len, tr.micro_batch_size, dp_rank, dp_size, cfg.run.seed,
+            self.layout.grad_accum,
+        )  # fmt: skip
+        self.run_dir = cfg.run_dir
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.run_dir / "config.toml", dump_config(cfg))
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            cfg.checkpoint.keep,
+            cfg.checkpoint.async_save,
+            write_model_files=self._write_model_files,
+            before_commit=lambda step: self.faults.before_commit(step, self.rank),
+        )
+        self.metrics = MetricsFile(cfg.metrics_path, enabled=self.rank == 0)
+        self.step = 0
+        self.rollbacks = 0
+        self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(self.device, tr.precision)
+        self.watchdog = StepWatchdog(cfg.watchdog.timeout_s)
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self) -> tuple[ModelConfig, Any, Transformer]:
+        from keel.weights import load_model, open_checkpoint
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+        dtype = DTYPES[cfg.model.dtype]
+        if cfg.model.source is not None:
+            loaded = load_model(cfg.model.source, "float32")
+            model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+            model.to(dtype)
+        else:
+            config = model_config_from(cfg.model.config)
+            model = build_model(config, dtype=dtype)
+            tokenizer = open_checkpoint(cfg.model.tokenizer_ref).tokenizer
+        model.to(self.device)
+        model.train()
+        return config, tokenizer, model
+
+    def _build_parallel(self, model: Transformer) -> None:
+        from keel.train import parallel
+
+        cfg, lay = self.cfg, self.layout
+        par = cfg.parallel
+        compute = COMPUTE[cfg.training.precision]
+        # FSDP's mixed precision casts the gathered copies when there is a dp dimension; otherwise autocast.
+        self.use_autocast = compute is not None and lay.dp == 1 and DTYPES[cfg.model.dtype] == torch.float32
+        if self.world == 1:
+            self.modules: list[nn.Module] = [model]
+            return
+        self.mesh = parallel.build_mesh(lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, self.device.type)
+
+        def parallelize(module: Transformer) -> Transformer:
+            return parallel.parallelize(
+                module,
+                self.mesh,
+                sequence_parallel=par.sequence_parallel,
+                ac_mode=cfg.activation_checkpoint.mode,
+                ac_every=cfg.activation_checkpoint.every,
+                param_dtype=compute if lay.dp > 1 else None,
+                reshard_after_forward=par.reshard_after_forward,
+            )
+
+        if lay.pp > 1:
+            from keel.train.pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(
+                model,
+                self.mesh["pp"],
+                par.pp_schedule,
+                lay.pp_microbatches,
+                lay.pp_stages_per_rank,
+                self._pipeline_loss,
+                parallelize_fn=parallelize,
+                untie_embeddings=True,
+                device=self.device,
+            )
+            self.modules = list(self.pipeline.modules)
+        else:
+            self.modules = [parallelize(model)]
+
+    def _dp_rank_size(self) -> tuple[int, int]:
+        if self.mesh is None:
+            return 0, 1
+        from keel.train.parallel import dp_rank_and_size
+
+        return dp_rank_and_size(self.mesh)
+
+    def _write_model_files(self, directory: Path) -> None:
+        """Make a checkpoint directory a model keel can load: HF config.json and the tokenizer."""
+        config = self.model_config
+        if self.pipeline is not None and config.tie_word_embeddings:
+            config = dataclasses.replace(config, tie_word_embeddings=False)  # the pipeline trained two copies
+        hf = config.to_hf()
+        hf["dtype"] = self.cfg.model.dtype
+        _write_atomic(directory / "config.json", _json(hf))
+        _write_atomic(directory / "train_config.json", config_json(self.cfg))
+        if self.tokenizer is not None:
+            self.tokenizer.save_hf(directory)
+
+    # ------------------------------------------------------------------ state
+    def _parts(self) -> ModelParts:
+        return ModelParts(self.modules, self.optimizers)
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "scaler": self.scaler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "guard": self.guard.state_dict(),
+            "rollbacks": self.rollbacks,
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def _restore(self, path: Path) -> None:
+        state = self.checkpoints.load(path, self._parts())
+        self.step = int(state["step"])
+        for sched, s in zip(self.schedulers, state["schedulers"], strict=False):
+            sched.load_state_dict(s)
+        self.scaler.load_state_dict(state["scaler"])
+        self.loader.load_state_dict(state["loader"])
+        self.guard.load_state_dict(state["guard"])
+        self.rollbacks = int(state.get("rollbacks", 0))
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def save(self, blocking: bool = False) -> None:
+        self.watchdog.pause()
+        self.checkpoints.save(self.step, self._parts(), self.trainer_state(), blocking=blocking)
+
+    # ------------------------------------------------------------------ step
+    def _pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        # The schedule averages microbatch losses itself; here: accumulation and fp16 scaling.
+        loss = cross_entropy_loss(logits, targets) / self.layout.grad_accum
+        loss = loss * self._fault_scale
+        return self.scaler.scale_loss(loss)
+
+    def _autocast(self):
+        compute = COMPUTE[self.cfg.training.precision]
+        if not self.use_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=compute)
+
+    def _forward_backward(self) -> Tensor:
+        """All micro-batches of one step; returns this rank's summed (unscaled) loss contribution."""
+        accum = self.layout.grad_accum
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(accum):
+            inputs, labels = self.loader.next_microbatch()
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            last = micro == accum - 1
+            for module in self.modules:  # reduce-scatter gradients once, after the last micro-batch
+                if hasattr(module, "set_requires_gradient_sync"):
+                    module.set_requires_gradient_sync(last)
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, labels)
+                if loss is not None:  # the last stage: the schedule's mean of the scaled losses
+                    total += loss.float() / self.scaler.scale
+                continue
+            with self._autocast():
+                logits = self.modules[0](inputs)
+            loss = cross_entropy_loss(logits, labels) / accum * self._fault_scale
+            self.scaler.scale_loss(loss).backward()
+            total += loss.detach().float()
+        return total
+
+    def _global_loss(self, local: Tensor) -> float:
+        """The step's mean loss over every data-parallel rank (from the last pipeline stage)."""
+        if self.mesh is None:
+            return local.item()
+        from keel.train.parallel import loss_mesh
+
+        if self.layout.pp > 1:  # only the last stage has it: sum over the pp group spreads it to all
+            if self.pipeline is None or not self.pipeline.has_last:
+                local = torch.zeros_like(local)
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        dp = loss_mesh(self.mesh)
+        if dp.size() > 1:
+            dist.all_reduce(local, group=dp.get_group())
+            local = local / dp.size()
+        return local.item()
+
+    def _params(self) -> list[Tensor]:
+        return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+    def _zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    def train_step(self) -> dict[str, Any]:
+        step = self.step + 1
+        self._fault_scale = self.faults.loss_scale(step)
+        t0 = time.perf_counter()
+        local = self._forward_backward()
+        t_fb = time.perf_counter()
+        loss = self._global_loss(local)
+        params = self._params()
+        self.scaler.unscale_(params)
+        pp_group = self.mesh["pp"].get_group() if self.mesh is not None and self.layout.pp > 1 else None
+        norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_group).item()
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": self.schedulers[0].get_last_lr()[0],
+        }
+        applied = True
+        if self.scaler.enabled and not math.isfinite(norm) and math.isfinite(loss):
+            self.scaler.update(found_inf=True)  # fp16 overflow: skip, back off; not a data problem
+            record["overflow"] = True
+            applied = False
+        else:
+            event = self.guard.check(step, loss, norm)
+            if event is not None:
+                record["guard"] = event.to_dict()
+                log.warning("guard: %s", event.describe())
+                applied = False
+                if event.action == "stop":
+                    raise GuardStop(f"guard: {event.describe()}")
+                if event.action == "rollback":
+                    self._zero_grad()
+                    self._rollback(event.describe())
+                    record["rolled_back_to"] = self.step
+                    return record
+            else:
+                self.scaler.update(found_inf=False)
+        if applied:
+            for o in self.optimizers:
+                o.step()
+            self.guard.accept(loss, norm)
+        self._zero_grad()
+        for s in self.schedulers:
+            s.step()
+        self.step = step
+        t_end = time.perf_counter()
+        tokens = self.cfg.training.global_batch_size * self.cfg.data.seq_len
+        tps = tokens / (t_end - t0)
+        record.update(
+            applied=applied,
+            loss_scale=self.scaler.scale if self.scaler.enabled else None,
+            tokens=tokens,
+            tokens_per_s=tps,
+            mfu=self.flops_per_token * tps / (self.peak_flops * self.world) if self.peak_flops else None,
+            time_forward_backward_s=t_fb - t0,
+            time_optimizer_s=t_end - t_fb,
+            time_step_s=t_end - t0,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+        )
+        return record
+
+    def _rollback(self, reason: str) -> None:
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.guard.max_rollbacks:
+            raise GuardStop(
+                f"guard: {reason}; more than guard.max_rollbacks = {self.cfg.guard.max_rollbacks} rollbacks"
+            )
+        self.checkpoints.finalize()
+        path = latest_checkpoint(self.checkpoints.dir)
+        if path is None:
+            raise GuardStop(f"guard: {reason}; no checkpoint to roll back to")
+        rollbacks = self.rollbacks
+        self._restore(path)
+        self.rollbacks = rollbacks  # the count survives the restore
+        skip = self.cfg.guard.skip_batches_after_rollback
+        if skip:
+            self.loader.skip(skip)
+        log.warning("rolled back to step %d, skipping the next %d batches", self.step, skip)
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        """Mean loss on the validation tokens (without a pipeline: the whole model is needed here)."""
+        if self.val_file is None or self.pipeline is not None:
+            return None
+        dp_rank, dp_size = self._dp_rank_size()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        module = self.modules[0]
+        module.eval()
+        for inputs, labels in iter_eval_batches(
+            self.val_file, self.cfg.data.seq_len, self.cfg.training.micro_batch_size, dp_rank, dp_size
+        ):
+            with self._autocast():
+                logits = module(inputs.to(self.device))
+            total[0] += cross_entropy_loss(logits, labels.to(self.device)).double() * labels.numel()
+            total[1] += labels.numel()
+        module.train()
+        if self.mesh is not None:
+            from keel.train.parallel import loss_mesh
+
+            dp = loss_mesh(self.mesh)
+            if dp.size() > 1:
+                dist.all_reduce(total, group=dp.get_group())
+        return (total[0] / total[1]).item()
+
+    # ------------------------------------------------------------------ loop
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        resume = cfg.checkpoint.resume
+        path = None
+        if resume == "auto":
+            path = latest_checkpoint(self.checkpoints.dir)
+        elif resume != "none":
+            path = Path(resume)
+            if not (path / "COMPLETE").exists():
+                raise KeelError(f"checkpoint.resume = {resume}: not a complete keel checkpoint directory")
+        if path is not None:
+            self._restore(path)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        result = TrainResult(steps_done=self.step, final_loss=None)
+        bar = None
+        if cfg.log.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.training.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        if self.rank == 0:
+            log.info(
+                "training %s: %s parameters, layout pp=%d dp_replicate=%d dp_shard=%d tp=%d, grad_accum=%d; "
+                "peak %.3g FLOP/s (%s)",
+                cfg.run.name, f"{self.model_config.param_counts()['total']:,}", self.layout.pp,
+                self.layout.dp_replicate, self.layout.dp_shard, self.layout.tp, self.layout.grad_accum,
+                self.peak_flops, self.peak_source,
+            )  # fmt: skip
+        try:
+            while self.step < cfg.training.steps:
+                self.watchdog.step_started(self.step + 1)
+                self.faults.before_step(self.step + 1, self.rank)
+                record = self.train_step()
+                self.watchdog.pause()
+                result.losses[record["step"]] = record["loss"]
+                if "guard" in record:
+                    result.events.append(record["guard"])
+                interval = cfg.checkpoint.interval
+                at_end = self.step >= cfg.training.steps
+                if "rolled_back_to" not in record and interval and self.step % interval == 0 and not at_end:
+                    t = time.perf_counter()
+                    self.save()
+                    val = self.validate()
+                    record["time_checkpoint_s"] = time.perf_counter() - t
+                    if val is not None:
+                        record["val_loss"] = val
+                if self.rank == 0 and (record["step"] % cfg.log.interval == 0 or "guard" in record):
+                    self.metrics.write(record)
+                if bar is not None:
+                    bar.n = self.step
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}")
+                    bar.refresh()
+                if self._stop_requested or self.faults.stop_after(self.step):
+                    log.warning("SIGTERM: saving a checkpoint at step %d and stopping", self.step)
+                    result.stopped_by_signal = True
+                    break
+            val = self.validate()
+            if val is not None and self.rank == 0:
+                self.metrics.write({"step": self.step, "val_loss": val})
+            self.save(blocking=True)
+            self.checkpoints.finalize()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.watchdog.stop()
+            if bar is not None:
+                bar.close()
+            self.metrics.close()
+        result.steps_done = self.step
+        result.final_loss = result.losses.get(self.step)
+        return result
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _init_process_group(backend: str, rank: int, world: int) -> None:
+    """The default group, its keys under a per-attempt prefix of the launcher's store.
+
+    After a torchrun restart (`--max-restarts`) the agent's store still holds the previous
+    attempt's keys; without a fresh prefix a new worker can read a dead peer's address and gloo's
+    connectFullMesh fails with "Connection refused".
+    """
+    store, _, _ = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"keel/attempt-{attempt}", store), rank=rank, world_size=world
+    )
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,220 @@
+"""`keel train` end to end on a tiny Llama: learning, checkpoints, exact resume, guards, fp16, faults.
+
+Single-process runs go in-process (Trainer); distributed ones through `keel train --nproc 2`
+(torchrun, gloo), as users run them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from keel.train.checkpoint import COMPLETE, latest_checkpoint
+from keel.train.config import load_config
+from keel.train.data import write_token_file
+from keel.train.metrics import read_metrics
+from keel.train.trainer import Trainer
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+MODEL = """
+[model]
+tokenizer = "{tok}"
+[model.config]
+architectures = ["LlamaForCausalLM"]
+vocab_size = 256
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 128
+tie_word_embeddings = false
+eos_token_id = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    save_hf_model("llama", root / "tok")
+    save_byte_tokenizer(root / "tok")
+    rng = np.random.default_rng(0)
+    words = [rng.integers(3, 250, size=int(rng.integers(2, 6))) for _ in range(40)]
+    stream = np.concatenate([words[i] for i in rng.integers(0, 40, size=12000)])  # learnable: a 40-word language
+    write_token_file(root / "data.bin", stream, vocab_size=256, eos_id=2)
+    return root
+
+
+def config(root: Path, name: str, extra: str = "") -> Path:
+    text = (
+        MODEL.format(tok=root / "tok")
+        + f"""
+[run]
+name = "{name}"
+dir = "{root}/runs/{{name}}"
+[data]
+path = "{root}/data.bin"
+seq_len = 32
+[training]
+steps = 20
+global_batch_size = 8
+micro_batch_size = 4
+[optimizer]
+lr = 3e-3
+[schedule]
+warmup_steps = 2
+[checkpoint]
+interval = 10
+keep = 5
+async_save = false
+[guard]
+spike = "off"
+[log]
+progress = false
+{extra}"""
+    )
+    path = root / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def run(path: Path, *overrides: str, env: dict | None = None):
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        trainer = Trainer(load_config(path, overrides))
+        try:
+            return trainer, trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and r.get("applied")}
+
+
+def test_learns_logs_and_checkpoints_a_loadable_model(root):
+    from keel.weights import load_model
+
+    trainer, result = run(config(root, "learn"), "training.steps=40")
+    first, last = result.losses[1], result.losses[40]
+    assert last < first - 1.0, (first, last)
+    records = read_metrics(root / "runs/learn/metrics.jsonl")
+    step_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in step_records] == list(range(1, 41))
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_memory_bytes"] > 0 for r in step_records)
+    ckpt = latest_checkpoint(root / "runs/learn/checkpoints")
+    assert ckpt.name == "step-00000040" and (ckpt / COMPLETE).exists() and (ckpt / "config.json").exists()
+    assert sorted(p.name for p in (root / "runs/learn/checkpoints").iterdir()) == [
+        "step-00000010", "step-00000020", "step-00000030", "step-00000040"
+    ]  # fmt: skip
+    # The checkpoint directory is a model: same logits as the trained module.
+    loaded = load_model(ckpt, "float32")
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(tokens), trainer.modules[0].eval()(tokens))
+    assert loaded.tokenizer is not None
+
+
+def test_exact_resume_single_process(root):
+    _, straight = run(config(root, "straight"))
+    path = config(root, "resumed")
+    _, first = run(path, env={"KEEL_FAULTS": "stop@10"})  # as SIGTERM during step 10
+    assert first.stopped_by_signal and first.steps_done == 10
+    _, resumed = run(path)  # resume = "auto": the checkpoint written at the stop
+    assert sorted(resumed.losses) == list(range(11, 21))
+    for step in range(11, 21):
+        assert resumed.losses[step] == straight.losses[step], step  # bit-identical
+
+
+def test_guard_skips_nan_and_rolls_back_spike(root):
+    guard = '[guard]\nnan = "skip"\nspike = "rollback"\nwarmup = 4\nspike_zscore = 4\ngrad_norm_zscore = 1000\n'
+    path = config(root, "guard", guard)
+    path.write_text(path.read_text().replace('[guard]\nspike = "off"\n', ""))
+    _, result = run(path, "training.steps=16", "checkpoint.interval=5", env={"KEEL_FAULTS": "nan@3,spike@13:50"})
+    kinds = [(e["kind"], e["action"], e["step"]) for e in result.events]
+    assert ("nan_loss", "skip", 3) in kinds and ("loss_spike", "rollback", 13) in kinds
+    records = read_metrics(root / "runs/guard/metrics.jsonl")
+    assert any(r.get("rolled_back_to") == 10 for r in records)  # back to the step-10 checkpoint
+    assert result.steps_done == 16 and all(np.isfinite(v) for s, v in result.losses.items() if s not in (3, 13))
+
+
+def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
+    path = config(root, "fp16")
+    # 2**28 overflows fp16 gradients at once; a few back-offs later the steps apply.
+    _, result = run(path, "training.precision=fp16", "training.init_scale=268435456.0", "training.steps=10")
+    records = [r for r in read_metrics(root / "runs/fp16/metrics.jsonl") if "loss" in r]
+    overflows = [r for r in records if r.get("overflow")]
+    assert overflows and records[0]["loss_scale"] < 2**28  # the scale dropped
+    assert any(r["applied"] for r in records[len(overflows) :])  # then steps apply again
+    assert result.losses[10] < result.losses[1]
+
+
+# ---------------------------------------------------------------- distributed, through the CLI
+def keel_train(path: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "keel.cli", "train", str(path), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
+    _, single = run(config(root, "single"))
+    # FSDP over 2 ranks: the single-process curve.
+    fsdp = config(root, "fsdp")
+    r = keel_train(fsdp, "--nproc", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = losses(root / "runs/fsdp")
+    assert sorted(two) == list(range(1, 21))
+    for step in range(1, 21):
+        assert two[step] == pytest.approx(single.losses[step], rel=1e-5, abs=1e-6), step
+    # Resume the 2-rank run's step-10 checkpoint in one process (another layout): within 1e-5.
+    other = config(root, "relayout")
+    _, resumed = run(other, f"checkpoint.resume={root}/runs/fsdp/checkpoints/step-00000010")
+    for step in range(11, 21):
+        assert resumed.losses[step] == pytest.approx(two[step], abs=1e-5), step
+    # Kill rank 1 before step 13 under --max-restarts=1: torchrun restarts both ranks, they resume
+    # from step 10 and end where the uninterrupted run ended.
+    crash = config(root, "crash")
+    r = keel_train(crash, "--nproc", "2", "--max-restarts", "1", env={"KEEL_FAULTS": "crash@13:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 1 crashes before step 13" in r.stdout + r.stderr
+    assert losses(root / "runs/crash")[20] == pytest.approx(two[20], abs=1e-6)
+
+
+def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
+    path = config(root, "torn")
+    r = keel_train(path, "--nproc", "2", "--set", "checkpoint.interval=5", "--set", "training.steps=10",
+                   env={"KEEL_FAULTS": "crash_in_save@10:0"})  # fmt: skip
+    assert r.returncode != 0
+    checkpoints = root / "runs/torn/checkpoints"
+    assert latest_checkpoint(checkpoints).name == "step-00000005"
+    assert (checkpoints / "step-00000010.tmp").is_dir() and not (checkpoints / "step-00000010").exists()
+    _, resumed = run(path, "checkpoint.interval=5", "training.steps=10")  # resumes from step 5
+    assert sorted(resumed.losses) == list(range(6, 11))
+
+
+def test_bad_configs_fail_before_any_process_starts(root):
+    path = config(root, "bad")
+    cases = [
+        (["--set", "training.stpes=3"], "training.stpes"),
+        (["--nproc", "4", "--set", "parallel.tp=3"], "world size 4"),
+        (["--nproc", "4", "--set", "parallel.dp_shard=3"], "but the world size is 4"),
+        (["--nproc", "2", "--set", "training.global_batch_size=6"], "not divisible"),
+        (["--set", "parallel.pp_schedule=zbv"], None),  # pp = 1: schedule settings do not apply
+    ]
+    for args, expected in cases[:4]:
+        r = keel_train(path, *args, timeout=60)
+        assert r.returncode == 1 and r.stderr.startswith("keel: error:") and expected in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    unknown = root / "unknown.toml"
+    unknown.write_text(path.read_text() + "\n[optimiser]\nlr = 1\n")
+    r = keel_train(unknown, timeout=60)
+    assert r.returncode == 1 and "optimiser" in r.stderr and "optimizer" in r.stderr  # lists the valid keys

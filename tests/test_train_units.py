@@ -1,0 +1,117 @@
+"""Single-process units of the trainer: optimizer groups, LR schedule, loss scaler, guard, MFU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from keel.config import ModelConfig
+from keel.train.guard import TrainingGuard
+from keel.train.metrics import flops_per_token, measure_cpu_peak, read_metrics
+from keel.train.optim import build_optimizer, build_scheduler, lr_lambda, param_groups
+from keel.train.precision import DynamicLossScaler, clip_grad_norm_, global_grad_norm
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Embedding(10, 8))
+    decay, no_decay = param_groups([model], 0.1)
+    assert {p.ndim for p in decay["params"]} == {2} and len(decay["params"]) == 2
+    assert {p.ndim for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    opt = build_optimizer([model], 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    assert isinstance(opt, torch.optim.AdamW)
+
+
+def test_warmup_cosine_schedule():
+    f = lr_lambda(warmup_steps=10, total_steps=110, decay="cosine", min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+    assert all(f(s) >= f(s + 1) - 1e-12 for s in range(10, 120))
+    lin = lr_lambda(0, 100, "linear", 0.0)
+    assert lin(50) == pytest.approx(0.5) and lr_lambda(5, 100, "constant", 0.1)(80) == 1.0
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = build_scheduler(opt, 10, 110, "cosine", 0.1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2.0)
+
+
+def test_grad_norm_and_clipping_single_process():
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
+    a.grad, b.grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    assert global_grad_norm([a, b]).item() == pytest.approx(5.0)
+    norm = clip_grad_norm_([a, b], max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)
+    assert global_grad_norm([a, b]).item() == pytest.approx(1.0, rel=1e-4)
+    a.grad[0] = float("inf")
+    before = b.grad.clone()
+    assert not math.isfinite(clip_grad_norm_([a, b], 1.0).item())
+    assert torch.equal(b.grad, before)  # nothing scaled on overflow
+
+
+def test_loss_scaler_backs_off_and_grows():
+    s = DynamicLossScaler(init_scale=1024, growth_factor=2, backoff_factor=0.5, growth_interval=3)
+    assert s.scale_loss(torch.tensor(1.0)).item() == 1024
+    s.update(found_inf=True)
+    assert s.scale == 512 and s.overflows == 1
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 1024
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([1024.0, 2048.0])
+    s.unscale_([p])
+    assert p.grad.tolist() == [1.0, 2.0]
+    restored = DynamicLossScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.scale == s.scale and restored.clean_steps == s.clean_steps
+    assert DynamicLossScaler(enabled=False).scale_loss(torch.tensor(3.0)).item() == 3.0
+
+
+def test_guard_nan_and_spikes():
+    g = TrainingGuard(nan="rollback", spike="skip", spike_zscore=4, grad_norm_zscore=4, window=20, warmup=10)
+    for i in range(12):
+        loss = 3.0 - 0.01 * i + 0.005 * (-1) ** i
+        assert g.check(i, loss, 1.0 + 0.01 * (-1) ** i) is None
+        g.accept(loss, 1.0 + 0.01 * (-1) ** i)
+    e = g.check(12, float("nan"), 1.0)
+    assert e.kind == "nan_loss" and e.action == "rollback"
+    e = g.check(13, 2.9, float("inf"))
+    assert e.kind == "nan_grad"
+    e = g.check(14, 9.0, 1.0)
+    assert e.kind == "loss_spike" and e.action == "skip" and e.zscore > 4
+    e = g.check(15, 2.88, 50.0)
+    assert e.kind == "grad_spike"
+    assert g.check(16, 2.87, 1.0) is None
+    assert len(g.events) == 4 and "loss_spike" in g.events[2].describe()
+    restored = TrainingGuard(window=20)
+    restored.load_state_dict(g.state_dict())
+    assert list(restored.losses) == list(g.losses)
+    off = TrainingGuard(spike="off", warmup=0)
+    off.accept(1.0, 1.0)
+    assert off.check(1, 100.0, 1.0) is None
+
+
+def test_flops_per_token_and_peak(tmp_path):
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 12,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+        }  # fmt: skip
+    )
+    non_embedding = 12 * (4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768) + 768
+    expected = 6 * (non_embedding + 32000 * 768) + 12 * 12 * 768 * 256
+    assert flops_per_token(cfg, 256) == pytest.approx(expected)
+    assert measure_cpu_peak(torch.float32, max_size=256, seconds=0.05) > 1e8
+    (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # a torn last line
+    assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "loss": 2.0}]
