@@ -218,3 +218,20 @@ def test_bad_configs_fail_before_any_process_starts(root):
     unknown.write_text(path.read_text() + "\n[optimiser]\nlr = 1\n")
     r = keel_train(unknown, timeout=60)
     assert r.returncode == 1 and "optimiser" in r.stderr and "optimizer" in r.stderr  # lists the valid keys
+
+
+def test_watchdog_dumps_stacks_and_exits_on_a_hang(root):
+    path = config(root, "hang")
+    r = keel_train(path, "--set", "watchdog.timeout_s=2", env={"KEEL_FAULTS": "hang@3:0"}, timeout=60)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "watchdog: step 3 exceeded 2 s" in r.stderr and "Thread" in r.stderr  # every thread's stack
+
+
+def test_plot_draws_loss_and_throughput(root):
+    run(config(root, "plotted"), "training.steps=4")
+    r = keel_train(Path("plot"), str(root / "runs/plotted"), timeout=60)
+    assert r.returncode == 0, r.stderr
+    png = root / "runs/plotted/curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    r = keel_train(Path("plot"), str(root / "nowhere"), timeout=60)
+    assert r.returncode == 1 and "no metrics file" in r.stderr

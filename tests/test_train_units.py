@@ -115,3 +115,18 @@ def test_flops_per_token_and_peak(tmp_path):
     assert measure_cpu_peak(torch.float32, max_size=256, seconds=0.05) > 1e8
     (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # a torn last line
     assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "loss": 2.0}]
+
+
+@pytest.mark.parametrize(
+    ("name", "worlds"),
+    [("tiny-shakespeare", [1, 2]), ("smollm2-continue", [1, 2]), ("llama3-8b-8gpu", [8]), ("llama3-70b-64gpu", [64])],
+)
+def test_recipes_validate_at_their_scale(name, worlds):
+    from pathlib import Path
+
+    from keel.train.config import load_config, resolve_layout
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / f"{name}.toml")
+    for world in worlds:
+        layout = resolve_layout(cfg, world)
+        assert layout.world_size == world and layout.grad_accum >= 1

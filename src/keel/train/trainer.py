@@ -251,8 +251,11 @@ class Trainer:
         """All micro-batches of one step; returns this rank's summed (unscaled) loss contribution."""
         accum = self.layout.grad_accum
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._data_time = 0.0
         for micro in range(accum):
+            t = time.perf_counter()
             inputs, labels = self.loader.next_microbatch()
+            self._data_time += time.perf_counter() - t
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             last = micro == accum - 1
             for module in self.modules:  # reduce-scatter gradients once, after the last micro-batch
@@ -288,6 +291,25 @@ class Trainer:
 
     def _params(self) -> list[Tensor]:
         return [p for m in self.modules for p in m.parameters() if p.requires_grad]
+
+    def _state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer states (local shards only)."""
+
+        def local(t: Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = self._params()
+        out = {
+            "params": sum(local(p) for p in params),
+            "grads": sum(local(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(
+                local(v) for o in self.optimizers for st in o.state.values() for v in st.values()
+                if isinstance(v, Tensor) and v.ndim > 0
+            ),
+        }  # fmt: skip
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
 
     def _zero_grad(self) -> None:
         for o in self.optimizers:
@@ -334,6 +356,9 @@ class Trainer:
             for o in self.optimizers:
                 o.step()
             self.guard.accept(loss, norm)
+            if "state_bytes" not in self.__dict__:
+                self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
+                record["state_bytes"] = self.state_bytes
         self._zero_grad()
         for s in self.schedulers:
             s.step()
@@ -347,7 +372,8 @@ class Trainer:
             tokens=tokens,
             tokens_per_s=tps,
             mfu=self.flops_per_token * tps / (self.peak_flops * self.world) if self.peak_flops else None,
-            time_forward_backward_s=t_fb - t0,
+            time_data_s=self._data_time,
+            time_forward_backward_s=t_fb - t0 - self._data_time,
             time_optimizer_s=t_end - t_fb,
             time_step_s=t_end - t0,
             peak_memory_bytes=peak_memory_bytes(self.device),

@@ -1,0 +1,166 @@
+"""Training throughput: keel's trainer against a plain transformers loop, and FSDP memory per rank.
+
+    python bench/train.py [--steps 6] [--seq-len 256] [--batch 8] [--threads 2] [--precision bf16]
+
+Same ~134M-parameter Llama config (hidden 768, 12 layers, 12 heads, FFN 2048, vocab 32000,
+untied), same random-token data, same AdamW settings and threads, one process each, one after
+the other:
+1. a plain loop over transformers' `LlamaForCausalLM` (forward with labels, backward, clip,
+   AdamW step), the baseline;
+2. keel's `Trainer` (the same model through keel's module, its loader, clipping, guard, metrics);
+3. keel's `Trainer` with FSDP over 2 ranks (torchrun, gloo), for the per-rank parameter + gradient
+   + optimizer bytes against single-process (the ZeRO-3 prediction: 1/dp_shard of 16 B per
+   parameter, plus the unsharded remainder).
+Tokens/s is the median over the steps after the first (warm-up); MFU uses the measured matmul peak
+in the training dtype on the same threads (keel.train.metrics). Prints a table and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=768, intermediate_size=2048,
+    num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+    tie_word_embeddings=False, rms_norm_eps=1e-5, eos_token_id=2,
+)  # fmt: skip
+
+
+def transformers_loop(args, data: np.ndarray) -> list[float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = {k: v for k, v in CONFIG.items() if k != "architectures"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**hf))
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    times, s = [], args.seq_len
+    for step in range(args.steps):
+        first = step * args.batch
+        rows = np.stack([data[(first + i) * s : (first + i) * s + s] for i in range(args.batch)])
+        ids = torch.from_numpy(rows.astype(np.int64))
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def write_config(root: Path, args, name: str, extra: str = "") -> Path:
+    model = "\n".join(f"{k} = {json.dumps(v)}" for k, v in CONFIG.items())
+    text = f"""
+[run]
+name = "{name}"
+dir = "{root}/runs/{{name}}"
+[model]
+tokenizer = "smollm2-135m-instruct"
+[model.config]
+{model}
+[data]
+path = "{root}/data.bin"
+seq_len = {args.seq_len}
+[training]
+steps = {args.steps}
+global_batch_size = {args.batch}
+micro_batch_size = {args.micro}
+precision = "{args.precision}"
+[optimizer]
+lr = 3e-4
+[checkpoint]
+interval = 0
+keep = 1
+async_save = false
+[guard]
+spike = "off"
+[log]
+progress = false
+{extra}
+"""
+    path = root / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def keel_run(root: Path, args, name: str, nproc: int) -> list[dict]:
+    config = write_config(root, args, name)
+    cmd = [sys.executable, "-m", "keel.cli", "train", str(config), "--nproc", str(nproc)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc)), "KEEL_BENCH_MEMORY": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.exit(f"keel train failed:\n{r.stderr[-3000:]}")
+    lines = (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if '"loss"' in line]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("command: python bench/train.py " + " ".join(sys.argv[1:]))
+    from keel.config import ModelConfig
+    from keel.train.metrics import flops_per_token, measure_cpu_peak
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        rng = np.random.default_rng(0)
+        data = rng.integers(3, 32000, size=args.seq_len * args.batch * (args.steps + 2) + 1).astype(np.uint16)
+        from keel.train.data import write_token_file
+
+        write_token_file(root / "data.bin", data, vocab_size=32000, eos_id=2)
+        tokens = args.batch * args.seq_len
+        base = transformers_loop(args, data)
+        base_tps = tokens / statistics.median(base[1:])
+        single = keel_run(root, args, "single", 1)
+        keel_tps = statistics.median(r["tokens_per_s"] for r in single[1:])
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        peak = measure_cpu_peak(dtype)
+        fpt = flops_per_token(ModelConfig.from_hf(CONFIG), args.seq_len)
+        rows = [
+            ("transformers loop (LlamaForCausalLM + AdamW)", base_tps),
+            ("keel train, 1 process", keel_tps),
+        ]
+        total = ModelConfig.from_hf(CONFIG).param_counts()["total"]
+        print(f"\nmodel {total:,} parameters, {args.precision}, {args.threads} threads, {tokens} tokens/step, "
+              f"measured {dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
+        print(f"{'run':48} {'tokens/s':>10} {'MFU':>7}")
+        for name, tps in rows:
+            print(f"{name:48} {tps:10.1f} {fpt * tps / peak:7.1%}")
+        print(f"\nkeel / transformers: {keel_tps / base_tps:.2f}x (floor >= 1.0); "
+              f"keel MFU {fpt * keel_tps / peak:.1%} of the measured peak (floor >= 30%)")  # fmt: skip
+        # FSDP over 2 ranks: per-rank parameter + gradient + AdamW bytes against one process.
+        fsdp = keel_run(root, args, "fsdp2", 2)
+        one = single[0]["state_bytes"]
+        two = fsdp[0]["state_bytes"]
+        params = ModelConfig.from_hf(CONFIG).param_counts()["total"]
+        predicted = 16 * params / 2  # ZeRO-3: (4 param + 4 grad + 8 AdamW) bytes / dp_shard, fp32 master
+        fsdp_tps = statistics.median(r["tokens_per_s"] for r in fsdp[1:])
+        print(f"\nper-rank parameter + gradient + optimizer bytes: 1 process {one['total'] / 2**20:.1f} MiB; "
+              f"FSDP x2 rank 0 {two['total'] / 2**20:.1f} MiB = {two['total'] / one['total']:.3f}x (floor <= 0.6); "
+              f"ZeRO-3 prediction 16 B x {params:,} / 2 = {predicted / 2**20:.1f} MiB")  # fmt: skip
+        print(f"FSDP x2 tokens/s (both ranks, 1 thread each): {fsdp_tps:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
