@@ -45,6 +45,10 @@ def test_concurrency_queue_and_release():
         second.release()
         second.release()  # idempotent
         assert state.active == 0
+        dropped = await t.admit(state, 10, None)
+        assert state.active == 1
+        del dropped  # never released: the garbage collector gives the slot back
+        assert state.active == 0
 
     asyncio.run(main())
 
@@ -53,7 +57,7 @@ def test_queue_wait_respects_deadline():
     async def main():
         t = tenants(max_concurrent=1, max_queued=4)
         state = t.authenticate("Bearer k")
-        await t.admit(state, 1, None)
+        held = await t.admit(state, 1, None)  # keep it: a dropped Admission gives its slot back
         loop_time = asyncio.get_running_loop().time
         start = loop_time()
         import time
@@ -61,6 +65,7 @@ def test_queue_wait_respects_deadline():
         with pytest.raises(APIError) as e:
             await t.admit(state, 1, time.monotonic() + 0.2)
         assert e.value.status == 504 and 0.15 < loop_time() - start < 2 and t.num_queued == 0
+        held.release()
 
     asyncio.run(main())
 

@@ -167,9 +167,9 @@ def keel_train(path: Path, *args: str, env: dict | None = None, timeout: int = 3
 
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     _, single = run(config(root, "single"))
-    # FSDP over 2 ranks: the single-process curve.
+    # FSDP over 2 ranks: the single-process curve (async checkpoints on their own gloo group).
     fsdp = config(root, "fsdp")
-    r = keel_train(fsdp, "--nproc", "2")
+    r = keel_train(fsdp, "--nproc", "2", "--set", "checkpoint.async_save=true")
     assert r.returncode == 0, r.stderr[-3000:]
     two = losses(root / "runs/fsdp")
     assert sorted(two) == list(range(1, 21))
