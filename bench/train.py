@@ -61,7 +61,7 @@ def transformers_loop(args, data: np.ndarray) -> list[float]:
     return times
 
 
-def write_config(root: Path, args, name: str, extra: str = "") -> Path:
+def write_config(root: Path, args, name: str, extra: str = "", dp: int = 1) -> Path:
     model = "\n".join(f"{k} = {json.dumps(v)}" for k, v in CONFIG.items())
     text = f"""
 [run]
@@ -77,7 +77,7 @@ seq_len = {args.seq_len}
 [training]
 steps = {args.steps}
 global_batch_size = {args.batch}
-micro_batch_size = {args.micro}
+micro_batch_size = {min(args.micro, args.batch // dp)}
 precision = "{args.precision}"
 [optimizer]
 lr = 3e-4
@@ -97,7 +97,7 @@ progress = false
 
 
 def keel_run(root: Path, args, name: str, nproc: int) -> list[dict]:
-    config = write_config(root, args, name)
+    config = write_config(root, args, name, dp=nproc)
     cmd = [sys.executable, "-m", "keel.cli", "train", str(config), "--nproc", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc)), "KEEL_BENCH_MEMORY": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
