@@ -18,13 +18,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise KeelError(f"{path}: no metrics file (is {run_dir} a keel train run directory?)")
-    records = [r for r in read_metrics(path) if "loss" in r]
+    everything = read_metrics(path)
+    records = [r for r in everything if "loss" in r]
     if not records:
         raise KeelError(f"{path}: no training steps logged yet")
     steps = [r["step"] for r in records]
     fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax_loss.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1)
-    val = [r for r in records if r.get("val_loss") is not None]
+    val = [r for r in everything if r.get("val_loss") is not None]
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
     ax_loss.set_ylabel("loss (nats/token)")
