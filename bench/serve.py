@@ -44,12 +44,8 @@ import math
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -60,6 +56,7 @@ import numpy as np
 
 from keel.data.corpora import shakespeare_path
 from keel.errors import KeelError
+from keel.serve.openai.child import ServerProcess
 from keel.tools.bench_serve import BenchmarkResult, BenchServeConfig, result_to_json, run_benchmark
 
 INSTRUCTION = "Continue the following text:\n\n"
@@ -123,68 +120,28 @@ def parse_rates(text: str) -> list[float]:
 # Server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`keel serve` in a subprocess on a free loopback port, logging to a file."""
+class Server(ServerProcess):
+    """`keel serve` with this benchmark's engine options (see keel.serve.openai.child)."""
 
     def __init__(self, args: argparse.Namespace, engine: str, log_path: Path) -> None:
         self.engine = engine
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.cmd = [
-            sys.executable, "-m", "keel.cli", "serve", args.model, "--port", str(self.port),
+        options = [
             "--served-model-name", SERVED_NAME, "--engine", engine, "--dtype", args.dtype,
             "--threads", str(args.threads), "--request-timeout", str(args.request_timeout),
             # Every request of a run may be queued at once (rate inf); the default cap is 256.
             "--max-queue", str(max(256, args.num_prompts, args.baseline_num_prompts)),
         ]  # fmt: skip
         if engine == "keel":
-            self.cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                         str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
+            options += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                        str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
         if args.max_model_len:
-            self.cmd += ["--max-model-len", str(args.max_model_len)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise KeelError(f"keel serve --engine {self.engine} exited with {self.proc.returncode}: {self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise KeelError(f"keel serve --engine {self.engine} not ready after {timeout:g} s: {self.tail()}")
+            options += ["--max-model-len", str(args.max_model_len)]
+        super().__init__(args.model, *options, log_path=log_path)
 
     def max_model_len(self) -> int | None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             return int(httpx.get(self.base_url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"])
         return None
-
-    def tail(self, lines: int = 5) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(text[-lines:]) + f" (log: {self.log_path})"
-
-    def stop(self, timeout: float = 120.0) -> int:
-        """SIGTERM (a graceful drain, exit 0 expected); SIGKILL if it does not exit in `timeout` s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
 
 
 @contextlib.contextmanager
@@ -192,10 +149,10 @@ def running_server(args: argparse.Namespace, engine: str, result_dir: Path, exit
     server = Server(args, engine, result_dir / f"server-{engine}.log")
     print(f"starting: {shlex.join(['python', *server.cmd[1:]])}", file=sys.stderr)
     try:
-        server.wait_ready(args.startup_timeout)
+        server.wait_ready(args.startup_timeout, poll=0.5)
         yield server
     finally:
-        exits[engine] = server.stop()
+        exits[engine] = server.terminate(timeout=120.0)
         print(f"stopped {engine} server: exit {exits[engine]}", file=sys.stderr)
 
 

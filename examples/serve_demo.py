@@ -9,38 +9,12 @@ streams the answer to stdout as it arrives, then sends SIGTERM and checks the se
 from __future__ import annotations
 
 import argparse
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-from typing import IO
 
-import httpx
 import openai
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base_url: str, server: subprocess.Popen, log: IO[bytes], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            log.seek(0)
-            tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
-            sys.exit(f"demo: keel serve exited with code {server.returncode} before it was ready:\n" + "\n".join(tail))
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    sys.exit(f"demo: keel serve not healthy after {timeout:.0f} s")
+from keel.errors import KeelError
+from keel.serve.openai.child import ServerProcess
 
 
 def main() -> int:
@@ -50,15 +24,15 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
 
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "keel.cli", "serve", args.model, "--port", str(port)]
-    print(f"$ keel serve {args.model} --port {port}", file=sys.stderr)
-    log = tempfile.TemporaryFile()  # the server's log, shown only if it fails to start
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(args.model)
+    print(f"$ keel serve {args.model} --port {server.port}", file=sys.stderr)
     try:
-        wait_healthy(base_url, server, log, timeout=180)
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused")
+        try:
+            server.wait_ready(timeout=180)
+        except KeelError as e:
+            print(f"demo: {e}", file=sys.stderr)
+            return 1
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
         print(f"> {args.question}", file=sys.stderr)
         stream = client.chat.completions.create(
             model=args.model,
@@ -77,12 +51,7 @@ def main() -> int:
         if usage is not None:
             print(f"[{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens]", file=sys.stderr)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            code = server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            code = server.wait()
+        code = server.terminate(timeout=60)
     if code != 0:
         print(f"demo: keel serve exited with code {code}", file=sys.stderr)
         return 1

@@ -15,10 +15,15 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from keel.serve import LLM, SamplingParams
-from serve_process import ServerProcess
+from keel.serve.openai.child import ServerProcess
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 CONTEXT = 8192  # long enough that one request can outlive a short deadline
+
+
+def start_server(model_dir, *args: str, log_path) -> ServerProcess:
+    """The served name the tests send, and one thread: the other core is the clients'."""
+    return ServerProcess(model_dir, "--served-model-name", "tiny", "--threads", "1", *args, log_path=log_path)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +50,9 @@ def reference(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--max-tokens-cap", "8000", log_path=log).wait_ready()
+    proc = start_server(model_dir, "--num-blocks", "2048", "--max-tokens-cap", "8000", log_path=log).wait_ready()
     yield proc
-    assert proc.terminate() == 0, proc.logs()
+    assert proc.terminate() == 0, proc.tail(40)
 
 
 def client(server: ServerProcess, key: str = "none", **kw) -> openai.OpenAI:
@@ -293,11 +298,11 @@ def limited(model_dir, tmp_path_factory):
         '[[keys]]\nkey = "key-b"\ntenant = "b"\ntokens_per_minute = 60\n'
         '[[keys]]\nkey = "key-c"\ntenant = "c"\n'
     )
-    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--api-keys-file", str(d / "keys.toml"),
+    proc = start_server(model_dir, "--num-blocks", "2048", "--api-keys-file", str(d / "keys.toml"),
                          "--max-num-seqs", "1", "--max-queue", "2", "--request-timeout", "2",
                          log_path=d / "server.log").wait_ready()  # fmt: skip
     yield proc
-    assert proc.terminate() == 0, proc.logs()
+    assert proc.terminate() == 0, proc.tail(40)
 
 
 def long_stream(server: ServerProcess, key: str, started: threading.Event, lines: list) -> None:
@@ -373,7 +378,7 @@ def test_deadline_aborts_and_frees_blocks(limited):
 
 # ---------------------------------------------------------------- SIGTERM
 def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
-    proc = ServerProcess(model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30",
+    proc = start_server(model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30",
                          log_path=tmp_path / "server.log").wait_ready()  # fmt: skip
     results: list = [None] * 4
 
@@ -390,9 +395,9 @@ def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
     code = proc.terminate(timeout=60)
     for t in threads:
         t.join(60)
-    assert code == 0, proc.logs()
+    assert code == 0, proc.tail(40)
     for r in results:
-        assert r is not None and r.status_code == 200, proc.logs()
+        assert r is not None and r.status_code == 200, proc.tail(40)
         assert r.json()["usage"]["completion_tokens"] == 1500
     with pytest.raises(httpx.ConnectError):
         httpx.get(proc.base_url + "/health")

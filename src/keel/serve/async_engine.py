@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from keel.errors import KeelError
@@ -115,12 +115,16 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _apply_commands(self) -> None:
+    def _drain(self) -> Iterator[tuple]:
+        """The commands posted so far, oldest first."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for command in self._drain():
             if command[0] == "add":
                 _, request_id, prompt, params, priority, loop, stream = command
                 with self._count_lock:
@@ -165,11 +169,7 @@ class AsyncEngine:
 
     def _fail_pending(self, error: BaseException) -> None:
         """Answer adds posted after the failure, so no client waits forever."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._drain():
             if command[0] == "add":
                 loop, stream = command[5], command[6]
                 loop.call_soon_threadsafe(stream.put_nowait, error)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.serve.kv_cache import KVCacheManager, PagedKVCache, kv_bytes_per_block, parse_memory
@@ -111,6 +112,25 @@ def build_output(request: Request, track: _Track, delta: str, delta_ids: list[in
     )
 
 
+def encode_prompt(
+    prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int
+) -> tuple[list[int], str | None]:
+    """(token ids, text or None): text is tokenized; token ids are checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise KeelError("this model has no tokenizer: pass prompt token ids")
+        return tokenizer.encode(prompt), prompt
+    ids = list(prompt)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise KeelError(f"prompt token ids must be in [0, {vocab_size})")
+    return ids, None
+
+
+def eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> list[int]:
+    """The config's EOS ids, then the tokenizer's, without repeats."""
+    return list(dict.fromkeys(config.eos_token_id + (tokenizer.eos_token_ids if tokenizer else [])))
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -152,9 +172,7 @@ class LLMEngine:
             sliding_window=next(iter(windows)) if len(windows) == 1 else None,
         )
         self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
-        self.eos_token_ids = list(
-            dict.fromkeys(mc.eos_token_id + (self.tokenizer.eos_token_ids if self.tokenizer else []))
-        )
+        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
@@ -186,15 +204,7 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise KeelError("this model has no tokenizer: pass prompt token ids")
-            prompt_ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            prompt_ids, text = list(prompt), None
-            vocab = self.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt_ids):
-                raise KeelError(f"prompt token ids must be in [0, {vocab})")
+        prompt_ids, text = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, priority=priority, prompt=text)
         request.generator = request_generator(params, self.model.device)

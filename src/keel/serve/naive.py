@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from keel.errors import KeelError
-from keel.serve.engine import RequestOutput, _Track, build_output
+from keel.serve.engine import RequestOutput, _Track, build_output, encode_prompt, eos_token_ids
 from keel.serve.request import Request, Status
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 from keel.weights.loader import LoadedModel
@@ -54,9 +54,7 @@ class NaiveEngine:
         self.hf = hf_model_from(loaded)
         mc = loaded.config
         self.max_model_len = max_model_len or mc.max_position_embeddings
-        self.eos_token_ids = list(
-            dict.fromkeys(mc.eos_token_id + (self.tokenizer.eos_token_ids if self.tokenizer else []))
-        )
+        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self.current: Request | None = None
@@ -78,12 +76,7 @@ class NaiveEngine:
         params.validate()
         if params.prompt_logprobs is not None:
             raise KeelError("prompt_logprobs (echo with logprobs) is not supported by the naive engine")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise KeelError("this model has no tokenizer: pass prompt token ids")
-            prompt_ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            prompt_ids, text = list(prompt), None
+        prompt_ids, text = encode_prompt(prompt, self.tokenizer, self.loaded.config.vocab_size)
         if not prompt_ids:
             raise KeelError("the prompt is empty")
         total = len(prompt_ids) + params.max_tokens

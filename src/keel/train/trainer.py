@@ -118,6 +118,7 @@ class Trainer:
         self.metrics = MetricsFile(cfg.metrics_path, enabled=self.rank == 0)
         self.step = 0
         self.rollbacks = 0
+        self.state_bytes: dict[str, int] | None = None  # measured after the first update
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, tr.precision)
         self.watchdog = StepWatchdog(cfg.watchdog.timeout_s)
@@ -356,7 +357,7 @@ class Trainer:
             for o in self.optimizers:
                 o.step()
             self.guard.accept(loss, norm)
-            if "state_bytes" not in self.__dict__:
+            if self.state_bytes is None:
                 self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
                 record["state_bytes"] = self.state_bytes
         self._zero_grad()
