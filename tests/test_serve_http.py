@@ -328,9 +328,11 @@ def test_tenant_limits_429_with_retry_after(limited):
     # b: 60 tokens per minute; a request that needs more is refused, and the bucket drains.
     r = httpx.post(url, json={"prompt": "x" * 10, "max_tokens": 100}, headers={"Authorization": "Bearer key-b"})
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-    ok = httpx.post(url, json={"prompt": "x", "max_tokens": 40}, headers={"Authorization": "Bearer key-b"})
-    assert ok.status_code == 200
-    r = httpx.post(url, json={"prompt": "x", "max_tokens": 40}, headers={"Authorization": "Bearer key-b"})
+    # ignore_eos: a request that stops early is refunded its unused tokens, which would refill the bucket.
+    body = {"prompt": "x", "max_tokens": 40, "ignore_eos": True}
+    ok = httpx.post(url, json=body, headers={"Authorization": "Bearer key-b"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40
+    r = httpx.post(url, json=body, headers={"Authorization": "Bearer key-b"})
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(r.headers["Retry-After"]) <= 60
     # a: one request at a time, none queued.
