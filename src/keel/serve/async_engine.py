@@ -45,7 +45,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
-        self._count_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending_adds, and posting against error/stop
         self._pending_adds = 0  # posted but not yet applied: they are waiting requests too
         self._stats: dict[str, float] = dict(engine.stats())
         self.error: BaseException | None = None
@@ -65,13 +65,17 @@ class AsyncEngine:
         Raises KeelError when the engine rejects the request (e.g. too long), EngineDeadError when
         the engine has failed. Leaving the iteration early aborts the request.
         """
-        if self.error is not None:
-            raise EngineDeadError(f"engine failed: {self.error}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         stream: asyncio.Queue = asyncio.Queue()
-        with self._count_lock:
+        # Under the lock the engine thread takes to declare itself dead: an add is either posted
+        # before that (and answered by _fail_pending) or refused here, never left in the queue.
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"engine failed: {self.error}")
+            if self._stopped:
+                raise EngineDeadError("engine shut down")
             self._pending_adds += 1
-        self._post(("add", request_id, prompt, params, priority, asyncio.get_running_loop(), stream))
+            self._post(("add", request_id, prompt, params, priority, asyncio.get_running_loop(), stream))
         finished = False
         try:
             while True:
@@ -97,7 +101,7 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         """The engine's gauges and counters as of its last step (never blocks on a step)."""
         stats = dict(self._stats)
-        with self._count_lock:
+        with self._lock:
             stats["num_requests_waiting"] = stats.get("num_requests_waiting", 0) + self._pending_adds
         return stats
 
@@ -106,9 +110,16 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._wake.set()
         self._thread.join(timeout=timeout)
+        error = EngineDeadError("engine shut down")
+        if not self._thread.is_alive():  # the streams are ours now: end them instead of leaving them waiting
+            streams, self._streams = list(self._streams.values()), {}
+            for loop, stream in streams:
+                _deliver(loop, stream, error)
+        self._fail_pending(error)
 
     # --------------------------------------------------------------- thread
     def _post(self, command: tuple) -> None:
@@ -127,12 +138,12 @@ class AsyncEngine:
         for command in self._drain():
             if command[0] == "add":
                 _, request_id, prompt, params, priority, loop, stream = command
-                with self._count_lock:
+                with self._lock:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_request(prompt, params, request_id, priority)
                 except KeelError as e:
-                    loop.call_soon_threadsafe(stream.put_nowait, _Rejected(e))
+                    _deliver(loop, stream, _Rejected(e))
                     continue
                 self._streams[request_id] = (loop, stream)
             else:
@@ -153,10 +164,11 @@ class AsyncEngine:
                 self._stats = dict(self.engine.stats())
             except BaseException as e:  # deliver the failure to every waiting client, then stop
                 log.exception("engine step failed")
-                self.error = e
+                with self._lock:
+                    self.error = e
                 streams, self._streams = list(self._streams.values()), {}
                 for loop, stream in streams:
-                    loop.call_soon_threadsafe(stream.put_nowait, e)
+                    _deliver(loop, stream, e)
                 self._fail_pending(e)
                 return
             for out in outputs:
@@ -165,11 +177,19 @@ class AsyncEngine:
                     self._streams.pop(out.request_id, None)
                 if target is not None:
                     loop, stream = target
-                    loop.call_soon_threadsafe(stream.put_nowait, out)
+                    _deliver(loop, stream, out)
 
     def _fail_pending(self, error: BaseException) -> None:
         """Answer adds posted after the failure, so no client waits forever."""
         for command in self._drain():
             if command[0] == "add":
                 loop, stream = command[5], command[6]
-                loop.call_soon_threadsafe(stream.put_nowait, error)
+                _deliver(loop, stream, error)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: object) -> None:
+    """Hand `item` to a client's queue on the client's event loop (a closed loop: the client is gone)."""
+    try:
+        loop.call_soon_threadsafe(stream.put_nowait, item)
+    except RuntimeError:
+        pass
