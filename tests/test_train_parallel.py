@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.config import ModelConfig
-from keel.model.transformer import build_model, cross_entropy_loss
+from keel.model.loss import cross_entropy_loss
+from keel.model.transformer import build_model
 from tiny_models import COMMON, TINY_CONFIGS
 
 STEPS = 10
@@ -68,6 +69,7 @@ class Layout:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     microbatches: int = 4
+    accum: int = 1  # gradient accumulation: the local batch in this many forward/backward calls per step
     ac_mode: str = "none"
     reshard_after_forward: bool = True
     param_dtype: str | None = None  # FSDP mixed precision: compute copies in this dtype
@@ -96,12 +98,15 @@ LAYOUTS = [
     Layout("pp=2 interleaved1f1b x2", pp=2, schedule="interleaved1f1b", stages_per_rank=2),
     Layout("pp=2 zbv", pp=2, schedule="zbv", stages_per_rank=2),
     Layout("pp=2 interleavedzb x2", pp=2, schedule="interleavedzb", stages_per_rank=2),
+    Layout("pp=2 1f1b accum=2", pp=2, accum=2),
+    Layout("dp_shard=2 accum=2", dp_shard=2, accum=2),
     Layout("moe dp_shard=2", model="moe", dp_shard=2),
     Layout("moe pp=2", model="moe", pp=2),
     Layout("moe tp=2 sp (attention only)", model="moe", tp=2),
     Layout("dp_shard=2 x tp=2", dp_shard=2, tp=2),
     Layout("dp_replicate=2 x dp_shard=2 (HSDP)", dp_replicate=2, dp_shard=2),
     Layout("pp=2 x dp_shard=2", pp=2, dp_shard=2),
+    Layout("pp=2 x dp_shard=2 accum=2", pp=2, dp_shard=2, accum=2, microbatches=2),
     Layout("pp=2 x tp=2", pp=2, tp=2),
     Layout("dp_shard=4", dp_shard=4),
     Layout("pp=4 1f1b", pp=4),
@@ -201,12 +206,21 @@ def run_layout(layout: Layout) -> list[float]:
     losses = []
     for batch in batches(config):
         local = batch[dp_rank * rows : (dp_rank + 1) * rows]
-        inputs, targets = local[:, :-1], local[:, 1:]
+        loss = None
+        for chunk in local.chunk(layout.accum):  # gradients add up over the chunks
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            if layout.pp > 1:
+                part = pipe.step(inputs, targets)
+            else:
+                part = cross_entropy_loss(model(inputs), targets)
+                (part / layout.accum).backward()
+            if part is not None:
+                loss = part.detach() / layout.accum + (0 if loss is None else loss)
         if layout.pp > 1:
-            loss = pipe.step(inputs, targets)
-        else:
-            loss = cross_entropy_loss(model(inputs), targets)
-            loss.backward()
+            # pipe.step's gradients are those of the chunk's mean loss: scale the sum to the batch mean.
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(layout.accum)
         opt.step()
         opt.zero_grad()
         # Ranks holding the last stage have a loss (tp copies are equal): average them all.

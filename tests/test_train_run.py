@@ -189,6 +189,20 @@ def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     assert losses(root / "runs/crash")[20] == pytest.approx(two[20], abs=1e-6)
 
 
+def test_validation_loss_is_the_same_with_a_pipeline(root):
+    """Held-out tokens (the tail of the file) are evaluated at the end; a 2-stage pipeline runs them
+    through the schedule forward-only and reports the single-process value."""
+    extra = ["data.val_tokens=1200", "training.steps=4", "checkpoint.interval=0"]
+    run(config(root, "val1"), *extra)
+    single = [r["val_loss"] for r in read_metrics(root / "runs/val1/metrics.jsonl") if "val_loss" in r]
+    assert len(single) == 1 and 0 < single[0] < 10
+    args = [a for x in extra for a in ("--set", x)]
+    r = keel_train(config(root, "val2"), "--nproc", "2", "--set", "parallel.pp=2", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    piped = [r["val_loss"] for r in read_metrics(root / "runs/val2/metrics.jsonl") if "val_loss" in r]
+    assert piped == [pytest.approx(single[0], rel=1e-6)]
+
+
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
     path = config(root, "torn")
     r = keel_train(path, "--nproc", "2", "--set", "checkpoint.interval=5", "--set", "training.steps=10",

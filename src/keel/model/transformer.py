@@ -9,7 +9,6 @@ stage is the same class with some parts removed (the torchtitan convention).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
@@ -126,7 +125,3 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             nn.init.normal_(module.router.weight, std=std)
             nn.init.normal_(module.experts.gate_up_proj, std=std)
             nn.init.normal_(module.experts.down_proj, std=std)
-
-
-def cross_entropy_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)

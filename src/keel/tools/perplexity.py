@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from keel.model.transformer import Transformer, cross_entropy_loss
+from keel.model.loss import cross_entropy_loss
+from keel.model.transformer import Transformer
 
 
 @torch.inference_mode()

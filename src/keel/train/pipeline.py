@@ -64,7 +64,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from keel.model.transformer import Transformer, cross_entropy_loss
+from keel.model.loss import cross_entropy_loss
+from keel.model.transformer import Transformer
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv"]
 _SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -119,15 +120,35 @@ class Pipeline:
     modules: list[Transformer]
     has_first: bool
     has_last: bool
+    microbatches: int  # per step() call: its batch is split into this many
 
     def step(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
-        """Forward+backward of this rank's part of the local batch; the mean microbatch loss on the
-        rank holding the last stage, None elsewhere. Every rank of the pp group must call it."""
+        """Forward+backward of this rank's part of the local batch, adding to the gradients (so
+        calls accumulate); the mean microbatch loss on the rank holding the last stage, None
+        elsewhere. Every rank of the pp group must call it."""
         losses: list[Tensor] | None = [] if self.has_last else None
         args = (tokens,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
-        return torch.stack([loss.detach() for loss in losses]).mean() if losses is not None else None
+        return _mean_of_scaled(losses)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
+        """Forward only (the schedule's eval mode: no activations kept, no backward); the sum of
+        the loss function's values over the microbatches on the rank holding the last stage, None
+        elsewhere. The batch size must be a multiple of `microbatches`. Every rank of the pp group
+        must call it."""
+        losses: list[Tensor] | None = [] if self.has_last else None
+        args = (tokens,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        self.schedule.eval(*args, **kwargs)
+        mean = _mean_of_scaled(losses)
+        return None if mean is None else mean * self.microbatches
+
+
+def _mean_of_scaled(losses: list[Tensor] | None) -> Tensor | None:
+    # Each microbatch loss is already divided by the microbatch count (see build_pipeline): the sum is the mean.
+    return torch.stack([loss.detach() for loss in losses]).sum() if losses is not None else None
 
 
 def build_pipeline(
@@ -174,16 +195,24 @@ def build_pipeline(
             module = parallelize_fn(module) or module
         modules.append(module)
 
+    # Why scale_grads=False: the schedules' default divides *all* of a stage's .grad by the
+    # microbatch count at the end of every step, so gradients accumulated over several steps (one
+    # per gradient-accumulation micro-batch) were divided again and again. Dividing each
+    # microbatch's loss instead gives the same mean and composes with accumulation.
+    def mean_loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        return loss_fn(output, target) / microbatches
+
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, stage, num_stages, device, group=group) for m, stage in zip(modules, ids, strict=True)]
     if schedule in _SINGLE:
-        sched = _SINGLE[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+        sched = _SINGLE[schedule](stages[0], n_microbatches=microbatches, loss_fn=mean_loss_fn, scale_grads=False)
     else:
-        sched = _MULTI[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        sched = _MULTI[schedule](stages, n_microbatches=microbatches, loss_fn=mean_loss_fn, scale_grads=False)
     return Pipeline(
         schedule=sched,
         stages=stages,
         modules=modules,
         has_first=0 in ids,
         has_last=num_stages - 1 in ids,
+        microbatches=microbatches,
     )

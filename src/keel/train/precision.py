@@ -27,11 +27,18 @@ def _reduce_dims(grad: DTensor) -> tuple[str, ...]:
     return tuple(names[i] for i, p in enumerate(grad.placements) if isinstance(p, (Shard, Partial)))
 
 
+def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    """Sum of squares of all elements, accumulated in float32 by the foreach norm kernel (one
+    multi-tensor pass, no float32 copy of each gradient; fp16 norms above 65504 stay finite)."""
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack(norms).pow(2).sum()
+
+
 @torch.no_grad()
 def global_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None) -> Tensor:
     """The L2 norm of all gradients of the model (every shard, every stage), on every rank."""
-    groups: dict[tuple, list] = {}  # (mesh id, dims) -> [mesh, dims, local sum of squares]
-    local = None
+    groups: dict[tuple, list] = {}  # (mesh id, dims) -> [mesh, dims, [local shards]]
+    plain: list[Tensor] = []
     for p in params:
         g = p.grad
         if g is None:
@@ -39,17 +46,13 @@ def global_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | Non
         if isinstance(g, DTensor):
             dims = _reduce_dims(g)
             key = (id(g.device_mesh), dims)
-            sq = g.to_local().float().pow(2).sum()
-            if key in groups:
-                groups[key][2] += sq
-            else:
-                groups[key] = [g.device_mesh, dims, sq]
+            groups.setdefault(key, [g.device_mesh, dims, []])[2].append(g.to_local())
         else:
-            sq = g.float().pow(2).sum()
-            local = sq if local is None else local + sq
-    total = torch.zeros((), dtype=torch.float32) if local is None else local.clone()
+            plain.append(g)
+    total = _sum_of_squares(plain) if plain else torch.zeros((), dtype=torch.float32)
     # Deterministic order: every rank of a stage holds the same parameters, hence the same keys.
-    for _, (mesh, dims, sq) in sorted(groups.items(), key=lambda kv: (str(kv[1][0]), kv[1][1])):
+    for _, (mesh, dims, shards) in sorted(groups.items(), key=lambda kv: (str(kv[1][0]), kv[1][1])):
+        sq = _sum_of_squares(shards)
         for dim in dims:  # sums over several dims compose: reduce over one after the other
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
         total = total.to(sq.device) + sq
@@ -67,8 +70,8 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, pp_group: dist.Pr
     if max_norm > 0 and math.isfinite(norm.item()):
         coef = max_norm / (norm.item() + 1e-6)
         if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            torch._foreach_mul_(local, coef)  # in place on the local shards: one multi-tensor kernel
     return norm
 
 

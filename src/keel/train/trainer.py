@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.transformer import Transformer, build_model, cross_entropy_loss
+from keel.model.loss import cross_entropy_loss
+from keel.model.transformer import Transformer, build_model
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
@@ -72,6 +73,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.faults = Faults.from_env()
         self._fault_scale = 1.0
+        self._evaluating = False  # the pipeline loss function returns the plain loss while validating
         self._stop_requested = False
         self.model_config, self.tokenizer, model = self._build_model()
         self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
@@ -237,6 +239,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
     def _pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if self._evaluating:  # summed: validate() divides by the token count, padding rows add nothing
+            return cross_entropy_loss(logits, targets, reduction="sum")
         # The schedule averages microbatch losses itself; here: accumulation and fp16 scaling.
         loss = cross_entropy_loss(logits, targets) / self.layout.grad_accum
         loss = loss * self._fault_scale
@@ -263,7 +267,8 @@ class Trainer:
                 if hasattr(module, "set_requires_gradient_sync"):
                     module.set_requires_gradient_sync(last)
             if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, labels)
+                with self._autocast():  # the schedule runs forward and backward in this thread
+                    loss = self.pipeline.step(inputs, labels)
                 if loss is not None:  # the last stage: the schedule's mean of the scaled losses
                     total += loss.float() / self.scaler.scale
                 continue
@@ -401,24 +406,44 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float | None:
-        """Mean loss on the validation tokens (without a pipeline: the whole model is needed here)."""
-        if self.val_file is None or self.pipeline is not None:
+        """Mean loss per token on the validation file, over every data-parallel rank (None without
+        one). With a pipeline, the batches go through the schedule forward-only; its stages exchange
+        fixed shapes, so a short last batch is padded to the full batch with rows of ignored targets."""
+        if self.val_file is None:
             return None
         dp_rank, dp_size = self._dp_rank_size()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        module = self.modules[0]
-        module.eval()
-        for inputs, labels in iter_eval_batches(
-            self.val_file, self.cfg.data.seq_len, self.cfg.training.micro_batch_size, dp_rank, dp_size
-        ):
-            with self._autocast():
-                logits = module(inputs.to(self.device))
-            total[0] += cross_entropy_loss(logits, labels.to(self.device)).double() * labels.numel()
-            total[1] += labels.numel()
-        module.train()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
+        for module in self.modules:
+            module.eval()
+        self._evaluating = True
+        try:
+            for inputs, labels in iter_eval_batches(
+                self.val_file, self.cfg.data.seq_len, self.cfg.training.micro_batch_size, dp_rank, dp_size
+            ):
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                if self.pipeline is not None:
+                    pad = self.cfg.training.micro_batch_size - len(inputs)
+                    if pad:
+                        inputs = torch.cat([inputs, inputs.new_zeros(pad, inputs.shape[1])])
+                        labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), -100)])
+                    with self._autocast():
+                        loss_sum = self.pipeline.evaluate(inputs, labels)
+                else:
+                    with self._autocast():
+                        logits = self.modules[0](inputs)
+                    loss_sum = cross_entropy_loss(logits, labels, reduction="sum")
+                if loss_sum is not None:  # with a pipeline: only on the last stage's ranks
+                    total[0] += loss_sum.double()
+                    total[1] += (labels != -100).sum()
+        finally:
+            self._evaluating = False
+            for module in self.modules:
+                module.train()
         if self.mesh is not None:
             from keel.train.parallel import loss_mesh
 
+            if self.layout.pp > 1:  # only the last stage has sums: spread them over the pp group
+                dist.all_reduce(total, group=self.mesh["pp"].get_group())
             dp = loss_mesh(self.mesh)
             if dp.size() > 1:
                 dist.all_reduce(total, group=dp.get_group())
