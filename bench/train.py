@@ -1,6 +1,6 @@
 """Training throughput: keel's trainer against a plain transformers loop, and FSDP memory per rank.
 
-    python bench/train.py [--steps 6] [--seq-len 256] [--batch 8] [--threads 2] [--precision bf16]
+    python bench/train.py [--steps 10] [--seq-len 256] [--batch 8] [--threads 2] [--precision bf16]
 
 Same ~134M-parameter Llama config (hidden 768, 12 layers, 12 heads, FFN 2048, vocab 32000,
 untied), same random-token data, same AdamW settings and threads, one process each, one after
@@ -109,7 +109,7 @@ def keel_run(root: Path, args, name: str, nproc: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--micro", type=int, default=8)

@@ -125,6 +125,40 @@ def test_learns_logs_and_checkpoints_a_loadable_model(root):
     assert loaded.tokenizer is not None
 
 
+def test_a_checkpoint_converts_for_transformers_and_is_served(root, tmp_path):
+    """Point 6 and "done when": `keel convert` of a training checkpoint loads in transformers with
+    the trained module's logits, and `keel serve` serves the checkpoint directory itself."""
+    import openai
+    from transformers import AutoModelForCausalLM
+
+    from keel.serve.openai.child import ServerProcess
+
+    trainer, result = run(config(root, "deliver"), "training.steps=10")
+    ckpt = latest_checkpoint(root / "runs/deliver/checkpoints")
+    r = subprocess.run([sys.executable, "-m", "keel.cli", "convert", str(ckpt), str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = trainer.modules[0].eval()(tokens)
+        torch.testing.assert_close(hf(tokens).logits, want, rtol=1e-4, atol=1e-4)
+    server = ServerProcess(ckpt, "--served-model-name", "trained", "--threads", "1", log_path=tmp_path / "log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        out = client.completions.create(model="trained", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("stop", "length")
+        # The served greedy token's logprob is the trained module's best next-token log-probability.
+        with torch.no_grad():
+            best = trainer.modules[0](torch.tensor([[5, 6, 7]]))[0, -1].log_softmax(-1).max().item()
+        served = client.completions.create(model="trained", prompt=[5, 6, 7], max_tokens=1, temperature=0,
+                                           logprobs=1)  # fmt: skip
+        assert served.choices[0].logprobs.token_logprobs[0] == pytest.approx(best, abs=1e-3)
+    finally:
+        assert server.terminate() == 0, server.tail(40)
+
+
 def test_exact_resume_single_process(root):
     _, straight = run(config(root, "straight"))
     path = config(root, "resumed")
@@ -157,6 +191,16 @@ def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
     assert overflows and records[0]["loss_scale"] < 2**28  # the scale dropped
     assert any(r["applied"] for r in records[len(overflows) :])  # then steps apply again
     assert result.losses[10] < result.losses[1]
+    # The same on FSDP2-sharded gradients (2 ranks, fp16 compute copies, fp32 reductions): the
+    # overflow is found in the global norm over both shards, so both ranks skip the same steps.
+    r = keel_train(path, "--nproc", "2", "--set", "run.name=fp16-fsdp", "--set", "training.precision=fp16",
+                   "--set", "training.init_scale=268435456.0", "--set", "training.steps=16")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    sharded = [r for r in read_metrics(root / "runs/fp16-fsdp/metrics.jsonl") if "loss" in r]
+    skipped = [r["step"] for r in sharded if r.get("overflow")]
+    assert skipped == list(range(1, len(skipped) + 1)) and len(skipped) >= 6  # 2**28 down to <= 2**22
+    assert sharded[-1]["loss_scale"] < 2**22 and all(r["applied"] for r in sharded[len(skipped) :])
+    assert sharded[-1]["loss"] < sharded[0]["loss"] - 0.02
 
 
 # ---------------------------------------------------------------- distributed, through the CLI
