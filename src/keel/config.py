@@ -111,8 +111,23 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE: sigmoid-gated shared expert; DeepSeek: added as is
     decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
+    # Router: "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a
+    # selection-only bias for aux-loss-free balancing, group-limited top-k, scaled weights).
+    router_scoring: str = "softmax"
+    router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
+    n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank == 0: ordinary attention.
+    q_lora_rank: int | None = None  # None: q_proj is one full-rank matrix
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # DeepSeek's checkpoints store rotary pairs interleaved
     # Tokens and provenance.
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -129,6 +144,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def q_size(self) -> int:
@@ -172,6 +191,14 @@ class ModelConfig:
             need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
             need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
+            need(self.router_scoring in ("softmax", "sigmoid"), f"router_scoring {self.router_scoring!r} is not "
+                 "supported (softmax, sigmoid)")  # fmt: skip
+            need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
+            need(1 <= self.topk_group <= self.n_group, "topk_group must be in 1..n_group")
+            need(
+                self.num_experts_per_tok <= self.topk_group * (self.num_experts // self.n_group),
+                "num_experts_per_tok exceeds the experts of topk_group groups",
+            )
 
     # ------------------------------------------------------------- parameters
     def param_counts(self) -> dict[str, int]:
