@@ -1,41 +1,104 @@
-"""Mixture-of-experts block: router, grouped experts, optional shared expert.
+"""Mixture-of-experts block: router, grouped experts, optional shared expert; balancing hooks for training.
 
-Experts are stored stacked ([E, ...] parameters) so that expert parallelism can shard them on
-the first dimension, and computed grouped: tokens are sorted by expert and each expert runs
-once on its own tokens (no per-token loop, no dense all-experts compute).
+Experts are stored stacked ([E, ...] parameters) so that expert parallelism can shard them on the
+first dimension, and computed grouped: token-slots are sorted by expert and all experts run in one
+grouped matmul per projection (`keel.model.grouped`), with no loop over experts.
+
+Routers (`Router`):
+- softmax (Mixtral, Qwen-MoE): softmax over the E logits, top-k, optionally renormalised;
+- sigmoid (DeepSeek-V3): per-expert sigmoid scores; a bias (`e_score_correction_bias`) is added
+  for *selecting* experts only (aux-loss-free balancing moves it, see `update_routing_bias`);
+  group-limited selection (the experts form n_group groups, a token may use the topk_group groups
+  with the best sum of their top-2 scores); weights are the unbiased scores of the chosen experts,
+  optionally renormalised, times routed_scaling_factor.
+
+Training (all off by default, set by the trainer from its [moe] config):
+- capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
+  overflow is dropped in token order (first come, first served, as Switch/GShard): a dropped slot
+  adds nothing and the token keeps its residual (and its other experts). None: dropless.
+- aux_loss_coef: the Switch/Mixtral load-balancing loss E * sum_e f_e * P_e (f_e: fraction of
+  token-slots sent to e, P_e: mean routing probability of e; 1.0 when balanced).
+- z_loss_coef: the router z-loss mean(logsumexp(logits)^2) (ST-MoE).
+The auxiliary losses enter through the block's output (`_AddAuxLoss`): their gradient is injected
+in backward where the block runs, so they work under pipeline parallelism, where the last stage's
+loss function never sees the other stages' routers.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
+from keel.model.grouped import grouped_matmul
 from keel.model.layers import SwiGLU
 
 
-class TopKRouter(nn.Module):
-    """Softmax top-k routing (Mixtral, Qwen-MoE), optionally renormalised over the chosen k."""
+@dataclass
+class Routing:
+    ids: Tensor  # [T, k] chosen experts
+    weights: Tensor  # [T, k] float32 combine weights
+    logits: Tensor  # [T, E] float32 router logits (z-loss)
+    probs: Tensor  # [T, E] float32 per-token routing distribution (load-balancing loss)
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.renormalize = renormalize
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.scoring = config.router_scoring
+        self.renormalize = config.norm_topk_prob
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias: Tensor | None
+        if config.router_bias:
+            # A buffer, not a parameter: moved by the load-balancing rule, never by gradients; saved in checkpoints.
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [T, H] -> (logits [T, E], weights [T, k] float32, expert ids [T, k])."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+    def forward(self, x: Tensor) -> Routing:
+        """x [T, H] -> Routing."""
+        if self.scoring == "softmax":
+            logits = F.linear(x, self.weight).float()  # Mixtral/Qwen: the matmul in the model's dtype
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            logits = F.linear(x.float(), self.weight.float())  # DeepSeek-V3: the router in float32
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            choice = self._limit_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights, ids
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
+        return Routing(ids=ids, weights=weights, logits=logits, probs=probs)
+
+    def _limit_groups(self, choice: Tensor) -> Tensor:
+        """Mask (-inf) the experts outside each token's topk_group best groups (group score: the sum
+        of its top-2 expert scores)."""
+        t = choice.shape[0]
+        grouped = choice.view(t, self.n_group, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, -1)
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """E SwiGLU experts with stacked weights: gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF layout).
+    Under expert parallelism a rank holds a contiguous slice of the experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -43,51 +106,140 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """x [T, H]; weights, ids [T, k] -> sum over each token's k experts, [T, H]."""
-        top_k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # token-slots grouped by expert
-        token_of_slot = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        grouped_in = x.index_select(0, token_of_slot)
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            chunk = grouped_in[start : start + count]
-            gate, up = F.linear(chunk, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
-            start += count
-        grouped_out = torch.cat(outputs, dim=0)
-        slot_weights = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        weighted = (grouped_out * slot_weights).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_slot, weighted)
+    def forward(self, x: Tensor, offsets: Tensor) -> Tensor:
+        """x [N, H] rows sorted by (local) expert; offsets [E_local] int32 cumulative counts -> [N, H]."""
+        gate, up = grouped_matmul(x, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
+        return grouped_matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+
+
+class LocalDispatcher:
+    """All experts on this rank: sort the token-slots by expert, one grouped compute, weighted sum back."""
+
+    def __call__(self, experts: GroupedExperts, x: Tensor, expert_ids: Tensor, slot_tokens: Tensor) -> Tensor:
+        """x [T, H]; expert_ids, slot_tokens [S] (the expert and the token of each kept slot) ->
+        expert outputs [S, H] in slot order."""
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=experts.num_experts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        out_sorted = experts(x.index_select(0, slot_tokens.index_select(0, order)), offsets)
+        return torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, gives `aux` the gradient `scale` (dL/d aux of L = main + scale * aux)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 class MoE(nn.Module):
-    """Routed experts plus, for Qwen2-MoE, a shared expert scaled by a sigmoid gate."""
+    """Routed experts plus an optional shared expert: sigmoid-gated (Qwen2-MoE) or plain (DeepSeek)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h = config.hidden_size
-        self.router = TopKRouter(h, config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.router = Router(config)
         self.experts = GroupedExperts(config.num_experts, h, config.moe_intermediate_size)
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
-        # Router logits of the last forward, for load-balancing losses and expert-load metrics.
-        self.last_router_logits: Tensor | None = None
+            if config.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
+        # Training knobs (see the module docstring); the trainer sets them.
+        self.capacity_factor: float | None = None
+        self.aux_loss_coef = 0.0
+        self.z_loss_coef = 0.0
+        self.aux_grad_scale = 1.0  # the factor the main loss gets (1/accumulation, fp16 loss scale)
+        # Statistics since the last reset_stats(): token-slots routed per expert, and dropped.
+        self.track_stats = False
+        self.routed: Tensor | None = None
+        self.dropped: Tensor | None = None
+        self.aux_losses: dict[str, Tensor] = {}  # the last forward's loss values (detached)
+
+    def reset_stats(self) -> None:
+        self.routed = self.dropped = None
+        self.aux_losses = {}
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if not (self.training and self.capacity_factor):
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits, weights, ids = self.router(flat)
-        self.last_router_logits = logits
-        out = self.experts(flat, weights, ids)
+        t = flat.shape[0]
+        routing = self.router(flat)
+        expert_ids = routing.ids.reshape(-1)
+        slot_weights = routing.weights.reshape(-1)
+        slot_tokens = torch.arange(t, device=flat.device).repeat_interleave(self.top_k)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        limit = self.capacity(t)
+        kept = None
+        if limit is not None:
+            kept = _within_capacity(expert_ids, counts, limit)
+            expert_ids, slot_weights, slot_tokens = expert_ids[kept], slot_weights[kept], slot_tokens[kept]
+        outputs = self.dispatcher(self.experts, flat, expert_ids, slot_tokens)
+        weighted = (outputs * slot_weights.unsqueeze(-1)).to(flat.dtype)
+        out = torch.zeros_like(flat).index_add_(0, slot_tokens, weighted)
+        if self.track_stats:
+            self._record(counts, 0 if kept is None else kept.numel() - int(kept.sum()))
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
+            out = _AddAuxLoss.apply(out, self._aux_loss(routing, counts, t), self.aux_grad_scale)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(shape)
+
+    def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:
+        total = routing.logits.new_zeros(())
+        if self.aux_loss_coef:
+            fraction = counts.float() / (num_tokens * self.top_k)
+            balance = self.num_experts * (fraction * routing.probs.mean(dim=0)).sum()
+            self.aux_losses["load_balance"] = balance.detach()
+            total = total + self.aux_loss_coef * balance
+        if self.z_loss_coef:
+            z = torch.logsumexp(routing.logits, dim=-1).pow(2).mean()
+            self.aux_losses["router_z"] = z.detach()
+            total = total + self.z_loss_coef * z
+        return total
+
+    @torch.no_grad()
+    def _record(self, counts: Tensor, dropped: int) -> None:
+        counts = counts.to(torch.float64)
+        self.routed = counts if self.routed is None else self.routed + counts
+        d = torch.tensor(float(dropped), dtype=torch.float64, device=counts.device)
+        self.dropped = d if self.dropped is None else self.dropped + d
+
+
+def _within_capacity(expert_ids: Tensor, counts: Tensor, limit: int) -> Tensor:
+    """Mask [S] of the slots each expert keeps: its first `limit` slots in token order."""
+    order = torch.argsort(expert_ids, stable=True)  # by expert, then by slot (= token) order
+    starts = counts.cumsum(0) - counts
+    rank_sorted = torch.arange(expert_ids.numel(), device=expert_ids.device) - starts.repeat_interleave(counts)
+    rank = torch.empty_like(rank_sorted).index_copy_(0, order, rank_sorted)
+    return rank < limit
+
+
+@torch.no_grad()
+def update_routing_bias(router: Router, load: Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): raise the selection bias of under-loaded experts and
+    lower it for over-loaded ones by `rate` (sign of the deviation from the mean load)."""
+    if router.e_score_correction_bias is None or rate == 0:
+        return
+    load = load.to(router.e_score_correction_bias)
+    router.e_score_correction_bias.add_(torch.sign(load.mean() - load) * rate)
