@@ -16,6 +16,7 @@ The bf16 mixed-precision layout is compared loosely (rtol 2e-2): it checks that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -54,7 +55,28 @@ MODELS = {
     "qwen2": lambda: tiny_config("qwen2", num_hidden_layers=2),  # q/k/v biases
     "mistral": lambda: tiny_config("mistral", num_hidden_layers=2),  # sliding window 8 < SEQ: masked path
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
+    # DeepSeek-V3's router (sigmoid, selection bias, 2 groups) with the router z-loss, whose gradient
+    # is injected inside each block: it must survive pipeline splitting and sharding.
+    "moe_aux": lambda: dataclasses.replace(
+        tiny_config("qwen3_moe", num_hidden_layers=2),
+        router_scoring="sigmoid", router_bias=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+    ),  # fmt: skip
 }
+# Only the z-loss: a mean over tokens, so the same on any split of the batch. The load-balancing loss
+# is a product of per-batch means, defined per micro-batch (as in Megatron): a split batch changes
+# its value, so it cannot match one process exactly (its formula and gradient: tests/test_moe.py).
+AUX_LOSS_COEF, Z_LOSS_COEF = 0.0, 0.05
+
+
+def enable_aux_losses(model_name: str, modules, grad_scale: float) -> None:
+    if not model_name.endswith("_aux"):
+        return
+    from keel.model.moe import MoE
+
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, MoE):
+                sub.aux_loss_coef, sub.z_loss_coef, sub.aux_grad_scale = AUX_LOSS_COEF, Z_LOSS_COEF, grad_scale
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,8 @@ LAYOUTS = [
     Layout("moe dp_shard=2", model="moe", dp_shard=2),
     Layout("moe pp=2", model="moe", pp=2),
     Layout("moe tp=2 sp (attention only)", model="moe", tp=2),
+    Layout("moe sigmoid-router z-loss dp_shard=2", model="moe_aux", dp_shard=2),
+    Layout("moe sigmoid-router z-loss pp=2", model="moe_aux", pp=2),
     Layout("dp_shard=2 x tp=2", dp_shard=2, tp=2),
     Layout("dp_replicate=2 x dp_shard=2 (HSDP)", dp_replicate=2, dp_shard=2),
     Layout("pp=2 x dp_shard=2", pp=2, dp_shard=2),
@@ -154,6 +178,7 @@ def optimizer(params) -> torch.optim.Optimizer:
 def reference_losses(model_name: str) -> list[float]:
     config = MODELS[model_name]()
     model = fresh_model(config)
+    enable_aux_losses(model_name, [model], 1.0)
     opt = optimizer(model.parameters())
     losses = []
     for batch in batches(config):
@@ -197,9 +222,12 @@ def run_layout(layout: Layout) -> list[float]:
             parallelize_fn=par,
         )
         params = [p for m in pipe.modules for p in m.parameters()]
+        # pipe.step divides each microbatch's loss by the microbatch count: the aux losses alike.
+        enable_aux_losses(layout.model, pipe.modules, 1.0 / (layout.microbatches * layout.accum))
     else:
         model = par(fresh_model(config))
         params = list(model.parameters())
+        enable_aux_losses(layout.model, [model], 1.0 / layout.accum)
     opt = optimizer(params)
 
     rows = BATCH // dp_size

@@ -6,6 +6,7 @@ Single-process runs go in-process (Trainer); distributed ones through `keel trai
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -201,6 +202,51 @@ def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
     assert skipped == list(range(1, len(skipped) + 1)) and len(skipped) >= 6  # 2**28 down to <= 2**22
     assert sharded[-1]["loss_scale"] < 2**22 and all(r["applied"] for r in sharded[len(skipped) :])
     assert sharded[-1]["loss"] < sharded[0]["loss"] - 0.02
+
+
+MOE_MODEL = """
+[model]
+tokenizer = "{tok}"
+[model.config]
+architectures = ["Qwen3MoeForCausalLM"]
+vocab_size = 256
+hidden_size = 32
+intermediate_size = 64
+moe_intermediate_size = 16
+num_experts = 4
+num_experts_per_tok = 2
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 128
+eos_token_id = 2
+"""
+
+
+def test_moe_training_logs_expert_load_drops_and_aux_losses(root):
+    from keel.train.plot import plot_run
+
+    path = config(root, "moe", "[moe]\naux_loss_coef = 0.02\nz_loss_coef = 0.001\ncapacity_factor = 1.0\n")
+    path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), MOE_MODEL.format(tok=root / "tok")))
+    _, result = run(path, "training.steps=6")
+    assert result.losses[6] < result.losses[1]
+    records = [r for r in read_metrics(root / "runs/moe/metrics.jsonl") if "loss" in r]
+    slots = 8 * 32 * 2  # global batch x seq_len x top-k, over both micro-batches
+    limit = math.ceil(1.0 * 4 * 32 * 2 / 4)  # per micro-batch forward: 4 sequences of 32 tokens
+    for r in records:
+        assert sorted(r["moe"]) == ["0", "1"]
+        for layer in r["moe"].values():
+            assert sum(layer["tokens_per_expert"]) == slots
+            assert layer["max_over_mean"] >= 1.0
+            # Dropped: at least the overflow of the step's total counts over two micro-batches' capacity.
+            overflow = sum(max(0, c - 2 * limit) for c in layer["tokens_per_expert"])
+            assert layer["dropped_fraction"] >= overflow / slots
+        assert r["moe_load_balance_loss"] >= 1.0 - 1e-6 and r["moe_router_z_loss"] > 0
+    assert any(r["moe_dropped_fraction"] > 0 for r in records)
+    assert plot_run(root / "runs/moe").stat().st_size > 10_000
+    # The aux-loss-free bias needs a router with a selection bias: Qwen3-MoE has none.
+    r = keel_train(path, "--set", "moe.bias_update_rate=0.001", timeout=60)
+    assert r.returncode == 1 and "bias_update_rate" in r.stderr and "Traceback" not in r.stderr
 
 
 # ---------------------------------------------------------------- distributed, through the CLI

@@ -194,7 +194,7 @@ class MoE(nn.Module):
         outputs = self.dispatcher(self.experts, flat, expert_ids, slot_tokens)
         weighted = (outputs * slot_weights.unsqueeze(-1)).to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, slot_tokens, weighted)
-        if self.track_stats:
+        if self.track_stats and self.training:  # training steps only: not validation forwards
             self._record(counts, 0 if kept is None else kept.numel() - int(kept.sum()))
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             out = _AddAuxLoss.apply(out, self._aux_loss(routing, counts, t), self.aux_grad_scale)

@@ -140,6 +140,16 @@ class ParallelSection(_Section):
         return value
 
 
+class MoESection(_Section):
+    """Mixture-of-experts training (ignored by dense models); see keel.model.moe."""
+
+    aux_loss_coef: float = Field(0.0, ge=0)  # Switch/Mixtral load-balancing loss (Mixtral trained with 0.02)
+    z_loss_coef: float = Field(0.0, ge=0)  # router z-loss (ST-MoE: 1e-3)
+    capacity_factor: float | None = Field(None, gt=0)  # null: dropless; else overflow dropped in token order
+    # Aux-loss-free balancing (routers with a selection bias, e.g. DeepSeek-V3): the bias step per update.
+    bias_update_rate: float = Field(0.0, ge=0)
+
+
 class ActivationCheckpointSection(_Section):
     mode: Literal["none", "full", "selective"] = "none"
     every: int = Field(1, ge=1)  # selective: checkpoint every k-th block
@@ -184,6 +194,7 @@ class TrainConfig(_Section):
     activation_checkpoint: ActivationCheckpointSection = Field(default_factory=ActivationCheckpointSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     guard: GuardSection = Field(default_factory=GuardSection)
+    moe: MoESection = Field(default_factory=MoESection)
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
     log: LogSection = Field(default_factory=LogSection)
 
@@ -508,6 +519,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
         for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
             if count % par.tp:
                 raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
+        if cfg.moe.bias_update_rate and not (model.is_moe and model.router_bias):
+            raise fail("moe: bias_update_rate needs routers with a selection bias (DeepSeek-V3's router_bias)")
 
     return Layout(
         world_size=world_size,

@@ -1,4 +1,4 @@
-"""`keel train plot RUN_DIR`: loss and throughput of a run (from its metrics.jsonl) as a PNG."""
+"""`keel train plot RUN_DIR`: loss, throughput and (MoE) expert load of a run, from its metrics.jsonl, as a PNG."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not records:
         raise KeelError(f"{path}: no training steps logged yet")
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    moe = [r for r in records if r.get("moe")]
+    fig, axes = plt.subplots(3 if moe else 2, 1, figsize=(8, 8.5 if moe else 6), sharex=True)
+    ax_loss, ax_tps = axes[0], axes[1]
     ax_loss.plot(steps, [r["loss"] for r in records], label="train loss", linewidth=1)
     val = [r for r in everything if r.get("val_loss") is not None]
     if val:
@@ -33,8 +35,20 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax_loss.legend()
     ax_tps.plot(steps, [r.get("tokens_per_s", 0) for r in records], color="tab:green", linewidth=1)
     ax_tps.set_ylabel("tokens/s")
-    ax_tps.set_xlabel("step")
     ax_tps.grid(alpha=0.3)
+    if moe:  # expert load per MoE layer: max/mean tokens per expert (1 = balanced), dropped share dashed
+        ax_moe = axes[2]
+        for layer in sorted(moe[-1]["moe"], key=int):
+            rows = [r for r in moe if r["moe"].get(layer, {}).get("max_over_mean") is not None]
+            line = ax_moe.plot([r["step"] for r in rows], [r["moe"][layer]["max_over_mean"] for r in rows],
+                               linewidth=1, label=f"layer {layer}")[0]  # fmt: skip
+            if any(r["moe"][layer]["dropped_fraction"] for r in rows):
+                ax_moe.plot([r["step"] for r in rows], [1 + r["moe"][layer]["dropped_fraction"] for r in rows],
+                            "--", color=line.get_color(), linewidth=0.8)  # fmt: skip
+        ax_moe.set_ylabel("expert load max/mean\n(dashed: 1 + dropped)")
+        ax_moe.grid(alpha=0.3)
+        ax_moe.legend(fontsize="small", ncol=4)
+    axes[-1].set_xlabel("step")
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "curves.png"

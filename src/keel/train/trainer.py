@@ -29,6 +29,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer, build_model
+from keel.train import moe_stats
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
@@ -80,6 +81,8 @@ class Trainer:
         self.mesh = None
         self.pipeline = None
         self._build_parallel(model)
+        self.moe = moe_stats.moe_layers(self.modules)
+        moe_stats.configure(self.moe, cfg.moe)
         opt = cfg.optimizer
         self.optimizers = [
             build_optimizer([m], opt.lr, tuple(opt.betas), opt.eps, opt.weight_decay, opt.fused) for m in self.modules
@@ -321,9 +324,21 @@ class Trainer:
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
 
+    def _moe_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        if self.mesh is None:
+            return None, None
+        from keel.train.parallel import loss_mesh
+
+        pp = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        return loss_mesh(self.mesh).get_group(), pp
+
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1
         self._fault_scale = self.faults.loss_scale(step)
+        if self.moe:  # auxiliary losses get the main loss's factor: 1/accumulation, 1/microbatches, fp16 scale
+            microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
+            scale = self.scaler.scale if self.scaler.enabled else 1.0
+            moe_stats.set_aux_grad_scale(self.moe, scale / (self.layout.grad_accum * microbatches))
         t0 = time.perf_counter()
         local = self._forward_backward()
         t_fb = time.perf_counter()
@@ -353,6 +368,8 @@ class Trainer:
                     raise GuardStop(f"guard: {event.describe()}")
                 if event.action == "rollback":
                     self._zero_grad()
+                    for moe in self.moe.values():
+                        moe.reset_stats()
                     self._rollback(event.describe())
                     record["rolled_back_to"] = self.step
                     return record
@@ -366,6 +383,8 @@ class Trainer:
                 self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
                 record["state_bytes"] = self.state_bytes
         self._zero_grad()
+        if self.moe:
+            record.update(moe_stats.finish_step(self.moe, self.cfg.moe.bias_update_rate, applied, *self._moe_groups()))
         for s in self.schedulers:
             s.step()
         self.step = step
