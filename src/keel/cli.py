@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=cmd_convert)
 
+    from keel.tools import upcycle
+
+    upcycle.register(sub)
+
     from keel.serve.openai.server import add_serve_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")

@@ -24,6 +24,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
+from keel.tokenizer import Tokenizer
 from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
 from keel.weights.names import keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
@@ -112,13 +113,46 @@ def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 def _write(checkpoint: Checkpoint, out: Path, dtype: str, max_shard_bytes: int) -> None:
     config = dataclasses.replace(checkpoint.config, dtype=dtype)
-    _write_weights(checkpoint, config, out, parse_dtype(dtype), max_shard_bytes)
+    _write_tensors(_hf_tensors(checkpoint, config, parse_dtype(dtype)), out, max_shard_bytes)
+    _write_metadata(config, checkpoint.tokenizer, out)
+
+
+def _write_metadata(config: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> None:
     hf = config.to_hf()
-    hf["dtype"] = dtype
+    hf["dtype"] = config.dtype
     _write_json(out / "config.json", hf)
     _write_json(out / "generation_config.json", _generation_config(config))
-    if checkpoint.tokenizer is not None:
-        checkpoint.tokenizer.save_hf(out)
+    if tokenizer is not None:
+        tokenizer.save_hf(out)
+
+
+def save_model(
+    model: Transformer,
+    tokenizer: Tokenizer | None,
+    dst: str | Path,
+    dtype: str = "float32",
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write a model held in memory (e.g. one keel built) as an HF directory at `dst`, atomically."""
+    dst = Path(dst)
+    _check_destination(dst, overwrite)
+    config = dataclasses.replace(model.config, dtype=dtype)
+    torch_dtype = parse_dtype(dtype)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        state = ((name, t.detach()) for name, t in model.state_dict().items())
+        tensors = ((n, _owned(t.to(torch_dtype))) for n, t in keel_to_hf(config, state).items())
+        _write_tensors(tensors, tmp, max_shard_bytes)
+        _write_metadata(config, tokenizer, tmp)
+        _move_into_place(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
 
 
 def _generation_config(config: ModelConfig) -> dict[str, Any]:
@@ -153,9 +187,8 @@ def _owned(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _write_weights(
-    checkpoint: Checkpoint, config: ModelConfig, out: Path, dtype: torch.dtype, max_shard_bytes: int
-) -> None:
+def _write_tensors(tensors: Iterator[tuple[str, Tensor]], out: Path, max_shard_bytes: int) -> None:
+    """Safetensors shards of at most max_shard_bytes (one file when it fits), with the hub's index."""
     shards: list[list[str]] = []  # tensor names per written shard
     pending: dict[str, Tensor] = {}
     pending_bytes = total = 0
@@ -167,7 +200,7 @@ def _write_weights(
             shards.append(list(pending))
             pending, pending_bytes = {}, 0
 
-    for name, tensor in _hf_tensors(checkpoint, config, dtype):
+    for name, tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         if pending and pending_bytes + size > max_shard_bytes:
             flush()  # a tensor larger than the limit still gets a shard of its own
