@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from keel.config import ModelConfig
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import build_model
+from keel.train.precision import global_grad_norm
 from tiny_models import COMMON, TINY_CONFIGS
 
 STEPS = 10
@@ -87,6 +88,7 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1  # experts split over ep of the dp_shard ranks
     sequence_parallel: bool = True
     schedule: str = "1f1b"
     stages_per_rank: int = 1
@@ -96,6 +98,7 @@ class Layout:
     reshard_after_forward: bool = True
     param_dtype: str | None = None  # FSDP mixed precision: compute copies in this dtype
     rtol: float = RTOL
+    norm_steps: int = STEPS  # steps whose gradient norm must match (bf16: only the first, before paths diverge)
 
     @property
     def world(self) -> int:
@@ -108,7 +111,7 @@ LAYOUTS = [
     Layout("dp_shard=2 full-AC no-reshard", dp_shard=2, ac_mode="full", reshard_after_forward=False),
     Layout("dp_shard=2 tied", model="tied", dp_shard=2),
     # bf16 compute cannot match a float32 run bit-for-bit: this checks the mixed-precision path trains alike.
-    Layout("dp_shard=2 bf16 params", dp_shard=2, param_dtype="bfloat16", rtol=2e-2),
+    Layout("dp_shard=2 bf16 params", dp_shard=2, param_dtype="bfloat16", rtol=2e-2, norm_steps=1),
     Layout("tp=2 sp", tp=2),
     Layout("tp=2 no-sp selective-AC", tp=2, sequence_parallel=False, ac_mode="selective"),
     Layout("tp=2 sp tied", model="tied", tp=2),
@@ -127,6 +130,12 @@ LAYOUTS = [
     Layout("moe tp=2 sp (attention only)", model="moe", tp=2),
     Layout("moe sigmoid-router z-loss dp_shard=2", model="moe_aux", dp_shard=2),
     Layout("moe sigmoid-router z-loss pp=2", model="moe_aux", pp=2),
+    Layout("moe ep=2", model="moe", dp_shard=2, ep=2),
+    Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),
+    Layout("moe ep=4", model="moe", dp_shard=4, ep=4),
+    Layout("moe ep=2 x dp_shard_mod_ep=2 (experts FSDP-sharded too)", model="moe", dp_shard=4, ep=2),
+    Layout("moe ep=2 x pp=2", model="moe", pp=2, dp_shard=2, ep=2),
+    Layout("moe ep=2 x dp_replicate=2 (HSDP)", model="moe", dp_replicate=2, dp_shard=2, ep=2),
     Layout("dp_shard=2 x tp=2", dp_shard=2, tp=2),
     Layout("dp_replicate=2 x dp_shard=2 (HSDP)", dp_replicate=2, dp_shard=2),
     Layout("pp=2 x dp_shard=2", pp=2, dp_shard=2),
@@ -175,30 +184,34 @@ def optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def reference_losses(model_name: str) -> list[float]:
+def reference_losses(model_name: str) -> dict[str, list[float]]:
+    """Losses and gradient norms per step. The norms matter: AdamW is nearly invariant to a constant
+    factor on a gradient, so a wrongly scaled gradient (e.g. experts averaged over the wrong group)
+    barely moves the losses but shows in the norm."""
     config = MODELS[model_name]()
     model = fresh_model(config)
     enable_aux_losses(model_name, [model], 1.0)
     opt = optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for batch in batches(config):
         loss = cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return {"losses": losses, "grad_norms": norms}
 
 
 # ----------------------------------------------------------------------------- worker side
 
 
-def run_layout(layout: Layout) -> list[float]:
+def run_layout(layout: Layout) -> dict[str, list[float]]:
     from keel.train.parallel import build_mesh, dp_rank_and_size, parallelize
     from keel.train.pipeline import build_pipeline
 
     config = MODELS[layout.model]()
-    mesh = build_mesh(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    mesh = build_mesh(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, ep=layout.ep)
     dp_rank, dp_size = dp_rank_and_size(mesh)
 
     def par(module):
@@ -231,7 +244,8 @@ def run_layout(layout: Layout) -> list[float]:
     opt = optimizer(params)
 
     rows = BATCH // dp_size
-    losses = []
+    losses, norms = [], []
+    pp_group = mesh["pp"].get_group() if layout.pp > 1 else None
     for batch in batches(config):
         local = batch[dp_rank * rows : (dp_rank + 1) * rows]
         loss = None
@@ -249,13 +263,14 @@ def run_layout(layout: Layout) -> list[float]:
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(layout.accum)
+        norms.append(global_grad_norm(params, pp_group).item())
         opt.step()
         opt.zero_grad()
         # Ranks holding the last stage have a loss (tp copies are equal): average them all.
         total = torch.zeros(()) if loss is None else loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / (layout.world // layout.pp))
-    return losses
+    return {"losses": losses, "grad_norms": norms}
 
 
 def _worker(rank: int, world: int, init_file: str, layouts: list[dict], out: str) -> None:
@@ -268,7 +283,7 @@ def _worker(rank: int, world: int, init_file: str, layouts: list[dict], out: str
         for fields in layouts:
             layout = Layout(**fields)
             start = time.perf_counter()
-            results[layout.name] = {"losses": run_layout(layout), "seconds": time.perf_counter() - start}
+            results[layout.name] = {**run_layout(layout), "seconds": time.perf_counter() - start}
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
@@ -287,26 +302,32 @@ def run_world(world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, list[float]]:
+def references() -> dict[str, dict[str, list[float]]]:
     return {name: reference_losses(name) for name in MODELS}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_layouts_reproduce_single_process_losses(world: int, references: dict[str, list[float]]) -> None:
+def test_layouts_reproduce_single_process_losses(world: int, references: dict) -> None:
     results = run_world(world)
     failures = []
     for layout in (layout for layout in LAYOUTS if layout.world == world):
-        got, want = results[layout.name]["losses"], references[layout.model]
-        deviation = max(abs(g - w) for g, w in zip(got, want, strict=True))
-        print(f"{layout.name:48s} max |dloss| {deviation:.2e}  ({results[layout.name]['seconds']:.1f}s)")
-        if not torch.allclose(torch.tensor(got), torch.tensor(want), rtol=layout.rtol, atol=ATOL):
-            failures.append(f"{layout.name}: {got} != {want}")
+        got, want = results[layout.name], references[layout.model]
+        deviation = max(abs(g - w) for g, w in zip(got["losses"], want["losses"], strict=True))
+        norm_dev = max(abs(g / w - 1) for g, w in zip(got["grad_norms"], want["grad_norms"], strict=True))
+        print(f"{layout.name:48s} max |dloss| {deviation:.2e} max rel dnorm {norm_dev:.2e}  ({got['seconds']:.1f}s)")
+        # Norms amplify float noise along the trajectory more than losses: 1e-4 (a wrong reduction is >= 1e-3).
+        checks = (("losses", STEPS, layout.rtol), ("grad_norms", layout.norm_steps, max(layout.rtol, 1e-4)))
+        for key, steps, rtol in checks:
+            mine, theirs = torch.tensor(got[key][:steps]), torch.tensor(want[key][:steps])
+            if not torch.allclose(mine, theirs, rtol=rtol, atol=ATOL):
+                failures.append(f"{layout.name} {key}: {got[key]} != {want[key]}")
     assert not failures, "\n".join(failures)
 
 
-def test_reference_loss_decreases(references: dict[str, list[float]]) -> None:
+def test_reference_loss_decreases(references: dict) -> None:
     # The comparison above is only meaningful if training moves the loss.
-    for name, losses in references.items():
+    for name, ref in references.items():
+        losses = ref["losses"]
         assert losses[-1] < losses[0] - 0.5, (name, losses)
 
 

@@ -293,6 +293,36 @@ def test_validation_loss_is_the_same_with_a_pipeline(root):
     assert piped == [pytest.approx(single[0], rel=1e-6)]
 
 
+def test_expert_parallel_training_matches_one_process_and_reshards(root):
+    """ep = 2 through the CLI: the one-process losses; its checkpoint resumes in one process (experts
+    gathered from their two ranks by DCP); bad ep settings are one-line errors."""
+    def moe_config(name: str) -> Path:
+        path = config(root, name, "[moe]\nz_loss_coef = 0.001\n")
+        path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), MOE_MODEL.format(tok=root / "tok")))
+        return path
+
+    _, single = run(moe_config("moe-single"), "training.steps=10", "checkpoint.interval=5")
+    r = keel_train(moe_config("moe-ep"), "--nproc", "2", "--set", "parallel.ep=2", "--set", "training.steps=10",
+                   "--set", "checkpoint.interval=5")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep = losses(root / "runs/moe-ep")
+    for step in range(1, 11):
+        assert ep[step] == pytest.approx(single.losses[step], rel=1e-5, abs=1e-6), step
+    _, resumed = run(moe_config("moe-relayout"), "training.steps=10",
+                     f"checkpoint.resume={root}/runs/moe-ep/checkpoints/step-00000005")  # fmt: skip
+    for step in range(6, 11):
+        assert resumed.losses[step] == pytest.approx(ep[step], abs=1e-5), step
+    bad = [
+        (["--nproc", "2", "--set", "parallel.ep=3"], "ep = 3 must divide dp_shard = 2"),
+        (["--nproc", "4", "--set", "parallel.ep=2", "--set", "parallel.tp=2"], "ep > 1 with tp > 1"),
+    ]
+    for args, expected in bad:
+        r = keel_train(moe_config("moe-bad"), *args, timeout=60)
+        assert r.returncode == 1 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = keel_train(config(root, "dense-ep"), "--nproc", "2", "--set", "parallel.ep=2", timeout=60)
+    assert r.returncode == 1 and "needs a mixture-of-experts model" in r.stderr
+
+
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
     path = config(root, "torn")
     r = keel_train(path, "--nproc", "2", "--set", "checkpoint.interval=5", "--set", "training.steps=10",

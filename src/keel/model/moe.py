@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from keel.config import ModelConfig
 from keel.model.grouped import grouped_matmul
@@ -105,11 +106,24 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.grad_scale = 1.0  # expert parallelism: a factor on the weights' gradients (see apply_ep)
 
     def forward(self, x: Tensor, offsets: Tensor) -> Tensor:
         """x [N, H] rows sorted by (local) expert; offsets [E_local] int32 cumulative counts -> [N, H]."""
-        gate, up = grouped_matmul(x, self.gate_up_proj.transpose(1, 2), offsets).chunk(2, dim=-1)
-        return grouped_matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if self.grad_scale != 1.0 and torch.is_grad_enabled():
+            scale = self.grad_scale
+            gate_up = gate_up.view_as(gate_up)  # a fresh autograd node to hook: the parameter's own
+            down = down.view_as(down)  # grad accumulation must not see the hook twice
+            gate_up.register_hook(lambda g: g * scale)
+            down.register_hook(lambda g: g * scale)
+        gate, up = grouped_matmul(x, gate_up.transpose(1, 2), offsets).chunk(2, dim=-1)
+        return grouped_matmul(F.silu(gate) * up, down.transpose(1, 2), offsets)
+
+
+def _local(weight: Tensor) -> Tensor:
+    # Under expert parallelism the stacked weights are DTensors sharded on experts: this rank's slice.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class LocalDispatcher:

@@ -126,6 +126,8 @@ class ParallelSection(_Section):
     dp_replicate: int = Field(1, ge=1)
     dp_shard: int = -1  # -1: whatever is left of the world size
     tp: int = Field(1, ge=1)
+    # Expert parallelism: experts split over ep ranks taken from dp_shard (ep must divide dp_shard).
+    ep: int = Field(1, ge=1)
     sequence_parallel: bool = True
     pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b", "zbv"] = "1f1b"
     pp_microbatches: int | None = Field(None, ge=1)  # null: pp
@@ -435,6 +437,7 @@ class Layout:
     grad_accum: int  # micro-batches per optimizer step per rank
     pp_microbatches: int  # each micro-batch is split into this many pipeline microbatches (1 without pp)
     pp_stages_per_rank: int  # 1 without pp
+    ep: int = 1  # experts split over ep of the dp_shard ranks
 
     @property
     def pp_stages(self) -> int:
@@ -507,6 +510,12 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
                 f"of its rounds (pp_microbatches // pp = {rounds})"
             )
 
+    if par.ep > 1:
+        if dp_shard % par.ep:
+            raise fail(f"parallel: ep = {par.ep} must divide dp_shard = {dp_shard} (experts take data-parallel ranks)")
+        if par.tp > 1:
+            raise fail("parallel: ep > 1 with tp > 1 is not supported (MoE blocks are not tensor-parallel)")
+
     if par.tp > 1 and par.sequence_parallel and cfg.data.seq_len % par.tp:
         raise fail(f"data: seq_len = {cfg.data.seq_len} is not divisible by tp = {par.tp} (sequence parallelism)")
 
@@ -519,6 +528,10 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
         for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
             if count % par.tp:
                 raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
+        if par.ep > 1 and not model.is_moe:
+            raise fail(f"parallel: ep = {par.ep} needs a mixture-of-experts model")
+        if par.ep > 1 and model.num_experts % par.ep:
+            raise fail(f"parallel: ep = {par.ep} does not divide the model's {model.num_experts} experts")
         if cfg.moe.bias_update_rate and not (model.is_moe and model.router_bias):
             raise fail("moe: bias_update_rate needs routers with a selection bias (DeepSeek-V3's router_bias)")
 
@@ -533,4 +546,5 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
         grad_accum=grad_accum,
         pp_microbatches=microbatches,
         pp_stages_per_rank=stages_per_rank,
+        ep=par.ep,
     )

@@ -90,7 +90,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -103,9 +103,11 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from keel.model.layers import SwiGLU
+from keel.model.moe import MoE
 from keel.model.transformer import Transformer
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS_EP = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 ACMode = Literal["none", "full", "selective"]
 
 
@@ -113,23 +115,47 @@ ACMode = Literal["none", "full", "selective"]
 
 
 def build_mesh(
-    pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, device_type: str = "cpu"
+    pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, device_type: str = "cpu", ep: int = 1
 ) -> DeviceMesh:
-    """The 4-D mesh ("pp", "dp_replicate", "dp_shard", "tp"), plus the flattened "dp" dim.
+    """The mesh ("pp", "dp_replicate", "dp_shard", "tp"), plus the flattened "dp" dim.
 
+    Expert parallelism borrows its ranks from dp_shard (as torchtitan does): with ep > 1 the root
+    dims are ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is the flattened
+    (dp_shard_mod_ep, ep). Dense parameters are FSDP-sharded over all of dp_shard; experts are split
+    over "ep" and FSDP-sharded over the rest (dp_shard_mod_ep). The data layout does not change.
     Needs an initialised default process group whose world size is the product of the dims.
     """
     sizes = (pp, dp_replicate, dp_shard, tp)
-    if any(n < 1 for n in sizes):
-        raise ValueError(f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} tp={tp}")
+    if any(n < 1 for n in sizes) or ep < 1:
+        raise ValueError(
+            f"mesh dims must be >= 1, got pp={pp} dp_replicate={dp_replicate} dp_shard={dp_shard} tp={tp} ep={ep}"
+        )
     world = dist.get_world_size()
     if pp * dp_replicate * dp_shard * tp != world:
         raise ValueError(
             f"pp*dp_replicate*dp_shard*tp = {pp}*{dp_replicate}*{dp_shard}*{tp} must equal the world size {world}"
         )
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if ep == 1:
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    else:
+        if dp_shard % ep:
+            raise ValueError(f"ep = {ep} must divide dp_shard = {dp_shard} (experts borrow data-parallel ranks)")
+        mesh = init_device_mesh(
+            device_type, (pp, dp_replicate, dp_shard // ep, ep, tp), mesh_dim_names=MESH_DIMS_EP
+        )
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    mesh[_dp_dims(mesh)]._flatten("dp")
     return mesh
+
+
+def _dp_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    if "ep" in (mesh.mesh_dim_names or ()):
+        return ("dp_replicate", "dp_shard_mod_ep", "ep")
+    return ("dp_replicate", "dp_shard")
+
+
+def ep_size(mesh: DeviceMesh) -> int:
+    return mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -140,17 +166,30 @@ def pp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["pp"]
 
 
+def _shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if "ep" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")  # the cached flattened mesh
+    return mesh["dp_shard"]
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards over: 1-D dp_shard (FSDP), or 2-D (dp_replicate, dp_shard) for HSDP."""
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+    return _shard_mesh(mesh)
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards experts over under expert parallelism: the data-parallel ranks outside "ep"."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    return mesh["dp_shard_mod_ep"]
 
 
 def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks holding different data ("dp" = dp_replicate x dp_shard): average losses and metrics here."""
     # _flatten returns the mesh build_mesh cached; slicing mesh["dp"] is deprecated for flattened dims.
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh[_dp_dims(mesh)]._flatten("dp")
 
 
 def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
@@ -306,6 +345,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> Transformer:
     """FSDP2 (ZeRO-3) per decoder block, then the root (embedding, norm, head), in place.
 
@@ -315,6 +355,10 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.layers.values():
+        if expert_mesh is not None and isinstance(layer.mlp, MoE):
+            # Expert-parallel experts (DTensors on "ep") get their own FSDP group over the other
+            # data-parallel ranks (apply_ep scales their gradients by 1/ep, see there).
+            fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root's parameters are the first needed in backward: keep them gathered after forward.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -341,7 +385,36 @@ def parallelize(
     """
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], sequence_parallel)
+    ep = ep_size(mesh)
+    if ep > 1:
+        apply_ep(model, mesh["ep"])
     apply_activation_checkpointing(model, ac_mode, ac_every)
     if loss_mesh(mesh).size() > 1:
-        apply_fsdp(model, dp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward)
+        apply_fsdp(
+            model, dp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward,
+            expert_mesh=expert_dp_mesh(mesh) if ep > 1 else None,
+        )  # fmt: skip
+    return model
+
+
+# ----------------------------------------------------------------------------- expert parallel
+
+
+def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> Transformer:
+    """Split every MoE block's experts over `ep_mesh` (contiguous ranges, Shard(0) DTensors, so
+    checkpoints reshard to any other ep) and route their tokens with all-to-all, in place."""
+    from keel.model.expert_parallel import AllToAllDispatcher
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            experts = module.experts
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(distribute_tensor(full.data, ep_mesh, [Shard(0)])))
+            module.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), module.num_experts)
+            # An expert's gradient sums the tokens of all ep ranks (the all-to-all's backward), while
+            # FSDP averages it only over the expert's own dp group: 1/ep makes it the mean over all
+            # data-parallel ranks, as for dense weights. (FSDP's set_gradient_divide_factor would do
+            # this with a PREMUL_SUM reduction, which gloo lacks.)
+            experts.grad_scale = 1.0 / ep_mesh.size()
     return model

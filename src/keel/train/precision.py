@@ -7,7 +7,9 @@ and knows nothing of pipeline stages (each stage holds other parameters). Here e
 contributes the squares of its *local* shard; those sums are grouped by the mesh dimensions the
 gradient is sharded over and all-reduced over exactly those dimensions (a replicated dimension
 holds the same values on every rank and is not summed), then summed over pipeline stages. One
-scalar all-reduce per group: cheap, and exact.
+scalar all-reduce per group: cheap, and exact. A gradient still pending a sum (Partial, e.g. the
+sequence-parallel norm weights) is reduced first. tests/test_train_parallel.py checks the norm of
+every layout against one process.
 """
 
 from __future__ import annotations
@@ -18,13 +20,24 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _reduce_dims(grad: DTensor) -> tuple[str, ...]:
+    """Mesh dims whose ranks hold different pieces of `grad` (sharded): their squares add up."""
     mesh = grad.device_mesh
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    return tuple(names[i] for i, p in enumerate(grad.placements) if isinstance(p, (Shard, Partial)))
+    # Not "isinstance(p, Shard)": FSDP's _StridedShard (FSDP over a TP-sharded dim) is no Shard subclass.
+    return tuple(names[i] for i, p in enumerate(grad.placements) if not p.is_replicate())
+
+
+def _without_partial(grad: DTensor) -> DTensor:
+    """A gradient still pending a sum over some dim (e.g. sequence-parallel norm weights under TP:
+    each rank saw part of the sequence) is summed first: the squares of partial sums do not add
+    up to the square of the sum."""
+    if not any(isinstance(p, Partial) for p in grad.placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in grad.placements])
 
 
 def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
@@ -44,6 +57,7 @@ def global_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | Non
         if g is None:
             continue
         if isinstance(g, DTensor):
+            g = _without_partial(g)
             dims = _reduce_dims(g)
             key = (id(g.device_mesh), dims)
             groups.setdefault(key, [g.device_mesh, dims, []])[2].append(g.to_local())

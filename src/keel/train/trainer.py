@@ -158,7 +158,7 @@ class Trainer:
         if self.world == 1:
             self.modules: list[nn.Module] = [model]
             return
-        self.mesh = parallel.build_mesh(lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, self.device.type)
+        self.mesh = parallel.build_mesh(lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, self.device.type, ep=lay.ep)
 
         def parallelize(module: Transformer) -> Transformer:
             return parallel.parallelize(
