@@ -75,7 +75,74 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             head_dim=16,
         ),
     ),
+    # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
+    # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            rope_interleave=True,
+        ),
+    ),
+    # MLA without the low-rank query (q_proj), rotary pairs not interleaved, YaRN with DeepSeek's
+    # mscale/mscale_all_dim (a cos/sin factor != 1 and a softmax correction), all layers dense.
+    "deepseek_v3-mla": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=3,
+            moe_intermediate_size=32,
+            rope_interleave=False,
+            max_position_embeddings=16384,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
 }
+
+
+# Weights whose scale sets how peaked attention is (q/k; for multi-head latent attention the query,
+# the rope key and the latent's key expansion).
+SHARPENED = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "q_b_proj.weight",
+    "kv_a_proj_with_mqa.weight",
+    "kv_b_proj.weight",
+)
 
 
 def build_hf_model(name: str, seed: int = 0, **overrides):
@@ -93,8 +160,12 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
             # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
-            if pname.endswith(("q_proj.weight", "k_proj.weight")):
+            if pname.endswith(SHARPENED):
                 p.mul_(10)
+        for bname, b in model.named_buffers():
+            # DeepSeek's router selection bias starts at zero: perturb it so that it counts too.
+            if bname.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model.eval()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
-MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
+MLA_FAMILIES = {"deepseek_v3"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -65,32 +68,69 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "intermediate_size": 6144,
     },
+    # transformers' DeepseekV3Config defaults (the published DeepSeek-V3 shape).
+    "deepseek_v3": {
+        **_COMMON_DEFAULTS,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": [1],
+        "intermediate_size": 18432,
+        "num_experts": 256,  # HF: n_routed_experts
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "norm_topk_prob": True,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
+    },
 }
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary-embedding frequency scaling (HF `rope_parameters` / `rope_scaling`)."""
 
-    type: str = "default"  # default | linear | llama3
+    type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn (the pre-training context)
+    # YaRN: frequencies between the beta_fast and beta_slow rotation counts are interpolated; cos/sin
+    # are multiplied by attention_factor (None: derived from factor, mscale and mscale_all_dim as
+    # transformers does). DeepSeek also multiplies its softmax scale by yarn_get_mscale(factor,
+    # mscale_all_dim)**2 (see keel.model.mla). mscale == 0 means "not given", as in transformers.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass
 class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
 
-    architecture: str  # keel family: llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe
+    architecture: str  # keel family: llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
+    # Multi-head latent attention: num_kv_heads == num_heads (kv_b_proj expands the latent into one
+    # key and one value per head) and head_dim is the query/key width qk_nope_head_dim +
+    # qk_rope_head_dim, the width the scores are taken over (HF's qk_head_dim; HF's own `head_dim`
+    # is the rotary width, which keel calls `rotary_dim`). Values are v_head_dim wide.
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
@@ -150,6 +190,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def rotary_dim(self) -> int:
+        """Channels per head that rotary embeddings rotate (MLA: only the decoupled qk_rope part)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -181,7 +226,10 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
-        need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.is_mla:
+            self._validate_mla(need)
+        else:
+            need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
         need(
             self.rope_scaling.type in ROPE_TYPES,
@@ -200,10 +248,41 @@ class ModelConfig:
                 "num_experts_per_tok exceeds the experts of topk_group groups",
             )
 
+    def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
+        need(
+            self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+            f"qk_rope_head_dim must be positive and even, got {self.qk_rope_head_dim}",
+        )
+        need(self.qk_nope_head_dim >= 0, f"qk_nope_head_dim must be >= 0, got {self.qk_nope_head_dim}")
+        need(self.v_head_dim > 0, f"v_head_dim must be positive, got {self.v_head_dim}")
+        need(
+            self.head_dim == self.qk_nope_head_dim + self.qk_rope_head_dim,
+            f"with multi-head latent attention head_dim ({self.head_dim}) must be qk_nope_head_dim + "
+            f"qk_rope_head_dim ({self.qk_nope_head_dim} + {self.qk_rope_head_dim})",
+        )
+        need(
+            self.num_kv_heads == self.num_heads,
+            f"with multi-head latent attention num_kv_heads ({self.num_kv_heads}) must equal num_heads "
+            f"({self.num_heads})",
+        )
+        rank = self.q_lora_rank
+        need(rank is None or rank > 0, f"q_lora_rank must be positive or None, got {rank}")
+        need(self.sliding_window is None, "multi-head latent attention has no sliding-window variant")
+        need(not self.qk_norm, "multi-head latent attention has no q/k norm")
+
     # ------------------------------------------------------------- parameters
-    def param_counts(self) -> dict[str, int]:
-        """Parameter counts: total, and active per token (MoE routes each token to top-k experts)."""
-        h, attn = self.hidden_size, 0
+    def _attention_params(self) -> int:
+        h = self.hidden_size
+        if self.is_mla:
+            heads, rank, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+            if self.q_lora_rank is None:
+                attn = h * self.q_size  # q_proj (never biased)
+            else:  # q_a_proj (+ bias), q_a_layernorm, q_b_proj
+                attn = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.q_size
+                attn += self.q_lora_rank if self.qkv_bias else 0
+            attn += h * (rank + rope) + ((rank + rope) if self.qkv_bias else 0)  # kv_a_proj_with_mqa
+            attn += rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_layernorm, kv_b_proj
+            return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.qkv_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -211,9 +290,19 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += 2 * self.head_dim
+        return attn
+
+    def param_counts(self) -> dict[str, int]:
+        """Parameter counts: total, and active per token (MoE routes each token to top-k experts).
+
+        DeepSeek's e_score_correction_bias is a buffer (adjusted by load statistics, not by
+        gradients), as in transformers, so it is not counted."""
+        h = self.hidden_size
+        attn = self._attention_params()
         dense_mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
         expert = 3 * h * self.moe_intermediate_size
-        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
+        shared = 3 * h * self.shared_expert_intermediate_size + shared_gate
         total = active = 0
         for layer in range(self.num_layers):
             base = attn + 2 * h
@@ -253,13 +342,23 @@ class ModelConfig:
             vocab = int(hf["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        _refuse_quantized(hf, source)
         head_dim = int(get("head_dim", hidden // num_heads))
-        rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source)
+        num_kv_heads = int(get("num_key_value_heads", num_heads))
+        max_positions = int(get("max_position_embeddings", defaults["max_position_embeddings"]))
+        rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions)
 
         sliding_window, layer_types = _sliding_from_hf(family, hf, num_layers)
         eos = get("eos_token_id", [])
         moe: dict[str, Any] = {}
-        if family in MOE_FAMILIES:
+        mla: dict[str, Any] = {}
+        if family in MLA_FAMILIES:
+            mla = _mla_from_hf(hf, defaults)
+            # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
+            head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
+        if family == "deepseek_v3":
+            moe = _deepseek_moe_from_hf(hf, defaults, num_layers, source)
+        elif family in MOE_FAMILIES:
             moe = {
                 "num_experts": int(get("num_local_experts", get("num_experts", 0))),
                 "num_experts_per_tok": int(get("num_experts_per_tok", defaults["num_experts_per_tok"])),
@@ -290,16 +389,17 @@ class ModelConfig:
             intermediate_size=int(get("intermediate_size", 0)),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(get("num_key_value_heads", num_heads)),
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps", defaults["rms_norm_eps"])),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(get("max_position_embeddings", defaults["max_position_embeddings"])),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only.
-            o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe") else False,
+            # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only. DeepSeek's covers
+            # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj or kv_b_proj).
+            o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False,
             mlp_bias=bool(get("mlp_bias", False)) if family == "llama" else False,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
@@ -309,6 +409,7 @@ class ModelConfig:
             pad_token_id=get("pad_token_id"),
             dtype=str(get("dtype", get("torch_dtype", "float32"))),
             **moe,
+            **mla,
         )
 
     @classmethod
@@ -351,7 +452,9 @@ class ModelConfig:
             hf["mlp_bias"] = self.mlp_bias
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
-        if self.architecture in ("mistral", "mixtral"):
+        if self.architecture == "deepseek_v3":
+            hf.update(_deepseek_to_hf(self))
+        elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         elif self.architecture != "llama":
             hf["use_sliding_window"] = self.sliding_window is not None
@@ -362,7 +465,7 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe:
+        elif self.is_moe and self.architecture != "deepseek_v3":
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -380,7 +483,101 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-def _rope_from_hf(hf: dict[str, Any], default_theta: float, source: str) -> tuple[float, RopeScaling]:
+def _refuse_quantized(hf: dict[str, Any], source: str) -> None:
+    """Quantized HF checkpoints (DeepSeek-V3's FP8 release: float8 weights with per-block
+    `weight_scale_inv` tensors) would load as wrong numbers: say so instead."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ConfigError(
+            f"{source}: quantized checkpoints (quantization_config, quant_method {method!r}) are not supported; "
+            "use a bfloat16/float16/float32 checkpoint (e.g. DeepSeek's FP8 weights dequantized to bf16)"
+        )
+
+
+def _hf_or(hf: dict[str, Any], key: str, default: Any) -> Any:
+    """hf[key] when the key is present, even as null (q_lora_rank: null means a full-rank q_proj)."""
+    return hf[key] if key in hf else default
+
+
+def _mla_from_hf(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    q_lora_rank = _hf_or(hf, "q_lora_rank", defaults["q_lora_rank"])
+    out = {"q_lora_rank": None if q_lora_rank is None else int(q_lora_rank)}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        out[key] = int(_hf_or(hf, key, defaults[key]))
+    out["rope_interleave"] = bool(_hf_or(hf, "rope_interleave", defaults["rope_interleave"]))
+    return out
+
+
+def _deepseek_moe_from_hf(hf: dict[str, Any], defaults: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """DeepSeek-V3's MoE: sigmoid router with a selection bias and group-limited top-k, ungated shared
+    experts, and dense MLPs in the first `first_k_dense_replace` layers."""
+
+    def get(key: str, default_key: str | None = None) -> Any:
+        value = hf.get(key)
+        return defaults[default_key or key] if value is None else value
+
+    # Fields of DeepSeek's own config.json that transformers fixes; anything else is another router.
+    for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, expected) != expected:
+            raise ConfigError(f"{source}: DeepSeek-V3 {key} {hf[key]!r} is not supported (only {expected!r})")
+    moe_width = int(get("moe_intermediate_size"))
+    first_dense = min(int(get("first_k_dense_replace")), num_layers)
+    return {
+        "num_experts": int(get("n_routed_experts", "num_experts")),
+        "num_experts_per_tok": int(get("num_experts_per_tok")),
+        "moe_intermediate_size": moe_width,
+        "norm_topk_prob": bool(get("norm_topk_prob")),
+        # n_shared_experts experts of moe_intermediate_size each act as one wider MLP.
+        "shared_expert_intermediate_size": moe_width * int(get("n_shared_experts")),
+        "shared_expert_gated": False,
+        "mlp_only_layers": list(range(first_dense)),
+        "router_scoring": "sigmoid",
+        "router_bias": True,
+        "n_group": int(get("n_group")),
+        "topk_group": int(get("topk_group")),
+        "routed_scaling_factor": float(get("routed_scaling_factor")),
+    }
+
+
+def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
+    if config.mlp_only_layers != list(range(len(config.mlp_only_layers))):
+        raise ConfigError(
+            f"deepseek_v3: dense layers must be the first k (first_k_dense_replace), got {config.mlp_only_layers}"
+        )
+    moe_width = config.moe_intermediate_size
+    shared = config.shared_expert_intermediate_size
+    if config.is_moe and shared % moe_width:
+        raise ConfigError(f"deepseek_v3: shared expert width {shared} is not a multiple of {moe_width}")
+    return {
+        # transformers' DeepseekV3 attention needs num_key_value_heads == num_attention_heads; its
+        # `head_dim` is the rotary width.
+        "num_key_value_heads": config.num_heads,
+        "head_dim": config.qk_rope_head_dim,
+        "attention_bias": config.qkv_bias,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "rope_interleave": config.rope_interleave,
+        "n_routed_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": moe_width,
+        "n_shared_experts": shared // moe_width if config.is_moe else 0,
+        # A dense-only config: every layer is among the first k.
+        "first_k_dense_replace": len(config.mlp_only_layers) if config.is_moe else config.num_layers,
+        "norm_topk_prob": config.norm_topk_prob,
+        "n_group": config.n_group,
+        "topk_group": config.topk_group,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "num_nextn_predict_layers": 0,  # keel neither reads nor writes multi-token-prediction layers
+    }
+
+
+def _rope_from_hf(
+    hf: dict[str, Any], default_theta: float, source: str, max_positions: int
+) -> tuple[float, RopeScaling]:
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
@@ -392,6 +589,23 @@ def _rope_from_hf(hf: dict[str, Any], default_theta: float, source: str) -> tupl
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "yarn":
+        # As transformers: the pre-training context defaults to max_position_embeddings, the factor
+        # to the ratio of the two, and a missing or zero mscale/mscale_all_dim means "not given".
+        original = int(spec.get("original_max_position_embeddings") or max_positions)
+        factor = spec.get("factor")
+        attention_factor = spec.get("attention_factor")
+        return theta, RopeScaling(
+            type="yarn",
+            factor=float(factor if factor is not None else max_positions / original),
+            original_max_position_embeddings=original,
+            beta_fast=float(spec.get("beta_fast") or 32.0),
+            beta_slow=float(spec.get("beta_slow") or 1.0),
+            mscale=float(spec.get("mscale") or 0.0),
+            mscale_all_dim=float(spec.get("mscale_all_dim") or 0.0),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            truncate=bool(spec.get("truncate", True)),
+        )
     return theta, RopeScaling(
         type=rope_type,
         factor=float(spec.get("factor", 1.0)),
@@ -403,8 +617,22 @@ def _rope_from_hf(hf: dict[str, Any], default_theta: float, source: str) -> tupl
 
 def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": scaling.type, "rope_theta": theta}
-    if scaling.type in ("linear", "llama3"):
+    if scaling.type in ("linear", "llama3", "yarn"):
         out["factor"] = scaling.factor
+    if scaling.type == "yarn":
+        out.update(
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+        )
+        if scaling.mscale:
+            out["mscale"] = scaling.mscale
+        if scaling.mscale_all_dim:
+            out["mscale_all_dim"] = scaling.mscale_all_dim
+        if scaling.attention_factor is not None:
+            out["attention_factor"] = scaling.attention_factor
+        if not scaling.truncate:
+            out["truncate"] = False
     if scaling.type == "llama3":
         out.update(
             low_freq_factor=scaling.low_freq_factor,

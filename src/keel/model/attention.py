@@ -35,11 +35,23 @@ class KVCache(Protocol):
         (causal by position, within `window` tokens when set)."""
         ...
 
+    def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """Multi-head latent attention (keel.model.mla), with kv_b_proj absorbed into q and o.
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-    """Scaled dot-product attention with grouped-query heads (q [B, H, S, D], k/v [B, H_kv, L, D])."""
+        Store `kv` ([B, S, 1, R + P]: each token's normed latent, then its rotated shared rope key;
+        R = kv_lora_rank, P = qk_rope_head_dim) and return [B, H, S, R]: softmax(scale * q.k) over
+        the visible tokens' rows, times their first R channels (the latent is both key and value).
+        q is [B, H, S, R + P]. This is multi-query attention over one stored row per token."""
+        ...
+
+
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """Scaled dot-product attention with grouped-query heads (q [B, H, S, D], k [B, H_kv, L, D],
+    v [B, H_kv, L, Dv]); `scale` defaults to 1/sqrt(D)."""
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], scale=scale
     )
 
 

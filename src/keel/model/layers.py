@@ -28,8 +28,46 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """Factor on cos/sin (so on q.k through both): YaRN's, derived as transformers does; 1 otherwise."""
+    if scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_get_mscale(scaling.factor, scaling.mscale) / yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_get_mscale(scaling.factor)
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """YaRN: high frequencies (many rotations within the original context) kept, low ones divided by
+    `factor`, a linear ramp in between (transformers' _compute_yarn_parameters, same float32 ops)."""
+
+    def correction_dim(rotations: float) -> float:
+        old_len = scaling.original_max_position_embeddings
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
-    """Inverse frequencies of rotary embeddings, with linear or llama3 scaling applied."""
+    """Inverse frequencies of rotary embeddings over `head_dim` channels, with scaling applied."""
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling.type == "linear":
         return inv_freq / scaling.factor
@@ -52,9 +90,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
+        self.head_dim = config.rotary_dim  # MLA rotates only the qk_rope part of each head
         self.theta = config.rope_theta
         self.scaling = config.rope_scaling
+        self.attention_factor = rope_attention_factor(config.rope_scaling)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self, device: torch.device | None = None) -> Tensor:
@@ -69,6 +108,8 @@ class RotaryEmbedding(nn.Module):
         negated once here so that rotate_half costs one roll per use instead of four ops."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # YaRN; scaled in float32 before rounding, as transformers
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.
         return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)

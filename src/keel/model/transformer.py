@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 
 
@@ -21,7 +22,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn: nn.Module = MLAttention(config, layer) if config.is_mla else Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (
             MoE(config)

@@ -194,10 +194,17 @@ class KVCacheManager:
         return sum(1 for b in self.seqs[seq_id].table if b != NULL_BLOCK) if seq_id in self.seqs else 0
 
 
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Cache bytes of one token over all layers: K and V of every KV head, or for multi-head latent
+    attention the latent and the rope key only (kv_lora_rank + qk_rope_head_dim values per layer)."""
+    if config.is_mla:
+        return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
-    return per_token * block_size
+    """Cache bytes of every layer for one block of tokens."""
+    return kv_bytes_per_token(config, dtype) * block_size
 
 
 def parse_memory(text: str) -> int:
@@ -258,6 +265,10 @@ class PagedKVCache:
     matmuls without another copy. Implements the model's `KVCache.attend` for a packed step
     described by `plan` (set by the runner before each forward): scatter the new K/V into their
     slots, then gather each group's blocks once per layer and attend.
+
+    Multi-head latent attention (config.is_mla): one store per layer of [1, slots, R + P] rows (the
+    latent, then the rope key) and no value store; `attend_latent` attends with the first R channels
+    of each row as its value. Blocks, prefix hashes and plans are the same as for K/V.
     """
 
     def __init__(
@@ -265,12 +276,19 @@ class PagedKVCache:
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        self.latent_rank = config.kv_lora_rank
+        if config.is_mla:
+            self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
+        else:
+            self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        shape = (self.num_kv_heads, num_blocks * block_size, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
         self.plan: StepPlan | None = None
+
+    def nbytes(self) -> int:
+        """Bytes of cache storage actually allocated (all layers, all blocks)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _gather(self, store: Tensor, tables: Tensor) -> Tensor:
         """Block ids [B, nb] -> [H_kv, B, nb * block_size, D] (one index_select, contiguous)."""
@@ -284,24 +302,44 @@ class PagedKVCache:
         k_store, v_store = self.keys[layer], self.values[layer]
         k_store.index_copy_(1, plan.slot_mapping, k[0].transpose(0, 1))
         v_store.index_copy_(1, plan.slot_mapping, v[0].transpose(0, 1))
+        return self._attend(q, k_store, v_store, window, None)
+
+    def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        store = self.keys[layer]
+        store.index_copy_(1, self.plan.slot_mapping, kv[0].transpose(0, 1))
+        return self._attend(q, store, None, None, scale)
+
+    def _attend(
+        self, q: Tensor, k_store: Tensor, v_store: Tensor | None, window: int | None, scale: float | None
+    ) -> Tensor:
+        """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
+        a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
+        plan = self.plan
+
+        def gather(tables: Tensor) -> tuple[Tensor, Tensor]:
+            keys = self._gather(k_store, tables)  # [Hkv, B, L, D]
+            return keys, (self._gather(v_store, tables) if v_store is not None else keys[..., : self.latent_rank])
+
         queries = q[0]  # [H, T, D]
-        out = torch.empty_like(queries)
         heads, group = queries.shape[0], queries.shape[0] // self.num_kv_heads
+        v_dim = self.head_dim if v_store is not None else self.latent_rank
+        out = queries.new_empty(heads, queries.shape[1], v_dim)
+        decode_scale = scale if scale is not None else self.head_dim**-0.5
         for g, dec in enumerate(plan.decodes):
-            keys, values = self._gather(k_store, dec.tables), self._gather(v_store, dec.tables)  # [Hkv, B, L, D]
+            keys, values = gather(dec.tables)
             qd = queries.index_select(1, dec.index).view(self.num_kv_heads, group, -1, self.head_dim)
             qd = qd.transpose(1, 2)  # [Hkv, B, G, D]
             # One-token queries: batched matmuls + float32 softmax beat SDPA's CPU kernel here
             # (which is ~9x slower in bfloat16 for this shape).
-            scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [Hkv, B, G, L]
+            scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * decode_scale  # [Hkv, B, G, L]
             mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
             scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
             probs = scores.softmax(dim=-1).to(values.dtype)
-            od = torch.matmul(probs, values)  # [Hkv, B, G, D]
-            out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, self.head_dim))
+            od = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
+            out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, v_dim))
         for i, (start, end, table, positions) in enumerate(plan.prefills):
-            keys, values = self._gather(k_store, table[None]), self._gather(v_store, table[None])
+            keys, values = gather(table[None])
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, Hkv, L, D]
             mask = plan.mask(i, positions, keys.shape[2], window)[None, None]
-            out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask)[0]
+            out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask, scale=scale)[0]
         return out.unsqueeze(0)

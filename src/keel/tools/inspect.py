@@ -22,6 +22,12 @@ _MAIN_FIELDS = [
     "o_bias",
     "mlp_bias",
     "qk_norm",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
@@ -29,6 +35,12 @@ _MAIN_FIELDS = [
     "shared_expert_intermediate_size",
     "decoder_sparse_step",
     "mlp_only_layers",
+    "shared_expert_gated",
+    "router_scoring",
+    "router_bias",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
     "sliding_window",
     "rope_theta",
     "rope_scaling",
@@ -46,6 +58,16 @@ _MOE_ONLY = {
     "decoder_sparse_step",
     "mlp_only_layers",
 }
+_MLA_ONLY = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"}
+# DeepSeek's router; shown for sigmoid routers only (softmax routers have none of it).
+_SIGMOID_ROUTER_ONLY = {
+    "shared_expert_gated",
+    "router_scoring",
+    "router_bias",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+}
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -60,7 +82,9 @@ def describe(checkpoint: Checkpoint) -> dict[str, Any]:
     config = checkpoint.config
     fields = {}
     for name in _MAIN_FIELDS:
-        if name in _MOE_ONLY and not config.is_moe:
+        if name in _MOE_ONLY and not config.is_moe or name in _MLA_ONLY and not config.is_mla:
+            continue
+        if name in _SIGMOID_ROUTER_ONLY and not (config.is_moe and config.router_scoring == "sigmoid"):
             continue
         value = getattr(config, name)
         if name == "rope_scaling":

@@ -129,6 +129,11 @@ def _config_from_metadata(
     meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path
 ) -> tuple[ModelConfig, dict[str, str]]:
     arch = meta.get("general.architecture")
+    if arch == "deepseek2":  # llama.cpp's name for DeepSeek-V2/V3 (multi-head latent attention)
+        raise ConfigError(
+            f"{path}: GGUF architecture 'deepseek2' (DeepSeek-V2/V3, multi-head latent attention) is not supported "
+            "from GGUF; use the HF safetensors checkpoint (config.json + model*.safetensors)"
+        )
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731

@@ -97,6 +97,12 @@ def infer_config(
             raise fail(f"{what} differs between layers ({values}); keel needs the same in every layer")
         return values[0]
 
+    if attn(0, "kv_a_proj_with_mqa.weight") in names:
+        # The rope/nope split of each head, YaRN and the router's groups and scaling are not in the shapes.
+        raise fail(
+            "multi-head latent attention tensors (DeepSeek, self_attn.kv_a_proj_with_mqa): this architecture "
+            "needs its config.json; structure from shapes alone is not supported"
+        )
     q_width = same_in_every_layer("q_proj width", [shape(attn(i, "q_proj.weight"))[0] for i in layers])
     kv_width = same_in_every_layer("k_proj width", [shape(attn(i, "k_proj.weight"))[0] for i in layers])
     if (v_width := shape(attn(0, "v_proj.weight"))[0]) != kv_width:

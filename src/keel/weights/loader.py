@@ -147,7 +147,7 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
     precision), with missing tensors and wrong shapes reported as one-line WeightsErrors."""
     config, reader = checkpoint.config, checkpoint.reader
     available = reader.names()
-    for name, param in model.named_parameters():  # a tied head appears once, as embed_tokens
+    for name, param in _stored_tensors(model):
         source = hf_source(config, name, available)
         missing = [n for n in source.names if n not in available]
         if missing:
@@ -162,10 +162,26 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
         yield name, tensor
 
 
+def _stored_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
+    """Parameters, then persistent buffers (state that is not trained by gradients but is part of
+    the checkpoint, e.g. DeepSeek's router selection bias). A tied head appears once, as embed_tokens."""
+    yield from model.named_parameters()
+    persistent = model.state_dict(keep_vars=True)
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            yield name, buffer
+
+
 @torch.no_grad()
 def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
-    """Fill a (meta-device) model from the checkpoint, checking every name and shape."""
-    state = {name: tensor.to(dtype) for name, tensor in checked_tensors(model, checkpoint)}
+    """Fill a (meta-device) model from the checkpoint, checking every name and shape. Parameters take
+    `dtype`; buffers keep the dtype their module declares (DeepSeek's router bias stays float32, as
+    transformers keeps it: a bfloat16 bias would round the scores it is added to for selection)."""
+    buffers = dict(model.named_buffers())
+    state = {
+        name: tensor.to(buffers[name].dtype if name in buffers else dtype)
+        for name, tensor in checked_tensors(model, checkpoint)
+    }
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
 

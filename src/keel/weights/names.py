@@ -2,9 +2,12 @@
 
 keel names are HF names without the `model.` prefix, except for MoE blocks, which keel always
 calls `mlp` with a `router` and stacked `experts.gate_up_proj` / `experts.down_proj`. HF hub
-checkpoints store experts one by one (Mixtral: `block_sparse_moe.experts.E.w1/w2/w3`; Qwen-MoE:
-`mlp.experts.E.gate_proj/up_proj/down_proj`); transformers 5 in memory uses the stacked form.
-Both are read; the per-expert hub form is written.
+checkpoints store experts one by one (Mixtral: `block_sparse_moe.experts.E.w1/w2/w3`; Qwen-MoE and
+DeepSeek-V3: `mlp.experts.E.gate_proj/up_proj/down_proj`); transformers 5 in memory uses the
+stacked form. Both are read; the per-expert hub form is written. DeepSeek-V3 calls its router
+`mlp.gate` (with the selection bias `mlp.gate.e_score_correction_bias`) and its shared experts
+`mlp.shared_experts`; keel calls them `mlp.router` and `mlp.shared_expert` as for Qwen2-MoE.
+Multi-head latent attention keeps the HF names (`self_attn.q_a_proj`, `kv_a_proj_with_mqa`, ...).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
         return Source((f"model.{name}",), _single)
     layer, rest = match.group(1), match.group(2)
     prefix = _moe_prefix(config, layer)
-    if rest == "mlp.router.weight":
-        return Source((f"{prefix}.gate.weight",), _single)
+    if rest.startswith("mlp.router."):  # weight; DeepSeek's e_score_correction_bias
+        return Source((f"{prefix}.gate.{rest.removeprefix('mlp.router.')}",), _single)
     if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
         stacked = f"{prefix}.{rest.removeprefix('mlp.')}"
         if stacked in available:  # transformers-5 in-memory layout saved as is
@@ -69,7 +72,9 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
             n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight")
         )
         return Source(names, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]))
-    # Shared expert and its gate keep their HF names.
+    if config.architecture == "deepseek_v3" and rest.startswith("mlp.shared_expert."):
+        return Source((f"{prefix}.shared_experts.{rest.removeprefix('mlp.shared_expert.')}",), _single)
+    # Qwen2-MoE's shared expert and its gate keep their HF names.
     return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)
 
 
