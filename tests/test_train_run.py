@@ -293,6 +293,74 @@ def test_validation_loss_is_the_same_with_a_pipeline(root):
     assert piped == [pytest.approx(single[0], rel=1e-6)]
 
 
+DEEPSEEK_MODEL = """
+[model]
+tokenizer = "{tok}"
+[model.config]
+architectures = ["DeepseekV3ForCausalLM"]
+vocab_size = 256
+hidden_size = 32
+intermediate_size = 64
+moe_intermediate_size = 16
+n_routed_experts = 4
+n_shared_experts = 1
+num_experts_per_tok = 2
+n_group = 2
+topk_group = 1
+first_k_dense_replace = 1
+routed_scaling_factor = 2.5
+q_lora_rank = 16
+kv_lora_rank = 8
+qk_nope_head_dim = 8
+qk_rope_head_dim = 4
+v_head_dim = 8
+num_hidden_layers = 3
+num_attention_heads = 4
+num_key_value_heads = 4
+max_position_embeddings = 128
+eos_token_id = 2
+"""
+
+
+def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root):
+    """DeepSeek-V3 (MLA, sigmoid router, first layer dense) trains; the selection bias moves with the
+    load and is saved with the model, so the checkpoint loads with the trained routing."""
+    from keel.weights import load_model
+
+    def deepseek_config(name: str) -> Path:
+        path = config(root, name, "[moe]\nbias_update_rate = 0.01\n")
+        model = DEEPSEEK_MODEL.format(tok=root / "tok")
+        path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), model))
+        return path
+
+    path = deepseek_config("deepseek")
+    _, result = run(path, "training.steps=12")
+    assert result.losses[12] < result.losses[1]
+    # One step: the bias moves by the rule, rate * sign(mean load - load), from the logged load.
+    trainer, _ = run(deepseek_config("deepseek-1"), "training.steps=1")
+    records = [r for r in read_metrics(root / "runs/deepseek-1/metrics.jsonl") if "loss" in r]
+    assert sorted(records[0]["moe"]) == ["1", "2"]  # layer 0 is dense (first_k_dense_replace = 1)
+    module = trainer.modules[0]
+    for layer in ("1", "2"):
+        load = torch.tensor(records[0]["moe"][layer]["tokens_per_expert"], dtype=torch.float32)
+        assert load.max() > load.mean()  # not balanced already: the rule has something to do
+        bias = module.layers[layer].mlp.router.e_score_correction_bias
+        torch.testing.assert_close(bias, 0.01 * torch.sign(load.mean() - load))
+    # The bias is part of the model: the checkpoint loads with it and routes the same.
+    loaded = load_model(latest_checkpoint(root / "runs/deepseek-1/checkpoints"), "float32")
+    for layer in ("1", "2"):
+        torch.testing.assert_close(
+            loaded.model.layers[layer].mlp.router.e_score_correction_bias,
+            module.layers[layer].mlp.router.e_score_correction_bias,
+        )
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(tokens), module.eval()(tokens))
+    # MLA has no tensor-parallel plan yet: a one-line refusal.
+    r = keel_train(path, "--nproc", "2", "--set", "parallel.tp=2", timeout=60)
+    assert r.returncode == 1 and "multi-head latent attention" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_expert_parallel_training_matches_one_process_and_reshards(root):
     """ep = 2 through the CLI: the one-process losses; its checkpoint resumes in one process (experts
     gathered from their two ranks by DCP); bad ep settings are one-line errors."""

@@ -528,6 +528,8 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
         for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
             if count % par.tp:
                 raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
+        if par.tp > 1 and model.is_mla:
+            raise fail("parallel: tp > 1 is not supported for multi-head latent attention (DeepSeek-V3) yet")
         if par.ep > 1 and not model.is_moe:
             raise fail(f"parallel: ep = {par.ep} needs a mixture-of-experts model")
         if par.ep > 1 and model.num_experts % par.ep:
