@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch import Tensor
+from torch import Tensor, nn
 
-from keel.model.moe import GroupedExperts
+from keel.model.moe import GroupedExperts, MoE
 
 
 def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
@@ -63,3 +63,24 @@ class AllToAllDispatcher:
         off_rank = sum(s for peer, s in enumerate(send_splits) if peer != rank)
         self.bytes_sent += 2 * off_rank * x.shape[-1] * x.element_size()
         return returned.index_select(0, torch.argsort(order))
+
+
+@torch.no_grad()
+def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """Inference-time expert parallelism, in place: each rank of `group` keeps only its contiguous
+    range of every MoE block's experts (plain tensors; the rest is freed) and exchanges token-slots
+    with all-to-all. Every rank of the group must run the same sequence of forwards (the serving
+    engines step in lockstep); the tokens they carry may differ. Training uses
+    keel.train.parallel.apply_ep instead (DTensors, so checkpoints reshard)."""
+    rank = dist.get_rank(group)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            dispatcher = AllToAllDispatcher(group, module.num_experts)
+            first = rank * dispatcher.local_experts
+            experts = module.experts
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                local = full.detach()[first : first + dispatcher.local_experts].clone()
+                setattr(experts, name, nn.Parameter(local, requires_grad=False))
+            module.dispatcher = dispatcher
+    return model

@@ -1,0 +1,75 @@
+"""Expert parallelism in serving: two engines (2 gloo processes) each keep half of the experts and
+exchange token-slots with all-to-all; their greedy outputs equal one process holding every expert."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+PROMPT_LEN, MAX_TOKENS = 12, 10
+
+
+def prompts_for(rank: int) -> list[list[int]]:
+    # Different tokens per rank (so different routing and uneven all-to-all splits), same lengths (so
+    # both engines schedule the same sequence of steps: the collectives pair up).
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(3, 250, (PROMPT_LEN,), generator=g).tolist() for _ in range(3)]
+
+
+def greedy(engine_model, prompts: list[list[int]]) -> list[list[int]]:
+    from keel.serve.engine import EngineConfig
+    from keel.serve.llm import LLM
+    from keel.serve.sampling import SamplingParams
+
+    llm = LLM(engine_model, EngineConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _worker(rank: int, world: int, model_dir: str, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    try:
+        from keel.model.expert_parallel import shard_experts
+        from keel.weights import load_model
+
+        mine = prompts_for(rank)
+        reference = greedy(load_model(model_dir, "float32"), mine)  # every expert in this process
+        loaded = load_model(model_dir, "float32")
+        before = sum(p.numel() for p in loaded.model.parameters())
+        shard_experts(loaded.model, dist.group.WORLD)
+        after = sum(p.numel() for p in loaded.model.parameters())
+        sharded = greedy(loaded, mine)
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"reference": reference, "sharded": sharded, "params": [before, after]})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_ep2_serving_equals_one_process(name, tmp_path):
+    save_hf_model(name, tmp_path / "model")
+    save_byte_tokenizer(tmp_path / "model")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, str(tmp_path / "model"), os.path.join(tmp, "store"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sharded"] == result["reference"], rank
+        assert all(len(tokens) == MAX_TOKENS for tokens in result["sharded"])
+        before, after = result["params"]
+        assert after < before  # half of the experts left this rank
+    assert json.loads((tmp_path / "rank0.json").read_text())["reference"] != json.loads(
+        (tmp_path / "rank1.json").read_text()
+    )["reference"]  # the ranks served different requests
