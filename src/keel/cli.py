@@ -35,10 +35,12 @@ def _set_threads(threads: int | None) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.serve.openai.server import expert_offload_config
     from keel.serve.sampling import SamplingParams
     from keel.weights import load_model
 
     _set_threads(args.threads)
+    offload = expert_offload_config(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -64,7 +66,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params.max_tokens = min(params.max_tokens, context - len(prompt_ids))
     # One request: a KV pool for exactly its length.
     length = len(prompt_ids) + params.max_tokens
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=-(-length // 16), block_size=16, max_model_len=length))
+    config = EngineConfig(num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload)
+    engine = LLMEngine(loaded, config)
     engine.add_request(prompt_ids, params)
     out = None
     while engine.has_unfinished_requests():
@@ -83,6 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"generated {generated} tokens at {decode_tps:.1f} tok/s (finish: {completion.finish_reason})",
         file=sys.stderr,
     )
+    if engine.offload is not None:
+        s = engine.offload.stats
+        print(
+            f"[keel] experts: {engine.offload.slots_per_layer} resident per MoE layer, hit rate {s.hit_rate:.1%}, "
+            f"{s.bytes_loaded / 2**20:.1f} MiB loaded, stalled {s.stall_seconds:.3f} s, "
+            f"prefetch accuracy {s.prefetch_accuracy:.1%}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -141,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    from keel.serve.openai.server import add_expert_offload_args
+
+    add_expert_offload_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("inspect", help="print a checkpoint's structure, parameters and provenance")

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from keel.serve.scheduler import Scheduler
 from keel.serve.stop import StopChecker
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
 from keel.weights.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from keel.serve.offload import ExpertOffload
 
 log = logging.getLogger("keel.serve")
 
@@ -41,6 +45,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"
+    # Expert offloading (MoE models; see keel.serve.offload). None: every expert resident.
+    expert_cache: str | int | None = None  # experts per MoE layer ("2"), a share ("50%") or bytes ("512MiB")
+    expert_cache_policy: str = "lru"  # "lru" | "lfu"
+    expert_storage: str = "host"  # cold experts in "host" memory, or read from the safetensors file ("disk")
+    expert_prefetch: bool = True  # load the next MoE layer's predicted experts in the background
 
 
 @dataclass
@@ -140,8 +149,26 @@ class LLMEngine:
         device: str = "cpu",
     ) -> None:
         self.config = config = config or EngineConfig()
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, config.dtype, device=device)
+        offloading = config.expert_cache is not None
+        if isinstance(model, LoadedModel):
+            loaded = model
+        else:  # with offloading, only the resident experts may reach the device: load on the host first
+            loaded = load_model(model, config.dtype, device="cpu" if offloading else device)
         self.loaded = loaded
+        self.offload: ExpertOffload | None = None
+        if offloading:
+            from keel.serve.offload import enable_expert_offload
+
+            target = loaded.model.device if isinstance(model, LoadedModel) else torch.device(device)
+            self.offload = enable_expert_offload(
+                loaded,
+                config.expert_cache,
+                policy=config.expert_cache_policy,
+                storage=config.expert_storage,
+                prefetch=config.expert_prefetch,
+                device=target,
+            )
+            loaded.model.to(target)
         self.model: Transformer = loaded.model
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config
@@ -262,7 +289,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """Gauges and counters for the metrics endpoint."""
         kv = self.kv
-        return {
+        stats = {
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage_perc": kv.usage(),
@@ -273,3 +300,6 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
         }
+        if self.offload is not None:
+            stats.update(self.offload.stats.as_engine_stats())
+        return stats

@@ -73,5 +73,14 @@ class SafetensorsReader:
         except SafetensorError as e:
             raise WeightsError(f"{self.file_of(name)}: cannot read tensor {name!r} ({e})") from None
 
+    def get_row(self, name: str, index: int) -> Tensor:
+        """Row `index` of the first dimension, read alone (one expert of a stacked expert tensor)."""
+        if name not in self._where:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
+        try:
+            return self._files[self._where[name]].get_slice(name)[index]
+        except SafetensorError as e:
+            raise WeightsError(f"{self.file_of(name)}: cannot read row {index} of tensor {name!r} ({e})") from None
+
     def close(self) -> None:
         self._stack.close()

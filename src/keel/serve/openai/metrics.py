@@ -53,6 +53,25 @@ class _EngineCollector(Collector):
                       s["prefix_cache_queries"])  # fmt: skip
         yield counter("keel:prefix_cache_hits", "Prompt tokens served by the prefix cache.", s["prefix_cache_hits"])
         yield counter("keel:num_preemptions", "Requests preempted (KV blocks ran out).", s["num_preemptions_total"])
+        if "expert_cache_queries" in s:  # expert offloading is on
+            yield from _expert_metrics(s, gauge, counter)
+
+
+def _expert_metrics(s: dict[str, float], gauge: Callable, counter: Callable):
+    """Expert offloading (keel.serve.offload.stats): a use is one distinct expert needed by one
+    forward of one MoE layer."""
+    yield gauge("keel:expert_cache_hit_rate", "Expert uses served by a resident expert (0-1).",
+                s["expert_cache_hit_rate"])  # fmt: skip
+    yield counter("keel:expert_cache_queries", "Expert uses (distinct experts per MoE layer forward).",
+                  s["expert_cache_queries"])  # fmt: skip
+    yield counter("keel:expert_cache_hits", "Expert uses whose expert was resident.", s["expert_cache_hits"])
+    yield counter("keel:expert_loads", "Experts copied into resident slots.", s["expert_loads_total"])
+    yield counter("keel:expert_bytes_loaded", "Bytes of experts copied into resident slots.",
+                  s["expert_bytes_loaded_total"])  # fmt: skip
+    yield counter("keel:expert_load_stall_seconds", "Seconds forwards waited for expert loads.",
+                  s["expert_load_stall_seconds_total"])  # fmt: skip
+    yield gauge("keel:expert_prefetch_accuracy", "Routed token-slots whose expert the prefetch predictor picked.",
+                s["expert_prefetch_accuracy"])  # fmt: skip
 
 
 class ServerMetrics:

@@ -51,6 +51,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    add_expert_offload_args(p)
+
+
+def add_expert_offload_args(p: argparse.ArgumentParser) -> None:
+    """Expert offloading (MoE models), shared by `keel serve` and `keel generate`."""
+    p.add_argument("--expert-cache", default=None, metavar="N|P%|SIZE",
+                   help="offload experts: N experts per MoE layer stay resident, or P%% of them, "
+                        "or SIZE bytes over all MoE layers (e.g. 512MiB); default: all resident")  # fmt: skip
+    p.add_argument("--expert-cache-policy", default="lru", choices=["lru", "lfu"], help="which expert to evict")
+    p.add_argument("--expert-storage", default="host", choices=["host", "disk"],
+                   help="where non-resident experts live: host memory, or the safetensors file (mmap)")  # fmt: skip
+    p.add_argument("--no-expert-prefetch", dest="expert_prefetch", action="store_false",
+                   help="do not load the next MoE layer's predicted experts in the background")  # fmt: skip
+
+
+def expert_offload_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the expert-offloading options; a bad --expert-cache fails here,
+    before the model is loaded."""
+    if args.expert_cache is not None:
+        from keel.serve.offload.budget import parse_expert_cache
+
+        parse_expert_cache(args.expert_cache)
+    return dict(
+        expert_cache=args.expert_cache,
+        expert_cache_policy=args.expert_cache_policy,
+        expert_storage=args.expert_storage,
+        expert_prefetch=args.expert_prefetch,
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -61,6 +89,9 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError(f"--max-tokens-cap must be >= 1, got {args.max_tokens_cap}")
     if args.request_timeout < 0 or args.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
+    if args.expert_cache is not None and args.engine == "naive":
+        raise KeelError("--expert-cache needs the keel engine (not --engine naive)")
+    expert_offload_config(args)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -108,6 +139,7 @@ def build_engine(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        **expert_offload_config(args),
     )
     return AsyncEngine(LLMEngine(loaded, config))
 
