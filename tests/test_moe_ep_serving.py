@@ -54,6 +54,7 @@ def _worker(rank: int, world: int, model_dir: str, init_file: str, out: str) -> 
         Path(out, f"rank{rank}.json").write_text(
             json.dumps({"reference": reference, "sharded": sharded, "params": [before, after]})
         )
+        dist.barrier()  # both ranks done with every exchange before either tears the group down
     finally:
         dist.destroy_process_group()
 

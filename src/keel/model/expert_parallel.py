@@ -24,8 +24,13 @@ from keel.model.moe import GroupedExperts, MoE
 
 
 def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    out = funcol.all_to_all_single_autograd(x, output_splits, input_splits, group)
-    return funcol.wait_tensor(out)
+    if torch.is_grad_enabled() and x.requires_grad:
+        # Training: the functional collective has a backward (the reverse exchange).
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, output_splits, input_splits, group))
+    # Inference: the plain synchronous collective, no autograd or async-work bookkeeping.
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
 
 
 class AllToAllDispatcher:
