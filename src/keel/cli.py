@@ -35,7 +35,7 @@ def _set_threads(threads: int | None) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from keel.serve.engine import EngineConfig, LLMEngine
-    from keel.serve.openai.server import expert_offload_config
+    from keel.serve.openai.server import expert_offload_config, quantize_config
     from keel.serve.sampling import SamplingParams
     from keel.weights import load_model
 
@@ -66,7 +66,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params.max_tokens = min(params.max_tokens, context - len(prompt_ids))
     # One request: a KV pool for exactly its length.
     length = len(prompt_ids) + params.max_tokens
-    config = EngineConfig(num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload)
+    config = EngineConfig(
+        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantize_config(args)
+    )
     engine = LLMEngine(loaded, config)
     engine.add_request(prompt_ids, params)
     out = None
@@ -152,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    from keel.serve.openai.server import add_expert_offload_args
+    from keel.serve.openai.server import add_expert_offload_args, add_quantize_args
 
     add_expert_offload_args(p)
+    add_quantize_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("inspect", help="print a checkpoint's structure, parameters and provenance")

@@ -50,6 +50,10 @@ class EngineConfig:
     expert_cache_policy: str = "lru"  # "lru" | "lfu"
     expert_storage: str = "host"  # cold experts in "host" memory, or read from the safetensors file ("disk")
     expert_prefetch: bool = True  # load the next MoE layer's predicted experts in the background
+    # Weight-only quantization of the linear layers at load (keel.quant): None, "int8" or "int4".
+    quantize: str | None = None
+    quant_group_size: int = 128  # int4: input channels per scale/zero
+    quant_keep: tuple[str, ...] = ("lm_head",)  # linear layers left in float (a mixed-precision plan)
 
 
 @dataclass
@@ -169,6 +173,14 @@ class LLMEngine:
                 device=target,
             )
             loaded.model.to(target)
+        if config.quantize is not None:
+            from keel.quant import quantize_model
+
+            q = quantize_model(loaded.model, config.quantize, config.quant_group_size, set(config.quant_keep))
+            log.info(
+                "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
+                q["quantized"], config.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
+            )  # fmt: skip
         self.model: Transformer = loaded.model
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config

@@ -52,6 +52,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add_expert_offload_args(p)
+    add_quantize_args(p)
+
+
+def add_quantize_args(p: argparse.ArgumentParser) -> None:
+    """Weight-only quantization at load, shared by `keel serve` and `keel generate`."""
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize linear layers' weights at load: int8 per channel, int4 per group")  # fmt: skip
+    p.add_argument("--quant-group-size", type=int, default=128, choices=[32, 64, 128, 256],
+                   help="int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks")  # fmt: skip
+    p.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
+                   help="comma-separated linear layers left in float (default: lm_head; '' for none)")  # fmt: skip
+
+
+def quantize_config(args: argparse.Namespace) -> dict:
+    return dict(
+        quantize=args.quantize,
+        quant_group_size=args.quant_group_size,
+        quant_keep=tuple(name for name in args.quant_keep.split(",") if name),
+    )
 
 
 def add_expert_offload_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +110,8 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
     if args.expert_cache is not None and args.engine == "naive":
         raise KeelError("--expert-cache needs the keel engine (not --engine naive)")
+    if args.quantize is not None and args.engine == "naive":
+        raise KeelError("--quantize needs the keel engine (not --engine naive)")
     expert_offload_config(args)
 
 
@@ -140,6 +161,7 @@ def build_engine(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         **expert_offload_config(args),
+        **quantize_config(args),
     )
     return AsyncEngine(LLMEngine(loaded, config))
 

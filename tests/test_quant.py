@@ -1,0 +1,126 @@
+"""Weight-only quantization: kernels against float references, quantized models against float ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from keel.quant import QuantizedLinear, quantize_model
+from keel.quant.linear import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_quantized_matmul_matches_its_dequantized_weights(scheme, group, dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True).to(dtype)
+    x = torch.randn(5, 256, dtype=dtype)
+    layer = QuantizedLinear(linear, scheme, group or 128)
+    w = linear.weight.detach().float()
+    if scheme == "int8":
+        deq = dequantize_int8(*quantize_int8(w))
+        bound = 0.5 / 127  # half a step of the largest magnitude per row
+    else:
+        deq = dequantize_int4(*quantize_int4(w, group))
+        bound = 0.5 / 15  # half a step of the group's range
+    # The quantization error itself is within half a step per element.
+    assert ((deq - w).abs() <= bound * (w.abs().amax(1, keepdim=True) * 2) + 1e-6).all()
+    want = x.float() @ deq.T + linear.bias.float()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (5, 96)
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2), rel
+    # ... and the quantized layer stays close to the float layer.
+    err = ((got.float() - linear(x).float()).norm() / linear(x).float().norm()).item()
+    assert err < (0.02 if scheme == "int8" else 0.15), err
+
+
+def test_weight_bytes_shrink():
+    linear = nn.Linear(512, 512, bias=False).to(torch.bfloat16)
+    bf16 = 512 * 512 * 2
+    assert QuantizedLinear(linear, "int8").weight_bytes <= bf16 / 2 + 512 * 2
+    assert QuantizedLinear(linear, "int4", 128).weight_bytes <= bf16 / 4 + 2 * 512 * 4 * 2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_tiny_llama_stays_close(scheme):
+    import copy
+
+    from keel.config import ModelConfig
+    from keel.model.transformer import build_model
+
+    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    torch.manual_seed(0)
+    ref = build_model(config).eval()
+    model = copy.deepcopy(ref)
+    stats = quantize_model(model, scheme, group_size=64)
+    assert stats["quantized"] == 3 * 7 + 1 and stats["bytes_after"] < stats["bytes_before"] / 3
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        want, got = ref(tokens), model(tokens)
+    rel = ((got - want).norm() / want.norm()).item()
+    # The stated bounds for a random model (small, near-uniform logits: a harsh relative measure):
+    # 3% at int8, 30% at int4 with groups of 64. The real checkpoint's bounds are below.
+    assert rel < (0.03 if scheme == "int8" else 0.3), rel
+
+
+def test_quantized_smollm2_perplexity():
+    """The real checkpoint: int8 within 1% perplexity; int4 in groups of 32 with the head kept in
+    float within 5% (the packaged GGUF is Q4_1, whose 32-blocks int4 reproduces: ~0% change)."""
+    from keel.tools.perplexity import perplexity
+    from keel.weights import load_model
+
+    text = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+            "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light")
+    loaded = load_model("smollm2-135m-instruct", "float32")
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    base = perplexity(loaded.model, ids)
+    for scheme, group, limit in (("int8", 0, 0.01), ("int4", 32, 0.05)):
+        model = load_model("smollm2-135m-instruct", "float32").model
+        quantize_model(model, scheme, group_size=group or 128, keep={"lm_head"} if scheme == "int4" else None)
+        change = perplexity(model, ids) / base - 1
+        assert abs(change) <= limit, (scheme, change)
+
+
+def test_plan_keeps_layers_and_bad_settings_are_errors():
+    from keel.errors import KeelError
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    stats = quantize_model(model, "int8", keep={"1"})
+    assert stats == {**stats, "quantized": 1, "kept": 1}
+    assert isinstance(model[0], QuantizedLinear) and isinstance(model[1], nn.Linear)
+    with pytest.raises(KeelError, match="--quantize"):
+        quantize_model(nn.Linear(8, 8), "int3")
+    with pytest.raises(KeelError, match="group"):
+        quantize_model(nn.Linear(64, 8), "int4", group_size=48)
+
+
+def test_engine_and_cli_quantize_at_load(tmp_path):
+    import subprocess
+    import sys
+
+    from keel.quant import QuantizedLinear
+    from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.serve.sampling import SamplingParams
+    from tiny_models import save_byte_tokenizer, save_hf_model
+
+    save_hf_model("llama", tmp_path, hidden_size=128, intermediate_size=256)
+    save_byte_tokenizer(tmp_path)
+    config = EngineConfig(num_blocks=16, max_model_len=64, quantize="int4", quant_group_size=32)
+    engine = LLMEngine(str(tmp_path), config)
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 3 * 7 and not isinstance(engine.model.lm_head, QuantizedLinear)  # lm_head kept
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(o for o in engine.step() if o.finished)
+    assert len(outs[0].outputs[0].token_ids) == 5
+    cli = [sys.executable, "-m", "keel.cli", "generate", str(tmp_path), "--prompt", "hi"]
+    r = subprocess.run([*cli, "--max-tokens", "3", "--quantize", "int8", "--quant-keep", ""],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cli, "--quantize", "int3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--quantize" in r.stderr and "Traceback" not in r.stderr
