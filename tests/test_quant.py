@@ -124,3 +124,45 @@ def test_engine_and_cli_quantize_at_load(tmp_path):
     assert r.returncode == 0, r.stderr
     r = subprocess.run([*cli, "--quantize", "int3"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--quantize" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_analysis_ranks_a_corrupted_layer_first_and_its_plan_applies(tmp_path):
+    """One layer gets an outlier column: per-channel int8 then rounds its other weights to ~0. The
+    analysis must rank it first, and the plan it writes keeps it in float at load."""
+    import json
+    import subprocess
+    import sys
+
+    from keel.config import ModelConfig
+    from keel.model.transformer import build_model
+    from keel.quant.analyze import analyze
+    from keel.weights.convert import save_model
+    from tiny_models import save_byte_tokenizer
+
+    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=32, eos_token_id=[2])  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    target = "layers.1.mlp.down_proj"
+    with torch.no_grad():
+        weight = model.get_submodule(target).weight
+        weight[:, 0] = weight.abs().amax() * 200  # an outlier column: every row's scale explodes
+    results = analyze(model, list(range(10, 120)), "int8")
+    assert results[0].name == target, [(r.name, r.rel_error) for r in results[:3]]
+    assert results[0].rel_error > 2 * max(r.rel_error for r in results[1:])  # clearly the worst
+    # The CLI writes the same ranking as a plan; --quant-plan keeps that layer in float.
+    save_model(model, None, tmp_path / "model")
+    save_byte_tokenizer(tmp_path / "model")
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog " * 8)
+    plan_path = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "keel.cli", "quantize", "analyze", str(tmp_path / "model"), "--corpus",
+                        str(tmp_path / "corpus.txt"), "--scheme", "int8", "--keep", "1", "--out", str(plan_path)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(plan_path.read_text())
+    assert plan["keep"] == [target] and plan["scheme"] == "int8"
+    cli = [sys.executable, "-m", "keel.cli", "generate", str(tmp_path / "model"), "--prompt", "hi", "--max-tokens", "2"]
+    assert subprocess.run([*cli, "--quant-plan", str(plan_path)], capture_output=True, timeout=120).returncode == 0
+    plan_path.write_text('{"scheme": "int5"}')
+    r = subprocess.run([*cli, "--quant-plan", str(plan_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "scheme must be one of" in r.stderr and "Traceback" not in r.stderr

@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     upcycle.register(sub)
 
+    from keel.quant import analyze as quant_analyze
+
+    quant_analyze.register(sub)
+
     from keel.serve.openai.server import add_serve_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")

@@ -63,9 +63,18 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
                    help="int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks")  # fmt: skip
     p.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
                    help="comma-separated linear layers left in float (default: lm_head; '' for none)")  # fmt: skip
+    p.add_argument("--quant-plan", default=None, metavar="PLAN.json",
+                   help="a plan from `keel quantize analyze`: its scheme, group size and kept layers")  # fmt: skip
 
 
 def quantize_config(args: argparse.Namespace) -> dict:
+    """EngineConfig fields of the quantization options; a bad plan fails here, before the model loads."""
+    if args.quant_plan is not None:
+        from keel.quant.analyze import read_plan
+
+        plan = read_plan(args.quant_plan)
+        return dict(quantize=plan["scheme"], quant_group_size=plan.get("group_size") or 128,
+                    quant_keep=tuple(plan.get("keep", [])))  # fmt: skip
     return dict(
         quantize=args.quantize,
         quant_group_size=args.quant_group_size,
@@ -110,8 +119,9 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
     if args.expert_cache is not None and args.engine == "naive":
         raise KeelError("--expert-cache needs the keel engine (not --engine naive)")
-    if args.quantize is not None and args.engine == "naive":
+    if (args.quantize is not None or args.quant_plan is not None) and args.engine == "naive":
         raise KeelError("--quantize needs the keel engine (not --engine naive)")
+    quantize_config(args)
     expert_offload_config(args)
 
 
