@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from keel.model.moe import GroupedExperts, MoE
+from keel.model.moe import GroupedExperts, MoE, group_by_expert
 
 
 def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
@@ -59,8 +59,7 @@ class AllToAllDispatcher:
         # Arrival order is (peer, local expert); the grouped matmul needs rows grouped by local expert.
         local_ids = torch.arange(self.local_experts, device=x.device).repeat(self.size)
         row_expert = local_ids.repeat_interleave(received)
-        regroup = torch.argsort(row_expert, stable=True)
-        offsets = torch.bincount(row_expert, minlength=self.local_experts).cumsum(0).to(torch.int32)
+        regroup, offsets = group_by_expert(row_expert, self.local_experts)
         computed = experts(incoming.index_select(0, regroup), offsets)
         back_in_arrival_order = computed.index_select(0, torch.argsort(regroup))
         returned = _all_to_all(back_in_arrival_order, send_splits, recv_splits, self.group)

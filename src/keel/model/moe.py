@@ -126,15 +126,21 @@ def _local(weight: Tensor) -> Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+def group_by_expert(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(order, offsets): the permutation that groups rows by expert (stable: each expert's rows keep
+    their order) and the int32 cumulative row counts per expert that `grouped_matmul` takes."""
+    order = torch.argsort(expert_ids, stable=True)
+    offsets = torch.bincount(expert_ids, minlength=num_experts).cumsum(0).to(torch.int32)
+    return order, offsets
+
+
 class LocalDispatcher:
     """All experts on this rank: sort the token-slots by expert, one grouped compute, weighted sum back."""
 
     def __call__(self, experts: GroupedExperts, x: Tensor, expert_ids: Tensor, slot_tokens: Tensor) -> Tensor:
         """x [T, H]; expert_ids, slot_tokens [S] (the expert and the token of each kept slot) ->
         expert outputs [S, H] in slot order."""
-        order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=experts.num_experts)
-        offsets = counts.cumsum(0).to(torch.int32)
+        order, offsets = group_by_expert(expert_ids, experts.num_experts)
         out_sorted = experts(x.index_select(0, slot_tokens.index_select(0, order)), offsets)
         return torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch import nn
 
 from keel.errors import KeelError
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear
+from keel.tools.perplexity import perplexity_of_logits
 
 
 @dataclass
@@ -33,17 +33,12 @@ class LayerSensitivity:
     cosine: float  # cosine similarity of the flattened logits
 
 
-def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
-    loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-    return math.exp(loss.item())
-
-
 @torch.no_grad()
 def analyze(model: nn.Module, ids: list[int], scheme: str, group_size: int = 128) -> list[LayerSensitivity]:
     """Every quantizable linear layer of `model`, most sensitive first."""
     tokens = torch.tensor([ids])
     base = model(tokens).float()
-    base_ppl = _ppl(base, tokens)
+    base_ppl = perplexity_of_logits(base, tokens)
     results = []
     for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
         if scheme == "int4" and linear.in_features % group_size:
@@ -58,7 +53,7 @@ def analyze(model: nn.Module, ids: list[int], scheme: str, group_size: int = 128
         results.append(
             LayerSensitivity(
                 name=name,
-                ppl_change=_ppl(logits, tokens) / base_ppl - 1,
+                ppl_change=perplexity_of_logits(logits, tokens) / base_ppl - 1,
                 rel_error=((logits - base).norm() / base.norm()).item(),
                 # float64: millions of logits summed in float32 drift past 1.0
                 cosine=F.cosine_similarity(logits.flatten().double(), base.flatten().double(), dim=0).item(),

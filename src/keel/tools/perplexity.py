@@ -18,5 +18,9 @@ def perplexity(model: Transformer, token_ids: list[int]) -> float:
     if len(token_ids) > model.config.max_position_embeddings:
         raise ValueError(f"{len(token_ids)} tokens exceed the context of {model.config.max_position_embeddings}")
     tokens = torch.tensor([token_ids], device=model.device)
-    logits = model(tokens)
+    return perplexity_of_logits(model(tokens), tokens)
+
+
+def perplexity_of_logits(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    """The same from logits [B, N, V] already computed for tokens [B, N]."""
     return math.exp(cross_entropy_loss(logits[:, :-1], tokens[:, 1:]).item())

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import Tensor
 
-from keel.model.moe import GroupedExperts, Router
+from keel.model.moe import GroupedExperts, Router, group_by_expert
 from keel.serve.offload.prefetch import Prefetcher
 from keel.serve.offload.resident import ResidentExperts
 from keel.serve.offload.stats import OffloadStats
@@ -73,8 +73,7 @@ class OffloadDispatcher:
             slot_of = torch.full((cache.num_experts,), -1, dtype=torch.long)
             slot_of[step.experts] = torch.tensor(step.slots)
             slot_ids = slot_of.to(x.device)[expert_ids.index_select(0, rows)]
-            order = torch.argsort(slot_ids, stable=True)
-            offsets = torch.bincount(slot_ids, minlength=cache.num_slots).cumsum(0).to(torch.int32)
+            order, offsets = group_by_expert(slot_ids, cache.num_slots)
             rows = rows.index_select(0, order)
             computed = experts(x.index_select(0, slot_tokens.index_select(0, rows)), offsets)
             if out is None:
