@@ -419,3 +419,23 @@ def test_bench_serve_against_keel_serve(server, tmp_path, capsys):
     assert data["output_lens"] == [8] * 8 and all(t > 0 for t in data["ttfts"])
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])  # a 60 s TTFT SLO: all meet it
     assert "Output token throughput" in capsys.readouterr().out
+
+
+def test_speculative_server_streams_plain_greedy_text_and_counts_drafts(model_dir, reference, tmp_path):
+    """n-gram speculation behind the API: the streamed text is the plain greedy text, the drafts show
+    in the spec_decode metrics."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    proc = start_server(model_dir, "--num-blocks", "600", "--speculative-config", spec, log_path=tmp_path / "log")
+    proc.wait_ready()
+    try:
+        prompt = "abcabcabcabcabc"
+        stream = client(proc).completions.create(model="tiny", prompt=prompt, max_tokens=24, stream=True, **GREEDY)
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == reference(prompt, 24)
+        m = metrics(proc)
+        drafted = metric(m, "keel:spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "keel:spec_decode_num_accepted_tokens_total")
+        assert drafted > 0 and 0 <= accepted <= drafted
+        assert metric(m, "keel:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    finally:
+        assert proc.terminate() == 0, proc.tail(40)

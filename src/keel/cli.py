@@ -35,12 +35,13 @@ def _set_threads(threads: int | None) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from keel.serve.engine import EngineConfig, LLMEngine
-    from keel.serve.openai.server import expert_offload_config, quantize_config
+    from keel.serve.openai.server import expert_offload_config, quantize_config, speculative_config
     from keel.serve.sampling import SamplingParams
     from keel.weights import load_model
 
     _set_threads(args.threads)
     offload = expert_offload_config(args)
+    speculative = speculative_config(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -67,7 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # One request: a KV pool for exactly its length.
     length = len(prompt_ids) + params.max_tokens
     config = EngineConfig(
-        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantize_config(args)
+        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantize_config(args),
+        **speculative,
     )
     engine = LLMEngine(loaded, config)
     engine.add_request(prompt_ids, params)
@@ -88,6 +90,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"generated {generated} tokens at {decode_tps:.1f} tok/s (finish: {completion.finish_reason})",
         file=sys.stderr,
     )
+    if stats.spec_draft_tokens:
+        print(
+            f"[keel] speculative: {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} drafts accepted "
+            f"({stats.spec_acceptance_rate:.1%}) over {stats.spec_verify_steps} verifications",
+            file=sys.stderr,
+        )
     if engine.offload is not None:
         s = engine.offload.stats
         print(
@@ -154,10 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    from keel.serve.openai.server import add_expert_offload_args, add_quantize_args
+    from keel.serve.openai.server import add_expert_offload_args, add_quantize_args, add_speculative_args
 
     add_expert_offload_args(p)
     add_quantize_args(p)
+    add_speculative_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("inspect", help="print a checkpoint's structure, parameters and provenance")

@@ -18,17 +18,21 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.serve.kv_cache import KVCacheManager, PagedKVCache, kv_bytes_per_block, parse_memory
+from keel.serve.kv_cache import KVCacheManager, parse_memory
+from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import SamplingParams, TokenLogprobs, request_generator
 from keel.serve.scheduler import Scheduler
+from keel.serve.speculative import SpeculativeConfig
+from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.stop import StopChecker
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
 from keel.weights.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from keel.serve.offload import ExpertOffload
+    from keel.serve.speculative.draft import DraftModelProposer
 
 log = logging.getLogger("keel.serve")
 
@@ -43,6 +47,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's context
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (per token-and-head scales, keel.serve.kv_quant)
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"
     # Expert offloading (MoE models; see keel.serve.offload). None: every expert resident.
@@ -54,6 +59,8 @@ class EngineConfig:
     quantize: str | None = None
     quant_group_size: int = 128  # int4: input channels per scale/zero
     quant_keep: tuple[str, ...] = ("lm_head",)  # linear layers left in float (a mixed-precision plan)
+    # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
+    speculative_config: SpeculativeConfig | dict | None = None
 
 
 @dataclass
@@ -185,6 +192,14 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        spec = config.speculative_config
+        self.spec: SpeculativeConfig | None = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
+        if self.spec is not None:
+            self.spec.validate()
+        self.draft_model: Transformer | None = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            self.draft_model = self._load_draft(model, device)
+        check_kv_cache_dtype(config.kv_cache_dtype)
         num_blocks = self._num_blocks(device)
         if num_blocks * config.block_size < self.max_model_len:
             raise KeelError(
@@ -196,10 +211,11 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
-            num_blocks * kv_bytes_per_block(mc, config.block_size, self.model.dtype) / 2**20,
+            num_blocks * self._bytes_per_block() / 2**20,
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = PagedKVCache(mc, num_blocks, config.block_size, self.model.dtype, device)
+        self.cache = make_paged_kv_cache(mc, num_blocks, config.block_size, self.model.dtype, device,
+                                         config.kv_cache_dtype)  # fmt: skip
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
         self.scheduler = Scheduler(
             self.kv,
@@ -211,17 +227,57 @@ class LLMEngine:
             sliding_window=next(iter(windows)) if len(windows) == 1 else None,
         )
         self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
+        self.drafter: DraftModelProposer | None = None
+        if self.draft_model is not None:
+            from keel.serve.speculative.draft import DraftModelProposer
+
+            draft = self.draft_model
+            draft_cache = make_paged_kv_cache(draft.config, num_blocks, config.block_size, draft.dtype, device,
+                                              config.kv_cache_dtype)  # fmt: skip
+            self.drafter = DraftModelProposer(self.draft_model, draft_cache, self.kv.block_table)
+        # Speculative decoding counters (vLLM's spec_decode_* metrics).
+        self.spec_num_drafts = 0  # verification steps (one per request per step that had drafts)
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
 
+    def _load_draft(self, model: str | LoadedModel, device: str) -> Transformer:
+        """The draft model of method draft_model: `model` of the config, or the target's own checkpoint
+        (then usually quantized, a cheaper copy); same vocabulary as the target."""
+        spec = self.spec
+        source = spec.model or (str(model.checkpoint.path) if isinstance(model, LoadedModel) else model)
+        draft = load_model(source, self.config.dtype, device=device).model
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise KeelError(
+                f"speculative draft model {source}: vocabulary of {draft.config.vocab_size} tokens, the target's "
+                f"has {self.model.config.vocab_size} (the draft must share the target's tokenizer)"
+            )
+        if spec.quantization is not None:
+            from keel.quant import quantize_model
+
+            quantize_model(draft, spec.quantization, self.config.quant_group_size, set(self.config.quant_keep))
+        log.info("speculative decoding: draft model %s%s, k=%d", source,
+                 f" ({spec.quantization})" if spec.quantization else "", spec.num_speculative_tokens)  # fmt: skip
+        return draft
+
+    def _bytes_per_block(self) -> int:
+        """Cache bytes of one block over all layers (and the draft model's, whose K/V share the blocks)."""
+        config = self.config
+        models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        return sum(
+            kv_cache_bytes_per_block(m.config, config.block_size, m.dtype, config.kv_cache_dtype) for m in models
+        )
+
     def _num_blocks(self, device: str) -> int:
         config = self.config
         if config.num_blocks is not None:
             return config.num_blocks
-        per_block = kv_bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        per_block = self._bytes_per_block()
         if config.kv_cache_memory is None:
             if not torch.cuda.is_available() or not str(device).startswith("cuda"):
                 raise KeelError("--kv-cache-memory is required on CPU (e.g. 2GiB)")
@@ -265,37 +321,108 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        proposed = self._propose_before_schedule()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._clear_drafts(proposed)
             return []
-        result = self.runner.execute(sched)
+        if self.drafter is not None:
+            verifying = [r for r, _ in sched.scheduled if r.spec_token_ids]
+            if verifying:
+                self.drafter.propose(verifying)
+        try:
+            result = self.runner.execute(sched)
+        except BaseException:
+            self._clear_drafts(proposed)
+            raise
         now = time.perf_counter()
         outputs = []
         for request, n in sched.scheduled:
-            self.scheduler.advance(request, n)
             track = self._tracks[request.request_id]
+            tokens = result.token_ids.get(request.request_id)
+            drafts = request.spec_token_ids
+            if drafts:
+                accepted = len(tokens) - 1
+                self._count_acceptance(request, len(drafts), accepted)
+                # The accepted drafts' K/V are valid: they join the output before the scheduler counts them.
+                request.output_token_ids += tokens[:accepted]
+                self.scheduler.advance(request, n - len(drafts) + accepted)
+                del request.output_token_ids[len(request.output_token_ids) - accepted :]
+                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+                request.spec_token_ids, request.spec_probs = [], None
+            else:
+                self.scheduler.advance(request, n)
             if request.request_id in result.prompt_logprobs and track.prompt_logprobs is not None:
                 entries = result.prompt_logprobs[request.request_id]
                 track.prompt_logprobs = entries if request.num_computed_tokens == n else track.prompt_logprobs + entries
-            token = result.token_ids.get(request.request_id)
-            if token is None:
+            if tokens is None:
                 continue  # a prefill chunk: nothing sampled yet
-            request.output_token_ids.append(token)
-            request.protected = False
-            if request.stats.first_token is None:
-                request.stats.first_token = now
-            request.stats.token_times.append(now)
-            self.num_generated_tokens += 1
-            if track.logprobs is not None and request.request_id in result.logprobs:
-                track.logprobs.append(result.logprobs[request.request_id])
-            delta = track.detok.add(token) if track.detok else ""
-            released, finished = track.stop.add(token, delta)  # stop tokens/strings, EOS, max_tokens
-            track.text += released
-            if finished:
-                self.scheduler.finish(request)
-                self._tracks.pop(request.request_id)
-            outputs.append(build_output(request, track, released, [token]))
+            logprobs = result.logprobs.get(request.request_id)
+            released_text, emitted = "", []
+            for i, token in enumerate(tokens):
+                request.output_token_ids.append(token)
+                request.protected = False
+                if request.stats.first_token is None:
+                    request.stats.first_token = now
+                request.stats.token_times.append(now)
+                self.num_generated_tokens += 1
+                emitted.append(token)
+                if track.logprobs is not None and logprobs is not None:
+                    track.logprobs.append(logprobs[i])
+                delta = track.detok.add(token) if track.detok else ""
+                released, finished = track.stop.add(token, delta)  # stop tokens/strings, EOS, max_tokens
+                track.text += released
+                released_text += released
+                if finished:  # tokens accepted after a stop are dropped
+                    self.scheduler.finish(request)
+                    self._tracks.pop(request.request_id)
+                    break
+            outputs.append(build_output(request, track, released_text, emitted))
+        self._clear_drafts(proposed)
         return outputs
+
+    # ---------------------------------------------------------- speculation
+    def _speculating(self) -> bool:
+        """Speculation runs while the batch is small enough to be bound by weight streaming (see
+        SpeculativeConfig.disable_by_batch_size)."""
+        return self.spec is not None and 0 < len(self.scheduler.running) <= self.spec.disable_by_batch_size
+
+    def _propose_before_schedule(self) -> list[Request]:
+        """Drafts (n-gram) or reserved draft slots (draft model) for running requests about to decode.
+        A request never drafts past its max_tokens: the verified step also emits one token of its own."""
+        if not self._speculating():
+            return []
+        spec = self.spec
+        proposed = []
+        for request in self.scheduler.running:
+            if request.num_remaining != 1 or request.params.prompt_logprobs is not None:
+                continue
+            k = min(spec.num_speculative_tokens, request.params.max_tokens - len(request.output_token_ids) - 1)
+            if k < 1:
+                continue
+            if spec.method == "ngram":
+                drafts = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                drafts = [0] * k  # placeholders: the draft model fills the slots the scheduler reserves
+            if drafts:
+                request.spec_token_ids = drafts
+                proposed.append(request)
+        return proposed
+
+    @staticmethod
+    def _clear_drafts(requests: list[Request]) -> None:
+        for request in requests:
+            request.spec_token_ids, request.spec_probs = [], None
+
+    def _count_acceptance(self, request: Request, drafted: int, accepted: int) -> None:
+        request.stats.spec_draft_tokens += drafted
+        request.stats.spec_accepted_tokens += accepted
+        request.stats.spec_verify_steps += 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += drafted
+        self.spec_num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, float]:
@@ -312,6 +439,16 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
         }
+        if self.spec is not None:
+            stats.update({
+                "spec_decode_num_drafts": self.spec_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+                "spec_decode_acceptance_rate": (
+                    self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+                ),
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+            })  # fmt: skip
         if self.offload is not None:
             stats.update(self.offload.stats.as_engine_stats())
         return stats

@@ -165,6 +165,17 @@ class KVCacheManager:
                 block.hash, block.tokens = h, chunk
                 self.cached[h] = block_id
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Release the sequence's blocks past those holding its first `num_tokens` tokens: blocks that
+        were reserved for speculative drafts the target rejected (nothing valid is in them)."""
+        entry = self.seqs[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        while len(entry.table) > keep:
+            block_id = entry.table.pop()
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+        del entry.hashes[keep:]
+
     def free_outside_window(self, seq_id: str, first_needed_position: int) -> None:
         """Sliding window: release blocks whose every position is before `first_needed_position`."""
         entry = self.seqs[seq_id]

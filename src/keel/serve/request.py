@@ -28,6 +28,15 @@ class RequestStats:
     finished: float | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     preemptions: int = 0
+    # Speculative decoding: draft tokens proposed and verified for this request, and how many the
+    # target model accepted (acceptance rate = accepted / drafted); per position for the first k.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def queue_time(self) -> float | None:
@@ -62,6 +71,13 @@ class Request:
     protected: bool = False
     arrival_order: int = 0
     generator: torch.Generator | None = None
+    # Speculative decoding: this step's draft tokens (fed after the last known token and verified by
+    # the target), the draft model's distributions they were sampled from ([k, V]; None when the
+    # drafts are deterministic: n-gram lookup or greedy drafting), and how many of the request's
+    # tokens the draft model's own KV cache holds.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    draft_computed: int = 0
     stats: RequestStats = field(default_factory=lambda: RequestStats(arrival=time.perf_counter()))
 
     def __post_init__(self) -> None:

@@ -2,13 +2,15 @@
 
 All scheduled tokens are packed into one row [1, T] (no padding in the linear layers); the
 paged cache's `StepPlan` tells attention which tokens are single-token decodes (attended as
-one batch) and which are prefill chunks. Logits are computed only where a token is sampled
-(or where prompt logprobs were asked for).
+one batch) and which are multi-token chunks (prefill chunks, or a last token plus speculative
+drafts to verify). Logits are computed only where they are needed: the last token of a request
+that samples, every token of a request that verifies drafts or asked for prompt logprobs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,19 +20,96 @@ from keel.serve.kv_cache import NULL_BLOCK, DecodeGroup, PagedKVCache, StepPlan
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
+from keel.serve.speculative.verify import verify_drafts
+
+
+@dataclass
+class Chunk:
+    """Tokens of one sequence fed in one forward, from position `start`, and which logits rows it needs."""
+
+    table: list[int]  # the sequence's block table
+    start: int
+    tokens: list[int]
+    logits: str = "last"  # "last" | "all" | "none"
+
+
+@dataclass
+class PackedStep:
+    tokens: Tensor  # [1, T]
+    positions: Tensor  # [1, T]
+    plan: StepPlan
+    select: Tensor  # rows of T whose logits are computed
+    rows: list[range]  # per chunk: its rows in the selected logits (empty for "none")
+
+
+def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> PackedStep:
+    """Pack chunks of several sequences into one row, with the paged cache's plan: where each token's
+    K/V goes, which tokens are one-token decodes (attended as a batch) and which are chunks."""
+    bs = block_size
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    decode_index, decode_tables, decode_positions = [], [], []
+    prefills = []
+    select: list[int] = []
+    rows: list[range] = []
+    for chunk in chunks:
+        n, start, table = len(chunk.tokens), chunk.start, chunk.table
+        offset = len(tokens)
+        tokens += chunk.tokens
+        span = range(start, start + n)
+        positions += span
+        slots += [table[p // bs] * bs + p % bs for p in span]
+        nb = -(-(start + n) // bs)
+        blocks = [b if b != NULL_BLOCK else 0 for b in table[:nb]]  # freed blocks are masked by the window
+        if n == 1:
+            decode_index.append(offset)
+            decode_tables.append(blocks)
+            decode_positions.append(start)
+        else:
+            prefills.append((offset, offset + n, blocks, list(span)))
+        first = len(select)
+        if chunk.logits == "all":
+            select += range(offset, offset + n)
+        elif chunk.logits == "last":
+            select.append(offset + n - 1)
+        rows.append(range(first, len(select)))
+    plan = StepPlan(
+        slot_mapping=torch.tensor(slots, device=device),
+        decodes=_decode_groups(decode_index, decode_tables, decode_positions, device),
+        prefills=[(s, e, torch.tensor(b, device=device), torch.tensor(p, device=device)) for s, e, b, p in prefills],
+    )
+    return PackedStep(
+        torch.tensor([tokens], device=device),
+        torch.tensor([positions], device=device),
+        plan,
+        torch.tensor(select, dtype=torch.long),
+        rows,
+    )
+
+
+@torch.inference_mode()
+def forward_step(model: Transformer, cache: PagedKVCache, step: PackedStep) -> Tensor:
+    """Run the model over a packed step, writing its K/V into `cache`; the selected rows' logits."""
+    cache.plan = step.plan
+    try:
+        return model(step.tokens, positions=step.positions, cache=cache, select=step.select)
+    finally:
+        cache.plan = None
 
 
 @dataclass
 class StepResult:
-    """Per scheduled request that reached the end of its known tokens: the sampled token."""
+    """Per scheduled request that reached the end of its known tokens: the tokens it gained (one, or
+    with speculation the accepted drafts and one more), with their logprobs when asked."""
 
-    token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]]
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: PagedKVCache, block_tables) -> None:
+    def __init__(self, model: Transformer, cache: PagedKVCache, block_tables: Callable[[str], list[int]]) -> None:
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
@@ -38,80 +117,44 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
 
-    def _plan(self, out: SchedulerOutput) -> tuple[Tensor, Tensor, StepPlan, list[int], list[Request]]:
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_index, decode_tables, decode_positions = [], [], []
-        prefills = []
-        select: list[int] = []  # rows of T whose logits are needed
-        samplers: list[Request] = []  # requests that sample a token this step, in `select` order
+    def _chunks(self, out: SchedulerOutput) -> list[Chunk]:
+        chunks = []
         for request, n in out.scheduled:
             start = request.num_computed_tokens
-            table = self.block_tables(request.request_id)
-            offset = len(tokens)
-            tokens += request.token_ids_between(start, start + n)
-            span = range(start, start + n)
-            positions += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            nb = -(-(start + n) // bs)
-            blocks = [b if b != NULL_BLOCK else 0 for b in table[:nb]]  # freed blocks are masked by the window
-            if n == 1:
-                decode_index.append(offset)
-                decode_tables.append(blocks)
-                decode_positions.append(start)
-            else:
-                prefills.append((offset, offset + n, blocks, list(span)))
+            known = min(n, request.num_tokens - start)  # the rest of n are speculative drafts
+            tokens = request.token_ids_between(start, start + known) + request.spec_token_ids[: n - known]
             wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids)
-            if wants_prompt_logprobs:
-                select += range(offset, offset + n)
-            if start + n == request.num_tokens:  # all known tokens fed: sample the next one
-                if not wants_prompt_logprobs:
-                    select.append(offset + n - 1)
-                samplers.append(request)
+            if wants_prompt_logprobs or request.spec_token_ids:
+                logits = "all"
+            elif start + n == request.num_tokens:  # all known tokens fed: sample the next one
+                logits = "last"
+            else:
+                logits = "none"  # a prefill chunk that does not reach the end of the prompt
+            chunks.append(Chunk(self.block_tables(request.request_id), start, tokens, logits))
+        return chunks
 
-        device = self.device
-        plan = StepPlan(
-            slot_mapping=torch.tensor(slots, device=device),
-            decodes=_decode_groups(decode_index, decode_tables, decode_positions, device),
-            prefills=[
-                (s, e, torch.tensor(b, device=device), torch.tensor(p, device=device)) for s, e, b, p in prefills
-            ],
-        )
-        return (
-            torch.tensor([tokens], device=device),
-            torch.tensor([positions], device=device),
-            plan,
-            select,
-            samplers,
-        )
-
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        tokens, positions, plan, select, samplers = self._plan(out)
-        self.cache.plan = plan
-        try:
-            logits = self.model(
-                tokens, positions=positions, cache=self.cache, select=torch.tensor(select, dtype=torch.long)
-            )
-        finally:
-            self.cache.plan = None
-        result = StepResult({}, {}, {})
-        # Split the selected rows: prompt-logprob requests took all their rows, the others one.
-        row = 0
+        step = pack_step(self._chunks(out), self.block_size, self.device)
+        logits = forward_step(self.model, self.cache, step)
+        result = StepResult()
+        samplers: list[Request] = []
         sample_rows: list[int] = []
-        for request, n in out.scheduled:
+        verifiers: list[tuple[Request, range]] = []
+        for (request, n), rows in zip(out.scheduled, step.rows, strict=True):
             start = request.num_computed_tokens
+            if request.spec_token_ids:
+                verifiers.append((request, rows))
+                continue
             if request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids):
-                chunk = logits[row : row + n]
-                self._prompt_logprobs(request, start, chunk, result)
-                row += n
-                if start + n == request.num_tokens:
-                    sample_rows.append(row - 1)
-            elif start + n == request.num_tokens:
-                sample_rows.append(row)
-                row += 1
+                self._prompt_logprobs(request, start, logits[rows.start : rows.stop], result)
+            if start + n == request.num_tokens:
+                samplers.append(request)
+                sample_rows.append(rows[-1])
+        if verifiers:
+            for request, tokens, lps in verify_drafts(self.sampler, logits, verifiers):
+                result.token_ids[request.request_id] = tokens
+                if lps is not None:
+                    result.logprobs[request.request_id] = lps
         if not samplers:
             return result
         states = [
@@ -121,9 +164,9 @@ class ModelRunner:
         ids = sampled.token_ids.tolist()
         lps = sampled.logprobs.to_lists(sampled.token_ids) if sampled.logprobs is not None else [None] * len(ids)
         for request, token, lp in zip(samplers, ids, lps, strict=True):
-            result.token_ids[request.request_id] = token
+            result.token_ids[request.request_id] = [token]
             if lp is not None:
-                result.logprobs[request.request_id] = lp
+                result.logprobs[request.request_id] = [lp]
         return result
 
     def _prompt_logprobs(self, request: Request, start: int, chunk: Tensor, result: StepResult) -> None:

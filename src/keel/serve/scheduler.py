@@ -133,10 +133,16 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(request.num_remaining, budget)
+            # Speculative drafts ride after the last known token; the budget may cut some of them.
+            n = min(request.num_remaining + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, n - request.num_remaining) :]
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self._pick_victim(request, scheduled_ids)
                 if victim is None:
+                    if request.spec_token_ids:  # try again without the drafts before giving up
+                        n -= len(request.spec_token_ids)
+                        request.spec_token_ids.clear()
+                        continue
                     n = 0  # nothing to preempt: this request waits for blocks to be freed
                     break
                 self._preempt(victim, out)
@@ -185,6 +191,8 @@ class Scheduler:
         self.kv.free(request.request_id)
         self.running.remove(request)
         request.num_computed_tokens = 0
+        request.draft_computed = 0
+        request.spec_token_ids.clear()
         request.protected = True
         request.stats.preemptions += 1
         self.num_preemptions += 1
@@ -193,8 +201,11 @@ class Scheduler:
 
     # -------------------------------------------------------------- update
     def advance(self, request: Request, num_tokens: int) -> None:
-        """After the model ran: `num_tokens` more tokens of `request` are in the cache."""
+        """After the model ran: `num_tokens` more tokens of `request` are in the cache (with speculation:
+        the last known token and the accepted drafts, which must already be in its output). Blocks that
+        were reserved for rejected drafts are released."""
         request.num_computed_tokens += num_tokens
+        self.kv.truncate(request.request_id, request.num_computed_tokens + 1)
         self.kv.commit(request.request_id, request.num_computed_tokens, request.token_ids_between)
         if self.sliding_window is not None:
             # The next query sits at position num_computed_tokens; it sees window - 1 tokens back.

@@ -509,6 +509,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
                 cached_tokens=usage.cached_tokens,
                 finish_reasons=[job.final.outputs[0].finish_reason if job.final else "abort" for job in call.jobs],
             )
+            finals = [job.final.metrics for job in call.jobs if job.final is not None and job.final.metrics]
+            drafted = sum(m.spec_draft_tokens for m in finals)
+            if drafted:  # speculative decoding: this request's acceptance
+                accepted = sum(m.spec_accepted_tokens for m in finals)
+                record.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted)
             if settings.audit_prompts:
                 record["prompt_token_ids"] = call.prompts
         if error is not None:

@@ -55,6 +55,25 @@ class _EngineCollector(Collector):
         yield counter("keel:num_preemptions", "Requests preempted (KV blocks ran out).", s["num_preemptions_total"])
         if "expert_cache_queries" in s:  # expert offloading is on
             yield from _expert_metrics(s, gauge, counter)
+        if "spec_decode_num_drafts" in s:  # speculative decoding is on
+            yield from _spec_metrics(s, counter, labels, values)
+
+
+def _spec_metrics(s: dict, counter: Callable, labels: list[str], values: list[str]):
+    """Speculative decoding, as vLLM's spec_decode_* counters: acceptance rate = accepted / draft tokens,
+    mean accepted length = 1 + accepted / drafts."""
+    yield counter("keel:spec_decode_num_drafts", "Verification steps (one per request per step with drafts).",
+                  s["spec_decode_num_drafts"])  # fmt: skip
+    yield counter("keel:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                  s["spec_decode_num_draft_tokens"])  # fmt: skip
+    yield counter("keel:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
+                  s["spec_decode_num_accepted_tokens"])  # fmt: skip
+    per_pos = CounterMetricFamily("keel:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts accepted at each position of the draft.",
+                                  labels=[*labels, "position"])  # fmt: skip
+    for position, accepted in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([*values, str(position)], accepted)
+    yield per_pos
 
 
 def _expert_metrics(s: dict[str, float], gauge: Callable, counter: Callable):

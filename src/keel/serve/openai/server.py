@@ -50,9 +50,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV-cache storage: the model's dtype, or int8 with a scale per token and head")  # fmt: skip
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add_expert_offload_args(p)
     add_quantize_args(p)
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding, shared by `keel serve` and `keel generate` (vLLM's option and keys)."""
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft_model", '
+                        '"model": "DRAFT", "num_speculative_tokens": 3}\'; keys: method, num_speculative_tokens, '
+                        'prompt_lookup_min, prompt_lookup_max, model, quantization, disable_by_batch_size')  # fmt: skip
+
+
+def speculative_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig field of --speculative-config, validated before the model loads."""
+    if args.speculative_config is None:
+        return {}
+    import json
+
+    from keel.serve.speculative import SpeculativeConfig
+
+    try:
+        values = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise KeelError(f"--speculative-config: not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(values, dict):
+        raise KeelError("--speculative-config: expected a JSON object")
+    return dict(speculative_config=SpeculativeConfig.from_dict(values))
 
 
 def add_quantize_args(p: argparse.ArgumentParser) -> None:
@@ -121,8 +149,11 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError("--expert-cache needs the keel engine (not --engine naive)")
     if (args.quantize is not None or args.quant_plan is not None) and args.engine == "naive":
         raise KeelError("--quantize needs the keel engine (not --engine naive)")
+    if args.speculative_config is not None and args.engine == "naive":
+        raise KeelError("--speculative-config needs the keel engine (not --engine naive)")
     quantize_config(args)
     expert_offload_config(args)
+    speculative_config(args)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -169,9 +200,11 @@ def build_engine(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
         **expert_offload_config(args),
         **quantize_config(args),
+        **speculative_config(args),
     )
     return AsyncEngine(LLMEngine(loaded, config))
 
