@@ -239,3 +239,15 @@ def test_sampled_distribution_equals_plain_sampling(small_vocab, method, params,
         monkeypatch.setattr(verify_module, "accept_drafts", lambda p, d, q, g: (len(d), verify_module.draw(p[-1], g)))
         biased = sample_pairs(LLMEngine(loaded, config), params, 4000)
         assert chi_square_p_value(biased, exact) < 1e-6
+
+
+def test_default_rule_keeps_verification_bandwidth_bound():
+    from keel.serve.speculative import BANDWIDTH_BOUND_TOKENS
+
+    for k in (1, 2, 4, 7):
+        config = SpeculativeConfig(num_speculative_tokens=k)
+        for device in ("cpu", "cuda"):
+            batch = config.max_batch(device)
+            assert batch >= 1
+            assert batch == 1 or batch * (k + 1) <= BANDWIDTH_BOUND_TOKENS[device] < (batch + 1) * (k + 1)
+    assert SpeculativeConfig(disable_by_batch_size=7).max_batch("cpu") == 7

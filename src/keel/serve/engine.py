@@ -385,7 +385,9 @@ class LLMEngine:
     def _speculating(self) -> bool:
         """Speculation runs while the batch is small enough to be bound by weight streaming (see
         SpeculativeConfig.disable_by_batch_size)."""
-        return self.spec is not None and 0 < len(self.scheduler.running) <= self.spec.disable_by_batch_size
+        if self.spec is None:
+            return False
+        return 0 < len(self.scheduler.running) <= self.spec.max_batch(self.model.device.type)
 
     def _propose_before_schedule(self) -> list[Request]:
         """Drafts (n-gram) or reserved draft slots (draft model) for running requests about to decode.

@@ -14,6 +14,12 @@ from keel.errors import KeelError
 
 METHODS = ("ngram", "draft_model")
 
+# Tokens one forward can take while it still costs about what one token costs (the step streams the
+# weights once either way). CPU: measured with `python bench/speculative.py --sweep` on SmolLM2-135M
+# bf16, 2 threads: 8 tokens cost 1.39x one token, 16 cost 1.79x, 32 cost 2.49x. CUDA: an assumed
+# value (not measured here): a GPU's decode step stays bandwidth-bound to a few hundred tokens.
+BANDWIDTH_BOUND_TOKENS = {"cpu": 8, "cuda": 256}
+
 
 @dataclass
 class SpeculativeConfig:
@@ -24,8 +30,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a path or catalog name; None: the target's own checkpoint
     quantization: str | None = None  # draft_model: quantize the draft ("int8", "int4"): a cheap copy of the target
     # Speculation is off in a step when more requests than this are running: a batch that large
-    # already keeps the matmuls busy, so drafts that get rejected cost real compute (docs/SERVING.md).
-    disable_by_batch_size: int = 4
+    # already keeps the matmuls busy, so drafts that get rejected cost real compute. None: the
+    # device's rule, B * (k + 1) <= BANDWIDTH_BOUND_TOKENS (docs/SERVING.md).
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
@@ -45,9 +52,16 @@ class SpeculativeConfig:
                             f"{self.num_speculative_tokens}")  # fmt: skip
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise KeelError("speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise KeelError("speculative config: disable_by_batch_size must be >= 1")
         if self.method == "ngram" and (self.model is not None or self.quantization is not None):
             raise KeelError("speculative config: 'model' and 'quantization' apply to method 'draft_model' only")
         if self.quantization not in (None, "int8", "int4"):
             raise KeelError(f"speculative config: quantization {self.quantization!r} is not int8 or int4")
+
+    def max_batch(self, device_type: str) -> int:
+        """The largest number of running requests that still speculates."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size
+        tokens = BANDWIDTH_BOUND_TOKENS.get(device_type, BANDWIDTH_BOUND_TOKENS["cuda"])
+        return max(1, tokens // (self.num_speculative_tokens + 1))
