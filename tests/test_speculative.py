@@ -251,3 +251,21 @@ def test_default_rule_keeps_verification_bandwidth_bound():
             assert batch >= 1
             assert batch == 1 or batch * (k + 1) <= BANDWIDTH_BOUND_TOKENS[device] < (batch + 1) * (k + 1)
     assert SpeculativeConfig(disable_by_batch_size=7).max_batch("cpu") == 7
+
+
+def test_sliding_window_target(tmp_path):
+    """n-gram speculation on a sliding-window model (blocks behind the window are freed) stays exact;
+    a draft model, whose catch-up could need freed blocks, is refused."""
+    save_hf_model("mistral", tmp_path / "m")
+    loaded = load_model(tmp_path / "m")
+    prompts = copying_prompts(4, seed=5)
+    params = [SamplingParams(max_tokens=40, **GREEDY) for _ in prompts]
+    config = dict(num_blocks=64, block_size=4, max_model_len=128)
+    plain = run(LLMEngine(loaded, EngineConfig(**config)), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    engine = LLMEngine(loaded, EngineConfig(**config, speculative_config=spec))
+    fast = run(engine, prompts, params, check_blocks=True)
+    assert {r: o.outputs[0].token_ids for r, o in fast.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
+    assert engine.spec_num_draft_tokens > 0
+    with pytest.raises(KeelError, match="sliding-window"):
+        LLMEngine(loaded, EngineConfig(**config, speculative_config={"method": "draft_model"}))

@@ -228,6 +228,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
         self.drafter: DraftModelProposer | None = None
+        if self.draft_model is not None and self.scheduler.sliding_window is not None:
+            # The target frees blocks behind its window; the draft's catch-up may still need them.
+            raise KeelError("speculative method draft_model does not support sliding-window targets: use ngram")
         if self.draft_model is not None:
             from keel.serve.speculative.draft import DraftModelProposer
 
