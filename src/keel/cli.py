@@ -51,7 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     params.validate()
-    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads)
+    quantization = quantize_config(args)  # read once: a plan file is parsed here
+    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
@@ -68,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # One request: a KV pool for exactly its length.
     length = len(prompt_ids) + params.max_tokens
     config = EngineConfig(
-        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantize_config(args),
+        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantization,
         **speculative,
     )
     engine = LLMEngine(loaded, config)

@@ -126,7 +126,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quantize", help="quantization tools (sensitive-layer analysis)")
+    p = sub.add_parser("quantize", help="quantization tools (sensitive-layer analysis, saving quantized models)")
     qsub = p.add_subparsers(dest="quantize_command", required=True, metavar="COMMAND")
     a = qsub.add_parser("analyze", help="rank linear layers by the cost of quantizing each alone")
     a.add_argument("model")
@@ -139,3 +139,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--show", type=int, default=20, help="rows printed")
     a.add_argument("--threads", type=int, default=None)
     a.set_defaults(func=cmd_analyze)
+    from keel.quant.save import register_save
+
+    register_save(qsub)

@@ -1,42 +1,140 @@
-"""Replace a model's linear layers with quantized ones, in place."""
+"""Replace a model's linear layers and MoE experts with quantized ones, in place.
+
+Two entry points share the rules below (what is quantized, what is kept):
+- `quantize_model(model, ...)`: after loading, from the float weights in memory;
+- `load_model(..., quantize=...)` (keel.quant.load): while loading, straight from the checkpoint,
+  so that the quantized layers never exist in float all at once (and GGUF blocks never do at all).
+"""
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 from torch import nn
 
 from keel.errors import KeelError
-from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear
+from keel.model.moe import GroupedExperts, LocalDispatcher, MoE, _local
+from keel.quant.experts import QuantizedGroupedExperts, experts_fit
+from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
+
+GGUF = "gguf"  # run the GGUF file's own Q4_0/Q4_1/Q8_0 blocks on the integer kernels (load time only)
+LOAD_SCHEMES = (*SCHEMES, GGUF)
+# Linear layers whose weight is also read as a matrix elsewhere, so they must stay float: multi-head
+# latent attention folds kv_b_proj.weight into the query and output when attending over the cache.
+ALWAYS_FLOAT = ("*kv_b_proj",)
+
+
+def check_scheme(scheme: str, group_size: int) -> None:
+    if scheme not in LOAD_SCHEMES:
+        raise KeelError(f"--quantize: unknown scheme {scheme!r}; choose from {', '.join(LOAD_SCHEMES)}")
+    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise KeelError(f"--quant-group-size: int4 groups of {', '.join(map(str, INT4_GROUP_SIZES))}, not {group_size}")
+
+
+def is_kept(name: str, keep: set[str] | tuple[str, ...] | None) -> bool:
+    """Whether module `name` stays float: it matches a --quant-keep entry (a name, or a shell pattern
+    such as `*.experts`) or must stay float (ALWAYS_FLOAT)."""
+    return any(fnmatchcase(name, pattern) for pattern in (*(keep or ()), *ALWAYS_FLOAT))
+
+
+def linear_fits(scheme: str, in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether the kernels take this shape; other layers stay float."""
+    if scheme == "int8":
+        return int8_fits(in_features)
+    return int4_fits(in_features, out_features, group_size)
+
+
+def quantizable(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every nn.Linear and GroupedExperts of `model`, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | GroupedExperts)]
+
+
+def float_bytes(module: nn.Module) -> int:
+    if isinstance(module, GroupedExperts):
+        return sum(_local(p).numel() * p.element_size() for p in (module.gate_up_proj, module.down_proj))
+    return module.weight.numel() * module.weight.element_size()
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def new_stats() -> dict[str, int]:
+    return {"quantized": 0, "kept": 0, "experts": 0, "bytes_before": 0, "bytes_after": 0}
 
 
 def quantize_model(
     model: nn.Module, scheme: str, group_size: int = 128, keep: set[str] | None = None
 ) -> dict[str, int]:
-    """Quantize every nn.Linear of `model` except those named in `keep` (a mixed-precision plan) and
-    except layers whose width the kernels cannot take (int4: in_features divisible by the group).
-    Returns {"quantized": n, "kept": m, "bytes_before": b0, "bytes_after": b1}.
+    """Quantize every nn.Linear and every MoE expert block (GroupedExperts) of `model` except those
+    kept (`keep`: names or shell patterns, a mixed-precision plan) and those whose shape the kernels
+    cannot take. Returns {"quantized": n (layers + expert blocks), "kept": m, "experts": expert blocks
+    quantized, "bytes_before": b0, "bytes_after": b1}.
 
-    Not quantized (yet): stacked MoE expert weights, embeddings. The lm_head is a linear layer and
-    is quantized unless kept; with tied embeddings it becomes its own (quantized) copy.
+    Embeddings stay float. The lm_head is a linear layer and is quantized unless kept; with tied
+    embeddings it becomes its own (quantized) copy. A model already quantized while loading
+    (`load_model(..., quantize=...)` or a checkpoint saved by `keel quantize save`) is left as it is
+    and its load-time statistics returned; asking for another scheme is an error.
     """
-    if scheme not in SCHEMES:
-        raise KeelError(f"--quantize: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise KeelError(f"--quant-group-size: int4 groups of {', '.join(map(str, INT4_GROUP_SIZES))}, not {group_size}")
-    keep = keep or set()
-    stats = {"quantized": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, linear in targets:
-        before = linear.weight.numel() * linear.weight.element_size()
-        if name in keep or (scheme == "int4" and linear.in_features % group_size):
-            stats["kept"] += 1
-            stats["bytes_before"] += before
-            stats["bytes_after"] += before
-            continue
-        quantized = QuantizedLinear(linear, scheme, group_size)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, quantized)
-        stats["quantized"] += 1
+    loaded = getattr(model, "quantization", None)
+    if loaded is not None:
+        if scheme != loaded["scheme"]:
+            raise KeelError(
+                f"--quantize {scheme}: this model was already quantized to {loaded['scheme']} while loading "
+                f"({loaded['source']}); drop --quantize or load the float checkpoint"
+            )
+        return dict(loaded["stats"])
+    check_scheme(scheme, group_size)
+    if scheme == GGUF:
+        raise KeelError(
+            "--quantize gguf repacks a GGUF file's Q4_0/Q4_1/Q8_0 blocks while loading; it cannot apply to a model "
+            "already loaded in float (load it with load_model(..., quantize='gguf'))"
+        )
+    keep = set(keep or ())
+    stats = new_stats()
+    for name, module in quantizable(model):
+        before = float_bytes(module)
         stats["bytes_before"] += before
+        if isinstance(module, GroupedExperts):
+            gate_up, down = _local(module.gate_up_proj), _local(module.down_proj)
+            hidden, inter = down.shape[1], down.shape[2]
+            if is_kept(name, keep) or not experts_fit(scheme, hidden, inter, group_size):
+                stats["kept"] += 1
+                stats["bytes_after"] += before
+                continue
+            _refuse_offloaded(model, name)
+            quantized: nn.Module = QuantizedGroupedExperts(
+                [QuantizedLinear.from_float(w, scheme, group_size) for w in gate_up.detach()],
+                [QuantizedLinear.from_float(w, scheme, group_size) for w in down.detach()],
+                module.num_experts,
+            )
+            stats["experts"] += 1
+        else:
+            if is_kept(name, keep) or not linear_fits(scheme, module.in_features, module.out_features, group_size):
+                stats["kept"] += 1
+                stats["bytes_after"] += before
+                continue
+            quantized = QuantizedLinear(module, scheme, group_size)
+        replace_module(model, name, quantized)
+        stats["quantized"] += 1
         stats["bytes_after"] += quantized.weight_bytes
     return stats
+
+
+def _refuse_offloaded(model: nn.Module, experts_name: str) -> None:
+    """Expert offloading swaps float expert weights in and out of slot buffers; quantized experts
+    have none. Expert parallelism (AllToAllDispatcher) composes: its experts are a plain local slice."""
+    moe = model.get_submodule(experts_name.rpartition(".")[0])
+    if isinstance(moe, MoE) and not isinstance(moe.dispatcher, LocalDispatcher):
+        from keel.serve.offload.dispatcher import OffloadDispatcher
+
+        if isinstance(moe.dispatcher, OffloadDispatcher):
+            raise KeelError(
+                "--quantize with --expert-cache: offloaded experts cannot be quantized (offloading swaps float "
+                "expert weights); keep them in float with --quant-keep 'lm_head,*.experts'"
+            )
+
+
+__all__ = ["GGUF", "LOAD_SCHEMES", "QuantizedGroupedExperts", "quantize_model"]

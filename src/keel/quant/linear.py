@@ -7,15 +7,30 @@ int4 quarters it. Activations stay in the model's float dtype; the kernels dequa
 - int4: `_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [K/g, N, 2])` on CPU and
   `_weight_int4pack_mm` on CUDA (asymmetric per group of `group` input channels:
   w = (q - 8) * s + z with q in 0..15, i.e. min + q * s) - the layout gpt-fast and torchao use.
+
+Both kernels require the scales in the activations' dtype (torch 2.13 refuses anything else), so a
+bfloat16 model keeps bfloat16 scales. On CPU they are fast only for bfloat16 activations: float32
+and float16 take a reference path (measured 14-28x slower than bfloat16 at 4096x4096, slower than a
+dense float32 matmul).
+
+A layer is built from float weights (`QuantizedLinear(linear, ...)`, `from_float`) or straight from
+integer components (`from_int8`, `from_int4`: GGUF blocks, a saved quantized checkpoint) without
+ever holding a float weight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# The bfloat16 int8 CPU kernel reads K in steps of 16 (other widths crash it, torch 2.13 AVX-512);
+# the CPU int4 packing needs N in multiples of 16 (CUDA's: 8).
+INT8_K_MULTIPLE = 16
+INT4_N_MULTIPLE = 16
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,41 +63,158 @@ def dequantize_int4(q: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
     return (q.reshape(n, groups, -1).float() * scales[..., None] + mins[..., None]).reshape(n, k)
 
 
+def int8_from_blocks(codes: Tensor, block_scales: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
+    """Blocks of int8 codes with one scale each (GGUF Q8_0: w = q * d per block of 32) -> per-channel
+    int8 (q' [N, K], float32 scales [N]), without holding the float weights of the whole matrix.
+
+    The result is bit for bit `quantize_int8` of the dequantized weights (each q * d is exact in
+    float32: an fp16 scale times an integer below 2^8), so the error is that of per-channel int8:
+    |w' - w| <= scale_n / 2 = max_k |w_nk| / 254 per element; blocks whose own scale is the row's
+    largest keep their values, blocks with smaller scales lose the low bits.
+    """
+    n, k = codes.shape
+    blocks = codes.reshape(n, k // block, block)
+    d = block_scales.float().reshape(n, k // block)
+    largest = blocks.to(torch.int16).abs().amax(dim=-1).float()  # int16: |-128| overflows int8
+    scales = ((largest * d.abs()).amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.empty(n, k, dtype=torch.int8, device=codes.device)
+    rows = max(1, (1 << 22) // k)  # ~16 MiB of float32 at a time
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        w = blocks[start:end].float() * d[start:end, :, None]
+        q[start:end] = torch.round(w.reshape(end - start, k) / scales[start:end, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """Portable int4: values 0..15 [..., K] -> uint8 [..., K/2], column 2j in the low nibble of byte j
+    and 2j+1 in the high one (the on-disk form; kernels get their own layout from `_pack_int4`)."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """uint8 [..., K/2] -> uint8 values 0..15 [..., K] (inverse of `pack_nibbles`)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def int4_fits(in_features: int, out_features: int, group_size: int) -> bool:
+    return in_features % group_size == 0 and out_features % INT4_N_MULTIPLE == 0
+
+
+def int8_fits(in_features: int) -> bool:
+    return in_features % INT8_K_MULTIPLE == 0
+
+
 class QuantizedLinear(nn.Module):
     """Drop-in for nn.Linear holding int8 or packed int4 weights (buffers: they are not trained)."""
 
-    def __init__(self, linear: nn.Linear, scheme: str, group_size: int = 128) -> None:
+    def __init__(self, linear: nn.Linear | None = None, scheme: str = "int8", group_size: int = 128) -> None:
         super().__init__()
+        self.bias: Tensor | None
+        if linear is None:  # an empty shell: from_int8 / from_int4 / from_float fill it
+            return
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self._quantize(linear.weight.detach(), scheme, group_size, bias)
+
+    @classmethod
+    def from_float(
+        cls, weight: Tensor, scheme: str, group_size: int = 128, bias: Tensor | None = None
+    ) -> QuantizedLinear:
+        """Quantize a float [N, K] weight; the compute dtype is the weight's."""
+        layer = cls()
+        layer._quantize(weight.detach(), scheme, group_size, bias)
+        return layer
+
+    @classmethod
+    def from_int8(
+        cls, q: Tensor, scales: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> QuantizedLinear:
+        """int8 [N, K] codes and per-output-channel scales [N] (w = q * s), on q's device."""
+        layer = cls()
+        layer._set_int8(q, scales, bias, dtype)
+        return layer
+
+    @classmethod
+    def from_int4(
+        cls,
+        q: Tensor,
+        scales: Tensor,
+        mins: Tensor,
+        group_size: int,
+        bias: Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantizedLinear:
+        """Values 0..15 [N, K] with per-group scales and mins [N, K/g] (w = q * s + min), packed for
+        q's device."""
+        layer = cls()
+        layer._set_int4(q, scales, mins, group_size, bias, dtype)
+        return layer
+
+    def _quantize(self, weight: Tensor, scheme: str, group_size: int, bias: Tensor | None) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
-        self.scheme = scheme
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = linear.weight.dtype
-        weight = linear.weight.detach()
-        device = weight.device
         if scheme == "int8":
             q, scales = quantize_int8(weight)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales.to(self.compute_dtype))
-            self.group_size = 0
+            self._set_int8(q, scales, bias, weight.dtype)
         else:
             if group_size not in INT4_GROUP_SIZES:
                 raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-            self.group_size = group_size
             q, scales, mins = quantize_int4(weight, group_size)
-            zeros = mins + 8.0 * scales  # the kernels' zero point: w = (q - 8) * s + z
-            packed = _pack_int4(q, device)
-            self.register_buffer("qweight", packed)
-            self.register_buffer(
-                "scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(
-                    self.compute_dtype
-                ),
-            )  # fmt: skip
-        self.bias: Tensor | None
-        if linear.bias is not None:
-            self.register_buffer("bias", linear.bias.detach().clone())
+            self._set_int4(q, scales, mins, group_size, bias, weight.dtype)
+
+    def _set_common(
+        self, scheme: str, n: int, k: int, group_size: int, bias: Tensor | None, dtype: torch.dtype
+    ) -> None:
+        self.scheme = scheme
+        self.in_features, self.out_features = k, n
+        self.group_size = group_size
+        self.compute_dtype = dtype
+        if bias is not None:
+            if tuple(bias.shape) != (n,):
+                raise ValueError(f"bias of shape {list(bias.shape)} for {n} output features")
+            self.register_buffer("bias", bias.to(dtype))
         else:
             self.bias = None
+
+    def _set_int8(self, q: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        if q.dim() != 2 or q.dtype != torch.int8:
+            raise ValueError(f"int8 weights must be an int8 [N, K] tensor, got {q.dtype} {list(q.shape)}")
+        n, k = q.shape
+        if tuple(scales.shape) != (n,):
+            raise ValueError(f"int8 scales must have shape [{n}], got {list(scales.shape)}")
+        if not int8_fits(k):
+            raise ValueError(f"the int8 kernel needs in_features in multiples of {INT8_K_MULTIPLE}, got {k}")
+        self._set_common("int8", n, k, 0, bias, dtype)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scales.to(device=q.device, dtype=dtype))
+
+    def _set_int4(
+        self, q: Tensor, scales: Tensor, mins: Tensor, group_size: int, bias: Tensor | None, dtype: torch.dtype
+    ) -> None:
+        if q.dim() != 2:
+            raise ValueError(f"int4 values must be a [N, K] tensor, got {list(q.shape)}")
+        n, k = q.shape
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+        if not int4_fits(k, n, group_size):
+            raise ValueError(
+                f"int4 needs in_features divisible by the group ({k} by {group_size}) and out_features by "
+                f"{INT4_N_MULTIPLE} ({n})"
+            )
+        groups = k // group_size
+        if tuple(scales.shape) != (n, groups) or tuple(mins.shape) != (n, groups):
+            raise ValueError(
+                f"int4 scales/mins must have shape [{n}, {groups}], got {list(scales.shape)}/{list(mins.shape)}"
+            )
+        self._set_common("int4", n, k, group_size, bias, dtype)
+        # The kernels' zero point: w = (q - 8) * s + z, so z = min + 8 s (in float32, then one rounding
+        # to the compute dtype, which the kernels require for scales and zeros alike).
+        scales, mins = scales.float(), mins.float()
+        zeros = mins + 8.0 * scales
+        self.register_buffer("qweight", _pack_int4(q.to(torch.int32), q.device))
+        sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device=q.device, dtype=dtype)
+        self.register_buffer("scales_and_zeros", sz)
 
     @property
     def weight_bytes(self) -> int:
@@ -112,15 +244,64 @@ class QuantizedLinear(nn.Module):
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedLinear:  # type: ignore[override]
+        """`.to(device)` / `.to(dtype)`: packed int4 is device-specific, so a move to another device
+        type unpacks it and packs it again there; a dtype change moves the compute dtype with the scales."""
+        values = None
+        if getattr(self, "scheme", None) == "int4":
+            here = self.qweight.device
+            there = fn(torch.empty(0, device=here)).device  # where this call sends tensors
+            if there.type != here.type and there.type != "meta":
+                values = _unpack_int4(self.qweight, self.out_features, self.in_features)
+        super()._apply(fn, recurse)
+        if values is not None:
+            self.qweight = _pack_int4(values.to(self.scales_and_zeros.device), self.scales_and_zeros.device)
+        if hasattr(self, "scheme"):
+            self.compute_dtype = (self.scales if self.scheme == "int8" else self.scales_and_zeros).dtype
+        return self
+
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}{group}"
 
 
-def _pack_int4(q: Tensor, device: torch.device) -> Tensor:
+def _inner_k_tiles(k: int) -> int:
+    # CUDA tiles K by innerKTiles * 16 (2, 4 or 8): the largest that divides K.
+    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+
+
+def _pack_int4(q: Tensor, device: torch.device | str) -> Tensor:
+    """int32 values 0..15 [N, K] -> the int4 kernel's packed layout for `device`."""
+    device = torch.device(device)
     if device.type == "cpu":
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), 1)
     # CUDA's layout packs two values per byte first (uint8 [N, K/2]), then tiles them.
     packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-    return torch.ops.aten._convert_weight_to_int4pack(packed.to(device), 8)
+    return torch.ops.aten._convert_weight_to_int4pack(packed.to(device), _inner_k_tiles(q.shape[1]))
 
+
+def _unpack_int4(packed: Tensor, n: int, k: int) -> Tensor:
+    """The kernel layout of `packed` back to int32 values [N, K] on the same device.
+
+    The layouts (CPU: 64/32/16-row blocks, CUDA: tiles) are torch internals, so they are not
+    hard-coded: every layout is a permutation of nibbles, which packing the base-16 digits of each
+    element's index reveals. Only device moves need this (packing at load is direct).
+    """
+    device = packed.device
+    total = n * k
+    index = torch.arange(total, dtype=torch.int64, device=device)
+    source = torch.zeros(total, dtype=torch.int64, device=device)
+    shift = 0
+    while (1 << shift) < total:
+        probe = ((index >> shift) & 15).to(torch.int32).reshape(n, k)
+        source |= _nibbles(_pack_int4(probe, device)).to(torch.int64) << shift
+        shift += 4
+    values = torch.empty(total, dtype=torch.int32, device=device)
+    values[source] = _nibbles(packed).to(torch.int32)
+    return values.reshape(n, k)
+
+
+def _nibbles(packed: Tensor) -> Tensor:
+    """Every nibble of a packed tensor's bytes in memory order: low nibble first."""
+    raw = packed.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack([raw & 15, raw >> 4], dim=-1).reshape(-1)

@@ -164,7 +164,10 @@ class LLMEngine:
         if isinstance(model, LoadedModel):
             loaded = model
         else:  # with offloading, only the resident experts may reach the device: load on the host first
-            loaded = load_model(model, config.dtype, device="cpu" if offloading else device)
+            loaded = load_model(
+                model, config.dtype, device="cpu" if offloading else device, quantize=config.quantize,
+                quant_group_size=config.quant_group_size, quant_keep=config.quant_keep,
+            )  # fmt: skip
         self.loaded = loaded
         self.offload: ExpertOffload | None = None
         if offloading:
@@ -254,16 +257,14 @@ class LLMEngine:
         (then usually quantized, a cheaper copy); same vocabulary as the target."""
         spec = self.spec
         source = spec.model or (str(model.checkpoint.path) if isinstance(model, LoadedModel) else model)
-        draft = load_model(source, self.config.dtype, device=device).model
+        config = self.config
+        draft = load_model(source, config.dtype, device=device, quantize=spec.quantization,
+                           quant_group_size=config.quant_group_size, quant_keep=config.quant_keep).model  # fmt: skip
         if draft.config.vocab_size != self.model.config.vocab_size:
             raise KeelError(
                 f"speculative draft model {source}: vocabulary of {draft.config.vocab_size} tokens, the target's "
                 f"has {self.model.config.vocab_size} (the draft must share the target's tokenizer)"
             )
-        if spec.quantization is not None:
-            from keel.quant import quantize_model
-
-            quantize_model(draft, spec.quantization, self.config.quant_group_size, set(self.config.quant_keep))
         log.info("speculative decoding: draft model %s%s, k=%d", source,
                  f" ({spec.quantization})" if spec.quantization else "", spec.num_speculative_tokens)  # fmt: skip
         return draft

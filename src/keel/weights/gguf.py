@@ -5,6 +5,8 @@ vocabulary as `tokenizer.ggml.*` keys, and the tensors under llama.cpp names (`b
 with shapes in ggml order (innermost dimension first). `open_gguf` turns that into the same
 `Checkpoint` the safetensors path builds: a `ModelConfig`, a reader that serves tensors under HF
 names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
+Q4_0/Q4_1/Q8_0 tensors are also served as integer codes and block scales (`get_blocks`), which
+`--quantize gguf` (keel.quant.load) repacks for the integer kernels without a float copy.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BPE vocabularies
@@ -380,8 +382,54 @@ def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
 
 
+# Block types whose codes the integer kernels take as they are (`get_blocks`, `--quantize gguf`):
+# Q4_0 (w = (q - 8) d) and Q4_1 (w = q d + m) are int4 groups of 32; Q8_0 (w = q d) is int8 blocks.
+_BLOCK_KIND = {_T.Q4_0: "int4", _T.Q4_1: "int4", _T.Q8_0: "int8"}
+_BLOCK_BYTES = {_T.Q4_0: 18, _T.Q4_1: 20, _T.Q8_0: 34}
+BLOCK = 32  # values per block of these types
+
+
+@dataclass
+class QuantBlocks:
+    """One HF tensor's GGUF blocks as integer codes and per-block scales, in HF layout.
+
+    kind "int4": codes uint8 0..15, w = codes * scales + mins (Q4_0's mins are -8 d, exact);
+    kind "int8": codes int8, w = codes * scales (mins None). scales/mins: float32 [..., rows, K/32],
+    the blocks' fp16 values (exact in float32).
+    """
+
+    kind: str
+    types: tuple[str, ...]
+    codes: Tensor
+    scales: Tensor
+    mins: Tensor | None
+
+
+def decode_blocks(t: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(codes, d, m) of a Q4_0/Q4_1/Q8_0 tensor in numpy, HF shape [..., rows, K] / [..., rows, K/32].
+
+    Vectorised over the raw bytes: Q4_0 = fp16 d + 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m + 16
+    bytes; Q8_0 = fp16 d + 32 int8. In a nibble block, byte j holds value j (low nibble) and value
+    j + 16 (high nibble).
+    """
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    raw = np.asarray(t.data).reshape(-1, _BLOCK_BYTES[t.tensor_type])
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if t.tensor_type == _T.Q8_0:
+        codes = raw[:, 2:].copy().view(np.int8)
+        m = None
+    else:
+        start = 2 if t.tensor_type == _T.Q4_0 else 4
+        packed = raw[:, start : start + BLOCK // 2]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+        m = -8.0 * d if t.tensor_type == _T.Q4_0 else raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    groups = (*shape[:-1], shape[-1] // BLOCK)
+    return codes.reshape(shape), d.reshape(groups), None if m is None else m.reshape(groups)
+
+
 class GGUFTensorReader:
-    """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`."""
+    """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`; Q4_0/Q4_1/Q8_0
+    tensors also as integer blocks (`get_blocks()`), for the integer kernels."""
 
     def __init__(self, path: Path, reader: GGUFReader, config: ModelConfig) -> None:
         self.path = path
@@ -465,6 +513,37 @@ class GGUFTensorReader:
         if not (array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32):
             array = np.array(array, dtype=np.float32, order="C", copy=True)
         return torch.from_numpy(array)
+
+    def get_blocks(self, name: str) -> QuantBlocks | None:
+        """The tensor as integer codes and block scales, or None when any of its GGUF sources is not
+        Q4_0/Q4_1/Q8_0 or they mix int4 and int8 kinds (then it loads as float through `get()`).
+        The combination (llama q/k un-permute, gate+up concatenation) moves whole rows, so it applies
+        to codes and scales alike."""
+        if self._reader is None:
+            raise WeightsError(f"{self.path}: the checkpoint is closed")
+        entry = self._entry(name)
+        kinds = {_BLOCK_KIND.get(t.tensor_type) for t in entry.sources}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        parts = [decode_blocks(t) for t in entry.sources]
+        try:
+            codes = entry.combine([p[0] for p in parts])
+            scales = entry.combine([p[1] for p in parts])
+            mins = entry.combine([p[2] for p in parts]) if parts[0][2] is not None else None
+        except ValueError as e:
+            raise WeightsError(f"{self.path}: cannot form tensor {name!r} ({_one_line(e)})") from None
+        if tuple(codes.shape) != entry.shape:
+            raise WeightsError(
+                f"{self.path}: tensor {name!r} decodes to {list(codes.shape)}, expected {list(entry.shape)}"
+            )
+        own = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+        return QuantBlocks(
+            kinds.pop(),
+            tuple(t.tensor_type.name for t in entry.sources),
+            own(codes),
+            own(scales),
+            None if mins is None else own(mins),
+        )
 
     def close(self) -> None:
         # GGUFReader has no close(); dropping it (and the tensor views) releases the memory map.

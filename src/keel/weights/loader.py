@@ -6,7 +6,8 @@ config (structure inferred from tensor shapes), a `.gguf` file, or a catalog nam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +63,9 @@ class Checkpoint:
     provenance: dict[str, str] = field(default_factory=dict)
     # Bytes of the stored tensors by storage type (e.g. BF16, Q4_1).
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    # A directory written by `keel quantize save`: its config.json `quantization_config` (quant_method
+    # "keel"); load_model rebuilds the quantized layers from its integer tensors.
+    quantization: dict | None = None
 
 
 @dataclass
@@ -113,8 +117,9 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             sizes[reader.dtype(name)] = sizes.get(reader.dtype(name), 0) + tensor.numel() * tensor.element_size()
         return Checkpoint(path, "keel-dcp", config, reader, tokenizer, dict.fromkeys(_FIELDS, "read"), sizes)
     reader = SafetensorsReader(path)
+    quantization = None
     if config_path.exists():
-        config = ModelConfig.from_json_file(config_path)
+        config, quantization = _read_config(config_path)
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:
@@ -130,7 +135,24 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
         for d in reader.shape(name):
             numel *= d
         sizes[dtype] = sizes.get(dtype, 0) + numel * _SAFETENSORS_BYTES.get(dtype, 4)
-    return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes)
+    return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes, quantization)
+
+
+def _read_config(path: Path) -> tuple[ModelConfig, dict | None]:
+    """config.json as a ModelConfig, plus keel's own quantization_config when present. Other
+    quantization methods stay refused by ModelConfig (their tensors would load as wrong numbers)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return ModelConfig.from_json_file(path), None  # its one-line errors
+    quant = data.get("quantization_config") if isinstance(data, dict) else None
+    if not (isinstance(quant, dict) and quant.get("quant_method") == "keel"):
+        return ModelConfig.from_json_file(path), None
+    from keel.quant.load import check_saved_quantization
+
+    check_saved_quantization(quant, path)
+    config = ModelConfig.from_hf({k: v for k, v in data.items() if k != "quantization_config"}, source=str(path))
+    return config, quant
 
 
 _FIELDS = [f for f in ModelConfig.__dataclass_fields__]
@@ -151,7 +173,12 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
         source = hf_source(config, name, available)
         missing = [n for n in source.names if n not in available]
         if missing:
-            raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name})")
+            hint = ""
+            if checkpoint.quantization is not None:  # e.g. `keel convert` of a `keel quantize save` directory
+                hint = (
+                    f"; the checkpoint is quantized ({checkpoint.quantization.get('scheme')}): load it with keel itself"
+                )
+            raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name}){hint}")
         tensor = source.combine([reader.get(n) for n in source.names])
         if tuple(tensor.shape) != tuple(param.shape):
             shown = source.names[0] if len(source.names) == 1 else f"{name} (from {source.names[0]}, ...)"
@@ -164,11 +191,14 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
 
 def _stored_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
     """Parameters, then persistent buffers (state that is not trained by gradients but is part of
-    the checkpoint, e.g. DeepSeek's router selection bias). A tied head appears once, as embed_tokens."""
-    yield from model.named_parameters()
+    the checkpoint, e.g. DeepSeek's router selection bias), that are still on the meta device: a
+    layer quantized while loading is already filled. A tied head appears once, as embed_tokens."""
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            yield name, param
     persistent = model.state_dict(keep_vars=True)
     for name, buffer in model.named_buffers():
-        if name in persistent:
+        if name in persistent and buffer.is_meta:
             yield name, buffer
 
 
@@ -183,7 +213,8 @@ def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype)
         for name, tensor in checked_tensors(model, checkpoint)
     }
     model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
+    if isinstance(model.lm_head, torch.nn.Linear):  # a quantized head is its own copy, never tied
+        model.tie_weights()
 
 
 def load_model(
@@ -193,19 +224,33 @@ def load_model(
     head_dim: int | None = None,
     num_heads: int | None = None,
     device: str = "cpu",
+    quantize: str | None = None,
+    quant_group_size: int = 128,
+    quant_keep: Iterable[str] = ("lm_head",),
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
     dtype "auto" is the checkpoint's own float dtype; float32 for GGUF, whose weights are
-    quantized or mixed.
+    quantized or mixed - bfloat16 when quantizing a GGUF file, the dtype torch's CPU integer kernels
+    are fast in.
+
+    quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
+    quantized while loading, one at a time from the checkpoint, so the model never exists in float
+    as a whole; "gguf" takes a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, without expanding them
+    to float. quant_keep: layers left in float (names or shell patterns). A directory written by
+    `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     if dtype == "auto":
-        auto = checkpoint.config.dtype if checkpoint.format != "gguf" else "float32"
+        auto = checkpoint.config.dtype if checkpoint.format != "gguf" else "bfloat16" if quantize else "float32"
         dtype = auto if auto in DTYPES else "float32"
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
+    if quantize is not None or checkpoint.quantization is not None:
+        from keel.quant.load import quantize_while_loading
+
+        quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
     load_weights(net, checkpoint, torch_dtype)
     net.reset_buffers(device)
     net.to(device)

@@ -85,12 +85,14 @@ def speculative_config(args: argparse.Namespace) -> dict:
 
 def add_quantize_args(p: argparse.ArgumentParser) -> None:
     """Weight-only quantization at load, shared by `keel serve` and `keel generate`."""
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="quantize linear layers' weights at load: int8 per channel, int4 per group")  # fmt: skip
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "gguf"],
+                   help="quantize linear layers and MoE experts at load: int8 per channel, int4 per group; "
+                        "gguf: run the file's own Q4_0/Q4_1/Q8_0 blocks on the integer kernels")  # fmt: skip
     p.add_argument("--quant-group-size", type=int, default=128, choices=[32, 64, 128, 256],
                    help="int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks")  # fmt: skip
     p.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
-                   help="comma-separated linear layers left in float (default: lm_head; '' for none)")  # fmt: skip
+                   help="comma-separated layers left in float, names or patterns such as '*.experts' "
+                        "(default: lm_head; '' for none)")  # fmt: skip
     p.add_argument("--quant-plan", default=None, metavar="PLAN.json",
                    help="a plan from `keel quantize analyze`: its scheme, group size and kept layers")  # fmt: skip
 
@@ -187,7 +189,8 @@ def build_engine(args: argparse.Namespace):
     from keel.serve.engine import EngineConfig, LLMEngine
     from keel.weights import load_model
 
-    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads)
+    quantization = quantize_config(args)  # read once: a plan file is parsed here
+    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
     if args.engine == "naive":
         from keel.serve.naive import NaiveEngine
 
@@ -203,7 +206,7 @@ def build_engine(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
         **expert_offload_config(args),
-        **quantize_config(args),
+        **quantization,
         **speculative_config(args),
     )
     return AsyncEngine(LLMEngine(loaded, config))

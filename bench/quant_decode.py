@@ -1,0 +1,133 @@
+"""Batch-1 decode by weight format: float32, bfloat16, int8, int4 and the GGUF file's own blocks, beside llama.cpp.
+
+    python bench/quant_decode.py [MODEL] [--threads 2] [--prompt-tokens 32] [--new-tokens 256] [--repeats 3]
+
+MODEL is a GGUF file or catalog name (default: the packaged SmolLM2-135M-Instruct Q4_1 GGUF). Every
+keel variant loads the same file; "gguf" runs its Q4_0/Q4_1/Q8_0 blocks on the integer kernels
+(`--quantize gguf`), the others dequantize it and (re)quantize. llama.cpp (llama-cpp-python, when
+installed: see docs/BENCHMARKS.md for the build command) runs the same GGUF file with the same thread
+count, the same prompt token ids and the same number of generated tokens, greedy, EOS ignored.
+Runs alternate between variants, --repeats times each; the median is reported. Decode tok/s counts
+the tokens after the first over the time from the first token to the last, the same way for all.
+Weight GB/s = bytes of weights read per token (quantized buffers at their stored size) × tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import copy_bandwidth, keel_decode  # noqa: E402
+
+# name -> (compute dtype, quantize scheme, int4 group size, layers kept in float)
+VARIANTS = {
+    "float32": ("float32", None, 0, ()),
+    "bfloat16": ("bfloat16", None, 0, ()),
+    "int8": ("bfloat16", "int8", 0, ("lm_head",)),
+    "int4-g32": ("bfloat16", "int4", 32, ("lm_head",)),
+    "int4-g128": ("bfloat16", "int4", 128, ("lm_head",)),
+    "gguf": ("float32", "gguf", 0, ("lm_head",)),
+    "gguf-bf16": ("bfloat16", "gguf", 0, ("lm_head",)),
+}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes read per decoded token: float parameters (an untied embedding only by one row, so not
+    counted) and quantized layers' stored buffers."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or (name == "embed_tokens.weight" and not model.config.tie_word_embeddings):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    for module in model.modules():
+        stored = getattr(module, "weight_bytes", None)  # quantized layers: their integer and scale buffers
+        if isinstance(stored, int):
+            total += stored
+    return total
+
+
+def build(model: str, variant: str):
+    from keel.weights import load_model
+
+    dtype, scheme, group, keep = VARIANTS[variant]
+    loaded = load_model(model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep)
+    return loaded.model
+
+
+def llama_cpp_decode(llm, prompt: list[int], new_tokens: int) -> float:
+    times = []
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == new_tokens:
+            break
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from keel.weights.loader import resolve_path
+
+    gguf_path = resolve_path(args.model)
+    variants = args.variants.split(",")
+    models = {name: build(args.model, name) for name in variants}
+    vocab = next(iter(models.values())).config.vocab_size
+    prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    runners = {name: (lambda m=m, n=args.new_tokens: keel_decode(m, prompt, n)) for name, m in models.items()}
+    llama_note = ""
+    try:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(gguf_path), n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
+                    n_batch=512, verbose=False)  # fmt: skip
+        runners["llama.cpp"] = lambda: llama_cpp_decode(llm, prompt, args.new_tokens)
+    except ImportError:
+        llama_note = "llama.cpp: not run (llama-cpp-python is not installed)"
+    for name in runners:  # warm-up
+        if name == "llama.cpp":
+            llama_cpp_decode(llm, prompt, 8)
+        else:
+            keel_decode(models[name], prompt, 8)
+    results: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, run in runners.items():
+            results[name].append(run())
+    bandwidth = copy_bandwidth()
+    file_bytes = gguf_path.stat().st_size
+    print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
+    print(f"model {gguf_path.name}, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt + "
+          f"{args.new_tokens} tokens, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    print(f"{'variant':<11} {'compute':>9} {'weights MB':>11} {'decode tok/s':>13} {'weight GB/s':>12} "
+          f"{'% copy bw':>10} {'vs bfloat16':>12}")  # fmt: skip
+    base = statistics.median(results["bfloat16"]) if "bfloat16" in results else None
+    for name, runs in results.items():
+        tps = statistics.median(runs)
+        nbytes = weight_bytes(models[name]) if name in models else file_bytes
+        compute = VARIANTS[name][0] if name in models else "ggml"
+        gbs = nbytes * tps
+        ratio = f"{tps / base:.2f}x" if base else "-"
+        share = 100 * gbs / bandwidth
+        print(f"{name:<11} {compute:>9} {nbytes / 1e6:11.1f} {tps:13.1f} {gbs / 1e9:12.2f} {share:9.1f}% {ratio:>12}")
+    if llama_note:
+        print(llama_note)
+
+
+if __name__ == "__main__":
+    main()

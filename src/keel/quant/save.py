@@ -1,0 +1,210 @@
+"""`keel quantize save`: write a quantized model to disk as portable integer tensors.
+
+`keel quantize save MODEL --quantize int4 --quant-group-size 64 --out DIR` writes an HF-style
+directory (safetensors shards + index, config.json, generation_config.json, tokenizer files)
+atomically (a temporary sibling, renamed at the end), streaming: one module's float weights are
+read, quantized and queued at a time. `keel serve DIR` / `load_model(DIR)` rebuild the quantized
+layers from those tensors without expanding them to float.
+
+Format (config.json `quantization_config`: {"quant_method": "keel", "scheme", "group_size",
+"modules_not_converted": [keel module names kept in float], "format": 1}). For a quantized module
+whose HF weight is `P.weight` (experts: `P = <HF experts prefix>.gate_up_proj` / `.down_proj`,
+stacked [E, ...] in keel's layout, gate rows then up rows):
+- int8: `P.qweight` int8 [N, K]; `P.scales` float32 [N]; w = qweight * scales[:, None];
+- int4: `P.qweight` uint8 [N, K/2], column 2j in the low nibble of byte j, 2j+1 in the high one;
+  `P.scales`, `P.mins` float32 [N, K/g]; w = q * scale + min per group of g input channels.
+The kernels' packed layouts are device- and torch-version-specific, so they are never written.
+Biases, embeddings, norms and kept layers are ordinary HF-named float tensors in the saved dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from keel.errors import KeelError
+from keel.model.moe import GroupedExperts
+from keel.model.transformer import Transformer
+from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
+from keel.quant.experts import experts_fit
+from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
+from keel.quant.load import saved_base
+from keel.weights.convert import (
+    DEFAULT_MAX_SHARD_BYTES,
+    _check_destination,
+    _move_into_place,
+    _owned,
+    _write_metadata,
+    _write_tensors,
+    output_dtype,
+)
+from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
+from keel.weights.names import keel_to_hf
+
+FORMAT_VERSION = 1
+
+
+def save_quantized(
+    model: str | Path,
+    dst: str | Path,
+    scheme: str,
+    group_size: int = 128,
+    keep: set[str] | tuple[str, ...] = ("lm_head",),
+    dtype: str | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> dict:
+    """Quantize `model` (any checkpoint keel opens) and write it to `dst`; returns the written
+    quantization_config. `dtype`: of the float tensors and of the weights before quantization
+    (default: the checkpoint's, as `output_dtype` picks it), so that loading the result equals
+    `load_model(model, dtype, quantize=scheme)` bit for bit."""
+    if scheme not in SCHEMES:
+        raise KeelError(f"--quantize: keel quantize save writes {' or '.join(SCHEMES)}, not {scheme!r}")
+    check_scheme(scheme, group_size)
+    dst = Path(dst)
+    _check_destination(dst, overwrite)
+    checkpoint = open_checkpoint(model)
+    try:
+        if checkpoint.quantization is not None:
+            raise KeelError(f"{checkpoint.path}: already quantized ({checkpoint.quantization['scheme']})")
+        written = output_dtype(checkpoint, dtype)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+        os.chmod(tmp, 0o755)
+        try:
+            quant = _write(checkpoint, tmp, written, scheme, group_size, set(keep), max_shard_bytes)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        checkpoint.reader.close()
+    try:
+        _move_into_place(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return quant
+
+
+def _write(
+    checkpoint: Checkpoint, out: Path, dtype: str, scheme: str, group_size: int, keep: set[str], max_shard_bytes: int
+) -> dict:
+    config = dataclasses.replace(checkpoint.config, dtype=dtype)
+    with torch.device("meta"):
+        skeleton = Transformer(checkpoint.config)
+    targets: dict[str, nn.Module] = {}
+    not_converted = []
+    for name, module in quantizable(skeleton):
+        if isinstance(module, GroupedExperts):
+            fits = experts_fit(scheme, module.down_proj.shape[1], module.down_proj.shape[2], group_size)
+        else:
+            fits = linear_fits(scheme, module.in_features, module.out_features, group_size)
+        if fits and not is_kept(name, keep):
+            targets[name] = module
+        else:
+            not_converted.append(name)
+    tensors = _tensors(checkpoint, skeleton, config, parse_dtype(dtype), scheme, group_size, targets)
+    _write_tensors(tensors, out, max_shard_bytes)
+    _write_metadata(config, checkpoint.tokenizer, out)
+    quant = {
+        "quant_method": "keel",
+        "format": FORMAT_VERSION,
+        "scheme": scheme,
+        "group_size": group_size if scheme == "int4" else None,
+        "modules_not_converted": not_converted,
+    }
+    config_path = out / "config.json"
+    hf = json.loads(config_path.read_text())
+    hf["quantization_config"] = quant
+    config_path.write_text(json.dumps(hf, indent=2) + "\n")
+    return quant
+
+
+def _tensors(
+    checkpoint: Checkpoint,
+    skeleton: Transformer,
+    config,
+    dtype: torch.dtype,
+    scheme: str,
+    group_size: int,
+    targets: dict[str, nn.Module],
+) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor to write, one keel parameter at a time: quantized modules' weights as portable
+    integer tensors, everything else as HF-named float tensors."""
+    head_from_embedding = config.tie_word_embeddings and "lm_head" in targets
+    for name, tensor in checked_tensors(skeleton, checkpoint):
+        module_name, _, leaf = name.rpartition(".")
+        module = targets.get(module_name)
+        if module is not None and leaf in ("weight", "gate_up_proj", "down_proj"):
+            base = saved_base(config, module_name, module)
+            if isinstance(module, GroupedExperts):
+                base = f"{base}.{leaf}"
+            yield from portable(base, tensor.to(dtype), scheme, group_size)
+            continue
+        for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)]).items():
+            yield hf_name, _owned(hf_tensor.to(dtype))
+        if name == "embed_tokens.weight" and head_from_embedding:
+            # A tied head that is quantized is its own copy of the embedding matrix (as quantize_model makes it).
+            yield from portable("lm_head", tensor.to(dtype), scheme, group_size)
+
+
+def portable(base: str, weight: Tensor, scheme: str, group_size: int) -> Iterator[tuple[str, Tensor]]:
+    """The portable integer tensors of a float weight [N, K] or stacked [E, N, K] (see the module doc)."""
+    stack = weight.reshape(-1, *weight.shape[-2:])
+    if scheme == "int8":
+        parts = [quantize_int8(w) for w in stack]
+        q = torch.stack([p[0] for p in parts]).reshape(weight.shape)
+        yield f"{base}.qweight", q
+        yield f"{base}.scales", torch.stack([p[1] for p in parts]).reshape(*weight.shape[:-1])
+        return
+    parts4 = [quantize_int4(w, group_size) for w in stack]
+    lead = weight.shape[:-1]
+    yield f"{base}.qweight", pack_nibbles(torch.stack([p[0] for p in parts4])).reshape(*lead, -1)
+    yield f"{base}.scales", torch.stack([p[1] for p in parts4]).reshape(*lead, -1)
+    yield f"{base}.mins", torch.stack([p[2] for p in parts4]).reshape(*lead, -1)
+
+
+def cmd_save(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scheme, group_size = args.quantize, args.quant_group_size
+    keep = tuple(name for name in args.quant_keep.split(",") if name)
+    if args.quant_plan is not None:
+        from keel.quant.analyze import read_plan
+
+        plan = read_plan(args.quant_plan)
+        scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
+    if scheme is None:
+        raise KeelError("keel quantize save: pass --quantize int8|int4 or --quant-plan PLAN.json")
+    quant = save_quantized(args.model, args.out, scheme, group_size, keep, args.dtype, overwrite=args.overwrite)
+    kept = len(quant["modules_not_converted"])
+    print(f"{args.out}: {scheme}" + (f" g{group_size}" if scheme == "int4" else "") + f", {kept} modules kept in float")
+    return 0
+
+
+def register_save(qsub: argparse._SubParsersAction) -> None:
+    from keel.quant.linear import INT4_GROUP_SIZES
+
+    s = qsub.add_parser("save", help="quantize a model and write it (portable integer safetensors) to a directory")
+    s.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
+    s.add_argument("--quantize", default=None, choices=list(SCHEMES), help="int8 per channel or int4 per group")
+    s.add_argument("--quant-group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES))
+    s.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
+                   help="comma-separated modules (names or patterns like '*.experts') left in float")  # fmt: skip
+    s.add_argument("--quant-plan", default=None, metavar="PLAN.json", help="a plan from `keel quantize analyze`")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the float tensors and of the weights before quantization")  # fmt: skip
+    s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
+    s.add_argument("--threads", type=int, default=None)
+    s.set_defaults(func=cmd_save)

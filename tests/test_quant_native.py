@@ -1,0 +1,439 @@
+"""Quantized weights without a float detour: GGUF blocks on the integer kernels (--quantize gguf),
+quantized MoE experts, quantizing while loading, and quantized checkpoints saved to disk.
+
+References: gguf.quants.dequantize (what the float load computes) for the GGUF blocks; the float
+model for whole-model bounds; quantize-at-load for the saved checkpoints (bit-identical logits).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from keel.errors import KeelError, WeightsError
+from keel.model.moe import GroupedExperts
+from keel.quant import QuantizedGroupedExperts, QuantizedLinear, quantize_model
+from keel.quant.linear import (
+    _pack_int4,
+    _unpack_int4,
+    dequantize_int4,
+    int8_from_blocks,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
+from keel.weights import load_model
+from keel.weights.gguf import open_gguf
+from test_gguf import TOKENS, build_hf, random_blocks, write_block_gguf, write_gguf
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # torch's int4/int8 CPU kernels run an OpenMP region per call; with 2 threads on a shared 2-core
+    # machine a call can wait on a descheduled thread (measured 8 ms instead of 60 us). One thread
+    # keeps these tests fast and changes no result.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(reference: torch.Tensor, ours: torch.Tensor) -> float:
+    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+# --------------------------------------------------------------------------------- building blocks
+def test_direct_construction_equals_quantizing_a_float_weight():
+    torch.manual_seed(0)
+    w, bias, x = torch.randn(48, 128), torch.randn(48), torch.randn(3, 128)
+    q8, s8 = quantize_int8(w)
+    a, b = QuantizedLinear.from_int8(q8, s8, bias, torch.float32), QuantizedLinear.from_float(w, "int8", bias=bias)
+    assert torch.equal(a(x), b(x))
+    q4, s4, m4 = quantize_int4(w, 32)
+    a = QuantizedLinear.from_int4(q4.to(torch.uint8), s4, m4, 32, bias, torch.float32)
+    b = QuantizedLinear.from_float(w, "int4", 32, bias)
+    assert torch.equal(a(x), b(x))
+    assert rel(x @ dequantize_int4(q4, s4, m4).T + bias, a(x)) < 1e-6
+    assert not any(isinstance(t, nn.Parameter) for t in a.parameters())  # integer buffers only
+    # The portable nibble form and the kernels' own layouts are exact inverses.
+    assert torch.equal(unpack_nibbles(pack_nibbles(q4)), q4.to(torch.uint8))
+    for n in (16, 48, 80, 112, 256):  # every CPU row-blocking (64/32/16-row blocks)
+        q = torch.randint(0, 16, (n, 96), dtype=torch.int32)
+        assert torch.equal(_unpack_int4(_pack_int4(q, "cpu"), n, 96), q), n
+    with pytest.raises(ValueError, match="multiples of 16"):
+        QuantizedLinear.from_int8(torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
+
+
+def test_kernel_shape_limits_keep_layers_float():
+    """The bfloat16 int8 CPU kernel crashes on widths that are not multiples of 16 and the CPU int4
+    packing needs 16-row multiples: such layers stay float instead."""
+    model = nn.ModuleDict({"odd": nn.Linear(40, 16), "one": nn.Linear(64, 1), "ok": nn.Linear(64, 32)})
+    assert quantize_model(model, "int8")["kept"] == 1 and isinstance(model["odd"], nn.Linear)
+    model = nn.ModuleDict({"one": nn.Linear(64, 1), "ok": nn.Linear(64, 32)})
+    assert quantize_model(model, "int4", 32)["kept"] == 1 and isinstance(model["one"], nn.Linear)
+
+
+def test_dtype_moves_follow_the_scales():
+    layer = QuantizedLinear.from_float(torch.randn(32, 64), "int4", 32)
+    layer.to(torch.bfloat16)
+    assert layer.compute_dtype == torch.bfloat16 and layer(torch.randn(2, 64)).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------- GGUF blocks
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_decode_to_gguf_dequantize(tmp_path, qtype):
+    """Codes and scales straight from the raw bytes reproduce gguf.quants.dequantize exactly (nibble
+    order, fp16 scales, Q4_1 mins), with llama's q/k un-permute applied to codes and scales alike."""
+    rng = np.random.default_rng(int(qtype))
+    raw = {"blk.0.attn_v.weight": random_blocks(qtype, 128, 256, rng)}
+    raw["blk.0.attn_q.weight"] = random_blocks(qtype, 256, 256, rng)
+    write_block_gguf(tmp_path / "b.gguf", qtype, raw)
+    reader = open_gguf(tmp_path / "b.gguf").reader
+    for name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        blocks = reader.get_blocks(name)
+        n, k = blocks.codes.shape
+        assert blocks.kind == ("int8" if qtype == Q.Q8_0 else "int4") and blocks.types == (qtype.name,)
+        grouped = blocks.codes.float().reshape(n, k // 32, 32) * blocks.scales[..., None]
+        if blocks.mins is not None:
+            grouped = grouped + blocks.mins[..., None]
+        assert torch.equal(grouped.reshape(n, k), reader.get(name)), name
+
+
+def quantized_blocks(qtype: Q, rows: int, cols: int, seed: int = 0):
+    """Realistic blocks: gguf's own quantizer on Gaussian weights with per-row scale spread."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((rows, cols)) * rng.uniform(0.2, 2, (rows, 1)) * 0.02).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_blocks_repack_exactly(tmp_path, qtype, dtype):
+    raw, deq = quantized_blocks(qtype, 96, 256)
+    write_block_gguf(tmp_path / "b.gguf", qtype, {"blk.0.attn_v.weight": raw})
+    blocks = open_gguf(tmp_path / "b.gguf").reader.get_blocks("model.layers.0.self_attn.v_proj.weight")
+    layer = QuantizedLinear.from_int4(blocks.codes, blocks.scales, blocks.mins, 32, dtype=dtype)
+    x = torch.randn(7, 256)
+    want = x @ torch.from_numpy(deq).T
+    got = layer(x.to(dtype))
+    # float32: the same weights, only the summation order differs. bfloat16: the kernels take
+    # bfloat16 scales and zeros (torch requires the activations' dtype), a relative rounding of 2^-9,
+    # on top of bfloat16 activations and outputs.
+    assert rel(want, got) < (1e-5 if dtype == torch.float32 else 1e-2), rel(want, got)
+
+
+def test_q8_0_converts_to_per_channel_int8_within_its_bound(tmp_path):
+    raw, deq = quantized_blocks(Q.Q8_0, 96, 512)
+    write_block_gguf(tmp_path / "b.gguf", Q.Q8_0, {"blk.0.attn_v.weight": raw})
+    blocks = open_gguf(tmp_path / "b.gguf").reader.get_blocks("model.layers.0.self_attn.v_proj.weight")
+    q, scales = int8_from_blocks(blocks.codes, blocks.scales)
+    w = torch.from_numpy(deq)
+    # Bit for bit what per-channel int8 makes of the dequantized weights ...
+    ref_q, ref_scales = quantize_int8(w)
+    assert torch.equal(q, ref_q) and torch.equal(scales, ref_scales)
+    # ... so the stated bound: |w' - w| <= scale_n / 2 = max_k |w_nk| / 254 per element, and
+    # |y'_n - y_n| <= scale_n / 2 * sum_k |x_k| per output.
+    err = (q.float() * scales[:, None] - w).abs()
+    assert (err <= scales[:, None] / 2 * (1 + 1e-6)).all()
+    layer = QuantizedLinear.from_int8(q, scales, dtype=torch.float32)
+    x = torch.randn(5, 512)
+    want = x @ w.T
+    bound = scales[None, :] / 2 * x.abs().sum(dim=1, keepdim=True)
+    assert ((layer(x) - want).abs() <= bound + 1e-5).all()
+    assert rel(want, layer(x)) < 0.01  # measured 0.8% on these rows (Q8_0's own error vs the original: 0.5%)
+
+
+# ------------------------------------------------------------------------------- --quantize gguf
+@pytest.mark.parametrize(("qtype", "bound"), [(Q.Q4_0, 1e-5), (Q.Q4_1, 1e-5), (Q.Q8_0, 0.02)])
+def test_tiny_gguf_with_the_gguf_scheme_matches_the_float_load(tmp_path, qtype, bound):
+    """float32 compute: Q4_0/Q4_1 give the float-expanded model's logits to float tolerance; Q8_0,
+    per-channel int8 from the blocks, within 2% (random tiny model; measured 0.9%)."""
+    path = write_gguf(build_hf("llama"), tmp_path / "m.gguf", qtype=qtype)
+    reference = load_model(path, "float32")
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 7 and {m.scheme for m in layers} == {"int8" if qtype == Q.Q8_0 else "int4"}
+    assert type(loaded.model.lm_head) is nn.Linear  # tied: the head is the float embedding matrix
+    stats = loaded.model.quantization["stats"]
+    assert stats["quantized"] == 14 and stats["bytes_after"] < stats["bytes_before"] / 2
+    with torch.no_grad():
+        assert rel(reference.model(TOKENS), loaded.model(TOKENS)) < bound
+
+
+def test_gguf_scheme_reads_no_quantized_weight_as_float(tmp_path, monkeypatch):
+    """Memory at load: a Q4 linear weight is never dequantized (the float reader is not asked for it)."""
+    from keel.weights.gguf import GGUFTensorReader
+
+    path = write_gguf(build_hf("llama-bias"), tmp_path / "m.gguf", qtype=Q.Q4_1)  # untied: own output tensor
+    asked: list[str] = []
+    real = GGUFTensorReader.get
+    monkeypatch.setattr(GGUFTensorReader, "get", lambda self, name: asked.append(name) or real(self, name))
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
+    assert isinstance(loaded.model.lm_head, QuantizedLinear)  # its own quantized output tensor
+    assert not [n for n in asked if n.endswith("_proj.weight") or n == "lm_head.weight"], asked
+    assert any(n.endswith("q_proj.bias") for n in asked)  # biases load as float
+    monkeypatch.undo()
+    reference = load_model(path, "float32")
+    with torch.no_grad():
+        assert rel(reference.model(TOKENS), loaded.model(TOKENS)) < 1e-5
+    kept = load_model(path, "float32", quantize="gguf")  # the default keep: lm_head stays float
+    assert type(kept.model.lm_head) is nn.Linear
+
+
+def test_gguf_scheme_quantizes_moe_experts(tmp_path):
+    hf = build_hf("mixtral")
+    for per_expert in (False, True):
+        path = write_gguf(hf, tmp_path / f"moe{per_expert}.gguf", qtype=Q.Q4_0, per_expert=per_expert)
+        loaded = load_model(path, "float32", quantize="gguf")
+        experts = loaded.model.layers["0"].mlp.experts
+        assert isinstance(experts, QuantizedGroupedExperts) and experts.scheme == "int4"
+        with torch.no_grad():
+            assert rel(load_model(path, "float32").model(TOKENS), loaded.model(TOKENS)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_int_schemes_on_a_gguf_file_equal_quantizing_after_the_float_load(tmp_path, scheme):
+    """int8/int4 while loading read each float weight once (here dequantized GGUF blocks) and give
+    quantize_model's result bit for bit."""
+    path = write_gguf(build_hf("qwen2"), tmp_path / "m.gguf", qtype=Q.Q8_0)  # q/k/v biases
+    at_load = load_model(path, "float32", quantize=scheme, quant_group_size=32)
+    after = load_model(path, "float32").model
+    assert quantize_model(after, scheme, 32, {"lm_head"}) == at_load.model.quantization["stats"]
+    with torch.no_grad():
+        assert torch.equal(at_load.model(TOKENS), after(TOKENS))
+
+
+def test_gguf_scheme_errors(tmp_path):
+    save_hf_model("llama", tmp_path / "hf")
+    with pytest.raises(KeelError, match=r"hf: --quantize gguf .* not a GGUF file") as e:
+        load_model(tmp_path / "hf", quantize="gguf")
+    assert "\n" not in str(e.value)
+    with pytest.raises(KeelError, match="while loading"):
+        quantize_model(load_model(tmp_path / "hf").model, "gguf")
+
+
+def test_smollm2_gguf_scheme_greedy_matches_the_float_load():
+    """The packaged Q4_1 file on the int4 kernels (bfloat16, the fast CPU path) generates what the
+    float32 expansion generates."""
+    from keel.generate import stream_tokens
+    from keel.serve.sampling import SamplingParams
+
+    try:
+        reference = load_model("smollm2-135m-instruct", "float32")
+    except KeelError as e:
+        pytest.skip(str(e))
+    loaded = load_model("smollm2-135m-instruct", "auto", quantize="gguf")  # auto: bfloat16 when quantizing
+    assert loaded.model.dtype == torch.bfloat16
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 30 * 7 and all(m.scheme == "int4" and m.group_size == 32 for m in layers)
+    ids = reference.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    want = list(stream_tokens(reference.model, ids, params))
+    assert list(stream_tokens(loaded.model, ids, params)) == want
+
+
+# ----------------------------------------------------------------------------------------- experts
+def grouped_reference(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    out, start = torch.zeros(x.shape[0], down.shape[1]), 0
+    for e, end in enumerate(offsets):
+        gate, up = (x[start:end] @ gate_up[e].T).chunk(2, dim=-1)
+        out[start:end] = (torch.nn.functional.silu(gate) * up) @ down[e].T
+        start = end
+    return out
+
+
+@pytest.mark.parametrize(("scheme", "group"), [("int8", 0), ("int4", 32)])
+def test_quantized_experts_match_their_dequantized_weights(scheme, group):
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 96)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=0.05)
+        experts.down_proj.normal_(std=0.05)
+    holder = nn.ModuleDict({"experts": experts})
+    stats = quantize_model(holder, scheme, group or 128)
+    quantized = holder["experts"]
+    assert isinstance(quantized, QuantizedGroupedExperts) and stats["experts"] == 1
+    deq = []
+    for w in (experts.gate_up_proj.detach(), experts.down_proj.detach()):
+        if scheme == "int8":
+            deq.append(torch.stack([dequantize_int8_(e) for e in w]))
+        else:
+            deq.append(torch.stack([dequantize_int4(*quantize_int4(e, group)) for e in w]))
+    x = torch.randn(11, 64)
+    offsets = [3, 3, 11, 11]  # experts 1 and 3 get no rows (skipped)
+    want = grouped_reference(*deq, x, offsets)
+    got = quantized(x, torch.tensor(offsets, dtype=torch.int32))
+    assert rel(want, got) < 1e-5
+    assert rel(grouped_reference(experts.gate_up_proj.detach(), experts.down_proj.detach(), x, offsets), got) < (
+        0.02 if scheme == "int8" else 0.15
+    )
+
+
+def dequantize_int8_(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_int8(w)
+    return q.float() * s[:, None]
+
+
+@pytest.mark.parametrize(("name", "scheme"), [("qwen3_moe", "int8"), ("qwen3_moe", "int4"), ("qwen2_moe", "int4")])
+def test_tiny_moe_quantized_stays_close(tmp_path, name, scheme):
+    """Every linear layer and the experts; quantizing while loading equals quantize_model after a
+    float load bit for bit. Bounds for these random tiny models: 3% at int8, 30% at int4 g32."""
+    save_hf_model(name, tmp_path, moe_intermediate_size=64)
+    reference = load_model(tmp_path, "float32")
+    after = load_model(tmp_path, "float32").model
+    stats = quantize_model(after, scheme, 32, keep=set())
+    moe_layers = [i for i in range(reference.config.num_layers) if reference.config.is_moe_layer(i)]
+    assert stats["experts"] == len(moe_layers) > 0
+    at_load = load_model(tmp_path, "float32", quantize=scheme, quant_group_size=32, quant_keep=())
+    assert at_load.model.quantization["stats"] == stats
+    with torch.no_grad():
+        want, got = reference.model(TOKENS), at_load.model(TOKENS)
+        assert torch.equal(got, after(TOKENS))
+    assert rel(want, got) < (0.03 if scheme == "int8" else 0.3), rel(want, got)
+    if name == "qwen2_moe":  # the shared expert's Linear(H, 1) gate has too few rows for int4
+        assert isinstance(at_load.model.layers["0"].mlp.shared_expert_gate, nn.Linear)
+
+
+def test_experts_and_offloading(tmp_path):
+    from keel.serve.offload import enable_expert_offload
+
+    save_hf_model("qwen3_moe", tmp_path, moe_intermediate_size=64)
+    loaded = load_model(tmp_path, "float32")
+    offload = enable_expert_offload(loaded, 2, prefetch=False)
+    with pytest.raises(KeelError, match=r"--expert-cache.*\*\.experts"):
+        quantize_model(loaded.model, "int8", keep={"lm_head"})
+    stats = quantize_model(loaded.model, "int8", keep={"lm_head", "*.experts"})  # offloaded experts stay float
+    assert stats["experts"] == 0 and stats["quantized"] > 0
+    with torch.no_grad():
+        loaded.model(TOKENS)
+    offload.close()
+    quantized = load_model(tmp_path, "float32", quantize="int8")
+    with pytest.raises(KeelError, match="quantized MoE experts"):
+        enable_expert_offload(quantized, 2, prefetch=False)
+
+
+def test_experts_under_expert_parallelism(tmp_path):
+    """Quantized after sharding: the all-to-all dispatcher calls the local quantized experts."""
+    import torch.distributed as dist
+
+    from keel.model.expert_parallel import AllToAllDispatcher, shard_experts
+
+    save_hf_model("qwen3_moe", tmp_path / "m", moe_intermediate_size=64)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        single = load_model(tmp_path / "m", "float32")
+        quantize_model(single.model, "int4", 32)
+        sharded = load_model(tmp_path / "m", "float32")
+        shard_experts(sharded.model, dist.group.WORLD)
+        quantize_model(sharded.model, "int4", 32)
+        assert isinstance(sharded.model.layers["0"].mlp.dispatcher, AllToAllDispatcher)
+        with torch.no_grad():
+            assert torch.equal(single.model(TOKENS), sharded.model(TOKENS))
+        with pytest.raises(KeelError, match="quantized MoE experts"):  # sharding needs float experts
+            shard_experts(load_model(tmp_path / "m", "float32", quantize="int8").model, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mla_kv_b_proj_stays_float(tmp_path):
+    """Multi-head latent attention reads kv_b_proj.weight as a matrix when attending over the cache."""
+    from keel.generate import stream_tokens
+    from keel.serve.sampling import SamplingParams
+
+    save_hf_model("deepseek_v3", tmp_path)
+    loaded = load_model(tmp_path, "float32", quantize="int8")
+    attn = loaded.model.layers["1"].self_attn
+    assert type(attn.kv_b_proj) is nn.Linear and isinstance(attn.q_b_proj, QuantizedLinear)
+    assert isinstance(loaded.model.layers["1"].mlp.experts, QuantizedGroupedExperts)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(list(stream_tokens(loaded.model, [5, 6, 7], params))) == 3  # the cached (absorbed) path
+
+
+# ------------------------------------------------------------------------------------------ saving
+@pytest.mark.parametrize(("name", "scheme"), [("llama", "int4"), ("llama-bias", "int8"), ("mixtral", "int4")])
+def test_saved_quantized_model_loads_to_identical_logits(tmp_path, name, scheme):
+    from keel.quant.save import save_quantized
+
+    save_hf_model(name, tmp_path / "hf")
+    save_byte_tokenizer(tmp_path / "hf")
+    keep = ("layers.1.self_attn.o_proj",)  # a plan: the head (tied for llama) quantized too
+    quant = save_quantized(tmp_path / "hf", tmp_path / "q", scheme, 32, keep)
+    out = tmp_path / "q"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "q"]  # no temporary left behind
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {
+        p.name for p in out.iterdir()
+    }
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == quant and quant["quant_method"] == "keel"
+    assert "layers.1.self_attn.o_proj" in quant["modules_not_converted"]
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.weight" not in tensors  # integers only, no float copy
+    assert tensors["model.layers.0.self_attn.q_proj.qweight"].dtype == (torch.int8 if scheme == "int8" else torch.uint8)
+    at_load = load_model(tmp_path / "hf", "float32", quantize=scheme, quant_group_size=32, quant_keep=keep)
+    saved = load_model(out, "float32")
+    assert saved.model.quantization["stats"] == at_load.model.quantization["stats"]
+    assert isinstance(saved.model.lm_head, QuantizedLinear)
+    assert type(saved.model.layers["1"].self_attn.o_proj) is nn.Linear
+    if name == "mixtral":
+        assert isinstance(saved.model.layers["0"].mlp.experts, QuantizedGroupedExperts)
+    with torch.no_grad():
+        assert torch.equal(saved.model(TOKENS), at_load.model(TOKENS))
+    assert saved.tokenizer is not None and saved.tokenizer.encode("hi") == at_load.tokenizer.encode("hi")
+    assert quantize_model(saved.model, scheme)["quantized"] == at_load.model.quantization["stats"]["quantized"]
+    with pytest.raises(KeelError, match="already quantized"):
+        quantize_model(saved.model, "int8" if scheme == "int4" else "int4")
+
+
+def test_corrupted_saved_tensors_are_clear_errors(tmp_path):
+    from keel.quant.save import save_quantized
+
+    save_hf_model("llama", tmp_path / "hf")
+    save_quantized(tmp_path / "hf", tmp_path / "q", "int4", 32)
+    file = tmp_path / "q" / "model.safetensors"
+    original = load_file(file)
+    name = "model.layers.1.mlp.down_proj.scales"
+    cases = {
+        "missing": ({k: v for k, v in original.items() if k != name}, rf"{name}' is missing .*layers.1.mlp.down_proj"),
+        "shape": ({**original, name: original[name][:, :1].contiguous()}, rf"{name}' is float32 \[64, 1\], expected"),
+        "dtype": ({**original, name: original[name].half()}, rf"{name}' is float16"),
+        "values": ({**original, name: torch.full_like(original[name], float("nan"))}, "non-finite"),
+    }
+    for case, (tensors, message) in cases.items():
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(WeightsError, match=message) as e:
+            load_model(tmp_path / "q")
+        assert "\n" not in str(e.value), case
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"]["scheme"] = "int3"
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match="scheme must be one of"):
+        load_model(tmp_path / "q")
+
+
+def test_quantize_save_cli_and_serving_the_directory(tmp_path):
+    save_hf_model("llama", tmp_path / "hf", intermediate_size=128)
+    save_byte_tokenizer(tmp_path / "hf")
+    cli = [sys.executable, "-m", "keel.cli"]
+    r = subprocess.run([*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out",
+                        str(tmp_path / "q")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cli, "generate", str(tmp_path / "q"), "--prompt", "hi", "--max-tokens", "3"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out",
+                        str(tmp_path / "q")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "not empty" in r.stderr and "Traceback" not in r.stderr
