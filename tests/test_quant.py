@@ -73,8 +73,10 @@ def test_quantized_smollm2_perplexity():
     from keel.tools.perplexity import perplexity
     from keel.weights import load_model
 
-    text = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-            "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light")
+    text = (
+        "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light"
+    )
     loaded = load_model("smollm2-135m-instruct", "float32")
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     base = perplexity(loaded.model, ids)

@@ -437,3 +437,38 @@ def test_quantize_save_cli_and_serving_the_directory(tmp_path):
     r = subprocess.run([*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out",
                         str(tmp_path / "q")], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 1 and "not empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_kept_layers_as_int8_second_tier():
+    """--quant-keep-as int8: an int4 model whose kept layers (the head) run int8 instead of float: its
+    error sits between keeping them float and quantizing them to int4 too."""
+    import copy
+
+    from keel.config import ModelConfig
+    from keel.model.transformer import build_model
+    from keel.quant.apply import quantize_kept
+
+    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    torch.manual_seed(0)
+    ref = build_model(config).eval()
+    x = torch.randint(0, 256, (1, 12))
+    want = ref(x)
+    keep = ("lm_head", "layers.0.mlp.*")
+    kept_float, tiered, all_int4 = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
+    quantize_model(kept_float, "int4", 64, set(keep))
+    quantize_model(tiered, "int4", 64, set(keep))
+    quantize_model(all_int4, "int4", 64, set())
+    assert type(tiered.lm_head) is torch.nn.Linear
+    assert quantize_kept(tiered, keep, "int8") == 4
+    assert isinstance(tiered.lm_head, QuantizedLinear) and tiered.lm_head.scheme == "int8"
+    assert tiered.layers["0"].mlp.down_proj.scheme == "int8" and tiered.layers["1"].mlp.down_proj.scheme == "int4"
+    assert quantize_kept(tiered, keep, "int8") == 0  # already quantized: nothing to do
+
+    def err(model):
+        return ((model(x) - want).norm() / want.norm()).item()
+
+    assert err(kept_float) < err(tiered) < err(all_int4)
+    assert err(tiered) < 1.1 * err(kept_float)
+    with pytest.raises(KeelError, match="quant-keep-as"):
+        quantize_kept(tiered, ("lm_head",), "fp8")

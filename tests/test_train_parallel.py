@@ -60,7 +60,11 @@ MODELS = {
     # is injected inside each block: it must survive pipeline splitting and sharding.
     "moe_aux": lambda: dataclasses.replace(
         tiny_config("qwen3_moe", num_hidden_layers=2),
-        router_scoring="sigmoid", router_bias=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        router_scoring="sigmoid",
+        router_bias=True,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
     ),  # fmt: skip
 }
 # Only the z-loss: a mean over tokens, so the same on any split of the batch. The load-balancing loss

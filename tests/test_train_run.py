@@ -364,6 +364,7 @@ def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root):
 def test_expert_parallel_training_matches_one_process_and_reshards(root):
     """ep = 2 through the CLI: the one-process losses; its checkpoint resumes in one process (experts
     gathered from their two ranks by DCP); bad ep settings are one-line errors."""
+
     def moe_config(name: str) -> Path:
         path = config(root, name, "[moe]\nz_loss_coef = 0.001\n")
         path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), MOE_MODEL.format(tok=root / "tok")))

@@ -69,7 +69,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # One request: a KV pool for exactly its length.
     length = len(prompt_ids) + params.max_tokens
     config = EngineConfig(
-        num_blocks=-(-length // 16), block_size=16, max_model_len=length, **offload, **quantization,
+        num_blocks=-(-length // 16),
+        block_size=16,
+        max_model_len=length,
+        **offload,
+        **quantization,
         **speculative,
     )
     engine = LLMEngine(loaded, config)

@@ -138,3 +138,22 @@ def _refuse_offloaded(model: nn.Module, experts_name: str) -> None:
 
 
 __all__ = ["GGUF", "LOAD_SCHEMES", "QuantizedGroupedExperts", "quantize_model"]
+
+
+def quantize_kept(model: nn.Module, keep: set[str] | tuple[str, ...], scheme: str, group_size: int = 128) -> int:
+    """A second tier of a mixed-precision plan: the linear layers the main scheme kept (they match
+    `keep`) are quantized to `scheme` instead of staying float, e.g. an int4 model whose most
+    sensitive layers (the head first) run in int8. Layers that must stay float (ALWAYS_FLOAT), whose
+    shape the kernels cannot take, or that are already quantized are left as they are. Returns the
+    number of layers quantized."""
+    if scheme not in SCHEMES:
+        raise KeelError(f"--quant-keep-as: {scheme!r} is not one of {', '.join(SCHEMES)}")
+    done = 0
+    for name, module in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+        if not any(fnmatchcase(name, pattern) for pattern in keep) or is_kept(name, ()):
+            continue
+        if not linear_fits(scheme, module.in_features, module.out_features, group_size):
+            continue
+        replace_module(model, name, QuantizedLinear(module, scheme, group_size))
+        done += 1
+    return done

@@ -186,6 +186,8 @@ def cmd_save(args: argparse.Namespace) -> int:
         scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
     if scheme is None:
         raise KeelError("keel quantize save: pass --quantize int8|int4 or --quant-plan PLAN.json")
+    if getattr(args, "quant_keep_as", None) is not None:
+        raise KeelError("keel quantize save: --quant-keep-as is not supported (a saved model has one scheme)")
     quant = save_quantized(args.model, args.out, scheme, group_size, keep, args.dtype, overwrite=args.overwrite)
     kept = len(quant["modules_not_converted"])
     print(f"{args.out}: {scheme}" + (f" g{group_size}" if scheme == "int4" else "") + f", {kept} modules kept in float")

@@ -59,6 +59,7 @@ class EngineConfig:
     quantize: str | None = None
     quant_group_size: int = 128  # int4: input channels per scale/zero
     quant_keep: tuple[str, ...] = ("lm_head",)  # linear layers left in float (a mixed-precision plan)
+    quant_keep_as: str | None = None  # the kept layers in this scheme instead of float (e.g. "int8")
     # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -167,6 +168,7 @@ class LLMEngine:
             loaded = load_model(
                 model, config.dtype, device="cpu" if offloading else device, quantize=config.quantize,
                 quant_group_size=config.quant_group_size, quant_keep=config.quant_keep,
+                quant_keep_as=config.quant_keep_as,
             )  # fmt: skip
         self.loaded = loaded
         self.offload: ExpertOffload | None = None

@@ -140,9 +140,7 @@ def build_mesh(
     else:
         if dp_shard % ep:
             raise ValueError(f"ep = {ep} must divide dp_shard = {dp_shard} (experts borrow data-parallel ranks)")
-        mesh = init_device_mesh(
-            device_type, (pp, dp_replicate, dp_shard // ep, ep, tp), mesh_dim_names=MESH_DIMS_EP
-        )
+        mesh = init_device_mesh(device_type, (pp, dp_replicate, dp_shard // ep, ep, tp), mesh_dim_names=MESH_DIMS_EP)
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
     mesh[_dp_dims(mesh)]._flatten("dp")
     return mesh

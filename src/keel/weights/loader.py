@@ -227,6 +227,7 @@ def load_model(
     quantize: str | None = None,
     quant_group_size: int = 128,
     quant_keep: Iterable[str] = ("lm_head",),
+    quant_keep_as: str | None = None,
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
@@ -237,7 +238,8 @@ def load_model(
     quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
     as a whole; "gguf" takes a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, without expanding them
-    to float. quant_keep: layers left in float (names or shell patterns). A directory written by
+    to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
+    ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
     `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
@@ -252,6 +254,10 @@ def load_model(
 
         quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
     load_weights(net, checkpoint, torch_dtype)
+    if quant_keep_as is not None and quantize is not None:
+        from keel.quant.apply import quantize_kept
+
+        quantize_kept(net, tuple(quant_keep), quant_keep_as, quant_group_size)
     net.reset_buffers(device)
     net.to(device)
     net.eval()

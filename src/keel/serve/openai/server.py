@@ -93,6 +93,8 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
                    help="comma-separated layers left in float, names or patterns such as '*.experts' "
                         "(default: lm_head; '' for none)")  # fmt: skip
+    p.add_argument("--quant-keep-as", default=None, choices=["int8", "int4"],
+                   help="run the kept layers in this scheme, not float (e.g. int4 with an int8 head)")  # fmt: skip
     p.add_argument("--quant-plan", default=None, metavar="PLAN.json",
                    help="a plan from `keel quantize analyze`: its scheme, group size and kept layers")  # fmt: skip
 
@@ -104,11 +106,14 @@ def quantize_config(args: argparse.Namespace) -> dict:
 
         plan = read_plan(args.quant_plan)
         return dict(quantize=plan["scheme"], quant_group_size=plan.get("group_size") or 128,
-                    quant_keep=tuple(plan.get("keep", [])))  # fmt: skip
+                    quant_keep=tuple(plan.get("keep", [])), quant_keep_as=args.quant_keep_as)  # fmt: skip
+    if args.quant_keep_as is not None and args.quantize is None:
+        raise KeelError("--quant-keep-as needs --quantize (or --quant-plan)")
     return dict(
         quantize=args.quantize,
         quant_group_size=args.quant_group_size,
         quant_keep=tuple(name for name in args.quant_keep.split(",") if name),
+        quant_keep_as=args.quant_keep_as,
     )
 
 

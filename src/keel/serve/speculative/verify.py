@@ -33,9 +33,7 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> int:
     return int((probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax())
 
 
-def accept_drafts(
-    p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None
-) -> tuple[int, int]:
+def accept_drafts(p: Tensor, drafts: list[int], q: Tensor | None, generator: torch.Generator | None) -> tuple[int, int]:
     """Rejection sampling over k drafts: p [k + 1, V] target probabilities, q [k, V] draft probabilities
     (None: deterministic drafts). Returns (number of drafts accepted, the token that follows them)."""
     k = len(drafts)
