@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,11 +38,11 @@ from keel.quant.load import saved_base
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
     _check_destination,
-    _move_into_place,
     _owned,
     _write_metadata,
     _write_tensors,
     output_dtype,
+    write_model_dir,
 )
 from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
 from keel.weights.names import keel_to_hf
@@ -74,26 +71,14 @@ def save_quantized(
     dst = Path(dst)
     _check_destination(dst, overwrite)
     checkpoint = open_checkpoint(model)
-    try:
+
+    def write(tmp: Path) -> dict:
         if checkpoint.quantization is not None:
             raise KeelError(f"{checkpoint.path}: already quantized ({checkpoint.quantization['scheme']})")
         written = output_dtype(checkpoint, dtype)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
-        os.chmod(tmp, 0o755)
-        try:
-            quant = _write(checkpoint, tmp, written, scheme, group_size, set(keep), max_shard_bytes)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        checkpoint.reader.close()
-    try:
-        _move_into_place(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return quant
+        return _write(checkpoint, tmp, written, scheme, group_size, set(keep), max_shard_bytes)
+
+    return write_model_dir(checkpoint, dst, overwrite, write)
 
 
 def _write(

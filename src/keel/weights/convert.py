@@ -13,9 +13,9 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -28,6 +28,8 @@ from keel.tokenizer import Tokenizer
 from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
 from keel.weights.names import keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
+
+T = TypeVar("T")
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # Storage types that are plain floating point; anything else in a GGUF file is a quantized block format.
@@ -68,15 +70,21 @@ def convert(
     if max_shard_bytes <= 0:
         raise KeelError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    write_model_dir(checkpoint, dst, overwrite,
+                    lambda tmp: _write(checkpoint, tmp, output_dtype(checkpoint, dtype), max_shard_bytes))  # fmt: skip
+    return dst
+
+
+def write_model_dir(checkpoint: Checkpoint, dst: Path, overwrite: bool, write: Callable[[Path], T]) -> T:
+    """`write(tmp)` into a temporary sibling of `dst` (same file system, so the final rename is atomic),
+    then the checkpoint is closed and the directory moved into place: a failure or an interrupt never
+    leaves a half-written model at dst. Returns what `write` returned."""
     try:
-        written = output_dtype(checkpoint, dtype)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        # Everything goes to a temporary sibling (same file system, so the final rename is atomic):
-        # a failure or an interrupt never leaves a half-written model at dst.
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model directory
         try:
-            _write(checkpoint, tmp, written, max_shard_bytes)
+            result = write(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -87,7 +95,7 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dst
+    return result
 
 
 def _check_destination(dst: Path, overwrite: bool) -> None:
