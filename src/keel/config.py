@@ -321,8 +321,10 @@ class ModelConfig:
 
     # ---------------------------------------------------------------- HF I/O
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Build from an HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json", structure_only: bool = False) -> ModelConfig:
+        """Build from an HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`).
+        structure_only: the architecture is all that is wanted (the planner), so a quantized release's
+        config (DeepSeek-V3's FP8) is read too; loading such weights is still refused."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
         if arch is None:
@@ -342,7 +344,8 @@ class ModelConfig:
             vocab = int(hf["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
-        _refuse_quantized(hf, source)
+        if not structure_only:
+            _refuse_quantized(hf, source)
         head_dim = int(get("head_dim", hidden // num_heads))
         num_kv_heads = int(get("num_key_value_heads", num_heads))
         max_positions = int(get("max_position_embeddings", defaults["max_position_embeddings"]))
@@ -413,7 +416,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> ModelConfig:
+    def from_json_file(cls, path: str | Path, structure_only: bool = False) -> ModelConfig:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -423,7 +426,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object")
-        return cls.from_hf(data, source=str(path))
+        return cls.from_hf(data, source=str(path), structure_only=structure_only)
 
     def to_hf(self) -> dict[str, Any]:
         """An HF config.json dict that transformers 5.x loads into the same architecture."""
