@@ -64,3 +64,45 @@ def test_zero_matches_the_paper():
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
     with pytest.raises(ValueError):
         zero_bytes_per_gpu(psi, n, 4)
+
+
+def test_cluster_specs():
+    from keel.errors import KeelError
+    from keel.plan.hardware import parse_cluster
+
+    cluster = parse_cluster("2048xH800")
+    assert cluster.count == 2048 and cluster.nodes == 256 and cluster.gpu.memory == 80e9
+    assert parse_cluster("8 x h200").gpu.name == "H200" and parse_cluster("B200").count == 1
+    assert parse_cluster("16xH100").gpu.name == "H100-SXM"
+    for bad in ("8xV100", "eightxH100", "0xH100"):
+        with pytest.raises(KeelError):
+            parse_cluster(bad)
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_kv_capacity_equals_the_engines_block_count(tmp_path, kind):
+    """The planner's capacity for a budget is the pool the engine builds from the same budget."""
+    from keel.plan.kv import kv_capacity
+    from keel.serve import EngineConfig, LLMEngine
+    from keel.weights import load_model
+    from tiny_models import save_hf_model
+
+    save_hf_model("llama", tmp_path / "m")
+    loaded = load_model(tmp_path / "m")
+    budget = 3 * 2**20 + 12345
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=budget, block_size=8, max_model_len=256,
+                                            kv_cache_dtype=kind))  # fmt: skip
+    plan = kv_capacity(loaded.config, budget, loaded.model.dtype, kind, block_size=8, context=256)
+    assert plan["blocks"] == engine.kv.num_blocks
+    assert plan["sequences"] == engine.kv.num_blocks // 32
+
+
+def test_mla_kv_counts_the_latent_only():
+    """DeepSeek-V3: 61 layers x (512 latent + 64 rope key) x 2 bytes = 70,272 bytes per token in bf16,
+    where uncompressed heads would take 61 x 128 heads x (192 key + 128 value) x 2 = 4,997,120."""
+    from keel.plan.kv import kv_capacity
+
+    config = ModelConfig.from_json_file(CONFIGS / "deepseek-v3.json", structure_only=True)
+    plan = kv_capacity(config, 141 * 10**9, context=32768)
+    assert plan["bytes_per_token"] == 61 * (512 + 64) * 2
+    assert plan["sequences"] == 141 * 10**9 // (61 * 576 * 2 * 16) // 2048
