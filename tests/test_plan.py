@@ -106,3 +106,75 @@ def test_mla_kv_counts_the_latent_only():
     plan = kv_capacity(config, 141 * 10**9, context=32768)
     assert plan["bytes_per_token"] == 61 * (512 + 64) * 2
     assert plan["sequences"] == 141 * 10**9 // (61 * 576 * 2 * 16) // 2048
+
+
+# ------------------------------------------------------------------------------- serving plan
+def _fixture(name: str) -> ModelConfig:
+    return ModelConfig.from_json_file(CONFIGS / f"{name}.json", structure_only=True)
+
+
+def test_serving_plan_roofline_dense():
+    """Llama-3.1-405B in fp8 on 8 H200s, tp 8: a batch-1 decode step reads this GPU's weights and
+    one sequence's KV once; decode turns compute-bound where 2 FLOP per weight byte x B reaches
+    peak x mfu / bandwidth."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+
+    config, cluster = _fixture("llama-3.1-405b"), parse_cluster("8xH200")
+    layouts = plan_serving(config, cluster, context=8192, weights="fp8", mfu=0.6)
+    best = layouts[0]
+    assert (best.tp, best.pp, best.replicas) == (8, 1, 1) and best.fits
+    gpu = cluster.gpu
+    weights = config.param_counts()["total"] / 8  # fp8: one byte per weight
+    assert best.weights_gb == pytest.approx(weights / 1e9)
+    assert best.kv_bytes_per_token == config.num_layers * 2 * 1 * config.head_dim * 2  # one KV head per rank, bf16
+    memory_ms = 1000 * (weights + 8192 * best.kv_bytes_per_token) / gpu.hbm_bandwidth
+    comm_ms = 1000 * 2 * config.hidden_size * 2 * 2 * 7 / 8 * config.num_layers / gpu.link
+    assert best.decode_ms_batch1 == pytest.approx(memory_ms + comm_ms, rel=1e-6)
+    want = 1
+    while 2 * want * 1.0 < gpu.bf16_flops * 0.6 / gpu.hbm_bandwidth:  # FLOP per byte read, fp8 weights
+        want *= 2
+    assert best.compute_bound_batch == want
+    # Sequences of 8192 tokens that fit the memory left after the weights and a 5% reserve.
+    free = gpu.memory * 0.85 - weights
+    assert best.sequences == int(free // (best.kv_bytes_per_token * 16)) // (8192 // 16)
+
+
+def test_serving_plan_mla_moe_fit_and_offloading():
+    """DeepSeek-V3 does not fit 8 H200s in bf16 (1.34 TB of weights) but does in fp8; MLA's latent is
+    the same on every tp rank; without room, the plan says which share of experts stays resident."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+
+    config, cluster = _fixture("deepseek-v3"), parse_cluster("8xH200")
+    bf16 = plan_serving(config, cluster, context=32768, weights="bf16")
+    assert not any(lay.fits for lay in bf16)
+    tp8 = next(lay for lay in bf16 if lay.tp == 8)
+    assert 0.5 < tp8.resident_expert_share < 1.0
+    fp8 = plan_serving(config, cluster, context=32768, weights="fp8")
+    best = fp8[0]
+    assert best.fits and best.tp == 8
+    assert best.kv_bytes_per_token == 61 * (512 + 64) * 2  # replicated latent, not split by tp
+    assert best.sequences > 0 and best.compute_bound_batch > 0
+    # More sequences per step cost more per step but give more tokens per second.
+    small = plan_serving(config, cluster, context=32768, weights="fp8", batch=1)[0]
+    assert small.decode_ms < best.decode_ms and small.tokens_per_s < best.tokens_per_s
+
+
+def test_plan_serve_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "keel", "plan", "serve", str(CONFIGS / "qwen3-235b-a22b.json"), "--gpus", "8xH100",
+           "--context", "16384", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "235.1B parameters" in out.stdout and "tok/s" in out.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["layouts"] and plan["layouts"][0]["fits"]
+    bad = subprocess.run(cmd[:7] + ["8xV100", "--context", "16"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.startswith("keel: error: unknown GPU 'V100'")
+    assert "Traceback" not in bad.stderr
+    unfit = subprocess.run(cmd[:7] + ["1xA100", "--context", "16"], capture_output=True, text=True, timeout=120)
+    assert unfit.returncode == 1 and "does not fit 1xA100" in unfit.stderr

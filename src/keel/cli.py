@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     quant_analyze.register(sub)
 
+    from keel.plan import cli as plan_cli
+
+    plan_cli.register(sub)
+
     from keel.serve.openai.server import add_serve_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")

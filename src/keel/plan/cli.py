@@ -1,0 +1,81 @@
+"""`keel plan serve MODEL --gpus 8xH200 --context 32768`: the serving plan as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+from keel.plan.hardware import parse_cluster
+from keel.plan.serve import KV_BYTES, WEIGHT_BYTES, as_dicts, plan_serving
+
+
+def model_config(model: str) -> ModelConfig:
+    """A config.json file, a directory holding one, or anything keel opens (GGUF, catalog name)."""
+    path = Path(model)
+    if path.is_file() and path.suffix == ".json":
+        return ModelConfig.from_json_file(path, structure_only=True)
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelConfig.from_json_file(path / "config.json", structure_only=True)
+    from keel.weights.loader import open_checkpoint
+
+    return open_checkpoint(model).config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = model_config(args.model)
+    cluster = parse_cluster(args.gpus)
+    layouts = plan_serving(config, cluster, args.context, args.weights, args.kv_cache_dtype, args.batch,
+                           ttft_s=args.ttft, tpot_ms=args.tpot)  # fmt: skip
+    counts = config.param_counts()
+    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active'] / 1e9:.1f}B active); "
+          f"{cluster.count}x {cluster.gpu.name} ({cluster.gpu.memory / 1e9:.0f} GB, "
+          f"{cluster.gpu.hbm_bandwidth / 1e12:.1f} TB/s); weights {args.weights}, KV {args.kv_cache_dtype}, "
+          f"context {args.context}")  # fmt: skip
+    header = (f"{'tp':>3} {'pp':>3} {'rep':>4} {'weights GB':>10} {'KV GB':>7} {'KV B/tok':>9} {'seqs':>6} "
+              f"{'batch':>6} {'ms/tok b=1':>10} {'ms/tok':>8} {'tok/s':>10} {'compute-bound b':>15} "
+              f"{'prefill s':>9}  note")  # fmt: skip
+    print(header)
+    for lay in layouts[: args.top]:
+        note = "" if lay.fits else (
+            f"does not fit; {lay.resident_expert_share:.0%} of experts resident with offloading"
+            if lay.resident_expert_share < 1.0 else "does not fit")  # fmt: skip
+        if lay.ttft_ok is False or lay.tpot_ok is False:
+            note += " misses " + " and ".join(
+                n for n, ok in (("TTFT", lay.ttft_ok), ("TPOT", lay.tpot_ok)) if ok is False
+            )
+        print(f"{lay.tp:3d} {lay.pp:3d} {lay.replicas:4d} {lay.weights_gb:10.1f} {lay.kv_gb:7.1f} "
+              f"{lay.kv_bytes_per_token:9.0f} {lay.sequences:6d} {lay.batch:6d} {lay.decode_ms_batch1:10.2f} "
+              f"{lay.decode_ms:8.2f} {lay.tokens_per_s:10.0f} {lay.compute_bound_batch:15d} {lay.prefill_s:9.2f}  "
+              f"{note}")  # fmt: skip
+    if args.json:
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({"model": args.model, "gpus": args.gpus, "context": args.context,
+                                   "layouts": as_dicts(layouts)}, indent=2) + "\n")  # fmt: skip
+        os.replace(tmp, out)
+    if not any(lay.fits for lay in layouts):
+        raise KeelError(f"{args.model} does not fit {args.gpus} at context {args.context} in any layout")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="memory and time planning (serving so far)")
+    psub = p.add_subparsers(dest="plan_command", required=True, metavar="COMMAND")
+    s = psub.add_parser("serve", help="weights, KV capacity and roofline step times per layout")
+    s.add_argument("model", help="a config.json, an HF directory, a GGUF file or a catalog name")
+    s.add_argument(
+        "--gpus", required=True, help="COUNTxTYPE, e.g. 8xH200 (types: A100-80G H100-SXM H800 H200 B200 MI300X)"
+    )
+    s.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    s.add_argument("--weights", default="bf16", choices=list(WEIGHT_BYTES))
+    s.add_argument("--kv-cache-dtype", default="bf16", choices=list(KV_BYTES))
+    s.add_argument("--batch", type=int, default=None, help="sequences per replica (default: as many as fit, <= 256)")
+    s.add_argument("--ttft", type=float, default=None, help="target time to first token, seconds")
+    s.add_argument("--tpot", type=float, default=None, help="target time per output token, ms")
+    s.add_argument("--top", type=int, default=10, help="layouts printed")
+    s.add_argument("--json", default=None, help="write every layout here (JSON)")
+    s.set_defaults(func=cmd_serve)

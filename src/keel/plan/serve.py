@@ -1,0 +1,215 @@
+"""Serving plan: weights and KV cache per GPU, concurrency at a context length, roofline step times.
+
+For each layout of the GPUs into tp (tensor parallel, inside a node), pp (pipeline stages) and
+replicas, with experts spread over every GPU of a replica (ep = tp; vLLM's expert parallelism):
+
+- weights per GPU: attention, dense MLPs, embedding and head split by tp, routed experts by ep, all
+  split by pp; bytes per parameter from the weight precision (int4/int8 with their scales);
+- KV per token per GPU: the KV heads over tp (replicated when there are fewer heads than ranks, as
+  vLLM does), MLA's latent replicated on every tp rank (it has one "head"); over pp by layers;
+- KV memory = memory x utilization - weights - an activation reserve; tokens and sequences of
+  `context` tokens that fit (whole blocks);
+- decode step at batch B (every sequence at `context` tokens): the larger of the memory time
+  (weights read once per step - for MoE the experts the batch touches, E (1 - (1 - k/E)^B) per
+  layer - plus every sequence's KV) over HBM bandwidth and the compute time (2 x active parameters
+  x B, plus attention) over peak FLOP/s x `mfu`; plus tp all-reduces (2 per layer of B x hidden
+  activations, ring: 2 (tp - 1)/tp of the bytes over the scale-up link), not overlapped; with pp a
+  token passes every stage in turn (latency is the sum of the stages) and throughput assumes no
+  pipelining of micro-batches across stages (conservative for pp);
+- the batch at which decode turns compute-bound: the smallest power of two B whose weight matmuls'
+  compute time reaches the time to read the weights they touch (KV reads excluded: they grow with
+  B as the attention compute does; at long contexts decode stays bound by KV bandwidth);
+- prefill of one `context`-token prompt: 2 x active parameters x tokens + causal attention, over
+  peak x `mfu` x tp;
+- when the weights do not fit: the share of routed experts that can stay resident (expert
+  offloading keeps the rest in host memory).
+
+Assumptions, stated so they can be argued with: `mfu` 0.6 of dense peak for large matmuls, HBM at
+the datasheet figure (measured decode reaches ~80-90% of it on GPUs), an activation reserve of 5%
+of memory, no overlap of communication with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+from keel.plan.hardware import Cluster
+
+# Bytes per weight, scales included: int8 per channel (negligible), int4 per group of 128 (a
+# bf16 scale and zero per 128 values).
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
+KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128}  # int8: a float16 scale per head (D ~ 128)
+
+
+@dataclass
+class ServeLayout:
+    tp: int
+    pp: int
+    ep: int
+    replicas: int
+    weights_gb: float  # per GPU
+    kv_gb: float  # per GPU, what is left for the cache
+    kv_bytes_per_token: float  # per GPU
+    tokens: int  # per replica
+    sequences: int  # of `context` tokens, per replica
+    fits: bool
+    resident_expert_share: float  # 1.0 when every expert fits
+    decode_ms_batch1: float
+    decode_ms: float  # at `batch`
+    batch: int
+    tokens_per_s: float  # all replicas, at `batch` per replica
+    compute_bound_batch: int
+    prefill_s: float
+    ttft_ok: bool | None = None
+    tpot_ok: bool | None = None
+
+
+def _split_params(config: ModelConfig) -> tuple[float, float, float]:
+    """(parameters split by tp, routed expert parameters, active routed expert parameters per token)."""
+    counts = config.param_counts()
+    h = config.hidden_size
+    expert = 3 * h * config.moe_intermediate_size if config.num_experts else 0
+    moe_layers = sum(1 for i in range(config.num_layers) if config.is_moe_layer(i)) if config.num_experts else 0
+    routed = moe_layers * config.num_experts * expert
+    active_routed = moe_layers * config.num_experts_per_tok * expert
+    return counts["total"] - routed, routed, active_routed
+
+
+def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
+    per_value = KV_BYTES[kv_dtype]
+    if config.is_mla:  # one latent + rope key per token, replicated on every tp rank
+        per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * per_value
+    else:
+        heads = max(1, config.num_kv_heads // tp) if config.num_kv_heads >= tp else 1
+        per_layer = 2 * heads * config.head_dim * per_value
+    return per_layer * config.num_layers / pp
+
+
+def _attention_flops_per_token(config: ModelConfig, context: int) -> float:
+    """Score and value matmuls of one query over `context` keys, all layers."""
+    if config.is_mla:  # absorbed: every head attends over the latent (R + P) and reads R values
+        width = 2 * config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        width = 2 * config.head_dim
+    return 2 * config.num_layers * config.num_heads * width * context
+
+
+@dataclass
+class _Shape:
+    """One layout's decode-step roofline."""
+
+    config: ModelConfig
+    gpu: object
+    sharded: float
+    routed: float
+    active: float
+    wbytes: float
+    tp: int
+    pp: int
+    ep: int
+    kv_token: float
+    context: int
+    mfu: float
+
+    def _times(self, n: int, with_kv: bool = True) -> tuple[float, float, float]:
+        """(memory s, compute s, communication s) of one stage for a batch of n sequences."""
+        c = self.config
+        touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** n) if c.num_experts else 0
+        expert_read = self.routed * (touched / c.num_experts) if c.num_experts else 0.0
+        weight_read = (self.sharded / self.tp + expert_read / self.ep) * self.wbytes / self.pp
+        kv_read = n * self.context * self.kv_token if with_kv else 0.0
+        memory_s = (weight_read + kv_read) / self.gpu.hbm_bandwidth
+        attention = _attention_flops_per_token(c, self.context) if with_kv else 0.0
+        flops = n * (2 * self.active + attention) / (self.tp * self.pp)
+        compute_s = flops / (self.gpu.bf16_flops * self.mfu)
+        comm_s = 0.0
+        if self.tp > 1:  # 2 all-reduces per layer of n x hidden bf16 values, ring: 2 (tp - 1)/tp of the bytes
+            per_layer = 2 * n * c.hidden_size * 2 * 2 * (self.tp - 1) / self.tp
+            comm_s = per_layer * c.num_layers / self.pp / self.gpu.link
+        return memory_s, compute_s, comm_s
+
+    def step(self, n: int) -> tuple[float, float, float]:
+        """(ms per decode step through every stage, memory s, compute s of one stage)."""
+        memory_s, compute_s, comm_s = self._times(n)
+        return 1000 * (max(memory_s, compute_s) + comm_s) * self.pp, memory_s, compute_s
+
+    def compute_bound(self, n: int) -> bool:
+        memory_s, compute_s, _ = self._times(n, with_kv=False)
+        return compute_s >= memory_s
+
+
+def plan_serving(
+    config: ModelConfig,
+    cluster: Cluster,
+    context: int,
+    weights: str = "bf16",
+    kv_dtype: str = "bf16",
+    batch: int | None = None,
+    block_size: int = 16,
+    utilization: float = 0.9,
+    mfu: float = 0.6,
+    ttft_s: float | None = None,
+    tpot_ms: float | None = None,
+) -> list[ServeLayout]:
+    """Every layout of the cluster's GPUs (tp within a node, pp, replicas), best first: those that
+    fit, by tokens/s at `batch` sequences per replica (default: as many as fit, at most 256)."""
+    if weights not in WEIGHT_BYTES:
+        raise KeelError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_BYTES)}")
+    if kv_dtype not in KV_BYTES:
+        raise KeelError(f"--kv-cache-dtype {kv_dtype!r}: choose from {', '.join(KV_BYTES)}")
+    if context < 1:
+        raise KeelError(f"--context must be >= 1, got {context}")
+    gpu, wbytes = cluster.gpu, WEIGHT_BYTES[weights]
+    sharded, routed, active_routed = _split_params(config)
+    active = config.param_counts()["active"]
+    layouts = []
+    for tp in [d for d in (1, 2, 4, 8, 16) if d <= gpu.per_node and cluster.count % d == 0]:
+        for pp in [d for d in range(1, cluster.count // tp + 1) if (cluster.count // tp) % d == 0]:
+            if pp > config.num_layers:
+                break
+            replicas = cluster.count // (tp * pp)
+            ep = tp
+            weights_gpu = (sharded / tp + routed / ep) * wbytes / pp
+            free = gpu.memory * utilization - gpu.memory * 0.05 - weights_gpu
+            fits = free > 0
+            share = 1.0
+            if not fits and routed:
+                # Offloading: keep the non-expert part and a KV reserve of one sequence, fill the rest with experts.
+                kv_one = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype) * context
+                room = gpu.memory * (utilization - 0.05) - sharded / tp * wbytes / pp - kv_one
+                share = max(0.0, min(1.0, room / (routed / ep * wbytes / pp)))
+            kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
+            kv_free = max(free, 0.0)
+            blocks = int(kv_free // (kv_token * block_size)) if kv_token else 0
+            tokens = blocks * block_size
+            sequences = blocks // -(-context // block_size)
+            b = batch or max(1, min(sequences, 256))
+
+            shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu)
+            decode1, *_ = shape.step(1)
+            decode_b, *_ = shape.step(b)
+            bound = 1  # weights only: the KV reads grow with the batch as the compute does
+            while bound < 1 << 16 and not shape.compute_bound(bound):
+                bound *= 2
+            prefill_flops = 2 * active * context + _attention_flops_per_token(config, context) * context / 2
+            prefill = prefill_flops / (tp * gpu.bf16_flops * mfu)
+            layout = ServeLayout(
+                tp=tp, pp=pp, ep=ep, replicas=replicas, weights_gb=weights_gpu / 1e9, kv_gb=kv_free / 1e9,
+                kv_bytes_per_token=kv_token, tokens=tokens, sequences=sequences, fits=fits and sequences > 0,
+                resident_expert_share=share if not fits else 1.0, decode_ms_batch1=decode1, decode_ms=decode_b,
+                batch=b, tokens_per_s=replicas * b * 1000 / decode_b,
+                compute_bound_batch=bound if shape.compute_bound(bound) else 0, prefill_s=prefill,
+            )  # fmt: skip
+            if ttft_s is not None:
+                layout.ttft_ok = prefill <= ttft_s
+            if tpot_ms is not None:
+                layout.tpot_ok = decode_b <= tpot_ms
+            layouts.append(layout)
+    layouts.sort(key=lambda lay: (not lay.fits, -(lay.tokens_per_s if lay.fits else lay.resident_expert_share)))
+    return layouts
+
+
+def as_dicts(layouts: list[ServeLayout]) -> list[dict]:
+    return [asdict(layout) for layout in layouts]
