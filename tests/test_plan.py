@@ -178,3 +178,48 @@ def test_plan_serve_cli(tmp_path):
     assert "Traceback" not in bad.stderr
     unfit = subprocess.run(cmd[:7] + ["1xA100", "--context", "16"], capture_output=True, text=True, timeout=120)
     assert unfit.returncode == 1 and "does not fit 1xA100" in unfit.stderr
+
+
+# ------------------------------------------------------------------------------- activations
+def test_gpt_layer_formula():
+    from keel.plan.activations import gpt_layer_bytes
+
+    # sbh (34 + 5as/h): s = 2048, b = 1, h = 12288, a = 96 (GPT-3 175B), in GB per layer.
+    assert gpt_layer_bytes(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
+    assert gpt_layer_bytes(2048, 1, 12288, 96, t=8, flash=True) == 2048 * 12288 * 34 / 8
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_layer_activation_bytes_match_what_autograd_saves(moe):
+    """The planner's per-layer activation bytes against the bytes autograd really keeps for backward
+    in a keel layer (saved-tensor hooks), bfloat16: within 15%. Weights (and CPU kernels' packed
+    weight copies) are not activations: only tensors with the batch and sequence (or token-slot)
+    dimensions count."""
+    from keel.model.attention import AttentionMetadata
+    from keel.model.transformer import build_model
+    from keel.plan.activations import layer_activation_bytes
+
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=80, architecture="mixtral") if moe else {}
+    config = ModelConfig(**{**dict(architecture="llama", vocab_size=128, hidden_size=96, intermediate_size=176,
+                                   num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16), **extra})  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(config).to(torch.bfloat16)
+    b, s = 3, 40
+    x = torch.randn(b, s, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    meta = AttentionMetadata.for_sequence(b, s)
+    meta.rope = model.rotary(meta.positions, torch.bfloat16)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        shape = tuple(t.shape)
+        k = config.num_experts_per_tok if moe else 1
+        if len(shape) >= 1 and (shape[0] == b and s in shape[1:] or shape[0] in (b * s, b * s * k)):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers["0"](x, meta).sum().backward()
+    measured = sum(saved.values())
+    predicted = layer_activation_bytes(config, s, b)
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+    assert layer_activation_bytes(config, s, b, recompute="full") == b * s * config.hidden_size * 2
