@@ -223,3 +223,50 @@ def test_layer_activation_bytes_match_what_autograd_saves(moe):
     predicted = layer_activation_bytes(config, s, b)
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
     assert layer_activation_bytes(config, s, b, recompute="full") == b * s * config.hidden_size * 2
+
+
+# ------------------------------------------------------------------------------- training plan
+def _rank(layouts, **want) -> int:
+    """Position among the layouts that fit of the best one with the wanted fields."""
+    fitting = [lay for lay in layouts if lay.fits]
+    return next(i for i, lay in enumerate(fitting) if all(getattr(lay, k) == v for k, v in want.items()))
+
+
+def test_published_training_layouts_are_feasible_and_ranked():
+    """DeepSeek-V3's layout (PP16 x EP64, ZeRO-1 data parallelism, 2,048 H800s, 4K sequences, 15,360
+    per step) and Llama 3 405B's (TP8 x PP16 x DP128 on 16K H100s, 8K sequences, 16M tokens): both
+    fit; DeepSeek's ranks in the top 15% of the 612 layouts that fit; Llama's in the upper half (a
+    plain 1F1B bubble of 48% at 16 micro-batches: Meta's interleaved schedule is not modelled)."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.train import plan_training
+
+    deepseek = plan_training(_fixture("deepseek-v3"), parse_cluster("2048xH800"), 4096, 15360 * 4096)
+    fitting = sum(lay.fits for lay in deepseek)
+    rank = _rank(deepseek, tp=1, pp=16, ep=64, zero=1)
+    assert rank < 0.15 * fitting, (rank, fitting)
+    llama = plan_training(_fixture("llama-3.1-405b"), parse_cluster("16384xH100"), 8192, 16 * 2**20)
+    fitting = sum(lay.fits for lay in llama)
+    rank = _rank(llama, tp=8, pp=16, dp=128)
+    assert rank < 0.6 * fitting, (rank, fitting)
+    best = llama[0]
+    assert best.fits and 0.1 < best.mfu < 0.6
+
+
+def test_training_memory_adds_up():
+    """A layout's model states are the ZeRO arithmetic on its shard; recomputation only shrinks
+    activations; a model too large for one GPU does not fit there."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.train import evaluate
+
+    config = _fixture("llama-3.1-405b")
+    params = config.param_counts()["total"]
+    cluster = parse_cluster("1024xH100")
+    lay = evaluate(config, cluster, 8192, 4 * 2**20, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="none")
+    assert lay.dp == 16
+    assert lay.params_gb == pytest.approx(params / 64 * (4 + 12 / 16) / 1e9)
+    full = evaluate(config, cluster, 8192, 4 * 2**20, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full")
+    assert full.activations_gb < lay.activations_gb and full.params_gb == lay.params_gb
+    assert full.compute_s == pytest.approx(lay.compute_s * 4 / 3)
+    single = evaluate(config, parse_cluster("1xH100"), 8192, 8192, tp=1, pp=1, ep=1, zero=3, micro_batch=1,
+                      recompute="full")  # fmt: skip
+    assert not single.fits

@@ -11,6 +11,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.plan.hardware import parse_cluster
 from keel.plan.serve import KV_BYTES, WEIGHT_BYTES, as_dicts, plan_serving
+from keel.plan.train import plan_training
 
 
 def model_config(model: str) -> ModelConfig:
@@ -52,19 +53,69 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{lay.decode_ms:8.2f} {lay.tokens_per_s:10.0f} {lay.compute_bound_batch:15d} {lay.prefill_s:9.2f}  "
               f"{note}")  # fmt: skip
     if args.json:
-        out = Path(args.json)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps({"model": args.model, "gpus": args.gpus, "context": args.context,
-                                   "layouts": as_dicts(layouts)}, indent=2) + "\n")  # fmt: skip
-        os.replace(tmp, out)
+        _write_json(args.json, {"model": args.model, "gpus": args.gpus, "context": args.context,
+                                "layouts": as_dicts(layouts)})  # fmt: skip
     if not any(lay.fits for lay in layouts):
         raise KeelError(f"{args.model} does not fit {args.gpus} at context {args.context} in any layout")
     return 0
 
 
+def parse_tokens(text: str) -> int:
+    """'16M', '4k', '62914560' -> tokens."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    value = text.strip().lower()
+    try:
+        return int(float(value[:-1]) * units[value[-1]]) if value[-1] in units else int(value)
+    except (ValueError, IndexError):
+        raise KeelError(f"--global-batch {text!r}: expected tokens such as 16M or 4194304") from None
+
+
+def _write_json(path: str, payload: dict) -> None:
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from keel.plan.train import as_dicts as train_dicts
+
+    config = model_config(args.model)
+    cluster = parse_cluster(args.gpus)
+    tokens = parse_tokens(args.global_batch)
+    layouts = plan_training(config, cluster, args.seq, tokens, mfu=args.mfu)
+    counts = config.param_counts()
+    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active'] / 1e9:.1f}B active); "
+          f"{cluster.count}x {cluster.gpu.name}; sequences of {args.seq}, {tokens} tokens per step; "
+          f"{len(layouts)} layouts, {sum(lay.fits for lay in layouts)} fit")  # fmt: skip
+    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'mb':>3} {'recompute':>9} {'states GB':>9} "
+          f"{'act GB':>7} {'total GB':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tok/s/GPU':>9} "
+          f"{'MFU':>6}")  # fmt: skip
+    for lay in layouts[: args.top]:
+        print(f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.micro_batch:3d} {lay.recompute:>9} "
+              f"{lay.params_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
+              f"{lay.bubble:6.1%} {lay.comm_s:7.2f} {lay.tokens_per_s_per_gpu:9.0f} {lay.mfu:6.1%}"
+              + ("" if lay.fits else "  does not fit"))  # fmt: skip
+    if args.json:
+        _write_json(args.json, {"model": args.model, "gpus": args.gpus, "seq": args.seq, "global_batch_tokens": tokens,
+                                "layouts": train_dicts(layouts)})  # fmt: skip
+    if not any(lay.fits for lay in layouts):
+        raise KeelError(f"{args.model} does not fit {args.gpus} for training in any layout")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="memory and time planning (serving so far)")
+    p = sub.add_parser("plan", help="memory and time planning for training and serving")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="COMMAND")
+    t = psub.add_parser("train", help="memory per GPU and step time of every parallel layout")
+    t.add_argument("model", help="a config.json, an HF directory, a GGUF file or a catalog name")
+    t.add_argument("--gpus", required=True, help="COUNTxTYPE, e.g. 2048xH800")
+    t.add_argument("--seq", type=int, default=4096, help="sequence length")
+    t.add_argument("--global-batch", default="4M", help="tokens per optimizer step (e.g. 16M)")
+    t.add_argument("--mfu", type=float, default=0.5, help="fraction of dense peak the matmuls reach")
+    t.add_argument("--top", type=int, default=15, help="layouts printed")
+    t.add_argument("--json", default=None, help="write every layout here (JSON)")
+    t.set_defaults(func=cmd_train)
     s = psub.add_parser("serve", help="weights, KV capacity and roofline step times per layout")
     s.add_argument("model", help="a config.json, an HF directory, a GGUF file or a catalog name")
     s.add_argument(
