@@ -204,7 +204,7 @@ class LLMEngine:
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
-        check_kv_cache_dtype(config.kv_cache_dtype)
+        check_kv_cache_dtype(config.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
         num_blocks = self._num_blocks(device)
         if num_blocks * config.block_size < self.max_model_len:
             raise KeelError(
@@ -345,47 +345,55 @@ class LLMEngine:
         outputs = []
         for request, n in sched.scheduled:
             track = self._tracks[request.request_id]
-            tokens = result.token_ids.get(request.request_id)
-            drafts = request.spec_token_ids
-            if drafts:
-                accepted = len(tokens) - 1
-                self._count_acceptance(request, len(drafts), accepted)
-                # The accepted drafts' K/V are valid: they join the output before the scheduler counts them.
-                request.output_token_ids += tokens[:accepted]
-                self.scheduler.advance(request, n - len(drafts) + accepted)
-                del request.output_token_ids[len(request.output_token_ids) - accepted :]
-                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
-                request.spec_token_ids, request.spec_probs = [], None
-            else:
-                self.scheduler.advance(request, n)
             if request.request_id in result.prompt_logprobs and track.prompt_logprobs is not None:
                 entries = result.prompt_logprobs[request.request_id]
-                track.prompt_logprobs = entries if request.num_computed_tokens == n else track.prompt_logprobs + entries
-            if tokens is None:
-                continue  # a prefill chunk: nothing sampled yet
+                first_chunk = request.num_computed_tokens == 0
+                track.prompt_logprobs = entries if first_chunk else track.prompt_logprobs + entries
+            tokens = result.token_ids.get(request.request_id)
+            if tokens is None:  # a prefill chunk: nothing sampled yet
+                self.scheduler.advance(request, n)
+                continue
+            drafts = request.spec_token_ids
+            if drafts:
+                self._count_acceptance(request, len(drafts), len(tokens) - 1)
             logprobs = result.logprobs.get(request.request_id)
-            released_text, emitted = "", []
-            for i, token in enumerate(tokens):
-                request.output_token_ids.append(token)
-                request.protected = False
-                if request.stats.first_token is None:
-                    request.stats.first_token = now
-                request.stats.token_times.append(now)
-                self.num_generated_tokens += 1
-                emitted.append(token)
-                if track.logprobs is not None and logprobs is not None:
-                    track.logprobs.append(logprobs[i])
-                delta = track.detok.add(token) if track.detok else ""
-                released, finished = track.stop.add(token, delta)  # stop tokens/strings, EOS, max_tokens
-                track.text += released
-                released_text += released
-                if finished:  # tokens accepted after a stop are dropped
-                    self.scheduler.finish(request)
-                    self._tracks.pop(request.request_id)
-                    break
-            outputs.append(build_output(request, track, released_text, emitted))
+            emitted, released, finished = self._emit(request, track, tokens, logprobs, now)
+            # In the cache now: what was fed but the rejected drafts, i.e. every emitted token but the
+            # last (fed next step). The scheduler registers full blocks from the output, so it comes after.
+            self.scheduler.advance(request, n - len(drafts) + len(emitted) - 1)
+            if drafts:
+                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+            if finished:
+                self.scheduler.finish(request)
+                self._tracks.pop(request.request_id)
+            outputs.append(build_output(request, track, released, emitted))
         self._clear_drafts(proposed)
         return outputs
+
+    def _emit(
+        self, request: Request, track: _Track, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
+    ) -> tuple[list[int], str, bool]:
+        """Append a step's tokens to the request's output one by one, through the stop checks (stop
+        tokens and strings, EOS, max_tokens); tokens after a stop are dropped.
+        Returns (tokens emitted, text released, finished)."""
+        released_text, emitted = "", []
+        for i, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            request.protected = False
+            if request.stats.first_token is None:
+                request.stats.first_token = now
+            request.stats.token_times.append(now)
+            self.num_generated_tokens += 1
+            emitted.append(token)
+            if track.logprobs is not None and logprobs is not None:
+                track.logprobs.append(logprobs[i])
+            delta = track.detok.add(token) if track.detok else ""
+            released, finished = track.stop.add(token, delta)
+            track.text += released
+            released_text += released
+            if finished:
+                return emitted, released_text, True
+        return emitted, released_text, False
 
     # ---------------------------------------------------------- speculation
     def _speculating(self) -> bool:
