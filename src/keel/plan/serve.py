@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.plan.hardware import Cluster
+from keel.plan.params import split_params
 
 # Bytes per weight, scales included: int8 per channel (negligible), int4 per group of 128 (a
 # bf16 scale and zero per 128 values).
@@ -64,17 +65,6 @@ class ServeLayout:
     prefill_s: float
     ttft_ok: bool | None = None
     tpot_ok: bool | None = None
-
-
-def _split_params(config: ModelConfig) -> tuple[float, float, float]:
-    """(parameters split by tp, routed expert parameters, active routed expert parameters per token)."""
-    counts = config.param_counts()
-    h = config.hidden_size
-    expert = 3 * h * config.moe_intermediate_size if config.num_experts else 0
-    moe_layers = sum(1 for i in range(config.num_layers) if config.is_moe_layer(i)) if config.num_experts else 0
-    routed = moe_layers * config.num_experts * expert
-    active_routed = moe_layers * config.num_experts_per_tok * expert
-    return counts["total"] - routed, routed, active_routed
 
 
 def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
@@ -162,8 +152,8 @@ def plan_serving(
     if context < 1:
         raise KeelError(f"--context must be >= 1, got {context}")
     gpu, wbytes = cluster.gpu, WEIGHT_BYTES[weights]
-    sharded, routed, active_routed = _split_params(config)
-    active = config.param_counts()["active"]
+    split = split_params(config)
+    sharded, routed, active = split.dense, split.routed, split.active
     layouts = []
     for tp in [d for d in (1, 2, 4, 8, 16) if d <= gpu.per_node and cluster.count % d == 0]:
         for pp in [d for d in range(1, cluster.count // tp + 1) if (cluster.count // tp) % d == 0]:

@@ -32,6 +32,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.plan.activations import layer_activation_bytes
 from keel.plan.hardware import GPU, Cluster
+from keel.plan.params import split_params
 from keel.plan.zero import zero_bytes_per_gpu
 
 
@@ -56,17 +57,6 @@ class TrainLayout:
     comm_s: float  # exposed communication
     tokens_per_s_per_gpu: float
     mfu: float
-
-
-def _split(config: ModelConfig) -> tuple[float, float, float]:
-    """(dense parameters, routed expert parameters, active parameters per token)."""
-    counts = config.param_counts()
-    if not config.num_experts:
-        return counts["total"], 0.0, counts["active"]
-    expert = 3 * config.hidden_size * config.moe_intermediate_size
-    moe_layers = sum(1 for i in range(config.num_layers) if config.is_moe_layer(i))
-    routed = moe_layers * config.num_experts * expert
-    return counts["total"] - routed, routed, counts["active"]
 
 
 def _bandwidth(gpu: GPU, group: int, stride: int) -> float:
@@ -112,7 +102,8 @@ def evaluate(
     m = sequences // (dp * micro_batch)  # micro-batches per pipeline per step
     if pp > 1 and m < pp:
         return None
-    dense, routed, active = _split(config)
+    split = split_params(config)
+    dense, routed, active = split.dense, split.routed, split.active
     dense_gpu = dense / (tp * pp)
     routed_gpu = routed / (ep * pp)
     states = zero_bytes_per_gpu(dense_gpu, dp, zero) + zero_bytes_per_gpu(routed_gpu, dp // ep, zero)
@@ -138,8 +129,7 @@ def evaluate(
         comm += 4 * layers * m * 2 * per * (tp - 1) / tp / gpu.link
     if ep > 1:  # dispatch + combine, forward + backward, of each token's k slots
         slots = tokens_gpu * config.num_experts_per_tok * config.hidden_size * 2
-        moe_layers = sum(1 for i in range(config.num_layers) if config.is_moe_layer(i)) / pp
-        comm += 4 * moe_layers * slots * (ep - 1) / ep / _bandwidth(gpu, ep, tp)
+        comm += 4 * split.moe_layers / pp * slots * (ep - 1) / ep / _bandwidth(gpu, ep, tp)
     weights_bytes = 2 * (dense_gpu + routed_gpu)
     zero_volume = (3 if zero == 3 else 2) * weights_bytes  # AG fwd + AG bwd + RS, or RS + AG of ZeRO-1
     # One collective per layer and kind (FSDP's per-layer units; ZeRO-1's buckets about as many).
