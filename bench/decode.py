@@ -37,16 +37,20 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights read per decoded token: every parameter, except an untied embedding table
-    (a lookup reads one row); a tied table is read in full by the LM head."""
+    """Bytes read per decoded token: float parameters and quantized layers' stored buffers. The
+    embedding table counts only when a float head reads it whole (tied); a lookup reads one row."""
+    head = model.lm_head
+    head_reads_table = type(head) is torch.nn.Linear and head.weight is model.embed_tokens.weight
     seen, total = set(), 0
     for name, p in model.named_parameters():
-        if id(p) in seen:
+        if id(p) in seen or (name == "embed_tokens.weight" and not head_reads_table):
             continue
         seen.add(id(p))
-        if name == "embed_tokens.weight" and not model.config.tie_word_embeddings:
-            continue
         total += p.numel() * p.element_size()
+    for module in model.modules():
+        stored = getattr(module, "weight_bytes", None)  # quantized layers: their integer and scale buffers
+        if isinstance(stored, int):
+            total += stored
     return total
 
 

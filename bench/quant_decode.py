@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import copy_bandwidth, keel_decode  # noqa: E402
+from decode import copy_bandwidth, keel_decode, streamed_weight_bytes  # noqa: E402
 
 # name -> (compute dtype, quantize scheme, int4 group size, layers kept, scheme of the kept layers)
 VARIANTS = {
@@ -40,24 +40,6 @@ VARIANTS = {
     "gguf+h8": ("bfloat16", "gguf", 0, ("lm_head",), "int8"),
     "gguf-fp32": ("float32", "gguf", 0, ("lm_head",), None),
 }
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per decoded token: float parameters and quantized layers' stored buffers. The
-    embedding table counts only when a float head reads it whole (tied); a lookup reads one row."""
-    head = model.lm_head
-    head_reads_table = type(head) is torch.nn.Linear and head.weight is model.embed_tokens.weight
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or (name == "embed_tokens.weight" and not head_reads_table):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    for module in model.modules():
-        stored = getattr(module, "weight_bytes", None)  # quantized layers: their integer and scale buffers
-        if isinstance(stored, int):
-            total += stored
-    return total
 
 
 def build(model: str, variant: str):
@@ -126,7 +108,7 @@ def main() -> None:
     base = statistics.median(results["bfloat16"]) if "bfloat16" in results else None
     for name, runs in results.items():
         tps = statistics.median(runs)
-        nbytes = weight_bytes(models[name]) if name in models else file_bytes
+        nbytes = streamed_weight_bytes(models[name]) if name in models else file_bytes
         compute = VARIANTS[name][0] if name in models else "ggml"
         gbs = nbytes * tps
         ratio = f"{tps / base:.2f}x" if base else "-"
