@@ -189,25 +189,31 @@ def test_gpt_layer_formula():
     assert gpt_layer_bytes(2048, 1, 12288, 96, t=8, flash=True) == 2048 * 12288 * 34 / 8
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp32", "autocast"])
 @pytest.mark.parametrize("moe", [False, True])
-def test_layer_activation_bytes_match_what_autograd_saves(moe):
+def test_layer_activation_bytes_match_what_autograd_saves(moe, recipe):
     """The planner's per-layer activation bytes against the bytes autograd really keeps for backward
-    in a keel layer (saved-tensor hooks), bfloat16: within 15%. Weights (and CPU kernels' packed
-    weight copies) are not activations: only tensors with the batch and sequence (or token-slot)
-    dimensions count."""
+    in a keel layer (saved-tensor hooks), in each recipe keel trains with (bf16 weights, float32,
+    autocast to bf16 over float32 weights): within 15%. Weights (and their autocast copies) are not
+    activations: only tensors with the batch and sequence (or token-slot) dimensions count."""
+    import contextlib
+
     from keel.model.attention import AttentionMetadata
     from keel.model.transformer import build_model
-    from keel.plan.activations import layer_activation_bytes
+    from keel.plan.activations import ActivationPrecision, layer_activation_bytes
 
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=80, architecture="mixtral") if moe else {}
     config = ModelConfig(**{**dict(architecture="llama", vocab_size=128, hidden_size=96, intermediate_size=176,
                                    num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16), **extra})  # fmt: skip
+    weights = torch.bfloat16 if recipe == "bf16" else torch.float32
+    precision = ActivationPrecision.of(2 if recipe == "bf16" else 4, 4 if recipe == "fp32" else 2)
+    assert precision.autocast == (recipe == "autocast")
     torch.manual_seed(0)
-    model = build_model(config).to(torch.bfloat16)
+    model = build_model(config).to(weights)
     b, s = 3, 40
-    x = torch.randn(b, s, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(b, s, config.hidden_size, dtype=weights, requires_grad=True)
     meta = AttentionMetadata.for_sequence(b, s)
-    meta.rope = model.rotary(meta.positions, torch.bfloat16)
+    meta.rope = model.rotary(meta.positions, torch.float32 if recipe == "fp32" else torch.bfloat16)
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -217,12 +223,17 @@ def test_layer_activation_bytes_match_what_autograd_saves(moe):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if recipe == "autocast" else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, meta).sum().backward()
+        with autocast:
+            out = model.layers["0"](x, meta)
+        out.float().sum().backward()
     measured = sum(saved.values())
-    predicted = layer_activation_bytes(config, s, b)
+    predicted = layer_activation_bytes(config, s, b, precision=precision)
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
-    assert layer_activation_bytes(config, s, b, recompute="full") == b * s * config.hidden_size * 2
+    assert layer_activation_bytes(config, s, b, recompute="full", precision=precision) == (
+        b * s * config.hidden_size * precision.residual
+    )
 
 
 # ------------------------------------------------------------------------------- training plan

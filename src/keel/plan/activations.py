@@ -11,11 +11,15 @@ recomputation (activation checkpointing of every layer) only the layer input, sb
 
 keel's layers differ from the paper's GPT: SwiGLU with an intermediate of i (not 4h), RMSNorm, no
 dropout, grouped-query attention, SDPA. `layer_activation_bytes` counts the tensors autograd keeps
-for such a layer's backward pass, the paper's method applied to keel's layer; tests/test_plan.py
-checks it against the bytes autograd actually saves (saved-tensor hooks) on a real keel layer.
+for such a layer's backward pass, the paper's method applied to keel's layer, for the recipes keel
+trains with (`ActivationPrecision`: 16-bit weights and activations, float32, or autocast over float32
+weights); tests/test_plan.py checks it against the bytes autograd actually saves (saved-tensor hooks)
+on a real keel layer in each recipe.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from keel.config import ModelConfig
 
@@ -26,13 +30,39 @@ def gpt_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, flash: bool = Fa
     return s * b * h * (34 + scores) / t
 
 
+@dataclass(frozen=True)
+class ActivationPrecision:
+    """The dtypes a training recipe keeps activations in (bytes per value)."""
+
+    compute: int = 2  # matmul inputs and outputs (bf16/fp16; 4 in float32)
+    residual: int = 2  # the residual stream between blocks: the weights' dtype (4 with float32 weights)
+    autocast: bool = False  # torch.autocast over float32 weights: each matmul saves its own cast copy of its input
+
+    @classmethod
+    def of(cls, weights: int, compute: int) -> ActivationPrecision:
+        """float32 weights computing in 16 bits run under autocast; otherwise activations are in the
+        weights' dtype (FSDP's mixed precision hands the blocks 16-bit weights: pass weights=2)."""
+        if weights == 4 and compute == 2:
+            return cls(2, 4, True)
+        return cls(weights, weights)
+
+
+BF16 = ActivationPrecision()
+
+
+def _norm_bytes(h: int, p: ActivationPrecision) -> float:
+    """An RMSNorm keeps its input as float32 (upcast, or as is) and the normalised tensor (in the
+    residual's dtype) for the weight's gradient, plus a float32 1/rms per token."""
+    return 4 * h + p.residual * h + 4
+
+
 def layer_activation_bytes(
     config: ModelConfig,
     seq: int,
     micro_batch: int,
     tp: int = 1,
     recompute: str = "none",
-    bytes_per_value: int = 2,
+    precision: ActivationPrecision = BF16,
     layer: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward, per GPU. recompute: "none", or "full" (only the layer's
@@ -41,27 +71,28 @@ def layer_activation_bytes(
     which layer (dense or MoE in models that mix them); default: an MoE layer when the model has experts."""
     sbh = seq * micro_batch * config.hidden_size
     if recompute == "full":
-        return sbh * bytes_per_value / tp
+        return sbh * precision.residual / tp
     if recompute != "none":
         raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
-    h = config.hidden_size
+    h, a = config.hidden_size, precision.compute
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    # Each RMSNorm keeps its input in float32 (2 values' bytes), the normalized bf16 tensor (for the
-    # weight's gradient) and its output (the next projections' input).
-    norms = 2 * (2 * h + h + h)
-    # q, k, v after rotary and the attention output (SDPA's saved tensors, the output being o_proj's
-    # input), plus the float32 logsumexp per head.
-    attention = 2 * q + 2 * kv + 2 * config.num_heads / config.head_dim
     moe = config.num_experts > 0 if layer is None else config.is_moe_layer(layer)
+    # The normed inputs of attention and MLP: one tensor shared by their projections, or under
+    # autocast one cast copy per projection (q, k, v; MLA's two down-projections; gate and up).
+    attention_inputs = (2 if config.is_mla else 3) if precision.autocast else 1
+    mlp_inputs = (2 + (2 if config.shared_expert_intermediate_size else 0) if moe else 2) if precision.autocast else 1
+    values = 2 * _norm_bytes(h, precision) + a * h * (attention_inputs + mlp_inputs)
+    # q, k, v after rotary and the attention output (SDPA's saved tensors, the output being o_proj's
+    # input), the float32 logsumexp per head, the rotary cos/sin the products keep.
+    values += a * (2 * q + 2 * kv + 2 * config.head_dim) + 4 * config.num_heads
     if moe:
         k, i = config.num_experts_per_tok, config.moe_intermediate_size
         # Per routed slot: its gathered input, the fused gate/up output, SiLU(gate), the product (down's
         # input) and three h-wide copies of its output (sorted, scattered back, weighted); the router's
         # float32 probabilities twice.
-        mlp = k * (4 * i + 4 * h) + 2 * 2 * config.num_experts
+        values += a * k * (4 * i + 4 * h) + 2 * 4 * config.num_experts
         if config.shared_expert_intermediate_size:
-            mlp += 4 * config.shared_expert_intermediate_size
+            values += a * 4 * config.shared_expert_intermediate_size
     else:
-        mlp = 4 * config.intermediate_size  # gate and up outputs, SiLU(gate), the product (down's input)
-    values_per_token = norms + attention + mlp
-    return seq * micro_batch * values_per_token * bytes_per_value / tp
+        values += a * 4 * config.intermediate_size  # gate and up outputs, SiLU(gate), the product (down's input)
+    return seq * micro_batch * values / tp

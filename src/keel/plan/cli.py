@@ -77,9 +77,41 @@ def _write_json(path: str, payload: dict) -> None:
     os.replace(tmp, out)
 
 
+def cmd_train_run(args: argparse.Namespace) -> int:
+    """`keel plan train --config run.toml --nproc N`: one keel run's peak memory per rank."""
+    from keel.plan.run import predict_run_memory
+    from keel.train.config import load_config, model_config_from, resolve_layout
+    from keel.weights.loader import open_checkpoint
+
+    cfg = load_config(args.config, [])
+    if cfg.model.config is not None:
+        config = model_config_from(cfg.model.config)
+    else:
+        config = open_checkpoint(cfg.model.source).config
+    layout = resolve_layout(cfg, args.nproc, config)
+    mem = predict_run_memory(cfg, config, layout)
+    print(f"{args.config}: {config.param_counts()['total']:,} parameters; {args.nproc} rank(s): pp={layout.pp} "
+          f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp}, micro-batch "
+          f"{layout.micro_batch_size} x {cfg.data.seq_len} tokens, grad_accum {layout.grad_accum}, "
+          f"{cfg.model.dtype} weights, precision {cfg.training.precision}, activation checkpointing "
+          f"{cfg.activation_checkpoint.mode}")  # fmt: skip
+    print(f"predicted tensor memory peak per rank: {mem.peak / 2**20:.1f} MiB, at {mem.moment}")
+    for kind in ("weights", "grads", "optimizer", "activations", "temporary"):
+        print(f"  {kind:<12} {getattr(mem, kind) / 2**20:10.1f} MiB")
+    if args.json:
+        _write_json(args.json, {"config": args.config, "nproc": args.nproc, "memory": mem.as_dict()})
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.plan.train import as_dicts as train_dicts
 
+    if args.config is not None:
+        if args.model is not None or args.gpus is not None:
+            raise KeelError("keel plan train: give either MODEL --gpus (a cluster plan) or --config (one keel run)")
+        return cmd_train_run(args)
+    if args.model is None or args.gpus is None:
+        raise KeelError("keel plan train: MODEL and --gpus are required (or --config RUN.toml for one keel run)")
     config = model_config(args.model)
     cluster = parse_cluster(args.gpus)
     tokens = parse_tokens(args.global_batch)
@@ -108,8 +140,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="memory and time planning for training and serving")
     psub = p.add_subparsers(dest="plan_command", required=True, metavar="COMMAND")
     t = psub.add_parser("train", help="memory per GPU and step time of every parallel layout")
-    t.add_argument("model", help="a config.json, an HF directory, a GGUF file or a catalog name")
-    t.add_argument("--gpus", required=True, help="COUNTxTYPE, e.g. 2048xH800")
+    t.add_argument("model", nargs="?", help="a config.json, an HF directory, a GGUF file or a catalog name")
+    t.add_argument("--gpus", help="COUNTxTYPE, e.g. 2048xH800")
+    t.add_argument("--config", help="instead: a keel training config (TOML); predicts that run's peak per rank")
+    t.add_argument("--nproc", type=int, default=1, help="with --config: processes (the world size)")
     t.add_argument("--seq", type=int, default=4096, help="sequence length")
     t.add_argument("--global-batch", default="4M", help="tokens per optimizer step (e.g. 16M)")
     t.add_argument("--mfu", type=float, default=0.5, help="fraction of dense peak the matmuls reach")

@@ -183,6 +183,9 @@ class LogSection(_Section):
     interval: int = Field(1, ge=1)
     jsonl: str = Field("metrics.jsonl", min_length=1)  # relative to the run dir
     progress: bool = True
+    # Measure one step's tensor memory by kind (torch's MemTracker; the step runs slower) and record
+    # it beside the planner's prediction (keel.plan.run) in the metrics file.
+    memory_breakdown: bool = False
 
 
 class TrainConfig(_Section):
@@ -496,6 +499,9 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
             raise fail("parallel: pp_schedule 'interleaved1f1b' needs pp_stages_per_rank >= 2")
         if schedule == "zbv" and stages_per_rank != 2:
             raise fail(f"parallel: pp_schedule 'zbv' needs pp_stages_per_rank = 2, got {stages_per_rank}")
+        if cfg.log.memory_breakdown:
+            raise fail("log.memory_breakdown: not available with pipeline parallelism (a schedule runs each stage "
+                       "several times per step, which torch's MemTracker does not follow)")  # fmt: skip
         if micro % microbatches:
             raise fail(
                 f"parallel: pp_microbatches = {microbatches} does not divide training.micro_batch_size = {micro} "

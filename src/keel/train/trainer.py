@@ -29,12 +29,14 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer, build_model
+from keel.plan.run import predict_run_memory
 from keel.train import moe_stats
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
 from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
+from keel.train.memory import StepMemory, track_step_memory
 from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_memory_bytes
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.precision import DynamicLossScaler, clip_grad_norm_
@@ -127,6 +129,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, tr.precision)
         self.watchdog = StepWatchdog(cfg.watchdog.timeout_s)
+        self.predicted_memory = predict_run_memory(cfg, self.model_config, self.layout)
+        self.memory_record: dict[str, Any] | None = None  # [log] memory_breakdown: the measured step
+        self._step_memory: StepMemory | None = None
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> tuple[ModelConfig, Any, Transformer]:
@@ -155,8 +160,12 @@ class Trainer:
         compute = COMPUTE[cfg.training.precision]
         # FSDP's mixed precision casts the gathered copies when there is a dp dimension; otherwise autocast.
         self.use_autocast = compute is not None and lay.dp == 1 and DTYPES[cfg.model.dtype] == torch.float32
-        if self.world == 1:
-            self.modules: list[nn.Module] = [model]
+        if self.world == 1:  # no mesh; activation checkpointing still applies
+            self.modules: list[nn.Module] = [
+                parallel.apply_activation_checkpointing(
+                    model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every
+                )
+            ]
             return
         self.mesh = parallel.build_mesh(lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, self.device.type, ep=lay.ep)
 
@@ -266,6 +275,8 @@ class Trainer:
             self._data_time += time.perf_counter() - t
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             last = micro == accum - 1
+            if micro and self._step_memory is not None:
+                self._step_memory.next_micro_batch()
             for module in self.modules:  # reduce-scatter gradients once, after the last micro-batch
                 if hasattr(module, "set_requires_gradient_sync"):
                     module.set_requires_gradient_sync(last)
@@ -333,6 +344,34 @@ class Trainer:
         return loss_mesh(self.mesh).get_group(), pp
 
     def train_step(self) -> dict[str, Any]:
+        # The step measured: the first with optimizer states (the steady state), or the last one.
+        track = (
+            self.cfg.log.memory_breakdown
+            and self.memory_record is None
+            and (any(o.state for o in self.optimizers) or self.step + 1 >= self.cfg.training.steps)
+        )
+        if not track:
+            return self._train_step()
+        with track_step_memory(self.modules, self.optimizers) as memory:
+            self._step_memory = memory
+            try:
+                record = self._train_step()
+            finally:
+                self._step_memory = None
+        predicted = self.predicted_memory
+        self.memory_record = {
+            "measured_peak": memory.peak, "measured": memory.by_kind,
+            "predicted_peak": predicted.peak, "predicted": predicted.as_dict(),
+        }  # fmt: skip
+        record["memory"] = self.memory_record
+        log.info(
+            "rank %d step %d: tensor memory peak %.1f MiB measured, %.1f MiB predicted (%+.1f%%, at %s)",
+            self.rank, record["step"], memory.peak / 2**20, predicted.peak / 2**20,
+            100 * (predicted.peak / max(1, memory.peak) - 1), predicted.moment,
+        )  # fmt: skip
+        return record
+
+    def _train_step(self) -> dict[str, Any]:
         step = self.step + 1
         self._fault_scale = self.faults.loss_scale(step)
         if self.moe:  # auxiliary losses get the main loss's factor: 1/accumulation, 1/microbatches, fp16 scale
@@ -494,10 +533,10 @@ class Trainer:
         if self.rank == 0:
             log.info(
                 "training %s: %s parameters, layout pp=%d dp_replicate=%d dp_shard=%d tp=%d, grad_accum=%d; "
-                "peak %.3g FLOP/s (%s)",
+                "peak %.3g FLOP/s (%s); predicted tensor memory peak per rank %.1f MiB (at %s)",
                 cfg.run.name, f"{self.model_config.param_counts()['total']:,}", self.layout.pp,
                 self.layout.dp_replicate, self.layout.dp_shard, self.layout.tp, self.layout.grad_accum,
-                self.peak_flops, self.peak_source,
+                self.peak_flops, self.peak_source, self.predicted_memory.peak / 2**20, self.predicted_memory.moment,
             )  # fmt: skip
         try:
             while self.step < cfg.training.steps:

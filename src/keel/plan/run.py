@@ -1,0 +1,138 @@
+"""Peak memory of one keel training run, per rank, predicted from its config before it starts.
+
+`keel plan train --config run.toml [--nproc N]` prints it, and `keel train` records it next to what
+it measures (`[log] memory_breakdown = true`). The cluster planner (keel.plan.train) sums the same
+kinds of state for layouts it cannot run; here the recipe is keel's own, exactly:
+
+- model states: weights, gradients and AdamW's two moments, all in the weights' dtype, sharded over
+  `dp_shard` by FSDP2 (ZeRO-3; `dp_replicate` ranks hold copies), split by `tp` and `pp`;
+- FSDP2 gathers each block's weights in the compute dtype for its forward and backward (and
+  prefetches the next block's), and keeps the root's (embedding, final norm, head) gathered from
+  forward until the end of backward;
+- without FSDP, bf16 compute over float32 weights runs under autocast, whose cast (bf16) copy of every
+  matmul weight is saved for backward;
+- activations: `layer_activation_bytes` per block in the run's recipe, or only the block's input
+  where activation checkpointing wraps it (`full`, or every k-th block with `selective`), the final
+  norm's, the logits (compute dtype) and the loss's float32 log-sum-exp; the logits' gradient and
+  the loss's float32 row chunks when backward starts.
+
+The peak is the largest of these moments: backward starts, every activation alive (gradients exist
+from the second micro-batch of an accumulation on); the backward of each block, from the last, with
+the gradients of the blocks above it, the activations of those below and all of its own (recomputed
+from its input when checkpointed); the optimizer step, every gradient present.
+tests/test_plan_run.py compares the prediction with the peak torch's MemTracker measures in real
+runs (one process and FSDP over 2, with and without checkpointing). Pipeline stages (1F1B: `pp`
+micro-batches in flight on the first stage) and tensor parallelism (sequence-parallel activations
+split by `tp`) are modelled, not yet measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from keel.config import ModelConfig
+from keel.model.loss import CHUNK_BYTES
+from keel.plan.activations import ActivationPrecision, _norm_bytes, layer_activation_bytes
+from keel.train.config import Layout, TrainConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class RunMemory:
+    """Bytes on one rank at the predicted peak, by kind, and which moment it is."""
+
+    weights: float  # the rank's (sharded) weights plus gathered or autocast copies alive at the peak
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward, including the logits
+    temporary: float  # the logits' gradient and the loss's chunks, or a recomputed block's gradients
+    peak: float
+    moment: str
+
+    def as_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+def _block_params(config: ModelConfig) -> float:
+    counts = config.param_counts()
+    return (counts["total"] - counts["embedding"] - config.hidden_size) / config.num_layers
+
+
+def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> RunMemory:
+    """The predicted peak of one rank of the run `cfg` (model `config`, layout from
+    keel.train.config.resolve_layout)."""
+    h, vocab = config.hidden_size, config.vocab_size
+    w = DTYPE_BYTES[cfg.model.dtype]
+    compute = w if cfg.training.precision == "fp32" else 2
+    fsdp = layout.dp > 1
+    # FSDP's mixed precision hands the blocks weights already in the compute dtype.
+    precision = ActivationPrecision.of(compute if fsdp else w, compute)
+    tp, pp = layout.tp, layout.pp
+    tokens = layout.micro_batch_size * cfg.data.seq_len // max(1, layout.pp_microbatches if pp > 1 else 1)
+    counts = config.param_counts()
+    root = counts["embedding"] + h  # embedding, head (when untied), final norm
+    block = _block_params(config)
+    layers = -(-config.num_layers // pp)
+    params = (root + block * layers) / tp if pp > 1 else counts["total"] / tp
+    shard = layout.dp_shard if fsdp else 1
+    weights = params * w / shard
+    grads_all = params * w / shard
+    optimizer = 2 * params * w / shard
+
+    gathered = 0.0
+    if fsdp:  # the root's gathered copy, and two blocks' (the one computing, the prefetched one)
+        gathered = (root / tp) * compute * (1 - 1 / shard) + 2 * block / tp * compute
+    elif precision.autocast:  # the bf16 copies of every matmul weight (the embedding is a lookup)
+        gathered = 2 * (params - (0 if config.tie_word_embeddings else vocab * h / tp))
+
+    # Activations of the stage: blocks (checkpointed ones keep their input), the final norm and logits.
+    ac = cfg.activation_checkpoint
+    in_flight = min(pp, layout.pp_microbatches) if pp > 1 else 1
+    full_block = layer_activation_bytes(config, tokens, 1, tp, "none", precision) * in_flight
+    kept = []  # per block, top (last) first
+    for i in reversed(range(layers)):
+        wrapped = ac.mode == "full" or (ac.mode == "selective" and i % ac.every == 0)
+        kept.append(layer_activation_bytes(config, tokens, 1, tp, "full" if wrapped else "none", precision) * in_flight)
+    head = tokens * (_norm_bytes(h, precision) + compute * h + compute * vocab / tp + 4)
+    logits_grad = tokens * compute * vocab / tp + min(CHUNK_BYTES, tokens * 4 * vocab / tp)
+    head_grad = 4 * vocab * h / tp  # the head weight's gradient, accumulated in float32
+    accumulating = layout.grad_accum > 1
+    # FSDP2 keeps unsharded gradients (compute dtype) while gradient sync is off between micro-batches.
+    grads_during = (params * compute if fsdp else grads_all) if accumulating else 0.0
+    # A block's backward: the gradients flowing in and out (h wide) and of its widest tensors (the
+    # MLP's gate, up, SiLU and product); under FSDP its unsharded gradients before the reduce-scatter.
+    width = config.intermediate_size
+    if config.num_experts:
+        width = config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
+    block_temp = tokens * compute * (2 * h + 4 * width / tp) + (block / tp * (compute + 4) if fsdp else 0.0)
+    block_grads = block / tp * w / shard
+    head_params = (vocab * h if not config.tie_word_embeddings else 0) + h
+    head_grads = head_params / tp * (compute if fsdp else w)
+
+    moments = [
+        RunMemory(
+            weights + gathered,
+            grads_during,
+            optimizer,
+            sum(kept) + head,
+            logits_grad + head_grad,
+            0.0,
+            "backward starts",
+        ),  # fmt: skip
+    ]
+    # Backward block by block, from the last: the gradients of the blocks above exist, the
+    # activations of the blocks below are still kept, the current one's are all there (recomputed
+    # from its input when it is checkpointed).
+    for j in range(layers):
+        grads = max(grads_during, head_grads + j * block_grads)
+        alive = sum(kept[j + 1 :]) + full_block
+        moment = f"backward of block {layers - 1 - j}"
+        moments.append(RunMemory(weights + gathered, grads, optimizer, alive, block_temp, 0.0, moment))
+    moments.append(RunMemory(
+        weights + (root / tp * compute * (1 - 1 / shard) if fsdp else 0.0), grads_all, optimizer, 0.0, 0.0, 0.0,
+        "optimizer step",
+    ))  # fmt: skip
+    for m in moments:
+        m.peak = m.weights + m.grads + m.optimizer + m.activations + m.temporary
+    return max(moments, key=lambda m: m.peak)

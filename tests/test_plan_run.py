@@ -1,0 +1,160 @@
+"""keel plan's memory prediction for keel's own training runs against what the runs measure.
+
+Each run records one step's tensor memory measured by torch's MemTracker (`[log] memory_breakdown`)
+beside the planner's prediction (keel.plan.run); the issue asks for the prediction within 15% of the
+measured peak, in one process and under FSDP over 2 ranks, with and without activation checkpointing.
+The model is sized so that weights, optimizer states, activations and logits all weigh in (5-11M
+parameters, 1,024 tokens per micro-batch).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keel.train.config import load_config
+from keel.train.data import write_token_file
+from keel.train.metrics import read_metrics
+from keel.train.trainer import Trainer
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan_run")
+    save_hf_model("llama", root / "tok")
+    save_byte_tokenizer(root / "tok")
+    rng = np.random.default_rng(0)
+    write_token_file(root / "data.bin", rng.integers(3, 250, size=60000), vocab_size=256, eos_id=2)
+    return root
+
+
+def write_config(root: Path, name: str, *, dtype="float32", precision="bf16", ac="none", every=1, moe=False,
+                 tie=False, vocab=4096, global_batch=4, micro_batch=4) -> Path:  # fmt: skip
+    arch = "MixtralForCausalLM" if moe else "LlamaForCausalLM"
+    experts = "num_local_experts = 4\nnum_experts_per_tok = 2\n" if moe else ""
+    path = root / f"{name}.toml"
+    path.write_text(f"""
+[model]
+tokenizer = "{root / "tok"}"
+dtype = "{dtype}"
+[model.config]
+architectures = ["{arch}"]
+vocab_size = {vocab}
+hidden_size = 256
+intermediate_size = 688
+num_hidden_layers = 4
+num_attention_heads = 8
+num_key_value_heads = 4
+max_position_embeddings = 512
+tie_word_embeddings = {str(tie).lower()}
+eos_token_id = 2
+{experts}
+[run]
+name = "{name}"
+dir = "{root}/runs/{{name}}"
+[data]
+path = "{root / "data.bin"}"
+seq_len = 256
+[training]
+steps = 2
+global_batch_size = {global_batch}
+micro_batch_size = {micro_batch}
+precision = "{precision}"
+[activation_checkpoint]
+mode = "{ac}"
+every = {every}
+[checkpoint]
+async_save = false
+resume = "none"
+[log]
+progress = false
+memory_breakdown = true
+""")
+    return path
+
+
+def measured_and_predicted(record: dict) -> tuple[int, float]:
+    memory = record["memory"]
+    return memory["measured_peak"], memory["predicted_peak"]
+
+
+SINGLE = {
+    "bf16-autocast": {},
+    "bf16-autocast-full-ac": dict(ac="full"),
+    "fp32-full-ac": dict(precision="fp32", ac="full"),
+    "bf16-weights-selective-ac": dict(dtype="bfloat16", ac="selective", every=2),
+    "tied-accumulating": dict(tie=True, vocab=8192, global_batch=8),
+    "moe-full-ac": dict(moe=True, ac="full"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE))
+def test_single_process_peak_is_predicted(root, case):
+    trainer = Trainer(load_config(write_config(root, case, **SINGLE[case]), []))
+    trainer.train_step()  # no optimizer states yet: not measured
+    assert trainer.memory_record is None
+    record = trainer.train_step()
+    measured, predicted = measured_and_predicted(record)
+    assert abs(predicted / measured - 1) < TOLERANCE, (case, measured, predicted, record["memory"]["predicted"])
+    # The measurement has the parts the prediction names.
+    kinds = record["memory"]["measured"]
+    assert kinds["weights"] > 0 and kinds["optimizer"] > 0 and kinds["activations"] > 0
+
+
+def test_activation_checkpointing_lowers_a_single_process_peak(root):
+    """One process checkpoints too (the layer wrappers do not need a device mesh)."""
+    peaks = {}
+    for ac in ("none", "full"):
+        trainer = Trainer(load_config(write_config(root, f"ac-{ac}", ac=ac), []))
+        trainer.train_step()
+        peaks[ac] = trainer.train_step()["memory"]["measured_peak"]
+    assert peaks["full"] < 0.8 * peaks["none"], peaks
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_fsdp_world_2_peak_is_predicted(root, ac):
+    """FSDP2 over 2 gloo ranks through `keel train --nproc 2` (torchrun), as users run it: sharded
+    float32 states, bf16 gathered blocks, the gathered root."""
+    name = f"fsdp-{ac}"
+    path = write_config(root, name, ac=ac, global_batch=8)
+    done = subprocess.run([sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [r for r in read_metrics(root / "runs" / name / "metrics.jsonl") if "memory" in r]
+    assert len(records) == 1
+    measured, predicted = measured_and_predicted(records[0])
+    assert abs(predicted / measured - 1) < TOLERANCE, (measured, predicted, records[0]["memory"])
+    # Sharding halves the states: the prediction's optimizer states are a 2-way shard of AdamW's.
+    params = 2 * 4096 * 256 + 4 * (256 * (256 + 2 * 128 + 256) + 3 * 256 * 688 + 2 * 256) + 256
+    assert records[0]["memory"]["predicted"]["optimizer"] == pytest.approx(2 * params * 4 / 2)
+
+
+def test_plan_train_config_cli(root):
+    path = write_config(root, "cli", ac="full", global_batch=8)
+    done = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "2",
+                           "--json", str(root / "plan.json")], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "dp_shard=2" in done.stdout and "predicted tensor memory peak per rank" in done.stdout
+    assert (root / "plan.json").exists()
+    bad = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "3"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    both = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "x.json", "--config", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert both.returncode != 0 and "either" in both.stderr
+
+
+def test_memory_breakdown_refuses_pipelines(root):
+    from keel.errors import ConfigError
+    from keel.train.config import resolve_layout
+
+    cfg = load_config(write_config(root, "pp"), ["parallel.pp=2"])
+    with pytest.raises(ConfigError, match="memory_breakdown"):
+        resolve_layout(cfg, 2)
