@@ -293,7 +293,8 @@ class ModelConfig:
         return attn
 
     def param_counts(self) -> dict[str, int]:
-        """Parameter counts: total, and active per token (MoE routes each token to top-k experts).
+        """Parameter counts: total, active per token (MoE routes each token to top-k experts), the
+        active ones a token multiplies (without the input embedding lookup) and the embedding tables.
 
         DeepSeek's e_score_correction_bias is a buffer (adjusted by load statistics, not by
         gradients), as in transformers, so it is not counted."""
@@ -317,7 +318,10 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         total += embed + head + h
         active += embed + head + h
-        return {"total": total, "active": active, "embedding": embed + head}
+        # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and
+        # the "activated parameters" model cards publish count the rest (a tied table, as the head, counts).
+        matmul = active - (0 if self.tie_word_embeddings else embed)
+        return {"total": total, "active": active, "active_matmul": matmul, "embedding": embed + head}
 
     # ---------------------------------------------------------------- HF I/O
     @classmethod

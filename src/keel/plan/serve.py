@@ -108,7 +108,9 @@ class _Shape:
         c = self.config
         touched = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** n) if c.num_experts else 0
         expert_read = self.routed * (touched / c.num_experts) if c.num_experts else 0.0
-        weight_read = (self.sharded / self.tp + expert_read / self.ep) * self.wbytes / self.pp
+        # The input embedding is a lookup: a step reads n of its rows, not the table.
+        lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        weight_read = ((self.sharded - lookup) / self.tp + expert_read / self.ep) * self.wbytes / self.pp
         kv_read = n * self.context * self.kv_token if with_kv else 0.0
         memory_s = (weight_read + kv_read) / self.gpu.hbm_bandwidth
         attention = _attention_flops_per_token(c, self.context) if with_kv else 0.0
@@ -153,7 +155,7 @@ def plan_serving(
         raise KeelError(f"--context must be >= 1, got {context}")
     gpu, wbytes = cluster.gpu, WEIGHT_BYTES[weights]
     split = split_params(config)
-    sharded, routed, active = split.dense, split.routed, split.active
+    sharded, routed, active = split.dense, split.routed, split.active_matmul
     layouts = []
     for tp in [d for d in (1, 2, 4, 8, 16) if d <= gpu.per_node and cluster.count % d == 0]:
         for pp in [d for d in range(1, cluster.count // tp + 1) if (cluster.count // tp) % d == 0]:

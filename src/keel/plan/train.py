@@ -103,7 +103,7 @@ def evaluate(
     if pp > 1 and m < pp:
         return None
     split = split_params(config)
-    dense, routed, active = split.dense, split.routed, split.active
+    dense, routed, active = split.dense, split.routed, split.active_matmul
     dense_gpu = dense / (tp * pp)
     routed_gpu = routed / (ep * pp)
     states = zero_bytes_per_gpu(dense_gpu, dp, zero) + zero_bytes_per_gpu(routed_gpu, dp // ep, zero)

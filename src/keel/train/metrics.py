@@ -36,11 +36,7 @@ GPU_PEAK_FLOPS = {
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token."""
-    counts = config.param_counts()
-    embed_only = config.vocab_size * config.hidden_size  # the input embedding is a lookup, no FLOPs
-    dense = counts["active"] - embed_only
-    if config.tie_word_embeddings:
-        dense += embed_only  # the tied head is still a matmul
+    dense = config.param_counts()["active_matmul"]  # the input embedding is a lookup, no FLOPs
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
     return 6.0 * dense + attention
 
