@@ -9,7 +9,7 @@ from pathlib import Path
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.plan.hardware import parse_cluster
+from keel.plan.hardware import add_cluster_arguments, cluster_from_args
 from keel.plan.serve import KV_BYTES, WEIGHT_BYTES, as_dicts, plan_serving
 from keel.plan.train import plan_training
 
@@ -28,11 +28,11 @@ def model_config(model: str) -> ModelConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = model_config(args.model)
-    cluster = parse_cluster(args.gpus)
+    cluster = cluster_from_args(args)
     layouts = plan_serving(config, cluster, args.context, args.weights, args.kv_cache_dtype, args.batch,
                            ttft_s=args.ttft, tpot_ms=args.tpot)  # fmt: skip
     counts = config.param_counts()
-    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active'] / 1e9:.1f}B active); "
+    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
           f"{cluster.count}x {cluster.gpu.name} ({cluster.gpu.memory / 1e9:.0f} GB, "
           f"{cluster.gpu.hbm_bandwidth / 1e12:.1f} TB/s); weights {args.weights}, KV {args.kv_cache_dtype}, "
           f"context {args.context}")  # fmt: skip
@@ -113,18 +113,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.model is None or args.gpus is None:
         raise KeelError("keel plan train: MODEL and --gpus are required (or --config RUN.toml for one keel run)")
     config = model_config(args.model)
-    cluster = parse_cluster(args.gpus)
+    cluster = cluster_from_args(args)
     tokens = parse_tokens(args.global_batch)
-    layouts = plan_training(config, cluster, args.seq, tokens, mfu=args.mfu)
+    layouts = plan_training(config, cluster, args.seq, tokens, mfu=args.mfu, precision=args.precision,
+                            optimizer=args.optimizer)  # fmt: skip
     counts = config.param_counts()
-    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active'] / 1e9:.1f}B active); "
+    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
           f"{cluster.count}x {cluster.gpu.name}; sequences of {args.seq}, {tokens} tokens per step; "
-          f"{len(layouts)} layouts, {sum(lay.fits for lay in layouts)} fit")  # fmt: skip
-    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'mb':>3} {'recompute':>9} {'states GB':>9} "
+          f"{args.precision}, {args.optimizer}; {len(layouts)} layouts, "
+          f"{sum(lay.fits for lay in layouts)} fit")  # fmt: skip
+    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'shard':>5} {'mb':>3} {'recompute':>9} "
+          f"{'schedule':>11} {'states GB':>9} "
           f"{'act GB':>7} {'total GB':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tok/s/GPU':>9} "
           f"{'MFU':>6}")  # fmt: skip
     for lay in layouts[: args.top]:
-        print(f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.micro_batch:3d} {lay.recompute:>9} "
+        print(f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.dp_shard:5d} {lay.micro_batch:3d} "
+              f"{lay.recompute:>9} {lay.schedule:>11} "
               f"{lay.params_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
               f"{lay.bubble:6.1%} {lay.comm_s:7.2f} {lay.tokens_per_s_per_gpu:9.0f} {lay.mfu:6.1%}"
               + ("" if lay.fits else "  does not fit"))  # fmt: skip
@@ -147,6 +151,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--seq", type=int, default=4096, help="sequence length")
     t.add_argument("--global-batch", default="4M", help="tokens per optimizer step (e.g. 16M)")
     t.add_argument("--mfu", type=float, default=0.5, help="fraction of dense peak the matmuls reach")
+    t.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="matmul precision (fp8: its peak)")
+    t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "sgd"], help="optimizer state kept")
+    add_cluster_arguments(t)
     t.add_argument("--top", type=int, default=15, help="layouts printed")
     t.add_argument("--json", default=None, help="write every layout here (JSON)")
     t.set_defaults(func=cmd_train)
@@ -162,5 +169,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ttft", type=float, default=None, help="target time to first token, seconds")
     s.add_argument("--tpot", type=float, default=None, help="target time per output token, ms")
     s.add_argument("--top", type=int, default=10, help="layouts printed")
+    add_cluster_arguments(s)
     s.add_argument("--json", default=None, help="write every layout here (JSON)")
     s.set_defaults(func=cmd_serve)

@@ -8,6 +8,8 @@ per GPU, the common layout). A cluster spec `8xH200` or `2048xH800` names a coun
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -69,3 +71,44 @@ def parse_cluster(spec: str) -> Cluster:
     if count < 1:
         raise KeelError(f"--gpus {spec!r}: the count must be >= 1")
     return Cluster(get_gpu(match.group(2)), count)
+
+
+# Command-line overrides of a GPU's figures (a part not in the table, or a cluster's own network):
+# option -> (field, unit multiplier).
+OVERRIDES = {
+    "gpu_memory": ("memory", GB),
+    "bf16_tflops": ("bf16_flops", TFLOPS),
+    "fp8_tflops": ("fp8_flops", TFLOPS),
+    "hbm_tbs": ("hbm_bandwidth", TB),
+    "link_gbs": ("link", GB),
+    "network_gbs": ("network", GB),
+    "gpus_per_node": ("per_node", 1),
+}
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("custom hardware (override the GPU table's figures)")
+    g.add_argument("--gpu-memory", type=float, metavar="GB", help="HBM per GPU")
+    g.add_argument("--bf16-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak")
+    g.add_argument("--fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak")
+    g.add_argument("--hbm-tbs", type=float, metavar="TB/s", help="HBM bandwidth")
+    g.add_argument("--link-gbs", type=float, metavar="GB/s", help="per-GPU bandwidth inside a node, one direction")
+    g.add_argument("--network-gbs", type=float, metavar="GB/s", help="per-GPU bandwidth between nodes, one direction")
+    g.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs sharing the scale-up link")
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """--gpus COUNTxTYPE with any overrides applied."""
+    cluster = parse_cluster(args.gpus)
+    changes = {}
+    for option, (field, unit) in OVERRIDES.items():
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if value <= 0:
+            raise KeelError(f"--{option.replace('_', '-')} {value}: must be > 0")
+        changes[field] = int(value) if field == "per_node" else value * unit
+    if not changes:
+        return cluster
+    gpu = dataclasses.replace(cluster.gpu, name=f"{cluster.gpu.name} (custom)", **changes)
+    return Cluster(gpu, cluster.count)

@@ -2,26 +2,37 @@
 
 A layout is tp (inside a node) x pp x dp data-parallel ranks = GPUs, with ep expert-parallel ranks
 taken from the data-parallel ones (ep divides dp and the expert count), a ZeRO stage for the model
-states (1: optimizer sharded, as DeepSeek-V3; 3: everything sharded, keel's FSDP2), a micro-batch of
-`micro_batch` sequences and activation checkpointing (none or full).
+states (1: optimizer sharded, as DeepSeek-V3; 3: everything sharded, keel's FSDP2) over `dp_shard`
+of the dp ranks (HSDP when fewer: dp / dp_shard replicas all-reduce the gradient shards), a
+micro-batch of `micro_batch` sequences, activation checkpointing (none; selective: every other
+block, keel's `selective` with every = 2; full) and a pipeline schedule (1F1B; interleaved 1F1B
+with 2 stages per rank; ZB-V, zero-bubble with 2 stages per rank).
 
 Memory per GPU (bytes):
 - model states: the dense part (attention, dense MLPs, shared experts, embeddings, norms, routers)
   split by tp and pp and ZeRO-sharded over dp; routed experts split by ep and pp and ZeRO-sharded
-  over dp / ep (their data-parallel group); mixed-precision Adam: 2 + 2 + 12 bytes per parameter;
+  over dp / ep (their data-parallel group); 2 + 2 bytes of 16-bit weights and gradients per
+  parameter plus the optimizer's float32 state: AdamW 12 (master, two moments), Muon or SGD with
+  momentum 8 (master, one buffer);
 - activations: layers per stage x `layer_activation_bytes` x micro-batches in flight (pp on the
-  first stage under 1F1B), plus the last stage's logits (float32, split by tp);
+  first stage under 1F1B and ZB-V; interleaving adds (pp - 1) / 2 more, Narayanan et al. 2021),
+  plus the last stage's logits (float32, split by tp);
 - buffers: two layers' gathered weights under ZeRO-3 (prefetch), the largest layer's gradients.
 
 Step time (seconds): compute = 6 x active parameters x tokens (+ causal attention) per GPU over
-peak x `mfu` (x 4/3 with full recomputation), stretched by the 1F1B bubble (pp - 1)/(m + pp - 1);
+peak x `mfu` (the fp8 peak for the matmuls with precision fp8, attention staying bf16; x 4/3 with
+full recomputation, x 7/6 with selective), stretched by the pipeline bubble: 1F1B
+(pp - 1)/(m + pp - 1); interleaved (pp - 1)/(2m + pp - 1); ZB-V a third of 1F1B's (ZB-H1's bound with
+equal forward, input-gradient and weight-gradient times, Qi et al. 2024; ZB-V gets closer to zero
+only when they balance exactly, so this is the conservative figure);
 tp all-reduces (4 per layer per micro-batch of mb x s x h, ring) and the EP all-to-alls (dispatch
 and combine, forward and backward, of tokens x k x h) are not overlapped; the ZeRO collectives
 (weights all-gathered in forward and backward under ZeRO-3, gradients reduce-scattered, or
 all-reduced under ZeRO-1) overlap compute, so only their excess over compute counts; a ring
 collective also pays group - 1 latency steps of 10 us (what makes ZeRO over thousands of ranks
-slow). A group inside a node uses the scale-up link, across nodes the network. The pipeline
-schedule is plain 1F1B (no interleaving). tokens/s per GPU and MFU follow.
+slow). A group inside a node uses the scale-up link, across nodes the network. Expert all-to-alls
+are not overlapped with compute (DeepSeek's DualPipe hides them; this planner does not assume it).
+tokens/s per GPU and MFU (against the peak of the precision used) follow.
 """
 
 from __future__ import annotations
@@ -33,7 +44,15 @@ from keel.errors import KeelError
 from keel.plan.activations import layer_activation_bytes
 from keel.plan.hardware import GPU, Cluster
 from keel.plan.params import split_params
-from keel.plan.zero import zero_bytes_per_gpu
+from keel.plan.zero import StateBytes, zero_bytes_per_gpu
+
+OPTIMIZERS = {
+    "adamw": StateBytes(optimizer=12.0),  # float32 master weights, two moments
+    "muon": StateBytes(optimizer=8.0),  # float32 master weights, one momentum buffer (Kimi-K2's MuonClip)
+    "sgd": StateBytes(optimizer=8.0),  # float32 master weights, momentum
+}
+SCHEDULES = ("1f1b", "interleaved", "zbv")
+RECOMPUTE_COST = {"none": 1.0, "selective": 7 / 6, "full": 4 / 3}  # forward is a third of forward + backward
 
 
 @dataclass
@@ -43,9 +62,11 @@ class TrainLayout:
     dp: int
     ep: int
     zero: int
+    dp_shard: int  # ranks the ZeRO states are sharded over (dp: plain; fewer: HSDP replicas)
     micro_batch: int
     microbatches: int  # per step per pipeline
     recompute: str
+    schedule: str  # pipeline schedule ("-" without pipeline parallelism)
     params_gb: float  # model states per GPU (weights + grads + optimizer)
     activations_gb: float
     buffers_gb: float
@@ -75,6 +96,15 @@ def _ring(bytes_: float, group: int, bandwidth: float, collectives: int = 1) -> 
     return bytes_ * (group - 1) / group / bandwidth + collectives * (group - 1) * LATENCY
 
 
+def _bubble(schedule: str, pp: int, m: int) -> float:
+    if pp == 1:
+        return 0.0
+    if schedule == "interleaved":
+        return (pp - 1) / (2 * m + pp - 1)
+    one_f_one_b = (pp - 1) / (m + pp - 1)
+    return one_f_one_b / 3 if schedule == "zbv" else one_f_one_b
+
+
 def evaluate(
     config: ModelConfig,
     cluster: Cluster,
@@ -88,13 +118,22 @@ def evaluate(
     recompute: str,
     mfu: float = 0.5,
     utilization: float = 0.9,
+    schedule: str = "1f1b",
+    dp_shard: int | None = None,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
 ) -> TrainLayout | None:
     """One layout's memory and step time; None when it is not a layout of this cluster/model."""
     gpu, n = cluster.gpu, cluster.count
     if n % (tp * pp) or tp > gpu.per_node:
         return None
     dp = n // (tp * pp)
+    shard = dp if dp_shard is None else dp_shard
+    if dp % shard or (shard != dp and zero != 3):
+        return None
     if ep > 1 and (dp % ep or not config.num_experts or config.num_experts % ep):
+        return None
+    if ep > 1 and shard % ep:
         return None
     sequences = global_batch_tokens // seq
     if sequences % (dp * micro_batch):
@@ -102,16 +141,30 @@ def evaluate(
     m = sequences // (dp * micro_batch)  # micro-batches per pipeline per step
     if pp > 1 and m < pp:
         return None
+    chunks = 2 if pp > 1 and schedule in ("interleaved", "zbv") else 1
+    if pp > 1 and config.num_layers < pp * chunks:
+        return None
+    if precision == "fp8" and gpu.fp8_flops is None:
+        return None
     split = split_params(config)
     dense, routed, active = split.dense, split.routed, split.active_matmul
     dense_gpu = dense / (tp * pp)
     routed_gpu = routed / (ep * pp)
-    states = zero_bytes_per_gpu(dense_gpu, dp, zero) + zero_bytes_per_gpu(routed_gpu, dp // ep, zero)
+    state = OPTIMIZERS[optimizer]
+    states = zero_bytes_per_gpu(dense_gpu, shard, zero, state) + zero_bytes_per_gpu(
+        routed_gpu, shard // ep, zero, state
+    )
     layers = -(-config.num_layers // pp)
-    in_flight = min(pp, m) if pp > 1 else 1
-    act_layer = layer_activation_bytes(config, seq, micro_batch, tp, recompute)
+    in_flight = 1.0
+    if pp > 1:
+        in_flight = min(pp, m) * (1 + (pp - 1) / (pp * chunks) if schedule == "interleaved" else 1)
+    full_layer = layer_activation_bytes(config, seq, micro_batch, tp, "none")
+    kept_layer = layer_activation_bytes(config, seq, micro_batch, tp, "full")
+    checkpointed = {"none": 0, "selective": layers // 2, "full": layers}[recompute]
+    per_microbatch = (layers - checkpointed) * full_layer + checkpointed * kept_layer
+    recomputing = full_layer if checkpointed else 0.0  # the one block being recomputed in backward
     logits = micro_batch * seq * config.vocab_size * 4 / tp
-    activations = layers * act_layer * in_flight + logits
+    activations = per_microbatch * in_flight + recomputing + logits
     layer_params = (dense_gpu + routed_gpu) / max(1, layers)
     buffers = (2 * 2 * layer_params if zero == 3 else 0) + 2 * layer_params
     total = states + activations + buffers
@@ -119,9 +172,9 @@ def evaluate(
 
     tokens_gpu = global_batch_tokens / n
     attention = 6 * config.num_layers * seq * config.num_heads * config.head_dim  # causal QK and PV, fwd + bwd
-    flops = tokens_gpu * (6 * active + attention)  # the step's FLOPs spread evenly over the GPUs
-    compute = flops / (gpu.bf16_flops * mfu) * (4 / 3 if recompute == "full" else 1.0)
-    bubble = (pp - 1) / (m + pp - 1) if pp > 1 else 0.0
+    peak = gpu.fp8_flops if precision == "fp8" else gpu.bf16_flops
+    compute = tokens_gpu * (6 * active / peak + attention / gpu.bf16_flops) / mfu * RECOMPUTE_COST[recompute]
+    bubble = _bubble(schedule, pp, m)
     pipeline = compute / (1 - bubble)
     comm = 0.0
     if tp > 1:  # 4 all-reduces per layer per micro-batch (2 forward, 2 backward), ring
@@ -133,14 +186,19 @@ def evaluate(
     weights_bytes = 2 * (dense_gpu + routed_gpu)
     zero_volume = (3 if zero == 3 else 2) * weights_bytes  # AG fwd + AG bwd + RS, or RS + AG of ZeRO-1
     # One collective per layer and kind (FSDP's per-layer units; ZeRO-1's buckets about as many).
-    zero_s = _ring(zero_volume, dp, _bandwidth(gpu, dp, tp * pp), collectives=(3 if zero == 3 else 2) * layers)
+    zero_s = _ring(zero_volume, shard, _bandwidth(gpu, shard, tp * pp), collectives=(3 if zero == 3 else 2) * layers)
+    replicas = dp // shard
+    if replicas > 1:  # HSDP: the replicas all-reduce their gradient shard (2x a ring's volume)
+        stride = tp * pp * shard
+        zero_s += _ring(2 * weights_bytes / shard, replicas, _bandwidth(gpu, replicas, stride), collectives=2 * layers)
     exposed = comm + max(0.0, zero_s - pipeline)
     step = pipeline + exposed
     return TrainLayout(
-        tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, micro_batch=micro_batch, microbatches=m, recompute=recompute,
+        tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, dp_shard=shard, micro_batch=micro_batch, microbatches=m,
+        recompute=recompute, schedule=schedule if pp > 1 else "-",
         params_gb=states / 1e9, activations_gb=activations / 1e9, buffers_gb=buffers / 1e9, total_gb=total / 1e9,
         fits=fits, step_s=step, compute_s=compute, bubble=bubble, comm_s=exposed,
-        tokens_per_s_per_gpu=tokens_gpu / step, mfu=6 * active * tokens_gpu / step / gpu.bf16_flops,
+        tokens_per_s_per_gpu=tokens_gpu / step, mfu=6 * active * tokens_gpu / step / peak,
     )  # fmt: skip
 
 
@@ -155,13 +213,22 @@ def plan_training(
     global_batch_tokens: int,
     micro_batches: tuple[int, ...] = (1, 2, 4),
     zero_stages: tuple[int, ...] = (1, 3),
-    recompute: tuple[str, ...] = ("none", "full"),
+    recompute: tuple[str, ...] = ("none", "selective", "full"),
     mfu: float = 0.5,
+    schedules: tuple[str, ...] = SCHEDULES,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
 ) -> list[TrainLayout]:
-    """Every layout (tp, pp, ep, ZeRO stage, micro-batch, recomputation) of the cluster, those that
-    fit first, by predicted tokens/s per GPU."""
+    """Every layout (tp, pp, ep, ZeRO stage and sharding group, micro-batch, recomputation, pipeline
+    schedule) of the cluster, those that fit first, by predicted tokens/s per GPU."""
     if seq < 1 or global_batch_tokens < seq:
         raise KeelError("the global batch must hold at least one sequence")
+    if precision not in ("bf16", "fp8"):
+        raise KeelError(f"precision {precision!r}: expected bf16 or fp8")
+    if precision == "fp8" and cluster.gpu.fp8_flops is None:
+        raise KeelError(f"precision fp8: {cluster.gpu.name} has no fp8 tensor cores")
+    if optimizer not in OPTIMIZERS:
+        raise KeelError(f"optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     powers = [1 << i for i in range(16)]
     tps = [t for t in powers if t <= cluster.gpu.per_node and cluster.count % t == 0]
     pps = [p for p in powers if p <= config.num_layers and cluster.count % p == 0]
@@ -169,13 +236,21 @@ def plan_training(
     layouts = []
     for tp in tps:
         for pp in pps:
+            dp = cluster.count // (tp * pp)
+            node = cluster.gpu.per_node // tp  # a shard group inside a node (HSDP), when smaller than dp
             for ep in eps:
                 for zero in zero_stages:
-                    for mb in micro_batches:
-                        for rc in recompute:
-                            layout = evaluate(config, cluster, seq, global_batch_tokens, tp, pp, ep, zero, mb, rc, mfu)
-                            if layout is not None:
-                                layouts.append(layout)
+                    shards = [dp] + ([node] if zero == 3 and 1 < node < dp and dp % node == 0 else [])
+                    for shard in shards:
+                        for mb in micro_batches:
+                            for rc in recompute:
+                                for schedule in schedules if pp > 1 else schedules[:1]:
+                                    layout = evaluate(
+                                        config, cluster, seq, global_batch_tokens, tp, pp, ep, zero, mb, rc, mfu,
+                                        schedule=schedule, dp_shard=shard, precision=precision, optimizer=optimizer,
+                                    )  # fmt: skip
+                                    if layout is not None:
+                                        layouts.append(layout)
     layouts.sort(key=lambda lay: (not lay.fits, -lay.tokens_per_s_per_gpu))
     return layouts
 
