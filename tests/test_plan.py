@@ -339,3 +339,25 @@ def test_training_memory_adds_up():
     single = evaluate(config, parse_cluster("1xH100"), 8192, 8192, tp=1, pp=1, ep=1, zero=3, micro_batch=1,
                       recompute="full")  # fmt: skip
     assert not single.fits
+
+
+def test_serving_plan_request_rate():
+    """With a request rate a replica runs at the smallest batch whose Little's-law throughput,
+    B / (t(B) x output + B x prefill), covers its share; a rate above what the best layout sustains
+    is reported as missed, with the most it can take."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+
+    config, cluster = _fixture("llama-3.1-405b"), parse_cluster("16xH200")
+    base = plan_serving(config, cluster, 8192, weights="fp8", request_rate=0.5, output_tokens=512)
+    best = base[0]
+    assert best.rate_ok and best.fits and best.batch < best.sequences
+    most = best.max_request_rate
+    fast = plan_serving(config, cluster, 8192, weights="fp8", request_rate=0.9 * most, output_tokens=512)
+    same = next(lay for lay in fast if (lay.tp, lay.pp) == (best.tp, best.pp))
+    assert same.rate_ok and same.batch > best.batch and same.decode_ms > best.decode_ms
+    assert same.tokens_per_s == pytest.approx(0.9 * most * 512)
+    over = plan_serving(config, cluster, 8192, weights="fp8", request_rate=10 * most, output_tokens=512)
+    assert not any(lay.rate_ok for lay in over if lay.fits)
+    with pytest.raises(KeelError, match="output-tokens"):
+        plan_serving(config, cluster, 8192, request_rate=1.0, output_tokens=8192)

@@ -30,7 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     cluster = cluster_from_args(args)
     layouts = plan_serving(config, cluster, args.context, args.weights, args.kv_cache_dtype, args.batch,
-                           ttft_s=args.ttft, tpot_ms=args.tpot)  # fmt: skip
+                           ttft_s=args.ttft, tpot_ms=args.tpot, request_rate=args.request_rate,
+                           output_tokens=args.output_tokens)  # fmt: skip
     counts = config.param_counts()
     print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
           f"{cluster.count}x {cluster.gpu.name} ({cluster.gpu.memory / 1e9:.0f} GB, "
@@ -44,6 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         note = "" if lay.fits else (
             f"does not fit; {lay.resident_expert_share:.0%} of experts resident with offloading"
             if lay.resident_expert_share < 1.0 else "does not fit")  # fmt: skip
+        if lay.rate_ok is not None:
+            note += f" sustains {lay.max_request_rate:.2f} req/s" + ("" if lay.rate_ok else " (misses the rate)")
         if lay.ttft_ok is False or lay.tpot_ok is False:
             note += " misses " + " and ".join(
                 n for n, ok in (("TTFT", lay.ttft_ok), ("TPOT", lay.tpot_ok)) if ok is False
@@ -166,6 +169,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--weights", default="bf16", choices=list(WEIGHT_BYTES))
     s.add_argument("--kv-cache-dtype", default="bf16", choices=list(KV_BYTES))
     s.add_argument("--batch", type=int, default=None, help="sequences per replica (default: as many as fit, <= 256)")
+    s.add_argument("--request-rate", type=float, default=None, help="requests/s to sustain (sets the batch)")
+    s.add_argument("--output-tokens", type=int, default=256, help="with --request-rate: tokens generated each")
     s.add_argument("--ttft", type=float, default=None, help="target time to first token, seconds")
     s.add_argument("--tpot", type=float, default=None, help="target time per output token, ms")
     s.add_argument("--top", type=int, default=10, help="layouts printed")

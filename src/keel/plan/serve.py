@@ -22,7 +22,13 @@ replicas, with experts spread over every GPU of a replica (ep = tp; vLLM's exper
 - prefill of one `context`-token prompt: 2 x active parameters x tokens + causal attention, over
   peak x `mfu` x tp;
 - when the weights do not fit: the share of routed experts that can stay resident (expert
-  offloading keeps the rest in host memory).
+  offloading keeps the rest in host memory);
+- a request rate (`request_rate` req/s, prompts of `context - output_tokens` tokens, `output_tokens`
+  generated): a replica at batch B spends r x prefill seconds per second on prefills and the rest
+  decoding, so it sustains r = B / (t(B) x output_tokens + B x prefill) requests/s (t(B): the step
+  time); the smallest batch that sustains the replica's share of the rate is the one it runs at
+  (Little's law), its TPOT t(B) / (1 - r x prefill) (decode steps wait for the prefills between
+  them); queueing delay is not modelled (TTFT is the prefill alone).
 
 Assumptions, stated so they can be argued with: `mfu` 0.6 of dense peak for large matmuls, HBM at
 the datasheet figure (measured decode reaches ~80-90% of it on GPUs), an activation reserve of 5%
@@ -65,6 +71,8 @@ class ServeLayout:
     prefill_s: float
     ttft_ok: bool | None = None
     tpot_ok: bool | None = None
+    max_request_rate: float | None = None  # requests/s all replicas sustain at most (with a request rate)
+    rate_ok: bool | None = None
 
 
 def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
@@ -144,9 +152,16 @@ def plan_serving(
     mfu: float = 0.6,
     ttft_s: float | None = None,
     tpot_ms: float | None = None,
+    request_rate: float | None = None,
+    output_tokens: int = 256,
 ) -> list[ServeLayout]:
     """Every layout of the cluster's GPUs (tp within a node, pp, replicas), best first: those that
-    fit, by tokens/s at `batch` sequences per replica (default: as many as fit, at most 256)."""
+    fit, by tokens/s at `batch` sequences per replica (default: as many as fit, at most 256); with a
+    `request_rate`, those that sustain it first, at the batch the rate needs."""
+    if request_rate is not None and request_rate <= 0:
+        raise KeelError(f"--request-rate must be > 0, got {request_rate}")
+    if request_rate is not None and not 1 <= output_tokens < context:
+        raise KeelError(f"--output-tokens must be between 1 and the context - 1, got {output_tokens}")
     if weights not in WEIGHT_BYTES:
         raise KeelError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_BYTES)}")
     if kv_dtype not in KV_BYTES:
@@ -185,8 +200,7 @@ def plan_serving(
             bound = 1  # weights only: the KV reads grow with the batch as the compute does
             while bound < 1 << 16 and not shape.compute_bound(bound):
                 bound *= 2
-            prefill_flops = 2 * active * context + _attention_flops_per_token(config, context) * context / 2
-            prefill = prefill_flops / (tp * gpu.bf16_flops * mfu)
+            prefill = _prefill_s(config, active, context, tp, gpu.bf16_flops * mfu)
             layout = ServeLayout(
                 tp=tp, pp=pp, ep=ep, replicas=replicas, weights_gb=weights_gpu / 1e9, kv_gb=kv_free / 1e9,
                 kv_bytes_per_token=kv_token, tokens=tokens, sequences=sequences, fits=fits and sequences > 0,
@@ -194,13 +208,47 @@ def plan_serving(
                 batch=b, tokens_per_s=replicas * b * 1000 / decode_b,
                 compute_bound_batch=bound if shape.compute_bound(bound) else 0, prefill_s=prefill,
             )  # fmt: skip
+            if request_rate is not None and layout.fits:
+                _apply_rate(layout, shape, request_rate / replicas, output_tokens,
+                            _prefill_s(config, active, context - output_tokens, tp, gpu.bf16_flops * mfu))  # fmt: skip
             if ttft_s is not None:
                 layout.ttft_ok = prefill <= ttft_s
             if tpot_ms is not None:
                 layout.tpot_ok = decode_b <= tpot_ms
             layouts.append(layout)
+    if request_rate is not None:  # those that sustain the rate, by time per output token; then by capacity
+        layouts.sort(key=lambda lay: (not lay.fits, not lay.rate_ok,
+                                      lay.decode_ms if lay.rate_ok else -(lay.max_request_rate or 0.0)))  # fmt: skip
+        return layouts
     layouts.sort(key=lambda lay: (not lay.fits, -(lay.tokens_per_s if lay.fits else lay.resident_expert_share)))
     return layouts
+
+
+def _prefill_s(config: ModelConfig, active: float, tokens: int, tp: int, flops: float) -> float:
+    """Seconds to prefill one prompt of `tokens` tokens on a tp group (causal attention: half the square)."""
+    return (2 * active * tokens + _attention_flops_per_token(config, tokens) * tokens / 2) / (tp * flops)
+
+
+def _apply_rate(layout: ServeLayout, shape: _Shape, rate: float, output_tokens: int, prefill: float) -> None:
+    """Little's law for one replica taking `rate` requests/s (see the module docstring)."""
+
+    def sustained(b: int) -> tuple[float, float]:
+        step_s = shape.step(b)[0] / 1000
+        return b / (step_s * output_tokens + b * prefill), step_s
+
+    most, _ = sustained(layout.sequences)
+    layout.max_request_rate = most * layout.replicas
+    layout.rate_ok = most >= rate
+    if not layout.rate_ok:
+        return
+    lo, hi = 1, layout.sequences  # the smallest batch that sustains the rate (sustained grows with b)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if sustained(mid)[0] < rate else (lo, mid)
+    step_s = sustained(lo)[1]
+    layout.batch = lo
+    layout.decode_ms = 1000 * step_s / max(1e-9, 1 - rate * prefill)
+    layout.tokens_per_s = rate * layout.replicas * output_tokens
 
 
 def as_dicts(layouts: list[ServeLayout]) -> list[dict]:
