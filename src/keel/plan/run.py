@@ -8,7 +8,7 @@ kinds of state for layouts it cannot run; here the recipe is keel's own, exactly
   `dp_shard` by FSDP2 (ZeRO-3; `dp_replicate` ranks hold copies), split by `tp` and `pp`;
 - FSDP2 gathers each block's weights in the compute dtype for its forward and backward (and
   prefetches the next block's), and keeps the root's (embedding, final norm, head) gathered from
-  forward until the end of backward;
+  forward until the end of backward; each unit's gradients are reduce-scattered in float32;
 - without FSDP, bf16 compute over float32 weights runs under autocast, whose cast (bf16) copy of every
   matmul weight is saved for backward;
 - activations: `layer_activation_bytes` per block in the run's recipe, or only the block's input
@@ -19,7 +19,9 @@ kinds of state for layouts it cannot run; here the recipe is keel's own, exactly
 The peak is the largest of these moments: backward starts, every activation alive (gradients exist
 from the second micro-batch of an accumulation on); the backward of each block, from the last, with
 the gradients of the blocks above it, the activations of those below and all of its own (recomputed
-from its input when checkpointed); the optimizer step, every gradient present.
+from its input when checkpointed); under FSDP the reduce-scatter of the root's gradients, last in
+backward (unsharded, cast to float32, copied into the collective's buffer, its output shard); the optimizer step,
+every gradient present.
 tests/test_plan_run.py compares the prediction with the peak torch's MemTracker measures in real
 runs (one process and FSDP over 2, with and without checkpointing). Pipeline stages (1F1B: `pp`
 micro-batches in flight on the first stage) and tensor parallelism (sequence-parallel activations
@@ -82,7 +84,7 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
 
     gathered = 0.0
     if fsdp:  # the root's gathered copy, and two blocks' (the one computing, the prefetched one)
-        gathered = (root / tp) * compute * (1 - 1 / shard) + 2 * block / tp * compute
+        gathered = (root / tp) * compute + 2 * block / tp * compute
     elif precision.autocast:  # the bf16 copies of every matmul weight (the embedding is a lookup)
         gathered = 2 * (params - (0 if config.tie_word_embeddings else vocab * h / tp))
 
@@ -96,7 +98,9 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
         kept.append(layer_activation_bytes(config, tokens, 1, tp, "full" if wrapped else "none", precision) * in_flight)
     head = tokens * (_norm_bytes(h, precision) + compute * h + compute * vocab / tp + 4)
     logits_grad = tokens * compute * vocab / tp + min(CHUNK_BYTES, tokens * 4 * vocab / tp)
-    head_grad = 4 * vocab * h / tp  # the head weight's gradient, accumulated in float32
+    # The head weight's gradient: accumulated in float32 into a float32 parameter; under FSDP the
+    # unsharded gradient of the gathered (compute dtype) weight.
+    head_grad = (compute if fsdp else 4) * vocab * h / tp
     accumulating = layout.grad_accum > 1
     # FSDP2 keeps unsharded gradients (compute dtype) while gradient sync is off between micro-batches.
     grads_during = (params * compute if fsdp else grads_all) if accumulating else 0.0
@@ -105,7 +109,10 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     width = config.intermediate_size
     if config.num_experts:
         width = config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
-    block_temp = tokens * compute * (2 * h + 4 * width / tp) + (block / tp * (compute + 4) if fsdp else 0.0)
+    # FSDP2's reduce-scatter of a unit's gradients: the unsharded gradients (compute dtype), their
+    # float32 cast (the reduce dtype), the collective's float32 input buffer and its output shard.
+    reduce_scatter = compute + (4 if compute != 4 else 0) + 4 + (4 / shard if fsdp else 0)
+    block_temp = tokens * compute * (2 * h + 4 * width / tp) + (block / tp * reduce_scatter if fsdp else 0.0)
     block_grads = block / tp * w / shard
     head_params = (vocab * h if not config.tie_word_embeddings else 0) + h
     head_grads = head_params / tp * (compute if fsdp else w)
@@ -129,10 +136,12 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
         alive = sum(kept[j + 1 :]) + full_block
         moment = f"backward of block {layers - 1 - j}"
         moments.append(RunMemory(weights + gathered, grads, optimizer, alive, block_temp, 0.0, moment))
-    moments.append(RunMemory(
-        weights + (root / tp * compute * (1 - 1 / shard) if fsdp else 0.0), grads_all, optimizer, 0.0, 0.0, 0.0,
-        "optimizer step",
-    ))  # fmt: skip
+    if fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
+        moments.append(RunMemory(
+            weights + root / tp * compute, grads_all - root / tp * w / shard, optimizer, 0.0,
+            root / tp * reduce_scatter, 0.0, "reduce-scatter of the root's gradients",
+        ))  # fmt: skip
+    moments.append(RunMemory(weights, grads_all, optimizer, 0.0, 0.0, 0.0, "optimizer step"))
     for m in moments:
         m.peak = m.weights + m.grads + m.optimizer + m.activations + m.temporary
     return max(moments, key=lambda m: m.peak)
