@@ -112,7 +112,8 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     # FSDP2's reduce-scatter of a unit's gradients: the unsharded gradients (compute dtype), their
     # float32 cast (the reduce dtype), the collective's float32 input buffer and its output shard.
     reduce_scatter = compute + (4 if compute != 4 else 0) + 4 + (4 / shard if fsdp else 0)
-    block_temp = tokens * compute * (2 * h + 4 * width / tp) + (block / tp * reduce_scatter if fsdp else 0.0)
+    # The reduce-scatter follows the block's backward, whose temporaries are gone by then: the larger counts.
+    block_temp = max(tokens * compute * (2 * h + 4 * width / tp), block / tp * reduce_scatter if fsdp else 0.0)
     block_grads = block / tp * w / shard
     head_params = (vocab * h if not config.tie_word_embeddings else 0) + h
     head_grads = head_params / tp * (compute if fsdp else w)
