@@ -361,3 +361,20 @@ def test_serving_plan_request_rate():
     assert not any(lay.rate_ok for lay in over if lay.fits)
     with pytest.raises(KeelError, match="output-tokens"):
         plan_serving(config, cluster, 8192, request_rate=1.0, output_tokens=8192)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_every_fixture_plans_training_and_serving(name):
+    """Both planners on every published config: layouts that fit on 1,024 H100s for training (4K
+    sequences, 16M tokens per step) and on 16 H200s in fp8 for serving at 8K tokens, memory within
+    what fits, throughput positive."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+    from keel.plan.train import plan_training
+
+    config = _fixture(name)
+    train = plan_training(config, parse_cluster("1024xH100"), 4096, 16 * 2**20, micro_batches=(1,))
+    best = train[0]
+    assert best.fits and best.total_gb <= 80 * 0.9 and best.tokens_per_s_per_gpu > 0 and 0 < best.mfu < 1
+    serve = plan_serving(config, parse_cluster("16xH200"), 8192, weights="fp8")
+    assert serve[0].fits and serve[0].sequences > 0 and serve[0].tokens_per_s > 0
