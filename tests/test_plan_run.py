@@ -20,7 +20,9 @@ from keel.train.config import load_config
 from keel.train.data import write_token_file
 from keel.train.metrics import read_metrics
 from keel.train.trainer import Trainer
-from tiny_models import save_byte_tokenizer, save_hf_model
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+from plan_memory import TINY, config_text  # noqa: E402  (the benchmark's runs, so both stay the same)
 
 TOLERANCE = 0.15
 
@@ -28,55 +30,14 @@ TOLERANCE = 0.15
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan_run")
-    save_hf_model("llama", root / "tok")
-    save_byte_tokenizer(root / "tok")
     rng = np.random.default_rng(0)
-    write_token_file(root / "data.bin", rng.integers(3, 250, size=60000), vocab_size=256, eos_id=2)
+    write_token_file(root / "data.bin", rng.integers(3, 4000, size=60000), vocab_size=4096, eos_id=2)
     return root
 
 
-def write_config(root: Path, name: str, *, dtype="float32", precision="bf16", ac="none", every=1, moe=False,
-                 tie=False, vocab=4096, global_batch=4, micro_batch=4) -> Path:  # fmt: skip
-    arch = "MixtralForCausalLM" if moe else "LlamaForCausalLM"
-    experts = "num_local_experts = 4\nnum_experts_per_tok = 2\n" if moe else ""
+def write_config(root: Path, name: str, world: int = 1, vocab: int = 4096, **recipe) -> Path:
     path = root / f"{name}.toml"
-    path.write_text(f"""
-[model]
-tokenizer = "{root / "tok"}"
-dtype = "{dtype}"
-[model.config]
-architectures = ["{arch}"]
-vocab_size = {vocab}
-hidden_size = 256
-intermediate_size = 688
-num_hidden_layers = 4
-num_attention_heads = 8
-num_key_value_heads = 4
-max_position_embeddings = 512
-tie_word_embeddings = {str(tie).lower()}
-eos_token_id = 2
-{experts}
-[run]
-name = "{name}"
-dir = "{root}/runs/{{name}}"
-[data]
-path = "{root / "data.bin"}"
-seq_len = 256
-[training]
-steps = 2
-global_batch_size = {global_batch}
-micro_batch_size = {micro_batch}
-precision = "{precision}"
-[activation_checkpoint]
-mode = "{ac}"
-every = {every}
-[checkpoint]
-async_save = false
-resume = "none"
-[log]
-progress = false
-memory_breakdown = true
-""")
+    path.write_text(config_text(root, name, dict(TINY, vocab=vocab), world, **recipe))
     return path
 
 
@@ -90,7 +51,7 @@ SINGLE = {
     "bf16-autocast-full-ac": dict(ac="full"),
     "fp32-full-ac": dict(precision="fp32", ac="full"),
     "bf16-weights-selective-ac": dict(dtype="bfloat16", ac="selective", every=2),
-    "tied-accumulating": dict(tie=True, vocab=8192, global_batch=8),
+    "tied-accumulating": dict(tie=True, vocab=8192, accumulate=2),
     "moe-full-ac": dict(moe=True, ac="full"),
 }
 
@@ -124,7 +85,7 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab):
     float32 states, bf16 gathered blocks, the gathered root. With checkpointing and a large vocabulary
     the peak moves to the end of backward, where the root's gradients are reduce-scattered."""
     name = f"fsdp-{ac}-{vocab}"
-    path = write_config(root, name, ac=ac, global_batch=8, vocab=vocab)
+    path = write_config(root, name, world=2, ac=ac, vocab=vocab)
     done = subprocess.run([sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -138,7 +99,7 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab):
 
 
 def test_plan_train_config_cli(root):
-    path = write_config(root, "cli", ac="full", global_batch=8)
+    path = write_config(root, "cli", world=2, ac="full")
     done = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "2",
                            "--json", str(root / "plan.json")], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
