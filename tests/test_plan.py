@@ -313,11 +313,11 @@ def test_pipeline_schedules_recomputation_precision_and_optimizers():
     with pytest.raises(KeelError, match="fp8"):
         plan_training(config, parse_cluster("64xA100"), 8192, 2**20, precision="fp8")
     muon = evaluate(*args, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full", optimizer="muon")
-    assert muon.params_gb < by_rc["full"].params_gb
+    assert muon.states_gb < by_rc["full"].states_gb
     full_shard = evaluate(*args, tp=8, pp=1, ep=1, zero=3, micro_batch=1, recompute="full")
     hsdp = evaluate(*args, tp=8, pp=1, ep=1, zero=3, micro_batch=1, recompute="full", dp_shard=8)
     assert hsdp.dp_shard == 8 and full_shard.dp_shard == 128
-    assert hsdp.params_gb == pytest.approx(full_shard.params_gb * 128 / 8)
+    assert hsdp.states_gb == pytest.approx(full_shard.states_gb * 128 / 8)
     assert evaluate(*args, tp=8, pp=1, ep=1, zero=1, micro_batch=1, recompute="full", dp_shard=8) is None
 
 
@@ -332,9 +332,12 @@ def test_training_memory_adds_up():
     cluster = parse_cluster("1024xH100")
     lay = evaluate(config, cluster, 8192, 4 * 2**20, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="none")
     assert lay.dp == 16
-    assert lay.params_gb == pytest.approx(params / 64 * (4 + 12 / 16) / 1e9)
+    assert lay.states_gb == pytest.approx(params / 64 * (4 + 12 / 16) / 1e9)
+    assert lay.weights_gb == pytest.approx(params / 64 * 2 / 1e9) and lay.grads_gb == lay.weights_gb
+    assert lay.optimizer_gb == pytest.approx(params / 64 * 12 / 16 / 1e9)
+    assert lay.layer_activations_recompute_gb < lay.layer_activations_gb
     full = evaluate(config, cluster, 8192, 4 * 2**20, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full")
-    assert full.activations_gb < lay.activations_gb and full.params_gb == lay.params_gb
+    assert full.activations_gb < lay.activations_gb and full.states_gb == lay.states_gb
     assert full.compute_s == pytest.approx(lay.compute_s * 4 / 3)
     single = evaluate(config, parse_cluster("1xH100"), 8192, 8192, tp=1, pp=1, ep=1, zero=3, micro_batch=1,
                       recompute="full")  # fmt: skip

@@ -106,6 +106,13 @@ def cmd_train_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _choices(text: str, option: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise KeelError(f"{option}: give at least one value")
+    return values
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from keel.plan.train import as_dicts as train_dicts
 
@@ -119,7 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
     tokens = parse_tokens(args.global_batch)
     layouts = plan_training(config, cluster, args.seq, tokens, mfu=args.mfu, precision=args.precision,
-                            optimizer=args.optimizer)  # fmt: skip
+                            optimizer=args.optimizer, recompute=_choices(args.recompute, "--recompute"),
+                            schedules=_choices(args.schedule, "--schedule"))  # fmt: skip
     counts = config.param_counts()
     print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
           f"{cluster.count}x {cluster.gpu.name}; sequences of {args.seq}, {tokens} tokens per step; "
@@ -132,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for lay in layouts[: args.top]:
         print(f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.dp_shard:5d} {lay.micro_batch:3d} "
               f"{lay.recompute:>9} {lay.schedule:>11} "
-              f"{lay.params_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
+              f"{lay.states_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
               f"{lay.bubble:6.1%} {lay.comm_s:7.2f} {lay.tokens_per_s_per_gpu:9.0f} {lay.mfu:6.1%}"
               + ("" if lay.fits else "  does not fit"))  # fmt: skip
     if args.json:
@@ -156,6 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--mfu", type=float, default=0.5, help="fraction of dense peak the matmuls reach")
     t.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="matmul precision (fp8: its peak)")
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "sgd"], help="optimizer state kept")
+    t.add_argument("--recompute", default="none,selective,full", help="activation checkpointing policies to try")
+    t.add_argument("--schedule", default="1f1b,interleaved,zbv", help="pipeline schedules to try")
     add_cluster_arguments(t)
     t.add_argument("--top", type=int, default=15, help="layouts printed")
     t.add_argument("--json", default=None, help="write every layout here (JSON)")

@@ -44,7 +44,7 @@ from keel.errors import KeelError
 from keel.plan.activations import layer_activation_bytes
 from keel.plan.hardware import GPU, Cluster
 from keel.plan.params import split_params
-from keel.plan.zero import StateBytes, zero_bytes_per_gpu
+from keel.plan.zero import StateBytes, zero_breakdown
 
 OPTIMIZERS = {
     "adamw": StateBytes(optimizer=12.0),  # float32 master weights, two moments
@@ -67,7 +67,12 @@ class TrainLayout:
     microbatches: int  # per step per pipeline
     recompute: str
     schedule: str  # pipeline schedule ("-" without pipeline parallelism)
-    params_gb: float  # model states per GPU (weights + grads + optimizer)
+    weights_gb: float  # per GPU
+    grads_gb: float
+    optimizer_gb: float
+    states_gb: float  # weights + grads + optimizer
+    layer_activations_gb: float  # one layer, one micro-batch, without recomputation
+    layer_activations_recompute_gb: float  # the same layer checkpointed (its input only)
     activations_gb: float
     buffers_gb: float
     total_gb: float
@@ -151,9 +156,10 @@ def evaluate(
     dense_gpu = dense / (tp * pp)
     routed_gpu = routed / (ep * pp)
     state = OPTIMIZERS[optimizer]
-    states = zero_bytes_per_gpu(dense_gpu, shard, zero, state) + zero_bytes_per_gpu(
-        routed_gpu, shard // ep, zero, state
-    )
+    dense_parts = zero_breakdown(dense_gpu, shard, zero, state)
+    routed_parts = zero_breakdown(routed_gpu, shard // ep, zero, state)
+    parts = [a + b for a, b in zip(dense_parts, routed_parts, strict=True)]  # weights, grads, optimizer
+    states = sum(parts)
     layers = -(-config.num_layers // pp)
     in_flight = 1.0
     if pp > 1:
@@ -196,7 +202,9 @@ def evaluate(
     return TrainLayout(
         tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, dp_shard=shard, micro_batch=micro_batch, microbatches=m,
         recompute=recompute, schedule=schedule if pp > 1 else "-",
-        params_gb=states / 1e9, activations_gb=activations / 1e9, buffers_gb=buffers / 1e9, total_gb=total / 1e9,
+        weights_gb=parts[0] / 1e9, grads_gb=parts[1] / 1e9, optimizer_gb=parts[2] / 1e9, states_gb=states / 1e9,
+        layer_activations_gb=full_layer / 1e9, layer_activations_recompute_gb=kept_layer / 1e9,
+        activations_gb=activations / 1e9, buffers_gb=buffers / 1e9, total_gb=total / 1e9,
         fits=fits, step_s=step, compute_s=compute, bubble=bubble, comm_s=exposed,
         tokens_per_s_per_gpu=tokens_gpu / step, mfu=6 * active * tokens_gpu / step / peak,
     )  # fmt: skip
@@ -213,7 +221,7 @@ def plan_training(
     global_batch_tokens: int,
     micro_batches: tuple[int, ...] = (1, 2, 4),
     zero_stages: tuple[int, ...] = (1, 3),
-    recompute: tuple[str, ...] = ("none", "selective", "full"),
+    recompute: tuple[str, ...] = tuple(RECOMPUTE_COST),
     mfu: float = 0.5,
     schedules: tuple[str, ...] = SCHEDULES,
     precision: str = "bf16",
@@ -229,6 +237,12 @@ def plan_training(
         raise KeelError(f"precision fp8: {cluster.gpu.name} has no fp8 tensor cores")
     if optimizer not in OPTIMIZERS:
         raise KeelError(f"optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    for policy in recompute:
+        if policy not in RECOMPUTE_COST:
+            raise KeelError(f"recomputation {policy!r}: expected {', '.join(RECOMPUTE_COST)}")
+    for schedule in schedules:
+        if schedule not in SCHEDULES:
+            raise KeelError(f"pipeline schedule {schedule!r}: expected {', '.join(SCHEDULES)}")
     powers = [1 << i for i in range(16)]
     tps = [t for t in powers if t <= cluster.gpu.per_node and cluster.count % t == 0]
     pps = [p for p in powers if p <= config.num_layers and cluster.count % p == 0]

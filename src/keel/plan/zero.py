@@ -28,9 +28,11 @@ class StateBytes:
 MIXED_PRECISION_ADAM = StateBytes()
 
 
-def zero_bytes_per_gpu(params: float, ranks: int, stage: int, state: StateBytes = MIXED_PRECISION_ADAM) -> float:
-    """Model-state bytes on each of `ranks` data-parallel GPUs for `params` parameters at ZeRO
-    `stage` (0: replicated; 1: optimizer sharded; 2: + gradients; 3: + weights)."""
+def zero_breakdown(
+    params: float, ranks: int, stage: int, state: StateBytes = MIXED_PRECISION_ADAM
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes on each of `ranks` data-parallel GPUs for `params`
+    parameters at ZeRO `stage` (0: replicated; 1: optimizer sharded; 2: + gradients; 3: + weights)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
     if ranks < 1:
@@ -38,4 +40,9 @@ def zero_bytes_per_gpu(params: float, ranks: int, stage: int, state: StateBytes 
     weights = state.weights / ranks if stage >= 3 else state.weights
     grads = state.grads / ranks if stage >= 2 else state.grads
     optimizer = state.optimizer / ranks if stage >= 1 else state.optimizer
-    return params * (weights + grads + optimizer)
+    return params * weights, params * grads, params * optimizer
+
+
+def zero_bytes_per_gpu(params: float, ranks: int, stage: int, state: StateBytes = MIXED_PRECISION_ADAM) -> float:
+    """Model-state bytes on each of `ranks` data-parallel GPUs (the sum of `zero_breakdown`)."""
+    return sum(zero_breakdown(params, ranks, stage, state))
