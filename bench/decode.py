@@ -22,36 +22,7 @@ from pathlib import Path
 
 import torch
 
-
-def copy_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
-    """STREAM-style copy bandwidth in bytes/s (read + write), buffers far larger than the L3 cache."""
-    n = megabytes * 2**20 // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
-
-
-def streamed_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per decoded token: float parameters and quantized layers' stored buffers. The
-    embedding table counts only when a float head reads it whole (tied); a lookup reads one row."""
-    head = model.lm_head
-    head_reads_table = type(head) is torch.nn.Linear and head.weight is model.embed_tokens.weight
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or (name == "embed_tokens.weight" and not head_reads_table):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    for module in model.modules():
-        stored = getattr(module, "weight_bytes", None)  # quantized layers: their integer and scale buffers
-        if isinstance(stored, int):
-            total += stored
-    return total
+from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes
 
 
 def keel_decode(model, prompt: list[int], new_tokens: int) -> float:

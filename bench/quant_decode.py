@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import copy_bandwidth, keel_decode, streamed_weight_bytes  # noqa: E402
+from decode import keel_decode  # noqa: E402
+from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes  # noqa: E402
 
 # name -> (compute dtype, quantize scheme, int4 group size, layers kept, scheme of the kept layers)
 VARIANTS = {

@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.register(sub)
 
+    from keel.profile import cli as profile_cli
+
+    profile_cli.register(sub)
+
     from keel.serve.openai.server import add_serve_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")

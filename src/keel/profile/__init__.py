@@ -1,0 +1,1 @@
+"""Profiling: where a decode step's time goes (`keel profile decode`)."""

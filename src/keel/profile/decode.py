@@ -1,0 +1,274 @@
+"""Where a decode step's time goes: `keel profile decode MODEL [--batch B] [--dtype D] [--quantize Q]`.
+
+Two passes over the same engine steps (keel's LLMEngine: scheduler, paged KV cache, runner, sampler):
+1. timing, nothing attached: the wall time per step, the figure that counts;
+2. torch.profiler, with a `record_function` scope around each part of the model (forward hooks on
+   the embedding, the norms, attention's projections, attention itself, the MLP or experts, the LM
+   head) and around sampling and scheduling. Each top-level operator's time goes to its innermost
+   scope; inside attention, the cache writes (`index_copy_`) are counted apart as KV writes.
+
+Sampling and scheduling are timed whole (their Python included). What the rest does not account
+for in the timing pass, per step, is Python and dispatch overhead (the profiler's own cost inflates
+the operator times a little, so the overhead is if anything underestimated). Bytes per step: the
+weights a step reads once (whatever the batch) plus the KV cache every sequence reads; against the
+measured copy bandwidth that gives the roofline tok/s and the fraction reached. A prefill chunk is
+profiled the same way (one request's prompt of `prefill` tokens in one step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.autograd.profiler import record_function
+
+from keel.model.layers import RMSNorm
+from keel.profile.roofline import copy_bandwidth, kv_bytes_per_token, streamed_weight_bytes
+
+PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes", "MLP / experts", "LM head",
+         "sampling", "scheduling", "other operators")  # fmt: skip
+KV_WRITE_OPS = {"aten::index_copy_", "aten::index_copy", "aten::index_put_", "aten::scatter_"}
+SCOPE = "keel::"
+
+
+@dataclass
+class StepProfile:
+    """One kind of step (decode or prefill): wall time and its split, in milliseconds per step."""
+
+    kind: str
+    batch: int
+    tokens_per_step: int
+    step_ms: float
+    parts_ms: dict[str, float] = field(default_factory=dict)
+    overhead_ms: float = 0.0
+    bytes_per_step: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * 1000 / self.step_ms
+
+
+@dataclass
+class DecodeProfile:
+    model: str
+    dtype: str
+    quantize: str | None
+    threads: int
+    device: str
+    copy_bandwidth: float  # bytes/s
+    decode: StepProfile
+    prefill: StepProfile | None
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["decode"]["tokens_per_s"] = self.decode.tokens_per_s
+        if self.prefill is not None:
+            out["prefill"]["tokens_per_s"] = self.prefill.tokens_per_s
+        return out
+
+
+def _part_of(name: str, module: torch.nn.Module) -> str | None:
+    if isinstance(module, RMSNorm):
+        return "norms"
+    if name == "embed_tokens":
+        return "embedding"
+    if name == "lm_head":
+        return "LM head"
+    if name == "rotary" or name.endswith(".self_attn"):
+        return "attention"
+    if ".self_attn." in name and name.rsplit(".", 1)[-1].endswith("_proj"):
+        return "attention projections"
+    if name.endswith(".mlp"):
+        return "MLP / experts"
+    return None
+
+
+@contextmanager
+def _scopes(model: torch.nn.Module) -> Iterator[None]:
+    """A profiler scope around every forward of the model's parts (hooks removed on exit)."""
+    handles, stack = [], []
+
+    def enter(part: str) -> Callable:
+        def hook(_module, _args) -> None:
+            scope = record_function(SCOPE + part)
+            scope.__enter__()
+            stack.append(scope)
+
+        return hook
+
+    def leave(_module, _args, _out) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    for name, module in model.named_modules():
+        part = _part_of(name, module)
+        if part is not None:
+            handles.append(module.register_forward_pre_hook(enter(part)))
+            handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _wrapped(obj: object, attr: str, part: str) -> Iterator[None]:
+    """Run obj.attr (a method or callable attribute) inside a profiler scope."""
+    original = getattr(obj, attr)
+
+    def call(*args, **kwargs):
+        with record_function(SCOPE + part):
+            return original(*args, **kwargs)
+
+    setattr(obj, attr, call)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, original)
+
+
+# Host-side parts: their scope's whole duration (Python included), not only the operators inside.
+HOST_PARTS = ("sampling", "scheduling")
+
+
+def _attribute(events, cuda: bool) -> dict[str, float]:
+    """Microseconds per part: each top-level operator (no operator above it) to its innermost scope;
+    the host-side parts by their scopes' durations."""
+    totals: dict[str, float] = defaultdict(float)
+    for ev in events:
+        if ev.name.startswith(SCOPE) and ev.name[len(SCOPE) :] in HOST_PARTS:
+            totals[ev.name[len(SCOPE) :]] += ev.cpu_time_total
+            continue
+        if ev.name.startswith(SCOPE) or ev.name.startswith("ProfilerStep"):
+            continue
+        scope, parent, nested = None, ev.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith(SCOPE):
+                scope = scope or parent.name[len(SCOPE) :]
+            elif not parent.name.startswith("ProfilerStep"):
+                nested = True  # inside another operator: counted there
+                break
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        part = scope or "other operators"
+        if part in HOST_PARTS:
+            continue  # inside a host-side scope: its duration already counts it
+        if part == "attention" and ev.name in KV_WRITE_OPS:
+            part = "KV writes"
+        totals[part] += ev.device_time_total if cuda else ev.cpu_time_total
+    return totals
+
+
+def _steps(engine, n: int, sync: Callable[[], None]) -> float:
+    """Seconds for n engine steps."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, trace: str | None) -> StepProfile:
+    device = engine.model.device
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    wall = _steps(engine, n, sync)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with (
+        _scopes(engine.model),
+        _wrapped(engine.runner, "sampler", "sampling"),
+        _wrapped(engine.scheduler, "schedule", "scheduling"),
+        torch.profiler.profile(activities=activities) as prof,
+    ):
+        _steps(engine, n, sync)
+    if trace:
+        prof.export_chrome_trace(trace)
+    parts_us = _attribute(prof.events(), cuda)
+    parts_ms = {p: parts_us.get(p, 0.0) / 1000 / n for p in PARTS}
+    step_ms = 1000 * wall / n
+    return StepProfile(kind, batch, tokens_per_step, step_ms, parts_ms, max(0.0, step_ms - sum(parts_ms.values())))
+
+
+def profile_decode(
+    model: str,
+    batch: int = 1,
+    dtype: str = "auto",
+    quantize: str | None = None,
+    steps: int = 32,
+    prompt_tokens: int = 32,
+    prefill: int | None = 256,
+    trace: str | None = None,
+    seed: int = 0,
+) -> DecodeProfile:
+    """Profile `steps` decode steps of `batch` sequences (each `prompt_tokens` long at the start), and
+    one prefill of `prefill` tokens."""
+    from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.serve.sampling import SamplingParams
+
+    if batch < 1 or steps < 1 or prompt_tokens < 1 or (prefill is not None and prefill < 0):
+        raise ValueError("batch, steps and prompt tokens must be >= 1")
+    warmup = 4
+    max_tokens = 2 * steps + warmup + 2  # the timing pass and the profiled pass
+    per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
+    blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4 + (prompt_tokens + 2 * steps) // 16
+    max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
+    config = EngineConfig(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
+                          max_model_len=max_len, max_num_seqs=batch,
+                          max_num_batched_tokens=max(2048, batch * prompt_tokens))  # fmt: skip
+    engine = LLMEngine(model, config)
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    # Decode: every sequence prefilled, a few steps to warm up, then the timed and profiled steps.
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(prompt(prompt_tokens), params)
+    for _ in range(warmup + 1):  # one step prefills every prompt (the token budget holds them)
+        engine.step()
+    decode = _profile_steps(engine, steps, "decode", batch, batch, trace)
+    weights = streamed_weight_bytes(engine.model)
+    per_token = kv_bytes_per_token(engine.cache)
+    # Each step reads every sequence's cached tokens: the mean over the timed and profiled steps.
+    decode.weight_bytes = weights
+    decode.kv_bytes = per_token * batch * (prompt_tokens + warmup + steps)
+    decode.bytes_per_step = weights + decode.kv_bytes
+
+    prefill_profile = None
+    if prefill:
+        # The loaded (and already quantized) model, one request per step: the first prompt of each
+        # pair is prefilled under the timer, the second under the profiler.
+        engine = LLMEngine(engine.loaded, dataclasses.replace(config, quantize=None, max_num_seqs=1,
+                                                               max_num_batched_tokens=max(2048, prefill)))  # fmt: skip
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for _ in range(2):  # warm-up
+            engine.add_request(prompt(prefill), one)
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.add_request(prompt(prefill), one)
+        engine.add_request(prompt(prefill), one)
+        prefill_profile = _profile_steps(engine, 1, "prefill", 1, prefill, None)
+        prefill_profile.weight_bytes = weights
+        prefill_profile.kv_bytes = per_token * prefill  # written once
+        prefill_profile.bytes_per_step = weights + prefill_profile.kv_bytes
+    return DecodeProfile(
+        model=model, dtype=str(engine.model.dtype).removeprefix("torch."), quantize=quantize,
+        threads=torch.get_num_threads(), device=str(engine.model.device),
+        copy_bandwidth=copy_bandwidth(device=engine.model.device), decode=decode, prefill=prefill_profile,
+    )  # fmt: skip
