@@ -1,15 +1,18 @@
 """Where a decode step's time goes: `keel profile decode MODEL [--batch B] [--dtype D] [--quantize Q]`.
 
-Two passes over the same engine steps (keel's LLMEngine: scheduler, paged KV cache, runner, sampler):
+Three passes over as many engine steps (keel's LLMEngine: scheduler, paged KV cache, runner, sampler):
 1. timing, nothing attached: the wall time per step, the figure that counts;
-2. torch.profiler, with a `record_function` scope around each part of the model (forward hooks on
-   the embedding, the norms, attention's projections, attention itself, the MLP or experts, the LM
-   head) and around sampling and scheduling. Each top-level operator's time goes to its innermost
-   scope; inside attention, the cache writes (`index_copy_`) are counted apart as KV writes.
+2. torch.profiler with a `record_function` scope around sampling and around scheduling only: the
+   time of the model's top-level operators (the profiler adds about a microsecond to each) and of
+   those two host-side parts, whole (their Python included);
+3. the same with a scope around each part of the model too (forward hooks on the embedding, the
+   norms, attention's projections, attention itself, the MLP or experts, the LM head): how the
+   operators' time divides. Each top-level operator goes to its innermost scope; inside attention
+   the cache writes (`index_copy_`) are counted apart as KV writes. (The hooks slow this pass down;
+   only its proportions are used.)
 
-Sampling and scheduling are timed whole (their Python included). What the rest does not account
-for in the timing pass, per step, is Python and dispatch overhead (the profiler's own cost inflates
-the operator times a little, so the overhead is if anything underestimated). Bytes per step: the
+The step time that the parts do not account for is Python and dispatch overhead (the engine's
+bookkeeping, packing the step's tensors, module calls, the dispatcher between operators). Bytes per step: the
 weights a step reads once (whatever the batch) plus the KV cache every sequence reads; against the
 measured copy bandwidth that gives the roofline tok/s and the fraction reached. A prefill chunk is
 profiled the same way (one request's prompt of `prefill` tokens in one step).
@@ -17,6 +20,7 @@ profiled the same way (one request's prompt of `prefill` tokens in one step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -35,6 +39,7 @@ PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes"
          "sampling", "scheduling", "other operators")  # fmt: skip
 KV_WRITE_OPS = {"aten::index_copy_", "aten::index_copy", "aten::index_put_", "aten::scatter_"}
 SCOPE = "keel::"
+PREFILL_STEPS = 3  # prefills timed (and as many profiled): one alone is too noisy on a busy CPU
 
 
 @dataclass
@@ -179,6 +184,8 @@ def _steps(engine, n: int, sync: Callable[[], None]) -> float:
 
 
 def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, trace: str | None) -> StepProfile:
+    """Three passes of n steps: timed; profiled with only the host-side scopes (the operators' time,
+    barely inflated); profiled with every model-part scope too (how that time divides)."""
     device = engine.model.device
     cuda = device.type == "cuda"
 
@@ -186,20 +193,27 @@ def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, 
         if cuda:
             torch.cuda.synchronize(device)
 
-    wall = _steps(engine, n, sync)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with (
-        _scopes(engine.model),
-        _wrapped(engine.runner, "sampler", "sampling"),
-        _wrapped(engine.scheduler, "schedule", "scheduling"),
-        torch.profiler.profile(activities=activities) as prof,
-    ):
-        _steps(engine, n, sync)
-    if trace:
-        prof.export_chrome_trace(trace)
-    parts_us = _attribute(prof.events(), cuda)
-    parts_ms = {p: parts_us.get(p, 0.0) / 1000 / n for p in PARTS}
-    step_ms = 1000 * wall / n
+
+    def profiled(with_parts: bool) -> dict[str, float]:
+        with contextlib.ExitStack() as stack:
+            if with_parts:
+                stack.enter_context(_scopes(engine.model))
+            stack.enter_context(_wrapped(engine.runner, "sampler", "sampling"))
+            stack.enter_context(_wrapped(engine.scheduler, "schedule", "scheduling"))
+            prof = stack.enter_context(torch.profiler.profile(activities=activities))
+            _steps(engine, n, sync)
+        if trace and with_parts:
+            prof.export_chrome_trace(trace)
+        return {part: us / 1000 / n for part, us in _attribute(prof.events(), cuda).items()}
+
+    step_ms = 1000 * _steps(engine, n, sync) / n
+    plain = profiled(with_parts=False)  # model operators all under "other operators"
+    split = profiled(with_parts=True)
+    model_ms = plain.get("other operators", 0.0)
+    split_model = sum(v for k, v in split.items() if k not in HOST_PARTS) or 1.0
+    parts_ms = {p: (plain.get(p, 0.0) if p in HOST_PARTS else model_ms * split.get(p, 0.0) / split_model)
+                for p in PARTS}  # fmt: skip
     return StepProfile(kind, batch, tokens_per_step, step_ms, parts_ms, max(0.0, step_ms - sum(parts_ms.values())))
 
 
@@ -222,9 +236,9 @@ def profile_decode(
     if batch < 1 or steps < 1 or prompt_tokens < 1 or (prefill is not None and prefill < 0):
         raise ValueError("batch, steps and prompt tokens must be >= 1")
     warmup = 4
-    max_tokens = 2 * steps + warmup + 2  # the timing pass and the profiled pass
+    max_tokens = 3 * steps + warmup + 2  # the timed pass and the two profiled ones
     per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
-    blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4 + (prompt_tokens + 2 * steps) // 16
+    blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
     config = EngineConfig(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
                           max_model_len=max_len, max_num_seqs=batch,
@@ -245,15 +259,15 @@ def profile_decode(
     decode = _profile_steps(engine, steps, "decode", batch, batch, trace)
     weights = streamed_weight_bytes(engine.model)
     per_token = kv_bytes_per_token(engine.cache)
-    # Each step reads every sequence's cached tokens: the mean over the timed and profiled steps.
+    # Each step reads every sequence's cached tokens: the mean over the three passes.
     decode.weight_bytes = weights
-    decode.kv_bytes = per_token * batch * (prompt_tokens + warmup + steps)
+    decode.kv_bytes = per_token * batch * (prompt_tokens + warmup + 1.5 * steps)
     decode.bytes_per_step = weights + decode.kv_bytes
 
     prefill_profile = None
     if prefill:
-        # The loaded (and already quantized) model, one request per step: the first prompt of each
-        # pair is prefilled under the timer, the second under the profiler.
+        # The loaded (and already quantized) model, one request per step: the first PREFILL_STEPS
+        # prompts are prefilled under the timer, the next ones in the two profiled passes.
         engine = LLMEngine(engine.loaded, dataclasses.replace(config, quantize=None, max_num_seqs=1,
                                                                max_num_batched_tokens=max(2048, prefill)))  # fmt: skip
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -261,9 +275,9 @@ def profile_decode(
             engine.add_request(prompt(prefill), one)
             while engine.has_unfinished_requests():
                 engine.step()
-        engine.add_request(prompt(prefill), one)
-        engine.add_request(prompt(prefill), one)
-        prefill_profile = _profile_steps(engine, 1, "prefill", 1, prefill, None)
+        for _ in range(3 * PREFILL_STEPS):  # one request per step of each pass
+            engine.add_request(prompt(prefill), one)
+        prefill_profile = _profile_steps(engine, PREFILL_STEPS, "prefill", 1, prefill, None)
         prefill_profile.weight_bytes = weights
         prefill_profile.kv_bytes = per_token * prefill  # written once
         prefill_profile.bytes_per_step = weights + prefill_profile.kv_bytes
