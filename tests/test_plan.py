@@ -381,3 +381,17 @@ def test_every_fixture_plans_training_and_serving(name):
     assert best.fits and best.total_gb <= 80 * 0.9 and best.tokens_per_s_per_gpu > 0 and 0 < best.mfu < 1
     serve = plan_serving(config, parse_cluster("16xH200"), 8192, weights="fp8")
     assert serve[0].fits and serve[0].sequences > 0 and serve[0].tokens_per_s > 0
+
+
+def test_decode_roofline_is_the_serving_plans():
+    """The roofline benchmarks set beside measurements (bench/decode_batch.py) is the serving plan's:
+    the same step time for the same layout, bandwidth-bound at batch 1, compute-bound at a large batch."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import decode_roofline, plan_serving
+
+    config, cluster = _fixture("llama-3.1-405b"), parse_cluster("8xH200")
+    layout = plan_serving(config, cluster, context=8192, weights="fp8", mfu=0.6)[0]
+    ms, compute_bound = decode_roofline(config, cluster.gpu, 1, 8192, weights="fp8", tp=layout.tp, pp=layout.pp)
+    assert ms == pytest.approx(layout.decode_ms_batch1) and not compute_bound
+    _, compute_bound = decode_roofline(config, cluster.gpu, 4096, 16, weights="fp8", tp=8)
+    assert compute_bound

@@ -41,13 +41,19 @@ from dataclasses import asdict, dataclass
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.plan.hardware import Cluster
+from keel.plan.hardware import GPU, Cluster
 from keel.plan.params import split_params
 
 # Bytes per weight, scales included: int8 per channel (negligible), int4 per group of 128 (a
 # bf16 scale and zero per 128 values).
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
-KV_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128}  # int8: a float16 scale per head (D ~ 128)
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}
+KV_BYTES = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0 + 2 / 128,
+}  # int8: a float16 scale per head (D ~ 128)
 
 
 @dataclass
@@ -138,6 +144,28 @@ class _Shape:
     def compute_bound(self, n: int) -> bool:
         memory_s, compute_s, _ = self._times(n, with_kv=False)
         return compute_s >= memory_s
+
+
+def decode_roofline(
+    config: ModelConfig,
+    gpu: GPU,
+    batch: int,
+    context: int,
+    weights: str = "bf16",
+    kv_dtype: str = "bf16",
+    tp: int = 1,
+    pp: int = 1,
+    mfu: float = 0.6,
+) -> tuple[float, bool]:
+    """(ms per decode step, compute-bound?) of `batch` sequences at `context` tokens: the serving
+    plan's roofline for one layout (see the module docstring), for benchmarks to set beside what
+    they measure."""
+    split = split_params(config)
+    kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
+    shape = _Shape(config, gpu, split.dense, split.routed, split.active_matmul, WEIGHT_BYTES[weights], tp, pp, tp,
+                   kv_token, context, mfu)  # fmt: skip
+    ms, memory_s, compute_s = shape.step(batch)
+    return ms, compute_s >= memory_s
 
 
 def plan_serving(
