@@ -42,6 +42,7 @@ def cmd_profile_decode(args: argparse.Namespace) -> int:
     profile = profile_decode(
         args.model, batch=args.batch, dtype=args.dtype, quantize=args.quantize, steps=args.steps,
         prompt_tokens=args.prompt_tokens, prefill=args.prefill or None, trace=args.trace,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     print(f"{args.model}: {profile.dtype}, quantize {profile.quantize or 'none'}, {profile.device}, "
           f"{profile.threads} threads")  # fmt: skip
@@ -66,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     d.add_argument("--quantize", default=None, choices=["int8", "int4", "gguf"], help="weight-only quantization")
+    d.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="the paged cache's storage")
     d.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     d.add_argument("--prompt-tokens", type=int, default=32, help="each sequence's prompt")
     d.add_argument("--prefill", type=int, default=256, help="tokens of the prefill chunk profiled (0: none)")

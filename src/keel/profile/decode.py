@@ -7,8 +7,8 @@ Three passes over as many engine steps (keel's LLMEngine: scheduler, paged KV ca
    those two host-side parts, whole (their Python included);
 3. the same with a scope around each part of the model too (forward hooks on the embedding, the
    norms, attention's projections, attention itself, the MLP or experts, the LM head): how the
-   operators' time divides. Each top-level operator goes to its innermost scope; inside attention
-   the cache writes (`index_copy_`) are counted apart as KV writes. (The hooks slow this pass down;
+   operators' time divides, the paged cache's writes (`_write`) scoped apart as KV writes. Each
+   top-level operator goes to its innermost scope. (The hooks slow this pass down;
    only its proportions are used.)
 
 The step time that the parts do not account for is Python and dispatch overhead (the engine's
@@ -37,7 +37,6 @@ from keel.profile.roofline import copy_bandwidth, kv_bytes_per_token, streamed_w
 
 PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes", "MLP / experts", "LM head",
          "sampling", "scheduling", "other operators")  # fmt: skip
-KV_WRITE_OPS = {"aten::index_copy_", "aten::index_copy", "aten::index_put_", "aten::scatter_"}
 SCOPE = "keel::"
 PREFILL_STEPS = 3  # prefills timed (and as many profiled): one alone is too noisy on a busy CPU
 
@@ -167,8 +166,6 @@ def _attribute(events, cuda: bool) -> dict[str, float]:
         part = scope or "other operators"
         if part in HOST_PARTS:
             continue  # inside a host-side scope: its duration already counts it
-        if part == "attention" and ev.name in KV_WRITE_OPS:
-            part = "KV writes"
         totals[part] += ev.device_time_total if cuda else ev.cpu_time_total
     return totals
 
@@ -199,6 +196,7 @@ def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, 
         with contextlib.ExitStack() as stack:
             if with_parts:
                 stack.enter_context(_scopes(engine.model))
+                stack.enter_context(_wrapped(engine.cache, "_write", "KV writes"))
             stack.enter_context(_wrapped(engine.runner, "sampler", "sampling"))
             stack.enter_context(_wrapped(engine.scheduler, "schedule", "scheduling"))
             prof = stack.enter_context(torch.profiler.profile(activities=activities))
@@ -227,6 +225,7 @@ def profile_decode(
     prefill: int | None = 256,
     trace: str | None = None,
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> DecodeProfile:
     """Profile `steps` decode steps of `batch` sequences (each `prompt_tokens` long at the start), and
     one prefill of `prefill` tokens."""
@@ -241,6 +240,7 @@ def profile_decode(
     blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
     config = EngineConfig(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
+                          kv_cache_dtype=kv_cache_dtype,
                           max_model_len=max_len, max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * prompt_tokens))  # fmt: skip
     engine = LLMEngine(model, config)

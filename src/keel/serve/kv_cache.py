@@ -241,6 +241,7 @@ class DecodeGroup:
     index: Tensor  # [Bg] rows of the packed step
     tables: Tensor  # [Bg, nb] block tables, padded with block 0 (masked by position)
     positions: Tensor  # [Bg] position of each query token
+    whole_step: bool = False  # the group is every row of the step, in order (index = 0..T-1)
 
 
 @dataclass
@@ -309,16 +310,20 @@ class PagedKVCache:
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
     ) -> Tensor:
-        plan = self.plan
         k_store, v_store = self.keys[layer], self.values[layer]
-        k_store.index_copy_(1, plan.slot_mapping, k[0].transpose(0, 1))
-        v_store.index_copy_(1, plan.slot_mapping, v[0].transpose(0, 1))
+        self._write(k_store, k)
+        self._write(v_store, v)
         return self._attend(q, k_store, v_store, window, None)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         store = self.keys[layer]
-        store.index_copy_(1, self.plan.slot_mapping, kv[0].transpose(0, 1))
+        self._write(store, kv)
         return self._attend(q, store, None, None, scale)
+
+    def _write(self, store: Tensor, rows: Tensor) -> None:
+        """The step's new rows [1, T, H_kv, D] into their slots of one layer's store (the KV writes;
+        keel profile decode times this method)."""
+        store.index_copy_(1, self.plan.slot_mapping, rows[0].transpose(0, 1))
 
     def _attend(
         self, q: Tensor, k_store: Tensor, v_store: Tensor | None, window: int | None, scale: float | None
@@ -334,11 +339,15 @@ class PagedKVCache:
         queries = q[0]  # [H, T, D]
         heads, group = queries.shape[0], queries.shape[0] // self.num_kv_heads
         v_dim = self.head_dim if v_store is not None else self.latent_rank
-        out = queries.new_empty(heads, queries.shape[1], v_dim)
+        whole = len(plan.decodes) == 1 and plan.decodes[0].whole_step
+        out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
         decode_scale = scale if scale is not None else self.head_dim**-0.5
         for g, dec in enumerate(plan.decodes):
             keys, values = gather(dec.tables)
-            qd = queries.index_select(1, dec.index).view(self.num_kv_heads, group, -1, self.head_dim)
+            # A step of decodes only, in row order (steady-state decoding): the queries are the
+            # group's, and its output is the step's (no selecting and scattering back).
+            rows = queries if dec.whole_step else queries.index_select(1, dec.index)
+            qd = rows.view(self.num_kv_heads, group, -1, self.head_dim)
             qd = qd.transpose(1, 2)  # [Hkv, B, G, D]
             # One-token queries: batched matmuls + float32 softmax beat SDPA's CPU kernel here
             # (which is ~9x slower in bfloat16 for this shape).
@@ -347,6 +356,8 @@ class PagedKVCache:
             scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
             probs = scores.softmax(dim=-1).to(values.dtype)
             od = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
+            if dec.whole_step:
+                return od.transpose(1, 2).reshape(heads, -1, v_dim).unsqueeze(0)
             out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, v_dim))
         for i, (start, end, table, positions) in enumerate(plan.prefills):
             keys, values = gather(table[None])

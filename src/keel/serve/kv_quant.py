@@ -148,7 +148,7 @@ class Int8PagedKVCache(PagedKVCache):
         return super().nbytes() + scales
 
     # ---------------------------------------------------------------- write
-    def _write(self, store: Tensor, scales: Tensor, rows: Tensor) -> QuantStore:
+    def _write(self, store: Tensor, rows: Tensor, scales: Tensor) -> QuantStore:  # type: ignore[override]
         """Quantize the step's rows [1, T, H_kv, D] into their slots of one layer's store."""
         q, s = quantize_kv(rows[0].transpose(0, 1), self.parts)  # [H_kv, T, D], [H_kv, T, S]
         store.index_copy_(1, self.plan.slot_mapping, q)
@@ -158,12 +158,12 @@ class Int8PagedKVCache(PagedKVCache):
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
     ) -> Tensor:
-        keys = self._write(self.keys[layer], self.key_scales[layer], k)
-        values = self._write(self.values[layer], self.value_scales[layer], v)
+        keys = self._write(self.keys[layer], k, self.key_scales[layer])
+        values = self._write(self.values[layer], v, self.value_scales[layer])
         return self._attend(q, keys, values, window, None)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        return self._attend(q, self._write(self.keys[layer], self.key_scales[layer], kv), None, None, scale)
+        return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
     # ----------------------------------------------------------------- read
     def _gather_int8(self, store: QuantStore, tables: Tensor) -> tuple[Tensor, Tensor]:

@@ -76,7 +76,7 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         rows.append(range(first, len(select)))
     plan = StepPlan(
         slot_mapping=torch.tensor(slots, device=device),
-        decodes=_decode_groups(decode_index, decode_tables, decode_positions, device),
+        decodes=_decode_groups(decode_index, decode_tables, decode_positions, device, total=len(tokens)),
         prefills=[(s, e, torch.tensor(b, device=device), torch.tensor(p, device=device)) for s, e, b, p in prefills],
     )
     return PackedStep(
@@ -177,7 +177,9 @@ class ModelRunner:
         result.prompt_logprobs[request.request_id] = entries if start == 0 else entries[1:]
 
 
-def _decode_groups(index: list[int], tables: list[list[int]], positions: list[int], device) -> list[DecodeGroup]:
+def _decode_groups(
+    index: list[int], tables: list[list[int]], positions: list[int], device, total: int = -1
+) -> list[DecodeGroup]:
     """Decode rows grouped by length: each group is padded to its longest table only. Sorted by
     block count, a new group starts when a table is over 1.25x the group's first (or past 4 groups)."""
     order = sorted(range(len(index)), key=lambda i: len(tables[i]))
@@ -190,11 +192,13 @@ def _decode_groups(index: list[int], tables: list[list[int]], positions: list[in
     result = []
     for rows in groups:
         width = max(len(tables[i]) for i in rows)
+        group_index = [index[i] for i in rows]
         result.append(
             DecodeGroup(
-                index=torch.tensor([index[i] for i in rows], device=device),
+                index=torch.tensor(group_index, device=device),
                 tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows], device=device),
                 positions=torch.tensor([positions[i] for i in rows], device=device),
+                whole_step=len(groups) == 1 and group_index == list(range(total)),
             )
         )
     return result
