@@ -108,13 +108,19 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's q and k before the rotary embedding.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
+        self.qkv_proj: nn.Linear | None = None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism q/k/v hold this rank's heads only, not num_heads.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        else:
+            q = self.q_proj(x).view(b, s, -1, self.head_dim)
+            k = self.k_proj(x).view(b, s, -1, self.head_dim)
+            v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = meta.rope

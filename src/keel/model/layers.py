@@ -132,6 +132,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        # Serving fuses gate and up into one projection at load (keel.model.fuse); None otherwise.
+        self.gate_up_proj: nn.Linear | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

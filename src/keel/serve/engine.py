@@ -60,6 +60,8 @@ class EngineConfig:
     quant_group_size: int = 128  # int4: input channels per scale/zero
     quant_keep: tuple[str, ...] = ("lm_head",)  # linear layers left in float (a mixed-precision plan)
     quant_keep_as: str | None = None  # the kept layers in this scheme instead of float (e.g. "int8")
+    # q/k/v and gate/up as one matmul each (keel.model.fuse): fewer, larger calls, identical outputs.
+    fuse_projections: bool = True
     # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -193,6 +195,11 @@ class LLMEngine:
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
                 q["quantized"], config.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
             )  # fmt: skip
+        if config.fuse_projections and not isinstance(model, LoadedModel):
+            # Only a model this engine loaded: a caller's LoadedModel keeps the modules it was given.
+            from keel.model.fuse import fuse_projections
+
+            fuse_projections(loaded.model)
         self.model: Transformer = loaded.model
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config
