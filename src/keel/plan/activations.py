@@ -50,7 +50,7 @@ class ActivationPrecision:
 BF16 = ActivationPrecision()
 
 
-def _norm_bytes(h: int, p: ActivationPrecision) -> float:
+def norm_bytes(h: int, p: ActivationPrecision) -> float:
     """An RMSNorm keeps its input as float32 (upcast, or as is) and the normalised tensor (in the
     residual's dtype) for the weight's gradient, plus a float32 1/rms per token."""
     return 4 * h + p.residual * h + 4
@@ -81,7 +81,7 @@ def layer_activation_bytes(
     # autocast one cast copy per projection (q, k, v; MLA's two down-projections; gate and up).
     attention_inputs = (2 if config.is_mla else 3) if precision.autocast else 1
     mlp_inputs = (2 + (2 if config.shared_expert_intermediate_size else 0) if moe else 2) if precision.autocast else 1
-    values = 2 * _norm_bytes(h, precision) + a * h * (attention_inputs + mlp_inputs)
+    values = 2 * norm_bytes(h, precision) + a * h * (attention_inputs + mlp_inputs)
     # q, k, v after rotary and the attention output (SDPA's saved tensors, the output being o_proj's
     # input), the float32 logsumexp per head, the rotary cos/sin the products keep.
     values += a * (2 * q + 2 * kv + 2 * config.head_dim) + 4 * config.num_heads

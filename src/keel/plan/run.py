@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from keel.config import ModelConfig
 from keel.model.loss import CHUNK_BYTES
-from keel.plan.activations import ActivationPrecision, _norm_bytes, layer_activation_bytes
+from keel.plan.activations import ActivationPrecision, layer_activation_bytes, norm_bytes
 from keel.train.config import Layout, TrainConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,16 +49,14 @@ class RunMemory:
     optimizer: float
     activations: float  # saved for backward, including the logits
     temporary: float  # the logits' gradient and the loss's chunks, or a recomputed block's gradients
-    peak: float
     moment: str
 
+    @property
+    def peak(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.temporary
+
     def as_dict(self) -> dict[str, float | str]:
-        return asdict(self)
-
-
-def _block_params(config: ModelConfig) -> float:
-    counts = config.param_counts()
-    return (counts["total"] - counts["embedding"] - config.hidden_size) / config.num_layers
+        return {**asdict(self), "peak": self.peak}
 
 
 def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> RunMemory:
@@ -74,13 +72,13 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     tokens = layout.micro_batch_size * cfg.data.seq_len // max(1, layout.pp_microbatches if pp > 1 else 1)
     counts = config.param_counts()
     root = counts["embedding"] + h  # embedding, head (when untied), final norm
-    block = _block_params(config)
+    block = (counts["total"] - root) / config.num_layers
     layers = -(-config.num_layers // pp)
     params = (root + block * layers) / tp if pp > 1 else counts["total"] / tp
     shard = layout.dp_shard if fsdp else 1
     weights = params * w / shard
-    grads_all = params * w / shard
-    optimizer = 2 * params * w / shard
+    grads_all = weights  # gradients and AdamW's two moments in the weights' dtype, sharded alike
+    optimizer = 2 * weights
 
     gathered = 0.0
     if fsdp:  # the root's gathered copy, and two blocks' (the one computing, the prefetched one)
@@ -96,7 +94,7 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     for i in reversed(range(layers)):
         wrapped = ac.mode == "full" or (ac.mode == "selective" and i % ac.every == 0)
         kept.append(layer_activation_bytes(config, tokens, 1, tp, "full" if wrapped else "none", precision) * in_flight)
-    head = tokens * (_norm_bytes(h, precision) + compute * h + compute * vocab / tp + 4)
+    head = tokens * (norm_bytes(h, precision) + compute * h + compute * vocab / tp + 4)
     logits_grad = tokens * compute * vocab / tp + min(CHUNK_BYTES, tokens * 4 * vocab / tp)
     # The head weight's gradient: accumulated in float32 into a float32 parameter; under FSDP the
     # unsharded gradient of the gathered (compute dtype) weight.
@@ -120,13 +118,7 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
 
     moments = [
         RunMemory(
-            weights + gathered,
-            grads_during,
-            optimizer,
-            sum(kept) + head,
-            logits_grad + head_grad,
-            0.0,
-            "backward starts",
+            weights + gathered, grads_during, optimizer, sum(kept) + head, logits_grad + head_grad, "backward starts"
         ),  # fmt: skip
     ]
     # Backward block by block, from the last: the gradients of the blocks above exist, the
@@ -136,13 +128,11 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
         grads = max(grads_during, head_grads + j * block_grads)
         alive = sum(kept[j + 1 :]) + full_block
         moment = f"backward of block {layers - 1 - j}"
-        moments.append(RunMemory(weights + gathered, grads, optimizer, alive, block_temp, 0.0, moment))
+        moments.append(RunMemory(weights + gathered, grads, optimizer, alive, block_temp, moment))
     if fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
         moments.append(RunMemory(
             weights + root / tp * compute, grads_all - root / tp * w / shard, optimizer, 0.0,
-            root / tp * reduce_scatter, 0.0, "reduce-scatter of the root's gradients",
+            root / tp * reduce_scatter, "reduce-scatter of the root's gradients",
         ))  # fmt: skip
-    moments.append(RunMemory(weights, grads_all, optimizer, 0.0, 0.0, 0.0, "optimizer step"))
-    for m in moments:
-        m.peak = m.weights + m.grads + m.optimizer + m.activations + m.temporary
+    moments.append(RunMemory(weights, grads_all, optimizer, 0.0, 0.0, "optimizer step"))
     return max(moments, key=lambda m: m.peak)

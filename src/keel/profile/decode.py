@@ -51,13 +51,19 @@ class StepProfile:
     step_ms: float
     parts_ms: dict[str, float] = field(default_factory=dict)
     overhead_ms: float = 0.0
-    bytes_per_step: float = 0.0
     weight_bytes: float = 0.0
     kv_bytes: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step * 1000 / self.step_ms
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "bytes_per_step": self.bytes_per_step}
 
 
 @dataclass
@@ -72,11 +78,8 @@ class DecodeProfile:
     prefill: StepProfile | None
 
     def as_dict(self) -> dict:
-        out = asdict(self)
-        out["decode"]["tokens_per_s"] = self.decode.tokens_per_s
-        if self.prefill is not None:
-            out["prefill"]["tokens_per_s"] = self.prefill.tokens_per_s
-        return out
+        return {**asdict(self), "decode": self.decode.as_dict(),
+                "prefill": self.prefill.as_dict() if self.prefill is not None else None}  # fmt: skip
 
 
 def _part_of(name: str, module: torch.nn.Module) -> str | None:
@@ -262,7 +265,6 @@ def profile_decode(
     # Each step reads every sequence's cached tokens: the mean over the three passes.
     decode.weight_bytes = weights
     decode.kv_bytes = per_token * batch * (prompt_tokens + warmup + 1.5 * steps)
-    decode.bytes_per_step = weights + decode.kv_bytes
 
     prefill_profile = None
     if prefill:
@@ -280,7 +282,6 @@ def profile_decode(
         prefill_profile = _profile_steps(engine, PREFILL_STEPS, "prefill", 1, prefill, None)
         prefill_profile.weight_bytes = weights
         prefill_profile.kv_bytes = per_token * prefill  # written once
-        prefill_profile.bytes_per_step = weights + prefill_profile.kv_bytes
     return DecodeProfile(
         model=model, dtype=str(engine.model.dtype).removeprefix("torch."), quantize=quantize,
         threads=torch.get_num_threads(), device=str(engine.model.device),
