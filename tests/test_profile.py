@@ -58,3 +58,6 @@ def test_profile_cli(model_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "keel", "profile", "decode", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    zero = subprocess.run([sys.executable, "-m", "keel", "profile", "decode", str(model_dir), "--batch", "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert zero.returncode == 1 and zero.stderr.strip() == "keel: error: --batch must be >= 1, got 0"

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
+from keel.errors import KeelError
 from keel.model.layers import RMSNorm
 from keel.profile.roofline import copy_bandwidth, kv_bytes_per_token, streamed_weight_bytes
 
@@ -235,8 +236,11 @@ def profile_decode(
     from keel.serve.engine import EngineConfig, LLMEngine
     from keel.serve.sampling import SamplingParams
 
-    if batch < 1 or steps < 1 or prompt_tokens < 1 or (prefill is not None and prefill < 0):
-        raise ValueError("batch, steps and prompt tokens must be >= 1")
+    for option, value in (("--batch", batch), ("--steps", steps), ("--prompt-tokens", prompt_tokens)):
+        if value < 1:
+            raise KeelError(f"{option} must be >= 1, got {value}")
+    if prefill is not None and prefill < 0:
+        raise KeelError(f"--prefill must be >= 0, got {prefill}")
     warmup = 4
     max_tokens = 3 * steps + warmup + 2  # the timed pass and the two profiled ones
     per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
