@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true", help="eager decode steps (default: the engine's choice)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -60,7 +61,7 @@ def main() -> None:
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 8) // 16) + 1) + 8
     engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
                                                 max_model_len=args.prompt_tokens + args.steps + 64,
-                                                max_num_seqs=max(batches)))  # fmt: skip
+                                                max_num_seqs=max(batches), compile=False if args.no_compile else None))  # fmt: skip
     config = engine.model.config
     weights = "bf16" if args.dtype == "bfloat16" else "fp32"
     print(f"{args.model} {args.dtype}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "

@@ -11,3 +11,6 @@ torch.set_num_threads(2)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines decode eagerly unless a test asks for compilation (tests/test_compiled_decode.py does):
+# compiling SmolLM2 in every test that serves it would cost minutes of the suite.
+os.environ.setdefault("KEEL_COMPILE", "0")

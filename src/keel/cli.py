@@ -72,11 +72,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         num_blocks=-(-length // 16),
         block_size=16,
         max_model_len=length,
+        compile=False,  # one request: compiling would take longer than it saves
         **offload,
         **quantization,
         **speculative,
     )
-    engine = LLMEngine(loaded, config)
+    engine = LLMEngine(loaded, config, adapt=True)
     engine.add_request(prompt_ids, params)
     out = None
     while engine.has_unfinished_requests():

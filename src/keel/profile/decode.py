@@ -1,6 +1,8 @@
 """Where a decode step's time goes: `keel profile decode MODEL [--batch B] [--dtype D] [--quantize Q]`.
 
-Three passes over as many engine steps (keel's LLMEngine: scheduler, paged KV cache, runner, sampler):
+Three passes over as many engine steps (keel's LLMEngine: scheduler, paged KV cache, runner, sampler;
+decode steps eager, since the split needs the model's modules: the compiled step is timed by
+bench/decode.py and bench/decode_batch.py):
 1. timing, nothing attached: the wall time per step, the figure that counts;
 2. torch.profiler with a `record_function` scope around sampling and around scheduling only: the
    time of the model's top-level operators (the profiler adds about a microsecond to each) and of
@@ -247,7 +249,7 @@ def profile_decode(
     blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
     config = EngineConfig(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
-                          kv_cache_dtype=kv_cache_dtype,
+                          kv_cache_dtype=kv_cache_dtype, compile=False,  # the split needs eager modules
                           max_model_len=max_len, max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * prompt_tokens))  # fmt: skip
     engine = LLMEngine(model, config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
+from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.kv_cache import KVCacheManager, parse_memory
 from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
 from keel.serve.request import Request, Status
@@ -62,6 +64,11 @@ class EngineConfig:
     quant_keep_as: str | None = None  # the kept layers in this scheme instead of float (e.g. "int8")
     # q/k/v and gate/up as one matmul each (keel.model.fuse): fewer, larger calls, identical outputs.
     fuse_projections: bool = True
+    # bf16 linear weights pre-packed for oneDNN on CPU (keel.model.prepack): identical outputs, less work per call.
+    prepack_weights: bool = True
+    # Decode steps through one torch.compile'd graph (keel.serve.compiled_decode). None: on for dense
+    # models of 50M parameters or more (where compile time pays back); False: eager (--no-compile).
+    compile: bool | None = None
     # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -161,7 +168,11 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         device: str = "cpu",
+        adapt: bool = False,
     ) -> None:
+        """adapt: rewrite a caller's LoadedModel for serving (fused projections, pre-packed weights)
+        as the engine does with a model it loads itself; for callers that loaded it only to serve it."""
+        started = time.perf_counter()
         self.config = config = config or EngineConfig()
         offloading = config.expert_cache is not None
         if isinstance(model, LoadedModel):
@@ -195,11 +206,16 @@ class LLMEngine:
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
                 q["quantized"], config.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
             )  # fmt: skip
-        if config.fuse_projections and not isinstance(model, LoadedModel):
+        owned = adapt or not isinstance(model, LoadedModel)
+        if config.fuse_projections and owned:
             # Only a model this engine loaded: a caller's LoadedModel keeps the modules it was given.
             from keel.model.fuse import fuse_projections
 
             fuse_projections(loaded.model)
+        if config.prepack_weights and owned:
+            from keel.model.prepack import prepack_linears
+
+            prepack_linears(loaded.model)
         self.model: Transformer = loaded.model
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config
@@ -239,6 +255,12 @@ class LLMEngine:
             sliding_window=next(iter(windows)) if len(windows) == 1 else None,
         )
         self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
+        self.compile_seconds = 0.0
+        if decide_compile(config.compile, self.model, self.cache, offloading):
+            self.runner.compiled = CompiledDecode(self.model, self.cache)
+            self.compile_seconds = self.runner.compiled.warm_up()
+            log.info("decode step compiled in %.1f s (inductor cache: %s)", self.compile_seconds,
+                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # fmt: skip
         self.drafter: DraftModelProposer | None = None
         if self.draft_model is not None and self.scheduler.sliding_window is not None:
             # The target frees blocks behind its window; the draft's catch-up may still need them.
@@ -260,6 +282,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.startup_seconds = time.perf_counter() - started
+        log.info("engine ready in %.1f s (decode %s)", self.startup_seconds,
+                 "compiled" if self.runner.compiled is not None else "eager")  # fmt: skip
 
     def _load_draft(self, model: str | LoadedModel, device: str) -> Transformer:
         """The draft model of method draft_model: `model` of the config, or the target's own checkpoint

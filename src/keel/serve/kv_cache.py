@@ -234,6 +234,40 @@ def parse_memory(text: str) -> int:
         raise KeelError(f"--kv-cache-memory {text!r}: expected a size such as 2GiB or 512MiB") from None
 
 
+def gather_blocks(store: Tensor, tables: Tensor, block_size: int) -> Tensor:
+    """One layer's store [H_kv, slots, D] and block ids [B, nb] -> [H_kv, B, nb * block_size, D]
+    (one index_select, contiguous)."""
+    heads, dim = store.shape[0], store.shape[2]
+    rows = store.view(heads, -1, block_size * dim).index_select(1, tables.flatten())
+    return rows.view(heads, tables.shape[0], -1, dim)
+
+
+def decode_mask(positions: Tensor, num_keys: int, window: int | None) -> Tensor:
+    """[B, L] boolean, True = attend: key slot k of a gathered table against each query position."""
+    q = positions.view(-1, 1)
+    k = torch.arange(num_keys, device=q.device).view(1, -1)
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed
+
+
+def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of one-token queries rows [H, B, D] over their gathered keys [H_kv, B, L, D] and
+    values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv]. Shared by the eager paged cache
+    and the compiled decode step (keel.serve.compiled_decode), so both compute the same numbers.
+
+    One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (which is
+    ~9x slower in bfloat16 for this shape)."""
+    kv_heads, heads, dim = keys.shape[0], rows.shape[0], rows.shape[-1]
+    qd = rows.view(kv_heads, heads // kv_heads, -1, dim).transpose(1, 2)  # [Hkv, B, G, D]
+    scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]
+    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
+    return out.transpose(1, 2).reshape(heads, -1, values.shape[-1])
+
+
 @dataclass
 class DecodeGroup:
     """Single-token queries of sequences with similar lengths, attended as one batch."""
@@ -261,12 +295,7 @@ class StepPlan:
     def mask(self, key: object, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
         """[Q, L] boolean, True = attend; memoised per step for all layers."""
         if (key, window) not in self._masks:
-            q = q_positions.view(-1, 1)
-            k = torch.arange(num_keys, device=q.device).view(1, -1)
-            allowed = k <= q
-            if window is not None:
-                allowed = allowed & (q - k < window)
-            self._masks[(key, window)] = allowed
+            self._masks[(key, window)] = decode_mask(q_positions, num_keys, window)
         return self._masks[(key, window)]
 
 
@@ -303,9 +332,7 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def _gather(self, store: Tensor, tables: Tensor) -> Tensor:
-        """Block ids [B, nb] -> [H_kv, B, nb * block_size, D] (one index_select, contiguous)."""
-        rows = store.view(self.num_kv_heads, self.num_blocks, -1).index_select(1, tables.flatten())
-        return rows.view(self.num_kv_heads, tables.shape[0], -1, self.head_dim)
+        return gather_blocks(store, tables, self.block_size)
 
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
@@ -337,7 +364,7 @@ class PagedKVCache:
             return keys, (self._gather(v_store, tables) if v_store is not None else keys[..., : self.latent_rank])
 
         queries = q[0]  # [H, T, D]
-        heads, group = queries.shape[0], queries.shape[0] // self.num_kv_heads
+        heads = queries.shape[0]
         v_dim = self.head_dim if v_store is not None else self.latent_rank
         whole = len(plan.decodes) == 1 and plan.decodes[0].whole_step
         out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
@@ -347,18 +374,11 @@ class PagedKVCache:
             # A step of decodes only, in row order (steady-state decoding): the queries are the
             # group's, and its output is the step's (no selecting and scattering back).
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
-            qd = rows.view(self.num_kv_heads, group, -1, self.head_dim)
-            qd = qd.transpose(1, 2)  # [Hkv, B, G, D]
-            # One-token queries: batched matmuls + float32 softmax beat SDPA's CPU kernel here
-            # (which is ~9x slower in bfloat16 for this shape).
-            scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * decode_scale  # [Hkv, B, G, L]
             mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
-            scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-            probs = scores.softmax(dim=-1).to(values.dtype)
-            od = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
+            od = attend_decode_rows(rows, keys, values, mask, decode_scale)
             if dec.whole_step:
-                return od.transpose(1, 2).reshape(heads, -1, v_dim).unsqueeze(0)
-            out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, v_dim))
+                return od.unsqueeze(0)
+            out.index_copy_(1, dec.index, od)
         for i, (start, end, table, positions) in enumerate(plan.prefills):
             keys, values = gather(table[None])
             keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, Hkv, L, D]

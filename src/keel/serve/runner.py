@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from keel.model.transformer import Transformer
+from keel.serve.compiled_decode import CompiledDecode
 from keel.serve.kv_cache import NULL_BLOCK, DecodeGroup, PagedKVCache, StepPlan
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
@@ -116,6 +117,7 @@ class ModelRunner:
         self.block_tables = block_tables  # seq id -> list of block ids (the KV manager's tables)
         self.device = model.device
         self.sampler = Sampler()
+        self.compiled: CompiledDecode | None = None  # set by the engine when decode steps run compiled
 
     def _chunks(self, out: SchedulerOutput) -> list[Chunk]:
         chunks = []
@@ -133,14 +135,29 @@ class ModelRunner:
             chunks.append(Chunk(self.block_tables(request.request_id), start, tokens, logits))
         return chunks
 
+    def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[range]]:
+        """The chunks' selected logits and each chunk's rows in them: a step of one-token decodes
+        through the compiled graph when there is one, anything else eagerly."""
+        if self.compiled is not None and chunks and all(len(c.tokens) == 1 and c.logits == "last" for c in chunks):
+            bs = self.block_size
+            tables = [[b if b != NULL_BLOCK else 0 for b in c.table[: c.start // bs + 1]] for c in chunks]
+            logits = self.compiled(
+                [c.tokens[0] for c in chunks],
+                [c.start for c in chunks],
+                [c.table[c.start // bs] * bs + c.start % bs for c in chunks],
+                tables,
+            )
+            return logits, [range(i, i + 1) for i in range(len(chunks))]
+        step = pack_step(chunks, self.block_size, self.device)
+        return forward_step(self.model, self.cache, step), step.rows
+
     def execute(self, out: SchedulerOutput) -> StepResult:
-        step = pack_step(self._chunks(out), self.block_size, self.device)
-        logits = forward_step(self.model, self.cache, step)
+        logits, step_rows = self._forward(self._chunks(out))
         result = StepResult()
         samplers: list[Request] = []
         sample_rows: list[int] = []
         verifiers: list[tuple[Request, range]] = []
-        for (request, n), rows in zip(out.scheduled, step.rows, strict=True):
+        for (request, n), rows in zip(out.scheduled, step_rows, strict=True):
             start = request.num_computed_tokens
             if request.spec_token_ids:
                 verifiers.append((request, rows))

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from keel.catalog import CATALOG, resolve_catalog
+from keel.model.prepack import cpu_has_native_bf16
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
 from keel.model.transformer import Transformer
@@ -231,9 +232,9 @@ def load_model(
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
-    dtype "auto" is the checkpoint's own float dtype; float32 for GGUF, whose weights are
-    quantized or mixed - bfloat16 when quantizing a GGUF file, the dtype torch's CPU integer kernels
-    are fast in.
+    dtype "auto" is the checkpoint's own float dtype; for GGUF, whose weights are quantized or
+    mixed, bfloat16 on CPUs with native bf16 matmul (AVX512-BF16, AMX) or when quantizing (the dtype
+    torch's CPU integer kernels are fast in), float32 otherwise.
 
     quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
@@ -244,7 +245,10 @@ def load_model(
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     if dtype == "auto":
-        auto = checkpoint.config.dtype if checkpoint.format != "gguf" else "bfloat16" if quantize else "float32"
+        if checkpoint.format != "gguf":
+            auto = checkpoint.config.dtype
+        else:  # quantized or mixed blocks: bf16 where the CPU is fast in it (or for torch's integer kernels)
+            auto = "bfloat16" if quantize or (device == "cpu" and cpu_has_native_bf16()) else "float32"
         dtype = auto if auto in DTYPES else "float32"
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):

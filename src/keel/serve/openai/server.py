@@ -53,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache storage: the model's dtype, or int8 with a scale per token and head")  # fmt: skip
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--no-compile", dest="compile", action="store_const", const=False, default=None,
+                   help="decode steps eagerly (default: compiled for dense models of 50M+ parameters)")  # fmt: skip
+    p.add_argument("--compile", dest="compile", action="store_const", const=True,
+                   help="compile the decode step whatever the model's size")  # fmt: skip
     add_expert_offload_args(p)
     add_quantize_args(p)
     add_speculative_args(p)
@@ -210,11 +214,12 @@ def build_engine(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
+        compile=args.compile,
         **expert_offload_config(args),
         **quantization,
         **speculative_config(args),
     )
-    return AsyncEngine(LLMEngine(loaded, config))
+    return AsyncEngine(LLMEngine(loaded, config, adapt=True))
 
 
 def _server_class():

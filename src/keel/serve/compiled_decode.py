@@ -1,0 +1,183 @@
+"""The compiled decode step: steps made only of one-token decodes run one `torch.compile`d graph.
+
+Why: at SmolLM2's size a decode step is ~450 operator calls and much of its time is spent between
+them (Python, module calls, the dispatcher, one kernel per pointwise op). Compiled, inductor fuses
+the norms, rotary embedding, SiLU-and-multiply and residual adds into a few C++ loops and the step
+runs as one call. Attention over the paged cache stays one opaque op per layer
+(`keel::paged_decode_attention`): its KV writes mutate the cache in place, and its shapes depend
+on the block-table width, which changes every `block_size` tokens; outside the graph's traced
+shapes, that width never causes a recompile. The op calls the same functions as the eager paged
+cache (`attend_decode_rows`), so attention is the same arithmetic either way; inductor runs with
+`emulate_precision_casts`, rounding fused bf16 intermediates where eager rounds them, so greedy
+outputs are the same with and without compilation (tests/test_compiled_decode.py).
+
+Shapes: a graph for batch 1 and one for every batch of 2 or more (the batch dimension is dynamic;
+torch specialises size 1), both compiled at start-up by a warm-up step, so serving never stalls on
+a compile. On CUDA the graph is compiled with mode="reduce-overhead", which captures CUDA graphs per
+batch size. Inductor's on-disk caches (FX graph and AOTAutograd caches) live under
+`$KEEL_CACHE/inductor` (default ~/.cache/keel/inductor), so a second start reuses the compiled code.
+
+Not compiled (the engine runs them eagerly): prefill chunks and mixed steps, speculative
+verification, MoE and multi-head latent attention models, int8 KV caches and expert offloading.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import types
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from keel.model.attention import AttentionMetadata
+from keel.model.transformer import Transformer
+from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks
+
+log = logging.getLogger("keel.serve")
+
+# Below this many parameters a decode step is too short for compilation (tens of seconds at first
+# start) to pay back; tiny test models run eagerly unless asked.
+AUTO_COMPILE_MIN_PARAMS = 50_000_000
+# Whether the user chose inductor's cache directory (checked at import: loading a model can make
+# torch fill in its default /tmp one).
+_USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
+@torch.library.custom_op("keel::paged_decode_attention", mutates_args=("k_store", "v_store"))
+def paged_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_store: Tensor,
+    v_store: Tensor,
+    slots: Tensor,
+    tables: Tensor,
+    mask: Tensor,
+    block_size: int,
+    scale: float,
+) -> Tensor:
+    """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
+    q ([1, H, B, D]) over each sequence's blocks (tables [B, nb]) -> [1, H, B, D]."""
+    k_store.index_copy_(1, slots, k[0].transpose(0, 1))
+    v_store.index_copy_(1, slots, v[0].transpose(0, 1))
+    keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
+    return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
+
+
+@paged_decode_attention.register_fake
+def _(q, k, v, k_store, v_store, slots, tables, mask, block_size, scale):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
+
+
+class _StepCache:
+    """The `KVCache` the compiled graph sees: this step's slots and tables over the paged stores."""
+
+    def __init__(self, paged: PagedKVCache, slots: Tensor, tables: Tensor, positions: Tensor) -> None:
+        self.paged, self.slots, self.tables, self.positions = paged, slots, tables, positions
+        self.masks: dict[int | None, Tensor] = {}  # per window size, built once per step (traced)
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+    ) -> Tensor:
+        paged = self.paged
+        if window not in self.masks:
+            self.masks[window] = decode_mask(self.positions, self.tables.shape[1] * paged.block_size, window)
+        return paged_decode_attention(
+            q, k, v, paged.keys[layer], paged.values[layer], self.slots, self.tables, self.masks[window],
+            paged.block_size, paged.head_dim**-0.5,
+        )  # fmt: skip
+
+
+def compile_cache_dir() -> Path:
+    return Path(os.environ.get("KEEL_CACHE", Path.home() / ".cache" / "keel")) / "inductor"
+
+
+def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
+    """Why this model and cache cannot run the compiled decode step (None: they can)."""
+    config = model.config
+    if config.is_mla:
+        return "multi-head latent attention"
+    if any(config.is_moe_layer(i) for i in range(config.num_layers)):
+        return "mixture-of-experts layers"
+    if type(cache) is not PagedKVCache:
+        return "a quantized KV cache"
+    if model.device.type not in ("cpu", "cuda"):
+        return f"device {model.device.type}"
+    return None
+
+
+def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCache, offloading: bool) -> bool:
+    """The engine's `compile` option: True / False as asked (True where unsupported falls back to
+    eager with a warning); None (auto): the environment's KEEL_COMPILE=0/1 when set, else on for
+    supported models of AUTO_COMPILE_MIN_PARAMS or more."""
+    if requested is None and os.environ.get("KEEL_COMPILE") in ("0", "1"):
+        requested = os.environ["KEEL_COMPILE"] == "1"
+    reason = compile_unsupported(model, cache) or ("expert offloading" if offloading else None)
+    if requested is False:
+        return False
+    if reason is not None:
+        if requested:
+            log.warning("decode compilation off: not supported with %s", reason)
+        return False
+    if requested is None:
+        return sum(p.numel() for p in model.parameters()) >= AUTO_COMPILE_MIN_PARAMS
+    return True
+
+
+class CompiledDecode:
+    """Runs decode-only steps through one compiled forward of the model (see the module docstring)."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
+        self.model, self.cache = model, cache
+        self.device = model.device
+        if not _USER_CACHE_DIR:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        options = {
+            "emulate_precision_casts": True,
+            # The served model's modules never change: checking their ~300 tensors on every call
+            # (dynamo's guards) cost 0.85 ms of a 25 ms SmolLM2 step; the step's inputs stay guarded.
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        }
+        # torch.compile caches graphs per code object, and the guards above no longer tell two engines'
+        # models apart: each instance compiles its own copy of `_forward`'s code.
+        code = CompiledDecode._forward.__code__.replace()
+        forward = types.MethodType(types.FunctionType(code, globals(), "_forward"), self)
+        self._compiled = torch.compile(forward, fullgraph=True, mode=mode, options=options)
+        self.compile_seconds = 0.0
+        self.steps = 0
+
+    def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor) -> Tensor:
+        cache = _StepCache(self.cache, slots, tables, positions[0])
+        return self.model(tokens, positions=positions, cache=cache)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> Tensor:
+        """One decode token per sequence -> logits [B, V]. Tables are padded with block 0 to a common
+        width of at least 2 blocks (masked by position)."""
+        width = max(2, max(len(t) for t in tables))
+        dev = self.device
+        tok = torch.tensor([tokens], device=dev)
+        pos = torch.tensor([positions], device=dev)
+        slot = torch.tensor(slots, device=dev)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        batch = len(tokens)
+        if batch > 1:  # size 1 is specialised by torch: batch 1 has its own graph
+            for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0)):
+                torch._dynamo.mark_dynamic(t, dim)
+        torch._dynamo.mark_dynamic(table, 1)
+        self.steps += 1
+        return self._compiled(tok, pos, slot, table).view(batch, -1)
+
+    def warm_up(self) -> float:
+        """Compile both graphs (batch 1, batch 2+) before serving; seconds taken. Writes garbage K/V
+        into block 0, which no sequence holds yet (a sequence reads only positions it has written)."""
+        start = time.perf_counter()
+        for batch in (1, 2):
+            self([0] * batch, [0] * batch, [i for i in range(batch)], [[0]] * batch)
+        self.steps = 0
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds

@@ -1,0 +1,91 @@
+"""The compiled decode step (keel.serve.compiled_decode): the same greedy tokens as eager decoding,
+at batch 1 and with mixed batches whose block tables grow past several blocks, with no compile
+after start-up; the engine's auto choice; eager fallbacks where the graph does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from keel.serve.compiled_decode import decide_compile
+from keel.serve.engine import EngineConfig
+from keel.serve.llm import LLM
+from keel.serve.sampling import SamplingParams
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+PROMPTS = ["hello world", "the cat sat on the mat and", "a", "zz top " * 6]
+
+
+def _generate(path, compile_: bool, **extra):
+    config = EngineConfig(dtype="bfloat16", compile=compile_, num_blocks=96, max_model_len=256, block_size=8, **extra)
+    llm = LLM(str(path), config)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # Batch 1 first (the batch-1 graph), then all prompts together (the batch-2+ graph, mixed lengths:
+    # the tables grow from 1 to 7 blocks, and sequences join and leave as their prompts finish).
+    alone = [llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids]
+    params = [SamplingParams(max_tokens=12 + 9 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return llm, alone + together
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])  # tied head; q/k norms; sliding window of 8
+def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
+    save_hf_model(name, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    _, eager = _generate(tmp_path, False)
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm, compiled = _generate(tmp_path, True)
+    runner = llm.engine.runner
+    assert runner.compiled is not None and runner.compiled.steps > 50  # decode steps really ran compiled
+    assert llm.engine.compile_seconds > 0
+    # Two graphs (batch 1, batch 2+), both compiled at start-up: no compile while serving, whatever
+    # the batch size or the block-table width.
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    assert compiled == eager
+
+
+def test_auto_compiles_only_large_dense_models(tmp_path, monkeypatch):
+    save_hf_model("llama", tmp_path / "dense")
+    save_hf_model("qwen2_moe", tmp_path / "moe")
+    monkeypatch.delenv("KEEL_COMPILE", raising=False)
+    dense = LLM(str(tmp_path / "dense"), num_blocks=16, max_model_len=64).engine
+    assert dense.runner.compiled is None  # under 50M parameters: compile time would not pay back
+    assert decide_compile(None, dense.model, dense.cache, offloading=False) is False
+    assert decide_compile(True, dense.model, dense.cache, offloading=True) is False  # expert offloading: eager
+    monkeypatch.setenv("KEEL_COMPILE", "1")
+    assert decide_compile(None, dense.model, dense.cache, offloading=False) is True
+    assert decide_compile(False, dense.model, dense.cache, offloading=False) is False  # --no-compile wins
+    moe = LLM(str(tmp_path / "moe"), num_blocks=16, max_model_len=64, compile=True).engine
+    assert moe.runner.compiled is None  # MoE routing stays eager (logged), the engine still serves
+    int8_kv = LLM(str(tmp_path / "dense"), num_blocks=16, max_model_len=64, compile=True, kv_cache_dtype="int8")
+    assert int8_kv.engine.runner.compiled is None
+
+
+def test_decode_attention_op_matches_the_paged_cache(tmp_path):
+    """The compiled graph's attention op and the eager paged cache compute the same bits."""
+    from keel.serve.compiled_decode import paged_decode_attention
+    from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
+    from keel.weights.loader import open_checkpoint
+
+    save_hf_model("llama", tmp_path)
+    config = open_checkpoint(str(tmp_path)).config
+    gen = torch.Generator().manual_seed(0)
+    caches = [PagedKVCache(config, 12, 4, torch.bfloat16) for _ in range(2)]
+    for c in caches[1:]:
+        for a, b in zip(c.keys + c.values, caches[0].keys + caches[0].values, strict=True):
+            a.copy_(b.normal_(generator=gen))
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    q = torch.randn(1, h, 3, d, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 3, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]])
+    positions = torch.tensor([5, 10, 2])
+    slots = torch.tensor([2 * 4 + 1, 5 * 4 + 2, 6 * 4 + 2])
+    caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3), tables, positions, whole_step=True)], [])
+    eager = caches[0].attend(0, q, k, v, None, window=None)
+    from keel.serve.kv_cache import decode_mask
+
+    mask = decode_mask(positions, 12, None)
+    op = paged_decode_attention(q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, mask, 4, d**-0.5)
+    assert torch.equal(op, eager)
+    assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])

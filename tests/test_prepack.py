@@ -1,0 +1,57 @@
+"""bf16 linears pre-packed for oneDNN (keel.model.prepack): bit-identical products at every batch
+size, with and without bias; the serving engine's tokens and logprobs unchanged; float32 untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel.model.prepack import PackedLinear, prepack_available, prepack_linears
+from keel.profile.roofline import streamed_weight_bytes
+from keel.serve.engine import EngineConfig
+from keel.serve.llm import LLM
+from keel.serve.sampling import SamplingParams
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 64), (2, 300)])
+def test_packed_product_is_bit_identical(bias, shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).bfloat16()
+    x = torch.randn(*shape, 96).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # tied head; q/k/v biases
+def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
+    save_hf_model(name, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for prepack in (True, False):
+        llm = LLM(
+            str(tmp_path), EngineConfig(dtype="bfloat16", prepack_weights=prepack, num_blocks=64, max_model_len=256)
+        )
+        packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+        assert (len(packed) > 0) == prepack
+        outs = llm.generate(["hello world", "abc abc"], params, use_tqdm=False)
+        outputs[prepack] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    assert outputs[True] == outputs[False]
+    fp32 = LLM(str(tmp_path), EngineConfig(dtype="float32", num_blocks=64, max_model_len=256)).engine.model
+    assert not any(isinstance(m, PackedLinear) for m in fp32.modules())  # float32: aten's sums differ
+
+
+def test_streamed_bytes_count_packed_weights(tmp_path):
+    save_hf_model("qwen2", tmp_path)
+    model = LLM(
+        str(tmp_path), EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128, prepack_weights=False)
+    ).engine.model
+    before = streamed_weight_bytes(model)
+    assert prepack_linears(model) > 0
+    assert streamed_weight_bytes(model) == before
