@@ -59,9 +59,10 @@ def main() -> None:
     peak = measure_cpu_peak(dtype)
     machine = GPU("this CPU", 24e9, peak, None, bandwidth, bandwidth)
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 8) // 16) + 1) + 8
-    engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
-                                                max_model_len=args.prompt_tokens + args.steps + 64,
-                                                max_num_seqs=max(batches), compile=False if args.no_compile else None))  # fmt: skip
+    config = EngineConfig(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
+                          max_model_len=args.prompt_tokens + args.steps + 64, max_num_seqs=max(batches),
+                          compile=False if args.no_compile else None)  # fmt: skip
+    engine = LLMEngine(args.model, config)
     config = engine.model.config
     weights = "bf16" if args.dtype == "bfloat16" else "fp32"
     print(f"{args.model} {args.dtype}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from keel.catalog import CATALOG, resolve_catalog
-from keel.model.prepack import cpu_has_native_bf16
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
+from keel.model.prepack import cpu_has_native_bf16
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.names import hf_source
