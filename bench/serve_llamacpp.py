@@ -1,0 +1,123 @@
+"""Serving: `keel serve` against llama.cpp's `llama-server` on one workload, one server at a time.
+
+    make bench-deps   # builds .bench-deps/llama-server (and llama-cpp-python)
+    python bench/serve_llamacpp.py [MODEL] [--num-prompts 64] [--threads 2] [--keel-args "..."]
+
+Workload (seeded): --num-prompts requests sent at once, each "Continue the following text:" and a
+window of Shakespeare's works cut to a uniform 44-250 tokens (SmolLM2's tokenizer), asking for a
+uniform 64-128 tokens with EOS ignored (`ignore_eos`, which both servers honour); streaming
+/v1/completions, greedy. keel serves the GGUF file in its default serving setup (bf16 on CPUs with
+native bf16, compiled decode, continuous batching); llama-server serves the same file with
+`-t THREADS -np 16 -cb` (16 slots, continuous batching) and a context of 16 x 512 tokens. Both are
+measured by `keel bench serve` (vLLM's metric names); the table shows output tok/s and inter-token
+latency (p50, p99) and the ratios keel / llama-server. The servers never run at the same time.
+Results (the full JSON of each run) go to --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from keel.data.corpora import shakespeare_path
+from keel.serve.openai.child import ServerProcess, free_port
+from keel.weights.loader import load_model, resolve_path
+
+PREFIX = "Continue the following text:\n\n"
+
+
+def build_dataset(model: str, path: Path, n: int, seed: int) -> None:
+    tokenizer = load_model(model, "bfloat16").tokenizer
+    words = shakespeare_path().read_text().split()
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            want = rng.randint(44, 250)
+            start = rng.randrange(len(words) - 400)
+            ids = tokenizer.encode(PREFIX + " ".join(words[start : start + 300]))[:want]
+            f.write(json.dumps({"prompt": tokenizer.decode(ids), "output_len": rng.randint(64, 128)}) + "\n")
+
+
+def run_bench(base_url: str, dataset: Path, result: Path, label: str) -> dict:
+    cmd = [sys.executable, "-m", "keel.cli", "bench", "serve", "--base-url", base_url, "--model", "m",
+           "--dataset", str(dataset), "--num-prompts", str(sum(1 for _ in open(dataset))), "--ignore-eos",
+           "--result-file", str(result), "--label", label, "--disable-tqdm"]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(result.read_text())
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("llama-server not ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama-server", default=".bench-deps/llama-server")
+    parser.add_argument("--keel-args", default="", help="extra `keel serve` options, e.g. '--no-compile'")
+    parser.add_argument("--result-dir", default="out/serve-llamacpp")
+    args = parser.parse_args()
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = out / "prompts.jsonl"
+    build_dataset(args.model, dataset, args.num_prompts, args.seed)
+    gguf = resolve_path(args.model)
+    results = {}
+
+    keel_args = ["--threads", str(args.threads), "--kv-cache-memory", "1GiB", *shlex.split(args.keel_args)]
+    server = ServerProcess(args.model, *keel_args, log_path=out / "server-keel.log").wait_ready(timeout=600)
+    try:
+        results["keel"] = run_bench(server.base_url, dataset, out / "keel.json", "keel serve " + " ".join(keel_args))
+    finally:
+        server.terminate()
+
+    port = free_port()
+    cmd = [args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "-np", "16",
+           "-cb", "-c", str(16 * 512), "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    with open(out / "server-llama.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_health(f"http://127.0.0.1:{port}", proc)
+            results["llama-server"] = run_bench(f"http://127.0.0.1:{port}", dataset, out / "llama.json",
+                                                " ".join(cmd))  # fmt: skip
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+    print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
+    print(f"{args.num_prompts} requests at once, prompts 44-250 tokens, outputs 64-128 (EOS ignored), "
+          f"{args.threads} threads, {gguf.name}")  # fmt: skip
+    print(f"{'server':<14} {'done':>5} {'duration s':>10} {'output tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+          f"{'p99/p50':>8} {'TTFT p50 ms':>11}")  # fmt: skip
+    for name, r in results.items():
+        print(f"{name:<14} {r['completed']:>5} {r['duration']:10.1f} {r['output_throughput']:12.1f} "
+              f"{r['median_itl_ms']:10.1f} {r['p99_itl_ms']:10.1f} {r['p99_itl_ms'] / r['median_itl_ms']:8.2f} "
+              f"{r['median_ttft_ms']:11.0f}")  # fmt: skip
+    k, ll = results["keel"], results["llama-server"]
+    print(f"keel / llama-server output tok/s: {k['output_throughput'] / ll['output_throughput']:.2f}x (floor 3x); "
+          f"keel p99 ITL / p50 ITL: {k['p99_itl_ms'] / k['median_itl_ms']:.2f} (floor <= 3)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
