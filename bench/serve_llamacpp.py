@@ -46,8 +46,8 @@ def build_dataset(model: str, path: Path, n: int, seed: int) -> None:
             f.write(json.dumps({"prompt": tokenizer.decode(ids), "output_len": rng.randint(64, 128)}) + "\n")
 
 
-def run_bench(base_url: str, dataset: Path, result: Path, label: str) -> dict:
-    cmd = [sys.executable, "-m", "keel.cli", "bench", "serve", "--base-url", base_url, "--model", "m",
+def run_bench(base_url: str, model: str, dataset: Path, result: Path, label: str) -> dict:
+    cmd = [sys.executable, "-m", "keel.cli", "bench", "serve", "--base-url", base_url, "--model", model,
            "--dataset", str(dataset), "--num-prompts", str(sum(1 for _ in open(dataset))), "--ignore-eos",
            "--result-file", str(result), "--label", label, "--disable-tqdm"]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -88,7 +88,9 @@ def main() -> None:
     keel_args = ["--threads", str(args.threads), "--kv-cache-memory", "1GiB", *shlex.split(args.keel_args)]
     server = ServerProcess(args.model, *keel_args, log_path=out / "server-keel.log").wait_ready(timeout=600)
     try:
-        results["keel"] = run_bench(server.base_url, dataset, out / "keel.json", "keel serve " + " ".join(keel_args))
+        results["keel"] = run_bench(
+            server.base_url, args.model, dataset, out / "keel.json", "keel serve " + " ".join(keel_args)
+        )
     finally:
         server.terminate()
 
@@ -99,7 +101,7 @@ def main() -> None:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_health(f"http://127.0.0.1:{port}", proc)
-            results["llama-server"] = run_bench(f"http://127.0.0.1:{port}", dataset, out / "llama.json",
+            results["llama-server"] = run_bench(f"http://127.0.0.1:{port}", args.model, dataset, out / "llama.json",
                                                 " ".join(cmd))  # fmt: skip
         finally:
             proc.terminate()

@@ -11,6 +11,25 @@ from torch import Tensor, nn
 from keel.config import ModelConfig, RopeScaling
 
 
+@torch.library.custom_op("keel::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """aten's fused RMS norm over the last dimension, also inside an inference graph of torch.compile:
+    inductor's own reduction sums in another order, and on SmolLM2 that flipped a greedy token after
+    69 steps; the compiled decode step (keel.serve.compiled_decode) must give eager's tokens."""
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return _rms_norm_op(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm; statistics in float32 as the reference implementations do."""
 
@@ -22,9 +41,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
             # One fused kernel: the common path in float32 and the cheapest at decode.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         # Reduced precision: normalise in float32, round once, then scale (bit-compatible with HF).
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        normed = rms_norm(x.float(), None, self.eps).to(x.dtype)
         return self.weight * normed
 
 
