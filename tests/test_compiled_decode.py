@@ -106,3 +106,15 @@ def test_smollm2_compiled_decode_gives_the_eager_tokens():
         tokens[compile_] = alone + together
         assert (llm.engine.runner.compiled is not None) == compile_
     assert tokens[True] == tokens[False]
+
+
+def test_serve_options_reach_the_engine_config():
+    import argparse
+
+    from keel.serve.openai.server import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).compile is None  # auto
+    assert parser.parse_args(["--no-compile"]).compile is False
+    assert parser.parse_args(["--compile"]).compile is True

@@ -10,13 +10,13 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig, RopeScaling
 
+# Registered through torch.library's low-level API (see keel.model.prepack for why not custom_op).
+_lib = torch.library.Library("keel", "FRAGMENT")
+_lib.define("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor")
+_lib.impl("rms_norm", lambda x, weight, eps: F.rms_norm(x, (x.shape[-1],), weight, eps), "CompositeExplicitAutograd")
 
-@torch.library.custom_op("keel::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
-
-@_rms_norm_op.register_fake
+@torch.library.register_fake("keel::rms_norm")
 def _(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return torch.empty_like(x)
 
@@ -26,7 +26,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     inductor's own reduction sums in another order, and on SmolLM2 that flipped a greedy token after
     69 steps; the compiled decode step (keel.serve.compiled_decode) must give eager's tokens."""
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        return _rms_norm_op(x, weight, eps)
+        return torch.ops.keel.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -46,7 +46,14 @@ AUTO_COMPILE_MIN_PARAMS = 50_000_000
 _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 
 
-@torch.library.custom_op("keel::paged_decode_attention", mutates_args=("k_store", "v_store"))
+# Registered through torch.library's low-level API (see keel.model.prepack for why not custom_op).
+_lib = torch.library.Library("keel", "FRAGMENT")
+_lib.define(
+    "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
+    "Tensor tables, Tensor mask, int block_size, float scale) -> Tensor"
+)
+
+
 def paged_decode_attention(
     q: Tensor,
     k: Tensor,
@@ -67,7 +74,10 @@ def paged_decode_attention(
     return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
 
 
-@paged_decode_attention.register_fake
+_lib.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("keel::paged_decode_attention")
 def _(q, k, v, k_store, v_store, slots, tables, mask, block_size, scale):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
@@ -85,7 +95,7 @@ class _StepCache:
         paged = self.paged
         if window not in self.masks:
             self.masks[window] = decode_mask(self.positions, self.tables.shape[1] * paged.block_size, window)
-        return paged_decode_attention(
+        return torch.ops.keel.paged_decode_attention(
             q, k, v, paged.keys[layer], paged.values[layer], self.slots, self.tables, self.masks[window],
             paged.block_size, paged.head_dim**-0.5,
         )  # fmt: skip
