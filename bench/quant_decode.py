@@ -5,7 +5,7 @@
 MODEL is a GGUF file or catalog name (default: the packaged SmolLM2-135M-Instruct Q4_1 GGUF). Every
 keel variant loads the same file; "gguf" runs its Q4_0/Q4_1/Q8_0 blocks on the integer kernels
 (`--quantize gguf`), the others dequantize it and (re)quantize. llama.cpp (llama-cpp-python, when
-installed: see docs/BENCHMARKS.md for the build command) runs the same GGUF file with the same thread
+installed: `make bench-deps`) runs in a child process (see LLAMA_CHILD) on the same GGUF file with the same thread
 count, the same prompt token ids and the same number of generated tokens, greedy, EOS ignored.
 Runs alternate between variants, --repeats times each; the median is reported. Decode tok/s counts
 the tokens after the first over the time from the first token to the last, the same way for all.
@@ -20,10 +20,10 @@ blocks with float32 activations (exact fp16 scales, but torch's slow int4 path o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -75,13 +75,32 @@ def engine_decode(engine, prompt: list[int], new_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def llama_cpp_decode(llm, prompt: list[int], new_tokens: int) -> float:
+# llama.cpp runs in a child process per run: loaded beside torch (or left idle in a second process),
+# ggml's threads and torch's shared the 2 cores, and keel's compiled step ran 25-35% slower than alone.
+LLAMA_CHILD = """
+import json, sys, time
+from llama_cpp import Llama
+path, threads, prompt, n = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+def decode(count):
     times = []
     for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
         times.append(time.perf_counter())
-        if len(times) == new_tokens:
+        if len(times) == count:
             break
     return (len(times) - 1) / (times[-1] - times[0])
+decode(8)
+print(decode(n), flush=True)
+"""
+
+
+def llama_cpp_decode(path: Path, threads: int, prompt: list[int], new_tokens: int) -> float:
+    """One decode in a fresh child process (it exits after, so no ggml thread outlives its run)."""
+    import json
+    import subprocess
+
+    args = [sys.executable, "-c", LLAMA_CHILD, str(path), str(threads), json.dumps(prompt), str(new_tokens)]
+    return float(subprocess.run(args, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -114,19 +133,13 @@ def main() -> None:
         for name, m in built.items()
     }
     llama_note = ""
-    try:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=str(gguf_path), n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                    n_batch=512, verbose=False)  # fmt: skip
-        runners["llama.cpp"] = lambda: llama_cpp_decode(llm, prompt, args.new_tokens)
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is not None:
+        runners["llama.cpp"] = lambda: llama_cpp_decode(gguf_path, args.threads, prompt, args.new_tokens)
+    else:
         llama_note = "llama.cpp: not run (llama-cpp-python is not installed)"
-    for name in runners:  # warm-up
-        if name == "llama.cpp":
-            llama_cpp_decode(llm, prompt, 8)
-        else:
-            runners[name]()
+    for name, run in runners.items():  # warm-up
+        if name != "llama.cpp":
+            run()
     results: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats):
         for name, run in runners.items():
