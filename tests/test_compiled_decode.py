@@ -21,7 +21,7 @@ def _generate(path, compile_: bool, **extra):
     config = EngineConfig(dtype="bfloat16", compile=compile_, num_blocks=96, max_model_len=256, block_size=8, **extra)
     llm = LLM(str(path), config)
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    # Batch 1 first (the batch-1 graph), then all prompts together (the batch-2+ graph, mixed lengths:
+    # Batch 1 first (eager on CPU), then all prompts together (the compiled graph, mixed lengths:
     # the tables grow from 1 to 7 blocks, and sequences join and leave as their prompts finish).
     alone = [llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids]
     params = [SamplingParams(max_tokens=12 + 9 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
@@ -37,11 +37,11 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     graphs_before = counters["stats"]["unique_graphs"]
     llm, compiled = _generate(tmp_path, True)
     runner = llm.engine.runner
-    assert runner.compiled is not None and runner.compiled.steps > 50  # decode steps really ran compiled
+    assert runner.compiled is not None and runner.compiled.steps > 20  # batched decode steps really ran compiled
     assert llm.engine.compile_seconds > 0
-    # Two graphs (batch 1, batch 2+), both compiled at start-up: no compile while serving, whatever
-    # the batch size or the block-table width.
-    assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    # One graph (batches of 2+; batch 1 stays eager on CPU), compiled at start-up: no compile while
+    # serving, whatever the batch size or the block-table width.
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
     assert compiled == eager
 
 

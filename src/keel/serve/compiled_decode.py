@@ -11,9 +11,10 @@ cache (`attend_decode_rows`), so attention is the same arithmetic either way; in
 `emulate_precision_casts`, rounding fused bf16 intermediates where eager rounds them, so greedy
 outputs are the same with and without compilation (tests/test_compiled_decode.py).
 
-Shapes: a graph for batch 1 and one for every batch of 2 or more (the batch dimension is dynamic;
-torch specialises size 1), both compiled at start-up by a warm-up step, so serving never stalls on
-a compile. On CUDA the graph is compiled with mode="reduce-overhead", which captures CUDA graphs per
+Shapes: one graph for every batch of 2 or more (the batch dimension is dynamic), compiled at
+start-up by a warm-up step, so serving never stalls on a compile. On CPU batch-1 steps stay eager
+(measured no faster compiled: see `min_batch`); on CUDA batch 1 has its own graph (torch
+specialises size 1). On CUDA the graph is compiled with mode="reduce-overhead", which captures CUDA graphs per
 batch size. Inductor's on-disk caches (FX graph and AOTAutograd caches) live under
 `$KEEL_CACHE/inductor` (default ~/.cache/keel/inductor), so a second start reuses the compiled code.
 
@@ -159,6 +160,11 @@ class CompiledDecode:
         self._compiled = torch.compile(forward, fullgraph=True, mode=mode, options=options)
         self.compile_seconds = 0.0
         self.steps = 0
+        # On CPU a batch-1 step is its weights' matrix-vector products, which compiling does not
+        # change; measured, the compiled batch-1 step ran 0.8-1.0x eager's (bench/quant_decode.py)
+        # while batches of 8-64 ran 1.2x. So on CPU only batches of 2 or more run compiled (one
+        # graph); on CUDA every batch does (CUDA graphs remove per-kernel launches at any size).
+        self.min_batch = 1 if self.device.type == "cuda" else 2
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor) -> Tensor:
         cache = _StepCache(self.cache, slots, tables, positions[0])
@@ -183,10 +189,10 @@ class CompiledDecode:
         return self._compiled(tok, pos, slot, table).view(batch, -1)
 
     def warm_up(self) -> float:
-        """Compile both graphs (batch 1, batch 2+) before serving; seconds taken. Writes garbage K/V
+        """Compile the graphs (batch 1 on CUDA, batch 2+) before serving; seconds taken. Writes garbage K/V
         into block 0, which no sequence holds yet (a sequence reads only positions it has written)."""
         start = time.perf_counter()
-        for batch in (1, 2):
+        for batch in sorted({self.min_batch, 2}):
             self([0] * batch, [0] * batch, [i for i in range(batch)], [[0]] * batch)
         self.steps = 0
         self.compile_seconds = time.perf_counter() - start

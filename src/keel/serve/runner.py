@@ -138,7 +138,12 @@ class ModelRunner:
     def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[range]]:
         """The chunks' selected logits and each chunk's rows in them: a step of one-token decodes
         through the compiled graph when there is one, anything else eagerly."""
-        if self.compiled is not None and chunks and all(len(c.tokens) == 1 and c.logits == "last" for c in chunks):
+        compiled = self.compiled
+        if (
+            compiled is not None
+            and len(chunks) >= compiled.min_batch
+            and all(len(c.tokens) == 1 and c.logits == "last" for c in chunks)
+        ):
             bs = self.block_size
             tables = [[b if b != NULL_BLOCK else 0 for b in c.table[: c.start // bs + 1]] for c in chunks]
             logits = self.compiled(
