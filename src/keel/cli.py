@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype_default: str | None = "aut
             "--dtype",
             default=dtype_default,
             choices=["auto", "float32", "bfloat16", "float16"],
-            help="compute dtype (auto: the checkpoint's float dtype; float32 for quantized GGUF)",
+            help="compute dtype (auto: the checkpoint's float dtype; GGUF: bf16 on CPUs with native bf16)",
         )
     p.add_argument("--head-dim", type=int, default=None, help="head size, when config.json is missing")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, when config.json is missing")
@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from keel.eval import cli as eval_cli
+
+    eval_cli.register(sub)
 
     from keel.train.launch import add_train_args, cmd_train
 

