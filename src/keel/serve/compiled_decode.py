@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from keel.data.corpora import cache_root
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
-from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks
+from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, write_rows
 
 log = logging.getLogger("keel.serve")
 
@@ -69,8 +70,8 @@ def paged_decode_attention(
 ) -> Tensor:
     """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
     q ([1, H, B, D]) over each sequence's blocks (tables [B, nb]) -> [1, H, B, D]."""
-    k_store.index_copy_(1, slots, k[0].transpose(0, 1))
-    v_store.index_copy_(1, slots, v[0].transpose(0, 1))
+    write_rows(k_store, slots, k)
+    write_rows(v_store, slots, v)
     keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
     return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
 
@@ -103,7 +104,7 @@ class _StepCache:
 
 
 def compile_cache_dir() -> Path:
-    return Path(os.environ.get("KEEL_CACHE", Path.home() / ".cache" / "keel")) / "inductor"
+    return cache_root() / "inductor"
 
 
 def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
@@ -193,7 +194,7 @@ class CompiledDecode:
         into block 0, which no sequence holds yet (a sequence reads only positions it has written)."""
         start = time.perf_counter()
         for batch in sorted({self.min_batch, 2}):
-            self([0] * batch, [0] * batch, [i for i in range(batch)], [[0]] * batch)
+            self([0] * batch, [0] * batch, list(range(batch)), [[0]] * batch)
         self.steps = 0
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds

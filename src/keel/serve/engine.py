@@ -208,7 +208,8 @@ class LLMEngine:
             )  # fmt: skip
         owned = adapt or not isinstance(model, LoadedModel)
         if config.fuse_projections and owned:
-            # Only a model this engine loaded: a caller's LoadedModel keeps the modules it was given.
+            # A model this engine loaded (or was told to adapt): a caller's LoadedModel otherwise
+            # keeps the modules it was given.
             from keel.model.fuse import fuse_projections
 
             fuse_projections(loaded.model)

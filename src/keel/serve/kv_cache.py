@@ -234,6 +234,22 @@ def parse_memory(text: str) -> int:
         raise KeelError(f"--kv-cache-memory {text!r}: expected a size such as 2GiB or 512MiB") from None
 
 
+def write_rows(store: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """A step's new rows [1, T, H_kv, D] into their flat slots [T] of one layer's store [H_kv, slots, D]."""
+    store.index_copy_(1, slots, rows[0].transpose(0, 1))
+
+
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot of a sequence's token at `position`, through its block table."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def visible_blocks(table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """The blocks holding a sequence's first `num_tokens` tokens, freed ones (NULL_BLOCK, behind a
+    sliding window) as block 0: attention masks them by position."""
+    return [b if b != NULL_BLOCK else 0 for b in table[: -(-num_tokens // block_size)]]
+
+
 def gather_blocks(store: Tensor, tables: Tensor, block_size: int) -> Tensor:
     """One layer's store [H_kv, slots, D] and block ids [B, nb] -> [H_kv, B, nb * block_size, D]
     (one index_select, contiguous)."""
@@ -350,7 +366,7 @@ class PagedKVCache:
     def _write(self, store: Tensor, rows: Tensor) -> None:
         """The step's new rows [1, T, H_kv, D] into their slots of one layer's store (the KV writes;
         keel profile decode times this method)."""
-        store.index_copy_(1, self.plan.slot_mapping, rows[0].transpose(0, 1))
+        write_rows(store, self.plan.slot_mapping, rows)
 
     def _attend(
         self, q: Tensor, k_store: Tensor, v_store: Tensor | None, window: int | None, scale: float | None

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
-from keel.serve.kv_cache import NULL_BLOCK, DecodeGroup, PagedKVCache, StepPlan
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, slot_of, visible_blocks
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
@@ -60,9 +60,8 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         tokens += chunk.tokens
         span = range(start, start + n)
         positions += span
-        slots += [table[p // bs] * bs + p % bs for p in span]
-        nb = -(-(start + n) // bs)
-        blocks = [b if b != NULL_BLOCK else 0 for b in table[:nb]]  # freed blocks are masked by the window
+        slots += [slot_of(table, p, bs) for p in span]
+        blocks = visible_blocks(table, start + n, bs)
         if n == 1:
             decode_index.append(offset)
             decode_tables.append(blocks)
@@ -145,12 +144,11 @@ class ModelRunner:
             and all(len(c.tokens) == 1 and c.logits == "last" for c in chunks)
         ):
             bs = self.block_size
-            tables = [[b if b != NULL_BLOCK else 0 for b in c.table[: c.start // bs + 1]] for c in chunks]
-            logits = self.compiled(
+            logits = compiled(
                 [c.tokens[0] for c in chunks],
                 [c.start for c in chunks],
-                [c.table[c.start // bs] * bs + c.start % bs for c in chunks],
-                tables,
+                [slot_of(c.table, c.start, bs) for c in chunks],
+                [visible_blocks(c.table, c.start + 1, bs) for c in chunks],
             )
             return logits, [range(i, i + 1) for i in range(len(chunks))]
         step = pack_step(chunks, self.block_size, self.device)
