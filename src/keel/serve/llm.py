@@ -12,10 +12,13 @@ from keel.weights.loader import LoadedModel
 class LLM:
     """LLM(model).generate(prompts, params) -> one RequestOutput per prompt, in input order."""
 
-    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, **config_kwargs) -> None:
+    def __init__(
+        self, model: str | LoadedModel, config: EngineConfig | None = None, *, adapt: bool = False, **config_kwargs
+    ) -> None:
+        """adapt: rewrite a LoadedModel for serving as the engine does a model it loads (LLMEngine's `adapt`)."""
         if config is None:
             config = EngineConfig(**config_kwargs)
-        self.engine = LLMEngine(model, config)
+        self.engine = LLMEngine(model, config, adapt=adapt)
 
     def generate(
         self,

@@ -192,19 +192,12 @@ def _setup_logging(audit_path: str | None) -> None:
         audit.propagate = False
 
 
-def build_engine(args: argparse.Namespace):
-    """The AsyncEngine over the chosen engine, with the model loaded."""
-    from keel.serve.async_engine import AsyncEngine
-    from keel.serve.engine import EngineConfig, LLMEngine
-    from keel.weights import load_model
+def engine_config(args: argparse.Namespace, quantization: dict | None = None):
+    """The EngineConfig of the options `add_engine_args` adds (`quantization`: quantize_config's
+    result when the caller has already read it)."""
+    from keel.serve.engine import EngineConfig
 
-    quantization = quantize_config(args)  # read once: a plan file is parsed here
-    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
-    if args.engine == "naive":
-        from keel.serve.naive import NaiveEngine
-
-        return AsyncEngine(NaiveEngine(loaded, args.max_model_len))
-    config = EngineConfig(
+    return EngineConfig(
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
@@ -216,10 +209,24 @@ def build_engine(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         compile=args.compile,
         **expert_offload_config(args),
-        **quantization,
+        **(quantization if quantization is not None else quantize_config(args)),
         **speculative_config(args),
     )
-    return AsyncEngine(LLMEngine(loaded, config, adapt=True))
+
+
+def build_engine(args: argparse.Namespace):
+    """The AsyncEngine over the chosen engine, with the model loaded."""
+    from keel.serve.async_engine import AsyncEngine
+    from keel.serve.engine import LLMEngine
+    from keel.weights import load_model
+
+    quantization = quantize_config(args)  # read once: a plan file is parsed here
+    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
+    if args.engine == "naive":
+        from keel.serve.naive import NaiveEngine
+
+        return AsyncEngine(NaiveEngine(loaded, args.max_model_len))
+    return AsyncEngine(LLMEngine(loaded, engine_config(args, quantization), adapt=True))
 
 
 def _server_class():

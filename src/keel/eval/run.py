@@ -1,0 +1,135 @@
+"""One eval run: suites, golden greedy outputs and perplexity, all through one engine, with the
+version manifest; the result is one JSON document (`keel eval run --out`).
+
+Golden outputs are the greedy continuations of fixed prompts (keel/eval/golden.jsonl); `keel eval
+compare` measures how many of them a configuration changes and where they first diverge.
+Perplexity here goes through the engine too (prompt logprobs of the same sliding windows as `keel
+eval ppl`), so a KV-cache or kernel change under test is in the figure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from keel.errors import KeelError
+from keel.eval.ppl import windows
+from keel.eval.score import Evaluator, dimensions
+from keel.eval.suites import Suite
+from keel.serve.llm import LLM
+from keel.serve.sampling import SamplingParams
+
+FORMAT = "keel-eval/1"
+GOLDEN_FILE = Path(__file__).parent / "golden.jsonl"
+
+
+def golden_prompts(limit: int | None = None) -> list[dict[str, str]]:
+    prompts = [json.loads(line) for line in GOLDEN_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def golden_outputs(evaluator: Evaluator, prompts: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """Greedy continuations of the golden prompts (chat-rendered when the model has a template)."""
+    tokenizer = evaluator.tokenizer
+    if tokenizer.chat_template:
+        ids = [tokenizer.encode_chat([{"role": "user", "content": p["prompt"]}]) for p in prompts]
+    else:
+        ids = [tokenizer.encode(p["prompt"]) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = evaluator.llm.generate(ids, params, use_tqdm=False)
+    return {
+        "max_tokens": max_tokens,
+        "outputs": {
+            p["id"]: {"token_ids": out.outputs[0].token_ids, "text": out.outputs[0].text}
+            for p, out in zip(prompts, outputs, strict=True)
+        },  # fmt: skip
+    }
+
+
+def engine_perplexity(llm: LLM, token_ids: list[int], context: int, stride: int) -> dict[str, Any]:
+    """Sliding-window perplexity (keel.eval.ppl's windows) from the engine's prompt logprobs."""
+    plan = windows(len(token_ids), context, stride)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    started = time.perf_counter()
+    outputs = llm.generate([token_ids[begin:end] for begin, end, _ in plan], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    nll = 0.0
+    for (_, _, scored), out in zip(plan, outputs, strict=True):
+        entries = (out.prompt_logprobs or [])[-scored:]
+        if len(entries) != scored or any(e is None for e in entries):
+            raise KeelError("the engine returned incomplete prompt logprobs")
+        nll -= sum(e.logprob for e in entries)
+    scored_total = len(token_ids) - 1
+    return {"tokens_scored": scored_total, "windows": len(plan), "context": context, "stride": stride,
+            "nll_sum": nll, "perplexity": math.exp(nll / scored_total), "seconds": seconds}  # fmt: skip
+
+
+def _items_hash(items: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(items, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def run_eval(
+    llm: LLM,
+    suites: list[Suite],
+    *,
+    golden: int | None = None,
+    golden_tokens: int = 64,
+    ppl_tokens: list[int] | None = None,
+    ppl_context: int = 1024,
+    ppl_stride: int = 512,
+    ppl_corpus: str | None = None,
+    manifest: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything `keel eval run` records. golden: how many golden prompts (None: all, 0: none);
+    ppl_tokens: the corpus tokens to score (None: no perplexity)."""
+    evaluator = Evaluator(llm)
+    manifest = dict(manifest or {})
+    # The prompt templates, sampling and items of every suite, as run (a changed item changes the hash).
+    manifest["suites"] = {s.name: {**s.header(), "items": len(s.items), "items_sha256": _items_hash(s.items)}
+                          for s in suites}  # fmt: skip
+    if golden != 0:
+        manifest["golden"] = {"max_tokens": golden_tokens, "sampling": "greedy",
+                              "prompts_sha256": _items_hash(golden_prompts(golden))}  # fmt: skip
+    seconds: dict[str, float] = {}
+    results: dict[str, Any] = {}
+    for suite in suites:
+        started = time.perf_counter()
+        results[suite.name] = evaluator.run(suite)
+        seconds[suite.name] = time.perf_counter() - started
+    record: dict[str, Any] = {"format": FORMAT, "manifest": manifest, "suites": results,
+                              "dimensions": dimensions(results)}  # fmt: skip
+    if golden != 0:
+        started = time.perf_counter()
+        record["golden"] = golden_outputs(evaluator, golden_prompts(golden), golden_tokens)
+        seconds["golden"] = time.perf_counter() - started
+    if ppl_tokens is not None:
+        ppl = engine_perplexity(llm, ppl_tokens, ppl_context, ppl_stride)
+        record["perplexity"] = {"corpus": ppl_corpus, **ppl}
+        seconds["perplexity"] = ppl["seconds"]
+    record["seconds"] = seconds
+    return record
+
+
+def write_json(path: str | Path, record: dict[str, Any]) -> None:
+    """Atomically: a reader (or a crash) never leaves half a results file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KeelError(f"{path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KeelError(f"{path}: not a JSON results file ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise KeelError(f"{path}: not a `keel eval run` results file (format {FORMAT!r} expected)")
+    return record

@@ -1,0 +1,199 @@
+"""Capability suites: local JSONL files, one header line then one item per line.
+
+The header (line 1, an object with a "suite" key) declares how the suite is run and scored:
+
+    {"suite": "factual_recall", "kind": "multiple_choice", "dimension": "factual_recall",
+     "description": "...", "template": {"chat": false, "system": null, "prompt": "Question: {question}\\nAnswer:",
+     "choice": " {choice}"}, "sampling": {"max_tokens": 32, "temperature": 0, "stop": ["\\n"]}, "match": "exact"}
+
+kinds and their items (every item has a unique "id"):
+- multiple_choice: {"question", "choices": [...], "answer": index}; scored by log-likelihood of each
+  continuation given the context ("acc": highest sum; "acc_norm": highest sum per character, as lm-eval).
+- generation: {"prompt", "target": str | [str], "match"?: "exact" | "contains" | "regex"}; greedy output
+  scored against the targets.
+- multi_turn: {"turns": [t1, t2, t3], "options": [...], "answer"?}; the answer to the last turn must
+  name the same option as the answer to the first ("consistency"); "correct" when turn 1 names `answer`.
+
+The built-in suites ship in this package (keel/eval/suites/*.jsonl); `keel eval run --suite FILE` takes
+others. Errors name the file, line and field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keel.errors import KeelError
+
+KINDS = ("multiple_choice", "generation", "multi_turn", "needle")
+DIMENSIONS = (
+    "instruction_following",
+    "factual_recall",
+    "reasoning",
+    "long_context_retrieval",
+    "multi_turn_consistency",
+)
+MATCHES = ("exact", "contains", "regex")
+BUILTIN_DIR = Path(__file__).parent / "suites"
+
+
+@dataclass
+class Template:
+    chat: bool = False
+    system: str | None = None
+    prompt: str = "{prompt}"
+    choice: str = " {choice}"
+
+
+@dataclass
+class Suite:
+    name: str
+    kind: str
+    dimension: str
+    items: list[dict[str, Any]]
+    template: Template = field(default_factory=Template)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    match: str = "exact"
+    description: str = ""
+    source: str = ""
+
+    def header(self) -> dict[str, Any]:
+        """What the results record about the suite (enough to tell two versions apart)."""
+        return {"kind": self.kind, "dimension": self.dimension, "template": vars(self.template),
+                "sampling": self.sampling, "match": self.match, "source": self.source}  # fmt: skip
+
+
+def builtin_suite_paths() -> list[Path]:
+    return sorted(BUILTIN_DIR.glob("*.jsonl"))
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate one suite file."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise KeelError(f"suite {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise KeelError(f"suite {path}: not UTF-8 text") from None
+    rows: list[tuple[int, dict]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KeelError(f"suite {path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise KeelError(f"suite {path}:{number}: expected a JSON object")
+        rows.append((number, value))
+    if not rows or "suite" not in rows[0][1]:
+        raise KeelError(f'suite {path}:1: the first line must be the header, an object with a "suite" key')
+    (_, head), items = rows[0], rows[1:]
+    where = f"suite {path}:1"
+    kind = head.get("kind")
+    if kind not in KINDS:
+        raise KeelError(f"{where}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    dimension = head.get("dimension")
+    if dimension not in DIMENSIONS:
+        raise KeelError(f"{where}: dimension must be one of {', '.join(DIMENSIONS)}, got {dimension!r}")
+    template_fields = head.get("template") or {}
+    unknown = set(template_fields) - set(vars(Template()))
+    if unknown:
+        raise KeelError(f"{where}: unknown template field(s) {', '.join(sorted(unknown))}")
+    template = Template(**template_fields)
+    match = head.get("match", "exact")
+    if match not in MATCHES:
+        raise KeelError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
+    suite = Suite(
+        name=str(head["suite"]),
+        kind=kind,
+        dimension=dimension,
+        items=[item for _, item in items],
+        template=template,
+        sampling=dict(head.get("sampling") or {}),
+        match=match,
+        description=str(head.get("description", "")),
+        source=path.name,
+    )
+    seen: set[str] = set()
+    for number, item in items:
+        _check_item(suite, item, f"suite {path}:{number}")
+        if item["id"] in seen:
+            raise KeelError(f"suite {path}:{number}: duplicate id {item['id']!r}")
+        seen.add(item["id"])
+    if not suite.items:
+        raise KeelError(f"suite {path}: no items after the header")
+    return suite
+
+
+def _check_item(suite: Suite, item: dict, where: str) -> None:
+    def need(name: str, kind: type | tuple[type, ...]) -> Any:
+        if not isinstance(item.get(name), kind):
+            raise KeelError(f"{where}: field {name!r} missing or not a {getattr(kind, '__name__', kind)}")
+        return item[name]
+
+    need("id", str)
+    if suite.kind == "multiple_choice":
+        choices = need("choices", list)
+        if len(choices) < 2 or not all(isinstance(c, str) for c in choices):
+            raise KeelError(f"{where}: 'choices' must be a list of at least two strings")
+        answer = need("answer", int)
+        if not 0 <= answer < len(choices):
+            raise KeelError(f"{where}: 'answer' {answer} is not an index into its {len(choices)} choices")
+    elif suite.kind in ("generation", "needle"):
+        target = item.get("target")
+        targets = [target] if isinstance(target, str) else target
+        if not targets or not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise KeelError(f"{where}: 'target' must be a string or a list of strings")
+        match = item.get("match", suite.match)
+        if match not in MATCHES:
+            raise KeelError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
+        if match == "regex":
+            for t in targets:
+                try:
+                    re.compile(t)
+                except re.error as e:
+                    raise KeelError(f"{where}: target {t!r} is not a valid regex ({e})") from None
+    elif suite.kind == "multi_turn":
+        turns = need("turns", list)
+        if len(turns) < 2 or not all(isinstance(t, str) for t in turns):
+            raise KeelError(f"{where}: 'turns' must be a list of at least two strings")
+        options = need("options", list)
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise KeelError(f"{where}: 'options' must be a list of non-empty strings")
+        if "answer" in item and item["answer"] not in options:
+            raise KeelError(f"{where}: 'answer' {item['answer']!r} is not one of its options")
+    if suite.kind != "multi_turn":
+        try:
+            suite.template.prompt.format(**item)
+        except (KeyError, IndexError, ValueError) as e:
+            raise KeelError(f"{where}: the prompt template needs field {e} that the item lacks") from None
+
+
+def normalise(text: str) -> str:
+    """What exact match compares: stripped, trailing sentence punctuation dropped, casefolded."""
+    return text.strip().rstrip(".!?").strip().casefold()
+
+
+def matches(output: str, targets: str | list[str], how: str) -> bool:
+    targets = [targets] if isinstance(targets, str) else targets
+    if how == "exact":
+        return any(normalise(output) == normalise(t) for t in targets)
+    if how == "contains":
+        return any(t.casefold() in output.casefold() for t in targets)
+    return any(re.search(t, output.strip()) is not None for t in targets)
+
+
+def extract_option(text: str, options: list[str]) -> str | None:
+    """The option named earliest in `text` (case-insensitive, whole words; the longer of two starting
+    at the same place, so "New York" beats "York"), or None."""
+    best: tuple[int, str] | None = None
+    for option in options:
+        found = re.search(rf"(?<!\w){re.escape(option)}(?!\w)", text, re.IGNORECASE)
+        if found and (best is None or (found.start(), -len(option)) < (best[0], -len(best[1]))):
+            best = (found.start(), option)
+    return best[1] if best else None
