@@ -127,12 +127,12 @@ def test_multiple_choice_equals_direct_loglikelihood_and_is_deterministic(tmp_pa
     for item in MC_ITEMS:
         record = result["items"][item["id"]]
         context = f"Question: {item['question']}\nAnswer: "
-        expected = [_direct_loglikelihood(model.model, *encode_pair(tokenizer, context, c, chat=False))
+        expected = [_direct_loglikelihood(model.model, *encode_pair(tokenizer, context, c))
                     for c in item["choices"]]  # fmt: skip
         assert record["loglikelihoods"] == pytest.approx(expected, abs=1e-4)
         assert record["acc"] == int(max(range(len(expected)), key=expected.__getitem__) == item["answer"])
-        # acc_norm divides by the continuation's characters: the trailing space moved onto it.
-        norm = [ll / len(" " + c) for ll, c in zip(expected, item["choices"], strict=True)]
+        # acc_norm divides by the choice's characters (as lm-eval), not the continuation's.
+        norm = [ll / len(c) for ll, c in zip(expected, item["choices"], strict=True)]
         assert record["acc_norm"] == int(max(range(len(norm)), key=norm.__getitem__) == item["answer"])
     assert result["chance"] == pytest.approx((1 / 3 + 1 / 2 + 1 / 4 + 1 / 2) / 4)
     assert result["metrics"]["acc"]["n"] == 4

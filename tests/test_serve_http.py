@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import string
 import threading
 import time
 
 import httpx
 import openai
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from keel.serve import LLM, SamplingParams
 from keel.serve.openai.child import ServerProcess
+from keel.weights.loader import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 CONTEXT = 8192  # long enough that one request can outlive a short deadline
@@ -176,6 +180,70 @@ def test_64_concurrent_streams_equal_solo(server, reference):
     results = asyncio.run(main())
     for prompt, n, (text, finish) in zip(prompts, lengths, results, strict=True):
         assert finish == "length" and text == reference(prompt, n), prompt
+
+
+# ---------------------------------------------------------------- echo: scoring prompts (lm-eval's loglikelihood)
+@pytest.fixture(scope="module")
+def direct_prompt_logprobs(model_dir):
+    """Each prompt token's logprob given its prefix, from one full float32 forward (the first: None)."""
+    model = load_model(str(model_dir), "float32").model
+
+    @torch.inference_mode()
+    def run(ids: list[int]) -> list[float | None]:
+        logprobs = model(torch.tensor([ids]))[0].float().log_softmax(-1)
+        return [None] + [logprobs[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+
+    return run
+
+
+def check_echoed(choice, ids: list[int], want: list[float | None], generated: int, decode) -> None:
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + generated
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # no prefix: null, as OpenAI and vLLM
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want[1:], abs=1e-4)
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert 2 <= len(top) <= 3 and max(top.values()) >= chosen  # the top 2, and the prompt's token
+    assert choice.text.startswith(decode(ids)) and choice.finish_reason == "length"
+
+
+def test_echo_logprobs_of_token_id_prompts_batched_and_max_tokens_0(server, reference, direct_prompt_logprobs):
+    """What lm-eval's local-completions sends (token ids, echo, logprobs, max_tokens 1, a list of
+    prompts per request) and its max_tokens 0 form: prompt logprobs equal to a direct computation,
+    also for a prompt longer than one prefill chunk (--max-num-batched-tokens 2048)."""
+    c = client(server)
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(string.ascii_letters + " .,") for _ in range(n)) for n in (1, 7, 40, 2500)]
+    prompts = [reference.tokenizer.encode(text) for text in texts]  # one token per character
+    assert [len(ids) for ids in prompts] == [1, 7, 40, 2500]
+    want = [direct_prompt_logprobs(ids) for ids in prompts]
+    decode = reference.tokenizer.decode
+    lm_eval = dict(model="tiny", prompt=prompts, echo=True, logprobs=2, temperature=0, seed=1234)
+    r = c.completions.create(max_tokens=1, **lm_eval)
+    choices = sorted(r.choices, key=lambda ch: ch.index)
+    assert [ch.index for ch in choices] == [0, 1, 2, 3]
+    for choice, ids, lps in zip(choices, prompts, want, strict=True):
+        check_echoed(choice, ids, lps, 1, decode)
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 4
+
+    r = c.completions.create(max_tokens=0, **lm_eval)  # score the prompts only: nothing generated
+    choices = sorted(r.choices, key=lambda ch: ch.index)
+    for choice, ids, lps in zip(choices, prompts, want, strict=True):
+        check_echoed(choice, ids, lps, 0, decode)
+    assert [ch.text for ch in choices] == texts
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens == sum(map(len, prompts))
+
+    chunks = list(c.completions.create(model="tiny", prompt="score me", max_tokens=0, echo=True, logprobs=1,
+                                       stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "score me"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert "".join(streamed) == "score me" and chunks[-1].usage.completion_tokens == 0
+    r = c.completions.create(model="tiny", prompt="no logprobs", max_tokens=0, echo=True)
+    assert r.choices[0].text == "no logprobs" and r.choices[0].logprobs is None
+
+    with pytest.raises(openai.BadRequestError) as e:  # nothing to return without echo
+        c.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert "max_tokens" in e.value.message and e.value.body["param"] == "max_tokens"
 
 
 # ---------------------------------------------------------------- errors and validation

@@ -200,3 +200,30 @@ def save_byte_tokenizer(directory: Path, chat_template: str | None = CHATML) -> 
     if chat_template:
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def save_bpe_tokenizer(directory: Path, texts: list[str], vocab_size: int = 320) -> int:
+    """A byte-level BPE tokenizer trained (offline, deterministically) on `texts`, so that words
+    merge into multi-byte tokens as in real tokenizers; saved with a tokenizer_config.json that
+    transformers' AutoTokenizer loads from the directory. Returns its vocabulary size (the model's
+    vocab_size must be at least that)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer.get_vocab_size()

@@ -6,10 +6,12 @@ All requests of a suite (or of one turn of the multi-turn suite) are submitted a
 by the engine.
 
 Multiple choice is scored as lm-eval scores it: the context and context + continuation are
-tokenised, the continuation is the extra tokens (trailing spaces of the context move to the
-continuation first), and its log-likelihood is the sum of the prompt logprobs of those tokens
-(prompt logprobs are computed in float32 from the model's logits). "acc" picks the highest sum,
-"acc_norm" the highest sum per character of continuation.
+tokenised without special tokens (as lm-eval's API models do), the continuation is the extra
+tokens (trailing whitespace of the context moves to the continuation first), and its
+log-likelihood is the sum of the prompt logprobs of those tokens (computed in float32 from the
+model's logits). "acc" picks the highest sum, "acc_norm" the highest sum per character of the
+choice text (lm-eval divides by the choice's length, not the continuation's). With these rules
+`keel eval` and lm-eval's `local-completions` against `keel serve` score the same (tested).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ def split_continuation(context: str, continuation: str) -> tuple[str, str]:
     return stripped, context[len(stripped) :] + continuation
 
 
-def encode_pair(tokenizer: Tokenizer, context: str, continuation: str, chat: bool) -> tuple[list[int], list[int]]:
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval makes them: the continuation is what encoding
     context + continuation holds past the context's own token count."""
     context, continuation = split_continuation(context, continuation)
-    special = not chat  # a rendered chat template already holds its special tokens
-    whole = tokenizer.encode(context + continuation, add_special_tokens=special)
-    ctx = tokenizer.encode(context, add_special_tokens=special)
+    # No special tokens: lm-eval's default, and a rendered chat template already holds its own.
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    ctx = tokenizer.encode(context, add_special_tokens=False)
     if len(whole) <= len(ctx):
         raise KeelError(f"continuation {continuation!r} adds no tokens to its context")
     return ctx, whole[len(ctx) :]
@@ -93,20 +95,19 @@ class Evaluator:
         return sums
 
     def multiple_choice(self, suite: Suite) -> dict[str, dict[str, Any]]:
-        pairs, owners = [], []
+        pairs = []
         for item in suite.items:
             context = self.context_text(suite, suite.template.prompt.format(**item))
             for choice in item["choices"]:
                 continuation = suite.template.choice.format(choice=choice)
-                pairs.append(encode_pair(self.tokenizer, context, continuation, suite.template.chat))
-                owners.append((item["id"], len(split_continuation(context, continuation)[1])))
+                pairs.append(encode_pair(self.tokenizer, context, continuation))
         sums = self.loglikelihoods(pairs)
         results: dict[str, dict[str, Any]] = {}
         position = 0
         for item in suite.items:
             k = len(item["choices"])
             ll = sums[position : position + k]
-            chars = [owners[position + i][1] for i in range(k)]
+            chars = [len(choice) for choice in item["choices"]]
             position += k
             pred = max(range(k), key=lambda i: ll[i])
             pred_norm = max(range(k), key=lambda i: ll[i] / max(chars[i], 1))

@@ -11,6 +11,7 @@ the call (the engine frees their blocks before its next step).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,13 +27,13 @@ from pydantic import ValidationError
 
 from keel.errors import KeelError
 from keel.serve.async_engine import AsyncEngine, EngineDeadError
-from keel.serve.engine import RequestOutput
+from keel.serve.engine import CompletionOutput, RequestOutput
 from keel.serve.openai.errors import APIError, error_body
 from keel.serve.openai.metrics import ServerMetrics
 from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from keel.serve.openai.responses import SSE_DONE, CompletionLogprobs, Usage, chat_logprobs, sse
 from keel.serve.openai.tenants import Admission, Tenants, TenantState
-from keel.serve.sampling import SamplingParams
+from keel.serve.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("keel.serve")
 audit_log = logging.getLogger("keel.audit")
@@ -74,6 +75,7 @@ class _Call:
     include_usage: bool
     echo: bool = False
     logprobs: int | None = None
+    prompt_only: bool = False  # max_tokens 0 with echo: each job's one generated token is not returned
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -217,7 +219,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
+        prompt_only = False
         if kind == "completion":
+            prompt_only = req.prompt_only()
             prompts, texts = _completion_prompts(req)
             requested = req.max_tokens
             logprobs, echo = req.logprobs, req.echo
@@ -230,6 +234,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
             max_tokens = _max_tokens(len(prompt_ids), requested, kind)
             try:
                 params = req.sampling_params(max_tokens, logprobs, logprobs if echo and logprobs is not None else None)
+                if prompt_only:
+                    # Engine requests always generate (max_tokens >= 1): a prompt-only request runs as
+                    # max_tokens 1 and its token is dropped from the response, as vLLM does. It costs no
+                    # extra forward pass (the token is sampled from the prefill's last row), and the
+                    # prompt logprobs are complete once that token exists: every prefill chunk is done.
+                    params = dataclasses.replace(params, max_tokens=1)
                 params.validate()
             except KeelError as e:
                 raise APIError(400, str(e)) from None
@@ -237,7 +247,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
                 child = params if req.n == 1 else _child_params(params, j)
                 jobs.append(_Job(p_index * req.n + j, p_index, prompt_ids, child))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Call(kind, tenant, jobs, prompts, texts, req.stream, include_usage, echo, logprobs)
+        return _Call(kind, tenant, jobs, prompts, texts, req.stream, include_usage, echo, logprobs, prompt_only)
 
     def _completion_prompts(req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
         prompts, texts = [], []
@@ -380,7 +390,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
     def _usage(call: _Call) -> Usage:
         usage = Usage(prompt_tokens=sum(len(p) for p in call.prompts))
         for job in call.jobs:
-            if job.final is not None:
+            if job.final is not None and not call.prompt_only:
                 usage.completion_tokens += len(job.final.outputs[0].token_ids)
         cached = {}
         for job in call.jobs:
@@ -394,18 +404,19 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
         for job in call.jobs:
             out = job.final.outputs[0]
             if call.kind == "completion":
-                text = out.text
+                text, generated = _generated(call, out)
                 logprobs = None
                 if call.logprobs is not None:
                     lp = CompletionLogprobs()
                     if call.echo:
                         lp.add_prompt(job.prompt_ids, job.final.prompt_logprobs or [], token_text)
-                    lp.add(out.logprobs or [], token_text)
+                    lp.add(generated, token_text)
                     logprobs = lp.to_dict()
                 if call.echo:
                     text = _prompt_text(call, job) + text
+                finish, stop_reason = ("length", None) if call.prompt_only else (out.finish_reason, out.stop_reason)
                 choices.append({"index": job.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})  # fmt: skip
+                                "finish_reason": finish, "stop_reason": stop_reason})  # fmt: skip
             else:
                 logprobs = None
                 if call.logprobs is not None:
@@ -425,6 +436,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
             "choices": choices,
             "usage": _usage(call).to_dict(),
         }
+
+    def _generated(call: _Call, out: CompletionOutput) -> tuple[str, list[TokenLogprobs]]:
+        """A completion's generated text and logprobs as the response shows them: none when prompt-only."""
+        return ("", []) if call.prompt_only else (out.text, out.logprobs or [])
 
     def _prompt_text(call: _Call, job: _Job) -> str:
         text = call.prompt_texts[job.prompt_index]
@@ -452,10 +467,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
                 new_lps = (completion.logprobs or [])[job.sent_logprobs :]
                 job.sent_logprobs += len(new_lps)
                 finish = completion.finish_reason if out.finished else None
-                if not out.delta_text and finish is None and not new_lps:
+                delta_text = out.delta_text
+                if call.prompt_only:  # the engine's one token is not part of the response (see _prepare)
+                    delta_text, new_lps = "", []
+                    finish = "length" if out.finished else None
+                if not delta_text and finish is None and not new_lps:
                     continue  # text held back (a possible stop string): nothing to send yet
                 if call.kind == "completion":
-                    text, logprobs = out.delta_text, None
+                    text, logprobs = delta_text, None
                     lp = CompletionLogprobs() if call.logprobs is not None else None
                     if call.echo and job.index not in echoed:
                         echoed.add(job.index)
@@ -468,7 +487,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
                     choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
                 else:
                     logprobs = chat_logprobs(new_lps, token_text, token_bytes) if call.logprobs is not None else None
-                    delta = {"content": out.delta_text} if out.delta_text or finish is None else {}
+                    delta = {"content": delta_text} if delta_text or finish is None else {}
                     choice = _chat_choice(job.index, delta, logprobs, finish)
                 yield sse({**head, "choices": [choice]})
             if call.include_usage:
@@ -529,8 +548,6 @@ def _chat_choice(index: int, delta: dict, logprobs: dict | None, finish: str | N
 
 def _child_params(params: SamplingParams, j: int) -> SamplingParams:
     """Choice j of n: its own seed (seed + j), so n seeded choices differ but stay reproducible."""
-    import dataclasses
-
     return dataclasses.replace(params, seed=None if params.seed is None else params.seed + j)
 
 

@@ -99,9 +99,21 @@ PromptIds = list[Annotated[int, Field(ge=0, lt=INT64)]]
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | PromptIds | list[StrictStr] | list[PromptIds]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT64)] | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions. 0 is accepted with echo only: score the prompt, generate nothing
+    # (what log-likelihood evaluations such as lm-eval send); without echo it is a 400 (see prompt_only).
+    max_tokens: Annotated[int, Field(ge=0, lt=INT64)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
+
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the response is the echoed prompt (with its logprobs when asked),
+        nothing generated, as OpenAI's legacy completions and vLLM answer it."""
+        if self.max_tokens != 0:
+            return False
+        if not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                           param="max_tokens")  # fmt: skip
+        return True
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
