@@ -273,3 +273,5 @@ def test_cli_run_and_compare(tmp_path, tiny, capsys):
     assert "bad.json: not a `keel eval run` results file" in capsys.readouterr().err
     assert keel_main(["eval", "run", str(tiny), "--suite", "nope"]) == 1
     assert "--suite nope: not a built-in suite" in capsys.readouterr().err
+    assert keel_main(["eval", "suites"]) == 0
+    assert "factual_recall" in capsys.readouterr().out

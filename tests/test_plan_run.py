@@ -79,7 +79,9 @@ def test_activation_checkpointing_lowers_a_single_process_peak(root):
     assert peaks["full"] < 0.8 * peaks["none"], peaks
 
 
-@pytest.mark.parametrize("ac,vocab", [("none", 4096), ("full", 4096), ("full", 32768)])
+@pytest.mark.parametrize(
+    "ac,vocab", [("none", 4096), ("full", 4096), pytest.param("full", 32768, marks=pytest.mark.slow)]
+)
 def test_fsdp_world_2_peak_is_predicted(root, ac, vocab):
     """FSDP2 over 2 gloo ranks through `keel train --nproc 2` (torchrun), as users run it: sharded
     float32 states, bf16 gathered blocks, the gathered root. With checkpointing and a large vocabulary

@@ -67,24 +67,8 @@ def test_quantized_tiny_llama_stays_close(scheme):
     assert rel < (0.03 if scheme == "int8" else 0.3), rel
 
 
-def test_quantized_smollm2_perplexity():
-    """The real checkpoint: int8 within 1% perplexity; int4 in groups of 32 with the head kept in
-    float within 5% (the packaged GGUF is Q4_1, whose 32-blocks int4 reproduces: ~0% change)."""
-    from keel.tools.perplexity import perplexity
-    from keel.weights import load_model
-
-    text = (
-        "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light"
-    )
-    loaded = load_model("smollm2-135m-instruct", "float32")
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-    base = perplexity(loaded.model, ids)
-    for scheme, group, limit in (("int8", 0, 0.01), ("int4", 32, 0.05)):
-        model = load_model("smollm2-135m-instruct", "float32").model
-        quantize_model(model, scheme, group_size=group or 128, keep={"lm_head"} if scheme == "int4" else None)
-        change = perplexity(model, ids) / base - 1
-        assert abs(change) <= limit, (scheme, change)
+# The real checkpoint's quantized perplexity (int8 within 1%, int4 g32 within 5%) is gated through the
+# serving engine in tests/test_eval_gate.py.
 
 
 def test_plan_keeps_layers_and_bad_settings_are_errors():

@@ -48,7 +48,7 @@ def corpus_text(corpus: str) -> tuple[str, str]:
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from keel.eval.ppl import check_window_options, sliding_window_perplexity
+    from keel.eval.ppl import check_window_options, leading_tokens, sliding_window_perplexity
 
     check_window_options(args.context, args.stride)  # option errors before any loading
     if args.max_tokens is not None and args.max_tokens < 2:
@@ -63,9 +63,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, args.dtype)
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
-    ids = loaded.tokenizer.encode(text)
-    if args.max_tokens is not None:
-        ids = ids[: args.max_tokens]
+    ids = leading_tokens(loaded.tokenizer, text, args.max_tokens)
     result = sliding_window_perplexity(loaded.model, ids, args.context, args.stride)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     print(

@@ -65,8 +65,17 @@ def needle_suite(
                 seen += costs[chosen[cut]]
                 cut += 1
             chosen_lines = [lines[i] for i in chosen]
-            text = "\n".join([*chosen_lines[:cut], needle, *chosen_lines[cut:]])
-            items.append({"id": f"needle-{length}-{int(depth * 100):02d}", "prompt": f"{text}\n\n{question}",
+            while True:  # lines tokenise a little differently joined than alone: trim to the length
+                text = "\n".join([*chosen_lines[:cut], needle, *chosen_lines[cut:]])
+                prompt = f"{text}\n\n{question}"
+                if len(tokenizer.encode_chat([{"role": "user", "content": prompt}])) <= length or not chosen_lines:
+                    break
+                if len(chosen_lines) > cut:
+                    chosen_lines.pop()  # from the end, keeping the needle's depth
+                else:
+                    chosen_lines.pop(0)
+                    cut -= 1
+            items.append({"id": f"needle-{length}-{int(depth * 100):02d}", "prompt": prompt,
                           "target": number, "group": str(length), "depth": depth})  # fmt: skip
     return Suite(
         name="needle",
@@ -74,7 +83,9 @@ def needle_suite(
         dimension="long_context_retrieval",
         items=items,
         template=Template(chat=True, prompt="{prompt}"),
-        sampling={"temperature": 0.0, "max_tokens": 12},
+        # Small models repeat the sentence before the number ("The secret number of the red door is
+        # 48213."): room for all of it.
+        sampling={"temperature": 0.0, "max_tokens": 24},
         match="contains",
         description="a number hidden at several depths of real text, asked for after it; by context length",
         source=f"generated: lengths {list(lengths)}, depths {list(depths)}, seed {seed}",

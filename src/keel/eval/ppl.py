@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
+from keel.tokenizer import Tokenizer
 
 
 @dataclass
@@ -47,6 +48,18 @@ class PerplexityResult:
     def as_dict(self) -> dict:
         return {**asdict(self), "mean_nll": self.mean_nll, "perplexity": self.perplexity,
                 "tokens_per_s": self.tokens_per_s}  # fmt: skip
+
+
+def leading_tokens(tokenizer: Tokenizer, text: str, n: int | None) -> list[int]:
+    """The first n tokens of `text` (all with n None) without tokenising a whole corpus for a slice:
+    a prefix of 8 characters per token is tokenised first (tokens near its end may differ from the
+    whole text's, so it is only used when it yields twice the tokens needed)."""
+    if n is not None and len(text) > 8 * n:
+        ids = tokenizer.encode(text[: 8 * n])
+        if len(ids) >= 2 * n:
+            return ids[:n]
+    ids = tokenizer.encode(text)
+    return ids if n is None else ids[:n]
 
 
 def check_window_options(context: int, stride: int) -> None:

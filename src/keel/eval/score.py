@@ -20,12 +20,10 @@ from typing import Any
 
 from keel.errors import KeelError
 from keel.eval.stats import wilson_interval
-from keel.eval.suites import Suite, extract_option, matches
+from keel.eval.suites import METRICS, Suite, extract_option, matches
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 from keel.tokenizer import Tokenizer
-
-PRIMARY = {"multiple_choice": "acc", "generation": "match", "needle": "match", "multi_turn": "consistency"}
 
 
 def _messages(system: str | None, user: str) -> list[dict[str, str]]:
@@ -163,9 +161,9 @@ class Evaluator:
 
 def summarise(suite: Suite, items: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A suite's metrics with 95% intervals, its chance level, and the per-item records."""
-    names = {"multiple_choice": ["acc", "acc_norm"], "multi_turn": ["consistency", "correct"]}
     metrics = {}
-    for name in names.get(suite.kind, ["match"]):
+    primary = suite.header()["primary"]
+    for name in METRICS[suite.kind]:
         passed = [record[name] for record in items.values() if name in record]
         if passed:
             metrics[name] = _metric(passed)
@@ -175,8 +173,8 @@ def summarise(suite: Suite, items: dict[str, dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, list[int]] = {}
     for record in items.values():
         if "group" in record:
-            groups.setdefault(str(record["group"]), []).append(record[PRIMARY[suite.kind]])
-    result = {**suite.header(), "n": len(items), "primary": PRIMARY[suite.kind], "metrics": metrics,
+            groups.setdefault(str(record["group"]), []).append(record[primary])
+    result = {**suite.header(), "n": len(items), "metrics": metrics,
               "chance": chance, "items": items}  # fmt: skip
     if groups:
         result["groups"] = {name: _metric(passed) for name, passed in groups.items()}

@@ -37,6 +37,9 @@ DIMENSIONS = (
     "multi_turn_consistency",
 )
 MATCHES = ("exact", "contains", "regex")
+METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("match",), "needle": ("match",),
+           "multi_turn": ("consistency", "correct")}  # fmt: skip
+PRIMARY = {kind: names[0] for kind, names in METRICS.items()}
 BUILTIN_DIR = Path(__file__).parent / "suites"
 
 
@@ -59,11 +62,13 @@ class Suite:
     match: str = "exact"
     description: str = ""
     source: str = ""
+    primary: str | None = None  # the metric the gate and the dimension use; None: the kind's default
 
     def header(self) -> dict[str, Any]:
         """What the results record about the suite (enough to tell two versions apart)."""
         return {"kind": self.kind, "dimension": self.dimension, "template": vars(self.template),
-                "sampling": self.sampling, "match": self.match, "source": self.source}  # fmt: skip
+                "sampling": self.sampling, "match": self.match, "source": self.source,
+                "primary": self.primary or PRIMARY[self.kind]}  # fmt: skip
 
 
 def builtin_suite_paths() -> list[Path]:
@@ -108,7 +113,11 @@ def load_suite(path: str | Path) -> Suite:
     match = head.get("match", "exact")
     if match not in MATCHES:
         raise KeelError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
+    primary = head.get("primary")
+    if primary is not None and primary not in METRICS[kind]:
+        raise KeelError(f"{where}: primary must be one of {', '.join(METRICS[kind])} for {kind}, got {primary!r}")
     suite = Suite(
+        primary=primary,
         name=str(head["suite"]),
         kind=kind,
         dimension=dimension,

@@ -129,8 +129,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     qsub = p.add_subparsers(dest="quantize_command", required=True, metavar="COMMAND")
     a = qsub.add_parser("analyze", help="rank linear layers by the cost of quantizing each alone")
     a.add_argument("model")
-    a.add_argument("--corpus", required=True, help="a text file to measure perplexity on, or a corpus name "
-                   "(shakespeare, kjv: as `keel eval ppl`)")
+    a.add_argument(
+        "--corpus",
+        required=True,
+        help="a text file to measure perplexity on, or a corpus name (shakespeare, kjv: as `keel eval ppl`)",
+    )
     a.add_argument("--scheme", default="int4", choices=list(SCHEMES))
     a.add_argument("--group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES))
     a.add_argument("--max-tokens", type=int, default=512, help="corpus tokens used")
