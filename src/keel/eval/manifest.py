@@ -106,6 +106,15 @@ def engine_options(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def _quantization(quant: dict | None, engine: LLMEngine) -> dict[str, Any] | None:
+    if quant is None:
+        return None
+    record = {k: v for k, v in quant.items() if k != "stats"}
+    if record.get("scheme") == "int8":
+        record["group_size"] = None  # per output channel: the int4 group-size option does not apply
+    return {**record, "keep": list(engine.config.quant_keep), "keep_as": engine.config.quant_keep_as}
+
+
 def build_manifest(model: str, engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of an eval of `model` (the name the user gave) served by `engine`."""
     loaded = engine.loaded
@@ -118,13 +127,7 @@ def build_manifest(model: str, engine: LLMEngine, extra: dict[str, Any] | None =
         "config": dataclasses.asdict(checkpoint.config),
         "tokenizer_sha256": sha256_text(tokenizer.tokenizer.to_str()) if tokenizer else None,
         "chat_template_sha256": sha256_text(tokenizer.chat_template) if tokenizer else None,
-        "quantization": None
-        if quant is None
-        else {
-            **{k: v for k, v in quant.items() if k != "stats"},
-            "keep": list(engine.config.quant_keep),
-            "keep_as": engine.config.quant_keep_as,
-        },
+        "quantization": _quantization(quant, engine),
         "engine": engine_options(engine),
         "keel": {"version": keel.__version__, **git_commit()},
         "machine": machine(),

@@ -20,13 +20,13 @@ others. Errors name the file, line and field.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from keel.errors import KeelError
+from keel.jsonl import iter_jsonl
 
 KINDS = ("multiple_choice", "generation", "multi_turn", "needle")
 DIMENSIONS = (
@@ -85,13 +85,7 @@ def load_suite(path: str | Path) -> Suite:
     except UnicodeDecodeError:
         raise KeelError(f"suite {path}: not UTF-8 text") from None
     rows: list[tuple[int, dict]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise KeelError(f"suite {path}:{number}: not valid JSON ({e.msg})") from None
+    for number, value in iter_jsonl(lines, f"suite {path}"):
         if not isinstance(value, dict):
             raise KeelError(f"suite {path}:{number}: expected a JSON object")
         rows.append((number, value))

@@ -91,6 +91,7 @@ import httpx
 import numpy as np
 
 from keel.errors import KeelError
+from keel.jsonl import iter_jsonl
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -312,13 +313,7 @@ def _read_dataset(path: Path) -> str:
 
 def _load_jsonl(path: Path, text: str) -> list[tuple[str, int | None]]:
     rows: list[tuple[str, int | None]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise KeelError(f"--dataset: {path}:{lineno}: not JSON ({e.msg})") from None
+    for lineno, obj in iter_jsonl(text.splitlines(), f"--dataset: {path}"):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise KeelError(f'--dataset: {path}:{lineno}: expected an object with a string "prompt"')
         output_len = obj.get("output_len")

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from keel.errors import KeelError
+from keel.jsonl import iter_jsonl
 
 SIDECAR_FORMAT = "keel-tokens"
 SIDECAR_VERSION = 1
@@ -107,13 +108,7 @@ def _documents(path: Path, fmt: Format, split: Split, jsonl_field: str) -> Itera
             yield from split_documents(path.read_text(encoding="utf-8"), split)
             return
         with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise KeelError(f"{path}:{number}: not valid JSON ({e})") from None
+            for number, record in iter_jsonl(f, str(path)):
                 value = record.get(jsonl_field) if isinstance(record, dict) else None
                 if not isinstance(value, str):
                     raise KeelError(f"{path}:{number}: no string field {jsonl_field!r}")
