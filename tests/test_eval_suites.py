@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from keel.cli import main as keel_main
 from keel.errors import KeelError
-from keel.eval.compare import Thresholds, compare, greedy_stability
+from keel.eval.compare import Thresholds, compare, greedy_stability, report
 from keel.eval.needle import needle_suite
 from keel.eval.ppl import sliding_window_perplexity, windows
 from keel.eval.run import engine_perplexity, run_eval
@@ -62,10 +62,12 @@ def test_builtin_suites_load_and_cover_every_dimension():
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ({"id": "x", "question": "q", "choices": ["a"], "answer": 0}, "at least two strings"),
+        ({"id": "x", "question": "q", "choices": ["a"], "answer": 0}, "at least two non-empty strings"),
         ({"id": "x", "question": "q", "choices": ["a", "b"], "answer": 2}, "not an index"),
         ({"id": "x", "choices": ["a", "b"], "answer": 0}, "needs field 'question'"),
         ({"question": "q", "choices": ["a", "b"], "answer": 0}, "field 'id'"),
+        ({"id": "x", "question": "q", "choices": ["a", "b"], "answer": True}, "not an index"),
+        ({"id": "x", "question": "q", "choices": ["a", ""], "answer": 0}, "non-empty strings"),
     ],
 )
 def test_bad_items_are_named_by_file_and_line(tmp_path, line, message):
@@ -73,6 +75,34 @@ def test_bad_items_are_named_by_file_and_line(tmp_path, line, message):
     path = _write_suite(tmp_path / "s.jsonl", header, [MC_ITEMS[0], line])
     with pytest.raises(KeelError, match=rf"s\.jsonl:3: .*{message}"):
         load_suite(path)
+
+
+def test_suite_text_may_hold_unicode_line_separators(tmp_path):
+    item = {**MC_ITEMS[0], "question": "one\u2028two\u0085three"}
+    header = {"suite": "u", "kind": "multiple_choice", "dimension": "reasoning", "template": {"prompt": "{question}"}}
+    path = tmp_path / "u.jsonl"
+    path.write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in [header, item]) + "\n", encoding="utf-8")
+    assert load_suite(path).items[0]["question"] == "one\u2028two\u0085three"
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"template": 5}, "template must be an object"),
+        ({"template": {"chat": "false"}}, "template.chat must be true or false"),
+        ({"template": {"prompt": 5}}, "must be strings"),
+        ({"sampling": [1]}, "sampling must be an object"),
+        ({"sampling": {"max_tokens": 0}}, "sampling: max_tokens must be >= 1"),
+        ({"sampling": {"nope": 1}}, "sampling: .*nope"),
+        ({"template": {"prompt": "{question.x}"}}, "cannot be filled"),
+        ({"template": {"prompt": "{question}", "choice": "{answer}"}}, "needs field 'answer'"),
+        ({"primary": "match"}, "primary must be one of acc, acc_norm"),
+    ],
+)
+def test_bad_header_fields_are_one_line_errors(tmp_path, header, message):
+    base = {"suite": "h", "kind": "multiple_choice", "dimension": "reasoning", "template": {"prompt": "{question}"}}
+    with pytest.raises(KeelError, match=rf"h\.jsonl:[12]: .*{message}"):
+        load_suite(_write_suite(tmp_path / "h.jsonl", {**base, **header}, MC_ITEMS))
 
 
 def test_bad_headers(tmp_path):
@@ -98,6 +128,7 @@ def test_matching_and_option_extraction():
     assert extract_option("I think New York, not Paris", options) == "New York"  # longer option at the same place
     assert extract_option("Parisian food", options) is None  # whole words only
     assert extract_option("paris then york", options) == "Paris"
+    assert extract_option("I love New\nYork", options) == "New York"  # a line break between the words
 
 
 def test_statistics():
@@ -239,6 +270,35 @@ def test_run_records_manifest_and_compare_gates(tmp_path, tiny, llm):
     assert compare(base, worse).failures == [result.failures[-1]]
     assert greedy_stability(base["golden"], base["golden"])["stability"] == 1.0
 
+    # Checks that cannot be made fail rather than pass: a missing section, different items or prompts.
+    no_sections = {k: v for k, v in base.items() if k not in ("golden", "perplexity")}
+    failures = compare(base, no_sections).failures
+    assert failures == ["golden: missing from the candidate; cannot be gated",
+                        "perplexity: missing from the candidate; cannot be gated"]  # fmt: skip
+    other_items = json.loads(json.dumps(base))
+    other_items["manifest"]["suites"]["mc"]["items_sha256"] = "0" * 64
+    other_items["golden"]["max_tokens"] = 16
+    other_items["suites"]["extra"] = base["suites"]["mc"]
+    result = compare(base, other_items)
+    assert [f.split(":")[0] for f in result.failures] == ["suite mc", "golden"]
+    assert result.ungated == ["extra"] and "not gated (only in the candidate): extra" in report(result)
+
+
+def test_a_significant_drop_fails_at_the_default_thresholds():
+    """Twelve items lost, none gained (p = 2^-11): past the 5-point drop and significant."""
+    items = {str(i): {"acc": 1} for i in range(40)}
+    worse = {str(i): {"acc": 0 if i < 12 else 1} for i in range(40)}
+
+    def run(records):
+        value = sum(r["acc"] for r in records.values()) / len(records)
+        return {"suites": {"s": {"primary": "acc", "metrics": {"acc": {"value": value}}, "items": records}}}
+
+    result = compare(run(items), run(worse))
+    assert result.suites["s"]["metrics"]["acc"]["p_value"] == pytest.approx(2**-11)
+    assert result.failures == ["suite s: acc 1.000 -> 0.700 (-0.300, p=0.000488; allowed drop 0.05)"]
+    few = {str(i): {"acc": 0 if i < 2 else 1} for i in range(40)}  # two lost: 5 points, not significant
+    assert compare(run(items), run(few)).passed
+
 
 def test_cli_run_and_compare(tmp_path, tiny, capsys):
     header = {"suite": "mc", "kind": "multiple_choice", "dimension": "factual_recall",
@@ -260,13 +320,15 @@ def test_cli_run_and_compare(tmp_path, tiny, capsys):
     capsys.readouterr()
     assert keel_main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert "PASS" in capsys.readouterr().out
-    # int8 KV moves perplexity: a loose tolerance passes, a negative one fails; the report names the change.
-    assert keel_main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                      "--max-ppl-increase", "1"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert "engine.kv_cache_dtype: 'auto' -> 'int8'" in out
-    assert keel_main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                      "--max-ppl-increase", "-1"]) == 1  # fmt: skip
+    # int8 KV moves perplexity: the gate's verdict follows the threshold around the measured change,
+    # and the report names what changed between the runs.
+    b = json.loads((tmp_path / "b.json").read_text())
+    change = b["perplexity"]["perplexity"] / a["perplexity"]["perplexity"] - 1
+    assert change != 0
+    compare_ab = ["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert keel_main([*compare_ab, "--max-ppl-increase", str(abs(change) * 1.01)]) == 0
+    assert "engine.kv_cache_dtype: 'auto' -> 'int8'" in capsys.readouterr().out
+    assert keel_main([*compare_ab, "--max-ppl-increase", str(change - abs(change) * 0.01)]) == 1
     assert "FAIL" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     assert keel_main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 1
@@ -275,3 +337,11 @@ def test_cli_run_and_compare(tmp_path, tiny, capsys):
     assert "--suite nope: not a built-in suite" in capsys.readouterr().err
     assert keel_main(["eval", "suites"]) == 0
     assert "factual_recall" in capsys.readouterr().out
+    for bad, message in [(["--golden", "-1"], "--golden must be >= 0"),
+                         (["--golden-tokens", "0"], "--golden-tokens must be >= 1"),
+                         (["--needle-depths", "2"], "--needle-depths: each depth must be in [0, 1]"),
+                         (["--out", str(tmp_path / "no" / "r.json")], "is not a writable directory"),
+                         (["--suite", "needle", "--needle-lengths", "4096"], "exceed the model length 2048"),
+                         (["--ppl-context", "4096", "--ppl-stride", "8"], "--ppl-context 4096 exceeds")]:  # fmt: skip
+        assert keel_main(["eval", "run", *common, *bad]) == 1, bad
+        assert message in capsys.readouterr().err, bad

@@ -8,7 +8,10 @@ the two manifests is listed, so a report says what was changed as well as what i
 
 A gate fails when a suite's primary metric drops by more than `max_drop` with p < `alpha` (a drop
 the item count cannot explain), when greedy stability is below `min_greedy_stability`, or when
-perplexity rises by more than `max_ppl_increase` (relative).
+perplexity rises by more than `max_ppl_increase` (relative). It also fails when a check cannot be
+made: a suite, the golden outputs or the perplexity missing from one side, or the two runs having
+scored different things (the suite's items hash, the golden prompts and token count, the corpus,
+windows and tokenizer). Suites only the candidate has are listed as not gated.
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ class Comparison:
     perplexity: dict[str, Any] | None = None
     manifest_changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    ungated: list[str] = field(default_factory=list)  # suites only the candidate has
 
     @property
     def passed(self) -> bool:
         return not self.failures
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "failures": self.failures, "suites": self.suites, "greedy": self.greedy,
+        return {"passed": self.passed, "failures": self.failures, "ungated": self.ungated, "suites": self.suites,
+                "greedy": self.greedy,
                 "perplexity": self.perplexity,
                 "manifest_changes": {k: list(v) for k, v in self.manifest_changes.items()}}  # fmt: skip
 
@@ -71,12 +76,15 @@ def compare_suite(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
             continue
         shared = [i for i in base["items"] if i in cand["items"] and name in base["items"][i]
                   and name in cand["items"][i]]  # fmt: skip
+        if not shared:
+            continue
         gained = sum(1 for i in shared if cand["items"][i][name] and not base["items"][i][name])
         lost = sum(1 for i in shared if base["items"][i][name] and not cand["items"][i][name])
-        metrics[name] = {"baseline": base["metrics"][name]["value"], "candidate": cand["metrics"][name]["value"],
-                         "delta": cand["metrics"][name]["value"] - base["metrics"][name]["value"],
-                         "items": len(shared), "gained": gained, "lost": lost,
-                         "p_value": mcnemar_p(gained, lost)}  # fmt: skip
+        # Both scores over the items both runs scored, so the change and the test describe the same items.
+        a = sum(base["items"][i][name] for i in shared) / len(shared)
+        b = sum(cand["items"][i][name] for i in shared) / len(shared)
+        metrics[name] = {"baseline": a, "candidate": b, "delta": b - a, "items": len(shared), "gained": gained,
+                         "lost": lost, "p_value": mcnemar_p(gained, lost)}  # fmt: skip
     return {"primary": base["primary"], "metrics": metrics}
 
 
@@ -99,10 +107,17 @@ def greedy_stability(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, An
 
 def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds | None = None) -> Comparison:
     t = thresholds or Thresholds()
-    result = Comparison(manifest_changes=manifest_changes(base.get("manifest", {}), cand.get("manifest", {})))
+    base_manifest, cand_manifest = base.get("manifest", {}), cand.get("manifest", {})
+    result = Comparison(manifest_changes=manifest_changes(base_manifest, cand_manifest))
+    result.ungated = [name for name in cand.get("suites", {}) if name not in base.get("suites", {})]
     for name, suite in base.get("suites", {}).items():
         if name not in cand.get("suites", {}):
             result.failures.append(f"suite {name}: missing from the candidate")
+            continue
+        hashes = [m.get("suites", {}).get(name, {}).get("items_sha256") for m in (base_manifest, cand_manifest)]
+        if None not in hashes and hashes[0] != hashes[1]:
+            result.failures.append(f"suite {name}: the runs scored different items (another version of the suite, "
+                                   "--limit or needle settings); not comparable")  # fmt: skip
             continue
         row = compare_suite(suite, cand["suites"][name])
         result.suites[name] = row
@@ -112,7 +127,15 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds |
                 f"suite {name}: {row['primary']} {primary['baseline']:.3f} -> {primary['candidate']:.3f} "
                 f"({primary['delta']:+.3f}, p={primary['p_value']:.3g}; allowed drop {t.max_drop})"
             )
+    for section in ("golden", "perplexity"):
+        if (section in base) != (section in cand):
+            side = "baseline" if section not in base else "candidate"
+            result.failures.append(f"{section}: missing from the {side}; cannot be gated")
     if "golden" in base and "golden" in cand:
+        same_prompts = [m.get("golden", {}).get("prompts_sha256") for m in (base_manifest, cand_manifest)]
+        if base["golden"].get("max_tokens") != cand["golden"].get("max_tokens") or same_prompts[0] != same_prompts[1]:
+            result.failures.append("golden: the runs used different golden prompts or token counts; not comparable")
+    if "golden" in base and "golden" in cand and not any(f.startswith("golden") for f in result.failures):
         result.greedy = greedy_stability(base["golden"], cand["golden"])
         if result.greedy["stability"] < t.min_greedy_stability:
             result.failures.append(
@@ -121,13 +144,16 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds |
             )
     if "perplexity" in base and "perplexity" in cand:
         pa, pb = base["perplexity"], cand["perplexity"]
-        same_tokens = (pa["tokens_scored"], pa["context"], pa["stride"], pa.get("corpus")) == (
-            pb["tokens_scored"], pb["context"], pb["stride"], pb.get("corpus"))  # fmt: skip
+        same_tokens = (pa["tokens_scored"], pa["context"], pa["stride"], pa.get("corpus"),
+                       base_manifest.get("tokenizer_sha256")) == (
+            pb["tokens_scored"], pb["context"], pb["stride"], pb.get("corpus"),
+            cand_manifest.get("tokenizer_sha256"))  # fmt: skip
         change = pb["perplexity"] / pa["perplexity"] - 1
         result.perplexity = {"baseline": pa["perplexity"], "candidate": pb["perplexity"], "relative": change,
                              "comparable": same_tokens}  # fmt: skip
         if not same_tokens:
-            result.failures.append("perplexity: the runs scored different corpora or windows; not comparable")
+            result.failures.append("perplexity: the runs scored different corpora, windows or tokenizers; "
+                                   "not comparable")  # fmt: skip
         elif change > t.max_ppl_increase:
             result.failures.append(f"perplexity {pa['perplexity']:.4f} -> {pb['perplexity']:.4f} "
                                    f"({change:+.2%}; allowed {t.max_ppl_increase:+.2%})")  # fmt: skip
@@ -151,6 +177,8 @@ def report(c: Comparison) -> str:
     if c.perplexity is not None:
         p = c.perplexity
         lines.append(f"perplexity: {p['baseline']:.4f} -> {p['candidate']:.4f} ({p['relative']:+.2%})")
+    if c.ungated:
+        lines.append(f"not gated (only in the candidate): {', '.join(c.ungated)}")
     if c.manifest_changes:
         lines.append("changed between the runs:")
         lines += [f"  {k}: {a!r} -> {b!r}" for k, (a, b) in c.manifest_changes.items()]

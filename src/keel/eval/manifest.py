@@ -45,7 +45,8 @@ def weights_fingerprint(path: Path) -> dict[str, Any]:
     if path.is_file():
         files = [path]
     else:
-        wanted = [p for p in path.rglob("*") if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"]
+        # The directory's own files (not sub-directories such as checkpoint-*/ or optimizer states).
+        wanted = [p for p in path.glob("*") if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"]
         files = sorted(p for p in wanted if p.is_file())
     hashes = {str(p.relative_to(path) if path.is_dir() else p.name): sha256_file(p) for p in files}
     combined = hashlib.sha256("".join(f"{name}\0{h}\n" for name, h in sorted(hashes.items())).encode()).hexdigest()
@@ -63,10 +64,11 @@ def git_commit() -> dict[str, Any]:
             return None
         return proc.stdout.strip() if proc.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:  # an installed keel inside some other repository
         return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def machine() -> dict[str, Any]:

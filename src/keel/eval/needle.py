@@ -20,6 +20,9 @@ DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 _COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "golden")
 _QUESTION = "What is the secret number of the {colour} door? Answer with the number only."
+# Small models repeat the sentence before the number ("The secret number of the red door is 48213."):
+# room for all of it.
+ANSWER_TOKENS = 24
 
 
 def needle_suite(
@@ -37,12 +40,15 @@ def needle_suite(
     if not lines:
         raise KeelError("the needle suite's haystack text is empty")
     costs = [len(tokenizer.encode(line + "\n", add_special_tokens=False)) for line in lines]
-    rng = random.Random(seed)
+    if len(set(lengths)) != len(lengths) or len(set(depths)) != len(depths):
+        raise KeelError("--needle-lengths and --needle-depths must not repeat a value")
     items = []
     for length in lengths:
         for depth in depths:
             if not 0 <= depth <= 1:
-                raise KeelError(f"needle depth must be in [0, 1], got {depth}")
+                raise KeelError(f"--needle-depths: each depth must be in [0, 1], got {depth}")
+            # One generator per item: an item's number and haystack do not depend on the other items.
+            rng = random.Random(f"{seed}:{length}:{depth}")
             colour = rng.choice(_COLOURS)
             number = str(rng.randrange(10_000, 100_000))
             needle = f"The secret number of the {colour} door is {number}."
@@ -75,7 +81,7 @@ def needle_suite(
                 else:
                     chosen_lines.pop(0)
                     cut -= 1
-            items.append({"id": f"needle-{length}-{int(depth * 100):02d}", "prompt": prompt,
+            items.append({"id": f"needle-{length}-{depth:g}", "prompt": prompt,
                           "target": number, "group": str(length), "depth": depth})  # fmt: skip
     return Suite(
         name="needle",
@@ -83,9 +89,7 @@ def needle_suite(
         dimension="long_context_retrieval",
         items=items,
         template=Template(chat=True, prompt="{prompt}"),
-        # Small models repeat the sentence before the number ("The secret number of the red door is
-        # 48213."): room for all of it.
-        sampling={"temperature": 0.0, "max_tokens": 24},
+        sampling={"temperature": 0.0, "max_tokens": ANSWER_TOKENS},
         match="contains",
         description="a number hidden at several depths of real text, asked for after it; by context length",
         source=f"generated: lengths {list(lengths)}, depths {list(depths)}, seed {seed}",

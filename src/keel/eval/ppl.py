@@ -1,7 +1,8 @@
 """Sliding-window perplexity, the way transformers' perplexity guide and lm-eval's rolling
 log-likelihood compute it.
 
-The corpus is one token sequence. Windows of `context` tokens advance by `stride` tokens; each
+The corpus is one token sequence. Windows of `context` tokens advance by `stride` tokens (at most
+context - 1: each window's first scored token keeps one token of prefix); each
 window scores only the tokens the previous window did not (its last `stride`), with the
 `context - stride` tokens before them as context. Every token but the first (which has no prefix)
 is scored exactly once. With stride == context the windows do not overlap (cheapest, least context); a smaller

@@ -118,8 +118,12 @@ def write_json(path: str | Path, record: dict[str, Any]) -> None:
     """Atomically: a reader (or a crash) never leaves half a results file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KeelError(f"{path}: cannot write ({e.strerror})") from None
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
@@ -132,4 +136,12 @@ def read_results(path: str | Path) -> dict[str, Any]:
         raise KeelError(f"{path}: not a JSON results file ({e})") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise KeelError(f"{path}: not a `keel eval run` results file (format {FORMAT!r} expected)")
+    for name, suite in (record.get("suites") or {}).items():
+        missing = [k for k in ("primary", "metrics", "items") if k not in suite]
+        if missing:
+            raise KeelError(f"{path}: suite {name} lacks {', '.join(missing)} (a damaged results file)")
+    if "golden" in record and "outputs" not in record["golden"]:
+        raise KeelError(f"{path}: golden lacks outputs (a damaged results file)")
+    if "perplexity" in record and not {"perplexity", "tokens_scored", "context", "stride"} <= set(record["perplexity"]):
+        raise KeelError(f"{path}: perplexity lacks fields (a damaged results file)")
     return record

@@ -95,8 +95,40 @@ def resolve_suites(names: list[str] | None, tokenizer, limit: int | None, needle
             raise KeelError(f"--suite {name}: not a built-in suite ({', '.join([*builtin, 'needle'])}) nor a file")
         if limit is not None:
             suite.items = suite.items[:limit]
+        if (suite.template.chat or suite.kind == "multi_turn") and not tokenizer.chat_template:
+            raise KeelError(f"suite {suite.name} renders its prompts with a chat template, and this model has "
+                            "none: choose other suites with --suite")  # fmt: skip
+        if any(s.name == suite.name for s in suites):
+            raise KeelError(f"--suite {name}: a suite named {suite.name!r} is already selected")
         suites.append(suite)
     return suites
+
+
+def check_writable(path: str, option: str) -> None:
+    """Before a long run: its results must have somewhere to go."""
+    import os
+    from pathlib import Path
+
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise KeelError(f"{option} {path}: {parent} is not a writable directory")
+
+
+def check_lengths(args: argparse.Namespace, suites: list, max_model_len: int, ppl_tokens: list[int] | None) -> None:
+    """What only the engine's model length decides, checked before any suite runs."""
+    from keel.eval.needle import ANSWER_TOKENS, DEFAULT_LENGTHS
+
+    if any(s.kind == "needle" for s in suites):
+        longest = max(args.needle_lengths or DEFAULT_LENGTHS)
+        if longest + ANSWER_TOKENS > max_model_len:
+            raise KeelError(f"--needle-lengths: {longest} tokens + {ANSWER_TOKENS} for the answer exceed the model "
+                            f"length {max_model_len}")  # fmt: skip
+    if ppl_tokens is not None:
+        if len(ppl_tokens) < 2:
+            raise KeelError(f"--ppl-corpus {args.ppl_corpus}: fewer than 2 tokens")
+        if args.ppl_context + 1 > max_model_len:
+            raise KeelError(f"--ppl-context {args.ppl_context} exceeds the model length {max_model_len} (minus one "
+                            "token the engine samples)")  # fmt: skip
 
 
 def cmd_suites(args: argparse.Namespace) -> int:
@@ -114,8 +146,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from keel.eval.ppl import check_window_options, leading_tokens
     from keel.serve.openai.server import engine_config, quantize_config
 
-    if args.limit is not None and args.limit < 1:
-        raise KeelError(f"--limit must be >= 1, got {args.limit}")
+    minimums = [("--limit", args.limit, 1), ("--golden", args.golden, 0), ("--golden-tokens", args.golden_tokens, 1),
+                ("--threads", args.threads, 1)]  # fmt: skip
+    for option, value, least in minimums:
+        if value is not None and value < least:
+            raise KeelError(f"{option} must be >= {least}, got {value}")
+    if args.out:
+        check_writable(args.out, "--out")
+    if any(not 0 <= d <= 1 for d in args.needle_depths or ()):
+        raise KeelError(f"--needle-depths: each depth must be in [0, 1], got {list(args.needle_depths)}")
+    if any(n < 1 for n in args.needle_lengths or ()):
+        raise KeelError(f"--needle-lengths: each length must be >= 1, got {list(args.needle_lengths)}")
     if args.ppl_corpus != "none":
         check_window_options(args.ppl_context, args.ppl_stride)
         if args.ppl_max_tokens < 2:
@@ -140,6 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         corpus, text = corpus_text(args.ppl_corpus)
         ppl_tokens = leading_tokens(loaded.tokenizer, text, args.ppl_max_tokens)
     llm = LLM(loaded, config, adapt=True)
+    check_lengths(args, suites, llm.engine.max_model_len, ppl_tokens)
     manifest = build_manifest(str(args.model), llm.engine)
     record = run_eval(llm, suites, golden=args.golden, golden_tokens=args.golden_tokens, ppl_tokens=ppl_tokens,
                       ppl_context=args.ppl_context, ppl_stride=args.ppl_stride, ppl_corpus=corpus,
@@ -179,10 +221,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from keel.eval.compare import Thresholds, compare, report
     from keel.eval.run import read_results, write_json
 
+    if args.json:
+        check_writable(args.json, "--json")
     thresholds = Thresholds(args.max_drop, args.alpha, args.min_greedy_stability, args.max_ppl_increase)
     result = compare(read_results(args.baseline), read_results(args.candidate), thresholds)
     print(report(result))
     if args.json:
-        write_json(args.json, result.as_dict())
+        write_json(args.json, result.as_dict())  # (checked writable before comparing)
     sys.stdout.flush()
     return 0 if result.passed else 1

@@ -43,6 +43,8 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     # No special tokens: lm-eval's default, and a rendered chat template already holds its own.
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     ctx = tokenizer.encode(context, add_special_tokens=False)
+    if not ctx:  # the first token has no logprob: with no context the continuation's first would be lost
+        raise KeelError(f"continuation {continuation!r} has an empty context; give the prompt some text")
     if len(whole) <= len(ctx):
         raise KeelError(f"continuation {continuation!r} adds no tokens to its context")
     return ctx, whole[len(ctx) :]
@@ -87,9 +89,11 @@ class Evaluator:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         outputs = self.llm.generate([ctx + cont for ctx, cont in pairs], params, use_tqdm=False)
         sums = []
-        for (ctx, _), out in zip(pairs, outputs, strict=True):
-            entries = out.prompt_logprobs or []
-            sums.append(sum(e.logprob for e in entries[len(ctx) :] if e is not None))
+        for (ctx, cont), out in zip(pairs, outputs, strict=True):
+            entries = (out.prompt_logprobs or [])[len(ctx) :]
+            if len(entries) != len(cont) or any(e is None for e in entries):
+                raise KeelError("the engine returned incomplete prompt logprobs")
+            sums.append(sum(e.logprob for e in entries))
         return sums
 
     def multiple_choice(self, suite: Suite) -> dict[str, dict[str, Any]]:
@@ -98,7 +102,10 @@ class Evaluator:
             context = self.context_text(suite, suite.template.prompt.format(**item))
             for choice in item["choices"]:
                 continuation = suite.template.choice.format(choice=choice)
-                pairs.append(encode_pair(self.tokenizer, context, continuation))
+                try:
+                    pairs.append(encode_pair(self.tokenizer, context, continuation))
+                except KeelError as e:
+                    raise KeelError(f"suite {suite.name}, item {item['id']}: {e}") from None
         sums = self.loglikelihoods(pairs)
         results: dict[str, dict[str, Any]] = {}
         position = 0

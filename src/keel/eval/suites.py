@@ -79,7 +79,8 @@ def load_suite(path: str | Path) -> Suite:
     """Read and validate one suite file."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators raw.
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as e:
         raise KeelError(f"suite {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -99,17 +100,17 @@ def load_suite(path: str | Path) -> Suite:
     dimension = head.get("dimension")
     if dimension not in DIMENSIONS:
         raise KeelError(f"{where}: dimension must be one of {', '.join(DIMENSIONS)}, got {dimension!r}")
-    template_fields = head.get("template") or {}
-    unknown = set(template_fields) - set(vars(Template()))
-    if unknown:
-        raise KeelError(f"{where}: unknown template field(s) {', '.join(sorted(unknown))}")
-    template = Template(**template_fields)
+    template = _template(head.get("template") or {}, where)
     match = head.get("match", "exact")
     if match not in MATCHES:
         raise KeelError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
     primary = head.get("primary")
     if primary is not None and primary not in METRICS[kind]:
         raise KeelError(f"{where}: primary must be one of {', '.join(METRICS[kind])} for {kind}, got {primary!r}")
+    sampling = head.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise KeelError(f"{where}: sampling must be an object of SamplingParams fields")
+    _check_sampling(sampling, where)
     suite = Suite(
         primary=primary,
         name=str(head["suite"]),
@@ -117,7 +118,7 @@ def load_suite(path: str | Path) -> Suite:
         dimension=dimension,
         items=[item for _, item in items],
         template=template,
-        sampling=dict(head.get("sampling") or {}),
+        sampling=dict(sampling),
         match=match,
         description=str(head.get("description", "")),
         source=path.name,
@@ -133,6 +134,43 @@ def load_suite(path: str | Path) -> Suite:
     return suite
 
 
+def _template(fields: Any, where: str) -> Template:
+    if not isinstance(fields, dict):
+        raise KeelError(f"{where}: template must be an object (chat, system, prompt, choice)")
+    unknown = set(fields) - set(vars(Template()))
+    if unknown:
+        raise KeelError(f"{where}: unknown template field(s) {', '.join(sorted(unknown))}")
+    template = Template(**fields)
+    if not isinstance(template.chat, bool):
+        raise KeelError(f"{where}: template.chat must be true or false, got {template.chat!r}")
+    if template.system is not None and not isinstance(template.system, str):
+        raise KeelError(f"{where}: template.system must be a string or null")
+    if not isinstance(template.prompt, str) or not isinstance(template.choice, str):
+        raise KeelError(f"{where}: template.prompt and template.choice must be strings")
+    return template
+
+
+def _check_sampling(values: dict, where: str) -> None:
+    from keel.serve.sampling import SamplingParams
+
+    try:
+        SamplingParams(**values).validate()
+    except TypeError as e:
+        raise KeelError(f"{where}: sampling: {e}") from None
+    except KeelError as e:
+        raise KeelError(f"{where}: sampling: {e}") from None
+
+
+def _render(template: str, where: str, **fields: Any) -> None:
+    """Fail at load, naming the item, when a template cannot be filled from it."""
+    try:
+        template.format(**fields)
+    except KeyError as e:
+        raise KeelError(f"{where}: the template {template!r} needs field {e} that the item lacks") from None
+    except (IndexError, ValueError, AttributeError, TypeError) as e:
+        raise KeelError(f"{where}: the template {template!r} cannot be filled ({e})") from None
+
+
 def _check_item(suite: Suite, item: dict, where: str) -> None:
     def need(name: str, kind: type | tuple[type, ...]) -> Any:
         if not isinstance(item.get(name), kind):
@@ -142,16 +180,18 @@ def _check_item(suite: Suite, item: dict, where: str) -> None:
     need("id", str)
     if suite.kind == "multiple_choice":
         choices = need("choices", list)
-        if len(choices) < 2 or not all(isinstance(c, str) for c in choices):
-            raise KeelError(f"{where}: 'choices' must be a list of at least two strings")
-        answer = need("answer", int)
-        if not 0 <= answer < len(choices):
-            raise KeelError(f"{where}: 'answer' {answer} is not an index into its {len(choices)} choices")
+        if len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            raise KeelError(f"{where}: 'choices' must be a list of at least two non-empty strings")
+        answer = item.get("answer")
+        if type(answer) is not int or not 0 <= answer < len(choices):  # not bool, which is an int
+            raise KeelError(f"{where}: 'answer' {answer!r} is not an index into its {len(choices)} choices")
+        for choice in choices:
+            _render(suite.template.choice, where, choice=choice)
     elif suite.kind in ("generation", "needle"):
         target = item.get("target")
         targets = [target] if isinstance(target, str) else target
-        if not targets or not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-            raise KeelError(f"{where}: 'target' must be a string or a list of strings")
+        if not targets or not isinstance(targets, list) or not all(isinstance(t, str) and t for t in targets):
+            raise KeelError(f"{where}: 'target' must be a non-empty string or a list of them")
         match = item.get("match", suite.match)
         if match not in MATCHES:
             raise KeelError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
@@ -166,15 +206,16 @@ def _check_item(suite: Suite, item: dict, where: str) -> None:
         if len(turns) < 2 or not all(isinstance(t, str) for t in turns):
             raise KeelError(f"{where}: 'turns' must be a list of at least two strings")
         options = need("options", list)
-        if not options or not all(isinstance(o, str) and o for o in options):
+        if not options or not all(isinstance(o, str) and o.strip() for o in options):
             raise KeelError(f"{where}: 'options' must be a list of non-empty strings")
+        if len({o.casefold() for o in options}) != len(options):
+            raise KeelError(f"{where}: 'options' repeat one another (case does not count)")
         if "answer" in item and item["answer"] not in options:
             raise KeelError(f"{where}: 'answer' {item['answer']!r} is not one of its options")
+        if suite.primary == "correct" and "answer" not in item:
+            raise KeelError(f"{where}: the suite's primary metric is 'correct': every item needs an 'answer'")
     if suite.kind != "multi_turn":
-        try:
-            suite.template.prompt.format(**item)
-        except (KeyError, IndexError, ValueError) as e:
-            raise KeelError(f"{where}: the prompt template needs field {e} that the item lacks") from None
+        _render(suite.template.prompt, where, **item)
 
 
 def normalise(text: str) -> str:
@@ -196,7 +237,8 @@ def extract_option(text: str, options: list[str]) -> str | None:
     at the same place, so "New York" beats "York"), or None."""
     best: tuple[int, str] | None = None
     for option in options:
-        found = re.search(rf"(?<!\w){re.escape(option)}(?!\w)", text, re.IGNORECASE)
+        words = r"\s+".join(re.escape(word) for word in option.split())  # "New York" also across a line break
+        found = re.search(rf"(?<!\w){words}(?!\w)", text, re.IGNORECASE)
         if found and (best is None or (found.start(), -len(option)) < (best[0], -len(best[1]))):
             best = (found.start(), option)
     return best[1] if best else None
