@@ -1,0 +1,83 @@
+"""Tensor-parallel sharding layout (keel.serve.parallel.shard): which slice each rank holds, KV-head
+replication when there are fewer KV heads than ranks, and shard-wise reads that put the full
+tensors back together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from keel.errors import KeelError
+from keel.model.transformer import Transformer
+from keel.serve.parallel.shard import TensorParallelLayout, read_shard, slice_of
+from keel.weights.loader import open_checkpoint
+from tiny_models import save_hf_model
+
+
+def _shapes(config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_smollm2_splits_three_ways_with_one_kv_head_per_rank():
+    config = open_checkpoint("smollm2-135m-instruct").config  # 9 heads, 3 KV heads
+    shapes = _shapes(config)
+    layouts = [TensorParallelLayout(config, 3, r) for r in range(3)]
+    assert [lay.kv_head_range() for lay in layouts] == [(0, 1), (1, 2), (2, 3)] and layouts[0].kv_replicas == 1
+    sharded = sum(torch.Size(s).numel() for n, s in shapes.items() if layouts[0].shard_of(n) is not None)
+    replicated = sum(torch.Size(s).numel() for n, s in shapes.items() if layouts[0].shard_of(n) is None)
+    assert replicated < 0.01 * sharded  # norms only (the head is tied to the embedding)
+    for layout in layouts:
+        per_rank = sum(torch.Size(slice_of(s, layout.shard_of(n))).numel() for n, s in shapes.items())
+        assert per_rank == sharded // 3 + replicated
+    with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
+        TensorParallelLayout(config, 2, 0)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_whose_queries_use_them():
+    config = open_checkpoint("smollm2-135m-instruct").config
+    config = type(config)(**{**vars(config), "num_heads": 12, "num_kv_heads": 2, "head_dim": 48})
+    group = config.num_heads // config.num_kv_heads  # query heads per KV head
+    for rank in range(6):
+        layout = TensorParallelLayout(config, 6, rank)
+        assert layout.kv_replicas == 3
+        first, last = layout.kv_head_range()
+        queries = range(rank * layout.local_heads, (rank + 1) * layout.local_heads)
+        assert last - first == 1 and {q // group for q in queries} == {first}
+    with pytest.raises(KeelError, match="neither divide"):
+        TensorParallelLayout(type(config)(**{**vars(config), "num_kv_heads": 4}), 6, 0)
+
+
+def test_uneven_vocabulary_and_bad_rank():
+    config = open_checkpoint("smollm2-135m-instruct").config
+    config = type(config)(**{**vars(config), "vocab_size": 250})
+    assert [TensorParallelLayout(config, 3, r).vocab_range() for r in range(3)] == [(0, 84), (84, 168), (168, 250)]
+    with pytest.raises(KeelError, match="rank 3 outside"):
+        TensorParallelLayout(config, 3, 3)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_reads_put_every_tensor_back_together(tmp_path, tp):
+    save_hf_model("llama-bias", tmp_path, tie_word_embeddings=False)  # 4 heads, 2 KV heads, biases
+    config = open_checkpoint(str(tmp_path)).config
+    layouts = [TensorParallelLayout(config, tp, r) for r in range(tp)]
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        for hf_name in f.keys():
+            name = hf_name.removeprefix("model.")
+            full = f.get_tensor(hf_name)
+            parts = [read_shard(f, hf_name, lay.shard_of(name)) for lay in layouts]
+            shard = layouts[0].shard_of(name)
+            for part, lay in zip(parts, layouts, strict=True):
+                assert tuple(part.shape) == slice_of(tuple(full.shape), lay.shard_of(name))
+            if shard is None:
+                assert all(torch.equal(p, full) for p in parts)
+            elif layouts[0].kv_replicas > 1 and name.endswith(("k_proj.weight", "v_proj.weight",
+                                                                "k_proj.bias", "v_proj.bias")):  # fmt: skip
+                # Each KV head on kv_replicas ranks: every replica equal, one of each makes the whole.
+                step = layouts[0].kv_replicas
+                assert all(torch.equal(parts[i], parts[i - i % step]) for i in range(tp))
+                assert torch.equal(torch.cat(parts[::step], dim=shard.dim), full)
+            else:
+                assert torch.equal(torch.cat(parts, dim=shard.dim), full), name
