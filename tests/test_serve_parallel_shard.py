@@ -81,3 +81,44 @@ def test_shard_reads_put_every_tensor_back_together(tmp_path, tp):
                 assert torch.equal(torch.cat(parts[::step], dim=shard.dim), full)
             else:
                 assert torch.equal(torch.cat(parts, dim=shard.dim), full), name
+
+
+def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from keel.serve.parallel.tensor import shard_model
+    from keel.weights.loader import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    try:
+        loaded = load_model(model_dir, "float32")
+        shard_model(loaded.model, TensorParallelLayout(loaded.config, world, rank))
+        tokens = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
+        with torch.inference_mode():
+            logits = loaded.model(tokens)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("llama-bias", 2), ("llama", 4), ("qwen3", 2)])
+def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp):
+    """gloo, tp processes: the sharded model's logits equal the unsharded model's (tp 4 on 2 KV heads:
+    replicated KV heads)."""
+    import torch.multiprocessing as mp
+
+    from keel.weights.loader import load_model
+
+    save_hf_model(arch, tmp_path / "m", tie_word_embeddings=(arch == "llama"))
+    out = tmp_path / "logits.pt"
+    mp.spawn(_tp_worker, args=(tp, str(tmp_path / "store"), str(tmp_path / "m"), str(out)), nprocs=tp, join=True)
+    full = load_model(str(tmp_path / "m"), "float32").model
+    tokens = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
+    with torch.inference_mode():
+        expected = full(tokens)
+    torch.testing.assert_close(torch.load(out), expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,113 @@
+"""Tensor parallelism for the serving model: `shard_model` cuts a loaded keel Transformer down to one
+rank's slices (keel.serve.parallel.shard) and swaps in the three modules that communicate.
+
+- Column-parallel layers (q/k/v, gate/up) keep their class: only their rows change, and attention
+  already views q/k/v with -1 heads, so each rank attends over its own heads.
+- `RowParallelLinear` (o_proj, down_proj): a partial product, all-reduced, then the bias once.
+- `VocabParallelEmbedding`: each rank looks up the ids in its vocabulary range, zeros the rest, and
+  the all-reduce assembles the rows.
+- `GatheredLMHead`: each rank's vocabulary slice of the logits, all-gathered (logits are needed
+  whole only for sampling).
+
+Collectives go through torch.distributed on the given process group (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.model.transformer import Transformer
+from keel.serve.parallel.shard import Shard, TensorParallelLayout
+
+
+def _cut(tensor: Tensor, shard: Shard | None) -> Tensor:
+    if shard is None:
+        return tensor.detach().clone()
+    return tensor.detach().narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, weight: Tensor, bias: Tensor | None, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: Tensor, start: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start = start
+        self.group = group
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside.unsqueeze(-1)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class GatheredLMHead(nn.Module):
+    def __init__(self, weight: Tensor, vocab_size: int, rows_per_rank: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.rows_per_rank = rows_per_rank  # all_gather needs equal pieces: the last rank's is padded
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        local = F.linear(x, self.weight)
+        pad = self.rows_per_rank - local.shape[-1]
+        if pad:
+            local = F.pad(local, (0, pad))
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        return torch.cat(pieces, dim=-1)[..., : self.vocab_size]
+
+
+@torch.no_grad()
+def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.ProcessGroup | None = None) -> None:
+    """Cut `model` (a full dense keel Transformer, not yet fused) down to `layout`'s rank, in place."""
+    config = model.config
+    tied = config.tie_word_embeddings and model.lm_head is not None and model.embed_tokens is not None
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name == "lm_head":
+            continue
+        weight_shard = layout.shard_of(f"{name}.weight")
+        if weight_shard is None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        bias = module.bias
+        if weight_shard.dim == 1:  # row-parallel: the bias is added once, after the all-reduce
+            row = RowParallelLinear(
+                _cut(module.weight, weight_shard), None if bias is None else _cut(bias, None), group
+            )
+            setattr(parent, child, row)
+        else:
+            module.weight = nn.Parameter(_cut(module.weight, weight_shard), requires_grad=False)
+            if bias is not None:
+                module.bias = nn.Parameter(_cut(bias, layout.shard_of(f"{name}.bias")), requires_grad=False)
+            module.out_features = module.weight.shape[0]
+    start, stop = layout.vocab_range()
+    rows_per_rank = -(-config.vocab_size // layout.tp)
+    if model.embed_tokens is not None:
+        weight = _cut(model.embed_tokens.weight, layout.shard_of("embed_tokens.weight"))
+        model.embed_tokens = VocabParallelEmbedding(weight, start, group)
+    if model.lm_head is not None:
+        weight = model.embed_tokens.weight if tied else _cut(model.lm_head.weight, layout.shard_of("lm_head.weight"))
+        model.lm_head = GatheredLMHead(weight, config.vocab_size, rows_per_rank, group)
+    for layer in model.layers.values():  # for code that reads head counts (the cache is sized by them)
+        layer.self_attn.num_heads = layout.local_heads
+        first, last = layout.kv_head_range()
+        layer.self_attn.num_kv_heads = last - first
