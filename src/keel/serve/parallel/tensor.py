@@ -60,7 +60,8 @@ class VocabParallelEmbedding(nn.Module):
 class GatheredLMHead(nn.Module):
     def __init__(self, weight: Tensor, vocab_size: int, rows_per_rank: int, group: dist.ProcessGroup | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # A tied head shares the embedding's Parameter object itself (one tensor, counted once).
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.vocab_size = vocab_size
         self.rows_per_rank = rows_per_rank  # all_gather needs equal pieces: the last rank's is padded
         self.group = group
