@@ -34,6 +34,10 @@ def test_smollm2_splits_three_ways_with_one_kv_head_per_rank():
         assert per_rank == sharded // 3 + replicated
     with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
         TensorParallelLayout(config, 2, 0)
+    from keel.serve.parallel.load import load_tensor_parallel
+
+    with pytest.raises(KeelError, match="dense HF safetensors checkpoints only"):  # the packaged file is GGUF
+        load_tensor_parallel("smollm2-135m-instruct", torch.bfloat16, 3, 0)
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_whose_queries_use_them():
@@ -94,12 +98,19 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))  # fmt: skip
+    from keel.serve.parallel.load import load_tensor_parallel
+
     try:
         loaded = load_model(model_dir, "float32")
         shard_model(loaded.model, TensorParallelLayout(loaded.config, world, rank))
+        # Shard-wise loading (only this rank's slices read from the file) gives the same parameters.
+        by_slices = load_tensor_parallel(model_dir, torch.float32, world, rank).model
+        cut = dict(loaded.model.named_parameters())
+        assert cut.keys() == dict(by_slices.named_parameters()).keys()
+        assert all(torch.equal(p, cut[n]) for n, p in by_slices.named_parameters()), rank
         tokens = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
         with torch.inference_mode():
-            logits = loaded.model(tokens)
+            logits = by_slices(tokens)
         if rank == 0:
             torch.save(logits, out)
     finally:
@@ -108,8 +119,8 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
 
 @pytest.mark.parametrize(("arch", "tp"), [("llama-bias", 2), ("llama", 4), ("qwen3", 2)])
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp):
-    """gloo, tp processes: the sharded model's logits equal the unsharded model's (tp 4 on 2 KV heads:
-    replicated KV heads)."""
+    """gloo, tp processes: the model read slice by slice equals the full model cut down, and its logits
+    equal the unsharded model's (tp 4 on 2 KV heads: replicated KV heads)."""
     import torch.multiprocessing as mp
 
     from keel.weights.loader import load_model

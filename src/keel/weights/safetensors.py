@@ -82,5 +82,17 @@ class SafetensorsReader:
         except SafetensorError as e:
             raise WeightsError(f"{self.file_of(name)}: cannot read row {index} of tensor {name!r} ({e})") from None
 
+    def get_shard(self, name: str, shard) -> Tensor:
+        """A tensor-parallel rank's slice (keel.serve.parallel.shard.Shard, None: all), reading only
+        those bytes from the file."""
+        from keel.serve.parallel.shard import read_shard
+
+        if name not in self._where:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
+        try:
+            return read_shard(self._files[self._where[name]], name, shard)
+        except SafetensorError as e:
+            raise WeightsError(f"{self.file_of(name)}: cannot read a slice of tensor {name!r} ({e})") from None
+
     def close(self) -> None:
         self._stack.close()
