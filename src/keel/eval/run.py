@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keel.atomic import write_atomic
 from keel.errors import KeelError
 from keel.eval.ppl import windows
-from keel.eval.score import Evaluator, dimensions
+from keel.eval.score import Evaluator, continuation_logprobs, dimensions
 from keel.eval.suites import Suite
+from keel.jsonl import iter_jsonl
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 
@@ -28,7 +30,8 @@ GOLDEN_FILE = Path(__file__).parent / "golden.jsonl"
 
 
 def golden_prompts(limit: int | None = None) -> list[dict[str, str]]:
-    prompts = [json.loads(line) for line in GOLDEN_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = GOLDEN_FILE.read_text(encoding="utf-8").split("\n")
+    prompts = [prompt for _, prompt in iter_jsonl(lines, str(GOLDEN_FILE))]
     return prompts[:limit] if limit is not None else prompts
 
 
@@ -53,16 +56,11 @@ def golden_outputs(evaluator: Evaluator, prompts: list[dict[str, str]], max_toke
 def engine_perplexity(llm: LLM, token_ids: list[int], context: int, stride: int) -> dict[str, Any]:
     """Sliding-window perplexity (keel.eval.ppl's windows) from the engine's prompt logprobs."""
     plan = windows(len(token_ids), context, stride)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    # Each window: the scored tokens are the continuation of the tokens before them.
+    pairs = [(token_ids[begin : end - scored], token_ids[end - scored : end]) for begin, end, scored in plan]
     started = time.perf_counter()
-    outputs = llm.generate([token_ids[begin:end] for begin, end, _ in plan], params, use_tqdm=False)
+    nll = -sum(continuation_logprobs(llm, pairs))
     seconds = time.perf_counter() - started
-    nll = 0.0
-    for (_, _, scored), out in zip(plan, outputs, strict=True):
-        entries = (out.prompt_logprobs or [])[-scored:]
-        if len(entries) != scored or any(e is None for e in entries):
-            raise KeelError("the engine returned incomplete prompt logprobs")
-        nll -= sum(e.logprob for e in entries)
     scored_total = len(token_ids) - 1
     return {"tokens_scored": scored_total, "windows": len(plan), "context": context, "stride": stride,
             "nll_sum": nll, "perplexity": math.exp(nll / scored_total), "seconds": seconds}  # fmt: skip
@@ -91,9 +89,10 @@ def run_eval(
     # The prompt templates, sampling and items of every suite, as run (a changed item changes the hash).
     manifest["suites"] = {s.name: {**s.header(), "items": len(s.items), "items_sha256": _items_hash(s.items)}
                           for s in suites}  # fmt: skip
-    if golden != 0:
+    prompts = golden_prompts(golden) if golden != 0 else []
+    if prompts:
         manifest["golden"] = {"max_tokens": golden_tokens, "sampling": "greedy",
-                              "prompts_sha256": _items_hash(golden_prompts(golden))}  # fmt: skip
+                              "prompts_sha256": _items_hash(prompts)}  # fmt: skip
     seconds: dict[str, float] = {}
     results: dict[str, Any] = {}
     for suite in suites:
@@ -102,9 +101,9 @@ def run_eval(
         seconds[suite.name] = time.perf_counter() - started
     record: dict[str, Any] = {"format": FORMAT, "manifest": manifest, "suites": results,
                               "dimensions": dimensions(results)}  # fmt: skip
-    if golden != 0:
+    if prompts:
         started = time.perf_counter()
-        record["golden"] = golden_outputs(evaluator, golden_prompts(golden), golden_tokens)
+        record["golden"] = golden_outputs(evaluator, prompts, golden_tokens)
         seconds["golden"] = time.perf_counter() - started
     if ppl_tokens is not None:
         ppl = engine_perplexity(llm, ppl_tokens, ppl_context, ppl_stride)
@@ -117,12 +116,9 @@ def run_eval(
 def write_json(path: str | Path, record: dict[str, Any]) -> None:
     """Atomically: a reader (or a crash) never leaves half a results file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_atomic(path, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise KeelError(f"{path}: cannot write ({e.strerror})") from None
 
 

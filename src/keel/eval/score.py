@@ -20,7 +20,7 @@ from typing import Any
 
 from keel.errors import KeelError
 from keel.eval.stats import wilson_interval
-from keel.eval.suites import METRICS, Suite, extract_option, matches
+from keel.eval.suites import METRICS, Suite, extract_option, matches, sampling_params
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 from keel.tokenizer import Tokenizer
@@ -48,6 +48,20 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     if len(whole) <= len(ctx):
         raise KeelError(f"continuation {continuation!r} adds no tokens to its context")
     return ctx, whole[len(ctx) :]
+
+
+def continuation_logprobs(llm: LLM, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """Sum of log p(continuation | context) for each (context ids, continuation ids), from the
+    engine's prompt logprobs of context + continuation (all pairs batched by the engine)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate([ctx + cont for ctx, cont in pairs], params, use_tqdm=False)
+    sums = []
+    for (ctx, cont), out in zip(pairs, outputs, strict=True):
+        entries = (out.prompt_logprobs or [])[len(ctx) :]
+        if len(entries) != len(cont) or any(e is None for e in entries):
+            raise KeelError("the engine returned incomplete prompt logprobs")
+        sums.append(sum(e.logprob for e in entries))
+    return sums
 
 
 def _metric(passed: list[int]) -> dict[str, Any]:
@@ -84,18 +98,6 @@ class Evaluator:
             items = self.multi_turn(suite)
         return summarise(suite, items)
 
-    def loglikelihoods(self, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
-        """Sum of log p(continuation | context) for each (context ids, continuation ids)."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outputs = self.llm.generate([ctx + cont for ctx, cont in pairs], params, use_tqdm=False)
-        sums = []
-        for (ctx, cont), out in zip(pairs, outputs, strict=True):
-            entries = (out.prompt_logprobs or [])[len(ctx) :]
-            if len(entries) != len(cont) or any(e is None for e in entries):
-                raise KeelError("the engine returned incomplete prompt logprobs")
-            sums.append(sum(e.logprob for e in entries))
-        return sums
-
     def multiple_choice(self, suite: Suite) -> dict[str, dict[str, Any]]:
         pairs = []
         for item in suite.items:
@@ -106,7 +108,7 @@ class Evaluator:
                     pairs.append(encode_pair(self.tokenizer, context, continuation))
                 except KeelError as e:
                     raise KeelError(f"suite {suite.name}, item {item['id']}: {e}") from None
-        sums = self.loglikelihoods(pairs)
+        sums = continuation_logprobs(self.llm, pairs)
         results: dict[str, dict[str, Any]] = {}
         position = 0
         for item in suite.items:
@@ -120,18 +122,9 @@ class Evaluator:
                                    "pred": pred, "pred_norm": pred_norm, "loglikelihoods": ll}  # fmt: skip
         return results
 
-    def _params(self, suite: Suite) -> SamplingParams:
-        values = {"temperature": 0.0, "max_tokens": 32, **suite.sampling}
-        try:
-            params = SamplingParams(**values)
-            params.validate()
-        except (TypeError, KeelError) as e:
-            raise KeelError(f"suite {suite.name}: sampling {values}: {e}") from None
-        return params
-
     def generation(self, suite: Suite) -> dict[str, dict[str, Any]]:
         prompts = [self.encode_prompt(suite, suite.template.prompt.format(**item)) for item in suite.items]
-        outputs = self.llm.generate(prompts, self._params(suite), use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params(suite.sampling, f"suite {suite.name}"), use_tqdm=False)
         results = {}
         for item, out in zip(suite.items, outputs, strict=True):
             text = out.outputs[0].text
@@ -142,7 +135,7 @@ class Evaluator:
         return results
 
     def multi_turn(self, suite: Suite) -> dict[str, dict[str, Any]]:
-        params = self._params(suite)
+        params = sampling_params(suite.sampling, f"suite {suite.name}")
         histories = [_messages(suite.template.system, item["turns"][0])[:-1] for item in suite.items]
         answers: list[list[str]] = [[] for _ in suite.items]
         for turn in range(max(len(item["turns"]) for item in suite.items)):

@@ -27,6 +27,7 @@ from typing import Any
 
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
+from keel.serve.sampling import SamplingParams
 
 KINDS = ("multiple_choice", "generation", "multi_turn", "needle")
 DIMENSIONS = (
@@ -110,7 +111,7 @@ def load_suite(path: str | Path) -> Suite:
     sampling = head.get("sampling") or {}
     if not isinstance(sampling, dict):
         raise KeelError(f"{where}: sampling must be an object of SamplingParams fields")
-    _check_sampling(sampling, where)
+    sampling_params(sampling, where)  # fails at load, not after the model is up
     suite = Suite(
         primary=primary,
         name=str(head["suite"]),
@@ -150,15 +151,14 @@ def _template(fields: Any, where: str) -> Template:
     return template
 
 
-def _check_sampling(values: dict, where: str) -> None:
-    from keel.serve.sampling import SamplingParams
-
+def sampling_params(values: dict, where: str) -> SamplingParams:
+    """A suite's sampling: greedy and 32 tokens unless its header says otherwise; errors name `where`."""
     try:
-        SamplingParams(**values).validate()
-    except TypeError as e:
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": 32, **values})
+        params.validate()
+    except (TypeError, KeelError) as e:
         raise KeelError(f"{where}: sampling: {e}") from None
-    except KeelError as e:
-        raise KeelError(f"{where}: sampling: {e}") from None
+    return params
 
 
 def _render(template: str, where: str, **fields: Any) -> None:

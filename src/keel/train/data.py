@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from keel.atomic import write_atomic
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
 
@@ -237,7 +238,7 @@ def _commit(tmp: Path, out: Path, info: PreparedInfo) -> None:
     side = sidecar_path(out)
     side.unlink(missing_ok=True)  # never a sidecar next to a token file it does not describe
     os.replace(tmp, out)
-    _write_atomic(side, (json.dumps(asdict(info), indent=2) + "\n").encode("utf-8"))
+    write_atomic(side, (json.dumps(asdict(info), indent=2) + "\n").encode("utf-8"))
 
 
 def write_token_file(
@@ -278,21 +279,6 @@ def write_token_file(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp_name, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
 
 
 def file_sha256(path: str | Path) -> str:

@@ -49,8 +49,7 @@ def load_tensor_parallel(
                             f"expected {list(param.shape)}")  # fmt: skip
         state[name] = tensor
     net.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings and net.lm_head is not None and net.embed_tokens is not None:
-        net.lm_head.weight = net.embed_tokens.weight  # assign=True replaced the embedding's Parameter
+    net.tie_weights()  # assign=True replaced the embedding's Parameter: the head shares the new one
     net.reset_buffers(device)
     net.to(device)
     net.eval()
