@@ -34,10 +34,6 @@ def test_smollm2_splits_three_ways_with_one_kv_head_per_rank():
         assert per_rank == sharded // 3 + replicated
     with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
         TensorParallelLayout(config, 2, 0)
-    from keel.serve.parallel.load import load_tensor_parallel
-
-    with pytest.raises(KeelError, match="dense HF safetensors checkpoints only"):  # the packaged file is GGUF
-        load_tensor_parallel("smollm2-135m-instruct", torch.bfloat16, 3, 0)
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_to_the_ranks_whose_queries_use_them():

@@ -49,6 +49,12 @@ class AsyncEngine:
         self._pending_adds = 0  # posted but not yet applied: they are waiting requests too
         self._stats: dict[str, float] = dict(engine.stats())
         self.error: BaseException | None = None
+        self._failure_callbacks: list = []
+        self._check_health = getattr(engine, "check_health", None)
+        self.health_interval = 1.0  # seconds between idle health checks
+        executor = getattr(engine, "executor", None)
+        if executor is not None:  # a worker's death wakes the idle loop at once
+            executor.add_listener(self._wake.set)
         self._thread = threading.Thread(target=self._loop, name="keel-engine", daemon=True)
         self._thread.start()
 
@@ -105,6 +111,10 @@ class AsyncEngine:
             stats["num_requests_waiting"] = stats.get("num_requests_waiting", 0) + self._pending_adds
         return stats
 
+    def on_failure(self, callback) -> None:
+        """Call `callback(error)` from the engine thread when the engine fails (e.g. to stop a server)."""
+        self._failure_callbacks.append(callback)
+
     @property
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
@@ -114,6 +124,9 @@ class AsyncEngine:
             self._stopped = True
         self._wake.set()
         self._thread.join(timeout=timeout)
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:  # worker processes of parallel serving
+            shutdown()
         error = EngineDeadError("engine shut down")
         if not self._thread.is_alive():  # the streams are ours now: end them instead of leaving them waiting
             streams, self._streams = list(self._streams.values()), {}
@@ -157,8 +170,12 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
                     self._stats = dict(self.engine.stats())
-                    self._wake.wait()
+                    # Idle, an engine with worker processes is still checked: a worker that dies now
+                    # fails the engine within a second, not at the next request.
+                    self._wake.wait(timeout=self.health_interval if self._check_health else None)
                     self._wake.clear()
+                    if self._check_health is not None:
+                        self._check_health()
                     continue
                 outputs = self.engine.step()
                 self._stats = dict(self.engine.stats())
@@ -170,6 +187,8 @@ class AsyncEngine:
                 for loop, stream in streams:
                     _deliver(loop, stream, e)
                 self._fail_pending(e)
+                for callback in self._failure_callbacks:
+                    callback(e)
                 return
             for out in outputs:
                 target = self._streams.get(out.request_id)

@@ -34,6 +34,7 @@ from keel.weights.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from keel.serve.offload import ExpertOffload
+    from keel.serve.parallel.executor import ParallelExecutor
     from keel.serve.speculative.draft import DraftModelProposer
 
 log = logging.getLogger("keel.serve")
@@ -71,6 +72,21 @@ class EngineConfig:
     compile: bool | None = None
     # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
     speculative_config: SpeculativeConfig | dict | None = None
+    # Parallel serving (keel.serve.parallel): tp x pp worker processes, vLLM's option names. Multi-node:
+    # every node runs the same command with its --node-rank; node 0 runs the engine and the server.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # one node: a free port
+    distributed_timeout: float = 60.0  # seconds a collective or the rendezvous may wait on a peer
+    startup_timeout: float = 600.0  # seconds for every worker to load and report ready
+    worker_threads: int | None = None  # torch threads per CPU worker (default: the cores shared out)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -172,10 +188,20 @@ class LLMEngine:
     ) -> None:
         """adapt: rewrite a caller's LoadedModel for serving (fused projections, pre-packed weights)
         as the engine does with a model it loads itself; for callers that loaded it only to serve it."""
+        self.executor: ParallelExecutor | None = None
+        try:
+            self._init(model, config, device, adapt)
+        except BaseException:
+            self.shutdown()  # workers already started must not outlive a failed start
+            raise
+
+    def _init(self, model: str | LoadedModel, config: EngineConfig | None, device: str, adapt: bool) -> None:
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
         offloading = config.expert_cache is not None
-        if isinstance(model, LoadedModel):
+        if config.world_size > 1:
+            loaded = self._start_workers(model, device)
+        elif isinstance(model, LoadedModel):
             loaded = model
         else:  # with offloading, only the resident experts may reach the device: load on the host first
             loaded = load_model(
@@ -206,7 +232,7 @@ class LLMEngine:
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
                 q["quantized"], config.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
             )  # fmt: skip
-        owned = adapt or not isinstance(model, LoadedModel)
+        owned = (adapt or not isinstance(model, LoadedModel)) and self.executor is None
         if config.fuse_projections and owned:
             # A model this engine loaded (or was told to adapt): a caller's LoadedModel otherwise
             # keeps the modules it was given.
@@ -229,22 +255,22 @@ class LLMEngine:
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
         check_kv_cache_dtype(config.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
-        num_blocks = self._num_blocks(device)
+        num_blocks = self.executor.num_blocks if self.executor is not None else self._num_blocks(device)
         if num_blocks * config.block_size < self.max_model_len:
             raise KeelError(
                 f"KV cache of {num_blocks} blocks x {config.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )
-        log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            num_blocks * self._bytes_per_block() / 2**20,
-        )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = make_paged_kv_cache(mc, num_blocks, config.block_size, self.model.dtype, device,
-                                         config.kv_cache_dtype)  # fmt: skip
+        if self.executor is None:
+            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, config.block_size,
+                     num_blocks * config.block_size, num_blocks * self._bytes_per_block() / 2**20)  # fmt: skip
+            self.cache = make_paged_kv_cache(mc, num_blocks, config.block_size, self.model.dtype, device,
+                                             config.kv_cache_dtype)  # fmt: skip
+        else:  # each worker holds its own heads' and layers' share of the blocks
+            log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, config.block_size,
+                     num_blocks * config.block_size)  # fmt: skip
+            self.cache = None
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
         self.scheduler = Scheduler(
             self.kv,
@@ -255,9 +281,11 @@ class LLMEngine:
             # Blocks behind the window can be freed only when every layer slides.
             sliding_window=next(iter(windows)) if len(windows) == 1 else None,
         )
-        self.runner = ModelRunner(self.model, self.cache, self.kv.block_table)
+        self.runner: ModelRunner | ParallelExecutor = (
+            ModelRunner(self.model, self.cache, self.kv.block_table) if self.executor is None else self.executor
+        )
         self.compile_seconds = 0.0
-        if decide_compile(config.compile, self.model, self.cache, offloading):
+        if self.executor is None and decide_compile(config.compile, self.model, self.cache, offloading):
             self.runner.compiled = CompiledDecode(self.model, self.cache)
             self.compile_seconds = self.runner.compiled.warm_up()
             log.info("decode step compiled in %.1f s (inductor cache: %s)", self.compile_seconds,
@@ -285,7 +313,35 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.startup_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s (decode %s)", self.startup_seconds,
-                 "compiled" if self.runner.compiled is not None else "eager")  # fmt: skip
+                 "compiled" if getattr(self.runner, "compiled", None) is not None else "eager")  # fmt: skip
+
+    def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
+        """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
+        the config and tokenizer (a meta-device model stands for the weights)."""
+        from keel.serve.parallel.executor import ParallelExecutor
+        from keel.serve.parallel.launch import worker_spec
+        from keel.weights.loader import resolve_dtype
+
+        if isinstance(model, LoadedModel):
+            raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")
+        spec, ranks, checkpoint = worker_spec(model, self.config, device)
+        if 0 not in ranks:
+            raise KeelError("the engine runs on node 0 (--node-rank 0); other nodes run their workers only")
+        self.executor = ParallelExecutor(spec, ranks, lambda request_id: self.kv.block_table(request_id),
+                                         startup_timeout=self.config.startup_timeout)  # fmt: skip
+        with torch.device("meta"):
+            placeholder = Transformer(checkpoint.config).to(resolve_dtype(checkpoint, self.config.dtype, device))
+        return LoadedModel(placeholder, checkpoint)
+
+    def check_health(self) -> None:
+        """Raise when the engine can no longer make progress (a parallel worker died)."""
+        if self.executor is not None:
+            self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of parallel serving (nothing to do for a single process)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _load_draft(self, model: str | LoadedModel, device: str) -> Transformer:
         """The draft model of method draft_model: `model` of the config, or the target's own checkpoint
@@ -341,7 +397,8 @@ class LLMEngine:
         prompt_ids, text = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, priority=priority, prompt=text)
-        request.generator = request_generator(params, self.model.device)
+        if self.executor is None:  # with workers, rank 0 makes the request's generator on its device
+            request.generator = request_generator(params, self.model.device)
         self.scheduler.add(request)
         self._tracks[request_id] = _Track(request, self.tokenizer)
         self.num_prompt_tokens += len(prompt_ids)
@@ -352,6 +409,7 @@ class LLMEngine:
         if request is None:
             return None
         track = self._tracks.pop(request_id)
+        self.runner.release(request_id)
         track.stop.finish_reason = track.stop.finish_reason or "abort"
         return build_output(request, track, "", [])
 
@@ -399,6 +457,7 @@ class LLMEngine:
             if finished:
                 self.scheduler.finish(request)
                 self._tracks.pop(request.request_id)
+                self.runner.release(request.request_id)
             outputs.append(build_output(request, track, released, emitted))
         self._clear_drafts(proposed)
         return outputs

@@ -329,19 +329,33 @@ class PagedKVCache:
     """
 
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str = "cpu"
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        layers: range | None = None,
     ) -> None:
+        """layers: the layers this cache stores (a pipeline stage's); the others get empty stores."""
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.layers = range(config.num_layers) if layers is None else layers
         self.latent_rank = config.kv_lora_rank
         if config.is_mla:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
             self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        shape = (self.num_kv_heads, num_blocks * block_size, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys = [
+            torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
+            for i in range(config.num_layers)
+        ]
         self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
         self.plan: StepPlan | None = None
+
+    def slots_of(self, layer: int) -> int:
+        """Token slots of a layer's store: all blocks' for the stored layers, none for the others."""
+        return self.num_blocks * self.block_size if layer in self.layers else 0
 
     def nbytes(self) -> int:
         """Bytes of cache storage actually allocated (all layers, all blocks)."""

@@ -110,12 +110,14 @@ def make_paged_kv_cache(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     kv_cache_dtype: str = "auto",
+    layers: range | None = None,
 ) -> PagedKVCache:
-    """The engine's paged cache: `PagedKVCache` in the model's dtype ("auto") or `Int8PagedKVCache` ("int8")."""
+    """The engine's paged cache: `PagedKVCache` in the model's dtype ("auto") or `Int8PagedKVCache` ("int8").
+    layers: a pipeline stage's layers (default: all)."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "int8":
-        return Int8PagedKVCache(config, num_blocks, block_size, dtype, device)
-    return PagedKVCache(config, num_blocks, block_size, dtype, device)
+        return Int8PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
+    return PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
 
 
 class Int8PagedKVCache(PagedKVCache):
@@ -132,15 +134,18 @@ class Int8PagedKVCache(PagedKVCache):
         block_size: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        layers: range | None = None,
     ) -> None:
         if not dtype.is_floating_point:
             raise KeelError(f"Int8PagedKVCache: the compute dtype must be a float dtype, got {dtype}")
-        super().__init__(config, num_blocks, block_size, torch.int8, device)
+        super().__init__(config, num_blocks, block_size, torch.int8, device, layers)
         self.dtype = dtype
         # Parts of a row with a scale each: the whole head dimension, or MLA's latent and rope key.
         self.parts = (config.kv_lora_rank, config.qk_rope_head_dim) if config.is_mla else (self.head_dim,)
-        scale_shape = (self.num_kv_heads, num_blocks * block_size, len(self.parts))
-        self.key_scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in self.keys]
+        self.key_scales = [
+            torch.zeros(self.num_kv_heads, self.slots_of(i), len(self.parts), dtype=SCALE_DTYPE, device=device)
+            for i in range(len(self.keys))
+        ]
         self.value_scales = [torch.zeros_like(s) for s in self.key_scales] if self.values else []
 
     def nbytes(self) -> int:

@@ -118,6 +118,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.compiled: CompiledDecode | None = None  # set by the engine when decode steps run compiled
 
+    def release(self, request_id: str) -> None:
+        """A request finished or was aborted (nothing kept here; parallel workers drop their mirror)."""
+
     def _chunks(self, out: SchedulerOutput) -> list[Chunk]:
         chunks = []
         for request, n in out.scheduled:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from torch import Tensor
 
@@ -366,6 +366,7 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
         w = arrays[0]
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
+    apply.heads = heads  # type: ignore[attr-defined]  # a row shard un-permutes its own heads (get_shard)
     return apply
 
 
@@ -513,6 +514,47 @@ class GGUFTensorReader:
         if not (array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32):
             array = np.array(array, dtype=np.float32, order="C", copy=True)
         return torch.from_numpy(array)
+
+    def get_shard(self, name: str, shard) -> Tensor:
+        """A parallel rank's slice (keel.serve.parallel.shard.Shard; None: all) of a 2-D tensor, dequantizing
+        only the rows it covers, and of those rows only the blocks it covers when its columns start and end
+        on a block boundary (else whole rows, then cut). q/k rows are cut at head boundaries, so a row
+        shard is un-permuted head by head like the whole tensor."""
+        entry = self._entry(name)
+        if shard is None:
+            return self.get(name)
+        if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: not sharded by this reader
+            return self.get(name).narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
+        t = entry.sources[0]
+        if t.tensor_type not in SUPPORTED_TYPES:
+            _to_numpy(t, self.path)  # raises the unsupported-type error
+        rows, cols = entry.shape
+        raw = np.asarray(t.data).reshape(rows, -1)  # one row per HF row: bytes of blocks, or values
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        start, stop = shard.start, shard.stop
+        cut_after = None
+        if shard.dim == 0:
+            part, width = raw[start:stop], cols
+        elif start % block == 0 and stop % block == 0:
+            if raw.dtype == np.uint8:  # raw bytes: type_size of them per block of `block` values
+                lo, hi = start // block * type_size, stop // block * type_size
+            else:  # float values
+                lo, hi = start, stop
+            part, width = raw[:, lo:hi], stop - start
+        else:
+            part, width, cut_after = raw, cols, (start, stop)
+        try:
+            array = dequantize(np.ascontiguousarray(part), t.tensor_type).reshape(part.shape[0], width)
+        except Exception as e:
+            raise WeightsError(f"{self.path}: cannot read a slice of tensor {t.name!r} ({_one_line(e)})") from None
+        if cut_after is not None:
+            array = array[:, cut_after[0] : cut_after[1]]
+        heads = getattr(entry.combine, "heads", None)
+        if heads is not None and shard.dim == 0:
+            array = _unpermute(heads * (stop - start) // rows)([array])
+        elif heads is not None:
+            array = _unpermute(heads)([array])
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
     def get_blocks(self, name: str) -> QuantBlocks | None:
         """The tensor as integer codes and block scales, or None when any of its GGUF sources is not

@@ -218,6 +218,21 @@ def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype)
         model.tie_weights()
 
 
+def resolve_dtype(
+    checkpoint: Checkpoint, dtype: str | torch.dtype, device: str | torch.device = "cpu", quantize: str | None = None
+) -> torch.dtype:
+    """The dtype a model is loaded in; "auto": the checkpoint's own float dtype, and for GGUF (quantized
+    or mixed blocks) bfloat16 where the CPU is fast in it or when quantizing (for torch's integer
+    kernels), float32 otherwise."""
+    if dtype == "auto":
+        if checkpoint.format != "gguf":
+            auto = checkpoint.config.dtype
+        else:
+            auto = "bfloat16" if quantize or (str(device) == "cpu" and cpu_has_native_bf16()) else "float32"
+        dtype = auto if auto in DTYPES else "float32"
+    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+
+
 def load_model(
     model: str | Path,
     dtype: str | torch.dtype = "float32",
@@ -232,9 +247,7 @@ def load_model(
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
-    dtype "auto" is the checkpoint's own float dtype; for GGUF, whose weights are quantized or
-    mixed, bfloat16 on CPUs with native bf16 matmul (AVX512-BF16, AMX) or when quantizing (the dtype
-    torch's CPU integer kernels are fast in), float32 otherwise.
+    dtype "auto": see `resolve_dtype` (for GGUF, bfloat16 on CPUs with native bf16 matmul).
 
     quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
@@ -244,13 +257,7 @@ def load_model(
     `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
-    if dtype == "auto":
-        if checkpoint.format != "gguf":
-            auto = checkpoint.config.dtype
-        else:  # quantized or mixed blocks: bf16 where the CPU is fast in it (or for torch's integer kernels)
-            auto = "bfloat16" if quantize or (device == "cpu" and cpu_has_native_bf16()) else "float32"
-        dtype = auto if auto in DTYPES else "float32"
-    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = resolve_dtype(checkpoint, dtype, device, quantize)
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
     if quantize is not None or checkpoint.quantization is not None:

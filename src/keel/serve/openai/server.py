@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 
 from keel.errors import KeelError
 
@@ -60,6 +61,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_expert_offload_args(p)
     add_quantize_args(p)
     add_speculative_args(p)
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor/pipeline-parallel worker processes (keel.serve.parallel), vLLM's and torchrun's option names."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard every layer over N worker processes (one per GPU)")  # fmt: skip
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="M",
+                   help="split the layers into M stages, each its own worker processes")  # fmt: skip
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the N x M workers span (torchrun's term)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index: node 0 runs the engine and server, the others only workers")  # fmt: skip
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the workers' rendezvous")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one, 1 node)")
+    p.add_argument("--distributed-timeout", type=float, default=60.0,
+                   help="seconds a collective may wait for a peer before the workers fail")  # fmt: skip
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds for every worker to load its shard and report ready")  # fmt: skip
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +181,8 @@ def _check(args: argparse.Namespace) -> None:
         raise KeelError("--quantize needs the keel engine (not --engine naive)")
     if args.speculative_config is not None and args.engine == "naive":
         raise KeelError("--speculative-config needs the keel engine (not --engine naive)")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and args.engine == "naive":
+        raise KeelError("--tensor-parallel-size/--pipeline-parallel-size need the keel engine (not --engine naive)")
     quantize_config(args)
     expert_offload_config(args)
     speculative_config(args)
@@ -208,6 +229,14 @@ def engine_config(args: argparse.Namespace, quantization: dict | None = None):
         kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
         compile=args.compile,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        distributed_timeout=args.distributed_timeout,
+        startup_timeout=args.startup_timeout,
         **expert_offload_config(args),
         **(quantization if quantization is not None else quantize_config(args)),
         **speculative_config(args),
@@ -221,6 +250,10 @@ def build_engine(args: argparse.Namespace):
     from keel.weights import load_model
 
     quantization = quantize_config(args)  # read once: a plan file is parsed here
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and args.engine == "keel":
+        config = engine_config(args, quantization)
+        config.dtype = args.dtype
+        return AsyncEngine(LLMEngine(args.model, config))  # every worker loads its own shard
     loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
     if args.engine == "naive":
         from keel.serve.naive import NaiveEngine
@@ -256,8 +289,21 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tenants = Tenants.from_options(args.api_key, args.api_keys_file)  # before loading: a bad file fails fast
+    if args.node_rank > 0:  # a workers-only node of multi-node serving: no engine, no port
+        from keel.serve.parallel.launch import run_headless
+
+        return run_headless(args.model, _headless_config(args))
     _check_port(args.host, args.port)
     engine = build_engine(args)
+    failure: list[BaseException] = []
+
+    def on_engine_failure(error: BaseException) -> None:
+        """The engine cannot go on (e.g. a worker died): /health already answers 503 and every client
+        got its error; stop the server a moment later so that the process exits non-zero."""
+        failure.append(error)
+        threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
+
+    engine.on_failure(on_engine_failure)
     settings = ServerSettings(
         served_model_name=args.served_model_name or str(args.model),
         max_queue=args.max_queue,
@@ -277,6 +323,8 @@ def serve(args: argparse.Namespace) -> int:
         log_config=None,
     )
     server = _server_class()(config)
+    if failure:  # failed before the server existed: stop it as soon as it runs
+        server.should_exit = True
     log.info(
         "serving %s as %r on http://%s:%d (%s engine, auth %s)",
         args.model,
@@ -290,6 +338,15 @@ def serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()
+    if failure:
+        log.error("exiting: the engine failed (%s)", failure[0])
+        return 1
     if not server.started:
         raise KeelError(f"could not listen on {args.host}:{args.port} (in use, or not allowed)")
     return 0
+
+
+def _headless_config(args: argparse.Namespace):
+    config = engine_config(args)
+    config.dtype = args.dtype
+    return config

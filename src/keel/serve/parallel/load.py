@@ -1,7 +1,10 @@
-"""Shard-wise loading: a tensor-parallel rank builds its cut of the model on the meta device and
-reads only its slices from the safetensors files, so no rank ever holds a full weight tensor.
+"""Shard-wise loading: a rank builds its cut of the model on the meta device (its pipeline stage's
+layers, its tensor-parallel slices) and reads only those slices from the checkpoint, so no rank
+ever holds a full weight tensor of the model.
 
-Dense HF safetensors checkpoints so far (GGUF, quantized and MoE shards are not handled yet).
+Safetensors slices are read through safetensors' lazy slicing; GGUF slices through the memory map,
+whole rows (and whole blocks of a row) at a time (`GGUFTensorReader.get_shard`). Dense models only:
+MoE, MLA and pre-quantized checkpoints are refused with a message.
 """
 
 from __future__ import annotations
@@ -17,7 +20,17 @@ from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
 from keel.weights.loader import LoadedModel, open_checkpoint
 from keel.weights.names import hf_source
-from keel.weights.safetensors import SafetensorsReader
+
+
+def check_parallel_model(config, source: str | Path, tp: int, pp: int) -> None:
+    """Refuse what parallel serving cannot shard yet, and layouts that do not divide (one line each)."""
+    if config.is_moe or config.is_mla:
+        kind = "mixture-of-experts" if config.is_moe else "multi-head latent attention"
+        raise KeelError(f"{source}: tensor/pipeline-parallel serving handles dense models only so far ({kind})")
+    if pp > config.num_layers:
+        raise KeelError(f"--pipeline-parallel-size {pp}: the model has only {config.num_layers} layers")
+    if tp > 1:
+        TensorParallelLayout(config, tp, 0)  # raises when heads, KV heads or the MLP do not divide
 
 
 def load_tensor_parallel(
@@ -26,24 +39,39 @@ def load_tensor_parallel(
     tp: int,
     rank: int,
     group: dist.ProcessGroup | None = None,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
+    *,
+    stage: int = 0,
+    num_stages: int = 1,
 ) -> LoadedModel:
-    """Rank `rank` of `tp`'s model, read slice by slice from the checkpoint."""
+    """Tensor-parallel rank `rank` of `tp` in pipeline stage `stage` of `num_stages`, read slice by slice."""
+    from keel.train.pipeline import split_stage
+
     checkpoint = open_checkpoint(model)
     config = checkpoint.config
-    if not isinstance(checkpoint.reader, SafetensorsReader) or config.is_moe or config.is_mla:
-        raise KeelError(f"{model}: tensor-parallel loading reads dense HF safetensors checkpoints only (so far)")
+    if checkpoint.quantization is not None:
+        raise KeelError(f"{model}: a pre-quantized checkpoint cannot be served tensor/pipeline-parallel yet")
+    check_parallel_model(config, model, tp, num_stages)
+    reader = checkpoint.reader
+    if not hasattr(reader, "get_shard"):
+        raise KeelError(f"{model}: tensor/pipeline-parallel loading reads safetensors and GGUF checkpoints only")
     layout = TensorParallelLayout(config, tp, rank)
     with torch.device("meta"):
         net = Transformer(config)
-    shard_model(net, layout, group)
-    reader, available = checkpoint.reader, checkpoint.reader.names()
+    if num_stages > 1:
+        split_stage(net, stage, num_stages)
+    if tp > 1:
+        shard_model(net, layout, group)
+    available = reader.names()
     state = {}
     for name, param in net.named_parameters():
         (source,) = hf_source(config, name, available).names  # dense: one stored tensor per parameter
+        if source not in available and name == "lm_head.weight" and config.tie_word_embeddings:
+            source = "model.embed_tokens.weight"  # a last stage without the embedding reads the tied rows
         if source not in available:
             raise KeelError(f"{checkpoint.path}: tensor {source!r} is missing (needed for {name})")
-        tensor = reader.get_shard(source, layout.shard_of(name)).to(dtype)
+        shard = layout.shard_of(name) if tp > 1 else None
+        tensor = reader.get_shard(source, shard).to(dtype)
         if tuple(tensor.shape) != tuple(param.shape):
             raise KeelError(f"{checkpoint.path}: {source} gives {list(tensor.shape)} on rank {rank}, "
                             f"expected {list(param.shape)}")  # fmt: skip

@@ -38,8 +38,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
+        if y.dtype in (torch.bfloat16, torch.float16):
+            # Summed in float32: each partial is rounded once, not again at every addition of the reduce.
+            y = _all_reduce(y.float(), self.group).to(x.dtype)
+        else:
+            y = _all_reduce(y, self.group)
         return y if self.bias is None else y + self.bias
+
+
+def _all_reduce(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    dist.all_reduce(t, group=group)
+    return t
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,80 @@
+"""From the engine's options to the workers of parallel serving: checks, the rendezvous, headless nodes.
+
+One node: `--tensor-parallel-size N [--pipeline-parallel-size M]` spawns N x M workers on a free
+local port. Several nodes (torchrun's rendezvous terms): every node runs the same `keel serve`
+command with `--nnodes K --node-rank R --master-addr HOST --master-port P`; node R runs global
+ranks [R * N * M / K, (R + 1) * N * M / K), node 0 also runs the engine and the HTTP server, and the
+others only their workers (`run_headless`), until node 0 stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from keel.errors import KeelError
+from keel.serve.parallel.executor import ParallelExecutor, free_port, node_ranks
+from keel.serve.parallel.load import check_parallel_model
+from keel.serve.parallel.shard import TensorParallelLayout
+from keel.serve.parallel.worker import WorkerSpec
+from keel.weights.loader import Checkpoint, open_checkpoint
+
+if TYPE_CHECKING:
+    from keel.serve.engine import EngineConfig
+
+log = logging.getLogger("keel.serve")
+
+
+def _speculative_method(config: EngineConfig) -> str | None:
+    spec = config.speculative_config
+    return spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+
+
+def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[WorkerSpec, range, Checkpoint]:
+    """The workers' spec, this node's ranks and the opened checkpoint; one-line errors for what cannot run."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise KeelError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}")
+    cuda = str(device).startswith("cuda")
+    unsupported = [
+        (config.quantize is not None, "--quantize"),
+        (config.expert_cache is not None, "--expert-cache"),
+        (config.kv_cache_memory is None and config.num_blocks is None and not cuda, "no --kv-cache-memory on CPU"),
+        (_speculative_method(config) == "draft_model", "speculative decoding with a draft model (ngram works)"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise KeelError(f"tensor/pipeline-parallel serving does not support {what} yet")
+    checkpoint = open_checkpoint(model)
+    check_parallel_model(checkpoint.config, model, tp, pp)
+    ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
+    if config.nnodes > 1 and config.master_port is None:
+        raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
+    port = config.master_port or free_port(config.master_addr)
+    spec = WorkerSpec(
+        model=str(model), dtype=config.dtype, tp=tp, pp=pp, init_method=f"tcp://{config.master_addr}:{port}",
+        local_world=len(ranks), node_rank=config.node_rank, device="cuda" if cuda else "cpu",
+        block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization, num_blocks=config.num_blocks,
+        kv_cache_dtype=config.kv_cache_dtype, fuse_projections=config.fuse_projections,
+        prepack_weights=config.prepack_weights, timeout_s=config.distributed_timeout, threads=config.worker_threads,
+    )  # fmt: skip
+    mc = checkpoint.config
+    if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:
+        log.info("tensor parallel %d over %d KV heads: each KV head is replicated on %d ranks (as vLLM does)",
+                 tp, mc.num_kv_heads, tp // mc.num_kv_heads)  # fmt: skip
+    log.info("node %d of %d: starting ranks %d-%d of %d (tensor parallel %d x pipeline parallel %d) at %s",
+             config.node_rank, config.nnodes, ranks[0], ranks[-1], config.world_size, tp, pp,
+             spec.init_method)  # fmt: skip
+    return spec, ranks, checkpoint
+
+
+def run_headless(model: str | Path, config: EngineConfig, device: str = "cpu") -> int:
+    """A node other than 0: run this node's workers until they exit; their worst exit code."""
+    spec, ranks, _ = worker_spec(model, config, device)
+    if 0 in ranks:
+        raise KeelError("node 0 runs the engine: --node-rank must be > 0 for a workers-only node")
+    executor = ParallelExecutor(spec, ranks, None, startup_timeout=config.startup_timeout)
+    log.info("node %d: %d workers ready; serving until node 0 stops", config.node_rank, len(ranks))
+    return executor.wait()

@@ -1,0 +1,295 @@
+"""Engine worker processes for tensor- and pipeline-parallel serving.
+
+Ranks are laid out stage-major: rank = pp_rank * tp + tp_rank. Each worker joins the process group
+(gloo on CPU, NCCL on CUDA, with a gloo group for control messages), loads only its shard
+(keel.serve.parallel.load), allocates a KV-cache pool for its own KV heads and layers (every rank
+the same number of blocks: the minimum over ranks of what its budget holds), and reports ready.
+
+Global rank 0 talks to the engine over a pipe. For every step the engine sends what changed (new
+requests, the scheduled requests' progress, block tables and new tokens); rank 0 keeps a mirror of
+each request (parameters, tokens, its seeded generator), turns the step into chunks, broadcasts
+them to every rank (`broadcast_object_list`), runs its stage, samples on the logits and sends back
+only the sampled token ids (and logprobs when asked). The other ranks loop on the broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from keel.serve.request import Request
+from keel.serve.runner import Chunk, ModelRunner
+from keel.serve.sampling import SamplingParams, request_generator
+from keel.serve.scheduler import SchedulerOutput
+
+log = logging.getLogger("keel.serve")
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker needs to start: the model, the layout, the rendezvous and the cache budget."""
+
+    model: str
+    dtype: str
+    tp: int
+    pp: int
+    init_method: str  # "tcp://ADDR:PORT"
+    local_world: int  # ranks on this node
+    node_rank: int = 0
+    device: str = "cpu"  # "cpu" | "cuda"
+    block_size: int = 16
+    kv_cache_memory: str | int | None = "2GiB"
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    fuse_projections: bool = True
+    prepack_weights: bool = True
+    timeout_s: float = 60.0  # collectives and the rendezvous
+    threads: int | None = None  # torch threads per worker (CPU); default: the cores shared out
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass
+class NewRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+
+
+@dataclass
+class StepEntry:
+    """One scheduled request's state as the engine sees it this step."""
+
+    request_id: str
+    num_scheduled: int
+    num_computed_tokens: int
+    new_output_ids: list[int]  # output tokens the mirror has not seen yet
+    spec_token_ids: list[int]
+    block_table: list[int]
+    new: NewRequest | None = None  # the first time the request is scheduled
+
+
+@dataclass
+class StepMessage:
+    entries: list[StepEntry]
+    released: list[str] = field(default_factory=list)  # finished or aborted: drop the mirrors
+
+
+@dataclass
+class WorkerReport:
+    rank: int
+    num_blocks: int
+    weight_bytes: int
+    kv_bytes: int
+    load_seconds: float
+    rss_before_load: int  # bytes (CPU), or device bytes allocated (CUDA)
+    peak_at_load: int
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM: unlike getrusage's maxrss, not inherited from the
+    process that spawned us)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _watch_parent() -> None:
+    """Exit when the engine process is gone (killed without closing our pipe)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="keel-parent-watch").start()
+
+
+def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
+    """Entry point of a spawned worker: start, report on `events`, then serve steps until told to stop."""
+    _watch_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    try:
+        worker = Worker(spec, rank)
+    except BaseException as e:  # noqa: BLE001 - any start-up failure is reported, then the process exits
+        events.put(("error", rank, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    events.put(("ready", rank, worker.report))
+    try:
+        if rank == 0:
+            worker.serve_engine(conn)
+        else:
+            worker.follow()
+    except BaseException as e:  # noqa: BLE001
+        log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
+        events.put(("error", rank, f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
+        from keel.serve.parallel.load import load_tensor_parallel
+        from keel.serve.parallel.shard import TensorParallelLayout
+        from keel.serve.parallel.stage import StageRunner
+        from keel.train.pipeline import layer_ranges
+        from keel.weights.loader import open_checkpoint, resolve_dtype
+
+        self.spec, self.rank = spec, rank
+        tp, pp = spec.tp, spec.pp
+        local_rank = rank - spec.node_rank * spec.local_world
+        if spec.device == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.local_world))
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        timeout = timedelta(seconds=spec.timeout_s)
+        dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+                                timeout=timeout)  # fmt: skip
+        # Control messages (pickled objects) always travel over gloo, on the host.
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
+        stage, tp_rank = divmod(rank, tp)
+
+        before = torch.cuda.memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
+        started = time.perf_counter()
+        dtype = resolve_dtype(open_checkpoint(spec.model), spec.dtype, spec.device)
+        loaded = load_tensor_parallel(spec.model, dtype, tp, tp_rank, tp_groups[stage], self.device,
+                                      stage=stage, num_stages=pp)  # fmt: skip
+        model = loaded.model
+        # This rank's weights as loaded (a tied head counted once), before fusing and packing re-store them.
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if spec.fuse_projections:
+            from keel.model.fuse import fuse_projections
+
+            fuse_projections(model)
+        if spec.prepack_weights:
+            from keel.model.prepack import prepack_linears
+
+            prepack_linears(model)
+        load_seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
+
+        config = loaded.config
+        layout = TensorParallelLayout(config, tp, tp_rank)
+        first, last = layout.kv_head_range()
+        local = dataclasses.replace(config, num_heads=layout.local_heads, num_kv_heads=last - first)
+        layers = layer_ranges(config.num_layers, pp)[stage]
+        per_block = kv_cache_bytes_per_block(local, spec.block_size, model.dtype, spec.kv_cache_dtype)
+        per_block = per_block * len(layers) // config.num_layers
+        blocks = torch.tensor([self._blocks_possible(per_block)], dtype=torch.long)
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.control)  # every rank holds the same blocks
+        num_blocks = int(blocks.item())
+        cache = make_paged_kv_cache(local, num_blocks, spec.block_size, model.dtype, self.device,
+                                    spec.kv_cache_dtype, layers=layers)  # fmt: skip
+        self.stage = StageRunner(model, cache, rank=rank, tp=tp, pp=pp, hidden_size=config.hidden_size,
+                                 vocab_size=config.vocab_size)  # fmt: skip
+        self.report = WorkerReport(rank, num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak)
+        self._mirrors: dict[str, Request] = {}
+        self._tables: dict[str, list[int]] = {}
+        self.runner = _SamplingRunner(self) if rank == 0 else None
+
+    def _blocks_possible(self, per_block: int) -> int:
+        from keel.serve.kv_cache import parse_memory
+
+        spec = self.spec
+        if spec.num_blocks is not None:
+            return spec.num_blocks
+        if spec.kv_cache_memory is None:
+            if spec.device != "cuda":
+                return 0  # the engine requires a budget on CPU before it starts workers
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * spec.gpu_memory_utilization) // per_block
+        budget = spec.kv_cache_memory
+        return (budget if isinstance(budget, int) else parse_memory(budget)) // per_block
+
+    # ------------------------------------------------------------------ loops
+    def follow(self) -> None:
+        """Ranks other than 0: run every broadcast step until the stop message (None)."""
+        while True:
+            chunks = self._broadcast(None)
+            if chunks is None:
+                return
+            self.stage.run(chunks)
+
+    def serve_engine(self, conn) -> None:
+        """Rank 0: apply each step message from the engine, run it, answer with the sampled tokens."""
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the engine is gone
+                message = None
+            if message is None:
+                self._broadcast(None)
+                return
+            try:
+                result = self.runner.execute(self._apply(message))
+            except BaseException as e:
+                conn.send(("error", f"rank 0: {type(e).__name__}: {e}"))
+                raise
+            conn.send(("ok", result))
+
+    def _broadcast(self, chunks: list[Chunk] | None) -> list[Chunk] | None:
+        """Rank 0's chunks to every rank (None: stop)."""
+        box = [chunks]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def _apply(self, message: StepMessage) -> SchedulerOutput:
+        """The engine's step as a SchedulerOutput over this rank's request mirrors."""
+        for request_id in message.released:
+            self._mirrors.pop(request_id, None)
+            self._tables.pop(request_id, None)
+        out = SchedulerOutput()
+        for entry in message.entries:
+            if entry.new is not None:
+                new = entry.new
+                mirror = Request(entry.request_id, new.prompt_token_ids, new.params, new.eos_token_ids)
+                mirror.generator = request_generator(new.params, self.device)
+                self._mirrors[entry.request_id] = mirror
+            mirror = self._mirrors[entry.request_id]
+            mirror.output_token_ids.extend(entry.new_output_ids)
+            mirror.num_computed_tokens = entry.num_computed_tokens
+            mirror.spec_token_ids = entry.spec_token_ids
+            self._tables[entry.request_id] = entry.block_table
+            out.scheduled.append((mirror, entry.num_scheduled))
+        return out
+
+
+class _SamplingRunner(ModelRunner):
+    """Rank 0's runner: the engine's sampling and logprobs over logits from the parallel forward."""
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(worker.stage.model, worker.stage.cache, worker._tables.__getitem__)
+        self.worker = worker
+
+    def _forward(self, chunks: list[Chunk]):
+        from keel.serve.parallel.stage import selected_rows
+
+        self.worker._broadcast(chunks)
+        return self.worker.stage.run(chunks), selected_rows(chunks)

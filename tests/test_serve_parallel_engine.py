@@ -1,0 +1,192 @@
+"""Parallel serving end to end (keel.serve.parallel): tensor- and pipeline-parallel worker processes on
+gloo give the single-process engine's greedy outputs, offline and through `keel serve` with the official
+openai client; per-rank weight bytes; a worker killed mid-generation fails the server fast."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from keel.errors import KeelError
+from keel.serve import LLM, EngineConfig, SamplingParams
+from keel.serve.openai.child import ServerProcess
+from keel.serve.parallel.executor import node_ranks
+from keel.serve.parallel.shard import TensorParallelLayout
+from keel.serve.parallel.stage import micro_batches, selected_rows
+from keel.serve.runner import Chunk
+from keel.weights.loader import open_checkpoint
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+SMOLLM2 = "smollm2-135m-instruct"
+PROMPTS = [[1, 5, 9, 200, 3, 77, 12], [4, 4, 250, 8], list(range(10, 60)), [7]]
+
+
+def _shapes(config) -> dict[str, tuple[int, ...]]:
+    from keel.model.transformer import Transformer
+
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Transformer(config).named_parameters()}
+
+
+def _outputs(llm: LLM, params: list[SamplingParams]) -> list:
+    return [out.outputs[0] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy requests, one with logprobs, and a seeded sampled one (rank 0 samples with the same generator)."""
+    return [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp"), [("llama", 2, 1), ("qwen3", 2, 1), ("llama-bias", 1, 2), ("llama", 2, 2)]
+)
+def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
+    """TP 2 (llama, qwen3), PP 2 and TP 2 x PP 2 (4 workers): the same tokens as the single-process engine,
+    with a token budget small enough that prompts are chunked and steps mix prefill and decode."""
+    save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
+    config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")
+    expected = _outputs(LLM(str(tmp_path), EngineConfig(**config)), _params())
+    llm = LLM(str(tmp_path), EngineConfig(**config, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    try:
+        got = _outputs(llm, _params())
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        for want, have in zip(expected[1].logprobs, got[1].logprobs, strict=True):
+            assert have.token_id == want.token_id
+            assert have.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # every block back
+        reports = llm.engine.executor.reports
+        assert sorted(reports) == list(range(tp * pp))
+        assert len({r.num_blocks for r in reports.values()}) == 1  # one block table serves every rank
+        if pp == 1:  # each rank: 1/tp of the sharded weights plus the replicated ones (float32: 4 bytes each)
+            model_config = open_checkpoint(str(tmp_path)).config
+            shapes = _shapes(model_config)
+            total = sum(torch.Size(s).numel() for s in shapes.values())
+            for rank, report in reports.items():
+                layout = TensorParallelLayout(model_config, tp, rank)
+                replicated = sum(torch.Size(s).numel() for n, s in shapes.items() if layout.shard_of(n) is None)
+                assert report.weight_bytes == 4 * ((total - replicated) // tp + replicated)
+                assert report.peak_at_load > report.weight_bytes
+    finally:
+        llm.engine.shutdown()
+
+
+def test_smollm2_gguf_shards_reassemble():
+    """GGUF slices (Q4_1 and Q8_0 blocks, llama's permuted q/k rows) put together equal the whole tensor."""
+    checkpoint = open_checkpoint(SMOLLM2)
+    reader, config = checkpoint.reader, checkpoint.config
+    layouts = [TensorParallelLayout(config, 3, r) for r in range(3)]
+    for name in sorted(reader.names()):
+        if not name.startswith(("model.layers.0.", "model.embed_tokens")):
+            continue
+        keel_name = name.removeprefix("model.")
+        shard = layouts[0].shard_of(keel_name)
+        parts = [reader.get_shard(name, lay.shard_of(keel_name)) for lay in layouts]
+        full = reader.get(name)
+        if shard is None:
+            assert all(torch.equal(p, full) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts, dim=shard.dim), full), name
+
+
+def test_layout_helpers():
+    chunks = [Chunk([0], 0, [1] * n, logits) for n, logits in [(30, "last"), (1, "last"), (1, "all"), (5, "none")]]
+    assert [len(g) for g in micro_batches(chunks, 2)] == [1, 3]
+    assert [len(g) for g in micro_batches(chunks, 8)] == [1, 1, 1, 1]
+    assert sum(micro_batches(chunks, 3), []) == chunks
+    assert selected_rows(chunks) == [range(0, 1), range(1, 2), range(2, 3), range(3, 3)]
+    assert node_ranks(8, 2, 1) == range(4, 8)
+    with pytest.raises(KeelError, match="do not divide evenly"):
+        node_ranks(6, 4, 0)
+
+
+def test_unsupported_layouts_fail_before_any_worker_starts():
+    with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
+        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=2)
+    with pytest.raises(KeelError, match="--quantize"):
+        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=3, quantize="int8")
+    with pytest.raises(KeelError, match="only 30 layers"):
+        LLM(SMOLLM2, kv_cache_memory="64MiB", pipeline_parallel_size=31)
+
+
+def _chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> str:
+    messages = [{"role": "user", "content": text}]
+    if not stream:
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+        return reply.choices[0].message.content
+    pieces = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+
+
+def test_keel_serve_tp3_smollm2_with_the_openai_client():
+    """`keel serve --tensor-parallel-size 3` on SmolLM2 (9 heads, 3 KV heads, read slice by slice from its
+    GGUF file): chat (streamed and not) and completions over HTTP give the single-process engine's greedy
+    text. In float32: in bfloat16 each rank's partial sums round differently from one process's, so greedy
+    tokens may part after a while (as in any TP implementation)."""
+    llm = LLM(SMOLLM2, kv_cache_memory="64MiB", max_model_len=1024, compile=False, dtype="float32")
+    questions = ["What is the capital of France?", "Name a colour."]
+    tokenizer = llm.engine.tokenizer
+    chats = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]  # as the server does
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    expected = [o.outputs[0].text for o in llm.generate([*chats, tokenizer.encode("1, 2, 3,")], greedy, use_tqdm=False)]
+    server = ServerProcess(SMOLLM2, "--tensor-parallel-size", "3", "--kv-cache-memory", "64MiB",
+                           "--max-model-len", "1024", "--dtype", "float32")  # fmt: skip
+    try:
+        server.wait_ready(timeout=240)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        got = [
+            _chat(client, SMOLLM2, questions[0], stream=False),
+            _chat(client, SMOLLM2, questions[1], stream=True),
+            client.completions.create(model=SMOLLM2, prompt="1, 2, 3,", max_tokens=20, temperature=0).choices[0].text,
+        ]
+        assert got == expected
+        assert "Paris" in got[0]
+        assert "replicated" not in server.log_path.read_text()  # 3 KV heads over 3 ranks: split, not replicated
+        assert server.terminate() == 0
+    finally:
+        server.terminate()
+
+
+def test_killed_worker_fails_the_server_fast(tmp_path):
+    """SIGKILL one worker mid-generation: the stream ends with an error, /health turns 503 and the server
+    exits non-zero within 30 s; no collective is left hanging."""
+    save_hf_model("llama", tmp_path, max_position_embeddings=4096)
+    save_byte_tokenizer(tmp_path)
+    server = ServerProcess(tmp_path, "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB", "--no-compile",
+                           "--dtype", "float32")  # fmt: skip
+    try:
+        server.wait_ready(timeout=180)
+        log = server.log_path.read_text()
+        pid = int(log.split("worker rank 1 started (pid ")[1].split(")")[0])
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model=str(tmp_path), prompt="hello", max_tokens=4000, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        received = 0
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:
+                received += 1
+                if received == 5:
+                    import os
+
+                    os.kill(pid, signal.SIGKILL)
+                    killed = time.monotonic()
+        assert received >= 5
+        try:
+            assert httpx.get(server.base_url + "/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone: fine, it must have exited
+        server.proc.wait(timeout=30)
+        assert time.monotonic() - killed < 30
+        assert server.proc.returncode not in (0, None)
+        assert "worker rank 1 exited" in server.log_path.read_text()
+    finally:
+        server.terminate()
