@@ -48,10 +48,12 @@ def _params() -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "tp", "pp"), [("llama", 2, 1), ("qwen3", 2, 1), ("llama-bias", 1, 2), ("llama", 2, 2)]
+    ("arch", "tp", "pp"),
+    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("llama-bias", 1, 2), ("llama", 2, 2)],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
-    """TP 2 (llama, qwen3), PP 2 and TP 2 x PP 2 (4 workers): the same tokens as the single-process engine,
+    """TP 2 (llama, qwen3, and MoE: mixtral, qwen2_moe with its shared expert), PP 2 and TP 2 x PP 2 (4
+    workers): the same tokens as the single-process engine,
     with a token budget small enough that prompts are chunked and steps mix prefill and decode."""
     save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
     config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")

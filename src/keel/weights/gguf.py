@@ -523,8 +523,10 @@ class GGUFTensorReader:
         entry = self._entry(name)
         if shard is None:
             return self.get(name)
-        if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: not sharded by this reader
-            return self.get(name).narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
+        if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: read whole, then cut
+            from keel.serve.parallel.shard import narrow
+
+            return narrow(self.get(name), shard)
         t = entry.sources[0]
         if t.tensor_type not in SUPPORTED_TYPES:
             _to_numpy(t, self.path)  # raises the unsupported-type error

@@ -3,8 +3,9 @@ layers, its tensor-parallel slices) and reads only those slices from the checkpo
 ever holds a full weight tensor of the model.
 
 Safetensors slices are read through safetensors' lazy slicing; GGUF slices through the memory map,
-whole rows (and whole blocks of a row) at a time (`GGUFTensorReader.get_shard`). Dense models only:
-MoE, MLA and pre-quantized checkpoints are refused with a message.
+whole rows (and whole blocks of a row) at a time (`GGUFTensorReader.get_shard`). MoE experts stored
+one tensor per expert are cut piece by piece; GGUF's stacked experts are read whole, then cut. MLA
+and pre-quantized checkpoints are refused with a message.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import TensorParallelLayout
+from keel.serve.parallel.shard import Shard, TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
 from keel.weights.loader import LoadedModel, open_checkpoint
 from keel.weights.names import hf_source
@@ -24,9 +25,8 @@ from keel.weights.names import hf_source
 
 def check_parallel_model(config, source: str | Path, tp: int, pp: int) -> None:
     """Refuse what parallel serving cannot shard yet, and layouts that do not divide (one line each)."""
-    if config.is_moe or config.is_mla:
-        kind = "mixture-of-experts" if config.is_moe else "multi-head latent attention"
-        raise KeelError(f"{source}: tensor/pipeline-parallel serving handles dense models only so far ({kind})")
+    if config.is_mla:
+        raise KeelError(f"{source}: tensor/pipeline-parallel serving does not handle multi-head latent attention yet")
     if pp > config.num_layers:
         raise KeelError(f"--pipeline-parallel-size {pp}: the model has only {config.num_layers} layers")
     if tp > 1:
@@ -65,15 +65,22 @@ def load_tensor_parallel(
     available = reader.names()
     state = {}
     for name, param in net.named_parameters():
-        (source,) = hf_source(config, name, available).names  # dense: one stored tensor per parameter
-        if source not in available and name == "lm_head.weight" and config.tie_word_embeddings:
-            source = "model.embed_tokens.weight"  # a last stage without the embedding reads the tied rows
-        if source not in available:
-            raise KeelError(f"{checkpoint.path}: tensor {source!r} is missing (needed for {name})")
+        source = hf_source(config, name, available)
+        names = source.names
+        if names == ("lm_head.weight",) and names[0] not in available and config.tie_word_embeddings:
+            names = ("model.embed_tokens.weight",)  # a last stage without the embedding reads the tied rows
+        for stored in names:
+            if stored not in available:
+                raise KeelError(f"{checkpoint.path}: tensor {stored!r} is missing (needed for {name})")
         shard = layout.shard_of(name) if tp > 1 else None
-        tensor = reader.get_shard(source, shard).to(dtype)
+        if len(names) == 1:
+            tensor = reader.get_shard(names[0], shard)
+        else:  # experts stored one per tensor, stacked by `combine`: each piece cut on its own dimension
+            piece = None if shard is None else Shard(shard.dim - 1, shard.start, shard.stop)
+            tensor = source.combine([reader.get_shard(stored, piece) for stored in names])
+        tensor = tensor.to(dtype)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise KeelError(f"{checkpoint.path}: {source} gives {list(tensor.shape)} on rank {rank}, "
+            raise KeelError(f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, "
                             f"expected {list(param.shape)}")  # fmt: skip
         state[name] = tensor
     net.load_state_dict(state, strict=False, assign=True)

@@ -11,8 +11,13 @@ KV heads: with at least as many KV heads as ranks, each rank holds num_kv_heads 
 fewer (tp a multiple of num_kv_heads), each rank holds one KV head and every KV head is replicated
 tp / num_kv_heads times, the head that rank's query heads attend to (vLLM's rule).
 
-A `Shard` names a dimension and a [start, stop) range; `read_shard` reads only that range from a
-safetensors file (never the whole tensor). MoE experts are not handled here yet.
+MoE layers (vLLM's default for experts under TP): every rank holds every expert, cut along the
+expert width: gate_up_proj [E, 2I, H] keeps rows [a, b) of its gate half and of its up half, down_proj
+[E, H, I] columns [a, b); a shared expert is cut like a dense MLP. The router is replicated, and the
+block's output (routed plus shared) is all-reduced once.
+
+A `Shard` names a dimension and a [start, stop) range (in each of `parts` equal parts of that
+dimension); `read_shard` reads only that range from a safetensors file (never the whole tensor).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from keel.config import ModelConfig
 from keel.errors import KeelError
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
-_LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias|gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,25 @@ class Shard:
     dim: int
     start: int
     stop: int
+    parts: int = 1  # the dimension is `parts` equal blocks (gate and up), each cut to [start, stop)
+
+    @property
+    def size(self) -> int:
+        return self.parts * (self.stop - self.start)
+
+    def ranges(self, full: int) -> list[tuple[int, int]]:
+        """[start, stop) ranges of the full dimension (of size `full`) this shard keeps."""
+        part = full // self.parts
+        return [(i * part + self.start, i * part + self.stop) for i in range(self.parts)]
+
+
+def narrow(tensor, shard: Shard | None):
+    """The shard of a whole tensor (a copy when cut)."""
+    if shard is None:
+        return tensor
+    full = tensor.shape[shard.dim]
+    pieces = [tensor.narrow(shard.dim, a, b - a) for a, b in shard.ranges(full)]
+    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
 
 @dataclass(frozen=True)
@@ -51,9 +77,13 @@ class TensorParallelLayout:
         if c.num_kv_heads % tp and tp % c.num_kv_heads:
             raise KeelError(f"--tensor-parallel-size {tp}: {c.num_kv_heads} KV heads neither divide into {tp} ranks "
                             "nor replicate evenly over them")  # fmt: skip
-        if c.intermediate_size % tp:
-            raise KeelError(f"--tensor-parallel-size {tp}: the MLP width {c.intermediate_size} does not divide "
-                            f"into {tp} ranks")  # fmt: skip
+        widths = {"MLP": c.intermediate_size}
+        if c.is_moe:
+            widths |= {"expert": c.moe_intermediate_size, "shared-expert": c.shared_expert_intermediate_size or 0}
+        for what, width in widths.items():
+            if width % tp:
+                raise KeelError(f"--tensor-parallel-size {tp}: the {what} width {width} does not divide "
+                                f"into {tp} ranks")  # fmt: skip
 
     @property
     def kv_replicas(self) -> int:
@@ -97,6 +127,14 @@ class TensorParallelLayout:
             return Shard(0, first * d, last * d)
         if module in ("mlp.gate_proj", "mlp.up_proj"):
             return Shard(0, *self._split(c.intermediate_size))
+        if module == "mlp.experts" and kind == "gate_up_proj":
+            return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
+        if module == "mlp.experts" and kind == "down_proj":
+            return Shard(2, *self._split(c.moe_intermediate_size))
+        if module in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"):
+            return Shard(0, *self._split(c.shared_expert_intermediate_size))
+        if module == "mlp.shared_expert.down_proj" and kind == "weight":
+            return Shard(1, *self._split(c.shared_expert_intermediate_size))
         if module in _ROW and kind == "weight":
             width = c.num_heads * d if module == "self_attn.o_proj" else c.intermediate_size
             return Shard(1, *self._split(width))
@@ -107,7 +145,7 @@ def slice_of(shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
     """The shape of a shard of a tensor of `shape`."""
     if shard is None:
         return tuple(shape)
-    return tuple(shard.stop - shard.start if i == shard.dim else n for i, n in enumerate(shape))
+    return tuple(shard.size if i == shard.dim else n for i, n in enumerate(shape))
 
 
 def read_shard(handle, name: str, shard: Shard | None):
@@ -115,5 +153,9 @@ def read_shard(handle, name: str, shard: Shard | None):
     view = handle.get_slice(name)
     if shard is None:
         return view[:]
-    index = tuple(slice(shard.start, shard.stop) if i == shard.dim else slice(None) for i in range(shard.dim + 1))
-    return view[index]
+    full = view.get_shape()[shard.dim]
+    pieces = [
+        view[tuple(slice(a, b) if i == shard.dim else slice(None) for i in range(shard.dim + 1))]
+        for a, b in shard.ranges(full)
+    ]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)

@@ -19,14 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from keel.model.moe import MoE
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import Shard, TensorParallelLayout
+from keel.serve.parallel.shard import Shard, TensorParallelLayout, narrow
 
 
 def _cut(tensor: Tensor, shard: Shard | None) -> Tensor:
     if shard is None:
         return tensor.detach().clone()
-    return tensor.detach().narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
+    return narrow(tensor.detach(), shard)
 
 
 class RowParallelLinear(nn.Module):
@@ -37,18 +38,28 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
-        if y.dtype in (torch.bfloat16, torch.float16):
-            # Summed in float32: each partial is rounded once, not again at every addition of the reduce.
-            y = _all_reduce(y.float(), self.group).to(x.dtype)
-        else:
-            y = _all_reduce(y, self.group)
+        y = sum_partials(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 
-def _all_reduce(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    dist.all_reduce(t, group=group)
-    return t
+def sum_partials(y: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """All-reduce the ranks' partial results; half-precision partials are summed in float32, so each is
+    rounded once, not again at every addition of the reduce."""
+    if y.dtype in (torch.bfloat16, torch.float16):
+        total = y.float()
+        dist.all_reduce(total, group=group)
+        return total.to(y.dtype)
+    dist.all_reduce(y, group=group)
+    return y
+
+
+def _reduce_block_output(group: dist.ProcessGroup | None):
+    """A forward hook: a MoE block's output (its experts cut along their width) summed over the ranks."""
+
+    def hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor:
+        return sum_partials(output.contiguous(), group)
+
+    return hook
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -99,7 +110,9 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         bias = module.bias
-        if weight_shard.dim == 1:  # row-parallel: the bias is added once, after the all-reduce
+        # Row-parallel: the bias is added once, after the all-reduce. A shared expert's down projection
+        # is summed with the routed experts' output instead, by the MoE block's single all-reduce.
+        if weight_shard.dim == 1 and ".shared_expert." not in name:
             row = RowParallelLinear(
                 _cut(module.weight, weight_shard), None if bias is None else _cut(bias, None), group
             )
@@ -108,7 +121,14 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
             module.weight = nn.Parameter(_cut(module.weight, weight_shard), requires_grad=False)
             if bias is not None:
                 module.bias = nn.Parameter(_cut(bias, layout.shard_of(f"{name}.bias")), requires_grad=False)
-            module.out_features = module.weight.shape[0]
+            module.out_features, module.in_features = module.weight.shape
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            experts = module.experts
+            for param in ("gate_up_proj", "down_proj"):
+                cut = _cut(getattr(experts, param), layout.shard_of(f"{name}.experts.{param}"))
+                setattr(experts, param, nn.Parameter(cut, requires_grad=False))
+            module.register_forward_hook(_reduce_block_output(group))
     start, stop = layout.vocab_range()
     rows_per_rank = -(-config.vocab_size // layout.tp)
     if model.embed_tokens is not None:
