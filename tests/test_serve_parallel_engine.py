@@ -192,3 +192,30 @@ def test_killed_worker_fails_the_server_fast(tmp_path):
         assert "worker rank 1 exited" in server.log_path.read_text()
     finally:
         server.terminate()
+
+
+def test_auto_parallel_takes_the_planners_layout():
+    """`keel serve --auto-parallel`: the serving planner's first layout keel can run."""
+    from pathlib import Path
+
+    from keel.plan.cli import model_config
+    from keel.serve.parallel.launch import auto_parallel
+
+    fixtures = Path(__file__).parent / "fixtures" / "configs"
+    llama405 = model_config(str(fixtures / "llama-3.1-405b.json"))
+    assert auto_parallel(llama405, "8xH200", 8192)[:2] == (8, 1)  # 810 GB of bf16 weights: all 8 GPUs
+    tp, pp, why = auto_parallel(llama405, "16xH100", 8192)
+    assert tp * pp == 16 and tp <= 8 and "per GPU" in why  # tp stays inside a node
+    small = open_checkpoint(SMOLLM2).config
+    tp, pp, why = auto_parallel(small, "3xH200", 4096)
+    assert (tp, pp) == (1, 1) and "run 2 more" in why  # fits one GPU: three replicas, this server is one
+    with pytest.raises(KeelError, match="no layout"):
+        auto_parallel(llama405, "2xA100", 8192)
+
+
+def test_parallel_cli_errors_are_one_line(tmp_path):
+    from test_cli_errors import assert_one_line_error, run_keel
+
+    assert_one_line_error(run_keel("serve", SMOLLM2, "--tensor-parallel-size", "2"), "9 attention heads", "2 ranks")
+    assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel"), "--auto-parallel", "found none")
+    assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel", "2xH200", "-tp", "3"), "one or the other")

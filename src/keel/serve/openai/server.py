@@ -70,6 +70,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="shard every layer over N worker processes (one per GPU)")  # fmt: skip
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="M",
                    help="split the layers into M stages, each its own worker processes")  # fmt: skip
+    p.add_argument("--auto-parallel", nargs="?", const="local", default=None, metavar="COUNTxTYPE",
+                   help="take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, "
+                        "e.g. 8xH200)")  # fmt: skip
     p.add_argument("--nnodes", type=int, default=1, help="nodes the N x M workers span (torchrun's term)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's index: node 0 runs the engine and server, the others only workers")  # fmt: skip
@@ -289,6 +292,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tenants = Tenants.from_options(args.api_key, args.api_keys_file)  # before loading: a bad file fails fast
+    resolve_auto_parallel(args)
     if args.node_rank > 0:  # a workers-only node of multi-node serving: no engine, no port
         from keel.serve.parallel.launch import run_headless
 
@@ -344,6 +348,24 @@ def serve(args: argparse.Namespace) -> int:
     if not server.started:
         raise KeelError(f"could not listen on {args.host}:{args.port} (in use, or not allowed)")
     return 0
+
+
+def resolve_auto_parallel(args: argparse.Namespace) -> None:
+    """--auto-parallel: set --tensor-parallel-size and --pipeline-parallel-size from the serving planner."""
+    if args.auto_parallel is None:
+        return
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise KeelError(
+            "--auto-parallel chooses --tensor-parallel-size and --pipeline-parallel-size: give one or the other"
+        )
+    from keel.plan.cli import model_config
+    from keel.serve.parallel.launch import auto_parallel
+
+    config = model_config(args.model)
+    context = args.max_model_len or config.max_position_embeddings
+    gpus = None if args.auto_parallel == "local" else args.auto_parallel
+    args.tensor_parallel_size, args.pipeline_parallel_size, why = auto_parallel(config, gpus, context, args.dtype)
+    log.info("--auto-parallel: %s", why)
 
 
 def _headless_config(args: argparse.Namespace):

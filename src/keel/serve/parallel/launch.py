@@ -78,3 +78,51 @@ def run_headless(model: str | Path, config: EngineConfig, device: str = "cpu") -
     executor = ParallelExecutor(spec, ranks, None, startup_timeout=config.startup_timeout)
     log.info("node %d: %d workers ready; serving until node 0 stops", config.node_rank, len(ranks))
     return executor.wait()
+
+
+# --------------------------------------------------------------------------------------- planner hook
+_WEIGHTS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "auto": "bf16"}
+
+
+def local_cluster():
+    """This machine's CUDA GPUs as a planner Cluster (the GPU found in the planner's table by name)."""
+    import torch
+
+    from keel.plan.hardware import GPUS, Cluster, get_gpu
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise KeelError("--auto-parallel plans for GPUs and found none: give the cluster, e.g. --auto-parallel 8xH200")
+    name = torch.cuda.get_device_name(0)
+    key = next((k for k in GPUS if k.split("-")[0] in name.lower()), None)  # "NVIDIA H200" -> "h200"
+    if key is None:
+        raise KeelError(f"--auto-parallel: GPU {name!r} is not in the planner's table: give it, e.g. 8xH100")
+    return Cluster(get_gpu(key), torch.cuda.device_count())
+
+
+def auto_parallel(config, gpus: str | None, context: int, dtype: str = "auto") -> tuple[int, int, str]:
+    """(tp, pp, why): the `keel plan serve` layout ranked first for `gpus` ("COUNTxTYPE"; None: this
+    machine's GPUs) among those keel can run (heads and widths divide by tp). A plan with several
+    replicas is served one replica per `keel serve`."""
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+
+    cluster = parse_cluster(gpus) if gpus else local_cluster()
+    runnable = []
+    for layout in plan_serving(config, cluster, context, _WEIGHTS.get(dtype, "bf16")):
+        if not layout.fits or layout.pp > config.num_layers:
+            continue
+        try:
+            check_parallel_model(config, "the model", layout.tp, layout.pp)
+        except KeelError:
+            continue
+        runnable.append(layout)
+    if not runnable:
+        raise KeelError(f"--auto-parallel: no layout of {cluster.count} {cluster.gpu.name} holds the model's weights "
+                        f"and a {context}-token sequence")  # fmt: skip
+    best = runnable[0]
+    why = (f"planned for {cluster.count} x {cluster.gpu.name} at {context} tokens: tp {best.tp} x pp {best.pp}, "
+           f"{best.weights_gb:.1f} GB of weights and {best.kv_gb:.1f} GB of KV cache per GPU, "
+           f"~{best.tokens_per_s:,.0f} tok/s over {best.replicas} replica(s)")  # fmt: skip
+    if best.replicas > 1:
+        why += f"; this server is one replica: run {best.replicas - 1} more for the rest of the GPUs"
+    return best.tp, best.pp, why
