@@ -86,9 +86,22 @@ def test_decode_attention_op_matches_the_paged_cache(tmp_path):
     from keel.serve.kv_cache import decode_mask
 
     mask = decode_mask(positions, 12, None)
-    op = paged_decode_attention(q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, mask, 4, d**-0.5)
+    full = torch.tensor([3, 3, 3])  # every row at the padded width: one group, as in the eager plan above
+    op = paged_decode_attention(q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, full, mask, 4, d**-0.5)
     assert torch.equal(op, eager)
     assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])
+    # Rows of 2, 3 and 1 blocks: the op groups them by width exactly as the runner's plan does.
+    from keel.serve.runner import _decode_groups
+
+    lists = [[1, 2], [3, 4, 5], [6]]
+    caches[0].plan = StepPlan(slots, _decode_groups([0, 1, 2], lists, positions.tolist(), "cpu", total=3), [])
+    assert len(caches[0].plan.decodes) == 3
+    eager = caches[0].attend(0, q, k, v, None, window=None)
+    widths = torch.tensor([2, 3, 1])
+    op = paged_decode_attention(
+        q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, widths, mask, 4, d**-0.5
+    )
+    assert torch.equal(op, eager)
 
 
 @pytest.mark.slow

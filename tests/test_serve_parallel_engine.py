@@ -49,16 +49,22 @@ def _params() -> list[SamplingParams]:
 
 @pytest.mark.parametrize(
     ("arch", "tp", "pp"),
-    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("llama-bias", 1, 2), ("llama", 2, 2)],
-)
+    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen2_moe-ep", 2, 1),
+     ("llama-bias", 1, 2), ("llama", 2, 2)],
+)  # fmt: skip
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
-    """TP 2 (llama, qwen3, and MoE: mixtral, qwen2_moe with its shared expert), PP 2 and TP 2 x PP 2 (4
-    workers): the same tokens as the single-process engine,
+    """TP 2 (llama, qwen3 with n-gram speculation, and MoE: mixtral, qwen2_moe with its shared expert, and
+    qwen2_moe with its experts split over the 2 ranks: TP 2 x EP 2), PP 2 and TP 2 x PP 2 (4 workers): the
+    same tokens as the single-process engine,
     with a token budget small enough that prompts are chunked and steps mix prefill and decode."""
+    arch, expert_parallel, _ = arch.partition("-ep")
     save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
     config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")
+    if arch == "qwen3":  # n-gram speculation: drafts travel with the step, rank 0 verifies them
+        config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     expected = _outputs(LLM(str(tmp_path), EngineConfig(**config)), _params())
-    llm = LLM(str(tmp_path), EngineConfig(**config, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    parallel = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=bool(expert_parallel))
+    llm = LLM(str(tmp_path), EngineConfig(**config, **parallel))
     try:
         got = _outputs(llm, _params())
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -66,6 +72,8 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
             assert have.token_id == want.token_id
             assert have.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # every block back
+        if arch == "qwen3":
+            assert llm.engine.spec_num_draft_tokens > 0
         reports = llm.engine.executor.reports
         assert sorted(reports) == list(range(tp * pp))
         assert len({r.num_blocks for r in reports.values()}) == 1  # one block table serves every rank
@@ -219,3 +227,39 @@ def test_parallel_cli_errors_are_one_line(tmp_path):
     assert_one_line_error(run_keel("serve", SMOLLM2, "--tensor-parallel-size", "2"), "9 attention heads", "2 ranks")
     assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel"), "--auto-parallel", "found none")
     assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel", "2xH200", "-tp", "3"), "one or the other")
+
+
+def test_two_nodes_on_one_host(tmp_path):
+    """Multi-node serving through the rendezvous options: node 1 runs its worker headless, node 0 the
+    engine, the server and its own worker (TP 2 over the two "nodes"); node 1 exits 0 once node 0 stops."""
+    import subprocess
+    import sys
+
+    from keel.serve.openai.child import free_port
+
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    expected = (
+        LLM(str(tmp_path), kv_cache_memory="16MiB", compile=False, dtype="float32")
+        .generate("hello", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    port = str(free_port())
+    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+              "--kv-cache-memory", "16MiB", "--dtype", "float32"]  # fmt: skip
+    node1 = subprocess.Popen([sys.executable, "-m", "keel.cli", "serve", str(tmp_path), *common, "--node-rank", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    node0 = ServerProcess(tmp_path, *common, "--node-rank", "0", "--no-compile")
+    try:
+        node0.wait_ready(timeout=180)
+        client = openai.OpenAI(base_url=node0.base_url + "/v1", api_key="unused")
+        reply = client.completions.create(model=str(tmp_path), prompt="hello", max_tokens=8, temperature=0)
+        assert reply.choices[0].text == expected
+        assert node0.terminate() == 0
+        assert node1.wait(timeout=60) == 0
+        assert "node 1 of 2: starting ranks 1-1 of 2" in node1.stdout.read()
+    finally:
+        node0.terminate()
+        if node1.poll() is None:
+            node1.kill()

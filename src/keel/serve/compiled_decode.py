@@ -36,7 +36,7 @@ from torch import Tensor
 from keel.data.corpora import cache_root
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
-from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, write_rows
+from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, length_groups, write_rows
 
 log = logging.getLogger("keel.serve")
 
@@ -52,7 +52,7 @@ _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define(
     "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
-    "Tensor tables, Tensor mask, int block_size, float scale) -> Tensor"
+    "Tensor tables, Tensor widths, Tensor mask, int block_size, float scale) -> Tensor"
 )
 
 
@@ -64,31 +64,49 @@ def paged_decode_attention(
     v_store: Tensor,
     slots: Tensor,
     tables: Tensor,
+    widths: Tensor,
     mask: Tensor,
     block_size: int,
     scale: float,
 ) -> Tensor:
     """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
-    q ([1, H, B, D]) over each sequence's blocks (tables [B, nb]) -> [1, H, B, D]."""
+    q ([1, H, B, D]) over each sequence's blocks (tables [B, nb], the first widths[b] of row b in use)
+    -> [1, H, B, D]. Rows are attended in groups of similar width (`length_groups`, as the eager cache
+    does), so a batch of short and long sequences does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
-    keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
-    return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
+    # On CUDA the step is replayed as a CUDA graph, which cannot follow data-dependent grouping: one group.
+    groups = length_groups(widths.tolist()) if widths.device.type == "cpu" else [None]
+    if len(groups) == 1:
+        keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
+        return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
+    out = q.new_empty(q.shape[1], q.shape[2], v_store.shape[-1])
+    for rows in groups:
+        index = torch.tensor(rows, device=q.device)
+        width = int(widths[rows].max()) if len(rows) > 1 else int(widths[rows[0]])
+        group_tables = tables.index_select(0, index)[:, :width]
+        keys, values = (
+            gather_blocks(k_store, group_tables, block_size),
+            gather_blocks(v_store, group_tables, block_size),
+        )
+        group_mask = mask.index_select(0, index)[:, : width * block_size]
+        out.index_copy_(1, index, attend_decode_rows(q[0].index_select(1, index), keys, values, group_mask, scale))
+    return out.unsqueeze(0)
 
 
 _lib.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("keel::paged_decode_attention")
-def _(q, k, v, k_store, v_store, slots, tables, mask, block_size, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, k_store, v_store, slots, tables, widths, mask, block_size, scale):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
 
 class _StepCache:
     """The `KVCache` the compiled graph sees: this step's slots and tables over the paged stores."""
 
-    def __init__(self, paged: PagedKVCache, slots: Tensor, tables: Tensor, positions: Tensor) -> None:
-        self.paged, self.slots, self.tables, self.positions = paged, slots, tables, positions
+    def __init__(self, paged: PagedKVCache, slots: Tensor, tables: Tensor, widths: Tensor, positions: Tensor) -> None:
+        self.paged, self.slots, self.tables, self.widths, self.positions = paged, slots, tables, widths, positions
         self.masks: dict[int | None, Tensor] = {}  # per window size, built once per step (traced)
 
     def attend(
@@ -98,7 +116,7 @@ class _StepCache:
         if window not in self.masks:
             self.masks[window] = decode_mask(self.positions, self.tables.shape[1] * paged.block_size, window)
         return torch.ops.keel.paged_decode_attention(
-            q, k, v, paged.keys[layer], paged.values[layer], self.slots, self.tables, self.masks[window],
+            q, k, v, paged.keys[layer], paged.values[layer], self.slots, self.tables, self.widths, self.masks[window],
             paged.block_size, paged.head_dim**-0.5,
         )  # fmt: skip
 
@@ -167,8 +185,8 @@ class CompiledDecode:
         # graph); on CUDA every batch does (CUDA graphs remove per-kernel launches at any size).
         self.min_batch = 1 if self.device.type == "cuda" else 2
 
-    def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor) -> Tensor:
-        cache = _StepCache(self.cache, slots, tables, positions[0])
+    def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, widths: Tensor) -> Tensor:
+        cache = _StepCache(self.cache, slots, tables, widths, positions[0])
         return self.model(tokens, positions=positions, cache=cache)
 
     @torch.inference_mode()
@@ -181,13 +199,15 @@ class CompiledDecode:
         pos = torch.tensor([positions], device=dev)
         slot = torch.tensor(slots, device=dev)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        # Read by the op to group rows on CPU (a host tensor); on CUDA it stays on the device, unread.
+        widths = torch.tensor([len(t) for t in tables], device=dev)
         batch = len(tokens)
         if batch > 1:  # size 1 is specialised by torch: batch 1 has its own graph
-            for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0)):
+            for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0), (widths, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
         torch._dynamo.mark_dynamic(table, 1)
         self.steps += 1
-        return self._compiled(tok, pos, slot, table).view(batch, -1)
+        return self._compiled(tok, pos, slot, table, widths).view(batch, -1)
 
     def warm_up(self) -> float:
         """Compile the graphs (batch 1 on CUDA, batch 2+) before serving; seconds taken. Writes garbage K/V

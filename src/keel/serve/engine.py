@@ -83,6 +83,7 @@ class EngineConfig:
     distributed_timeout: float = 60.0  # seconds a collective or the rendezvous may wait on a peer
     startup_timeout: float = 600.0  # seconds for every worker to load and report ready
     worker_threads: int | None = None  # torch threads per CPU worker (default: the cores shared out)
+    enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel rank, not width slices
 
     @property
     def world_size(self) -> int:
@@ -243,7 +244,8 @@ class LLMEngine:
             from keel.model.prepack import prepack_linears
 
             prepack_linears(loaded.model)
-        self.model: Transformer = loaded.model
+        self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
+        self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         mc = self.model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -493,7 +495,7 @@ class LLMEngine:
         SpeculativeConfig.disable_by_batch_size)."""
         if self.spec is None:
             return False
-        return 0 < len(self.scheduler.running) <= self.spec.max_batch(self.model.device.type)
+        return 0 < len(self.scheduler.running) <= self.spec.max_batch(self.device_type)
 
     def _propose_before_schedule(self) -> list[Request]:
         """Drafts (n-gram) or reserved draft slots (draft model) for running requests about to decode.

@@ -284,6 +284,20 @@ def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
     return out.transpose(1, 2).reshape(heads, -1, values.shape[-1])
 
 
+def length_groups(lengths: list[int], ratio: float = 1.25, max_groups: int = 4) -> list[list[int]]:
+    """Indices of decode rows grouped by length (block-table width), so that each group is padded only
+    to its own longest table: sorted by length, a new group starts when a row is over `ratio` x the
+    group's first (or past `max_groups` groups). Shared by the eager paged cache's plan and the
+    compiled decode step, so both attend the same groups."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (lengths[i] <= ratio * lengths[groups[-1][0]] or len(groups) == max_groups):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 @dataclass
 class DecodeGroup:
     """Single-token queries of sequences with similar lengths, attended as one batch."""

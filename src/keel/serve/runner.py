@@ -17,7 +17,7 @@ from torch import Tensor
 
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, slot_of, visible_blocks
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, length_groups, slot_of, visible_blocks
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
@@ -203,15 +203,8 @@ class ModelRunner:
 def _decode_groups(
     index: list[int], tables: list[list[int]], positions: list[int], device, total: int = -1
 ) -> list[DecodeGroup]:
-    """Decode rows grouped by length: each group is padded to its longest table only. Sorted by
-    block count, a new group starts when a table is over 1.25x the group's first (or past 4 groups)."""
-    order = sorted(range(len(index)), key=lambda i: len(tables[i]))
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(tables[i]) <= 1.25 * len(tables[groups[-1][0]]) or len(groups) == 4):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    """Decode rows grouped by length (`length_groups`): each group is padded to its longest table only."""
+    groups = length_groups([len(t) for t in tables])
     result = []
     for rows in groups:
         width = max(len(tables[i]) for i in rows)

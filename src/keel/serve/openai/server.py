@@ -70,6 +70,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="shard every layer over N worker processes (one per GPU)")  # fmt: skip
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="M",
                    help="split the layers into M stages, each its own worker processes")  # fmt: skip
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: split the experts over the tensor-parallel ranks, not each one by width")  # fmt: skip
     p.add_argument("--auto-parallel", nargs="?", const="local", default=None, metavar="COUNTxTYPE",
                    help="take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, "
                         "e.g. 8xH200)")  # fmt: skip
@@ -240,6 +242,7 @@ def engine_config(args: argparse.Namespace, quantization: dict | None = None):
         master_port=args.master_port,
         distributed_timeout=args.distributed_timeout,
         startup_timeout=args.startup_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
         **expert_offload_config(args),
         **(quantization if quantization is not None else quantize_config(args)),
         **speculative_config(args),

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -93,6 +94,8 @@ class ParallelExecutor:
             )  # fmt: skip
         self._monitor = threading.Thread(target=self._watch, name="keel-worker-monitor", daemon=True)
         self._monitor.start()
+        # A script that never calls shutdown(): the workers are stopped at exit, not left to the OS.
+        weakref.finalize(self, ParallelExecutor.shutdown, self)  # runs at interpreter exit (the monitor holds us)
 
     # ------------------------------------------------------------- start-up
     def _wait_ready(self, timeout: float) -> dict[int, WorkerReport]:

@@ -47,7 +47,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         if bad:
             raise KeelError(f"tensor/pipeline-parallel serving does not support {what} yet")
     checkpoint = open_checkpoint(model)
-    check_parallel_model(checkpoint.config, model, tp, pp)
+    check_parallel_model(checkpoint.config, model, tp, pp, config.enable_expert_parallel)
     ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
     if config.nnodes > 1 and config.master_port is None:
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
@@ -59,6 +59,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         gpu_memory_utilization=config.gpu_memory_utilization, num_blocks=config.num_blocks,
         kv_cache_dtype=config.kv_cache_dtype, fuse_projections=config.fuse_projections,
         prepack_weights=config.prepack_weights, timeout_s=config.distributed_timeout, threads=config.worker_threads,
+        expert_parallel=config.enable_expert_parallel,
     )  # fmt: skip
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:

@@ -23,14 +23,16 @@ from keel.weights.loader import LoadedModel, open_checkpoint
 from keel.weights.names import hf_source
 
 
-def check_parallel_model(config, source: str | Path, tp: int, pp: int) -> None:
+def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """Refuse what parallel serving cannot shard yet, and layouts that do not divide (one line each)."""
     if config.is_mla:
         raise KeelError(f"{source}: tensor/pipeline-parallel serving does not handle multi-head latent attention yet")
     if pp > config.num_layers:
         raise KeelError(f"--pipeline-parallel-size {pp}: the model has only {config.num_layers} layers")
+    if expert_parallel and not config.is_moe:
+        raise KeelError(f"{source}: --enable-expert-parallel needs a mixture-of-experts model")
     if tp > 1:
-        TensorParallelLayout(config, tp, 0)  # raises when heads, KV heads or the MLP do not divide
+        TensorParallelLayout(config, tp, 0, expert_parallel)  # raises when heads, KV heads or widths do not divide
 
 
 def load_tensor_parallel(
@@ -43,6 +45,7 @@ def load_tensor_parallel(
     *,
     stage: int = 0,
     num_stages: int = 1,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Tensor-parallel rank `rank` of `tp` in pipeline stage `stage` of `num_stages`, read slice by slice."""
     from keel.train.pipeline import split_stage
@@ -51,11 +54,11 @@ def load_tensor_parallel(
     config = checkpoint.config
     if checkpoint.quantization is not None:
         raise KeelError(f"{model}: a pre-quantized checkpoint cannot be served tensor/pipeline-parallel yet")
-    check_parallel_model(config, model, tp, num_stages)
+    check_parallel_model(config, model, tp, num_stages, expert_parallel)
     reader = checkpoint.reader
     if not hasattr(reader, "get_shard"):
         raise KeelError(f"{model}: tensor/pipeline-parallel loading reads safetensors and GGUF checkpoints only")
-    layout = TensorParallelLayout(config, tp, rank)
+    layout = TensorParallelLayout(config, tp, rank, expert_parallel)
     with torch.device("meta"):
         net = Transformer(config)
     if num_stages > 1:
@@ -75,6 +78,11 @@ def load_tensor_parallel(
         shard = layout.shard_of(name) if tp > 1 else None
         if len(names) == 1:
             tensor = reader.get_shard(names[0], shard)
+        elif shard is not None and shard.dim == 0:  # experts stored one per tensor, split by expert: read ours
+            per = len(names) // config.num_experts
+            tensor = source.combine(
+                [reader.get_shard(stored, None) for stored in names[shard.start * per : shard.stop * per]]
+            )
         else:  # experts stored one per tensor, stacked by `combine`: each piece cut on its own dimension
             piece = None if shard is None else Shard(shard.dim - 1, shard.start, shard.stop)
             tensor = source.combine([reader.get_shard(stored, piece) for stored in names])

@@ -14,7 +14,9 @@ tp / num_kv_heads times, the head that rank's query heads attend to (vLLM's rule
 MoE layers (vLLM's default for experts under TP): every rank holds every expert, cut along the
 expert width: gate_up_proj [E, 2I, H] keeps rows [a, b) of its gate half and of its up half, down_proj
 [E, H, I] columns [a, b); a shared expert is cut like a dense MLP. The router is replicated, and the
-block's output (routed plus shared) is all-reduced once.
+block's output (routed plus shared) is all-reduced once. With `expert_parallel`, each rank holds
+E / tp whole experts instead (every rank sees every token, so it computes its experts' slots and the
+same all-reduce adds the ranks' shares).
 
 A `Shard` names a dimension and a [start, stop) range (in each of `parts` equal parts of that
 dimension); `read_shard` reads only that range from a safetensors file (never the whole tensor).
@@ -66,6 +68,9 @@ class TensorParallelLayout:
     config: ModelConfig
     tp: int
     rank: int
+    # MoE experts split by expert across the tensor-parallel ranks (vLLM's --enable-expert-parallel)
+    # instead of each cut along its width; attention and shared experts stay tensor-parallel.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         c, tp = self.config, self.tp
@@ -77,8 +82,12 @@ class TensorParallelLayout:
         if c.num_kv_heads % tp and tp % c.num_kv_heads:
             raise KeelError(f"--tensor-parallel-size {tp}: {c.num_kv_heads} KV heads neither divide into {tp} ranks "
                             "nor replicate evenly over them")  # fmt: skip
+        if self.expert_parallel and c.is_moe and c.num_experts % tp:
+            raise KeelError(f"--enable-expert-parallel over {tp} ranks: {c.num_experts} experts do not divide")
         widths = {"MLP": c.intermediate_size}
-        if c.is_moe:
+        if c.is_moe and self.expert_parallel:
+            widths["shared-expert"] = c.shared_expert_intermediate_size or 0
+        elif c.is_moe:
             widths |= {"expert": c.moe_intermediate_size, "shared-expert": c.shared_expert_intermediate_size or 0}
         for what, width in widths.items():
             if width % tp:
@@ -127,6 +136,8 @@ class TensorParallelLayout:
             return Shard(0, first * d, last * d)
         if module in ("mlp.gate_proj", "mlp.up_proj"):
             return Shard(0, *self._split(c.intermediate_size))
+        if module == "mlp.experts" and self.expert_parallel:
+            return Shard(0, *self._split(c.num_experts))
         if module == "mlp.experts" and kind == "gate_up_proj":
             return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
         if module == "mlp.experts" and kind == "down_proj":

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from keel.model.moe import MoE
+from keel.model.moe import LocalDispatcher, MoE
 from keel.model.transformer import Transformer
 from keel.serve.parallel.shard import Shard, TensorParallelLayout, narrow
 
@@ -96,6 +96,26 @@ class GatheredLMHead(nn.Module):
         return torch.cat(pieces, dim=-1)[..., : self.vocab_size]
 
 
+class ExpertSliceDispatcher:
+    """Expert parallelism inside the tensor-parallel group: this rank holds experts [first, first + count)
+    and computes only the token-slots routed to them (the others' outputs are zero here); the MoE block's
+    all-reduce adds every rank's share. No all-to-all: every rank already has every token's hidden state."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+        self.local = LocalDispatcher()
+
+    def __call__(self, experts: nn.Module, x: Tensor, expert_ids: Tensor, slot_tokens: Tensor) -> Tensor:
+        mine = ((expert_ids >= self.first) & (expert_ids < self.first + self.count)).nonzero().squeeze(1)
+        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
+        if mine.numel():
+            local = self.local(
+                experts, x, expert_ids.index_select(0, mine) - self.first, slot_tokens.index_select(0, mine)
+            )
+            out.index_copy_(0, mine, local.to(out.dtype))
+        return out
+
+
 @torch.no_grad()
 def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.ProcessGroup | None = None) -> None:
     """Cut `model` (a full dense keel Transformer, not yet fused) down to `layout`'s rank, in place."""
@@ -128,6 +148,10 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
             for param in ("gate_up_proj", "down_proj"):
                 cut = _cut(getattr(experts, param), layout.shard_of(f"{name}.experts.{param}"))
                 setattr(experts, param, nn.Parameter(cut, requires_grad=False))
+            if layout.expert_parallel:
+                shard = layout.shard_of(f"{name}.experts.down_proj")
+                experts.num_experts = shard.stop - shard.start
+                module.dispatcher = ExpertSliceDispatcher(shard.start, experts.num_experts)
             module.register_forward_hook(_reduce_block_output(group))
     start, stop = layout.vocab_range()
     rows_per_rank = -(-config.vocab_size // layout.tp)

@@ -56,6 +56,7 @@ class WorkerSpec:
     prepack_weights: bool = True
     timeout_s: float = 60.0  # collectives and the rendezvous
     threads: int | None = None  # torch threads per worker (CPU); default: the cores shared out
+    expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
 
     @property
     def world_size(self) -> int:
@@ -180,7 +181,7 @@ class Worker:
         started = time.perf_counter()
         dtype = resolve_dtype(open_checkpoint(spec.model), spec.dtype, spec.device)
         loaded = load_tensor_parallel(spec.model, dtype, tp, tp_rank, tp_groups[stage], self.device,
-                                      stage=stage, num_stages=pp)  # fmt: skip
+                                      stage=stage, num_stages=pp, expert_parallel=spec.expert_parallel)  # fmt: skip
         model = loaded.model
         # This rank's weights as loaded (a tied head counted once), before fusing and packing re-store them.
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
