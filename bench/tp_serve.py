@@ -50,10 +50,15 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
         seconds = time.perf_counter() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         engine = llm.engine
-        if engine.executor is None:
+        if engine.executor is None:  # weights as loaded (pre-packing re-stores them as buffers): from the shapes
+            from keel.model.transformer import Transformer
+
             model = engine.model
-            ranks = [dict(rank=0, weights=sum(p.numel() * p.element_size() for p in model.parameters()),
-                          kv_per_token=kv_cache_bytes_per_token(model.config, model.dtype), peak=vm_hwm())]  # fmt: skip
+            with torch.device("meta"):
+                shapes = Transformer(model.config).parameters()  # a tied head counted once
+            weights = sum(p.numel() for p in shapes) * model.dtype.itemsize
+            ranks = [dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes_per_token(model.config, model.dtype),
+                          peak=vm_hwm())]  # fmt: skip
         else:
             block = engine.config.block_size
             ranks = [

@@ -80,6 +80,7 @@ def test_speculative_decoding_is_lossless_under_the_gate(baseline):
     _gate(baseline, candidate, Thresholds(min_greedy_stability=1.0, max_ppl_increase=0.0))
 
 
+@pytest.mark.slow  # ~50 s; the compiled step's tokens are also checked by tests/test_compiled_decode.py
 def test_compiled_decode_is_lossless_under_the_gate(baseline):
     candidate = _evaluate(EngineConfig(num_blocks=512, compile=True))
     assert candidate["manifest"]["engine"]["compile"] is True

@@ -49,13 +49,13 @@ def _params() -> list[SamplingParams]:
 
 @pytest.mark.parametrize(
     ("arch", "tp", "pp"),
-    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen2_moe-ep", 2, 1),
-     ("llama-bias", 1, 2), ("llama", 2, 2)],
+    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe-ep", 2, 1), ("llama-bias", 1, 2),
+     ("llama", 2, 2)],
 )  # fmt: skip
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
-    """TP 2 (llama, qwen3 with n-gram speculation, and MoE: mixtral, qwen2_moe with its shared expert, and
-    qwen2_moe with its experts split over the 2 ranks: TP 2 x EP 2), PP 2 and TP 2 x PP 2 (4 workers): the
-    same tokens as the single-process engine,
+    """TP 2 (llama, qwen3 with n-gram speculation, and MoE: mixtral with its experts cut by width, qwen2_moe
+    with its experts split over the 2 ranks and its shared expert cut: TP 2 x EP 2), PP 2 and TP 2 x PP 2
+    (4 workers): the same tokens as the single-process engine,
     with a token budget small enough that prompts are chunked and steps mix prefill and decode."""
     arch, expert_parallel, _ = arch.partition("-ep")
     save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
@@ -122,8 +122,8 @@ def test_layout_helpers():
 def test_unsupported_layouts_fail_before_any_worker_starts():
     with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
         LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=2)
-    with pytest.raises(KeelError, match="--quantize"):
-        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=3, quantize="int8")
+    with pytest.raises(KeelError, match="--quantize gguf"):
+        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=3, quantize="gguf")
     with pytest.raises(KeelError, match="only 30 layers"):
         LLM(SMOLLM2, kv_cache_memory="64MiB", pipeline_parallel_size=31)
 
@@ -226,7 +226,13 @@ def test_parallel_cli_errors_are_one_line(tmp_path):
 
     assert_one_line_error(run_keel("serve", SMOLLM2, "--tensor-parallel-size", "2"), "9 attention heads", "2 ranks")
     assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel"), "--auto-parallel", "found none")
-    assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel", "2xH200", "-tp", "3"), "one or the other")
+    import argparse
+
+    from keel.serve.openai.server import resolve_auto_parallel
+
+    both = argparse.Namespace(auto_parallel="2xH200", tensor_parallel_size=3, pipeline_parallel_size=1)
+    with pytest.raises(KeelError, match="one or the other"):
+        resolve_auto_parallel(both)
 
 
 def test_two_nodes_on_one_host(tmp_path):
@@ -263,3 +269,28 @@ def test_two_nodes_on_one_host(tmp_path):
         node0.terminate()
         if node1.poll() is None:
             node1.kill()
+
+
+def test_quantized_shards(tmp_path):
+    """int8 under TP 2: with the row-parallel layers kept in float, every quantized layer has the scales
+    one process computes, so the tokens are the single-process int8 engine's; quantized row-parallel
+    layers too (scales per rank's slice) shrink every rank's weights and still decode."""
+    save_hf_model("llama", tmp_path, intermediate_size=256)
+    base = dict(kv_cache_memory="8MiB", max_model_len=256, compile=False, dtype="float32", quantize="int8")
+    keep = ("lm_head", "*.o_proj", "*.down_proj")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = LLM(str(tmp_path), EngineConfig(**base, quant_keep=keep)).generate(PROMPTS, params, use_tqdm=False)
+    sizes = {}
+    for name, quant_keep in (("column", keep), ("all", ("lm_head",))):
+        llm = LLM(str(tmp_path), EngineConfig(**base, quant_keep=quant_keep, tensor_parallel_size=2))
+        try:
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            if name == "column":
+                assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+            assert all(len(o.outputs[0].token_ids) == 12 for o in got)
+            sizes[name] = [r.weight_bytes for r in llm.engine.executor.reports.values()]
+        finally:
+            llm.engine.shutdown()
+    config = open_checkpoint(str(tmp_path)).config
+    float_rank = 4 * sum(torch.Size(s).numel() for s in _shapes(config).values()) // 2
+    assert all(q < c < float_rank for q, c in zip(sizes["all"], sizes["column"], strict=True))

@@ -113,7 +113,9 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama-bias", 2), ("llama", 4), ("qwen3", 2)])
+@pytest.mark.parametrize(
+    ("arch", "tp"), [("llama-bias", 2), pytest.param("llama", 4, marks=pytest.mark.slow), ("qwen3", 2)]
+)
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp):
     """gloo, tp processes: the model read slice by slice equals the full model cut down, and its logits
     equal the unsharded model's (tp 4 on 2 KV heads: replicated KV heads)."""

@@ -310,7 +310,8 @@ def references() -> dict[str, dict[str, list[float]]]:
     return {name: reference_losses(name) for name in MODELS}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# World 4 (~40 s) runs in `make test-slow`; world 2 keeps every parallelism kind in `make test`.
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_layouts_reproduce_single_process_losses(world: int, references: dict) -> None:
     results = run_world(world)
     failures = []

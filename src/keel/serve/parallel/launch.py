@@ -38,7 +38,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         raise KeelError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}")
     cuda = str(device).startswith("cuda")
     unsupported = [
-        (config.quantize is not None, "--quantize"),
+        (config.quantize == "gguf", "--quantize gguf (int8 and int4 work)"),
         (config.expert_cache is not None, "--expert-cache"),
         (config.kv_cache_memory is None and config.num_blocks is None and not cuda, "no --kv-cache-memory on CPU"),
         (_speculative_method(config) == "draft_model", "speculative decoding with a draft model (ngram works)"),
@@ -59,7 +59,9 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         gpu_memory_utilization=config.gpu_memory_utilization, num_blocks=config.num_blocks,
         kv_cache_dtype=config.kv_cache_dtype, fuse_projections=config.fuse_projections,
         prepack_weights=config.prepack_weights, timeout_s=config.distributed_timeout, threads=config.worker_threads,
-        expert_parallel=config.enable_expert_parallel,
+        expert_parallel=config.enable_expert_parallel, quantize=config.quantize,
+        quant_group_size=config.quant_group_size, quant_keep=tuple(config.quant_keep),
+        quant_keep_as=config.quant_keep_as,
     )  # fmt: skip
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:

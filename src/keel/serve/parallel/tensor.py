@@ -36,9 +36,11 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
+        self.quantized: nn.Module | None = None  # the weight as a QuantizedLinear (quantize_shard)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = sum_partials(F.linear(x, self.weight), self.group)
+        partial = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight)
+        y = sum_partials(partial, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -165,3 +167,37 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
         layer.self_attn.num_heads = layout.local_heads
         first, last = layout.kv_head_range()
         layer.self_attn.num_kv_heads = last - first
+
+
+def quantize_shard(model: Transformer, scheme: str, group_size: int, keep: tuple[str, ...]) -> dict[str, int]:
+    """Weight-only int8/int4 quantization of one rank's cut (keel.quant), after sharding: column-parallel
+    layers and experts as in one process (a row's scales cover its whole input, so they are the same);
+    row-parallel layers per rank (their scales cover the rank's slice of the input, so they differ from
+    one process's, and an int4 group must fit in the slice). The vocabulary-parallel head and the
+    embedding stay float. Returns keel.quant's statistics."""
+    from keel.quant.apply import is_kept, linear_fits, quantize_model
+    from keel.quant.linear import QuantizedLinear
+
+    rows = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, RowParallelLinear) or module.quantized is not None or is_kept(name, keep):
+            continue
+        out_features, in_features = module.weight.shape
+        if not linear_fits(scheme, in_features, out_features, group_size):
+            continue
+        plain = nn.Linear(in_features, out_features, bias=False, device=module.weight.device, dtype=module.weight.dtype)
+        plain.weight = module.weight
+        module.quantized = QuantizedLinear(plain, scheme, group_size)
+        module.weight = None
+        rows += 1
+    stats = quantize_model(model, scheme, group_size, set(keep))
+    stats["quantized"] += rows
+    return stats
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a rank's weights: float parameters plus quantized layers' integer weights and scales."""
+    from keel.quant.linear import QuantizedLinear  # quantized experts are made of these too
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantizedLinear))

@@ -57,6 +57,10 @@ class WorkerSpec:
     timeout_s: float = 60.0  # collectives and the rendezvous
     threads: int | None = None  # torch threads per worker (CPU); default: the cores shared out
     expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
+    quantize: str | None = None  # int8 / int4 weight-only, each rank its own cut (quantize_shard)
+    quant_group_size: int = 128
+    quant_keep: tuple[str, ...] = ("lm_head",)
+    quant_keep_as: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -156,6 +160,7 @@ class Worker:
         from keel.serve.parallel.load import load_tensor_parallel
         from keel.serve.parallel.shard import TensorParallelLayout
         from keel.serve.parallel.stage import StageRunner
+        from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
         from keel.train.pipeline import layer_ranges
         from keel.weights.loader import open_checkpoint, resolve_dtype
 
@@ -183,8 +188,18 @@ class Worker:
         loaded = load_tensor_parallel(spec.model, dtype, tp, tp_rank, tp_groups[stage], self.device,
                                       stage=stage, num_stages=pp, expert_parallel=spec.expert_parallel)  # fmt: skip
         model = loaded.model
-        # This rank's weights as loaded (a tied head counted once), before fusing and packing re-store them.
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if spec.quantize is not None:
+            from keel.serve.parallel.tensor import quantize_shard
+
+            stats = quantize_shard(model, spec.quantize, spec.quant_group_size, spec.quant_keep)
+            if spec.quant_keep_as is not None:
+                from keel.quant.apply import quantize_kept
+
+                stats["quantized"] += quantize_kept(model, spec.quant_keep, spec.quant_keep_as, spec.quant_group_size)
+            log.info("rank %d: %d layers quantized to %s, %d kept", rank, stats["quantized"], spec.quantize,
+                     stats["kept"])  # fmt: skip
+        # This rank's weights (a tied head counted once), before fusing and packing re-store them.
+        weight_bytes = rank_weight_bytes(model)
         if spec.fuse_projections:
             from keel.model.fuse import fuse_projections
 
