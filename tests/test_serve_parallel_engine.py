@@ -119,13 +119,16 @@ def test_layout_helpers():
         node_ranks(6, 4, 0)
 
 
-def test_unsupported_layouts_fail_before_any_worker_starts():
-    with pytest.raises(KeelError, match="9 attention heads do not divide into 2 ranks"):
-        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=2)
+def test_unsupported_layouts_fail_before_any_worker_starts(tmp_path):
+    save_hf_model("llama", tmp_path)  # 4 heads, 2 KV heads, 3 layers
+    with pytest.raises(KeelError, match="4 attention heads do not divide into 3 ranks"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB", tensor_parallel_size=3)
     with pytest.raises(KeelError, match="--quantize gguf"):
-        LLM(SMOLLM2, kv_cache_memory="64MiB", tensor_parallel_size=3, quantize="gguf")
-    with pytest.raises(KeelError, match="only 30 layers"):
-        LLM(SMOLLM2, kv_cache_memory="64MiB", pipeline_parallel_size=31)
+        LLM(str(tmp_path), kv_cache_memory="8MiB", tensor_parallel_size=2, quantize="gguf")
+    with pytest.raises(KeelError, match="only 3 layers"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB", pipeline_parallel_size=4)
+    with pytest.raises(KeelError, match="needs a mixture-of-experts model"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB", tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 def _chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> str:
@@ -224,8 +227,10 @@ def test_auto_parallel_takes_the_planners_layout():
 def test_parallel_cli_errors_are_one_line(tmp_path):
     from test_cli_errors import assert_one_line_error, run_keel
 
-    assert_one_line_error(run_keel("serve", SMOLLM2, "--tensor-parallel-size", "2"), "9 attention heads", "2 ranks")
-    assert_one_line_error(run_keel("serve", SMOLLM2, "--auto-parallel"), "--auto-parallel", "found none")
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    assert_one_line_error(run_keel("serve", str(tmp_path), "-tp", "3"), "4 attention heads", "3 ranks")
+    assert_one_line_error(run_keel("serve", str(tmp_path), "--auto-parallel"), "--auto-parallel", "found none")
     import argparse
 
     from keel.serve.openai.server import resolve_auto_parallel
@@ -236,8 +241,9 @@ def test_parallel_cli_errors_are_one_line(tmp_path):
 
 
 def test_two_nodes_on_one_host(tmp_path):
-    """Multi-node serving through the rendezvous options: node 1 runs its worker headless, node 0 the
-    engine, the server and its own worker (TP 2 over the two "nodes"); node 1 exits 0 once node 0 stops."""
+    """Multi-node serving through the rendezvous options, pipeline-parallel across the nodes (the layout
+    for a slow link): node 1 runs its stage headless, node 0 the engine, the server and the first stage;
+    the openai client gets the single-process tokens; node 1 exits 0 once node 0 stops."""
     import subprocess
     import sys
 
@@ -252,7 +258,7 @@ def test_two_nodes_on_one_host(tmp_path):
         .text
     )
     port = str(free_port())
-    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+    common = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--kv-cache-memory", "16MiB", "--dtype", "float32"]  # fmt: skip
     node1 = subprocess.Popen([sys.executable, "-m", "keel.cli", "serve", str(tmp_path), *common, "--node-rank", "1"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -294,3 +300,21 @@ def test_quantized_shards(tmp_path):
     config = open_checkpoint(str(tmp_path)).config
     float_rank = 4 * sum(torch.Size(s).numel() for s in _shapes(config).values()) // 2
     assert all(q < c < float_rank for q, c in zip(sizes["all"], sizes["column"], strict=True))
+
+
+def test_start_up_failures_name_the_rank(tmp_path):
+    """A worker that fails to load reports why and which rank; one that never reports is named at the
+    deadline; no worker is left behind either way."""
+    import multiprocessing
+
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.2.mlp.down_proj.weight"]  # only the last stage reads layer 2
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeelError, match=r"worker rank 1 failed to start: .*layers\.2\.mlp\.down_proj"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=256, pipeline_parallel_size=2)
+    with pytest.raises(KeelError, match=r"did not start within 0 s: rank\(s\) 0, 1 not ready"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=256, tensor_parallel_size=2, startup_timeout=0.01)
+    assert not multiprocessing.active_children()
