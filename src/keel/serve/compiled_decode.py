@@ -76,14 +76,15 @@ def paged_decode_attention(
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
     # On CUDA the step is replayed as a CUDA graph, which cannot follow data-dependent grouping: one group.
-    groups = length_groups(widths.tolist()) if widths.device.type == "cpu" else [None]
+    lengths = widths.tolist() if widths.device.type == "cpu" else None
+    groups = length_groups(lengths) if lengths is not None else [None]
     if len(groups) == 1:
         keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
         return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
     out = q.new_empty(q.shape[1], q.shape[2], v_store.shape[-1])
     for rows in groups:
         index = torch.tensor(rows, device=q.device)
-        width = int(widths[rows].max()) if len(rows) > 1 else int(widths[rows[0]])
+        width = max(lengths[i] for i in rows)
         group_tables = tables.index_select(0, index)[:, :width]
         keys, values = (
             gather_blocks(k_store, group_tables, block_size),

@@ -20,7 +20,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
-from keel.serve.kv_cache import KVCacheManager, parse_memory
+from keel.serve.kv_cache import KVCacheManager, blocks_in_budget
 from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
@@ -315,14 +315,14 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.startup_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s (decode %s)", self.startup_seconds,
-                 "compiled" if getattr(self.runner, "compiled", None) is not None else "eager")  # fmt: skip
+                 "compiled" if self.runner.compiled is not None else "eager")  # fmt: skip
 
     def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
         the config and tokenizer (a meta-device model stands for the weights)."""
         from keel.serve.parallel.executor import ParallelExecutor
         from keel.serve.parallel.launch import worker_spec
-        from keel.weights.loader import resolve_dtype
+        from keel.weights.loader import parse_dtype
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")
@@ -332,7 +332,7 @@ class LLMEngine:
         self.executor = ParallelExecutor(spec, ranks, lambda request_id: self.kv.block_table(request_id),
                                          startup_timeout=self.config.startup_timeout)  # fmt: skip
         with torch.device("meta"):
-            placeholder = Transformer(checkpoint.config).to(resolve_dtype(checkpoint, self.config.dtype, device))
+            placeholder = Transformer(checkpoint.config).to(parse_dtype(spec.dtype))
         return LoadedModel(placeholder, checkpoint)
 
     def check_health(self) -> None:
@@ -374,17 +374,7 @@ class LLMEngine:
         config = self.config
         if config.num_blocks is not None:
             return config.num_blocks
-        per_block = self._bytes_per_block()
-        if config.kv_cache_memory is None:
-            if not torch.cuda.is_available() or not str(device).startswith("cuda"):
-                raise KeelError("--kv-cache-memory is required on CPU (e.g. 2GiB)")
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * config.gpu_memory_utilization)
-        elif isinstance(config.kv_cache_memory, int):
-            budget = config.kv_cache_memory
-        else:
-            budget = parse_memory(config.kv_cache_memory)
-        return budget // per_block
+        return blocks_in_budget(self._bytes_per_block(), config.kv_cache_memory, device, config.gpu_memory_utilization)
 
     # ------------------------------------------------------------- requests
     def add_request(

@@ -218,6 +218,26 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return kv_bytes_per_token(config, dtype) * block_size
 
 
+def blocks_in_budget(
+    bytes_per_block: int,
+    kv_cache_memory: str | int | None,
+    device: str | torch.device = "cpu",
+    gpu_memory_utilization: float = 0.9,
+) -> int:
+    """KV blocks a budget holds: `kv_cache_memory` bytes ("2GiB" or an int), or with None on CUDA a share of
+    the device's free memory (None on CPU is an error)."""
+    if kv_cache_memory is None:
+        if not torch.cuda.is_available() or not str(device).startswith("cuda"):
+            raise KeelError("--kv-cache-memory is required on CPU (e.g. 2GiB)")
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * gpu_memory_utilization)
+    elif isinstance(kv_cache_memory, int):
+        budget = kv_cache_memory
+    else:
+        budget = parse_memory(kv_cache_memory)
+    return budget // bytes_per_block
+
+
 def parse_memory(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}

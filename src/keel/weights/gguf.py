@@ -554,8 +554,8 @@ class GGUFTensorReader:
         heads = getattr(entry.combine, "heads", None)
         if heads is not None and shard.dim == 0:
             array = _unpermute(heads * (stop - start) // rows)([array])
-        elif heads is not None:
-            array = _unpermute(heads)([array])
+        elif heads is not None:  # a column shard keeps every row: the entry's own un-permute
+            array = entry.combine([array])
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
     def get_blocks(self, name: str) -> QuantBlocks | None:

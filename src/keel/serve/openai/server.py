@@ -257,9 +257,7 @@ def build_engine(args: argparse.Namespace):
 
     quantization = quantize_config(args)  # read once: a plan file is parsed here
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and args.engine == "keel":
-        config = engine_config(args, quantization)
-        config.dtype = args.dtype
-        return AsyncEngine(LLMEngine(args.model, config))  # every worker loads its own shard
+        return AsyncEngine(LLMEngine(args.model, _parallel_config(args, quantization)))  # workers load the shards
     loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
     if args.engine == "naive":
         from keel.serve.naive import NaiveEngine
@@ -299,7 +297,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.node_rank > 0:  # a workers-only node of multi-node serving: no engine, no port
         from keel.serve.parallel.launch import run_headless
 
-        return run_headless(args.model, _headless_config(args))
+        return run_headless(args.model, _parallel_config(args))
     _check_port(args.host, args.port)
     engine = build_engine(args)
     failure: list[BaseException] = []
@@ -371,7 +369,8 @@ def resolve_auto_parallel(args: argparse.Namespace) -> None:
     log.info("--auto-parallel: %s", why)
 
 
-def _headless_config(args: argparse.Namespace):
-    config = engine_config(args)
+def _parallel_config(args: argparse.Namespace, quantization: dict | None = None):
+    """The EngineConfig of parallel serving: the workers load the model, so it carries --dtype too."""
+    config = engine_config(args, quantization)
     config.dtype = args.dtype
     return config

@@ -18,7 +18,7 @@ from keel.serve.parallel.executor import ParallelExecutor, free_port, node_ranks
 from keel.serve.parallel.load import check_parallel_model
 from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.worker import WorkerSpec
-from keel.weights.loader import Checkpoint, open_checkpoint
+from keel.weights.loader import Checkpoint, open_checkpoint, resolve_dtype
 
 if TYPE_CHECKING:
     from keel.serve.engine import EngineConfig
@@ -53,7 +53,8 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
     port = config.master_port or free_port(config.master_addr)
     spec = WorkerSpec(
-        model=str(model), dtype=config.dtype, tp=tp, pp=pp, init_method=f"tcp://{config.master_addr}:{port}",
+        model=str(model), dtype=str(resolve_dtype(checkpoint, config.dtype, device)).removeprefix("torch."),
+        tp=tp, pp=pp, init_method=f"tcp://{config.master_addr}:{port}",
         local_world=len(ranks), node_rank=config.node_rank, device="cuda" if cuda else "cpu",
         block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
         gpu_memory_utilization=config.gpu_memory_utilization, num_blocks=config.num_blocks,

@@ -40,7 +40,7 @@ class WorkerSpec:
     """What every worker needs to start: the model, the layout, the rendezvous and the cache budget."""
 
     model: str
-    dtype: str
+    dtype: str  # resolved by the engine ("bfloat16", ...): no worker opens the checkpoint twice
     tp: int
     pp: int
     init_method: str  # "tcp://ADDR:PORT"
@@ -156,13 +156,14 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
+        from keel.serve.kv_cache import blocks_in_budget
         from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
         from keel.serve.parallel.load import load_tensor_parallel
         from keel.serve.parallel.shard import TensorParallelLayout
         from keel.serve.parallel.stage import StageRunner
         from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
         from keel.train.pipeline import layer_ranges
-        from keel.weights.loader import open_checkpoint, resolve_dtype
+        from keel.weights.loader import parse_dtype
 
         self.spec, self.rank = spec, rank
         tp, pp = spec.tp, spec.pp
@@ -184,8 +185,7 @@ class Worker:
 
         before = torch.cuda.memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
         started = time.perf_counter()
-        dtype = resolve_dtype(open_checkpoint(spec.model), spec.dtype, spec.device)
-        loaded = load_tensor_parallel(spec.model, dtype, tp, tp_rank, tp_groups[stage], self.device,
+        loaded = load_tensor_parallel(spec.model, parse_dtype(spec.dtype), tp, tp_rank, tp_groups[stage], self.device,
                                       stage=stage, num_stages=pp, expert_parallel=spec.expert_parallel)  # fmt: skip
         model = loaded.model
         if spec.quantize is not None:
@@ -218,7 +218,10 @@ class Worker:
         layers = layer_ranges(config.num_layers, pp)[stage]
         per_block = kv_cache_bytes_per_block(local, spec.block_size, model.dtype, spec.kv_cache_dtype)
         per_block = per_block * len(layers) // config.num_layers
-        blocks = torch.tensor([self._blocks_possible(per_block)], dtype=torch.long)
+        budget = spec.num_blocks
+        if budget is None:
+            budget = blocks_in_budget(per_block, spec.kv_cache_memory, self.device, spec.gpu_memory_utilization)
+        blocks = torch.tensor([budget], dtype=torch.long)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.control)  # every rank holds the same blocks
         num_blocks = int(blocks.item())
         cache = make_paged_kv_cache(local, num_blocks, spec.block_size, model.dtype, self.device,
@@ -229,20 +232,6 @@ class Worker:
         self._mirrors: dict[str, Request] = {}
         self._tables: dict[str, list[int]] = {}
         self.runner = _SamplingRunner(self) if rank == 0 else None
-
-    def _blocks_possible(self, per_block: int) -> int:
-        from keel.serve.kv_cache import parse_memory
-
-        spec = self.spec
-        if spec.num_blocks is not None:
-            return spec.num_blocks
-        if spec.kv_cache_memory is None:
-            if spec.device != "cuda":
-                return 0  # the engine requires a budget on CPU before it starts workers
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * spec.gpu_memory_utilization) // per_block
-        budget = spec.kv_cache_memory
-        return (budget if isinstance(budget, int) else parse_memory(budget)) // per_block
 
     # ------------------------------------------------------------------ loops
     def follow(self) -> None:
