@@ -109,6 +109,9 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
             logits = by_slices(tokens)
         if rank == 0:
             torch.save(logits, out)
+        # Every rank done before any tears gloo down: a peer closing its pairs while another rank's gloo
+        # threads still use them aborts that process ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -145,6 +145,9 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
             worker.serve_engine(conn)
         else:
             worker.follow()
+        # A clean stop: every rank leaves its loop before any tears gloo down (a peer closing its pairs
+        # while another rank's gloo threads still use them aborts that process).
+        dist.barrier(group=worker.control)
     except BaseException as e:  # noqa: BLE001
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
         events.put(("error", rank, f"{type(e).__name__}: {e}"))
