@@ -663,3 +663,19 @@ def test_rope_freqs_that_are_not_llama3(tmp_path):
     with pytest.raises(ConfigError, match="rope_freqs") as e:
         open_gguf(path)
     one_line(e)
+
+
+@pytest.mark.parametrize("source", ["tiny-q8_0", "smollm2"])
+def test_header_reader_equals_ggufs_own(valid_gguf, source):
+    """keel.weights.gguf_file reads every key and tensor as gguf's GGUFReader does (its reference)."""
+    from keel.weights.gguf_file import GGUFFile
+
+    path = valid_gguf if source == "tiny-q8_0" else resolve_catalog("smollm2-135m-instruct")
+    ours, reference = GGUFFile(path), gguf.GGUFReader(path)
+    assert ours.fields == {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours.tensors) == len(reference.tensors)
+    for a, b in zip(ours.tensors, reference.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
+            b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)  # fmt: skip
+        assert np.array_equal(a.shape, b.shape) and a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+        assert np.array_equal(a.data, b.data)

@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import Tensor
 
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
+from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.loader import Checkpoint
 
@@ -77,8 +78,8 @@ def open_gguf(path: Path) -> Checkpoint:
     if not path.is_file():
         raise WeightsError(f"{path}: file not found")
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError/struct errors/... on damaged files
+        reader = GGUFFile(path)
+    except Exception as e:  # ValueError (truncated, bad magic), UnicodeDecodeError, an unknown type id, ...
         raise WeightsError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
     meta = _Metadata(reader, path)
     tensors = {t.name: t for t in reader.tensors}
@@ -101,18 +102,13 @@ def _one_line(e: BaseException) -> str:
 class _Metadata:
     """Typed access to GGUF key/values, with errors that name the file and key."""
 
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
+    def __init__(self, reader: GGUFFile, path: Path) -> None:
         self.fields = reader.fields
         self.path = path
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as e:
-            raise WeightsError(f"{self.path}: cannot read metadata key {key!r} ({_one_line(e)})") from None
+        value = self.fields.get(key)
+        return default if value is None else value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -128,7 +124,7 @@ def _f32(value: float) -> float:
 
 # ------------------------------------------------------------------------------------------ config
 def _config_from_metadata(
-    meta: _Metadata, tensors: dict[str, ReaderTensor], path: Path
+    meta: _Metadata, tensors: dict[str, GGUFTensor], path: Path
 ) -> tuple[ModelConfig, dict[str, str]]:
     arch = meta.get("general.architecture")
     if arch == "deepseek2":  # llama.cpp's name for DeepSeek-V2/V3 (multi-head latent attention)
@@ -170,7 +166,7 @@ def _config_from_metadata(
     if k("vocab_size") is not None:
         vocab = read("vocab_size", int(k("vocab_size")))
     elif tokens is not None:
-        vocab = read("vocab_size", len(tokens.data))
+        vocab = read("vocab_size", len(tokens))
     elif embed is not None:
         vocab = read("vocab_size", int(embed.shape[-1]), "inferred")
     else:
@@ -246,7 +242,7 @@ def _moe_fields(
     meta: _Metadata,
     arch: str,
     family: str,
-    tensors: dict[str, ReaderTensor],
+    tensors: dict[str, GGUFTensor],
     num_layers: int,
     num_experts: int,
     read: Callable[..., Any],
@@ -283,7 +279,7 @@ def _moe_fields(
 def _rope_scaling(
     meta: _Metadata,
     arch: str,
-    tensors: dict[str, ReaderTensor],
+    tensors: dict[str, GGUFTensor],
     head_dim: int,
     theta: float,
     path: Path,
@@ -333,7 +329,7 @@ def _llama3_from_rope_freqs(
     return candidate if np.allclose(got, target, rtol=1e-4, atol=0) else None
 
 
-def _checkpoint_dtype(tensors: dict[str, ReaderTensor]) -> str:
+def _checkpoint_dtype(tensors: dict[str, GGUFTensor]) -> str:
     """bfloat16/float16 when every matrix is stored so; float32 otherwise (keel dequantizes to float32)."""
     kinds = {t.tensor_type for t in tensors.values() if len(t.shape) >= 2}
     if kinds == {_T.BF16}:
@@ -344,7 +340,7 @@ def _checkpoint_dtype(tensors: dict[str, ReaderTensor]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- tensors
-def _to_numpy(t: ReaderTensor, path: Path) -> np.ndarray:
+def _to_numpy(t: GGUFTensor, path: Path) -> np.ndarray:
     """Dequantize one GGUF tensor to float32 in numpy (HF / row-major) shape."""
     if t.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(s.name for s in SUPPORTED_TYPES)
@@ -374,7 +370,7 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
 class _Entry:
     """One HF tensor: the GGUF tensors it is made of, its HF shape and how to combine them."""
 
-    sources: tuple[ReaderTensor, ...]
+    sources: tuple[GGUFTensor, ...]
     shape: tuple[int, ...]
     combine: Callable[[list[np.ndarray]], np.ndarray]
 
@@ -406,7 +402,7 @@ class QuantBlocks:
     mins: Tensor | None
 
 
-def decode_blocks(t: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def decode_blocks(t: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(codes, d, m) of a Q4_0/Q4_1/Q8_0 tensor in numpy, HF shape [..., rows, K] / [..., rows, K/32].
 
     Vectorised over the raw bytes: Q4_0 = fp16 d + 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m + 16
@@ -432,9 +428,9 @@ class GGUFTensorReader:
     """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`; Q4_0/Q4_1/Q8_0
     tensors also as integer blocks (`get_blocks()`), for the integer kernels."""
 
-    def __init__(self, path: Path, reader: GGUFReader, config: ModelConfig) -> None:
+    def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
         self.path = path
-        self._reader: GGUFReader | None = reader
+        self._reader: GGUFFile | None = reader
         self._entries: dict[str, _Entry] = {}
         moe = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
         # llama.cpp's converter permutes q/k rows for the llama architecture (Mixtral included) only.
@@ -478,7 +474,7 @@ class GGUFTensorReader:
                     combine = _unpermute(config.num_kv_heads)
                 self._add(hf, (t,), shape, combine)
 
-    def _add(self, name: str, sources: tuple[ReaderTensor, ...], shape: tuple[int, ...], combine) -> None:
+    def _add(self, name: str, sources: tuple[GGUFTensor, ...], shape: tuple[int, ...], combine) -> None:
         self._entries[name] = _Entry(sources, shape, combine)
 
     def names(self) -> set[str]:
@@ -590,6 +586,6 @@ class GGUFTensorReader:
         )
 
     def close(self) -> None:
-        # GGUFReader has no close(); dropping it (and the tensor views) releases the memory map.
+        # Dropping the file (and the tensor views) releases the memory map.
         self._reader = None
         self._entries = {}
