@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # tests import their helpers (tiny_models) by module name.
@@ -14,3 +15,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines decode eagerly unless a test asks for compilation (tests/test_compiled_decode.py does):
 # compiling SmolLM2 in every test that serves it would cost minutes of the suite.
 os.environ.setdefault("KEEL_COMPILE", "0")
+
+
+@pytest.fixture
+def force_isa(monkeypatch):
+    """force_isa("avx2"): keel.platform answers as under KEEL_CPU_ISA for the rest of the test (torch's own
+    kernels are not re-dispatched: they read their caps once). Skips where the CPU is below the level."""
+    from keel import platform
+    from keel.errors import KeelError
+
+    def force(level: str) -> platform.Platform:
+        monkeypatch.setenv(platform.ISA_ENV, level)
+        platform.host.cache_clear()
+        try:
+            return platform.host()
+        except KeelError as e:
+            pytest.skip(str(e))
+
+    yield force
+    monkeypatch.undo()
+    platform.host.cache_clear()

@@ -4,15 +4,22 @@ after start-up; the engine's auto choice; eager fallbacks where the graph does n
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from keel import platform
+from keel.errors import KeelError
+from keel.serve import compiled_decode
 from keel.serve.compiled_decode import decide_compile
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 from tiny_models import save_byte_tokenizer, save_hf_model
+
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
 
 PROMPTS = ["hello world", "the cat sat on the mat and", "a", "zz top " * 6]
 
@@ -60,6 +67,13 @@ def test_auto_compiles_only_large_dense_models(tmp_path, monkeypatch):
     assert moe.runner.compiled is None  # MoE routing stays eager (logged), the engine still serves
     int8_kv = LLM(str(tmp_path / "dense"), num_blocks=16, max_model_len=64, compile=True, kv_cache_dtype="int8")
     assert int8_kv.engine.runner.compiled is None
+    # A CPU host without a C++ compiler (keel.platform): auto stays eager, an explicit --compile is a KeelError.
+    no_cxx = dataclasses.replace(platform.probe(), cpp_compiler=None)
+    monkeypatch.setattr(compiled_decode, "host", lambda: no_cxx)
+    monkeypatch.delenv("KEEL_COMPILE")
+    assert decide_compile(None, dense.model, dense.cache, offloading=False) is False
+    with pytest.raises(KeelError, match="no C\\+\\+ compiler"):
+        decide_compile(True, dense.model, dense.cache, offloading=False)
 
 
 def test_decode_attention_op_matches_the_paged_cache(tmp_path):

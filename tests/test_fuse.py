@@ -15,6 +15,8 @@ from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 from tiny_models import save_byte_tokenizer, save_hf_model
 
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+
 PROMPTS = ["hello world", "the cat sat on", "a b c d e f g"]
 
 

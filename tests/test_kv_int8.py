@@ -21,6 +21,8 @@ from keel.serve.kv_quant import (
 from keel.weights import load_model
 from tiny_models import save_hf_model
 
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+
 LLAMA = dict(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
              num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
 MLA = dict(architecture="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

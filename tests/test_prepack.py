@@ -1,5 +1,7 @@
 """bf16 linears pre-packed for oneDNN (keel.model.prepack): bit-identical products at every batch
-size, with and without bias; the serving engine's tokens and logprobs unchanged; float32 untouched."""
+size, with and without bias; the serving engine's tokens and logprobs unchanged; float32 untouched.
+Where the platform has no oneDNN bf16 path (AVX2 alone, or the forced AVX2 leg), nothing is packed
+and the engine serves bf16 through plain linears with the same tokens."""
 
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 from tiny_models import save_byte_tokenizer, save_hf_model
 
-pytestmark = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.isa
+needs_prepack = pytest.mark.skipif(not prepack_available(), reason="no oneDNN bf16 path on this CPU (keel.platform)")
 
 
+@needs_prepack
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 64), (2, 300)])
 def test_packed_product_is_bit_identical(bias, shape):
@@ -39,7 +43,7 @@ def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
             str(tmp_path), EngineConfig(dtype="bfloat16", prepack_weights=prepack, num_blocks=64, max_model_len=256)
         )
         packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
-        assert (len(packed) > 0) == prepack
+        assert (len(packed) > 0) == (prepack and prepack_available())
         outs = llm.generate(["hello world", "abc abc"], params, use_tqdm=False)
         outputs[prepack] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
     assert outputs[True] == outputs[False]
@@ -47,6 +51,17 @@ def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
     assert not any(isinstance(m, PackedLinear) for m in fp32.modules())  # float32: aten's sums differ
 
 
+def test_prepacking_follows_the_platform(tmp_path, force_isa):
+    """At AVX2 (KEEL_CPU_ISA) there is no oneDNN bf16 path: prepack_linears packs nothing (the reorder
+    would raise) and the engine serves bf16 through plain linears."""
+    force_isa("avx2")
+    save_hf_model("llama", tmp_path)
+    model = LLM(str(tmp_path), EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128)).engine.model
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert prepack_linears(model) == 0
+
+
+@needs_prepack
 def test_streamed_bytes_count_packed_weights(tmp_path):
     save_hf_model("qwen2", tmp_path)
     model = LLM(

@@ -9,6 +9,8 @@ from torch import nn
 from keel.quant import QuantizedLinear, quantize_model
 from keel.quant.linear import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])

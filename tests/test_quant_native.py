@@ -37,6 +37,8 @@ from keel.weights.gguf import open_gguf
 from test_gguf import TOKENS, build_hf, random_blocks, write_block_gguf, write_gguf
 from tiny_models import save_byte_tokenizer, save_hf_model
 
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+
 GREEDY_TOKENS = 8
 
 

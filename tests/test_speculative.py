@@ -16,6 +16,8 @@ from keel.serve.speculative.ngram import propose_ngram
 from keel.weights import load_model
 from tiny_models import build_hf_model, save_byte_tokenizer, save_hf_model
 
+pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 

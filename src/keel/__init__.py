@@ -1,6 +1,10 @@
 """keel: a PyTorch-native LLM systems stack (train, adapt, serve) on one model definition."""
 
+from keel.platform import export_isa_caps
+
 __version__ = "0.1.0"
+# KEEL_CPU_ISA caps torch's own kernels too, if set before torch runs an operator (keel.platform).
+export_isa_caps()
 
 
 def __getattr__(name: str):

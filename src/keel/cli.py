@@ -20,7 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser, dtype_default: str | None = "aut
             "--dtype",
             default=dtype_default,
             choices=["auto", "float32", "bfloat16", "float16"],
-            help="compute dtype (auto: the checkpoint's float dtype; GGUF: bf16 on CPUs with native bf16)",
+            help="compute dtype (auto: the fastest correct one here: bf16 on CPUs with native bf16 matmul and for "
+            "quantized weights, float32 on other CPUs, the checkpoint's dtype on CUDA)",
         )
     p.add_argument("--head-dim", type=int, default=None, help="head size, when config.json is missing")
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, when config.json is missing")
@@ -78,6 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         **speculative,
     )
     engine = LLMEngine(loaded, config, adapt=True)
+    print(f"[keel] backends: {engine.backends}", file=sys.stderr)
     engine.add_request(prompt_ids, params)
     out = None
     while engine.has_unfinished_requests():

@@ -18,22 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there a bf16 matmul runs ~4x a
-    float32 one, elsewhere bf16 is converted in software and no faster."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+from keel.platform import host
 
 
 def prepack_available(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16 weights can be pre-packed here: a CPU whose oneDNN has a bf16 path (keel.platform:
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not AVX2 alone, where oneDNN refuses the reorder)."""
     return (
         torch.device(device).type == "cpu"
-        and torch.backends.mkldnn.is_available()
+        and host().onednn_bf16
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
@@ -58,6 +51,8 @@ def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tens
 
 class PackedLinear(nn.Module):
     """A bf16 `nn.Linear` whose weight lives in oneDNN's packed layout (inference only)."""
+
+    backend = "oneDNN pre-packed"
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -217,6 +217,18 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
 
     @property
+    def backend(self) -> str:
+        """The kernel this layer runs and the activations it is fed, for the start-up log."""
+        device = self.qweight.device.type
+        if self.scheme == "int8":
+            kernel = "aten _weight_int8pack_mm"
+        else:
+            kernel = "aten _weight_int4pack_mm" + ("_for_cpu" if device == "cpu" else "")
+        activations = str(self.compute_dtype).removeprefix("torch.")
+        slow = device == "cpu" and self.compute_dtype != torch.bfloat16
+        return f"{kernel}, {activations} activations" + (" (torch's slow reference path)" if slow else "")
+
+    @property
     def weight_bytes(self) -> int:
         total = self.qweight.numel() * self.qweight.element_size()
         for name in ("scales", "scales_and_zeros"):

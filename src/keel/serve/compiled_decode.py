@@ -34,8 +34,10 @@ import torch
 from torch import Tensor
 
 from keel.data.corpora import cache_root
+from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
+from keel.platform import host
 from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, length_groups, write_rows
 
 log = logging.getLogger("keel.serve")
@@ -141,13 +143,18 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
 
 
 def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCache, offloading: bool) -> bool:
-    """The engine's `compile` option: True / False as asked (True where unsupported falls back to
-    eager with a warning); None (auto): the environment's KEEL_COMPILE=0/1 when set, else on for
-    supported models of AUTO_COMPILE_MIN_PARAMS or more."""
+    """The engine's `compile` option: True / False as asked (True where the model is unsupported falls
+    back to eager with a warning; on a CPU host without a C++ compiler it is a KeelError); None
+    (auto): the environment's KEEL_COMPILE=0/1 when set, else on for supported models of
+    AUTO_COMPILE_MIN_PARAMS or more (never without a C++ compiler on CPU)."""
     if requested is None and os.environ.get("KEEL_COMPILE") in ("0", "1"):
         requested = os.environ["KEEL_COMPILE"] == "1"
     reason = compile_unsupported(model, cache) or ("expert offloading" if offloading else None)
     if requested is False:
+        return False
+    if model.device.type == "cpu" and host().cpp_compiler is None:  # inductor writes C++ for CPU graphs
+        if requested:
+            raise KeelError("--compile: no C++ compiler found (g++, or $CXX) for torch.compile's CPU code")
         return False
     if reason is not None:
         if requested:

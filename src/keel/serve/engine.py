@@ -19,6 +19,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
+from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.kv_cache import KVCacheManager, blocks_in_budget
 from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
@@ -313,16 +314,20 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        decode = "compiled" if self.runner.compiled is not None else "eager"
+        kv_dtype = str(self.model.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else "int8"
+        self.backends = describe_backends(self.model, loaded.dtype_reason, f"paged {kv_dtype}", decode,
+                                          workers=self.executor is not None)  # fmt: skip
+        log.info("backends: %s", self.backends)
         self.startup_seconds = time.perf_counter() - started
-        log.info("engine ready in %.1f s (decode %s)", self.startup_seconds,
-                 "compiled" if self.runner.compiled is not None else "eager")  # fmt: skip
+        log.info("engine ready in %.1f s (decode %s)", self.startup_seconds, decode)
 
     def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
         the config and tokenizer (a meta-device model stands for the weights)."""
         from keel.serve.parallel.executor import ParallelExecutor
         from keel.serve.parallel.launch import worker_spec
-        from keel.weights.loader import parse_dtype
+        from keel.weights.loader import choose_dtype, parse_dtype
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")
@@ -333,7 +338,9 @@ class LLMEngine:
                                          startup_timeout=self.config.startup_timeout)  # fmt: skip
         with torch.device("meta"):
             placeholder = Transformer(checkpoint.config).to(parse_dtype(spec.dtype))
-        return LoadedModel(placeholder, checkpoint)
+        return LoadedModel(
+            placeholder, checkpoint, choose_dtype(checkpoint, self.config.dtype, device, self.config.quantize)[1]
+        )
 
     def check_health(self) -> None:
         """Raise when the engine can no longer make progress (a parallel worker died)."""

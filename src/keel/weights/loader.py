@@ -18,8 +18,8 @@ from torch import Tensor
 from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
-from keel.model.prepack import cpu_has_native_bf16
 from keel.model.transformer import Transformer
+from keel.platform import auto_dtype
 from keel.tokenizer import Tokenizer
 from keel.weights.names import hf_source
 
@@ -73,6 +73,7 @@ class Checkpoint:
 class LoadedModel:
     model: Transformer
     checkpoint: Checkpoint
+    dtype_reason: str = "requested"  # why the model computes in its dtype (`choose_dtype`), for the start-up log
 
     @property
     def config(self) -> ModelConfig:
@@ -218,19 +219,27 @@ def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype)
         model.tie_weights()
 
 
+def choose_dtype(
+    checkpoint: Checkpoint, dtype: str | torch.dtype, device: str | torch.device = "cpu", quantize: str | None = None
+) -> tuple[torch.dtype, str]:
+    """The dtype a model is loaded in, and why. "auto": keel.platform's choice for this host from the
+    checkpoint's own float dtype (GGUF: block-quantized, none) and whether it is quantized."""
+    if dtype != "auto":
+        return (parse_dtype(dtype) if isinstance(dtype, str) else dtype), "requested"
+    stored = None if checkpoint.format == "gguf" else checkpoint.config.dtype
+    name, why = auto_dtype(
+        stored if stored in DTYPES or stored is None else "float32",
+        str(device),
+        quantized=quantize is not None or checkpoint.quantization is not None,
+    )
+    return parse_dtype(name), f"auto: {why}"
+
+
 def resolve_dtype(
     checkpoint: Checkpoint, dtype: str | torch.dtype, device: str | torch.device = "cpu", quantize: str | None = None
 ) -> torch.dtype:
-    """The dtype a model is loaded in; "auto": the checkpoint's own float dtype, and for GGUF (quantized
-    or mixed blocks) bfloat16 where the CPU is fast in it or when quantizing (for torch's integer
-    kernels), float32 otherwise."""
-    if dtype == "auto":
-        if checkpoint.format != "gguf":
-            auto = checkpoint.config.dtype
-        else:
-            auto = "bfloat16" if quantize or (str(device) == "cpu" and cpu_has_native_bf16()) else "float32"
-        dtype = auto if auto in DTYPES else "float32"
-    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    """The dtype a model is loaded in (see `choose_dtype`)."""
+    return choose_dtype(checkpoint, dtype, device, quantize)[0]
 
 
 def load_model(
@@ -247,7 +256,7 @@ def load_model(
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
-    dtype "auto": see `resolve_dtype` (for GGUF, bfloat16 on CPUs with native bf16 matmul).
+    dtype "auto": see `choose_dtype` (bfloat16 on CPUs with native bf16 matmul, float32 elsewhere).
 
     quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
@@ -257,7 +266,7 @@ def load_model(
     `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
-    torch_dtype = resolve_dtype(checkpoint, dtype, device, quantize)
+    torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
     if quantize is not None or checkpoint.quantization is not None:
@@ -272,4 +281,4 @@ def load_model(
     net.reset_buffers(device)
     net.to(device)
     net.eval()
-    return LoadedModel(net, checkpoint)
+    return LoadedModel(net, checkpoint, dtype_reason)

@@ -52,8 +52,9 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
     if config.nnodes > 1 and config.master_port is None:
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
     port = config.master_port or free_port(config.master_addr)
+    dtype = resolve_dtype(checkpoint, config.dtype, device, config.quantize)
     spec = WorkerSpec(
-        model=str(model), dtype=str(resolve_dtype(checkpoint, config.dtype, device)).removeprefix("torch."),
+        model=str(model), dtype=str(dtype).removeprefix("torch."),
         tp=tp, pp=pp, init_method=f"tcp://{config.master_addr}:{port}",
         local_world=len(ranks), node_rank=config.node_rank, device="cuda" if cuda else "cpu",
         block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
