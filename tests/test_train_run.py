@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from keel.cli import main
 from keel.train.checkpoint import COMPLETE, latest_checkpoint
 from keel.train.config import load_config
 from keel.train.data import write_token_file
@@ -404,23 +405,41 @@ def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
     assert sorted(resumed.losses) == list(range(6, 11))
 
 
-def test_bad_configs_fail_before_any_process_starts(root):
+def test_bad_configs_fail_before_any_process_starts(root, capsys):
     path = config(root, "bad")
+    bad_file = root / "bad-run-dir"
+    bad_file.write_text("a file where the run directory should be")
+    unprepared = root / "unprepared.bin"
+    unprepared.write_bytes(b"\0" * 64)
+    short = root / "short.bin"
+    write_token_file(short, np.arange(3, 100), vocab_size=256, eos_id=2)
+    short.write_bytes(short.read_bytes()[:-2])  # one token fewer than its sidecar says
     cases = [
         (["--set", "training.stpes=3"], "training.stpes"),
         (["--nproc", "4", "--set", "parallel.tp=3"], "world size 4"),
         (["--nproc", "4", "--set", "parallel.dp_shard=3"], "but the world size is 4"),
         (["--nproc", "2", "--set", "training.global_batch_size=6"], "not divisible"),
-        (["--set", "parallel.pp_schedule=zbv"], None),  # pp = 1: schedule settings do not apply
+        # Data files and the run directory (keel.train.preflight), checked in the launching process:
+        (["--nproc", "2", "--set", f"data.path={root}/missing.bin"], "missing.bin: no sidecar"),
+        (["--nproc", "2", "--set", f"data.path={unprepared}"], "write the file with `keel data prepare`"),
+        (["--nproc", "2", "--set", f"data.path={short}"], "truncated or rewritten; prepare it again"),
+        (["--nproc", "2", "--set", "model.config.vocab_size=128"], "but the model's vocabulary has 128 entries"),
+        (["--nproc", "2", "--set", f"run.dir={bad_file}"], "exists and is not a directory"),
+        (["--nproc", "2", "--set", f"checkpoint.resume={root}"], "not a complete keel checkpoint directory"),
     ]
-    for args, expected in cases[:4]:
-        r = keel_train(path, *args, timeout=60)
-        assert r.returncode == 1 and r.stderr.startswith("keel: error:") and expected in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    for args, expected in cases:  # in this process: `keel train` stops before torchrun (or a rank) starts
+        assert main(["train", str(path), *args]) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("keel: error:") and expected in err and err.count("\n") == 1, (args, err)
+    # ... and as a user runs it: one line, no traceback, no torchrun failure report.
+    r = keel_train(path, "--nproc", "2", "--set", f"data.path={root}/missing.bin", timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("keel: error:") and "missing.bin" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     unknown = root / "unknown.toml"
     unknown.write_text(path.read_text() + "\n[optimiser]\nlr = 1\n")
-    r = keel_train(unknown, timeout=60)
-    assert r.returncode == 1 and "optimiser" in r.stderr and "optimizer" in r.stderr  # lists the valid keys
+    assert main(["train", str(unknown)]) == 1
+    err = capsys.readouterr().err
+    assert "optimiser" in err and "optimizer" in err  # lists the valid keys
 
 
 def test_watchdog_dumps_stacks_and_exits_on_a_hang(root):

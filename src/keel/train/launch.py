@@ -4,8 +4,10 @@
                [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID] [--max-restarts K]
     keel train plot RUN_DIR [--out FILE]
 
-The config and the parallel layout (mesh sizes against the world size, batch divisibility) are
-checked here, before any process group starts, so a bad config is one line and exit code 1.
+The config, the parallel layout (mesh sizes against the world size, batch divisibility), the data
+files and the run directory (keel.train.preflight) are checked here, before any process group
+starts, so a bad config, a missing or unprepared token file or an unwritable run directory is one
+line and exit code 1, without torchrun's failure report.
 With `--nproc 1` (and one node) training runs in this process; otherwise this process execs
 `python -m torch.distributed.run` (torchrun), which starts the workers (`python -m
 keel.train.launch`), restarts them all up to `--max-restarts` times when one fails (they resume
@@ -45,6 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"wrote {plot_run(args.run_dir, args.out)}")
         return 0
     from keel.train.config import load_config, resolve_layout
+    from keel.train.preflight import preflight
 
     if args.nproc < 1:
         raise KeelError(f"--nproc must be >= 1, got {args.nproc}")
@@ -54,6 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise KeelError(f"--nnodes {args.nnodes}: expected N or MIN:MAX")
     world = args.nproc * int(nnodes)
     resolve_layout(cfg, world)  # mesh and batch checks before any process starts
+    preflight(cfg)  # data files and the run directory, before any process starts
     if world == 1:
         return run_worker(args.config, args.overrides)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}",

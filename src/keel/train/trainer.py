@@ -40,6 +40,7 @@ from keel.train.memory import StepMemory, track_step_memory
 from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_memory_bytes
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.precision import DynamicLossScaler, clip_grad_norm_
+from keel.train.preflight import check_vocabulary
 from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
@@ -101,11 +102,7 @@ class Trainer:
         g = cfg.guard
         self.guard = TrainingGuard(g.nan, g.spike, g.spike_zscore, g.grad_norm_zscore, g.window, g.warmup)
         self.train_file, self.val_file = open_datasets(cfg.data.path, cfg.data.val_path, cfg.data.val_tokens)
-        if self.train_file.vocab_size > self.model_config.vocab_size:
-            raise KeelError(
-                f"{cfg.data.path}: token ids up to {self.train_file.vocab_size - 1}, but the model's vocabulary has "
-                f"{self.model_config.vocab_size} entries"
-            )
+        check_vocabulary(self.train_file, self.model_config.vocab_size)
         dp_rank, dp_size = self._dp_rank_size()
         self.loader = BatchLoader(
             self.train_file, cfg.data.seq_len, tr.micro_batch_size, dp_rank, dp_size, cfg.run.seed,
