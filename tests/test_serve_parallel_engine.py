@@ -140,6 +140,9 @@ def _chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> str:
     return "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
 
 
+# ~60 s, in `make test-slow`: workers behind HTTP also in test_two_nodes_on_one_host, SmolLM2's TP shards in
+# test_smollm2_gguf_shards_reassemble, TP engines against one process in test_parallel_engine_matches_one_process.
+@pytest.mark.slow
 def test_keel_serve_tp3_smollm2_with_the_openai_client():
     """`keel serve --tensor-parallel-size 3` on SmolLM2 (9 heads, 3 KV heads, read slice by slice from its
     GGUF file): chat (streamed and not) and completions over HTTP give the single-process engine's greedy
