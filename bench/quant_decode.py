@@ -7,8 +7,10 @@ keel variant loads the same file; "gguf" runs its Q4_0/Q4_1/Q8_0 blocks on the i
 (`--quantize gguf`), the others dequantize it and (re)quantize. llama.cpp (llama-cpp-python, when
 installed: `make bench-deps`) runs in a child process (see LLAMA_CHILD) on the same GGUF file with the same thread
 count, the same prompt token ids and the same number of generated tokens, greedy, EOS ignored.
-Runs alternate between variants, --repeats times each; the median is reported. Decode tok/s counts
-the tokens after the first over the time from the first token to the last, the same way for all.
+"auto" loads with `--dtype auto` (the host's choice, keel.platform). The table ends with the platform
+and every variant's linear backends as the engine's start-up line names them. Runs alternate between
+variants, --repeats times each; the median is reported. Decode tok/s counts the tokens after the
+first over the time from the first token to the last, the same way for all.
 Weight GB/s = bytes of weights read per token (quantized buffers at their stored size) × tok/s.
 A suffix runs the variant through keel's serving engine (LLMEngine: paged cache, fused projections,
 pre-packed bf16 weights) instead of the single-sequence generator: "@eager" with eager decode steps,
@@ -30,10 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import keel_decode  # noqa: E402
+from keel.platform import host  # noqa: E402
 from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes  # noqa: E402
+from keel.serve.backends import linear_backends  # noqa: E402
 
 # name -> (compute dtype, quantize scheme, int4 group size, layers kept, scheme of the kept layers)
 VARIANTS = {
+    "auto": ("auto", None, 0, (), None),  # the host's choice (keel.platform): bf16 where native, else float32
     "float32": ("float32", None, 0, (), None),
     "bfloat16": ("bfloat16", None, 0, (), None),
     "int8": ("bfloat16", "int8", 0, ("lm_head",), None),
@@ -155,13 +160,16 @@ def main() -> None:
     for name, runs in results.items():
         tps = statistics.median(runs)
         nbytes = streamed_weight_bytes(models[name]) if name in models else file_bytes
-        compute = VARIANTS[name.partition("@")[0]][0] if name in models else "ggml"
+        compute = str(models[name].dtype).removeprefix("torch.") if name in models else "ggml"
         gbs = nbytes * tps
         ratio = f"{tps / base:.2f}x" if base else "-"
         share = 100 * gbs / bandwidth
         print(f"{name:<17} {compute:>9} {nbytes / 1e6:11.1f} {tps:13.1f} {gbs / 1e9:12.2f} {share:9.1f}% {ratio:>12}")
     if llama_note:
         print(llama_note)
+    print(f"platform: {host().describe()}; backends (keel.serve.backends):")
+    for name, model in models.items():
+        print(f"  {name}: {str(model.dtype).removeprefix('torch.')} compute; {linear_backends(model)}")
 
 
 if __name__ == "__main__":

@@ -17,24 +17,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiling SmolLM2 in every test that serves it would cost minutes of the suite.
 os.environ.setdefault("KEEL_COMPILE", "0")
 
-# The longest files first (measured on a 2-core AVX2 machine), so that `make test`'s two xdist workers,
-# which take a file at a time in collection order, finish together instead of one waiting on the last
-# long file. The other files keep their order.
-LONGEST_FIRST = (
-    "test_eval_gate.py",
-    "test_plan_run.py",
-    "test_train_run.py",
-    "test_serve_parallel_engine.py",
-    "test_train_parallel.py",
-    "test_quant.py",
-    "test_smollm2.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture
 def force_isa(monkeypatch):

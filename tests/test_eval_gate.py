@@ -80,6 +80,7 @@ def test_quantized_serving_passes_the_gate(baseline, quantize, max_ppl_increase)
     _gate(baseline, candidate, Thresholds(max_ppl_increase=max_ppl_increase))
 
 
+@pytest.mark.slow  # ~45 s on AVX2; n-gram and draft speculation's greedy equality: tests/test_speculative.py
 def test_speculative_decoding_is_lossless_under_the_gate(baseline):
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     candidate = _evaluate(EngineConfig(num_blocks=512, compile=False, speculative_config=spec))

@@ -163,8 +163,9 @@ def probe() -> Platform:
             "and ONEDNN_MAX_CPU_ISA before torch runs an operator (keel sets them when it is imported first)"
         )
     mkldnn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    # oneDNN's bf16 check reads the CPU, not ONEDNN_MAX_CPU_ISA: under a cap below AVX-512 it is off.
-    onednn_bf16 = mkldnn_bf16 and (not forced or at_least("avx512") or arch == "aarch64")
+    # oneDNN's bf16 check reads the CPU, not ONEDNN_MAX_CPU_ISA: under a cap below AVX-512 (or below
+    # NEON on aarch64) it is off.
+    onednn_bf16 = mkldnn_bf16 and (forced is None or at_least("avx512") or at_least("neon"))
     cuda = torch.cuda.is_available()
     names = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else ()
     return Platform(
@@ -179,7 +180,7 @@ def probe() -> Platform:
         amx=at_least("amx"),
         neon=at_least("neon"),
         sve=at_least("sve"),
-        onednn_bf16=onednn_bf16 and (arch != "aarch64" or at_least("neon")),
+        onednn_bf16=onednn_bf16,
         cuda_devices=names,
         cpp_compiler=shutil.which(os.environ.get("CXX") or "g++"),
         warnings=tuple(warnings),

@@ -195,8 +195,12 @@ class ParallelExecutor:
             self._fail(self.failure or "worker rank 0 closed its pipe")
             raise WorkerFailedError(self.failure) from None
         if status == "error":
-            self._fail(payload)
-            raise WorkerFailedError(payload)
+            # A peer killed mid-collective shows on rank 0 first as a gloo "connection reset": when a worker
+            # process is gone, that exit is the cause, and the monitor names it.
+            if wait([p.sentinel for p in self.procs.values()], timeout=1.0):
+                self._monitor.join(timeout=10)
+            self._fail(self.failure or payload)
+            raise WorkerFailedError(self.failure)
         return payload
 
     def release(self, request_id: str) -> None:
