@@ -154,3 +154,23 @@ def test_analysis_ranks_a_corrupted_layer_first_and_its_plan_applies(tmp_path):
     plan_path.write_text('{"scheme": "int5"}')
     r = subprocess.run([*cli, "--quant-plan", str(plan_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "scheme must be one of" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_prefill_rows_take_the_dequantized_path_where_the_platform_says(monkeypatch, dtype):
+    """Where bf16 is emulated (keel.platform.int8_dequantize_rows), prefill-sized int8 products run as
+    float32 weights through BLAS: the same products as the kernel's, to its rounding."""
+    import keel.quant.linear as qlinear
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear(nn.Linear(256, 96, bias=True).to(dtype), "int8")
+    x = torch.randn(8, 256, dtype=dtype)
+    monkeypatch.setattr(qlinear, "int8_dequantize_rows", lambda device: None)
+    kernel = layer(x)
+    monkeypatch.setattr(qlinear, "int8_dequantize_rows", lambda device: 8)
+    dequantized = layer(x)
+    assert dequantized.dtype == dtype and "dequantized" in layer.backend
+    assert torch.equal(layer(x[:7]), kernel[:7])  # under the threshold: the kernel
+    want = x.float() @ dequantize_int8(layer.qweight, layer.scales.float()).T + layer.bias.float()
+    for got in (kernel, dequantized):
+        assert ((got.float() - want).norm() / want.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)

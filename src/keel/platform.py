@@ -223,6 +223,20 @@ def auto_dtype(
     return "float32", f"bf16 matmul is emulated on {p.arch} {p.isa}"
 
 
+# From this many rows, an int8 product on a CPU without native bf16 matmul is faster as float32 weights
+# (dequantized per call) times float32 rows through MKL: measured on an AVX2 CPU, 1 thread, 8 SmolLM2
+# 576x1536 matrices, kernel / dequantized: 26 / 26 ms at 64 rows, 57 / 59 at 128, 262 / 153 at 512.
+INT8_DEQUANTIZE_ROWS = 128
+
+
+def int8_dequantize_rows(device_type: str = "cpu", platform: Platform | None = None) -> int | None:
+    """Rows from which an int8 weight-only product takes the dequantized float32 path (prefill chunks);
+    None where the int8 kernel stays fastest (CUDA, CPUs with native bf16 matmul)."""
+    if device_type != "cpu" or (platform or host()).native_bf16_matmul:
+        return None
+    return INT8_DEQUANTIZE_ROWS
+
+
 def dense_linear_backend(dtype: torch.dtype, device_type: str = "cpu", platform: Platform | None = None) -> str:
     """What runs a plain `nn.Linear` of `dtype` here, as the start-up log names it."""
     import torch

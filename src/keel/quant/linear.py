@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from keel.platform import int8_dequantize_rows
+
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # The bfloat16 int8 CPU kernel reads K in steps of 16 (other widths crash it, torch 2.13 AVX-512);
@@ -222,6 +224,8 @@ class QuantizedLinear(nn.Module):
         device = self.qweight.device.type
         if self.scheme == "int8":
             kernel = "aten _weight_int8pack_mm"
+            if int8_dequantize_rows(device) is not None:
+                kernel += f" (from {int8_dequantize_rows(device)} rows: dequantized, float32 MKL)"
         else:
             kernel = "aten _weight_int4pack_mm" + ("_for_cpu" if device == "cpu" else "")
         activations = str(self.compute_dtype).removeprefix("torch.")
@@ -242,7 +246,12 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.compute_dtype:
             x2 = x2.to(self.compute_dtype)
-        if self.scheme == "int8":
+        if self.scheme == "int8" and self._dequantized_rows(x2):
+            # Prefill chunks where bf16 is emulated: the float32 weights (exact: an int8 times a bf16
+            # scale fits float32's mantissa) through MKL beat the int8 kernel (keel.platform).
+            weight = self.qweight.float() * self.scales.float()[:, None]
+            out = torch.nn.functional.linear(x2.float(), weight).to(x2.dtype)
+        elif self.scheme == "int8":
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
         elif x2.device.type == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -255,6 +264,12 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized_rows(self, x2: Tensor) -> bool:
+        if torch.compiler.is_compiling():  # one graph for every batch size: no shape-dependent branch
+            return False
+        rows = int8_dequantize_rows(x2.device.type)
+        return rows is not None and x2.shape[0] >= rows
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedLinear:  # type: ignore[override]
         """`.to(device)` / `.to(dtype)`: packed int4 is device-specific, so a move to another device

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch import nn, optim
-from torch.distributed._tools.mem_tracker import MemTracker
 
 # MemTracker's kinds under the names the planner uses (keel.plan.run.RunMemory).
 KINDS = {"PARAM": "weights", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations",
@@ -25,6 +24,9 @@ class StepMemory:
     """The peak of a tracked step: bytes by kind at the peak, and the total."""
 
     def __init__(self) -> None:
+        # Imported here: MemTracker pulls in dynamo and inductor, 1.2 s of every rank's start-up otherwise.
+        from torch.distributed._tools.mem_tracker import MemTracker
+
         self.tracker = MemTracker()
         self.by_kind: dict[str, int] = {}
         self.peak = 0
