@@ -61,6 +61,9 @@ def _gate(baseline: dict, candidate: dict, thresholds: Thresholds) -> None:
     assert result.passed, result.failures
 
 
+# ~50 s on AVX2, in `make test-slow`: the gate's failures (suites, greedy, perplexity, missing checks) on
+# engine runs of a tiny model are in tests/test_eval_suites.py.
+@pytest.mark.slow
 def test_damaged_weights_fail_the_gate(baseline):
     # (An identical rerun passing with zero change: tests/test_eval_suites.py on a tiny model, and the
     # lossless configurations below, whose results equal the baseline's exactly.)

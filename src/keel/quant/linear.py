@@ -224,13 +224,13 @@ class QuantizedLinear(nn.Module):
         device = self.qweight.device.type
         if self.scheme == "int8":
             kernel = "aten _weight_int8pack_mm"
-            if int8_dequantize_rows(device) is not None:
-                kernel += f" (from {int8_dequantize_rows(device)} rows: dequantized, float32 MKL)"
         else:
             kernel = "aten _weight_int4pack_mm" + ("_for_cpu" if device == "cpu" else "")
         activations = str(self.compute_dtype).removeprefix("torch.")
         slow = device == "cpu" and self.compute_dtype != torch.bfloat16
-        return f"{kernel}, {activations} activations" + (" (torch's slow reference path)" if slow else "")
+        label = f"{kernel}, {activations} activations" + (" (torch's slow reference path)" if slow else "")
+        rows = int8_dequantize_rows(device) if self.scheme == "int8" else None
+        return label + (f"; from {rows} rows dequantized to float32 (BLAS)" if rows is not None else "")
 
     @property
     def weight_bytes(self) -> int:
