@@ -1,7 +1,7 @@
 """bf16 linears pre-packed for oneDNN (keel.model.prepack): bit-identical products at every batch
 size, with and without bias; the serving engine's tokens and logprobs unchanged; float32 untouched.
-Where the platform has no oneDNN bf16 path (AVX2 alone, or the forced AVX2 leg), nothing is packed
-and the engine serves bf16 through plain linears with the same tokens."""
+Where the platform has no oneDNN bf16 path (AVX2 alone, or the forced AVX2 leg), nothing is packed:
+the engine serves bf16 through linears that take float32 weights for large products (UpcastLinear)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.model.prepack import PackedLinear, prepack_available, prepack_linears
+from keel.model.prepack import PackedLinear, UpcastLinear, prepack_available, prepack_linears, prepare_bf16_linears
 from keel.profile.roofline import streamed_weight_bytes
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
@@ -53,12 +53,14 @@ def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
 
 def test_prepacking_follows_the_platform(tmp_path, force_isa):
     """At AVX2 (KEEL_CPU_ISA) there is no oneDNN bf16 path: prepack_linears packs nothing (the reorder
-    would raise) and the engine serves bf16 through plain linears."""
+    would raise) and the engine serves bf16 through UpcastLinear (float32 weights for large products)."""
     force_isa("avx2")
     save_hf_model("llama", tmp_path)
     model = LLM(str(tmp_path), EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128)).engine.model
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert prepack_linears(model) == 0
+    upcast = [m for m in model.modules() if isinstance(m, UpcastLinear)]
+    assert upcast and model.lm_head in upcast and model.lm_head.weight is model.embed_tokens.weight  # still tied
 
 
 @needs_prepack
@@ -70,3 +72,23 @@ def test_streamed_bytes_count_packed_weights(tmp_path):
     before = streamed_weight_bytes(model)
     assert prepack_linears(model) > 0
     assert streamed_weight_bytes(model) == before
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 300])
+def test_upcast_linear_matches_the_bf16_product(rows, force_isa):
+    """Without a oneDNN bf16 path, large bf16 products run on float32 weights: the same sums as
+    aten's emulated bf16 product up to float32 rounding order, in bf16, for every batch size."""
+    force_isa("avx2")
+    torch.manual_seed(0)
+    # 1100 outputs: two full blocks of upcast rows and a partial one; [batch, rows, features] inputs.
+    model = nn.Sequential(nn.Linear(96, 1100, bias=True), nn.Linear(1100, 8, bias=False)).bfloat16()
+    x = torch.randn(1, rows, 96).bfloat16()
+    with torch.inference_mode():
+        want = model(x)
+        assert prepare_bf16_linears(model) == 2 and all(isinstance(m, UpcastLinear) for m in model)
+        got = model(x)
+    assert got.dtype == torch.bfloat16
+    if rows < model[0].rows:
+        assert torch.equal(got, want)  # the bf16 product itself
+    else:
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

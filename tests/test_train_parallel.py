@@ -103,6 +103,7 @@ class Layout:
     param_dtype: str | None = None  # FSDP mixed precision: compute copies in this dtype
     rtol: float = RTOL
     norm_steps: int = STEPS  # steps whose gradient norm must match (bf16: only the first, before paths diverge)
+    more: bool = False  # a variant of a kind make test already covers: run by make test-slow
 
     @property
     def world(self) -> int:
@@ -113,27 +114,27 @@ LAYOUTS = [
     Layout("dp_shard=2", dp_shard=2),
     Layout("dp_replicate=2 (HSDP 2x1)", dp_replicate=2),
     Layout("dp_shard=2 full-AC no-reshard", dp_shard=2, ac_mode="full", reshard_after_forward=False),
-    Layout("dp_shard=2 tied", model="tied", dp_shard=2),
+    Layout("dp_shard=2 tied", model="tied", dp_shard=2, more=True),
     # bf16 compute cannot match a float32 run bit-for-bit: this checks the mixed-precision path trains alike.
     Layout("dp_shard=2 bf16 params", dp_shard=2, param_dtype="bfloat16", rtol=2e-2, norm_steps=1),
     Layout("tp=2 sp", tp=2),
     Layout("tp=2 no-sp selective-AC", tp=2, sequence_parallel=False, ac_mode="selective"),
-    Layout("tp=2 sp tied", model="tied", tp=2),
-    Layout("tp=2 sp qwen3", model="qwen3", tp=2),
-    Layout("tp=2 sp qwen2", model="qwen2", tp=2),
-    Layout("tp=2 sp mistral", model="mistral", tp=2),
-    Layout("pp=2 gpipe", pp=2, schedule="gpipe"),
+    Layout("tp=2 sp tied", model="tied", tp=2, more=True),
+    Layout("tp=2 sp qwen3", model="qwen3", tp=2, more=True),
+    Layout("tp=2 sp qwen2", model="qwen2", tp=2, more=True),
+    Layout("tp=2 sp mistral", model="mistral", tp=2, more=True),
+    Layout("pp=2 gpipe", pp=2, schedule="gpipe", more=True),
     Layout("pp=2 1f1b", pp=2, schedule="1f1b"),
     Layout("pp=2 interleaved1f1b x2", pp=2, schedule="interleaved1f1b", stages_per_rank=2),
-    Layout("pp=2 zbv", pp=2, schedule="zbv", stages_per_rank=2),
-    Layout("pp=2 interleavedzb x2", pp=2, schedule="interleavedzb", stages_per_rank=2),
+    Layout("pp=2 zbv", pp=2, schedule="zbv", stages_per_rank=2, more=True),
+    Layout("pp=2 interleavedzb x2", pp=2, schedule="interleavedzb", stages_per_rank=2, more=True),
     Layout("pp=2 1f1b accum=2", pp=2, accum=2),
     Layout("dp_shard=2 accum=2", dp_shard=2, accum=2),
     Layout("moe dp_shard=2", model="moe", dp_shard=2),
     Layout("moe pp=2", model="moe", pp=2),
     Layout("moe tp=2 sp (attention only)", model="moe", tp=2),
-    Layout("moe sigmoid-router z-loss dp_shard=2", model="moe_aux", dp_shard=2),
-    Layout("moe sigmoid-router z-loss pp=2", model="moe_aux", pp=2),
+    Layout("moe sigmoid-router z-loss dp_shard=2", model="moe_aux", dp_shard=2, more=True),
+    Layout("moe sigmoid-router z-loss pp=2", model="moe_aux", pp=2, more=True),
     Layout("moe ep=2", model="moe", dp_shard=2, ep=2),
     Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),
     Layout("moe ep=4", model="moe", dp_shard=4, ep=4),
@@ -294,8 +295,12 @@ def _worker(rank: int, world: int, init_file: str, layouts: list[dict], out: str
         dist.destroy_process_group()
 
 
-def run_world(world: int) -> dict:
-    layouts = [asdict(layout) for layout in LAYOUTS if layout.world == world]
+def selected(world: int, more: bool) -> list[Layout]:
+    return [layout for layout in LAYOUTS if layout.world == world and layout.more == more]
+
+
+def run_world(world: int, more: bool) -> dict:
+    layouts = [asdict(layout) for layout in selected(world, more)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), layouts, out), nprocs=world, join=True)
@@ -310,12 +315,17 @@ def references() -> dict[str, dict[str, list[float]]]:
     return {name: reference_losses(name) for name in MODELS}
 
 
-# World 4 (~40 s) runs in `make test-slow`; world 2 keeps every parallelism kind in `make test`.
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_layouts_reproduce_single_process_losses(world: int, references: dict) -> None:
-    results = run_world(world)
+# World 2 keeps every parallelism kind in `make test`; its variants (other architectures, schedules and
+# routers, ~25 s) and world 4 (~40 s) run in `make test-slow`.
+@pytest.mark.parametrize(
+    ("world", "more"),
+    [(2, False), pytest.param(2, True, marks=pytest.mark.slow), pytest.param(4, False, marks=pytest.mark.slow)],
+    ids=["2", "2-variants", "4"],
+)
+def test_layouts_reproduce_single_process_losses(world: int, more: bool, references: dict) -> None:
+    results = run_world(world, more)
     failures = []
-    for layout in (layout for layout in LAYOUTS if layout.world == world):
+    for layout in selected(world, more):
         got, want = results[layout.name], references[layout.model]
         deviation = max(abs(g - w) for g, w in zip(got["losses"], want["losses"], strict=True))
         norm_dev = max(abs(g / w - 1) for g, w in zip(got["grad_norms"], want["grad_norms"], strict=True))

@@ -1,4 +1,5 @@
-"""bf16 linear layers with their weights pre-packed for oneDNN, for serving on CPUs.
+"""bf16 linear layers prepared for the host's CPU path, for serving: pre-packed for oneDNN where it has
+a bf16 path, upcast to float32 for large products where it has none (`prepare_bf16_linears`).
 
 Why: torch's bf16 `F.linear` on CPU already runs oneDNN, but it reorders the plain [out, in] weight
 into oneDNN's blocked layout on every call. Packed once at load, a decode step's matrix-vector
@@ -11,14 +12,20 @@ differ from oneDNN's in the last bit.
 Under compilation the packed product is a `torch.library` op, so `torch.compile` treats it as one opaque call
 (inductor cannot lower the oneDNN op outside its own weight-freezing pass, which changes results).
 A tied LM head gets its own packed copy (the embedding keeps the plain table for lookups).
+
+Without a oneDNN bf16 path (AVX2 alone), aten converts bf16 to float32 inside its product, some 7x
+slower than float32's sgemm at prefill sizes: `UpcastLinear` keeps the bf16 weight (decode's
+matrix-vector products read half the bytes) and, from `keel.platform.bf16_upcast_rows` rows, runs the
+product as float32 weights upcast per call through BLAS, rounding the output to bf16.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from keel.platform import host
+from keel.platform import BF16_UPCAST_ROWS, bf16_upcast_rows, host
 
 
 def prepack_available(device: torch.device | str = "cpu") -> bool:
@@ -81,10 +88,57 @@ def prepack_linears(model: nn.Module) -> int:
     """Replace every plain bf16 CPU `nn.Linear` in `model` by a `PackedLinear`; the number replaced."""
     if not prepack_available():
         return 0
-    packed = 0
+    return _replace_bf16_linears(model, PackedLinear)
+
+
+UPCAST_BLOCK = 512  # output rows upcast at once: 1.1 MB of float32 at 576 inputs
+
+
+class UpcastLinear(nn.Module):
+    """A bf16 `nn.Linear` for CPUs whose bf16 product is emulated: small products in bf16, large ones
+    (prefill chunks, wide batches) on the weights upcast to float32 (inference only; the weight and
+    bias are the wrapped layer's own, so a tied head stays tied)."""
+
+    backend = f"bfloat16 aten (emulated); from {BF16_UPCAST_ROWS} rows upcast to float32 (BLAS)"
+
+    def __init__(self, linear: nn.Linear, rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Under compilation one graph serves every batch size: no shape-dependent branch.
+        if torch.compiler.is_compiling() or x.numel() < self.rows * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        x32 = x.reshape(-1, self.in_features).float()
+        out = x.new_empty(x32.shape[0], self.out_features)
+        # A block of output rows at a time: its float32 copy stays in cache for the product (the whole
+        # copy of a large head would be written to memory and read back).
+        for start in range(0, self.out_features, UPCAST_BLOCK):
+            rows = slice(start, start + UPCAST_BLOCK)
+            bias = None if self.bias is None else self.bias[rows].float()
+            out[:, rows] = F.linear(x32, self.weight[rows].float(), bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, upcast"
+
+
+def _replace_bf16_linears(model: nn.Module, make) -> int:
+    replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-                setattr(module, name, PackedLinear(child))
-                packed += 1
-    return packed
+                setattr(module, name, make(child))
+                replaced += 1
+    return replaced
+
+
+@torch.no_grad()
+def prepare_bf16_linears(model: nn.Module) -> int:
+    """The serving engine's step: every plain bf16 CPU `nn.Linear` pre-packed for oneDNN where it has a
+    bf16 path, else wrapped as an `UpcastLinear`; the number replaced."""
+    if prepack_available():
+        return prepack_linears(model)
+    rows = bf16_upcast_rows("cpu")
+    return 0 if rows is None else _replace_bf16_linears(model, lambda linear: UpcastLinear(linear, rows))

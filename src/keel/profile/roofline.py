@@ -35,7 +35,9 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 10, device: torch.device
 def streamed_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read per decode step (see the module docstring)."""
     head = model.lm_head
-    head_reads_table = type(head) is torch.nn.Linear and head.weight is model.embed_tokens.weight
+    # A plain or upcasting head reads the table itself; a packed or quantized head holds its own copy.
+    table = getattr(model.embed_tokens, "weight", None)
+    head_reads_table = table is not None and getattr(head, "weight", None) is table
     seen, total = set(), 0
     for name, p in model.named_parameters():
         if id(p) in seen or (name == "embed_tokens.weight" and not head_reads_table):

@@ -242,9 +242,9 @@ class LLMEngine:
 
             fuse_projections(loaded.model)
         if config.prepack_weights and owned:
-            from keel.model.prepack import prepack_linears
+            from keel.model.prepack import prepare_bf16_linears
 
-            prepack_linears(loaded.model)
+            prepare_bf16_linears(loaded.model)
         self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
         self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
         self.tokenizer: Tokenizer | None = loaded.tokenizer

@@ -208,9 +208,9 @@ class Worker:
 
             fuse_projections(model)
         if spec.prepack_weights:
-            from keel.model.prepack import prepack_linears
+            from keel.model.prepack import prepare_bf16_linears
 
-            prepack_linears(model)
+            prepare_bf16_linears(model)
         load_seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
 
