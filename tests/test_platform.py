@@ -118,7 +118,7 @@ def test_the_startup_line_names_the_backends(tmp_path, force_isa, caplog):
     assert line.startswith(f"platform {platform.host().arch} avx2")
     assert "compute bfloat16 (auto: the int8/int4 kernels" in line
     assert "int8 aten _weight_int8pack_mm, bfloat16 activations" in line  # q/k/v, o, gate/up, down
-    assert "bfloat16 aten (emulated); from 32 rows upcast to float32" in line  # the kept head: no oneDNN bf16 at AVX2
+    assert "bfloat16 aten (emulated); from 16 rows upcast to float32" in line  # the kept head: no oneDNN bf16 at AVX2
     assert "KV cache paged bfloat16" in line and "decode eager" in line
 
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from keel.cli import main
 from keel.profile.decode import PARTS, profile_decode
 from keel.profile.roofline import streamed_weight_bytes
 from tiny_models import save_byte_tokenizer, save_hf_model
@@ -55,9 +56,13 @@ def test_profile_cli(model_dir, tmp_path):
     assert "Python / dispatch overhead" in done.stdout and "roofline" in done.stdout
     profile = json.loads(out.read_text())
     assert profile["quantize"] == "int8" and profile["decode"]["tokens_per_s"] > 0
-    bad = subprocess.run([sys.executable, "-m", "keel", "profile", "decode", str(tmp_path / "missing")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    zero = subprocess.run([sys.executable, "-m", "keel", "profile", "decode", str(model_dir), "--batch", "0"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert zero.returncode == 1 and zero.stderr.strip() == "keel: error: --batch must be >= 1, got 0"
+
+
+
+def test_profile_cli_errors_are_one_line(model_dir, tmp_path, capsys):
+    # In-process (the CLI's own main): each error is keel's one line and exit 1.
+    assert main(["profile", "decode", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: ") and err.count("\n") == 1 and str(tmp_path / "missing") in err
+    assert main(["profile", "decode", str(model_dir), "--batch", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "keel: error: --batch must be >= 1, got 0"
