@@ -58,7 +58,6 @@ def test_profile_cli(model_dir, tmp_path):
     assert profile["quantize"] == "int8" and profile["decode"]["tokens_per_s"] > 0
 
 
-
 def test_profile_cli_errors_are_one_line(model_dir, tmp_path, capsys):
     # In-process (the CLI's own main): each error is keel's one line and exit 1.
     assert main(["profile", "decode", str(tmp_path / "missing")]) == 1
