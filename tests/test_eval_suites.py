@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from keel import platform
 from keel.cli import main as keel_main
 from keel.errors import KeelError
 from keel.eval.compare import Thresholds, compare, greedy_stability, report
@@ -316,6 +317,7 @@ def test_cli_run_and_compare(tmp_path, tiny, capsys):
     assert m["weights"]["files"]["model.safetensors"] and len(m["weights"]["sha256"]) == 64
     assert m["engine"]["dtype"] == "float32" and m["engine"]["kv_cache_dtype"] == "auto"
     assert m["tokenizer_sha256"] and m["chat_template_sha256"] and m["keel"]["version"]
+    assert m["machine"]["isa"].startswith(f"{platform.host().arch} {platform.host().isa}")  # the fast paths taken
     assert m["suites"]["mc"]["template"]["prompt"] == "Q: {question}\nA:"
     capsys.readouterr()
     assert keel_main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0

@@ -419,24 +419,29 @@ def test_tenant_limits_429_with_retry_after(limited):
 
 
 def test_full_queue_is_503_at_once(limited):
-    """max_num_seqs 1 and max_queue 2: one running, two waiting, the next is refused at once."""
-    threads, events = [], []
+    """max_num_seqs 1 and max_queue 2: one running, two waiting, the next is refused at once. The three
+    hold the queue only until the 2 s request deadline: on a loaded machine the probe can come after
+    they expired, so the scenario runs up to 3 times and one probe must meet a full queue."""
+    outcomes = []
     for _ in range(3):
-        started = threading.Event()
-        t = threading.Thread(target=long_stream, args=(limited, "key-c", started, []))
-        t.start()
-        threads.append(t)
-        events.append(started)
-    deadline = time.monotonic() + 5
-    while metric(metrics(limited), "keel:num_requests_waiting") < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    start = time.monotonic()
-    r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                   headers={"Authorization": "Bearer key-c"})  # fmt: skip
-    assert r.status_code == 503 and "queue" in r.json()["error"]["message"]
-    assert time.monotonic() - start < 1.0
-    for t in threads:
-        t.join(30)
+        threads = [threading.Thread(target=long_stream, args=(limited, "key-c", threading.Event(), []))
+                   for _ in range(3)]  # fmt: skip
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while metric(metrics(limited), "keel:num_requests_waiting") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        start = time.monotonic()
+        r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": "Bearer key-c"})  # fmt: skip
+        elapsed = time.monotonic() - start
+        for t in threads:
+            t.join(30)
+        outcomes.append((r.status_code, round(elapsed, 2)))
+        if r.status_code == 503:
+            assert "queue" in r.json()["error"]["message"] and elapsed < 1.0
+            break
+    assert outcomes[-1][0] == 503, outcomes
 
 
 def test_deadline_aborts_and_frees_blocks(limited):

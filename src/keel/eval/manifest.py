@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import keel
+from keel.platform import host
 from keel.serve.engine import LLMEngine
 
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".distcp")
@@ -83,6 +84,7 @@ def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+    info["isa"] = host().describe()  # results differ by the fast paths taken (keel.platform)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
