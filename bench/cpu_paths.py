@@ -55,8 +55,8 @@ def main() -> None:
     print(f"model {args.model}, {args.threads} threads, platform {host().describe()}")
     print(f"{'path':16s} {'prefill tok/s':>14s} " + " ".join(f"{f'decode b={b}':>12s}" for b in batches))
     backends = {}
+    blocks = max(batches) * 8 + args.prompt_tokens // 16 + 8
     for name, (dtype, prepare) in PATHS.items():
-        blocks = max(batches) * 8 + args.prompt_tokens // 16 + 8
         config = EngineConfig(dtype=dtype, prepack_weights=prepare, compile=False, enable_prefix_caching=False,
                               num_blocks=blocks, max_model_len=1024)  # fmt: skip
         engine = LLMEngine(args.model, config)

@@ -104,8 +104,7 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab, precision):
     checkpointing and a large vocabulary the peak moves to the end of backward, where the root's
     gradients are reduce-scattered."""
     name = f"fsdp-{ac}-{vocab}-{precision}"
-    recipe = {} if precision == "bf16" else {"precision": precision}
-    path = write_config(root, name, world=2, ac=ac, vocab=vocab, **recipe)
+    path = write_config(root, name, world=2, ac=ac, vocab=vocab, precision=precision)
     done = subprocess.run([sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

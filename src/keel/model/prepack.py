@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from keel.platform import BF16_UPCAST_ROWS, bf16_upcast_rows, host
+from keel.platform import bf16_upcast_rows, host
 
 
 def prepack_available(device: torch.device | str = "cpu") -> bool:
@@ -99,12 +99,15 @@ class UpcastLinear(nn.Module):
     (prefill chunks, wide batches) on the weights upcast to float32 (inference only; the weight and
     bias are the wrapped layer's own, so a tied head stays tied)."""
 
-    backend = f"bfloat16 aten (emulated); from {BF16_UPCAST_ROWS} rows upcast to float32 (BLAS)"
-
     def __init__(self, linear: nn.Linear, rows: int) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
         self.weight, self.bias = linear.weight, linear.bias
+
+    @property
+    def backend(self) -> str:
+        """The start-up line's name for this layer's path (keel.serve.backends)."""
+        return f"bfloat16 aten (emulated); from {self.rows} rows upcast to float32 (BLAS)"
 
     def forward(self, x: Tensor) -> Tensor:
         # Under compilation one graph serves every batch size: no shape-dependent branch.
