@@ -57,7 +57,7 @@ def main() -> None:
     backends = {}
     blocks = max(batches) * 8 + args.prompt_tokens // 16 + 8
     for name, (dtype, prepare) in PATHS.items():
-        config = EngineConfig(dtype=dtype, prepack_weights=prepare, compile=False, enable_prefix_caching=False,
+        config = EngineConfig.of(dtype=dtype, prepack_weights=prepare, compile=False, enable_prefix_caching=False,
                               num_blocks=blocks, max_model_len=1024)  # fmt: skip
         engine = LLMEngine(args.model, config)
         backends[name] = linear_backends(engine.model)

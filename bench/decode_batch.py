@@ -59,7 +59,7 @@ def main() -> None:
     peak = measure_cpu_peak(dtype)
     machine = GPU("this CPU", 24e9, peak, None, bandwidth, bandwidth)
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 8) // 16) + 1) + 8
-    config = EngineConfig(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
+    config = EngineConfig.of(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
                           max_model_len=args.prompt_tokens + args.steps + 64, max_num_seqs=max(batches),
                           compile=False if args.no_compile else None)  # fmt: skip
     engine = LLMEngine(args.model, config)

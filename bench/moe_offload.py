@@ -49,7 +49,7 @@ def run(model: Path, args: argparse.Namespace, budget: str | None, prompts: list
     from keel.serve import EngineConfig, LLMEngine, SamplingParams
     from keel.weights import load_model
 
-    config = EngineConfig(
+    config = EngineConfig.of(
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.num_requests,
         max_model_len=args.prompt_tokens + args.max_tokens + 16,

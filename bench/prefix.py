@@ -117,7 +117,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
 
     def engine(caching: bool) -> LLMEngine:
-        config = EngineConfig(
+        config = EngineConfig.of(
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -59,7 +59,7 @@ def build(model: str, variant: str, max_len: int):
     if mode:
         from keel.serve.engine import EngineConfig, LLMEngine
 
-        config = EngineConfig(dtype=dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
+        config = EngineConfig.of(dtype=dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
                               quant_keep_as=keep_as, num_blocks=-(-max_len // 16) + 2, max_model_len=max_len,
                               enable_prefix_caching=False, compile=mode == "compiled")  # fmt: skip
         return LLMEngine(model, config)

@@ -126,8 +126,8 @@ def main() -> None:
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     base = dict(kv_cache_memory="1GiB", max_model_len=2048)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
-    plain = LLMEngine(loaded, EngineConfig(**base))
-    fast = LLMEngine(loaded, EngineConfig(**base, speculative_config=spec))
+    plain = LLMEngine(loaded, EngineConfig.of(**base))
+    fast = LLMEngine(loaded, EngineConfig.of(**base, speculative_config=spec))
     run_batch(plain, prompts[:1], 8)  # warm-up
     run_batch(fast, prompts[:1], 8)
 
@@ -156,7 +156,7 @@ def main() -> None:
     print(f"batch-1 speedup, geometric mean: {statistics.geometric_mean(speedups):.2f}x")
 
     batch = [prompts[i % len(prompts)] + [] for i in range(args.batch)]
-    forced = LLMEngine(loaded, EngineConfig(**base, speculative_config={**spec, "disable_by_batch_size": 10**6}))
+    forced = LLMEngine(loaded, EngineConfig.of(**base, speculative_config={**spec, "disable_by_batch_size": 10**6}))
     print(f"batch {args.batch} (output tok/s of the whole run):")
     rows = []
     for name, engine in (("plain", plain), ("spec forced on", forced), ("spec default rule", fast)):

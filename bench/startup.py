@@ -28,7 +28,7 @@ import json, sys, time, torch
 torch.set_num_threads({threads})
 from keel.serve.engine import EngineConfig, LLMEngine
 from keel.serve.sampling import SamplingParams
-engine = LLMEngine({model!r}, EngineConfig(dtype={dtype!r}, compile=True, kv_cache_memory="256MiB"))
+engine = LLMEngine({model!r}, EngineConfig.of(dtype={dtype!r}, compile=True, kv_cache_memory="256MiB"))
 ready = time.time()
 engine.add_request("The capital of France is", SamplingParams(max_tokens=24, temperature=0.0))
 out = []

@@ -126,7 +126,7 @@ def engine_config(args, **overrides):
         enable_prefix_caching=True,
     )
     fields.update(overrides)
-    return EngineConfig(**fields)
+    return EngineConfig.of(**fields)
 
 
 def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = False) -> Result:
@@ -134,7 +134,7 @@ def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = Fa
     from keel.serve.kv_cache import kv_bytes_per_block
 
     engine = LLMEngine(loaded, config)
-    bs = config.block_size
+    bs = config.cache.block_size
     slack_sum = slack_count = 0
     peak_blocks = peak_running = steps = 0
     probe_seconds = 0.0

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
     from keel.serve import LLM, EngineConfig, SamplingParams
     from keel.serve.kv_quant import kv_cache_bytes_per_token
 
-    config = EngineConfig(kv_cache_memory=args.kv_cache_memory, max_model_len=1024, compile=False,
+    config = EngineConfig.of(kv_cache_memory=args.kv_cache_memory, max_model_len=1024, compile=False,
                           dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)  # fmt: skip
     started = time.perf_counter()
     llm = LLM(args.model, config)
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
             ranks = [dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes_per_token(model.config, model.dtype),
                           peak=vm_hwm())]  # fmt: skip
         else:
-            block = engine.config.block_size
+            block = engine.config.cache.block_size
             ranks = [
                 dict(rank=r.rank, weights=r.weight_bytes, kv_per_token=r.kv_bytes // (r.num_blocks * block),
                      peak=r.peak_at_load)

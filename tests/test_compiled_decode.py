@@ -25,7 +25,9 @@ PROMPTS = ["hello world", "the cat sat on the mat and", "a", "zz top " * 6]
 
 
 def _generate(path, compile_: bool, **extra):
-    config = EngineConfig(dtype="bfloat16", compile=compile_, num_blocks=96, max_model_len=256, block_size=8, **extra)
+    config = EngineConfig.of(
+        dtype="bfloat16", compile=compile_, num_blocks=96, max_model_len=256, block_size=8, **extra
+    )
     llm = LLM(str(path), config)
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     # Batch 1 first (eager on CPU), then all prompts together (the compiled graph, mixed lengths:
@@ -138,10 +140,15 @@ def test_smollm2_compiled_decode_gives_the_eager_tokens():
 def test_serve_options_reach_the_engine_config():
     import argparse
 
-    from keel.serve.openai.server import add_engine_args
+    from keel.cli.config_options import add_engine_options
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_engine_options(parser)
     assert parser.parse_args([]).compile is None  # auto
     assert parser.parse_args(["--no-compile"]).compile is False
     assert parser.parse_args(["--compile"]).compile is True
+    from keel.cli.config_options import engine_config_from_args
+
+    config = engine_config_from_args(parser.parse_args(["--no-compile", "--max-num-seqs", "3", "-tp", "2"]))
+    assert config.load.compile is False and config.scheduler.max_num_seqs == 3
+    assert config.parallel.tensor_parallel_size == 2

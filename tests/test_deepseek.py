@@ -231,7 +231,7 @@ def test_engine_greedy_equals_transformers_generate(tiny, variant):
     prompts.append(torch.randint(0, 256, (7,), generator=g).tolist())
     expected = [_hf_greedy(hf, p, 16) for p in prompts]
 
-    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64)
+    config = EngineConfig.of(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=64)
     engine = LLMEngine(loaded, config)
     assert engine.cache.values == []  # latents only
     ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=16, **GREEDY))]

@@ -33,8 +33,9 @@ SLICES = {"factual_recall": 32, "reasoning": 16, "instruction_following": 8}
 
 
 def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
-    loaded = load_model(MODEL, "auto", quantize=config.quantize, quant_group_size=config.quant_group_size,
-                        quant_keep=config.quant_keep)  # fmt: skip
+    quant = config.quant
+    loaded = load_model(MODEL, "auto", quantize=quant.quantize, quant_group_size=quant.quant_group_size,
+                        quant_keep=quant.quant_keep)  # fmt: skip
     if damage:  # noise on one MLP's weights, as a bad conversion or a corrupt shard would leave it
         with torch.no_grad():
             weight = loaded.model.layers["3"].mlp.down_proj.weight
@@ -52,7 +53,7 @@ def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline() -> dict:
-    return _evaluate(EngineConfig(num_blocks=512, compile=False))
+    return _evaluate(EngineConfig.of(num_blocks=512, compile=False))
 
 
 def _gate(baseline: dict, candidate: dict, thresholds: Thresholds) -> None:
@@ -67,7 +68,7 @@ def _gate(baseline: dict, candidate: dict, thresholds: Thresholds) -> None:
 def test_damaged_weights_fail_the_gate(baseline):
     # (An identical rerun passing with zero change: tests/test_eval_suites.py on a tiny model, and the
     # lossless configurations below, whose results equal the baseline's exactly.)
-    damaged = compare(baseline, _evaluate(EngineConfig(num_blocks=512, compile=False), damage=True))
+    damaged = compare(baseline, _evaluate(EngineConfig.of(num_blocks=512, compile=False), damage=True))
     assert not damaged.passed
     assert any(f.startswith("perplexity") for f in damaged.failures)
     assert damaged.greedy["stability"] < 1.0
@@ -78,7 +79,7 @@ def test_damaged_weights_fail_the_gate(baseline):
     ("quantize", "max_ppl_increase"), [("int8", 0.01), pytest.param("int4", 0.05, marks=pytest.mark.slow)]
 )
 def test_quantized_serving_passes_the_gate(baseline, quantize, max_ppl_increase):
-    candidate = _evaluate(EngineConfig(num_blocks=512, compile=False, quantize=quantize, quant_group_size=32))
+    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=False, quantize=quantize, quant_group_size=32))
     assert candidate["manifest"]["quantization"]["scheme"] == quantize
     _gate(baseline, candidate, Thresholds(max_ppl_increase=max_ppl_increase))
 
@@ -86,13 +87,13 @@ def test_quantized_serving_passes_the_gate(baseline, quantize, max_ppl_increase)
 @pytest.mark.slow  # ~45 s on AVX2; n-gram and draft speculation's greedy equality: tests/test_speculative.py
 def test_speculative_decoding_is_lossless_under_the_gate(baseline):
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    candidate = _evaluate(EngineConfig(num_blocks=512, compile=False, speculative_config=spec))
+    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=False, speculative_config=spec))
     assert candidate["manifest"]["engine"]["speculative"]["method"] == "ngram"
     _gate(baseline, candidate, Thresholds(min_greedy_stability=1.0, max_ppl_increase=0.0))
 
 
 @pytest.mark.slow  # ~50 s; the compiled step's tokens are also checked by tests/test_compiled_decode.py
 def test_compiled_decode_is_lossless_under_the_gate(baseline):
-    candidate = _evaluate(EngineConfig(num_blocks=512, compile=True))
+    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=True))
     assert candidate["manifest"]["engine"]["compile"] is True
     _gate(baseline, candidate, Thresholds(min_greedy_stability=1.0, max_ppl_increase=0.0))

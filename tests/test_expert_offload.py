@@ -46,7 +46,7 @@ def prompts() -> list[list[int]]:
 def serve(loaded, max_tokens: int = 10, **offload) -> tuple[list[list[int]], LLMEngine]:
     """All prompts at once, an 8-token step budget (prefill chunks mixed with decodes): the output
     token ids (the engine's `texts` attribute: the texts)."""
-    config = EngineConfig(num_blocks=96, block_size=4, max_num_batched_tokens=8, max_model_len=64, **offload)
+    config = EngineConfig.of(num_blocks=96, block_size=4, max_num_batched_tokens=8, max_model_len=64, **offload)
     engine = LLMEngine(loaded, config)
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, **GREEDY)) for p in prompts()]
     done = {}
@@ -161,7 +161,7 @@ def test_full_budget_never_loads(dirs, resident):
     s = engine.stats()
     assert s["expert_cache_hit_rate"] == 1.0 and s["expert_cache_queries"] > 0
     assert s["expert_bytes_loaded_total"] == 0 and s["expert_loads_total"] == 0
-    plain = LLMEngine(load_model(dirs["mixtral"]), EngineConfig(num_blocks=8, max_model_len=64))
+    plain = LLMEngine(load_model(dirs["mixtral"]), EngineConfig.of(num_blocks=8, max_model_len=64))
     assert "expert_cache_hit_rate" not in plain.stats() and plain.offload is None
 
 
@@ -253,7 +253,7 @@ def test_bad_expert_cache_is_a_one_line_error(dirs, capsys):
 
     assert "less than one expert per MoE layer" in error(str(dirs["mixtral"]), "--expert-cache", "1KiB")
     assert "no mixture-of-experts layers" in error(str(dirs["llama"]), "--expert-cache", "2")
-    config = EngineConfig(num_blocks=8, max_model_len=64, expert_cache=1, expert_cache_policy="fifo")
+    config = EngineConfig.of(num_blocks=8, max_model_len=64, expert_cache=1, expert_cache_policy="fifo")
     with pytest.raises(KeelError, match="--expert-cache-policy"):
         LLMEngine(load_model(dirs["mixtral"]), config)
 

@@ -28,7 +28,7 @@ def test_fused_projections_change_no_output(tmp_path, name, dtype):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = {}
     for fuse in (True, False):
-        llm = LLM(str(tmp_path), EngineConfig(dtype=dtype, fuse_projections=fuse, num_blocks=64, max_model_len=256))
+        llm = LLM(str(tmp_path), EngineConfig.of(dtype=dtype, fuse_projections=fuse, num_blocks=64, max_model_len=256))
         attns = [m for m in llm.engine.model.modules() if isinstance(m, Attention)]
         assert all((m.qkv_proj is not None) == fuse for m in attns) and attns
         assert all(not hasattr(m, "q_proj") for m in attns) == fuse  # the separate weights are gone
@@ -40,11 +40,11 @@ def test_fused_projections_change_no_output(tmp_path, name, dtype):
 def test_dense_mlp_fused_and_quantized_layers_left_alone(tmp_path):
     save_hf_model("llama", tmp_path)
     save_byte_tokenizer(tmp_path)
-    llm = LLM(str(tmp_path), EngineConfig(num_blocks=64, max_model_len=256))
+    llm = LLM(str(tmp_path), EngineConfig.of(num_blocks=64, max_model_len=256))
     mlps = [m for m in llm.engine.model.modules() if isinstance(m, SwiGLU)]
     assert mlps and all(m.gate_up_proj is not None for m in mlps)
     assert fuse_projections(llm.engine.model) == 0  # already fused: nothing more to do
-    quantized = LLM(str(tmp_path), EngineConfig(num_blocks=64, max_model_len=256, quantize="int8"))
+    quantized = LLM(str(tmp_path), EngineConfig.of(num_blocks=64, max_model_len=256, quantize="int8"))
     assert all(m.qkv_proj is None for m in quantized.engine.model.modules() if isinstance(m, Attention))
     with torch.no_grad():  # the fused weight is the rows of the three, in order
         attn = next(m for m in llm.engine.model.modules() if isinstance(m, Attention))

@@ -181,7 +181,7 @@ def test_bytes_are_about_half_of_bfloat16():
 
 
 def test_engine_option_sizes_the_pool_and_generates(tmp_path):
-    """EngineConfig(kv_cache_dtype="int8"): the same budget holds more blocks, and generation works
+    """EngineConfig.of(kv_cache_dtype="int8"): the same budget holds more blocks, and generation works
     through prefill chunks, decode batches and prefix hits; a bad value is a clear error."""
     save_hf_model("llama", tmp_path / "m")
     loaded = load_model(tmp_path / "m")
@@ -189,7 +189,7 @@ def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     prompts = [[i % 250 for i in range(s, s + 40)] for s in (0, 0, 7)]  # two share a prefix
     outputs, blocks = {}, {}
     for kind in ("auto", "int8"):
-        engine = LLMEngine(loaded, EngineConfig(kv_cache_memory="4MiB", block_size=8, max_model_len=128,
+        engine = LLMEngine(loaded, EngineConfig.of(kv_cache_memory="4MiB", block_size=8, max_model_len=128,
                                                 max_num_batched_tokens=32, kv_cache_dtype=kind))  # fmt: skip
         for i, p in enumerate(prompts):
             engine.add_request(p, params, request_id=str(i))
@@ -202,4 +202,4 @@ def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     agree = sum(a == b for r in outputs["auto"] for a, b in zip(outputs["auto"][r], outputs["int8"][r], strict=True))
     assert agree >= 0.8 * 3 * 12
     with pytest.raises(KeelError, match="kv_cache_dtype|kv-cache-dtype"):
-        LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=8, max_model_len=128, kv_cache_dtype="fp8"))
+        LLMEngine(loaded, EngineConfig.of(num_blocks=64, block_size=8, max_model_len=128, kv_cache_dtype="fp8"))

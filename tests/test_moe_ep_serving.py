@@ -31,7 +31,7 @@ def greedy(engine_model, prompts: list[list[int]]) -> list[list[int]]:
     from keel.serve.llm import LLM
     from keel.serve.sampling import SamplingParams
 
-    llm = LLM(engine_model, EngineConfig(num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16))
+    llm = LLM(engine_model, EngineConfig.of(num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 

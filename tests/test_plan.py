@@ -93,7 +93,7 @@ def test_kv_capacity_equals_the_engines_block_count(tmp_path, kind):
     save_hf_model("llama", tmp_path / "m")
     loaded = load_model(tmp_path / "m")
     budget = 3 * 2**20 + 12345
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_memory=budget, block_size=8, max_model_len=256,
+    engine = LLMEngine(loaded, EngineConfig.of(kv_cache_memory=budget, block_size=8, max_model_len=256,
                                             kv_cache_dtype=kind))  # fmt: skip
     plan = kv_capacity(loaded.config, budget, loaded.model.dtype, kind, block_size=8, context=256)
     assert plan["blocks"] == engine.kv.num_blocks

@@ -112,7 +112,7 @@ def test_the_startup_line_names_the_backends(tmp_path, force_isa, caplog):
     save_byte_tokenizer(tmp_path)
     force_isa("avx2")
     with caplog.at_level(logging.INFO, logger="keel.serve"):
-        llm = LLM(str(tmp_path), EngineConfig(quantize="int8", num_blocks=32, max_model_len=128))
+        llm = LLM(str(tmp_path), EngineConfig.of(quantize="int8", num_blocks=32, max_model_len=128))
     line = llm.engine.backends
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("backends: ")] == [f"backends: {line}"]
     assert line.startswith(f"platform {platform.host().arch} avx2")

@@ -40,14 +40,14 @@ def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
     outputs = {}
     for prepack in (True, False):
         llm = LLM(
-            str(tmp_path), EngineConfig(dtype="bfloat16", prepack_weights=prepack, num_blocks=64, max_model_len=256)
+            str(tmp_path), EngineConfig.of(dtype="bfloat16", prepack_weights=prepack, num_blocks=64, max_model_len=256)
         )
         packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
         assert (len(packed) > 0) == (prepack and prepack_available())
         outs = llm.generate(["hello world", "abc abc"], params, use_tqdm=False)
         outputs[prepack] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
     assert outputs[True] == outputs[False]
-    fp32 = LLM(str(tmp_path), EngineConfig(dtype="float32", num_blocks=64, max_model_len=256)).engine.model
+    fp32 = LLM(str(tmp_path), EngineConfig.of(dtype="float32", num_blocks=64, max_model_len=256)).engine.model
     assert not any(isinstance(m, PackedLinear) for m in fp32.modules())  # float32: aten's sums differ
 
 
@@ -56,7 +56,7 @@ def test_prepacking_follows_the_platform(tmp_path, force_isa):
     would raise) and the engine serves bf16 through UpcastLinear (float32 weights for large products)."""
     force_isa("avx2")
     save_hf_model("llama", tmp_path)
-    model = LLM(str(tmp_path), EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128)).engine.model
+    model = LLM(str(tmp_path), EngineConfig.of(dtype="bfloat16", num_blocks=16, max_model_len=128)).engine.model
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert prepack_linears(model) == 0
     upcast = [m for m in model.modules() if isinstance(m, UpcastLinear)]
@@ -67,7 +67,7 @@ def test_prepacking_follows_the_platform(tmp_path, force_isa):
 def test_streamed_bytes_count_packed_weights(tmp_path):
     save_hf_model("qwen2", tmp_path)
     model = LLM(
-        str(tmp_path), EngineConfig(dtype="bfloat16", num_blocks=16, max_model_len=128, prepack_weights=False)
+        str(tmp_path), EngineConfig.of(dtype="bfloat16", num_blocks=16, max_model_len=128, prepack_weights=False)
     ).engine.model
     before = streamed_weight_bytes(model)
     assert prepack_linears(model) > 0

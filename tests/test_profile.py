@@ -39,7 +39,7 @@ def test_profile_splits_the_step(model_dir, tmp_path, batch):
     # Bytes: the weights once per step plus every sequence's cache.
     from keel.serve.engine import EngineConfig, LLMEngine
 
-    weights = streamed_weight_bytes(LLMEngine(str(model_dir), EngineConfig(num_blocks=64, max_model_len=256)).model)
+    weights = streamed_weight_bytes(LLMEngine(str(model_dir), EngineConfig.of(num_blocks=64, max_model_len=256)).model)
     assert decode.weight_bytes == weights and decode.kv_bytes > 0
     assert decode.bytes_per_step == decode.weight_bytes + decode.kv_bytes
     events = json.loads(trace.read_text())["traceEvents"]

@@ -97,7 +97,7 @@ def test_engine_and_cli_quantize_at_load(tmp_path):
 
     save_hf_model("llama", tmp_path, hidden_size=128, intermediate_size=256)
     save_byte_tokenizer(tmp_path)
-    config = EngineConfig(num_blocks=16, max_model_len=64, quantize="int4", quant_group_size=32)
+    config = EngineConfig.of(num_blocks=16, max_model_len=64, quantize="int4", quant_group_size=32)
     engine = LLMEngine(str(tmp_path), config)
     layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 3 * 7 and not isinstance(engine.model.lm_head, QuantizedLinear)  # lm_head kept

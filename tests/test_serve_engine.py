@@ -50,7 +50,7 @@ def test_pressure_preemption_prefixes_aborts_match_solo(models):
         prompt = (rng.choice(shared) + body) if i % 3 == 0 else body
         requests.append((str(i), prompt, rng.randrange(1, 24), i % 10 == 7))  # every 10th is aborted
     # 40 blocks of 8 tokens: far less than 64 running sequences need, so preemption must happen.
-    config = EngineConfig(num_blocks=40, block_size=8, max_num_batched_tokens=96, max_num_seqs=64, max_model_len=128)
+    config = EngineConfig.of(num_blocks=40, block_size=8, max_num_batched_tokens=96, max_num_seqs=64, max_model_len=128)
     engine = LLMEngine(loaded, config)
     for rid, prompt, max_tokens, _ in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=rid)
@@ -125,7 +125,7 @@ def test_sliding_window_matches_transformers_and_frees_blocks(models, tmp_path):
 
     loaded = models["mistral"]  # window 8
     window, block = loaded.config.sliding_window, 4
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=block, max_model_len=64))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=64, block_size=block, max_model_len=64))
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
     for i, prompt in enumerate(prompts):
@@ -200,8 +200,8 @@ def test_logprobs_equal_log_softmax_of_reference_logits(models):
 def test_limits_and_errors(models):
     loaded = models["llama"]
     with pytest.raises(KeelError, match="cannot hold one sequence"):
-        LLMEngine(loaded, EngineConfig(num_blocks=2, block_size=16, max_model_len=64))
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=16, block_size=16, max_model_len=64))
+        LLMEngine(loaded, EngineConfig.of(num_blocks=2, block_size=16, max_model_len=64))
+    engine = LLMEngine(loaded, EngineConfig.of(num_blocks=16, block_size=16, max_model_len=64))
     with pytest.raises(KeelError, match="exceeds the model length 64"):
         engine.add_request(list(range(60)), SamplingParams(max_tokens=8))
     with pytest.raises(KeelError, match="temperature"):
@@ -216,7 +216,7 @@ def test_limits_and_errors(models):
 def test_priority_policy_runs_important_requests_first(models):
     loaded = models["llama"]
     engine = LLMEngine(
-        loaded, EngineConfig(num_blocks=64, max_model_len=128, max_num_seqs=1, scheduling_policy="priority")
+        loaded, EngineConfig.of(num_blocks=64, max_model_len=128, max_num_seqs=1, scheduling_policy="priority")
     )
     for rid, priority in (("low", 5), ("high", -1), ("mid", 0)):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), request_id=rid, priority=priority)
@@ -228,7 +228,7 @@ def test_priority_policy_runs_important_requests_first(models):
 
 def test_async_engine_streams_deltas_and_aborts_on_cancel(models):
     loaded = models["llama"]
-    engine = AsyncEngine(LLMEngine(loaded, EngineConfig(num_blocks=64, max_model_len=128)))
+    engine = AsyncEngine(LLMEngine(loaded, EngineConfig.of(num_blocks=64, max_model_len=128)))
 
     async def consume(prompt, max_tokens):
         deltas, last = [], None

@@ -62,9 +62,9 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
     config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")
     if arch == "qwen3":  # n-gram speculation: drafts travel with the step, rank 0 verifies them
         config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
-    expected = _outputs(LLM(str(tmp_path), EngineConfig(**config)), _params())
+    expected = _outputs(LLM(str(tmp_path), EngineConfig.of(**config)), _params())
     parallel = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=bool(expert_parallel))
-    llm = LLM(str(tmp_path), EngineConfig(**config, **parallel))
+    llm = LLM(str(tmp_path), EngineConfig.of(**config, **parallel))
     try:
         got = _outputs(llm, _params())
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -234,13 +234,10 @@ def test_parallel_cli_errors_are_one_line(tmp_path):
     save_byte_tokenizer(tmp_path)
     assert_one_line_error(run_keel("serve", str(tmp_path), "-tp", "3"), "4 attention heads", "3 ranks")
     assert_one_line_error(run_keel("serve", str(tmp_path), "--auto-parallel"), "--auto-parallel", "found none")
-    import argparse
-
     from keel.serve.openai.server import resolve_auto_parallel
 
-    both = argparse.Namespace(auto_parallel="2xH200", tensor_parallel_size=3, pipeline_parallel_size=1)
     with pytest.raises(KeelError, match="one or the other"):
-        resolve_auto_parallel(both)
+        resolve_auto_parallel(str(tmp_path), "2xH200", EngineConfig.of(tensor_parallel_size=3))
 
 
 def test_two_nodes_on_one_host(tmp_path):
@@ -288,10 +285,10 @@ def test_quantized_shards(tmp_path):
     base = dict(kv_cache_memory="8MiB", max_model_len=256, compile=False, dtype="float32", quantize="int8")
     keep = ("lm_head", "*.o_proj", "*.down_proj")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    expected = LLM(str(tmp_path), EngineConfig(**base, quant_keep=keep)).generate(PROMPTS, params, use_tqdm=False)
+    expected = LLM(str(tmp_path), EngineConfig.of(**base, quant_keep=keep)).generate(PROMPTS, params, use_tqdm=False)
     sizes = {}
     for name, quant_keep in (("column", keep), ("all", ("lm_head",))):
-        llm = LLM(str(tmp_path), EngineConfig(**base, quant_keep=quant_keep, tensor_parallel_size=2))
+        llm = LLM(str(tmp_path), EngineConfig.of(**base, quant_keep=quant_keep, tensor_parallel_size=2))
         try:
             got = llm.generate(PROMPTS, params, use_tqdm=False)
             if name == "column":

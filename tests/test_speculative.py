@@ -108,8 +108,8 @@ def test_greedy_output_identical_and_blocks_accounted(dirs, target, spec):
     params[4] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
     # Few blocks: requests are preempted (their drafts dropped, their draft KV recomputed).
     config = dict(num_blocks=30, block_size=4, max_num_batched_tokens=64, max_model_len=96)
-    plain = run(LLMEngine(target, EngineConfig(**config)), prompts, params)
-    engine = LLMEngine(target, EngineConfig(**config, speculative_config=spec))
+    plain = run(LLMEngine(target, EngineConfig.of(**config)), prompts, params)
+    engine = LLMEngine(target, EngineConfig.of(**config, speculative_config=spec))
     fast = run(engine, prompts, params, check_blocks=True)
     for rid in plain:
         assert fast[rid].outputs[0].token_ids == plain[rid].outputs[0].token_ids, rid
@@ -134,7 +134,7 @@ def test_speculation_switches_off_for_large_batches(target):
     prompts = copying_prompts(6)
     params = [SamplingParams(max_tokens=4 if i < 4 else 30, **GREEDY) for i in range(len(prompts))]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 5}
-    engine = LLMEngine(target, EngineConfig(num_blocks=64, block_size=8, max_model_len=96, speculative_config=spec))
+    engine = LLMEngine(target, EngineConfig.of(num_blocks=64, block_size=8, max_model_len=96, speculative_config=spec))
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params[i], request_id=str(i))
     drafted_while_large = 0
@@ -226,7 +226,7 @@ def test_sampled_distribution_equals_plain_sampling(small_vocab, method, params,
     spec = {"method": method, "num_speculative_tokens": 2, "disable_by_batch_size": 512}
     if method == "draft_model":
         spec["model"] = str(small_vocab / "draft")
-    config = EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=512, max_num_batched_tokens=8192,
+    config = EngineConfig.of(num_blocks=4096, block_size=4, max_num_seqs=512, max_num_batched_tokens=8192,
                           max_model_len=32, speculative_config=spec)  # fmt: skip
     engine = LLMEngine(loaded, config)
     counts = sample_pairs(engine, params, 4000)
@@ -263,11 +263,11 @@ def test_sliding_window_target(tmp_path):
     prompts = copying_prompts(4, seed=5)
     params = [SamplingParams(max_tokens=40, **GREEDY) for _ in prompts]
     config = dict(num_blocks=64, block_size=4, max_model_len=128)
-    plain = run(LLMEngine(loaded, EngineConfig(**config)), prompts, params)
+    plain = run(LLMEngine(loaded, EngineConfig.of(**config)), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}
-    engine = LLMEngine(loaded, EngineConfig(**config, speculative_config=spec))
+    engine = LLMEngine(loaded, EngineConfig.of(**config, speculative_config=spec))
     fast = run(engine, prompts, params, check_blocks=True)
     assert {r: o.outputs[0].token_ids for r, o in fast.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
     assert engine.spec_num_draft_tokens > 0
     with pytest.raises(KeelError, match="sliding-window"):
-        LLMEngine(loaded, EngineConfig(**config, speculative_config={"method": "draft_model"}))
+        LLMEngine(loaded, EngineConfig.of(**config, speculative_config={"method": "draft_model"}))

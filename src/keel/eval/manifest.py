@@ -97,14 +97,14 @@ def engine_options(engine: LLMEngine) -> dict[str, Any]:
     return {
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "compile": engine.runner.compiled is not None,
-        "compile_requested": config.compile,
+        "compile_requested": config.load.compile,
         "speculative": dataclasses.asdict(spec) if spec is not None else None,
-        "kv_cache_dtype": config.kv_cache_dtype,
-        "block_size": config.block_size,
-        "fuse_projections": config.fuse_projections,
-        "prepack_weights": config.prepack_weights,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "block_size": config.cache.block_size,
+        "fuse_projections": config.load.fuse_projections,
+        "prepack_weights": config.load.prepack_weights,
+        "enable_prefix_caching": config.cache.enable_prefix_caching,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_model_len": engine.max_model_len,
         "device": str(engine.model.device),
     }
@@ -116,7 +116,7 @@ def _quantization(quant: dict | None, engine: LLMEngine) -> dict[str, Any] | Non
     record = {k: v for k, v in quant.items() if k != "stats"}
     if record.get("scheme") == "int8":
         record["group_size"] = None  # per output channel: the int4 group-size option does not apply
-    return {**record, "keep": list(engine.config.quant_keep), "keep_as": engine.config.quant_keep_as}
+    return {**record, "keep": list(engine.config.quant.quant_keep), "keep_as": engine.config.quant.quant_keep_as}
 
 
 def build_manifest(model: str, engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:

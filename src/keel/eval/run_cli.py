@@ -24,11 +24,11 @@ def _csv_floats(text: str) -> tuple[float, ...]:
 
 
 def register_run(eval_sub: argparse._SubParsersAction) -> None:
-    from keel.cli import _add_model_args
-    from keel.serve.openai.server import add_engine_args
+    from keel.cli.common import add_model_args
+    from keel.cli.config_options import add_engine_options
 
     r = eval_sub.add_parser("run", help="capability suites, golden greedy outputs and perplexity, with a manifest")
-    _add_model_args(r)
+    add_model_args(r)
     r.add_argument("--suite", action="append", default=None, metavar="NAME|FILE",
                    help="a built-in suite name (see `keel eval suites`), 'needle', or a suite JSONL file; repeatable "
                         "(default: every built-in suite and the needle suite)")  # fmt: skip
@@ -46,7 +46,7 @@ def register_run(eval_sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ppl-stride", type=int, default=512)
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     r.add_argument("--out", default=None, metavar="RESULTS.json", help="write the results and manifest here")
-    add_engine_args(r)
+    add_engine_options(r)
     r.set_defaults(func=cmd_run)
     s = eval_sub.add_parser("suites", help="list the built-in capability suites")
     s.set_defaults(func=cmd_suites)
@@ -142,9 +142,9 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from keel.cli.config_options import engine_config_from_args
     from keel.eval.cli import corpus_text
     from keel.eval.ppl import check_window_options, leading_tokens
-    from keel.serve.openai.server import engine_config, quantize_config
 
     minimums = [("--limit", args.limit, 1), ("--golden", args.golden, 0), ("--golden-tokens", args.golden_tokens, 1),
                 ("--threads", args.threads, 1)]  # fmt: skip
@@ -161,8 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_window_options(args.ppl_context, args.ppl_stride)
         if args.ppl_max_tokens < 2:
             raise KeelError(f"--ppl-max-tokens must be >= 2, got {args.ppl_max_tokens}")
-    quantization = quantize_config(args)
-    config = engine_config(args, quantization)  # option errors before the model loads
+    config = engine_config_from_args(args)  # option errors before the model loads
     import torch
 
     from keel.eval.manifest import build_manifest
@@ -172,7 +171,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, args.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **quantization)
+    loaded = load_model(args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads,
+                        **config.quant.load_options())  # fmt: skip
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
     suites = resolve_suites(args.suite, loaded.tokenizer, args.limit, args.needle_lengths, args.needle_depths)

@@ -248,7 +248,7 @@ def profile_decode(
     per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
     blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
-    config = EngineConfig(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
+    config = EngineConfig.of(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
                           kv_cache_dtype=kv_cache_dtype, compile=False,  # the split needs eager modules
                           max_model_len=max_len, max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * prompt_tokens))  # fmt: skip

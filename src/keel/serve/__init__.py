@@ -1,7 +1,8 @@
 """The serving engine: scheduler, paged KV cache, runner, sampling, stop conditions, API."""
 
 from keel.serve.async_engine import AsyncEngine
-from keel.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput
+from keel.serve.config import EngineConfig
+from keel.serve.engine import CompletionOutput, LLMEngine, RequestOutput
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 

@@ -21,6 +21,7 @@ from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
+from keel.serve.config import EngineConfig
 from keel.serve.kv_cache import KVCacheManager, blocks_in_budget
 from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
 from keel.serve.request import Request, Status
@@ -39,56 +40,6 @@ if TYPE_CHECKING:
     from keel.serve.speculative.draft import DraftModelProposer
 
 log = logging.getLogger("keel.serve")
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    kv_cache_memory: str | int | None = "2GiB"  # bytes or "2GiB"; None on GPU: a fraction of free memory
-    gpu_memory_utilization: float = 0.9  # of the free device memory after loading, when kv_cache_memory is None
-    num_blocks: int | None = None  # overrides the memory budget (tests)
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # default: the model's context
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" (per token-and-head scales, keel.serve.kv_quant)
-    scheduling_policy: str = "fcfs"
-    dtype: str = "auto"
-    # Expert offloading (MoE models; see keel.serve.offload). None: every expert resident.
-    expert_cache: str | int | None = None  # experts per MoE layer ("2"), a share ("50%") or bytes ("512MiB")
-    expert_cache_policy: str = "lru"  # "lru" | "lfu"
-    expert_storage: str = "host"  # cold experts in "host" memory, or read from the safetensors file ("disk")
-    expert_prefetch: bool = True  # load the next MoE layer's predicted experts in the background
-    # Weight-only quantization of the linear layers at load (keel.quant): None, "int8" or "int4".
-    quantize: str | None = None
-    quant_group_size: int = 128  # int4: input channels per scale/zero
-    quant_keep: tuple[str, ...] = ("lm_head",)  # linear layers left in float (a mixed-precision plan)
-    quant_keep_as: str | None = None  # the kept layers in this scheme instead of float (e.g. "int8")
-    # q/k/v and gate/up as one matmul each (keel.model.fuse): fewer, larger calls, identical outputs.
-    fuse_projections: bool = True
-    # bf16 linear weights pre-packed for oneDNN on CPU (keel.model.prepack): identical outputs, less work per call.
-    prepack_weights: bool = True
-    # Decode steps through one torch.compile'd graph (keel.serve.compiled_decode). None: on for dense
-    # models of 50M parameters or more (where compile time pays back); False: eager (--no-compile).
-    compile: bool | None = None
-    # Speculative decoding (keel.serve.speculative): a SpeculativeConfig or its dict (vLLM's keys).
-    speculative_config: SpeculativeConfig | dict | None = None
-    # Parallel serving (keel.serve.parallel): tp x pp worker processes, vLLM's option names. Multi-node:
-    # every node runs the same command with its --node-rank; node 0 runs the engine and the server.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # one node: a free port
-    distributed_timeout: float = 60.0  # seconds a collective or the rendezvous may wait on a peer
-    startup_timeout: float = 600.0  # seconds for every worker to load and report ready
-    worker_threads: int | None = None  # torch threads per CPU worker (default: the cores shared out)
-    enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel rank, not width slices
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -198,20 +149,49 @@ class LLMEngine:
             raise
 
     def _init(self, model: str | LoadedModel, config: EngineConfig | None, device: str, adapt: bool) -> None:
+        """Start-up in named steps: load, adapt, allocate the KV cache, scheduler and runner, speculation."""
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
-        offloading = config.expert_cache is not None
-        if config.world_size > 1:
+        self.loaded = loaded = self._load(model, device)
+        owned = (adapt or not isinstance(model, LoadedModel)) and self.executor is None
+        self._adapt(loaded, owned)
+        self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
+        self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        self.max_model_len = config.scheduler.max_model_len or self.model.config.max_position_embeddings
+        self.spec: SpeculativeConfig | None = config.speculative
+        self.draft_model: Transformer | None = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            self.draft_model = self._load_draft(model, device)
+        num_blocks = self._allocate_kv_cache(device)
+        self._build_scheduler_and_runner()
+        self._build_speculation(num_blocks, device)
+        self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        decode = "compiled" if self.runner.compiled is not None else "eager"
+        kv_dtype = str(self.model.dtype).removeprefix("torch.") if config.cache.kv_cache_dtype == "auto" else "int8"
+        self.backends = describe_backends(
+            self.model, loaded.dtype_reason, f"paged {kv_dtype}", decode, workers=self.executor is not None
+        )
+        log.info("backends: %s", self.backends)
+        self.startup_seconds = time.perf_counter() - started
+        log.info("engine ready in %.1f s (decode %s)", self.startup_seconds, decode)
+
+    def _load(self, model: str | LoadedModel, device: str) -> LoadedModel:
+        """The model: a caller's, this process's own load, or (parallel serving) a placeholder while the workers
+        load their shards. With offloading only the resident experts may reach the device: load on the host."""
+        config = self.config
+        offloading = config.offload.enabled
+        if config.parallel.world_size > 1:
             loaded = self._start_workers(model, device)
         elif isinstance(model, LoadedModel):
             loaded = model
-        else:  # with offloading, only the resident experts may reach the device: load on the host first
-            loaded = load_model(
-                model, config.dtype, device="cpu" if offloading else device, quantize=config.quantize,
-                quant_group_size=config.quant_group_size, quant_keep=config.quant_keep,
-                quant_keep_as=config.quant_keep_as,
-            )  # fmt: skip
-        self.loaded = loaded
+        else:
+            host = "cpu" if offloading else device
+            loaded = load_model(model, config.load.dtype, device=host, **config.quant.load_options())
         self.offload: ExpertOffload | None = None
         if offloading:
             from keel.serve.offload import enable_expert_offload
@@ -219,68 +199,70 @@ class LLMEngine:
             target = loaded.model.device if isinstance(model, LoadedModel) else torch.device(device)
             self.offload = enable_expert_offload(
                 loaded,
-                config.expert_cache,
-                policy=config.expert_cache_policy,
-                storage=config.expert_storage,
-                prefetch=config.expert_prefetch,
+                config.offload.expert_cache,
+                policy=config.offload.expert_cache_policy,
+                storage=config.offload.expert_storage,
+                prefetch=config.offload.expert_prefetch,
                 device=target,
             )
             loaded.model.to(target)
-        if config.quantize is not None:
+        return loaded
+
+    def _adapt(self, loaded: LoadedModel, owned: bool) -> None:
+        """Quantize (what a caller's model still has in float), fuse projections, pre-pack weights: only a model
+        this engine loaded, or was told to adapt; a caller's LoadedModel otherwise keeps the modules it was given."""
+        quant, load = self.config.quant, self.config.load
+        if quant.quantize is not None:
             from keel.quant import quantize_model
 
-            q = quantize_model(loaded.model, config.quantize, config.quant_group_size, set(config.quant_keep))
+            q = quantize_model(loaded.model, quant.quantize, quant.quant_group_size, set(quant.quant_keep))
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
-                q["quantized"], config.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
+                q["quantized"], quant.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
             )  # fmt: skip
-        owned = (adapt or not isinstance(model, LoadedModel)) and self.executor is None
-        if config.fuse_projections and owned:
-            # A model this engine loaded (or was told to adapt): a caller's LoadedModel otherwise
-            # keeps the modules it was given.
+        if load.fuse_projections and owned:
             from keel.model.fuse import fuse_projections
 
             fuse_projections(loaded.model)
-        if config.prepack_weights and owned:
+        if load.prepack_weights and owned:
             from keel.model.prepack import prepare_bf16_linears
 
             prepare_bf16_linears(loaded.model)
-        self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
-        self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
-        self.tokenizer: Tokenizer | None = loaded.tokenizer
-        mc = self.model.config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        spec = config.speculative_config
-        self.spec: SpeculativeConfig | None = SpeculativeConfig.from_dict(spec) if isinstance(spec, dict) else spec
-        if self.spec is not None:
-            self.spec.validate()
-        self.draft_model: Transformer | None = None
-        if self.spec is not None and self.spec.method == "draft_model":
-            self.draft_model = self._load_draft(model, device)
-        check_kv_cache_dtype(config.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
+
+    def _allocate_kv_cache(self, device: str) -> int:
+        """The block manager and (one process) the paged cache tensors; the number of blocks."""
+        cache = self.config.cache
+        check_kv_cache_dtype(cache.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
         num_blocks = self.executor.num_blocks if self.executor is not None else self._num_blocks(device)
-        if num_blocks * config.block_size < self.max_model_len:
+        tokens = num_blocks * cache.block_size
+        if tokens < self.max_model_len:
             raise KeelError(
-                f"KV cache of {num_blocks} blocks x {config.block_size} tokens cannot hold one sequence of "
+                f"KV cache of {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        if self.executor is None:
-            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, config.block_size,
-                     num_blocks * config.block_size, num_blocks * self._bytes_per_block() / 2**20)  # fmt: skip
-            self.cache = make_paged_kv_cache(mc, num_blocks, config.block_size, self.model.dtype, device,
-                                             config.kv_cache_dtype)  # fmt: skip
-        else:  # each worker holds its own heads' and layers' share of the blocks
-            log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, config.block_size,
-                     num_blocks * config.block_size)  # fmt: skip
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        if self.executor is not None:  # each worker holds its own heads' and layers' share of the blocks
+            log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, cache.block_size, tokens)
             self.cache = None
+            return num_blocks
+        mib = num_blocks * self._bytes_per_block() / 2**20
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, cache.block_size, tokens, mib)
+        self.cache = make_paged_kv_cache(
+            self.model.config, num_blocks, cache.block_size, self.model.dtype, device, cache.kv_cache_dtype
+        )
+        return num_blocks
+
+    def _build_scheduler_and_runner(self) -> None:
+        """The scheduler over the block manager, and the runner (this process's, or the workers' executor),
+        compiled when `compile` asks or the model is worth it."""
+        mc, sched = self.model.config, self.config.scheduler
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
         self.scheduler = Scheduler(
             self.kv,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
             self.max_model_len,
-            config.scheduling_policy,
+            sched.scheduling_policy,
             # Blocks behind the window can be freed only when every layer slides.
             sliding_window=next(iter(windows)) if len(windows) == 1 else None,
         )
@@ -288,11 +270,15 @@ class LLMEngine:
             ModelRunner(self.model, self.cache, self.kv.block_table) if self.executor is None else self.executor
         )
         self.compile_seconds = 0.0
-        if self.executor is None and decide_compile(config.compile, self.model, self.cache, offloading):
+        offloading = self.config.offload.enabled
+        if self.executor is None and decide_compile(self.config.load.compile, self.model, self.cache, offloading):
             self.runner.compiled = CompiledDecode(self.model, self.cache)
             self.compile_seconds = self.runner.compiled.warm_up()
             log.info("decode step compiled in %.1f s (inductor cache: %s)", self.compile_seconds,
                      os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # fmt: skip
+
+    def _build_speculation(self, num_blocks: int, device: str) -> None:
+        """The draft model's proposer (its own paged cache over the target's block tables) and the counters."""
         self.drafter: DraftModelProposer | None = None
         if self.draft_model is not None and self.scheduler.sliding_window is not None:
             # The target frees blocks behind its window; the draft's catch-up may still need them.
@@ -300,27 +286,16 @@ class LLMEngine:
         if self.draft_model is not None:
             from keel.serve.speculative.draft import DraftModelProposer
 
-            draft = self.draft_model
-            draft_cache = make_paged_kv_cache(draft.config, num_blocks, config.block_size, draft.dtype, device,
-                                              config.kv_cache_dtype)  # fmt: skip
-            self.drafter = DraftModelProposer(self.draft_model, draft_cache, self.kv.block_table)
+            draft, cache = self.draft_model, self.config.cache
+            draft_cache = make_paged_kv_cache(
+                draft.config, num_blocks, cache.block_size, draft.dtype, device, cache.kv_cache_dtype
+            )
+            self.drafter = DraftModelProposer(draft, draft_cache, self.kv.block_table)
         # Speculative decoding counters (vLLM's spec_decode_* metrics).
         self.spec_num_drafts = 0  # verification steps (one per request per step that had drafts)
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
-        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
-        self._tracks: dict[str, _Track] = {}
-        self._ids = itertools.count()
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        decode = "compiled" if self.runner.compiled is not None else "eager"
-        kv_dtype = str(self.model.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else "int8"
-        self.backends = describe_backends(self.model, loaded.dtype_reason, f"paged {kv_dtype}", decode,
-                                          workers=self.executor is not None)  # fmt: skip
-        log.info("backends: %s", self.backends)
-        self.startup_seconds = time.perf_counter() - started
-        log.info("engine ready in %.1f s (decode %s)", self.startup_seconds, decode)
 
     def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
@@ -331,16 +306,16 @@ class LLMEngine:
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")
-        spec, ranks, checkpoint = worker_spec(model, self.config, device)
+        config = self.config
+        spec, ranks, checkpoint = worker_spec(model, config, device)
         if 0 not in ranks:
             raise KeelError("the engine runs on node 0 (--node-rank 0); other nodes run their workers only")
         self.executor = ParallelExecutor(spec, ranks, lambda request_id: self.kv.block_table(request_id),
-                                         startup_timeout=self.config.startup_timeout)  # fmt: skip
+                                         startup_timeout=config.parallel.startup_timeout)  # fmt: skip
         with torch.device("meta"):
             placeholder = Transformer(checkpoint.config).to(parse_dtype(spec.dtype))
-        return LoadedModel(
-            placeholder, checkpoint, choose_dtype(checkpoint, self.config.dtype, device, self.config.quantize)[1]
-        )
+        reason = choose_dtype(checkpoint, config.load.dtype, device, config.quant.quantize)[1]
+        return LoadedModel(placeholder, checkpoint, reason)
 
     def check_health(self) -> None:
         """Raise when the engine can no longer make progress (a parallel worker died)."""
@@ -355,11 +330,11 @@ class LLMEngine:
     def _load_draft(self, model: str | LoadedModel, device: str) -> Transformer:
         """The draft model of method draft_model: `model` of the config, or the target's own checkpoint
         (then usually quantized, a cheaper copy); same vocabulary as the target."""
-        spec = self.spec
+        spec, config = self.spec, self.config
         source = spec.model or (str(model.checkpoint.path) if isinstance(model, LoadedModel) else model)
-        config = self.config
-        draft = load_model(source, config.dtype, device=device, quantize=spec.quantization,
-                           quant_group_size=config.quant_group_size, quant_keep=config.quant_keep).model  # fmt: skip
+        quant = config.quant
+        draft = load_model(source, config.load.dtype, device=device, quantize=spec.quantization,
+                           quant_group_size=quant.quant_group_size, quant_keep=quant.quant_keep).model  # fmt: skip
         if draft.config.vocab_size != self.model.config.vocab_size:
             raise KeelError(
                 f"speculative draft model {source}: vocabulary of {draft.config.vocab_size} tokens, the target's "
@@ -371,17 +346,15 @@ class LLMEngine:
 
     def _bytes_per_block(self) -> int:
         """Cache bytes of one block over all layers (and the draft model's, whose K/V share the blocks)."""
-        config = self.config
+        cache = self.config.cache
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        return sum(
-            kv_cache_bytes_per_block(m.config, config.block_size, m.dtype, config.kv_cache_dtype) for m in models
-        )
+        return sum(kv_cache_bytes_per_block(m.config, cache.block_size, m.dtype, cache.kv_cache_dtype) for m in models)
 
     def _num_blocks(self, device: str) -> int:
-        config = self.config
-        if config.num_blocks is not None:
-            return config.num_blocks
-        return blocks_in_budget(self._bytes_per_block(), config.kv_cache_memory, device, config.gpu_memory_utilization)
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        return blocks_in_budget(self._bytes_per_block(), cache.kv_cache_memory, device, cache.gpu_memory_utilization)
 
     # ------------------------------------------------------------- requests
     def add_request(

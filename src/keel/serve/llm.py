@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from keel.serve.engine import EngineConfig, LLMEngine, RequestOutput
+from keel.serve.config import EngineConfig
+from keel.serve.engine import LLMEngine, RequestOutput
 from keel.serve.sampling import SamplingParams
 from keel.weights.loader import LoadedModel
 
@@ -17,7 +18,9 @@ class LLM:
     ) -> None:
         """adapt: rewrite a LoadedModel for serving as the engine does a model it loads (LLMEngine's `adapt`)."""
         if config is None:
-            config = EngineConfig(**config_kwargs)
+            config = EngineConfig.of(**config_kwargs)
+        elif config_kwargs:
+            raise TypeError("LLM: give an EngineConfig or options by name, not both")
         self.engine = LLMEngine(model, config, adapt=adapt)
 
     def generate(

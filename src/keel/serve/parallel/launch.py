@@ -21,57 +21,52 @@ from keel.serve.parallel.worker import WorkerSpec
 from keel.weights.loader import Checkpoint, open_checkpoint, resolve_dtype
 
 if TYPE_CHECKING:
-    from keel.serve.engine import EngineConfig
+    from keel.serve.config import EngineConfig
 
 log = logging.getLogger("keel.serve")
 
 
-def _speculative_method(config: EngineConfig) -> str | None:
-    spec = config.speculative_config
-    return spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
-
-
 def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[WorkerSpec, range, Checkpoint]:
     """The workers' spec, this node's ranks and the opened checkpoint; one-line errors for what cannot run."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    par = config.parallel
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise KeelError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}")
     cuda = str(device).startswith("cuda")
+    cache, spec_method = config.cache, getattr(config.speculative, "method", None)
     unsupported = [
-        (config.quantize == "gguf", "--quantize gguf (int8 and int4 work)"),
-        (config.expert_cache is not None, "--expert-cache"),
-        (config.kv_cache_memory is None and config.num_blocks is None and not cuda, "no --kv-cache-memory on CPU"),
-        (_speculative_method(config) == "draft_model", "speculative decoding with a draft model (ngram works)"),
+        (config.quant.quantize == "gguf", "--quantize gguf (int8 and int4 work)"),
+        (config.offload.enabled, "--expert-cache"),
+        (cache.kv_cache_memory is None and cache.num_blocks is None and not cuda, "no --kv-cache-memory on CPU"),
+        (spec_method == "draft_model", "speculative decoding with a draft model (ngram works)"),
     ]
     for bad, what in unsupported:
         if bad:
             raise KeelError(f"tensor/pipeline-parallel serving does not support {what} yet")
     checkpoint = open_checkpoint(model)
-    check_parallel_model(checkpoint.config, model, tp, pp, config.enable_expert_parallel)
-    ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
-    if config.nnodes > 1 and config.master_port is None:
+    check_parallel_model(checkpoint.config, model, tp, pp, par.enable_expert_parallel)
+    ranks = node_ranks(par.world_size, par.nnodes, par.node_rank)
+    if par.nnodes > 1 and par.master_port is None:
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
-    port = config.master_port or free_port(config.master_addr)
-    dtype = resolve_dtype(checkpoint, config.dtype, device, config.quantize)
+    port = par.master_port or free_port(par.master_addr)
+    dtype = resolve_dtype(checkpoint, config.load.dtype, device, config.quant.quantize)
     spec = WorkerSpec(
-        model=str(model), dtype=str(dtype).removeprefix("torch."),
-        tp=tp, pp=pp, init_method=f"tcp://{config.master_addr}:{port}",
-        local_world=len(ranks), node_rank=config.node_rank, device="cuda" if cuda else "cpu",
-        block_size=config.block_size, kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization, num_blocks=config.num_blocks,
-        kv_cache_dtype=config.kv_cache_dtype, fuse_projections=config.fuse_projections,
-        prepack_weights=config.prepack_weights, timeout_s=config.distributed_timeout, threads=config.worker_threads,
-        expert_parallel=config.enable_expert_parallel, quantize=config.quantize,
-        quant_group_size=config.quant_group_size, quant_keep=tuple(config.quant_keep),
-        quant_keep_as=config.quant_keep_as,
-    )  # fmt: skip
+        model=str(model),
+        dtype=str(dtype).removeprefix("torch."),
+        init_method=f"tcp://{par.master_addr}:{port}",
+        local_world=len(ranks),
+        load=config.load,
+        quant=config.quant,
+        cache=config.cache,
+        parallel=par,
+        device="cuda" if cuda else "cpu",
+    )
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:
         log.info("tensor parallel %d over %d KV heads: each KV head is replicated on %d ranks (as vLLM does)",
                  tp, mc.num_kv_heads, tp // mc.num_kv_heads)  # fmt: skip
     log.info("node %d of %d: starting ranks %d-%d of %d (tensor parallel %d x pipeline parallel %d) at %s",
-             config.node_rank, config.nnodes, ranks[0], ranks[-1], config.world_size, tp, pp,
-             spec.init_method)  # fmt: skip
+             par.node_rank, par.nnodes, ranks[0], ranks[-1], par.world_size, tp, pp, spec.init_method)  # fmt: skip
     return spec, ranks, checkpoint
 
 
@@ -80,8 +75,8 @@ def run_headless(model: str | Path, config: EngineConfig, device: str = "cpu") -
     spec, ranks, _ = worker_spec(model, config, device)
     if 0 in ranks:
         raise KeelError("node 0 runs the engine: --node-rank must be > 0 for a workers-only node")
-    executor = ParallelExecutor(spec, ranks, None, startup_timeout=config.startup_timeout)
-    log.info("node %d: %d workers ready; serving until node 0 stops", config.node_rank, len(ranks))
+    executor = ParallelExecutor(spec, ranks, None, startup_timeout=config.parallel.startup_timeout)
+    log.info("node %d: %d workers ready; serving until node 0 stops", config.parallel.node_rank, len(ranks))
     return executor.wait()
 
 

@@ -27,44 +27,54 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from keel.model.fuse import fuse_projections
+from keel.model.prepack import prepare_bf16_linears
+from keel.quant.apply import quantize_kept
+from keel.quant.config import QuantConfig
+from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
+from keel.serve.kv_cache import blocks_in_budget
+from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
+from keel.serve.parallel.load import load_tensor_parallel
+from keel.serve.parallel.shard import TensorParallelLayout
+from keel.serve.parallel.stage import StageRunner
+from keel.serve.parallel.tensor import quantize_shard
+from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
 from keel.serve.request import Request
 from keel.serve.runner import Chunk, ModelRunner
 from keel.serve.sampling import SamplingParams, request_generator
 from keel.serve.scheduler import SchedulerOutput
+from keel.train.pipeline import layer_ranges
+from keel.weights.loader import parse_dtype
 
 log = logging.getLogger("keel.serve")
 
 
 @dataclass
 class WorkerSpec:
-    """What every worker needs to start: the model, the layout, the rendezvous and the cache budget."""
+    """What every worker needs to start: the model, the engine's load, quant, cache and parallel options,
+    and where this node's ranks meet."""
 
     model: str
     dtype: str  # resolved by the engine ("bfloat16", ...): no worker opens the checkpoint twice
-    tp: int
-    pp: int
     init_method: str  # "tcp://ADDR:PORT"
     local_world: int  # ranks on this node
-    node_rank: int = 0
+    load: LoadConfig
+    quant: QuantConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
     device: str = "cpu"  # "cpu" | "cuda"
-    block_size: int = 16
-    kv_cache_memory: str | int | None = "2GiB"
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
-    fuse_projections: bool = True
-    prepack_weights: bool = True
-    timeout_s: float = 60.0  # collectives and the rendezvous
-    threads: int | None = None  # torch threads per worker (CPU); default: the cores shared out
-    expert_parallel: bool = False  # MoE experts split by expert over the tensor-parallel ranks
-    quantize: str | None = None  # int8 / int4 weight-only, each rank its own cut (quantize_shard)
-    quant_group_size: int = 128
-    quant_keep: tuple[str, ...] = ("lm_head",)
-    quant_keep_as: str | None = None
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.parallel.world_size
 
 
 @dataclass
@@ -159,82 +169,83 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        from keel.serve.kv_cache import blocks_in_budget
-        from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
-        from keel.serve.parallel.load import load_tensor_parallel
-        from keel.serve.parallel.shard import TensorParallelLayout
-        from keel.serve.parallel.stage import StageRunner
-        from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
-        from keel.train.pipeline import layer_ranges
-        from keel.weights.loader import parse_dtype
-
+        """Join the process groups, load this rank's shard, allocate its share of the KV cache."""
         self.spec, self.rank = spec, rank
+        tp_group = self._join(spec, rank)
+        stage, tp_rank = divmod(rank, spec.tp)
+        before = torch.cuda.memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
+        started = time.perf_counter()
+        model, weight_bytes = self._load_shard(spec, stage, tp_rank, tp_group)
+        load_seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
+        cache = self._allocate_cache(model, stage, tp_rank)
+        config = model.config
+        self.stage = StageRunner(model, cache, rank=rank, tp=spec.tp, pp=spec.pp, hidden_size=config.hidden_size,
+                                 vocab_size=config.vocab_size)  # fmt: skip
+        self.report = WorkerReport(rank, cache.num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak)
+        self._mirrors: dict[str, Request] = {}
+        self._tables: dict[str, list[int]] = {}
+        self.runner = _SamplingRunner(self) if rank == 0 else None
+
+    def _join(self, spec: WorkerSpec, rank: int):
+        """Pick the device, join the world (gloo on CPU, NCCL on CUDA) and return this rank's tensor-parallel group."""
         tp, pp = spec.tp, spec.pp
-        local_rank = rank - spec.node_rank * spec.local_world
+        local_rank = rank - spec.parallel.node_rank * spec.local_world
         if spec.device == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-            torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.local_world))
+            threads = spec.parallel.worker_threads
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // spec.local_world))
         backend = "nccl" if spec.device == "cuda" else "gloo"
-        timeout = timedelta(seconds=spec.timeout_s)
+        timeout = timedelta(seconds=spec.parallel.distributed_timeout)
         dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
                                 timeout=timeout)  # fmt: skip
         # Control messages (pickled objects) always travel over gloo, on the host.
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
-        stage, tp_rank = divmod(rank, tp)
+        return tp_groups[rank // tp]
 
-        before = torch.cuda.memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
-        started = time.perf_counter()
-        loaded = load_tensor_parallel(spec.model, parse_dtype(spec.dtype), tp, tp_rank, tp_groups[stage], self.device,
-                                      stage=stage, num_stages=pp, expert_parallel=spec.expert_parallel)  # fmt: skip
-        model = loaded.model
-        if spec.quantize is not None:
-            from keel.serve.parallel.tensor import quantize_shard
-
-            stats = quantize_shard(model, spec.quantize, spec.quant_group_size, spec.quant_keep)
-            if spec.quant_keep_as is not None:
-                from keel.quant.apply import quantize_kept
-
-                stats["quantized"] += quantize_kept(model, spec.quant_keep, spec.quant_keep_as, spec.quant_group_size)
-            log.info("rank %d: %d layers quantized to %s, %d kept", rank, stats["quantized"], spec.quantize,
+    def _load_shard(self, spec: WorkerSpec, stage: int, tp_rank: int, tp_group) -> tuple[torch.nn.Module, int]:
+        """This rank's shard, quantized, fused and pre-packed as the engine's options say; and its weight bytes."""
+        loaded = load_tensor_parallel(spec.model, parse_dtype(spec.dtype), spec.tp, tp_rank, tp_group, self.device,
+                                      stage=stage, num_stages=spec.pp,
+                                      expert_parallel=spec.parallel.enable_expert_parallel)  # fmt: skip
+        model, quant = loaded.model, spec.quant
+        if quant.quantize is not None:
+            stats = quantize_shard(model, quant.quantize, quant.quant_group_size, quant.quant_keep)
+            if quant.quant_keep_as is not None:
+                stats["quantized"] += quantize_kept(model, quant.quant_keep, quant.quant_keep_as,
+                                                    quant.quant_group_size)  # fmt: skip
+            log.info("rank %d: %d layers quantized to %s, %d kept", self.rank, stats["quantized"], quant.quantize,
                      stats["kept"])  # fmt: skip
         # This rank's weights (a tied head counted once), before fusing and packing re-store them.
         weight_bytes = rank_weight_bytes(model)
-        if spec.fuse_projections:
-            from keel.model.fuse import fuse_projections
-
+        if spec.load.fuse_projections:
             fuse_projections(model)
-        if spec.prepack_weights:
-            from keel.model.prepack import prepare_bf16_linears
-
+        if spec.load.prepack_weights:
             prepare_bf16_linears(model)
-        load_seconds = time.perf_counter() - started
-        peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
+        return model, weight_bytes
 
-        config = loaded.config
-        layout = TensorParallelLayout(config, tp, tp_rank)
+    def _allocate_cache(self, model: torch.nn.Module, stage: int, tp_rank: int):
+        """This rank's KV heads and layers of every block; every rank the same number of blocks (the minimum
+        over ranks of what each budget holds)."""
+        spec, cache = self.spec, self.spec.cache
+        config = model.config
+        layout = TensorParallelLayout(config, spec.tp, tp_rank)
         first, last = layout.kv_head_range()
         local = dataclasses.replace(config, num_heads=layout.local_heads, num_kv_heads=last - first)
-        layers = layer_ranges(config.num_layers, pp)[stage]
-        per_block = kv_cache_bytes_per_block(local, spec.block_size, model.dtype, spec.kv_cache_dtype)
+        layers = layer_ranges(config.num_layers, spec.pp)[stage]
+        per_block = kv_cache_bytes_per_block(local, cache.block_size, model.dtype, cache.kv_cache_dtype)
         per_block = per_block * len(layers) // config.num_layers
-        budget = spec.num_blocks
+        budget = cache.num_blocks
         if budget is None:
-            budget = blocks_in_budget(per_block, spec.kv_cache_memory, self.device, spec.gpu_memory_utilization)
+            budget = blocks_in_budget(per_block, cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
         blocks = torch.tensor([budget], dtype=torch.long)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.control)  # every rank holds the same blocks
-        num_blocks = int(blocks.item())
-        cache = make_paged_kv_cache(local, num_blocks, spec.block_size, model.dtype, self.device,
-                                    spec.kv_cache_dtype, layers=layers)  # fmt: skip
-        self.stage = StageRunner(model, cache, rank=rank, tp=tp, pp=pp, hidden_size=config.hidden_size,
-                                 vocab_size=config.vocab_size)  # fmt: skip
-        self.report = WorkerReport(rank, num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak)
-        self._mirrors: dict[str, Request] = {}
-        self._tables: dict[str, list[int]] = {}
-        self.runner = _SamplingRunner(self) if rank == 0 else None
+        return make_paged_kv_cache(local, int(blocks.item()), cache.block_size, model.dtype, self.device,
+                                   cache.kv_cache_dtype, layers=layers)  # fmt: skip
 
     # ------------------------------------------------------------------ loops
     def follow(self) -> None:

@@ -1,0 +1,29 @@
+"""Options several commands share: the model argument, --dtype, --threads."""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """MODEL and the two shape hints for a checkpoint without config.json."""
+    p.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
+    p.add_argument("--head-dim", type=int, default=None, help="head size, when config.json is missing")
+    p.add_argument("--num-heads", type=int, default=None, help="attention heads, when config.json is missing")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, default: str = "auto", choices: tuple[str, ...] = DTYPE_CHOICES) -> None:
+    p.add_argument("--dtype", default=default, choices=list(choices), help="compute dtype")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -1,0 +1,54 @@
+"""`QuantConfig`: weight-only quantization at load, as the engine, its workers and `keel generate` take it.
+
+Each field's docstring is its command-line help (keel.cli derives the options from the fields).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from keel.errors import KeelError
+
+
+@dataclass
+class QuantConfig:
+    """Weight-only quantization of the linear layers and MoE experts at load (keel.quant)"""
+
+    quantize: Literal["int8", "int4", "gguf"] | None = None
+    """quantize linear layers and MoE experts at load: int8 per channel, int4 per group; gguf: run the file's own
+    Q4_0/Q4_1/Q8_0 blocks on the integer kernels"""
+
+    quant_group_size: Literal[32, 64, 128, 256] = 128
+    """int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks"""
+
+    quant_keep: tuple[str, ...] = field(default=("lm_head",), metadata={"metavar": "NAMES"})
+    """comma-separated layers left in float, names or patterns such as '*.experts' (default: lm_head; '' for none)"""
+
+    quant_keep_as: Literal["int8", "int4"] | None = None
+    """run the kept layers in this scheme, not float (e.g. int4 with an int8 head)"""
+
+    quant_plan: str | None = field(default=None, metadata={"metavar": "PLAN.json"})
+    """a plan from `keel quantize analyze`: its scheme, group size and kept layers (over the three options above)"""
+
+    def __post_init__(self) -> None:
+        self.quant_keep = tuple(self.quant_keep)
+        if self.quant_plan is not None:  # read here: a bad plan fails before any model loads
+            from keel.quant.analyze import read_plan
+
+            plan = read_plan(self.quant_plan)
+            self.quantize = plan["scheme"]
+            self.quant_group_size = plan.get("group_size") or 128
+            self.quant_keep = tuple(plan.get("keep", []))
+            self.quant_plan = None  # resolved: copies (workers, replace()) do not read the file again
+        if self.quant_keep_as is not None and self.quantize is None:
+            raise KeelError("--quant-keep-as needs --quantize (or --quant-plan)")
+
+    def load_options(self) -> dict:
+        """The quantization keywords of `load_model`."""
+        return dict(
+            quantize=self.quantize,
+            quant_group_size=self.quant_group_size,
+            quant_keep=self.quant_keep,
+            quant_keep_as=self.quant_keep_as,
+        )
