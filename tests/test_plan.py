@@ -188,7 +188,7 @@ def test_custom_hardware_overrides():
     """A part not in the table: the A100's figures with 640 GB of memory make one GPU hold Qwen3-235B."""
     import argparse
 
-    from keel.plan.hardware import add_cluster_arguments, cluster_from_args
+    from keel.cli.plan import add_cluster_arguments, cluster_from_args
     from keel.plan.serve import plan_serving
 
     parser = argparse.ArgumentParser()

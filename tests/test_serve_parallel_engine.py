@@ -212,7 +212,7 @@ def test_auto_parallel_takes_the_planners_layout():
     """`keel serve --auto-parallel`: the serving planner's first layout keel can run."""
     from pathlib import Path
 
-    from keel.plan.cli import model_config
+    from keel.plan.source import model_config
     from keel.serve.parallel.launch import auto_parallel
 
     fixtures = Path(__file__).parent / "fixtures" / "configs"

@@ -52,6 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `keel generate ... | head`
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

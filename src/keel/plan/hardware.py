@@ -8,7 +8,6 @@ per GPU, the common layout). A cluster spec `8xH200` or `2048xH800` names a coun
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -86,23 +85,12 @@ OVERRIDES = {
 }
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("custom hardware (override the GPU table's figures)")
-    g.add_argument("--gpu-memory", type=float, metavar="GB", help="HBM per GPU")
-    g.add_argument("--bf16-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak")
-    g.add_argument("--fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak")
-    g.add_argument("--hbm-tbs", type=float, metavar="TB/s", help="HBM bandwidth")
-    g.add_argument("--link-gbs", type=float, metavar="GB/s", help="per-GPU bandwidth inside a node, one direction")
-    g.add_argument("--network-gbs", type=float, metavar="GB/s", help="per-GPU bandwidth between nodes, one direction")
-    g.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs sharing the scale-up link")
-
-
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """--gpus COUNTxTYPE with any overrides applied."""
-    cluster = parse_cluster(args.gpus)
+def cluster_with_overrides(gpus: str, overrides: dict[str, float | None]) -> Cluster:
+    """COUNTxTYPE with the custom-hardware figures (OVERRIDES' option names; None: the table's) applied."""
+    cluster = parse_cluster(gpus)
     changes = {}
     for option, (field, unit) in OVERRIDES.items():
-        value = getattr(args, option, None)
+        value = overrides.get(option)
         if value is None:
             continue
         if value <= 0:

@@ -146,7 +146,7 @@ class OffloadConfig:
 
 
 def _json_option(name: str) -> dict:
-    return {"json": True, "flag": f"--{name.replace('_', '-')}", "metavar": "JSON"}
+    return {"json": True, "flag": f"--{name.replace('_', '-')}", "dest": name, "metavar": "JSON"}
 
 
 @dataclass

@@ -167,7 +167,7 @@ def resolve_auto_parallel(model: str, auto_parallel: str | None, config: EngineC
         raise KeelError(
             "--auto-parallel chooses --tensor-parallel-size and --pipeline-parallel-size: give one or the other"
         )
-    from keel.plan.cli import model_config
+    from keel.plan.source import model_config
     from keel.serve.parallel.launch import auto_parallel as plan_layout
 
     model_cfg = model_config(model)
