@@ -1,0 +1,79 @@
+"""One API call as the engine runs it: its jobs (one engine request per choice) and their progress."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from keel.serve.engine import RequestOutput
+from keel.serve.openai.responses import Usage
+from keel.serve.openai.tenants import TenantState
+from keel.serve.sampling import SamplingParams
+
+
+@dataclass
+class Job:
+    """One engine request of a call: choice `index` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    final: RequestOutput | None = None
+    sent_tokens: int = 0  # generated tokens already counted / streamed
+    sent_logprobs: int = 0
+    echoed: bool = False  # a stream has sent the echoed prompt of this choice
+
+
+@dataclass
+class Call:
+    """Everything a route prepared before generation."""
+
+    kind: str  # "completion" | "chat"
+    tenant: TenantState
+    jobs: list[Job]
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_only: bool = False  # max_tokens 0 with echo: each job's one generated token is not returned
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def cost(self) -> int:
+        """The tokens a tenant's budget reserves for the call: every prompt and every job's max_tokens."""
+        return self.prompt_tokens + sum(job.params.max_tokens for job in self.jobs)
+
+    def unused_tokens(self) -> int:
+        """What the reservation gets back when the call ends: the tokens no job generated."""
+        return sum(job.params.max_tokens - job.sent_tokens for job in self.jobs)
+
+    def usage(self) -> Usage:
+        usage = Usage(prompt_tokens=self.prompt_tokens)
+        for job in self.jobs:
+            if job.final is not None and not self.prompt_only:
+                usage.completion_tokens += len(job.final.outputs[0].token_ids)
+        cached: dict[int, int] = {}  # the choices of one prompt share its cached prefix: count it once
+        for job in self.jobs:
+            if job.final is not None:
+                cached[job.prompt_index] = max(cached.get(job.prompt_index, 0), job.final.num_cached_tokens)
+        usage.cached_tokens = sum(cached.values())
+        return usage
+
+    def finish_reasons(self) -> list[str | None]:
+        return [job.final.outputs[0].finish_reason if job.final else "abort" for job in self.jobs]
+
+
+def child_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n: its own seed (seed + j), so n seeded choices differ but stay reproducible."""
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed + j)

@@ -1,0 +1,72 @@
+"""Running a call's jobs on the engine: their outputs merged in arrival order, under the call's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from keel.errors import KeelError
+from keel.serve.async_engine import AsyncEngine, EngineDeadError
+from keel.serve.engine import RequestOutput
+from keel.serve.openai.call import Call, Job
+from keel.serve.openai.errors import APIError
+from keel.serve.openai.metrics import ServerMetrics
+
+# (job, output, None) for an output, (job, None, error) when the job's generation failed
+_Item = tuple[Job, RequestOutput | None, BaseException | None]
+
+
+class CallRunner:
+    """Generates every job of one call; counts tokens and finished requests in the server metrics."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, request_timeout: float | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_timeout = request_timeout  # for the 504 message; the call carries its deadline
+
+    async def outputs(self, call: Call) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """Every job's outputs, merged in arrival order; aborts the unfinished ones on exit."""
+        merged: asyncio.Queue[_Item] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(call, job, merged)) for job in call.jobs]
+        remaining = len(call.jobs)
+        try:
+            while remaining:
+                job, out = await self._next(call, merged)
+                new = len(out.outputs[0].token_ids) - job.sent_tokens
+                self.metrics.on_tokens(call.tenant.name, new)
+                if out.finished:
+                    job.final = out
+                    remaining -= 1
+                    self.metrics.on_finished(call.tenant.name, out.metrics, out.outputs[0].finish_reason or "abort")
+                yield job, out
+                job.sent_tokens += new
+        finally:
+            for task in tasks:
+                task.cancel()  # an unfinished job's generate() aborts its engine request
+            for job in call.jobs:
+                if job.final is None:
+                    self.metrics.on_finished(call.tenant.name, None, "abort")
+
+    async def _pump(self, call: Call, job: Job, merged: asyncio.Queue[_Item]) -> None:
+        try:
+            async for out in self.engine.generate(job.prompt_ids, job.params, f"{call.request_id}-{job.index}"):
+                merged.put_nowait((job, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait((job, None, e))
+
+    async def _next(self, call: Call, merged: asyncio.Queue[_Item]) -> tuple[Job, RequestOutput]:
+        """The next output of any job; a failed job or a passed deadline as the APIError the client gets."""
+        timeout = None if call.deadline is None else call.deadline - time.monotonic()
+        try:
+            job, out, error = await asyncio.wait_for(merged.get(), timeout)
+        except TimeoutError:
+            raise APIError(504, f"request deadline of {self.request_timeout:g} s passed") from None
+        if error is not None:
+            if isinstance(error, KeelError):
+                raise APIError(400, str(error))
+            if isinstance(error, EngineDeadError):
+                raise APIError(503, str(error))
+            raise error
+        assert out is not None
+        return job, out

@@ -1,0 +1,74 @@
+"""The HTTP side of a request: reading its JSON body within a size limit, and noticing the client leave."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from keel.serve.openai.errors import APIError
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON, at most `limit` bytes (413 beyond, even without Content-Length)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def validation_error(error: ValidationError) -> APIError:
+    """The first pydantic error as one OpenAI-style message naming the field."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"] if not str(part).startswith(("function-", "constrained-"))]
+    param = ".".join(loc) if loc else None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return APIError(400, message, param=param)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it (aborting its engine requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,288 @@
+"""What the generation routes share: admission, preparation, the engine run, responses and streaming.
+
+A request goes: ready? -> API key -> body (size limit, JSON, pydantic) -> model name -> prompt
+tokens and max_tokens against the model length -> global queue (503 when full) -> tenant limits
+(429, or a wait in the tenant's queue) -> the engine. `n` and prompt lists fan out into one
+engine request per choice; their outputs are merged as they arrive. A deadline covers queueing
+and generation; a client that disconnects, or a passed deadline, aborts every engine request of
+the call (the engine frees their blocks before its next step).
+
+A route (serving_completion, serving_chat) says how its request becomes prompts and how a choice
+looks; the rest is here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from keel.errors import KeelError
+from keel.serve.engine import RequestOutput
+from keel.serve.openai.call import Call, Job, child_params
+from keel.serve.openai.errors import APIError
+from keel.serve.openai.generation import CallRunner
+from keel.serve.openai.http_io import ClientDisconnected, read_json, until_disconnected, validation_error
+from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
+from keel.serve.openai.responses import SSE_DONE, sse
+from keel.serve.openai.state import ServerState
+from keel.serve.openai.tenants import Admission, TenantState
+from keel.serve.sampling import SamplingParams, TokenLogprobs
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+# APIError status -> the `reason` label of the rejected-requests metric
+_REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 429: "rate_limited",
+                      503: "unavailable", 504: "timeout"}  # fmt: skip
+
+
+def rejection_reason(error: APIError) -> str:
+    return _REJECTION_REASONS.get(error.status, "error")
+
+
+@dataclass
+class PromptSpec:
+    """What a route reads from its request: the prompts, and what to generate and return for them."""
+
+    prompts: list[list[int]]
+    texts: list[str | None]  # each prompt's text when it came as text (echo returns it as sent)
+    requested_max_tokens: int | None
+    logprobs: int | None
+    echo: bool = False
+    prompt_only: bool = False
+
+
+class StreamDelta(NamedTuple):
+    """What one engine output adds to a streamed choice."""
+
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish: str | None
+
+
+class OpenAIServing:
+    """One generation route over the shared ServerState; subclasses fill in the route's hooks."""
+
+    kind: ClassVar[str]  # "completion" | "chat": the audit line's endpoint
+    request_model: ClassVar[type[GenerationRequest]]
+    max_tokens_param: ClassVar[str]  # the request field errors about max_tokens name
+    prompt_param: ClassVar[str]  # the request field errors about the prompt's length name
+    id_prefix: ClassVar[str]
+    response_object: ClassVar[str]
+    chunk_object: ClassVar[str]
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.settings = state.settings
+        self.metrics = state.metrics
+        self.tokens = state.tokens
+        core = state.engine.engine
+        self.tokenizer = core.tokenizer
+        self.max_model_len: int = core.max_model_len
+        self.vocab_size: int = core.model.config.vocab_size
+        self.model_name = state.settings.served_model_name
+        self.runner = CallRunner(state.engine, state.metrics, state.settings.request_timeout)
+
+    # ------------------------------------------------------------ the route's hooks
+    def _prompt_spec(self, req: GenerationRequest) -> PromptSpec:
+        raise NotImplementedError
+
+    def _first_choices(self, call: Call) -> list[dict]:
+        """Choices a stream sends before any output."""
+        return []
+
+    def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
+        raise NotImplementedError
+
+    def _final_choice(self, call: Call, job: Job) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the request
+    async def handle(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            self.state.check_ready()
+            tenant = self.state.tenants.authenticate(request.headers.get("authorization"))
+        except APIError as e:
+            return self._reject("unknown", e, started)
+        try:
+            call, admission = await self._admit(request, tenant, started)
+        except APIError as e:
+            return self._reject(tenant.name, e, started)
+        self.metrics.on_admitted(tenant.name, call.prompt_tokens)
+        if call.stream:
+            return StreamingResponse(
+                self._stream(call, admission),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self._respond(request, call, admission, started)
+
+    async def _admit(self, request: Request, tenant: TenantState, started: float) -> tuple[Call, Admission]:
+        """The prepared call, once the queue and the tenant's limits let it in (APIError otherwise)."""
+        body = await read_json(request, self.settings.max_body_bytes)
+        call = self._prepare(body, tenant)
+        self._check_queue(call)
+        timeout = self.settings.request_timeout
+        call.deadline = None if timeout is None else started + timeout
+        admission = await self.state.tenants.admit(tenant, call.cost(), call.deadline)
+        return call, admission
+
+    def _check_queue(self, call: Call) -> None:
+        waiting = self.state.engine.stats()["num_requests_waiting"] + self.state.tenants.num_queued
+        limit = self.settings.max_queue
+        if waiting + len(call.jobs) > limit:
+            raise APIError(503, f"server queue is full ({int(waiting)} waiting, limit {limit})",
+                           code="queue_full", retry_after=1)  # fmt: skip
+
+    def _reject(self, tenant: str, error: APIError, started: float, call: Call | None = None) -> JSONResponse:
+        self.metrics.on_rejected(tenant, rejection_reason(error))
+        self.state.audit.write(tenant, self.kind, error.status, started, call=call, error=error.message)
+        return error.response()
+
+    async def _respond(self, request: Request, call: Call, admission: Admission, started: float) -> Response:
+        """The whole response at once (stream false)."""
+        tenant = call.tenant.name
+        try:
+            body = await until_disconnected(request, self._collect(call))
+        except APIError as e:
+            return self._reject(tenant, e, started, call=call)
+        except ClientDisconnected:
+            self.state.audit.write(tenant, self.kind, 499, started, call=call, error="client disconnected")
+            return Response(status_code=499)
+        finally:
+            admission.release(call.unused_tokens())
+        self.state.audit.write(tenant, self.kind, 200, started, call=call)
+        return JSONResponse(body)
+
+    # ------------------------------------------------------------ preparation
+    def _prepare(self, body: object, tenant: TenantState) -> Call:
+        req = self._validate(body)
+        spec = self._prompt_spec(req)
+        jobs = []
+        for p_index, prompt_ids in enumerate(spec.prompts):
+            params = self._params(req, spec, len(prompt_ids))
+            for j in range(req.n):
+                child = params if req.n == 1 else child_params(params, j)
+                jobs.append(Job(p_index * req.n + j, p_index, prompt_ids, child))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        call = Call(self.kind, tenant, jobs, spec.prompts, spec.texts, req.stream, include_usage)
+        call.echo, call.logprobs, call.prompt_only = spec.echo, spec.logprobs, spec.prompt_only
+        return call
+
+    def _validate(self, body: object) -> GenerationRequest:
+        """The body as the route's request model, with a model name this server serves."""
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            req = self.request_model.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        req.check_unsupported()
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return req
+
+    def _params(self, req: GenerationRequest, spec: PromptSpec, prompt_len: int) -> SamplingParams:
+        """One prompt's engine sampling parameters (each of its n choices gets its own seed)."""
+        max_tokens = self._max_tokens(prompt_len, spec.requested_max_tokens)
+        prompt_logprobs = spec.logprobs if spec.echo and spec.logprobs is not None else None
+        try:
+            params = req.sampling_params(max_tokens, spec.logprobs, prompt_logprobs)
+            if spec.prompt_only:
+                # Engine requests always generate (max_tokens >= 1): a prompt-only request runs as
+                # max_tokens 1 and its token is dropped from the response, as vLLM does. It costs no
+                # extra forward pass (the token is sampled from the prefill's last row), and the
+                # prompt logprobs are complete once that token exists: every prefill chunk is done.
+                params = dataclasses.replace(params, max_tokens=1)
+            params.validate()
+        except KeelError as e:
+            raise APIError(400, str(e)) from None
+        return params
+
+    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        name, cap, model_len = self.max_tokens_param, self.settings.max_tokens_cap, self.max_model_len
+        if requested is not None and cap is not None and requested > cap:
+            raise APIError(400, f"{name} ({requested}) exceeds this server's cap of {cap}", param=name)
+        if prompt_len >= model_len:
+            raise APIError(
+                400, f"the prompt has {prompt_len} tokens; the model's length is {model_len}", param=self.prompt_param
+            )
+        max_tokens = requested if requested is not None else model_len - prompt_len
+        if cap is not None:
+            max_tokens = min(max_tokens, cap)
+        if prompt_len + max_tokens > model_len:
+            raise APIError(
+                400,
+                f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds the "
+                f"model's length of {model_len} tokens",
+                param=name,
+            )
+        return max_tokens
+
+    # ------------------------------------------------------------ responses
+    async def _collect(self, call: Call) -> dict:
+        async for _ in self.runner.outputs(call):
+            pass
+        return {
+            "id": self.id_prefix + call.request_id,
+            "object": self.response_object,
+            "created": call.created,
+            "model": self.model_name,
+            "choices": [self._final_choice(call, job) for job in call.jobs],
+            "usage": call.usage().to_dict(),
+        }
+
+    async def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
+        status, error = 200, None
+        head = {
+            "id": self.id_prefix + call.request_id,
+            "object": self.chunk_object,
+            "created": call.created,
+            "model": self.model_name,
+        }
+        try:
+            for choice in self._first_choices(call):
+                yield sse({**head, "choices": [choice]})
+            async for job, out in self.runner.outputs(call):
+                delta = self._stream_delta(call, job, out)
+                if delta is None:
+                    continue  # text held back (a possible stop string): nothing to send yet
+                yield sse({**head, "choices": [self._stream_choice(call, job, out, delta)]})
+            if call.include_usage:
+                yield sse({**head, "choices": [], "usage": call.usage().to_dict()})
+            yield SSE_DONE
+        except APIError as e:  # after the 200 header: the error travels as an event, as vLLM sends it
+            status, error = e.status, e.message
+            self.metrics.on_rejected(call.tenant.name, rejection_reason(e))
+            yield sse(e.body())
+            yield SSE_DONE
+        except asyncio.CancelledError:  # the client went away; the runner aborted the engine requests
+            status, error = 499, "client disconnected"
+            raise
+        finally:
+            admission.release(call.unused_tokens())
+            audit = self.state.audit
+            audit.write(call.tenant.name, self.kind, status, call.started, call=call, error=error, stream=True)
+
+    def _stream_delta(self, call: Call, job: Job, out: RequestOutput) -> StreamDelta | None:
+        """What `out` adds to its choice; None when nothing (yet)."""
+        completion = out.outputs[0]
+        new_lps = (completion.logprobs or [])[job.sent_logprobs :]
+        job.sent_logprobs += len(new_lps)
+        finish = completion.finish_reason if out.finished else None
+        text = out.delta_text
+        if call.prompt_only:  # the engine's one token is not part of the response (see _params)
+            text, new_lps = "", []
+            finish = "length" if out.finished else None
+        if not text and finish is None and not new_lps:
+            return None
+        return StreamDelta(text, new_lps, finish)

@@ -1,0 +1,42 @@
+"""What every route shares: the engine and the server's companions to it, and whether the server drains."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from keel.serve.async_engine import AsyncEngine
+from keel.serve.openai.audit import AuditLog
+from keel.serve.openai.errors import APIError
+from keel.serve.openai.metrics import ServerMetrics
+from keel.serve.openai.settings import ServerSettings
+from keel.serve.openai.tenants import Tenants
+from keel.serve.openai.tokens import TokenRenderer
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tenants = tenants
+        self.metrics = ServerMetrics(settings.served_model_name, engine.stats)
+        self.audit = AuditLog(settings.audit_prompts)
+        self.tokens = TokenRenderer(engine.engine.tokenizer)
+        self.draining = False  # set when the server shuts down: new requests get 503
+
+    def shutdown(self) -> None:
+        self.draining = True
+        self.engine.shutdown()
+
+    def check_ready(self) -> None:
+        """503 unless the server takes new generation requests."""
+        if self.draining:
+            raise APIError(503, "server is shutting down")
+        if not self.engine.alive:
+            raise APIError(503, f"engine failed: {self.engine.error}")
+
+    def health(self) -> JSONResponse:
+        if not self.engine.alive:
+            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=503)
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
