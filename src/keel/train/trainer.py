@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from keel.atomic import write_text_atomic
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
@@ -111,7 +112,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.run_dir / "config.toml", dump_config(cfg))
+            write_text_atomic(self.run_dir / "config.toml", dump_config(cfg))
         self.checkpoints = CheckpointManager(
             self.run_dir,
             cfg.checkpoint.keep,
@@ -209,8 +210,8 @@ class Trainer:
             config = dataclasses.replace(config, tie_word_embeddings=False)  # the pipeline trained two copies
         hf = config.to_hf()
         hf["dtype"] = self.cfg.model.dtype
-        _write_atomic(directory / "config.json", _json(hf))
-        _write_atomic(directory / "train_config.json", config_json(self.cfg))
+        write_text_atomic(directory / "config.json", _json(hf))
+        write_text_atomic(directory / "train_config.json", config_json(self.cfg))
         if self.tokenizer is not None:
             self.tokenizer.save_hf(directory)
 
@@ -602,9 +603,3 @@ def _json(obj: Any) -> str:
     import json
 
     return json.dumps(obj, indent=2) + "\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text)
-    os.replace(tmp, path)
