@@ -1,20 +1,30 @@
 """Atomic file writes: a temp file in the same directory, flushed to disk, then renamed over the
-target, so a reader (or a crash) sees the old file or the whole new one, never half of it."""
+target, so a reader (or a crash) sees the old file or the whole new one, never half of it.
+
+A directory cannot be written that way; one built as a temp sibling is published by `replace_dir`
+(or by renames of its own after `fsync_tree`), its files and entries flushed to disk before the
+rename and the parent's entry after it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write `path` through: renamed over it, flushed to disk, when the block ends;
+    on an error the temp file is removed and `path` is left as it was."""
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; written files should be readable like any other
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
@@ -22,3 +32,43 @@ def write_atomic(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+def write_text_atomic(path: Path, text: str, encoding: str = "utf-8") -> None:
+    write_atomic(path, text.encode(encoding))
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (the names created, renamed or removed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then every directory (the deepest first, `root` last), to disk."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            file = os.path.join(directory, name)
+            if os.path.islink(file):
+                continue
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Rename the finished directory `src` over `dst` (absent, or an empty directory) durably."""
+    fsync_tree(src)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)

@@ -329,92 +329,47 @@ class ModelConfig:
         """Build from an HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`).
         structure_only: the architecture is all that is wanted (the planner), so a quantized release's
         config (DeepSeek-V3's FP8) is read too; loading such weights is still refused."""
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None:
-            found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
-            raise ConfigError(f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}")
-        family = HF_ARCHITECTURES[arch]
+        family = _family_from_hf(hf, source)
         defaults = FAMILY_DEFAULTS[family]
-
-        def get(key: str, default: Any = None) -> Any:
-            value = hf.get(key)
-            return default if value is None else value
-
-        try:
-            hidden = int(hf["hidden_size"])
-            num_heads = int(hf["num_attention_heads"])
-            num_layers = int(hf["num_hidden_layers"])
-            vocab = int(hf["vocab_size"])
-        except KeyError as e:
-            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
         if not structure_only:
             _refuse_quantized(hf, source)
-        head_dim = int(get("head_dim", hidden // num_heads))
-        num_kv_heads = int(get("num_key_value_heads", num_heads))
-        max_positions = int(get("max_position_embeddings", defaults["max_position_embeddings"]))
+        head_dim = int(_hf_get(hf, "head_dim", hidden // num_heads))
+        num_kv_heads = int(_hf_get(hf, "num_key_value_heads", num_heads))
+        max_positions = int(_hf_get(hf, "max_position_embeddings", defaults["max_position_embeddings"]))
         rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions)
-
         sliding_window, layer_types = _sliding_from_hf(family, hf, num_layers)
-        eos = get("eos_token_id", [])
-        moe: dict[str, Any] = {}
+        eos = _hf_get(hf, "eos_token_id", [])
         mla: dict[str, Any] = {}
         if family in MLA_FAMILIES:
             mla = _mla_from_hf(hf, defaults)
             # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
             head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
-        if family == "deepseek_v3":
-            moe = _deepseek_moe_from_hf(hf, defaults, num_layers, source)
-        elif family in MOE_FAMILIES:
-            moe = {
-                "num_experts": int(get("num_local_experts", get("num_experts", 0))),
-                "num_experts_per_tok": int(get("num_experts_per_tok", defaults["num_experts_per_tok"])),
-                # Mixtral's experts use intermediate_size; Qwen MoE has a separate expert width.
-                "moe_intermediate_size": int(
-                    get("intermediate_size") if family == "mixtral" else get("moe_intermediate_size")
-                ),
-                "norm_topk_prob": True
-                if family == "mixtral"
-                else bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
-                "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", 0))
-                if family == "qwen2_moe"
-                else 0,
-                "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
-                "mlp_only_layers": list(get("mlp_only_layers", [])),
-            }
-        if get("hidden_act", "silu") not in ("silu", "swish"):
+        moe = _moe_from_hf(family, hf, defaults, num_layers, source)
+        if _hf_get(hf, "hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-        attention_bias = bool(get("attention_bias", False))
-        qkv_bias = {
-            "qwen2": True,
-            "qwen2_moe": bool(get("qkv_bias", True)),
-        }.get(family, attention_bias)
         return cls(
             architecture=family,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("intermediate_size", 0)),
+            intermediate_size=int(_hf_get(hf, "intermediate_size", 0)),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rms_norm_eps=float(_hf_get(hf, "rms_norm_eps", defaults["rms_norm_eps"])),
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only. DeepSeek's covers
-            # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj or kv_b_proj).
-            o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False,
-            mlp_bias=bool(get("mlp_bias", False)) if family == "llama" else False,
+            tie_word_embeddings=bool(_hf_get(hf, "tie_word_embeddings", False)),
+            **_biases_from_hf(family, hf),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             layer_types=layer_types,
-            bos_token_id=get("bos_token_id"),
+            bos_token_id=_hf_get(hf, "bos_token_id"),
             eos_token_id=list(eos) if isinstance(eos, list) else [int(eos)],
-            pad_token_id=get("pad_token_id"),
-            dtype=str(get("dtype", get("torch_dtype", "float32"))),
+            pad_token_id=_hf_get(hf, "pad_token_id"),
+            dtype=str(_hf_get(hf, "dtype", _hf_get(hf, "torch_dtype", "float32"))),
             **moe,
             **mla,
         )
@@ -500,6 +455,77 @@ def _refuse_quantized(hf: dict[str, Any], source: str) -> None:
             f"{source}: quantized checkpoints (quantization_config, quant_method {method!r}) are not supported; "
             "use a bfloat16/float16/float32 checkpoint (e.g. DeepSeek's FP8 weights dequantized to bf16)"
         )
+
+
+def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
+    """hf[key], or the default when the key is absent or null."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def _family_from_hf(hf: dict[str, Any], source: str) -> str:
+    """The keel family of the config's `architectures`, or a ConfigError listing the supported ones."""
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
+        raise ConfigError(f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}")
+    return HF_ARCHITECTURES[arch]
+
+
+def _required_from_hf(hf: dict[str, Any], source: str) -> tuple[int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default."""
+    try:
+        return (
+            int(hf["hidden_size"]),
+            int(hf["num_attention_heads"]),
+            int(hf["num_hidden_layers"]),
+            int(hf["vocab_size"]),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def _moe_from_hf(
+    family: str, hf: dict[str, Any], defaults: dict[str, Any], num_layers: int, source: str
+) -> dict[str, Any]:
+    """The ModelConfig fields of the experts (none for a dense family)."""
+    if family == "deepseek_v3":
+        return _deepseek_moe_from_hf(hf, defaults, num_layers, source)
+    if family not in MOE_FAMILIES:
+        return {}
+
+    def get(key: str, default: Any = None) -> Any:
+        return _hf_get(hf, key, default)
+
+    return {
+        "num_experts": int(get("num_local_experts", get("num_experts", 0))),
+        "num_experts_per_tok": int(get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+        # Mixtral's experts use intermediate_size; Qwen MoE has a separate expert width.
+        "moe_intermediate_size": int(get("intermediate_size") if family == "mixtral" else get("moe_intermediate_size")),
+        "norm_topk_prob": True if family == "mixtral" else bool(get("norm_topk_prob", defaults["norm_topk_prob"])),
+        "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", 0))
+        if family == "qwen2_moe"
+        else 0,
+        "decoder_sparse_step": int(get("decoder_sparse_step", 1)),
+        "mlp_only_layers": list(get("mlp_only_layers", [])),
+    }
+
+
+def _biases_from_hf(family: str, hf: dict[str, Any]) -> dict[str, bool]:
+    """qkv_bias, o_bias and mlp_bias: each family spells its biases its own way."""
+    attention_bias = bool(_hf_get(hf, "attention_bias", False))
+    qkv_bias = {
+        "qwen2": True,
+        "qwen2_moe": bool(_hf_get(hf, "qkv_bias", True)),
+    }.get(family, attention_bias)
+    return {
+        "qkv_bias": qkv_bias,
+        # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only. DeepSeek's covers
+        # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj or kv_b_proj).
+        "o_bias": attention_bias if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False,
+        "mlp_bias": bool(_hf_get(hf, "mlp_bias", False)) if family == "llama" else False,
+    }
 
 
 def _hf_or(hf: dict[str, Any], key: str, default: Any) -> Any:

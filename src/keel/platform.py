@@ -107,8 +107,9 @@ class Platform:
 
     @property
     def native_bf16_matmul(self) -> bool:
-        """bf16 matrix products in hardware (AVX512-BF16, AMX, aarch64 BF16): ~2-4x float32 there; elsewhere
-        bf16 is converted to float32 in software and no faster than float32."""
+        """bf16 matrix products in hardware (AVX512-BF16, AMX, aarch64 BF16): faster than float32 there
+        (docs/BENCHMARKS.md, batch scaling); elsewhere bf16 is converted to float32 in software and no
+        faster than float32."""
         return self.avx512_bf16 or self.amx or (self.arch == "aarch64" and self.onednn_bf16)
 
     def describe(self) -> str:
@@ -207,7 +208,7 @@ def auto_dtype(
 
     On CPUs, bf16 where matrix products run in it natively (and for the int8/int4 weight-only
     kernels, which are fast only with bf16 activations); float32 elsewhere, where bf16 is converted in
-    software: measured on an AVX2 CPU, a bf16 product of 64 rows took 5x float32's. float16 has no fast
+    software and a bf16 product is several times float32's (docs/BENCHMARKS.md, the AVX2 path). float16 has no fast
     CPU path at all. A float32 checkpoint stays float32 (bf16 would round it)."""
     p = platform or host()
     if str(device).startswith("cuda"):
@@ -224,8 +225,8 @@ def auto_dtype(
 
 
 # From this many rows, an int8 product on a CPU without native bf16 matmul is faster as float32 weights
-# (dequantized per call) times float32 rows through MKL: measured on an AVX2 CPU, 1 thread, 8 SmolLM2
-# 576x1536 matrices, kernel / dequantized: 26 / 26 ms at 64 rows, 57 / 59 at 128, 262 / 153 at 512.
+# (dequantized per call) times float32 rows through MKL (the crossover measured on an AVX2 CPU:
+# docs/BENCHMARKS.md, the AVX2 path).
 INT8_DEQUANTIZE_ROWS = 128
 
 
@@ -238,10 +239,9 @@ def int8_dequantize_rows(device_type: str = "cpu", platform: Platform | None = N
 
 
 # From this many rows, a bf16 product on a CPU where oneDNN has no bf16 path (aten converts to float32 in
-# software) is faster on the weights upcast to float32 per call, a block at a time, through BLAS:
-# measured on an AVX2 CPU, 2 threads, bf16 / upcast ms at 16 rows: SmolLM2's 576x1536 matrix 1.9 / 1.1,
-# its 49152x576 head 60 / 44 (at 128 rows 15 / 3.2 and 465 / 86); below, the bf16 product (half the
-# bytes read) wins.
+# software) is faster on the weights upcast to float32 per call, a block at a time, through BLAS (the
+# crossover measured on an AVX2 CPU: docs/BENCHMARKS.md, the AVX2 path); below, the bf16 product (half
+# the bytes read) wins.
 BF16_UPCAST_ROWS = 16
 
 

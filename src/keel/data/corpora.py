@@ -61,9 +61,9 @@ bytes (792,097 words as str.split counts them; 32,357 non-blank lines), pure ASC
 Caching
 -------
 Each corpus has a `<name>.txt.sha256` sidecar ("<hex>  <name>.txt", as sha256sum writes it), written
-after the text; every call re-hashes the file (about 10 ms) and prepares it again when the file or the
-sidecar is missing or they disagree (a half-written or edited file). Both are written atomically (a
-temp file in the same directory + os.replace), so concurrent callers never see a partial file.
+after the text; every call re-hashes the file (cheap: docs/BENCHMARKS.md) and prepares it again when the file or the
+sidecar is missing or they disagree (a half-written or edited file). Both are written atomically (keel.atomic: a
+temp file in the same directory, flushed to disk, then renamed), so concurrent callers never see a partial file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Fused projections for serving: q, k and v as one matmul, gate and up as one.
 
 Why: at decode every projection is a matrix-vector product whose cost on CPUs is mostly per call;
-one product over the concatenated weights reads the same bytes in fewer, larger calls (bf16 on
-SmolLM2's shapes: 146 µs per layer instead of 202, the outputs bit-identical: each output is the
-same row's dot product). Done at load by the serving engine, only where all the parts are plain
+one product over the concatenated weights reads the same bytes in fewer, larger calls (timings in
+docs/BENCHMARKS.md, "Fused projections"), and the outputs are bit-identical: each output is the
+same row's dot product. Done at load by the serving engine, only where all the parts are plain
 float `nn.Linear`s (quantized layers keep theirs); training keeps the separate projections (its
 tensor-parallel plans and checkpoints name them). The separate modules are removed, so the fused
 weights take no extra memory.

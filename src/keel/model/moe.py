@@ -122,7 +122,8 @@ class GroupedExperts(nn.Module):
 
 def _local(weight: Tensor) -> Tensor:
     # Under expert parallelism the stacked weights are DTensors sharded on experts: this rank's slice.
-    # (Asked by attribute: importing torch.distributed.tensor costs every process 0.9 s at start-up.)
+    # (Asked by attribute: importing torch.distributed.tensor would add to every process's start-up;
+    # docs/BENCHMARKS.md, "Mixture of experts".)
     to_local = getattr(weight, "to_local", None)
     return to_local() if to_local is not None else weight
 

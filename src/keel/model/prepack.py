@@ -3,20 +3,20 @@ a bf16 path, upcast to float32 for large products where it has none (`prepare_bf
 
 Why: torch's bf16 `F.linear` on CPU already runs oneDNN, but it reorders the plain [out, in] weight
 into oneDNN's blocked layout on every call. Packed once at load, a decode step's matrix-vector
-products skip that work: SmolLM2's 49152x576 LM head takes 2.6 ms instead of 4.4 ms, a 576x3072
-gate/up 47 us instead of 99 (bench: 2 threads, weights hot). The result is bit-identical to
-`F.linear` in bf16 (the same oneDNN kernel after the reorder; checked at every batch size in
-tests/test_prepack.py). Float32 stays as it is: aten's float32 linear is a BLAS sgemm whose sums
+products skip that work (timings in docs/BENCHMARKS.md, "The decode fast path"). The result is
+bit-identical to `F.linear` in bf16 (the same oneDNN kernel after the reorder; checked at every batch
+size in tests/test_prepack.py). Float32 stays as it is: aten's float32 linear is a BLAS sgemm whose sums
 differ from oneDNN's in the last bit.
 
 Under compilation the packed product is a `torch.library` op, so `torch.compile` treats it as one opaque call
 (inductor cannot lower the oneDNN op outside its own weight-freezing pass, which changes results).
 A tied LM head gets its own packed copy (the embedding keeps the plain table for lookups).
 
-Without a oneDNN bf16 path (AVX2 alone), aten converts bf16 to float32 inside its product, some 7x
-slower than float32's sgemm at prefill sizes: `UpcastLinear` keeps the bf16 weight (decode's
-matrix-vector products read half the bytes) and, from `keel.platform.bf16_upcast_rows` rows, runs the
-product as float32 weights upcast per call through BLAS, rounding the output to bf16.
+Without a oneDNN bf16 path (AVX2 alone), aten converts bf16 to float32 inside its product, several
+times slower than float32's sgemm at prefill sizes (docs/BENCHMARKS.md, the AVX2 path): `UpcastLinear`
+keeps the bf16 weight (decode's matrix-vector products read half the bytes) and, from
+`keel.platform.bf16_upcast_rows` rows, runs the product as float32 weights upcast per call through
+BLAS, rounding the output to bf16.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def prepack_available(device: torch.device | str = "cpu") -> bool:
     )
 
 
-# Registered through torch.library's low-level API: an op made with `torch.library.custom_op` costs
-# 16-34 us more per call here (its Python wrappers), which at 121 products per step was 4 ms.
+# Registered through torch.library's low-level API: an op made with `torch.library.custom_op` pays
+# for its Python wrappers on every call, a cost a step's products add up (docs/BENCHMARKS.md).
 _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 

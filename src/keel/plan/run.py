@@ -62,6 +62,29 @@ class RunMemory:
 def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> RunMemory:
     """The predicted peak of one rank of the run `cfg` (model `config`, layout from
     keel.train.config.resolve_layout)."""
+    sizes = _rank_sizes(cfg, config, layout)
+    return max(_moments(cfg, config, layout, sizes), key=lambda m: m.peak)
+
+
+@dataclass(frozen=True)
+class _RankSizes:
+    """What every moment of one rank's step shares: dtypes, parameter counts and the states' bytes."""
+
+    w: int  # bytes per value of the weights' dtype
+    compute: int  # bytes per value of the compute dtype
+    fsdp: bool
+    precision: ActivationPrecision
+    tokens: int  # per forward (per pipeline microbatch with pp > 1)
+    root: float  # parameters of the embedding, head (when untied) and final norm
+    block: float  # parameters of one block
+    layers: int  # blocks on this stage
+    params: float  # parameters on this rank before FSDP's sharding
+    shard: int  # ranks the states are sharded over (1 without FSDP)
+    weights: float  # the rank's sharded weights
+    gathered: float  # gathered (FSDP) or autocast copies of weights alive through backward
+
+
+def _rank_sizes(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> _RankSizes:
     h, vocab = config.hidden_size, config.vocab_size
     w = DTYPE_BYTES[cfg.model.dtype]
     compute = w if cfg.training.precision == "fp32" else 2
@@ -77,31 +100,46 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     params = (root + block * layers) / tp if pp > 1 else counts["total"] / tp
     shard = layout.dp_shard if fsdp else 1
     weights = params * w / shard
-    grads_all = weights  # gradients and AdamW's two moments in the weights' dtype, sharded alike
-    optimizer = 2 * weights
-
     gathered = 0.0
     if fsdp:  # the root's gathered copy, and two blocks' (the one computing, the prefetched one)
         gathered = (root / tp) * compute + 2 * block / tp * compute
     elif precision.autocast:  # the bf16 copies of every matmul weight (the embedding is a lookup)
         gathered = 2 * (params - (0 if config.tie_word_embeddings else vocab * h / tp))
+    return _RankSizes(w, compute, fsdp, precision, tokens, root, block, layers, params, shard, weights, gathered)
 
-    # Activations of the stage: blocks (checkpointed ones keep their input), the final norm and logits.
-    ac = cfg.activation_checkpoint
+
+def _kept_activations(cfg: TrainConfig, config: ModelConfig, layout: Layout, sizes: _RankSizes) -> list[float]:
+    """Activations each block of the stage keeps for backward (checkpointed ones their input), top (last) first."""
+    ac, pp, tp = cfg.activation_checkpoint, layout.pp, layout.tp
     in_flight = min(pp, layout.pp_microbatches) if pp > 1 else 1
-    full_block = layer_activation_bytes(config, tokens, 1, tp, "none", precision) * in_flight
-    kept = []  # per block, top (last) first
-    for i in reversed(range(layers)):
+    kept = []
+    for i in reversed(range(sizes.layers)):
         wrapped = ac.mode == "full" or (ac.mode == "selective" and i % ac.every == 0)
-        kept.append(layer_activation_bytes(config, tokens, 1, tp, "full" if wrapped else "none", precision) * in_flight)
-    head = tokens * (norm_bytes(h, precision) + compute * h + compute * vocab / tp + 4)
+        recipe = "full" if wrapped else "none"
+        kept.append(layer_activation_bytes(config, sizes.tokens, 1, tp, recipe, sizes.precision) * in_flight)
+    return kept
+
+
+def _moments(cfg: TrainConfig, config: ModelConfig, layout: Layout, sizes: _RankSizes) -> list[RunMemory]:
+    """The rank's memory at each candidate peak: backward starts, each block's backward, the root's
+    reduce-scatter under FSDP, the optimizer step."""
+    h, vocab, tp, layers = config.hidden_size, config.vocab_size, layout.tp, sizes.layers
+    w, compute, fsdp, shard, block, root = sizes.w, sizes.compute, sizes.fsdp, sizes.shard, sizes.block, sizes.root
+    tokens, weights = sizes.tokens, sizes.weights
+    grads_all = weights  # gradients and AdamW's two moments in the weights' dtype, sharded alike
+    optimizer = 2 * weights
+    # Activations of the stage: blocks (checkpointed ones keep their input), the final norm and logits.
+    in_flight = min(layout.pp, layout.pp_microbatches) if layout.pp > 1 else 1
+    full_block = layer_activation_bytes(config, tokens, 1, tp, "none", sizes.precision) * in_flight
+    kept = _kept_activations(cfg, config, layout, sizes)
+    head = tokens * (norm_bytes(h, sizes.precision) + compute * h + compute * vocab / tp + 4)
     logits_grad = tokens * compute * vocab / tp + min(CHUNK_BYTES, tokens * 4 * vocab / tp)
     # The head weight's gradient: accumulated in float32 into a float32 parameter; under FSDP the
     # unsharded gradient of the gathered (compute dtype) weight.
     head_grad = (compute if fsdp else 4) * vocab * h / tp
     accumulating = layout.grad_accum > 1
     # FSDP2 keeps unsharded gradients (compute dtype) while gradient sync is off between micro-batches.
-    grads_during = (params * compute if fsdp else grads_all) if accumulating else 0.0
+    grads_during = (sizes.params * compute if fsdp else grads_all) if accumulating else 0.0
     # A block's backward: the gradients flowing in and out (h wide) and of its widest tensors (the
     # MLP's gate, up, SiLU and product); under FSDP its unsharded gradients before the reduce-scatter.
     width = config.intermediate_size
@@ -115,24 +153,19 @@ def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) ->
     block_grads = block / tp * w / shard
     head_params = (vocab * h if not config.tie_word_embeddings else 0) + h
     head_grads = head_params / tp * (compute if fsdp else w)
-
-    moments = [
-        RunMemory(
-            weights + gathered, grads_during, optimizer, sum(kept) + head, logits_grad + head_grad, "backward starts"
-        ),  # fmt: skip
-    ]
+    held = weights + sizes.gathered
+    moments = [RunMemory(held, grads_during, optimizer, sum(kept) + head, logits_grad + head_grad, "backward starts")]
     # Backward block by block, from the last: the gradients of the blocks above exist, the
     # activations of the blocks below are still kept, the current one's are all there (recomputed
     # from its input when it is checkpointed).
     for j in range(layers):
         grads = max(grads_during, head_grads + j * block_grads)
         alive = sum(kept[j + 1 :]) + full_block
-        moment = f"backward of block {layers - 1 - j}"
-        moments.append(RunMemory(weights + gathered, grads, optimizer, alive, block_temp, moment))
+        moments.append(RunMemory(held, grads, optimizer, alive, block_temp, f"backward of block {layers - 1 - j}"))
     if fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
         moments.append(RunMemory(
             weights + root / tp * compute, grads_all - root / tp * w / shard, optimizer, 0.0,
             root / tp * reduce_scatter, "reduce-scatter of the root's gradients",
         ))  # fmt: skip
     moments.append(RunMemory(weights, grads_all, optimizer, 0.0, 0.0, "optimizer step"))
-    return max(moments, key=lambda m: m.peak)
+    return moments

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.plan.hardware import GPU, Cluster
-from keel.plan.params import split_params
+from keel.plan.params import ParamSplit, split_params
 
 # Bytes per weight, scales included: int8 per channel (negligible), int4 per group of 128 (a
 # bf16 scale and zero per 128 values).
@@ -186,6 +186,35 @@ def plan_serving(
     """Every layout of the cluster's GPUs (tp within a node, pp, replicas), best first: those that
     fit, by tokens/s at `batch` sequences per replica (default: as many as fit, at most 256); with a
     `request_rate`, those that sustain it first, at the batch the rate needs."""
+    _check_serving_args(context, weights, kv_dtype, request_rate, output_tokens)
+    gpu = cluster.gpu
+    split = split_params(config)
+    layouts = []
+    for tp in [d for d in (1, 2, 4, 8, 16) if d <= gpu.per_node and cluster.count % d == 0]:
+        for pp in [d for d in range(1, cluster.count // tp + 1) if (cluster.count // tp) % d == 0]:
+            if pp > config.num_layers:
+                break
+            layout, shape = _serve_layout(
+                config, cluster, split, tp, pp, context, weights, kv_dtype, batch, block_size, utilization, mfu
+            )
+            # tpot_ok judges decode_ms at the layout's own batch, before _apply_rate replaces it with the rate's TPOT.
+            if ttft_s is not None:
+                layout.ttft_ok = layout.prefill_s <= ttft_s
+            if tpot_ms is not None:
+                layout.tpot_ok = layout.decode_ms <= tpot_ms
+            if request_rate is not None and layout.fits:
+                _apply_rate(layout, shape, request_rate / layout.replicas, output_tokens,
+                            _prefill_s(config, split.active_matmul, context - output_tokens, tp,
+                                       gpu.bf16_flops * mfu))  # fmt: skip
+            layouts.append(layout)
+    _rank(layouts, request_rate)
+    return layouts
+
+
+def _check_serving_args(
+    context: int, weights: str, kv_dtype: str, request_rate: float | None, output_tokens: int
+) -> None:
+    """The plan's arguments, checked with the messages the CLI flags are named in."""
     if request_rate is not None and request_rate <= 0:
         raise KeelError(f"--request-rate must be > 0, got {request_rate}")
     if request_rate is not None and not 1 <= output_tokens < context:
@@ -196,60 +225,68 @@ def plan_serving(
         raise KeelError(f"--kv-cache-dtype {kv_dtype!r}: choose from {', '.join(KV_BYTES)}")
     if context < 1:
         raise KeelError(f"--context must be >= 1, got {context}")
-    gpu, wbytes = cluster.gpu, WEIGHT_BYTES[weights]
-    split = split_params(config)
-    sharded, routed, active = split.dense, split.routed, split.active_matmul
-    layouts = []
-    for tp in [d for d in (1, 2, 4, 8, 16) if d <= gpu.per_node and cluster.count % d == 0]:
-        for pp in [d for d in range(1, cluster.count // tp + 1) if (cluster.count // tp) % d == 0]:
-            if pp > config.num_layers:
-                break
-            replicas = cluster.count // (tp * pp)
-            ep = tp
-            weights_gpu = (sharded / tp + routed / ep) * wbytes / pp
-            free = gpu.memory * utilization - gpu.memory * 0.05 - weights_gpu
-            fits = free > 0
-            share = 1.0
-            if not fits and routed:
-                # Offloading: keep the non-expert part and a KV reserve of one sequence, fill the rest with experts.
-                kv_one = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype) * context
-                room = gpu.memory * (utilization - 0.05) - sharded / tp * wbytes / pp - kv_one
-                share = max(0.0, min(1.0, room / (routed / ep * wbytes / pp)))
-            kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
-            kv_free = max(free, 0.0)
-            blocks = int(kv_free // (kv_token * block_size)) if kv_token else 0
-            tokens = blocks * block_size
-            sequences = blocks // -(-context // block_size)
-            b = batch or max(1, min(sequences, 256))
 
-            shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu)
-            decode1, *_ = shape.step(1)
-            decode_b, *_ = shape.step(b)
-            bound = 1  # weights only: the KV reads grow with the batch as the compute does
-            while bound < 1 << 16 and not shape.compute_bound(bound):
-                bound *= 2
-            prefill = _prefill_s(config, active, context, tp, gpu.bf16_flops * mfu)
-            layout = ServeLayout(
-                tp=tp, pp=pp, ep=ep, replicas=replicas, weights_gb=weights_gpu / 1e9, kv_gb=kv_free / 1e9,
-                kv_bytes_per_token=kv_token, tokens=tokens, sequences=sequences, fits=fits and sequences > 0,
-                resident_expert_share=share if not fits else 1.0, decode_ms_batch1=decode1, decode_ms=decode_b,
-                batch=b, tokens_per_s=replicas * b * 1000 / decode_b,
-                compute_bound_batch=bound if shape.compute_bound(bound) else 0, prefill_s=prefill,
-            )  # fmt: skip
-            if request_rate is not None and layout.fits:
-                _apply_rate(layout, shape, request_rate / replicas, output_tokens,
-                            _prefill_s(config, active, context - output_tokens, tp, gpu.bf16_flops * mfu))  # fmt: skip
-            if ttft_s is not None:
-                layout.ttft_ok = prefill <= ttft_s
-            if tpot_ms is not None:
-                layout.tpot_ok = decode_b <= tpot_ms
-            layouts.append(layout)
-    if request_rate is not None:  # those that sustain the rate, by time per output token; then by capacity
+
+def _serve_layout(
+    config: ModelConfig,
+    cluster: Cluster,
+    split: ParamSplit,
+    tp: int,
+    pp: int,
+    context: int,
+    weights: str,
+    kv_dtype: str,
+    batch: int | None,
+    block_size: int,
+    utilization: float,
+    mfu: float,
+) -> tuple[ServeLayout, _Shape]:
+    """One tp x pp layout: its memory, KV capacity and roofline times (ep = tp), and the roofline itself."""
+    gpu, wbytes = cluster.gpu, WEIGHT_BYTES[weights]
+    sharded, routed, active = split.dense, split.routed, split.active_matmul
+    replicas = cluster.count // (tp * pp)
+    ep = tp
+    weights_gpu = (sharded / tp + routed / ep) * wbytes / pp
+    free = gpu.memory * utilization - gpu.memory * 0.05 - weights_gpu
+    fits = free > 0
+    share = 1.0
+    if not fits and routed:
+        # Offloading: keep the non-expert part and a KV reserve of one sequence, fill the rest with experts.
+        kv_one = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype) * context
+        room = gpu.memory * (utilization - 0.05) - sharded / tp * wbytes / pp - kv_one
+        share = max(0.0, min(1.0, room / (routed / ep * wbytes / pp)))
+    kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
+    kv_free = max(free, 0.0)
+    blocks = int(kv_free // (kv_token * block_size)) if kv_token else 0
+    tokens = blocks * block_size
+    sequences = blocks // -(-context // block_size)
+    b = batch or max(1, min(sequences, 256))
+
+    shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu)
+    decode1, *_ = shape.step(1)
+    decode_b, *_ = shape.step(b)
+    bound = 1  # weights only: the KV reads grow with the batch as the compute does
+    while bound < 1 << 16 and not shape.compute_bound(bound):
+        bound *= 2
+    prefill = _prefill_s(config, active, context, tp, gpu.bf16_flops * mfu)
+    layout = ServeLayout(
+        tp=tp, pp=pp, ep=ep, replicas=replicas, weights_gb=weights_gpu / 1e9, kv_gb=kv_free / 1e9,
+        kv_bytes_per_token=kv_token, tokens=tokens, sequences=sequences, fits=fits and sequences > 0,
+        resident_expert_share=share if not fits else 1.0, decode_ms_batch1=decode1, decode_ms=decode_b,
+        batch=b, tokens_per_s=replicas * b * 1000 / decode_b,
+        compute_bound_batch=bound if shape.compute_bound(bound) else 0, prefill_s=prefill,
+    )  # fmt: skip
+    return layout, shape
+
+
+def _rank(layouts: list[ServeLayout], request_rate: float | None) -> None:
+    """Sort best first: with a request rate, those that sustain it by time per output token, then by capacity;
+    otherwise those that fit by tokens/s, then the rest by the share of experts that stays resident."""
+    if request_rate is not None:
         layouts.sort(key=lambda lay: (not lay.fits, not lay.rate_ok,
                                       lay.decode_ms if lay.rate_ok else -(lay.max_request_rate or 0.0)))  # fmt: skip
-        return layouts
+        return
     layouts.sort(key=lambda lay: (not lay.fits, -(lay.tokens_per_s if lay.fits else lay.resident_expert_share)))
-    return layouts
 
 
 def _prefill_s(config: ModelConfig, active: float, tokens: int, tp: int, flops: float) -> float:

@@ -43,7 +43,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.plan.activations import layer_activation_bytes
 from keel.plan.hardware import GPU, Cluster
-from keel.plan.params import split_params
+from keel.plan.params import ParamSplit, split_params
 from keel.plan.zero import StateBytes, zero_breakdown
 
 OPTIMIZERS = {
@@ -129,6 +129,61 @@ def evaluate(
     optimizer: str = "adamw",
 ) -> TrainLayout | None:
     """One layout's memory and step time; None when it is not a layout of this cluster/model."""
+    shape = _layout_shape(
+        config, cluster, seq, global_batch_tokens, tp, pp, ep, zero, micro_batch, recompute, schedule, dp_shard
+    )
+    if shape is None or (precision == "fp8" and cluster.gpu.fp8_flops is None):
+        return None
+    split = split_params(config)
+    memory = _memory(config, split, shape, OPTIMIZERS[optimizer])
+    time = _step_time(config, cluster, global_batch_tokens, split, shape, memory, mfu, precision)
+    parts, active = memory.parts, split.active_matmul
+    return TrainLayout(
+        tp=tp, pp=pp, dp=shape.dp, ep=ep, zero=zero, dp_shard=shape.shard, micro_batch=micro_batch,
+        microbatches=shape.m, recompute=recompute, schedule=schedule if pp > 1 else "-",
+        weights_gb=parts[0] / 1e9, grads_gb=parts[1] / 1e9, optimizer_gb=parts[2] / 1e9,
+        states_gb=memory.states / 1e9, layer_activations_gb=memory.full_layer / 1e9,
+        layer_activations_recompute_gb=memory.kept_layer / 1e9, activations_gb=memory.activations / 1e9,
+        buffers_gb=memory.buffers / 1e9, total_gb=memory.total / 1e9,
+        fits=memory.total <= cluster.gpu.memory * utilization, step_s=time.step, compute_s=time.compute,
+        bubble=time.bubble, comm_s=time.exposed, tokens_per_s_per_gpu=time.tokens_gpu / time.step,
+        mfu=6 * active * time.tokens_gpu / time.step / time.peak,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A layout that fits the cluster and the model: its ranks and how the global batch splits."""
+
+    seq: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    zero: int
+    shard: int  # ranks the ZeRO states are sharded over
+    micro_batch: int
+    m: int  # micro-batches per pipeline per step
+    chunks: int  # pipeline stages per rank
+    recompute: str
+    schedule: str
+
+
+def _layout_shape(
+    config: ModelConfig,
+    cluster: Cluster,
+    seq: int,
+    global_batch_tokens: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    zero: int,
+    micro_batch: int,
+    recompute: str,
+    schedule: str,
+    dp_shard: int | None,
+) -> _Shape | None:
+    """The layout's dp, ZeRO shard and micro-batch count; None when the degrees do not fit the cluster/model."""
     gpu, n = cluster.gpu, cluster.count
     if n % (tp * pp) or tp > gpu.per_node:
         return None
@@ -149,65 +204,98 @@ def evaluate(
     chunks = 2 if pp > 1 and schedule in ("interleaved", "zbv") else 1
     if pp > 1 and config.num_layers < pp * chunks:
         return None
-    if precision == "fp8" and gpu.fp8_flops is None:
-        return None
-    split = split_params(config)
-    dense, routed, active = split.dense, split.routed, split.active_matmul
-    dense_gpu = dense / (tp * pp)
-    routed_gpu = routed / (ep * pp)
-    state = OPTIMIZERS[optimizer]
-    dense_parts = zero_breakdown(dense_gpu, shard, zero, state)
-    routed_parts = zero_breakdown(routed_gpu, shard // ep, zero, state)
+    return _Shape(seq, tp, pp, dp, ep, zero, shard, micro_batch, m, chunks, recompute, schedule)
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """Bytes per GPU of one layout."""
+
+    params_gpu: float  # parameters held per GPU before ZeRO sharding (dense / (tp pp) + routed / (ep pp))
+    layers: int  # per pipeline stage
+    parts: list[float]  # weights, grads, optimizer
+    states: float
+    full_layer: float
+    kept_layer: float
+    activations: float
+    buffers: float
+    total: float
+
+
+def _memory(config: ModelConfig, split: ParamSplit, shape: _Shape, state: StateBytes) -> _Memory:
+    """Model states, activations and buffers per GPU (the module docstring gives the model)."""
+    tp, pp, m, micro_batch, seq = shape.tp, shape.pp, shape.m, shape.micro_batch, shape.seq
+    dense_gpu = split.dense / (tp * pp)
+    routed_gpu = split.routed / (shape.ep * pp)
+    dense_parts = zero_breakdown(dense_gpu, shape.shard, shape.zero, state)
+    routed_parts = zero_breakdown(routed_gpu, shape.shard // shape.ep, shape.zero, state)
     parts = [a + b for a, b in zip(dense_parts, routed_parts, strict=True)]  # weights, grads, optimizer
     states = sum(parts)
     layers = -(-config.num_layers // pp)
     in_flight = 1.0
     if pp > 1:
-        in_flight = min(pp, m) * (1 + (pp - 1) / (pp * chunks) if schedule == "interleaved" else 1)
+        in_flight = min(pp, m) * (1 + (pp - 1) / (pp * shape.chunks) if shape.schedule == "interleaved" else 1)
     full_layer = layer_activation_bytes(config, seq, micro_batch, tp, "none")
     kept_layer = layer_activation_bytes(config, seq, micro_batch, tp, "full")
-    checkpointed = {"none": 0, "selective": layers // 2, "full": layers}[recompute]
+    checkpointed = {"none": 0, "selective": layers // 2, "full": layers}[shape.recompute]
     per_microbatch = (layers - checkpointed) * full_layer + checkpointed * kept_layer
     recomputing = full_layer if checkpointed else 0.0  # the one block being recomputed in backward
     logits = micro_batch * seq * config.vocab_size * 4 / tp
     activations = per_microbatch * in_flight + recomputing + logits
-    layer_params = (dense_gpu + routed_gpu) / max(1, layers)
-    buffers = (2 * 2 * layer_params if zero == 3 else 0) + 2 * layer_params
+    params_gpu = dense_gpu + routed_gpu
+    layer_params = params_gpu / max(1, layers)
+    buffers = (2 * 2 * layer_params if shape.zero == 3 else 0) + 2 * layer_params
     total = states + activations + buffers
-    fits = total <= gpu.memory * utilization
+    return _Memory(params_gpu, layers, parts, states, full_layer, kept_layer, activations, buffers, total)
 
-    tokens_gpu = global_batch_tokens / n
+
+@dataclass(frozen=True)
+class _StepTime:
+    tokens_gpu: float
+    peak: float  # FLOP/s of the precision used
+    compute: float
+    bubble: float
+    exposed: float  # communication not hidden behind compute
+    step: float
+
+
+def _step_time(
+    config: ModelConfig,
+    cluster: Cluster,
+    global_batch_tokens: int,
+    split: ParamSplit,
+    shape: _Shape,
+    memory: _Memory,
+    mfu: float,
+    precision: str,
+) -> _StepTime:
+    """Roofline compute stretched by the pipeline bubble, plus the communication it does not hide."""
+    gpu, tp, pp, ep, seq, layers = cluster.gpu, shape.tp, shape.pp, shape.ep, shape.seq, memory.layers
+    tokens_gpu = global_batch_tokens / cluster.count
     attention = 6 * config.num_layers * seq * config.num_heads * config.head_dim  # causal QK and PV, fwd + bwd
     peak = gpu.fp8_flops if precision == "fp8" else gpu.bf16_flops
-    compute = tokens_gpu * (6 * active / peak + attention / gpu.bf16_flops) / mfu * RECOMPUTE_COST[recompute]
-    bubble = _bubble(schedule, pp, m)
+    active = split.active_matmul
+    compute = tokens_gpu * (6 * active / peak + attention / gpu.bf16_flops) / mfu * RECOMPUTE_COST[shape.recompute]
+    bubble = _bubble(shape.schedule, pp, shape.m)
     pipeline = compute / (1 - bubble)
     comm = 0.0
     if tp > 1:  # 4 all-reduces per layer per micro-batch (2 forward, 2 backward), ring
-        per = micro_batch * seq * config.hidden_size * 2
-        comm += 4 * layers * m * 2 * per * (tp - 1) / tp / gpu.link
+        per = shape.micro_batch * seq * config.hidden_size * 2
+        comm += 4 * layers * shape.m * 2 * per * (tp - 1) / tp / gpu.link
     if ep > 1:  # dispatch + combine, forward + backward, of each token's k slots
         slots = tokens_gpu * config.num_experts_per_tok * config.hidden_size * 2
         comm += 4 * split.moe_layers / pp * slots * (ep - 1) / ep / _bandwidth(gpu, ep, tp)
-    weights_bytes = 2 * (dense_gpu + routed_gpu)
-    zero_volume = (3 if zero == 3 else 2) * weights_bytes  # AG fwd + AG bwd + RS, or RS + AG of ZeRO-1
+    weights_bytes = 2 * memory.params_gpu
+    zero3, shard = shape.zero == 3, shape.shard
+    zero_volume = (3 if zero3 else 2) * weights_bytes  # AG fwd + AG bwd + RS, or RS + AG of ZeRO-1
     # One collective per layer and kind (FSDP's per-layer units; ZeRO-1's buckets about as many).
-    zero_s = _ring(zero_volume, shard, _bandwidth(gpu, shard, tp * pp), collectives=(3 if zero == 3 else 2) * layers)
-    replicas = dp // shard
+    zero_s = _ring(zero_volume, shard, _bandwidth(gpu, shard, tp * pp), collectives=(3 if zero3 else 2) * layers)
+    replicas = shape.dp // shard
     if replicas > 1:  # HSDP: the replicas all-reduce their gradient shard (2x a ring's volume)
         stride = tp * pp * shard
         zero_s += _ring(2 * weights_bytes / shard, replicas, _bandwidth(gpu, replicas, stride), collectives=2 * layers)
     exposed = comm + max(0.0, zero_s - pipeline)
-    step = pipeline + exposed
-    return TrainLayout(
-        tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, dp_shard=shard, micro_batch=micro_batch, microbatches=m,
-        recompute=recompute, schedule=schedule if pp > 1 else "-",
-        weights_gb=parts[0] / 1e9, grads_gb=parts[1] / 1e9, optimizer_gb=parts[2] / 1e9, states_gb=states / 1e9,
-        layer_activations_gb=full_layer / 1e9, layer_activations_recompute_gb=kept_layer / 1e9,
-        activations_gb=activations / 1e9, buffers_gb=buffers / 1e9, total_gb=total / 1e9,
-        fits=fits, step_s=step, compute_s=compute, bubble=bubble, comm_s=exposed,
-        tokens_per_s_per_gpu=tokens_gpu / step, mfu=6 * active * tokens_gpu / step / peak,
-    )  # fmt: skip
+    return _StepTime(tokens_gpu, peak, compute, bubble, exposed, pipeline + exposed)
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

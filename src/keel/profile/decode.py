@@ -41,6 +41,7 @@ from keel.profile.roofline import copy_bandwidth, kv_bytes_per_token, streamed_w
 PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes", "MLP / experts", "LM head",
          "sampling", "scheduling", "other operators")  # fmt: skip
 SCOPE = "keel::"
+DECODE_WARMUP = 4  # decode steps before the timed ones
 PREFILL_STEPS = 3  # prefills timed (and as many profiled): one alone is too noisy on a busy CPU
 
 
@@ -236,15 +237,13 @@ def profile_decode(
     """Profile `steps` decode steps of `batch` sequences (each `prompt_tokens` long at the start), and
     one prefill of `prefill` tokens."""
     from keel.serve.engine import EngineConfig, LLMEngine
-    from keel.serve.sampling import SamplingParams
 
     for option, value in (("--batch", batch), ("--steps", steps), ("--prompt-tokens", prompt_tokens)):
         if value < 1:
             raise KeelError(f"{option} must be >= 1, got {value}")
     if prefill is not None and prefill < 0:
         raise KeelError(f"--prefill must be >= 0, got {prefill}")
-    warmup = 4
-    max_tokens = 3 * steps + warmup + 2  # the timed pass and the two profiled ones
+    max_tokens = 3 * steps + DECODE_WARMUP + 2  # the timed pass and the two profiled ones
     per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
     blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
@@ -259,33 +258,19 @@ def profile_decode(
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(n)]
 
-    # Decode: every sequence prefilled, a few steps to warm up, then the timed and profiled steps.
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(prompt(prompt_tokens), params)
-    for _ in range(warmup + 1):  # one step prefills every prompt (the token budget holds them)
-        engine.step()
-    decode = _profile_steps(engine, steps, "decode", batch, batch, trace)
+    decode = _profile_decode_pass(engine, batch, steps, prompt_tokens, max_tokens, prompt, trace)
     weights = streamed_weight_bytes(engine.model)
     per_token = kv_bytes_per_token(engine.cache)
     # Each step reads every sequence's cached tokens: the mean over the three passes.
     decode.weight_bytes = weights
-    decode.kv_bytes = per_token * batch * (prompt_tokens + warmup + 1.5 * steps)
+    decode.kv_bytes = per_token * batch * (prompt_tokens + DECODE_WARMUP + 1.5 * steps)
 
     prefill_profile = None
     if prefill:
-        # The loaded (and already quantized) model, one request per step: the first PREFILL_STEPS
-        # prompts are prefilled under the timer, the next ones in the two profiled passes.
+        # The loaded (and already quantized) model, one request per step.
         engine = LLMEngine(engine.loaded, dataclasses.replace(config, quantize=None, max_num_seqs=1,
                                                                max_num_batched_tokens=max(2048, prefill)))  # fmt: skip
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        for _ in range(2):  # warm-up
-            engine.add_request(prompt(prefill), one)
-            while engine.has_unfinished_requests():
-                engine.step()
-        for _ in range(3 * PREFILL_STEPS):  # one request per step of each pass
-            engine.add_request(prompt(prefill), one)
-        prefill_profile = _profile_steps(engine, PREFILL_STEPS, "prefill", 1, prefill, None)
+        prefill_profile = _profile_prefill_pass(engine, prefill, prompt)
         prefill_profile.weight_bytes = weights
         prefill_profile.kv_bytes = per_token * prefill  # written once
     return DecodeProfile(
@@ -293,3 +278,38 @@ def profile_decode(
         threads=torch.get_num_threads(), device=str(engine.model.device),
         copy_bandwidth=copy_bandwidth(device=engine.model.device), decode=decode, prefill=prefill_profile,
     )  # fmt: skip
+
+
+def _profile_decode_pass(
+    engine,
+    batch: int,
+    steps: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    prompt: Callable[[int], list[int]],
+    trace: str | None,
+) -> StepProfile:
+    """Every sequence prefilled, a few steps to warm up, then the timed and profiled decode steps."""
+    from keel.serve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(prompt(prompt_tokens), params)
+    for _ in range(DECODE_WARMUP + 1):  # one step prefills every prompt (the token budget holds them)
+        engine.step()
+    return _profile_steps(engine, steps, "decode", batch, batch, trace)
+
+
+def _profile_prefill_pass(engine, prefill: int, prompt: Callable[[int], list[int]]) -> StepProfile:
+    """Two warm-up prefills, then one request per step: the first PREFILL_STEPS prompts are prefilled
+    under the timer, the next ones in the two profiled passes."""
+    from keel.serve.sampling import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # warm-up
+        engine.add_request(prompt(prefill), one)
+        while engine.has_unfinished_requests():
+            engine.step()
+    for _ in range(3 * PREFILL_STEPS):  # one request per step of each pass
+        engine.add_request(prompt(prefill), one)
+    return _profile_steps(engine, PREFILL_STEPS, "prefill", 1, prefill, None)

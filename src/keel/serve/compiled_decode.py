@@ -177,7 +177,7 @@ class CompiledDecode:
         options = {
             "emulate_precision_casts": True,
             # The served model's modules never change: checking their ~300 tensors on every call
-            # (dynamo's guards) cost 0.85 ms of a 25 ms SmolLM2 step; the step's inputs stay guarded.
+            # (dynamo's guards) is a cost of every step (docs/BENCHMARKS.md); the step's inputs stay guarded.
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
         }
         # torch.compile caches graphs per code object, and the guards above no longer tell two engines'
@@ -188,9 +188,9 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.steps = 0
         # On CPU a batch-1 step is its weights' matrix-vector products, which compiling does not
-        # change; measured, the compiled batch-1 step ran 0.8-1.0x eager's (bench/quant_decode.py)
-        # while batches of 8-64 ran 1.2x. So on CPU only batches of 2 or more run compiled (one
-        # graph); on CUDA every batch does (CUDA graphs remove per-kernel launches at any size).
+        # change: measured no faster compiled, while batches of 8-64 gained (docs/BENCHMARKS.md, "The
+        # decode fast path"). So on CPU only batches of 2 or more run compiled (one graph); on CUDA
+        # every batch does (CUDA graphs remove per-kernel launches at any size).
         self.min_batch = 1 if self.device.type == "cuda" else 2
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, widths: Tensor) -> Tensor:

@@ -79,7 +79,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -89,6 +88,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from keel.atomic import write_text_atomic
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
 
@@ -710,17 +710,8 @@ def result_to_json(result: BenchmarkResult) -> dict[str, Any]:
 
 
 def write_result_file(result: BenchmarkResult, path: str | Path) -> Path:
-    """Write the JSON atomically (temp file in the same directory + os.replace): never a half file."""
+    """Write the JSON atomically (keel.atomic: temp file in the same directory, fsync, rename): never a half file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result_to_json(result), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(result_to_json(result), indent=2, allow_nan=False) + "\n")
     return path

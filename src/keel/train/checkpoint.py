@@ -25,7 +25,6 @@ Resume on another world size or layout: DCP reshards model and optimizer state o
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import time
@@ -44,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from keel.atomic import atomic_file, replace_dir
 
 log = logging.getLogger("keel.train")
 
@@ -137,8 +138,8 @@ class CheckpointManager:
         _barrier(None)
         start = time.perf_counter()
         state = {"model": parts.model_state(), "optim": parts.optim_state()}
-        torch.save(trainer_state, _atomic_target(tmp / f"trainer-rank-{_rank()}.pt"))
-        os.replace(tmp / f"trainer-rank-{_rank()}.pt.part", tmp / f"trainer-rank-{_rank()}.pt")
+        with atomic_file(tmp / f"trainer-rank-{_rank()}.pt") as f:
+            torch.save(trainer_state, f)
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
             self._pending = (future, tmp, final, step)
@@ -170,7 +171,7 @@ class CheckpointManager:
             (tmp / COMPLETE).write_text(f"{step}\n")
             if final.exists():
                 shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)  # the files on disk before the rename publishes them
             self._prune()
         _barrier(self._group)
 
@@ -197,7 +198,3 @@ class CheckpointManager:
         if _rank() != 0 and own.exists():
             trainer["rng"] = torch.load(own, weights_only=False).get("rng", trainer.get("rng"))
         return trainer
-
-
-def _atomic_target(path: Path) -> Path:
-    return path.with_name(path.name + ".part")

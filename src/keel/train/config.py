@@ -12,7 +12,7 @@ import json
 import math
 import re
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -461,6 +461,39 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
 
     if world_size < 1:
         raise fail(f"the world size must be >= 1, got {world_size}")
+    dp_shard = _dp_shard(par, world_size, fail)
+    dp = par.dp_replicate * dp_shard
+    micro = train.micro_batch_size
+    if train.global_batch_size % (micro * dp):
+        raise fail(
+            f"training: global_batch_size = {train.global_batch_size} is not divisible by "
+            f"micro_batch_size * dp = {micro} * {dp} = {micro * dp}"
+        )
+    grad_accum = train.global_batch_size // (micro * dp)
+    microbatches, stages_per_rank = _pipeline_schedule(cfg, fail)
+    _check_expert_and_sequence_parallel(cfg, dp_shard, fail)
+    if model is None and cfg.model.config is not None:
+        model = model_config_from(cfg.model.config)
+    if model is not None:
+        _check_model_fits(cfg, model, stages_per_rank, fail)
+
+    return Layout(
+        world_size=world_size,
+        pp=par.pp,
+        dp_replicate=par.dp_replicate,
+        dp_shard=dp_shard,
+        tp=par.tp,
+        dp=dp,
+        micro_batch_size=micro,
+        grad_accum=grad_accum,
+        pp_microbatches=microbatches,
+        pp_stages_per_rank=stages_per_rank,
+        ep=par.ep,
+    )
+
+
+def _dp_shard(par: ParallelSection, world_size: int, fail: Callable[[str], ConfigError]) -> int:
+    """dp_shard, with -1 resolved to the ranks pp * dp_replicate * tp leave; the product checked against the world."""
     dp_shard = par.dp_shard
     if dp_shard == -1:
         fixed = par.pp * par.dp_replicate * par.tp
@@ -476,83 +509,73 @@ def resolve_layout(cfg: TrainConfig, world_size: int, model: ModelConfig | None 
             f"parallel: pp*dp_replicate*dp_shard*tp = {par.pp}*{par.dp_replicate}*{dp_shard}*{par.tp} = {product}, "
             f"but the world size is {world_size}"
         )
-    dp = par.dp_replicate * dp_shard
-    micro = train.micro_batch_size
-    if train.global_batch_size % (micro * dp):
+    return dp_shard
+
+
+def _pipeline_schedule(cfg: TrainConfig, fail: Callable[[str], ConfigError]) -> tuple[int, int]:
+    """(pp_microbatches, pp_stages_per_rank), checked against the schedule; (1, 1) without a pipeline."""
+    par, micro = cfg.parallel, cfg.training.micro_batch_size
+    if par.pp <= 1:  # without a pipeline the schedule settings do not apply (so --set parallel.pp=1 just works)
+        return 1, 1
+    microbatches = par.pp_microbatches or par.pp
+    stages_per_rank = par.pp_stages_per_rank
+    schedule = par.pp_schedule
+    if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
         raise fail(
-            f"training: global_batch_size = {train.global_batch_size} is not divisible by "
-            f"micro_batch_size * dp = {micro} * {dp} = {micro * dp}"
+            f"parallel: pp_schedule {schedule!r} runs one stage per rank, but pp_stages_per_rank = "
+            f"{stages_per_rank} (use interleaved1f1b or zbv)"
         )
-    grad_accum = train.global_batch_size // (micro * dp)
+    if schedule == "interleaved1f1b" and stages_per_rank < 2:
+        raise fail("parallel: pp_schedule 'interleaved1f1b' needs pp_stages_per_rank >= 2")
+    if schedule == "zbv" and stages_per_rank != 2:
+        raise fail(f"parallel: pp_schedule 'zbv' needs pp_stages_per_rank = 2, got {stages_per_rank}")
+    if cfg.log.memory_breakdown:
+        raise fail("log.memory_breakdown: not available with pipeline parallelism (a schedule runs each stage "
+                   "several times per step, which torch's MemTracker does not follow)")  # fmt: skip
+    if micro % microbatches:
+        raise fail(
+            f"parallel: pp_microbatches = {microbatches} does not divide training.micro_batch_size = {micro} "
+            "(each pipeline step splits one micro-batch into pp_microbatches pieces)"
+        )
+    if schedule == "1f1b" and microbatches < par.pp:
+        raise fail(f"parallel: pp_schedule '1f1b' needs pp_microbatches >= pp = {par.pp}, got {microbatches}")
+    rounds = max(1, microbatches // par.pp)
+    if schedule == "interleaved1f1b" and microbatches % rounds:
+        raise fail(
+            f"parallel: pp_schedule 'interleaved1f1b' needs pp_microbatches ({microbatches}) to be a multiple "
+            f"of its rounds (pp_microbatches // pp = {rounds})"
+        )
+    return microbatches, stages_per_rank
 
-    microbatches, stages_per_rank = 1, 1
-    if par.pp > 1:  # without a pipeline the schedule settings do not apply (so --set parallel.pp=1 just works)
-        microbatches = par.pp_microbatches or par.pp
-        stages_per_rank = par.pp_stages_per_rank
-        schedule = par.pp_schedule
-        if schedule in ("gpipe", "1f1b") and stages_per_rank != 1:
-            raise fail(
-                f"parallel: pp_schedule {schedule!r} runs one stage per rank, but pp_stages_per_rank = "
-                f"{stages_per_rank} (use interleaved1f1b or zbv)"
-            )
-        if schedule == "interleaved1f1b" and stages_per_rank < 2:
-            raise fail("parallel: pp_schedule 'interleaved1f1b' needs pp_stages_per_rank >= 2")
-        if schedule == "zbv" and stages_per_rank != 2:
-            raise fail(f"parallel: pp_schedule 'zbv' needs pp_stages_per_rank = 2, got {stages_per_rank}")
-        if cfg.log.memory_breakdown:
-            raise fail("log.memory_breakdown: not available with pipeline parallelism (a schedule runs each stage "
-                       "several times per step, which torch's MemTracker does not follow)")  # fmt: skip
-        if micro % microbatches:
-            raise fail(
-                f"parallel: pp_microbatches = {microbatches} does not divide training.micro_batch_size = {micro} "
-                "(each pipeline step splits one micro-batch into pp_microbatches pieces)"
-            )
-        if schedule == "1f1b" and microbatches < par.pp:
-            raise fail(f"parallel: pp_schedule '1f1b' needs pp_microbatches >= pp = {par.pp}, got {microbatches}")
-        rounds = max(1, microbatches // par.pp)
-        if schedule == "interleaved1f1b" and microbatches % rounds:
-            raise fail(
-                f"parallel: pp_schedule 'interleaved1f1b' needs pp_microbatches ({microbatches}) to be a multiple "
-                f"of its rounds (pp_microbatches // pp = {rounds})"
-            )
 
+def _check_expert_and_sequence_parallel(cfg: TrainConfig, dp_shard: int, fail: Callable[[str], ConfigError]) -> None:
+    """Expert parallelism takes data-parallel ranks; sequence parallelism splits seq_len over tp."""
+    par = cfg.parallel
     if par.ep > 1:
         if dp_shard % par.ep:
             raise fail(f"parallel: ep = {par.ep} must divide dp_shard = {dp_shard} (experts take data-parallel ranks)")
         if par.tp > 1:
             raise fail("parallel: ep > 1 with tp > 1 is not supported (MoE blocks are not tensor-parallel)")
-
     if par.tp > 1 and par.sequence_parallel and cfg.data.seq_len % par.tp:
         raise fail(f"data: seq_len = {cfg.data.seq_len} is not divisible by tp = {par.tp} (sequence parallelism)")
 
-    if model is None and cfg.model.config is not None:
-        model = model_config_from(cfg.model.config)
-    if model is not None:
-        stages = par.pp * stages_per_rank
-        if model.num_layers < stages:
-            raise fail(f"parallel: {stages} pipeline stages but the model has {model.num_layers} layers")
-        for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
-            if count % par.tp:
-                raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
-        if par.tp > 1 and model.is_mla:
-            raise fail("parallel: tp > 1 is not supported for multi-head latent attention (DeepSeek-V3) yet")
-        if par.ep > 1 and not model.is_moe:
-            raise fail(f"parallel: ep = {par.ep} needs a mixture-of-experts model")
-        if par.ep > 1 and model.num_experts % par.ep:
-            raise fail(f"parallel: ep = {par.ep} does not divide the model's {model.num_experts} experts")
-        if cfg.moe.bias_update_rate and not (model.is_moe and model.router_bias):
-            raise fail("moe: bias_update_rate needs routers with a selection bias (DeepSeek-V3's router_bias)")
 
-    return Layout(
-        world_size=world_size,
-        pp=par.pp,
-        dp_replicate=par.dp_replicate,
-        dp_shard=dp_shard,
-        tp=par.tp,
-        dp=dp,
-        micro_batch_size=micro,
-        grad_accum=grad_accum,
-        pp_microbatches=microbatches,
-        pp_stages_per_rank=stages_per_rank,
-        ep=par.ep,
-    )
+def _check_model_fits(
+    cfg: TrainConfig, model: ModelConfig, stages_per_rank: int, fail: Callable[[str], ConfigError]
+) -> None:
+    """The checks that need the model's shape: layers per pipeline stage, heads over tp, experts over ep."""
+    par = cfg.parallel
+    stages = par.pp * stages_per_rank
+    if model.num_layers < stages:
+        raise fail(f"parallel: {stages} pipeline stages but the model has {model.num_layers} layers")
+    for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
+        if count % par.tp:
+            raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
+    if par.tp > 1 and model.is_mla:
+        raise fail("parallel: tp > 1 is not supported for multi-head latent attention (DeepSeek-V3) yet")
+    if par.ep > 1 and not model.is_moe:
+        raise fail(f"parallel: ep = {par.ep} needs a mixture-of-experts model")
+    if par.ep > 1 and model.num_experts % par.ep:
+        raise fail(f"parallel: ep = {par.ep} does not divide the model's {model.num_experts} experts")
+    if cfg.moe.bias_update_rate and not (model.is_moe and model.router_bias):
+        raise fail("moe: bias_update_rate needs routers with a selection bias (DeepSeek-V3's router_bias)")

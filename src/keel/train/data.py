@@ -19,22 +19,19 @@ data-parallel layout (same global batch) trains on exactly the same samples in t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import os
 import re
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from keel.atomic import write_atomic
+from keel.atomic import atomic_file, write_atomic
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
 
@@ -151,70 +148,22 @@ def prepare(
 ) -> PreparedInfo:
     """Tokenize `inputs` into the token file `out` (+ sidecar). `fmt` None: jsonl for .jsonl/.ndjson
     files, else text; `split` applies to text files (a jsonl record is always one document)."""
-    from tqdm import tqdm
-
-    from keel.weights import open_checkpoint
-
     inputs = [Path(p) for p in inputs]
     out = Path(out)
-    if not inputs:
-        raise KeelError("data prepare: no input files")
-    for path in inputs:
-        if not path.is_file():
-            raise KeelError(f"{path}: no such file")
-    if out.is_dir():
-        raise KeelError(f"{out}: is a directory; --out names the token file to write")
-    tokenizer = open_checkpoint(tokenizer_ref).tokenizer
-    if tokenizer is None:
-        raise KeelError(f"{tokenizer_ref}: the model has no tokenizer")
-    if not tokenizer.eos_token_ids:
-        raise KeelError(f"{tokenizer_ref}: the tokenizer has no EOS token to separate documents")
+    _check_prepare_paths(inputs, out)
+    tokenizer = _prepare_tokenizer(tokenizer_ref)
     eos_id = tokenizer.eos_token_ids[0]
     vocab_size = tokenizer.vocab_size
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     hf = tokenizer.tokenizer
     tokenizer_sha = hashlib.sha256(hf.to_str().encode("utf-8")).hexdigest()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    num_tokens = num_documents = 0
-    total_bytes = sum(p.stat().st_size for p in inputs)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    # Special-token text inside a document ("<|im_end|>") is tokenized as plain text, so the EOS id only
-    # ever appears as a separator.
-    special_before = hf.encode_special_tokens
-    hf.encode_special_tokens = True
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a data file is shared like any other
-        with (
-            os.fdopen(fd, "wb") as f,
-            tqdm(
-                total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing -> {out.name}", disable=not progress
-            ) as bar,
-        ):
-            done_bytes = 0
-            for path in inputs:
-                for batch in _batches(_documents(path, _format_of(path, fmt), split, jsonl_field), _BATCH_DOCS):
-                    encodings = hf.encode_batch_fast(batch, add_special_tokens=False)
-                    ids: list[int] = []
-                    for enc in encodings:
-                        ids.extend(enc.ids)
-                        ids.append(eos_id)
-                    chunk = np.asarray(ids, dtype=dtype).tobytes()
-                    f.write(chunk)
-                    digest.update(chunk)
-                    num_tokens += len(ids)
-                    num_documents += len(batch)
-                    bar.update(min(sum(len(d.encode("utf-8")) for d in batch), total_bytes - bar.n))
-                done_bytes += path.stat().st_size
-                bar.update(max(0, done_bytes - bar.n))  # blank lines between documents were not counted
-                bar.set_postfix(tokens=f"{num_tokens:,}")
-            f.flush()
-            os.fsync(f.fileno())
+    def write(f: BinaryIO) -> PreparedInfo:
+        documents = _documents_of(inputs, fmt, split, jsonl_field)
+        sha256, num_tokens, num_documents = _write_tokens(f, documents, inputs, hf, eos_id, dtype, out.name, progress)
         if num_tokens == 0:
             raise KeelError(f"data prepare: no documents in {', '.join(map(str, inputs))}")
-        info = PreparedInfo(
+        return PreparedInfo(
             dtype=dtype.name,
             num_tokens=num_tokens,
             num_documents=num_documents,
@@ -223,22 +172,95 @@ def prepare(
             tokenizer=str(tokenizer_ref),
             tokenizer_sha256=tokenizer_sha,
             sources=[str(p) for p in inputs],
-            sha256=digest.hexdigest(),
+            sha256=sha256,
         )
-        _commit(tmp, out, info)
-        return info
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Special-token text inside a document ("<|im_end|>") is tokenized as plain text, so the EOS id only
+    # ever appears as a separator.
+    special_before = hf.encode_special_tokens
+    hf.encode_special_tokens = True
+    try:
+        return _write_with_sidecar(out, write)
     finally:
         hf.encode_special_tokens = special_before
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
 
 
-def _commit(tmp: Path, out: Path, info: PreparedInfo) -> None:
-    """Move a finished temp token file into place, then write its sidecar."""
+def _check_prepare_paths(inputs: list[Path], out: Path) -> None:
+    if not inputs:
+        raise KeelError("data prepare: no input files")
+    for path in inputs:
+        if not path.is_file():
+            raise KeelError(f"{path}: no such file")
+    if out.is_dir():
+        raise KeelError(f"{out}: is a directory; --out names the token file to write")
+
+
+def _prepare_tokenizer(tokenizer_ref: str) -> Any:
+    """The model's tokenizer, which must have an EOS token to separate documents."""
+    from keel.weights import open_checkpoint
+
+    tokenizer = open_checkpoint(tokenizer_ref).tokenizer
+    if tokenizer is None:
+        raise KeelError(f"{tokenizer_ref}: the model has no tokenizer")
+    if not tokenizer.eos_token_ids:
+        raise KeelError(f"{tokenizer_ref}: the tokenizer has no EOS token to separate documents")
+    return tokenizer
+
+
+def _documents_of(
+    inputs: list[Path], fmt: Format | None, split: Split, jsonl_field: str
+) -> Iterator[tuple[Path, Iterator[list[str]]]]:
+    """Each input with its documents, in batches of _BATCH_DOCS."""
+    for path in inputs:
+        yield path, _batches(_documents(path, _format_of(path, fmt), split, jsonl_field), _BATCH_DOCS)
+
+
+def _write_tokens(
+    f: BinaryIO,
+    documents: Iterator[tuple[Path, Iterator[list[str]]]],
+    inputs: list[Path],
+    hf: Any,
+    eos_id: int,
+    dtype: np.dtype,
+    label: str,
+    progress: bool,
+) -> tuple[str, int, int]:
+    """Encode every document, each followed by EOS, into `f`: (sha256, tokens, documents) written."""
+    from tqdm import tqdm
+
+    digest = hashlib.sha256()
+    num_tokens = num_documents = 0
+    total_bytes = sum(p.stat().st_size for p in inputs)
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizing -> {label}", disable=not progress) as bar:
+        done_bytes = 0
+        for path, batches in documents:
+            for batch in batches:
+                encodings = hf.encode_batch_fast(batch, add_special_tokens=False)
+                ids: list[int] = []
+                for enc in encodings:
+                    ids.extend(enc.ids)
+                    ids.append(eos_id)
+                chunk = np.asarray(ids, dtype=dtype).tobytes()
+                f.write(chunk)
+                digest.update(chunk)
+                num_tokens += len(ids)
+                num_documents += len(batch)
+                bar.update(min(sum(len(d.encode("utf-8")) for d in batch), total_bytes - bar.n))
+            done_bytes += path.stat().st_size
+            bar.update(max(0, done_bytes - bar.n))  # blank lines between documents were not counted
+            bar.set_postfix(tokens=f"{num_tokens:,}")
+    return digest.hexdigest(), num_tokens, num_documents
+
+
+def _write_with_sidecar(out: Path, write: Callable[[BinaryIO], PreparedInfo]) -> PreparedInfo:
+    """`write(f)` the tokens through a temp file that then replaces `out`, then write the sidecar it returns."""
     side = sidecar_path(out)
-    side.unlink(missing_ok=True)  # never a sidecar next to a token file it does not describe
-    os.replace(tmp, out)
+    with atomic_file(out) as f:
+        info = write(f)
+        side.unlink(missing_ok=True)  # never a sidecar next to a token file it does not describe
     write_atomic(side, (json.dumps(asdict(info), indent=2) + "\n").encode("utf-8"))
+    return info
 
 
 def write_token_file(
@@ -256,14 +278,10 @@ def write_token_file(
         raise ValueError(f"tokens must be a non-empty 1-d array of ids in [0, {vocab_size})")
     data = array.astype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp_name, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        info = PreparedInfo(
+
+    def write(f: BinaryIO) -> PreparedInfo:
+        f.write(data.tobytes())
+        return PreparedInfo(
             dtype=data.dtype.name,
             num_tokens=int(data.size),
             num_documents=int((data == eos_id).sum()),
@@ -274,11 +292,8 @@ def write_token_file(
             sources=[str(s) for s in sources],
             sha256=hashlib.sha256(data.tobytes()).hexdigest(),
         )
-        _commit(Path(tmp_name), out, info)
-        return info
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
+
+    return _write_with_sidecar(out, write)
 
 
 def file_sha256(path: str | Path) -> str:

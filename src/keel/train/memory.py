@@ -24,7 +24,8 @@ class StepMemory:
     """The peak of a tracked step: bytes by kind at the peak, and the total."""
 
     def __init__(self) -> None:
-        # Imported here: MemTracker pulls in dynamo and inductor, 1.2 s of every rank's start-up otherwise.
+        # Imported here: MemTracker pulls in dynamo and inductor, which would slow every rank's start-up
+        # (docs/BENCHMARKS.md, "Peak memory of keel training runs").
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.tracker = MemTracker()

@@ -45,7 +45,7 @@ def measure_cpu_peak(dtype: torch.dtype, max_size: int = 2048, seconds: float = 
     """FLOP/s of square matmuls in `dtype` on this process's threads (best of a short run).
 
     The size grows from 256 while a multiply stays fast, so a dtype without a fast kernel on this
-    CPU (float16 on most x86 parts: ~3 GFLOP/s) is measured in milliseconds, not minutes.
+    CPU (float16 on most x86 parts; docs/BENCHMARKS.md, "Training") is measured in milliseconds, not minutes.
     """
     size = 256
     while True:

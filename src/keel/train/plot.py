@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from keel.atomic import write_atomic
 from keel.errors import KeelError
 from keel.train.metrics import read_metrics
 
@@ -52,8 +54,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "curves.png"
-    tmp = out.with_name(out.name + ".part.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(out)
+    write_atomic(out, png.getvalue())
     return out

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from keel.atomic import write_text_atomic
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
@@ -111,7 +112,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.run_dir / "config.toml", dump_config(cfg))
+            write_text_atomic(self.run_dir / "config.toml", dump_config(cfg))
         self.checkpoints = CheckpointManager(
             self.run_dir,
             cfg.checkpoint.keep,
@@ -209,8 +210,8 @@ class Trainer:
             config = dataclasses.replace(config, tie_word_embeddings=False)  # the pipeline trained two copies
         hf = config.to_hf()
         hf["dtype"] = self.cfg.model.dtype
-        _write_atomic(directory / "config.json", _json(hf))
-        _write_atomic(directory / "train_config.json", config_json(self.cfg))
+        write_text_atomic(directory / "config.json", _json(hf))
+        write_text_atomic(directory / "train_config.json", config_json(self.cfg))
         if self.tokenizer is not None:
             self.tokenizer.save_hf(directory)
 
@@ -371,10 +372,8 @@ class Trainer:
     def _train_step(self) -> dict[str, Any]:
         step = self.step + 1
         self._fault_scale = self.faults.loss_scale(step)
-        if self.moe:  # auxiliary losses get the main loss's factor: 1/accumulation, 1/microbatches, fp16 scale
-            microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
-            scale = self.scaler.scale if self.scaler.enabled else 1.0
-            moe_stats.set_aux_grad_scale(self.moe, scale / (self.layout.grad_accum * microbatches))
+        if self.moe:
+            self._set_aux_grad_scale()
         t0 = time.perf_counter()
         local = self._forward_backward()
         t_fb = time.perf_counter()
@@ -389,41 +388,59 @@ class Trainer:
             "grad_norm": norm,
             "lr": self.schedulers[0].get_last_lr()[0],
         }
-        applied = True
-        if self.scaler.enabled and not math.isfinite(norm) and math.isfinite(loss):
-            self.scaler.update(found_inf=True)  # fp16 overflow: skip, back off; not a data problem
-            record["overflow"] = True
-            applied = False
-        else:
-            event = self.guard.check(step, loss, norm)
-            if event is not None:
-                record["guard"] = event.to_dict()
-                log.warning("guard: %s", event.describe())
-                applied = False
-                if event.action == "stop":
-                    raise GuardStop(f"guard: {event.describe()}")
-                if event.action == "rollback":
-                    self._zero_grad()
-                    for moe in self.moe.values():
-                        moe.reset_stats()
-                    self._rollback(event.describe())
-                    record["rolled_back_to"] = self.step
-                    return record
-            else:
-                self.scaler.update(found_inf=False)
+        applied = self._judge_step(step, loss, norm, record)
+        if "rolled_back_to" in record:
+            return record
         if applied:
-            for o in self.optimizers:
-                o.step()
-            self.guard.accept(loss, norm)
-            if self.state_bytes is None:
-                self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
-                record["state_bytes"] = self.state_bytes
+            self._apply_update(loss, norm, record)
         self._zero_grad()
         if self.moe:
             record.update(moe_stats.finish_step(self.moe, self.cfg.moe.bias_update_rate, applied, *self._moe_groups()))
         for s in self.schedulers:
             s.step()
         self.step = step
+        self._record_throughput(record, applied, t0, t_fb)
+        return record
+
+    def _set_aux_grad_scale(self) -> None:
+        """Auxiliary losses get the main loss's factor: 1/accumulation, 1/microbatches, fp16 scale."""
+        microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
+        scale = self.scaler.scale if self.scaler.enabled else 1.0
+        moe_stats.set_aux_grad_scale(self.moe, scale / (self.layout.grad_accum * microbatches))
+
+    def _judge_step(self, step: int, loss: float, norm: float, record: dict[str, Any]) -> bool:
+        """Whether the step's update is applied: an fp16 overflow or the guard skips it; the guard may
+        also stop the run (GuardStop) or roll it back (the record then says `rolled_back_to`)."""
+        if self.scaler.enabled and not math.isfinite(norm) and math.isfinite(loss):
+            self.scaler.update(found_inf=True)  # fp16 overflow: skip, back off; not a data problem
+            record["overflow"] = True
+            return False
+        event = self.guard.check(step, loss, norm)
+        if event is None:
+            self.scaler.update(found_inf=False)
+            return True
+        record["guard"] = event.to_dict()
+        log.warning("guard: %s", event.describe())
+        if event.action == "stop":
+            raise GuardStop(f"guard: {event.describe()}")
+        if event.action == "rollback":
+            self._zero_grad()
+            for moe in self.moe.values():
+                moe.reset_stats()
+            self._rollback(event.describe())
+            record["rolled_back_to"] = self.step
+        return False
+
+    def _apply_update(self, loss: float, norm: float, record: dict[str, Any]) -> None:
+        for o in self.optimizers:
+            o.step()
+        self.guard.accept(loss, norm)
+        if self.state_bytes is None:
+            self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
+            record["state_bytes"] = self.state_bytes
+
+    def _record_throughput(self, record: dict[str, Any], applied: bool, t0: float, t_fb: float) -> None:
+        """Tokens/s, MFU, the step's time split and the memory peak, into the step's record."""
         t_end = time.perf_counter()
         tokens = self.cfg.training.global_batch_size * self.cfg.data.seq_len
         tps = tokens / (t_end - t0)
@@ -439,7 +456,6 @@ class Trainer:
             time_step_s=t_end - t0,
             peak_memory_bytes=peak_memory_bytes(self.device),
         )
-        return record
 
     def _rollback(self, reason: str) -> None:
         self.rollbacks += 1
@@ -602,9 +618,3 @@ def _json(obj: Any) -> str:
     import json
 
     return json.dumps(obj, indent=2) + "\n"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text)
-    os.replace(tmp, path)

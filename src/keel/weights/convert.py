@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from keel.atomic import fsync_dir, fsync_tree, replace_dir
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
@@ -109,14 +110,16 @@ def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
     if dst.is_dir() and any(dst.iterdir()):
         if not overwrite:  # appeared while we were writing
             raise KeelError(f"{dst}: directory exists and is not empty (pass --overwrite to replace it)")
+        fsync_tree(tmp)  # the new model on disk before a rename publishes it
         # Move the old directory aside first, so dst is never missing a complete model for long
         # and the old one is only deleted once the new one is in place.
         old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
         os.replace(dst, old / "model")
         os.replace(tmp, dst)
+        fsync_dir(dst.parent)
         shutil.rmtree(old, ignore_errors=True)
         return
-    os.replace(tmp, dst)  # replaces an empty directory too
+    replace_dir(tmp, dst)  # replaces an empty directory too
 
 
 def _write(checkpoint: Checkpoint, out: Path, dtype: str, max_shard_bytes: int) -> None:

@@ -1,10 +1,10 @@
 """A GGUF file's key/values and tensor directory, read in one pass over the header.
 
 Why not `gguf.GGUFReader`: it builds a memory-mapped numpy view for every part of every value, so a
-vocabulary of 49k tokens and 49k merges costs ~150k views: 4.3 s to open SmolLM2's GGUF on an AVX2
-CPU (2 s of it numpy's memmap bookkeeping), paid by every process that opens the file. Read here,
-values are decoded straight into Python objects (numeric arrays by one `np.frombuffer` each) and the
-same file opens in ~0.1 s. The tensors are views of one read-only memory map, as gguf's are, and
+vocabulary of 49k tokens and 49k merges costs ~150k views, whose bookkeeping every process that opens
+the file pays. Read here, values are decoded straight into Python objects (numeric arrays by one
+`np.frombuffer` each), and the file opens many times faster (docs/BENCHMARKS.md, "Opening a GGUF
+file"). The tensors are views of one read-only memory map, as gguf's are, and
 carry the fields keel uses of gguf's `ReaderTensor` (name, type, GGUF-order dims, sizes, data). The
 value and tensor types are gguf's own constants (`GGUFValueType`, `GGMLQuantizationType`,
 `GGML_QUANT_SIZES`), not retyped.

@@ -73,7 +73,29 @@ def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], pat
     splits, ignore_merges = _PRE_TOKENIZERS[pre]
     types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges") or []]
+    tok, vocab, alphabet = _byte_level_bpe(tokens, merges, splits, ignore_merges)
+    _add_special_tokens(tok, tokens, types, vocab, alphabet)
 
+    token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
+    bos = token_at(get("tokenizer.ggml.bos_token_id"))
+    eos = token_at(get("tokenizer.ggml.eos_token_id"))
+    # llama.cpp adds BOS by default for llama3-style vocabularies; the file's flag overrides.
+    add_bos = get("tokenizer.ggml.add_bos_token", ignore_merges)
+    add_eos = get("tokenizer.ggml.add_eos_token", False)
+    _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
+    return Tokenizer(
+        tok,
+        chat_template=get("tokenizer.chat_template"),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def _byte_level_bpe(
+    tokens: list[str], merges: list[tuple[str, ...]], splits: tuple[str, ...], ignore_merges: bool
+) -> tuple[HFTokenizer, dict[str, int], set[str]]:
+    """The BPE model with its pre-tokenizer regexes and byte-level decoder; also its vocabulary and alphabet."""
     # Tokens are stored in the byte-level alphabet already; respell any that are not (as transformers does).
     alphabet_map = _bytes_to_unicode()
     alphabet = set(alphabet_map.values())
@@ -85,7 +107,13 @@ def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], pat
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits] + [byte_level]
     )
     tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) are special; user-defined ones (<think>) are matched whole.
+    return tok, vocab, alphabet
+
+
+def _add_special_tokens(
+    tok: HFTokenizer, tokens: list[str], types: list[int], vocab: dict[str, int], alphabet: set[str]
+) -> None:
+    """Control tokens (<|im_start|>, ...) are special; user-defined ones (<think>) are matched whole."""
     # A control token outside the byte alphabet is a llama.cpp mislabel; transformers skips those too.
     tok.add_special_tokens(
         [
@@ -102,25 +130,16 @@ def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], pat
         ]
     )
 
-    token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
-    bos = token_at(get("tokenizer.ggml.bos_token_id"))
-    eos = token_at(get("tokenizer.ggml.eos_token_id"))
-    # llama.cpp adds BOS by default for llama3-style vocabularies; the file's flag overrides.
-    add_bos = get("tokenizer.ggml.add_bos_token", ignore_merges)
-    add_eos = get("tokenizer.ggml.add_eos_token", False)
-    if (add_bos and bos is not None) or (add_eos and eos is not None):
-        first = [bos] if add_bos and bos is not None else []
-        last = [eos] if add_eos and eos is not None else []
-        specials = [(t, tok.token_to_id(t)) for t in dict.fromkeys(first + last)]
-        tok.post_processor = processors.TemplateProcessing(
-            single=" ".join(first + ["$A"] + last),
-            pair=" ".join(first + ["$A"] + last + first + ["$B:1"] + last),
-            special_tokens=specials,
-        )
-    return Tokenizer(
-        tok,
-        chat_template=get("tokenizer.chat_template"),
-        bos_token=bos,
-        eos_token=eos,
-        eos_token_ids=eos_token_ids,
+
+def _add_bos_eos(tok: HFTokenizer, bos: str | None, eos: str | None) -> None:
+    """A post-processor that puts `bos` before and `eos` after each sequence (None: not added)."""
+    if bos is None and eos is None:
+        return
+    first = [bos] if bos is not None else []
+    last = [eos] if eos is not None else []
+    specials = [(t, tok.token_to_id(t)) for t in dict.fromkeys(first + last)]
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(first + ["$A"] + last),
+        pair=" ".join(first + ["$A"] + last + first + ["$B:1"] + last),
+        special_tokens=specials,
     )

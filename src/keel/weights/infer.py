@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError
@@ -60,117 +60,25 @@ def infer_config(
     source: str = "",
 ) -> tuple[ModelConfig, dict[str, str]]:
     """ModelConfig from tensor shapes, and the provenance of each field: "inferred" | "hint" | "default"."""
-    source = source or str(getattr(reader, "directory", "checkpoint"))
-    names = reader.names()
-
-    def fail(message: str) -> ConfigError:
-        return ConfigError(f"{source}: {message}")
-
-    layers = sorted({int(m.group(1)) for n in names if (m := _LAYER.match(n))})
-    if EMBED not in names or not layers:
-        raise fail(
-            "no config.json, and the tensors do not look like a decoder "
-            f"(expected {EMBED} and model.layers.N.*); cannot infer the model structure"
-        )
-    if layers != list(range(len(layers))):
-        missing = sorted(set(range(layers[-1] + 1)) - set(layers))
-        raise fail(f"layer {missing[0]} has no tensors (layers 0..{layers[-1]} expected)")
-    num_layers = len(layers)
-
-    def shape(name: str) -> tuple[int, ...]:
-        if name not in names:
-            raise fail(f"tensor {name!r} is missing; cannot infer the model structure")
-        return tuple(reader.shape(name))
-
-    vocab, hidden = shape(EMBED)
-    tie = LM_HEAD not in names
-    if not tie and shape(LM_HEAD) != (vocab, hidden):
-        raise fail(f"{LM_HEAD} has shape {list(shape(LM_HEAD))}, expected {[vocab, hidden]} from {EMBED}")
-
-    # ------------------------------------------------------------ attention
-    def attn(layer: int, part: str) -> str:
-        return f"model.layers.{layer}.self_attn.{part}"
-
-    def same_in_every_layer(what: str, values: list[Any]) -> Any:
-        # keel builds every layer alike; a checkpoint that varies per layer is not one it can run.
-        if any(v != values[0] for v in values):
-            raise fail(f"{what} differs between layers ({values}); keel needs the same in every layer")
-        return values[0]
-
-    if attn(0, "kv_a_proj_with_mqa.weight") in names:
-        # The rope/nope split of each head, YaRN and the router's groups and scaling are not in the shapes.
-        raise fail(
-            "multi-head latent attention tensors (DeepSeek, self_attn.kv_a_proj_with_mqa): this architecture "
-            "needs its config.json; structure from shapes alone is not supported"
-        )
-    q_width = same_in_every_layer("q_proj width", [shape(attn(i, "q_proj.weight"))[0] for i in layers])
-    kv_width = same_in_every_layer("k_proj width", [shape(attn(i, "k_proj.weight"))[0] for i in layers])
-    if (v_width := shape(attn(0, "v_proj.weight"))[0]) != kv_width:
-        raise fail(f"v_proj width {v_width} differs from k_proj width {kv_width}")
-
-    def present(part: str) -> bool:
-        found = [attn(i, part) in names for i in layers]
-        return bool(same_in_every_layer(f"presence of self_attn.{part}", found))
-
-    qkv_bias = present("q_proj.bias")
-    o_bias = present("o_proj.bias")
-    qk_norm = present("q_norm.weight")
-    if qk_norm and not present("k_norm.weight"):
-        raise fail("self_attn.q_norm.weight is present but self_attn.k_norm.weight is not")
-
+    tensors = _Tensors(reader, source or str(getattr(reader, "directory", "checkpoint")))
+    layers = _layer_indices(tensors)
+    vocab, hidden, tie = _embedding(tensors)
+    attention = _attention(tensors, layers)
     provenance: dict[str, str] = {}
-    head_dim, num_heads = _heads(q_width, kv_width, head_dim, num_heads, qk_norm, shape, provenance, fail)
-    num_kv_heads = kv_width // head_dim
-    provenance["num_kv_heads"] = "inferred"
-    if num_heads % num_kv_heads:
-        raise fail(
-            f"{num_heads} query heads cannot share {num_kv_heads} key/value heads evenly "
-            f"(head_dim {head_dim}, q width {q_width}, k/v width {kv_width})"
-        )
-
-    # ------------------------------------------------------------------ MLP
-    moe = _experts(names, layers, shape, fail)
-    dense_layers = [i for i in layers if i not in moe["sparse_layers"]]
-    dense_widths = [shape(f"model.layers.{i}.mlp.gate_proj.weight")[0] for i in dense_layers]
-    mlp_bias = bool(dense_layers) and f"model.layers.{dense_layers[0]}.mlp.gate_proj.bias" in names
-
-    # --------------------------------------------------------------- family
-    family, family_known = _family(moe, qk_norm, qkv_bias, o_bias, mlp_bias, fail)
+    head_dim, num_heads, num_kv_heads = _head_counts(tensors, attention, head_dim, num_heads, provenance)
+    mlp = _mlp(tensors, layers)
+    family, family_known = _family(
+        mlp.moe, attention.qk_norm, attention.qkv_bias, attention.o_bias, mlp.bias, tensors.fail
+    )
     provenance["architecture"] = "inferred" if family_known else "default"
     defaults = FAMILY_DEFAULTS[family]
-    bos, eos = defaults["bos_token_id"], defaults["eos_token_id"]
-
-    intermediate = same_in_every_layer("mlp width", dense_widths) if dense_widths else 0
-    provenance["intermediate_size"] = "inferred"
-    if moe["num_experts"] and family == "mixtral":
-        if dense_layers:
-            raise fail(f"Mixtral-style experts, but layers {dense_layers} are dense; Mixtral has no dense layers")
-        intermediate = moe["width"]  # Mixtral's config has one width, used by every expert
-    elif moe["num_experts"] and not dense_layers:
-        intermediate = defaults["intermediate_size"]
-        provenance["intermediate_size"] = "default"
-
-    moe_fields: dict[str, Any] = {}
-    if moe["num_experts"]:
-        step, mlp_only = _sparse_pattern(moe["sparse_layers"], num_layers)
-        moe_fields = {
-            "num_experts": moe["num_experts"],
-            # The router's top-k is in no tensor: the family default, capped by the expert count.
-            "num_experts_per_tok": min(defaults["num_experts_per_tok"], moe["num_experts"]),
-            "moe_intermediate_size": moe["width"],
-            "norm_topk_prob": defaults["norm_topk_prob"],
-            "shared_expert_intermediate_size": moe["shared_width"],
-            "decoder_sparse_step": step,
-            "mlp_only_layers": mlp_only,
-        }
-        provenance["num_experts_per_tok"] = provenance["norm_topk_prob"] = "default"
-
+    intermediate = _intermediate_size(tensors, mlp, family, defaults, provenance)
     config = ModelConfig(
         architecture=family,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_layers=num_layers,
+        num_layers=len(layers),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -179,22 +87,184 @@ def infer_config(
         rope_scaling=RopeScaling(),
         max_position_embeddings=defaults["max_position_embeddings"],
         tie_word_embeddings=tie,
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-        qk_norm=qk_norm,
+        qkv_bias=attention.qkv_bias,
+        o_bias=attention.o_bias,
+        mlp_bias=mlp.bias,
+        qk_norm=attention.qk_norm,
         # Mistral's sliding window (and Qwen's opt-in one) leaves no trace in the weights.
         sliding_window=None,
-        bos_token_id=bos,
-        eos_token_id=list(eos),
+        bos_token_id=defaults["bos_token_id"],
+        eos_token_id=list(defaults["eos_token_id"]),
         dtype=_STORED_DTYPES.get(reader.dtype(EMBED), "float32"),
-        **moe_fields,
+        **_moe_fields(mlp.moe, defaults, len(layers), provenance),
     )
     for name in UNRECOVERABLE:
         provenance[name] = "default"
     for name in ModelConfig.__dataclass_fields__:
         provenance.setdefault(name, "inferred")
     return config, provenance
+
+
+class _Tensors:
+    """The checkpoint's tensor names and shapes, with errors that name the checkpoint."""
+
+    def __init__(self, reader: ShapeReader, source: str) -> None:
+        self.reader = reader
+        self.source = source
+        self.names = reader.names()
+
+    def fail(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {message}")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.names:
+            raise self.fail(f"tensor {name!r} is missing; cannot infer the model structure")
+        return tuple(self.reader.shape(name))
+
+    def same_in_every_layer(self, what: str, values: list[Any]) -> Any:
+        # keel builds every layer alike; a checkpoint that varies per layer is not one it can run.
+        if any(v != values[0] for v in values):
+            raise self.fail(f"{what} differs between layers ({values}); keel needs the same in every layer")
+        return values[0]
+
+
+class _Attention(NamedTuple):
+    q_width: int
+    kv_width: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+class _Mlp(NamedTuple):
+    moe: dict[str, Any]  # what _experts found
+    dense_layers: list[int]
+    dense_widths: list[int]
+    bias: bool
+
+
+def _layer_indices(tensors: _Tensors) -> list[int]:
+    """The decoder layers 0..N-1, checked to be a decoder with no gap in its layers."""
+    layers = sorted({int(m.group(1)) for n in tensors.names if (m := _LAYER.match(n))})
+    if EMBED not in tensors.names or not layers:
+        raise tensors.fail(
+            "no config.json, and the tensors do not look like a decoder "
+            f"(expected {EMBED} and model.layers.N.*); cannot infer the model structure"
+        )
+    if layers != list(range(len(layers))):
+        missing = sorted(set(range(layers[-1] + 1)) - set(layers))
+        raise tensors.fail(f"layer {missing[0]} has no tensors (layers 0..{layers[-1]} expected)")
+    return layers
+
+
+def _embedding(tensors: _Tensors) -> tuple[int, int, bool]:
+    """(vocab, hidden, tied head) from the embedding, checked against lm_head where there is one."""
+    vocab, hidden = tensors.shape(EMBED)
+    tie = LM_HEAD not in tensors.names
+    if not tie and tensors.shape(LM_HEAD) != (vocab, hidden):
+        raise tensors.fail(
+            f"{LM_HEAD} has shape {list(tensors.shape(LM_HEAD))}, expected {[vocab, hidden]} from {EMBED}"
+        )
+    return vocab, hidden, tie
+
+
+def _attn(layer: int, part: str) -> str:
+    return f"model.layers.{layer}.self_attn.{part}"
+
+
+def _attention(tensors: _Tensors, layers: list[int]) -> _Attention:
+    """Projection widths, biases and q/k norm of the attention, the same in every layer."""
+    if _attn(0, "kv_a_proj_with_mqa.weight") in tensors.names:
+        # The rope/nope split of each head, YaRN and the router's groups and scaling are not in the shapes.
+        raise tensors.fail(
+            "multi-head latent attention tensors (DeepSeek, self_attn.kv_a_proj_with_mqa): this architecture "
+            "needs its config.json; structure from shapes alone is not supported"
+        )
+    same = tensors.same_in_every_layer
+    q_width = same("q_proj width", [tensors.shape(_attn(i, "q_proj.weight"))[0] for i in layers])
+    kv_width = same("k_proj width", [tensors.shape(_attn(i, "k_proj.weight"))[0] for i in layers])
+    if (v_width := tensors.shape(_attn(0, "v_proj.weight"))[0]) != kv_width:
+        raise tensors.fail(f"v_proj width {v_width} differs from k_proj width {kv_width}")
+
+    def present(part: str) -> bool:
+        found = [_attn(i, part) in tensors.names for i in layers]
+        return bool(same(f"presence of self_attn.{part}", found))
+
+    qkv_bias = present("q_proj.bias")
+    o_bias = present("o_proj.bias")
+    qk_norm = present("q_norm.weight")
+    if qk_norm and not present("k_norm.weight"):
+        raise tensors.fail("self_attn.q_norm.weight is present but self_attn.k_norm.weight is not")
+    return _Attention(q_width, kv_width, qkv_bias, o_bias, qk_norm)
+
+
+def _head_counts(
+    tensors: _Tensors,
+    attention: _Attention,
+    head_dim: int | None,
+    num_heads: int | None,
+    provenance: dict[str, str],
+) -> tuple[int, int, int]:
+    """(head_dim, num_heads, num_kv_heads), the query heads checked to share the key/value heads evenly."""
+    q_width, kv_width = attention.q_width, attention.kv_width
+    head_dim, num_heads = _heads(
+        q_width, kv_width, head_dim, num_heads, attention.qk_norm, tensors.shape, provenance, tensors.fail
+    )
+    num_kv_heads = kv_width // head_dim
+    provenance["num_kv_heads"] = "inferred"
+    if num_heads % num_kv_heads:
+        raise tensors.fail(
+            f"{num_heads} query heads cannot share {num_kv_heads} key/value heads evenly "
+            f"(head_dim {head_dim}, q width {q_width}, k/v width {kv_width})"
+        )
+    return head_dim, num_heads, num_kv_heads
+
+
+def _mlp(tensors: _Tensors, layers: list[int]) -> _Mlp:
+    """The experts, the dense layers and their widths, and whether the dense MLP has biases."""
+    moe = _experts(tensors.names, layers, tensors.shape, tensors.fail)
+    dense_layers = [i for i in layers if i not in moe["sparse_layers"]]
+    dense_widths = [tensors.shape(f"model.layers.{i}.mlp.gate_proj.weight")[0] for i in dense_layers]
+    bias = bool(dense_layers) and f"model.layers.{dense_layers[0]}.mlp.gate_proj.bias" in tensors.names
+    return _Mlp(moe, dense_layers, dense_widths, bias)
+
+
+def _intermediate_size(
+    tensors: _Tensors, mlp: _Mlp, family: str, defaults: dict[str, Any], provenance: dict[str, str]
+) -> int:
+    """The dense MLP width; Mixtral's is its expert width, and an all-sparse model takes the family default."""
+    intermediate = tensors.same_in_every_layer("mlp width", mlp.dense_widths) if mlp.dense_widths else 0
+    provenance["intermediate_size"] = "inferred"
+    if mlp.moe["num_experts"] and family == "mixtral":
+        if mlp.dense_layers:
+            raise tensors.fail(
+                f"Mixtral-style experts, but layers {mlp.dense_layers} are dense; Mixtral has no dense layers"
+            )
+        intermediate = mlp.moe["width"]  # Mixtral's config has one width, used by every expert
+    elif mlp.moe["num_experts"] and not mlp.dense_layers:
+        intermediate = defaults["intermediate_size"]
+        provenance["intermediate_size"] = "default"
+    return intermediate
+
+
+def _moe_fields(
+    moe: dict[str, Any], defaults: dict[str, Any], num_layers: int, provenance: dict[str, str]
+) -> dict[str, Any]:
+    """The ModelConfig fields of the experts (none for a dense model)."""
+    if not moe["num_experts"]:
+        return {}
+    step, mlp_only = _sparse_pattern(moe["sparse_layers"], num_layers)
+    provenance["num_experts_per_tok"] = provenance["norm_topk_prob"] = "default"
+    return {
+        "num_experts": moe["num_experts"],
+        # The router's top-k is in no tensor: the family default, capped by the expert count.
+        "num_experts_per_tok": min(defaults["num_experts_per_tok"], moe["num_experts"]),
+        "moe_intermediate_size": moe["width"],
+        "norm_topk_prob": defaults["norm_topk_prob"],
+        "shared_expert_intermediate_size": moe["shared_width"],
+        "decoder_sparse_step": step,
+        "mlp_only_layers": mlp_only,
+    }
 
 
 def _heads(

@@ -15,9 +15,9 @@ from keel.errors import KeelError
 METHODS = ("ngram", "draft_model")
 
 # Tokens one forward can take while it still costs about what one token costs (the step streams the
-# weights once either way). CPU: measured with `python bench/speculative.py --sweep` on SmolLM2-135M
-# bf16, 2 threads: 8 tokens cost 1.39x one token, 16 cost 1.79x, 32 cost 2.49x. CUDA: an assumed
-# value (not measured here): a GPU's decode step stays bandwidth-bound to a few hundred tokens.
+# weights once either way). CPU: measured with `python bench/speculative.py --sweep` (docs/BENCHMARKS.md,
+# "Speculative decoding"). CUDA: an assumed value (not measured here): a GPU's decode step stays
+# bandwidth-bound to a few hundred tokens.
 BANDWIDTH_BOUND_TOKENS = {"cpu": 8, "cuda": 256}
 
 
