@@ -159,8 +159,9 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
-        from keel.serve.kv_cache import blocks_in_budget
-        from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
+        from keel.model.kv_size import kv_cache_bytes
+        from keel.serve.kv_budget import blocks_in_budget
+        from keel.serve.kv_quant import make_paged_kv_cache
         from keel.serve.parallel.load import load_tensor_parallel
         from keel.serve.parallel.shard import TensorParallelLayout
         from keel.serve.parallel.stage import StageRunner
@@ -219,7 +220,7 @@ class Worker:
         first, last = layout.kv_head_range()
         local = dataclasses.replace(config, num_heads=layout.local_heads, num_kv_heads=last - first)
         layers = layer_ranges(config.num_layers, pp)[stage]
-        per_block = kv_cache_bytes_per_block(local, spec.block_size, model.dtype, spec.kv_cache_dtype)
+        per_block = kv_cache_bytes(local, model.dtype, spec.kv_cache_dtype, tokens=spec.block_size)
         per_block = per_block * len(layers) // config.num_layers
         budget = spec.num_blocks
         if budget is None:
