@@ -2,7 +2,9 @@
 
     python bench/decode.py MODEL [--dtype float32|bfloat16] [--threads 2] [--prompt-tokens 32] [--new-tokens 256]
 
-Both run the same random prompt and generate exactly --new-tokens tokens (EOS ignored), in
+keel runs its model forward through the single-sequence reference generator (the tests' oracle,
+tests/reference_generate.py: a contiguous KV cache, no serving engine), as transformers' `generate`
+runs its own. Both run the same random prompt and generate exactly --new-tokens tokens (EOS ignored), in
 alternation, --repeats times each; the median is reported. Decode tok/s counts the tokens after
 the first (the first comes out of the prefill) over the time from the first token to the last,
 the same way for both. Weight streaming bandwidth = bytes of weights read per token × tok/s,
@@ -24,10 +26,12 @@ import torch
 
 from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference generator lives with the tests
+
 
 def keel_decode(model, prompt: list[int], new_tokens: int) -> float:
-    from keel.generate import GenerationStats, stream_tokens
     from keel.serve.sampling import SamplingParams
+    from reference_generate import GenerationStats, stream_tokens
 
     stats = GenerationStats()
     for _ in stream_tokens(

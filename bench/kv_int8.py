@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from keel.data.corpora import shakespeare_path
-    from keel.serve.kv_quant import kv_cache_bytes_per_token, make_paged_kv_cache
+    from keel.model.kv_size import kv_cache_bytes
+    from keel.serve.kv_quant import make_paged_kv_cache
     from keel.weights.loader import load_model
 
     t0 = time.perf_counter()
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     scales = scale_section(float_cache, args.tokens, args.chunk)
     speed = [] if args.no_speed else speed_section(config, torch.bfloat16)
 
-    bf16, int8 = kv_cache_bytes_per_token(config, torch.bfloat16), kv_cache_bytes_per_token(config, dtype, "int8")
+    bf16, int8 = kv_cache_bytes(config, torch.bfloat16), kv_cache_bytes(config, dtype, "int8")
     print(f"$ python bench/kv_int8.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
     print(f"model {args.model} ({args.dtype}), {args.threads} thread(s), block size {args.block_size}")
     print(f"KV bytes/token: bfloat16 {bf16}, int8 {int8} incl. scales ({int8 / bf16:.1%} of bfloat16)\n")

@@ -130,8 +130,8 @@ def engine_config(args, **overrides):
 
 
 def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = False) -> Result:
+    from keel.model.kv_size import kv_cache_bytes
     from keel.serve import LLMEngine, SamplingParams
-    from keel.serve.kv_cache import kv_bytes_per_block
 
     engine = LLMEngine(loaded, config)
     bs = config.cache.block_size
@@ -161,7 +161,7 @@ def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = Fa
     assert generated == work.output_tokens, (generated, work.output_tokens)
     extra = {"cpu_seconds": cpu_seconds, "steps": steps, "preemptions": engine.scheduler.num_preemptions}
     if measure_kv:
-        per_block = kv_bytes_per_block(loaded.model.config, bs, loaded.model.dtype)
+        per_block = kv_cache_bytes(loaded.model.config, loaded.model.dtype, tokens=bs)
         extra.update(
             slack_tokens=slack_sum / max(slack_count, 1),
             slack_blocks=slack_sum / max(slack_count, 1) / bs,

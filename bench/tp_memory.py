@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from keel.errors import KeelError
-from keel.serve.kv_cache import kv_bytes_per_token
+from keel.model.kv_size import kv_cache_bytes
 from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
 from keel.weights import load_model
@@ -38,7 +38,7 @@ def main() -> None:
     config, dtype = loaded.config, loaded.model.dtype
     full = param_bytes(loaded.model)
     print(f"{args.model} ({args.dtype}): {full / 2**20:.1f} MiB of parameters, "
-          f"{kv_bytes_per_token(config, dtype)} KV bytes per token")  # fmt: skip
+          f"{kv_cache_bytes(config, dtype)} KV bytes per token")  # fmt: skip
     print(f"{'tp':>3} {'rank':>4} {'weights MiB':>12} {'x full':>7} {'KV heads':>9} {'KV B/token':>11}")
     for tp in (int(x) for x in args.tp.split(",")):
         for rank in range(tp):
@@ -50,7 +50,7 @@ def main() -> None:
             model = copy.deepcopy(loaded.model)
             shard_model(model, layout)
             first, last = layout.kv_head_range()
-            kv = kv_bytes_per_token(dataclasses.replace(config, num_kv_heads=last - first), dtype)
+            kv = kv_cache_bytes(dataclasses.replace(config, num_kv_heads=last - first), dtype)
             print(f"{tp:>3} {rank:>4} {param_bytes(model) / 2**20:>12.2f} {param_bytes(model) / full:>7.3f} "
                   f"{last - first:>9} {kv:>11}")  # fmt: skip
 

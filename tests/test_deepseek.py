@@ -9,13 +9,13 @@ import torch
 
 from keel.config import ModelConfig, RopeScaling
 from keel.errors import ConfigError
-from keel.generate import stream_tokens
-from keel.model.cache import ContiguousKVCache
+from keel.model.kv_size import kv_cache_bytes
 from keel.model.layers import rope_attention_factor, rope_inv_freq
 from keel.model.mla import mla_softmax_scale
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
-from keel.serve.kv_cache import PagedKVCache, kv_bytes_per_block, kv_bytes_per_token
+from keel.serve.kv_cache import PagedKVCache
 from keel.weights import load_model
+from reference_generate import ContiguousKVCache, stream_tokens
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -286,13 +286,13 @@ def test_batched_rows_at_different_positions_match_single(tiny):
 def test_cache_holds_latent_and_rope_key_only(dtype):
     config = ModelConfig.from_hf(PUBLISHED)
     per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-    assert kv_bytes_per_token(config, dtype) == config.num_layers * per_layer
-    assert kv_bytes_per_block(config, 16, dtype) == 16 * config.num_layers * per_layer
+    assert kv_cache_bytes(config, dtype) == config.num_layers * per_layer
+    assert kv_cache_bytes(config, dtype, tokens=16) == 16 * config.num_layers * per_layer
 
     tiny = ModelConfig.from_hf({**PUBLISHED, "num_hidden_layers": 3, "first_k_dense_replace": 1})
     paged = PagedKVCache(tiny, num_blocks=5, block_size=4, dtype=dtype)
     tiny_per_token = 3 * (512 + 64) * dtype.itemsize
-    assert paged.nbytes() == 5 * 4 * tiny_per_token == kv_bytes_per_block(tiny, 4, dtype) * 5
+    assert paged.nbytes() == 5 * 4 * tiny_per_token == kv_cache_bytes(tiny, dtype, tokens=4) * 5
     assert [tuple(k.shape) for k in paged.keys] == [(1, 20, 576)] * 3 and paged.values == []
     contiguous = ContiguousKVCache(tiny, 1, 10, dtype)
     assert sum(k.numel() * k.element_size() for k in contiguous.keys) == 10 * tiny_per_token

@@ -7,13 +7,12 @@ import torch
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.model.kv_size import kv_cache_bytes
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, kv_bytes_per_token
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
 from keel.serve.kv_quant import (
     Int8PagedKVCache,
     dequantize_kv,
-    kv_cache_bytes_per_block,
-    kv_cache_bytes_per_token,
     make_paged_kv_cache,
     quantize_kv,
     sequence_plan,
@@ -163,21 +162,25 @@ def test_tiny_llama_logits_and_greedy_tokens():
 def test_bytes_are_about_half_of_bfloat16():
     smollm2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)  # fmt: skip
-    bf16 = kv_bytes_per_token(smollm2, torch.bfloat16)
-    int8 = kv_cache_bytes_per_token(smollm2, torch.bfloat16, "int8")
+    bf16 = kv_cache_bytes(smollm2, torch.bfloat16)
+    int8 = kv_cache_bytes(smollm2, torch.bfloat16, "int8")
     assert int8 == 2 * 30 * 3 * (64 + 2)  # int8 rows + one float16 scale per head and token
     assert bf16 / 2 < int8 <= bf16 / 2 * (1 + 2 / 64)  # 51.6% of bfloat16 at head_dim 64
-    assert kv_cache_bytes_per_token(smollm2, torch.float32, "int8") == int8  # whatever the compute dtype
-    assert kv_cache_bytes_per_token(smollm2, torch.bfloat16, "auto") == bf16
-    assert kv_cache_bytes_per_block(smollm2, 16, torch.bfloat16, "int8") == 16 * int8
+    assert kv_cache_bytes(smollm2, torch.float32, "int8") == int8  # whatever the compute dtype
+    assert kv_cache_bytes(smollm2, torch.bfloat16, "auto") == bf16
+    assert kv_cache_bytes(smollm2, torch.bfloat16, "int8", tokens=16) == 16 * int8
     for config in (ModelConfig(**LLAMA), ModelConfig(**MLA)):
         cache = make_paged_kv_cache(config, 5, 4, torch.bfloat16, "cpu", "int8")
         assert isinstance(cache, Int8PagedKVCache)
-        assert cache.nbytes() == kv_cache_bytes_per_block(config, 4, torch.bfloat16, "int8") * 5
-    assert kv_cache_bytes_per_token(ModelConfig(**MLA), torch.bfloat16, "int8") == 2 * (16 + 8 + 2 * 2)
+        assert cache.nbytes() == kv_cache_bytes(config, torch.bfloat16, "int8", tokens=4) * 5
+        # "auto": the model's dtype, as the float cache allocates it (what `keel profile decode` counts per token)
+        assert make_paged_kv_cache(config, 5, 4, torch.bfloat16).nbytes() == kv_cache_bytes(config, torch.bfloat16) * 20
+    assert kv_cache_bytes(ModelConfig(**MLA), torch.bfloat16, "int8") == 2 * (16 + 8 + 2 * 2)
     assert type(make_paged_kv_cache(ModelConfig(**LLAMA), 5, 4, torch.bfloat16)) is PagedKVCache
     with pytest.raises(KeelError, match="kv_cache_dtype"):
         make_paged_kv_cache(ModelConfig(**LLAMA), 5, 4, torch.bfloat16, "cpu", "fp8")
+    with pytest.raises(KeelError, match="kv_cache_dtype"):
+        kv_cache_bytes(ModelConfig(**LLAMA), torch.bfloat16, "fp8")
 
 
 def test_engine_option_sizes_the_pool_and_generates(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from keel.errors import KeelError
-from keel.generate import stream_tokens
 from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from keel.weights import load_model
+from reference_generate import stream_tokens
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from keel.errors import KeelError
-from keel.serve.kv_cache import NULL_BLOCK, KVCacheManager, block_hash, parse_memory
+from keel.serve.kv_blocks import NULL_BLOCK, KVCacheManager, block_hash
+from keel.serve.kv_budget import parse_memory
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

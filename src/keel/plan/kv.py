@@ -1,6 +1,6 @@
 """KV-cache capacity: how many tokens and sequences a memory budget holds.
 
-The same arithmetic the serving engine sizes its pool with (keel.serve.kv_quant): whole blocks of
+The same arithmetic the serving engine sizes its pool with (keel.model.kv_size): whole blocks of
 `block_size` tokens over all layers, K and V per KV head, or for multi-head latent attention the
 compressed latent and the rope key only; int8 adds one scale per token and head.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from keel.config import ModelConfig
-from keel.serve.kv_quant import kv_cache_bytes_per_block, kv_cache_bytes_per_token
+from keel.model.kv_size import kv_cache_bytes
 
 
 def kv_capacity(
@@ -23,11 +23,11 @@ def kv_capacity(
 ) -> dict[str, int]:
     """{"bytes_per_token", "blocks", "tokens", "sequences"} for a budget (sequences of `context`
     tokens, each holding whole blocks; 0 when no context is given)."""
-    per_block = kv_cache_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
+    per_block = kv_cache_bytes(config, dtype, kv_cache_dtype, tokens=block_size)
     blocks = budget_bytes // per_block
     sequences = blocks // -(-context // block_size) if context else 0
     return {
-        "bytes_per_token": kv_cache_bytes_per_token(config, dtype, kv_cache_dtype),
+        "bytes_per_token": kv_cache_bytes(config, dtype, kv_cache_dtype),
         "blocks": blocks,
         "tokens": blocks * block_size,
         "sequences": sequences,

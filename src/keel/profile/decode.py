@@ -35,8 +35,9 @@ import torch
 from torch.autograd.profiler import record_function
 
 from keel.errors import KeelError
+from keel.model.kv_size import kv_cache_bytes
 from keel.model.layers import RMSNorm
-from keel.profile.roofline import copy_bandwidth, kv_bytes_per_token, streamed_weight_bytes
+from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes
 
 PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes", "MLP / experts", "LM head",
          "sampling", "scheduling", "other operators")  # fmt: skip
@@ -260,7 +261,8 @@ def profile_decode(
 
     decode = _profile_decode_pass(engine, batch, steps, prompt_tokens, max_tokens, prompt, trace)
     weights = streamed_weight_bytes(engine.model)
-    per_token = kv_bytes_per_token(engine.cache)
+    # What the engine's cache holds per token slot, int8 scales included (a float: the byte counts below are).
+    per_token = float(kv_cache_bytes(engine.model.config, engine.model.dtype, config.kv_cache_dtype))
     # Each step reads every sequence's cached tokens: the mean over the three passes.
     decode.weight_bytes = weights
     decode.kv_bytes = per_token * batch * (prompt_tokens + DECODE_WARMUP + 1.5 * steps)

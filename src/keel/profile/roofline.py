@@ -3,8 +3,8 @@
 `streamed_weight_bytes`: the bytes of weights one decode step reads (every float parameter and
 every quantized layer's stored buffers, once per step whatever the batch; the embedding table only
 when a float head reads it whole, otherwise a lookup reads one row per sequence).
-`kv_bytes_per_token`: the KV-cache bytes one cached token holds across all layers (what attention
-reads per cached token per step). `copy_bandwidth`: STREAM-convention copy bandwidth (bytes read +
+(The KV-cache bytes one cached token holds, what attention reads per cached token per step, are
+keel.model.kv_size's.) `copy_bandwidth`: STREAM-convention copy bandwidth (bytes read +
 written per second) on buffers far larger than the caches, the practical roofline on CPUs.
 """
 
@@ -50,8 +50,3 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
             total += stored
     return total
 
-
-def kv_bytes_per_token(cache) -> float:
-    """KV-cache bytes of one cached token over all layers (scales included), from the engine's
-    paged cache: its storage over its slots."""
-    return cache.nbytes() / (cache.num_blocks * cache.block_size)

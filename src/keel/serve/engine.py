@@ -18,12 +18,14 @@ import torch
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
 from keel.model.transformer import Transformer
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
-from keel.serve.kv_cache import KVCacheManager, blocks_in_budget
-from keel.serve.kv_quant import check_kv_cache_dtype, kv_cache_bytes_per_block, make_paged_kv_cache
+from keel.serve.kv_blocks import KVCacheManager
+from keel.serve.kv_budget import blocks_in_budget
+from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import SamplingParams, TokenLogprobs, request_generator
@@ -348,7 +350,7 @@ class LLMEngine:
         """Cache bytes of one block over all layers (and the draft model's, whose K/V share the blocks)."""
         cache = self.config.cache
         models = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        return sum(kv_cache_bytes_per_block(m.config, cache.block_size, m.dtype, cache.kv_cache_dtype) for m in models)
+        return sum(kv_cache_bytes(m.config, m.dtype, cache.kv_cache_dtype, tokens=cache.block_size) for m in models)
 
     def _num_blocks(self, device: str) -> int:
         cache = self.config.cache

@@ -42,10 +42,9 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, kv_bytes_per_token
+from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
-SCALE_DTYPE = torch.float16  # 11-bit mantissa: its rounding (<0.05%) is far below int8's half step (0.4% of absmax)
 QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
 
 
@@ -79,28 +78,6 @@ def dequantize_kv(q: Tensor, scales: Tensor, dtype: torch.dtype, parts: tuple[in
     if parts is None or len(parts) == 1:
         return q.to(dtype).mul_(s)  # s is [..., 1]: broadcasts over D
     return torch.cat([c.to(dtype) * s[..., i : i + 1] for i, c in enumerate(q.split(parts, dim=-1))], dim=-1)
-
-
-def kv_cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Cache bytes of one token over all layers, scales included: what the engine divides its
-    KV memory budget by (times the block size). "auto" is the model's dtype (`kv_bytes_per_token`)."""
-    check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
-        return kv_bytes_per_token(config, dtype)
-    scale = SCALE_DTYPE.itemsize
-    if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
-        return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
-    return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + scale)
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    """Cache bytes of every layer for one block of tokens, scales included."""
-    return kv_cache_bytes_per_token(config, dtype, kv_cache_dtype) * block_size
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise KeelError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def make_paged_kv_cache(

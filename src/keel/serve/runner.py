@@ -17,7 +17,8 @@ from torch import Tensor
 
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, length_groups, slot_of, visible_blocks
+from keel.serve.kv_blocks import slot_of, visible_blocks
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, length_groups
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from keel.errors import KeelError
-from keel.serve.kv_cache import KVCacheManager
+from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.request import Request, Status
 
 POLICIES = ("fcfs", "priority")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.errors import KeelError
-from keel.serve.kv_cache import parse_memory
+from keel.serve.kv_budget import parse_memory
 
 
 @dataclass(frozen=True)

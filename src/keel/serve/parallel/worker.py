@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 from keel.model.fuse import fuse_projections
+from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
 from keel.quant.apply import quantize_kept
 from keel.quant.config import QuantConfig
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
-from keel.serve.kv_cache import blocks_in_budget
-from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
+from keel.serve.kv_budget import blocks_in_budget
+from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.parallel.load import load_tensor_parallel
 from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.stage import StageRunner
@@ -237,7 +238,7 @@ class Worker:
         first, last = layout.kv_head_range()
         local = dataclasses.replace(config, num_heads=layout.local_heads, num_kv_heads=last - first)
         layers = layer_ranges(config.num_layers, spec.pp)[stage]
-        per_block = kv_cache_bytes_per_block(local, cache.block_size, model.dtype, cache.kv_cache_dtype)
+        per_block = kv_cache_bytes(local, model.dtype, cache.kv_cache_dtype, tokens=cache.block_size)
         per_block = per_block * len(layers) // config.num_layers
         budget = cache.num_blocks
         if budget is None:

@@ -1,0 +1,44 @@
+"""KV-cache bytes per token: the one size the engine divides its memory budget by, the planner sizes
+its pool with and the profiler counts as attention's reads.
+
+Over all layers of `config` (a tensor-parallel rank passes its own share of the heads): K and V of
+every KV head, or for multi-head latent attention (config.is_mla) one row per layer of the latent
+and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values. Sliding-window layers
+count in full: the paged cache stores every layer's rows for every block, windowed or not.
+
+kv_cache_dtype "auto" stores rows in the model's `dtype`; "int8" stores int8 values with one
+float16 scale per (KV head, token), two per MLA row (latent and rope key have a scale each), so
+its size does not depend on the compute dtype (keel.serve.kv_quant is that cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keel.config import ModelConfig
+from keel.errors import KeelError
+
+KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
+SCALE_DTYPE = torch.float16  # 11-bit mantissa: its rounding (<0.05%) is far below int8's half step (0.4% of absmax)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise KeelError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", tokens: int = 1) -> int:
+    """Cache bytes of `tokens` tokens over all layers, int8 scales included (tokens=block_size: one block)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return _bytes_per_token(config, dtype, kv_cache_dtype) * tokens
+
+
+def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    if kv_cache_dtype == "auto":
+        if config.is_mla:
+            return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    scale = SCALE_DTYPE.itemsize
+    if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
+        return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
+    return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + scale)
