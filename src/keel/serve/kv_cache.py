@@ -44,8 +44,8 @@ def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
     values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv]. Shared by the eager paged cache
     and the compiled decode step (keel.serve.compiled_decode), so both compute the same numbers.
 
-    One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (which is
-    ~9x slower in bfloat16 for this shape)."""
+    One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (measured in
+    docs/BENCHMARKS.md, "int8 KV cache")."""
     kv_heads, heads, dim = keys.shape[0], rows.shape[0], rows.shape[-1]
     qd = rows.view(kv_heads, heads // kv_heads, -1, dim).transpose(1, 2)  # [Hkv, B, G, D]
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]

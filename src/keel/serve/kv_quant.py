@@ -10,9 +10,8 @@ and how it is read back differ:
 - read, single-token decodes: the int8 rows are converted as they are (small integers are exact in
   bfloat16 and float32) and the scales are folded into the attention: the key scale into the
   scores, the value scale into the probabilities. One multiply over L per query instead of one
-  over L x D per key and value: 1.6x faster than dequantizing the gathered rows (one layer, 8
-  sequences of 1024 keys, bfloat16, 1 thread: 1.46 vs 2.32 ms; the float cache: 0.96 ms, as the
-  int8 -> float conversion is not free on CPU), and no bfloat16 rounding of the products;
+  over L x D per key and value, faster than dequantizing the gathered rows (docs/BENCHMARKS.md
+  "int8 KV cache"), and no bfloat16 rounding of the products;
 - read, prefill chunks: the gathered rows are dequantized into the compute dtype (SDPA has no
   per-key multiplier to fold a scale into).
 
@@ -21,9 +20,8 @@ depends on that token only, so nothing needs calibrating, a block's contents nev
 it is written (prefix-cached blocks stay valid for every later request), and a token with
 unusually large keys or values (attention-sink tokens, the first token) costs precision for
 itself only instead of for every token of its head. A static per-head scale must cover the
-largest value the head will ever see: even calibrated on the very text it quantizes, it has 1.5x
-(keys) and 2.2x (values) the reconstruction error on SmolLM2-135M (bench/kv_int8.py: 1.55% vs
-1.04%, 1.59% vs 0.73%). SmolLM2's perplexity over 2048 Shakespeare tokens moves by +0.2%.
+largest value the head will ever see: even calibrated on the very text it quantizes, it has a
+larger reconstruction error on SmolLM2-135M (bench/kv_int8.py; figures in docs/BENCHMARKS.md).
 
 Multi-head latent attention (config.is_mla) is supported: each row (latent, then rope key) has
 two scales, one per part, because the normalized latent and the unnormalized rope key differ in
