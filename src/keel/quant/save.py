@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from keel.dtypes import DTYPE_CHOICES, parse_dtype
 from keel.errors import KeelError
 from keel.model.moe import GroupedExperts
 from keel.model.transformer import Transformer
@@ -44,7 +45,7 @@ from keel.weights.convert import (
     output_dtype,
     write_model_dir,
 )
-from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
+from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint
 from keel.weights.names import keel_to_hf
 
 FORMAT_VERSION = 1
@@ -189,7 +190,7 @@ def register_save(qsub: argparse._SubParsersAction) -> None:
     s.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
                    help="comma-separated modules (names or patterns like '*.experts') left in float")  # fmt: skip
     s.add_argument("--quant-plan", default=None, metavar="PLAN.json", help="a plan from `keel quantize analyze`")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="dtype of the float tensors and of the weights before quantization")  # fmt: skip
     s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")

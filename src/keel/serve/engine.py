@@ -325,9 +325,10 @@ class LLMEngine:
     def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
         the config and tokenizer (a meta-device model stands for the weights)."""
+        from keel.dtypes import parse_dtype
         from keel.serve.parallel.executor import ParallelExecutor
         from keel.serve.parallel.launch import worker_spec
-        from keel.weights.loader import choose_dtype, parse_dtype
+        from keel.weights.loader import choose_dtype
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")

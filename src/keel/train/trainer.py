@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer, build_model
@@ -45,7 +46,6 @@ from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 

@@ -17,21 +17,12 @@ from torch import Tensor
 
 from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES, parse_dtype
 from keel.errors import KeelError, WeightsError
 from keel.model.transformer import Transformer
 from keel.platform import auto_dtype
 from keel.tokenizer import Tokenizer
 from keel.weights.names import hf_source
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """A dtype name (see DTYPES) as a torch dtype."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise KeelError(f"--dtype {name!r} is not supported (choose from {', '.join(DTYPES)})") from None
 
 
 class TensorReader(Protocol):
