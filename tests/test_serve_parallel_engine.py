@@ -250,7 +250,7 @@ def test_two_nodes_on_one_host(tmp_path):
     import subprocess
     import sys
 
-    from keel.serve.openai.child import free_port
+    from keel.net import free_port
 
     save_hf_model("llama", tmp_path)
     save_byte_tokenizer(tmp_path)
