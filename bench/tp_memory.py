@@ -19,9 +19,9 @@ import torch
 
 from keel.errors import KeelError
 from keel.serve.kv_cache import kv_bytes_per_token
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
 from keel.weights import load_model
+from keel.weights.shard import TensorParallelLayout
 
 
 def param_bytes(model: torch.nn.Module) -> int:

@@ -16,10 +16,10 @@ from keel.errors import KeelError
 from keel.serve import LLM, EngineConfig, SamplingParams
 from keel.serve.openai.child import ServerProcess
 from keel.serve.parallel.executor import node_ranks
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.stage import micro_batches, selected_rows
 from keel.serve.runner import Chunk
 from keel.weights.loader import open_checkpoint
+from keel.weights.shard import TensorParallelLayout
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 SMOLLM2 = "smollm2-135m-instruct"

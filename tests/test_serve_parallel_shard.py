@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding layout (keel.serve.parallel.shard): which slice each rank holds, KV-head
+"""Tensor-parallel sharding layout (keel.weights.shard): which slice each rank holds, KV-head
 replication when there are fewer KV heads than ranks, and shard-wise reads that put the full
 tensors back together."""
 
@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import TensorParallelLayout, read_shard, slice_of
 from keel.weights.loader import open_checkpoint
+from keel.weights.shard import TensorParallelLayout, read_shard, slice_of
 from tiny_models import save_hf_model
 
 

@@ -34,6 +34,7 @@ from keel.errors import ConfigError, WeightsError
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.loader import Checkpoint
+from keel.weights.shard import Shard, narrow
 
 # general.architecture -> keel family ("llama" with experts becomes "mixtral" below).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
@@ -511,8 +512,8 @@ class GGUFTensorReader:
             array = np.array(array, dtype=np.float32, order="C", copy=True)
         return torch.from_numpy(array)
 
-    def get_shard(self, name: str, shard) -> Tensor:
-        """A parallel rank's slice (keel.serve.parallel.shard.Shard; None: all) of a 2-D tensor, dequantizing
+    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
+        """A parallel rank's slice (keel.weights.shard.Shard; None: all) of a 2-D tensor, dequantizing
         only the rows it covers, and of those rows only the blocks it covers when its columns start and end
         on a block boundary (else whole rows, then cut). q/k rows are cut at head boundaries, so a row
         shard is un-permuted head by head like the whole tensor."""
@@ -520,8 +521,6 @@ class GGUFTensorReader:
         if shard is None:
             return self.get(name)
         if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: read whole, then cut
-            from keel.serve.parallel.shard import narrow
-
             return narrow(self.get(name), shard)
         t = entry.sources[0]
         if t.tensor_type not in SUPPORTED_TYPES:

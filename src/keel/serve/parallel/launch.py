@@ -17,9 +17,9 @@ from keel.errors import KeelError
 from keel.net import free_port
 from keel.serve.parallel.executor import ParallelExecutor, node_ranks
 from keel.serve.parallel.load import check_parallel_model
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.worker import WorkerSpec
 from keel.weights.loader import Checkpoint, open_checkpoint, resolve_dtype
+from keel.weights.shard import TensorParallelLayout
 
 if TYPE_CHECKING:
     from keel.serve.engine import EngineConfig

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import Shard, TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
 from keel.weights.loader import LoadedModel, open_checkpoint
 from keel.weights.names import hf_source
+from keel.weights.shard import Shard, TensorParallelLayout
 
 
 def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_parallel: bool = False) -> None:
