@@ -160,12 +160,12 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
 class Worker:
     def __init__(self, spec: WorkerSpec, rank: int) -> None:
         from keel.dtypes import parse_dtype
+        from keel.model.stages import layer_ranges
         from keel.serve.kv_cache import blocks_in_budget
         from keel.serve.kv_quant import kv_cache_bytes_per_block, make_paged_kv_cache
         from keel.serve.parallel.load import load_tensor_parallel
         from keel.serve.parallel.stage import StageRunner
         from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
-        from keel.train.pipeline import layer_ranges
         from keel.weights.shard import TensorParallelLayout
 
         self.spec, self.rank = spec, rank
