@@ -49,7 +49,7 @@ def corpus_text(corpus: str) -> tuple[str, str]:
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from keel.eval.ppl import check_window_options, leading_tokens, sliding_window_perplexity
+    from keel.model.perplexity import check_window_options, leading_tokens, sliding_window_perplexity
 
     check_window_options(args.context, args.stride)  # option errors before any loading
     if args.max_tokens is not None and args.max_tokens < 2:

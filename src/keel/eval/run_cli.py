@@ -143,7 +143,7 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from keel.eval.cli import corpus_text
-    from keel.eval.ppl import check_window_options, leading_tokens
+    from keel.model.perplexity import check_window_options, leading_tokens
     from keel.serve.openai.server import engine_config, quantize_config
 
     minimums = [("--limit", args.limit, 1), ("--golden", args.golden, 0), ("--golden-tokens", args.golden_tokens, 1),

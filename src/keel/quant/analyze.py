@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.errors import KeelError
+from keel.model.perplexity import perplexity_of_logits
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear
-from keel.tools.perplexity import perplexity_of_logits
 
 
 @dataclass
