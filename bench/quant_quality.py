@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from keel.data.corpora import shakespeare_path
-    from keel.quant.analyze import analyze
+    from keel.quant.sensitivity import analyze
     from keel.weights import load_model
 
     text = shakespeare_path().read_text(encoding="utf-8")

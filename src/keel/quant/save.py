@@ -36,6 +36,7 @@ from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
 from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
 from keel.quant.load import saved_base
+from keel.quant.plan import read_plan
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
     _check_destination,
@@ -166,8 +167,6 @@ def cmd_save(args: argparse.Namespace) -> int:
     scheme, group_size = args.quantize, args.quant_group_size
     keep = tuple(name for name in args.quant_keep.split(",") if name)
     if args.quant_plan is not None:
-        from keel.quant.analyze import read_plan
-
         plan = read_plan(args.quant_plan)
         scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
     if scheme is None:

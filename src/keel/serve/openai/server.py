@@ -130,7 +130,7 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
 def quantize_config(args: argparse.Namespace) -> dict:
     """EngineConfig fields of the quantization options; a bad plan fails here, before the model loads."""
     if args.quant_plan is not None:
-        from keel.quant.analyze import read_plan
+        from keel.quant.plan import read_plan
 
         plan = read_plan(args.quant_plan)
         return dict(quantize=plan["scheme"], quant_group_size=plan.get("group_size") or 128,
