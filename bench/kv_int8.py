@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from keel.data.corpora import shakespeare_path
+    from keel.quant.loading import load_model
     from keel.serve.kv_quant import kv_cache_bytes_per_token, make_paged_kv_cache
-    from keel.weights.loader import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype)

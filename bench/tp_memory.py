@@ -18,9 +18,9 @@ import dataclasses
 import torch
 
 from keel.errors import KeelError
+from keel.quant.loading import load_model
 from keel.serve.kv_cache import kv_bytes_per_token
 from keel.serve.parallel.tensor import shard_model
-from keel.weights import load_model
 from keel.weights.shard import TensorParallelLayout
 
 

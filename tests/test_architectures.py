@@ -7,8 +7,8 @@ import torch
 
 from keel.cli import main as keel_main
 from keel.generate import stream_tokens
+from keel.quant.loading import load_model
 from keel.serve.sampling import SamplingParams
-from keel.weights import load_model
 from tiny_models import TINY_CONFIGS, save_hf_model
 
 ARCHS = list(TINY_CONFIGS)

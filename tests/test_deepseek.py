@@ -13,9 +13,9 @@ from keel.generate import stream_tokens
 from keel.model.cache import ContiguousKVCache
 from keel.model.layers import rope_attention_factor, rope_inv_freq
 from keel.model.mla import mla_softmax_scale
+from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
 from keel.serve.kv_cache import PagedKVCache, kv_bytes_per_block, kv_bytes_per_token
-from keel.weights import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 transformers = pytest.importorskip("transformers")

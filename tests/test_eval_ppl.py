@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from keel.cli import main as keel_main
 from keel.errors import KeelError
 from keel.model.perplexity import sliding_window_perplexity, windows
-from keel.weights.loader import load_model
+from keel.quant.loading import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 

@@ -10,8 +10,8 @@ import torch
 
 from keel.errors import KeelError
 from keel.generate import stream_tokens
+from keel.quant.loading import load_model
 from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from keel.weights import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

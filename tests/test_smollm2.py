@@ -10,7 +10,7 @@ import torch
 
 from keel.catalog import resolve_catalog
 from keel.model.perplexity import perplexity
-from keel.weights import load_model
+from keel.quant.loading import load_model
 
 CATALOG_NAME = "smollm2-135m-instruct"
 

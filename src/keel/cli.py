@@ -35,10 +35,10 @@ def _set_threads(threads: int | None) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from keel.quant.loading import load_model
     from keel.serve.engine import EngineConfig, LLMEngine
     from keel.serve.openai.server import expert_offload_config, quantize_config, speculative_config
     from keel.serve.sampling import SamplingParams
-    from keel.weights import load_model
 
     _set_threads(args.threads)
     offload = expert_offload_config(args)

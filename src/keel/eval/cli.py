@@ -38,7 +38,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         raise KeelError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     import torch
 
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

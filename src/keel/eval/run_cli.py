@@ -167,8 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from keel.eval.manifest import build_manifest
     from keel.eval.run import run_eval, write_json
+    from keel.quant.loading import load_model
     from keel.serve.llm import LLM
-    from keel.weights import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ from keel.quant.sensitivity import analyze
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

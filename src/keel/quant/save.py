@@ -37,6 +37,7 @@ from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
 from keel.quant.load import saved_base
 from keel.quant.plan import read_plan
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
     _check_destination,
@@ -46,7 +47,7 @@ from keel.weights.convert import (
     output_dtype,
     write_model_dir,
 )
-from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint
+from keel.weights.loader import checked_tensors, open_checkpoint
 from keel.weights.names import keel_to_hf
 
 FORMAT_VERSION = 1

@@ -19,6 +19,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
+from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.kv_cache import KVCacheManager, blocks_in_budget
@@ -31,7 +32,7 @@ from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.stop import StopChecker
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
-from keel.weights.loader import LoadedModel, load_model
+from keel.weights.checkpoint import LoadedModel
 
 if TYPE_CHECKING:
     from keel.serve.offload import ExpertOffload
@@ -328,7 +329,7 @@ class LLMEngine:
         from keel.dtypes import parse_dtype
         from keel.serve.parallel.executor import ParallelExecutor
         from keel.serve.parallel.launch import worker_spec
-        from keel.weights.loader import choose_dtype
+        from keel.weights.compute_dtype import choose_dtype
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")

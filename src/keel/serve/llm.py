@@ -6,7 +6,7 @@ from tqdm import tqdm
 
 from keel.serve.engine import EngineConfig, LLMEngine, RequestOutput
 from keel.serve.sampling import SamplingParams
-from keel.weights.loader import LoadedModel
+from keel.weights.checkpoint import LoadedModel
 
 
 class LLM:

@@ -82,7 +82,7 @@ def _copies(weight: torch.Tensor, n: int, noise: float, generator: torch.Generat
 
 
 def cmd_upcycle(args: argparse.Namespace) -> int:
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
     from keel.weights.convert import save_model
 
     loaded = load_model(args.model, "float32")

@@ -132,7 +132,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> tuple[ModelConfig, Any, Transformer]:
-        from keel.weights import load_model, open_checkpoint
+        from keel.quant.loading import load_model
+        from keel.weights import open_checkpoint
 
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights

@@ -26,7 +26,8 @@ from keel.dtypes import DTYPES, parse_dtype
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
-from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint
+from keel.weights.checkpoint import Checkpoint
+from keel.weights.loader import checked_tensors, open_checkpoint
 from keel.weights.names import keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
 

@@ -31,9 +31,9 @@ from torch import Tensor
 
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
-from keel.weights.loader import Checkpoint
 from keel.weights.shard import Shard, narrow
 
 # general.architecture -> keel family ("llama" with experts becomes "mixtral" below).

@@ -251,9 +251,9 @@ def engine_config(args: argparse.Namespace, quantization: dict | None = None):
 
 def build_engine(args: argparse.Namespace):
     """The AsyncEngine over the chosen engine, with the model loaded."""
+    from keel.quant.loading import load_model
     from keel.serve.async_engine import AsyncEngine
     from keel.serve.engine import LLMEngine
-    from keel.weights import load_model
 
     quantization = quantize_config(args)  # read once: a plan file is parsed here
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and args.engine == "keel":

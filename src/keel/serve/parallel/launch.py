@@ -18,7 +18,9 @@ from keel.net import free_port
 from keel.serve.parallel.executor import ParallelExecutor, node_ranks
 from keel.serve.parallel.load import check_parallel_model
 from keel.serve.parallel.worker import WorkerSpec
-from keel.weights.loader import Checkpoint, open_checkpoint, resolve_dtype
+from keel.weights.checkpoint import Checkpoint
+from keel.weights.compute_dtype import resolve_dtype
+from keel.weights.loader import open_checkpoint
 from keel.weights.shard import TensorParallelLayout
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from keel.errors import KeelError
 from keel.model.stages import split_stage
 from keel.model.transformer import Transformer
 from keel.serve.parallel.tensor import shard_model
-from keel.weights.loader import LoadedModel, open_checkpoint
+from keel.weights.checkpoint import LoadedModel
+from keel.weights.loader import open_checkpoint
 from keel.weights.names import hf_source
 from keel.weights.shard import Shard, TensorParallelLayout
 
