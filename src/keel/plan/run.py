@@ -31,13 +31,78 @@ split by `tp`) are modelled, not yet measured.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES
 from keel.model.loss import CHUNK_BYTES
 from keel.plan.activations import ActivationPrecision, layer_activation_bytes, norm_bytes
-from keel.train.config import Layout, TrainConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# What the prediction reads of a run. keel.train.config's TrainConfig and Layout have these fields;
+# the planner sits below keel.train, so it names the fields it needs instead of importing the classes.
+class _ModelSettings(Protocol):
+    @property
+    def dtype(self) -> str: ...  # the weights' dtype name (keel.dtypes.DTYPES)
+
+
+class _TrainingSettings(Protocol):
+    @property
+    def precision(self) -> str: ...  # "fp32" | "bf16" | "fp16"
+
+
+class _DataSettings(Protocol):
+    @property
+    def seq_len(self) -> int: ...
+
+
+class _CheckpointSettings(Protocol):
+    @property
+    def mode(self) -> str: ...  # "none" | "full" | "selective"
+
+    @property
+    def every(self) -> int: ...
+
+
+class RunSettings(Protocol):
+    """A run's config as the prediction reads it (keel.train.config.TrainConfig)."""
+
+    @property
+    def model(self) -> _ModelSettings: ...
+
+    @property
+    def training(self) -> _TrainingSettings: ...
+
+    @property
+    def data(self) -> _DataSettings: ...
+
+    @property
+    def activation_checkpoint(self) -> _CheckpointSettings: ...
+
+
+class RunLayout(Protocol):
+    """How a run is laid out over its ranks (keel.train.config.Layout, from resolve_layout)."""
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def dp_shard(self) -> int: ...
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def pp(self) -> int: ...
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def pp_microbatches(self) -> int: ...
+
+    @property
+    def grad_accum(self) -> int: ...
 
 
 @dataclass
@@ -59,11 +124,11 @@ class RunMemory:
         return {**asdict(self), "peak": self.peak}
 
 
-def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> RunMemory:
+def predict_run_memory(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> RunMemory:
     """The predicted peak of one rank of the run `cfg` (model `config`, layout from
     keel.train.config.resolve_layout)."""
     h, vocab = config.hidden_size, config.vocab_size
-    w = DTYPE_BYTES[cfg.model.dtype]
+    w = DTYPES[cfg.model.dtype].itemsize
     compute = w if cfg.training.precision == "fp32" else 2
     fsdp = layout.dp > 1
     # FSDP's mixed precision hands the blocks weights already in the compute dtype.
