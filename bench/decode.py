@@ -86,7 +86,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
     from keel.weights.convert import convert
 
     loaded = load_model(args.model, args.dtype)

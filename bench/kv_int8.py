@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from keel.data.corpora import shakespeare_path
     from keel.model.kv_size import kv_cache_bytes
+    from keel.quant.loading import load_model
     from keel.serve.kv_quant import make_paged_kv_cache
-    from keel.weights.loader import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype)

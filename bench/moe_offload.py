@@ -46,8 +46,8 @@ def build_model(cache_dir: Path, experts: int, top_k: int, noise: float) -> Path
 
 
 def run(model: Path, args: argparse.Namespace, budget: str | None, prompts: list[list[int]]) -> dict:
+    from keel.quant.loading import load_model
     from keel.serve import EngineConfig, LLMEngine, SamplingParams
-    from keel.weights import load_model
 
     config = EngineConfig.of(
         kv_cache_memory=args.kv_cache_memory,

@@ -109,8 +109,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}", flush=True)
 
+    from keel.quant.loading import load_model
     from keel.serve import EngineConfig, LLMEngine
-    from keel.weights import load_model
 
     loaded = load_model(args.model, args.dtype)
     vocab = loaded.model.config.vocab_size

@@ -52,7 +52,7 @@ VARIANTS = {
 
 
 def build(model: str, variant: str, max_len: int):
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     base, _, mode = variant.partition("@")
     dtype, scheme, group, keep, keep_as = VARIANTS[base]

@@ -50,8 +50,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from keel.data.corpora import shakespeare_path
-    from keel.quant.analyze import analyze
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
+    from keel.quant.sensitivity import analyze
 
     text = shakespeare_path().read_text(encoding="utf-8")
     reference = load_model(args.model, "float32")

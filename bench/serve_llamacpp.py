@@ -28,8 +28,10 @@ from pathlib import Path
 import httpx
 
 from keel.data.corpora import shakespeare_path
-from keel.serve.openai.child import ServerProcess, free_port
-from keel.weights.loader import load_model, resolve_path
+from keel.net import free_port
+from keel.quant.loading import load_model
+from keel.serve.openai.child import ServerProcess
+from keel.weights.loader import resolve_path
 
 PREFIX = "Continue the following text:\n\n"
 

@@ -114,8 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from keel.quant.loading import load_model
     from keel.serve import EngineConfig, LLMEngine
-    from keel.weights import load_model
 
     loaded = load_model(args.model, args.dtype)
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")

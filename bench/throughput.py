@@ -258,7 +258,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     with tempfile.TemporaryDirectory(prefix="keel-bench-") as tmp:
         tmp = Path(tmp)

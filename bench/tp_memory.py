@@ -19,9 +19,9 @@ import torch
 
 from keel.errors import KeelError
 from keel.model.kv_size import kv_cache_bytes
-from keel.serve.parallel.shard import TensorParallelLayout
+from keel.quant.loading import load_model
 from keel.serve.parallel.tensor import shard_model
-from keel.weights import load_model
+from keel.weights.shard import TensorParallelLayout
 
 
 def param_bytes(model: torch.nn.Module) -> int:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from keel.cli import main as keel_main
+from keel.quant.loading import load_model
 from keel.serve.sampling import SamplingParams
-from keel.weights import load_model
 from reference_generate import stream_tokens
 from tiny_models import TINY_CONFIGS, save_hf_model
 

@@ -12,9 +12,10 @@ from tokenizers import models, pre_tokenizers
 
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
+from keel.quant.loading import load_model
 from keel.tokenizer import Tokenizer
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import convert, output_dtype
-from keel.weights.loader import Checkpoint, load_model
 from tiny_models import TINY_CONFIGS, save_hf_model
 
 transformers = pytest.importorskip("transformers")

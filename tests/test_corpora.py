@@ -21,6 +21,7 @@ import pytest
 from keel.data import corpora
 from keel.data.corpora import kjv_path, shakespeare_path, strip_gutenberg
 from keel.errors import KeelError
+from keel.paths import cache_root
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_strip_gutenberg() -> None:
     old = "header\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\nBody.\n"
     assert strip_gutenberg(old).strip() == "Body."
     assert strip_gutenberg("Plain text.\n") == "Plain text.\n"
-    assert corpora.cache_root(Path("/x")) == Path("/x")
+    assert cache_root(Path("/x")) == Path("/x")
 
 
 # ---------------------------------------------------------------------------------------------------

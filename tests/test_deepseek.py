@@ -12,9 +12,9 @@ from keel.errors import ConfigError
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.layers import rope_attention_factor, rope_inv_freq
 from keel.model.mla import mla_softmax_scale
+from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
 from keel.serve.kv_cache import PagedKVCache
-from keel.weights import load_model
 from reference_generate import ContiguousKVCache, stream_tokens
 from tiny_models import save_byte_tokenizer, save_hf_model
 

@@ -17,12 +17,12 @@ import torch
 
 from keel.eval.compare import Thresholds, compare, report
 from keel.eval.manifest import build_manifest
-from keel.eval.ppl import leading_tokens
 from keel.eval.run import run_eval
 from keel.eval.run_cli import resolve_suites
+from keel.model.perplexity import leading_tokens
+from keel.quant.loading import load_model
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
-from keel.weights import load_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
 

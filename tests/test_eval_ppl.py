@@ -1,4 +1,4 @@
-"""`keel eval ppl` (keel.eval.ppl): sliding-window perplexity against a direct computation, every
+"""`keel eval ppl` (keel.model.perplexity): sliding-window perplexity against a direct computation, every
 token after the first scored exactly once, deterministic, and clear CLI errors."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from keel.cli import main as keel_main
 from keel.errors import KeelError
-from keel.eval.ppl import sliding_window_perplexity, windows
-from keel.weights.loader import load_model
+from keel.model.perplexity import sliding_window_perplexity, windows
+from keel.quant.loading import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 

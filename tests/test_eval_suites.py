@@ -16,13 +16,13 @@ from keel.cli import main as keel_main
 from keel.errors import KeelError
 from keel.eval.compare import Thresholds, compare, greedy_stability, report
 from keel.eval.needle import needle_suite
-from keel.eval.ppl import sliding_window_perplexity, windows
 from keel.eval.run import engine_perplexity, run_eval
 from keel.eval.score import Evaluator, encode_pair
 from keel.eval.stats import mcnemar_p, wilson_interval
 from keel.eval.suites import builtin_suite_paths, extract_option, load_suite, matches
+from keel.model.perplexity import sliding_window_perplexity, windows
+from keel.quant.loading import load_model
 from keel.serve.llm import LLM
-from keel.weights.loader import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 MC_ITEMS = [

@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from keel.errors import KeelError
+from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
 from keel.serve.offload import enable_expert_offload
 from keel.serve.offload.budget import parse_expert_cache, slots_per_layer
 from keel.serve.offload.slots import SlotCache
-from keel.weights import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from keel.catalog import resolve_catalog
 from keel.errors import ConfigError, KeelError, WeightsError
-from keel.weights import load_model
+from keel.quant.loading import load_model
 from keel.weights.gguf import open_gguf
 from tiny_models import build_hf_model
 

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 from keel.config import ModelConfig
 from keel.errors import ConfigError
 from keel.model.transformer import Transformer
+from keel.quant.loading import load_model
 from keel.weights.infer import _sparse_pattern
-from keel.weights.loader import load_model, load_weights, open_checkpoint
+from keel.weights.loader import load_weights, open_checkpoint
 from keel.weights.names import hf_source
 from tiny_models import TINY_CONFIGS, build_hf_model, save_hf_model
 

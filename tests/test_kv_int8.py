@@ -8,6 +8,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import kv_cache_bytes
+from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
 from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
 from keel.serve.kv_quant import (
@@ -17,7 +18,6 @@ from keel.serve.kv_quant import (
     quantize_kv,
     sequence_plan,
 )
-from keel.weights import load_model
 from tiny_models import save_hf_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`

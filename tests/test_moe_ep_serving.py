@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, model_dir: str, init_file: str, out: str) -> 
                             timeout=timedelta(seconds=120))  # fmt: skip
     try:
         from keel.model.expert_parallel import shard_experts
-        from keel.weights import load_model
+        from keel.quant.loading import load_model
 
         mine = prompts_for(rank)
         reference = greedy(load_model(model_dir, "float32"), mine)  # every expert in this process

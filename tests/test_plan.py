@@ -86,8 +86,8 @@ def test_cluster_specs():
 def test_kv_capacity_equals_the_engines_block_count(tmp_path, kind):
     """The planner's capacity for a budget is the pool the engine builds from the same budget."""
     from keel.plan.kv import kv_capacity
+    from keel.quant.loading import load_model
     from keel.serve import EngineConfig, LLMEngine
-    from keel.weights import load_model
     from tiny_models import save_hf_model
 
     save_hf_model("llama", tmp_path / "m")

@@ -14,9 +14,9 @@ from keel import platform
 from keel.cli import main
 from keel.errors import KeelError
 from keel.platform import auto_dtype, export_isa_caps, probe
+from keel.quant.loading import load_model
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
-from keel.weights import load_model
 from tiny_models import build_hf_model, save_byte_tokenizer, save_hf_model
 
 pytestmark = pytest.mark.isa

@@ -123,7 +123,7 @@ def test_analysis_ranks_a_corrupted_layer_first_and_its_plan_applies(tmp_path):
 
     from keel.config import ModelConfig
     from keel.model.transformer import build_model
-    from keel.quant.analyze import analyze
+    from keel.quant.sensitivity import analyze
     from keel.weights.convert import save_model
     from tiny_models import save_byte_tokenizer
 

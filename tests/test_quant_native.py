@@ -32,7 +32,7 @@ from keel.quant.linear import (
     quantize_int8,
     unpack_nibbles,
 )
-from keel.weights import load_model
+from keel.quant.loading import load_model
 from keel.weights.gguf import open_gguf
 from test_gguf import TOKENS, build_hf, random_blocks, write_block_gguf, write_gguf
 from tiny_models import save_byte_tokenizer, save_hf_model

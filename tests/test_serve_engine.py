@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from keel.errors import KeelError
+from keel.quant.loading import load_model
 from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from keel.weights import load_model
 from reference_generate import stream_tokens
 from tiny_models import save_byte_tokenizer, save_hf_model
 

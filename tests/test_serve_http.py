@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from keel.quant.loading import load_model
 from keel.serve import LLM, SamplingParams
 from keel.serve.openai.child import ServerProcess
-from keel.weights.loader import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 CONTEXT = 8192  # long enough that one request can outlive a short deadline

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from keel.errors import KeelError
+from keel.quant.loading import load_model
 from keel.serve import LLM, AsyncEngine, SamplingParams
 from keel.serve.naive import NaiveEngine
-from keel.weights import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

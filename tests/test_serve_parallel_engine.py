@@ -16,10 +16,10 @@ from keel.errors import KeelError
 from keel.serve import LLM, EngineConfig, SamplingParams
 from keel.serve.openai.child import ServerProcess
 from keel.serve.parallel.executor import node_ranks
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.stage import micro_batches, selected_rows
 from keel.serve.runner import Chunk
 from keel.weights.loader import open_checkpoint
+from keel.weights.shard import TensorParallelLayout
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -247,7 +247,7 @@ def test_two_nodes_on_one_host(tmp_path):
     import subprocess
     import sys
 
-    from keel.serve.openai.child import free_port
+    from keel.net import free_port
 
     save_hf_model("llama", tmp_path)
     save_byte_tokenizer(tmp_path)

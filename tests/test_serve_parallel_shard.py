@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding layout (keel.serve.parallel.shard): which slice each rank holds, KV-head
+"""Tensor-parallel sharding layout (keel.weights.shard): which slice each rank holds, KV-head
 replication when there are fewer KV heads than ranks, and shard-wise reads that put the full
 tensors back together."""
 
@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import TensorParallelLayout, read_shard, slice_of
 from keel.weights.loader import open_checkpoint
+from keel.weights.shard import TensorParallelLayout, read_shard, slice_of
 from tiny_models import save_hf_model
 
 
@@ -88,8 +88,8 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
 
     import torch.distributed as dist
 
+    from keel.quant.loading import load_model
     from keel.serve.parallel.tensor import shard_model
-    from keel.weights.loader import load_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -124,7 +124,7 @@ def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp):
     equal the unsharded model's (tp 4 on 2 KV heads: replicated KV heads)."""
     import torch.multiprocessing as mp
 
-    from keel.weights.loader import load_model
+    from keel.quant.loading import load_model
 
     save_hf_model(arch, tmp_path / "m", tie_word_embeddings=(arch == "llama"))
     out = tmp_path / "logits.pt"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from keel.catalog import resolve_catalog
-from keel.tools.perplexity import perplexity
-from keel.weights import load_model
+from keel.model.perplexity import perplexity
+from keel.quant.loading import load_model
 
 CATALOG_NAME = "smollm2-135m-instruct"
 

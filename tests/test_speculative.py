@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from keel.errors import KeelError
+from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
 from keel.serve.sampling import RowState, Sampler
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative import verify as verify_module
 from keel.serve.speculative.ngram import propose_ngram
-from keel.weights import load_model
 from tiny_models import build_hf_model, save_byte_tokenizer, save_hf_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`

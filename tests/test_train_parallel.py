@@ -358,7 +358,8 @@ def test_tp_rejects_indivisible_heads() -> None:
 
 
 def test_pipeline_split_keeps_global_layer_keys() -> None:
-    from keel.train.pipeline import layer_ranges, split_stage, stage_ids
+    from keel.model.stages import layer_ranges, split_stage
+    from keel.train.pipeline import stage_ids
 
     assert layer_ranges(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_ids(0, 2, 2, "loop") == [0, 2] and stage_ids(0, 2, 2, "v") == [0, 3]

@@ -105,7 +105,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_learns_logs_and_checkpoints_a_loadable_model(root):
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     trainer, result = run(config(root, "learn"), "training.steps=40")
     first, last = result.losses[1], result.losses[40]
@@ -326,7 +326,7 @@ eos_token_id = 2
 def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root):
     """DeepSeek-V3 (MLA, sigmoid router, first layer dense) trains; the selection bias moves with the
     load and is saved with the model, so the checkpoint loads with the trained routing."""
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     def deepseek_config(name: str) -> Path:
         path = config(root, name, "[moe]\nbias_update_rate = 0.01\n")

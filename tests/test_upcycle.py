@@ -7,8 +7,8 @@ import sys
 
 import torch
 
+from keel.quant.loading import load_model
 from keel.tools.upcycle import upcycle_model
-from keel.weights import load_model
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 DICKENS = "It was the best of times, it was the worst of times, it was the age of wisdom"

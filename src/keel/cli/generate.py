@@ -43,9 +43,9 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from keel.quant.loading import load_model
     from keel.serve.engine import LLMEngine
     from keel.serve.sampling import SamplingParams
-    from keel.weights import load_model
 
     set_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

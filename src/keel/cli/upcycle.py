@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from keel.quant.loading import load_model
     from keel.tools.upcycle import upcycle_model
-    from keel.weights import load_model
     from keel.weights.convert import save_model
 
     loaded = load_model(args.model, "float32")

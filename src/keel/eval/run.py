@@ -18,10 +18,10 @@ from typing import Any
 
 from keel.atomic import write_atomic
 from keel.errors import KeelError
-from keel.eval.ppl import windows
 from keel.eval.score import Evaluator, continuation_logprobs, dimensions
 from keel.eval.suites import Suite
 from keel.jsonl import iter_jsonl
+from keel.model.perplexity import windows
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
 
@@ -54,7 +54,7 @@ def golden_outputs(evaluator: Evaluator, prompts: list[dict[str, str]], max_toke
 
 
 def engine_perplexity(llm: LLM, token_ids: list[int], context: int, stride: int) -> dict[str, Any]:
-    """Sliding-window perplexity (keel.eval.ppl's windows) from the engine's prompt logprobs."""
+    """Sliding-window perplexity (keel.model.perplexity's windows) from the engine's prompt logprobs."""
     plan = windows(len(token_ids), context, stride)
     # Each window: the scored tokens are the continuation of the tokens before them.
     pairs = [(token_ids[begin : end - scored], token_ids[end - scored : end]) for begin, end, scored in plan]

@@ -143,8 +143,8 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from keel.cli.config_options import engine_config_from_args
-    from keel.eval.cli import corpus_text
-    from keel.eval.ppl import check_window_options, leading_tokens
+    from keel.data.text_corpus import corpus_text
+    from keel.model.perplexity import check_window_options, leading_tokens
 
     minimums = [("--limit", args.limit, 1), ("--golden", args.golden, 0), ("--golden-tokens", args.golden_tokens, 1),
                 ("--threads", args.threads, 1)]  # fmt: skip
@@ -166,8 +166,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from keel.eval.manifest import build_manifest
     from keel.eval.run import run_eval, write_json
+    from keel.quant.loading import load_model
     from keel.serve.llm import LLM
-    from keel.weights import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

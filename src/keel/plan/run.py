@@ -31,13 +31,78 @@ split by `tp`) are modelled, not yet measured.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES
 from keel.model.loss import CHUNK_BYTES
 from keel.plan.activations import ActivationPrecision, layer_activation_bytes, norm_bytes
-from keel.train.config import Layout, TrainConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# What the prediction reads of a run. keel.train.config's TrainConfig and Layout have these fields;
+# the planner sits below keel.train, so it names the fields it needs instead of importing the classes.
+class _ModelSettings(Protocol):
+    @property
+    def dtype(self) -> str: ...  # the weights' dtype name (keel.dtypes.DTYPES)
+
+
+class _TrainingSettings(Protocol):
+    @property
+    def precision(self) -> str: ...  # "fp32" | "bf16" | "fp16"
+
+
+class _DataSettings(Protocol):
+    @property
+    def seq_len(self) -> int: ...
+
+
+class _CheckpointSettings(Protocol):
+    @property
+    def mode(self) -> str: ...  # "none" | "full" | "selective"
+
+    @property
+    def every(self) -> int: ...
+
+
+class RunSettings(Protocol):
+    """A run's config as the prediction reads it (keel.train.config.TrainConfig)."""
+
+    @property
+    def model(self) -> _ModelSettings: ...
+
+    @property
+    def training(self) -> _TrainingSettings: ...
+
+    @property
+    def data(self) -> _DataSettings: ...
+
+    @property
+    def activation_checkpoint(self) -> _CheckpointSettings: ...
+
+
+class RunLayout(Protocol):
+    """How a run is laid out over its ranks (keel.train.config.Layout, from resolve_layout)."""
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def dp_shard(self) -> int: ...
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def pp(self) -> int: ...
+
+    @property
+    def micro_batch_size(self) -> int: ...
+
+    @property
+    def pp_microbatches(self) -> int: ...
+
+    @property
+    def grad_accum(self) -> int: ...
 
 
 @dataclass
@@ -59,7 +124,7 @@ class RunMemory:
         return {**asdict(self), "peak": self.peak}
 
 
-def predict_run_memory(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> RunMemory:
+def predict_run_memory(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> RunMemory:
     """The predicted peak of one rank of the run `cfg` (model `config`, layout from
     keel.train.config.resolve_layout)."""
     sizes = _rank_sizes(cfg, config, layout)
@@ -84,9 +149,9 @@ class _RankSizes:
     gathered: float  # gathered (FSDP) or autocast copies of weights alive through backward
 
 
-def _rank_sizes(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> _RankSizes:
+def _rank_sizes(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> _RankSizes:
     h, vocab = config.hidden_size, config.vocab_size
-    w = DTYPE_BYTES[cfg.model.dtype]
+    w = DTYPES[cfg.model.dtype].itemsize
     compute = w if cfg.training.precision == "fp32" else 2
     fsdp = layout.dp > 1
     # FSDP's mixed precision hands the blocks weights already in the compute dtype.
@@ -108,7 +173,7 @@ def _rank_sizes(cfg: TrainConfig, config: ModelConfig, layout: Layout) -> _RankS
     return _RankSizes(w, compute, fsdp, precision, tokens, root, block, layers, params, shard, weights, gathered)
 
 
-def _kept_activations(cfg: TrainConfig, config: ModelConfig, layout: Layout, sizes: _RankSizes) -> list[float]:
+def _kept_activations(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _RankSizes) -> list[float]:
     """Activations each block of the stage keeps for backward (checkpointed ones their input), top (last) first."""
     ac, pp, tp = cfg.activation_checkpoint, layout.pp, layout.tp
     in_flight = min(pp, layout.pp_microbatches) if pp > 1 else 1
@@ -120,7 +185,7 @@ def _kept_activations(cfg: TrainConfig, config: ModelConfig, layout: Layout, siz
     return kept
 
 
-def _moments(cfg: TrainConfig, config: ModelConfig, layout: Layout, sizes: _RankSizes) -> list[RunMemory]:
+def _moments(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _RankSizes) -> list[RunMemory]:
     """The rank's memory at each candidate peak: backward starts, each block's backward, the root's
     reduce-scatter under FSDP, the optimizer step."""
     h, vocab, tp, layers = config.hidden_size, config.vocab_size, layout.tp, sizes.layers

@@ -1,4 +1,4 @@
-"""Sensitive-layer analysis: quantize one linear layer at a time and measure what it costs.
+"""`keel quantize analyze` (sensitive-layer analysis, keel.quant.sensitivity) and the `quantize` command group.
 
 `keel quantize analyze MODEL --corpus FILE [--scheme int4 --group-size 64] [--keep 4] [--out plan.json]`
 runs the float model once over the corpus tokens, then, for every linear layer alone, swaps in its
@@ -11,104 +11,25 @@ mixed-precision plan that keeps the N most sensitive layers in float. `--quant-p
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from keel.data.text_corpus import corpus_text
 from keel.errors import KeelError
-from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear
-from keel.tools.perplexity import perplexity_of_logits
-
-
-@dataclass
-class LayerSensitivity:
-    name: str
-    ppl_change: float  # quantized perplexity / float perplexity - 1
-    rel_error: float  # ||logits_q - logits|| / ||logits||
-    cosine: float  # cosine similarity of the flattened logits
-
-
-@torch.no_grad()
-def analyze(model: nn.Module, ids: list[int], scheme: str, group_size: int = 128) -> list[LayerSensitivity]:
-    """Every quantizable linear layer of `model`, most sensitive first."""
-    tokens = torch.tensor([ids])
-    base = model(tokens).float()
-    base_ppl = perplexity_of_logits(base, tokens)
-    results = []
-    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
-        if scheme == "int4" and linear.in_features % group_size:
-            continue  # stays in float anyway
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QuantizedLinear(linear, scheme, group_size))
-        try:
-            logits = model(tokens).float()
-        finally:
-            setattr(parent, child, linear)
-        results.append(
-            LayerSensitivity(
-                name=name,
-                ppl_change=perplexity_of_logits(logits, tokens) / base_ppl - 1,
-                rel_error=((logits - base).norm() / base.norm()).item(),
-                # float64: millions of logits summed in float32 drift past 1.0
-                cosine=F.cosine_similarity(logits.flatten().double(), base.flatten().double(), dim=0).item(),
-            )
-        )
-    results.sort(key=lambda r: (r.ppl_change, r.rel_error), reverse=True)
-    return results
-
-
-def write_plan(path: str | Path, results: list[LayerSensitivity], keep: int, scheme: str, group_size: int) -> dict:
-    plan = {
-        "scheme": scheme,
-        "group_size": group_size,
-        "keep": [r.name for r in results[:keep]],
-        "layers": [asdict(r) for r in results],
-    }
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plan, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a plan is either the old one or the whole new one
-    return plan
-
-
-def read_plan(path: str | Path) -> dict:
-    """A plan written by `keel quantize analyze`; one-line KeelError naming the file and field."""
-    path = Path(path)
-    try:
-        plan = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise KeelError(f"{path}: no such quantization plan") from None
-    except json.JSONDecodeError as e:
-        raise KeelError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(plan, dict):
-        raise KeelError(f"{path}: expected a JSON object")
-    if plan.get("scheme") not in SCHEMES:
-        raise KeelError(f"{path}: scheme must be one of {', '.join(SCHEMES)}, got {plan.get('scheme')!r}")
-    if plan["scheme"] == "int4" and plan.get("group_size") not in INT4_GROUP_SIZES:
-        raise KeelError(f"{path}: group_size must be one of {INT4_GROUP_SIZES}, got {plan.get('group_size')!r}")
-    keep = plan.get("keep", [])
-    if not isinstance(keep, list) or not all(isinstance(k, str) for k in keep):
-        raise KeelError(f"{path}: keep must be a list of layer names")
-    return plan
+from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES
+from keel.quant.plan import write_plan
+from keel.quant.sensitivity import analyze
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from keel.weights import load_model
+    from keel.quant.loading import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, "float32")
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer to encode the corpus with")
-    from keel.eval.cli import corpus_text  # the corpora of `keel eval ppl`: a file, or a name such as shakespeare
-
-    _, text = corpus_text(args.corpus)
+    _, text = corpus_text(args.corpus)  # the corpora of `keel eval ppl`: a file, or a name such as shakespeare
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
     if len(ids) < 2:
         raise KeelError(f"--corpus {args.corpus}: fewer than 2 tokens")

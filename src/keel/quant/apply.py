@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from keel.errors import KeelError
-from keel.model.moe import GroupedExperts, LocalDispatcher, MoE, _local
+from keel.model.moe import GroupedExperts, MoE, _local
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
 
@@ -125,16 +125,15 @@ def quantize_model(
 
 def _refuse_offloaded(model: nn.Module, experts_name: str) -> None:
     """Expert offloading swaps float expert weights in and out of slot buffers; quantized experts
-    have none. Expert parallelism (AllToAllDispatcher) composes: its experts are a plain local slice."""
+    have none. Expert parallelism (AllToAllDispatcher) composes: its experts are a plain local slice.
+    A dispatcher says it swaps weights with a true `swaps_expert_weights` attribute (keel.serve's
+    OffloadDispatcher does), so this layer need not know the serving classes."""
     moe = model.get_submodule(experts_name.rpartition(".")[0])
-    if isinstance(moe, MoE) and not isinstance(moe.dispatcher, LocalDispatcher):
-        from keel.serve.offload.dispatcher import OffloadDispatcher
-
-        if isinstance(moe.dispatcher, OffloadDispatcher):
-            raise KeelError(
-                "--quantize with --expert-cache: offloaded experts cannot be quantized (offloading swaps float "
-                "expert weights); keep them in float with --quant-keep 'lm_head,*.experts'"
-            )
+    if isinstance(moe, MoE) and getattr(moe.dispatcher, "swaps_expert_weights", False):
+        raise KeelError(
+            "--quantize with --expert-cache: offloaded experts cannot be quantized (offloading swaps float "
+            "expert weights); keep them in float with --quant-keep 'lm_head,*.experts'"
+        )
 
 
 __all__ = ["GGUF", "LOAD_SCHEMES", "QuantizedGroupedExperts", "quantize_model"]

@@ -34,7 +34,7 @@ class QuantConfig:
     def __post_init__(self) -> None:
         self.quant_keep = tuple(self.quant_keep)
         if self.quant_plan is not None:  # read here: a bad plan fails before any model loads
-            from keel.quant.analyze import read_plan
+            from keel.quant.plan import read_plan
 
             plan = read_plan(self.quant_plan)
             self.quantize = plan["scheme"]

@@ -26,9 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from keel.platform import int8_dequantize_rows
+from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES  # the stored formats are the kernels' formats
 
-SCHEMES = ("int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 # The bfloat16 int8 CPU kernel reads K in steps of 16 (other widths crash it, torch 2.13 AVX-512);
 # the CPU int4 packing needs N in multiples of 16 (CUDA's: 8).
 INT8_K_MULTIPLE = 16

@@ -1,6 +1,6 @@
 """Quantize while loading: quantized layers built on the meta-built model straight from the checkpoint.
 
-`load_model(..., quantize=...)` calls `quantize_while_loading` before the float weights are filled:
+`load_model(..., quantize=...)` (keel.quant.loading) calls `quantize_while_loading` before the float weights are filled:
 every linear layer and MoE expert block that is to be quantized is replaced by its quantized module,
 built from the checkpoint one module at a time; `load_weights` then fills only what is still on the
 meta device (embeddings, norms, kept layers). Peak memory is the quantized model plus one module's
@@ -20,7 +20,6 @@ Sources:
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -39,15 +38,13 @@ from keel.quant.apply import (
 )
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit
 from keel.quant.linear import (
-    INT4_GROUP_SIZES,
-    SCHEMES,
     QuantizedLinear,
     int4_fits,
     int8_fits,
     int8_from_blocks,
     unpack_nibbles,
 )
-from keel.weights.loader import Checkpoint
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.names import hf_source
 
 GGUF_GROUP = 32  # Q4_0/Q4_1/Q8_0 blocks
@@ -286,20 +283,6 @@ def _bias(checkpoint: Checkpoint, name: str, module: nn.Linear, device: torch.de
 
 
 # ------------------------------------------------------------------------------ saved (keel quantize save)
-def check_saved_quantization(quant: dict, path: Path) -> None:
-    """The `quantization_config` of a `keel quantize save` directory; a one-line WeightsError otherwise."""
-    scheme = quant.get("scheme")
-    if scheme not in SCHEMES:
-        raise WeightsError(f"{path}: quantization_config scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if scheme == "int4" and quant.get("group_size") not in INT4_GROUP_SIZES:
-        raise WeightsError(
-            f"{path}: quantization_config group_size must be one of {INT4_GROUP_SIZES}, got {quant.get('group_size')!r}"
-        )
-    kept = quant.get("modules_not_converted", [])
-    if not isinstance(kept, list) or not all(isinstance(m, str) for m in kept):
-        raise WeightsError(f"{path}: quantization_config modules_not_converted must be a list of module names")
-
-
 def saved_base(config: ModelConfig, module_name: str, module: nn.Module) -> str:
     """The name prefix of a quantized module's tensors: its HF weight name without `.weight`
     (`model.layers.0.self_attn.q_proj`, `lm_head`), or, for experts, the HF experts prefix

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from keel.dtypes import DTYPE_CHOICES, parse_dtype
 from keel.errors import KeelError
 from keel.model.moe import GroupedExperts
 from keel.model.transformer import Transformer
@@ -35,6 +36,8 @@ from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
 from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
 from keel.quant.load import saved_base
+from keel.quant.plan import read_plan
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
     _check_destination,
@@ -44,7 +47,7 @@ from keel.weights.convert import (
     output_dtype,
     write_model_dir,
 )
-from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
+from keel.weights.loader import checked_tensors, open_checkpoint
 from keel.weights.names import keel_to_hf
 
 FORMAT_VERSION = 1
@@ -165,8 +168,6 @@ def cmd_save(args: argparse.Namespace) -> int:
     scheme, group_size = args.quantize, args.quant_group_size
     keep = tuple(name for name in args.quant_keep.split(",") if name)
     if args.quant_plan is not None:
-        from keel.quant.analyze import read_plan
-
         plan = read_plan(args.quant_plan)
         scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
     if scheme is None:
@@ -189,7 +190,7 @@ def register_save(qsub: argparse._SubParsersAction) -> None:
     s.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
                    help="comma-separated modules (names or patterns like '*.experts') left in float")  # fmt: skip
     s.add_argument("--quant-plan", default=None, metavar="PLAN.json", help="a plan from `keel quantize analyze`")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                    help="dtype of the float tensors and of the weights before quantization")  # fmt: skip
     s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")

@@ -28,15 +28,14 @@ import logging
 import os
 import time
 import types
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from keel.data.corpora import cache_root
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
+from keel.paths import inductor_cache_dir
 from keel.platform import host
 from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, length_groups, write_rows
 
@@ -124,10 +123,6 @@ class _StepCache:
         )  # fmt: skip
 
 
-def compile_cache_dir() -> Path:
-    return cache_root() / "inductor"
-
-
 def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
     """Why this model and cache cannot run the compiled decode step (None: they can)."""
     config = model.config
@@ -172,7 +167,7 @@ class CompiledDecode:
         self.model, self.cache = model, cache
         self.device = model.device
         if not _USER_CACHE_DIR:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         options = {
             "emulate_precision_casts": True,

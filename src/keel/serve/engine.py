@@ -20,6 +20,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
 from keel.model.transformer import Transformer
+from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
@@ -34,7 +35,7 @@ from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.stop import StopChecker
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
-from keel.weights.loader import LoadedModel, load_model
+from keel.weights.checkpoint import LoadedModel
 
 if TYPE_CHECKING:
     from keel.serve.offload import ExpertOffload
@@ -302,9 +303,10 @@ class LLMEngine:
     def _start_workers(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """Parallel serving: start this node's workers, each loading its own shard; the engine keeps only
         the config and tokenizer (a meta-device model stands for the weights)."""
+        from keel.dtypes import parse_dtype
         from keel.serve.parallel.executor import ParallelExecutor
         from keel.serve.parallel.launch import worker_spec
-        from keel.weights.loader import choose_dtype, parse_dtype
+        from keel.weights.compute_dtype import choose_dtype
 
         if isinstance(model, LoadedModel):
             raise KeelError("tensor/pipeline-parallel serving takes a model path: every worker loads its own shard")

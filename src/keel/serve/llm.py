@@ -7,7 +7,7 @@ from tqdm import tqdm
 from keel.serve.config import EngineConfig
 from keel.serve.engine import LLMEngine, RequestOutput
 from keel.serve.sampling import SamplingParams
-from keel.weights.loader import LoadedModel
+from keel.weights.checkpoint import LoadedModel
 
 
 class LLM:

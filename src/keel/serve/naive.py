@@ -19,7 +19,7 @@ from keel.errors import KeelError
 from keel.serve.engine import RequestOutput, _Track, build_output, encode_prompt, eos_token_ids
 from keel.serve.request import Request, Status
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
-from keel.weights.loader import LoadedModel
+from keel.weights.checkpoint import LoadedModel
 from keel.weights.names import keel_to_hf
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from keel.dtypes import parse_dtype
 from keel.errors import KeelError
-from keel.weights.loader import load_model, parse_dtype
+from keel.quant.loading import load_model
 
 # dtype -> (minimum cosine at every layer, maximum logits max_rel).
 # bfloat16: both sides round every op to 8 mantissa bits, in slightly different places

@@ -77,7 +77,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field

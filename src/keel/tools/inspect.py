@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from keel.weights.loader import Checkpoint
+from keel.weights.checkpoint import Checkpoint
 
 # Shown in this order; other ModelConfig fields only when they differ from "off".
 _MAIN_FIELDS = [

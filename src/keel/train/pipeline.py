@@ -3,8 +3,8 @@
 ## Stages
 
 With `pp` ranks and `stages_per_rank` stages each there are `S = pp * stages_per_rank` stages. Stage
-`i` is the same `Transformer` class holding layers `layer_ranges(num_layers, S)[i]` (a contiguous
-slice; the first `num_layers % S` stages get one extra layer). The first stage also keeps
+`i` is the same `Transformer` class holding layers `layer_ranges(num_layers, S)[i]` (keel.model.stages: a
+contiguous slice; the first `num_layers % S` stages get one extra layer). The first stage also keeps
 `embed_tokens`, the last keeps `norm` and `lm_head`; the others have them set to None, and the model's
 forward then takes / returns hidden states `[B, S, H]`. Layer keys stay global ("7" is layer 7 on
 whichever stage holds it), so checkpoints and selective activation checkpointing line up.
@@ -65,6 +65,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from keel.model.loss import cross_entropy_loss
+from keel.model.stages import split_stage
 from keel.model.transformer import Transformer
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv"]
@@ -76,19 +77,6 @@ _MULTI = {
 }
 
 
-def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer indices of each stage; the first `num_layers % num_stages` get one more."""
-    if num_layers < num_stages:
-        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        end = start + base + (stage < extra)
-        ranges.append(range(start, end))
-        start = end
-    return ranges
-
-
 def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int, style: Literal["loop", "v"] = "loop") -> list[int]:
     """The stage indices rank `pp_rank` holds, in the order the schedules expect."""
     if style == "v":
@@ -96,19 +84,6 @@ def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int, style: Literal["
             raise ValueError(f"V-shaped schedules need exactly 2 stages per rank, got {stages_per_rank}")
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + i * pp_size for i in range(stages_per_rank)]
-
-
-def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
-    """Prune `model` in place to pipeline stage `stage` of `num_stages` and return it."""
-    keep = {str(i) for i in layer_ranges(len(model.layers), num_stages)[stage]}
-    for name in [n for n in model.layers.keys() if n not in keep]:
-        del model.layers[name]
-    if stage > 0:
-        model.embed_tokens = None
-    if stage < num_stages - 1:
-        model.norm = None
-        model.lm_head = None
-    return model
 
 
 @dataclass

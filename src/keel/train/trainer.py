@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from keel.atomic import write_text_atomic
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer, build_model
@@ -46,7 +47,6 @@ from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
@@ -133,7 +133,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> tuple[ModelConfig, Any, Transformer]:
-        from keel.weights import load_model, open_checkpoint
+        from keel.quant.loading import load_model
+        from keel.weights import open_checkpoint
 
         cfg = self.cfg
         torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights

@@ -23,10 +23,12 @@ from torch import Tensor
 
 from keel.atomic import fsync_dir, fsync_tree, replace_dir
 from keel.config import ModelConfig
+from keel.dtypes import DTYPES, parse_dtype
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
-from keel.weights.loader import Checkpoint, checked_tensors, open_checkpoint, parse_dtype
+from keel.weights.checkpoint import Checkpoint
+from keel.weights.loader import checked_tensors, open_checkpoint
 from keel.weights.names import keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
 
@@ -50,7 +52,7 @@ def output_dtype(checkpoint: Checkpoint, dtype: str | None) -> str:
         return dtype
     if checkpoint.format == "gguf" and any(t.upper() not in _FLOAT_STORAGE for t in checkpoint.bytes_by_dtype):
         return "bfloat16"
-    if checkpoint.config.dtype not in ("float32", "bfloat16", "float16"):
+    if checkpoint.config.dtype not in DTYPES:
         return "bfloat16"
     return checkpoint.config.dtype
 

@@ -31,9 +31,10 @@ from torch import Tensor
 
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
-from keel.weights.loader import Checkpoint
+from keel.weights.shard import Shard, narrow
 
 # general.architecture -> keel family ("llama" with experts becomes "mixtral" below).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
@@ -123,9 +124,90 @@ def _f32(value: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------ config
+class _Fields:
+    """One file's `<arch>.*` metadata read into config fields, recording where each field came from:
+    "read" (metadata), "inferred" (tensor names and shapes) or "default" (the family default)."""
+
+    def __init__(self, meta: _Metadata, arch: str, family: str) -> None:
+        self.meta, self.arch = meta, arch
+        self.defaults = FAMILY_DEFAULTS[family]
+        self.provenance = {name: "default" for name in ModelConfig.__dataclass_fields__}
+
+    def key(self, name: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{name}", default)
+
+    def require(self, name: str) -> Any:
+        return self.meta.require(f"{self.arch}.{name}")
+
+    def read(self, field: str, value: Any, how: str = "read") -> Any:
+        self.provenance[field] = how
+        return value
+
+    def pick(self, field: str, value: Any, convert: Callable[[Any], Any]) -> Any:
+        """The metadata value (provenance "read"), or the family default when the key is absent."""
+        if value is not None:
+            return self.read(field, convert(value))
+        if field in self.defaults:
+            return copy.copy(self.defaults[field])
+        spec = ModelConfig.__dataclass_fields__[field]
+        if spec.default_factory is not dataclasses.MISSING:
+            return spec.default_factory()
+        return 0 if spec.default is dataclasses.MISSING else spec.default
+
+
 def _config_from_metadata(
     meta: _Metadata, tensors: dict[str, GGUFTensor], path: Path
 ) -> tuple[ModelConfig, dict[str, str]]:
+    arch = _architecture(meta, path)
+    num_experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    family = "mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch]
+    f = _Fields(meta, arch, family)
+    hidden, num_heads, kv_heads, head_dim = _attention_shape(f, path)
+    vocab = _vocab_size(f, tensors, path)
+    rope_theta = f.pick("rope_theta", f.key("rope.freq_base"), _f32)
+    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, f.provenance)
+    has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
+    num_layers = int(f.require("block_count"))
+    moe: dict[str, Any] = {}
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        moe = _moe_fields(meta, arch, family, tensors, num_layers, num_experts, f.read, path)
+    elif f.key("feed_forward_length") is None:
+        raise ConfigError(f"{path}: GGUF metadata key {arch + '.feed_forward_length'!r} is missing")
+    eos_ids = _eos_ids(meta)
+    try:
+        config = ModelConfig(
+            architecture=f.read("architecture", family),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            # All-sparse MoE files have no dense width; the family default is then unused.
+            intermediate_size=f.pick("intermediate_size", f.key("feed_forward_length"), int),
+            num_layers=f.read("num_layers", num_layers),
+            num_heads=num_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.pick("rms_norm_eps", f.key("attention.layer_norm_rms_epsilon"), _f32),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=f.pick("max_position_embeddings", f.key("context_length"), int),
+            # llama.cpp writes output.weight only when the head is not the embedding matrix.
+            tie_word_embeddings=f.read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
+            qkv_bias=f.read("qkv_bias", has("attn_q.bias"), "inferred"),
+            o_bias=f.read("o_bias", has("attn_output.bias"), "inferred"),
+            mlp_bias=f.read("mlp_bias", has("ffn_up.bias"), "inferred"),
+            qk_norm=f.read("qk_norm", has("attn_q_norm.weight"), "inferred"),
+            bos_token_id=f.pick("bos_token_id", meta.get("tokenizer.ggml.bos_token_id"), int),
+            eos_token_id=f.pick("eos_token_id", eos_ids, list),
+            pad_token_id=f.pick("pad_token_id", meta.get("tokenizer.ggml.padding_token_id"), int),
+            dtype=f.read("dtype", _checkpoint_dtype(tensors), "inferred"),
+            **moe,
+        )
+    except ConfigError as e:  # ModelConfig.validate does not know the file
+        raise ConfigError(f"{path}: {e}") from None
+    return config, f.provenance
+
+
+def _architecture(meta: _Metadata, path: Path) -> str:
+    """general.architecture, when keel reads it from GGUF."""
     arch = meta.get("general.architecture")
     if arch == "deepseek2":  # llama.cpp's name for DeepSeek-V2/V3 (multi-head latent attention)
         raise ConfigError(
@@ -134,99 +216,51 @@ def _config_from_metadata(
         )
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
-    prov = {name: "default" for name in ModelConfig.__dataclass_fields__}
+    return arch
 
-    def read(field: str, value: Any, how: str = "read") -> Any:
-        prov[field] = how
-        return value
 
-    num_experts = int(k("expert_count", 0) or 0)
-    family = "mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch]
-    defaults = FAMILY_DEFAULTS[family]
-    hidden = int(meta.require(f"{arch}.embedding_length"))
-    num_heads = _per_layer_constant(meta.require(f"{arch}.attention.head_count"), "attention.head_count", path)
-    kv_heads = k("attention.head_count_kv")
-    kv_heads = num_heads if kv_heads is None else _per_layer_constant(kv_heads, "attention.head_count_kv", path)
-    rope_dims = k("rope.dimension_count")
-    if k("attention.key_length") is not None:
-        head_dim = read("head_dim", int(k("attention.key_length")))
-    elif rope_dims is not None:  # llama.cpp writes the head size here for llama
-        head_dim = read("head_dim", int(rope_dims))
+def _attention_shape(f: _Fields, path: Path) -> tuple[int, int, int, int]:
+    """(hidden size, attention heads, KV heads, head dim), their provenance recorded."""
+    hidden = f.read("hidden_size", int(f.require("embedding_length")))
+    heads = _per_layer_constant(f.require("attention.head_count"), "attention.head_count", path)
+    num_heads = f.read("num_heads", heads)
+    kv_heads = f.key("attention.head_count_kv")
+    if kv_heads is None:
+        kv_heads = f.read("num_kv_heads", num_heads, "default")
     else:
-        head_dim = read("head_dim", hidden // num_heads, "inferred")
+        kv_heads = f.read("num_kv_heads", _per_layer_constant(kv_heads, "attention.head_count_kv", path))
+    rope_dims = f.key("rope.dimension_count")
+    if f.key("attention.key_length") is not None:
+        head_dim = f.read("head_dim", int(f.key("attention.key_length")))
+    elif rope_dims is not None:  # llama.cpp writes the head size here for llama
+        head_dim = f.read("head_dim", int(rope_dims))
+    else:
+        head_dim = f.read("head_dim", hidden // num_heads, "inferred")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise ConfigError(
             f"{path}: partial rotary embeddings are not supported "
             f"(rope.dimension_count={rope_dims}, head_dim={head_dim})"
         )
+    return hidden, num_heads, kv_heads, head_dim
 
+
+def _vocab_size(f: _Fields, tensors: dict[str, GGUFTensor], path: Path) -> int:
+    """From vocab_size, else the token list, else the embedding's rows."""
     embed = tensors.get("token_embd.weight")
-    tokens = meta.fields.get("tokenizer.ggml.tokens")
-    if k("vocab_size") is not None:
-        vocab = read("vocab_size", int(k("vocab_size")))
-    elif tokens is not None:
-        vocab = read("vocab_size", len(tokens))
-    elif embed is not None:
-        vocab = read("vocab_size", int(embed.shape[-1]), "inferred")
-    else:
-        raise ConfigError(f"{path}: cannot tell the vocabulary size (no vocab_size, token list or token_embd)")
+    tokens = f.meta.fields.get("tokenizer.ggml.tokens")
+    if f.key("vocab_size") is not None:
+        return f.read("vocab_size", int(f.key("vocab_size")))
+    if tokens is not None:
+        return f.read("vocab_size", len(tokens))
+    if embed is not None:
+        return f.read("vocab_size", int(embed.shape[-1]), "inferred")
+    raise ConfigError(f"{path}: cannot tell the vocabulary size (no vocab_size, token list or token_embd)")
 
-    def pick(field: str, value: Any, convert: Callable[[Any], Any]) -> Any:
-        """The metadata value (provenance "read"), or the family default when the key is absent."""
-        if value is not None:
-            return read(field, convert(value))
-        if field in defaults:
-            return copy.copy(defaults[field])
-        spec = ModelConfig.__dataclass_fields__[field]
-        if spec.default_factory is not dataclasses.MISSING:
-            return spec.default_factory()
-        return 0 if spec.default is dataclasses.MISSING else spec.default
 
-    rope_theta = pick("rope_theta", k("rope.freq_base"), _f32)
-    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, prov)
-    has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
-    num_layers = int(meta.require(f"{arch}.block_count"))
-    moe: dict[str, Any] = {}
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        moe = _moe_fields(meta, arch, family, tensors, num_layers, num_experts, read, path)
-    elif k("feed_forward_length") is None:
-        raise ConfigError(f"{path}: GGUF metadata key {arch + '.feed_forward_length'!r} is missing")
-    # llama.cpp stops generation at any of these; keel's eos list plays that role.
+def _eos_ids(meta: _Metadata) -> list[int] | None:
+    """llama.cpp stops generation at any of these; keel's eos list plays that role."""
     eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None)) or None
-    try:
-        config = ModelConfig(
-            architecture=read("architecture", family),
-            vocab_size=vocab,
-            hidden_size=read("hidden_size", hidden),
-            # All-sparse MoE files have no dense width; the family default is then unused.
-            intermediate_size=pick("intermediate_size", k("feed_forward_length"), int),
-            num_layers=read("num_layers", num_layers),
-            num_heads=read("num_heads", num_heads),
-            num_kv_heads=read(
-                "num_kv_heads", kv_heads, "read" if k("attention.head_count_kv") is not None else "default"
-            ),
-            head_dim=head_dim,
-            rms_norm_eps=pick("rms_norm_eps", k("attention.layer_norm_rms_epsilon"), _f32),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=pick("max_position_embeddings", k("context_length"), int),
-            # llama.cpp writes output.weight only when the head is not the embedding matrix.
-            tie_word_embeddings=read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
-            qkv_bias=read("qkv_bias", has("attn_q.bias"), "inferred"),
-            o_bias=read("o_bias", has("attn_output.bias"), "inferred"),
-            mlp_bias=read("mlp_bias", has("ffn_up.bias"), "inferred"),
-            qk_norm=read("qk_norm", has("attn_q_norm.weight"), "inferred"),
-            bos_token_id=pick("bos_token_id", meta.get("tokenizer.ggml.bos_token_id"), int),
-            eos_token_id=pick("eos_token_id", eos_ids, list),
-            pad_token_id=pick("pad_token_id", meta.get("tokenizer.ggml.padding_token_id"), int),
-            dtype=read("dtype", _checkpoint_dtype(tensors), "inferred"),
-            **moe,
-        )
-    except ConfigError as e:  # ModelConfig.validate does not know the file
-        raise ConfigError(f"{path}: {e}") from None
-    return config, prov
+    return list(dict.fromkeys(int(i) for i in eos if i is not None)) or None
 
 
 def _per_layer_constant(value: Any, key: str, path: Path) -> int:
@@ -511,8 +545,8 @@ class GGUFTensorReader:
             array = np.array(array, dtype=np.float32, order="C", copy=True)
         return torch.from_numpy(array)
 
-    def get_shard(self, name: str, shard) -> Tensor:
-        """A parallel rank's slice (keel.serve.parallel.shard.Shard; None: all) of a 2-D tensor, dequantizing
+    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
+        """A parallel rank's slice (keel.weights.shard.Shard; None: all) of a 2-D tensor, dequantizing
         only the rows it covers, and of those rows only the blocks it covers when its columns start and end
         on a block boundary (else whole rows, then cut). q/k rows are cut at head boundaries, so a row
         shard is un-permuted head by head like the whole tensor."""
@@ -520,8 +554,6 @@ class GGUFTensorReader:
         if shard is None:
             return self.get(name)
         if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: read whole, then cut
-            from keel.serve.parallel.shard import narrow
-
             return narrow(self.get(name), shard)
         t = entry.sources[0]
         if t.tensor_type not in SUPPORTED_TYPES:

@@ -1,16 +1,16 @@
-"""Open any model keel understands and build the keel model from it.
+"""Open any model keel understands and fill a keel model's weights from it.
 
 MODEL may be an HF directory (config.json + safetensors), a directory of safetensors without a
-config (structure inferred from tensor shapes), a `.gguf` file, or a catalog name.
+config (structure inferred from tensor shapes), a `.gguf` file, a `keel train` checkpoint or a
+catalog name. Building the whole model, quantized or not, is keel.quant.loading's `load_model`: it
+sits above keel.quant, which this module must not import.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -19,69 +19,10 @@ from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
 from keel.model.transformer import Transformer
-from keel.platform import auto_dtype
 from keel.tokenizer import Tokenizer
+from keel.weights.checkpoint import Checkpoint
 from keel.weights.names import hf_source
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """A dtype name (see DTYPES) as a torch dtype."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise KeelError(f"--dtype {name!r} is not supported (choose from {', '.join(DTYPES)})") from None
-
-
-class TensorReader(Protocol):
-    """HF-named tensors of a checkpoint, read lazily."""
-
-    def names(self) -> set[str]: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def dtype(self, name: str) -> str:
-        """The stored type, e.g. "BF16" (safetensors) or "Q4_1" (GGUF)."""
-        ...
-
-    def get(self, name: str) -> Tensor: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class Checkpoint:
-    """An opened checkpoint: its config, tensors, tokenizer and what was read vs inferred."""
-
-    path: Path
-    format: str  # "hf" | "hf-shapes" | "gguf" | "keel-dcp" (a keel train checkpoint)
-    config: ModelConfig
-    reader: TensorReader
-    tokenizer: Tokenizer | None
-    # Config field -> "read" (from config.json / GGUF metadata), "inferred" (from shapes),
-    # "hint" (from --head-dim/--num-heads) or "default" (not recoverable; the family default).
-    provenance: dict[str, str] = field(default_factory=dict)
-    # Bytes of the stored tensors by storage type (e.g. BF16, Q4_1).
-    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
-    # A directory written by `keel quantize save`: its config.json `quantization_config` (quant_method
-    # "keel"); load_model rebuilds the quantized layers from its integer tensors.
-    quantization: dict | None = None
-
-
-@dataclass
-class LoadedModel:
-    model: Transformer
-    checkpoint: Checkpoint
-    dtype_reason: str = "requested"  # why the model computes in its dtype (`choose_dtype`), for the start-up log
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.checkpoint.config
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.checkpoint.tokenizer
+from keel.weights.quant_format import check_saved_quantization
 
 
 def resolve_path(model: str | Path) -> Path:
@@ -150,8 +91,6 @@ def _read_config(path: Path) -> tuple[ModelConfig, dict | None]:
     quant = data.get("quantization_config") if isinstance(data, dict) else None
     if not (isinstance(quant, dict) and quant.get("quant_method") == "keel"):
         return ModelConfig.from_json_file(path), None
-    from keel.quant.load import check_saved_quantization
-
     check_saved_quantization(quant, path)
     config = ModelConfig.from_hf({k: v for k, v in data.items() if k != "quantization_config"}, source=str(path))
     return config, quant
@@ -217,68 +156,3 @@ def load_weights(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if isinstance(model.lm_head, torch.nn.Linear):  # a quantized head is its own copy, never tied
         model.tie_weights()
-
-
-def choose_dtype(
-    checkpoint: Checkpoint, dtype: str | torch.dtype, device: str | torch.device = "cpu", quantize: str | None = None
-) -> tuple[torch.dtype, str]:
-    """The dtype a model is loaded in, and why. "auto": keel.platform's choice for this host from the
-    checkpoint's own float dtype (GGUF: block-quantized, none) and whether it is quantized."""
-    if dtype != "auto":
-        return (parse_dtype(dtype) if isinstance(dtype, str) else dtype), "requested"
-    stored = None if checkpoint.format == "gguf" else checkpoint.config.dtype
-    name, why = auto_dtype(
-        stored if stored in DTYPES or stored is None else "float32",
-        str(device),
-        quantized=quantize is not None or checkpoint.quantization is not None,
-    )
-    return parse_dtype(name), f"auto: {why}"
-
-
-def resolve_dtype(
-    checkpoint: Checkpoint, dtype: str | torch.dtype, device: str | torch.device = "cpu", quantize: str | None = None
-) -> torch.dtype:
-    """The dtype a model is loaded in (see `choose_dtype`)."""
-    return choose_dtype(checkpoint, dtype, device, quantize)[0]
-
-
-def load_model(
-    model: str | Path,
-    dtype: str | torch.dtype = "float32",
-    *,
-    head_dim: int | None = None,
-    num_heads: int | None = None,
-    device: str = "cpu",
-    quantize: str | None = None,
-    quant_group_size: int = 128,
-    quant_keep: Iterable[str] = ("lm_head",),
-    quant_keep_as: str | None = None,
-) -> LoadedModel:
-    """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
-
-    dtype "auto": see `choose_dtype` (bfloat16 on CPUs with native bf16 matmul, float32 elsewhere).
-
-    quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
-    quantized while loading, one at a time from the checkpoint, so the model never exists in float
-    as a whole; "gguf" takes a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, without expanding them
-    to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
-    ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
-    `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
-    """
-    checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
-    torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
-    with torch.device("meta"):
-        net = Transformer(checkpoint.config)
-    if quantize is not None or checkpoint.quantization is not None:
-        from keel.quant.load import quantize_while_loading
-
-        quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
-    load_weights(net, checkpoint, torch_dtype)
-    if quant_keep_as is not None and quantize is not None:
-        from keel.quant.apply import quantize_kept
-
-        quantize_kept(net, tuple(quant_keep), quant_keep_as, quant_group_size)
-    net.reset_buffers(device)
-    net.to(device)
-    net.eval()
-    return LoadedModel(net, checkpoint, dtype_reason)

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from keel.errors import WeightsError
+from keel.weights.shard import Shard, read_shard
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,11 +83,9 @@ class SafetensorsReader:
         except SafetensorError as e:
             raise WeightsError(f"{self.file_of(name)}: cannot read row {index} of tensor {name!r} ({e})") from None
 
-    def get_shard(self, name: str, shard) -> Tensor:
-        """A tensor-parallel rank's slice (keel.serve.parallel.shard.Shard, None: all), reading only
+    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
+        """A tensor-parallel rank's slice (keel.weights.shard.Shard, None: all), reading only
         those bytes from the file."""
-        from keel.serve.parallel.shard import read_shard
-
         if name not in self._where:
             raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
         try:

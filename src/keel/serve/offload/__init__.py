@@ -25,7 +25,7 @@ from keel.serve.offload.resident import ResidentExperts
 from keel.serve.offload.slots import POLICIES, SlotCache
 from keel.serve.offload.stats import OffloadStats
 from keel.serve.offload.store import DiskExpertStore, ExpertStore, HostExpertStore
-from keel.weights.loader import LoadedModel
+from keel.weights.checkpoint import LoadedModel
 
 log = logging.getLogger("keel.serve")
 

@@ -25,6 +25,9 @@ from keel.serve.offload.stats import OffloadStats
 
 
 class OffloadDispatcher:
+    # Its experts' float weights move in and out of slot buffers: keel.quant refuses to replace them.
+    swaps_expert_weights = True
+
     def __init__(
         self,
         resident: ResidentExperts,

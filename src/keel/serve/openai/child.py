@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,12 +15,7 @@ from pathlib import Path
 import httpx
 
 from keel.errors import KeelError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from keel.net import free_port
 
 
 class ServerProcess:

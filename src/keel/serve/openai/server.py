@@ -71,9 +71,9 @@ def _setup_logging(audit_path: str | None) -> None:
 
 def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
     """The AsyncEngine over the chosen engine, with the model loaded."""
+    from keel.quant.loading import load_model
     from keel.serve.async_engine import AsyncEngine
     from keel.serve.engine import LLMEngine
-    from keel.weights import load_model
 
     if config.parallel.world_size > 1 and options.engine == "keel":
         return AsyncEngine(LLMEngine(source.model, config))  # workers load the shards

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import socket
 import threading
 import time
 import weakref
@@ -29,12 +28,6 @@ log = logging.getLogger("keel.serve")
 
 class WorkerFailedError(KeelError):
     """A worker process died or raised: the engine cannot make progress."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def node_ranks(world_size: int, nnodes: int, node_rank: int) -> range:

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel.errors import KeelError
-from keel.serve.parallel.executor import ParallelExecutor, free_port, node_ranks
+from keel.net import free_port
+from keel.serve.parallel.executor import ParallelExecutor, node_ranks
 from keel.serve.parallel.load import check_parallel_model
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.worker import WorkerSpec
-from keel.weights.loader import Checkpoint, open_checkpoint, resolve_dtype
+from keel.weights.checkpoint import Checkpoint
+from keel.weights.compute_dtype import resolve_dtype
+from keel.weights.loader import open_checkpoint
+from keel.weights.shard import TensorParallelLayout
 
 if TYPE_CHECKING:
     from keel.serve.config import EngineConfig

@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from keel.errors import KeelError
+from keel.model.stages import split_stage
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import Shard, TensorParallelLayout
 from keel.serve.parallel.tensor import shard_model
-from keel.weights.loader import LoadedModel, open_checkpoint
+from keel.weights.checkpoint import LoadedModel
+from keel.weights.loader import open_checkpoint
 from keel.weights.names import hf_source
+from keel.weights.shard import Shard, TensorParallelLayout
 
 
 def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_parallel: bool = False) -> None:
@@ -48,8 +50,6 @@ def load_tensor_parallel(
     expert_parallel: bool = False,
 ) -> LoadedModel:
     """Tensor-parallel rank `rank` of `tp` in pipeline stage `stage` of `num_stages`, read slice by slice."""
-    from keel.train.pipeline import split_stage
-
     checkpoint = open_checkpoint(model)
     config = checkpoint.config
     if checkpoint.quantization is not None:

@@ -1,5 +1,5 @@
 """Tensor parallelism for the serving model: `shard_model` cuts a loaded keel Transformer down to one
-rank's slices (keel.serve.parallel.shard) and swaps in the three modules that communicate.
+rank's slices (keel.weights.shard) and swaps in the three modules that communicate.
 
 - Column-parallel layers (q/k/v, gate/up) keep their class: only their rows change, and attention
   already views q/k/v with -1 heads, so each rank attends over its own heads.
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from keel.model.moe import LocalDispatcher, MoE
 from keel.model.transformer import Transformer
-from keel.serve.parallel.shard import Shard, TensorParallelLayout, narrow
+from keel.weights.shard import Shard, TensorParallelLayout, narrow
 
 
 def _cut(tensor: Tensor, shard: Shard | None) -> Tensor:

@@ -27,16 +27,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from keel.dtypes import parse_dtype
 from keel.model.fuse import fuse_projections
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
+from keel.model.stages import layer_ranges
 from keel.quant.apply import quantize_kept
 from keel.quant.config import QuantConfig
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.parallel.load import load_tensor_parallel
-from keel.serve.parallel.shard import TensorParallelLayout
 from keel.serve.parallel.stage import StageRunner
 from keel.serve.parallel.tensor import quantize_shard
 from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
@@ -44,8 +45,7 @@ from keel.serve.request import Request
 from keel.serve.runner import Chunk, ModelRunner
 from keel.serve.sampling import SamplingParams, request_generator
 from keel.serve.scheduler import SchedulerOutput
-from keel.train.pipeline import layer_ranges
-from keel.weights.loader import parse_dtype
+from keel.weights.shard import TensorParallelLayout
 
 log = logging.getLogger("keel.serve")
 

@@ -1,13 +1,17 @@
-"""Sliding-window perplexity, the way transformers' perplexity guide and lm-eval's rolling
-log-likelihood compute it.
+"""Perplexity of token sequences under a model: one window (`perplexity`, `perplexity_of_logits`), and
+sliding windows over a whole corpus (`sliding_window_perplexity`, what `keel eval ppl` reports).
 
-The corpus is one token sequence. Windows of `context` tokens advance by `stride` tokens (at most
-context - 1: each window's first scored token keeps one token of prefix); each
-window scores only the tokens the previous window did not (its last `stride`), with the
-`context - stride` tokens before them as context. Every token but the first (which has no prefix)
-is scored exactly once. With stride == context the windows do not overlap (cheapest, least context); a smaller
-stride gives each scored token more context at the cost of recomputing the overlap. Deterministic:
-one forward per window, float32 log-softmax, no sampling.
+It lives in keel.model because it needs nothing but a model and token ids: the quantization layer's
+sensitivity analysis (keel.quant) and the evaluation tools (keel.eval) both measure with it.
+
+Sliding windows are computed the way transformers' perplexity guide and lm-eval's rolling
+log-likelihood compute them. The corpus is one token sequence. Windows of `context` tokens advance by
+`stride` tokens (at most context - 1: each window's first scored token keeps one token of prefix);
+each window scores only the tokens the previous window did not (its last `stride`), with the
+`context - stride` tokens before them as context. Every token but the first (which has no prefix) is
+scored exactly once. With stride == context the windows do not overlap (cheapest, least context); a
+smaller stride gives each scored token more context at the cost of recomputing the overlap.
+Deterministic: one forward per window, float32 log-softmax, no sampling.
 """
 
 from __future__ import annotations
@@ -21,8 +25,25 @@ import torch
 import torch.nn.functional as F
 
 from keel.errors import KeelError
+from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
+
+
+@torch.inference_mode()
+def perplexity(model: Transformer, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of tokens 1..N-1 given their prefixes), in one window."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    if len(token_ids) > model.config.max_position_embeddings:
+        raise ValueError(f"{len(token_ids)} tokens exceed the context of {model.config.max_position_embeddings}")
+    tokens = torch.tensor([token_ids], device=model.device)
+    return perplexity_of_logits(model(tokens), tokens)
+
+
+def perplexity_of_logits(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    """The same from logits [B, N, V] already computed for tokens [B, N]."""
+    return math.exp(cross_entropy_loss(logits[:, :-1], tokens[:, 1:]).item())
 
 
 @dataclass

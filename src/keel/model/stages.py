@@ -1,0 +1,36 @@
+"""A Transformer cut into pipeline stages by layers: which layers each stage holds, and the pruning.
+
+Training (keel.train.pipeline) and pipeline-parallel serving (keel.serve.parallel) cut models the
+same way, so a stage's layer keys stay global ("7" is layer 7 on whichever stage holds it) and the
+first `num_layers % num_stages` stages get one extra layer.
+"""
+
+from __future__ import annotations
+
+from keel.model.transformer import Transformer
+
+
+def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer indices of each stage; the first `num_layers % num_stages` get one more."""
+    if num_layers < num_stages:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        end = start + base + (stage < extra)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
+    """Prune `model` in place to pipeline stage `stage` of `num_stages` and return it."""
+    keep = {str(i) for i in layer_ranges(len(model.layers), num_stages)[stage]}
+    for name in [n for n in model.layers.keys() if n not in keep]:
+        del model.layers[name]
+    if stage > 0:
+        model.embed_tokens = None
+    if stage < num_stages - 1:
+        model.norm = None
+        model.lm_head = None
+    return model

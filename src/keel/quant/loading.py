@@ -1,0 +1,58 @@
+"""Load any checkpoint keel opens as a keel model, quantized or not: the one `load_model`.
+
+It sits in keel.quant, above keel.weights, because it needs both: keel.weights opens the
+checkpoint and fills float weights (it must not import keel.quant), and keel.quant builds the
+layers that are quantized while loading (keel.quant.load) or after it (keel.quant.apply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from keel.model.transformer import Transformer
+from keel.quant.apply import quantize_kept
+from keel.quant.load import quantize_while_loading
+from keel.weights.checkpoint import LoadedModel
+from keel.weights.compute_dtype import choose_dtype
+from keel.weights.loader import load_weights, open_checkpoint
+
+
+def load_model(
+    model: str | Path,
+    dtype: str | torch.dtype = "float32",
+    *,
+    head_dim: int | None = None,
+    num_heads: int | None = None,
+    device: str = "cpu",
+    quantize: str | None = None,
+    quant_group_size: int = 128,
+    quant_keep: Iterable[str] = ("lm_head",),
+    quant_keep_as: str | None = None,
+) -> LoadedModel:
+    """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
+
+    dtype "auto": see `choose_dtype` (bfloat16 on CPUs with native bf16 matmul, float32 elsewhere).
+
+    quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
+    quantized while loading, one at a time from the checkpoint, so the model never exists in float
+    as a whole; "gguf" takes a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, without expanding them
+    to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
+    ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
+    `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
+    """
+    checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
+    with torch.device("meta"):
+        net = Transformer(checkpoint.config)
+    if quantize is not None or checkpoint.quantization is not None:
+        quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
+    load_weights(net, checkpoint, torch_dtype)
+    if quant_keep_as is not None and quantize is not None:
+        quantize_kept(net, tuple(quant_keep), quant_keep_as, quant_group_size)
+    net.reset_buffers(device)
+    net.to(device)
+    net.eval()
+    return LoadedModel(net, checkpoint, dtype_reason)
