@@ -18,7 +18,7 @@ import torch
 from keel.eval.compare import Thresholds, compare, report
 from keel.eval.manifest import build_manifest
 from keel.eval.run import run_eval
-from keel.eval.run_cli import resolve_suites
+from keel.eval.select import resolve_suites
 from keel.model.perplexity import leading_tokens
 from keel.quant.loading import load_model
 from keel.serve.engine import EngineConfig

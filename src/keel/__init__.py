@@ -1,8 +1,9 @@
 """keel: a PyTorch-native LLM systems stack (train, adapt, serve) on one model definition."""
 
 from keel.platform import export_isa_caps
+from keel.version import __version__
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]
 # KEEL_CPU_ISA caps torch's own kernels too, if set before torch runs an operator (keel.platform).
 export_isa_caps()
 

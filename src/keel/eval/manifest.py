@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-import keel
 from keel.platform import host
 from keel.serve.engine import LLMEngine
+from keel.version import __version__
 
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".distcp")
 _HASH_CHUNK = 1 << 22
@@ -56,7 +56,7 @@ def weights_fingerprint(path: Path) -> dict[str, Any]:
 
 def git_commit() -> dict[str, Any]:
     """The commit keel runs from (and whether the tree had changes), when it runs from a git checkout."""
-    root = Path(keel.__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # src/keel/eval/manifest.py -> the checkout
 
     def git(*args: str) -> str | None:
         try:
@@ -133,7 +133,7 @@ def build_manifest(model: str, engine: LLMEngine, extra: dict[str, Any] | None =
         "chat_template_sha256": sha256_text(tokenizer.chat_template) if tokenizer else None,
         "quantization": _quantization(quant, engine),
         "engine": engine_options(engine),
-        "keel": {"version": keel.__version__, **git_commit()},
+        "keel": {"version": __version__, **git_commit()},
         "machine": machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **(extra or {}),

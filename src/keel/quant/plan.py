@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
+from keel.atomic import write_text_atomic
 from keel.errors import KeelError
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES
 from keel.quant.sensitivity import LayerSensitivity
@@ -24,10 +24,7 @@ def write_plan(path: str | Path, results: list[LayerSensitivity], keep: int, sch
         "keep": [r.name for r in results[:keep]],
         "layers": [asdict(r) for r in results],
     }
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(plan, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a plan is either the old one or the whole new one
+    write_text_atomic(Path(path), json.dumps(plan, indent=2) + "\n")  # the old plan or the whole new one
     return plan
 
 

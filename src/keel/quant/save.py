@@ -19,7 +19,6 @@ Biases, embeddings, norms and kept layers are ordinary HF-named float tensors in
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from keel.dtypes import DTYPE_CHOICES, parse_dtype
+from keel.dtypes import parse_dtype
 from keel.errors import KeelError
 from keel.model.moe import GroupedExperts
 from keel.model.transformer import Transformer
@@ -36,7 +35,6 @@ from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
 from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
 from keel.quant.load import saved_base
-from keel.quant.plan import read_plan
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -160,39 +158,3 @@ def portable(base: str, weight: Tensor, scheme: str, group_size: int) -> Iterato
     yield f"{base}.qweight", pack_nibbles(torch.stack([p[0] for p in parts4])).reshape(*lead, -1)
     yield f"{base}.scales", torch.stack([p[1] for p in parts4]).reshape(*lead, -1)
     yield f"{base}.mins", torch.stack([p[2] for p in parts4]).reshape(*lead, -1)
-
-
-def cmd_save(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    scheme, group_size = args.quantize, args.quant_group_size
-    keep = tuple(name for name in args.quant_keep.split(",") if name)
-    if args.quant_plan is not None:
-        plan = read_plan(args.quant_plan)
-        scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
-    if scheme is None:
-        raise KeelError("keel quantize save: pass --quantize int8|int4 or --quant-plan PLAN.json")
-    if getattr(args, "quant_keep_as", None) is not None:
-        raise KeelError("keel quantize save: --quant-keep-as is not supported (a saved model has one scheme)")
-    quant = save_quantized(args.model, args.out, scheme, group_size, keep, args.dtype, overwrite=args.overwrite)
-    kept = len(quant["modules_not_converted"])
-    print(f"{args.out}: {scheme}" + (f" g{group_size}" if scheme == "int4" else "") + f", {kept} modules kept in float")
-    return 0
-
-
-def register_save(qsub: argparse._SubParsersAction) -> None:
-    from keel.quant.linear import INT4_GROUP_SIZES
-
-    s = qsub.add_parser("save", help="quantize a model and write it (portable integer safetensors) to a directory")
-    s.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
-    s.add_argument("--quantize", default=None, choices=list(SCHEMES), help="int8 per channel or int4 per group")
-    s.add_argument("--quant-group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES))
-    s.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
-                   help="comma-separated modules (names or patterns like '*.experts') left in float")  # fmt: skip
-    s.add_argument("--quant-plan", default=None, metavar="PLAN.json", help="a plan from `keel quantize analyze`")
-    s.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
-                   help="dtype of the float tensors and of the weights before quantization")  # fmt: skip
-    s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
-    s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
-    s.add_argument("--threads", type=int, default=None)
-    s.set_defaults(func=cmd_save)

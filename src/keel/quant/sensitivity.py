@@ -2,7 +2,7 @@
 
 The float model runs once over the tokens; then, for every linear layer alone, its quantized version
 is swapped in and the logits' relative error, cosine similarity and perplexity change against the
-float logits are measured. `keel quantize analyze` (keel.quant.analyze) prints the ranking and
+float logits are measured. `keel quantize analyze` (keel.cli.quantize) prints the ranking and
 writes a mixed-precision plan from it (keel.quant.plan).
 """
 
