@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+from keel.dtypes import DTYPE_CHOICES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

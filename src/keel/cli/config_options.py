@@ -4,7 +4,8 @@ A field's name is its option (`max_num_seqs` -> `--max-num-seqs`), its type the 
 gives the choices, `bool` a `--x/--no-x` pair, `tuple[str, ...]` a comma-separated list, `list[str]`
 a repeatable option), its default the default, and the string literal under it (an attribute
 docstring, as vLLM's config classes have) its help. `metadata` adds what a type cannot say: short
-aliases, a metavar, `json` (one option holding a whole JSON object), `nargs` / `const`.
+aliases, a metavar, choices held in a constant (keel.dtypes.DTYPE_CHOICES), `json` (one option holding a
+whole JSON object), `nargs` / `const`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _argument(f: dataclasses.Field, hint: Any, doc: str) -> tuple[list[str], dic
     names = [_flag(f), *meta.get("aliases", ())]
     kwargs: dict[str, Any] = {"dest": meta.get("dest", f.name), "help": doc.replace("%", "%%")}
     kwargs["default"] = f.default if f.default is not dataclasses.MISSING else None
-    for key in ("metavar", "nargs", "const"):
+    for key in ("metavar", "nargs", "const", "choices"):
         if key in meta:
             kwargs[key] = meta[key]
     if meta.get("json"):

@@ -10,8 +10,7 @@ int4 quarters it. Activations stay in the model's float dtype; the kernels dequa
 
 Both kernels require the scales in the activations' dtype (torch 2.13 refuses anything else), so a
 bfloat16 model keeps bfloat16 scales. On CPU they are fast only for bfloat16 activations: float32
-and float16 take a reference path (measured 14-28x slower than bfloat16 at 4096x4096, slower than a
-dense float32 matmul).
+and float16 take a reference path, slower than a dense float32 matmul (docs/BENCHMARKS.md, issue 7).
 
 A layer is built from float weights (`QuantizedLinear(linear, ...)`, `from_float`) or straight from
 integer components (`from_int8`, `from_int4`: GGUF blocks, a saved quantized checkpoint) without

@@ -94,9 +94,8 @@ def release_freed_memory() -> None:
     """Give the allocator's freed pages back to the OS (glibc `malloc_trim`; a no-op elsewhere).
 
     torch's CPU int4 packing frees large temporaries around the small packed tensor it keeps, and
-    glibc does not return such heap holes on its own: measured on a 121M-parameter Q4_0 model,
-    220 MiB of freed memory stayed resident (3x the packed weights) without this call after each
-    module, 0 with it (one call costs well under a millisecond)."""
+    glibc does not return such heap holes on its own: without this call after each module, freed
+    memory stays resident (several times the packed weights; docs/BENCHMARKS.md, issue 7)."""
     global _TRIM
     if _TRIM is None:
         try:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
 from keel.quant.config import QuantConfig
 from keel.serve.speculative import SpeculativeConfig
@@ -23,7 +24,7 @@ from keel.serve.speculative import SpeculativeConfig
 class LoadConfig:
     """How the model is loaded and prepared to run"""
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """compute dtype (auto: the fastest correct one here: bf16 on CPUs with native bf16 matmul and for quantized
     weights, float32 on other CPUs, the checkpoint's dtype on CUDA)"""
 
