@@ -57,8 +57,14 @@ def main() -> None:
     backends = {}
     blocks = max(batches) * 8 + args.prompt_tokens // 16 + 8
     for name, (dtype, prepare) in PATHS.items():
-        config = EngineConfig.of(dtype=dtype, prepack_weights=prepare, compile=False, enable_prefix_caching=False,
-                              num_blocks=blocks, max_model_len=1024)  # fmt: skip
+        config = EngineConfig.of(
+            dtype=dtype,
+            prepack_weights=prepare,
+            compile=False,
+            enable_prefix_caching=False,
+            num_blocks=blocks,
+            max_model_len=1024,
+        )
         engine = LLMEngine(args.model, config)
         backends[name] = linear_backends(engine.model)
         prefill = prefill_tps(engine, args.prompt_tokens)

@@ -59,23 +59,34 @@ def main() -> None:
     peak = measure_cpu_peak(dtype)
     machine = GPU("this CPU", 24e9, peak, None, bandwidth, bandwidth)
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 8) // 16) + 1) + 8
-    config = EngineConfig.of(dtype=args.dtype, num_blocks=blocks, enable_prefix_caching=False,
-                          max_model_len=args.prompt_tokens + args.steps + 64, max_num_seqs=max(batches),
-                          compile=False if args.no_compile else None)  # fmt: skip
+    config = EngineConfig.of(
+        dtype=args.dtype,
+        num_blocks=blocks,
+        enable_prefix_caching=False,
+        max_model_len=args.prompt_tokens + args.steps + 64,
+        max_num_seqs=max(batches),
+        compile=False if args.no_compile else None,
+    )
     engine = LLMEngine(args.model, config)
     config = engine.model.config
     weights = "bf16" if args.dtype == "bfloat16" else "fp32"
-    print(f"{args.model} {args.dtype}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
-          f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s (measured); "
-          f"context {args.prompt_tokens}+{args.steps}")  # fmt: skip
+    print(
+        f"{args.model} {args.dtype}, {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"{args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s (measured); "
+        f"context {args.prompt_tokens}+{args.steps}"
+    )
     print(f"{'batch':>5} {'measured tok/s':>14} {'roofline tok/s':>14} {'measured/roofline':>17}  roofline bound")
     for batch in batches:
         measured = engine_decode_tps(engine, batch, args.prompt_tokens, args.steps)
-        ms, compute_bound = decode_roofline(config, machine, batch, args.prompt_tokens + args.steps // 2,
-                                            weights=weights, kv_dtype=weights, mfu=1.0)  # fmt: skip
+        ms, compute_bound = decode_roofline(
+            config, machine, batch, args.prompt_tokens + args.steps // 2, weights=weights, kv_dtype=weights, mfu=1.0
+        )
         predicted = batch * 1000 / ms
-        print(f"{batch:5d} {measured:14.1f} {predicted:14.1f} {measured / predicted:17.1%}  "
-              f"{'compute' if compute_bound else 'bandwidth'}", flush=True)  # fmt: skip
+        print(
+            f"{batch:5d} {measured:14.1f} {predicted:14.1f} {measured / predicted:17.1%}  "
+            f"{'compute' if compute_bound else 'bandwidth'}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

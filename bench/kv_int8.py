@@ -219,16 +219,19 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|")
     print(f"| float | {ppl['ppl_float']:.4f} | | | | |")
     change = ppl["ppl_int8"] / ppl["ppl_float"] - 1
-    print(f"| int8 | {ppl['ppl_int8']:.4f} | {change:+.3%} | {ppl['max_rel']:.2e} | {ppl['mean_rel']:.2e} | "
-          f"{ppl['agree']:.2%} |\n")  # fmt: skip
+    print(
+        f"| int8 | {ppl['ppl_int8']:.4f} | {change:+.3%} | {ppl['max_rel']:.2e} | {ppl['mean_rel']:.2e} | "
+        f"{ppl['agree']:.2%} |\n"
+    )
     print(f"2. greedy generation, {args.new_tokens} tokens after a {args.chunk}-token prompt")
     print("| logit rel. err max | mean (teacher-forced) | argmax agreement | identical tokens | first divergence |")
     print("|---|---|---|---|---|")
     diverge = "none" if gen["diverge"] == args.new_tokens else f"token {gen['diverge']}"
-    print(f"| {gen['max_rel']:.2e} | {gen['mean_rel']:.2e} | {gen['agree']:.2%} | {gen['identical']:.2%} | "
-          f"{diverge} |")  # fmt: skip
-    print(f"decode step (the whole model, batch 1): float cache {gen['ms_float']:.1f} ms, int8 cache "
-          f"{gen['ms_int8']:.1f} ms\n")  # fmt: skip
+    print(f"| {gen['max_rel']:.2e} | {gen['mean_rel']:.2e} | {gen['agree']:.2%} | {gen['identical']:.2%} | {diverge} |")
+    print(
+        f"decode step (the whole model, batch 1): float cache {gen['ms_float']:.1f} ms, int8 cache "
+        f"{gen['ms_int8']:.1f} ms\n"
+    )
     print("3. K/V reconstruction rel. error (mean over layers)")
     print("| scales | K | V |")
     print("|---|---|---|")

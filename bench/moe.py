@@ -40,9 +40,18 @@ H, FFN, E, K = 576, 1536, 8, 2
 
 def block(dtype: torch.dtype) -> MoE:
     config = ModelConfig(
-        architecture="mixtral", vocab_size=32, hidden_size=H, intermediate_size=FFN, num_layers=1, num_heads=9,
-        num_kv_heads=3, head_dim=64, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=FFN,
-    )  # fmt: skip
+        architecture="mixtral",
+        vocab_size=32,
+        hidden_size=H,
+        intermediate_size=FFN,
+        num_layers=1,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        num_experts=E,
+        num_experts_per_tok=K,
+        moe_intermediate_size=FFN,
+    )
     torch.manual_seed(0)
     moe = MoE(config)
     for p in moe.parameters():
@@ -101,10 +110,14 @@ def measure(moe: MoE, hf, x: torch.Tensor, routing, training: bool, repeats: int
 
 
 def compute_table(args) -> None:
-    print(f"\n1. grouped vs looped expert compute ({E} experts, top-{K}, hidden {H}, expert FFN {FFN}, "
-          f"{torch.get_num_threads()} threads)")  # fmt: skip
-    print(f"{'dtype':9} {'tokens':>6} {'pass':>8} {'keel grouped':>13} {'loop':>9} {'transformers':>13} "
-          f"{'loop/grouped':>13} {'hf/grouped':>11}")  # fmt: skip
+    print(
+        f"\n1. grouped vs looped expert compute ({E} experts, top-{K}, hidden {H}, expert FFN {FFN}, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    print(
+        f"{'dtype':9} {'tokens':>6} {'pass':>8} {'keel grouped':>13} {'loop':>9} {'transformers':>13} "
+        f"{'loop/grouped':>13} {'hf/grouped':>11}"
+    )
     for dtype in (torch.bfloat16, torch.float32):
         moe = block(dtype)
         hf = hf_experts(moe)
@@ -117,9 +130,11 @@ def compute_table(args) -> None:
                     continue
                 med = measure(moe, hf, x, routing, training, args.repeats)
                 kind = "fwd+bwd" if training else "fwd"
-                print(f"{str(dtype).removeprefix('torch.'):9} {tokens:6d} {kind:>8} {med['grouped']:10.2f} ms "
-                      f"{med['loop']:6.2f} ms {med['hf']:10.2f} ms {med['loop'] / med['grouped']:12.2f}x "
-                      f"{med['hf'] / med['grouped']:10.2f}x")  # fmt: skip
+                print(
+                    f"{str(dtype).removeprefix('torch.'):9} {tokens:6d} {kind:>8} {med['grouped']:10.2f} ms "
+                    f"{med['loop']:6.2f} ms {med['hf']:10.2f} ms {med['loop'] / med['grouped']:12.2f}x "
+                    f"{med['hf'] / med['grouped']:10.2f}x"
+                )
                 moe.zero_grad(set_to_none=True)
                 hf.zero_grad(set_to_none=True)
 
@@ -163,14 +178,20 @@ def _a2a_worker(rank: int, world: int, init_file: str, tokens: int, repeats: int
                 sent.append(2 * dispatcher.bytes_sent)
         if rank == 0:
             predicted = 2 * 2 * tokens * K * (world - 1) / world * H * 4
-            print(f"\n2. all-to-all at world {world} (gloo, 1 thread per rank), {tokens} tokens per rank, top-{K}, "
-                  f"hidden {H}, float32, forward + backward")  # fmt: skip
-            print(f"   bytes sent off-rank per step (rank 0): {statistics.median(sent) / 2**20:.2f} MiB; "
-                  f"predicted for uniform routing {predicted / 2**20:.2f} MiB "
-                  f"({statistics.median(sent) / predicted:.3f}x)")  # fmt: skip
-            print(f"   step (fwd+bwd) {statistics.median(step_times) * 1e3:.1f} ms, of which all-to-all "
-                  f"~{statistics.median(a2a_times) * 1e3:.1f} ms "
-                  f"({statistics.median(a2a_times) / statistics.median(step_times):.0%})")  # fmt: skip
+            print(
+                f"\n2. all-to-all at world {world} (gloo, 1 thread per rank), {tokens} tokens per rank, top-{K}, "
+                f"hidden {H}, float32, forward + backward"
+            )
+            print(
+                f"   bytes sent off-rank per step (rank 0): {statistics.median(sent) / 2**20:.2f} MiB; "
+                f"predicted for uniform routing {predicted / 2**20:.2f} MiB "
+                f"({statistics.median(sent) / predicted:.3f}x)"
+            )
+            print(
+                f"   step (fwd+bwd) {statistics.median(step_times) * 1e3:.1f} ms, of which all-to-all "
+                f"~{statistics.median(a2a_times) * 1e3:.1f} ms "
+                f"({statistics.median(a2a_times) / statistics.median(step_times):.0%})"
+            )
     finally:
         dist.destroy_process_group()
 

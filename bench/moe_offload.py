@@ -37,8 +37,20 @@ def build_model(cache_dir: Path, experts: int, top_k: int, noise: float) -> Path
         return dst
     from keel.cli import main as keel_main
 
-    cmd = ["upcycle", "smollm2-135m-instruct", str(dst), "--experts", str(experts), "--top-k", str(top_k),
-           "--noise", str(noise), "--dtype", "bfloat16", "--overwrite"]  # fmt: skip
+    cmd = [
+        "upcycle",
+        "smollm2-135m-instruct",
+        str(dst),
+        "--experts",
+        str(experts),
+        "--top-k",
+        str(top_k),
+        "--noise",
+        str(noise),
+        "--dtype",
+        "bfloat16",
+        "--overwrite",
+    ]
     print(f"building the model: keel {shlex.join(cmd)}", flush=True)
     if keel_main(cmd) != 0:
         sys.exit("keel upcycle failed")
@@ -135,21 +147,27 @@ def main() -> None:
     reference = next((r for r in rows if r["budget"] == "100%"), rows[0])
     print()
     label = f"/ {reference['budget']}"
-    head = (f"{'resident':<9} {'experts/layer':>13} {'MiB resident':>12} {'out tok/s':>9} {label:>7} "
-            f"{'tok/s all':>9} {'hit rate':>8} {'MiB loaded':>10} {'stall s':>8} {'stall %':>7} "
-            f"{'extra passes':>12} {'prefetch acc':>12} {'same tokens':>11}")  # fmt: skip
+    head = (
+        f"{'resident':<9} {'experts/layer':>13} {'MiB resident':>12} {'out tok/s':>9} {label:>7} "
+        f"{'tok/s all':>9} {'hit rate':>8} {'MiB loaded':>10} {'stall s':>8} {'stall %':>7} "
+        f"{'extra passes':>12} {'prefetch acc':>12} {'same tokens':>11}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         same = "yes" if r["tokens"] == rows[0]["tokens"] else "NO"
         ratio = r["output_tps"] / reference["output_tps"]
         if "slots" in r:
-            detail = (f"{r['slots']:>13} {r['resident_mib']:>12.1f} {r['output_tps']:>9.1f} {ratio:>6.2f}x "
-                      f"{r['total_tps']:>9.1f} {r['hit_rate']:>8.1%} {r['loaded_mib']:>10.1f} {r['stall']:>8.3f} "
-                      f"{r['stall'] / r['seconds']:>7.1%} {r['passes']:>12} {r['accuracy']:>12.1%}")  # fmt: skip
+            detail = (
+                f"{r['slots']:>13} {r['resident_mib']:>12.1f} {r['output_tps']:>9.1f} {ratio:>6.2f}x "
+                f"{r['total_tps']:>9.1f} {r['hit_rate']:>8.1%} {r['loaded_mib']:>10.1f} {r['stall']:>8.3f} "
+                f"{r['stall'] / r['seconds']:>7.1%} {r['passes']:>12} {r['accuracy']:>12.1%}"
+            )
         else:
-            detail = (f"{'all':>13} {'-':>12} {r['output_tps']:>9.1f} {ratio:>6.2f}x {r['total_tps']:>9.1f} "
-                      f"{'-':>8} {'-':>10} {'-':>8} {'-':>7} {'-':>12} {'-':>12}")  # fmt: skip
+            detail = (
+                f"{'all':>13} {'-':>12} {r['output_tps']:>9.1f} {ratio:>6.2f}x {r['total_tps']:>9.1f} "
+                f"{'-':>8} {'-':>10} {'-':>8} {'-':>7} {'-':>12} {'-':>12}"
+            )
         print(f"{r['budget']:<9} {detail} {same:>11}")
 
 

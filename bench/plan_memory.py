@@ -29,8 +29,19 @@ TINY = dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, vocab=4
 SMOLLM2 = dict(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49152, seq=512, micro=2)
 
 
-def config_text(root: Path, name: str, shape: dict, world: int, dtype="float32", precision="bf16", ac="none",
-                every=1, moe=False, tie=False, accumulate=1) -> str:  # fmt: skip
+def config_text(
+    root: Path,
+    name: str,
+    shape: dict,
+    world: int,
+    dtype="float32",
+    precision="bf16",
+    ac="none",
+    every=1,
+    moe=False,
+    tie=False,
+    accumulate=1,
+) -> str:
     arch = "MixtralForCausalLM" if moe else "LlamaForCausalLM"
     experts = "num_local_experts = 4\nnum_experts_per_tok = 2\n" if moe else ""
     return f"""
@@ -79,8 +90,9 @@ def run_case(root: Path, name: str, world: int, text: str) -> dict:
         trainer = Trainer(load_config(path, []))
         trainer.train_step()
         return trainer.train_step()["memory"]
-    done = subprocess.run([sys.executable, "-m", "keel", "train", str(path), "--nproc", str(world)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(path), "--nproc", str(world)], capture_output=True, text=True
+    )
     if done.returncode:
         raise SystemExit(f"{name}: keel train failed\n{done.stderr[-2000:]}")
     return next(r["memory"] for r in read_metrics(root / "runs" / name / "metrics.jsonl") if "memory" in r)
@@ -109,8 +121,12 @@ def main() -> None:
         ("tiny-32k", 2, dict(ac="full", tie=True)),
     ]
     if args.smollm2:
-        cases += [("smollm2", 1, dict()), ("smollm2", 1, dict(ac="full")), ("smollm2", 2, dict()),
-                  ("smollm2", 2, dict(ac="full"))]  # fmt: skip
+        cases += [
+            ("smollm2", 1, dict()),
+            ("smollm2", 1, dict(ac="full")),
+            ("smollm2", 2, dict()),
+            ("smollm2", 2, dict(ac="full")),
+        ]
     shapes = {"tiny": TINY, "tiny-32k": dict(TINY, vocab=32768), "smollm2": SMOLLM2}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -125,8 +141,11 @@ def main() -> None:
             memory = run_case(root, f"case{i}", world, text)
             label = ", ".join(f"{k}={v}" for k, v in recipe.items()) or "bf16 autocast, float32 weights"
             measured, predicted = memory["measured_peak"], memory["predicted_peak"]
-            print(f"{shape:<8} {world:>5} {label:<38} {measured / 2**20:9.1f} {predicted / 2**20:9.1f} "
-                  f"{predicted / measured:6.3f}  {memory['predicted']['moment']}", flush=True)  # fmt: skip
+            print(
+                f"{shape:<8} {world:>5} {label:<38} {measured / 2**20:9.1f} {predicted / 2**20:9.1f} "
+                f"{predicted / measured:6.3f}  {memory['predicted']['moment']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

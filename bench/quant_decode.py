@@ -59,12 +59,21 @@ def build(model: str, variant: str, max_len: int):
     if mode:
         from keel.serve.engine import EngineConfig, LLMEngine
 
-        config = EngineConfig.of(dtype=dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
-                              quant_keep_as=keep_as, num_blocks=-(-max_len // 16) + 2, max_model_len=max_len,
-                              enable_prefix_caching=False, compile=mode == "compiled")  # fmt: skip
+        config = EngineConfig.of(
+            dtype=dtype,
+            quantize=scheme,
+            quant_group_size=group or 128,
+            quant_keep=keep,
+            quant_keep_as=keep_as,
+            num_blocks=-(-max_len // 16) + 2,
+            max_model_len=max_len,
+            enable_prefix_caching=False,
+            compile=mode == "compiled",
+        )
         return LLMEngine(model, config)
-    loaded = load_model(model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep,
-                        quant_keep_as=keep_as)  # fmt: skip
+    loaded = load_model(
+        model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep, quant_keep_as=keep_as
+    )
     return loaded.model
 
 
@@ -152,10 +161,14 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     file_bytes = gguf_path.stat().st_size
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
-    print(f"model {gguf_path.name}, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt + "
-          f"{args.new_tokens} tokens, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'variant':<17} {'compute':>9} {'weights MB':>11} {'decode tok/s':>13} {'weight GB/s':>12} "
-          f"{'% copy bw':>10} {'vs bfloat16':>12}")  # fmt: skip
+    print(
+        f"model {gguf_path.name}, {args.threads} threads, batch 1, {args.prompt_tokens}-token prompt + "
+        f"{args.new_tokens} tokens, median of {args.repeats}; copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'variant':<17} {'compute':>9} {'weights MB':>11} {'decode tok/s':>13} {'weight GB/s':>12} "
+        f"{'% copy bw':>10} {'vs bfloat16':>12}"
+    )
     base = statistics.median(results["bfloat16"]) if "bfloat16" in results else None
     for name, runs in results.items():
         tps = statistics.median(runs)

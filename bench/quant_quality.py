@@ -79,13 +79,16 @@ def main() -> None:
     analysis_s = time.perf_counter() - start
     for keep in [int(k) for k in args.plan_keep.split(",") if k]:
         names = tuple(r.name for r in ranking[:keep])
-        variants.append((f"int4 g64 plan, {keep} kept", "bfloat16", dict(quantize="int4", quant_group_size=64,
-                                                                          quant_keep=names)))  # fmt: skip
+        variants.append(
+            (f"int4 g64 plan, {keep} kept", "bfloat16", dict(quantize="int4", quant_group_size=64, quant_keep=names))
+        )
 
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
-    print(f"model {args.model}; {len(ids)} Shakespeare tokens in windows of {args.window}; {args.threads} threads; "
-          f"int4 g64 analysis on {len(calibration)} other tokens took {analysis_s:.0f} s; "
-          f"most sensitive: {', '.join(r.name for r in ranking[:5])}")  # fmt: skip
+    print(
+        f"model {args.model}; {len(ids)} Shakespeare tokens in windows of {args.window}; {args.threads} threads; "
+        f"int4 g64 analysis on {len(calibration)} other tokens took {analysis_s:.0f} s; "
+        f"most sensitive: {', '.join(r.name for r in ranking[:5])}"
+    )
     print(f"{'variant':<26} {'perplexity':>10} {'vs float32':>11} {'vs bfloat16':>12}")
     ppl: dict[str, float] = {}
     for name, dtype, options in variants:

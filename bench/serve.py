@@ -126,14 +126,29 @@ class Server(ServerProcess):
     def __init__(self, args: argparse.Namespace, engine: str, log_path: Path) -> None:
         self.engine = engine
         options = [
-            "--served-model-name", SERVED_NAME, "--engine", engine, "--dtype", args.dtype,
-            "--threads", str(args.threads), "--request-timeout", str(args.request_timeout),
+            "--served-model-name",
+            SERVED_NAME,
+            "--engine",
+            engine,
+            "--dtype",
+            args.dtype,
+            "--threads",
+            str(args.threads),
+            "--request-timeout",
+            str(args.request_timeout),
             # Every request of a run may be queued at once (rate inf); the default cap is 256.
-            "--max-queue", str(max(256, args.num_prompts, args.baseline_num_prompts)),
-        ]  # fmt: skip
+            "--max-queue",
+            str(max(256, args.num_prompts, args.baseline_num_prompts)),
+        ]
         if engine == "keel":
-            options += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                        str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]  # fmt: skip
+            options += [
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+                "--kv-cache-memory",
+                args.kv_cache_memory,
+            ]
         if args.max_model_len:
             options += ["--max-model-len", str(args.max_model_len)]
         super().__init__(args.model, *options, log_path=log_path)
@@ -159,8 +174,13 @@ def running_server(args: argparse.Namespace, engine: str, result_dir: Path, exit
 def warm_up(server: Server, output_len: int) -> None:
     """One short request, not measured: the first forward passes pay one-off costs (allocations,
     kernel selection) that would otherwise land in the first measured request's TTFT."""
-    body = {"model": SERVED_NAME, "prompt": INSTRUCTION + "To be, or not to be, that is the question:",
-            "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": INSTRUCTION + "To be, or not to be, that is the question:",
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=600)
     if response.status_code != 200:
         raise KeelError(f"warm-up request to the {server.engine} server failed: HTTP {response.status_code}")
@@ -193,10 +213,18 @@ def run_rate(args: argparse.Namespace, server: Server, dataset: Path, rate: floa
 
 
 COLUMNS = [
-    ("engine", "<6"), ("rate", ">4"), ("completed", ">9"), ("duration s", ">10"), ("out tok/s", ">9"),
-    ("TTFT p50", ">9"), ("TTFT p99", ">9"), ("TPOT p50", ">9"), ("TPOT p99", ">9"), ("ITL p50", ">8"),
+    ("engine", "<6"),
+    ("rate", ">4"),
+    ("completed", ">9"),
+    ("duration s", ">10"),
+    ("out tok/s", ">9"),
+    ("TTFT p50", ">9"),
+    ("TTFT p99", ">9"),
+    ("TPOT p50", ">9"),
+    ("TPOT p99", ">9"),
+    ("ITL p50", ">8"),
     ("E2EL p50", ">9"),
-]  # fmt: skip
+]
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -205,11 +233,18 @@ def table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         r: BenchmarkResult = run["result"]
         cells = [
-            run["engine"], rate_label(run["rate"]), f"{r.completed}/{r.completed + r.failed}", f"{r.duration:.1f}",
-            f"{r.output_throughput:.1f}", f"{r.ttft.percentiles_ms[50.0]:.0f}", f"{r.ttft.percentiles_ms[99.0]:.0f}",
-            f"{r.tpot.percentiles_ms[50.0]:.1f}", f"{r.tpot.percentiles_ms[99.0]:.1f}",
-            f"{r.itl.percentiles_ms[50.0]:.1f}", f"{r.e2el.percentiles_ms[50.0]:.0f}",
-        ]  # fmt: skip
+            run["engine"],
+            rate_label(run["rate"]),
+            f"{r.completed}/{r.completed + r.failed}",
+            f"{r.duration:.1f}",
+            f"{r.output_throughput:.1f}",
+            f"{r.ttft.percentiles_ms[50.0]:.0f}",
+            f"{r.ttft.percentiles_ms[99.0]:.0f}",
+            f"{r.tpot.percentiles_ms[50.0]:.1f}",
+            f"{r.tpot.percentiles_ms[99.0]:.1f}",
+            f"{r.itl.percentiles_ms[50.0]:.1f}",
+            f"{r.e2el.percentiles_ms[50.0]:.0f}",
+        ]
         lines.append("  ".join(f"{cell:{align}}" for cell, (_, align) in zip(cells, COLUMNS, strict=True)))
     lines.append("(latencies in ms; TTFT/TPOT/ITL/E2EL as vLLM's benchmark_serving)")
     return "\n".join(lines)
@@ -253,13 +288,17 @@ def format_floors(f: dict[str, dict[str, Any]]) -> str:
     if a["ratio"] is None:
         line_a = "(a) rate inf, keel / naive output tok/s: n/a (needs rate inf in --rates and --baseline-rates)"
     else:
-        line_a = (f"(a) rate inf, keel / naive output tok/s: {a['keel_tok_s']:.1f} / {a['naive_tok_s']:.1f} = "
-                  f"{a['ratio']:.2f}x (floor >= {THROUGHPUT_FLOOR:g}x): {verdict(a['met'])}")  # fmt: skip
+        line_a = (
+            f"(a) rate inf, keel / naive output tok/s: {a['keel_tok_s']:.1f} / {a['naive_tok_s']:.1f} = "
+            f"{a['ratio']:.2f}x (floor >= {THROUGHPUT_FLOOR:g}x): {verdict(a['met'])}"
+        )
     if b["ratio"] is None:
         line_b = "(b) rate 1, keel TTFT p99 / p50: n/a (needs rate 1 in --rates)"
     else:
-        line_b = (f"(b) rate 1, keel TTFT p99 / p50: {b['p99_ms']:.0f} / {b['p50_ms']:.0f} ms = {b['ratio']:.2f} "
-                  f"(floor <= {TTFT_TAIL_FLOOR:g}): {verdict(b['met'])}")  # fmt: skip
+        line_b = (
+            f"(b) rate 1, keel TTFT p99 / p50: {b['p99_ms']:.0f} / {b['p50_ms']:.0f} ms = {b['ratio']:.2f} "
+            f"(floor <= {TTFT_TAIL_FLOOR:g}): {verdict(b['met'])}"
+        )
     return f"{line_a}\n{line_b}"
 
 
@@ -360,8 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         with running_server(args, engine, result_dir, exits) as server:
             limit = server.max_model_len()
             if limit is not None and args.output_max + args.input_max * 2 > limit:
-                print(f"warning: max_model_len {limit} may not fit {args.input_max}-word prompts + "
-                      f"{args.output_max} tokens; overlong requests will fail", file=sys.stderr)  # fmt: skip
+                print(
+                    f"warning: max_model_len {limit} may not fit {args.input_max}-word prompts + "
+                    f"{args.output_max} tokens; overlong requests will fail",
+                    file=sys.stderr,
+                )
             warm_up(server, min(args.output_min, 16))
             for rate in rates:
                 result = run_rate(args, server, datasets[rate], rate, n)

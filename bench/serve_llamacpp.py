@@ -49,9 +49,27 @@ def build_dataset(model: str, path: Path, n: int, seed: int) -> None:
 
 
 def run_bench(base_url: str, model: str, dataset: Path, result: Path, label: str) -> dict:
-    cmd = [sys.executable, "-m", "keel.cli", "bench", "serve", "--base-url", base_url, "--model", model,
-           "--dataset", str(dataset), "--num-prompts", str(sum(1 for _ in open(dataset))), "--ignore-eos",
-           "--result-file", str(result), "--label", label, "--disable-tqdm"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--model",
+        model,
+        "--dataset",
+        str(dataset),
+        "--num-prompts",
+        str(sum(1 for _ in open(dataset))),
+        "--ignore-eos",
+        "--result-file",
+        str(result),
+        "--label",
+        label,
+        "--disable-tqdm",
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(result.read_text())
 
@@ -97,30 +115,55 @@ def main() -> None:
         server.terminate()
 
     port = free_port()
-    cmd = [args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "-np", "16",
-           "-cb", "-c", str(16 * 512), "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    cmd = [
+        args.llama_server,
+        "-m",
+        str(gguf),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-np",
+        "16",
+        "-cb",
+        "-c",
+        str(16 * 512),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
     with open(out / "server-llama.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_health(f"http://127.0.0.1:{port}", proc)
-            results["llama-server"] = run_bench(f"http://127.0.0.1:{port}", args.model, dataset, out / "llama.json",
-                                                " ".join(cmd))  # fmt: skip
+            results["llama-server"] = run_bench(
+                f"http://127.0.0.1:{port}", args.model, dataset, out / "llama.json", " ".join(cmd)
+            )
         finally:
             proc.terminate()
             proc.wait(30)
 
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
-    print(f"{args.num_prompts} requests at once, prompts 44-250 tokens, outputs 64-128 (EOS ignored), "
-          f"{args.threads} threads, {gguf.name}")  # fmt: skip
-    print(f"{'server':<14} {'done':>5} {'duration s':>10} {'output tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
-          f"{'p99/p50':>8} {'TTFT p50 ms':>11}")  # fmt: skip
+    print(
+        f"{args.num_prompts} requests at once, prompts 44-250 tokens, outputs 64-128 (EOS ignored), "
+        f"{args.threads} threads, {gguf.name}"
+    )
+    print(
+        f"{'server':<14} {'done':>5} {'duration s':>10} {'output tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+        f"{'p99/p50':>8} {'TTFT p50 ms':>11}"
+    )
     for name, r in results.items():
-        print(f"{name:<14} {r['completed']:>5} {r['duration']:10.1f} {r['output_throughput']:12.1f} "
-              f"{r['median_itl_ms']:10.1f} {r['p99_itl_ms']:10.1f} {r['p99_itl_ms'] / r['median_itl_ms']:8.2f} "
-              f"{r['median_ttft_ms']:11.0f}")  # fmt: skip
+        print(
+            f"{name:<14} {r['completed']:>5} {r['duration']:10.1f} {r['output_throughput']:12.1f} "
+            f"{r['median_itl_ms']:10.1f} {r['p99_itl_ms']:10.1f} {r['p99_itl_ms'] / r['median_itl_ms']:8.2f} "
+            f"{r['median_ttft_ms']:11.0f}"
+        )
     k, ll = results["keel"], results["llama-server"]
-    print(f"keel / llama-server output tok/s: {k['output_throughput'] / ll['output_throughput']:.2f}x (floor 3x); "
-          f"keel p99 ITL / p50 ITL: {k['p99_itl_ms'] / k['median_itl_ms']:.2f} (floor <= 3)")  # fmt: skip
+    print(
+        f"keel / llama-server output tok/s: {k['output_throughput'] / ll['output_throughput']:.2f}x (floor 3x); "
+        f"keel p99 ITL / p50 ITL: {k['p99_itl_ms'] / k['median_itl_ms']:.2f} (floor <= 3)"
+    )
 
 
 if __name__ == "__main__":

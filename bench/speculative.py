@@ -131,11 +131,15 @@ def main() -> None:
     run_batch(plain, prompts[:1], 8)  # warm-up
     run_batch(fast, prompts[:1], 8)
 
-    print(f"model {args.model}, {args.dtype}, {args.threads} threads, n-gram k={args.k}, greedy, "
-          f"max_tokens {args.max_tokens}, median of {args.repeats}")  # fmt: skip
+    print(
+        f"model {args.model}, {args.dtype}, {args.threads} threads, n-gram k={args.k}, greedy, "
+        f"max_tokens {args.max_tokens}, median of {args.repeats}"
+    )
     print("batch 1:")
-    print(f"{'prompt':<8} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} "
-          f"{'identical':>9}")  # fmt: skip
+    print(
+        f"{'prompt':<8} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>9} "
+        f"{'identical':>9}"
+    )
     speedups = []
     for i, prompt in enumerate(prompts):
         plain_runs, fast_runs = [], []

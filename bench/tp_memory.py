@@ -37,8 +37,10 @@ def main() -> None:
     loaded = load_model(args.model, args.dtype)
     config, dtype = loaded.config, loaded.model.dtype
     full = param_bytes(loaded.model)
-    print(f"{args.model} ({args.dtype}): {full / 2**20:.1f} MiB of parameters, "
-          f"{kv_cache_bytes(config, dtype)} KV bytes per token")  # fmt: skip
+    print(
+        f"{args.model} ({args.dtype}): {full / 2**20:.1f} MiB of parameters, "
+        f"{kv_cache_bytes(config, dtype)} KV bytes per token"
+    )
     print(f"{'tp':>3} {'rank':>4} {'weights MiB':>12} {'x full':>7} {'KV heads':>9} {'KV B/token':>11}")
     for tp in (int(x) for x in args.tp.split(",")):
         for rank in range(tp):
@@ -51,8 +53,10 @@ def main() -> None:
             shard_model(model, layout)
             first, last = layout.kv_head_range()
             kv = kv_cache_bytes(dataclasses.replace(config, num_kv_heads=last - first), dtype)
-            print(f"{tp:>3} {rank:>4} {param_bytes(model) / 2**20:>12.2f} {param_bytes(model) / full:>7.3f} "
-                  f"{last - first:>9} {kv:>11}")  # fmt: skip
+            print(
+                f"{tp:>3} {rank:>4} {param_bytes(model) / 2**20:>12.2f} {param_bytes(model) / full:>7.3f} "
+                f"{last - first:>9} {kv:>11}"
+            )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,14 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
     from keel.model.kv_size import kv_cache_bytes
     from keel.serve import LLM, EngineConfig, SamplingParams
 
-    config = EngineConfig.of(kv_cache_memory=args.kv_cache_memory, max_model_len=1024, compile=False,
-                          dtype=args.dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp)  # fmt: skip
+    config = EngineConfig.of(
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=1024,
+        compile=False,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    )
     started = time.perf_counter()
     llm = LLM(args.model, config)
     startup = time.perf_counter() - started
@@ -57,17 +63,30 @@ def run(args: argparse.Namespace, tp: int, pp: int, prompts: list[list[int]]) ->
             with torch.device("meta"):
                 shapes = Transformer(model.config).parameters()  # a tied head counted once
             weights = sum(p.numel() for p in shapes) * model.dtype.itemsize
-            ranks = [dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes(model.config, model.dtype),
-                          peak=vm_hwm())]  # fmt: skip
+            ranks = [
+                dict(rank=0, weights=weights, kv_per_token=kv_cache_bytes(model.config, model.dtype), peak=vm_hwm())
+            ]
         else:
             block = engine.config.cache.block_size
             ranks = [
-                dict(rank=r.rank, weights=r.weight_bytes, kv_per_token=r.kv_bytes // (r.num_blocks * block),
-                     peak=r.peak_at_load)
+                dict(
+                    rank=r.rank,
+                    weights=r.weight_bytes,
+                    kv_per_token=r.kv_bytes // (r.num_blocks * block),
+                    peak=r.peak_at_load,
+                )
                 for r in sorted(engine.executor.reports.values(), key=lambda r: r.rank)
-            ]  # fmt: skip
-        return dict(tp=tp, pp=pp, startup=startup, seconds=seconds, tokens=tokens, tok_s=tokens / seconds,
-                    ranks=ranks, outputs=[o.outputs[0].token_ids for o in outs])  # fmt: skip
+            ]
+        return dict(
+            tp=tp,
+            pp=pp,
+            startup=startup,
+            seconds=seconds,
+            tokens=tokens,
+            tok_s=tokens / seconds,
+            ranks=ranks,
+            outputs=[o.outputs[0].token_ids for o in outs],
+        )
     finally:
         llm.engine.shutdown()
 
@@ -85,21 +104,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(64, 256))] for _ in range(args.num_requests)]
-    print(f"{args.model}, {args.dtype}, {args.num_requests} requests x {args.max_tokens} tokens, "
-          f"{os.cpu_count()} cores; single process {args.threads} threads, workers share the cores")  # fmt: skip
+    print(
+        f"{args.model}, {args.dtype}, {args.num_requests} requests x {args.max_tokens} tokens, "
+        f"{os.cpu_count()} cores; single process {args.threads} threads, workers share the cores"
+    )
     results = [run(args, tp, pp, prompts) for tp, pp in parse_layouts(args.layouts)]
     base = results[0]
     print(f"{'tp x pp':>7} {'rank':>4} {'weights MiB':>12} {'KV B/token':>11} {'peak at load MiB':>17}")
     for res in results:
         for rank in res["ranks"]:
-            print(f"{res['tp']:>3} x {res['pp']:<1} {rank['rank']:>4} {rank['weights'] / 2**20:>12.2f} "
-                  f"{rank['kv_per_token']:>11,} {rank['peak'] / 2**20:>17.1f}")  # fmt: skip
-    print(f"\n{'tp x pp':>7} {'start s':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'vs 1x1':>7} "
-          f"{'same tokens':>12}")  # fmt: skip
+            print(
+                f"{res['tp']:>3} x {res['pp']:<1} {rank['rank']:>4} {rank['weights'] / 2**20:>12.2f} "
+                f"{rank['kv_per_token']:>11,} {rank['peak'] / 2**20:>17.1f}"
+            )
+    print(
+        f"\n{'tp x pp':>7} {'start s':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'vs 1x1':>7} {'same tokens':>12}"
+    )
     for res in results:
         same = "yes" if res["outputs"] == base["outputs"] else "no"
-        print(f"{res['tp']:>3} x {res['pp']:<1} {res['startup']:>8.1f} {res['tokens']:>7} {res['seconds']:>8.1f} "
-              f"{res['tok_s']:>7.1f} {res['tok_s'] / base['tok_s']:>6.2f}x {same:>12}")  # fmt: skip
+        print(
+            f"{res['tp']:>3} x {res['pp']:<1} {res['startup']:>8.1f} {res['tokens']:>7} {res['seconds']:>8.1f} "
+            f"{res['tok_s']:>7.1f} {res['tok_s'] / base['tok_s']:>6.2f}x {same:>12}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,18 @@ import numpy as np
 import torch
 
 CONFIG = dict(
-    architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=768, intermediate_size=2048,
-    num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
-    tie_word_embeddings=False, rms_norm_eps=1e-5, eos_token_id=2,
-)  # fmt: skip
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    eos_token_id=2,
+)
 
 
 def transformers_loop(args, data: np.ndarray) -> list[float]:
@@ -141,13 +149,17 @@ def main() -> int:
             ("keel train, 1 process", keel_tps),
         ]
         total = ModelConfig.from_hf(CONFIG).param_counts()["total"]
-        print(f"\nmodel {total:,} parameters, {args.precision}, {args.threads} threads, {tokens} tokens/step, "
-              f"measured {dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
+        print(
+            f"\nmodel {total:,} parameters, {args.precision}, {args.threads} threads, {tokens} tokens/step, "
+            f"measured {dtype} matmul peak {peak / 1e9:.1f} GFLOP/s"
+        )
         print(f"{'run':48} {'tokens/s':>10} {'MFU':>7}")
         for name, tps in rows:
             print(f"{name:48} {tps:10.1f} {fpt * tps / peak:7.1%}")
-        print(f"\nkeel / transformers: {keel_tps / base_tps:.2f}x (floor >= 1.0); "
-              f"keel MFU {fpt * keel_tps / peak:.1%} of the measured peak (floor >= 30%)")  # fmt: skip
+        print(
+            f"\nkeel / transformers: {keel_tps / base_tps:.2f}x (floor >= 1.0); "
+            f"keel MFU {fpt * keel_tps / peak:.1%} of the measured peak (floor >= 30%)"
+        )
         # FSDP over 2 ranks: per-rank parameter + gradient + AdamW bytes against one process.
         fsdp = keel_run(root, args, "fsdp2", 2)
         one = single[0]["state_bytes"]
@@ -155,9 +167,11 @@ def main() -> int:
         params = ModelConfig.from_hf(CONFIG).param_counts()["total"]
         predicted = 16 * params / 2  # ZeRO-3: (4 param + 4 grad + 8 AdamW) bytes / dp_shard, fp32 master
         fsdp_tps = statistics.median(r["tokens_per_s"] for r in fsdp[1:])
-        print(f"\nper-rank parameter + gradient + optimizer bytes: 1 process {one['total'] / 2**20:.1f} MiB; "
-              f"FSDP x2 rank 0 {two['total'] / 2**20:.1f} MiB = {two['total'] / one['total']:.3f}x (floor <= 0.6); "
-              f"ZeRO-3 prediction 16 B x {params:,} / 2 = {predicted / 2**20:.1f} MiB")  # fmt: skip
+        print(
+            f"\nper-rank parameter + gradient + optimizer bytes: 1 process {one['total'] / 2**20:.1f} MiB; "
+            f"FSDP x2 rank 0 {two['total'] / 2**20:.1f} MiB = {two['total'] / one['total']:.3f}x (floor <= 0.6); "
+            f"ZeRO-3 prediction 16 B x {params:,} / 2 = {predicted / 2**20:.1f} MiB"
+        )
         print(f"FSDP x2 tokens/s (both ranks, 1 thread each): {fsdp_tps:.1f}")
     return 0
 

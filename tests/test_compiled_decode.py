@@ -124,8 +124,16 @@ def test_decode_attention_op_matches_the_paged_cache(tmp_path):
 def test_smollm2_compiled_decode_gives_the_eager_tokens():
     """The real checkpoint (bf16, the serving default here): 8 prompts, 96 greedy tokens each, alone
     and batched, the same tokens with and without compilation (~70 s of compiling on a cold cache)."""
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:",
-               "The meaning of life is", "import numpy as np\n", "Dear Sir,", "1, 2, 3, 5, 8,"]  # fmt: skip
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "List three colors:",
+        "The meaning of life is",
+        "import numpy as np\n",
+        "Dear Sir,",
+        "1, 2, 3, 5, 8,",
+    ]
     greedy = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
     tokens = {}
     for compile_ in (False, True):

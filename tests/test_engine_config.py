@@ -46,9 +46,23 @@ def test_every_field_is_a_serve_option_with_the_field_docstring_as_help():
 
 def test_types_give_choices_pairs_and_lists():
     args = _serve_parser().parse_args(
-        ["m", "--kv-cache-dtype", "int8", "--no-enable-prefix-caching", "--quant-keep", "lm_head,*.experts",
-         "--quantize", "int4", "-pp", "2", "--expert-cache", "50%", "--speculative-config", '{"method": "ngram"}']
-    )  # fmt: skip
+        [
+            "m",
+            "--kv-cache-dtype",
+            "int8",
+            "--no-enable-prefix-caching",
+            "--quant-keep",
+            "lm_head,*.experts",
+            "--quantize",
+            "int4",
+            "-pp",
+            "2",
+            "--expert-cache",
+            "50%",
+            "--speculative-config",
+            '{"method": "ngram"}',
+        ]
+    )
     config = engine_config_from_args(args)
     assert config.cache.kv_cache_dtype == "int8" and config.cache.enable_prefix_caching is False
     assert config.quant.quant_keep == ("lm_head", "*.experts") and config.quant.quantize == "int4"

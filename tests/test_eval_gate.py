@@ -34,8 +34,9 @@ SLICES = {"factual_recall": 32, "reasoning": 16, "instruction_following": 8}
 
 def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
     quant = config.quant
-    loaded = load_model(MODEL, "auto", quantize=quant.quantize, quant_group_size=quant.quant_group_size,
-                        quant_keep=quant.quant_keep)  # fmt: skip
+    loaded = load_model(
+        MODEL, "auto", quantize=quant.quantize, quant_group_size=quant.quant_group_size, quant_keep=quant.quant_keep
+    )
     if damage:  # noise on one MLP's weights, as a bad conversion or a corrupt shard would leave it
         with torch.no_grad():
             weight = loaded.model.layers["3"].mlp.down_proj.weight
@@ -47,8 +48,17 @@ def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
     from keel.data.corpora import shakespeare_path
 
     ids = leading_tokens(loaded.tokenizer, shakespeare_path().read_text(encoding="utf-8"), 768)
-    return run_eval(llm, suites, golden=8, golden_tokens=24, ppl_tokens=ids, ppl_context=256, ppl_stride=128,
-                    ppl_corpus="shakespeare", manifest=build_manifest(MODEL, llm.engine))  # fmt: skip
+    return run_eval(
+        llm,
+        suites,
+        golden=8,
+        golden_tokens=24,
+        ppl_tokens=ids,
+        ppl_context=256,
+        ppl_stride=128,
+        ppl_corpus="shakespeare",
+        manifest=build_manifest(MODEL, llm.engine),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,12 @@ def test_builtin_suites_load_and_cover_every_dimension():
     suites = [load_suite(p) for p in builtin_suite_paths()]
     assert sum(len(s.items) for s in suites) >= 200
     # The needle suite (generated) covers long-context retrieval; the files cover the rest.
-    assert {s.dimension for s in suites} >= {"instruction_following", "factual_recall", "reasoning",
-                                             "multi_turn_consistency"}  # fmt: skip
+    assert {s.dimension for s in suites} >= {
+        "instruction_following",
+        "factual_recall",
+        "reasoning",
+        "multi_turn_consistency",
+    }
     assert {s.kind for s in suites} == {"multiple_choice", "generation", "multi_turn"}
 
 
@@ -113,8 +117,12 @@ def test_bad_headers(tmp_path):
     with pytest.raises(KeelError, match=r"b\.jsonl:2: target '\(' is not a valid regex"):
         load_suite(_write_suite(tmp_path / "b.jsonl", header, [{"id": "1", "prompt": "p", "target": "("}]))
     with pytest.raises(KeelError, match="duplicate id 'a'"):
-        header = {"suite": "c", "kind": "multiple_choice", "dimension": "reasoning",
-                  "template": {"prompt": "{question}"}}  # fmt: skip
+        header = {
+            "suite": "c",
+            "kind": "multiple_choice",
+            "dimension": "reasoning",
+            "template": {"prompt": "{question}"},
+        }
         load_suite(_write_suite(tmp_path / "c.jsonl", header, [MC_ITEMS[0], MC_ITEMS[0]]))
     (tmp_path / "d.jsonl").write_text('{"id": "x"}\n')
     with pytest.raises(KeelError, match="first line must be the header"):
@@ -150,8 +158,12 @@ def _direct_loglikelihood(model, context_ids, continuation_ids) -> float:
 
 
 def test_multiple_choice_equals_direct_loglikelihood_and_is_deterministic(tmp_path, tiny, llm):
-    header = {"suite": "mc", "kind": "multiple_choice", "dimension": "factual_recall",
-              "template": {"prompt": "Question: {question}\nAnswer: ", "choice": "{choice}"}}  # fmt: skip
+    header = {
+        "suite": "mc",
+        "kind": "multiple_choice",
+        "dimension": "factual_recall",
+        "template": {"prompt": "Question: {question}\nAnswer: ", "choice": "{choice}"},
+    }
     suite = load_suite(_write_suite(tmp_path / "mc.jsonl", header, MC_ITEMS))
     result = Evaluator(llm).run(suite)
     model = load_model(str(tiny), "float32")
@@ -159,8 +171,7 @@ def test_multiple_choice_equals_direct_loglikelihood_and_is_deterministic(tmp_pa
     for item in MC_ITEMS:
         record = result["items"][item["id"]]
         context = f"Question: {item['question']}\nAnswer: "
-        expected = [_direct_loglikelihood(model.model, *encode_pair(tokenizer, context, c))
-                    for c in item["choices"]]  # fmt: skip
+        expected = [_direct_loglikelihood(model.model, *encode_pair(tokenizer, context, c)) for c in item["choices"]]
         assert record["loglikelihoods"] == pytest.approx(expected, abs=1e-4)
         assert record["acc"] == int(max(range(len(expected)), key=expected.__getitem__) == item["answer"])
         # acc_norm divides by the choice's characters (as lm-eval), not the continuation's.
@@ -172,30 +183,51 @@ def test_multiple_choice_equals_direct_loglikelihood_and_is_deterministic(tmp_pa
 
 
 def test_generation_and_multi_turn_follow_the_model(tmp_path, llm):
-    gen = load_suite(_write_suite(
-        tmp_path / "g.jsonl",
-        {"suite": "g", "kind": "generation", "dimension": "instruction_following", "template": {"chat": True},
-         "sampling": {"max_tokens": 6}, "match": "contains"},
-        [{"id": "1", "prompt": "say hi", "target": "zzzz-never"}, {"id": "2", "prompt": "x", "target": ".*",
-                                                                   "match": "regex"}],
-    ))  # fmt: skip
+    gen = load_suite(
+        _write_suite(
+            tmp_path / "g.jsonl",
+            {
+                "suite": "g",
+                "kind": "generation",
+                "dimension": "instruction_following",
+                "template": {"chat": True},
+                "sampling": {"max_tokens": 6},
+                "match": "contains",
+            },
+            [
+                {"id": "1", "prompt": "say hi", "target": "zzzz-never"},
+                {"id": "2", "prompt": "x", "target": ".*", "match": "regex"},
+            ],
+        )
+    )
     result = Evaluator(llm).run(gen)
     tokenizer = llm.engine.loaded.tokenizer
     from keel.serve.sampling import SamplingParams
 
-    direct = llm.generate([tokenizer.encode_chat([{"role": "user", "content": "say hi"}])],
-                          SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    direct = (
+        llm.generate(
+            [tokenizer.encode_chat([{"role": "user", "content": "say hi"}])],
+            SamplingParams(temperature=0, max_tokens=6),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert result["items"]["1"]["output"] == direct and result["items"]["1"]["match"] == 0
     assert result["items"]["2"]["match"] == 1 and result["metrics"]["match"]["value"] == 0.5
 
     # Byte-level outputs of a random model: the options are single bytes so that some are named.
     options = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    mt = load_suite(_write_suite(
-        tmp_path / "m.jsonl",
-        {"suite": "m", "kind": "multi_turn", "dimension": "multi_turn_consistency", "sampling": {"max_tokens": 8}},
-        [{"id": str(i), "turns": [f"q{i}", "other", f"q{i} again"], "options": options, "answer": "a"}
-         for i in range(4)],
-    ))  # fmt: skip
+    mt = load_suite(
+        _write_suite(
+            tmp_path / "m.jsonl",
+            {"suite": "m", "kind": "multi_turn", "dimension": "multi_turn_consistency", "sampling": {"max_tokens": 8}},
+            [
+                {"id": str(i), "turns": [f"q{i}", "other", f"q{i} again"], "options": options, "answer": "a"}
+                for i in range(4)
+            ],
+        )
+    )
     result = Evaluator(llm).run(mt)
     for record in result["items"].values():
         assert len(record["answers"]) == 3
@@ -243,8 +275,12 @@ def test_engine_perplexity_equals_keel_eval_ppl_and_transformers(tiny, llm):
 
 
 def test_run_records_manifest_and_compare_gates(tmp_path, tiny, llm):
-    header = {"suite": "mc", "kind": "multiple_choice", "dimension": "factual_recall",
-              "template": {"prompt": "Q: {question}\nA:"}}  # fmt: skip
+    header = {
+        "suite": "mc",
+        "kind": "multiple_choice",
+        "dimension": "factual_recall",
+        "template": {"prompt": "Q: {question}\nA:"},
+    }
     suite = load_suite(_write_suite(tmp_path / "mc.jsonl", header, MC_ITEMS))
     ids = list(range(40, 240))
     kwargs = dict(golden=4, golden_tokens=8, ppl_tokens=ids, ppl_context=64, ppl_stride=32, ppl_corpus="bytes")
@@ -274,8 +310,10 @@ def test_run_records_manifest_and_compare_gates(tmp_path, tiny, llm):
     # Checks that cannot be made fail rather than pass: a missing section, different items or prompts.
     no_sections = {k: v for k, v in base.items() if k not in ("golden", "perplexity")}
     failures = compare(base, no_sections).failures
-    assert failures == ["golden: missing from the candidate; cannot be gated",
-                        "perplexity: missing from the candidate; cannot be gated"]  # fmt: skip
+    assert failures == [
+        "golden: missing from the candidate; cannot be gated",
+        "perplexity: missing from the candidate; cannot be gated",
+    ]
     other_items = json.loads(json.dumps(base))
     other_items["manifest"]["suites"]["mc"]["items_sha256"] = "0" * 64
     other_items["golden"]["max_tokens"] = 16
@@ -302,14 +340,34 @@ def test_a_significant_drop_fails_at_the_default_thresholds():
 
 
 def test_cli_run_and_compare(tmp_path, tiny, capsys):
-    header = {"suite": "mc", "kind": "multiple_choice", "dimension": "factual_recall",
-              "template": {"prompt": "Q: {question}\nA:"}}  # fmt: skip
+    header = {
+        "suite": "mc",
+        "kind": "multiple_choice",
+        "dimension": "factual_recall",
+        "template": {"prompt": "Q: {question}\nA:"},
+    }
     suite = _write_suite(tmp_path / "mc.jsonl", header, MC_ITEMS)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 6)
-    common = [str(tiny), "--dtype", "float32", "--suite", str(suite), "--golden", "3", "--golden-tokens", "6",
-              "--ppl-corpus", str(corpus), "--ppl-context", "64", "--ppl-stride", "32",
-              "--num-blocks", "128"]  # fmt: skip
+    common = [
+        str(tiny),
+        "--dtype",
+        "float32",
+        "--suite",
+        str(suite),
+        "--golden",
+        "3",
+        "--golden-tokens",
+        "6",
+        "--ppl-corpus",
+        str(corpus),
+        "--ppl-context",
+        "64",
+        "--ppl-stride",
+        "32",
+        "--num-blocks",
+        "128",
+    ]
     assert keel_main(["eval", "run", *common, "--out", str(tmp_path / "a.json")]) == 0
     assert keel_main(["eval", "run", *common, "--kv-cache-dtype", "int8", "--out", str(tmp_path / "b.json")]) == 0
     a = json.loads((tmp_path / "a.json").read_text())
@@ -339,11 +397,13 @@ def test_cli_run_and_compare(tmp_path, tiny, capsys):
     assert "--suite nope: not a built-in suite" in capsys.readouterr().err
     assert keel_main(["eval", "suites"]) == 0
     assert "factual_recall" in capsys.readouterr().out
-    for bad, message in [(["--golden", "-1"], "--golden must be >= 0"),
-                         (["--golden-tokens", "0"], "--golden-tokens must be >= 1"),
-                         (["--needle-depths", "2"], "--needle-depths: each depth must be in [0, 1]"),
-                         (["--out", str(tmp_path / "no" / "r.json")], "is not a writable directory"),
-                         (["--suite", "needle", "--needle-lengths", "4096"], "exceed the model length 2048"),
-                         (["--ppl-context", "4096", "--ppl-stride", "8"], "--ppl-context 4096 exceeds")]:  # fmt: skip
+    for bad, message in [
+        (["--golden", "-1"], "--golden must be >= 0"),
+        (["--golden-tokens", "0"], "--golden-tokens must be >= 1"),
+        (["--needle-depths", "2"], "--needle-depths: each depth must be in [0, 1]"),
+        (["--out", str(tmp_path / "no" / "r.json")], "is not a writable directory"),
+        (["--suite", "needle", "--needle-lengths", "4096"], "exceed the model length 2048"),
+        (["--ppl-context", "4096", "--ppl-stride", "8"], "--ppl-context 4096 exceeds"),
+    ]:
         assert keel_main(["eval", "run", *common, *bad]) == 1, bad
         assert message in capsys.readouterr().err, bad

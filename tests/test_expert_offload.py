@@ -273,8 +273,19 @@ def test_keel_generate_with_offloading_prints_the_same_text(dirs, capsys):
 def test_keel_serve_expert_cache_over_http(dirs, resident):
     from keel.serve.openai.child import ServerProcess
 
-    server = ServerProcess(dirs["qwen3_moe"], "--served-model-name", "tiny", "--threads", "1", "--num-blocks", "64",
-                           "--max-model-len", "64", "--expert-cache", "2").wait_ready()  # fmt: skip
+    server = ServerProcess(
+        dirs["qwen3_moe"],
+        "--served-model-name",
+        "tiny",
+        "--threads",
+        "1",
+        "--num-blocks",
+        "64",
+        "--max-model-len",
+        "64",
+        "--expert-cache",
+        "2",
+    ).wait_ready()
     try:
         got = []
         for prompt in prompts():

@@ -415,13 +415,16 @@ def test_transformers_reads_the_synthetic_ggufs_back(tmp_path, name):
         assert rel_err(hf(TOKENS).logits, transformers_from_gguf(path)(TOKENS).logits) <= 1e-5
 
 
-@pytest.mark.parametrize(("name", "qtype", "min_cos"), [
-    ("llama", Q.Q8_0, 0.999),
-    ("qwen3", Q.Q8_0, 0.999),
-    ("llama-bias", Q.Q4_0, 0.98),
-    ("qwen2", Q.Q4_1, 0.98),
-    ("mixtral", Q.Q8_0, 0.999),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "qtype", "min_cos"),
+    [
+        ("llama", Q.Q8_0, 0.999),
+        ("qwen3", Q.Q8_0, 0.999),
+        ("llama-bias", Q.Q4_0, 0.98),
+        ("qwen2", Q.Q4_1, 0.98),
+        ("mixtral", Q.Q8_0, 0.999),
+    ],
+)
 def test_quantized_gguf_stays_close(tmp_path, name, qtype, min_cos):
     hf = build_hf(name)
     path = write_gguf(hf, tmp_path / f"{name}.gguf", qtype=qtype)
@@ -676,6 +679,11 @@ def test_header_reader_equals_ggufs_own(valid_gguf, source):
     assert len(ours.tensors) == len(reference.tensors)
     for a, b in zip(ours.tensors, reference.tensors, strict=True):
         assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
-            b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)  # fmt: skip
+            b.name,
+            b.tensor_type,
+            b.n_elements,
+            b.n_bytes,
+            b.data_offset,
+        )
         assert np.array_equal(a.shape, b.shape) and a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data)

@@ -22,11 +22,30 @@ from tiny_models import save_hf_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
 
-LLAMA = dict(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
-             num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
-MLA = dict(architecture="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-           num_heads=4, num_kv_heads=4, head_dim=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-           v_head_dim=24)  # fmt: skip
+LLAMA = dict(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+MLA = dict(
+    architecture="deepseek_v3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=24,
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,8 +83,17 @@ def packed_plan(steps: list[tuple[list[int], int, int]], block_size: int) -> Ste
             prefills.append((offset, offset + n, torch.tensor(blocks), torch.arange(start, start + n)))
         offset += n
     width = max((len(t) for t in dec_tables), default=0)
-    decodes = [DecodeGroup(torch.tensor(dec_index), torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-                           torch.tensor(dec_pos))] if dec_index else []  # fmt: skip
+    decodes = (
+        [
+            DecodeGroup(
+                torch.tensor(dec_index),
+                torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
+                torch.tensor(dec_pos),
+            )
+        ]
+        if dec_index
+        else []
+    )
     return StepPlan(torch.tensor(slots), decodes, prefills)
 
 
@@ -160,8 +188,16 @@ def test_tiny_llama_logits_and_greedy_tokens():
 
 
 def test_bytes_are_about_half_of_bfloat16():
-    smollm2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)  # fmt: skip
+    smollm2 = ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+    )
     bf16 = kv_cache_bytes(smollm2, torch.bfloat16)
     int8 = kv_cache_bytes(smollm2, torch.bfloat16, "int8")
     assert int8 == 2 * 30 * 3 * (64 + 2)  # int8 rows + one float16 scale per head and token
@@ -192,8 +228,12 @@ def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     prompts = [[i % 250 for i in range(s, s + 40)] for s in (0, 0, 7)]  # two share a prefix
     outputs, blocks = {}, {}
     for kind in ("auto", "int8"):
-        engine = LLMEngine(loaded, EngineConfig.of(kv_cache_memory="4MiB", block_size=8, max_model_len=128,
-                                                max_num_batched_tokens=32, kv_cache_dtype=kind))  # fmt: skip
+        engine = LLMEngine(
+            loaded,
+            EngineConfig.of(
+                kv_cache_memory="4MiB", block_size=8, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype=kind
+            ),
+        )
         for i, p in enumerate(prompts):
             engine.add_request(p, params, request_id=str(i))
         done = {}

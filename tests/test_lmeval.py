@@ -25,8 +25,24 @@ from tiny_models import save_bpe_tokenizer, save_hf_model
 
 TASK = "keel_tiny_mc"
 CONTEXT = 256
-WORDS = ["red", "blue", "green", "a cat", "the dog", "seven", "one hundred and two", "Paris", "yes", "no",
-         "maybe later", "x", "a very long answer indeed", "tree", "the quick brown fox", "42"]  # fmt: skip
+WORDS = [
+    "red",
+    "blue",
+    "green",
+    "a cat",
+    "the dog",
+    "seven",
+    "one hundred and two",
+    "Paris",
+    "yes",
+    "no",
+    "maybe later",
+    "x",
+    "a very long answer indeed",
+    "tree",
+    "the quick brown fox",
+    "42",
+]
 
 
 def make_items(n: int = 20, seed: int = 0) -> list[dict]:
@@ -72,15 +88,39 @@ metadata:
 def keel_eval_scores(model_dir, items: list[dict], root) -> list[list[float]]:
     """Each item's per-choice log-likelihood from `keel eval run` on the same items, written as a
     keel suite with the task's template (its own accuracies are checked against lm-eval's too)."""
-    header = {"suite": TASK, "kind": "multiple_choice", "dimension": "reasoning",
-              "template": {"prompt": "Question: {question}\nAnswer:", "choice": " {choice}"}}  # fmt: skip
+    header = {
+        "suite": TASK,
+        "kind": "multiple_choice",
+        "dimension": "reasoning",
+        "template": {"prompt": "Question: {question}\nAnswer:", "choice": " {choice}"},
+    }
     suite = root / f"{TASK}.jsonl"
     suite.write_text(
         "".join(json.dumps(x) + "\n" for x in [header, *({"id": str(i), **d} for i, d in enumerate(items))])
     )
     out = root / "keel-eval.json"
-    assert keel_main(["eval", "run", str(model_dir), "--dtype", "float32", "--suite", str(suite), "--golden", "0",
-                      "--ppl-corpus", "none", "--num-blocks", "256", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        keel_main(
+            [
+                "eval",
+                "run",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--suite",
+                str(suite),
+                "--golden",
+                "0",
+                "--ppl-corpus",
+                "none",
+                "--num-blocks",
+                "256",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())["suites"][TASK]
     records = [result["items"][str(i)] for i in range(len(items))]
     acc, acc_norm, pred, pred_norm = accuracies(items, [r["loglikelihoods"] for r in records])
@@ -141,8 +181,18 @@ def lm_eval_runs(tmp_path_factory):
     tasks.mkdir()
     (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data))
 
-    server = ServerProcess(model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--threads", "1",
-                           "--num-blocks", "256", log_path=root / "server.log").wait_ready()  # fmt: skip
+    server = ServerProcess(
+        model_dir,
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--num-blocks",
+        "256",
+        log_path=root / "server.log",
+    ).wait_ready()
     try:
         model_args = {
             "model": "tiny",
@@ -152,22 +202,38 @@ def lm_eval_runs(tmp_path_factory):
             "max_length": CONTEXT,
             "max_retries": 1,
         }
-        args = {"model_args": model_args, "task": TASK, "tasks": str(tasks), "batch_sizes": [1, 8],
-                "out": str(root / "runs.json")}  # fmt: skip
+        args = {
+            "model_args": model_args,
+            "task": TASK,
+            "tasks": str(tasks),
+            "batch_sizes": [1, 8],
+            "out": str(root / "runs.json"),
+        }
         cache = root / "hf"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(cache), "HF_DATASETS_CACHE": str(cache / "datasets"),
-               "TOKENIZERS_PARALLELISM": "false", "OPENAI_API_KEY": "none"}  # fmt: skip
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_EVALUATE_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(cache),
+            "HF_DATASETS_CACHE": str(cache / "datasets"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "OPENAI_API_KEY": "none",
+        }
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, json.dumps(args)], env=env, capture_output=True, text=True, timeout=300
+        )
         seconds = time.monotonic() - started
     finally:
         code = server.terminate()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:] + server.tail(20)
     assert code == 0, server.tail(40)
-    runs = {int(k): (v["results"], sorted(v["samples"], key=lambda s: s["doc_id"]))
-            for k, v in json.loads((root / "runs.json").read_text()).items()}  # fmt: skip
+    runs = {
+        int(k): (v["results"], sorted(v["samples"], key=lambda s: s["doc_id"]))
+        for k, v in json.loads((root / "runs.json").read_text()).items()
+    }
     return runs, items, model_dir, seconds
 
 

@@ -15,9 +15,18 @@ from keel.model.moe import MoE, Router, _within_capacity, update_routing_bias
 
 def moe_config(**overrides) -> ModelConfig:
     fields = dict(
-        architecture="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-        num_kv_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-    )  # fmt: skip
+        architecture="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -28,9 +37,14 @@ def deepseek_reference(x, weight, bias, top_k, n_group, topk_group, renorm, scal
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
     cfg = DeepseekV3Config(
-        hidden_size=x.shape[1], n_routed_experts=weight.shape[0], num_experts_per_tok=top_k, n_group=n_group,
-        topk_group=topk_group, norm_topk_prob=renorm, routed_scaling_factor=scaling,
-    )  # fmt: skip
+        hidden_size=x.shape[1],
+        n_routed_experts=weight.shape[0],
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=renorm,
+        routed_scaling_factor=scaling,
+    )
     ref = DeepseekV3TopkRouter(cfg)
     with torch.no_grad():
         ref.weight.copy_(weight)
@@ -42,8 +56,15 @@ def deepseek_reference(x, weight, bias, top_k, n_group, topk_group, renorm, scal
     "n_group,topk_group,renorm,scaling", [(1, 1, True, 1.0), (4, 2, True, 2.5), (4, 1, False, 1.0)]
 )
 def test_sigmoid_group_limited_router_matches_deepseek_v3(n_group, topk_group, renorm, scaling):
-    cfg = moe_config(router_scoring="sigmoid", router_bias=True, n_group=n_group, topk_group=topk_group,
-                     norm_topk_prob=renorm, routed_scaling_factor=scaling, num_experts_per_tok=2)  # fmt: skip
+    cfg = moe_config(
+        router_scoring="sigmoid",
+        router_bias=True,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=renorm,
+        routed_scaling_factor=scaling,
+        num_experts_per_tok=2,
+    )
     router = Router(cfg)
     torch.manual_seed(0)
     with torch.no_grad():

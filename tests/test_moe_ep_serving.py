@@ -38,8 +38,9 @@ def greedy(engine_model, prompts: list[list[int]]) -> list[list[int]]:
 
 def _worker(rank: int, world: int, model_dir: str, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         from keel.model.expert_parallel import shard_experts
         from keel.quant.loading import load_model

@@ -12,8 +12,19 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lowest first: a package may import its own layer and the layers before it, never a later one.
 LAYERS = [
-    {"keel.errors", "keel.atomic", "keel.jsonl", "keel.paths", "keel.dtypes", "keel.net", "keel.version",
-     "keel.platform", "keel.config", "keel.catalog", "keel.tokenizer"},  # fmt: skip
+    {
+        "keel.errors",
+        "keel.atomic",
+        "keel.jsonl",
+        "keel.paths",
+        "keel.dtypes",
+        "keel.net",
+        "keel.version",
+        "keel.platform",
+        "keel.config",
+        "keel.catalog",
+        "keel.tokenizer",
+    },
     {"keel.model", "keel.data"},
     {"keel.weights"},
     {"keel.quant"},

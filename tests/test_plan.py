@@ -93,8 +93,9 @@ def test_kv_capacity_equals_the_engines_block_count(tmp_path, kind):
     save_hf_model("llama", tmp_path / "m")
     loaded = load_model(tmp_path / "m")
     budget = 3 * 2**20 + 12345
-    engine = LLMEngine(loaded, EngineConfig.of(kv_cache_memory=budget, block_size=8, max_model_len=256,
-                                            kv_cache_dtype=kind))  # fmt: skip
+    engine = LLMEngine(
+        loaded, EngineConfig.of(kv_cache_memory=budget, block_size=8, max_model_len=256, kv_cache_dtype=kind)
+    )
     plan = kv_capacity(loaded.config, budget, loaded.model.dtype, kind, block_size=8, context=256)
     assert plan["blocks"] == engine.kv.num_blocks
     assert plan["sequences"] == engine.kv.num_blocks // 32
@@ -170,8 +171,20 @@ def test_plan_serve_cli(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "keel", "plan", "serve", str(CONFIGS / "qwen3-235b-a22b.json"), "--gpus", "8xH100",
-           "--context", "16384", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel",
+        "plan",
+        "serve",
+        str(CONFIGS / "qwen3-235b-a22b.json"),
+        "--gpus",
+        "8xH100",
+        "--context",
+        "16384",
+        "--json",
+        str(tmp_path / "plan.json"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "235.1B parameters" in out.stdout and "tok/s" in out.stdout
@@ -226,8 +239,21 @@ def test_layer_activation_bytes_match_what_autograd_saves(moe, recipe):
     from keel.plan.activations import ActivationPrecision, layer_activation_bytes
 
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=80, architecture="mixtral") if moe else {}
-    config = ModelConfig(**{**dict(architecture="llama", vocab_size=128, hidden_size=96, intermediate_size=176,
-                                   num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16), **extra})  # fmt: skip
+    config = ModelConfig(
+        **{
+            **dict(
+                architecture="llama",
+                vocab_size=128,
+                hidden_size=96,
+                intermediate_size=176,
+                num_layers=1,
+                num_heads=6,
+                num_kv_heads=2,
+                head_dim=16,
+            ),
+            **extra,
+        }
+    )
     weights = torch.bfloat16 if recipe == "bf16" else torch.float32
     precision = ActivationPrecision.of(2 if recipe == "bf16" else 4, 4 if recipe == "fp32" else 2)
     assert precision.autocast == (recipe == "autocast")
@@ -296,8 +322,10 @@ def test_pipeline_schedules_recomputation_precision_and_optimizers():
 
     config, cluster = _fixture("llama-3.1-405b"), parse_cluster("1024xH100")
     args = (config, cluster, 8192, 4 * 2**20)
-    lay = {s: evaluate(*args, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full", schedule=s)
-           for s in ("1f1b", "interleaved", "zbv")}  # fmt: skip
+    lay = {
+        s: evaluate(*args, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full", schedule=s)
+        for s in ("1f1b", "interleaved", "zbv")
+    }
     assert lay["zbv"].bubble < lay["interleaved"].bubble < lay["1f1b"].bubble
     m, pp = lay["1f1b"].microbatches, 8
     assert lay["1f1b"].bubble == pytest.approx((pp - 1) / (m + pp - 1))
@@ -339,8 +367,9 @@ def test_training_memory_adds_up():
     full = evaluate(config, cluster, 8192, 4 * 2**20, tp=8, pp=8, ep=1, zero=1, micro_batch=1, recompute="full")
     assert full.activations_gb < lay.activations_gb and full.states_gb == lay.states_gb
     assert full.compute_s == pytest.approx(lay.compute_s * 4 / 3)
-    single = evaluate(config, parse_cluster("1xH100"), 8192, 8192, tp=1, pp=1, ep=1, zero=3, micro_batch=1,
-                      recompute="full")  # fmt: skip
+    single = evaluate(
+        config, parse_cluster("1xH100"), 8192, 8192, tp=1, pp=1, ep=1, zero=3, micro_batch=1, recompute="full"
+    )
     assert not single.fits
 
 

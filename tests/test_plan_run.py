@@ -105,8 +105,9 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab, precision):
     gradients are reduce-scattered."""
     name = f"fsdp-{ac}-{vocab}-{precision}"
     path = write_config(root, name, world=2, ac=ac, vocab=vocab, precision=precision)
-    done = subprocess.run([sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [r for r in read_metrics(root / "runs" / name / "metrics.jsonl") if "memory" in r]
     assert len(records) == 1
@@ -119,16 +120,35 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab, precision):
 
 def test_plan_train_config_cli(root):
     path = write_config(root, "cli", world=2, ac="full")
-    done = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "2",
-                           "--json", str(root / "plan.json")], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "plan",
+            "train",
+            "--config",
+            str(path),
+            "--nproc",
+            "2",
+            "--json",
+            str(root / "plan.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "dp_shard=2" in done.stdout and "predicted tensor memory peak per rank" in done.stdout
     assert (root / "plan.json").exists()
-    bad = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "3"],
-                         capture_output=True, text=True)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "3"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    both = subprocess.run([sys.executable, "-m", "keel", "plan", "train", "x.json", "--config", str(path)],
-                          capture_output=True, text=True)  # fmt: skip
+    both = subprocess.run(
+        [sys.executable, "-m", "keel", "plan", "train", "x.json", "--config", str(path)], capture_output=True, text=True
+    )
     assert both.returncode != 0 and "either" in both.stderr
 
 

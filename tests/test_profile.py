@@ -48,9 +48,29 @@ def test_profile_splits_the_step(model_dir, tmp_path, batch):
 
 def test_profile_cli(model_dir, tmp_path):
     out = tmp_path / "profile.json"
-    done = subprocess.run([sys.executable, "-m", "keel", "profile", "decode", str(model_dir), "--steps", "4",
-                           "--prompt-tokens", "8", "--prefill", "16", "--quantize", "int8", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "profile",
+            "decode",
+            str(model_dir),
+            "--steps",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "--prefill",
+            "16",
+            "--quantize",
+            "int8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "decode: batch 1" in done.stdout and "prefill: batch 1, 16 token(s)" in done.stdout
     assert "Python / dispatch overhead" in done.stdout and "roofline" in done.stdout

@@ -52,8 +52,16 @@ def test_quantized_tiny_llama_stays_close(scheme):
     from keel.config import ModelConfig
     from keel.model.transformer import build_model
 
-    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
     torch.manual_seed(0)
     ref = build_model(config).eval()
     model = copy.deepcopy(ref)
@@ -107,8 +115,12 @@ def test_engine_and_cli_quantize_at_load(tmp_path):
         outs.extend(o for o in engine.step() if o.finished)
     assert len(outs[0].outputs[0].token_ids) == 5
     cli = [sys.executable, "-m", "keel.cli", "generate", str(tmp_path), "--prompt", "hi"]
-    r = subprocess.run([*cli, "--max-tokens", "3", "--quantize", "int8", "--quant-keep", ""],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cli, "--max-tokens", "3", "--quantize", "int8", "--quant-keep", ""],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     r = subprocess.run([*cli, "--quantize", "int3"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--quantize" in r.stderr and "Traceback" not in r.stderr
@@ -127,8 +139,17 @@ def test_analysis_ranks_a_corrupted_layer_first_and_its_plan_applies(tmp_path):
     from keel.weights.convert import save_model
     from tiny_models import save_byte_tokenizer
 
-    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=3,
-                         num_heads=4, num_kv_heads=2, head_dim=32, eos_token_id=[2])  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        eos_token_id=[2],
+    )
     torch.manual_seed(0)
     model = build_model(config).eval()
     target = "layers.1.mlp.down_proj"
@@ -143,9 +164,27 @@ def test_analysis_ranks_a_corrupted_layer_first_and_its_plan_applies(tmp_path):
     save_byte_tokenizer(tmp_path / "model")
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog " * 8)
     plan_path = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "quantize", "analyze", str(tmp_path / "model"), "--corpus",
-                        str(tmp_path / "corpus.txt"), "--scheme", "int8", "--keep", "1", "--out", str(plan_path)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel.cli",
+            "quantize",
+            "analyze",
+            str(tmp_path / "model"),
+            "--corpus",
+            str(tmp_path / "corpus.txt"),
+            "--scheme",
+            "int8",
+            "--keep",
+            "1",
+            "--out",
+            str(plan_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     plan = json.loads(plan_path.read_text())
     assert plan["keep"] == [target] and plan["scheme"] == "int8"

@@ -430,14 +430,26 @@ def test_quantize_save_cli_and_serving_the_directory(tmp_path):
     save_hf_model("llama", tmp_path / "hf", intermediate_size=128)
     save_byte_tokenizer(tmp_path / "hf")
     cli = [sys.executable, "-m", "keel.cli"]
-    r = subprocess.run([*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out",
-                        str(tmp_path / "q")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out", str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([*cli, "generate", str(tmp_path / "q"), "--prompt", "hi", "--max-tokens", "3"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cli, "generate", str(tmp_path / "q"), "--prompt", "hi", "--max-tokens", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out",
-                        str(tmp_path / "q")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cli, "quantize", "save", str(tmp_path / "hf"), "--quantize", "int8", "--out", str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "not empty" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -450,8 +462,16 @@ def test_kept_layers_as_int8_second_tier():
     from keel.model.transformer import build_model
     from keel.quant.apply import quantize_kept
 
-    config = ModelConfig(architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
     torch.manual_seed(0)
     ref = build_model(config).eval()
     x = torch.randint(0, 256, (1, 12))

@@ -92,8 +92,16 @@ def test_completions_match_engine_streamed_or_not(server, reference):
     assert r.usage.prompt_tokens == len(reference.tokenizer.encode("The quick brown fox"))
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12 and r.object == "text_completion" and r.created > 0
 
-    chunks = list(c.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True,
-                                       stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt="The quick brown fox",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
@@ -113,8 +121,9 @@ def test_chat_streamed_and_not(server, reference):
     r = c.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=9, **GREEDY)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length"
-    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=9, stream=True,
-                                       stream_options={"include_usage": True}, **GREEDY)  # fmt: skip
+    stream = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=9, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
@@ -140,8 +149,14 @@ def test_stop_strings_logprobs_seed_and_n(server, reference):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert chosen <= 0 and 3 <= len(top) <= 4 and chosen == pytest.approx(max(top.values()))  # greedy = argmax
-    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                     max_completion_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)  # fmt: skip
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert "".join(t.token for t in content) == chat.choices[0].message.content
@@ -232,8 +247,17 @@ def test_echo_logprobs_of_token_id_prompts_batched_and_max_tokens_0(server, refe
     assert [ch.text for ch in choices] == texts
     assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens == sum(map(len, prompts))
 
-    chunks = list(c.completions.create(model="tiny", prompt="score me", max_tokens=0, echo=True, logprobs=1,
-                                       stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt="score me",
+            max_tokens=0,
+            echo=True,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "score me"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
@@ -276,12 +300,37 @@ JSON_VALUES = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
-FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
-          "logprobs", "echo", "stream", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "stop_token_ids", "messages", "max_completion_tokens", "top_logprobs", "stream_options",
-          "min_tokens"]  # fmt: skip
-SMALL_VALID = {"model": st.just("tiny"), "prompt": st.just("hi"), "max_tokens": st.integers(-2, 4),
-               "messages": st.just([{"role": "user", "content": "hi"}])}  # fmt: skip
+FIELDS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "echo",
+    "stream",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "stream_options",
+    "min_tokens",
+]
+SMALL_VALID = {
+    "model": st.just("tiny"),
+    "prompt": st.just("hi"),
+    "max_tokens": st.integers(-2, 4),
+    "messages": st.just([{"role": "user", "content": "hi"}]),
+}
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
@@ -369,9 +418,20 @@ def limited(model_dir, tmp_path_factory):
         '[[keys]]\nkey = "key-b"\ntenant = "b"\ntokens_per_minute = 60\n'
         '[[keys]]\nkey = "key-c"\ntenant = "c"\n'
     )
-    proc = start_server(model_dir, "--num-blocks", "2048", "--api-keys-file", str(d / "keys.toml"),
-                         "--max-num-seqs", "1", "--max-queue", "2", "--request-timeout", "2",
-                         log_path=d / "server.log").wait_ready()  # fmt: skip
+    proc = start_server(
+        model_dir,
+        "--num-blocks",
+        "2048",
+        "--api-keys-file",
+        str(d / "keys.toml"),
+        "--max-num-seqs",
+        "1",
+        "--max-queue",
+        "2",
+        "--request-timeout",
+        "2",
+        log_path=d / "server.log",
+    ).wait_ready()
     yield proc
     assert proc.terminate() == 0, proc.tail(40)
 
@@ -424,16 +484,20 @@ def test_full_queue_is_503_at_once(limited):
     they expired, so the scenario runs up to 3 times and one probe must meet a full queue."""
     outcomes = []
     for _ in range(3):
-        threads = [threading.Thread(target=long_stream, args=(limited, "key-c", threading.Event(), []))
-                   for _ in range(3)]  # fmt: skip
+        threads = [
+            threading.Thread(target=long_stream, args=(limited, "key-c", threading.Event(), [])) for _ in range(3)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 5
         while metric(metrics(limited), "keel:num_requests_waiting") < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         start = time.monotonic()
-        r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                       headers={"Authorization": "Bearer key-c"})  # fmt: skip
+        r = httpx.post(
+            limited.base_url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"Authorization": "Bearer key-c"},
+        )
         elapsed = time.monotonic() - start
         for t in threads:
             t.join(30)
@@ -447,8 +511,12 @@ def test_full_queue_is_503_at_once(limited):
 def test_deadline_aborts_and_frees_blocks(limited):
     wait_idle(limited)
     start = time.monotonic()
-    r = httpx.post(limited.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True},
-                   headers={"Authorization": "Bearer key-c"}, timeout=30)  # fmt: skip
+    r = httpx.post(
+        limited.base_url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True},
+        headers={"Authorization": "Bearer key-c"},
+        timeout=30,
+    )
     assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
     assert 1.9 < time.monotonic() - start < 6
     wait_idle(limited)
@@ -456,8 +524,9 @@ def test_deadline_aborts_and_frees_blocks(limited):
 
 # ---------------------------------------------------------------- SIGTERM
 def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
-    proc = start_server(model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30",
-                         log_path=tmp_path / "server.log").wait_ready()  # fmt: skip
+    proc = start_server(
+        model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30", log_path=tmp_path / "server.log"
+    ).wait_ready()
     results: list = [None] * 4
 
     def call(i: int) -> None:
@@ -486,9 +555,28 @@ def test_bench_serve_against_keel_serve(server, tmp_path, capsys):
     from keel.cli import main
 
     result = tmp_path / "result.json"
-    code = main(["bench", "serve", "--base-url", server.base_url, "--model", "tiny", "--num-prompts", "8",
-                 "--input-len", "16", "--output-len", "8", "--ignore-eos", "--goodput", "ttft:60000",
-                 "--result-file", str(result), "--disable-tqdm"])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--model",
+            "tiny",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--ignore-eos",
+            "--goodput",
+            "ttft:60000",
+            "--result-file",
+            str(result),
+            "--disable-tqdm",
+        ]
+    )
     assert code == 0
     data = json.loads(result.read_text())
     assert data["completed"] == 8 and data["failed"] == 0 and data["total_output_tokens"] == 64

@@ -49,9 +49,15 @@ def _params() -> list[SamplingParams]:
 
 @pytest.mark.parametrize(
     ("arch", "tp", "pp"),
-    [("llama", 2, 1), ("qwen3", 2, 1), ("mixtral", 2, 1), ("qwen2_moe-ep", 2, 1), ("llama-bias", 1, 2),
-     ("llama", 2, 2)],
-)  # fmt: skip
+    [
+        ("llama", 2, 1),
+        ("qwen3", 2, 1),
+        ("mixtral", 2, 1),
+        ("qwen2_moe-ep", 2, 1),
+        ("llama-bias", 1, 2),
+        ("llama", 2, 2),
+    ],
+)
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
     """TP 2 (llama, qwen3 with n-gram speculation, and MoE: mixtral with its experts cut by width, qwen2_moe
     with its experts split over the 2 ranks and its shared expert cut: TP 2 x EP 2), PP 2 and TP 2 x PP 2
@@ -154,8 +160,17 @@ def test_keel_serve_tp3_smollm2_with_the_openai_client():
     chats = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]  # as the server does
     greedy = SamplingParams(max_tokens=20, temperature=0)
     expected = [o.outputs[0].text for o in llm.generate([*chats, tokenizer.encode("1, 2, 3,")], greedy, use_tqdm=False)]
-    server = ServerProcess(SMOLLM2, "--tensor-parallel-size", "3", "--kv-cache-memory", "64MiB",
-                           "--max-model-len", "1024", "--dtype", "float32")  # fmt: skip
+    server = ServerProcess(
+        SMOLLM2,
+        "--tensor-parallel-size",
+        "3",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "1024",
+        "--dtype",
+        "float32",
+    )
     try:
         server.wait_ready(timeout=240)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
@@ -177,15 +192,17 @@ def test_killed_worker_fails_the_server_fast(tmp_path):
     exits non-zero within 30 s; no collective is left hanging."""
     save_hf_model("llama", tmp_path, max_position_embeddings=4096)
     save_byte_tokenizer(tmp_path)
-    server = ServerProcess(tmp_path, "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB", "--no-compile",
-                           "--dtype", "float32")  # fmt: skip
+    server = ServerProcess(
+        tmp_path, "--tensor-parallel-size", "2", "--kv-cache-memory", "16MiB", "--no-compile", "--dtype", "float32"
+    )
     try:
         server.wait_ready(timeout=180)
         log = server.log_path.read_text()
         pid = int(log.split("worker rank 1 started (pid ")[1].split(")")[0])
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model=str(tmp_path), prompt="hello", max_tokens=4000, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=str(tmp_path), prompt="hello", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+        )
         received = 0
         with pytest.raises((openai.APIError, httpx.HTTPError)):
             for _ in stream:
@@ -258,10 +275,26 @@ def test_two_nodes_on_one_host(tmp_path):
         .text
     )
     port = str(free_port())
-    common = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-              "--kv-cache-memory", "16MiB", "--dtype", "float32"]  # fmt: skip
-    node1 = subprocess.Popen([sys.executable, "-m", "keel.cli", "serve", str(tmp_path), *common, "--node-rank", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    common = [
+        "--pipeline-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--kv-cache-memory",
+        "16MiB",
+        "--dtype",
+        "float32",
+    ]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "keel.cli", "serve", str(tmp_path), *common, "--node-rank", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     node0 = ServerProcess(tmp_path, *common, "--node-rank", "0", "--no-compile")
     try:
         node0.wait_ready(timeout=180)

@@ -73,8 +73,9 @@ def test_shard_reads_put_every_tensor_back_together(tmp_path, tp):
                 assert tuple(part.shape) == slice_of(tuple(full.shape), lay.shard_of(name))
             if shard is None:
                 assert all(torch.equal(p, full) for p in parts)
-            elif layouts[0].kv_replicas > 1 and name.endswith(("k_proj.weight", "v_proj.weight",
-                                                                "k_proj.bias", "v_proj.bias")):  # fmt: skip
+            elif layouts[0].kv_replicas > 1 and name.endswith(
+                ("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")
+            ):
                 # Each KV head on kv_replicas ranks: every replica equal, one of each makes the whole.
                 step = layouts[0].kv_replicas
                 assert all(torch.equal(parts[i], parts[i - i % step]) for i in range(tp))
@@ -92,8 +93,9 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
     from keel.serve.parallel.tensor import shard_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     from keel.serve.parallel.load import load_tensor_parallel
 
     try:

@@ -104,8 +104,11 @@ def test_keys_file_validation(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=expected):
             load_keys_file(path)
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "serve", "x", "--api-keys-file", str(tmp_path / "nope")],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "keel.cli", "serve", "x", "--api-keys-file", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and r.stderr.startswith("keel: error:") and "Traceback" not in r.stderr
 
 

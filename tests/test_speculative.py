@@ -226,8 +226,14 @@ def test_sampled_distribution_equals_plain_sampling(small_vocab, method, params,
     spec = {"method": method, "num_speculative_tokens": 2, "disable_by_batch_size": 512}
     if method == "draft_model":
         spec["model"] = str(small_vocab / "draft")
-    config = EngineConfig.of(num_blocks=4096, block_size=4, max_num_seqs=512, max_num_batched_tokens=8192,
-                          max_model_len=32, speculative_config=spec)  # fmt: skip
+    config = EngineConfig.of(
+        num_blocks=4096,
+        block_size=4,
+        max_num_seqs=512,
+        max_num_batched_tokens=8192,
+        max_model_len=32,
+        speculative_config=spec,
+    )
     engine = LLMEngine(loaded, config)
     counts = sample_pairs(engine, params, 4000)
     stats = engine.stats()

@@ -65,7 +65,7 @@ MODELS = {
         n_group=2,
         topk_group=1,
         routed_scaling_factor=1.5,
-    ),  # fmt: skip
+    ),
 }
 # Only the z-loss: a mean over tokens, so the same on any split of the batch. The load-balancing loss
 # is a product of per-batch means, defined per micro-batch (as in Megatron): a split batch changes

@@ -117,8 +117,11 @@ def test_learns_logs_and_checkpoints_a_loadable_model(root):
     ckpt = latest_checkpoint(root / "runs/learn/checkpoints")
     assert ckpt.name == "step-00000040" and (ckpt / COMPLETE).exists() and (ckpt / "config.json").exists()
     assert sorted(p.name for p in (root / "runs/learn/checkpoints").iterdir()) == [
-        "step-00000010", "step-00000020", "step-00000030", "step-00000040"
-    ]  # fmt: skip
+        "step-00000010",
+        "step-00000020",
+        "step-00000030",
+        "step-00000040",
+    ]
     # The checkpoint directory is a model: same logits as the trained module.
     loaded = load_model(ckpt, "float32")
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
@@ -137,8 +140,12 @@ def test_a_checkpoint_converts_for_transformers_and_is_served(root, tmp_path):
 
     trainer, result = run(config(root, "deliver"), "training.steps=10")
     ckpt = latest_checkpoint(root / "runs/deliver/checkpoints")
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "convert", str(ckpt), str(tmp_path / "hf")],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "keel.cli", "convert", str(ckpt), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
@@ -154,8 +161,7 @@ def test_a_checkpoint_converts_for_transformers_and_is_served(root, tmp_path):
         # The served greedy token's logprob is the trained module's best next-token log-probability.
         with torch.no_grad():
             best = trainer.modules[0](torch.tensor([[5, 6, 7]]))[0, -1].log_softmax(-1).max().item()
-        served = client.completions.create(model="trained", prompt=[5, 6, 7], max_tokens=1, temperature=0,
-                                           logprobs=1)  # fmt: skip
+        served = client.completions.create(model="trained", prompt=[5, 6, 7], max_tokens=1, temperature=0, logprobs=1)
         assert served.choices[0].logprobs.token_logprobs[0] == pytest.approx(best, abs=1e-3)
     finally:
         assert server.terminate() == 0, server.tail(40)
@@ -195,8 +201,19 @@ def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
     assert result.losses[10] < result.losses[1]
     # The same on FSDP2-sharded gradients (2 ranks, fp16 compute copies, fp32 reductions): the
     # overflow is found in the global norm over both shards, so both ranks skip the same steps.
-    r = keel_train(path, "--nproc", "2", "--set", "run.name=fp16-fsdp", "--set", "training.precision=fp16",
-                   "--set", "training.init_scale=268435456.0", "--set", "training.steps=16")  # fmt: skip
+    r = keel_train(
+        path,
+        "--nproc",
+        "2",
+        "--set",
+        "run.name=fp16-fsdp",
+        "--set",
+        "training.precision=fp16",
+        "--set",
+        "training.init_scale=268435456.0",
+        "--set",
+        "training.steps=16",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     sharded = [r for r in read_metrics(root / "runs/fp16-fsdp/metrics.jsonl") if "loss" in r]
     skipped = [r["step"] for r in sharded if r.get("overflow")]
@@ -372,14 +389,26 @@ def test_expert_parallel_training_matches_one_process_and_reshards(root):
         return path
 
     _, single = run(moe_config("moe-single"), "training.steps=10", "checkpoint.interval=5")
-    r = keel_train(moe_config("moe-ep"), "--nproc", "2", "--set", "parallel.ep=2", "--set", "training.steps=10",
-                   "--set", "checkpoint.interval=5")  # fmt: skip
+    r = keel_train(
+        moe_config("moe-ep"),
+        "--nproc",
+        "2",
+        "--set",
+        "parallel.ep=2",
+        "--set",
+        "training.steps=10",
+        "--set",
+        "checkpoint.interval=5",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ep = losses(root / "runs/moe-ep")
     for step in range(1, 11):
         assert ep[step] == pytest.approx(single.losses[step], rel=1e-5, abs=1e-6), step
-    _, resumed = run(moe_config("moe-relayout"), "training.steps=10",
-                     f"checkpoint.resume={root}/runs/moe-ep/checkpoints/step-00000005")  # fmt: skip
+    _, resumed = run(
+        moe_config("moe-relayout"),
+        "training.steps=10",
+        f"checkpoint.resume={root}/runs/moe-ep/checkpoints/step-00000005",
+    )
     for step in range(6, 11):
         assert resumed.losses[step] == pytest.approx(ep[step], abs=1e-5), step
     bad = [
@@ -395,8 +424,16 @@ def test_expert_parallel_training_matches_one_process_and_reshards(root):
 
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
     path = config(root, "torn")
-    r = keel_train(path, "--nproc", "2", "--set", "checkpoint.interval=5", "--set", "training.steps=10",
-                   env={"KEEL_FAULTS": "crash_in_save@10:0"})  # fmt: skip
+    r = keel_train(
+        path,
+        "--nproc",
+        "2",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "training.steps=10",
+        env={"KEEL_FAULTS": "crash_in_save@10:0"},
+    )
     assert r.returncode != 0
     checkpoints = root / "runs/torn/checkpoints"
     assert latest_checkpoint(checkpoints).name == "step-00000005"

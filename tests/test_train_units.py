@@ -107,7 +107,7 @@ def test_flops_per_token_and_peak(tmp_path):
             "num_key_value_heads": 12,
             "vocab_size": 32000,
             "tie_word_embeddings": False,
-        }  # fmt: skip
+        }
     )
     non_embedding = 12 * (4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768) + 768
     expected = 6 * (non_embedding + 32000 * 768) + 12 * 12 * 768 * 256

@@ -40,10 +40,22 @@ def test_keel_upcycle_writes_a_mixtral_that_transformers_loads(tmp_path):
     save_hf_model("llama", tmp_path / "dense")
     save_byte_tokenizer(tmp_path / "dense")
     r = subprocess.run(
-        [sys.executable, "-m", "keel.cli", "upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"),
-         "--experts", "4", "--top-k", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "keel.cli",
+            "upcycle",
+            str(tmp_path / "dense"),
+            str(tmp_path / "moe"),
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "4 experts, top-2" in r.stdout
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
@@ -58,6 +70,10 @@ def test_keel_upcycle_writes_a_mixtral_that_transformers_loads(tmp_path):
     assert ours.tokenizer is not None
     # A model without a sparse counterpart: one line, exit 1.
     save_hf_model("qwen2", tmp_path / "qwen2")
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "upcycle", str(tmp_path / "qwen2"), str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "keel.cli", "upcycle", str(tmp_path / "qwen2"), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stderr.startswith("keel: error: upcycle:") and "Traceback" not in r.stderr

@@ -239,8 +239,10 @@ class ModelConfig:
             need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
             need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
-            need(self.router_scoring in ("softmax", "sigmoid"), f"router_scoring {self.router_scoring!r} is not "
-                 "supported (softmax, sigmoid)")  # fmt: skip
+            need(
+                self.router_scoring in ("softmax", "sigmoid"),
+                f"router_scoring {self.router_scoring!r} is not supported (softmax, sigmoid)",
+            )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(1 <= self.topk_group <= self.n_group, "topk_group must be in 1..n_group")
             need(

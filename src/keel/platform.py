@@ -75,8 +75,11 @@ def export_isa_caps() -> None:
         return  # reported, as one line, when the probe runs
     if level is None:
         return
-    for var, table in (("ATEN_CPU_CAPABILITY", _ATEN_CAP), ("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP),
-                       ("MKL_ENABLE_INSTRUCTIONS", _MKL_CAP)):  # fmt: skip
+    for var, table in (
+        ("ATEN_CPU_CAPABILITY", _ATEN_CAP),
+        ("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP),
+        ("MKL_ENABLE_INSTRUCTIONS", _MKL_CAP),
+    ):
         if level in table:
             os.environ.setdefault(var, table[level])
 

@@ -51,4 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `keel generate ... | head`
         return 0
-

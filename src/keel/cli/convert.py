@@ -19,7 +19,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from keel.weights.convert import convert
 
-    dst = convert(args.model, args.dst, dtype=args.dtype, head_dim=args.head_dim, num_heads=args.num_heads,
-                  overwrite=args.overwrite)  # fmt: skip
+    dst = convert(
+        args.model,
+        args.dst,
+        dtype=args.dtype,
+        head_dim=args.head_dim,
+        num_heads=args.num_heads,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {dst}")
     return 0

@@ -48,16 +48,36 @@ def _csv_floats(text: str) -> tuple[float, ...]:
 def _register_run(eval_sub: argparse._SubParsersAction) -> None:
     r = eval_sub.add_parser("run", help="capability suites, golden greedy outputs and perplexity, with a manifest")
     add_model_args(r)
-    r.add_argument("--suite", action="append", default=None, metavar="NAME|FILE",
-                   help="a built-in suite name (see `keel eval suites`), 'needle', or a suite JSONL file; repeatable "
-                        "(default: every built-in suite and the needle suite)")  # fmt: skip
+    r.add_argument(
+        "--suite",
+        action="append",
+        default=None,
+        metavar="NAME|FILE",
+        help="a built-in suite name (see `keel eval suites`), 'needle', or a suite JSONL file; repeatable "
+        "(default: every built-in suite and the needle suite)",
+    )
     r.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N items of each suite")
-    r.add_argument("--needle-lengths", type=_csv_ints, default=None, metavar="L,L",
-                   help="needle suite context lengths in tokens (default 512,1024,2048,4096)")  # fmt: skip
-    r.add_argument("--needle-depths", type=_csv_floats, default=None, metavar="D,D",
-                   help="needle depths in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")  # fmt: skip
-    r.add_argument("--golden", type=int, default=None, metavar="N",
-                   help="greedy outputs of the first N golden prompts (default all 16; 0: none)")  # fmt: skip
+    r.add_argument(
+        "--needle-lengths",
+        type=_csv_ints,
+        default=None,
+        metavar="L,L",
+        help="needle suite context lengths in tokens (default 512,1024,2048,4096)",
+    )
+    r.add_argument(
+        "--needle-depths",
+        type=_csv_floats,
+        default=None,
+        metavar="D,D",
+        help="needle depths in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)",
+    )
+    r.add_argument(
+        "--golden",
+        type=int,
+        default=None,
+        metavar="N",
+        help="greedy outputs of the first N golden prompts (default all 16; 0: none)",
+    )
     r.add_argument("--golden-tokens", type=int, default=64, help="greedy tokens per golden prompt")
     r.add_argument("--ppl-corpus", default="shakespeare", help="perplexity corpus: a name or file; 'none' to skip")
     r.add_argument("--ppl-max-tokens", type=int, default=4096, help="score the corpus's first N tokens")
@@ -78,14 +98,30 @@ def _register_compare(eval_sub: argparse._SubParsersAction) -> None:
     c = eval_sub.add_parser("compare", help="the regression gate: candidate results against a baseline")
     c.add_argument("baseline", metavar="BASELINE.json")
     c.add_argument("candidate", metavar="CANDIDATE.json")
-    c.add_argument("--max-drop", type=float, default=t.max_drop,
-                   help=f"largest allowed drop of a suite's primary metric (default {t.max_drop})")  # fmt: skip
-    c.add_argument("--alpha", type=float, default=t.alpha,
-                   help=f"a drop fails only when McNemar's p is below this (default {t.alpha})")  # fmt: skip
-    c.add_argument("--min-greedy-stability", type=float, default=t.min_greedy_stability,
-                   help="smallest share of golden prompts with identical greedy tokens (default 0)")  # fmt: skip
-    c.add_argument("--max-ppl-increase", type=float, default=t.max_ppl_increase,
-                   help=f"largest allowed relative perplexity increase (default {t.max_ppl_increase})")  # fmt: skip
+    c.add_argument(
+        "--max-drop",
+        type=float,
+        default=t.max_drop,
+        help=f"largest allowed drop of a suite's primary metric (default {t.max_drop})",
+    )
+    c.add_argument(
+        "--alpha",
+        type=float,
+        default=t.alpha,
+        help=f"a drop fails only when McNemar's p is below this (default {t.alpha})",
+    )
+    c.add_argument(
+        "--min-greedy-stability",
+        type=float,
+        default=t.min_greedy_stability,
+        help="smallest share of golden prompts with identical greedy tokens (default 0)",
+    )
+    c.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=t.max_ppl_increase,
+        help=f"largest allowed relative perplexity increase (default {t.max_ppl_increase})",
+    )
     c.add_argument("--json", default=None, metavar="PATH", help="also write the comparison as JSON")
     c.set_defaults(func=cmd_compare)
 
@@ -107,14 +143,18 @@ def check_lengths(args: argparse.Namespace, suites: list, max_model_len: int, pp
     if any(s.kind == "needle" for s in suites):
         longest = max(args.needle_lengths or DEFAULT_LENGTHS)
         if longest + ANSWER_TOKENS > max_model_len:
-            raise KeelError(f"--needle-lengths: {longest} tokens + {ANSWER_TOKENS} for the answer exceed the model "
-                            f"length {max_model_len}")  # fmt: skip
+            raise KeelError(
+                f"--needle-lengths: {longest} tokens + {ANSWER_TOKENS} for the answer exceed the model "
+                f"length {max_model_len}"
+            )
     if ppl_tokens is not None:
         if len(ppl_tokens) < 2:
             raise KeelError(f"--ppl-corpus {args.ppl_corpus}: fewer than 2 tokens")
         if args.ppl_context + 1 > max_model_len:
-            raise KeelError(f"--ppl-context {args.ppl_context} exceeds the model length {max_model_len} (minus one "
-                            "token the engine samples)")  # fmt: skip
+            raise KeelError(
+                f"--ppl-context {args.ppl_context} exceeds the model length {max_model_len} (minus one "
+                "token the engine samples)"
+            )
 
 
 def cmd_suites(args: argparse.Namespace) -> int:
@@ -130,8 +170,12 @@ def cmd_suites(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from keel.model.perplexity import check_window_options, leading_tokens
 
-    minimums = [("--limit", args.limit, 1), ("--golden", args.golden, 0), ("--golden-tokens", args.golden_tokens, 1),
-                ("--threads", args.threads, 1)]  # fmt: skip
+    minimums = [
+        ("--limit", args.limit, 1),
+        ("--golden", args.golden, 0),
+        ("--golden-tokens", args.golden_tokens, 1),
+        ("--threads", args.threads, 1),
+    ]
     for option, value, least in minimums:
         if value is not None and value < least:
             raise KeelError(f"{option} must be >= {least}, got {value}")
@@ -157,8 +201,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads,
-                        **config.quant.load_options())  # fmt: skip
+    loaded = load_model(
+        args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **config.quant.load_options()
+    )
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
     suites = resolve_suites(args.suite, loaded.tokenizer, args.limit, args.needle_lengths, args.needle_depths)
@@ -169,9 +214,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = LLM(loaded, config, adapt=True)
     check_lengths(args, suites, llm.engine.max_model_len, ppl_tokens)
     manifest = build_manifest(str(args.model), llm.engine)
-    record = run_eval(llm, suites, golden=args.golden, golden_tokens=args.golden_tokens, ppl_tokens=ppl_tokens,
-                      ppl_context=args.ppl_context, ppl_stride=args.ppl_stride, ppl_corpus=corpus,
-                      manifest=manifest)  # fmt: skip
+    record = run_eval(
+        llm,
+        suites,
+        golden=args.golden,
+        golden_tokens=args.golden_tokens,
+        ppl_tokens=ppl_tokens,
+        ppl_context=args.ppl_context,
+        ppl_stride=args.ppl_stride,
+        ppl_corpus=corpus,
+        manifest=manifest,
+    )
     print(summary_table(record))
     if args.out:
         write_json(args.out, record)

@@ -48,12 +48,19 @@ def run(args: argparse.Namespace) -> int:
     from keel.serve.sampling import SamplingParams
 
     set_threads(args.threads)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     params.validate()
     config = engine_config_from_args(args)  # option errors (and the quantization plan) before the model loads
-    loaded = load_model(args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads,
-                        **config.quant.load_options())  # fmt: skip
+    loaded = load_model(
+        args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **config.quant.load_options()
+    )
     prompt_ids = _prompt_ids(args, loaded.tokenizer)
     context = loaded.config.max_position_embeddings
     if len(prompt_ids) >= context:

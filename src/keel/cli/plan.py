@@ -17,35 +17,57 @@ from keel.plan.train import plan_training
 def cmd_serve(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     cluster = cluster_from_args(args)
-    layouts = plan_serving(config, cluster, args.context, args.weights, args.kv_cache_dtype, args.batch,
-                           ttft_s=args.ttft, tpot_ms=args.tpot, request_rate=args.request_rate,
-                           output_tokens=args.output_tokens)  # fmt: skip
+    layouts = plan_serving(
+        config,
+        cluster,
+        args.context,
+        args.weights,
+        args.kv_cache_dtype,
+        args.batch,
+        ttft_s=args.ttft,
+        tpot_ms=args.tpot,
+        request_rate=args.request_rate,
+        output_tokens=args.output_tokens,
+    )
     counts = config.param_counts()
-    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
-          f"{cluster.count}x {cluster.gpu.name} ({cluster.gpu.memory / 1e9:.0f} GB, "
-          f"{cluster.gpu.hbm_bandwidth / 1e12:.1f} TB/s); weights {args.weights}, KV {args.kv_cache_dtype}, "
-          f"context {args.context}")  # fmt: skip
-    header = (f"{'tp':>3} {'pp':>3} {'rep':>4} {'weights GB':>10} {'KV GB':>7} {'KV B/tok':>9} {'seqs':>6} "
-              f"{'batch':>6} {'ms/tok b=1':>10} {'ms/tok':>8} {'tok/s':>10} {'compute-bound b':>15} "
-              f"{'prefill s':>9}  note")  # fmt: skip
+    print(
+        f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
+        f"{cluster.count}x {cluster.gpu.name} ({cluster.gpu.memory / 1e9:.0f} GB, "
+        f"{cluster.gpu.hbm_bandwidth / 1e12:.1f} TB/s); weights {args.weights}, KV {args.kv_cache_dtype}, "
+        f"context {args.context}"
+    )
+    header = (
+        f"{'tp':>3} {'pp':>3} {'rep':>4} {'weights GB':>10} {'KV GB':>7} {'KV B/tok':>9} {'seqs':>6} "
+        f"{'batch':>6} {'ms/tok b=1':>10} {'ms/tok':>8} {'tok/s':>10} {'compute-bound b':>15} "
+        f"{'prefill s':>9}  note"
+    )
     print(header)
     for lay in layouts[: args.top]:
-        note = "" if lay.fits else (
-            f"does not fit; {lay.resident_expert_share:.0%} of experts resident with offloading"
-            if lay.resident_expert_share < 1.0 else "does not fit")  # fmt: skip
+        note = (
+            ""
+            if lay.fits
+            else (
+                f"does not fit; {lay.resident_expert_share:.0%} of experts resident with offloading"
+                if lay.resident_expert_share < 1.0
+                else "does not fit"
+            )
+        )
         if lay.rate_ok is not None:
             note += f" sustains {lay.max_request_rate:.2f} req/s" + ("" if lay.rate_ok else " (misses the rate)")
         if lay.ttft_ok is False or lay.tpot_ok is False:
             note += " misses " + " and ".join(
                 n for n, ok in (("TTFT", lay.ttft_ok), ("TPOT", lay.tpot_ok)) if ok is False
             )
-        print(f"{lay.tp:3d} {lay.pp:3d} {lay.replicas:4d} {lay.weights_gb:10.1f} {lay.kv_gb:7.1f} "
-              f"{lay.kv_bytes_per_token:9.0f} {lay.sequences:6d} {lay.batch:6d} {lay.decode_ms_batch1:10.2f} "
-              f"{lay.decode_ms:8.2f} {lay.tokens_per_s:10.0f} {lay.compute_bound_batch:15d} {lay.prefill_s:9.2f}  "
-              f"{note}")  # fmt: skip
+        print(
+            f"{lay.tp:3d} {lay.pp:3d} {lay.replicas:4d} {lay.weights_gb:10.1f} {lay.kv_gb:7.1f} "
+            f"{lay.kv_bytes_per_token:9.0f} {lay.sequences:6d} {lay.batch:6d} {lay.decode_ms_batch1:10.2f} "
+            f"{lay.decode_ms:8.2f} {lay.tokens_per_s:10.0f} {lay.compute_bound_batch:15d} {lay.prefill_s:9.2f}  "
+            f"{note}"
+        )
     if args.json:
-        _write_json(args.json, {"model": args.model, "gpus": args.gpus, "context": args.context,
-                                "layouts": as_dicts(layouts)})  # fmt: skip
+        _write_json(
+            args.json, {"model": args.model, "gpus": args.gpus, "context": args.context, "layouts": as_dicts(layouts)}
+        )
     if not any(lay.fits for lay in layouts):
         raise KeelError(f"{args.model} does not fit {args.gpus} at context {args.context} in any layout")
     return 0
@@ -78,11 +100,13 @@ def cmd_train_run(args: argparse.Namespace) -> int:
         config = open_checkpoint(cfg.model.source).config
     layout = resolve_layout(cfg, args.nproc, config)
     mem = predict_run_memory(cfg, config, layout)
-    print(f"{args.config}: {config.param_counts()['total']:,} parameters; {args.nproc} rank(s): pp={layout.pp} "
-          f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp}, micro-batch "
-          f"{layout.micro_batch_size} x {cfg.data.seq_len} tokens, grad_accum {layout.grad_accum}, "
-          f"{cfg.model.dtype} weights, precision {cfg.training.precision}, activation checkpointing "
-          f"{cfg.activation_checkpoint.mode}")  # fmt: skip
+    print(
+        f"{args.config}: {config.param_counts()['total']:,} parameters; {args.nproc} rank(s): pp={layout.pp} "
+        f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp}, micro-batch "
+        f"{layout.micro_batch_size} x {cfg.data.seq_len} tokens, grad_accum {layout.grad_accum}, "
+        f"{cfg.model.dtype} weights, precision {cfg.training.precision}, activation checkpointing "
+        f"{cfg.activation_checkpoint.mode}"
+    )
     print(f"predicted tensor memory peak per rank: {mem.peak / 2**20:.1f} MiB, at {mem.moment}")
     for kind in ("weights", "grads", "optimizer", "activations", "temporary"):
         print(f"  {kind:<12} {getattr(mem, kind) / 2**20:10.1f} MiB")
@@ -110,27 +134,49 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     cluster = cluster_from_args(args)
     tokens = parse_tokens(args.global_batch)
-    layouts = plan_training(config, cluster, args.seq, tokens, mfu=args.mfu, precision=args.precision,
-                            optimizer=args.optimizer, recompute=_choices(args.recompute, "--recompute"),
-                            schedules=_choices(args.schedule, "--schedule"))  # fmt: skip
+    layouts = plan_training(
+        config,
+        cluster,
+        args.seq,
+        tokens,
+        mfu=args.mfu,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        recompute=_choices(args.recompute, "--recompute"),
+        schedules=_choices(args.schedule, "--schedule"),
+    )
     counts = config.param_counts()
-    print(f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
-          f"{cluster.count}x {cluster.gpu.name}; sequences of {args.seq}, {tokens} tokens per step; "
-          f"{args.precision}, {args.optimizer}; {len(layouts)} layouts, "
-          f"{sum(lay.fits for lay in layouts)} fit")  # fmt: skip
-    print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'shard':>5} {'mb':>3} {'recompute':>9} "
-          f"{'schedule':>11} {'states GB':>9} "
-          f"{'act GB':>7} {'total GB':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tok/s/GPU':>9} "
-          f"{'MFU':>6}")  # fmt: skip
+    print(
+        f"{args.model}: {counts['total'] / 1e9:.1f}B parameters ({counts['active_matmul'] / 1e9:.1f}B active); "
+        f"{cluster.count}x {cluster.gpu.name}; sequences of {args.seq}, {tokens} tokens per step; "
+        f"{args.precision}, {args.optimizer}; {len(layouts)} layouts, "
+        f"{sum(lay.fits for lay in layouts)} fit"
+    )
+    print(
+        f"{'tp':>3} {'pp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'shard':>5} {'mb':>3} {'recompute':>9} "
+        f"{'schedule':>11} {'states GB':>9} "
+        f"{'act GB':>7} {'total GB':>8} {'step s':>7} {'bubble':>6} {'comm s':>7} {'tok/s/GPU':>9} "
+        f"{'MFU':>6}"
+    )
     for lay in layouts[: args.top]:
-        print(f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.dp_shard:5d} {lay.micro_batch:3d} "
-              f"{lay.recompute:>9} {lay.schedule:>11} "
-              f"{lay.states_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
-              f"{lay.bubble:6.1%} {lay.comm_s:7.2f} {lay.tokens_per_s_per_gpu:9.0f} {lay.mfu:6.1%}"
-              + ("" if lay.fits else "  does not fit"))  # fmt: skip
+        print(
+            f"{lay.tp:3d} {lay.pp:3d} {lay.dp:5d} {lay.ep:3d} {lay.zero:4d} {lay.dp_shard:5d} {lay.micro_batch:3d} "
+            f"{lay.recompute:>9} {lay.schedule:>11} "
+            f"{lay.states_gb:9.1f} {lay.activations_gb:7.1f} {lay.total_gb:8.1f} {lay.step_s:7.2f} "
+            f"{lay.bubble:6.1%} {lay.comm_s:7.2f} {lay.tokens_per_s_per_gpu:9.0f} {lay.mfu:6.1%}"
+            + ("" if lay.fits else "  does not fit")
+        )
     if args.json:
-        _write_json(args.json, {"model": args.model, "gpus": args.gpus, "seq": args.seq, "global_batch_tokens": tokens,
-                                "layouts": train_dicts(layouts)})  # fmt: skip
+        _write_json(
+            args.json,
+            {
+                "model": args.model,
+                "gpus": args.gpus,
+                "seq": args.seq,
+                "global_batch_tokens": tokens,
+                "layouts": train_dicts(layouts),
+            },
+        )
     if not any(lay.fits for lay in layouts):
         raise KeelError(f"{args.model} does not fit {args.gpus} for training in any layout")
     return 0

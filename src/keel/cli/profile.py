@@ -40,12 +40,20 @@ def cmd_profile_decode(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     profile = profile_decode(
-        args.model, batch=args.batch, dtype=args.dtype, quantize=args.quantize, steps=args.steps,
-        prompt_tokens=args.prompt_tokens, prefill=args.prefill or None, trace=args.trace,
+        args.model,
+        batch=args.batch,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        steps=args.steps,
+        prompt_tokens=args.prompt_tokens,
+        prefill=args.prefill or None,
+        trace=args.trace,
         kv_cache_dtype=args.kv_cache_dtype,
-    )  # fmt: skip
-    print(f"{args.model}: {profile.dtype}, quantize {profile.quantize or 'none'}, {profile.device}, "
-          f"{profile.threads} threads")  # fmt: skip
+    )
+    print(
+        f"{args.model}: {profile.dtype}, quantize {profile.quantize or 'none'}, {profile.device}, "
+        f"{profile.threads} threads"
+    )
     for step in (profile.decode, profile.prefill):
         if step is not None:
             print("\n".join(_table(profile, step)))

@@ -37,8 +37,11 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise KeelError(f"--corpus {args.corpus}: fewer than 2 tokens")
     results = analyze(loaded.model, ids, args.scheme, args.group_size)
-    print(f"{len(results)} linear layers, {args.scheme}" + (f" g{args.group_size}" if args.scheme == "int4" else "")
-          + f", {len(ids)} corpus tokens; most sensitive first")  # fmt: skip
+    print(
+        f"{len(results)} linear layers, {args.scheme}"
+        + (f" g{args.group_size}" if args.scheme == "int4" else "")
+        + f", {len(ids)} corpus tokens; most sensitive first"
+    )
     print(f"{'layer':44} {'ppl change':>11} {'rel error':>10} {'cosine':>9}")
     for r in results[: args.show]:
         print(f"{r.name:44} {r.ppl_change:+10.3%} {r.rel_error:10.4f} {r.cosine:9.6f}")
@@ -92,11 +95,19 @@ def _register_save(qsub: argparse._SubParsersAction) -> None:
     s.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
     s.add_argument("--quantize", default=None, choices=list(SCHEMES), help="int8 per channel or int4 per group")
     s.add_argument("--quant-group-size", type=int, default=128, choices=list(INT4_GROUP_SIZES))
-    s.add_argument("--quant-keep", default="lm_head", metavar="NAMES",
-                   help="comma-separated modules (names or patterns like '*.experts') left in float")  # fmt: skip
+    s.add_argument(
+        "--quant-keep",
+        default="lm_head",
+        metavar="NAMES",
+        help="comma-separated modules (names or patterns like '*.experts') left in float",
+    )
     s.add_argument("--quant-plan", default=None, metavar="PLAN.json", help="a plan from `keel quantize analyze`")
-    s.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
-                   help="dtype of the float tensors and of the weights before quantization")  # fmt: skip
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPE_CHOICES),
+        help="dtype of the float tensors and of the weights before quantization",
+    )
     s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
     s.add_argument("--threads", type=int, default=None)

@@ -11,8 +11,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train (hybrid parallel via torchrun); `keel train plot RUN_DIR` draws curves")
     p.add_argument("config", metavar="CONFIG", help="TOML training config (or `plot`, then RUN_DIR)")
     p.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help=argparse.SUPPRESS)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. training.steps=100 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. training.steps=100 (repeatable)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="processes on this node (torchrun --nproc-per-node)")
     p.add_argument("--nnodes", default="1", help="nodes (torchrun --nnodes; e.g. 2 or 1:4 for elastic)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun --node-rank)")
@@ -33,5 +39,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from keel.train.launch import launch
 
-    return launch(args.config, args.overrides, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                  args.rdzv_id, args.max_restarts)  # fmt: skip
+    return launch(
+        args.config,
+        args.overrides,
+        args.nproc,
+        args.nnodes,
+        args.node_rank,
+        args.rdzv_endpoint,
+        args.rdzv_id,
+        args.max_restarts,
+    )

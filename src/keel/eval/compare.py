@@ -44,10 +44,15 @@ class Comparison:
         return not self.failures
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "failures": self.failures, "ungated": self.ungated, "suites": self.suites,
-                "greedy": self.greedy,
-                "perplexity": self.perplexity,
-                "manifest_changes": {k: list(v) for k, v in self.manifest_changes.items()}}  # fmt: skip
+        return {
+            "passed": self.passed,
+            "failures": self.failures,
+            "ungated": self.ungated,
+            "suites": self.suites,
+            "greedy": self.greedy,
+            "perplexity": self.perplexity,
+            "manifest_changes": {k: list(v) for k, v in self.manifest_changes.items()},
+        }
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -65,8 +70,11 @@ _VOLATILE = ("created", "machine.torch_threads", "weights.files.", "weights.path
 
 def manifest_changes(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     a, b = _flatten(base), _flatten(cand)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and not any(k.startswith(v) for v in _VOLATILE)}  # fmt: skip
+    return {
+        k: (a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not any(k.startswith(v) for v in _VOLATILE)
+    }
 
 
 def compare_suite(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +82,9 @@ def compare_suite(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
     for name in base["metrics"]:
         if name not in cand["metrics"]:
             continue
-        shared = [i for i in base["items"] if i in cand["items"] and name in base["items"][i]
-                  and name in cand["items"][i]]  # fmt: skip
+        shared = [
+            i for i in base["items"] if i in cand["items"] and name in base["items"][i] and name in cand["items"][i]
+        ]
         if not shared:
             continue
         gained = sum(1 for i in shared if cand["items"][i][name] and not base["items"][i][name])
@@ -83,8 +92,15 @@ def compare_suite(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
         # Both scores over the items both runs scored, so the change and the test describe the same items.
         a = sum(base["items"][i][name] for i in shared) / len(shared)
         b = sum(cand["items"][i][name] for i in shared) / len(shared)
-        metrics[name] = {"baseline": a, "candidate": b, "delta": b - a, "items": len(shared), "gained": gained,
-                         "lost": lost, "p_value": mcnemar_p(gained, lost)}  # fmt: skip
+        metrics[name] = {
+            "baseline": a,
+            "candidate": b,
+            "delta": b - a,
+            "items": len(shared),
+            "gained": gained,
+            "lost": lost,
+            "p_value": mcnemar_p(gained, lost),
+        }
     return {"primary": base["primary"], "metrics": metrics}
 
 
@@ -98,11 +114,14 @@ def greedy_stability(base: dict[str, Any], cand: dict[str, Any]) -> dict[str, An
             first = next((i for i, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), None)
             divergences[pid] = first if first is not None else min(len(x), len(y))  # one stopped earlier
     positions = sorted(divergences.values())
-    return {"prompts": len(shared), "identical": len(shared) - len(divergences),
-            "stability": (len(shared) - len(divergences)) / len(shared) if shared else 1.0,
-            "first_divergence": divergences,
-            "earliest_divergence": positions[0] if positions else None,
-            "median_divergence": positions[len(positions) // 2] if positions else None}  # fmt: skip
+    return {
+        "prompts": len(shared),
+        "identical": len(shared) - len(divergences),
+        "stability": (len(shared) - len(divergences)) / len(shared) if shared else 1.0,
+        "first_divergence": divergences,
+        "earliest_divergence": positions[0] if positions else None,
+        "median_divergence": positions[len(positions) // 2] if positions else None,
+    }
 
 
 def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds | None = None) -> Comparison:
@@ -116,8 +135,10 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds |
             continue
         hashes = [m.get("suites", {}).get(name, {}).get("items_sha256") for m in (base_manifest, cand_manifest)]
         if None not in hashes and hashes[0] != hashes[1]:
-            result.failures.append(f"suite {name}: the runs scored different items (another version of the suite, "
-                                   "--limit or needle settings); not comparable")  # fmt: skip
+            result.failures.append(
+                f"suite {name}: the runs scored different items (another version of the suite, "
+                "--limit or needle settings); not comparable"
+            )
             continue
         row = compare_suite(suite, cand["suites"][name])
         result.suites[name] = row
@@ -144,19 +165,29 @@ def compare(base: dict[str, Any], cand: dict[str, Any], thresholds: Thresholds |
             )
     if "perplexity" in base and "perplexity" in cand:
         pa, pb = base["perplexity"], cand["perplexity"]
-        same_tokens = (pa["tokens_scored"], pa["context"], pa["stride"], pa.get("corpus"),
-                       base_manifest.get("tokenizer_sha256")) == (
-            pb["tokens_scored"], pb["context"], pb["stride"], pb.get("corpus"),
-            cand_manifest.get("tokenizer_sha256"))  # fmt: skip
+        same_tokens = (
+            pa["tokens_scored"],
+            pa["context"],
+            pa["stride"],
+            pa.get("corpus"),
+            base_manifest.get("tokenizer_sha256"),
+        ) == (pb["tokens_scored"], pb["context"], pb["stride"], pb.get("corpus"), cand_manifest.get("tokenizer_sha256"))
         change = pb["perplexity"] / pa["perplexity"] - 1
-        result.perplexity = {"baseline": pa["perplexity"], "candidate": pb["perplexity"], "relative": change,
-                             "comparable": same_tokens}  # fmt: skip
+        result.perplexity = {
+            "baseline": pa["perplexity"],
+            "candidate": pb["perplexity"],
+            "relative": change,
+            "comparable": same_tokens,
+        }
         if not same_tokens:
-            result.failures.append("perplexity: the runs scored different corpora, windows or tokenizers; "
-                                   "not comparable")  # fmt: skip
+            result.failures.append(
+                "perplexity: the runs scored different corpora, windows or tokenizers; not comparable"
+            )
         elif change > t.max_ppl_increase:
-            result.failures.append(f"perplexity {pa['perplexity']:.4f} -> {pb['perplexity']:.4f} "
-                                   f"({change:+.2%}; allowed {t.max_ppl_increase:+.2%})")  # fmt: skip
+            result.failures.append(
+                f"perplexity {pa['perplexity']:.4f} -> {pb['perplexity']:.4f} "
+                f"({change:+.2%}; allowed {t.max_ppl_increase:+.2%})"
+            )
     return result
 
 
@@ -166,14 +197,18 @@ def report(c: Comparison) -> str:
     for name, row in c.suites.items():
         for metric, m in row["metrics"].items():
             mark = "*" if metric == row["primary"] else " "
-            lines.append(f"{name:<24} {metric + mark:<12} {m['baseline']:>9.3f} {m['candidate']:>9.3f} "
-                         f"{m['delta']:>+8.3f} {'+' + str(m['gained']) + '/-' + str(m['lost']):>7} "
-                         f"{m['p_value']:>7.3g}")  # fmt: skip
+            lines.append(
+                f"{name:<24} {metric + mark:<12} {m['baseline']:>9.3f} {m['candidate']:>9.3f} "
+                f"{m['delta']:>+8.3f} {'+' + str(m['gained']) + '/-' + str(m['lost']):>7} "
+                f"{m['p_value']:>7.3g}"
+            )
     if c.greedy is not None:
         g = c.greedy
         where = f"; first divergence at token {g['earliest_divergence']}, median {g['median_divergence']}"
-        lines.append(f"greedy stability: {g['identical']}/{g['prompts']} identical ({g['stability']:.1%})"
-                     + (where if g["identical"] < g["prompts"] else ""))  # fmt: skip
+        lines.append(
+            f"greedy stability: {g['identical']}/{g['prompts']} identical ({g['stability']:.1%})"
+            + (where if g["identical"] < g["prompts"] else "")
+        )
     if c.perplexity is not None:
         p = c.perplexity
         lines.append(f"perplexity: {p['baseline']:.4f} -> {p['candidate']:.4f} ({p['relative']:+.2%})")

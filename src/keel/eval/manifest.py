@@ -81,9 +81,15 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info: dict[str, Any] = {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
-                            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                            "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
     info["isa"] = host().describe()  # results differ by the fast paths taken (keel.platform)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

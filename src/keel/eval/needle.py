@@ -81,8 +81,15 @@ def needle_suite(
                 else:
                     chosen_lines.pop(0)
                     cut -= 1
-            items.append({"id": f"needle-{length}-{depth:g}", "prompt": prompt,
-                          "target": number, "group": str(length), "depth": depth})  # fmt: skip
+            items.append(
+                {
+                    "id": f"needle-{length}-{depth:g}",
+                    "prompt": prompt,
+                    "target": number,
+                    "group": str(length),
+                    "depth": depth,
+                }
+            )
     return Suite(
         name="needle",
         kind="needle",

@@ -49,7 +49,7 @@ def golden_outputs(evaluator: Evaluator, prompts: list[dict[str, str]], max_toke
         "outputs": {
             p["id"]: {"token_ids": out.outputs[0].token_ids, "text": out.outputs[0].text}
             for p, out in zip(prompts, outputs, strict=True)
-        },  # fmt: skip
+        },
     }
 
 
@@ -62,8 +62,15 @@ def engine_perplexity(llm: LLM, token_ids: list[int], context: int, stride: int)
     nll = -sum(continuation_logprobs(llm, pairs))
     seconds = time.perf_counter() - started
     scored_total = len(token_ids) - 1
-    return {"tokens_scored": scored_total, "windows": len(plan), "context": context, "stride": stride,
-            "nll_sum": nll, "perplexity": math.exp(nll / scored_total), "seconds": seconds}  # fmt: skip
+    return {
+        "tokens_scored": scored_total,
+        "windows": len(plan),
+        "context": context,
+        "stride": stride,
+        "nll_sum": nll,
+        "perplexity": math.exp(nll / scored_total),
+        "seconds": seconds,
+    }
 
 
 def _items_hash(items: list[dict[str, Any]]) -> str:
@@ -87,20 +94,24 @@ def run_eval(
     evaluator = Evaluator(llm)
     manifest = dict(manifest or {})
     # The prompt templates, sampling and items of every suite, as run (a changed item changes the hash).
-    manifest["suites"] = {s.name: {**s.header(), "items": len(s.items), "items_sha256": _items_hash(s.items)}
-                          for s in suites}  # fmt: skip
+    manifest["suites"] = {
+        s.name: {**s.header(), "items": len(s.items), "items_sha256": _items_hash(s.items)} for s in suites
+    }
     prompts = golden_prompts(golden) if golden != 0 else []
     if prompts:
-        manifest["golden"] = {"max_tokens": golden_tokens, "sampling": "greedy",
-                              "prompts_sha256": _items_hash(prompts)}  # fmt: skip
+        manifest["golden"] = {"max_tokens": golden_tokens, "sampling": "greedy", "prompts_sha256": _items_hash(prompts)}
     seconds: dict[str, float] = {}
     results: dict[str, Any] = {}
     for suite in suites:
         started = time.perf_counter()
         results[suite.name] = evaluator.run(suite)
         seconds[suite.name] = time.perf_counter() - started
-    record: dict[str, Any] = {"format": FORMAT, "manifest": manifest, "suites": results,
-                              "dimensions": dimensions(results)}  # fmt: skip
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "manifest": manifest,
+        "suites": results,
+        "dimensions": dimensions(results),
+    }
     if prompts:
         started = time.perf_counter()
         record["golden"] = golden_outputs(evaluator, prompts, golden_tokens)

@@ -118,8 +118,13 @@ class Evaluator:
             position += k
             pred = max(range(k), key=lambda i: ll[i])
             pred_norm = max(range(k), key=lambda i: ll[i] / max(chars[i], 1))
-            results[item["id"]] = {"acc": int(pred == item["answer"]), "acc_norm": int(pred_norm == item["answer"]),
-                                   "pred": pred, "pred_norm": pred_norm, "loglikelihoods": ll}  # fmt: skip
+            results[item["id"]] = {
+                "acc": int(pred == item["answer"]),
+                "acc_norm": int(pred_norm == item["answer"]),
+                "pred": pred,
+                "pred_norm": pred_norm,
+                "loglikelihoods": ll,
+            }
         return results
 
     def generation(self, suite: Suite) -> dict[str, dict[str, Any]]:
@@ -151,8 +156,12 @@ class Evaluator:
         results = {}
         for item, said in zip(suite.items, answers, strict=True):
             first, last = extract_option(said[0], item["options"]), extract_option(said[-1], item["options"])
-            record = {"consistency": int(first is not None and first == last), "first": first, "last": last,
-                      "answers": said}  # fmt: skip
+            record = {
+                "consistency": int(first is not None and first == last),
+                "first": first,
+                "last": last,
+                "answers": said,
+            }
             if "answer" in item:
                 record["correct"] = int(first == item["answer"])
             results[item["id"]] = record
@@ -174,8 +183,7 @@ def summarise(suite: Suite, items: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for record in items.values():
         if "group" in record:
             groups.setdefault(str(record["group"]), []).append(record[primary])
-    result = {**suite.header(), "n": len(items), "metrics": metrics,
-              "chance": chance, "items": items}  # fmt: skip
+    result = {**suite.header(), "n": len(items), "metrics": metrics, "chance": chance, "items": items}
     if groups:
         result["groups"] = {name: _metric(passed) for name, passed in groups.items()}
     return result

@@ -31,8 +31,10 @@ def resolve_suites(names: list[str] | None, tokenizer, limit: int | None, needle
         if limit is not None:
             suite.items = suite.items[:limit]
         if (suite.template.chat or suite.kind == "multi_turn") and not tokenizer.chat_template:
-            raise KeelError(f"suite {suite.name} renders its prompts with a chat template, and this model has "
-                            "none: choose other suites with --suite")  # fmt: skip
+            raise KeelError(
+                f"suite {suite.name} renders its prompts with a chat template, and this model has "
+                "none: choose other suites with --suite"
+            )
         if any(s.name == suite.name for s in suites):
             raise KeelError(f"--suite {name}: a suite named {suite.name!r} is already selected")
         suites.append(suite)

@@ -38,8 +38,12 @@ DIMENSIONS = (
     "multi_turn_consistency",
 )
 MATCHES = ("exact", "contains", "regex")
-METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("match",), "needle": ("match",),
-           "multi_turn": ("consistency", "correct")}  # fmt: skip
+METRICS = {
+    "multiple_choice": ("acc", "acc_norm"),
+    "generation": ("match",),
+    "needle": ("match",),
+    "multi_turn": ("consistency", "correct"),
+}
 PRIMARY = {kind: names[0] for kind, names in METRICS.items()}
 BUILTIN_DIR = Path(__file__).parent / "suites"
 
@@ -67,9 +71,15 @@ class Suite:
 
     def header(self) -> dict[str, Any]:
         """What the results record about the suite (enough to tell two versions apart)."""
-        return {"kind": self.kind, "dimension": self.dimension, "template": vars(self.template),
-                "sampling": self.sampling, "match": self.match, "source": self.source,
-                "primary": self.primary or PRIMARY[self.kind]}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "dimension": self.dimension,
+            "template": vars(self.template),
+            "sampling": self.sampling,
+            "match": self.match,
+            "source": self.source,
+            "primary": self.primary or PRIMARY[self.kind],
+        }
 
 
 def builtin_suite_paths() -> list[Path]:

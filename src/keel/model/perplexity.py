@@ -68,8 +68,12 @@ class PerplexityResult:
         return self.tokens_scored / self.seconds if self.seconds > 0 else float("inf")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "mean_nll": self.mean_nll, "perplexity": self.perplexity,
-                "tokens_per_s": self.tokens_per_s}  # fmt: skip
+        return {
+            **asdict(self),
+            "mean_nll": self.mean_nll,
+            "perplexity": self.perplexity,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
 
 def leading_tokens(tokenizer: Tokenizer, text: str, n: int | None) -> list[int]:

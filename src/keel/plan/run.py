@@ -228,9 +228,15 @@ def _moments(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _R
         alive = sum(kept[j + 1 :]) + full_block
         moments.append(RunMemory(held, grads, optimizer, alive, block_temp, f"backward of block {layers - 1 - j}"))
     if fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
-        moments.append(RunMemory(
-            weights + root / tp * compute, grads_all - root / tp * w / shard, optimizer, 0.0,
-            root / tp * reduce_scatter, "reduce-scatter of the root's gradients",
-        ))  # fmt: skip
+        moments.append(
+            RunMemory(
+                weights + root / tp * compute,
+                grads_all - root / tp * w / shard,
+                optimizer,
+                0.0,
+                root / tp * reduce_scatter,
+                "reduce-scatter of the root's gradients",
+            )
+        )
     moments.append(RunMemory(weights, grads_all, optimizer, 0.0, 0.0, "optimizer step"))
     return moments

@@ -162,8 +162,20 @@ def decode_roofline(
     they measure."""
     split = split_params(config)
     kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
-    shape = _Shape(config, gpu, split.dense, split.routed, split.active_matmul, WEIGHT_BYTES[weights], tp, pp, tp,
-                   kv_token, context, mfu)  # fmt: skip
+    shape = _Shape(
+        config,
+        gpu,
+        split.dense,
+        split.routed,
+        split.active_matmul,
+        WEIGHT_BYTES[weights],
+        tp,
+        pp,
+        tp,
+        kv_token,
+        context,
+        mfu,
+    )
     ms, memory_s, compute_s = shape.step(batch)
     return ms, compute_s >= memory_s
 
@@ -203,9 +215,13 @@ def plan_serving(
             if tpot_ms is not None:
                 layout.tpot_ok = layout.decode_ms <= tpot_ms
             if request_rate is not None and layout.fits:
-                _apply_rate(layout, shape, request_rate / layout.replicas, output_tokens,
-                            _prefill_s(config, split.active_matmul, context - output_tokens, tp,
-                                       gpu.bf16_flops * mfu))  # fmt: skip
+                _apply_rate(
+                    layout,
+                    shape,
+                    request_rate / layout.replicas,
+                    output_tokens,
+                    _prefill_s(config, split.active_matmul, context - output_tokens, tp, gpu.bf16_flops * mfu),
+                )
             layouts.append(layout)
     _rank(layouts, request_rate)
     return layouts
@@ -270,12 +286,24 @@ def _serve_layout(
         bound *= 2
     prefill = _prefill_s(config, active, context, tp, gpu.bf16_flops * mfu)
     layout = ServeLayout(
-        tp=tp, pp=pp, ep=ep, replicas=replicas, weights_gb=weights_gpu / 1e9, kv_gb=kv_free / 1e9,
-        kv_bytes_per_token=kv_token, tokens=tokens, sequences=sequences, fits=fits and sequences > 0,
-        resident_expert_share=share if not fits else 1.0, decode_ms_batch1=decode1, decode_ms=decode_b,
-        batch=b, tokens_per_s=replicas * b * 1000 / decode_b,
-        compute_bound_batch=bound if shape.compute_bound(bound) else 0, prefill_s=prefill,
-    )  # fmt: skip
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        replicas=replicas,
+        weights_gb=weights_gpu / 1e9,
+        kv_gb=kv_free / 1e9,
+        kv_bytes_per_token=kv_token,
+        tokens=tokens,
+        sequences=sequences,
+        fits=fits and sequences > 0,
+        resident_expert_share=share if not fits else 1.0,
+        decode_ms_batch1=decode1,
+        decode_ms=decode_b,
+        batch=b,
+        tokens_per_s=replicas * b * 1000 / decode_b,
+        compute_bound_batch=bound if shape.compute_bound(bound) else 0,
+        prefill_s=prefill,
+    )
     return layout, shape
 
 
@@ -283,8 +311,13 @@ def _rank(layouts: list[ServeLayout], request_rate: float | None) -> None:
     """Sort best first: with a request rate, those that sustain it by time per output token, then by capacity;
     otherwise those that fit by tokens/s, then the rest by the share of experts that stays resident."""
     if request_rate is not None:
-        layouts.sort(key=lambda lay: (not lay.fits, not lay.rate_ok,
-                                      lay.decode_ms if lay.rate_ok else -(lay.max_request_rate or 0.0)))  # fmt: skip
+        layouts.sort(
+            key=lambda lay: (
+                not lay.fits,
+                not lay.rate_ok,
+                lay.decode_ms if lay.rate_ok else -(lay.max_request_rate or 0.0),
+            )
+        )
         return
     layouts.sort(key=lambda lay: (not lay.fits, -(lay.tokens_per_s if lay.fits else lay.resident_expert_share)))
 

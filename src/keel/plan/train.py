@@ -139,16 +139,33 @@ def evaluate(
     time = _step_time(config, cluster, global_batch_tokens, split, shape, memory, mfu, precision)
     parts, active = memory.parts, split.active_matmul
     return TrainLayout(
-        tp=tp, pp=pp, dp=shape.dp, ep=ep, zero=zero, dp_shard=shape.shard, micro_batch=micro_batch,
-        microbatches=shape.m, recompute=recompute, schedule=schedule if pp > 1 else "-",
-        weights_gb=parts[0] / 1e9, grads_gb=parts[1] / 1e9, optimizer_gb=parts[2] / 1e9,
-        states_gb=memory.states / 1e9, layer_activations_gb=memory.full_layer / 1e9,
-        layer_activations_recompute_gb=memory.kept_layer / 1e9, activations_gb=memory.activations / 1e9,
-        buffers_gb=memory.buffers / 1e9, total_gb=memory.total / 1e9,
-        fits=memory.total <= cluster.gpu.memory * utilization, step_s=time.step, compute_s=time.compute,
-        bubble=time.bubble, comm_s=time.exposed, tokens_per_s_per_gpu=time.tokens_gpu / time.step,
+        tp=tp,
+        pp=pp,
+        dp=shape.dp,
+        ep=ep,
+        zero=zero,
+        dp_shard=shape.shard,
+        micro_batch=micro_batch,
+        microbatches=shape.m,
+        recompute=recompute,
+        schedule=schedule if pp > 1 else "-",
+        weights_gb=parts[0] / 1e9,
+        grads_gb=parts[1] / 1e9,
+        optimizer_gb=parts[2] / 1e9,
+        states_gb=memory.states / 1e9,
+        layer_activations_gb=memory.full_layer / 1e9,
+        layer_activations_recompute_gb=memory.kept_layer / 1e9,
+        activations_gb=memory.activations / 1e9,
+        buffers_gb=memory.buffers / 1e9,
+        total_gb=memory.total / 1e9,
+        fits=memory.total <= cluster.gpu.memory * utilization,
+        step_s=time.step,
+        compute_s=time.compute,
+        bubble=time.bubble,
+        comm_s=time.exposed,
+        tokens_per_s_per_gpu=time.tokens_gpu / time.step,
         mfu=6 * active * time.tokens_gpu / time.step / time.peak,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -348,9 +365,22 @@ def plan_training(
                             for rc in recompute:
                                 for schedule in schedules if pp > 1 else schedules[:1]:
                                     layout = evaluate(
-                                        config, cluster, seq, global_batch_tokens, tp, pp, ep, zero, mb, rc, mfu,
-                                        schedule=schedule, dp_shard=shard, precision=precision, optimizer=optimizer,
-                                    )  # fmt: skip
+                                        config,
+                                        cluster,
+                                        seq,
+                                        global_batch_tokens,
+                                        tp,
+                                        pp,
+                                        ep,
+                                        zero,
+                                        mb,
+                                        rc,
+                                        mfu,
+                                        schedule=schedule,
+                                        dp_shard=shard,
+                                        precision=precision,
+                                        optimizer=optimizer,
+                                    )
                                     if layout is not None:
                                         layouts.append(layout)
     layouts.sort(key=lambda lay: (not lay.fits, -lay.tokens_per_s_per_gpu))

@@ -39,8 +39,18 @@ from keel.model.kv_size import kv_cache_bytes
 from keel.model.layers import RMSNorm
 from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes
 
-PARTS = ("embedding", "norms", "attention projections", "attention", "KV writes", "MLP / experts", "LM head",
-         "sampling", "scheduling", "other operators")  # fmt: skip
+PARTS = (
+    "embedding",
+    "norms",
+    "attention projections",
+    "attention",
+    "KV writes",
+    "MLP / experts",
+    "LM head",
+    "sampling",
+    "scheduling",
+    "other operators",
+)
 SCOPE = "keel::"
 DECODE_WARMUP = 4  # decode steps before the timed ones
 PREFILL_STEPS = 3  # prefills timed (and as many profiled): one alone is too noisy on a busy CPU
@@ -83,8 +93,11 @@ class DecodeProfile:
     prefill: StepProfile | None
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "decode": self.decode.as_dict(),
-                "prefill": self.prefill.as_dict() if self.prefill is not None else None}  # fmt: skip
+        return {
+            **asdict(self),
+            "decode": self.decode.as_dict(),
+            "prefill": self.prefill.as_dict() if self.prefill is not None else None,
+        }
 
 
 def _part_of(name: str, module: torch.nn.Module) -> str | None:
@@ -218,8 +231,9 @@ def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, 
     split = profiled(with_parts=True)
     model_ms = plain.get("other operators", 0.0)
     split_model = sum(v for k, v in split.items() if k not in HOST_PARTS) or 1.0
-    parts_ms = {p: (plain.get(p, 0.0) if p in HOST_PARTS else model_ms * split.get(p, 0.0) / split_model)
-                for p in PARTS}  # fmt: skip
+    parts_ms = {
+        p: (plain.get(p, 0.0) if p in HOST_PARTS else model_ms * split.get(p, 0.0) / split_model) for p in PARTS
+    }
     return StepProfile(kind, batch, tokens_per_step, step_ms, parts_ms, max(0.0, step_ms - sum(parts_ms.values())))
 
 
@@ -248,10 +262,17 @@ def profile_decode(
     per_sequence = -(-(prompt_tokens + max_tokens) // 16) + 1
     blocks = max(batch * per_sequence, 2 * (-(-(prefill or 0) // 16) + 1)) + 4
     max_len = max(prompt_tokens + max_tokens, prefill or 0) + 16
-    config = EngineConfig.of(dtype=dtype, quantize=quantize, enable_prefix_caching=False, num_blocks=blocks,
-                          kv_cache_dtype=kv_cache_dtype, compile=False,  # the split needs eager modules
-                          max_model_len=max_len, max_num_seqs=batch,
-                          max_num_batched_tokens=max(2048, batch * prompt_tokens))  # fmt: skip
+    config = EngineConfig.of(
+        dtype=dtype,
+        quantize=quantize,
+        enable_prefix_caching=False,
+        num_blocks=blocks,
+        kv_cache_dtype=kv_cache_dtype,
+        compile=False,  # the split needs eager modules
+        max_model_len=max_len,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * prompt_tokens),
+    )
     engine = LLMEngine(model, config)
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
@@ -270,16 +291,23 @@ def profile_decode(
     prefill_profile = None
     if prefill:
         # The loaded (and already quantized) model, one request per step.
-        engine = LLMEngine(engine.loaded, dataclasses.replace(config, quantize=None, max_num_seqs=1,
-                                                               max_num_batched_tokens=max(2048, prefill)))  # fmt: skip
+        engine = LLMEngine(
+            engine.loaded,
+            dataclasses.replace(config, quantize=None, max_num_seqs=1, max_num_batched_tokens=max(2048, prefill)),
+        )
         prefill_profile = _profile_prefill_pass(engine, prefill, prompt)
         prefill_profile.weight_bytes = weights
         prefill_profile.kv_bytes = per_token * prefill  # written once
     return DecodeProfile(
-        model=model, dtype=str(engine.model.dtype).removeprefix("torch."), quantize=quantize,
-        threads=torch.get_num_threads(), device=str(engine.model.device),
-        copy_bandwidth=copy_bandwidth(device=engine.model.device), decode=decode, prefill=prefill_profile,
-    )  # fmt: skip
+        model=model,
+        dtype=str(engine.model.dtype).removeprefix("torch."),
+        quantize=quantize,
+        threads=torch.get_num_threads(),
+        device=str(engine.model.device),
+        copy_bandwidth=copy_bandwidth(device=engine.model.device),
+        decode=decode,
+        prefill=prefill_profile,
+    )
 
 
 def _profile_decode_pass(

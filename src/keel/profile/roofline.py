@@ -49,4 +49,3 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(stored, int):
             total += stored
     return total
-

@@ -118,9 +118,18 @@ class _StepCache:
         if window not in self.masks:
             self.masks[window] = decode_mask(self.positions, self.tables.shape[1] * paged.block_size, window)
         return torch.ops.keel.paged_decode_attention(
-            q, k, v, paged.keys[layer], paged.values[layer], self.slots, self.tables, self.widths, self.masks[window],
-            paged.block_size, paged.head_dim**-0.5,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            paged.keys[layer],
+            paged.values[layer],
+            self.slots,
+            self.tables,
+            self.widths,
+            self.masks[window],
+            paged.block_size,
+            paged.head_dim**-0.5,
+        )
 
 
 def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:

@@ -221,8 +221,12 @@ class LLMEngine:
             q = quantize_model(loaded.model, quant.quantize, quant.quant_group_size, set(quant.quant_keep))
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
-                q["quantized"], quant.quantize, q["kept"], q["bytes_before"] / 2**20, q["bytes_after"] / 2**20,
-            )  # fmt: skip
+                q["quantized"],
+                quant.quantize,
+                q["kept"],
+                q["bytes_before"] / 2**20,
+                q["bytes_after"] / 2**20,
+            )
         if load.fuse_projections and owned:
             from keel.model.fuse import fuse_projections
 
@@ -277,8 +281,11 @@ class LLMEngine:
         if self.executor is None and decide_compile(self.config.load.compile, self.model, self.cache, offloading):
             self.runner.compiled = CompiledDecode(self.model, self.cache)
             self.compile_seconds = self.runner.compiled.warm_up()
-            log.info("decode step compiled in %.1f s (inductor cache: %s)", self.compile_seconds,
-                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # fmt: skip
+            log.info(
+                "decode step compiled in %.1f s (inductor cache: %s)",
+                self.compile_seconds,
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+            )
 
     def _build_speculation(self, num_blocks: int, device: str) -> None:
         """The draft model's proposer (its own paged cache over the target's block tables) and the counters."""
@@ -314,8 +321,12 @@ class LLMEngine:
         spec, ranks, checkpoint = worker_spec(model, config, device)
         if 0 not in ranks:
             raise KeelError("the engine runs on node 0 (--node-rank 0); other nodes run their workers only")
-        self.executor = ParallelExecutor(spec, ranks, lambda request_id: self.kv.block_table(request_id),
-                                         startup_timeout=config.parallel.startup_timeout)  # fmt: skip
+        self.executor = ParallelExecutor(
+            spec,
+            ranks,
+            lambda request_id: self.kv.block_table(request_id),
+            startup_timeout=config.parallel.startup_timeout,
+        )
         with torch.device("meta"):
             placeholder = Transformer(checkpoint.config).to(parse_dtype(spec.dtype))
         reason = choose_dtype(checkpoint, config.load.dtype, device, config.quant.quantize)[1]
@@ -337,15 +348,25 @@ class LLMEngine:
         spec, config = self.spec, self.config
         source = spec.model or (str(model.checkpoint.path) if isinstance(model, LoadedModel) else model)
         quant = config.quant
-        draft = load_model(source, config.load.dtype, device=device, quantize=spec.quantization,
-                           quant_group_size=quant.quant_group_size, quant_keep=quant.quant_keep).model  # fmt: skip
+        draft = load_model(
+            source,
+            config.load.dtype,
+            device=device,
+            quantize=spec.quantization,
+            quant_group_size=quant.quant_group_size,
+            quant_keep=quant.quant_keep,
+        ).model
         if draft.config.vocab_size != self.model.config.vocab_size:
             raise KeelError(
                 f"speculative draft model {source}: vocabulary of {draft.config.vocab_size} tokens, the target's "
                 f"has {self.model.config.vocab_size} (the draft must share the target's tokenizer)"
             )
-        log.info("speculative decoding: draft model %s%s, k=%d", source,
-                 f" ({spec.quantization})" if spec.quantization else "", spec.num_speculative_tokens)  # fmt: skip
+        log.info(
+            "speculative decoding: draft model %s%s, k=%d",
+            source,
+            f" ({spec.quantization})" if spec.quantization else "",
+            spec.num_speculative_tokens,
+        )
         return draft
 
     def _bytes_per_block(self) -> int:
@@ -524,15 +545,19 @@ class LLMEngine:
             "generation_tokens_total": self.num_generated_tokens,
         }
         if self.spec is not None:
-            stats.update({
-                "spec_decode_num_drafts": self.spec_num_drafts,
-                "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
-                "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
-                "spec_decode_acceptance_rate": (
-                    self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
-                ),
-                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
-            })  # fmt: skip
+            stats.update(
+                {
+                    "spec_decode_num_drafts": self.spec_num_drafts,
+                    "spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+                    "spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+                    "spec_decode_acceptance_rate": (
+                        self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                        if self.spec_num_draft_tokens
+                        else 0.0
+                    ),
+                    "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+                }
+            )
         if self.offload is not None:
             stats.update(self.offload.stats.as_engine_stats())
         return stats

@@ -530,8 +530,10 @@ def _pipeline_schedule(cfg: TrainConfig, fail: Callable[[str], ConfigError]) -> 
     if schedule == "zbv" and stages_per_rank != 2:
         raise fail(f"parallel: pp_schedule 'zbv' needs pp_stages_per_rank = 2, got {stages_per_rank}")
     if cfg.log.memory_breakdown:
-        raise fail("log.memory_breakdown: not available with pipeline parallelism (a schedule runs each stage "
-                   "several times per step, which torch's MemTracker does not follow)")  # fmt: skip
+        raise fail(
+            "log.memory_breakdown: not available with pipeline parallelism (a schedule runs each stage "
+            "several times per step, which torch's MemTracker does not follow)"
+        )
     if micro % microbatches:
         raise fail(
             f"parallel: pp_microbatches = {microbatches} does not divide training.micro_batch_size = {micro} "

@@ -23,8 +23,16 @@ import sys
 from keel.errors import KeelError
 
 
-def launch(config: str, overrides: list[str], nproc: int = 1, nnodes: str = "1", node_rank: int | None = None,
-           rdzv_endpoint: str | None = None, rdzv_id: str | None = None, max_restarts: int = 0) -> int:
+def launch(
+    config: str,
+    overrides: list[str],
+    nproc: int = 1,
+    nnodes: str = "1",
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int = 0,
+) -> int:
     """Check everything that can be checked before a process group exists, then train in this process
     (one process) or exec torchrun (its exit status becomes ours)."""
     from keel.train.config import load_config, resolve_layout
@@ -41,8 +49,14 @@ def launch(config: str, overrides: list[str], nproc: int = 1, nnodes: str = "1",
     preflight(cfg)  # data files and the run directory, before any process starts
     if world == 1:
         return run_worker(config, overrides)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-           f"--max-restarts={max_restarts}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--max-restarts={max_restarts}",
+    ]
     if node_rank is not None:
         cmd.append(f"--node-rank={node_rank}")
     if rdzv_endpoint:

@@ -16,8 +16,15 @@ from contextlib import contextmanager
 from torch import nn, optim
 
 # MemTracker's kinds under the names the planner uses (keel.plan.run.RunMemory).
-KINDS = {"PARAM": "weights", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations",
-         "TEMP": "temporary", "OTH": "other"}  # fmt: skip
+KINDS = {
+    "PARAM": "weights",
+    "BUFFER": "buffers",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "TEMP": "temporary",
+    "OTH": "other",
+}
 
 
 class StepMemory:

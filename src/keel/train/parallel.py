@@ -389,9 +389,13 @@ def parallelize(
     apply_activation_checkpointing(model, ac_mode, ac_every)
     if loss_mesh(mesh).size() > 1:
         apply_fsdp(
-            model, dp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward,
+            model,
+            dp_mesh(mesh),
+            param_dtype,
+            reduce_dtype,
+            reshard_after_forward,
             expert_mesh=expert_dp_mesh(mesh) if ep > 1 else None,
-        )  # fmt: skip
+        )
     return model
 
 

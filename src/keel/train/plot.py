@@ -42,11 +42,20 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax_moe = axes[2]
         for layer in sorted(moe[-1]["moe"], key=int):
             rows = [r for r in moe if r["moe"].get(layer, {}).get("max_over_mean") is not None]
-            line = ax_moe.plot([r["step"] for r in rows], [r["moe"][layer]["max_over_mean"] for r in rows],
-                               linewidth=1, label=f"layer {layer}")[0]  # fmt: skip
+            line = ax_moe.plot(
+                [r["step"] for r in rows],
+                [r["moe"][layer]["max_over_mean"] for r in rows],
+                linewidth=1,
+                label=f"layer {layer}",
+            )[0]
             if any(r["moe"][layer]["dropped_fraction"] for r in rows):
-                ax_moe.plot([r["step"] for r in rows], [1 + r["moe"][layer]["dropped_fraction"] for r in rows],
-                            "--", color=line.get_color(), linewidth=0.8)  # fmt: skip
+                ax_moe.plot(
+                    [r["step"] for r in rows],
+                    [1 + r["moe"][layer]["dropped_fraction"] for r in rows],
+                    "--",
+                    color=line.get_color(),
+                    linewidth=0.8,
+                )
         ax_moe.set_ylabel("expert load max/mean\n(dashed: 1 + dropped)")
         ax_moe.grid(alpha=0.3)
         ax_moe.legend(fontsize="small", ncol=4)

@@ -106,9 +106,14 @@ class Trainer:
         check_vocabulary(self.train_file, self.model_config.vocab_size)
         dp_rank, dp_size = self._dp_rank_size()
         self.loader = BatchLoader(
-            self.train_file, cfg.data.seq_len, tr.micro_batch_size, dp_rank, dp_size, cfg.run.seed,
+            self.train_file,
+            cfg.data.seq_len,
+            tr.micro_batch_size,
+            dp_rank,
+            dp_size,
+            cfg.run.seed,
             self.layout.grad_accum,
-        )  # fmt: skip
+        )
         self.run_dir = cfg.run_dir
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -323,10 +328,13 @@ class Trainer:
             "params": sum(local(p) for p in params),
             "grads": sum(local(p.grad) for p in params if p.grad is not None),
             "optimizer": sum(
-                local(v) for o in self.optimizers for st in o.state.values() for v in st.values()
+                local(v)
+                for o in self.optimizers
+                for st in o.state.values()
+                for v in st.values()
                 if isinstance(v, Tensor) and v.ndim > 0
             ),
-        }  # fmt: skip
+        }
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out
 
@@ -359,15 +367,21 @@ class Trainer:
                 self._step_memory = None
         predicted = self.predicted_memory
         self.memory_record = {
-            "measured_peak": memory.peak, "measured": memory.by_kind,
-            "predicted_peak": predicted.peak, "predicted": predicted.as_dict(),
-        }  # fmt: skip
+            "measured_peak": memory.peak,
+            "measured": memory.by_kind,
+            "predicted_peak": predicted.peak,
+            "predicted": predicted.as_dict(),
+        }
         record["memory"] = self.memory_record
         log.info(
             "rank %d step %d: tensor memory peak %.1f MiB measured, %.1f MiB predicted (%+.1f%%, at %s)",
-            self.rank, record["step"], memory.peak / 2**20, predicted.peak / 2**20,
-            100 * (predicted.peak / max(1, memory.peak) - 1), predicted.moment,
-        )  # fmt: skip
+            self.rank,
+            record["step"],
+            memory.peak / 2**20,
+            predicted.peak / 2**20,
+            100 * (predicted.peak / max(1, memory.peak) - 1),
+            predicted.moment,
+        )
         return record
 
     def _train_step(self) -> dict[str, Any]:
@@ -548,10 +562,18 @@ class Trainer:
             log.info(
                 "training %s: %s parameters, layout pp=%d dp_replicate=%d dp_shard=%d tp=%d, grad_accum=%d; "
                 "peak %.3g FLOP/s (%s); predicted tensor memory peak per rank %.1f MiB (at %s)",
-                cfg.run.name, f"{self.model_config.param_counts()['total']:,}", self.layout.pp,
-                self.layout.dp_replicate, self.layout.dp_shard, self.layout.tp, self.layout.grad_accum,
-                self.peak_flops, self.peak_source, self.predicted_memory.peak / 2**20, self.predicted_memory.moment,
-            )  # fmt: skip
+                cfg.run.name,
+                f"{self.model_config.param_counts()['total']:,}",
+                self.layout.pp,
+                self.layout.dp_replicate,
+                self.layout.dp_shard,
+                self.layout.tp,
+                self.layout.grad_accum,
+                self.peak_flops,
+                self.peak_source,
+                self.predicted_memory.peak / 2**20,
+                self.predicted_memory.moment,
+            )
         try:
             while self.step < cfg.training.steps:
                 self.watchdog.step_started(self.step + 1)

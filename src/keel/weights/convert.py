@@ -73,8 +73,12 @@ def convert(
     if max_shard_bytes <= 0:
         raise KeelError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
-    write_model_dir(checkpoint, dst, overwrite,
-                    lambda tmp: _write(checkpoint, tmp, output_dtype(checkpoint, dtype), max_shard_bytes))  # fmt: skip
+    write_model_dir(
+        checkpoint,
+        dst,
+        overwrite,
+        lambda tmp: _write(checkpoint, tmp, output_dtype(checkpoint, dtype), max_shard_bytes),
+    )
     return dst
 
 

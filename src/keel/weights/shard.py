@@ -77,11 +77,14 @@ class TensorParallelLayout:
         if not 0 <= self.rank < tp:
             raise KeelError(f"tensor-parallel rank {self.rank} outside [0, {tp})")
         if c.num_heads % tp:
-            raise KeelError(f"--tensor-parallel-size {tp}: the model's {c.num_heads} attention heads do not divide "
-                            f"into {tp} ranks")  # fmt: skip
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: the model's {c.num_heads} attention heads do not divide into {tp} ranks"
+            )
         if c.num_kv_heads % tp and tp % c.num_kv_heads:
-            raise KeelError(f"--tensor-parallel-size {tp}: {c.num_kv_heads} KV heads neither divide into {tp} ranks "
-                            "nor replicate evenly over them")  # fmt: skip
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: {c.num_kv_heads} KV heads neither divide into {tp} ranks "
+                "nor replicate evenly over them"
+            )
         if self.expert_parallel and c.is_moe and c.num_experts % tp:
             raise KeelError(f"--enable-expert-parallel over {tp} ranks: {c.num_experts} experts do not divide")
         widths = {"MLP": c.intermediate_size}
@@ -91,8 +94,9 @@ class TensorParallelLayout:
             widths |= {"expert": c.moe_intermediate_size, "shared-expert": c.shared_expert_intermediate_size or 0}
         for what, width in widths.items():
             if width % tp:
-                raise KeelError(f"--tensor-parallel-size {tp}: the {what} width {width} does not divide "
-                                f"into {tp} ranks")  # fmt: skip
+                raise KeelError(
+                    f"--tensor-parallel-size {tp}: the {what} width {width} does not divide into {tp} ranks"
+                )
 
     @property
     def kv_replicas(self) -> int:

@@ -26,8 +26,12 @@ class AuditLog:
         error: str | None = None,
         stream: bool = False,
     ) -> None:
-        record: dict = {"tenant": tenant, "endpoint": kind, "status": status,
-                        "latency_s": round(time.monotonic() - started, 4)}  # fmt: skip
+        record: dict = {
+            "tenant": tenant,
+            "endpoint": kind,
+            "status": status,
+            "latency_s": round(time.monotonic() - started, 4),
+        }
         if call is not None:
             record.update(self._call_record(call, stream))
         if error is not None:

@@ -17,12 +17,74 @@ from prometheus_client.registry import Collector
 from keel.serve.request import RequestStats
 
 # Buckets as vLLM's (seconds).
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0]  # fmt: skip
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0]  # fmt: skip
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 LABELS = ["model_name", "model", "tenant"]
 
 
@@ -49,8 +111,9 @@ class _EngineCollector(Collector):
         yield gauge("keel:num_requests_running", "Requests in the engine's running batch.", s["num_requests_running"])
         yield gauge("keel:num_requests_waiting", "Requests waiting to be scheduled.", s["num_requests_waiting"])
         yield gauge("keel:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s["kv_cache_usage_perc"])
-        yield counter("keel:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s["prefix_cache_queries"])  # fmt: skip
+        yield counter(
+            "keel:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"]
+        )
         yield counter("keel:prefix_cache_hits", "Prompt tokens served by the prefix cache.", s["prefix_cache_hits"])
         yield counter("keel:num_preemptions", "Requests preempted (KV blocks ran out).", s["num_preemptions_total"])
         if "expert_cache_queries" in s:  # expert offloading is on
@@ -62,15 +125,24 @@ class _EngineCollector(Collector):
 def _spec_metrics(s: dict, counter: Callable, labels: list[str], values: list[str]):
     """Speculative decoding, as vLLM's spec_decode_* counters: acceptance rate = accepted / draft tokens,
     mean accepted length = 1 + accepted / drafts."""
-    yield counter("keel:spec_decode_num_drafts", "Verification steps (one per request per step with drafts).",
-                  s["spec_decode_num_drafts"])  # fmt: skip
-    yield counter("keel:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
-                  s["spec_decode_num_draft_tokens"])  # fmt: skip
-    yield counter("keel:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.",
-                  s["spec_decode_num_accepted_tokens"])  # fmt: skip
-    per_pos = CounterMetricFamily("keel:spec_decode_num_accepted_tokens_per_pos",
-                                  "Drafts accepted at each position of the draft.",
-                                  labels=[*labels, "position"])  # fmt: skip
+    yield counter(
+        "keel:spec_decode_num_drafts",
+        "Verification steps (one per request per step with drafts).",
+        s["spec_decode_num_drafts"],
+    )
+    yield counter(
+        "keel:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s["spec_decode_num_draft_tokens"]
+    )
+    yield counter(
+        "keel:spec_decode_num_accepted_tokens",
+        "Draft tokens the target model accepted.",
+        s["spec_decode_num_accepted_tokens"],
+    )
+    per_pos = CounterMetricFamily(
+        "keel:spec_decode_num_accepted_tokens_per_pos",
+        "Drafts accepted at each position of the draft.",
+        labels=[*labels, "position"],
+    )
     for position, accepted in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
         per_pos.add_metric([*values, str(position)], accepted)
     yield per_pos
@@ -79,18 +151,27 @@ def _spec_metrics(s: dict, counter: Callable, labels: list[str], values: list[st
 def _expert_metrics(s: dict[str, float], gauge: Callable, counter: Callable):
     """Expert offloading (keel.serve.offload.stats): a use is one distinct expert needed by one
     forward of one MoE layer."""
-    yield gauge("keel:expert_cache_hit_rate", "Expert uses served by a resident expert (0-1).",
-                s["expert_cache_hit_rate"])  # fmt: skip
-    yield counter("keel:expert_cache_queries", "Expert uses (distinct experts per MoE layer forward).",
-                  s["expert_cache_queries"])  # fmt: skip
+    yield gauge(
+        "keel:expert_cache_hit_rate", "Expert uses served by a resident expert (0-1).", s["expert_cache_hit_rate"]
+    )
+    yield counter(
+        "keel:expert_cache_queries", "Expert uses (distinct experts per MoE layer forward).", s["expert_cache_queries"]
+    )
     yield counter("keel:expert_cache_hits", "Expert uses whose expert was resident.", s["expert_cache_hits"])
     yield counter("keel:expert_loads", "Experts copied into resident slots.", s["expert_loads_total"])
-    yield counter("keel:expert_bytes_loaded", "Bytes of experts copied into resident slots.",
-                  s["expert_bytes_loaded_total"])  # fmt: skip
-    yield counter("keel:expert_load_stall_seconds", "Seconds forwards waited for expert loads.",
-                  s["expert_load_stall_seconds_total"])  # fmt: skip
-    yield gauge("keel:expert_prefetch_accuracy", "Routed token-slots whose expert the prefetch predictor picked.",
-                s["expert_prefetch_accuracy"])  # fmt: skip
+    yield counter(
+        "keel:expert_bytes_loaded", "Bytes of experts copied into resident slots.", s["expert_bytes_loaded_total"]
+    )
+    yield counter(
+        "keel:expert_load_stall_seconds",
+        "Seconds forwards waited for expert loads.",
+        s["expert_load_stall_seconds_total"],
+    )
+    yield gauge(
+        "keel:expert_prefetch_accuracy",
+        "Routed token-slots whose expert the prefetch predictor picked.",
+        s["expert_prefetch_accuracy"],
+    )
 
 
 class ServerMetrics:
@@ -100,22 +181,37 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("keel:time_to_first_token_seconds", "Time to first token.", LABELS,
-                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("keel:inter_token_latency_seconds", "Time between successive output tokens.", LABELS,
-                             buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram("keel:time_per_output_token_seconds", "Mean time per output token after the first.",
-                              LABELS, buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("keel:e2e_request_latency_seconds", "Arrival to last token.", LABELS,
-                             buckets=E2E_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram("keel:request_queue_time_seconds", "Arrival to first scheduled.", LABELS,
-                               buckets=E2E_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "keel:time_to_first_token_seconds", "Time to first token.", LABELS, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "keel:inter_token_latency_seconds",
+            "Time between successive output tokens.",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "keel:time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            LABELS,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "keel:e2e_request_latency_seconds", "Arrival to last token.", LABELS, buckets=E2E_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "keel:request_queue_time_seconds", "Arrival to first scheduled.", LABELS, buckets=E2E_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("keel:prompt_tokens", "Prompt tokens of admitted requests.", LABELS, registry=r)
         self.generation_tokens = Counter("keel:generation_tokens", "Generated tokens.", LABELS, registry=r)
-        self.success = Counter("keel:request_success", "Finished requests by finish reason.",
-                               [*LABELS, "finished_reason"], registry=r)  # fmt: skip
-        self.rejected = Counter("keel:request_rejected", "Requests answered with an error, by reason.",
-                                [*LABELS, "reason"], registry=r)  # fmt: skip
+        self.success = Counter(
+            "keel:request_success", "Finished requests by finish reason.", [*LABELS, "finished_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "keel:request_rejected", "Requests answered with an error, by reason.", [*LABELS, "reason"], registry=r
+        )
         r.register(_EngineCollector(model_name, engine_stats))
 
     def _labels(self, tenant: str) -> dict[str, str]:

@@ -111,8 +111,9 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens != 0:
             return False
         if not self.echo:
-            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
-                           param="max_tokens")  # fmt: skip
+            raise APIError(
+                400, "max_tokens must be at least 1 (0 only with echo, to score the prompt)", param="max_tokens"
+            )
         return True
 
     def prompts(self) -> list[str | list[int]]:

@@ -77,8 +77,13 @@ def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfi
 
     if config.parallel.world_size > 1 and options.engine == "keel":
         return AsyncEngine(LLMEngine(source.model, config))  # workers load the shards
-    loaded = load_model(source.model, config.load.dtype, head_dim=source.head_dim, num_heads=source.num_heads,
-                        **config.quant.load_options())  # fmt: skip
+    loaded = load_model(
+        source.model,
+        config.load.dtype,
+        head_dim=source.head_dim,
+        num_heads=source.num_heads,
+        **config.quant.load_options(),
+    )
     if options.engine == "naive":
         from keel.serve.naive import NaiveEngine
 
@@ -143,8 +148,15 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     server = _server_class()(uvicorn_config)
     if failure:  # failed before the server existed: stop it as soon as it runs
         server.should_exit = True
-    log.info("serving %s as %r on http://%s:%d (%s engine, auth %s)", source.model, settings.served_model_name,
-             options.host, options.port, options.engine, "on" if tenants.auth_required else "off")  # fmt: skip
+    log.info(
+        "serving %s as %r on http://%s:%d (%s engine, auth %s)",
+        source.model,
+        settings.served_model_name,
+        options.host,
+        options.port,
+        options.engine,
+        "on" if tenants.auth_required else "off",
+    )
     try:
         server.run()
     finally:

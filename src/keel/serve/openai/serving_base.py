@@ -39,8 +39,15 @@ from keel.serve.sampling import SamplingParams, TokenLogprobs
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
 # APIError status -> the `reason` label of the rejected-requests metric
-_REJECTION_REASONS = {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "too_large", 429: "rate_limited",
-                      503: "unavailable", 504: "timeout"}  # fmt: skip
+_REJECTION_REASONS = {
+    400: "invalid",
+    401: "unauthorized",
+    404: "invalid",
+    413: "too_large",
+    429: "rate_limited",
+    503: "unavailable",
+    504: "timeout",
+}
 
 
 def rejection_reason(error: APIError) -> str:
@@ -139,8 +146,9 @@ class OpenAIServing:
         waiting = self.state.engine.stats()["num_requests_waiting"] + self.state.tenants.num_queued
         limit = self.settings.max_queue
         if waiting + len(call.jobs) > limit:
-            raise APIError(503, f"server queue is full ({int(waiting)} waiting, limit {limit})",
-                           code="queue_full", retry_after=1)  # fmt: skip
+            raise APIError(
+                503, f"server queue is full ({int(waiting)} waiting, limit {limit})", code="queue_full", retry_after=1
+            )
 
     def _reject(self, tenant: str, error: APIError, started: float, call: Call | None = None) -> JSONResponse:
         self.metrics.on_rejected(tenant, rejection_reason(error))
@@ -187,8 +195,12 @@ class OpenAIServing:
             raise validation_error(e) from None
         req.check_unsupported()
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return req
 
     def _params(self, req: GenerationRequest, spec: PromptSpec, prompt_len: int) -> SamplingParams:

@@ -59,8 +59,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if call.echo:
             text = self._prompt_text(call, job) + text
         finish, stop_reason = ("length", None) if call.prompt_only else (out.finish_reason, out.stop_reason)
-        return {"index": job.index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish, "stop_reason": stop_reason}  # fmt: skip
+        return {
+            "index": job.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
 
     def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
         text, logprobs = delta.text, None

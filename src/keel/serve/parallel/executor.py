@@ -68,8 +68,9 @@ class ParallelExecutor:
         self.procs: dict[int, mp.Process] = {}
         for rank in ranks:
             conn = worker_conn if rank == 0 else None
-            proc = ctx.Process(target=worker_main, args=(spec, rank, conn, self._events), name=f"keel-worker-{rank}",
-                               daemon=True)  # fmt: skip
+            proc = ctx.Process(
+                target=worker_main, args=(spec, rank, conn, self._events), name=f"keel-worker-{rank}", daemon=True
+            )
             proc.start()
             log.info("worker rank %d started (pid %d)", rank, proc.pid)
             self.procs[rank] = proc
@@ -82,9 +83,15 @@ class ParallelExecutor:
             log.info(
                 "rank %d: weights %.1f MiB, KV cache %.1f MiB (%d blocks), loaded in %.1f s; peak %s at load "
                 "%.1f MiB (%.1f MiB before loading)",
-                report.rank, report.weight_bytes / 2**20, report.kv_bytes / 2**20, report.num_blocks,
-                report.load_seconds, what, report.peak_at_load / 2**20, report.rss_before_load / 2**20,
-            )  # fmt: skip
+                report.rank,
+                report.weight_bytes / 2**20,
+                report.kv_bytes / 2**20,
+                report.num_blocks,
+                report.load_seconds,
+                what,
+                report.peak_at_load / 2**20,
+                report.rss_before_load / 2**20,
+            )
         self._monitor = threading.Thread(target=self._watch, name="keel-worker-monitor", daemon=True)
         self._monitor.start()
         # A script that never calls shutdown(): the workers are stopped at exit, not left to the OS.
@@ -114,8 +121,10 @@ class ParallelExecutor:
                 self._kill()
                 multinode = self.spec.world_size > len(self.procs)
                 remote = " (rank 0 waits for every node's ranks to join)" if multinode else ""
-                raise WorkerFailedError(f"workers did not start within {timeout:.0f} s: rank(s) "
-                                        f"{', '.join(map(str, missing))} not ready{remote}")  # fmt: skip
+                raise WorkerFailedError(
+                    f"workers did not start within {timeout:.0f} s: rank(s) "
+                    f"{', '.join(map(str, missing))} not ready{remote}"
+                )
         return reports
 
     # --------------------------------------------------------------- health
@@ -173,8 +182,17 @@ class ParallelExecutor:
                 self._sent[request_id] = 0
             sent = self._sent[request_id]
             self._sent[request_id] = len(request.output_token_ids)
-            entries.append(StepEntry(request_id, n, request.num_computed_tokens, request.output_token_ids[sent:],
-                                     list(request.spec_token_ids), self.block_tables(request_id), new))  # fmt: skip
+            entries.append(
+                StepEntry(
+                    request_id,
+                    n,
+                    request.num_computed_tokens,
+                    request.output_token_ids[sent:],
+                    list(request.spec_token_ids),
+                    self.block_tables(request_id),
+                    new,
+                )
+            )
         message = StepMessage(entries, self._released)
         self._released = []
         try:

@@ -66,10 +66,23 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
     )
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:
-        log.info("tensor parallel %d over %d KV heads: each KV head is replicated on %d ranks (as vLLM does)",
-                 tp, mc.num_kv_heads, tp // mc.num_kv_heads)  # fmt: skip
-    log.info("node %d of %d: starting ranks %d-%d of %d (tensor parallel %d x pipeline parallel %d) at %s",
-             par.node_rank, par.nnodes, ranks[0], ranks[-1], par.world_size, tp, pp, spec.init_method)  # fmt: skip
+        log.info(
+            "tensor parallel %d over %d KV heads: each KV head is replicated on %d ranks (as vLLM does)",
+            tp,
+            mc.num_kv_heads,
+            tp // mc.num_kv_heads,
+        )
+    log.info(
+        "node %d of %d: starting ranks %d-%d of %d (tensor parallel %d x pipeline parallel %d) at %s",
+        par.node_rank,
+        par.nnodes,
+        ranks[0],
+        ranks[-1],
+        par.world_size,
+        tp,
+        pp,
+        spec.init_method,
+    )
     return spec, ranks, checkpoint
 
 
@@ -120,12 +133,16 @@ def auto_parallel(config, gpus: str | None, context: int, dtype: str = "auto") -
             continue
         runnable.append(layout)
     if not runnable:
-        raise KeelError(f"--auto-parallel: no layout of {cluster.count} {cluster.gpu.name} holds the model's weights "
-                        f"and a {context}-token sequence")  # fmt: skip
+        raise KeelError(
+            f"--auto-parallel: no layout of {cluster.count} {cluster.gpu.name} holds the model's weights "
+            f"and a {context}-token sequence"
+        )
     best = runnable[0]
-    why = (f"planned for {cluster.count} x {cluster.gpu.name} at {context} tokens: tp {best.tp} x pp {best.pp}, "
-           f"{best.weights_gb:.1f} GB of weights and {best.kv_gb:.1f} GB of KV cache per GPU, "
-           f"~{best.tokens_per_s:,.0f} tok/s over {best.replicas} replica(s)")  # fmt: skip
+    why = (
+        f"planned for {cluster.count} x {cluster.gpu.name} at {context} tokens: tp {best.tp} x pp {best.pp}, "
+        f"{best.weights_gb:.1f} GB of weights and {best.kv_gb:.1f} GB of KV cache per GPU, "
+        f"~{best.tokens_per_s:,.0f} tok/s over {best.replicas} replica(s)"
+    )
     if best.replicas > 1:
         why += f"; this server is one replica: run {best.replicas - 1} more for the rest of the GPUs"
     return best.tp, best.pp, why

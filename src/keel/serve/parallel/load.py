@@ -88,8 +88,9 @@ def load_tensor_parallel(
             tensor = source.combine([reader.get_shard(stored, piece) for stored in names])
         tensor = tensor.to(dtype)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise KeelError(f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, "
-                            f"expected {list(param.shape)}")  # fmt: skip
+            raise KeelError(
+                f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, expected {list(param.shape)}"
+            )
         state[name] = tensor
     net.load_state_dict(state, strict=False, assign=True)
     net.tie_weights()  # assign=True replaced the embedding's Parameter: the head shares the new one

@@ -181,8 +181,15 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
         cache = self._allocate_cache(model, stage, tp_rank)
         config = model.config
-        self.stage = StageRunner(model, cache, rank=rank, tp=spec.tp, pp=spec.pp, hidden_size=config.hidden_size,
-                                 vocab_size=config.vocab_size)  # fmt: skip
+        self.stage = StageRunner(
+            model,
+            cache,
+            rank=rank,
+            tp=spec.tp,
+            pp=spec.pp,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+        )
         self.report = WorkerReport(rank, cache.num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak)
         self._mirrors: dict[str, Request] = {}
         self._tables: dict[str, list[int]] = {}
@@ -201,8 +208,9 @@ class Worker:
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // spec.local_world))
         backend = "nccl" if spec.device == "cuda" else "gloo"
         timeout = timedelta(seconds=spec.parallel.distributed_timeout)
-        dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
-                                timeout=timeout)  # fmt: skip
+        dist.init_process_group(
+            backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size, timeout=timeout
+        )
         # Control messages (pickled objects) always travel over gloo, on the host.
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
@@ -210,17 +218,31 @@ class Worker:
 
     def _load_shard(self, spec: WorkerSpec, stage: int, tp_rank: int, tp_group) -> tuple[torch.nn.Module, int]:
         """This rank's shard, quantized, fused and pre-packed as the engine's options say; and its weight bytes."""
-        loaded = load_tensor_parallel(spec.model, parse_dtype(spec.dtype), spec.tp, tp_rank, tp_group, self.device,
-                                      stage=stage, num_stages=spec.pp,
-                                      expert_parallel=spec.parallel.enable_expert_parallel)  # fmt: skip
+        loaded = load_tensor_parallel(
+            spec.model,
+            parse_dtype(spec.dtype),
+            spec.tp,
+            tp_rank,
+            tp_group,
+            self.device,
+            stage=stage,
+            num_stages=spec.pp,
+            expert_parallel=spec.parallel.enable_expert_parallel,
+        )
         model, quant = loaded.model, spec.quant
         if quant.quantize is not None:
             stats = quantize_shard(model, quant.quantize, quant.quant_group_size, quant.quant_keep)
             if quant.quant_keep_as is not None:
-                stats["quantized"] += quantize_kept(model, quant.quant_keep, quant.quant_keep_as,
-                                                    quant.quant_group_size)  # fmt: skip
-            log.info("rank %d: %d layers quantized to %s, %d kept", self.rank, stats["quantized"], quant.quantize,
-                     stats["kept"])  # fmt: skip
+                stats["quantized"] += quantize_kept(
+                    model, quant.quant_keep, quant.quant_keep_as, quant.quant_group_size
+                )
+            log.info(
+                "rank %d: %d layers quantized to %s, %d kept",
+                self.rank,
+                stats["quantized"],
+                quant.quantize,
+                stats["kept"],
+            )
         # This rank's weights (a tied head counted once), before fusing and packing re-store them.
         weight_bytes = rank_weight_bytes(model)
         if spec.load.fuse_projections:
@@ -245,8 +267,9 @@ class Worker:
             budget = blocks_in_budget(per_block, cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
         blocks = torch.tensor([budget], dtype=torch.long)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.control)  # every rank holds the same blocks
-        return make_paged_kv_cache(local, int(blocks.item()), cache.block_size, model.dtype, self.device,
-                                   cache.kv_cache_dtype, layers=layers)  # fmt: skip
+        return make_paged_kv_cache(
+            local, int(blocks.item()), cache.block_size, model.dtype, self.device, cache.kv_cache_dtype, layers=layers
+        )
 
     # ------------------------------------------------------------------ loops
     def follow(self) -> None:

@@ -48,8 +48,9 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise KeelError(f"speculative config: method {self.method!r} is not one of {', '.join(METHODS)}")
         if not 1 <= self.num_speculative_tokens <= 16:
-            raise KeelError(f"speculative config: num_speculative_tokens must be in [1, 16], got "
-                            f"{self.num_speculative_tokens}")  # fmt: skip
+            raise KeelError(
+                f"speculative config: num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise KeelError("speculative config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:

@@ -39,18 +39,24 @@ class DraftModelProposer:
         # First forward: catch up on the tokens the draft has not seen, ending with the last known one.
         active = list(requests)
         chunks = [
-            Chunk(self.block_tables(r.request_id), r.draft_computed,
-                  r.token_ids_between(r.draft_computed, r.num_tokens))
+            Chunk(
+                self.block_tables(r.request_id), r.draft_computed, r.token_ids_between(r.draft_computed, r.num_tokens)
+            )
             for r in active
-        ]  # fmt: skip
+        ]
         while active:
             step = pack_step(chunks, self.cache.block_size, self.model.device)
             logits = forward_step(self.model, self.cache, step)
             states = [
-                RowState(r.params, r.generator, r.prompt_token_ids, r.output_token_ids + drafts[r.request_id],
-                         r.eos_token_ids)
+                RowState(
+                    r.params,
+                    r.generator,
+                    r.prompt_token_ids,
+                    r.output_token_ids + drafts[r.request_id],
+                    r.eos_token_ids,
+                )
                 for r in active
-            ]  # fmt: skip
+            ]
             x, greedy = self.sampler.process_logits(logits, states)
             argmax = x.argmax(dim=-1).tolist()
             greedy_rows = greedy.tolist()

@@ -70,8 +70,9 @@ def verify_drafts(
         for j, row in enumerate(rows):
             # Row j predicts the token after draft j: penalties see drafts[:j] as already output.
             output = request.output_token_ids + drafts[:j]
-            states.append(RowState(request.params, request.generator, request.prompt_token_ids, output,
-                                   request.eos_token_ids))  # fmt: skip
+            states.append(
+                RowState(request.params, request.generator, request.prompt_token_ids, output, request.eos_token_ids)
+            )
             flat_rows.append(row)
     raw = logits[flat_rows]
     x, greedy = sampler.process_logits(raw, states)
