@@ -6,7 +6,6 @@ network streaming. Tolerances are loose: the CI machine is small and often busy.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -21,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from keel.cli import build_parser
 from keel.errors import KeelError
 from keel.tools.bench_serve import (
     BenchServeConfig,
@@ -29,7 +29,6 @@ from keel.tools.bench_serve import (
     build_requests,
     calculate_metrics,
     parse_goodput,
-    register,
     run_benchmark,
 )
 
@@ -236,11 +235,21 @@ def test_max_concurrency_is_respected(server: FakeServer) -> None:
 
 
 def test_cli_writes_table_and_json(server: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
+    parser = build_parser()
     out = tmp_path / "results" / "run.json"
     args = parser.parse_args(
-        ["serve", "--base-url", server.url + "/v1/", "--model", "fake", "--num-prompts", "3", "--input-len", "8"]
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url + "/v1/",
+            "--model",
+            "fake",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+        ]
         + ["--output-len", "3", "--result-file", str(out), "--label", "smoke", "--disable-tqdm"]
         + ["--goodput", "ttft:5000", "tpot:5000", "--percentiles", "50,99.9", "--api-key", "sekrit"]
     )
@@ -315,9 +324,10 @@ def test_bad_input_is_a_keel_error(tmp_path: Path) -> None:
     for bad in (["ttft=500"], ["foo:1"], ["ttft:abc"], ["tpot:-1"]):
         with pytest.raises(KeelError, match="--goodput"):
             parse_goodput(bad)
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--goodput", "ttft"])
+    parser = build_parser()
+    args = parser.parse_args(
+        ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--goodput", "ttft"]
+    )
     with pytest.raises(KeelError, match="--goodput"):
         args.func(args)
 

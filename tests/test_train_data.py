@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,9 +11,9 @@ import pytest
 import torch
 
 import keel.weights
+from keel.cli import build_parser
 from keel.errors import KeelError
 from keel.tokenizer import Tokenizer
-from keel.train import data as train_data
 from keel.train.data import (
     BatchLoader,
     PreparedInfo,
@@ -130,9 +129,7 @@ def test_cli_prepare(
     corpus.write_text("To be, or not to be.\n\nThat is the question.\n")
     monkeypatch.setattr("keel.data.corpora.shakespeare_path", lambda: corpus)
     monkeypatch.chdir(tmp_path)
-    parser = argparse.ArgumentParser()
-    train_data.register(parser.add_subparsers())
-    args = parser.parse_args(["prepare", "shakespeare", "--tokenizer", SMOLLM2, "--out", "data/s.bin"])
+    args = build_parser().parse_args(["data", "prepare", "shakespeare", "--tokenizer", SMOLLM2, "--out", "data/s.bin"])
     assert args.func(args) == 0
     assert "data/s.bin:" in capsys.readouterr().out
     info = TokenFile(tmp_path / "data" / "s.bin", verify=True).info

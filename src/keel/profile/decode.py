@@ -23,7 +23,6 @@ profiled the same way (one request's prompt of `prefill` tokens in one step).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import random
 import time
 from collections import defaultdict
@@ -251,7 +250,8 @@ def profile_decode(
 ) -> DecodeProfile:
     """Profile `steps` decode steps of `batch` sequences (each `prompt_tokens` long at the start), and
     one prefill of `prefill` tokens."""
-    from keel.serve.engine import EngineConfig, LLMEngine
+    from keel.serve.config import EngineConfig
+    from keel.serve.engine import LLMEngine
 
     for option, value in (("--batch", batch), ("--steps", steps), ("--prompt-tokens", prompt_tokens)):
         if value < 1:
@@ -283,7 +283,7 @@ def profile_decode(
     decode = _profile_decode_pass(engine, batch, steps, prompt_tokens, max_tokens, prompt, trace)
     weights = streamed_weight_bytes(engine.model)
     # What the engine's cache holds per token slot, int8 scales included (a float: the byte counts below are).
-    per_token = float(kv_cache_bytes(engine.model.config, engine.model.dtype, config.kv_cache_dtype))
+    per_token = float(kv_cache_bytes(engine.model.config, engine.model.dtype, config.cache.kv_cache_dtype))
     # Each step reads every sequence's cached tokens: the mean over the three passes.
     decode.weight_bytes = weights
     decode.kv_bytes = per_token * batch * (prompt_tokens + DECODE_WARMUP + 1.5 * steps)
@@ -293,7 +293,7 @@ def profile_decode(
         # The loaded (and already quantized) model, one request per step.
         engine = LLMEngine(
             engine.loaded,
-            dataclasses.replace(config, quantize=None, max_num_seqs=1, max_num_batched_tokens=max(2048, prefill)),
+            config.replace(quantize=None, max_num_seqs=1, max_num_batched_tokens=max(2048, prefill)),
         )
         prefill_profile = _profile_prefill_pass(engine, prefill, prompt)
         prefill_profile.weight_bytes = weights

@@ -2,7 +2,7 @@
 
 Two entry points share the rules below (what is quantized, what is kept):
 - `quantize_model(model, ...)`: after loading, from the float weights in memory;
-- `load_model(..., quantize=...)` (keel.quant.load): while loading, straight from the checkpoint,
+- `load_model(..., quantize=...)` (keel.quant.on_load): while loading, straight from the checkpoint,
   so that the quantized layers never exist in float all at once (and GGUF blocks never do at all).
 """
 

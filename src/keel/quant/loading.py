@@ -2,7 +2,7 @@
 
 It sits in keel.quant, above keel.weights, because it needs both: keel.weights opens the
 checkpoint and fills float weights (it must not import keel.quant), and keel.quant builds the
-layers that are quantized while loading (keel.quant.load) or after it (keel.quant.apply).
+layers that are quantized while loading (keel.quant.on_load) or after it (keel.quant.apply).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from keel.model.transformer import Transformer
 from keel.quant.apply import quantize_kept
-from keel.quant.load import quantize_while_loading
+from keel.quant.on_load import quantize_while_loading
 from keel.weights.checkpoint import LoadedModel
 from keel.weights.compute_dtype import choose_dtype
 from keel.weights.loader import load_weights, open_checkpoint

@@ -34,7 +34,7 @@ from keel.model.transformer import Transformer
 from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
 from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
-from keel.quant.load import saved_base
+from keel.quant.on_load import saved_base
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,

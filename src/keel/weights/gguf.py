@@ -6,7 +6,7 @@ with shapes in ggml order (innermost dimension first). `open_gguf` turns that in
 `Checkpoint` the safetensors path builds: a `ModelConfig`, a reader that serves tensors under HF
 names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
 Q4_0/Q4_1/Q8_0 tensors are also served as integer codes and block scales (`get_blocks`), which
-`--quantize gguf` (keel.quant.load) repacks for the integer kernels without a float copy.
+`--quantize gguf` (keel.quant.on_load) repacks for the integer kernels without a float copy.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BPE vocabularies
