@@ -121,6 +121,34 @@ def test_chunked_prefill_equals_unchunked(models):
     assert out.outputs[0].token_ids == solo(loaded.model, prompt, 12)
 
 
+def test_prefill_unchunked_when_asked(models):
+    """--no-enable-chunked-prefill: a prompt is prefilled in one step or waits for a step with room for it; the
+    outputs are the chunked engine's; a token budget below max_model_len is refused."""
+    loaded = models["llama"]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(60)] for _ in range(3)]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    options = dict(num_blocks=64, max_num_batched_tokens=96, max_model_len=96)
+    runs = {}
+    for chunked in (True, False):
+        engine = LLMEngine(loaded, EngineConfig.of(**options, enable_chunked_prefill=chunked))
+        steps, execute = [], engine.runner.execute
+        engine.runner.execute = lambda sched, execute=execute, steps=steps: (
+            steps.append(sorted(n for _, n in sched.scheduled)) or execute(sched)
+        )
+        ids = [engine.add_request(p, params) for p in prompts]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+        runs[chunked] = steps, [outputs[i] for i in ids]
+    assert runs[True][0][0] == [36, 60]  # chunked: the second prompt's first 36 tokens ride along
+    assert runs[False][0][0] == [60]  # whole prompts only: the second waits
+    assert {n for step in runs[False][0] for n in step} <= {1, 60}
+    assert runs[False][1] == runs[True][1]
+    with pytest.raises(KeelError, match="max-num-batched-tokens 32 must be >= max_model_len 96"):
+        LLMEngine(loaded, EngineConfig.of(**{**options, "max_num_batched_tokens": 32}, enable_chunked_prefill=False))
+
+
 def test_sliding_window_matches_transformers_and_frees_blocks(models, tmp_path):
 
     loaded = models["mistral"]  # window 8

@@ -78,6 +78,10 @@ class SchedulerConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """which waiting request runs first: arrival order, or the request's priority"""
 
+    enable_chunked_prefill: bool = True
+    """split a long prompt's prefill over steps, beside running decodes; off: a prompt is prefilled in one step
+    (it waits for a step with room for all of it; --max-num-batched-tokens must hold --max-model-len)"""
+
 
 @dataclass
 class ParallelConfig:

@@ -47,6 +47,7 @@ class Scheduler:
         max_model_len: int = 4096,
         policy: str = "fcfs",
         sliding_window: int | None = None,
+        chunked_prefill: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise KeelError(f"scheduling policy {policy!r} is not supported (choose from {', '.join(POLICIES)})")
@@ -57,6 +58,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        # Off: a prompt's prefill is scheduled whole or not at all (it waits for a step with room for it).
+        self.chunked_prefill = chunked_prefill
         # Only when every layer slides can blocks behind the window be freed.
         self.sliding_window = sliding_window
         self.waiting: deque[Request] = deque()
@@ -167,6 +170,8 @@ class Scheduler:
             prefix = self.kv.find_prefix(tokens) if request.params.prompt_logprobs is None else []
             computed = len(prefix) * self.kv.block_size
             n = min(len(tokens) - computed, budget)
+            if not self.chunked_prefill and n < len(tokens) - computed:
+                break
             if not self.kv.allocate(request.request_id, computed + n, prefix=prefix):
                 break
             if request.stats.first_scheduled is None:  # count each request's prompt lookup once
