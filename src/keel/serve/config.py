@@ -185,15 +185,7 @@ class EngineConfig:
     def of(cls, **options: Any) -> EngineConfig:
         """An EngineConfig from option names (`block_size=8`, `quantize="int4"`, `speculative_config={...}`),
         each routed to the part that has it; an unknown name is an error."""
-        owners = option_owners()
-        values: dict[str, dict[str, Any]] = {part: {} for part in cls.parts()}
-        speculative = options.pop("speculative_config", None)
-        for name, value in options.items():
-            if name not in owners:
-                raise KeelError(f"unknown engine option {name!r}")
-            values[owners[name]][name] = value
-        parts = {part: kind(**values[part]) for part, kind in cls.parts().items()}
-        return cls(**parts, speculative=speculative)
+        return cls().replace(**options)
 
     def replace(self, **options: Any) -> EngineConfig:
         """A copy with some options changed, by name as in `of`."""
