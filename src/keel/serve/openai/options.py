@@ -6,10 +6,9 @@ Each field's docstring is its command-line help (keel.cli derives the options fr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from keel.serve.openai.app import ServerSettings
+from keel.serve.openai.settings import ServerSettings
 
 
 @dataclass
@@ -62,8 +61,6 @@ class ServeOptions:
     """take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, e.g. 8xH200)"""
 
     def settings(self, model: str) -> ServerSettings:
-        from keel.serve.openai.app import ServerSettings
-
         return ServerSettings(
             served_model_name=self.served_model_name or str(model),
             max_queue=self.max_queue,
