@@ -121,6 +121,20 @@ def test_chunked_prefill_equals_unchunked(models):
     assert out.outputs[0].token_ids == solo(loaded.model, prompt, 12)
 
 
+def test_a_step_output_is_a_snapshot(models):
+    """What a step returned does not change as later steps append tokens (the HTTP server reads outputs on its
+    event loop while the engine thread steps on)."""
+    engine = LLMEngine(models["llama"], EngineConfig.of(num_blocks=32, max_model_len=64))
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6, logprobs=1, **GREEDY))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append((out, list(out.outputs[0].token_ids), len(out.outputs[0].logprobs)))
+    assert len(seen) == 6
+    for out, ids, n_logprobs in seen:
+        assert out.outputs[0].token_ids == ids and len(out.outputs[0].logprobs) == n_logprobs == len(ids)
+
+
 def test_prefill_unchunked_when_asked(models):
     """--no-enable-chunked-prefill: a prompt is prefilled in one step or waits for a step with room for it; the
     outputs are the chunked engine's; a token budget below max_model_len is refused."""

@@ -88,13 +88,14 @@ class _Track:
 
 
 def build_output(request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
-    """The RequestOutput of a request after a step (`delta`: text this step released)."""
+    """The RequestOutput of a request after a step (`delta`: text this step released). Its lists are copies:
+    the engine thread goes on appending to the request's while a server's event loop reads the output."""
     finished = request.status is Status.FINISHED
-    logprobs = track.logprobs
+    logprobs = list(track.logprobs) if track.logprobs is not None else None
     completion = CompletionOutput(
         index=0,
         text=track.text,
-        token_ids=request.output_token_ids,
+        token_ids=list(request.output_token_ids),
         finish_reason=track.stop.finish_reason if finished else None,
         stop_reason=track.stop.stop_reason if finished else None,
         logprobs=logprobs,
