@@ -264,11 +264,6 @@ class LLMEngine:
         """The scheduler over the block manager, and the runner (this process's, or the workers' executor),
         compiled when `compile` asks or the model is worth it."""
         mc, sched = self.model.config, self.config.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise KeelError(
-                f"without chunked prefill a prompt is prefilled in one step: --max-num-batched-tokens "
-                f"{sched.max_num_batched_tokens} must be >= max_model_len {self.max_model_len}"
-            )
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
         self.scheduler = Scheduler(
             self.kv,

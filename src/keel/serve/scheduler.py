@@ -53,6 +53,11 @@ class Scheduler:
             raise KeelError(f"scheduling policy {policy!r} is not supported (choose from {', '.join(POLICIES)})")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise KeelError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise KeelError(
+                f"without chunked prefill a prompt is prefilled in one step: --max-num-batched-tokens "
+                f"{max_num_batched_tokens} must be >= max_model_len {max_model_len}"
+            )
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
