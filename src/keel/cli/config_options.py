@@ -103,14 +103,14 @@ def add_engine_options(parser: argparse.ArgumentParser, parts: tuple[str, ...] |
         group.add_argument(*names, **kwargs)
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     """`cls` from the options `add_dataclass_options` added (fields the parser lacks keep their defaults)."""
     values = {}
     for f in dataclasses.fields(cls):
         dest = f.metadata.get("dest", f.name)
         if hasattr(args, dest) and not f.metadata.get("json"):
             values[f.name] = getattr(args, dest)
-    return cls(**{**values, **overrides})
+    return cls(**values)
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict | None:
@@ -127,7 +127,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
     return values
 
 
-def engine_config_from_args(args: argparse.Namespace, **parts: Any) -> EngineConfig:
-    """The EngineConfig of the parsed options; `parts` replaces whole parts (e.g. cache=CacheConfig(...))."""
-    built = {part: parts.get(part) or dataclass_from_args(kind, args) for part, kind in EngineConfig.parts().items()}
-    return EngineConfig(**built, speculative=speculative_from_args(args))
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the parsed options (parts whose options the parser lacks keep their defaults)."""
+    parts = {part: dataclass_from_args(kind, args) for part, kind in EngineConfig.parts().items()}
+    return EngineConfig(**parts, speculative=speculative_from_args(args))

@@ -18,8 +18,9 @@ import torch
 from keel.data.text_corpus import corpus_text
 from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
+from keel.quant.config import QuantConfig
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES
-from keel.quant.plan import read_plan, write_plan
+from keel.quant.plan import write_plan
 from keel.quant.save import save_quantized
 from keel.quant.sensitivity import analyze
 
@@ -75,11 +76,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_save(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    scheme, group_size = args.quantize, args.quant_group_size
-    keep = tuple(name for name in args.quant_keep.split(",") if name)
-    if args.quant_plan is not None:
-        plan = read_plan(args.quant_plan)
-        scheme, group_size, keep = plan["scheme"], plan.get("group_size") or 128, tuple(plan.get("keep", []))
+    # A plan file resolves as it does for the engine (keel.quant.config): it overrides the three options.
+    options = QuantConfig(
+        quantize=args.quantize,
+        quant_group_size=args.quant_group_size,
+        quant_keep=tuple(name for name in args.quant_keep.split(",") if name),
+        quant_plan=args.quant_plan,
+    )
+    scheme, group_size, keep = options.quantize, options.quant_group_size, options.quant_keep
     if scheme is None:
         raise KeelError("keel quantize save: pass --quantize int8|int4 or --quant-plan PLAN.json")
     if getattr(args, "quant_keep_as", None) is not None:
