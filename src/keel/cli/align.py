@@ -11,7 +11,7 @@ from keel.dtypes import DTYPES
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("align", help="compare keel with transformers layer by layer")
     add_model_args(p)
-    add_dtype_arg(p, "float32", tuple(DTYPES))
+    add_dtype_arg(p, "float32", tuple(DTYPES), help="compute dtype of both models")
     add_threads_arg(p)
     p.set_defaults(func=run)
 

@@ -14,8 +14,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=int, default=None, help="attention heads, when config.json is missing")
 
 
-def add_dtype_arg(p: argparse.ArgumentParser, default: str = "auto", choices: tuple[str, ...] = DTYPE_CHOICES) -> None:
-    p.add_argument("--dtype", default=default, choices=list(choices), help="compute dtype")
+def add_dtype_arg(
+    p: argparse.ArgumentParser, default: str = "auto", choices: tuple[str, ...] = DTYPE_CHOICES, help: str = ""
+) -> None:
+    p.add_argument("--dtype", default=default, choices=list(choices), help=help or None)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

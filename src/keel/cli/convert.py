@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="write an HF-format directory (safetensors, config, tokenizer)")
     add_model_args(p)
     p.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
-    add_dtype_arg(p)
+    add_dtype_arg(p, help="dtype of the weights written (auto: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=run)
 
