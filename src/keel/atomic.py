@@ -9,6 +9,7 @@ rename and the parent's entry after it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -43,8 +44,14 @@ def write_text_atomic(path: Path, text: str, encoding: str = "utf-8") -> None:
     write_atomic(path, text.encode(encoding))
 
 
+def write_json_atomic(path: Path, obj: object, indent: int = 2, **dumps_options: object) -> None:
+    """`obj` as JSON (and a final newline), written atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=indent, **dumps_options) + "\n")
+
+
 def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (the names created, renamed or removed in it) to disk."""
+    """Flush a directory's entries (the names created, renamed or removed in it) to disk; on a file path, the
+    file's contents."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -56,14 +63,9 @@ def fsync_tree(root: Path) -> None:
     """Flush every file under `root`, then every directory (the deepest first, `root` last), to disk."""
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
-            file = os.path.join(directory, name)
-            if os.path.islink(file):
-                continue
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            file = Path(directory, name)
+            if not file.is_symlink():
+                fsync_dir(file)
         fsync_dir(Path(directory))
 
 

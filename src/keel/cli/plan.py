@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from keel.atomic import write_atomic
+from keel.atomic import write_json_atomic
 from keel.errors import KeelError
 from keel.plan.hardware import OVERRIDES, Cluster, cluster_with_overrides
 from keel.plan.serve import KV_BYTES, WEIGHT_BYTES, as_dicts, plan_serving
@@ -84,7 +83,7 @@ def parse_tokens(text: str) -> int:
 
 
 def _write_json(path: str, payload: dict) -> None:
-    write_atomic(Path(path), (json.dumps(payload, indent=2) + "\n").encode())
+    write_json_atomic(Path(path), payload)
 
 
 def cmd_train_run(args: argparse.Namespace) -> int:

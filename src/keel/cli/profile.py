@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from keel.atomic import write_atomic
+from keel.atomic import write_json_atomic
 from keel.profile.decode import PARTS, DecodeProfile, StepProfile
 
 
@@ -60,7 +59,7 @@ def cmd_profile_decode(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"Chrome trace of the profiled decode steps: {args.trace} (chrome://tracing, ui.perfetto.dev)")
     if args.json:
-        write_atomic(Path(args.json), (json.dumps(profile.as_dict(), indent=2) + "\n").encode())
+        write_json_atomic(Path(args.json), profile.as_dict())
     return 0
 
 

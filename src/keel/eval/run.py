@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from keel.atomic import write_atomic
+from keel.atomic import write_json_atomic
 from keel.errors import KeelError
 from keel.eval.score import Evaluator, continuation_logprobs, dimensions
 from keel.eval.suites import Suite
@@ -128,7 +128,7 @@ def write_json(path: str | Path, record: dict[str, Any]) -> None:
     """Atomically: a reader (or a crash) never leaves half a results file."""
     path = Path(path)
     try:
-        write_atomic(path, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+        write_json_atomic(path, record, indent=1)
     except OSError as e:
         raise KeelError(f"{path}: cannot write ({e.strerror})") from None
 

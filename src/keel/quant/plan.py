@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from keel.atomic import write_text_atomic
+from keel.atomic import write_json_atomic
 from keel.errors import KeelError
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES
 from keel.quant.sensitivity import LayerSensitivity
@@ -24,7 +24,7 @@ def write_plan(path: str | Path, results: list[LayerSensitivity], keep: int, sch
         "keep": [r.name for r in results[:keep]],
         "layers": [asdict(r) for r in results],
     }
-    write_text_atomic(Path(path), json.dumps(plan, indent=2) + "\n")  # the old plan or the whole new one
+    write_json_atomic(Path(path), plan)  # the old plan or the whole new one
     return plan
 
 

@@ -87,7 +87,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from keel.atomic import write_text_atomic
+from keel.atomic import write_json_atomic
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
 
@@ -712,5 +712,5 @@ def write_result_file(result: BenchmarkResult, path: str | Path) -> Path:
     """Write the JSON atomically (keel.atomic: temp file in the same directory, fsync, rename): never a half file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(result_to_json(result), indent=2, allow_nan=False) + "\n")
+    write_json_atomic(path, result_to_json(result), allow_nan=False)
     return path

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from keel.atomic import atomic_file, write_atomic
+from keel.atomic import atomic_file, write_json_atomic
 from keel.errors import KeelError
 from keel.jsonl import iter_jsonl
 
@@ -258,7 +258,7 @@ def _write_with_sidecar(out: Path, write: Callable[[BinaryIO], PreparedInfo]) ->
     with atomic_file(out) as f:
         info = write(f)
         side.unlink(missing_ok=True)  # never a sidecar next to a token file it does not describe
-    write_atomic(side, (json.dumps(asdict(info), indent=2) + "\n").encode("utf-8"))
+    write_json_atomic(side, asdict(info))
     return info
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from keel.atomic import write_text_atomic
+from keel.atomic import write_json_atomic, write_text_atomic
 from keel.config import ModelConfig
 from keel.dtypes import DTYPES
 from keel.errors import KeelError
@@ -216,7 +216,7 @@ class Trainer:
             config = dataclasses.replace(config, tie_word_embeddings=False)  # the pipeline trained two copies
         hf = config.to_hf()
         hf["dtype"] = self.cfg.model.dtype
-        write_text_atomic(directory / "config.json", _json(hf))
+        write_json_atomic(directory / "config.json", hf)
         write_text_atomic(directory / "train_config.json", config_json(self.cfg))
         if self.tokenizer is not None:
             self.tokenizer.save_hf(directory)
@@ -635,9 +635,3 @@ def _init_process_group(backend: str, rank: int, world: int) -> None:
     dist.init_process_group(
         backend, store=dist.PrefixStore(f"keel/attempt-{attempt}", store), rank=rank, world_size=world
     )
-
-
-def _json(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, indent=2) + "\n"
