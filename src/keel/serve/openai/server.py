@@ -33,15 +33,14 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
     if options.engine != "naive":
         return
     keel_only = [
-        (config.offload.enabled, "--expert-cache"),
-        (config.quant.quantize is not None, "--quantize"),
-        (config.speculative is not None, "--speculative-config"),
-        (config.parallel.world_size > 1, "--tensor-parallel-size/--pipeline-parallel-size"),
+        (config.offload.enabled, "--expert-cache needs"),
+        (config.quant.quantize is not None, "--quantize needs"),
+        (config.speculative is not None, "--speculative-config needs"),
+        (config.parallel.world_size > 1, "--tensor-parallel-size/--pipeline-parallel-size need"),
     ]
     for used, what in keel_only:
         if used:
-            verb = "need" if "/" in what else "needs"
-            raise KeelError(f"{what} {verb} the keel engine (not --engine naive)")
+            raise KeelError(f"{what} the keel engine (not --engine naive)")
 
 
 def _check_port(host: str, port: int) -> None:
