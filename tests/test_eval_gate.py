@@ -33,10 +33,7 @@ SLICES = {"factual_recall": 32, "reasoning": 16, "instruction_following": 8}
 
 
 def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
-    quant = config.quant
-    loaded = load_model(
-        MODEL, "auto", quantize=quant.quantize, quant_group_size=quant.quant_group_size, quant_keep=quant.quant_keep
-    )
+    loaded = load_model(MODEL, "auto", **config.quant.load_options())
     if damage:  # noise on one MLP's weights, as a bad conversion or a corrupt shard would leave it
         with torch.no_grad():
             weight = loaded.model.layers["3"].mlp.down_proj.weight
