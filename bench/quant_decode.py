@@ -48,6 +48,9 @@ VARIANTS = {
     "gguf": ("bfloat16", "gguf", 0, ("lm_head",), None),
     "gguf+h8": ("bfloat16", "gguf", 0, ("lm_head",), "int8"),
     "gguf-fp32": ("float32", "gguf", 0, ("lm_head",), None),
+    # Every block of the file as stored, the tied head on the embedding's Q8_0 blocks: keel's kernels.
+    "gguf-all": ("float32", "gguf", 0, (), None),
+    "gguf-all-bf16": ("bfloat16", "gguf", 0, (), None),
 }
 
 

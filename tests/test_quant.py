@@ -12,6 +12,13 @@ from keel.quant.linear import dequantize_int4, dequantize_int8, quantize_int4, q
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
 
 
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    """These tests pin torch's integer kernels and their layouts (float activations, exact products);
+    keel's own block kernels (int8 activations) are tested in tests/test_kernels.py."""
+    monkeypatch.setenv("KEEL_KERNELS", "0")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
 def test_quantized_matmul_matches_its_dequantized_weights(scheme, group, dtype):

@@ -39,6 +39,14 @@ from tiny_models import save_byte_tokenizer, save_hf_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
 
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    """These tests pin torch's integer kernels and their layouts (float activations, exact products);
+    keel's own block kernels (int8 activations) are tested in tests/test_kernels.py."""
+    monkeypatch.setenv("KEEL_KERNELS", "0")
+
+
 GREEDY_TOKENS = 8
 
 

@@ -3,10 +3,11 @@
 Why: at decode every projection is a matrix-vector product whose cost on CPUs is mostly per call;
 one product over the concatenated weights reads the same bytes in fewer, larger calls (timings in
 docs/BENCHMARKS.md, "Fused projections"), and the outputs are bit-identical: each output is the
-same row's dot product. Done at load by the serving engine, only where all the parts are plain
-float `nn.Linear`s (quantized layers keep theirs); training keeps the separate projections (its
-tensor-parallel plans and checkpoints name them). The separate modules are removed, so the fused
-weights take no extra memory.
+same row's dot product. Done at load by the serving engine, where all the parts are plain float
+`nn.Linear`s or layers that fuse themselves (`fused_with`: keel's block-quantized layers, whose int8
+activations are quantized once for the fused product, as they would be for each part); training
+keeps the separate projections (its tensor-parallel plans and checkpoints name them). The separate
+modules are removed, so the fused weights take no extra memory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from keel.model.attention import Attention
 from keel.model.layers import SwiGLU
 
 
-def _concat(parts: list[nn.Linear]) -> nn.Linear | None:
+def _concat(parts: list[nn.Module]) -> nn.Module | None:
+    fused_with = getattr(parts[0], "fused_with", None)
+    if callable(fused_with):
+        return fused_with(parts[1:])
     if any(type(p) is not nn.Linear for p in parts):
         return None
     first = parts[0]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from keel import kernels
 from keel.config import ModelConfig, RopeScaling
 
 # Registered through torch.library's low-level API (see keel.model.prepack for why not custom_op).
@@ -39,6 +40,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.fused_ops(x):  # one call instead of ~6 (serving on CPU; same formula)
+            return torch.ops.keel.fused_rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused kernel: the common path in float32 and the cheapest at decode.
             return rms_norm(x, self.weight, self.eps)
@@ -140,6 +143,8 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * [-1 .. -1, 1 .. 1]; the sign lives in
     `signed_sin`. Negation is exact, so the result is bit-identical to the reference formula.
     """
+    if kernels.fused_ops(x) and cos.dtype == x.dtype and x.dim() == 4 and cos.shape[2] == 1:
+        return torch.ops.keel.fused_rotary(x, cos, signed_sin)  # the same formula, one call
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -156,6 +161,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if kernels.fused_ops(gate_up):
+                return self.down_proj(torch.ops.keel.fused_silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

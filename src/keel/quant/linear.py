@@ -12,9 +12,14 @@ Both kernels require the scales in the activations' dtype (torch 2.13 refuses an
 bfloat16 model keeps bfloat16 scales. On CPU they are fast only for bfloat16 activations: float32
 and float16 take a reference path, slower than a dense float32 matmul (docs/BENCHMARKS.md, issue 7).
 
+Where keel's C++ kernels run (keel.kernels: CPUs, unless KEEL_KERNELS=0) a layer keeps its codes in
+their block layout instead (keel.quant.block_layout) and runs `torch.ops.keel.block_linear`: int8
+activations, integer dot products, any activation dtype; GGUF's Q4_0/Q4_1/Q8_0 blocks run as stored
+(`from_blocks`), scales included. `layout` says which ("blocks" or "aten").
+
 A layer is built from float weights (`QuantizedLinear(linear, ...)`, `from_float`) or straight from
-integer components (`from_int8`, `from_int4`: GGUF blocks, a saved quantized checkpoint) without
-ever holding a float weight.
+integer components (`from_int8`, `from_int4`, `from_blocks`: GGUF blocks, a saved quantized
+checkpoint) without ever holding a float weight.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from keel import kernels
 from keel.platform import int8_dequantize_rows
+from keel.quant.block_layout import BLOCK, blocks_fit, nibble_blocks, values_of_nibble_blocks
 from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES  # the stored formats are the kernels' formats
 
 # The bfloat16 int8 CPU kernel reads K in steps of 16 (other widths crash it, torch 2.13 AVX-512);
@@ -106,6 +113,11 @@ def int8_fits(in_features: int) -> bool:
     return in_features % INT8_K_MULTIPLE == 0
 
 
+def runs_blocks(device: torch.device | str, in_features: int) -> bool:
+    """Whether a layer on `device` takes keel's block kernels (else torch's aten kernels)."""
+    return kernels.enabled(torch.device(device).type) and blocks_fit(in_features)
+
+
 class QuantizedLinear(nn.Module):
     """Drop-in for nn.Linear holding int8 or packed int4 weights (buffers: they are not trained)."""
 
@@ -151,6 +163,31 @@ class QuantizedLinear(nn.Module):
         layer._set_int4(q, scales, mins, group_size, bias, dtype)
         return layer
 
+    @classmethod
+    def from_blocks(
+        cls,
+        bits: int,
+        codes: Tensor,
+        scales: Tensor,
+        mins: Tensor | None,
+        bias: Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> QuantizedLinear:
+        """GGUF's blocks of 32 as integer values [N, K] (4 bits: 0..15 with w = q * d + m; 8 bits: int8
+        with w = q * d) and their float16 scales (and mins) [N, K/32]. keel's kernels run them as they
+        are; torch's kernels get int4 groups of 32 and, for 8 bits, per-channel int8 (`int8_from_blocks`)."""
+        layer = cls()
+        n, k = codes.shape
+        if runs_blocks(codes.device, k):
+            packed = nibble_blocks(codes) if bits == 4 else codes.to(torch.int8)
+            layer._set_blocks("int4" if bits == 4 else "int8", bits, packed, scales, mins, BLOCK, bias, dtype)
+        elif bits == 4:
+            layer._set_int4(codes, scales, mins, BLOCK, bias, dtype)
+        else:
+            q, row_scales = int8_from_blocks(codes, scales, BLOCK)
+            layer._set_int8(q, row_scales, bias, dtype)
+        return layer
+
     def _quantize(self, weight: Tensor, scheme: str, group_size: int, bias: Tensor | None) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown quantization {scheme!r}; choose from {', '.join(SCHEMES)}")
@@ -183,8 +220,12 @@ class QuantizedLinear(nn.Module):
         n, k = q.shape
         if tuple(scales.shape) != (n,):
             raise ValueError(f"int8 scales must have shape [{n}], got {list(scales.shape)}")
+        if runs_blocks(q.device, k):
+            self._set_blocks("int8", 8, q.contiguous(), scales.float().reshape(n, 1), None, k, bias, dtype)
+            return
         if not int8_fits(k):
             raise ValueError(f"the int8 kernel needs in_features in multiples of {INT8_K_MULTIPLE}, got {k}")
+        self.layout = "aten"
         self._set_common("int8", n, k, 0, bias, dtype)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scales.to(device=q.device, dtype=dtype))
@@ -207,6 +248,10 @@ class QuantizedLinear(nn.Module):
             raise ValueError(
                 f"int4 scales/mins must have shape [{n}, {groups}], got {list(scales.shape)}/{list(mins.shape)}"
             )
+        if runs_blocks(q.device, k):
+            self._set_blocks("int4", 4, nibble_blocks(q), scales.float(), mins.float(), group_size, bias, dtype)
+            return
+        self.layout = "aten"
         self._set_common("int4", n, k, group_size, bias, dtype)
         # The kernels' zero point: w = (q - 8) * s + z, so z = min + 8 s (in float32, then one rounding
         # to the compute dtype, which the kernels require for scales and zeros alike).
@@ -216,9 +261,92 @@ class QuantizedLinear(nn.Module):
         sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(device=q.device, dtype=dtype)
         self.register_buffer("scales_and_zeros", sz)
 
+    def _set_blocks(
+        self,
+        scheme: str,
+        bits: int,
+        codes: Tensor,
+        scales: Tensor,
+        mins: Tensor | None,
+        group_size: int,
+        bias: Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        """Codes already in the block layout (keel.quant.block_layout), scales and mins [N, G]."""
+        n = codes.shape[0]
+        k = codes.shape[1] * (2 if bits == 4 else 1)
+        self.layout = "blocks"
+        self.bits = bits
+        self._set_common(scheme, n, k, group_size, bias, dtype)
+        self.register_buffer("qweight", codes.contiguous())
+        self.register_buffer("scales", scales.to(device=codes.device).contiguous())
+        self.register_buffer("mins", None if mins is None else mins.to(device=codes.device).contiguous())
+
+    def fused_with(self, others: list[nn.Module]) -> QuantizedLinear | None:
+        """One block-layout layer whose output rows are this layer's, then each of `others`' (the fused
+        q/k/v and gate/up projections of keel.model.fuse), or None when they do not share a layout:
+        the same bits, scale dtype, group size, compute dtype and device, all or no mins and biases."""
+        parts = [self, *others]
+
+        def key(p: nn.Module) -> tuple | None:
+            if not isinstance(p, QuantizedLinear) or p.layout != "blocks":
+                return None
+            return (
+                p.bits,
+                p.scales.dtype,
+                p.scales.shape[1],
+                p.mins is None,
+                p.bias is None,
+                p.compute_dtype,
+                p.qweight.device,
+                p.in_features,
+            )
+
+        first = key(self)
+        if first is None or any(key(p) != first for p in others):
+            return None
+        fused = QuantizedLinear()
+        fused._set_blocks(
+            self.scheme,
+            self.bits,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            None if self.mins is None else torch.cat([p.mins for p in parts]),
+            self.group_size,
+            None if self.bias is None else torch.cat([p.bias for p in parts]),
+            self.compute_dtype,
+        )
+        return fused
+
+    def values(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The layer's integer values [N, K] and float32 scales and mins [N, G] (w = q * s + min per
+        group of K/G inputs; int8 has no mins), whatever its layout."""
+        if self.layout == "blocks":
+            q = values_of_nibble_blocks(self.qweight) if self.bits == 4 else self.qweight
+            mins = None if self.mins is None else self.mins.float()
+            return q, self.scales.float(), mins
+        if self.scheme == "int8":
+            return self.qweight, self.scales.float()[:, None], None
+        q = _unpack_int4(self.qweight, self.out_features, self.in_features)
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
+        scales = sz[..., 0]
+        return q, scales, sz[..., 1] - 8.0 * scales
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight [N, K] the layer multiplies by."""
+        q, scales, mins = self.values()
+        groups = scales.shape[1]
+        w = q.float().reshape(self.out_features, groups, -1) * scales[..., None]
+        if mins is not None:
+            w = w + mins[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
     @property
     def backend(self) -> str:
         """The kernel this layer runs and the activations it is fed, for the start-up log."""
+        if self.layout == "blocks":
+            scale = "float16" if self.scales.dtype == torch.float16 else "float32"
+            return f"keel block_linear ({kernels.status()}), int8 activations, {scale} scales"
         device = self.qweight.device.type
         if self.scheme == "int8":
             kernel = "aten _weight_int8pack_mm"
@@ -233,13 +361,15 @@ class QuantizedLinear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         total = self.qweight.numel() * self.qweight.element_size()
-        for name in ("scales", "scales_and_zeros"):
-            if hasattr(self, name):
-                t = getattr(self, name)
+        for name in ("scales", "mins", "scales_and_zeros"):
+            t = getattr(self, name, None)
+            if t is not None:
                 total += t.numel() * t.element_size()
         return total
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.layout == "blocks":
+            return torch.ops.keel.block_linear(x, self.qweight, self.scales, self.mins, self.bits, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.compute_dtype:
@@ -271,7 +401,11 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedLinear:  # type: ignore[override]
         """`.to(device)` / `.to(dtype)`: packed int4 is device-specific, so a move to another device
-        type unpacks it and packs it again there; a dtype change moves the compute dtype with the scales."""
+        type unpacks it and packs it again there; a dtype change moves the compute dtype with the scales.
+        Block-layout layers keep their codes and scales as they are (the kernels read float16 and float32
+        scales whatever the activations); a move off the CPU repacks them for torch's kernels there."""
+        if getattr(self, "layout", None) == "blocks":
+            return self._apply_blocks(fn, recurse)
         values = None
         if getattr(self, "scheme", None) == "int4":
             here = self.qweight.device
@@ -283,6 +417,26 @@ class QuantizedLinear(nn.Module):
             self.qweight = _pack_int4(values.to(self.scales_and_zeros.device), self.scales_and_zeros.device)
         if hasattr(self, "scheme"):
             self.compute_dtype = (self.scales if self.scheme == "int8" else self.scales_and_zeros).dtype
+        return self
+
+    def _apply_blocks(self, fn: Callable[[Tensor], Tensor], recurse: bool) -> QuantizedLinear:
+        probe = fn(torch.empty(0, dtype=self.compute_dtype, device=self.qweight.device))
+        if probe.device.type not in ("cpu", "meta"):
+            q, scales, mins = self.values()
+            bias = self.bias
+            del self.qweight, self.scales, self.mins
+            if self.scheme == "int8":
+                q, scales = int8_from_blocks(q, scales.expand(-1, self.in_features // BLOCK).contiguous(), BLOCK)
+                self._set_int8(q.to(probe.device), scales, bias, self.compute_dtype)
+            else:
+                group = self.in_features // scales.shape[1]
+                self._set_int4(q.to(probe.device), scales, mins, group, bias, self.compute_dtype)
+            return self._apply(fn, recurse)
+        kept = {name: self._buffers.pop(name) for name in ("scales", "mins")}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            self._buffers[name] = None if tensor is None else tensor.to(probe.device)
+        self.compute_dtype = probe.dtype
         return self
 
     def extra_repr(self) -> str:

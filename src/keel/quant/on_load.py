@@ -9,10 +9,12 @@ source tensors, never the float model.
 Sources:
 - "int8" / "int4": the module's float weights (in the compute dtype, as `quantize_model` would see
   them after a float load: the same numbers bit for bit);
-- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 blocks (`GGUFTensorReader.get_blocks`). Q4_0 (w = (q - 8) d)
-  and Q4_1 (w = q d + m) are int4 groups of 32 exactly; Q8_0 (w = q d per block of 32) has no exact
-  per-channel int8 form and becomes per-channel int8 (`int8_from_blocks`: error <= half a step of
-  the row's largest value / 127). Other tensor types (Q4_K, Q6_K, F16, ...) load as float;
+- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 blocks (`GGUFTensorReader.get_blocks`). Where keel's kernels
+  run (keel.kernels) every block runs as stored, float16 scales included, and a tied head runs the
+  embedding's blocks. Elsewhere torch's kernels get Q4_0 (w = (q - 8) d) and Q4_1 (w = q d + m) as
+  int4 groups of 32 exactly, and Q8_0 (w = q d per block of 32), which has no exact per-channel int8
+  form, as per-channel int8 (`int8_from_blocks`: error <= half a step of the row's largest value /
+  127). Other tensor types (Q4_K, Q6_K, F16, ...) load as float;
 - a directory written by `keel quantize save` (config.json `quantization_config`, quant_method
   "keel"): its portable integer tensors (see keel.quant.save for the format).
 """
@@ -41,7 +43,7 @@ from keel.quant.linear import (
     QuantizedLinear,
     int4_fits,
     int8_fits,
-    int8_from_blocks,
+    runs_blocks,
     unpack_nibbles,
 )
 from keel.weights.checkpoint import Checkpoint
@@ -157,9 +159,14 @@ def _linear(
 ) -> QuantizedLinear | None:
     n, k = module.out_features, module.in_features
     if scheme == GGUF:
+        source = f"{name}.weight"
         if name == "lm_head" and checkpoint.config.tie_word_embeddings:
-            return None  # the head is the (float) embedding matrix; it has no blocks of its own
-        blocks = _gguf_blocks(checkpoint, f"{name}.weight", (n, k))
+            # The head is the embedding matrix: its blocks where keel's kernels run them (a copy of the
+            # codes, as quantize_model's tied head); the float embedding elsewhere.
+            if not runs_blocks(device, k):
+                return None
+            source = "embed_tokens.weight"
+        blocks = _gguf_blocks(checkpoint, source, (n, k))
         if blocks is None:
             return None
         bias = _bias(checkpoint, name, module, device)
@@ -225,10 +232,16 @@ def _from_blocks(
     n, k = codes.shape
     if not _blocks_fit(kind, k, n):
         return None
-    if kind == "int4":
-        return QuantizedLinear.from_int4(codes.to(device), scales, mins, GGUF_GROUP, bias, dtype)
-    q, row_scales = int8_from_blocks(codes, scales, GGUF_GROUP)
-    return QuantizedLinear.from_int8(q.to(device), row_scales, bias, dtype)
+    # The file's scales are float16: kept so (exactly) unless a derived one (Q4_0's min, -8 d) is not.
+    scales, mins = _as_stored(scales), None if mins is None else _as_stored(mins)
+    if mins is not None and scales.dtype != mins.dtype:
+        scales, mins = scales.float(), mins.float()
+    return QuantizedLinear.from_blocks(4 if kind == "int4" else 8, codes.to(device), scales, mins, bias, dtype)
+
+
+def _as_stored(values: Tensor) -> Tensor:
+    half = values.half()
+    return half if torch.equal(half.float(), values.float()) else values.float()
 
 
 def _gguf_blocks(

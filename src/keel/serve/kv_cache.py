@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from keel import kernels
 from keel.config import ModelConfig
 from keel.model.attention import AttentionMetadata, sdpa
 
@@ -80,6 +81,48 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedRows:
+    """Every token of a step as keel's paged-attention kernel reads it: its sequence's block table
+    (tables[table_of[t]], int32, padded with block 0 past what it may see) and its position."""
+
+    tables: Tensor  # [S, nb] int32
+    table_of: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+
+
+def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
+    """The plan's decode groups and prefill chunks as one `PagedRows` (built once per step)."""
+    tables: list[Tensor] = []
+    table_of = torch.zeros(num_tokens, dtype=torch.long)
+    positions = torch.zeros(num_tokens, dtype=torch.long)
+    for group in plan.decodes:
+        table_of[group.index.cpu()] = torch.arange(len(tables), len(tables) + len(group.index))
+        positions[group.index.cpu()] = group.positions.cpu()
+        tables += list(group.tables.cpu())
+    for start, end, table, chunk_positions in plan.prefills:
+        table_of[start:end] = len(tables)
+        positions[start:end] = chunk_positions.cpu()
+        tables.append(table.cpu())
+    width = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+    return PagedRows(padded, table_of, positions)
+
+
+def kernel_attends(store: Tensor, head_dim: int, block_size: int) -> bool:
+    """Whether keel's paged-attention kernel reads this store (CPU, float32/bf16/int8 rows, head dim <= 576,
+    blocks <= 64 tokens); else the gather-and-matmul path below runs."""
+    return (
+        kernels.enabled(store.device.type)
+        and store.dtype in (torch.float32, torch.bfloat16, torch.int8)
+        and head_dim <= 576
+        and block_size <= 64
+        and not torch.compiler.is_compiling()
+    )
+
+
+@dataclass
 class StepPlan:
     """How the tokens of one packed step map onto the paged cache (built by the runner).
 
@@ -92,6 +135,12 @@ class StepPlan:
     decodes: list[DecodeGroup]
     prefills: list[tuple[int, int, Tensor, Tensor]]  # (start, end, block table [nb], query positions [C])
     _masks: dict = field(default_factory=dict)
+
+    def rows(self, num_tokens: int) -> PagedRows:
+        """The step's tokens for keel's paged-attention kernel; memoised per step for all layers."""
+        if "rows" not in self._masks:
+            self._masks["rows"] = paged_rows(self, num_tokens)
+        return self._masks["rows"]
 
     def mask(self, key: object, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
         """[Q, L] boolean, True = attend; memoised per step for all layers."""
@@ -173,6 +222,8 @@ class PagedKVCache:
         """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
         a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
         plan = self.plan
+        if isinstance(k_store, Tensor) and kernel_attends(k_store, self.head_dim, self.block_size):
+            return self._attend_in_place(q, k_store, v_store, None, None, window, scale)
 
         def gather(tables: Tensor) -> tuple[Tensor, Tensor]:
             keys = self._gather(k_store, tables)  # [Hkv, B, L, D]
@@ -200,3 +251,34 @@ class PagedKVCache:
             mask = plan.mask(i, positions, keys.shape[2], window)[None, None]
             out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask, scale=scale)[0]
         return out.unsqueeze(0)
+
+    def _attend_in_place(
+        self,
+        q: Tensor,
+        k_store: Tensor,
+        v_store: Tensor | None,
+        k_scales: Tensor | None,
+        v_scales: Tensor | None,
+        window: int | None,
+        scale: float | None,
+    ) -> Tensor:
+        """Every query of the step, decodes and prefill chunks alike, in one call of keel's paged-attention
+        kernel (keel.kernels): each (token, KV head) walks its sequence's block table and reads K/V where
+        they lie, the query heads of a GQA group sharing each read; no gathered copy."""
+        queries = q[0]  # [H, T, D]
+        rows = self.plan.rows(queries.shape[1])
+        out = torch.ops.keel.paged_attention(
+            queries.transpose(0, 1),
+            k_store,
+            v_store,
+            k_scales,
+            v_scales,
+            rows.tables,
+            rows.table_of,
+            rows.positions,
+            self.block_size,
+            window or 0,
+            scale if scale is not None else self.head_dim**-0.5,
+            self.head_dim if v_store is not None else self.latent_rank,
+        )  # [T, H, Dv]
+        return out.transpose(0, 1).unsqueeze(0)

@@ -41,7 +41,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, kernel_attends
 
 QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
 
@@ -162,6 +162,8 @@ class Int8PagedKVCache(PagedKVCache):
         self, q: Tensor, k_store: QuantStore, v_store: QuantStore | None, window: int | None, scale: float | None
     ) -> Tensor:
         plan = self.plan
+        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size):
+            return self._attend_in_place(q, k_store.data, v_store.data, k_store.scales, v_store.scales, window, scale)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
             return super()._attend(q, k_store, v_store, window, scale)
         # Prefill chunks: the base class, with the decodes taken out of its plan (its masks memo is

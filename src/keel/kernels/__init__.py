@@ -1,0 +1,112 @@
+"""keel's C++ CPU kernels, registered as torch operators (`torch.ops.keel.*`) by `keel.kernels._C`.
+
+The library is compiled by the project's own build at install (setup.py; g++ and torch's headers,
+nothing downloaded) and dispatches at run time on the level keel.platform reports: its AVX2 + FMA
+kernels from `avx2` up (AVX-512 machines run them too until they have their own), the portable ones
+elsewhere (`default` x86-64, aarch64). Every kernel splits its work with ATen's `parallel_for`, so
+`torch.set_num_threads` governs it.
+
+`KEEL_KERNELS=0` turns them off: every caller takes its pure-torch path instead (for debugging and
+comparison); so does a source tree whose library was not built (`enabled()` says which and why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from keel.platform import Platform, host
+
+ENV = "KEEL_KERNELS"
+# The levels the library has kernels for, lowest first (the values of keel::Isa in csrc/kernels.h).
+LEVELS = ("scalar", "avx2")
+
+
+def kernel_level(platform: Platform) -> str:
+    """The library's level for a host: AVX2 kernels from keel.platform's `avx2` up, portable ones elsewhere."""
+    return "avx2" if platform.arch == "x86_64" and platform.avx2 else "scalar"
+
+
+def levels_here(platform: Platform | None = None) -> tuple[str, ...]:
+    """Every kernel level this machine can run (tests run each of them)."""
+    top = kernel_level(platform or host())
+    return LEVELS[: LEVELS.index(top) + 1]
+
+
+def built() -> bool:
+    """Whether the compiled library is present (the install builds it; a bare source tree may lack it)."""
+    return importlib.util.find_spec("keel.kernels._C") is not None
+
+
+def switched_off() -> bool:
+    return os.environ.get(ENV, "1").strip() == "0"
+
+
+@functools.cache
+def _load() -> str | None:
+    """Load the library once and set its level from the platform probe; the level, or None when not built."""
+    if not built():
+        return None
+    importlib.import_module("keel.kernels._C")
+    from keel.kernels import fake
+
+    fake.register()
+
+    level = kernel_level(host())
+    torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    logging.getLogger("keel").debug("keel kernels: %s level", level)
+    return level
+
+
+def enabled(device_type: str = "cpu") -> bool:
+    """Whether keel's kernels run on this device type here (CPU only; not under KEEL_KERNELS=0, read on
+    every call: layers choose their kernels when they are built)."""
+    return device_type == "cpu" and not switched_off() and _load() is not None
+
+
+@functools.cache
+def _fused_ops_enabled() -> bool:
+    # Once per process: this is asked on every norm and rotary call, and reading the environment costs
+    # more than the fused op saves. (Layers read KEEL_KERNELS again whenever one is built.)
+    return enabled("cpu")
+
+
+def fused_ops(x: torch.Tensor) -> bool:
+    """Whether the model's small ops on `x` (RMSNorm, rotary, SiLU-and-multiply) take keel's fused
+    kernels: inference (no autograd) on a CPU where the kernels run, in float32 or bf16. A constant
+    for torch.compile, so that a compiled decode step calls the same kernels as eager steps."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return _constant_enabled() if torch.compiler.is_compiling() else _fused_ops_enabled()
+
+
+def status() -> str:
+    """One phrase for the start-up log: the level the kernels run at, or why they do not run."""
+    if switched_off():
+        return f"off ({ENV}=0)"
+    if not built():
+        return "not built (reinstall keel: pip install --no-build-isolation -e .)"
+    return f"keel {_load()}"
+
+
+@contextlib.contextmanager
+def using_level(level: str) -> Iterator[None]:
+    """Run the kernels at `level` (one of `levels_here()`) inside the block: tests compare every level."""
+    if _load() is None:
+        raise RuntimeError("keel kernels are not loaded")
+    if level not in levels_here():
+        raise ValueError(f"kernel level {level!r} does not run here; choose from {', '.join(levels_here())}")
+    previous = torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    try:
+        yield
+    finally:
+        torch.ops.keel.set_kernel_isa(previous)
+
+
+_constant_enabled = torch.compiler.assume_constant_result(_fused_ops_enabled)

@@ -1,0 +1,157 @@
+// The body of paged decode attention, compiled once per ISA level: included by attention_scalar.cpp
+// and attention_avx2.cpp (the latter under its target pragma), so the same loops are vectorised for
+// each level by the compiler. Everything here has internal linkage: no copy compiled for one level can
+// stand in for another's.
+#include <cstring>
+
+#include "attention.h"
+
+namespace {
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kMaxDim = 576;   // head (or latent + rope) dimension
+constexpr int kMaxBlock = 64;  // tokens per block
+
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {
+    float v = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // subnormal: m * 2^-24
+    return sign ? -v : v;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |r| <= ln2 / 2.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One stored row of `dim` channels as float32: float32 rows are read where they lie, bf16 and int8
+// rows (times their scale) are converted into `buf`.
+template <int Dtype>
+inline const float* row_at(const void* base, const uint16_t* scales, int64_t index, int64_t stride, int64_t dim,
+                           float* buf) {
+  if constexpr (Dtype == 0) {
+    return static_cast<const float*>(base) + index * stride;
+  } else if constexpr (Dtype == 1) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + index * stride;
+    uint32_t* bits = reinterpret_cast<uint32_t*>(buf);
+    for (int64_t d = 0; d < dim; ++d) bits[d] = static_cast<uint32_t>(src[d]) << 16;
+    return buf;
+  } else {
+    const int8_t* src = static_cast<const int8_t*>(base) + index * stride;
+    const float s = half_bits_to_float(scales[index]);
+    for (int64_t d = 0; d < dim; ++d) buf[d] = static_cast<float>(src[d]) * s;
+    return buf;
+  }
+}
+
+// Query heads g0..g0+gn of row r's group over KV head h.
+template <int Dtype>
+inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r, int64_t h, int64_t g0,
+                         int64_t gn) {
+  const int64_t group = q.heads / s.kv_heads;
+  const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
+  alignas(64) float qs[kMaxGroup][kMaxDim];
+  alignas(64) float acc[kMaxGroup][kMaxDim];
+  alignas(64) float key_buf[kMaxBlock][kMaxDim];
+  alignas(64) float val[kMaxDim];
+  const float* key[kMaxBlock];
+  float scores[kMaxGroup][kMaxBlock];
+  float running_max[kMaxGroup], total[kMaxGroup];
+  const int64_t pos = q.positions[r];
+  const int32_t* table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
+  const int64_t first = q.window > 0 && pos - q.window + 1 > 0 ? pos - q.window + 1 : 0;
+  for (int64_t g = 0; g < gn; ++g) {
+    const float* src = q.q + (r * q.heads + h * group + g0 + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) qs[g][d] = src[d] * q.scale;
+    for (int64_t d = 0; d < vdim; ++d) acc[g][d] = 0.f;
+    running_max[g] = -1e30f;
+    total[g] = 0.f;
+  }
+  const int64_t row_base = h * s.slots;
+  for (int64_t start = first - first % bs; start <= pos; start += bs) {
+    const int64_t block = table[start / bs];
+    const int64_t lo = start < first ? first : start;
+    const int64_t hi = start + bs - 1 < pos ? start + bs - 1 : pos;
+    const int64_t n = hi - lo + 1;
+    const int64_t slot0 = row_base + block * bs + (lo - start);
+    for (int64_t j = 0; j < n; ++j) key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
+    for (int64_t g = 0; g < gn; ++g) {
+      float block_max = running_max[g];
+      for (int64_t j = 0; j < n; ++j) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qs[g][d] * key[j][d];
+        scores[g][j] = dot;
+        block_max = dot > block_max ? dot : block_max;
+      }
+      // Online softmax: what was summed under the old maximum is rescaled to the new one.
+      const float correction = exp_nonpositive(running_max[g] - block_max);
+      running_max[g] = block_max;
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[g][j] = exp_nonpositive(scores[g][j] - block_max);
+        sum += scores[g][j];
+      }
+      total[g] = total[g] * correction + sum;
+      if (correction != 1.f)
+        for (int64_t d = 0; d < vdim; ++d) acc[g][d] *= correction;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      // Without a value store the latent is both key and value.
+      const float* v = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, val) : key[j];
+      for (int64_t g = 0; g < gn; ++g) {
+        const float p = scores[g][j];
+#pragma omp simd
+        for (int64_t d = 0; d < vdim; ++d) acc[g][d] += p * v[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < gn; ++g) {
+    float* dst = q.out + (r * q.heads + h * group + g0 + g) * vdim;
+    const float inverse = 1.f / total[g];
+    for (int64_t d = 0; d < vdim; ++d) dst[d] = acc[g][d] * inverse;
+  }
+}
+
+inline void attend_items(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
+  const int64_t group = q.heads / s.kv_heads;
+  for (int64_t item = item0; item < item1; ++item) {
+    const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+      const int64_t gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
+      if (s.dtype == 0) {
+        attend_heads<0>(s, q, r, h, g0, gn);
+      } else if (s.dtype == 1) {
+        attend_heads<1>(s, q, r, h, g0, gn);
+      } else {
+        attend_heads<2>(s, q, r, h, g0, gn);
+      }
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,234 @@
+// AVX2 + FMA + F16C kernels. This translation unit alone is compiled for that level (the pragma
+// below, before any header), so it includes nothing with inline functions of its own that another
+// unit could end up sharing: the rest of the library stays runnable on any x86-64 CPU, and the
+// dispatcher calls in here only when keel.platform reports AVX2.
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx2,fma,f16c")
+
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace keel {
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline int hsum_i32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+  return _mm_cvtsi128_si32(x);
+}
+
+template <bool Half>
+inline float scale_at(const void* p, int64_t i) {
+  if constexpr (Half) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+
+// Blocks per scale as a shift: a power of two, or the whole row (shift past every block index).
+inline int group_shift(const BlockWeights& w) {
+  if (w.group_blocks == w.blocks) return 62;
+  int shift = 0;
+  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
+  return shift;
+}
+
+// 32 weight codes of block b as bytes (4-bit: 0..15, low nibbles are values 0..15).
+template <int Bits>
+inline __m256i load_codes(const uint8_t* row, int64_t b) {
+  if constexpr (Bits == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  }
+}
+
+// The 8 int32 partial sums of a block's integer dot product.
+template <int Bits>
+inline __m256i block_dot(__m256i w, const int8_t* a) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  __m256i pairs;
+  if constexpr (Bits == 4) {
+    pairs = _mm256_maddubs_epi16(w, x);  // unsigned codes times signed activations
+  } else {
+    // maddubs needs one unsigned operand: |w| times x with w's sign.
+    pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  }
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// The scales of blocks b..b+7 of one row as floats: 8 converted at once where each block has its
+// own (GGUF), else each block's group's scale.
+template <bool Half>
+inline __m256 eight_scales(const void* p, int64_t row_start, int64_t b, int shift) {
+  if (shift == 0) {
+    if constexpr (Half) {
+      return _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + row_start + b)));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(p) + row_start + b);
+    }
+  }
+  alignas(32) float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = scale_at<Half>(p, row_start + ((b + j) >> shift));
+  return _mm256_load_ps(v);
+}
+
+// Output features n..n+NR over activation rows m..m+MR: NR x MR independent accumulators, so the
+// multiply-adds of consecutive blocks do not wait on each other, and each activation block is loaded
+// once for NR weight rows. Blocks go 8 at a time: their scales are converted and multiplied by the
+// activations' in one vector each, and the mins' term is one multiply-add per 8 blocks.
+template <int Bits, bool Half, bool Min, int NR, int MR>
+void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo) {
+  const int64_t groups = w.blocks / w.group_blocks;
+  const int shift = group_shift(w);
+  const uint8_t* rows[NR];
+  int64_t sb[NR];
+  for (int i = 0; i < NR; ++i) {
+    rows[i] = w.codes + (n + i) * w.row_bytes;
+    sb[i] = (n + i) * groups;
+  }
+  __m256 acc[NR][MR];
+  __m256 min_acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      min_acc[i][r] = _mm256_setzero_ps();
+    }
+  int64_t b = 0;
+  for (; b + 8 <= w.blocks; b += 8) {
+    __m256 da[MR], sa[MR];
+    for (int r = 0; r < MR; ++r) {
+      da[r] = _mm256_loadu_ps(a.d + (m + r) * a.blocks + b);
+      if constexpr (Min) sa[r] = _mm256_loadu_ps(a.s + (m + r) * a.blocks + b);
+    }
+    for (int i = 0; i < NR; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[i] + NR * w.row_bytes + b * (Bits * kBlock / 8)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[i] + NR * w.row_bytes + (b + 4) * (Bits * kBlock / 8)),
+                   _MM_HINT_T0);
+      const __m256 dw = eight_scales<Half>(w.scales, sb[i], b, shift);
+      alignas(32) float scale[MR][8];
+      for (int r = 0; r < MR; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, da[r]));
+      if constexpr (Min) {
+        const __m256 mw = eight_scales<Half>(w.mins, sb[i], b, shift);
+        for (int r = 0; r < MR; ++r) min_acc[i][r] = _mm256_fmadd_ps(mw, sa[r], min_acc[i][r]);
+      }
+      for (int j = 0; j < 8; ++j) {
+        const __m256i codes = load_codes<Bits>(rows[i], b + j);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + (b + j) * kBlock);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[r][j]), acc[i][r]);
+        }
+      }
+    }
+  }
+  float tail[NR][MR] = {};
+  for (; b < w.blocks; ++b) {
+    const int64_t g = b >> shift;
+    for (int i = 0; i < NR; ++i) {
+      const __m256i codes = load_codes<Bits>(rows[i], b);
+      const float dw = scale_at<Half>(w.scales, sb[i] + g);
+      const float mw = Min ? scale_at<Half>(w.mins, sb[i] + g) : 0.f;
+      for (int r = 0; r < MR; ++r) {
+        const int64_t mb = (m + r) * a.blocks + b;
+        const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + b * kBlock);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a.d[mb]), acc[i][r]);
+        if constexpr (Min) tail[i][r] += mw * a.s[mb];
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r)
+      out[(m + r) * ldo + n + i] = hsum(acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
+}
+
+template <int Bits, bool Half, bool Min, int MR>
+void gemm_rows(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m, float* out,
+               int64_t ldo) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, 4, MR>(w, n, a, m, out, ldo);
+  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, 1, MR>(w, n, a, m, out, ldo);
+}
+
+template <int Bits, bool Half, bool Min>
+void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
+          float* out, int64_t ldo) {
+  // Tiles of output features whose codes stay in L1 while every pair of activation rows passes.
+  constexpr int64_t kTile = 32;
+  for (int64_t t = n0; t < n1; t += kTile) {
+    const int64_t te = t + kTile < n1 ? t + kTile : n1;
+    int64_t m = m0;
+    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, 2>(w, t, te, a, m, out, ldo);
+    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, 1>(w, t, te, a, m, out, ldo);
+  }
+}
+
+template <int Bits>
+void gemm_bits(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
+               float* out, int64_t ldo) {
+  const bool min = w.mins != nullptr;
+  if (w.scale_half) {
+    min ? gemm<Bits, true, true>(w, n0, n1, a, m0, m1, out, ldo) : gemm<Bits, true, false>(w, n0, n1, a, m0, m1, out, ldo);
+  } else {
+    min ? gemm<Bits, false, true>(w, n0, n1, a, m0, m1, out, ldo)
+        : gemm<Bits, false, false>(w, n0, n1, a, m0, m1, out, ldo);
+  }
+}
+
+}  // namespace
+
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float top = _mm_cvtss_f32(m4);
+    const float scale = top / 127.f;
+    const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 127.f / top : 0.f);
+    __m256i ints[4];
+    for (int i = 0; i < 4; ++i)
+      ints[i] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+    const __m256i p01 = _mm256_packs_epi32(ints[0], ints[1]);
+    const __m256i p23 = _mm256_packs_epi32(ints[2], ints[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(hsum_i32(total));
+  }
+}
+
+void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                     int64_t m1, float* out, int64_t ldo) {
+  if (w.bits == 4) {
+    gemm_bits<4>(w, n0, n1, a, m0, m1, out, ldo);
+  } else {
+    gemm_bits<8>(w, n0, n1, a, m0, m1, out, ldo);
+  }
+}
+
+}  // namespace keel
+#endif

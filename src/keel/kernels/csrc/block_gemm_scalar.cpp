@@ -1,0 +1,95 @@
+// The portable kernels: any CPU, and the reference the ISA kernels are tested against.
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace keel {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      exponent--;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.f;
+    const float inverse = scale != 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inverse));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+namespace {
+
+inline float load_scale(const void* p, int64_t i, bool half) {
+  return half ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline int32_t dot_block(const BlockWeights& w, const uint8_t* row, int64_t b, const int8_t* a) {
+  int32_t sum = 0;
+  if (w.bits == 4) {
+    const uint8_t* codes = row + b * (kBlock / 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      sum += static_cast<int32_t>(codes[j] & 0x0f) * a[j];
+      sum += static_cast<int32_t>(codes[j] >> 4) * a[j + kBlock / 2];
+    }
+  } else {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(row) + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) sum += static_cast<int32_t>(codes[j]) * a[j];
+  }
+  return sum;
+}
+
+}  // namespace
+
+void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                       int64_t m1, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.codes + n * w.row_bytes;
+    const int64_t sb = n * (w.blocks / w.group_blocks);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int8_t* aq = a.q + m * a.k;
+      const float* ad = a.d + m * a.blocks;
+      const float* as = a.s + m * a.blocks;
+      float acc = 0.f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const float dot = static_cast<float>(dot_block(w, row, b, aq + b * kBlock));
+        const int64_t g = sb + b / w.group_blocks;
+        acc += load_scale(w.scales, g, w.scale_half) * ad[b] * dot;
+        if (w.mins != nullptr) acc += load_scale(w.mins, g, w.scale_half) * as[b];
+      }
+      out[m * ldo + n] = acc;
+    }
+  }
+}
+
+}  // namespace keel

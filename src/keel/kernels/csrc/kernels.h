@@ -1,0 +1,57 @@
+// The raw kernels behind keel's torch operators: plain pointers in, no torch types, so that the
+// per-ISA translation units (compiled for their instruction set) include nothing but this header
+// and <immintrin.h>. The operator layer (ops_*.cpp) checks tensors, splits the work with
+// at::parallel_for and picks the ISA level that keel.platform reports.
+#pragma once
+
+#include <cstdint>
+
+namespace keel {
+
+// The instruction-set levels with their own kernels, lowest first. Levels above AVX2 (AVX-512,
+// VNNI, BF16, AMX) run the AVX2 kernels until they get their own.
+enum Isa : int { kScalar = 0, kAvx2 = 1 };
+
+// Weights in blocks of 32 along K, a row of K/32 blocks per output feature:
+// bits 4: codes uint8 [N, K/2], block b of a row in bytes 16b..16b+15, byte j holding value j in its
+//         low nibble and value j+16 in its high one (GGUF's layout); w = q * scale + min, q in 0..15.
+// bits 8: codes int8 [N, K]; w = q * scale (+ min when mins is not null).
+// scales and mins: [N, G], float16 (scale_half) or float32, one per group of K/G inputs: a group is
+// `group_blocks` blocks (G = K/32 for GGUF's blocks, fewer for keel's int4 groups of 64-256, 1 for
+// int8 per output channel).
+struct BlockWeights {
+  int bits;
+  const uint8_t* codes;
+  int64_t row_bytes;  // bytes of codes per output row
+  const void* scales;
+  const void* mins;  // may be null
+  bool scale_half;
+  int64_t blocks;  // K / 32
+  int64_t group_blocks;  // blocks per scale
+};
+
+// Activations quantized to int8 blocks of 32: q [M, K], d [M, K/32] (x ~ q * d), and
+// s [M, K/32] = d * sum(q) of the block (what a weight block's min multiplies).
+struct BlockActivations {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k;
+  int64_t blocks;
+};
+
+constexpr int kBlock = 32;
+
+// One row x [K] -> int8 blocks (round to nearest, scale = absmax / 127 per block).
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s);
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s);
+
+// out[m * ldo + n] = sum over k of w[n, k] * a[m, k] for n in [n0, n1), m in [m0, m1).
+void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                       int64_t m1, float* out, int64_t ldo);
+void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                     int64_t m1, float* out, int64_t ldo);
+
+float half_to_float(uint16_t h);
+
+}  // namespace keel

@@ -1,0 +1,115 @@
+// keel::paged_attention: attention of query rows over the paged KV store, reading each sequence's
+// blocks where they lie (no gather), one work item per (row, KV head).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "isa.h"
+
+namespace keel {
+
+namespace {
+
+int store_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kChar: return 2;
+    default: TORCH_CHECK(false, "keel::paged_attention: the KV store must be float32, bfloat16 or int8, got ",
+                         t.scalar_type());
+  }
+}
+
+const uint16_t* scales_of(const c10::optional<at::Tensor>& scales, const at::Tensor& store) {
+  if (store.scalar_type() != at::kChar) return nullptr;
+  TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
+                  scales->numel() == store.size(0) * store.size(1),
+              "keel::paged_attention: an int8 store needs float16 scales [H_kv, slots, 1]");
+  return static_cast<const uint16_t*>(scales->data_ptr());
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
+                           const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                           const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
+                           const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
+                           int64_t v_dim) {
+  TORCH_CHECK(q.dim() == 3, "keel::paged_attention: q must be [R, H, D]");
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous(), "keel::paged_attention: keys must be a contiguous [H_kv, slots, D]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(0);
+  TORCH_CHECK(keys.size(2) == dim, "keel::paged_attention: q has ", dim, " channels, the keys ", keys.size(2));
+  TORCH_CHECK(heads % kv_heads == 0, "keel::paged_attention: ", heads, " query heads over ", kv_heads, " KV heads");
+  TORCH_CHECK(dim <= 576 && v_dim <= dim && block_size <= 64 && block_size > 0,
+              "keel::paged_attention: head dim <= 576 and block size <= 64 only");
+  TORCH_CHECK(keys.size(1) % block_size == 0, "keel::paged_attention: slots not a multiple of the block size");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.is_contiguous(),
+              "keel::paged_attention: tables must be a contiguous int32 [T, width]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows && positions.is_contiguous(),
+              "keel::paged_attention: positions must be int64 [R]");
+  const int dtype = store_dtype(keys);
+  if (values.has_value()) {
+    TORCH_CHECK(values->sizes() == keys.sizes() && values->scalar_type() == keys.scalar_type() &&
+                    values->is_contiguous(),
+                "keel::paged_attention: values must match the keys");
+  }
+  const int64_t* table_index = nullptr;
+  if (table_of.has_value()) {
+    TORCH_CHECK(table_of->scalar_type() == at::kLong && table_of->numel() == rows && table_of->is_contiguous(),
+                "keel::paged_attention: table_of must be int64 [R]");
+    table_index = table_of->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(tables.size(0) == rows, "keel::paged_attention: one table per row without table_of");
+  }
+  // Every row's keys must lie inside its table and the store: checked here, once, not per read.
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int64_t blocks = keys.size(1) / block_size, width = tables.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = table_index ? table_index[r] : r;
+    TORCH_CHECK(t >= 0 && t < tables.size(0), "keel::paged_attention: row ", r, " names table ", t);
+    TORCH_CHECK(pos[r] >= 0 && pos[r] / block_size < width, "keel::paged_attention: position ", pos[r],
+                " outside a table of ", width, " blocks");
+    const int64_t first = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+    for (int64_t b = first / block_size; b <= pos[r] / block_size; ++b)
+      TORCH_CHECK(tab[t * width + b] >= 0 && tab[t * width + b] < blocks, "keel::paged_attention: block ",
+                  tab[t * width + b], " outside the store");
+  }
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, heads, v_dim}, qf.options());
+  const PagedStore store{dtype,
+                         keys.data_ptr(),
+                         values.has_value() ? values->data_ptr() : nullptr,
+                         scales_of(key_scales, keys),
+                         values.has_value() ? scales_of(value_scales, *values) : nullptr,
+                         keys.size(1),
+                         kv_heads,
+                         dim,
+                         v_dim,
+                         block_size};
+  const PagedQuery query{qf.data_ptr<float>(), heads, tab, width, table_index, pos, window,
+                         static_cast<float>(scale), out.data_ptr<float>()};
+  const Isa isa = current_isa();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa >= kAvx2) {
+      paged_attention_avx2(store, query, i0, i1);
+      return;
+    }
+#endif
+    paged_attention_scalar(store, query, i0, i1);
+  });
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+}  // namespace keel
+
+TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor keys, Tensor? values, Tensor? key_scales, Tensor? value_scales, "
+      "Tensor tables, Tensor? table_of, Tensor positions, int block_size, int window, float scale, int v_dim) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(keel, CPU, m) { m.impl("paged_attention", &keel::paged_attention); }

@@ -1,0 +1,189 @@
+// Block-quantized linear layers and embedding lookups as torch operators (keel::block_linear,
+// keel::block_embedding, keel::block_dequantize).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <atomic>
+
+#include "isa.h"
+
+namespace keel {
+
+namespace {
+
+std::atomic<int> g_isa{kScalar};
+
+struct Quantized {
+  at::Tensor q, d, s;
+};
+
+BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                        int64_t bits, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "keel block weights: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(k % kBlock == 0, "keel block weights: in_features ", k, " is not a multiple of ", kBlock);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "keel block weights: codes must be a contiguous [N, *] tensor");
+  TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "keel block weights: ", bits,
+              "-bit codes must be ", bits == 4 ? "uint8" : "int8");
+  const int64_t n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == (bits == 4 ? k / 2 : k), "keel block weights: codes of width ", codes.size(1),
+              " for in_features ", k);
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
+                  (k / kBlock) % scales.size(1) == 0,
+              "keel block weights: scales must be [", n, ", G] with G dividing ", k / kBlock, " (blocks of ", kBlock,
+              ")");
+  const int64_t group_blocks = (k / kBlock) / scales.size(1);
+  TORCH_CHECK((group_blocks & (group_blocks - 1)) == 0 || scales.size(1) == 1,
+              "keel block weights: a scale covers a power of two of blocks, or the whole row");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scales.scalar_type() == at::kFloat, "keel block weights: scales must be float16 or float32");
+  const void* min_ptr = nullptr;
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() && mins->numel() == scales.numel(),
+                "keel block weights: mins must match the scales");
+    min_ptr = mins->data_ptr();
+  }
+  return BlockWeights{static_cast<int>(bits), static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1),
+                      scales.data_ptr(), min_ptr, half, k / kBlock, (k / kBlock) / scales.size(1)};
+}
+
+Quantized quantize_activations(const at::Tensor& x2) {
+  const int64_t m = x2.size(0), k = x2.size(1);
+  Quantized out{at::empty({m, k}, x2.options().dtype(at::kChar)), at::empty({m, k / kBlock}, x2.options()),
+                at::empty({m, k / kBlock}, x2.options())};
+  const float* x = x2.data_ptr<float>();
+  int8_t* q = out.q.data_ptr<int8_t>();
+  float* d = out.d.data_ptr<float>();
+  float* s = out.s.data_ptr<float>();
+  const Isa isa = current_isa();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t qo = r * k, so = r * (k / kBlock);
+#if defined(__x86_64__) || defined(_M_X64)
+      if (isa >= kAvx2) {
+        quantize_row_avx2(x + qo, k, q + qo, d + so, s + so);
+        continue;
+      }
+#endif
+      quantize_row_scalar(x + qo, k, q + qo, d + so, s + so);
+    }
+  });
+  return out;
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(-1);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k);
+  const int64_t n = codes.size(0);
+  at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t m = x2.size(0);
+  const Quantized qa = quantize_activations(x2);
+  const BlockActivations a{qa.q.data_ptr<int8_t>(), qa.d.data_ptr<float>(), qa.s.data_ptr<float>(), k, k / kBlock};
+  at::Tensor out = at::empty({m, n}, x2.options());
+  float* o = out.data_ptr<float>();
+  const Isa isa = current_isa();
+  // Split the output features: each thread streams its own rows of the weights once.
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa >= kAvx2) {
+      block_gemm_avx2(w, n0, n1, a, 0, m, o, n);
+      return;
+    }
+#endif
+    block_gemm_scalar(w, n0, n1, a, 0, m, o, n);
+  });
+  if (bias.has_value()) out.add_(*bias);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.to(x.scalar_type()).view(shape);
+}
+
+template <typename Scale>
+void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, float* out, int64_t k) {
+  const Scale* sc = static_cast<const Scale*>(w.scales);
+  const Scale* mn = static_cast<const Scale*>(w.mins);
+  at::parallel_for(0, count, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows == nullptr ? i : rows[i];
+      const uint8_t* row = w.codes + r * w.row_bytes;
+      float* dst = out + i * k;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int64_t g = r * (w.blocks / w.group_blocks) + b / w.group_blocks;
+        const float d = static_cast<float>(sc[g]);
+        const float mv = mn != nullptr ? static_cast<float>(mn[g]) : 0.f;
+        float* db = dst + b * kBlock;
+        if (w.bits == 4) {
+          const uint8_t* c = row + b * (kBlock / 2);
+          for (int j = 0; j < kBlock / 2; ++j) {
+            db[j] = static_cast<float>(c[j] & 0x0f) * d + mv;
+            db[j + kBlock / 2] = static_cast<float>(c[j] >> 4) * d + mv;
+          }
+        } else {
+          const int8_t* c = reinterpret_cast<const int8_t*>(row) + b * kBlock;
+          for (int j = 0; j < kBlock; ++j) db[j] = static_cast<float>(c[j]) * d + mv;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_selected(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                               int64_t bits, const int64_t* rows, int64_t count) {
+  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k);
+  at::Tensor out = at::empty({count, k}, scales.options().dtype(at::kFloat));
+  if (w.scale_half) {
+    dequantize_rows<c10::Half>(w, rows, count, out.data_ptr<float>(), k);
+  } else {
+    dequantize_rows<float>(w, rows, count, out.data_ptr<float>(), k);
+  }
+  return out;
+}
+
+at::Tensor block_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                            int64_t bits) {
+  return dequantize_selected(codes, scales, mins, bits, nullptr, codes.size(0));
+}
+
+at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype) {
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t* rows = flat.data_ptr<int64_t>();
+  const int64_t vocab = codes.size(0);
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < vocab, "keel::block_embedding: token id ", rows[i], " outside 0..",
+                vocab - 1);
+  at::Tensor out = dequantize_selected(codes, scales, mins, bits, rows, flat.numel());
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(out.size(1));
+  return out.to(dtype).view(shape);
+}
+
+}  // namespace
+
+Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
+
+int64_t set_kernel_isa(int64_t level) {
+  TORCH_CHECK(level >= kScalar && level <= kAvx2, "keel::set_kernel_isa: unknown level ", level);
+#if !(defined(__x86_64__) || defined(_M_X64))
+  TORCH_CHECK(level == kScalar, "keel::set_kernel_isa: only the portable level exists on this architecture");
+#endif
+  return g_isa.exchange(static_cast<int>(level));
+}
+
+}  // namespace keel
+
+TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.def("set_kernel_isa(int level) -> int", &keel::set_kernel_isa);
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
+  m.def("block_dequantize(Tensor codes, Tensor scales, Tensor? mins, int bits) -> Tensor");
+  m.def("block_embedding(Tensor ids, Tensor codes, Tensor scales, Tensor? mins, int bits, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(keel, CPU, m) {
+  m.impl("block_linear", &keel::block_linear);
+  m.impl("block_dequantize", &keel::block_dequantize);
+  m.impl("block_embedding", &keel::block_embedding);
+}

@@ -1,0 +1,277 @@
+"""keel's C++ kernels (keel.kernels) against their torch references, at every ISA level this machine runs.
+
+Quantized linear: weights exactly as stored (4-bit and 8-bit blocks of 32, float16 or float32 scales,
+with and without mins, a scale per block, per group of blocks or per row), activations quantized to
+int8 blocks of 32 on the fly. The reference computes the same product from the dequantized weights
+and the quantize-dequantized activations in float64, so the only difference is float32 summation
+order. Paged attention: against a dense softmax over the positions each query may see.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from keel import kernels
+from keel.model.layers import RMSNorm, apply_rotary
+from keel.quant import QuantizedLinear
+from keel.quant.block_layout import nibble_blocks, values_of_nibble_blocks
+from keel.quant.loading import load_model
+from test_gguf import TOKENS, build_hf, write_gguf
+
+pytestmark = [
+    pytest.mark.isa,  # run again under KEEL_CPU_ISA=avx2 by `make test`
+    pytest.mark.skipif(not kernels.enabled(), reason=f"keel kernels: {kernels.status()}"),
+]
+
+LEVELS = kernels.levels_here()
+
+
+def quantize_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> the int8-block activations the kernels multiply by, as float64 (q * d)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = (blocks * inverse).round()
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+def dequantize_reference(codes, scales, mins, bits: int) -> torch.Tensor:
+    values = values_of_nibble_blocks(codes) if bits == 4 else codes
+    n, k = values.shape
+    g = scales.shape[1]
+    w = values.double().reshape(n, g, -1) * scales.double()[..., None]
+    if mins is not None:
+        w = w + mins.double()[..., None]
+    return w.reshape(n, k)
+
+
+def random_weights(n: int, k: int, bits: int, groups: int, scale_dtype, with_mins: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        codes = nibble_blocks(torch.randint(0, 16, (n, k), generator=g))
+    else:
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).to(scale_dtype)
+    mins = (-torch.rand(n, groups, generator=g) * 0.1).to(scale_dtype) if with_mins else None
+    return codes, scales, mins
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    ("bits", "scale_dtype", "with_mins", "per"),
+    [
+        (4, torch.float16, True, "block"),  # GGUF Q4_1 (Q4_0: mins = -8 d)
+        (4, torch.float32, True, 4),  # keel int4, groups of 128
+        (8, torch.float16, False, "block"),  # GGUF Q8_0
+        (8, torch.float32, False, "row"),  # keel int8, per output channel
+        (8, torch.float32, True, 2),  # int8 with mins, groups of 64
+    ],
+)
+@pytest.mark.parametrize(("n", "k", "m"), [(1, 32, 1), (37, 96, 3), (130, 800, 17), (64, 576, 1)])
+def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins, per, n, k, m):
+    blocks = k // 32
+    groups = blocks if per == "block" else 1 if per == "row" else blocks // per if blocks % per == 0 else blocks
+    codes, scales, mins = random_weights(n, k, bits, groups, scale_dtype, with_mins)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    want = quantize_rows_reference(x) @ dequantize_reference(codes, scales, mins, bits).T
+    with kernels.using_level(level):
+        got = torch.ops.keel.block_linear(x, codes, scales, mins, bits, None)
+        got_bf16 = torch.ops.keel.block_linear(x.bfloat16(), codes, scales, mins, bits, None)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    tolerance = 1e-5 * (want.abs().max().item() + 1) * math.sqrt(blocks)
+    assert (got.double() - want).abs().max().item() < tolerance
+    # bf16 activations: the same product of the bf16-rounded rows, rounded to bf16.
+    want_bf16 = quantize_rows_reference(x.bfloat16().float()) @ dequantize_reference(codes, scales, mins, bits).T
+    assert got_bf16.dtype == torch.bfloat16
+    assert (got_bf16.double() - want_bf16).abs().max().item() < 1e-2 * (want_bf16.abs().max().item() + 1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_levels_agree_and_rows_are_independent(bits):
+    """Every ISA level computes the same numbers (to float32 rounding), and a row's output does not
+    depend on the other rows of the batch (decode and prefill of the same token agree)."""
+    codes, scales, mins = random_weights(200, 640, bits, 20, torch.float16, bits == 4)
+    x = torch.randn(9, 640)
+    outs = []
+    for level in LEVELS:
+        with kernels.using_level(level):
+            outs.append(torch.ops.keel.block_linear(x, codes, scales, mins, bits, None))
+            single = torch.cat(
+                [torch.ops.keel.block_linear(x[i : i + 1], codes, scales, mins, bits, None) for i in range(9)]
+            )
+            assert torch.allclose(single, outs[-1], rtol=0, atol=1e-5)
+    for out in outs[1:]:
+        assert torch.allclose(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_and_embedding_read_the_blocks(bits):
+    codes, scales, mins = random_weights(50, 96, bits, 3, torch.float16, bits == 4)
+    want = dequantize_reference(codes, scales, mins, bits).float()
+    assert torch.equal(torch.ops.keel.block_dequantize(codes, scales, mins, bits), want)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    rows = torch.ops.keel.block_embedding(ids, codes, scales, mins, bits, torch.bfloat16)
+    assert rows.shape == (2, 3, 96) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, want[ids].bfloat16())
+    with pytest.raises(RuntimeError, match="token id 50"):
+        torch.ops.keel.block_embedding(torch.tensor([50]), codes, scales, mins, bits, torch.float32)
+
+
+def test_bad_block_weights_are_refused():
+    codes, scales, mins = random_weights(8, 64, 4, 2, torch.float16, True)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.keel.block_linear(torch.randn(1, 48), codes[:, :24].contiguous(), scales, mins, 4, None)
+    with pytest.raises(RuntimeError, match="mins must match"):
+        torch.ops.keel.block_linear(x, codes, scales, mins.float(), 4, None)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.keel.block_linear(x, codes, scales, mins, 5, None)
+
+
+# ----------------------------------------------------------------------------- the layer and loading
+@pytest.mark.parametrize(("scheme", "group"), [("int4", 32), ("int4", 128), ("int8", 0)])
+def test_quantized_linear_runs_blocks_here(scheme, group):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 80, bias=True)
+    layer = QuantizedLinear(linear, scheme, group or 128)
+    assert layer.layout == "blocks" and "keel block_linear" in layer.backend
+    x = torch.randn(4, 256)
+    want = quantize_rows_reference(x) @ layer.dequantized().double().T + linear.bias.double()
+    got = layer(x)
+    assert (got.double() - want).abs().max().item() < 1e-4
+    # The dequantized weights are the scheme's own (the kernels change only how the product is run).
+    assert (layer.dequantized() - linear.weight).abs().max() < (0.5 / 15 if scheme == "int4" else 0.5 / 127) * 2 * (
+        linear.weight.abs().max()
+    )
+    # A dtype move keeps the stored scales (the kernels read float32 and float16 whatever the activations).
+    layer.to(torch.bfloat16)
+    assert layer.scales.dtype == torch.float32 and layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_fused_block_layers_equal_their_parts():
+    torch.manual_seed(0)
+    parts = [QuantizedLinear(nn.Linear(128, n, bias=False), "int4", 32) for n in (64, 32, 32)]
+    fused = parts[0].fused_with(parts[1:])
+    x = torch.randn(3, 128)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert parts[0].fused_with([QuantizedLinear(nn.Linear(128, 32), "int8")]) is None  # other layout
+
+
+def test_kernels_switched_off_build_torch_layers(monkeypatch):
+    monkeypatch.setenv("KEEL_KERNELS", "0")
+    assert not kernels.enabled() and kernels.status() == "off (KEEL_KERNELS=0)"
+    layer = QuantizedLinear(nn.Linear(64, 32), "int4", 32)
+    assert layer.layout == "aten"
+
+
+def test_gguf_blocks_and_tied_head_run_as_stored(tmp_path):
+    """--quantize gguf with nothing kept: every Q4_1 block runs as stored, the tied head on the
+    embedding's blocks; logits within the int8 activations' error of the float (dequantized) load."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = write_gguf(build_hf("llama"), tmp_path / "m.gguf", qtype=Q.Q4_1)
+    reference = load_model(path, "float32")
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.layout == "blocks" and m.scales.dtype == torch.float16 for m in layers)
+    head = loaded.model.lm_head
+    if loaded.model.config.tie_word_embeddings:
+        assert isinstance(head, QuantizedLinear)
+    with torch.inference_mode():
+        want, got = reference.model(TOKENS), loaded.model(TOKENS)
+    assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+# ----------------------------------------------------------------------------- paged attention
+def dense_attention(q, keys, values, tables, table_of, positions, block_size, window, scale, v_dim):
+    """q [R, H, D]; keys/values [H_kv, slots, D] -> [R, H, v_dim] by a plain softmax over the visible rows."""
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    out = []
+    for r in range(q.shape[0]):
+        pos = int(positions[r])
+        table = tables[int(table_of[r]) if table_of is not None else r]
+        slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size for p in range(pos + 1)])
+        k = keys[:, slots].double()
+        v = (values[:, slots] if values is not None else keys[:, slots, :v_dim]).double()
+        qq = q[r].double().view(kv_heads, heads // kv_heads, -1)
+        s = torch.einsum("hgd,hld->hgl", qq, k) * scale
+        if window:
+            s[..., torch.arange(pos + 1) <= pos - window] = float("-inf")
+        out.append(torch.einsum("hgl,hld->hgd", s.softmax(-1), v).reshape(heads, -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
+@pytest.mark.parametrize("window", [0, 21])
+def test_paged_attention_matches_dense_softmax(level, store, window):
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs, blocks = (8, 1, 80, 16, 40) if store == "latent" else (6, 2, 64, 16, 40)
+    v_dim = 64 if store == "latent" else dim
+    keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    values = None if store == "latent" else torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    key_scales = value_scales = None
+    if store == "int8":
+        key_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
+        value_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
+        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
+    elif store == "bfloat16":
+        keys, values = keys.bfloat16(), values.bfloat16()
+        dense_k, dense_v = keys.float(), values.float()
+    else:
+        dense_k, dense_v = keys, values
+    # Three sequences: a decode at position 0, a decode past a block boundary, a 5-token prefill chunk.
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(3)]).int()
+    table_of = torch.tensor([0, 1, 2, 2, 2, 2, 2])
+    positions = torch.tensor([0, 37, 60, 61, 62, 63, 64])
+    q = torch.randn(len(positions), heads, dim, generator=g)
+    want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
+    with kernels.using_level(level):
+        got = torch.ops.keel.paged_attention(
+            q, keys, values, key_scales, value_scales, tables, table_of, positions, bs, window, 0.125, v_dim
+        )
+    assert got.shape == (len(positions), heads, v_dim)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+def test_paged_attention_refuses_a_table_outside_the_store():
+    keys = torch.randn(1, 64, 32)
+    with pytest.raises(RuntimeError, match="outside the store"):
+        torch.ops.keel.paged_attention(
+            torch.randn(1, 2, 32), keys, keys, None, None, torch.tensor([[9]], dtype=torch.int32), None,
+            torch.tensor([3]), 16, 0, 1.0, 32,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- fused small ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_small_ops_compute_the_torch_formulas(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(576).to(dtype)
+    norm.weight.data = torch.randn(576).to(dtype)
+    x = torch.randn(2, 3, 576).to(dtype)
+    q, cos, sin = (
+        torch.randn(2, 3, 9, 64).to(dtype),
+        torch.randn(2, 3, 1, 64).to(dtype),
+        torch.randn(2, 3, 1, 64).to(dtype),
+    )
+    gate_up = torch.randn(5, 2 * 384).to(dtype)
+    with torch.enable_grad():  # autograd on: torch's ops
+        assert not kernels.fused_ops(x)
+        want = norm(x), apply_rotary(q, cos, sin)
+    with torch.inference_mode():  # keel's fused kernels
+        assert kernels.fused_ops(x)
+        got = norm(x), apply_rotary(q, cos, sin)
+    for w, g in zip(want, got, strict=True):
+        assert torch.allclose(w.float(), g.float(), rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(
+        torch.ops.keel.fused_silu_mul(gate_up).float(), (F.silu(gate) * up).float(), rtol=1e-5, atol=1e-2
+    )
