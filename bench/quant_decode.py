@@ -48,8 +48,10 @@ VARIANTS = {
     "gguf": ("bfloat16", "gguf", 0, ("lm_head",), None),
     "gguf+h8": ("bfloat16", "gguf", 0, ("lm_head",), "int8"),
     "gguf-fp32": ("float32", "gguf", 0, ("lm_head",), None),
-    # Every block of the file as stored, the tied head on the embedding's Q8_0 blocks: keel's kernels.
+    # Every block of the file as stored, the tied head on the embedding's Q8_0 blocks: keel's kernels,
+    # activations refined (the default) or int8 alone ("-i8", as llama.cpp runs them).
     "gguf-all": ("float32", "gguf", 0, (), None),
+    "gguf-all-i8": ("float32", "gguf", 0, (), None),
     "gguf-all-bf16": ("bfloat16", "gguf", 0, (), None),
 }
 
@@ -72,10 +74,17 @@ def build(model: str, variant: str, max_len: int):
             max_model_len=max_len,
             enable_prefix_caching=False,
             compile=mode == "compiled",
+            quant_activations="int8" if base.endswith("-i8") else "refined",
         )
         return LLMEngine(model, config)
     loaded = load_model(
-        model, dtype, quantize=scheme, quant_group_size=group or 128, quant_keep=keep, quant_keep_as=keep_as
+        model,
+        dtype,
+        quantize=scheme,
+        quant_group_size=group or 128,
+        quant_keep=keep,
+        quant_keep_as=keep_as,
+        quant_activations="int8" if base.endswith("-i8") else "refined",
     )
     return loaded.model
 

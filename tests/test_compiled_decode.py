@@ -103,7 +103,9 @@ def test_decode_attention_op_matches_the_paged_cache(tmp_path):
 
     mask = decode_mask(positions, 12, None)
     full = torch.tensor([3, 3, 3])  # every row at the padded width: one group, as in the eager plan above
-    op = paged_decode_attention(q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, full, mask, 4, d**-0.5)
+    op = paged_decode_attention(
+        q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, full, mask, positions, 0, 4, d**-0.5
+    )
     assert torch.equal(op, eager)
     assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])
     # Rows of 2, 3 and 1 blocks: the op groups them by width exactly as the runner's plan does.
@@ -115,7 +117,7 @@ def test_decode_attention_op_matches_the_paged_cache(tmp_path):
     eager = caches[0].attend(0, q, k, v, None, window=None)
     widths = torch.tensor([2, 3, 1])
     op = paged_decode_attention(
-        q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, widths, mask, 4, d**-0.5
+        q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, widths, mask, positions, 0, 4, d**-0.5
     )
     assert torch.equal(op, eager)
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from keel import platform
+from keel import kernels, platform
 from keel.cli import main
 from keel.errors import KeelError
 from keel.platform import auto_dtype, export_isa_caps, probe
@@ -116,6 +116,12 @@ def test_the_startup_line_names_the_backends(tmp_path, force_isa, caplog):
     line = llm.engine.backends
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("backends: ")] == [f"backends: {line}"]
     assert line.startswith(f"platform {platform.host().arch} avx2")
+    if kernels.enabled():  # keel's block kernels take any activations: float32, as for a float model at AVX2
+        assert "compute float32 (auto: " in line
+        assert "int8 keel block_linear (keel avx2), int8 activations + residual, float32 scales" in line
+        assert "float32 MKL sgemm" in line or "float32 aten sgemm" in line  # the kept head
+        assert "KV cache paged float32" in line and "decode eager" in line
+        return
     assert "compute bfloat16 (auto: the int8/int4 kernels" in line
     assert "int8 aten _weight_int8pack_mm, bfloat16 activations" in line  # q/k/v, o, gate/up, down
     assert "bfloat16 aten (emulated); from 16 rows upcast to float32" in line  # the kept head: no oneDNN bf16 at AVX2

@@ -43,7 +43,7 @@ def test_profile_splits_the_step(model_dir, tmp_path, batch):
     assert decode.weight_bytes == weights and decode.kv_bytes > 0
     assert decode.bytes_per_step == decode.weight_bytes + decode.kv_bytes
     events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("name", "").startswith("keel::MLP") for e in events)
+    assert any(e.get("name", "").startswith("keel.part::MLP") for e in events)
 
 
 def test_profile_cli(model_dir, tmp_path):

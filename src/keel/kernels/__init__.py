@@ -70,20 +70,28 @@ def enabled(device_type: str = "cpu") -> bool:
     return device_type == "cpu" and not switched_off() and _load() is not None
 
 
-@functools.cache
-def _fused_ops_enabled() -> bool:
-    # Once per process: this is asked on every norm and rotary call, and reading the environment costs
-    # more than the fused op saves. (Layers read KEEL_KERNELS again whenever one is built.)
-    return enabled("cpu")
+_ACTIVE: bool | None = None  # `active()`, once read
+
+
+def active() -> bool:
+    """`enabled("cpu")`, read once per process: for the checks made on every call (norms, rotary,
+    attention), where reading the environment would cost more than the kernel saves. (Quantized
+    layers read KEEL_KERNELS again whenever one is built.)"""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = enabled("cpu")
+    return _ACTIVE
 
 
 def fused_ops(x: torch.Tensor) -> bool:
     """Whether the model's small ops on `x` (RMSNorm, rotary, SiLU-and-multiply) take keel's fused
-    kernels: inference (no autograd) on a CPU where the kernels run, in float32 or bf16. A constant
-    for torch.compile, so that a compiled decode step calls the same kernels as eager steps."""
-    if x.device.type != "cpu" or torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.bfloat16):
+    kernels: inference (no autograd) on a CPU where the kernels run, in float32 (bf16 keeps torch's
+    ops, whose roundings transformers' bf16 reference shares). Under torch.compile the answer is
+    the one eager steps read (a constant of the graph: compiled and eager steps call the same
+    kernels; keel.serve.compiled_decode reads it before compiling)."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or x.dtype != torch.float32:
         return False
-    return _constant_enabled() if torch.compiler.is_compiling() else _fused_ops_enabled()
+    return bool(_ACTIVE) if torch.compiler.is_compiling() else active()
 
 
 def status() -> str:
@@ -107,6 +115,3 @@ def using_level(level: str) -> Iterator[None]:
         yield
     finally:
         torch.ops.keel.set_kernel_isa(previous)
-
-
-_constant_enabled = torch.compiler.assume_constant_result(_fused_ops_enabled)

@@ -9,7 +9,9 @@ from torch import Tensor
 
 def register() -> None:
     @torch.library.register_fake("keel::block_linear")
-    def _(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, bits: int, bias: Tensor | None) -> Tensor:
+    def _(
+        x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, bits: int, bias: Tensor | None, passes: int = 1
+    ) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
     @torch.library.register_fake("keel::block_embedding")
@@ -43,5 +45,5 @@ def register() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("keel::fused_silu_mul")
-    def _(gate_up: Tensor) -> Tensor:
-        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    def _(gate: Tensor, up: Tensor) -> Tensor:
+        return torch.empty_like(gate)

@@ -161,9 +161,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if kernels.fused_ops(gate_up):
-                return self.down_proj(torch.ops.keel.fused_silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if kernels.fused_ops(gate):  # one call; the same in the fused and the separate projections
+            return self.down_proj(torch.ops.keel.fused_silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)

@@ -50,7 +50,7 @@ PARTS = (
     "scheduling",
     "other operators",
 )
-SCOPE = "keel::"
+SCOPE = "keel.part::"  # not "keel::": that is the namespace of keel's operators (keel.kernels)
 DECODE_WARMUP = 4  # decode steps before the timed ones
 PREFILL_STEPS = 3  # prefills timed (and as many profiled): one alone is too noisy on a busy CPU
 

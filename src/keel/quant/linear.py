@@ -277,6 +277,9 @@ class QuantizedLinear(nn.Module):
         k = codes.shape[1] * (2 if bits == 4 else 1)
         self.layout = "blocks"
         self.bits = bits
+        # 2: the activations' int8 residual too (~15 bits), for inputs with outliers (keel.quant.apply's
+        # `refine_activations`): twice the integer products, the same weight bytes.
+        self.activation_passes = 1
         self._set_common(scheme, n, k, group_size, bias, dtype)
         self.register_buffer("qweight", codes.contiguous())
         self.register_buffer("scales", scales.to(device=codes.device).contiguous())
@@ -316,6 +319,7 @@ class QuantizedLinear(nn.Module):
             None if self.bias is None else torch.cat([p.bias for p in parts]),
             self.compute_dtype,
         )
+        fused.activation_passes = max(p.activation_passes for p in parts)
         return fused
 
     def values(self) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -346,7 +350,8 @@ class QuantizedLinear(nn.Module):
         """The kernel this layer runs and the activations it is fed, for the start-up log."""
         if self.layout == "blocks":
             scale = "float16" if self.scales.dtype == torch.float16 else "float32"
-            return f"keel block_linear ({kernels.status()}), int8 activations, {scale} scales"
+            acts = "int8 activations" if self.activation_passes == 1 else "int8 activations + residual"
+            return f"keel block_linear ({kernels.status()}), {acts}, {scale} scales"
         device = self.qweight.device.type
         if self.scheme == "int8":
             kernel = "aten _weight_int8pack_mm"
@@ -369,7 +374,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
-            return torch.ops.keel.block_linear(x, self.qweight, self.scales, self.mins, self.bits, self.bias)
+            return torch.ops.keel.block_linear(
+                x, self.qweight, self.scales, self.mins, self.bits, self.bias, self.activation_passes
+            )
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.compute_dtype:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from keel.model.transformer import Transformer
-from keel.quant.apply import quantize_kept
+from keel.quant.apply import quantize_kept, set_activations
 from keel.quant.on_load import quantize_while_loading
 from keel.weights.checkpoint import LoadedModel
 from keel.weights.compute_dtype import choose_dtype
@@ -31,6 +31,7 @@ def load_model(
     quant_group_size: int = 128,
     quant_keep: Iterable[str] = ("lm_head",),
     quant_keep_as: str | None = None,
+    quant_activations: str = "refined",
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
@@ -42,6 +43,7 @@ def load_model(
     to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
     ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
     `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
+    quant_activations: how keel's CPU kernels quantize activations (keel.quant.apply.set_activations).
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
@@ -52,6 +54,7 @@ def load_model(
     load_weights(net, checkpoint, torch_dtype)
     if quant_keep_as is not None and quantize is not None:
         quantize_kept(net, tuple(quant_keep), quant_keep_as, quant_group_size)
+    set_activations(net, quant_activations)
     net.reset_buffers(device)
     net.to(device)
     net.eval()

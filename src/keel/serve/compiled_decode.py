@@ -6,8 +6,9 @@ the norms, rotary embedding, SiLU-and-multiply and residual adds into a few C++ 
 runs as one call. Attention over the paged cache stays one opaque op per layer
 (`keel::paged_decode_attention`): its KV writes mutate the cache in place, and its shapes depend
 on the block-table width, which changes every `block_size` tokens; outside the graph's traced
-shapes, that width never causes a recompile. The op calls the same functions as the eager paged
-cache (`attend_decode_rows`), so attention is the same arithmetic either way; inductor runs with
+shapes, that width never causes a recompile. The op calls the same code as the eager paged cache
+(keel's paged-attention kernel where it runs, else `attend_decode_rows`), so attention is the same
+arithmetic either way; inductor runs with
 `emulate_precision_casts`, rounding fused bf16 intermediates where eager rounds them, so greedy
 outputs are the same with and without compilation (tests/test_compiled_decode.py).
 
@@ -32,12 +33,21 @@ import types
 import torch
 from torch import Tensor
 
+from keel import kernels
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
 from keel.paths import inductor_cache_dir
 from keel.platform import host
-from keel.serve.kv_cache import PagedKVCache, attend_decode_rows, decode_mask, gather_blocks, length_groups, write_rows
+from keel.serve.kv_cache import (
+    PagedKVCache,
+    attend_decode_rows,
+    decode_mask,
+    gather_blocks,
+    kernel_attends,
+    length_groups,
+    write_rows,
+)
 
 log = logging.getLogger("keel.serve")
 
@@ -53,7 +63,7 @@ _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define(
     "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
-    "Tensor tables, Tensor widths, Tensor mask, int block_size, float scale) -> Tensor"
+    "Tensor tables, Tensor widths, Tensor mask, Tensor positions, int window, int block_size, float scale) -> Tensor"
 )
 
 
@@ -67,6 +77,8 @@ def paged_decode_attention(
     tables: Tensor,
     widths: Tensor,
     mask: Tensor,
+    positions: Tensor,
+    window: int,
     block_size: int,
     scale: float,
 ) -> Tensor:
@@ -76,6 +88,13 @@ def paged_decode_attention(
     does), so a batch of short and long sequences does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
+    if kernel_attends(k_store, k_store.shape[-1], block_size):
+        # keel's kernel walks each row's own table where the blocks lie: no gather, no grouping.
+        out = torch.ops.keel.paged_attention(
+            q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size, window,
+            scale, v_store.shape[-1],
+        )  # fmt: skip
+        return out.transpose(0, 1).contiguous().unsqueeze(0)  # the layout the graph was traced with
     # On CUDA the step is replayed as a CUDA graph, which cannot follow data-dependent grouping: one group.
     lengths = widths.tolist() if widths.device.type == "cpu" else None
     groups = length_groups(lengths) if lengths is not None else [None]
@@ -100,7 +119,7 @@ _lib.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAu
 
 
 @torch.library.register_fake("keel::paged_decode_attention")
-def _(q, k, v, k_store, v_store, slots, tables, widths, mask, block_size, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, k_store, v_store, slots, tables, widths, mask, positions, window, block_size, scale):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
 
@@ -127,6 +146,8 @@ class _StepCache:
             self.tables,
             self.widths,
             self.masks[window],
+            self.positions,
+            window or 0,
             paged.block_size,
             paged.head_dim**-0.5,
         )
@@ -173,6 +194,7 @@ class CompiledDecode:
     """Runs decode-only steps through one compiled forward of the model (see the module docstring)."""
 
     def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
+        kernels.active()  # read before tracing: the graph takes the kernels eager steps take
         self.model, self.cache = model, cache
         self.device = model.device
         if not _USER_CACHE_DIR:

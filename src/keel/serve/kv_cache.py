@@ -114,7 +114,8 @@ def kernel_attends(store: Tensor, head_dim: int, block_size: int) -> bool:
     """Whether keel's paged-attention kernel reads this store (CPU, float32/bf16/int8 rows, head dim <= 576,
     blocks <= 64 tokens); else the gather-and-matmul path below runs."""
     return (
-        kernels.enabled(store.device.type)
+        store.device.type == "cpu"
+        and kernels.active()
         and store.dtype in (torch.float32, torch.bfloat16, torch.int8)
         and head_dim <= 576
         and block_size <= 64

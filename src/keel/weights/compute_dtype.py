@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from keel import kernels
 from keel.dtypes import DTYPES, parse_dtype
 from keel.platform import auto_dtype
 from keel.weights.checkpoint import Checkpoint
@@ -17,10 +18,13 @@ def choose_dtype(
     if dtype != "auto":
         return (parse_dtype(dtype) if isinstance(dtype, str) else dtype), "requested"
     stored = None if checkpoint.format == "gguf" else checkpoint.config.dtype
+    # torch's integer kernels want bf16 activations; keel's (keel.kernels) take any, so a quantized model
+    # there computes in what the rest of the model runs fastest in, as a float one does.
+    quantized = quantize is not None or checkpoint.quantization is not None
     name, why = auto_dtype(
         stored if stored in DTYPES or stored is None else "float32",
         str(device),
-        quantized=quantize is not None or checkpoint.quantization is not None,
+        quantized=quantized and not kernels.enabled(torch.device(device).type),
     )
     return parse_dtype(name), f"auto: {why}"
 

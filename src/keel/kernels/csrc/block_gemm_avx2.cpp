@@ -91,7 +91,7 @@ inline __m256 eight_scales(const void* p, int64_t row_start, int64_t b, int shif
 // multiply-adds of consecutive blocks do not wait on each other, and each activation block is loaded
 // once for NR weight rows. Blocks go 8 at a time: their scales are converted and multiplied by the
 // activations' in one vector each, and the mins' term is one multiply-add per 8 blocks.
-template <int Bits, bool Half, bool Min, int NR, int MR>
+template <int Bits, bool Half, bool Min, bool Two, int NR, int MR>
 void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo) {
   const int64_t groups = w.blocks / w.group_blocks;
   const int shift = group_shift(w);
@@ -121,7 +121,11 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
                    _MM_HINT_T0);
       const __m256 dw = eight_scales<Half>(w.scales, sb[i], b, shift);
       alignas(32) float scale[MR][8];
-      for (int r = 0; r < MR; ++r) _mm256_store_ps(scale[r], _mm256_mul_ps(dw, da[r]));
+      alignas(32) float scale2[MR][8];
+      for (int r = 0; r < MR; ++r) {
+        _mm256_store_ps(scale[r], _mm256_mul_ps(dw, da[r]));
+        if constexpr (Two) _mm256_store_ps(scale2[r], _mm256_mul_ps(dw, _mm256_loadu_ps(a.d2 + (m + r) * a.blocks + b)));
+      }
       if constexpr (Min) {
         const __m256 mw = eight_scales<Half>(w.mins, sb[i], b, shift);
         for (int r = 0; r < MR; ++r) min_acc[i][r] = _mm256_fmadd_ps(mw, sa[r], min_acc[i][r]);
@@ -131,6 +135,10 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
         for (int r = 0; r < MR; ++r) {
           const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + (b + j) * kBlock);
           acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[r][j]), acc[i][r]);
+          if constexpr (Two) {
+            const __m256i dot2 = block_dot<Bits>(codes, a.q2 + (m + r) * a.k + (b + j) * kBlock);
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_broadcast_ss(&scale2[r][j]), acc[i][r]);
+          }
         }
       }
     }
@@ -146,6 +154,10 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
         const int64_t mb = (m + r) * a.blocks + b;
         const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + b * kBlock);
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a.d[mb]), acc[i][r]);
+        if constexpr (Two) {
+          const __m256i dot2 = block_dot<Bits>(codes, a.q2 + (m + r) * a.k + b * kBlock);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(dw * a.d2[mb]), acc[i][r]);
+        }
         if constexpr (Min) tail[i][r] += mw * a.s[mb];
       }
     }
@@ -155,15 +167,15 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
       out[(m + r) * ldo + n + i] = hsum(acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
 }
 
-template <int Bits, bool Half, bool Min, int MR>
+template <int Bits, bool Half, bool Min, bool Two, int MR>
 void gemm_rows(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m, float* out,
                int64_t ldo) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, 4, MR>(w, n, a, m, out, ldo);
-  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, 1, MR>(w, n, a, m, out, ldo);
+  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, Two, 4, MR>(w, n, a, m, out, ldo);
+  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, Two, 1, MR>(w, n, a, m, out, ldo);
 }
 
-template <int Bits, bool Half, bool Min>
+template <int Bits, bool Half, bool Min, bool Two>
 void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
           float* out, int64_t ldo) {
   // Tiles of output features whose codes stay in L1 while every pair of activation rows passes.
@@ -171,53 +183,77 @@ void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations&
   for (int64_t t = n0; t < n1; t += kTile) {
     const int64_t te = t + kTile < n1 ? t + kTile : n1;
     int64_t m = m0;
-    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, 2>(w, t, te, a, m, out, ldo);
-    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, 1>(w, t, te, a, m, out, ldo);
+    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, Two, 2>(w, t, te, a, m, out, ldo);
+    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, Two, 1>(w, t, te, a, m, out, ldo);
+  }
+}
+
+template <int Bits, bool Two>
+void gemm_passes(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
+                 float* out, int64_t ldo) {
+  const bool min = w.mins != nullptr;
+  if (w.scale_half) {
+    min ? gemm<Bits, true, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
+        : gemm<Bits, true, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
+  } else {
+    min ? gemm<Bits, false, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
+        : gemm<Bits, false, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
   }
 }
 
 template <int Bits>
 void gemm_bits(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
                float* out, int64_t ldo) {
-  const bool min = w.mins != nullptr;
-  if (w.scale_half) {
-    min ? gemm<Bits, true, true>(w, n0, n1, a, m0, m1, out, ldo) : gemm<Bits, true, false>(w, n0, n1, a, m0, m1, out, ldo);
-  } else {
-    min ? gemm<Bits, false, true>(w, n0, n1, a, m0, m1, out, ldo)
-        : gemm<Bits, false, false>(w, n0, n1, a, m0, m1, out, ldo);
-  }
+  a.q2 != nullptr ? gemm_passes<Bits, true>(w, n0, n1, a, m0, m1, out, ldo)
+                  : gemm_passes<Bits, false>(w, n0, n1, a, m0, m1, out, ldo);
 }
 
 }  // namespace
 
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+namespace {
+
+// 32 values in 4 vectors -> int8 codes, their scale, and the codes as floats (for the residual).
+inline int quantize_block(const __m256 v[4], int8_t* q, float* d, __m256 rounded[4]) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float top = _mm_cvtss_f32(m4);
+  const float scale = top / 127.f;
+  const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 127.f / top : 0.f);
+  __m256i ints[4];
+  for (int i = 0; i < 4; ++i) {
+    rounded[i] = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    ints[i] = _mm256_cvtps_epi32(rounded[i]);
+  }
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+  const __m256i p01 = _mm256_packs_epi32(ints[0], ints[1]);
+  const __m256i p23 = _mm256_packs_epi32(ints[2], ints[3]);
+  const __m256i bytes =
+      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  *d = scale;
+  return hsum_i32(total);
+}
+
+}  // namespace
+
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+    __m256 v[4], rounded[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+    const int sum = quantize_block(v, q + b * kBlock, d + b, rounded);
+    s[b] = d[b] * static_cast<float>(sum);
+    if (q2 != nullptr) {
+      // The residual, exactly as the scalar path computes it: x - q * d (no fused multiply-add).
+      const __m256 scale = _mm256_set1_ps(d[b]);
+      __m256 residual[4], unused[4];
+      for (int i = 0; i < 4; ++i) residual[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(rounded[i], scale));
+      const int sum2 = quantize_block(residual, q2 + b * kBlock, d2 + b, unused);
+      s[b] += d2[b] * static_cast<float>(sum2);
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float top = _mm_cvtss_f32(m4);
-    const float scale = top / 127.f;
-    const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 127.f / top : 0.f);
-    __m256i ints[4];
-    for (int i = 0; i < 4; ++i)
-      ints[i] = _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
-    const __m256i p01 = _mm256_packs_epi32(ints[0], ints[1]);
-    const __m256i p23 = _mm256_packs_epi32(ints[2], ints[3]);
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), bytes);
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(hsum_i32(total));
   }
 }
 

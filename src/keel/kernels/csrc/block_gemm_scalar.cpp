@@ -30,21 +30,36 @@ float half_to_float(uint16_t h) {
   return out;
 }
 
-void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+namespace {
+
+// One block of 32 values -> int8 codes and their scale; returns the sum of the codes.
+int quantize_block(const float* x, int8_t* q, float* d) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  const float inverse = scale != 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * inverse));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = scale;
+  return sum;
+}
+
+}  // namespace
+
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float scale = amax / 127.f;
-    const float inverse = scale != 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xb[i] * inverse));
-      q[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
+    const int sum = quantize_block(x + b * kBlock, q + b * kBlock, d + b);
+    s[b] = d[b] * static_cast<float>(sum);
+    if (q2 != nullptr) {
+      float residual[kBlock];
+      for (int i = 0; i < kBlock; ++i) residual[i] = x[b * kBlock + i] - static_cast<float>(q[b * kBlock + i]) * d[b];
+      const int sum2 = quantize_block(residual, q2 + b * kBlock, d2 + b);
+      s[b] += d2[b] * static_cast<float>(sum2);
     }
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
   }
 }
 
@@ -85,6 +100,10 @@ void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const Bloc
         const float dot = static_cast<float>(dot_block(w, row, b, aq + b * kBlock));
         const int64_t g = sb + b / w.group_blocks;
         acc += load_scale(w.scales, g, w.scale_half) * ad[b] * dot;
+        if (a.q2 != nullptr) {
+          const float dot2 = static_cast<float>(dot_block(w, row, b, a.q2 + m * a.k + b * kBlock));
+          acc += load_scale(w.scales, g, w.scale_half) * a.d2[m * a.blocks + b] * dot2;
+        }
         if (w.mins != nullptr) acc += load_scale(w.mins, g, w.scale_half) * as[b];
       }
       out[m * ldo + n] = acc;

@@ -31,20 +31,25 @@ struct BlockWeights {
 };
 
 // Activations quantized to int8 blocks of 32: q [M, K], d [M, K/32] (x ~ q * d), and
-// s [M, K/32] = d * sum(q) of the block (what a weight block's min multiplies).
+// s [M, K/32] = the block's sum as quantized (what a weight block's min multiplies). With a second
+// pass, the residual x - q * d is quantized the same way (q2, d2: x ~ q * d + q2 * d2, about 15 bits):
+// for inputs whose blocks hold outliers (after SiLU-and-multiply) and for the LM head.
 struct BlockActivations {
   const int8_t* q;
   const float* d;
   const float* s;
   int64_t k;
   int64_t blocks;
+  const int8_t* q2;  // null: one pass
+  const float* d2;
 };
 
 constexpr int kBlock = 32;
 
-// One row x [K] -> int8 blocks (round to nearest, scale = absmax / 127 per block).
-void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s);
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s);
+// One row x [K] -> int8 blocks (round to nearest, scale = absmax / 127 per block); with q2 (and d2)
+// not null, the residual's blocks too.
+void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2);
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2);
 
 // out[m * ldo + n] = sum over k of w[n, k] * a[m, k] for n in [n0, n1), m in [m0, m1).
 void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,

@@ -16,7 +16,7 @@ namespace {
 std::atomic<int> g_isa{kScalar};
 
 struct Quantized {
-  at::Tensor q, d, s;
+  at::Tensor q, d, s, q2, d2;
 };
 
 BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
@@ -48,39 +48,53 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
                       scales.data_ptr(), min_ptr, half, k / kBlock, (k / kBlock) / scales.size(1)};
 }
 
-Quantized quantize_activations(const at::Tensor& x2) {
+Quantized quantize_activations(const at::Tensor& x2, bool two_passes) {
   const int64_t m = x2.size(0), k = x2.size(1);
   Quantized out{at::empty({m, k}, x2.options().dtype(at::kChar)), at::empty({m, k / kBlock}, x2.options()),
                 at::empty({m, k / kBlock}, x2.options())};
+  if (two_passes) {
+    out.q2 = at::empty({m, k}, x2.options().dtype(at::kChar));
+    out.d2 = at::empty({m, k / kBlock}, x2.options());
+  }
   const float* x = x2.data_ptr<float>();
   int8_t* q = out.q.data_ptr<int8_t>();
   float* d = out.d.data_ptr<float>();
   float* s = out.s.data_ptr<float>();
+  int8_t* q2 = two_passes ? out.q2.data_ptr<int8_t>() : nullptr;
+  float* d2 = two_passes ? out.d2.data_ptr<float>() : nullptr;
   const Isa isa = current_isa();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t qo = r * k, so = r * (k / kBlock);
 #if defined(__x86_64__) || defined(_M_X64)
       if (isa >= kAvx2) {
-        quantize_row_avx2(x + qo, k, q + qo, d + so, s + so);
+        quantize_row_avx2(x + qo, k, q + qo, d + so, s + so, q2 ? q2 + qo : nullptr, d2 ? d2 + so : nullptr);
         continue;
       }
 #endif
-      quantize_row_scalar(x + qo, k, q + qo, d + so, s + so);
+      quantize_row_scalar(x + qo, k, q + qo, d + so, s + so, q2 ? q2 + qo : nullptr, d2 ? d2 + so : nullptr);
     }
   });
   return out;
 }
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                        int64_t passes) {
+  TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
   const int64_t k = x.size(-1);
   const BlockWeights w = weights_of(codes, scales, mins, bits, k);
   const int64_t n = codes.size(0);
   at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
-  const Quantized qa = quantize_activations(x2);
-  const BlockActivations a{qa.q.data_ptr<int8_t>(), qa.d.data_ptr<float>(), qa.s.data_ptr<float>(), k, k / kBlock};
+  const Quantized qa = quantize_activations(x2, passes == 2);
+  const BlockActivations a{qa.q.data_ptr<int8_t>(),
+                           qa.d.data_ptr<float>(),
+                           qa.s.data_ptr<float>(),
+                           k,
+                           k / kBlock,
+                           passes == 2 ? qa.q2.data_ptr<int8_t>() : nullptr,
+                           passes == 2 ? qa.d2.data_ptr<float>() : nullptr};
   at::Tensor out = at::empty({m, n}, x2.options());
   float* o = out.data_ptr<float>();
   const Isa isa = current_isa();
@@ -177,7 +191,9 @@ int64_t set_kernel_isa(int64_t level) {
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("set_kernel_isa(int level) -> int", &keel::set_kernel_isa);
-  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
+  m.def(
+      "block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias, int passes=1) "
+      "-> Tensor");
   m.def("block_dequantize(Tensor codes, Tensor scales, Tensor? mins, int bits) -> Tensor");
   m.def("block_embedding(Tensor ids, Tensor codes, Tensor scales, Tensor? mins, int bits, ScalarType dtype) -> Tensor");
 }

@@ -32,7 +32,7 @@ from keel.model.fuse import fuse_projections
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
 from keel.model.stages import layer_ranges
-from keel.quant.apply import quantize_kept
+from keel.quant.apply import quantize_kept, set_activations
 from keel.quant.config import QuantConfig
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
 from keel.serve.kv_budget import blocks_in_budget
@@ -236,6 +236,7 @@ class Worker:
                 stats["quantized"] += quantize_kept(
                     model, quant.quant_keep, quant.quant_keep_as, quant.quant_group_size
                 )
+            set_activations(model, quant.quant_activations)
             log.info(
                 "rank %d: %d layers quantized to %s, %d kept",
                 self.rank,
