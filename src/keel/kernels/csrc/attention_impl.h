@@ -30,11 +30,13 @@ inline float half_bits_to_float(uint16_t h) {
   return out;
 }
 
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * p(r), |r| <= ln2 / 2.
+// exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), |r| <= ln2 / 2, written so that
+// the compiler vectorises it over a block's scores (no libm call, integer rounding, bit casts by array).
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const int32_t n = -static_cast<int32_t>(0.5f - x * 1.44269504f);  // round to nearest (x <= 0)
+  const float nf = static_cast<float>(n);
+  const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -42,10 +44,48 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// v[i] = exp(v[i] - shift) for i < n (n <= kMaxBlock), vectorised.
+inline void exp_shifted(float* v, int64_t n, float shift) {
+  int32_t bits[kMaxBlock];
+  float poly[kMaxBlock];
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float x = v[i] - shift;
+    x = x < -87.f ? -87.f : x;
+    const int32_t k = -static_cast<int32_t>(0.5f - x * 1.44269504f);
+    const float kf = static_cast<float>(k);
+    const float r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    poly[i] = p * r * r + r + 1.f;
+    bits[i] = (k + 127) << 23;
+  }
+  float scale[kMaxBlock];
+  std::memcpy(scale, bits, n * sizeof(float));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) v[i] = poly[i] * scale[i];
+}
+
+// sum(a[d] * b[d]): eight partial sums (one vector register where the unit has them) so that the
+// compiler vectorises it without reassociating a single sum; the tail of dim % 8 after them.
+inline float dot_product(const float* a, const float* b, int64_t dim) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int64_t main = dim - dim % 8;
+  for (int64_t d = 0; d < main; d += 8)
+    for (int l = 0; l < 8; ++l) part[l] += a[d + l] * b[d + l];
+  float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (int64_t d = main; d < dim; ++d) sum += a[d] * b[d];
+  return sum;
 }
 
 // One stored row of `dim` channels as float32: float32 rows are read where they lie, bf16 and int8
@@ -102,20 +142,16 @@ inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, i
     for (int64_t g = 0; g < gn; ++g) {
       float block_max = running_max[g];
       for (int64_t j = 0; j < n; ++j) {
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qs[g][d] * key[j][d];
+        const float dot = dot_product(qs[g], key[j], dim);
         scores[g][j] = dot;
         block_max = dot > block_max ? dot : block_max;
       }
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
       const float correction = exp_nonpositive(running_max[g] - block_max);
       running_max[g] = block_max;
+      exp_shifted(scores[g], n, block_max);
       float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[g][j] = exp_nonpositive(scores[g][j] - block_max);
-        sum += scores[g][j];
-      }
+      for (int64_t j = 0; j < n; ++j) sum += scores[g][j];
       total[g] = total[g] * correction + sum;
       if (correction != 1.f)
         for (int64_t d = 0; d < vdim; ++d) acc[g][d] *= correction;
@@ -125,7 +161,6 @@ inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, i
       const float* v = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, val) : key[j];
       for (int64_t g = 0; g < gn; ++g) {
         const float p = scores[g][j];
-#pragma omp simd
         for (int64_t d = 0; d < vdim; ++d) acc[g][d] += p * v[d];
       }
     }
