@@ -20,6 +20,7 @@ from keel import kernels
 from keel.model.layers import RMSNorm, apply_rotary
 from keel.quant import QuantizedLinear
 from keel.quant.block_layout import nibble_blocks, values_of_nibble_blocks
+from keel.quant.linear import BLOCK_DEQUANTIZE_ROWS
 from keel.quant.loading import load_model
 from test_gguf import TOKENS, build_hf, write_gguf
 
@@ -165,6 +166,10 @@ def test_quantized_linear_runs_blocks_here(scheme, group):
     assert (layer.dequantized() - linear.weight).abs().max() < (0.5 / 15 if scheme == "int4" else 0.5 / 127) * 2 * (
         linear.weight.abs().max()
     )
+    # Prefill-sized products: the stored weights dequantized, times the float rows (exact).
+    rows = torch.randn(BLOCK_DEQUANTIZE_ROWS, 256)
+    want_rows = rows.double() @ layer.dequantized().double().T + linear.bias.double()
+    assert (layer(rows).double() - want_rows).abs().max().item() < 1e-4
     # A dtype move keeps the stored scales (the kernels read float32 and float16 whatever the activations).
     layer.to(torch.bfloat16)
     assert layer.scales.dtype == torch.float32 and layer(x.bfloat16()).dtype == torch.bfloat16
@@ -181,7 +186,8 @@ def test_fused_block_layers_equal_their_parts():
 
 def test_kernels_switched_off_build_torch_layers(monkeypatch):
     monkeypatch.setenv("KEEL_KERNELS", "0")
-    assert not kernels.enabled() and kernels.status() == "off (KEEL_KERNELS=0)"
+    monkeypatch.setattr(kernels, "_ACTIVE", None)  # the per-call checks read it again, and as before after
+    assert not kernels.enabled() and not kernels.active() and kernels.status() == "off (KEEL_KERNELS=0)"
     layer = QuantizedLinear(nn.Linear(64, 32), "int4", 32)
     assert layer.layout == "aten"
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from keel import kernels
 from keel.quant import QuantizedLinear, quantize_model
 from keel.quant.linear import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
@@ -17,6 +18,7 @@ def torch_kernels(monkeypatch):
     """These tests pin torch's integer kernels and their layouts (float activations, exact products);
     keel's own block kernels (int8 activations) are tested in tests/test_kernels.py."""
     monkeypatch.setenv("KEEL_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_ACTIVE", None)  # read again here, and as before after the test
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from keel import kernels
 from keel.errors import KeelError, WeightsError
 from keel.model.moe import GroupedExperts
 from keel.quant import QuantizedGroupedExperts, QuantizedLinear, quantize_model
@@ -45,6 +46,7 @@ def torch_kernels(monkeypatch):
     """These tests pin torch's integer kernels and their layouts (float activations, exact products);
     keel's own block kernels (int8 activations) are tested in tests/test_kernels.py."""
     monkeypatch.setenv("KEEL_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_ACTIVE", None)  # read again here, and as before after the test
 
 
 GREEDY_TOKENS = 8

@@ -38,6 +38,10 @@ from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES  # the stored fo
 # the CPU int4 packing needs N in multiples of 16 (CUDA's: 8).
 INT8_K_MULTIPLE = 16
 INT4_N_MULTIPLE = 16
+# From this many rows a block-layout product dequantizes its weights to float32 and runs BLAS (measured
+# crossover against keel's integer kernel with refined activations on an AVX2 CPU: docs/BENCHMARKS.md).
+BLOCK_DEQUANTIZE_ROWS = 128
+DEQUANTIZE_SLICE_ELEMENTS = 1 << 20  # float32 weights per slice: 4 MiB
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -374,6 +378,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
+            if x.shape[:-1].numel() >= BLOCK_DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+                return self._dequantized_product(x)
             return torch.ops.keel.block_linear(
                 x, self.qweight, self.scales, self.mins, self.bits, self.bias, self.activation_passes
             )
@@ -399,6 +405,23 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized_product(self, x: Tensor) -> Tensor:
+        """Prefill-sized products on the block layout: the weights dequantized to float32 a slice of
+        output rows at a time (each slice stays in cache) times float32 rows through BLAS, the exact
+        float product of the stored weights (faster than the integer kernel from BLOCK_DEQUANTIZE_ROWS
+        rows: docs/BENCHMARKS.md, "keel's kernels")."""
+        x2 = x.reshape(-1, self.in_features).float()
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        step = max(1, DEQUANTIZE_SLICE_ELEMENTS // self.in_features)
+        for n0 in range(0, self.out_features, step):
+            n1 = min(self.out_features, n0 + step)
+            mins = None if self.mins is None else self.mins[n0:n1]
+            weight = torch.ops.keel.block_dequantize(self.qweight[n0:n1], self.scales[n0:n1], mins, self.bits)
+            out[:, n0:n1] = x2 @ weight.t()
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _dequantized_rows(self, x2: Tensor) -> bool:
         if torch.compiler.is_compiling():  # one graph for every batch size: no shape-dependent branch
