@@ -97,7 +97,7 @@ def test_levels_agree_and_rows_are_independent(bits):
     """Every ISA level computes the same numbers (to float32 rounding), and a row's output does not
     depend on the other rows of the batch (decode and prefill of the same token agree)."""
     codes, scales, mins = random_weights(200, 640, bits, 20, torch.float16, bits == 4)
-    x = torch.randn(9, 640)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(3))
     outs = []
     for level in LEVELS:
         with kernels.using_level(level):
