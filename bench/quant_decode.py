@@ -61,6 +61,7 @@ def build(model: str, variant: str, max_len: int):
 
     base, _, mode = variant.partition("@")
     dtype, scheme, group, keep, keep_as = VARIANTS[base]
+    activations = "int8" if base.endswith("-i8") else "refined"
     if mode:
         from keel.serve.engine import EngineConfig, LLMEngine
 
@@ -74,7 +75,7 @@ def build(model: str, variant: str, max_len: int):
             max_model_len=max_len,
             enable_prefix_caching=False,
             compile=mode == "compiled",
-            quant_activations="int8" if base.endswith("-i8") else "refined",
+            quant_activations=activations,
         )
         return LLMEngine(model, config)
     loaded = load_model(
@@ -84,7 +85,7 @@ def build(model: str, variant: str, max_len: int):
         quant_group_size=group or 128,
         quant_keep=keep,
         quant_keep_as=keep_as,
-        quant_activations="int8" if base.endswith("-i8") else "refined",
+        quant_activations=activations,
     )
     return loaded.model
 

@@ -281,8 +281,8 @@ class QuantizedLinear(nn.Module):
         k = codes.shape[1] * (2 if bits == 4 else 1)
         self.layout = "blocks"
         self.bits = bits
-        # 2: the activations' int8 residual too (~15 bits), for inputs with outliers (keel.quant.apply's
-        # `refine_activations`): twice the integer products, the same weight bytes.
+        # 2: the activations' int8 residual too (~15 bits; keel.quant.apply.set_activations "refined"):
+        # twice the integer products, the same weight bytes.
         self.activation_passes = 1
         self._set_common(scheme, n, k, group_size, bias, dtype)
         self.register_buffer("qweight", codes.contiguous())

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from keel import kernels
@@ -92,21 +93,23 @@ class PagedRows:
 
 def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
     """The plan's decode groups and prefill chunks as one `PagedRows` (built once per step)."""
-    tables: list[Tensor] = []
+    tables: list[Tensor] = []  # [rows, width] each: a decode group's (padded already), a chunk's
     table_of = torch.zeros(num_tokens, dtype=torch.long)
     positions = torch.zeros(num_tokens, dtype=torch.long)
+    count = 0
     for group in plan.decodes:
-        table_of[group.index.cpu()] = torch.arange(len(tables), len(tables) + len(group.index))
-        positions[group.index.cpu()] = group.positions.cpu()
-        tables += list(group.tables.cpu())
+        index = group.index.cpu()
+        table_of[index] = torch.arange(count, count + len(index))
+        positions[index] = group.positions.cpu()
+        tables.append(group.tables.cpu())
+        count += len(index)
     for start, end, table, chunk_positions in plan.prefills:
-        table_of[start:end] = len(tables)
+        table_of[start:end] = count
         positions[start:end] = chunk_positions.cpu()
-        tables.append(table.cpu())
-    width = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = t
+        tables.append(table.cpu()[None])
+        count += 1
+    width = max(t.shape[1] for t in tables)
+    padded = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
     return PagedRows(padded, table_of, positions)
 
 

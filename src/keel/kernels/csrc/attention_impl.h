@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "attention.h"
+#include "kernels.h"
 
 namespace {
 
@@ -12,62 +13,39 @@ constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int kMaxDim = 576;   // head (or latent + rope) dimension
 constexpr int kMaxBlock = 64;  // tokens per block
 
-inline float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1f;
-  const uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else {
-    float v = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // subnormal: m * 2^-24
-    return sign ? -v : v;
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), |r| <= ln2 / 2, written so that
-// the compiler vectorises it over a block's scores (no libm call, integer rounding, bit casts by array).
-inline float exp_nonpositive(float x) {
+// exp(x) for x <= 0 (scores minus their running max) as 2^k * p(r), |r| <= ln2 / 2: returns p and
+// sets k. No libm call, integer rounding: the loops calling it vectorise.
+inline float exp_parts(float x, int32_t* k) {
   x = x < -87.f ? -87.f : x;
-  const int32_t n = -static_cast<int32_t>(0.5f - x * 1.44269504f);  // round to nearest (x <= 0)
-  const float nf = static_cast<float>(n);
-  const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  *k = -static_cast<int32_t>(0.5f - x * 1.44269504f);  // round to nearest (x <= 0)
+  const float kf = static_cast<float>(*k);
+  const float r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (n + 127) << 23;
+  return p * r * r + r + 1.f;
+}
+
+inline float exp_nonpositive(float x) {
+  int32_t k;
+  const float p = exp_parts(x, &k);
+  const int32_t bits = (k + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
 
-// v[i] = exp(v[i] - shift) for i < n (n <= kMaxBlock), vectorised.
+// v[i] = exp(v[i] - shift) for i < n (n <= kMaxBlock), vectorised (the bit casts go by array).
 inline void exp_shifted(float* v, int64_t n, float shift) {
   int32_t bits[kMaxBlock];
   float poly[kMaxBlock];
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float x = v[i] - shift;
-    x = x < -87.f ? -87.f : x;
-    const int32_t k = -static_cast<int32_t>(0.5f - x * 1.44269504f);
-    const float kf = static_cast<float>(k);
-    const float r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    poly[i] = p * r * r + r + 1.f;
+    int32_t k;
+    poly[i] = exp_parts(v[i] - shift, &k);
     bits[i] = (k + 127) << 23;
   }
   float scale[kMaxBlock];
@@ -102,7 +80,7 @@ inline const float* row_at(const void* base, const uint16_t* scales, int64_t ind
     return buf;
   } else {
     const int8_t* src = static_cast<const int8_t*>(base) + index * stride;
-    const float s = half_bits_to_float(scales[index]);
+    const float s = keel::half_to_float(scales[index]);  // the portable unit's
     for (int64_t d = 0; d < dim; ++d) buf[d] = static_cast<float>(src[d]) * s;
     return buf;
   }

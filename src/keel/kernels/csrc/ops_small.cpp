@@ -13,26 +13,17 @@ namespace keel {
 
 namespace {
 
-template <typename T>
-inline float to_float(T v) {
-  return static_cast<float>(v);
-}
-
 // RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * w.
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * dim;
-      T* o = out + r * dim;
+      const float* xr = x + r * dim;
+      float* o = out + r * dim;
       float sum = 0.f;
-      for (int64_t d = 0; d < dim; ++d) {
-        const float v = to_float(xr[d]);
-        sum += v * v;
-      }
+      for (int64_t d = 0; d < dim; ++d) sum += xr[d] * xr[d];
       const float inverse = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
       for (int64_t d = 0; d < dim; ++d) {
-        const float normed = to_float(xr[d]) * inverse;
+        const float normed = xr[d] * inverse;
         o[d] = w != nullptr ? normed * w[d] : normed;
       }
     }
@@ -50,7 +41,7 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& 
     w = weight->scalar_type() == x.scalar_type() && weight->is_contiguous() ? *weight
                                                                              : weight->to(x.scalar_type()).contiguous();
   }
-  rms_norm_rows<float>(xc.data_ptr<float>(), w.defined() ? w.data_ptr<float>() : nullptr, out.data_ptr<float>(),
+  rms_norm_rows(xc.data_ptr<float>(), w.defined() ? w.data_ptr<float>() : nullptr, out.data_ptr<float>(),
                        rows, dim, static_cast<float>(eps));
   return out;
 }
@@ -88,18 +79,14 @@ at::Tensor fused_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 // silu(gate) * up, gate and up [..., I] (rows may be strided: the halves of a fused gate_up output).
-template <typename T>
-void silu_mul_rows(const T* gate, int64_t gate_stride, const T* up, int64_t up_stride, T* out, int64_t rows,
-                   int64_t inter) {
+void silu_mul_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
+                   int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gate + r * gate_stride;
-      const T* u = up + r * up_stride;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = to_float(g[i]);
-        o[i] = static_cast<T>(gv / (1.f + std::exp(-gv)) * to_float(u[i]));
-      }
+      const float* g = gate + r * gate_stride;
+      const float* u = up + r * up_stride;
+      float* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
 }
@@ -112,7 +99,7 @@ at::Tensor fused_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const at::Tensor g = gate.reshape({rows, inter}), u = up.reshape({rows, inter});
   TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1, "keel::fused_silu_mul: the last dimension must be contiguous");
   at::Tensor out = at::empty(gate.sizes(), gate.options());
-  silu_mul_rows<float>(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), out.data_ptr<float>(),
+  silu_mul_rows(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), out.data_ptr<float>(),
                        rows, inter);
   return out;
 }
