@@ -376,6 +376,15 @@ class QuantizedLinear(nn.Module):
                 total += t.numel() * t.element_size()
         return total
 
+    def kernel_args(self, rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int, int] | None:
+        """(codes, scales, mins, bias, bits, activation passes) as keel::block_linear takes them, for an
+        operator that runs this layer on `rows` rows inside a larger call (keel.model.fused_layer); None
+        where this layer would not run keel::block_linear on them (off the block layout, or from
+        BLOCK_DEQUANTIZE_ROWS rows)."""
+        if self.layout != "blocks" or rows >= BLOCK_DEQUANTIZE_ROWS:
+            return None
+        return self.qweight, self.scales, self.mins, self.bias, self.bits, self.activation_passes
+
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
             if x.shape[:-1].numel() >= BLOCK_DEQUANTIZE_ROWS and not torch.compiler.is_compiling():

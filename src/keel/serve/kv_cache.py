@@ -91,6 +91,17 @@ class PagedRows:
     positions: Tensor  # [T] int64
 
 
+@dataclass
+class InPlaceLayer:
+    """What `PagedKVCache.in_place` hands an operator that writes and attends in one call."""
+
+    keys: Tensor  # [H_kv, slots, D]
+    values: Tensor
+    slots: Tensor  # [T] int64: where each token's K/V go
+    rows: PagedRows
+    block_size: int
+
+
 def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
     """The plan's decode groups and prefill chunks as one `PagedRows` (built once per step)."""
     tables: list[Tensor] = []  # [rows, width] each: a decode group's (padded already), a chunk's
@@ -209,6 +220,21 @@ class PagedKVCache:
         self._write(k_store, k)
         self._write(v_store, v)
         return self._attend(q, k_store, v_store, window, None)
+
+    def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
+        """One layer's stores and this step's slots and rows, for an operator that writes the step's K/V and
+        attends where they lie in one call (keel::decoder_layer); None where keel's paged-attention kernel
+        does not read this cache (then `attend` runs)."""
+        k_store = self.keys[layer]
+        if (
+            not self.values
+            or k_store.dtype == torch.int8
+            or not kernel_attends(k_store, self.head_dim, self.block_size)
+        ):
+            return None
+        return InPlaceLayer(
+            k_store, self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
+        )
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         store = self.keys[layer]

@@ -145,6 +145,10 @@ class Int8PagedKVCache(PagedKVCache):
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
+    def in_place(self, layer: int, num_tokens: int) -> None:  # type: ignore[override]
+        """None: int8 rows are written with their scales here, not by keel::decoder_layer."""
+        return None
+
     # ----------------------------------------------------------------- read
     def _gather_int8(self, store: QuantStore, tables: Tensor) -> tuple[Tensor, Tensor]:
         """Block ids [B, nb] -> int8 rows [H_kv, B, L, D] and their scales [H_kv, B, L, S]."""

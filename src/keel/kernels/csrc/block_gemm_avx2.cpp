@@ -70,6 +70,26 @@ inline __m256i block_dot(__m256i w, const int8_t* a) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
+// 4-bit blocks b and b+1 in one pass: their 32 code bytes in one load, low and high nibbles against
+// the activations' 16-byte halves in pair order (`interleave_pairs_avx2`), the two maddubs results added
+// as int16 (|15 * 127 * 2| twice fits) -> int32 lanes 0-3 for block b, 4-7 for block b+1.
+inline __m256i pair_dot(const uint8_t* codes, const int8_t* a) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i lo = _mm256_and_si256(packed, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+  const __m256i sum = _mm256_add_epi16(
+      _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32))));
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+}
+
+// Scales of blocks 2j and 2j+1 of an 8-block vector, each over 4 lanes (pair_dot's lanes).
+inline __m256 pair_scales(__m256 eight, int j) {
+  return _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                           2 * j + 1));
+}
+
 // The scales of blocks b..b+7 of one row as floats: 8 converted at once where each block has its
 // own (GGUF), else each block's group's scale.
 template <bool Half>
@@ -91,6 +111,9 @@ inline __m256 eight_scales(const void* p, int64_t row_start, int64_t b, int shif
 // multiply-adds of consecutive blocks do not wait on each other, and each activation block is loaded
 // once for NR weight rows. Blocks go 8 at a time: their scales are converted and multiplied by the
 // activations' in one vector each, and the mins' term is one multiply-add per 8 blocks.
+// How far ahead the next rows' codes are prefetched: the next tile (the distance the measurements settled on).
+constexpr int64_t kPrefetchRows = 4;
+
 template <int Bits, bool Half, bool Min, bool Two, int NR, int MR>
 void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo) {
   const int64_t groups = w.blocks / w.group_blocks;
@@ -116,19 +139,36 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
       if constexpr (Min) sa[r] = _mm256_loadu_ps(a.s + (m + r) * a.blocks + b);
     }
     for (int i = 0; i < NR; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows[i] + NR * w.row_bytes + b * (Bits * kBlock / 8)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rows[i] + NR * w.row_bytes + (b + 4) * (Bits * kBlock / 8)),
-                   _MM_HINT_T0);
+      // The same 8 blocks kPrefetchRows rows ahead: every cache line of them (2 for 4-bit, 4 for 8-bit).
+      const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * w.row_bytes + b * (Bits * kBlock / 8));
+      for (int line = 0; line < Bits * kBlock / 8 * 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       const __m256 dw = eight_scales<Half>(w.scales, sb[i], b, shift);
+      if constexpr (Min) {
+        const __m256 mw = eight_scales<Half>(w.mins, sb[i], b, shift);
+        for (int r = 0; r < MR; ++r) min_acc[i][r] = _mm256_fmadd_ps(mw, sa[r], min_acc[i][r]);
+      }
+      if constexpr (Bits == 4) {
+        for (int r = 0; r < MR; ++r) {
+          const __m256 scale = _mm256_mul_ps(dw, da[r]);
+          const int8_t* q = a.q + (m + r) * a.k + b * kBlock;
+          for (int j = 0; j < 4; ++j)
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(rows[i] + (b + 2 * j) * 16, q + 64 * j)),
+                                        pair_scales(scale, j), acc[i][r]);
+          if constexpr (Two) {
+            const __m256 scale2 = _mm256_mul_ps(dw, _mm256_loadu_ps(a.d2 + (m + r) * a.blocks + b));
+            const int8_t* q2 = a.q2 + (m + r) * a.k + b * kBlock;
+            for (int j = 0; j < 4; ++j)
+              acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(rows[i] + (b + 2 * j) * 16, q2 + 64 * j)),
+                                          pair_scales(scale2, j), acc[i][r]);
+          }
+        }
+        continue;
+      }
       alignas(32) float scale[MR][8];
       alignas(32) float scale2[MR][8];
       for (int r = 0; r < MR; ++r) {
         _mm256_store_ps(scale[r], _mm256_mul_ps(dw, da[r]));
         if constexpr (Two) _mm256_store_ps(scale2[r], _mm256_mul_ps(dw, _mm256_loadu_ps(a.d2 + (m + r) * a.blocks + b)));
-      }
-      if constexpr (Min) {
-        const __m256 mw = eight_scales<Half>(w.mins, sb[i], b, shift);
-        for (int r = 0; r < MR; ++r) min_acc[i][r] = _mm256_fmadd_ps(mw, sa[r], min_acc[i][r]);
       }
       for (int j = 0; j < 8; ++j) {
         const __m256i codes = load_codes<Bits>(rows[i], b + j);
@@ -144,6 +184,29 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
     }
   }
   float tail[NR][MR] = {};
+  if constexpr (Bits == 4) {  // whole pairs left: their activations are in pair order too
+    for (; b + 2 <= w.blocks; b += 2) {
+      const int64_t g0 = b >> shift, g1 = (b + 1) >> shift;
+      for (int i = 0; i < NR; ++i) {
+        const float d0 = scale_at<Half>(w.scales, sb[i] + g0), d1 = scale_at<Half>(w.scales, sb[i] + g1);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t mb = (m + r) * a.blocks + b;
+          const int64_t qo = (m + r) * a.k + b * kBlock;
+          const __m256 scale = _mm256_setr_ps(d0 * a.d[mb], d0 * a.d[mb], d0 * a.d[mb], d0 * a.d[mb], d1 * a.d[mb + 1],
+                                              d1 * a.d[mb + 1], d1 * a.d[mb + 1], d1 * a.d[mb + 1]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(rows[i] + b * 16, a.q + qo)), scale, acc[i][r]);
+          if constexpr (Two) {
+            const __m256 scale2 = _mm256_setr_ps(d0 * a.d2[mb], d0 * a.d2[mb], d0 * a.d2[mb], d0 * a.d2[mb],
+                                                 d1 * a.d2[mb + 1], d1 * a.d2[mb + 1], d1 * a.d2[mb + 1],
+                                                 d1 * a.d2[mb + 1]);
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_dot(rows[i] + b * 16, a.q2 + qo)), scale2, acc[i][r]);
+          }
+          if constexpr (Min)
+            tail[i][r] += scale_at<Half>(w.mins, sb[i] + g0) * a.s[mb] + scale_at<Half>(w.mins, sb[i] + g1) * a.s[mb + 1];
+        }
+      }
+    }
+  }
   for (; b < w.blocks; ++b) {
     const int64_t g = b >> shift;
     for (int i = 0; i < NR; ++i) {
@@ -239,6 +302,16 @@ inline int quantize_block(const __m256 v[4], int8_t* q, float* d, __m256 rounded
 }
 
 }  // namespace
+
+void interleave_pairs_avx2(int8_t* q, int64_t k) {
+  // Blocks 2p and 2p+1 as [2p low half, 2p+1 low half, 2p high half, 2p+1 high half] (pair_dot's order).
+  for (int64_t b = 0; b + 2 <= k / kBlock; b += 2) {
+    __m128i* c = reinterpret_cast<__m128i*>(q + b * kBlock);
+    const __m128i c1 = _mm_loadu_si128(c + 1), c2 = _mm_loadu_si128(c + 2);
+    _mm_storeu_si128(c + 1, c2);
+    _mm_storeu_si128(c + 2, c1);
+  }
+}
 
 void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
   for (int64_t b = 0; b < k / kBlock; ++b) {

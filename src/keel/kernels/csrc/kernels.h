@@ -50,6 +50,9 @@ constexpr int kBlock = 32;
 // not null, the residual's blocks too.
 void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2);
 void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s, int8_t* q2, float* d2);
+// The AVX2 4-bit kernel reads a row's activation codes in pair order: each whole pair of blocks
+// (2p, 2p+1) as [2p's first 16, 2p+1's first 16, 2p's last 16, 2p+1's last 16]; an odd last block as is.
+void interleave_pairs_avx2(int8_t* q, int64_t k);
 
 // out[m * ldo + n] = sum over k of w[n, k] * a[m, k] for n in [n0, n1), m in [m0, m1).
 void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,

@@ -6,6 +6,7 @@
 
 #include "attention.h"
 #include "isa.h"
+#include "ops.h"
 
 namespace keel {
 
@@ -28,6 +29,8 @@ const uint16_t* scales_of(const c10::optional<at::Tensor>& scales, const at::Ten
               "keel::paged_attention: an int8 store needs float16 scales [H_kv, slots, 1]");
   return static_cast<const uint16_t*>(scales->data_ptr());
 }
+
+}  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
@@ -101,7 +104,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
   return out.to(q.scalar_type());
 }
 
-}  // namespace
 
 }  // namespace keel
 

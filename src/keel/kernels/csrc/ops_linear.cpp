@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "isa.h"
+#include "ops.h"
 
 namespace keel {
 
@@ -15,8 +16,12 @@ namespace {
 
 std::atomic<int> g_isa{kScalar};
 
+// A row block's quantized activations, all in one allocation (one call per product: at decode sizes
+// each allocation is a measurable share of the product).
 struct Quantized {
-  at::Tensor q, d, s, q2, d2;
+  at::Tensor storage;
+  int8_t *q, *q2;
+  float *d, *s, *d2;
 };
 
 BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
@@ -48,20 +53,20 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
                       scales.data_ptr(), min_ptr, half, k / kBlock, (k / kBlock) / scales.size(1)};
 }
 
-Quantized quantize_activations(const at::Tensor& x2, bool two_passes) {
-  const int64_t m = x2.size(0), k = x2.size(1);
-  Quantized out{at::empty({m, k}, x2.options().dtype(at::kChar)), at::empty({m, k / kBlock}, x2.options()),
-                at::empty({m, k / kBlock}, x2.options())};
-  if (two_passes) {
-    out.q2 = at::empty({m, k}, x2.options().dtype(at::kChar));
-    out.d2 = at::empty({m, k / kBlock}, x2.options());
-  }
+Quantized quantize_activations(const at::Tensor& x2, bool two_passes, bool pair_order) {
+  const int64_t m = x2.size(0), k = x2.size(1), blocks = m * (k / kBlock);
+  const int64_t floats = blocks * (two_passes ? 3 : 2), codes = m * k * (two_passes ? 2 : 1);
+  Quantized out;
+  out.storage = at::empty({floats * static_cast<int64_t>(sizeof(float)) + codes}, x2.options().dtype(at::kByte));
+  float* base = reinterpret_cast<float*>(out.storage.data_ptr<uint8_t>());  // floats first: aligned
+  out.d = base;
+  out.s = base + blocks;
+  out.d2 = two_passes ? base + 2 * blocks : nullptr;
+  out.q = reinterpret_cast<int8_t*>(base + floats);
+  out.q2 = two_passes ? out.q + m * k : nullptr;
   const float* x = x2.data_ptr<float>();
-  int8_t* q = out.q.data_ptr<int8_t>();
-  float* d = out.d.data_ptr<float>();
-  float* s = out.s.data_ptr<float>();
-  int8_t* q2 = two_passes ? out.q2.data_ptr<int8_t>() : nullptr;
-  float* d2 = two_passes ? out.d2.data_ptr<float>() : nullptr;
+  int8_t *q = out.q, *q2 = out.q2;
+  float *d = out.d, *s = out.s, *d2 = out.d2;
   const Isa isa = current_isa();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -69,6 +74,10 @@ Quantized quantize_activations(const at::Tensor& x2, bool two_passes) {
 #if defined(__x86_64__) || defined(_M_X64)
       if (isa >= kAvx2) {
         quantize_row_avx2(x + qo, k, q + qo, d + so, s + so, q2 ? q2 + qo : nullptr, d2 ? d2 + so : nullptr);
+        if (pair_order) {
+          interleave_pairs_avx2(q + qo, k);
+          if (q2) interleave_pairs_avx2(q2 + qo, k);
+        }
         continue;
       }
 #endif
@@ -77,6 +86,8 @@ Quantized quantize_activations(const at::Tensor& x2, bool two_passes) {
   });
   return out;
 }
+
+}  // namespace
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
@@ -87,17 +98,11 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t n = codes.size(0);
   at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
-  const Quantized qa = quantize_activations(x2, passes == 2);
-  const BlockActivations a{qa.q.data_ptr<int8_t>(),
-                           qa.d.data_ptr<float>(),
-                           qa.s.data_ptr<float>(),
-                           k,
-                           k / kBlock,
-                           passes == 2 ? qa.q2.data_ptr<int8_t>() : nullptr,
-                           passes == 2 ? qa.d2.data_ptr<float>() : nullptr};
+  const Isa isa = current_isa();
+  const Quantized qa = quantize_activations(x2, passes == 2, bits == 4 && isa >= kAvx2);
+  const BlockActivations a{qa.q, qa.d, qa.s, k, k / kBlock, qa.q2, qa.d2};
   at::Tensor out = at::empty({m, n}, x2.options());
   float* o = out.data_ptr<float>();
-  const Isa isa = current_isa();
   // Split the output features: each thread streams its own rows of the weights once.
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -113,6 +118,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   shape.back() = n;
   return out.to(x.scalar_type()).view(shape);
 }
+
+namespace {
 
 template <typename Scale>
 void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, float* out, int64_t k) {

@@ -9,9 +9,9 @@
 
 #include <cmath>
 
-namespace keel {
+#include "ops.h"
 
-namespace {
+namespace keel {
 
 // RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * w.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
@@ -103,8 +103,6 @@ at::Tensor fused_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
                        rows, inter);
   return out;
 }
-
-}  // namespace
 
 }  // namespace keel
 

@@ -1,0 +1,26 @@
+// The tensor-level functions behind keel's operators, for the operators that compose them
+// (keel::decoder_layer calls the same code the separate operators run, so both paths agree bit for bit).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace keel {
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                        int64_t passes);
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
+                           const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                           const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
+                           const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
+                           int64_t v_dim);
+
+// Row loops of the fused small operators (ops_small.cpp), float32, parallel over rows.
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
+void rotary_rows(const float* x, const float* cos, const float* sin, float* out, int64_t tokens, int64_t heads,
+                 int64_t dim);
+void silu_mul_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
+                   int64_t rows, int64_t inter);
+
+}  // namespace keel

@@ -1,0 +1,87 @@
+"""A decoder layer of a serving step in one call of keel's C++ kernels (`torch.ops.keel.decoder_layer`).
+
+Why: at decode sizes a layer is a few hundred microseconds of weight streaming, and the ~20 torch
+calls around its products (norms, the q/k/v split, rotary, the K/V writes, attention's glue, residual
+adds), each through a Python module and the dispatcher, cost about as much again (docs/BENCHMARKS.md,
+"keel's kernels"). The operator runs the same C++ functions those modules call, in the same order, so
+its output is bit for bit theirs (tests/test_kernels.py compares); it is an implementation of
+`DecoderLayer.forward`, not a second model.
+
+It runs where all of these hold, else the modules do (`fused_forward` returns None):
+- keel's kernels are active, float32 activations, no autograd, not under torch.compile, not switched
+  off by `modules_only` (keel profile decode times the modules);
+- a dense layer: grouped-query attention with fused q/k/v (keel.model.fuse) and a SwiGLU MLP with fused
+  gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would run
+  keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
+- a cache whose layer keel's paged-attention kernel reads in place (`in_place`: the serving engine's
+  float32/bf16 paged cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from keel import kernels
+from keel.model.attention import Attention, AttentionMetadata
+from keel.model.layers import SwiGLU
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def modules_only() -> Iterator[None]:
+    """Run every layer through its modules (for hooks on them: keel profile decode's scopes)."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _projection(module: nn.Module | None, rows: int) -> tuple | None:
+    """(weight or codes, scales, mins, bias, bits, passes) of one projection, bits 0 for float32 weights."""
+    if type(module) is nn.Linear:
+        weight = module.weight
+        return (weight, None, None, module.bias, 0, 1) if weight.dtype == torch.float32 else None
+    args = getattr(module, "kernel_args", None)
+    return args(rows) if args is not None else None
+
+
+def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
+    """`layer(x, meta)` through keel::decoder_layer, or None where that cannot run (see the module doc)."""
+    cache = meta.cache
+    if not _enabled or cache is None or x.dim() != 3 or x.shape[0] != 1 or not kernels.fused_ops(x):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not Attention or type(mlp) is not SwiGLU or attn.qkv_proj is None or mlp.gate_up_proj is None:
+        return None
+    tokens = x.shape[1]
+    projections = [_projection(m, tokens) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(p is None for p in projections):
+        return None
+    in_place = getattr(cache, "in_place", None)
+    stores = in_place(attn.layer, tokens) if in_place is not None else None
+    if stores is None:
+        return None
+    cos, sin = meta.rope
+    head_dim = attn.head_dim
+    q_size, kv_size = attn.qkv_sizes[0], attn.qkv_sizes[1]
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+    tensors = [t for p in projections for t in p[:4]] + [None if n is None else n.weight for n in norms]
+    ints = [p[4] for p in projections] + [p[5] for p in projections]
+    ints += [q_size // head_dim, kv_size // head_dim, head_dim, stores.block_size, attn.window or 0]
+    floats = [n.eps if n is not None else 0.0 for n in norms] + [head_dim**-0.5]
+    rows = stores.rows
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    out = torch.ops.keel.decoder_layer(
+        x.reshape(tokens, -1).contiguous(), tensors, ints, floats, cos, sin,
+        stores.keys, stores.values, stores.slots, rows.tables, rows.table_of, rows.positions,
+    )  # fmt: skip
+    return out.view(x.shape)

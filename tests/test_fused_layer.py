@@ -1,0 +1,85 @@
+"""keel::decoder_layer (keel.model.fused_layer): a serving step's layers in one kernel call each give
+the modules' tokens and logprobs bit for bit, for dense float32 and block-quantized weights, with
+biases, q/k norms and sliding windows, over prefill chunks, mixed steps and batched decodes; caches
+and layers it does not cover run the modules."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from keel import kernels
+from keel.model import fused_layer, transformer
+from keel.serve.engine import EngineConfig
+from keel.serve.llm import LLM
+from keel.serve.sampling import SamplingParams
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+pytestmark = [
+    pytest.mark.isa,  # run again under KEEL_CPU_ISA=avx2 by `make test`
+    pytest.mark.skipif(not kernels.active(), reason=f"keel's kernels do not run here: {kernels.status()}"),
+]
+
+PROMPTS = ["hello world", "the cat sat on the mat and", "a", "zz top " * 6]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many layer calls ran fused (keel::decoder_layer) rather than through the modules."""
+    calls = {"fused": 0, "all": 0}
+    real = transformer.fused_forward
+
+    def counting(layer, x, meta):  # noqa: ANN001, ANN202
+        out = real(layer, x, meta)
+        calls["fused"] += out is not None
+        calls["all"] += 1
+        return out
+
+    monkeypatch.setattr(transformer, "fused_forward", counting)
+    return calls
+
+
+def _generate(path, fused: bool, **options) -> list:
+    options = {"dtype": "float32", **options}
+    config = EngineConfig.of(
+        num_blocks=64, max_model_len=256, block_size=8, compile=False, quant_group_size=32, **options
+    )
+    llm = LLM(str(path), config)
+    params = [
+        SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=3) for i in range(len(PROMPTS))
+    ]
+    with contextlib.nullcontext() if fused else fused_layer.modules_only():
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-bias", "qwen3", "mistral"])  # tied; biases; q/k norms; window 8
+@pytest.mark.parametrize("quantize", [None, "int4", "int8"])
+def test_fused_layers_give_the_modules_results(tmp_path, fused_calls, name, quantize):
+    save_hf_model(name, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    modules = _generate(tmp_path, False, quantize=quantize)
+    assert fused_calls["fused"] == 0  # modules_only really ran the modules
+    fused = _generate(tmp_path, True, quantize=quantize)
+    assert fused_calls["fused"] == fused_calls["all"] / 2  # every layer of every step of the second run
+    assert fused == modules
+
+
+@pytest.mark.parametrize("level", kernels.levels_here())
+def test_fused_layers_agree_at_every_kernel_level(tmp_path, fused_calls, level):
+    save_hf_model("qwen3", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    with kernels.using_level(level):
+        modules = _generate(tmp_path, False, quantize="int4")
+        fused = _generate(tmp_path, True, quantize="int4")
+    assert fused_calls["fused"] > 0 and fused == modules
+
+
+def test_caches_and_steps_it_does_not_cover_run_the_modules(tmp_path, fused_calls):
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    _generate(tmp_path, True, kv_cache_dtype="int8")  # int8 rows are written with their scales in Python
+    assert fused_calls["fused"] == 0
+    _generate(tmp_path, True, dtype="bfloat16")  # bf16 activations keep torch's ops
+    assert fused_calls["fused"] == 0
