@@ -46,25 +46,40 @@ def modules_only() -> Iterator[None]:
 def _projection(module: nn.Module | None, rows: int) -> tuple | None:
     """(weight or codes, scales, mins, bias, bits, passes) of one projection, bits 0 for float32 weights."""
     if type(module) is nn.Linear:
-        weight = module.weight
-        return (weight, None, None, module.bias, 0, 1) if weight.dtype == torch.float32 else None
+        params = module._parameters
+        weight = params["weight"]
+        return (weight, None, None, params["bias"], 0, 1) if weight.dtype == torch.float32 else None
     args = getattr(module, "kernel_args", None)
     return args(rows) if args is not None else None
 
 
+def _weight(norm: nn.Module | None) -> Tensor | None:
+    return None if norm is None else norm._parameters["weight"]
+
+
 def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
-    """`layer(x, meta)` through keel::decoder_layer, or None where that cannot run (see the module doc)."""
+    """`layer(x, meta)` through keel::decoder_layer, or None where that cannot run (see the module doc).
+
+    Submodules and tensors are read from the modules' `_modules` / `_parameters` dicts: nn.Module's
+    attribute lookup costs ~1 us a read, ~25 reads a layer, on every layer of every step."""
     cache = meta.cache
-    if not _enabled or cache is None or x.dim() != 3 or x.shape[0] != 1 or not kernels.fused_ops(x):
+    if not _enabled or cache is None or x.dim() != 3 or x.shape[0] != 1 or not x.is_contiguous():
+        return None
+    if not kernels.fused_ops(x):
         return None
     if torch.compiler.is_compiling():
         return None
-    attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not Attention or type(mlp) is not SwiGLU or attn.qkv_proj is None or mlp.gate_up_proj is None:
+    children = layer._modules
+    attn, mlp = children["self_attn"], children["mlp"]
+    if type(attn) is not Attention or type(mlp) is not SwiGLU:
+        return None
+    parts, mlp_parts = attn._modules, mlp._modules
+    qkv, gate_up = parts.get("qkv_proj"), mlp_parts.get("gate_up_proj")
+    if qkv is None or gate_up is None:
         return None
     tokens = x.shape[1]
-    projections = [_projection(m, tokens) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    if any(p is None for p in projections):
+    projections = [_projection(m, tokens) for m in (qkv, parts["o_proj"], gate_up, mlp_parts["down_proj"])]
+    if None in projections:
         return None
     in_place = getattr(cache, "in_place", None)
     stores = in_place(attn.layer, tokens) if in_place is not None else None
@@ -73,15 +88,18 @@ def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tenso
     cos, sin = meta.rope
     head_dim = attn.head_dim
     q_size, kv_size = attn.qkv_sizes[0], attn.qkv_sizes[1]
-    norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-    tensors = [t for p in projections for t in p[:4]] + [None if n is None else n.weight for n in norms]
+    norms = (
+        children["input_layernorm"],
+        children["post_attention_layernorm"],
+        parts.get("q_norm"),
+        parts.get("k_norm"),
+    )
+    tensors = [t for p in projections for t in p[:4]] + [_weight(n) for n in norms]
     ints = [p[4] for p in projections] + [p[5] for p in projections]
     ints += [q_size // head_dim, kv_size // head_dim, head_dim, stores.block_size, attn.window or 0]
     floats = [n.eps if n is not None else 0.0 for n in norms] + [head_dim**-0.5]
     rows = stores.rows
-    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
-    out = torch.ops.keel.decoder_layer(
-        x.reshape(tokens, -1).contiguous(), tensors, ints, floats, cos, sin,
+    return torch.ops.keel.decoder_layer(
+        x, tensors, ints, floats, cos, sin,
         stores.keys, stores.values, stores.slots, rows.tables, rows.table_of, rows.positions,
     )  # fmt: skip
-    return out.view(x.shape)

@@ -90,14 +90,16 @@ void write_rows(at::Tensor& store, const at::Tensor& rows, const int64_t* slots)
 // bias], then [input norm, post-attention norm, q norm, k norm] (None where absent).
 // ints: [bits x 4, activation passes x 4, query heads, KV heads, head dim, block size, window (0: none)].
 // floats: [eps of each norm x 4, attention scale].
-at::Tensor decoder_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& tensors,
+at::Tensor decoder_layer(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& tensors,
                          at::IntArrayRef int_args, at::ArrayRef<double> float_args, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store, const at::Tensor& slots,
                          const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions) {
   TORCH_CHECK(tensors.size() == 20 && int_args.size() == 13 && float_args.size() == 5,
               "keel::decoder_layer: 20 tensors, 13 ints and 5 floats");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "keel::decoder_layer: x must be a contiguous float32 [T, hidden]");
+  TORCH_CHECK(x_in.dim() >= 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
+              "keel::decoder_layer: x must be a contiguous float32 [..., T, hidden]");
+  // The step's tokens as rows (the model's packed [1, T, hidden]); the result takes x's shape.
+  const at::Tensor x = x_in.view({-1, x_in.size(-1)});
   const std::vector<int64_t> ints(int_args.begin(), int_args.end());
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t heads = ints[8], kv_heads = ints[9], dim = ints[10], block_size = ints[11], window = ints[12];
@@ -109,7 +111,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<c10::optional<at::
               "]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == tokens * dim && sin.numel() == tokens * dim,
-              "keel::decoder_layer: cos/sin must be contiguous float32 [T, head dim]");
+              "keel::decoder_layer: cos/sin must be contiguous float32 with a head-dim row per token");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
               "keel::decoder_layer: slots must be int64 [T]");
   const Projection qkv = projection(tensors, ints, 0), out_proj = projection(tensors, ints, 1),
@@ -155,7 +157,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<c10::optional<at::
   at::Tensor act = at::empty({tokens, inter}, x.options());
   silu_mul_rows(gu.data_ptr<float>(), gu.size(1), gu.data_ptr<float>() + inter, gu.size(1), act.data_ptr<float>(),
                 tokens, inter);
-  return h.add_(down(act));
+  return h.add_(down(act)).view(x_in.sizes());
 }
 
 }  // namespace
