@@ -115,42 +115,22 @@ inline void accumulate_values(float* acc, float correction, const float* p, cons
 template <int Dtype>
 constexpr int64_t kElementBytes = Dtype == 0 ? 4 : Dtype == 1 ? 2 : 1;
 
-// attend_heads (attention_impl.h) with the loops above: the same walk, online softmax per block.
+// The vectorised block body of walk_heads (attention_impl.h): the same walk, online softmax per block.
 template <int Dtype>
 void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r, int64_t h, int64_t g0,
                              int64_t gn) {
-  const int64_t group = q.heads / s.kv_heads;
   const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
-  alignas(64) float qs[kMaxGroup][kMaxDim];
-  alignas(64) float acc[kMaxGroup][kMaxDim];
   alignas(64) float key_buf[kMaxBlock][kMaxDim];
   alignas(64) float value_buf[kMaxBlock][kMaxDim];
   const float* key[kMaxBlock];
   const float* value[kMaxBlock];
   alignas(32) float scores[kMaxBlock];
-  float running_max[kMaxGroup], total[kMaxGroup];
-  const int64_t pos = q.positions[r];
-  const int32_t* table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
-  const int64_t first = q.window > 0 && pos - q.window + 1 > 0 ? pos - q.window + 1 : 0;
-  for (int64_t g = 0; g < gn; ++g) {
-    const float* src = q.q + (r * q.heads + h * group + g0 + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) qs[g][d] = src[d] * q.scale;
-    for (int64_t d = 0; d < vdim; ++d) acc[g][d] = 0.f;
-    running_max[g] = -1e30f;
-    total[g] = 0.f;
-  }
-  const int64_t row_base = h * s.slots;
-  for (int64_t start = first - first % bs; start <= pos; start += bs) {
-    const int64_t block = table[start / bs];
-    const int64_t lo = start < first ? first : start;
-    const int64_t hi = start + bs - 1 < pos ? start + bs - 1 : pos;
-    const int64_t n = hi - lo + 1;
-    const int64_t slot0 = row_base + block * bs + (lo - start);
+  walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t start, int64_t slot0, int64_t n) {
     // The next blocks lie elsewhere in the store (tables are scattered), where the hardware prefetcher
     // cannot guess: fetch the rows two blocks ahead (and, at the first block, the next one too).
-    for (int64_t ahead = start == first - first % bs ? 1 : 2; ahead <= 2; ++ahead) {
-      if (start + ahead * bs > pos) break;
-      const int64_t next = (row_base + table[start / bs + ahead] * bs) * dim * kElementBytes<Dtype>;
+    for (int64_t ahead = start == w.first - w.first % bs ? 1 : 2; ahead <= 2; ++ahead) {
+      if (start + ahead * bs > w.pos) break;
+      const int64_t next = (w.row_base + w.table[start / bs + ahead] * bs) * dim * kElementBytes<Dtype>;
       const int64_t bytes = bs * dim * kElementBytes<Dtype>;
       for (int64_t b = 0; b < bytes; b += 64) {
         _mm_prefetch(static_cast<const char*>(s.keys) + next + b, _MM_HINT_T0);
@@ -164,21 +144,16 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
                                      : key[j];
     }
     for (int64_t g = 0; g < gn; ++g) {
-      block_scores(qs[g], key, n, dim, scores);
-      float block_max = running_max[g];
+      block_scores(w.qs[g], key, n, dim, scores);
+      float block_max = w.running_max[g];
       for (int64_t j = 0; j < n; ++j) block_max = scores[j] > block_max ? scores[j] : block_max;
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
-      const float correction = exp_nonpositive(running_max[g] - block_max);
-      running_max[g] = block_max;
-      total[g] = total[g] * correction + exp_block(scores, n, block_max);
-      accumulate_values(acc[g], correction, scores, value, n, vdim);
+      const float correction = exp_nonpositive(w.running_max[g] - block_max);
+      w.running_max[g] = block_max;
+      w.total[g] = w.total[g] * correction + exp_block(scores, n, block_max);
+      accumulate_values(w.acc[g], correction, scores, value, n, vdim);
     }
-  }
-  for (int64_t g = 0; g < gn; ++g) {
-    float* dst = q.out + (r * q.heads + h * group + g0 + g) * vdim;
-    const float inverse = 1.f / total[g];
-    for (int64_t d = 0; d < vdim; ++d) dst[d] = acc[g][d] * inverse;
-  }
+  });
 }
 
 }  // namespace
@@ -190,20 +165,9 @@ void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item
     attend_items(s, q, item0, item1);
     return;
   }
-  const int64_t group = q.heads / s.kv_heads;
-  for (int64_t item = item0; item < item1; ++item) {
-    const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
-    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-      const int64_t gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
-      if (s.dtype == 0) {
-        attend_heads_vectorised<0>(s, q, r, h, g0, gn);
-      } else if (s.dtype == 1) {
-        attend_heads_vectorised<1>(s, q, r, h, g0, gn);
-      } else {
-        attend_heads_vectorised<2>(s, q, r, h, g0, gn);
-      }
-    }
-  }
+  for_each_item(s, q, item0, item1, [&](auto dtype, int64_t r, int64_t h, int64_t g0, int64_t gn) {
+    attend_heads_vectorised<decltype(dtype)::value>(s, q, r, h, g0, gn);
+  });
 }
 
 }  // namespace keel

@@ -3,6 +3,7 @@
 // each level by the compiler. Everything here has internal linkage: no copy compiled for one level can
 // stand in for another's.
 #include <cstring>
+#include <type_traits>
 
 #include "attention.h"
 #include "kernels.h"
@@ -86,85 +87,116 @@ inline const float* row_at(const void* base, const uint16_t* scales, int64_t ind
   }
 }
 
-// Query heads g0..g0+gn of row r's group over KV head h.
+// One walk of row r's blocks for query heads g0..g0+gn of KV head h: the scaled queries, the online
+// softmax's running maxima and totals and the output accumulators. `walk_heads` sets it up, calls the
+// block body once per block and writes the outputs; the portable body is below, the vectorised one in
+// attention_avx2.cpp.
+struct HeadsWalk {
+  alignas(64) float qs[kMaxGroup][kMaxDim];
+  alignas(64) float acc[kMaxGroup][kMaxDim];
+  float running_max[kMaxGroup], total[kMaxGroup];
+  int64_t gn;
+  int64_t pos, first;  // the query's position and the first one it sees (its window)
+  int64_t row_base;    // KV head h's first slot
+  const int32_t* table;
+};
+
+// block(walk, start, slot0, n) for each block: its first position `start`, and the n visible keys from
+// slot slot0 of the store.
+template <class Block>
+inline void walk_heads(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r, int64_t h, int64_t g0,
+                       int64_t gn, Block&& block) {
+  const int64_t group = q.heads / s.kv_heads;
+  const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
+  HeadsWalk w;
+  w.gn = gn;
+  w.pos = q.positions[r];
+  w.table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
+  w.first = q.window > 0 && w.pos - q.window + 1 > 0 ? w.pos - q.window + 1 : 0;
+  w.row_base = h * s.slots;
+  for (int64_t g = 0; g < gn; ++g) {
+    const float* src = q.q + (r * q.heads + h * group + g0 + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) w.qs[g][d] = src[d] * q.scale;
+    for (int64_t d = 0; d < vdim; ++d) w.acc[g][d] = 0.f;
+    w.running_max[g] = -1e30f;
+    w.total[g] = 0.f;
+  }
+  for (int64_t start = w.first - w.first % bs; start <= w.pos; start += bs) {
+    const int64_t lo = start < w.first ? w.first : start;
+    const int64_t hi = start + bs - 1 < w.pos ? start + bs - 1 : w.pos;
+    block(w, start, w.row_base + w.table[start / bs] * bs + (lo - start), hi - lo + 1);
+  }
+  for (int64_t g = 0; g < gn; ++g) {
+    float* dst = q.out + (r * q.heads + h * group + g0 + g) * vdim;
+    const float inverse = 1.f / w.total[g];
+    for (int64_t d = 0; d < vdim; ++d) dst[d] = w.acc[g][d] * inverse;
+  }
+}
+
+// The portable block body: each (key, head) dot product on its own, values accumulated in memory.
 template <int Dtype>
 inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r, int64_t h, int64_t g0,
                          int64_t gn) {
-  const int64_t group = q.heads / s.kv_heads;
-  const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
-  alignas(64) float qs[kMaxGroup][kMaxDim];
-  alignas(64) float acc[kMaxGroup][kMaxDim];
+  const int64_t dim = s.head_dim, vdim = s.v_dim;
   alignas(64) float key_buf[kMaxBlock][kMaxDim];
   alignas(64) float val[kMaxDim];
   const float* key[kMaxBlock];
   float scores[kMaxGroup][kMaxBlock];
-  float running_max[kMaxGroup], total[kMaxGroup];
-  const int64_t pos = q.positions[r];
-  const int32_t* table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
-  const int64_t first = q.window > 0 && pos - q.window + 1 > 0 ? pos - q.window + 1 : 0;
-  for (int64_t g = 0; g < gn; ++g) {
-    const float* src = q.q + (r * q.heads + h * group + g0 + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) qs[g][d] = src[d] * q.scale;
-    for (int64_t d = 0; d < vdim; ++d) acc[g][d] = 0.f;
-    running_max[g] = -1e30f;
-    total[g] = 0.f;
-  }
-  const int64_t row_base = h * s.slots;
-  for (int64_t start = first - first % bs; start <= pos; start += bs) {
-    const int64_t block = table[start / bs];
-    const int64_t lo = start < first ? first : start;
-    const int64_t hi = start + bs - 1 < pos ? start + bs - 1 : pos;
-    const int64_t n = hi - lo + 1;
-    const int64_t slot0 = row_base + block * bs + (lo - start);
+  walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t, int64_t slot0, int64_t n) {
     for (int64_t j = 0; j < n; ++j) key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
     for (int64_t g = 0; g < gn; ++g) {
-      float block_max = running_max[g];
+      float block_max = w.running_max[g];
       for (int64_t j = 0; j < n; ++j) {
-        const float dot = dot_product(qs[g], key[j], dim);
+        const float dot = dot_product(w.qs[g], key[j], dim);
         scores[g][j] = dot;
         block_max = dot > block_max ? dot : block_max;
       }
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
-      const float correction = exp_nonpositive(running_max[g] - block_max);
-      running_max[g] = block_max;
+      const float correction = exp_nonpositive(w.running_max[g] - block_max);
+      w.running_max[g] = block_max;
       exp_shifted(scores[g], n, block_max);
       float sum = 0.f;
       for (int64_t j = 0; j < n; ++j) sum += scores[g][j];
-      total[g] = total[g] * correction + sum;
+      w.total[g] = w.total[g] * correction + sum;
       if (correction != 1.f)
-        for (int64_t d = 0; d < vdim; ++d) acc[g][d] *= correction;
+        for (int64_t d = 0; d < vdim; ++d) w.acc[g][d] *= correction;
     }
     for (int64_t j = 0; j < n; ++j) {
       // Without a value store the latent is both key and value.
       const float* v = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, val) : key[j];
       for (int64_t g = 0; g < gn; ++g) {
         const float p = scores[g][j];
-        for (int64_t d = 0; d < vdim; ++d) acc[g][d] += p * v[d];
+        for (int64_t d = 0; d < vdim; ++d) w.acc[g][d] += p * v[d];
       }
     }
-  }
-  for (int64_t g = 0; g < gn; ++g) {
-    float* dst = q.out + (r * q.heads + h * group + g0 + g) * vdim;
-    const float inverse = 1.f / total[g];
-    for (int64_t d = 0; d < vdim; ++d) dst[d] = acc[g][d] * inverse;
-  }
+  });
 }
 
-inline void attend_items(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
+// Work items item0..item1 (row, KV head), in slices of at most kMaxGroup query heads:
+// heads(dtype, r, h, g0, gn) with the store's dtype as a compile-time constant.
+template <class Heads>
+inline void for_each_item(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1,
+                          Heads&& heads) {
   const int64_t group = q.heads / s.kv_heads;
   for (int64_t item = item0; item < item1; ++item) {
     const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
     for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
       const int64_t gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
       if (s.dtype == 0) {
-        attend_heads<0>(s, q, r, h, g0, gn);
+        heads(std::integral_constant<int, 0>{}, r, h, g0, gn);
       } else if (s.dtype == 1) {
-        attend_heads<1>(s, q, r, h, g0, gn);
+        heads(std::integral_constant<int, 1>{}, r, h, g0, gn);
       } else {
-        attend_heads<2>(s, q, r, h, g0, gn);
+        heads(std::integral_constant<int, 2>{}, r, h, g0, gn);
       }
     }
   }
+}
+
+inline void attend_items(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
+  for_each_item(s, q, item0, item1, [&](auto dtype, int64_t r, int64_t h, int64_t g0, int64_t gn) {
+    attend_heads<decltype(dtype)::value>(s, q, r, h, g0, gn);
+  });
 }
 
 }  // namespace
