@@ -226,11 +226,7 @@ class PagedKVCache:
         attends where they lie in one call (keel::decoder_layer); None where keel's paged-attention kernel
         does not read this cache (then `attend` runs)."""
         k_store = self.keys[layer]
-        if (
-            not self.values
-            or k_store.dtype == torch.int8
-            or not kernel_attends(k_store, self.head_dim, self.block_size)
-        ):
+        if not self.values or not kernel_attends(k_store, self.head_dim, self.block_size):  # MLA has no values
             return None
         return InPlaceLayer(
             k_store, self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
