@@ -8,6 +8,7 @@ dequantizer (an implementation independent of gguf.quants) for every block type 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -263,12 +264,22 @@ def llama3_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
 
 
 def write_gguf(
-    model, path: Path, qtype: Q = Q.F32, pre: str = "gpt2", add_bos: bool = False, per_expert: bool = False
+    model,
+    path: Path,
+    qtype: Q = Q.F32,
+    pre: str = "gpt2",
+    add_bos: bool = False,
+    per_expert: bool = False,
+    mixed: dict[str, Q] | None = None,
 ) -> Path:
     """Write an HF model the way llama.cpp's convert_hf_to_gguf.py (+ llama-quantize) would.
 
     per_expert: experts one tensor each (blk.N.ffn_gate.E.weight), as older Mixtral GGUFs have them.
+    mixed: other types for tensors whose llama.cpp name contains a key (as Q4_K_M keeps attn_v and
+    ffn_down in Q6_K). gguf cannot quantize to K-quants: their tensors (widths in multiples of 256)
+    are random blocks with small scales, not the model's weights; other widths stay float32.
     """
+    rng = np.random.default_rng(0)
     cfg = model.config
     family = cfg.model_type
     arch = GGUF_ARCH[family]
@@ -317,9 +328,13 @@ def write_gguf(
 
     def add(name: str, t: torch.Tensor) -> None:
         a = t.detach().float().numpy()
+        kind = next((q for key, q in (mixed or {}).items() if key in name), qtype)
         # llama-quantize keeps 1-D tensors and MoE routers in float32.
-        if qtype != Q.F32 and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 32 == 0:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        if kind in K_QUANTS and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 256 == 0:
+            blocks = random_blocks(kind, math.prod(a.shape[:-1]), a.shape[-1], rng, scale=1e-4)
+            w.add_tensor(name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=kind)
+        elif kind not in (Q.F32, *K_QUANTS) and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
 
@@ -488,14 +503,17 @@ FP16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K:
 FP16_FIELDS[Q.Q2_K] = [80, 82]
 
 
-def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K)
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
     """Random bytes in the block layout, with finite float16 scales (every quant bit is exercised)."""
-    per_block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K) else 32
+    per_block = 256 if qtype in K_QUANTS else 32
     n_blocks = rows * cols // per_block
     blocks = rng.integers(0, 256, size=(n_blocks, BLOCK_BYTES[qtype]), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
-        scale = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
-        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        values = (rng.standard_normal(n_blocks) * scale).astype(np.float16)
+        blocks[:, offset : offset + 2] = values.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(rows, -1)
 
 

@@ -1,7 +1,7 @@
 """keel's C++ kernels (keel.kernels) against their torch references, at every ISA level this machine runs.
 
 Quantized linear: weights exactly as stored (4-bit and 8-bit blocks of 32, float16 or float32 scales,
-with and without mins, a scale per block, per group of blocks or per row), activations quantized to
+with and without mins, a scale per half block, per block, per group of blocks or per row), activations quantized to
 int8 blocks of 32 on the fly. The reference computes the same product from the dequantized weights
 and the quantize-dequantized activations in float64, so the only difference is float32 summation
 order. Paged attention: against a dense softmax over the positions each query may see.
@@ -23,6 +23,7 @@ from keel.quant.block_layout import nibble_blocks, values_of_nibble_blocks
 from keel.quant.linear import BLOCK_DEQUANTIZE_ROWS
 from keel.quant.loading import load_model
 from test_gguf import TOKENS, build_hf, write_gguf
+from tiny_models import build_hf_model
 
 pytestmark = [
     pytest.mark.isa,  # run again under KEEL_CPU_ISA=avx2 by `make test`
@@ -71,12 +72,17 @@ def random_weights(n: int, k: int, bits: int, groups: int, scale_dtype, with_min
         (8, torch.float16, False, "block"),  # GGUF Q8_0
         (8, torch.float32, False, "row"),  # keel int8, per output channel
         (8, torch.float32, True, 2),  # int8 with mins, groups of 64
+        (4, torch.float32, True, "block"),  # GGUF Q4_K (sub-block scales and mins as float32)
+        (8, torch.float32, True, "block"),  # GGUF Q5_K (codes 0..31)
+        (8, torch.float32, False, "half"),  # GGUF Q6_K (a scale per 16 values)
+        (8, torch.float16, False, "half"),
     ],
 )
 @pytest.mark.parametrize(("n", "k", "m"), [(1, 32, 1), (37, 96, 3), (130, 800, 17), (64, 576, 1)])
 def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins, per, n, k, m):
     blocks = k // 32
-    groups = blocks if per == "block" else 1 if per == "row" else blocks // per if blocks % per == 0 else blocks
+    named = {"half": 2 * blocks, "block": blocks, "row": 1}
+    groups = named.get(per) or (blocks // per if blocks % per == 0 else blocks)
     codes, scales, mins = random_weights(n, k, bits, groups, scale_dtype, with_mins)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     want = quantize_rows_reference(x) @ dequantize_reference(codes, scales, mins, bits).T
@@ -92,11 +98,11 @@ def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins,
     assert (got_bf16.double() - want_bf16).abs().max().item() < 1e-2 * (want_bf16.abs().max().item() + 1)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_levels_agree_and_rows_are_independent(bits):
+@pytest.mark.parametrize(("bits", "groups"), [(4, 20), (8, 20), (8, 40)])
+def test_levels_agree_and_rows_are_independent(bits, groups):
     """Every ISA level computes the same numbers (to float32 rounding), and a row's output does not
     depend on the other rows of the batch (decode and prefill of the same token agree)."""
-    codes, scales, mins = random_weights(200, 640, bits, 20, torch.float16, bits == 4)
+    codes, scales, mins = random_weights(200, 640, bits, groups, torch.float16, bits == 4)
     x = torch.randn(9, 640, generator=torch.Generator().manual_seed(3))
     outs = []
     for level in LEVELS:
@@ -110,9 +116,9 @@ def test_levels_agree_and_rows_are_independent(bits):
         assert torch.allclose(out, outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_dequantize_and_embedding_read_the_blocks(bits):
-    codes, scales, mins = random_weights(50, 96, bits, 3, torch.float16, bits == 4)
+@pytest.mark.parametrize(("bits", "groups"), [(4, 3), (8, 3), (8, 6)])
+def test_dequantize_and_embedding_read_the_blocks(bits, groups):
+    codes, scales, mins = random_weights(50, 96, bits, groups, torch.float16, bits == 4)
     want = dequantize_reference(codes, scales, mins, bits).float()
     assert torch.equal(torch.ops.keel.block_dequantize(codes, scales, mins, bits), want)
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
@@ -149,6 +155,11 @@ def test_bad_block_weights_are_refused():
         torch.ops.keel.block_linear(x, codes, scales, mins, 5, None)
     with pytest.raises(RuntimeError, match="1 or 2 passes"):
         torch.ops.keel.block_linear(x, codes, scales, mins, 4, None, 3)
+    codes8, halves, _ = random_weights(8, 64, 8, 4, torch.float32, False)
+    with pytest.raises(RuntimeError, match="half-block scales take no mins"):
+        torch.ops.keel.block_linear(x, codes8, halves, halves, 8, None)
+    with pytest.raises(RuntimeError, match="G dividing 2"):  # half blocks are 8-bit only
+        torch.ops.keel.block_linear(x, codes, halves, halves, 4, None)
 
 
 # ----------------------------------------------------------------------------- the layer and loading
@@ -205,6 +216,26 @@ def test_gguf_blocks_and_tied_head_run_as_stored(tmp_path):
     head = loaded.model.lm_head
     if loaded.model.config.tie_word_embeddings:
         assert isinstance(head, QuantizedLinear)
+    with torch.inference_mode():
+        want, got = reference.model(TOKENS), loaded.model(TOKENS)
+    assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+def test_k_quant_blocks_run_as_stored(tmp_path):
+    """A Q4_K_M-like file (Q4_K, with Q6_K attn_v and Q5_K ffn_down): every K-quant tensor runs as its
+    integer codes (Q4_K 4-bit, Q5_K 8-bit with mins, Q6_K 8-bit with a scale per 16 values), the tied
+    head on the embedding's Q4_K blocks; logits within the int8 activations' error of the float load."""
+    from gguf import GGMLQuantizationType as Q
+
+    model = build_hf_model("llama", 0, num_hidden_layers=2, hidden_size=256, intermediate_size=512)
+    path = write_gguf(model, tmp_path / "m.gguf", qtype=Q.Q4_K, mixed={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_K})
+    reference = load_model(path, "float32")
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
+    layers = {n: m for n, m in loaded.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert all(m.layout == "blocks" and m.scales.dtype == torch.float32 for m in layers.values())
+    forms = {(m.bits, m.in_features // m.scales.shape[1], m.mins is not None) for m in layers.values()}
+    assert forms == {(4, 32, True), (8, 16, False), (8, 32, True)}, forms
+    assert isinstance(loaded.model.lm_head, QuantizedLinear) and loaded.model.lm_head.bits == 4
     with torch.inference_mode():
         want, got = reference.model(TOKENS), loaded.model(TOKENS)
     assert ((got - want).norm() / want.norm()).item() < 0.03
@@ -300,9 +331,27 @@ def test_fused_small_ops_compute_the_torch_formulas(dtype):
 
 
 # ----------------------------------------------------------------------------- the real checkpoint
+def k_quant_form(weight: torch.Tensor, half_blocks: bool) -> QuantizedLinear:
+    """A layer in the form keel runs Q6_K (8-bit codes -32..31, a scale per 16 values) or Q5_K (codes
+    0..31 with a scale and a min per 32) in, by plain rounding (gguf cannot produce K-quants; the
+    kernels' error against the same weights as floats is what is measured, not the quantizer's)."""
+    n, k = weight.shape
+    if half_blocks:
+        w = weight.float().reshape(n, k // 16, 16)
+        scales = (w.abs().amax(-1) / 32).clamp(min=1e-12)
+        q = (w / scales[..., None]).round().clamp(-32, 31).to(torch.int8).reshape(n, k)
+        return QuantizedLinear.from_blocks(8, q, scales, None, dtype=torch.float32)
+    w = weight.float().reshape(n, k // 32, 32)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 31).clamp(min=1e-12)
+    q = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 31).to(torch.int8).reshape(n, k)
+    return QuantizedLinear.from_blocks(8, q, scales, low, dtype=torch.float32)
+
+
 def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float_path():
     """Every format keel's kernels run, on SmolLM2-135M's GGUF: its own Q4_1 blocks with the tied head
-    on the embedding's Q8_0 blocks, and keel's int4 (g32) and int8 of the dequantized weights. Each
+    on the embedding's Q8_0 blocks, keel's int4 (g32) and int8 of the dequantized weights, and the
+    K-quants' forms (`k_quant_form`). Each
     against the float path of the same weights (the file dequantized; each quantized layer's own
     dequantized weights as float layers). With refined activations (the default) the kernels stay
     within +0.5%; int8 activations alone (llama.cpp's way) cost more, within 2%."""
@@ -322,9 +371,15 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
     set_activations(gguf, "int8")
     assert perplexity(gguf, ids) <= 1.02 * float_path
     del gguf
-    for scheme, group in (("int4", 32), ("int8", 128)):
+    for scheme, group in (("int4", 32), ("int8", 128), ("k-quant forms", 0)):
         model = copy.deepcopy(base.model)
-        quantize_model(model, scheme, group, keep=set())
+        if group:
+            quantize_model(model, scheme, group, keep=set())
+        else:  # Q4_K's form is int4 g32's; Q6_K's form for v and down (as in Q4_K_M files), Q5_K's elsewhere
+            for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+                if name != "lm_head":
+                    half = name.endswith(("v_proj", "down_proj"))
+                    replace_module(model, name, k_quant_form(linear.weight.detach(), half))
         set_activations(model, "refined")
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
         assert layers and all(m.layout == "blocks" for _, m in layers)

@@ -105,10 +105,12 @@ def test_dtype_moves_follow_the_scales():
 
 
 # ------------------------------------------------------------------------------------- GGUF blocks
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_gguf_blocks_decode_to_gguf_dequantize(tmp_path, qtype):
     """Codes and scales straight from the raw bytes reproduce gguf.quants.dequantize exactly (nibble
-    order, fp16 scales, Q4_1 mins), with llama's q/k un-permute applied to codes and scales alike."""
+    order, fp16 scales, Q4_1 mins, the K-quants' packed 6-bit scales and mins, fifth bits and bit
+    pairs, Q6_K's half-block scales), with llama's q/k un-permute applied to codes and scales alike.
+    The K-quant blocks are random bytes (gguf cannot produce them): every bit of the layout counts."""
     rng = np.random.default_rng(int(qtype))
     raw = {"blk.0.attn_v.weight": random_blocks(qtype, 128, 256, rng)}
     raw["blk.0.attn_q.weight"] = random_blocks(qtype, 256, 256, rng)
@@ -117,8 +119,11 @@ def test_gguf_blocks_decode_to_gguf_dequantize(tmp_path, qtype):
     for name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
         blocks = reader.get_blocks(name)
         n, k = blocks.codes.shape
-        assert blocks.kind == ("int8" if qtype == Q.Q8_0 else "int4") and blocks.types == (qtype.name,)
-        grouped = blocks.codes.float().reshape(n, k // 32, 32) * blocks.scales[..., None]
+        assert blocks.kind == ("int4" if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else "int8")
+        assert blocks.types == (qtype.name,) and blocks.group == (16 if qtype == Q.Q6_K else 32)
+        assert blocks.codes.dtype == (torch.uint8 if blocks.kind == "int4" else torch.int8)
+        g = blocks.group
+        grouped = blocks.codes.float().reshape(n, k // g, g) * blocks.scales[..., None]
         if blocks.mins is not None:
             grouped = grouped + blocks.mins[..., None]
         assert torch.equal(grouped.reshape(n, k), reader.get(name)), name
@@ -184,6 +189,23 @@ def test_tiny_gguf_with_the_gguf_scheme_matches_the_float_load(tmp_path, qtype, 
     assert stats["quantized"] == 14 and stats["bytes_after"] < stats["bytes_before"] / 2
     with torch.no_grad():
         assert rel(reference.model(TOKENS), loaded.model(TOKENS)) < bound
+
+
+def test_k_quants_on_torch_kernels(tmp_path):
+    """Without keel's kernels: Q4_K runs on torch's int4 kernel as groups of 32 exactly (its float32
+    sub-block scales and mins); Q5_K (8-bit codes with mins) and Q6_K (a scale per 16) have no torch
+    kernel and load as float."""
+    from tiny_models import build_hf_model
+
+    model = build_hf_model("llama", 0, num_hidden_layers=1, hidden_size=256, intermediate_size=512)
+    path = write_gguf(model, tmp_path / "m.gguf", qtype=Q.Q4_K, mixed={"attn_v": Q.Q6_K, "ffn_down": Q.Q5_K})
+    reference = load_model(path, "float32")
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
+    attn, mlp = loaded.model.layers["0"].self_attn, loaded.model.layers["0"].mlp
+    assert type(attn.v_proj) is nn.Linear and type(mlp.down_proj) is nn.Linear
+    assert isinstance(attn.q_proj, QuantizedLinear) and attn.q_proj.layout == "aten" and attn.q_proj.group_size == 32
+    with torch.no_grad():
+        assert rel(reference.model(TOKENS), loaded.model(TOKENS)) < 1e-5
 
 
 def test_gguf_scheme_reads_no_quantized_weight_as_float(tmp_path, monkeypatch):

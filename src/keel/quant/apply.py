@@ -17,7 +17,7 @@ from keel.model.moe import GroupedExperts, MoE, _local
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
 
-GGUF = "gguf"  # run the GGUF file's own Q4_0/Q4_1/Q8_0 blocks on the integer kernels (load time only)
+GGUF = "gguf"  # run the GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on the integer kernels (load time only)
 LOAD_SCHEMES = (*SCHEMES, GGUF)
 # Linear layers whose weight is also read as a matrix elsewhere, so they must stay float: multi-head
 # latent attention folds kv_b_proj.weight into the query and output when attending over the cache.
@@ -104,7 +104,7 @@ def quantize_model(
     check_scheme(scheme, group_size)
     if scheme == GGUF:
         raise KeelError(
-            "--quantize gguf repacks a GGUF file's Q4_0/Q4_1/Q8_0 blocks while loading; it cannot apply to a model "
+            "--quantize gguf repacks a GGUF file's integer blocks while loading; it cannot apply to a model "
             "already loaded in float (load it with load_model(..., quantize='gguf'))"
         )
     keep = set(keep or ())

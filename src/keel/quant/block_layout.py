@@ -6,7 +6,8 @@ conversion of their numbers:
   block in its low nibble and value j+16 in its high one (GGUF's Q4_0/Q4_1 order); w = q * scale + min.
 - 8 bits: codes int8 [N, K]; w = q * scale (+ min, when there are mins).
 - scales (and mins) [N, G], float16 or float32, one per group of K/G inputs: GGUF's blocks (G = K/32,
-  float16, exactly as stored), keel's int4 groups of 32-256 and int8 per output channel (G = 1), float32.
+  float16, exactly as stored; the K-quants' float32 sub-block scales, G = K/16 for Q6_K's 8-bit codes,
+  which take no mins), keel's int4 groups of 32-256 and int8 per output channel (G = 1), float32.
 
 The kernels quantize each activation row to int8 blocks of 32 on the fly (one scale per block,
 absmax / 127, as llama.cpp's Q8_0 activations) and accumulate integer dot products in float32.

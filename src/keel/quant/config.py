@@ -17,7 +17,7 @@ class QuantConfig:
 
     quantize: Literal["int8", "int4", "gguf"] | None = None
     """quantize linear layers and MoE experts at load: int8 per channel, int4 per group; gguf: run the file's own
-    Q4_0/Q4_1/Q8_0 blocks on the integer kernels"""
+    integer (Q4_0 ... Q6_K) blocks on the integer kernels"""
 
     quant_group_size: Literal[32, 64, 128, 256] = 128
     """int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks"""

@@ -14,8 +14,8 @@ and float16 take a reference path, slower than a dense float32 matmul (docs/BENC
 
 Where keel's C++ kernels run (keel.kernels: CPUs, unless KEEL_KERNELS=0) a layer keeps its codes in
 their block layout instead (keel.quant.block_layout) and runs `torch.ops.keel.block_linear`: int8
-activations, integer dot products, any activation dtype; GGUF's Q4_0/Q4_1/Q8_0 blocks run as stored
-(`from_blocks`), scales included. `layout` says which ("blocks" or "aten").
+activations, integer dot products, any activation dtype; GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks
+run as their integer codes (`from_blocks`), scales included. `layout` says which ("blocks" or "aten").
 
 A layer is built from float weights (`QuantizedLinear(linear, ...)`, `from_float`) or straight from
 integer components (`from_int8`, `from_int4`, `from_blocks`: GGUF blocks, a saved quantized
@@ -177,19 +177,25 @@ class QuantizedLinear(nn.Module):
         bias: Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
     ) -> QuantizedLinear:
-        """GGUF's blocks of 32 as integer values [N, K] (4 bits: 0..15 with w = q * d + m; 8 bits: int8
-        with w = q * d) and their float16 scales (and mins) [N, K/32]. keel's kernels run them as they
-        are; torch's kernels get int4 groups of 32 and, for 8 bits, per-channel int8 (`int8_from_blocks`)."""
+        """GGUF's blocks (keel.weights.gguf_blocks) as integer values [N, K] (4 bits: 0..15; 8 bits: int8)
+        with their scales (and mins) [N, G], w = q * scale (+ min) per group of K/G: G = K/32, or K/16
+        for 8-bit codes without mins (Q6_K). keel's kernels run them as they are; torch's kernels get
+        int4 groups of 32 and, for 8-bit blocks of 32 without mins, per-channel int8
+        (`int8_from_blocks`); other forms have no torch kernel (ValueError)."""
         layer = cls()
         n, k = codes.shape
+        group = k // scales.shape[1]
         if runs_blocks(codes.device, k):
             packed = nibble_blocks(codes) if bits == 4 else codes.to(torch.int8)
-            layer._set_blocks("int4" if bits == 4 else "int8", bits, packed, scales, mins, BLOCK, bias, dtype)
+            layer._set_blocks("int4" if bits == 4 else "int8", bits, packed, scales, mins, group, bias, dtype)
         elif bits == 4:
-            layer._set_int4(codes, scales, mins, BLOCK, bias, dtype)
-        else:
+            layer._set_int4(codes, scales, mins, group, bias, dtype)
+        elif group == BLOCK and mins is None:
             q, row_scales = int8_from_blocks(codes, scales, BLOCK)
             layer._set_int8(q, row_scales, bias, dtype)
+        else:
+            with_mins = "with" if mins is not None else "without"
+            raise ValueError(f"8-bit blocks of {group} {with_mins} mins run on keel's kernels only")
         return layer
 
     def _quantize(self, weight: Tensor, scheme: str, group_size: int, bias: Tensor | None) -> None:
@@ -468,7 +474,12 @@ class QuantizedLinear(nn.Module):
             bias = self.bias
             del self.qweight, self.scales, self.mins
             if self.scheme == "int8":
-                q, scales = int8_from_blocks(q, scales.expand(-1, self.in_features // BLOCK).contiguous(), BLOCK)
+                if mins is not None:  # 8-bit codes with mins (Q5_K): per-channel int8 of the weights
+                    q, scales = quantize_int8(self.dequantized())
+                else:  # per channel (one group), blocks of 32 or half blocks (Q6_K)
+                    groups = max(scales.shape[1], self.in_features // BLOCK)
+                    block = self.in_features // groups
+                    q, scales = int8_from_blocks(q, scales.expand(-1, groups).contiguous(), block)
                 self._set_int8(q.to(probe.device), scales, bias, self.compute_dtype)
             else:
                 group = self.in_features // scales.shape[1]

@@ -39,7 +39,7 @@ def load_model(
 
     quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
-    as a whole; "gguf" takes a GGUF file's Q4_0/Q4_1/Q8_0 blocks as they are, without expanding them
+    as a whole; "gguf" takes a GGUF file's integer blocks (Q4_0 ... Q6_K) as they are, without expanding them
     to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
     ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
     `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.

@@ -9,12 +9,15 @@ source tensors, never the float model.
 Sources:
 - "int8" / "int4": the module's float weights (in the compute dtype, as `quantize_model` would see
   them after a float load: the same numbers bit for bit);
-- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0 blocks (`GGUFTensorReader.get_blocks`). Where keel's kernels
-  run (keel.kernels) every block runs as stored, float16 scales included, and a tied head runs the
-  embedding's blocks. Elsewhere torch's kernels get Q4_0 (w = (q - 8) d) and Q4_1 (w = q d + m) as
-  int4 groups of 32 exactly, and Q8_0 (w = q d per block of 32), which has no exact per-channel int8
-  form, as per-channel int8 (`int8_from_blocks`: error <= half a step of the row's largest value /
-  127). Other tensor types (Q4_K, Q6_K, F16, ...) load as float;
+- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks (`GGUFTensorReader.get_blocks`,
+  keel.weights.gguf_blocks). Where keel's kernels run (keel.kernels) every block runs as its integer
+  codes: Q4_0/Q4_1/Q8_0 with their float16 scales as stored, the K-quants with float32 scales (and
+  mins) per 32 values (per 16 for Q6_K), the exact products of their super-block and sub-block
+  scales; a tied head runs the embedding's blocks. Elsewhere torch's kernels get Q4_0 (w = (q - 8) d),
+  Q4_1 (w = q d + m) and Q4_K as int4 groups of 32 exactly, and Q8_0 (w = q d per block of 32), which
+  has no exact per-channel int8 form, as per-channel int8 (`int8_from_blocks`: error <= half a step
+  of the row's largest value / 127); Q5_K and Q6_K load as float there. Other tensor types (F16, ...)
+  load as float;
 - a directory written by `keel quantize save` (config.json `quantization_config`, quant_method
   "keel"): its portable integer tensors (see keel.quant.save for the format).
 """
@@ -22,6 +25,7 @@ Sources:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -47,9 +51,10 @@ from keel.quant.linear import (
     unpack_nibbles,
 )
 from keel.weights.checkpoint import Checkpoint
+from keel.weights.gguf_blocks import QuantBlocks
 from keel.weights.names import hf_source
 
-GGUF_GROUP = 32  # Q4_0/Q4_1/Q8_0 blocks
+GGUF_GROUP = 32  # values per block of Q4_0/Q4_1/Q8_0, and per scale of Q4_K/Q5_K
 
 
 def quantize_while_loading(
@@ -82,7 +87,7 @@ def quantize_while_loading(
         if scheme == GGUF:
             if checkpoint.format != "gguf":
                 raise KeelError(
-                    f"{checkpoint.path}: --quantize gguf runs a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, and this is not "
+                    f"{checkpoint.path}: --quantize gguf runs a GGUF file's own integer blocks, and this is not "
                     "a GGUF file (use --quantize int8 or int4)"
                 )
             group_size = GGUF_GROUP
@@ -167,11 +172,9 @@ def _linear(
                 return None
             source = "embed_tokens.weight"
         blocks = _gguf_blocks(checkpoint, source, (n, k))
-        if blocks is None:
+        if blocks is None or not _blocks_fit(blocks, k, n, device):
             return None
-        bias = _bias(checkpoint, name, module, device)
-        kind, codes, scales, mins = blocks
-        return _from_blocks(kind, codes, scales, bias, dtype, device, mins)
+        return _from_blocks(blocks, _bias(checkpoint, name, module, device), dtype, device)
     if not linear_fits(scheme, k, n, group_size):
         return None
     weight = read_float(checkpoint, f"{name}.weight", (n, k)).to(device=device, dtype=dtype)
@@ -194,14 +197,17 @@ def _experts(
         down = _gguf_blocks(checkpoint, f"{name}.down_proj", (e, h, i))
         if gate_up is None or down is None:
             return None
-        if not (_blocks_fit(gate_up[0], h, two_i) and _blocks_fit(down[0], i, h)):
+        if not (_blocks_fit(gate_up, h, two_i, device) and _blocks_fit(down, i, h, device)):
             return None
 
-        def build(blocks: tuple[str, Tensor, Tensor, Tensor | None], x: int) -> QuantizedLinear:
-            kind, codes, scales, mins = blocks
-            layer = _from_blocks(kind, codes[x], scales[x], None, dtype, device, None if mins is None else mins[x])
-            assert layer is not None  # _blocks_fit checked the shapes
-            return layer
+        def build(blocks: QuantBlocks, x: int) -> QuantizedLinear:
+            mins = None if blocks.mins is None else blocks.mins[x]
+            return _from_blocks(
+                dataclasses.replace(blocks, codes=blocks.codes[x], scales=blocks.scales[x], mins=mins),
+                None,
+                dtype,
+                device,
+            )
 
         return QuantizedGroupedExperts(
             [build(gate_up, x) for x in range(e)], [build(down, x) for x in range(e)], module.num_experts
@@ -216,27 +222,23 @@ def _experts(
     return QuantizedGroupedExperts(layers[0], layers[1], module.num_experts)
 
 
-def _blocks_fit(kind: str, in_features: int, out_features: int) -> bool:
-    return int4_fits(in_features, out_features, GGUF_GROUP) if kind == "int4" else int8_fits(in_features)
+def _blocks_fit(blocks: QuantBlocks, in_features: int, out_features: int, device: torch.device) -> bool:
+    """Whether the layer's blocks run quantized on `device`: keel's kernels take every form (inputs in
+    blocks of 32); torch's take int4 groups of 32 and 8-bit codes with one scale a block of 32."""
+    if runs_blocks(device, in_features):
+        return True
+    if blocks.kind == "int4":
+        return int4_fits(in_features, out_features, GGUF_GROUP)
+    return blocks.group == GGUF_GROUP and blocks.mins is None and int8_fits(in_features)
 
 
-def _from_blocks(
-    kind: str,
-    codes: Tensor,
-    scales: Tensor,
-    bias: Tensor | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    mins: Tensor | None = None,
-) -> QuantizedLinear | None:
-    n, k = codes.shape
-    if not _blocks_fit(kind, k, n):
-        return None
-    # The file's scales are float16: kept so (exactly) unless a derived one (Q4_0's min, -8 d) is not.
-    scales, mins = _as_stored(scales), None if mins is None else _as_stored(mins)
+def _from_blocks(blocks: QuantBlocks, bias: Tensor | None, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+    # Scales kept as float16 where that is exact (Q4_0/Q4_1/Q8_0's own), else float32.
+    scales, mins = _as_stored(blocks.scales), None if blocks.mins is None else _as_stored(blocks.mins)
     if mins is not None and scales.dtype != mins.dtype:
         scales, mins = scales.float(), mins.float()
-    return QuantizedLinear.from_blocks(4 if kind == "int4" else 8, codes.to(device), scales, mins, bias, dtype)
+    bits = 4 if blocks.kind == "int4" else 8
+    return QuantizedLinear.from_blocks(bits, blocks.codes.to(device), scales, mins, bias, dtype)
 
 
 def _as_stored(values: Tensor) -> Tensor:
@@ -244,18 +246,16 @@ def _as_stored(values: Tensor) -> Tensor:
     return half if torch.equal(half.float(), values.float()) else values.float()
 
 
-def _gguf_blocks(
-    checkpoint: Checkpoint, keel_name: str, shape: tuple[int, ...]
-) -> tuple[str, Tensor, Tensor, Tensor | None] | None:
-    """(kind, codes, scales, mins) of a keel parameter from the GGUF blocks of its sources, or None
-    when it has none of the integer types (it then loads as float)."""
+def _gguf_blocks(checkpoint: Checkpoint, keel_name: str, shape: tuple[int, ...]) -> QuantBlocks | None:
+    """A keel parameter's codes and scales from the GGUF blocks of its sources, or None when they are
+    not all of one integer form (it then loads as float)."""
     reader = checkpoint.reader
     available = reader.names()
     source = hf_source(checkpoint.config, keel_name, available)
     if any(n not in available for n in source.names):
         return None  # load_weights reports what is missing
     parts = [reader.get_blocks(n) for n in source.names]  # type: ignore[attr-defined]
-    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+    if any(p is None for p in parts) or len({(p.kind, p.group, p.mins is None) for p in parts}) != 1:
         return None
     codes = source.combine([p.codes for p in parts])
     scales = source.combine([p.scales for p in parts])
@@ -265,7 +265,7 @@ def _gguf_blocks(
             f"{checkpoint.path}: tensor {source.names[0]} has shape {list(codes.shape)}, expected {list(shape)} "
             "for this config"
         )
-    return parts[0].kind, codes, scales, mins
+    return dataclasses.replace(parts[0], codes=codes, scales=scales, mins=mins)
 
 
 def read_float(checkpoint: Checkpoint, keel_name: str, shape: tuple[int, ...]) -> Tensor:

@@ -5,8 +5,9 @@ vocabulary as `tokenizer.ggml.*` keys, and the tensors under llama.cpp names (`b
 with shapes in ggml order (innermost dimension first). `open_gguf` turns that into the same
 `Checkpoint` the safetensors path builds: a `ModelConfig`, a reader that serves tensors under HF
 names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
-Q4_0/Q4_1/Q8_0 tensors are also served as integer codes and block scales (`get_blocks`), which
-`--quantize gguf` (keel.quant.on_load) repacks for the integer kernels without a float copy.
+Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors are also served as integer codes and group scales
+(`get_blocks`, keel.weights.gguf_blocks), which `--quantize gguf` (keel.quant.on_load) repacks for
+the integer kernels without a float copy.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BPE vocabularies
@@ -32,6 +33,7 @@ from torch import Tensor
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
 from keel.weights.checkpoint import Checkpoint
+from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.shard import Shard, narrow
@@ -413,53 +415,12 @@ def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
 
 
-# Block types whose codes the integer kernels take as they are (`get_blocks`, `--quantize gguf`):
-# Q4_0 (w = (q - 8) d) and Q4_1 (w = q d + m) are int4 groups of 32; Q8_0 (w = q d) is int8 blocks.
-_BLOCK_KIND = {_T.Q4_0: "int4", _T.Q4_1: "int4", _T.Q8_0: "int8"}
-_BLOCK_BYTES = {_T.Q4_0: 18, _T.Q4_1: 20, _T.Q8_0: 34}
-BLOCK = 32  # values per block of these types
-
-
-@dataclass
-class QuantBlocks:
-    """One HF tensor's GGUF blocks as integer codes and per-block scales, in HF layout.
-
-    kind "int4": codes uint8 0..15, w = codes * scales + mins (Q4_0's mins are -8 d, exact);
-    kind "int8": codes int8, w = codes * scales (mins None). scales/mins: float32 [..., rows, K/32],
-    the blocks' fp16 values (exact in float32).
-    """
-
-    kind: str
-    types: tuple[str, ...]
-    codes: Tensor
-    scales: Tensor
-    mins: Tensor | None
-
-
-def decode_blocks(t: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(codes, d, m) of a Q4_0/Q4_1/Q8_0 tensor in numpy, HF shape [..., rows, K] / [..., rows, K/32].
-
-    Vectorised over the raw bytes: Q4_0 = fp16 d + 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m + 16
-    bytes; Q8_0 = fp16 d + 32 int8. In a nibble block, byte j holds value j (low nibble) and value
-    j + 16 (high nibble).
-    """
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    raw = np.asarray(t.data).reshape(-1, _BLOCK_BYTES[t.tensor_type])
-    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
-    if t.tensor_type == _T.Q8_0:
-        codes = raw[:, 2:].copy().view(np.int8)
-        m = None
-    else:
-        start = 2 if t.tensor_type == _T.Q4_0 else 4
-        packed = raw[:, start : start + BLOCK // 2]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
-        m = -8.0 * d if t.tensor_type == _T.Q4_0 else raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-    groups = (*shape[:-1], shape[-1] // BLOCK)
-    return codes.reshape(shape), d.reshape(groups), None if m is None else m.reshape(groups)
+def _hf_shape(t: GGUFTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
 
 
 class GGUFTensorReader:
-    """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`; Q4_0/Q4_1/Q8_0
+    """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`; integer-block
     tensors also as integer blocks (`get_blocks()`), for the integer kernels."""
 
     def __init__(self, path: Path, reader: GGUFFile, config: ModelConfig) -> None:
@@ -470,7 +431,7 @@ class GGUFTensorReader:
         # llama.cpp's converter permutes q/k rows for the llama architecture (Mixtral included) only.
         permuted = config.architecture in ("llama", "mixtral")
         tensors = {t.name: t for t in reader.tensors}
-        np_shape = lambda t: tuple(int(d) for d in reversed(t.shape.tolist()))  # noqa: E731
+        np_shape = _hf_shape
         for name, t in tensors.items():
             if name in _GLOBAL_NAMES:
                 self._add(_GLOBAL_NAMES[name], (t,), np_shape(t), _single)
@@ -587,17 +548,18 @@ class GGUFTensorReader:
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
     def get_blocks(self, name: str) -> QuantBlocks | None:
-        """The tensor as integer codes and block scales, or None when any of its GGUF sources is not
-        Q4_0/Q4_1/Q8_0 or they mix int4 and int8 kinds (then it loads as float through `get()`).
-        The combination (llama q/k un-permute, gate+up concatenation) moves whole rows, so it applies
-        to codes and scales alike."""
+        """The tensor as integer codes and group scales (keel.weights.gguf_blocks), or None when any of
+        its GGUF sources has no integer form or they differ in kind or group (then it loads as float
+        through `get()`). The combination (llama q/k un-permute, gate+up concatenation) moves whole
+        rows, so it applies to codes and scales alike."""
         if self._reader is None:
             raise WeightsError(f"{self.path}: the checkpoint is closed")
         entry = self._entry(name)
-        kinds = {_BLOCK_KIND.get(t.tensor_type) for t in entry.sources}
-        if len(kinds) != 1 or None in kinds:
+        specs = [BLOCK_TYPES.get(t.tensor_type) for t in entry.sources]
+        if None in specs or len({s.form for s in specs}) != 1:  # type: ignore[union-attr]
             return None
-        parts = [decode_blocks(t) for t in entry.sources]
+        spec = specs[0]
+        parts = [decode_blocks(t.tensor_type, t.data, _hf_shape(t)) for t in entry.sources]
         try:
             codes = entry.combine([p[0] for p in parts])
             scales = entry.combine([p[1] for p in parts])
@@ -610,7 +572,8 @@ class GGUFTensorReader:
             )
         own = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
         return QuantBlocks(
-            kinds.pop(),
+            spec.kind,
+            spec.group,
             tuple(t.tensor_type.name for t in entry.sources),
             own(codes),
             own(scales),

@@ -84,6 +84,12 @@ inline __m256i pair_dot(const uint8_t* codes, const int8_t* a) {
   return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 }
 
+// A block's two half-block scales (Q6_K), each over the 4 lanes of block_dot that its 16 values fill.
+template <bool Half>
+inline __m256 half_block_scales(const void* p, int64_t i) {
+  return _mm256_set_m128(_mm_set1_ps(scale_at<Half>(p, i + 1)), _mm_set1_ps(scale_at<Half>(p, i)));
+}
+
 // Scales of blocks 2j and 2j+1 of an 8-block vector, each over 4 lanes (pair_dot's lanes).
 inline __m256 pair_scales(__m256 eight, int j) {
   return _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
@@ -114,7 +120,7 @@ inline __m256 eight_scales(const void* p, int64_t row_start, int64_t b, int shif
 // How far ahead the next rows' codes are prefetched: the next tile (the distance the measurements settled on).
 constexpr int64_t kPrefetchRows = 4;
 
-template <int Bits, bool Half, bool Min, bool Two, int NR, int MR>
+template <int Bits, bool Half, bool Min, bool Two, bool Sub, int NR, int MR>
 void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo) {
   const int64_t groups = w.blocks / w.group_blocks;
   const int shift = group_shift(w);
@@ -142,6 +148,23 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
       // The same 8 blocks kPrefetchRows rows ahead: every cache line of them (2 for 4-bit, 4 for 8-bit).
       const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * w.row_bytes + b * (Bits * kBlock / 8));
       for (int line = 0; line < Bits * kBlock / 8 * 8; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      if constexpr (Sub) {  // 8-bit codes, two scales a block, no mins
+        for (int j = 0; j < 8; ++j) {
+          const __m256 ws = half_block_scales<Half>(w.scales, 2 * (sb[i] + b + j));
+          const __m256i codes = load_codes<Bits>(rows[i], b + j);
+          for (int r = 0; r < MR; ++r) {
+            const int64_t mb = (m + r) * a.blocks + b + j;
+            const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + (b + j) * kBlock);
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(a.d[mb])), acc[i][r]);
+            if constexpr (Two) {
+              const __m256i dot2 = block_dot<Bits>(codes, a.q2 + (m + r) * a.k + (b + j) * kBlock);
+              acc[i][r] =
+                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(ws, _mm256_set1_ps(a.d2[mb])), acc[i][r]);
+            }
+          }
+        }
+        continue;
+      }
       const __m256 dw = eight_scales<Half>(w.scales, sb[i], b, shift);
       if constexpr (Min) {
         const __m256 mw = eight_scales<Half>(w.mins, sb[i], b, shift);
@@ -211,15 +234,16 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
     const int64_t g = b >> shift;
     for (int i = 0; i < NR; ++i) {
       const __m256i codes = load_codes<Bits>(rows[i], b);
-      const float dw = scale_at<Half>(w.scales, sb[i] + g);
+      const __m256 dw = Sub ? half_block_scales<Half>(w.scales, 2 * (sb[i] + b))
+                            : _mm256_set1_ps(scale_at<Half>(w.scales, sb[i] + g));
       const float mw = Min ? scale_at<Half>(w.mins, sb[i] + g) : 0.f;
       for (int r = 0; r < MR; ++r) {
         const int64_t mb = (m + r) * a.blocks + b;
         const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + b * kBlock);
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * a.d[mb]), acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[mb])), acc[i][r]);
         if constexpr (Two) {
           const __m256i dot2 = block_dot<Bits>(codes, a.q2 + (m + r) * a.k + b * kBlock);
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_set1_ps(dw * a.d2[mb]), acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(dw, _mm256_set1_ps(a.d2[mb])), acc[i][r]);
         }
         if constexpr (Min) tail[i][r] += mw * a.s[mb];
       }
@@ -230,15 +254,15 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
       out[(m + r) * ldo + n + i] = hsum(acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
 }
 
-template <int Bits, bool Half, bool Min, bool Two, int MR>
+template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
 void gemm_rows(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m, float* out,
                int64_t ldo) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, Two, 4, MR>(w, n, a, m, out, ldo);
-  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, Two, 1, MR>(w, n, a, m, out, ldo);
+  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, Two, Sub, 4, MR>(w, n, a, m, out, ldo);
+  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, Two, Sub, 1, MR>(w, n, a, m, out, ldo);
 }
 
-template <int Bits, bool Half, bool Min, bool Two>
+template <int Bits, bool Half, bool Min, bool Two, bool Sub = false>
 void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
           float* out, int64_t ldo) {
   // Tiles of output features whose codes stay in L1 while every pair of activation rows passes.
@@ -246,8 +270,8 @@ void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations&
   for (int64_t t = n0; t < n1; t += kTile) {
     const int64_t te = t + kTile < n1 ? t + kTile : n1;
     int64_t m = m0;
-    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, Two, 2>(w, t, te, a, m, out, ldo);
-    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, Two, 1>(w, t, te, a, m, out, ldo);
+    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, Two, Sub, 2>(w, t, te, a, m, out, ldo);
+    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, Two, Sub, 1>(w, t, te, a, m, out, ldo);
   }
 }
 
@@ -255,6 +279,13 @@ template <int Bits, bool Two>
 void gemm_passes(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
                  float* out, int64_t ldo) {
   const bool min = w.mins != nullptr;
+  if constexpr (Bits == 8) {
+    if (w.half_block_scales) {  // weights_of: no mins
+      w.scale_half ? gemm<8, true, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo)
+                   : gemm<8, false, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo);
+      return;
+    }
+  }
   if (w.scale_half) {
     min ? gemm<Bits, true, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
         : gemm<Bits, true, false, Two>(w, n0, n1, a, m0, m1, out, ldo);

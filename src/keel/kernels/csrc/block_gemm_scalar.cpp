@@ -69,7 +69,9 @@ inline float load_scale(const void* p, int64_t i, bool half) {
   return half ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-inline int32_t dot_block(const BlockWeights& w, const uint8_t* row, int64_t b, const int8_t* a) {
+// The integer dot product of values [j0, j1) of block b (4-bit: the whole block only).
+inline int32_t dot_block(const BlockWeights& w, const uint8_t* row, int64_t b, const int8_t* a, int j0 = 0,
+                         int j1 = kBlock) {
   int32_t sum = 0;
   if (w.bits == 4) {
     const uint8_t* codes = row + b * (kBlock / 2);
@@ -79,7 +81,7 @@ inline int32_t dot_block(const BlockWeights& w, const uint8_t* row, int64_t b, c
     }
   } else {
     const int8_t* codes = reinterpret_cast<const int8_t*>(row) + b * kBlock;
-    for (int j = 0; j < kBlock; ++j) sum += static_cast<int32_t>(codes[j]) * a[j];
+    for (int j = j0; j < j1; ++j) sum += static_cast<int32_t>(codes[j]) * a[j];
   }
   return sum;
 }
@@ -96,6 +98,19 @@ void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const Bloc
       const float* ad = a.d + m * a.blocks;
       const float* as = a.s + m * a.blocks;
       float acc = 0.f;
+      if (w.half_block_scales) {
+        for (int64_t b = 0; b < w.blocks; ++b)
+          for (int h = 0; h < 2; ++h) {
+            const float dw = load_scale(w.scales, n * 2 * w.blocks + 2 * b + h, w.scale_half);
+            const int j0 = h * kBlock / 2, j1 = j0 + kBlock / 2;
+            acc += dw * ad[b] * static_cast<float>(dot_block(w, row, b, aq + b * kBlock, j0, j1));
+            if (a.q2 != nullptr)
+              acc += dw * a.d2[m * a.blocks + b] *
+                     static_cast<float>(dot_block(w, row, b, a.q2 + m * a.k + b * kBlock, j0, j1));
+          }
+        out[m * ldo + n] = acc;
+        continue;
+      }
       for (int64_t b = 0; b < w.blocks; ++b) {
         const float dot = static_cast<float>(dot_block(w, row, b, aq + b * kBlock));
         const int64_t g = sb + b / w.group_blocks;

@@ -18,7 +18,8 @@ enum Isa : int { kScalar = 0, kAvx2 = 1 };
 // bits 8: codes int8 [N, K]; w = q * scale (+ min when mins is not null).
 // scales and mins: [N, G], float16 (scale_half) or float32, one per group of K/G inputs: a group is
 // `group_blocks` blocks (G = K/32 for GGUF's blocks, fewer for keel's int4 groups of 64-256, 1 for
-// int8 per output channel).
+// int8 per output channel), or, for 8-bit codes without mins, half a block (G = K/16: GGUF's Q6_K,
+// `half_block_scales`).
 struct BlockWeights {
   int bits;
   const uint8_t* codes;
@@ -27,7 +28,8 @@ struct BlockWeights {
   const void* mins;  // may be null
   bool scale_half;
   int64_t blocks;  // K / 32
-  int64_t group_blocks;  // blocks per scale
+  int64_t group_blocks;  // blocks per scale (1 with half_block_scales)
+  bool half_block_scales;  // two scales per block: values 0..15 and 16..31
 };
 
 // Activations quantized to int8 blocks of 32: q [M, K], d [M, K/32] (x ~ q * d), and

@@ -34,11 +34,13 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
   const int64_t n = codes.size(0);
   TORCH_CHECK(codes.size(1) == (bits == 4 ? k / 2 : k), "keel block weights: codes of width ", codes.size(1),
               " for in_features ", k);
+  const bool half_blocks = bits == 8 && scales.dim() == 2 && scales.size(1) == 2 * (k / kBlock);
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n && scales.size(1) > 0 &&
-                  (k / kBlock) % scales.size(1) == 0,
+                  (half_blocks || (k / kBlock) % scales.size(1) == 0),
               "keel block weights: scales must be [", n, ", G] with G dividing ", k / kBlock, " (blocks of ", kBlock,
-              ")");
-  const int64_t group_blocks = (k / kBlock) / scales.size(1);
+              "), or G = ", 2 * (k / kBlock), " for 8-bit codes (half blocks)");
+  TORCH_CHECK(!(half_blocks && mins.has_value()), "keel block weights: half-block scales take no mins");
+  const int64_t group_blocks = half_blocks ? 1 : (k / kBlock) / scales.size(1);
   TORCH_CHECK((group_blocks & (group_blocks - 1)) == 0 || scales.size(1) == 1,
               "keel block weights: a scale covers a power of two of blocks, or the whole row");
   const bool half = scales.scalar_type() == at::kHalf;
@@ -50,7 +52,7 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
     min_ptr = mins->data_ptr();
   }
   return BlockWeights{static_cast<int>(bits), static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1),
-                      scales.data_ptr(), min_ptr, half, k / kBlock, (k / kBlock) / scales.size(1)};
+                      scales.data_ptr(), min_ptr, half, k / kBlock, group_blocks, half_blocks};
 }
 
 Quantized quantize_activations(const at::Tensor& x2, bool two_passes, bool pair_order) {
@@ -131,10 +133,17 @@ void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, 
       const uint8_t* row = w.codes + r * w.row_bytes;
       float* dst = out + i * k;
       for (int64_t b = 0; b < w.blocks; ++b) {
+        float* db = dst + b * kBlock;
+        if (w.half_block_scales) {  // 8-bit codes, no mins
+          const int8_t* c = reinterpret_cast<const int8_t*>(row) + b * kBlock;
+          const float d0 = static_cast<float>(sc[r * 2 * w.blocks + 2 * b]);
+          const float d1 = static_cast<float>(sc[r * 2 * w.blocks + 2 * b + 1]);
+          for (int j = 0; j < kBlock; ++j) db[j] = static_cast<float>(c[j]) * (j < kBlock / 2 ? d0 : d1);
+          continue;
+        }
         const int64_t g = r * (w.blocks / w.group_blocks) + b / w.group_blocks;
         const float d = static_cast<float>(sc[g]);
         const float mv = mn != nullptr ? static_cast<float>(mn[g]) : 0.f;
-        float* db = dst + b * kBlock;
         if (w.bits == 4) {
           const uint8_t* c = row + b * (kBlock / 2);
           for (int j = 0; j < kBlock / 2; ++j) {
