@@ -1,4 +1,4 @@
-"""keel::decoder_layer (keel.model.fused_layer): a serving step's layers in one kernel call each give
+"""keel::decoder_layers (keel.model.fused_layer): a serving step's layers in one kernel call give
 the modules' tokens and logprobs bit for bit, for dense float32 and block-quantized weights, with
 biases, q/k norms and sliding windows, over prefill chunks, mixed steps and batched decodes; caches
 and layers it does not cover run the modules."""
@@ -26,17 +26,28 @@ PROMPTS = ["hello world", "the cat sat on the mat and", "a", "zz top " * 6]
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """How many layer calls ran fused (keel::decoder_layer) rather than through the modules."""
-    calls = {"fused": 0, "all": 0}
-    real = transformer.fused_forward
+    """How many layers of all steps ran fused (keel::decoder_layers, the whole stack or layer by layer)
+    rather than through the modules, and how many stack calls ran."""
+    calls = {"fused": 0, "all": 0, "stacks": 0}
+    real_layer, real_stack = transformer.fused_forward, transformer.fused_layers
 
-    def counting(layer, x, meta):  # noqa: ANN001, ANN202
-        out = real(layer, x, meta)
+    def layer_counting(layer, x, meta):  # noqa: ANN001, ANN202
+        out = real_layer(layer, x, meta)
         calls["fused"] += out is not None
         calls["all"] += 1
         return out
 
-    monkeypatch.setattr(transformer, "fused_forward", counting)
+    def stack_counting(layers, x, meta):  # noqa: ANN001, ANN202
+        layers = list(layers)
+        out = real_stack(layers, x, meta)
+        if out is not None:
+            calls["fused"] += len(layers)
+            calls["all"] += len(layers)
+            calls["stacks"] += 1
+        return out
+
+    monkeypatch.setattr(transformer, "fused_forward", layer_counting)
+    monkeypatch.setattr(transformer, "fused_layers", stack_counting)
     return calls
 
 
@@ -63,6 +74,7 @@ def test_fused_layers_give_the_modules_results(tmp_path, fused_calls, name, quan
     assert fused_calls["fused"] == 0  # modules_only really ran the modules
     fused = _generate(tmp_path, True, quantize=quantize)
     assert fused_calls["fused"] == fused_calls["all"] / 2  # every layer of every step of the second run
+    assert fused_calls["stacks"] > 0  # the whole stack in one call
     assert fused == modules
 
 
@@ -83,3 +95,15 @@ def test_caches_and_steps_it_does_not_cover_run_the_modules(tmp_path, fused_call
     assert fused_calls["fused"] == 0
     _generate(tmp_path, True, dtype="bfloat16")  # bf16 activations keep torch's ops
     assert fused_calls["fused"] == 0
+
+
+def test_layer_by_layer_where_the_stack_does_not_run(tmp_path, fused_calls, monkeypatch):
+    """Where the whole stack cannot go in one call (a layer of another kind in it), each qualifying layer
+    still runs fused on its own, with the same results."""
+    save_hf_model("llama-bias", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    modules = _generate(tmp_path, False, quantize="int4")
+    monkeypatch.setattr(transformer, "fused_layers", lambda layers, x, meta: None)
+    fused = _generate(tmp_path, True, quantize="int4")
+    assert fused_calls["stacks"] == 0 and fused_calls["fused"] == fused_calls["all"] / 2
+    assert fused == modules

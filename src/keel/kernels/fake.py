@@ -48,7 +48,7 @@ def register() -> None:
     def _(gate: Tensor, up: Tensor) -> Tensor:
         return torch.empty_like(gate)
 
-    @torch.library.register_fake("keel::decoder_layer")
+    @torch.library.register_fake("keel::decoder_layers")
     def _(
         x: Tensor,
         tensors: list[Tensor | None],
@@ -56,8 +56,8 @@ def register() -> None:
         floats: list[float],
         cos: Tensor,
         sin: Tensor,
-        k_store: Tensor,
-        v_store: Tensor,
+        k_stores: list[Tensor],
+        v_stores: list[Tensor],
         slots: Tensor,
         tables: Tensor,
         table_of: Tensor,

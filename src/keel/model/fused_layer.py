@@ -1,4 +1,5 @@
-"""A decoder layer of a serving step in one call of keel's C++ kernels (`torch.ops.keel.decoder_layer`).
+"""A serving step's decoder layers in one call of keel's C++ kernels (`torch.ops.keel.decoder_layers`):
+the whole stack where every layer qualifies (`fused_layers`), else layer by layer (`fused_forward`).
 
 Why: at decode sizes a layer is a few hundred microseconds of weight streaming, and the ~20 torch
 calls around its products (norms, the q/k/v split, rotary, the K/V writes, attention's glue, residual
@@ -20,7 +21,7 @@ It runs where all of these hold, else the modules do (`fused_forward` returns No
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -57,18 +58,19 @@ def _weight(norm: nn.Module | None) -> Tensor | None:
     return None if norm is None else norm._parameters["weight"]
 
 
-def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
-    """`layer(x, meta)` through keel::decoder_layer, or None where that cannot run (see the module doc).
+def _ready(x: Tensor, meta: AttentionMetadata) -> bool:
+    """The step-wide conditions (see the module doc)."""
+    if not _enabled or meta.cache is None or x.dim() != 3 or x.shape[0] != 1 or not x.is_contiguous():
+        return False
+    return kernels.fused_ops(x) and not torch.compiler.is_compiling()
+
+
+def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
+    """(tensors, ints, floats, stores) of one layer as keel::decoder_layers takes them, or None where
+    the layer or its cache is not one the operator runs.
 
     Submodules and tensors are read from the modules' `_modules` / `_parameters` dicts: nn.Module's
     attribute lookup costs ~1 us a read, ~25 reads a layer, on every layer of every step."""
-    cache = meta.cache
-    if not _enabled or cache is None or x.dim() != 3 or x.shape[0] != 1 or not x.is_contiguous():
-        return None
-    if not kernels.fused_ops(x):
-        return None
-    if torch.compiler.is_compiling():
-        return None
     children = layer._modules
     attn, mlp = children["self_attn"], children["mlp"]
     if type(attn) is not Attention or type(mlp) is not SwiGLU:
@@ -77,7 +79,6 @@ def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tenso
     qkv, gate_up = parts.get("qkv_proj"), mlp_parts.get("gate_up_proj")
     if qkv is None or gate_up is None:
         return None
-    tokens = x.shape[1]
     projections = [_projection(m, tokens) for m in (qkv, parts["o_proj"], gate_up, mlp_parts["down_proj"])]
     if None in projections:
         return None
@@ -85,7 +86,6 @@ def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tenso
     stores = in_place(attn.layer, tokens) if in_place is not None else None
     if stores is None:
         return None
-    cos, sin = meta.rope
     head_dim = attn.head_dim
     q_size, kv_size = attn.qkv_sizes[0], attn.qkv_sizes[1]
     norms = (
@@ -98,8 +98,42 @@ def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tenso
     ints = [p[4] for p in projections] + [p[5] for p in projections]
     ints += [q_size // head_dim, kv_size // head_dim, head_dim, stores.block_size, attn.window or 0]
     floats = [n.eps if n is not None else 0.0 for n in norms] + [head_dim**-0.5]
-    rows = stores.rows
-    return torch.ops.keel.decoder_layer(
-        x, tensors, ints, floats, cos, sin,
-        stores.keys, stores.values, stores.slots, rows.tables, rows.table_of, rows.positions,
+    return tensors, ints, floats, stores
+
+
+def _run(x: Tensor, meta: AttentionMetadata, args: list[tuple]) -> Tensor | None:
+    """keel::decoder_layers over the layers whose `_layer_args` are `args`, or None when their stores
+    do not share the step's slots and rows (one plan for every layer)."""
+    first = args[0][3]
+    if any(a[3].slots is not first.slots or a[3].rows is not first.rows for a in args[1:]):
+        return None
+    cos, sin = meta.rope
+    rows = first.rows
+    return torch.ops.keel.decoder_layers(
+        x, [t for a in args for t in a[0]], [i for a in args for i in a[1]], [f for a in args for f in a[2]],
+        cos, sin, [a[3].keys for a in args], [a[3].values for a in args],
+        first.slots, rows.tables, rows.table_of, rows.positions,
     )  # fmt: skip
+
+
+def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
+    """`layer(x, meta)` through keel::decoder_layers, or None where that cannot run (see the module doc)."""
+    if not _ready(x, meta):
+        return None
+    args = _layer_args(layer, x.shape[1], meta.cache)
+    return None if args is None else _run(x, meta, [args])
+
+
+def fused_layers(layers: Iterable[nn.Module], x: Tensor, meta: AttentionMetadata) -> Tensor | None:
+    """Every layer of `layers` in turn through one keel::decoder_layers call (one Python call for the
+    whole stack: a call a layer runs on caches that the layer's weights have just swept), or None
+    where any of them cannot run there (then each layer takes `fused_forward` or its modules)."""
+    if not _ready(x, meta):
+        return None
+    args = []
+    for layer in layers:
+        one = _layer_args(layer, x.shape[1], meta.cache)
+        if one is None:
+            return None
+        args.append(one)
+    return _run(x, meta, args) if args else None

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache
-from keel.model.fused_layer import fused_forward
+from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
@@ -91,8 +91,12 @@ class Transformer(nn.Module):
                 raise ValueError("positions are required with a KV cache")
             meta = AttentionMetadata(positions=positions, cache=cache)
         meta.rope = self.rotary(meta.positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, meta)
+        fused = fused_layers(self.layers.values(), h, meta)  # serving on keel's CPU kernels: one call
+        if fused is not None:
+            h = fused
+        else:
+            for layer in self.layers.values():
+                h = layer(h, meta)
         if self.norm is None:
             return h
         if last_only:

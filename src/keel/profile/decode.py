@@ -217,7 +217,7 @@ def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, 
         with contextlib.ExitStack() as stack:
             if with_parts:
                 # Parts are the modules' scopes, so layers run their modules in this pass (not one
-                # keel::decoder_layer call each); the step time above is measured as served.
+                # in keel::decoder_layers calls); the step time above is measured as served.
                 stack.enter_context(modules_only())
                 stack.enter_context(_scopes(engine.model))
                 stack.enter_context(_wrapped(engine.cache, "_write", "KV writes"))

@@ -223,7 +223,7 @@ class PagedKVCache:
 
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
         """One layer's stores and this step's slots and rows, for an operator that writes the step's K/V and
-        attends where they lie in one call (keel::decoder_layer); None where keel's paged-attention kernel
+        attends where they lie in one call (keel::decoder_layers); None where keel's paged-attention kernel
         does not read this cache (then `attend` runs)."""
         k_store = self.keys[layer]
         if not self.values or not kernel_attends(k_store, self.head_dim, self.block_size):  # MLA has no values

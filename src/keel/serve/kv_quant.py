@@ -146,7 +146,7 @@ class Int8PagedKVCache(PagedKVCache):
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
     def in_place(self, layer: int, num_tokens: int) -> None:  # type: ignore[override]
-        """None: int8 rows are written with their scales here, not by keel::decoder_layer."""
+        """None: int8 rows are written with their scales here, not by keel::decoder_layers."""
         return None
 
     # ----------------------------------------------------------------- read

@@ -1,5 +1,5 @@
 // The tensor-level functions behind keel's operators, for the operators that compose them
-// (keel::decoder_layer calls the same code the separate operators run, so both paths agree bit for bit).
+// (keel::decoder_layers calls the same code the separate operators run, so both paths agree bit for bit).
 #pragma once
 
 #include <ATen/ATen.h>
