@@ -19,7 +19,9 @@ from torch import nn
 from keel import kernels
 from keel.model.layers import RMSNorm, apply_rotary
 from keel.quant import QuantizedLinear
+from keel.quant import linear as quant_linear
 from keel.quant.block_layout import nibble_blocks, values_of_nibble_blocks
+from keel.quant.embedding import BlockEmbedding
 from keel.quant.linear import BLOCK_DEQUANTIZE_ROWS
 from keel.quant.loading import load_model
 from test_gguf import TOKENS, build_hf, write_gguf
@@ -216,9 +218,31 @@ def test_gguf_blocks_and_tied_head_run_as_stored(tmp_path):
     head = loaded.model.lm_head
     if loaded.model.config.tie_word_embeddings:
         assert isinstance(head, QuantizedLinear)
+    # The embedding looks its rows up in the head's blocks (one copy of the codes): the float load's rows exactly.
+    embedding = loaded.model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.qweight is head.qweight
+    assert torch.equal(embedding(TOKENS), reference.model.embed_tokens(TOKENS))
     with torch.inference_mode():
         want, got = reference.model(TOKENS), loaded.model(TOKENS)
     assert ((got - want).norm() / want.norm()).item() < 0.03
+
+
+def test_untied_and_kept_embeddings(tmp_path):
+    """An untied model's embedding runs its own token_embd blocks; a kept (float) tied head keeps the
+    float table it reads; `--quant-keep embed_tokens` keeps a float embedding."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = write_gguf(build_hf("llama-bias"), tmp_path / "m.gguf", qtype=Q.Q8_0)  # untied
+    reference = load_model(path, "float32").model
+    loaded = load_model(path, "float32", quantize="gguf", quant_keep=()).model
+    assert isinstance(loaded.embed_tokens, BlockEmbedding) and loaded.embed_tokens.bits == 8
+    assert loaded.embed_tokens.qweight is not loaded.lm_head.qweight
+    assert torch.equal(loaded.embed_tokens(TOKENS), reference.embed_tokens(TOKENS))
+    kept = load_model(path, "float32", quantize="gguf", quant_keep=("embed_tokens",)).model
+    assert type(kept.embed_tokens) is nn.Embedding
+    tied = write_gguf(build_hf("llama"), tmp_path / "t.gguf", qtype=Q.Q8_0)
+    float_head = load_model(tied, "float32", quantize="gguf", quant_keep=("lm_head",)).model
+    assert type(float_head.embed_tokens) is nn.Embedding and float_head.lm_head.weight is float_head.embed_tokens.weight
 
 
 def test_k_quant_blocks_run_as_stored(tmp_path):
@@ -236,6 +260,8 @@ def test_k_quant_blocks_run_as_stored(tmp_path):
     forms = {(m.bits, m.in_features // m.scales.shape[1], m.mins is not None) for m in layers.values()}
     assert forms == {(4, 32, True), (8, 16, False), (8, 32, True)}, forms
     assert isinstance(loaded.model.lm_head, QuantizedLinear) and loaded.model.lm_head.bits == 4
+    assert isinstance(loaded.model.embed_tokens, BlockEmbedding)
+    assert torch.equal(loaded.model.embed_tokens(TOKENS), reference.model.embed_tokens(TOKENS))
     with torch.inference_mode():
         want, got = reference.model(TOKENS), loaded.model(TOKENS)
     assert ((got - want).norm() / want.norm()).item() < 0.03
@@ -348,7 +374,7 @@ def k_quant_form(weight: torch.Tensor, half_blocks: bool) -> QuantizedLinear:
     return QuantizedLinear.from_blocks(8, q, scales, low, dtype=torch.float32)
 
 
-def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float_path():
+def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float_path(monkeypatch):
     """Every format keel's kernels run, on SmolLM2-135M's GGUF: its own Q4_1 blocks with the tied head
     on the embedding's Q8_0 blocks, keel's int4 (g32) and int8 of the dequantized weights, and the
     K-quants' forms (`k_quant_form`). Each
@@ -364,6 +390,10 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
 
     base = load_model(CATALOG_NAME, "float32")
     ids = base.tokenizer.encode(DICKENS, add_special_tokens=False)
+    # The paragraph is one forward of more rows than BLOCK_DEQUANTIZE_ROWS, where a block layer would
+    # multiply its dequantized weights through BLAS (the float product): the integer kernels run instead.
+    assert len(ids) >= BLOCK_DEQUANTIZE_ROWS
+    monkeypatch.setattr(quant_linear, "BLOCK_DEQUANTIZE_ROWS", 1 << 30)
     float_path = perplexity(base.model, ids)
     gguf = load_model(CATALOG_NAME, "float32", quantize="gguf", quant_keep=()).model
     assert all(m.layout == "blocks" for m in gguf.modules() if isinstance(m, QuantizedLinear))

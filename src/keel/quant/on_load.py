@@ -13,11 +13,12 @@ Sources:
   keel.weights.gguf_blocks). Where keel's kernels run (keel.kernels) every block runs as its integer
   codes: Q4_0/Q4_1/Q8_0 with their float16 scales as stored, the K-quants with float32 scales (and
   mins) per 32 values (per 16 for Q6_K), the exact products of their super-block and sub-block
-  scales; a tied head runs the embedding's blocks. Elsewhere torch's kernels get Q4_0 (w = (q - 8) d),
-  Q4_1 (w = q d + m) and Q4_K as int4 groups of 32 exactly, and Q8_0 (w = q d per block of 32), which
-  has no exact per-channel int8 form, as per-channel int8 (`int8_from_blocks`: error <= half a step
-  of the row's largest value / 127); Q5_K and Q6_K load as float there. Other tensor types (F16, ...)
-  load as float;
+  scales; a tied head runs the embedding's blocks, and the embedding looks its rows up in them
+  (keel.quant.embedding, one copy of the codes for both; `--quant-keep embed_tokens` keeps a float
+  table). Elsewhere torch's kernels get Q4_0 (w = (q - 8) d), Q4_1 (w = q d + m) and Q4_K as int4
+  groups of 32 exactly, and Q8_0 (w = q d per block of 32), which has no exact per-channel int8 form,
+  as per-channel int8 (`int8_from_blocks`: error <= half a step of the row's largest value / 127);
+  Q5_K and Q6_K load as float there. Other tensor types (F16, ...) load as float;
 - a directory written by `keel quantize save` (config.json `quantization_config`, quant_method
   "keel"): its portable integer tensors (see keel.quant.save for the format).
 """
@@ -42,6 +43,7 @@ from keel.quant.apply import (
     quantizable,
     replace_module,
 )
+from keel.quant.embedding import BlockEmbedding
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit
 from keel.quant.linear import (
     QuantizedLinear,
@@ -145,7 +147,30 @@ def _quantize(
         stats["experts"] += isinstance(built, QuantizedGroupedExperts)
         stats["bytes_after"] += built.weight_bytes
         release_freed_memory()
+    if scheme == GGUF and not is_kept("embed_tokens", keep):
+        embedding = _block_embedding(net, checkpoint, dtype, device)
+        if embedding is not None:
+            net.embed_tokens = embedding
     return stats
+
+
+def _block_embedding(
+    net: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
+) -> BlockEmbedding | None:
+    """The GGUF embedding on its blocks where keel's kernels run: a tied head's codes shared, else the
+    file's own token_embd blocks (None: it loads as float)."""
+    embed = getattr(net, "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding) or not runs_blocks(device, embed.embedding_dim):
+        return None
+    head = getattr(net, "lm_head", None)
+    if checkpoint.config.tie_word_embeddings and head is not None:
+        # A float head (kept) reads the embedding's float table: both stay float.
+        blocks_head = isinstance(head, QuantizedLinear) and head.layout == "blocks"
+        return BlockEmbedding.sharing(head) if blocks_head else None
+    blocks = _gguf_blocks(checkpoint, "embed_tokens.weight", (embed.num_embeddings, embed.embedding_dim))
+    if blocks is None:
+        return None
+    return BlockEmbedding.sharing(_from_blocks(blocks, None, dtype, device))
 
 
 def _meta_bytes(module: nn.Module, dtype: torch.dtype) -> int:
