@@ -131,10 +131,12 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
     sb[i] = (n + i) * groups;
   }
   __m256 acc[NR][MR];
+  __m256 odd[NR][MR];  // the 8-bit loop's odd blocks
   __m256 min_acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) {
       acc[i][r] = _mm256_setzero_ps();
+      odd[i][r] = _mm256_setzero_ps();
       min_acc[i][r] = _mm256_setzero_ps();
     }
   int64_t b = 0;
@@ -196,11 +198,13 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
       for (int j = 0; j < 8; ++j) {
         const __m256i codes = load_codes<Bits>(rows[i], b + j);
         for (int r = 0; r < MR; ++r) {
+          // Odd blocks into a second accumulator: two multiply-add chains a row instead of one.
+          __m256& sum = (j & 1) ? odd[i][r] : acc[i][r];
           const __m256i dot = block_dot<Bits>(codes, a.q + (m + r) * a.k + (b + j) * kBlock);
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[r][j]), acc[i][r]);
+          sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[r][j]), sum);
           if constexpr (Two) {
             const __m256i dot2 = block_dot<Bits>(codes, a.q2 + (m + r) * a.k + (b + j) * kBlock);
-            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_broadcast_ss(&scale2[r][j]), acc[i][r]);
+            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_broadcast_ss(&scale2[r][j]), sum);
           }
         }
       }
@@ -251,7 +255,8 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
   }
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r)
-      out[(m + r) * ldo + n + i] = hsum(acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
+      out[(m + r) * ldo + n + i] =
+          hsum(Bits == 8 ? _mm256_add_ps(acc[i][r], odd[i][r]) : acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
 }
 
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
