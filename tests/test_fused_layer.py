@@ -38,7 +38,6 @@ def fused_calls(monkeypatch):
         return out
 
     def stack_counting(layers, x, meta):  # noqa: ANN001, ANN202
-        layers = list(layers)
         out = real_stack(layers, x, meta)
         if out is not None:
             calls["fused"] += len(layers)
@@ -51,18 +50,25 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def _generate(path, fused: bool, **options) -> list:
+def _llm(path, **options) -> LLM:
     options = {"dtype": "float32", **options}
     config = EngineConfig.of(
         num_blocks=64, max_model_len=256, block_size=8, compile=False, quant_group_size=32, **options
     )
-    llm = LLM(str(path), config)
+    return LLM(str(path), config)
+
+
+def _run(llm: LLM, fused: bool) -> list:
     params = [
         SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=3) for i in range(len(PROMPTS))
     ]
     with contextlib.nullcontext() if fused else fused_layer.modules_only():
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def _generate(path, fused: bool, **options) -> list:
+    return _run(_llm(path, **options), fused)
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-bias", "qwen3", "mistral"])  # tied; biases; q/k norms; window 8
@@ -107,3 +113,24 @@ def test_layer_by_layer_where_the_stack_does_not_run(tmp_path, fused_calls, monk
     fused = _generate(tmp_path, True, quantize="int4")
     assert fused_calls["stacks"] == 0 and fused_calls["fused"] == fused_calls["all"] / 2
     assert fused == modules
+
+
+def test_kept_stacks_follow_changes_to_the_layers(tmp_path, fused_calls):
+    """The stack's argument lists are kept between steps: a change of activation passes
+    (set_activations) or of a module (here the first layer's down projection swapped for another's)
+    after the first requests is seen by the next ones, whose results stay the modules'."""
+    from keel.quant.apply import set_activations
+
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    llm = _llm(tmp_path, quantize="int4")
+    model = llm.engine.model
+    refined = _run(llm, True)
+    set_activations(model, "int8")
+    one_pass = _run(llm, True)
+    assert one_pass == _run(llm, False) and one_pass != refined
+    layers = model.layers
+    layers["0"].mlp.down_proj = layers["1"].mlp.down_proj
+    swapped = _run(llm, True)
+    assert swapped == _run(llm, False) and swapped != one_pass
+    assert fused_calls["stacks"] > 0

@@ -21,7 +21,8 @@ It runs where all of these hold, else the modules do (`fused_forward` returns No
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -98,22 +99,64 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
     ints = [p[4] for p in projections] + [p[5] for p in projections]
     ints += [q_size // head_dim, kv_size // head_dim, head_dim, stores.block_size, attn.window or 0]
     floats = [n.eps if n is not None else 0.0 for n in norms] + [head_dim**-0.5]
-    return tensors, ints, floats, stores
+    return tensors, ints, floats, stores, attn.layer
 
 
 def _run(x: Tensor, meta: AttentionMetadata, args: list[tuple]) -> Tensor | None:
     """keel::decoder_layers over the layers whose `_layer_args` are `args`, or None when their stores
     do not share the step's slots and rows (one plan for every layer)."""
-    first = args[0][3]
-    if any(a[3].slots is not first.slots or a[3].rows is not first.rows for a in args[1:]):
-        return None
-    cos, sin = meta.rope
-    rows = first.rows
-    return torch.ops.keel.decoder_layers(
-        x, [t for a in args for t in a[0]], [i for a in args for i in a[1]], [f for a in args for f in a[2]],
-        cos, sin, [a[3].keys for a in args], [a[3].values for a in args],
-        first.slots, rows.tables, rows.table_of, rows.positions,
-    )  # fmt: skip
+    stack = _Stack.of(args)
+    return None if stack is None else stack.run(x, meta, args[0][3])
+
+
+class _Stack:
+    """The flat argument lists of keel::decoder_layers for some layers, less the step's slots and rows."""
+
+    def __init__(self, tensors: list, ints: list[int], floats: list[float], keys: list, values: list, first: int):
+        self.tensors, self.ints, self.floats, self.keys, self.values = tensors, ints, floats, keys, values
+        self.first = first  # the first layer's index in the cache: its `in_place` hands over a step's rows
+
+    @classmethod
+    def of(cls, args: list[tuple]) -> _Stack | None:
+        first = args[0][3]
+        if any(a[3].slots is not first.slots or a[3].rows is not first.rows for a in args[1:]):
+            return None
+        return cls(
+            [t for a in args for t in a[0]],
+            [i for a in args for i in a[1]],
+            [f for a in args for f in a[2]],
+            [a[3].keys for a in args],
+            [a[3].values for a in args],
+            args[0][4],
+        )
+
+    def run(self, x: Tensor, meta: AttentionMetadata, stores: object) -> Tensor:
+        cos, sin = meta.rope
+        rows = stores.rows
+        return torch.ops.keel.decoder_layers(
+            x, self.tensors, self.ints, self.floats, cos, sin, self.keys, self.values,
+            stores.slots, rows.tables, rows.table_of, rows.positions,
+        )  # fmt: skip
+
+
+# Building a stack's lists costs ~45 us a layer inside a step (module and dict reads on caches the
+# weights have swept): they are kept per layers container, cache and step size, and dropped when any
+# module, parameter or buffer anywhere is assigned (torch's global registration hooks bump
+# `_generation`) or `invalidate()` is called (keel.quant.apply.set_activations: activation passes are
+# plain attributes).
+_generation = 0
+_MAX_SIZES = 16  # step sizes kept per container (decode batches, prefill chunks)
+
+
+def invalidate(*_args: object) -> None:
+    """Forget every kept stack (the layers' modules or settings changed)."""
+    global _generation
+    _generation += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(invalidate)
+torch.nn.modules.module.register_module_parameter_registration_hook(invalidate)
+torch.nn.modules.module.register_module_buffer_registration_hook(invalidate)
 
 
 def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
@@ -124,16 +167,32 @@ def fused_forward(layer: nn.Module, x: Tensor, meta: AttentionMetadata) -> Tenso
     return None if args is None else _run(x, meta, [args])
 
 
-def fused_layers(layers: Iterable[nn.Module], x: Tensor, meta: AttentionMetadata) -> Tensor | None:
+def fused_layers(layers: nn.ModuleDict, x: Tensor, meta: AttentionMetadata) -> Tensor | None:
     """Every layer of `layers` in turn through one keel::decoder_layers call (one Python call for the
     whole stack: a call a layer runs on caches that the layer's weights have just swept), or None
     where any of them cannot run there (then each layer takes `fused_forward` or its modules)."""
-    if not _ready(x, meta):
+    if not _ready(x, meta) or not len(layers):
         return None
-    args = []
-    for layer in layers:
-        one = _layer_args(layer, x.shape[1], meta.cache)
-        if one is None:
+    cache, tokens = meta.cache, x.shape[1]
+    kept = layers.__dict__.get("_keel_stacks")
+    if kept is None or kept[0] != _generation or kept[1]() is not cache:
+        kept = (_generation, weakref.ref(cache), {})
+        layers.__dict__["_keel_stacks"] = kept  # a plain attribute: not a registered module or tensor
+    sizes = kept[2]
+    if tokens in sizes:
+        stack = sizes[tokens]
+        if stack is None:
             return None
+        stores = cache.in_place(stack.first, tokens)  # this step's slots and rows
+        return None if stores is None else stack.run(x, meta, stores)
+    args = []
+    for layer in layers.values():
+        one = _layer_args(layer, tokens, cache)
+        if one is None:
+            break
         args.append(one)
-    return _run(x, meta, args) if args else None
+    stack = _Stack.of(args) if len(args) == len(layers) else None
+    if len(sizes) >= _MAX_SIZES:
+        sizes.clear()
+    sizes[tokens] = stack
+    return None if stack is None else stack.run(x, meta, args[0][3])

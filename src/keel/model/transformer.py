@@ -91,7 +91,7 @@ class Transformer(nn.Module):
                 raise ValueError("positions are required with a KV cache")
             meta = AttentionMetadata(positions=positions, cache=cache)
         meta.rope = self.rotary(meta.positions, h.dtype)
-        fused = fused_layers(self.layers.values(), h, meta)  # serving on keel's CPU kernels: one call
+        fused = fused_layers(self.layers, h, meta)  # serving on keel's CPU kernels: one call
         if fused is not None:
             h = fused
         else:

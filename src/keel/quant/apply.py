@@ -13,6 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from keel.errors import KeelError
+from keel.model import fused_layer
 from keel.model.moe import GroupedExperts, MoE, _local
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
@@ -67,6 +68,7 @@ def set_activations(model: nn.Module, activations: str) -> int:
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.layout == "blocks"]
     for layer in layers:
         layer.activation_passes = 2 if activations == "refined" else 1
+    fused_layer.invalidate()  # the fused stacks hold each layer's passes
     return len(layers)
 
 
