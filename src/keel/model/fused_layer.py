@@ -175,10 +175,11 @@ def fused_layers(layers: nn.ModuleDict, x: Tensor, meta: AttentionMetadata) -> T
         return None
     cache, tokens = meta.cache, x.shape[1]
     kept = layers.__dict__.get("_keel_stacks")
-    if kept is None or kept[0] != _generation or kept[1]() is not cache:
-        kept = (_generation, weakref.ref(cache), {})
+    # The container's id too: a deep copy of the model carries the attribute with its own tensors.
+    if kept is None or kept[0] != _generation or kept[1]() is not cache or kept[2] != id(layers):
+        kept = (_generation, weakref.ref(cache), id(layers), {})
         layers.__dict__["_keel_stacks"] = kept  # a plain attribute: not a registered module or tensor
-    sizes = kept[2]
+    sizes = kept[3]
     if tokens in sizes:
         stack = sizes[tokens]
         if stack is None:
