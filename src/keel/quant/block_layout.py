@@ -15,8 +15,10 @@ absmax / 127, as llama.cpp's Q8_0 activations) and accumulate integer dot produc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 BLOCK = 32
 
@@ -37,3 +39,15 @@ def values_of_nibble_blocks(codes: Tensor) -> Tensor:
 
 def blocks_fit(in_features: int) -> bool:
     return in_features % BLOCK == 0
+
+
+def apply_keeping_scales(
+    module: nn.Module, fn: Callable[[Tensor], Tensor], recurse: bool, device: torch.device
+) -> None:
+    """`nn.Module._apply` for a block-layout module whose float `scales` and `mins` buffers stay as stored
+    (the kernels read float16 and float32 scales whatever the activations): a dtype move leaves them,
+    a move to `device` (CPU or meta) takes them along."""
+    kept = {name: module._buffers.pop(name) for name in ("scales", "mins")}
+    nn.Module._apply(module, fn, recurse)
+    for name, tensor in kept.items():
+        module._buffers[name] = None if tensor is None else tensor.to(device)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from keel.quant.block_layout import apply_keeping_scales
+
 
 class BlockEmbedding(nn.Module):
     """Drop-in for nn.Embedding over block-layout codes (keel.quant.block_layout) and their scales."""
@@ -43,8 +45,8 @@ class BlockEmbedding(nn.Module):
         return torch.ops.keel.block_embedding(ids, b["qweight"], b["scales"], b["mins"], self.bits, self.compute_dtype)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockEmbedding:  # type: ignore[override]
-        """Codes and scales stay as stored (a dtype move changes the output dtype only); a move off the
-        CPU dequantizes the table for torch's embedding there."""
+        """Codes and scales stay as stored (a dtype move changes the output dtype only,
+        `apply_keeping_scales`); a move off the CPU dequantizes the table for torch's embedding there."""
         codes = self._buffers["qweight"]
         probe = fn(torch.empty(0, dtype=self.compute_dtype, device=codes.device if codes is not None else "cpu"))
         if codes is not None and probe.device.type not in ("cpu", "meta"):
@@ -56,10 +58,7 @@ class BlockEmbedding(nn.Module):
         elif self.table is not None:
             self.table = fn(self.table)
         else:
-            kept = {name: self._buffers.pop(name) for name in ("qweight", "scales", "mins")}
-            super()._apply(fn, recurse)
-            for name, tensor in kept.items():
-                self._buffers[name] = None if tensor is None else tensor.to(probe.device)
+            apply_keeping_scales(self, fn, recurse, probe.device)
         self.compute_dtype = probe.dtype
         return self
 

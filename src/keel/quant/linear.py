@@ -31,7 +31,13 @@ from torch import Tensor, nn
 
 from keel import kernels
 from keel.platform import int8_dequantize_rows
-from keel.quant.block_layout import BLOCK, blocks_fit, nibble_blocks, values_of_nibble_blocks
+from keel.quant.block_layout import (
+    BLOCK,
+    apply_keeping_scales,
+    blocks_fit,
+    nibble_blocks,
+    values_of_nibble_blocks,
+)
 from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES  # the stored formats are the kernels' formats
 
 # The bfloat16 int8 CPU kernel reads K in steps of 16 (other widths crash it, torch 2.13 AVX-512);
@@ -485,10 +491,7 @@ class QuantizedLinear(nn.Module):
                 group = self.in_features // scales.shape[1]
                 self._set_int4(q.to(probe.device), scales, mins, group, bias, self.compute_dtype)
             return self._apply(fn, recurse)
-        kept = {name: self._buffers.pop(name) for name in ("scales", "mins")}
-        super()._apply(fn, recurse)
-        for name, tensor in kept.items():
-            self._buffers[name] = None if tensor is None else tensor.to(probe.device)
+        apply_keeping_scales(self, fn, recurse, probe.device)
         self.compute_dtype = probe.dtype
         return self
 

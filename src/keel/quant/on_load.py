@@ -280,7 +280,7 @@ def _gguf_blocks(checkpoint: Checkpoint, keel_name: str, shape: tuple[int, ...])
     if any(n not in available for n in source.names):
         return None  # load_weights reports what is missing
     parts = [reader.get_blocks(n) for n in source.names]  # type: ignore[attr-defined]
-    if any(p is None for p in parts) or len({(p.kind, p.group, p.mins is None) for p in parts}) != 1:
+    if any(p is None for p in parts) or len({p.form for p in parts}) != 1:
         return None
     codes = source.combine([p.codes for p in parts])
     scales = source.combine([p.scales for p in parts])

@@ -376,6 +376,10 @@ def _checkpoint_dtype(tensors: dict[str, GGUFTensor]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- tensors
+def _hf_shape(t: GGUFTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
+
+
 def _to_numpy(t: GGUFTensor, path: Path) -> np.ndarray:
     """Dequantize one GGUF tensor to float32 in numpy (HF / row-major) shape."""
     if t.tensor_type not in SUPPORTED_TYPES:
@@ -384,7 +388,7 @@ def _to_numpy(t: GGUFTensor, path: Path) -> np.ndarray:
             f"{path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which keel cannot read "
             f"(supported: {supported})"
         )
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
+    shape = _hf_shape(t)
     try:
         return dequantize(t.data, t.tensor_type).reshape(shape)
     except Exception as e:
@@ -415,10 +419,6 @@ def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
 
 
-def _hf_shape(t: GGUFTensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
-
-
 class GGUFTensorReader:
     """GGUF tensors under HF names in HF layout, dequantized to float32 on `get()`; integer-block
     tensors also as integer blocks (`get_blocks()`), for the integer kernels."""
@@ -431,22 +431,21 @@ class GGUFTensorReader:
         # llama.cpp's converter permutes q/k rows for the llama architecture (Mixtral included) only.
         permuted = config.architecture in ("llama", "mixtral")
         tensors = {t.name: t for t in reader.tensors}
-        np_shape = _hf_shape
         for name, t in tensors.items():
             if name in _GLOBAL_NAMES:
-                self._add(_GLOBAL_NAMES[name], (t,), np_shape(t), _single)
+                self._add(_GLOBAL_NAMES[name], (t,), _hf_shape(t), _single)
                 continue
             if match := _OLD_EXPERT.match(name):
                 layer, kind, expert = match.groups()
                 hf = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT[kind]}.weight"
-                self._add(hf, (t,), np_shape(t), _single)
+                self._add(hf, (t,), _hf_shape(t), _single)
                 continue
             match = _LAYER_TENSOR.match(name)
             if match is None:
                 continue  # rope_freqs.weight (read into the config) and tensors keel has no use for
             layer, kind, suffix = match.groups()
             prefix = f"model.layers.{layer}"
-            shape = np_shape(t)
+            shape = _hf_shape(t)
             if kind == "ffn_down_exps":
                 self._add(f"{prefix}.{moe}.experts.down_proj", (t,), shape, _single)
             elif kind == "ffn_gate_exps":
@@ -454,7 +453,7 @@ class GGUFTensorReader:
                 if up is None:
                     raise WeightsError(f"{path}: tensor 'blk.{layer}.ffn_up_exps.weight' is missing")
                 # HF-v5 stacked layout: [E, 2I, H], gate rows first, then up.
-                stacked = (shape[0], shape[1] + np_shape(up)[1], shape[2])
+                stacked = (shape[0], shape[1] + _hf_shape(up)[1], shape[2])
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
                 self._add(f"{prefix}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
             elif kind == "ffn_gate_inp_shexp":  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)

@@ -69,6 +69,11 @@ class QuantBlocks:
     scales: Tensor
     mins: Tensor | None
 
+    @property
+    def form(self) -> tuple[str, int, bool]:
+        """As `BlockType.form`: blocks of one form concatenate (a fused q/k/v of Q4_0 and Q4_K parts)."""
+        return self.kind, self.group, self.mins is not None
+
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """Columns of two bytes -> float32 [blocks, 1]."""
