@@ -80,7 +80,7 @@ def random_weights(n: int, k: int, bits: int, groups: int, scale_dtype, with_min
         (8, torch.float16, False, "half"),
     ],
 )
-@pytest.mark.parametrize(("n", "k", "m"), [(1, 32, 1), (37, 96, 3), (130, 800, 17), (64, 576, 1)])
+@pytest.mark.parametrize(("n", "k", "m"), [(1, 32, 1), (37, 96, 3), (130, 800, 17), (64, 576, 1), (21, 288, 133)])
 def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins, per, n, k, m):
     blocks = k // 32
     named = {"half": 2 * blocks, "block": blocks, "row": 1}
@@ -179,13 +179,38 @@ def test_quantized_linear_runs_blocks_here(scheme, group):
     assert (layer.dequantized() - linear.weight).abs().max() < (0.5 / 15 if scheme == "int4" else 0.5 / 127) * 2 * (
         linear.weight.abs().max()
     )
-    # Prefill-sized products: the stored weights dequantized, times the float rows (exact).
+    # Prefill-sized products with refined activations: the stored weights dequantized, times the float
+    # rows (exact; one int8 pass of 4-bit weights runs the panel kernel instead: the test below).
+    layer.activation_passes = 2
     rows = torch.randn(BLOCK_DEQUANTIZE_ROWS, 256)
     want_rows = rows.double() @ layer.dequantized().double().T + linear.bias.double()
     assert (layer(rows).double() - want_rows).abs().max().item() < 1e-4
     # A dtype move keeps the stored scales (the kernels read float32 and float16 whatever the activations).
     layer.to(torch.bfloat16)
     assert layer.scales.dtype == torch.float32 and layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_one_pass_4_bit_prefill_runs_the_integer_kernel(monkeypatch):
+    """With one int8 pass, 4-bit products of prefill size run the panel kernel where it exists (it beats
+    dequantizing for BLAS there); the other levels, and refined activations, still dequantize."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 48, bias=True)
+    layer = QuantizedLinear(linear, "int4", 32)
+    layer.activation_passes = 1
+    rows = torch.randn(BLOCK_DEQUANTIZE_ROWS + 3, 256)
+    integer = quantize_rows_reference(rows) @ layer.dequantized().double().T + linear.bias.double()
+    dequantized = []
+    real = QuantizedLinear._dequantized_product
+    monkeypatch.setattr(QuantizedLinear, "_dequantized_product", lambda self, x: dequantized.append(1) or real(self, x))
+    for level in LEVELS:
+        with kernels.using_level(level):
+            got = layer(rows)
+        assert (got.double() - integer).abs().max().item() < 1e-4 or level != "avx2"
+        assert bool(dequantized) == (level != "avx2"), level
+        dequantized.clear()
+    layer.activation_passes = 2
+    layer(rows)
+    assert dequantized
 
 
 def test_fused_block_layers_equal_their_parts():

@@ -33,6 +33,13 @@ def kernel_level(platform: Platform) -> str:
     return "avx2" if platform.arch == "x86_64" and platform.avx2 else "scalar"
 
 
+def panels_here() -> bool:
+    """Whether 4-bit products of many rows run the panel kernel (csrc/block_gemm_packed_avx2.cpp): it
+    exists at the AVX2 level, and beats dequantizing to float32 for BLAS at every row count measured
+    when the activations take one int8 pass."""
+    return _load() is not None and _LEVEL_NOW[0] == "avx2"
+
+
 def levels_here(platform: Platform | None = None) -> tuple[str, ...]:
     """Every kernel level this machine can run (tests run each of them)."""
     top = kernel_level(platform or host())
@@ -48,6 +55,9 @@ def switched_off() -> bool:
     return os.environ.get(ENV, "1").strip() == "0"
 
 
+_LEVEL_NOW = [""]  # the level the library runs at now (`using_level` changes it)
+
+
 @functools.cache
 def _load() -> str | None:
     """Load the library once and set its level from the platform probe; the level, or None when not built."""
@@ -60,6 +70,7 @@ def _load() -> str | None:
 
     level = kernel_level(host())
     torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    _LEVEL_NOW[0] = level
     logging.getLogger("keel").debug("keel kernels: %s level", level)
     return level
 
@@ -111,7 +122,9 @@ def using_level(level: str) -> Iterator[None]:
     if level not in levels_here():
         raise ValueError(f"kernel level {level!r} does not run here; choose from {', '.join(levels_here())}")
     previous = torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    previous_name, _LEVEL_NOW[0] = _LEVEL_NOW[0], level
     try:
         yield
     finally:
         torch.ops.keel.set_kernel_isa(previous)
+        _LEVEL_NOW[0] = previous_name

@@ -45,7 +45,8 @@ from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES  # the stored fo
 INT8_K_MULTIPLE = 16
 INT4_N_MULTIPLE = 16
 # From this many rows a block-layout product dequantizes its weights to float32 and runs BLAS (measured
-# crossover against keel's integer kernel with refined activations on an AVX2 CPU: docs/BENCHMARKS.md).
+# crossover against keel's integer kernel with refined activations on an AVX2 CPU: docs/BENCHMARKS.md),
+# except where keel's 4-bit panel kernel runs one pass of int8 activations: it beats BLAS at every size.
 BLOCK_DEQUANTIZE_ROWS = 128
 DEQUANTIZE_SLICE_ELEMENTS = 1 << 20  # float32 weights per slice: 4 MiB
 
@@ -393,7 +394,7 @@ class QuantizedLinear(nn.Module):
         operator that runs this layer on `rows` rows inside a larger call (keel.model.fused_layer); None
         where this layer would not run keel::block_linear on them (off the block layout, or from
         BLOCK_DEQUANTIZE_ROWS rows)."""
-        if self.layout != "blocks" or rows >= BLOCK_DEQUANTIZE_ROWS:
+        if self.layout != "blocks" or self._dequantizes(rows):
             return None
         # The buffers dict directly: nn.Module's attribute lookup costs ~1 us a read, on every layer of
         # every step (a missing bias is a plain None attribute, not a buffer).
@@ -402,7 +403,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
-            if x.shape[:-1].numel() >= BLOCK_DEQUANTIZE_ROWS and not torch.compiler.is_compiling():
+            if self._dequantizes(x.shape[:-1].numel()) and not torch.compiler.is_compiling():
                 return self._dequantized_product(x)
             return torch.ops.keel.block_linear(
                 x, self.qweight, self.scales, self.mins, self.bits, self.bias, self.activation_passes
@@ -429,6 +430,12 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _dequantizes(self, rows: int) -> bool:
+        """Whether a product over `rows` rows takes `_dequantized_product` (block layout)."""
+        if rows < BLOCK_DEQUANTIZE_ROWS:
+            return False
+        return not (self.bits == 4 and self.activation_passes == 1 and kernels.panels_here())
 
     def _dequantized_product(self, x: Tensor) -> Tensor:
         """Prefill-sized products on the block layout: the weights dequantized to float32 a slice of

@@ -62,6 +62,12 @@ void block_gemm_scalar(const BlockWeights& w, int64_t n0, int64_t n1, const Bloc
 void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                      int64_t m1, float* out, int64_t ldo);
 
+// The AVX2 4-bit kernel for many activation rows (from kPanelMinRows): 8 output rows at a time repacked
+// into a panel that every activation row reads; activations in their natural order (not pair order).
+constexpr int64_t kPanelMinRows = 4;
+void block_gemm_panels_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                            int64_t m1, float* out, int64_t ldo);
+
 float half_to_float(uint16_t h);
 
 }  // namespace keel

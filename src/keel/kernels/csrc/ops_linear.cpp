@@ -5,6 +5,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "isa.h"
@@ -89,6 +90,14 @@ Quantized quantize_activations(const at::Tensor& x2, bool two_passes, bool pair_
   return out;
 }
 
+// The bias, then the input's dtype and leading shape.
+at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (bias.has_value()) out.add_(*bias);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.to(x.scalar_type()).view(shape);
+}
+
 }  // namespace
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -101,10 +110,20 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
   const Isa isa = current_isa();
-  const Quantized qa = quantize_activations(x2, passes == 2, bits == 4 && isa >= kAvx2);
+  const bool panels = isa >= kAvx2 && bits == 4 && m >= kPanelMinRows;
+  const Quantized qa = quantize_activations(x2, passes == 2, bits == 4 && isa >= kAvx2 && !panels);
   const BlockActivations a{qa.q, qa.d, qa.s, k, k / kBlock, qa.q2, qa.d2};
   at::Tensor out = at::empty({m, n}, x2.options());
   float* o = out.data_ptr<float>();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (panels) {
+    // Split the output features by panels of 8 rows: each thread packs and streams its own.
+    at::parallel_for(0, (n + 7) / 8, 1, [&](int64_t t0, int64_t t1) {
+      block_gemm_panels_avx2(w, t0 * 8, std::min(n, t1 * 8), a, 0, m, o, n);
+    });
+    return finish_linear(out, x, bias, n);
+  }
+#endif
   // Split the output features: each thread streams its own rows of the weights once.
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -115,10 +134,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #endif
     block_gemm_scalar(w, n0, n1, a, 0, m, o, n);
   });
-  if (bias.has_value()) out.add_(*bias);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.to(x.scalar_type()).view(shape);
+  return finish_linear(out, x, bias, n);
 }
 
 namespace {
