@@ -118,11 +118,23 @@ def test_levels_agree_and_rows_are_independent(bits, groups):
         assert torch.allclose(out, outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("bits", "groups"), [(4, 3), (8, 3), (8, 6)])
-def test_dequantize_and_embedding_read_the_blocks(bits, groups):
-    codes, scales, mins = random_weights(50, 96, bits, groups, torch.float16, bits == 4)
-    want = dequantize_reference(codes, scales, mins, bits).float()
-    assert torch.equal(torch.ops.keel.block_dequantize(codes, scales, mins, bits), want)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    ("bits", "groups", "scale_dtype"),
+    [(4, 3, torch.float16), (4, 1, torch.float32), (8, 3, torch.float16), (8, 6, torch.float16)],
+)
+def test_dequantize_and_embedding_read_the_blocks(level, bits, groups, scale_dtype):
+    codes, scales, mins = random_weights(50, 96, bits, groups, scale_dtype, bits == 4)
+    # q * scale, then + min, each rounded to float32 (the float load's arithmetic).
+    values = (values_of_nibble_blocks(codes) if bits == 4 else codes).float().reshape(50, groups, -1)
+    want = values * scales.float()[..., None]
+    want = (want if mins is None else want + mins.float()[..., None]).reshape(50, 96)
+    assert (want.double() - dequantize_reference(codes, scales, mins, bits)).abs().max() < 1e-6
+    with kernels.using_level(level):
+        assert torch.equal(torch.ops.keel.block_dequantize(codes, scales, mins, bits), want)
+        with kernels.using_level("scalar"):  # every level's values are the portable loop's, bit for bit
+            portable = torch.ops.keel.block_dequantize(codes, scales, mins, bits)
+        assert torch.equal(torch.ops.keel.block_dequantize(codes, scales, mins, bits), portable)
     ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
     rows = torch.ops.keel.block_embedding(ids, codes, scales, mins, bits, torch.bfloat16)
     assert rows.shape == (2, 3, 96) and rows.dtype == torch.bfloat16
@@ -419,6 +431,7 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
     # multiply its dequantized weights through BLAS (the float product): the integer kernels run instead.
     assert len(ids) >= BLOCK_DEQUANTIZE_ROWS
     monkeypatch.setattr(quant_linear, "BLOCK_DEQUANTIZE_ROWS", 1 << 30)
+    monkeypatch.setattr(quant_linear, "EIGHT_BIT_DEQUANTIZE_ROWS", {1: 1 << 30, 2: 1 << 30})
     float_path = perplexity(base.model, ids)
     gguf = load_model(CATALOG_NAME, "float32", quantize="gguf", quant_keep=()).model
     assert all(m.layout == "blocks" for m in gguf.modules() if isinstance(m, QuantizedLinear))

@@ -48,6 +48,10 @@ INT4_N_MULTIPLE = 16
 # crossover against keel's integer kernel with refined activations on an AVX2 CPU: docs/BENCHMARKS.md),
 # except where keel's 4-bit panel kernel runs one pass of int8 activations: it beats BLAS at every size.
 BLOCK_DEQUANTIZE_ROWS = 128
+# 8-bit codes cost the integer kernel twice the 4-bit instructions (maddubs takes one unsigned operand,
+# so each product needs a sign step and an int32 sum): dequantizing wins sooner, and sooner still with
+# refined activations (by activation passes; measured as above).
+EIGHT_BIT_DEQUANTIZE_ROWS = {1: 32, 2: 16}
 DEQUANTIZE_SLICE_ELEMENTS = 1 << 20  # float32 weights per slice: 4 MiB
 
 
@@ -433,9 +437,11 @@ class QuantizedLinear(nn.Module):
 
     def _dequantizes(self, rows: int) -> bool:
         """Whether a product over `rows` rows takes `_dequantized_product` (block layout)."""
+        if self.bits == 8:
+            return rows >= EIGHT_BIT_DEQUANTIZE_ROWS[self.activation_passes]
         if rows < BLOCK_DEQUANTIZE_ROWS:
             return False
-        return not (self.bits == 4 and self.activation_passes == 1 and kernels.panels_here())
+        return not (self.activation_passes == 1 and kernels.panels_here())
 
     def _dequantized_product(self, x: Tensor) -> Tensor:
         """Prefill-sized products on the block layout: the weights dequantized to float32 a slice of

@@ -68,6 +68,9 @@ constexpr int64_t kPanelMinRows = 4;
 void block_gemm_panels_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                             int64_t m1, float* out, int64_t ldo);
 
+// Row r of the weights as float32 [K]: q * scale (+ min), each rounded as the portable loop rounds it.
+void dequantize_row_avx2(const BlockWeights& w, int64_t r, float* dst);
+
 float half_to_float(uint16_t h);
 
 }  // namespace keel

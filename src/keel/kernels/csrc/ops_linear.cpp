@@ -143,11 +143,18 @@ template <typename Scale>
 void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, float* out, int64_t k) {
   const Scale* sc = static_cast<const Scale*>(w.scales);
   const Scale* mn = static_cast<const Scale*>(w.mins);
+  const Isa isa = current_isa();
   at::parallel_for(0, count, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = rows == nullptr ? i : rows[i];
       const uint8_t* row = w.codes + r * w.row_bytes;
       float* dst = out + i * k;
+#if defined(__x86_64__) || defined(_M_X64)
+      if (isa >= kAvx2) {
+        dequantize_row_avx2(w, r, dst);
+        continue;
+      }
+#endif
       for (int64_t b = 0; b < w.blocks; ++b) {
         float* db = dst + b * kBlock;
         if (w.half_block_scales) {  // 8-bit codes, no mins
