@@ -110,7 +110,7 @@ def engine_options(engine: LLMEngine) -> dict[str, Any]:
         "fuse_projections": config.load.fuse_projections,
         "prepack_weights": config.load.prepack_weights,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
-        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
         "max_model_len": engine.max_model_len,
         "device": str(engine.model.device),
     }

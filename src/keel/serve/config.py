@@ -66,8 +66,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching (keel.serve.scheduler)"""
 
-    max_num_batched_tokens: int = 2048
-    """tokens one step may compute (prefill chunks and decodes together)"""
+    max_num_batched_tokens: int | None = None
+    """tokens one step may compute (prefill chunks and decodes together; default: 2048 on GPUs, on CPUs 128 per
+    compute thread: a CPU step costs about its tokens, so a chunk of 2048 stalls every running decode)"""
 
     max_num_seqs: int = 256
     """requests running at once"""

@@ -30,7 +30,7 @@ from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import SamplingParams, TokenLogprobs, request_generator
-from keel.serve.scheduler import Scheduler
+from keel.serve.scheduler import Scheduler, default_batched_tokens
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.stop import StopChecker
@@ -265,9 +265,15 @@ class LLMEngine:
         compiled when `compile` asks or the model is worth it."""
         mc, sched = self.model.config, self.config.scheduler
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+        budget = sched.max_num_batched_tokens
+        if budget is None:
+            budget = default_batched_tokens(self.device_type, torch.get_num_threads())
+            if not sched.enable_chunked_prefill:  # a whole prompt goes in one step
+                budget = max(budget, self.max_model_len)
+        self.max_num_batched_tokens = budget
         self.scheduler = Scheduler(
             self.kv,
-            sched.max_num_batched_tokens,
+            budget,
             sched.max_num_seqs,
             self.max_model_len,
             sched.scheduling_policy,

@@ -28,6 +28,19 @@ from keel.serve.request import Request, Status
 POLICIES = ("fcfs", "priority")
 
 
+GPU_BATCHED_TOKENS = 2048
+CPU_BATCHED_TOKENS_PER_THREAD = 128
+
+
+def default_batched_tokens(device_type: str, threads: int) -> int:
+    """The per-step token budget when none is given: vLLM's 2048 on a GPU, where a step of a few thousand
+    tokens costs little more than a decode step; on a CPU a step's time grows with its tokens, so the
+    budget is sized by the compute threads (docs/SERVING.md, "Step budget")."""
+    if device_type != "cpu":
+        return GPU_BATCHED_TOKENS
+    return CPU_BATCHED_TOKENS_PER_THREAD * max(1, threads)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed)
