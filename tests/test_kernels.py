@@ -70,6 +70,7 @@ def random_weights(n: int, k: int, bits: int, groups: int, scale_dtype, with_min
     ("bits", "scale_dtype", "with_mins", "per"),
     [
         (4, torch.float16, True, "block"),  # GGUF Q4_1 (Q4_0: mins = -8 d)
+        (4, torch.float16, False, "block"),  # 4-bit codes without mins (the kernels' no-min path)
         (4, torch.float32, True, 4),  # keel int4, groups of 128
         (8, torch.float16, False, "block"),  # GGUF Q8_0
         (8, torch.float32, False, "row"),  # keel int8, per output channel
