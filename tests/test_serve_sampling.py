@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
+from keel import kernels
 from keel.errors import KeelError
 from keel.serve.sampling import (
     RowState,
     Sampler,
     SamplingParams,
+    apply_filters,
     apply_penalties,
     prompt_logprobs,
     request_generator,
@@ -19,6 +21,15 @@ from keel.serve.sampling import (
 from keel.serve.stop import StopChecker
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]
+PATHS = ["torch"] + (["kernels"] if kernels.enabled() else [])
+
+
+@pytest.fixture(autouse=True, params=PATHS)
+def sampler_path(request, monkeypatch):
+    """Every test on both draws: torch's (sort, exponential race) and keel::sample_rows (CPU kernels)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "active", lambda: False)
+    return request.param
 
 
 def _rows(params: SamplingParams, n: int, **kwargs) -> list[RowState]:
@@ -111,6 +122,56 @@ def test_sampling_follows_the_renormalised_distribution():
     freq = torch.bincount(tokens, minlength=7).float() / draws
     flat = torch.tensor(PROBS).sqrt()
     assert torch.allclose(freq, flat / flat.sum(), atol=0.015)
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason=f"keel kernels: {kernels.status()}")
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(top_k=40),
+        SamplingParams(top_p=0.8, temperature=1.3),
+        SamplingParams(top_p=0.999),  # a nucleus wider than the first candidate batch
+        SamplingParams(top_k=300, top_p=0.5, min_p=0.05),
+        SamplingParams(min_p=0.2),
+    ],
+)
+def test_kernel_draw_inverts_the_filtered_distribution(params):
+    """keel::sample_rows at evenly spaced uniforms draws each token as often as apply_filters' softmax
+    gives it probability (to the grid's resolution), and never a filtered one."""
+    vocab, grid = 3000, 4000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2.5
+    logits[0, 7] = logits[0, 8] = logits[0].max()  # a tie at the top: the stable order keeps both, 7 first
+    keep = apply_filters(
+        logits,
+        torch.tensor([params.temperature]),
+        torch.tensor([float(params.top_k)]),
+        torch.tensor([params.top_p]),
+        torch.tensor([params.min_p]),
+    ).softmax(dim=-1)[0]
+    rows = logits.expand(grid, -1).contiguous()
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    got = torch.ops.keel.sample_rows(
+        rows,
+        torch.full((grid,), params.temperature),
+        torch.full((grid,), params.top_k, dtype=torch.int64),
+        torch.full((grid,), params.top_p),
+        torch.full((grid,), params.min_p),
+        u,
+    )
+    assert set(got.tolist()) <= set(keep.nonzero().flatten().tolist())
+    freq = torch.bincount(got, minlength=vocab).double() / grid
+    assert (freq - keep.double()).abs().max().item() <= 1.0 / grid + 1e-6
+    # Greedy rows (temperature 0): the first largest logit.
+    greedy = torch.ops.keel.sample_rows(
+        logits,
+        torch.zeros(1),
+        torch.zeros(1, dtype=torch.int64),
+        torch.ones(1),
+        torch.zeros(1),
+        torch.zeros(1, dtype=torch.float64),
+    )
+    assert greedy.item() == 7
 
 
 def test_rows_keep_their_own_parameters_in_one_batch():

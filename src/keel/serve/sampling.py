@@ -10,6 +10,14 @@ Seeded requests: each carries its own `torch.Generator` (made once per request b
 (argmax of p / q with q ~ Exp(1), which picks token i with probability p_i); a seeded row draws
 its q from its own generator, so its tokens never depend on which other requests share the batch.
 
+On a CPU where keel's kernels run, the filters and the draw of float32 logits are one operator
+(`keel::sample_rows`, keel/kernels/csrc/ops_sample.cpp): the same filters, applied by selecting each
+row's candidates instead of sorting its vocabulary, and the draw by inverting the kept distribution's
+CDF with one uniform number per row (a seeded row's from its own generator). Same distribution, and
+still batch-independent for seeded rows, but not the exponential race's tokens for a given seed; at
+64 rows of a 49k vocabulary the torch path spent ~0.5 s of CPU a step on top-k/top-p
+(docs/BENCHMARKS.md).
+
 Logprobs are vLLM's default "raw" logprobs: log_softmax of the model's logits, before penalties,
 temperature and filters. They describe the model, not the sampling transform, and are the same
 whatever the request's sampling parameters (what OpenAI clients expect from `logprobs`).
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from keel import kernels
 from keel.errors import KeelError
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
@@ -305,6 +314,17 @@ class Sampler:
         return torch.where(greedy[:, None], x, filtered), greedy
 
     def __call__(self, logits: Tensor, states: list[RowState]) -> SamplerOutput:
+        if logits.device.type == "cpu" and logits.dim() == 2 and kernels.active():
+            token_ids = _sample_on_kernels(apply_penalties(logits, states), states)
+        else:
+            token_ids = self._sample_on_torch(logits, states)
+        output = SamplerOutput(token_ids=token_ids)
+        num_logprobs = [s.params.logprobs for s in states]
+        if any(n is not None for n in num_logprobs):
+            output.logprobs = _logprobs(logits, token_ids, num_logprobs)
+        return output
+
+    def _sample_on_torch(self, logits: Tensor, states: list[RowState]) -> Tensor:
         x, greedy = self.process_logits(logits, states)
         token_ids = x.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
@@ -321,11 +341,27 @@ class Sampler:
             # q can be 0 in float32 (then p / q would be inf or nan); a tiny floor keeps p = 0 at 0.
             sampled = (probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
             token_ids = torch.where(greedy, token_ids, sampled)
-        output = SamplerOutput(token_ids=token_ids)
-        num_logprobs = [s.params.logprobs for s in states]
-        if any(n is not None for n in num_logprobs):
-            output.logprobs = _logprobs(logits, token_ids, num_logprobs)
-        return output
+        return token_ids
+
+
+def _sample_on_kernels(x: Tensor, states: list[RowState]) -> Tensor:
+    """One token per row of (penalised) logits through keel::sample_rows: greedy rows as temperature 0,
+    one uniform number per sampled row (a seeded row's from its own generator)."""
+    if x.shape[0] != len(states):
+        raise ValueError(f"logits {tuple(x.shape)} do not match {len(states)} row states")
+    params = [s.params for s in states]
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    uniform = torch.zeros(len(states), dtype=torch.float64)
+    unseeded = [i for i, s in enumerate(states) if not s.params.greedy and s.generator is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, s in enumerate(states):
+        if not s.params.greedy and s.generator is not None:
+            uniform[i] = torch.rand((), dtype=torch.float64, generator=s.generator)
+    return torch.ops.keel.sample_rows(x.float(), temperature, top_k, top_p, min_p, uniform)
 
 
 def _logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: list[int | None]) -> LogprobsTensors:
