@@ -1,0 +1,65 @@
+"""keel::block_linear against float32 BLAS on SmolLM2's layer shapes, by activation rows.
+
+    python bench/block_gemm.py [--rows 1,4,16,64,256,512] [--threads 1]
+
+For each shape: GOP/s of the 4-bit kernel (one int8 pass, and refined: two), the 8-bit kernel, and
+`x @ W.T` in float32 on the same weights dequantized (2 * M * N * K operations per product). Times
+are the calling thread's CPU time (`time.thread_time`), so a machine shared with other work skews
+them less than wall time would; with --threads above 1 use a quiet machine (then wall time is
+what counts, and thread time undercounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections.abc import Callable
+
+import torch
+
+from keel import kernels
+
+SHAPES = [(1536, 576), (576, 1536)]  # gate/up and down of SmolLM2-135M
+
+
+def cpu_seconds(fn: Callable[[], object], repeats: int = 10) -> float:
+    fn()
+    start = time.thread_time()
+    for _ in range(repeats):
+        fn()
+    return (time.thread_time() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,64,256,512")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if not kernels.enabled():
+        raise SystemExit(f"keel kernels: {kernels.status()}")
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        codes4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        mins = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
+        weight = torch.ops.keel.block_dequantize(codes4, scales, mins, 4)
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, generator=g)
+            ops = 2 * m * n * k / 1e9
+            linear = torch.ops.keel.block_linear
+            q4 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 1))
+            q4x2 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 2))
+            q8 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 1))
+            f32 = cpu_seconds(functools.partial(torch.matmul, x, weight.T))
+            print(
+                f"{n}x{k} rows {m:4d}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
+                f"8-bit {ops / q8:6.1f}  float32 BLAS {ops / f32:6.1f}  GOP/s ({args.threads} thread(s))",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
