@@ -1,12 +1,14 @@
 """keel::block_linear against float32 BLAS on SmolLM2's layer shapes, by activation rows.
 
-    python bench/block_gemm.py [--rows 1,4,16,64,256,512] [--threads 1]
+    python bench/block_gemm.py [--rows 1,4,16,64,256,512] [--threads 1] [--levels avx2,avx512_vnni]
 
-For each shape: GOP/s of the 4-bit kernel (one int8 pass, and refined: two), the 8-bit kernel, and
-`x @ W.T` in float32 on the same weights dequantized (2 * M * N * K operations per product). Times
-are the calling thread's CPU time (`time.thread_time`), so a machine shared with other work skews
-them less than wall time would; with --threads above 1 use a quiet machine (then wall time is
-what counts, and thread time undercounts).
+For each shape: GOP/s of the 4-bit kernel (one int8 pass, and refined: two), the 8-bit kernel (the
+same two), and `x @ W.T` in float32 on the same weights dequantized (2 * M * N * K operations per
+product). The kernels are timed at each level named (default: every level above the portable one
+that this machine runs, keel.kernels.levels_here), so one run compares them. Times are the calling
+thread's CPU time (`time.thread_time`), so a machine shared with other work skews them less than
+wall time would; with --threads above 1 use a quiet machine (then wall time is what counts, and
+thread time undercounts).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,64,256,512")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--levels", default=None, help="comma-separated kernel levels (default: all above scalar)")
     args = parser.parse_args()
     if not kernels.enabled():
         raise SystemExit(f"keel kernels: {kernels.status()}")
+    levels = args.levels.split(",") if args.levels else [lv for lv in kernels.levels_here() if lv != "scalar"]
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
@@ -50,15 +54,19 @@ def main() -> None:
             x = torch.randn(m, k, generator=g)
             ops = 2 * m * n * k / 1e9
             linear = torch.ops.keel.block_linear
-            q4 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 1))
-            q4x2 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 2))
-            q8 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 1))
             f32 = cpu_seconds(functools.partial(torch.matmul, x, weight.T))
-            print(
-                f"{n}x{k} rows {m:4d}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
-                f"8-bit {ops / q8:6.1f}  float32 BLAS {ops / f32:6.1f}  GOP/s ({args.threads} thread(s))",
-                flush=True,
-            )
+            for level in levels:
+                with kernels.using_level(level):
+                    q4 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 1))
+                    q4x2 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 2))
+                    q8 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 1))
+                    q8x2 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 2))
+                print(
+                    f"{n}x{k} rows {m:4d} {level:>11}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
+                    f"8-bit {ops / q8:6.1f}  8-bit refined {ops / q8x2:6.1f}  float32 BLAS {ops / f32:6.1f}  "
+                    f"GOP/s ({args.threads} thread(s))",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

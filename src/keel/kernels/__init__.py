@@ -1,9 +1,10 @@
 """keel's C++ CPU kernels, registered as torch operators (`torch.ops.keel.*`) by `keel.kernels._C`.
 
 The library is compiled by the project's own build at install (setup.py; g++ and torch's headers,
-nothing downloaded) and dispatches at run time on the level keel.platform reports: its AVX2 + FMA
-kernels from `avx2` up (AVX-512 machines run them too until they have their own), the portable ones
-elsewhere (`default` x86-64, aarch64). Every kernel splits its work with ATen's `parallel_for`, so
+nothing downloaded) and dispatches at run time on the level keel.platform reports: AVX-512 VNNI
+kernels for the block products of a few rows from `avx512_vnni` up (BF16 and AMX machines included),
+AVX2 + FMA kernels from `avx2` up for everything else, the portable ones elsewhere (`default` x86-64,
+aarch64). Every kernel splits its work with ATen's `parallel_for`, so
 `torch.set_num_threads` governs it.
 
 `KEEL_KERNELS=0` turns them off: every caller takes its pure-torch path instead (for debugging and
@@ -25,19 +26,29 @@ from keel.platform import Platform, host
 
 ENV = "KEEL_KERNELS"
 # The levels the library has kernels for, lowest first (the values of keel::Isa in csrc/kernels.h).
-LEVELS = ("scalar", "avx2")
+LEVELS = ("scalar", "avx2", "avx512_vnni")
 
 
 def kernel_level(platform: Platform) -> str:
-    """The library's level for a host: AVX2 kernels from keel.platform's `avx2` up, portable ones elsewhere."""
-    return "avx2" if platform.arch == "x86_64" and platform.avx2 else "scalar"
+    """The library's level for a host: the VNNI kernels from keel.platform's `avx512_vnni` up, AVX2 ones
+    from `avx2`, portable ones elsewhere."""
+    if platform.arch != "x86_64":
+        return "scalar"
+    return "avx512_vnni" if platform.vnni else "avx2" if platform.avx2 else "scalar"
 
 
 def panels_here() -> bool:
-    """Whether 4-bit products of many rows run the panel kernel (csrc/block_gemm_packed_avx2.cpp): it
-    exists at the AVX2 level, and beats dequantizing to float32 for BLAS at every row count measured
-    when the activations take one int8 pass."""
-    return _load() is not None and _LEVEL_NOW[0] == "avx2"
+    """Whether 4-bit products of many rows run a panel kernel (csrc/block_gemm_packed_avx2.cpp, and
+    block_gemm_packed_avx512.cpp at the VNNI level): they beat dequantizing to float32 for BLAS at
+    every row count measured when the activations take one int8 pass."""
+    return _load() is not None and _LEVEL_NOW[0] in ("avx2", "avx512_vnni")
+
+
+def vnni_panels_here() -> bool:
+    """Whether products of many rows run the VNNI panel kernel (csrc/block_gemm_packed_avx512.cpp, 4-bit
+    and 8-bit codes): it beats dequantizing to float32 for BLAS at every row count measured, with one
+    int8 pass or two (docs/BENCHMARKS.md, "keel's kernels (issue 22, fifth part)")."""
+    return _load() is not None and _LEVEL_NOW[0] == "avx512_vnni"
 
 
 def levels_here(platform: Platform | None = None) -> tuple[str, ...]:

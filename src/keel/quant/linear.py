@@ -50,7 +50,8 @@ INT4_N_MULTIPLE = 16
 BLOCK_DEQUANTIZE_ROWS = 128
 # 8-bit codes cost the integer kernel twice the 4-bit instructions (maddubs takes one unsigned operand,
 # so each product needs a sign step and an int32 sum): dequantizing wins sooner, and sooner still with
-# refined activations (by activation passes; measured as above).
+# refined activations (by activation passes; measured as above). At the VNNI level neither threshold
+# applies: its panel kernel beats BLAS at every size, both widths, one pass or two (keel.kernels.vnni_panels_here).
 EIGHT_BIT_DEQUANTIZE_ROWS = {1: 32, 2: 16}
 DEQUANTIZE_SLICE_ELEMENTS = 1 << 20  # float32 weights per slice: 4 MiB
 
@@ -437,6 +438,8 @@ class QuantizedLinear(nn.Module):
 
     def _dequantizes(self, rows: int) -> bool:
         """Whether a product over `rows` rows takes `_dequantized_product` (block layout)."""
+        if kernels.vnni_panels_here():
+            return False
         if self.bits == 8:
             return rows >= EIGHT_BIT_DEQUANTIZE_ROWS[self.activation_passes]
         if rows < BLOCK_DEQUANTIZE_ROWS:

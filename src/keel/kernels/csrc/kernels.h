@@ -8,9 +8,10 @@
 
 namespace keel {
 
-// The instruction-set levels with their own kernels, lowest first. Levels above AVX2 (AVX-512,
-// VNNI, BF16, AMX) run the AVX2 kernels until they get their own.
-enum Isa : int { kScalar = 0, kAvx2 = 1 };
+// The instruction-set levels with their own kernels, lowest first. A level runs its own kernels where it
+// has them and the highest lower level's elsewhere (AVX-512 without VNNI runs AVX2's; so do BF16 and AMX
+// machines outside the VNNI kernels).
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
 // Weights in blocks of 32 along K, a row of K/32 blocks per output feature:
 // bits 4: codes uint8 [N, K/2], block b of a row in bytes 16b..16b+15, byte j holding value j in its
@@ -65,8 +66,21 @@ void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockA
 // The AVX2 4-bit kernel for many activation rows (from kPanelMinRows): 8 output rows at a time repacked
 // into a panel that every activation row reads; activations in their natural order (not pair order).
 constexpr int64_t kPanelMinRows = 4;
+constexpr int64_t kPanelMinRowsVnni = 8;
 void block_gemm_panels_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                             int64_t m1, float* out, int64_t ldo);
+
+// The AVX-512 VNNI kernel for a few activation rows (4-bit and 8-bit codes). 4-bit activations in quad
+// order: each quad of blocks (4p..4p+3) as [each block's first 16 values, then each one's last 16], and
+// the last 1-3 blocks of a row the same way among themselves.
+void interleave_quads_avx512(int8_t* q, int64_t k);
+void block_gemm_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                       int64_t m1, float* out, int64_t ldo);
+
+// The AVX-512 VNNI kernel for many activation rows (from kPanelMinRows), 4-bit and 8-bit codes: 16 output
+// rows at a time repacked into a panel; activations in their natural order.
+void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                              int64_t m1, float* out, int64_t ldo);
 
 // Row r of the weights as float32 [K]: q * scale (+ min), each rounded as the portable loop rounds it.
 void dequantize_row_avx2(const BlockWeights& w, int64_t r, float* dst);

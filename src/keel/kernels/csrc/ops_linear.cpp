@@ -56,7 +56,10 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
                       scales.data_ptr(), min_ptr, half, k / kBlock, group_blocks, half_blocks};
 }
 
-Quantized quantize_activations(const at::Tensor& x2, bool two_passes, bool pair_order) {
+// The order the chosen kernel reads a row's activation codes in (kernels.h).
+enum class Order { kNatural, kPairs, kQuads };
+
+Quantized quantize_activations(const at::Tensor& x2, bool two_passes, Order order) {
   const int64_t m = x2.size(0), k = x2.size(1), blocks = m * (k / kBlock);
   const int64_t floats = blocks * (two_passes ? 3 : 2), codes = m * k * (two_passes ? 2 : 1);
   Quantized out;
@@ -77,9 +80,12 @@ Quantized quantize_activations(const at::Tensor& x2, bool two_passes, bool pair_
 #if defined(__x86_64__) || defined(_M_X64)
       if (isa >= kAvx2) {
         quantize_row_avx2(x + qo, k, q + qo, d + so, s + so, q2 ? q2 + qo : nullptr, d2 ? d2 + so : nullptr);
-        if (pair_order) {
+        if (order == Order::kPairs) {
           interleave_pairs_avx2(q + qo, k);
           if (q2) interleave_pairs_avx2(q2 + qo, k);
+        } else if (order == Order::kQuads) {
+          interleave_quads_avx512(q + qo, k);
+          if (q2) interleave_quads_avx512(q2 + qo, k);
         }
         continue;
       }
@@ -110,16 +116,25 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
   const Isa isa = current_isa();
-  const bool panels = isa >= kAvx2 && bits == 4 && m >= kPanelMinRows;
-  const Quantized qa = quantize_activations(x2, passes == 2, bits == 4 && isa >= kAvx2 && !panels);
+  // Many rows: the panel kernels (4-bit from AVX2, 8-bit too from VNNI); a few: the row kernels.
+  const bool panels = isa >= kAvx512Vnni ? m >= kPanelMinRowsVnni : isa >= kAvx2 && bits == 4 && m >= kPanelMinRows;
+  const bool vnni = isa >= kAvx512Vnni;
+  const Order order = bits == 4 && !panels ? (vnni ? Order::kQuads : isa >= kAvx2 ? Order::kPairs : Order::kNatural)
+                                           : Order::kNatural;
+  const Quantized qa = quantize_activations(x2, passes == 2, order);
   const BlockActivations a{qa.q, qa.d, qa.s, k, k / kBlock, qa.q2, qa.d2};
   at::Tensor out = at::empty({m, n}, x2.options());
   float* o = out.data_ptr<float>();
 #if defined(__x86_64__) || defined(_M_X64)
   if (panels) {
-    // Split the output features by panels of 8 rows: each thread packs and streams its own.
-    at::parallel_for(0, (n + 7) / 8, 1, [&](int64_t t0, int64_t t1) {
-      block_gemm_panels_avx2(w, t0 * 8, std::min(n, t1 * 8), a, 0, m, o, n);
+    // Split the output features by panels (8 rows at AVX2, 16 at VNNI): each thread packs and streams its own.
+    const int64_t rows = vnni ? 16 : 8;
+    at::parallel_for(0, (n + rows - 1) / rows, 1, [&](int64_t t0, int64_t t1) {
+      if (vnni) {
+        block_gemm_panels_avx512(w, t0 * rows, std::min(n, t1 * rows), a, 0, m, o, n);
+      } else {
+        block_gemm_panels_avx2(w, t0 * rows, std::min(n, t1 * rows), a, 0, m, o, n);
+      }
     });
     return finish_linear(out, x, bias, n);
   }
@@ -127,6 +142,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   // Split the output features: each thread streams its own rows of the weights once.
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
 #if defined(__x86_64__) || defined(_M_X64)
+    if (vnni) {
+      block_gemm_avx512(w, n0, n1, a, 0, m, o, n);
+      return;
+    }
     if (isa >= kAvx2) {
       block_gemm_avx2(w, n0, n1, a, 0, m, o, n);
       return;
@@ -219,7 +238,7 @@ at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const
 Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
 int64_t set_kernel_isa(int64_t level) {
-  TORCH_CHECK(level >= kScalar && level <= kAvx2, "keel::set_kernel_isa: unknown level ", level);
+  TORCH_CHECK(level >= kScalar && level <= kAvx512Vnni, "keel::set_kernel_isa: unknown level ", level);
 #if !(defined(__x86_64__) || defined(_M_X64))
   TORCH_CHECK(level == kScalar, "keel::set_kernel_isa: only the portable level exists on this architecture");
 #endif
