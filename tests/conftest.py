@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 from pathlib import Path
@@ -38,23 +39,62 @@ def force_isa(monkeypatch):
     platform.host.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def cpu_peak_measured_once():
+    """Each Trainer measures the CPU's matmul peak (MFU's denominator) for a second as it starts; Trainers
+    run in this process measure it once per precision and thread count, and reuse it: the same machine."""
+    from keel.train import trainer
+
+    real = trainer.peak_flops
+    measured = functools.cache(lambda device, precision, threads: real(device, precision))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            trainer, "peak_flops", lambda device, precision: measured(device, precision, torch.get_num_threads())
+        )
+        yield
+
+
 # `make test` runs two xdist workers a file at a time each: the longest files go first, so that the run does not
-# end with one worker alone on a long file while the other has nothing left (measured durations: the
-# `--durations` table of `make test`). Within a file, and for every other file, collection order is kept.
+# end with one worker alone on a long file while the other has nothing left (measured durations: the per-file
+# sums of `make test`'s test times on the 2-core CI machine, longest first). Within a file, and for every other
+# file, collection order is kept.
 LONGEST_FIRST = (
     "test_train_run.py",
     "test_serve_parallel_engine.py",
-    "test_train_parallel.py",
     "test_eval_gate.py",
-    "test_plan_run.py",
     "test_serve_http.py",
-    "test_compiled_decode.py",
-    "test_quant_native.py",
+    "test_smollm2.py",
+    "test_cli_errors.py",
+    "test_plan_run.py",
+    "test_train_parallel.py",
+    "test_speculative.py",
+    "test_kernels.py",
+    "test_expert_offload.py",
     "test_gguf.py",
     "test_lmeval.py",
-    "test_speculative.py",
-    "test_quant.py",
+    "test_upcycle.py",
+    "test_compiled_decode.py",
+    "test_quant_native.py",
+    "test_serve_engine.py",
+    "test_serve_parallel_shard.py",
+    "test_moe_ep_serving.py",
+    "test_plan.py",
+    "test_corpora.py",
+    "test_profile.py",
+    "test_architectures.py",
+    "test_eval_suites.py",
+    "test_serve_sampling.py",
+    "test_serve_tenants.py",
+    "test_package_graph.py",
+    "test_fused_layer.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist hands out `--dist loadfile` files in the items' order only without its default
+    # --loadscope-reorder (files with the most tests first, whatever they take): the order above, instead.
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,10 +8,13 @@ dequantizer (an implementation independent of gguf.quants) for every block type 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import re
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -32,6 +35,37 @@ def rel_err(reference: torch.Tensor, ours: torch.Tensor) -> float:
     return ((reference - ours).abs().max() / reference.abs().max()).item()
 
 
+# gguf's GGUFReader parses every metadata value into numpy views (SmolLM2's 49k-token vocabulary: seconds
+# each time), transformers parses the file again for the config, the tokenizer and the weights, and its
+# weight loader rebuilds gguf's tensor-name table for each of the model's ~400 submodules. The packaged
+# SmolLM2 file is read-only: it is parsed once for this module, and each name table is built once. Both
+# are pure, so what gguf and transformers compute is unchanged; files the tests write are read as they are.
+_PARSED: dict[Path, gguf.GGUFReader] = {}
+
+
+@contextlib.contextmanager
+def parse_smollm_once():
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    try:
+        packaged = resolve_catalog("smollm2-135m-instruct").resolve()
+    except KeelError:
+        packaged = None
+
+    def reader(path, mode="r"):
+        key = Path(path).resolve()
+        if mode != "r" or key != packaged:
+            return real_reader(path, mode)
+        if key not in _PARSED:
+            _PARSED[key] = real_reader(path)
+        return _PARSED[key]
+
+    with (
+        mock.patch.object(gguf, "GGUFReader", reader),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_name_map)),
+    ):
+        yield
+
+
 def transformers_from_gguf(path: Path):
     """transformers' GGUF model loading, as `from_pretrained(dir, gguf_file=...)` does it for llama/qwen.
 
@@ -42,9 +76,10 @@ def transformers_from_gguf(path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    with parse_smollm_once():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     missing, _ = model.load_state_dict(state["tensors"], strict=False)
     assert set(missing) <= {"lm_head.weight"}, missing
     model.tie_weights()
@@ -67,7 +102,8 @@ def smollm(smollm_path):
 
 @pytest.fixture(scope="module")
 def smollm_hf_tokenizer(smollm_path):
-    return transformers.AutoTokenizer.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
+    with parse_smollm_once():
+        return transformers.AutoTokenizer.from_pretrained(smollm_path.parent, gguf_file=smollm_path.name)
 
 
 def test_smollm_config(smollm):
@@ -692,7 +728,8 @@ def test_header_reader_equals_ggufs_own(valid_gguf, source):
     from keel.weights.gguf_file import GGUFFile
 
     path = valid_gguf if source == "tiny-q8_0" else resolve_catalog("smollm2-135m-instruct")
-    ours, reference = GGUFFile(path), gguf.GGUFReader(path)
+    with parse_smollm_once():
+        ours, reference = GGUFFile(path), gguf.GGUFReader(path)
     assert ours.fields == {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
     assert len(ours.tensors) == len(reference.tensors)
     for a, b in zip(ours.tensors, reference.tensors, strict=True):

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 from plan_memory import TINY, config_text  # noqa: E402  (the benchmark's runs, so both stay the same)
 
 TOLERANCE = 0.15
+pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab, precision):
     gradients are reduce-scattered."""
     name = f"fsdp-{ac}-{vocab}-{precision}"
     path = write_config(root, name, world=2, ac=ac, vocab=vocab, precision=precision)
-    done = subprocess.run(
-        [sys.executable, "-m", "keel", "train", str(path), "--nproc", "2"], capture_output=True, text=True, timeout=300
-    )
+    from test_train_run import keel_train  # the CLI's launcher here, the torchrun it execs as a child
+
+    done = keel_train(path, "--nproc", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     records = [r for r in read_metrics(root / "runs" / name / "metrics.jsonl") if "memory" in r]
     assert len(records) == 1
@@ -118,7 +119,7 @@ def test_fsdp_world_2_peak_is_predicted(root, ac, vocab, precision):
     assert records[0]["memory"]["predicted"]["optimizer"] == pytest.approx(2 * params * 4 / 2)
 
 
-def test_plan_train_config_cli(root):
+def test_plan_train_config_cli(root, capsys):
     path = write_config(root, "cli", world=2, ac="full")
     done = subprocess.run(
         [
@@ -140,16 +141,15 @@ def test_plan_train_config_cli(root):
     assert done.returncode == 0, done.stderr
     assert "dp_shard=2" in done.stdout and "predicted tensor memory peak per rank" in done.stdout
     assert (root / "plan.json").exists()
-    bad = subprocess.run(
-        [sys.executable, "-m", "keel", "plan", "train", "--config", str(path), "--nproc", "3"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    both = subprocess.run(
-        [sys.executable, "-m", "keel", "plan", "train", "x.json", "--config", str(path)], capture_output=True, text=True
-    )
-    assert both.returncode != 0 and "either" in both.stderr
+    # The errors in-process (the CLI's own main): keel's one line and exit 1, no traceback.
+    from keel.cli import main
+
+    capsys.readouterr()
+    bad = ["plan", "train", "--config", str(path), "--nproc", "3"]
+    for argv, needle in ((bad, "not divisible"), (["plan", "train", "x.json", "--config", str(path)], "either")):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("keel: error:") and err.count("\n") == 1 and needle in err, (argv, err)
 
 
 def test_memory_breakdown_refuses_pipelines(root):

@@ -4,8 +4,6 @@ the real engine and torch.profiler."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -46,34 +44,15 @@ def test_profile_splits_the_step(model_dir, tmp_path, batch):
     assert any(e.get("name", "").startswith("keel.part::MLP") for e in events)
 
 
-def test_profile_cli(model_dir, tmp_path):
+def test_profile_cli(model_dir, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "profile",
-            "decode",
-            str(model_dir),
-            "--steps",
-            "4",
-            "--prompt-tokens",
-            "8",
-            "--prefill",
-            "16",
-            "--quantize",
-            "int8",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "decode: batch 1" in done.stdout and "prefill: batch 1, 16 token(s)" in done.stdout
-    assert "Python / dispatch overhead" in done.stdout and "roofline" in done.stdout
+    # In-process (the CLI's own main), as test_profile_cli_errors_are_one_line below.
+    args = ["--steps", "4", "--prompt-tokens", "8", "--prefill", "16", "--quantize", "int8", "--json", str(out)]
+    capsys.readouterr()
+    assert main(["profile", "decode", str(model_dir), *args]) == 0
+    stdout = capsys.readouterr().out
+    assert "decode: batch 1" in stdout and "prefill: batch 1, 16 token(s)" in stdout
+    assert "Python / dispatch overhead" in stdout and "roofline" in stdout
     profile = json.loads(out.read_text())
     assert profile["quantize"] == "int8" and profile["decode"]["tokens_per_s"] > 0
 

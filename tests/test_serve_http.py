@@ -528,24 +528,26 @@ def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
         model_dir, "--num-blocks", "2048", "--shutdown-timeout", "30", log_path=tmp_path / "server.log"
     ).wait_ready()
     results: list = [None] * 4
+    tokens = 400  # each request: hundreds of decode steps still to run when SIGTERM arrives
 
     def call(i: int) -> None:
-        body = {"prompt": f"r{i}", "max_tokens": 1500, "ignore_eos": True}
+        body = {"prompt": f"r{i}", "max_tokens": tokens, "ignore_eos": True}
         results[i] = httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60)
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 5
-    while metric(metrics(proc), "keel:num_requests_running") < 4 and time.monotonic() < deadline:
+    while (running := metric(metrics(proc), "keel:num_requests_running")) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     code = proc.terminate(timeout=60)
     for t in threads:
         t.join(60)
+    assert running == 4, proc.tail(40)  # all four accepted and mid-generation when the signal came
     assert code == 0, proc.tail(40)
     for r in results:
         assert r is not None and r.status_code == 200, proc.tail(40)
-        assert r.json()["usage"]["completion_tokens"] == 1500
+        assert r.json()["usage"]["completion_tokens"] == tokens
     with pytest.raises(httpx.ConnectError):
         httpx.get(proc.base_url + "/health")
 

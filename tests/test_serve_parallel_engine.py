@@ -244,13 +244,25 @@ def test_auto_parallel_takes_the_planners_layout():
         auto_parallel(llama405, "2xA100", 8192)
 
 
-def test_parallel_cli_errors_are_one_line(tmp_path):
-    from test_cli_errors import assert_one_line_error, run_keel
+def test_parallel_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """`keel serve` in-process (the CLI's own main; its one-line errors in a real process are in
+    tests/test_serve_tenants.py and tests/test_expert_offload.py): refused before any worker or port."""
+    from keel.cli import main
+    from keel.net import free_port
+    from keel.serve.openai import server
 
+    def no_server():
+        raise AssertionError("keel serve got past its checks and would start serving")
+
+    monkeypatch.setattr(server, "_server_class", no_server)
     save_hf_model("llama", tmp_path)
     save_byte_tokenizer(tmp_path)
-    assert_one_line_error(run_keel("serve", str(tmp_path), "-tp", "3"), "4 attention heads", "3 ranks")
-    assert_one_line_error(run_keel("serve", str(tmp_path), "--auto-parallel"), "--auto-parallel", "found none")
+    cases = ((["-tp", "3"], ("4 attention heads", "3 ranks")), (["--auto-parallel"], ("--auto-parallel", "found none")))
+    for args, needles in cases:
+        capsys.readouterr()
+        assert main(["serve", str(tmp_path), "--port", str(free_port()), *args]) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("keel: error:") and err.count("\n") == 1 and all(n in err for n in needles), err
     from keel.serve.openai.server import resolve_auto_parallel
 
     with pytest.raises(KeelError, match="one or the other"):

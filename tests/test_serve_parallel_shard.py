@@ -4,6 +4,8 @@ tensors back together."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -84,7 +86,7 @@ def test_shard_reads_put_every_tensor_back_together(tmp_path, tp):
                 assert torch.equal(torch.cat(parts, dim=shard.dim), full), name
 
 
-def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) -> None:
+def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], outs: list[str]) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -99,18 +101,18 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
     from keel.serve.parallel.load import load_tensor_parallel
 
     try:
-        loaded = load_model(model_dir, "float32")
-        shard_model(loaded.model, TensorParallelLayout(loaded.config, world, rank))
-        # Shard-wise loading (only this rank's slices read from the file) gives the same parameters.
-        by_slices = load_tensor_parallel(model_dir, torch.float32, world, rank).model
-        cut = dict(loaded.model.named_parameters())
-        assert cut.keys() == dict(by_slices.named_parameters()).keys()
-        assert all(torch.equal(p, cut[n]) for n, p in by_slices.named_parameters()), rank
-        tokens = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
-        with torch.inference_mode():
-            logits = by_slices(tokens)
-        if rank == 0:
-            torch.save(logits, out)
+        for model_dir, out in zip(model_dirs, outs, strict=True):
+            loaded = load_model(model_dir, "float32")
+            shard_model(loaded.model, TensorParallelLayout(loaded.config, world, rank))
+            # Shard-wise loading (only this rank's slices read from the file) gives the same parameters.
+            by_slices = load_tensor_parallel(model_dir, torch.float32, world, rank).model
+            cut = dict(loaded.model.named_parameters())
+            assert cut.keys() == dict(by_slices.named_parameters()).keys()
+            assert all(torch.equal(p, cut[n]) for n, p in by_slices.named_parameters()), rank
+            with torch.inference_mode():
+                logits = by_slices(TOKENS)
+            if rank == 0:
+                torch.save(logits, out)
         # Every rank done before any tears gloo down: a peer closing its pairs while another rank's gloo
         # threads still use them aborts that process ("terminate called without an active exception").
         dist.barrier()
@@ -118,21 +120,40 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out: str) 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("arch", "tp"), [("llama-bias", 2), pytest.param("llama", 4, marks=pytest.mark.slow), ("qwen3", 2)]
-)
-def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp):
-    """gloo, tp processes: the model read slice by slice equals the full model cut down, and its logits
-    equal the unsharded model's (tp 4 on 2 KV heads: replicated KV heads)."""
+TOKENS = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
+TP2 = ("llama-bias", "qwen3")
+
+
+def _sharded(root: Path, archs: tuple[str, ...], tp: int) -> dict[str, tuple[Path, Path]]:
+    """One gloo group of tp processes runs every architecture in `archs` (spawning is the slow part):
+    {arch: (its model directory, rank 0's logits)}."""
     import torch.multiprocessing as mp
 
+    runs = {}
+    for arch in archs:
+        save_hf_model(arch, root / arch, tie_word_embeddings=(arch == "llama"))
+        runs[arch] = (root / arch, root / f"{arch}-logits.pt")
+    dirs, outs = ([str(run[i]) for run in runs.values()] for i in (0, 1))
+    mp.spawn(_tp_worker, args=(tp, str(root / "store"), dirs, outs), nprocs=tp, join=True)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    return _sharded(tmp_path_factory.mktemp("tp2"), TP2, 2)
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp"), [*((arch, 2) for arch in TP2), pytest.param("llama", 4, marks=pytest.mark.slow)]
+)
+def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp, request):
+    """gloo, tp processes: the model read slice by slice equals the full model cut down, and its logits
+    equal the unsharded model's (tp 4 on 2 KV heads: replicated KV heads)."""
     from keel.quant.loading import load_model
 
-    save_hf_model(arch, tmp_path / "m", tie_word_embeddings=(arch == "llama"))
-    out = tmp_path / "logits.pt"
-    mp.spawn(_tp_worker, args=(tp, str(tmp_path / "store"), str(tmp_path / "m"), str(out)), nprocs=tp, join=True)
-    full = load_model(str(tmp_path / "m"), "float32").model
-    tokens = torch.tensor([[1, 5, 9, 200, 3, 77, 12, 0], [4, 4, 250, 8, 16, 31, 2, 99]])
+    runs = request.getfixturevalue("tp2_runs") if tp == 2 else _sharded(tmp_path, (arch,), tp)
+    model_dir, out = runs[arch]
+    full = load_model(str(model_dir), "float32").model
     with torch.inference_mode():
-        expected = full(tokens)
+        expected = full(TOKENS)
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-4, atol=1e-5)

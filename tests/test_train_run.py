@@ -1,7 +1,8 @@
 """`keel train` end to end on a tiny Llama: learning, checkpoints, exact resume, guards, fp16, faults.
 
 Single-process runs go in-process (Trainer); distributed ones through `keel train --nproc 2`
-(torchrun, gloo), as users run them.
+(torchrun, gloo), as users run them: the CLI's launcher in this process, and the torchrun command it
+execs as a child process (keel_train); runs that must be processes of their own, in one (keel_process).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from keel.train.data import write_token_file
 from keel.train.metrics import read_metrics
 from keel.train.trainer import Trainer
 from tiny_models import save_byte_tokenizer, save_hf_model
+
+pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
 
 MODEL = """
 [model]
@@ -140,13 +144,7 @@ def test_a_checkpoint_converts_for_transformers_and_is_served(root, tmp_path):
 
     trainer, result = run(config(root, "deliver"), "training.steps=10")
     ckpt = latest_checkpoint(root / "runs/deliver/checkpoints")
-    r = subprocess.run(
-        [sys.executable, "-m", "keel.cli", "convert", str(ckpt), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
+    assert main(["convert", str(ckpt), str(tmp_path / "hf")]) == 0  # in-process: the CLI's own main
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
@@ -241,7 +239,7 @@ eos_token_id = 2
 """
 
 
-def test_moe_training_logs_expert_load_drops_and_aux_losses(root):
+def test_moe_training_logs_expert_load_drops_and_aux_losses(root, capsys, no_torchrun):
     from keel.train.plot import plot_run
 
     path = config(root, "moe", "[moe]\naux_loss_coef = 0.02\nz_loss_coef = 0.001\ncapacity_factor = 1.0\n")
@@ -263,14 +261,56 @@ def test_moe_training_logs_expert_load_drops_and_aux_losses(root):
     assert any(r["moe_dropped_fraction"] > 0 for r in records)
     assert plot_run(root / "runs/moe").stat().st_size > 10_000
     # The aux-loss-free bias needs a router with a selection bias: Qwen3-MoE has none.
-    r = keel_train(path, "--set", "moe.bias_update_rate=0.001", timeout=60)
-    assert r.returncode == 1 and "bias_update_rate" in r.stderr and "Traceback" not in r.stderr
+    assert "bias_update_rate" in refused(capsys, path, "--set", "moe.bias_update_rate=0.001")
 
 
 # ---------------------------------------------------------------- distributed, through the CLI
-def keel_train(path: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def keel_process(path: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`keel train PATH ARGS` in a process of its own, exactly as a shell runs it."""
     cmd = [sys.executable, "-m", "keel.cli", "train", str(path), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def keel_train(path: Path, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`keel train PATH ARGS --nproc N` (N > 1) through the CLI's own main in this process: its checks, then
+    the torchrun command that `keel` execs in its own place, run as a child process with this environment
+    (and `env`). The same launch as in a shell, without starting one interpreter more per run."""
+    launched: list[subprocess.CompletedProcess] = []
+
+    def execv(executable: str, argv: list[str]) -> None:
+        launched.append(subprocess.run(argv, executable=executable, capture_output=True, text=True, timeout=timeout))
+
+    saved = dict(os.environ)  # the launcher sets OMP_NUM_THREADS for the ranks: not for later tests
+    os.environ.update(env or {})
+    try:
+        with mock.patch.object(os, "execv", execv):
+            code = main(["train", str(path), *args])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert launched, f"keel train {path} {args} returned {code} without starting torchrun"
+    return launched[0]
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    """For `keel train` run in this process (the CLI's own main) on configs it must refuse: the launcher
+    execs torchrun once its checks pass, which here would replace the pytest process; fail instead."""
+
+    def execv(*args):
+        raise AssertionError(f"keel train got past its checks and would exec {args}")
+
+    monkeypatch.setattr(os, "execv", execv)
+
+
+def refused(capsys, path: Path, *args: str) -> str:
+    """`keel train PATH ARGS` in this process (needs no_torchrun): exit 1 and one `keel: error:` line,
+    checked before any process starts (the same in a shell: test_bad_configs_fail_before_any_process_starts)."""
+    capsys.readouterr()
+    assert main(["train", str(path), *args]) == 1, args
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error:") and err.count("\n") == 1, (args, err)
+    return err
 
 
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
@@ -340,7 +380,7 @@ eos_token_id = 2
 """
 
 
-def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root):
+def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root, capsys, no_torchrun):
     """DeepSeek-V3 (MLA, sigmoid router, first layer dense) trains; the selection bias moves with the
     load and is saved with the model, so the checkpoint loads with the trained routing."""
     from keel.quant.loading import load_model
@@ -375,11 +415,10 @@ def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root):
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(tokens), module.eval()(tokens))
     # MLA has no tensor-parallel plan yet: a one-line refusal.
-    r = keel_train(path, "--nproc", "2", "--set", "parallel.tp=2", timeout=60)
-    assert r.returncode == 1 and "multi-head latent attention" in r.stderr and "Traceback" not in r.stderr
+    assert "multi-head latent attention" in refused(capsys, path, "--nproc", "2", "--set", "parallel.tp=2")
 
 
-def test_expert_parallel_training_matches_one_process_and_reshards(root):
+def test_expert_parallel_training_matches_one_process_and_reshards(root, capsys, no_torchrun):
     """ep = 2 through the CLI: the one-process losses; its checkpoint resumes in one process (experts
     gathered from their two ranks by DCP); bad ep settings are one-line errors."""
 
@@ -416,10 +455,9 @@ def test_expert_parallel_training_matches_one_process_and_reshards(root):
         (["--nproc", "4", "--set", "parallel.ep=2", "--set", "parallel.tp=2"], "ep > 1 with tp > 1"),
     ]
     for args, expected in bad:
-        r = keel_train(moe_config("moe-bad"), *args, timeout=60)
-        assert r.returncode == 1 and expected in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = keel_train(config(root, "dense-ep"), "--nproc", "2", "--set", "parallel.ep=2", timeout=60)
-    assert r.returncode == 1 and "needs a mixture-of-experts model" in r.stderr
+        assert expected in refused(capsys, moe_config("moe-bad"), *args)
+    dense = config(root, "dense-ep")
+    assert "needs a mixture-of-experts model" in refused(capsys, dense, "--nproc", "2", "--set", "parallel.ep=2")
 
 
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
@@ -469,7 +507,7 @@ def test_bad_configs_fail_before_any_process_starts(root, capsys):
         err = capsys.readouterr().err
         assert err.startswith("keel: error:") and expected in err and err.count("\n") == 1, (args, err)
     # ... and as a user runs it: one line, no traceback, no torchrun failure report.
-    r = keel_train(path, "--nproc", "2", "--set", f"data.path={root}/missing.bin", timeout=60)
+    r = keel_process(path, "--nproc", "2", "--set", f"data.path={root}/missing.bin", timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("keel: error:") and "missing.bin" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     unknown = root / "unknown.toml"
@@ -481,16 +519,17 @@ def test_bad_configs_fail_before_any_process_starts(root, capsys):
 
 def test_watchdog_dumps_stacks_and_exits_on_a_hang(root):
     path = config(root, "hang")
-    r = keel_train(path, "--set", "watchdog.timeout_s=2", env={"KEEL_FAULTS": "hang@3:0"}, timeout=60)
+    r = keel_process(path, "--set", "watchdog.timeout_s=2", env={"KEEL_FAULTS": "hang@3:0"}, timeout=60)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "watchdog: step 3 exceeded 2 s" in r.stderr and "Thread" in r.stderr  # every thread's stack
 
 
-def test_plot_draws_loss_and_throughput(root):
+def test_plot_draws_loss_and_throughput(root, capsys):
     run(config(root, "plotted"), "training.steps=4")
-    r = keel_train(Path("plot"), str(root / "runs/plotted"), timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert main(["train", "plot", str(root / "runs/plotted")]) == 0  # in-process: the CLI's own main
     png = root / "runs/plotted/curves.png"
+    assert f"wrote {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    r = keel_train(Path("plot"), str(root / "nowhere"), timeout=60)
-    assert r.returncode == 1 and "no metrics file" in r.stderr
+    assert main(["train", "plot", str(root / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error:") and "no metrics file" in err and err.count("\n") == 1

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
 from keel.quant.loading import load_model
@@ -34,30 +31,15 @@ def test_upcycled_smollm2_equals_the_dense_model():
     assert tokens_sparse.tolist() == tokens_dense.tolist()
 
 
-def test_keel_upcycle_writes_a_mixtral_that_transformers_loads(tmp_path):
+def test_keel_upcycle_writes_a_mixtral_that_transformers_loads(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
+
+    from keel.cli import main  # in-process: the CLI's own main (keel's commands in a shell: test_cli_errors.py)
 
     save_hf_model("llama", tmp_path / "dense")
     save_byte_tokenizer(tmp_path / "dense")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel.cli",
-            "upcycle",
-            str(tmp_path / "dense"),
-            str(tmp_path / "moe"),
-            "--experts",
-            "4",
-            "--top-k",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "4 experts, top-2" in r.stdout
+    assert main(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2"]) == 0
+    assert "4 experts, top-2" in capsys.readouterr().out
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
     assert type(hf).__name__ == "MixtralForCausalLM"
     dense = load_model(tmp_path / "dense", "float32").model
@@ -70,10 +52,7 @@ def test_keel_upcycle_writes_a_mixtral_that_transformers_loads(tmp_path):
     assert ours.tokenizer is not None
     # A model without a sparse counterpart: one line, exit 1.
     save_hf_model("qwen2", tmp_path / "qwen2")
-    r = subprocess.run(
-        [sys.executable, "-m", "keel.cli", "upcycle", str(tmp_path / "qwen2"), str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1 and r.stderr.startswith("keel: error: upcycle:") and "Traceback" not in r.stderr
+    capsys.readouterr()
+    assert main(["upcycle", str(tmp_path / "qwen2"), str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: upcycle:") and err.count("\n") == 1, err
