@@ -104,11 +104,14 @@ def engine_decode(engine, prompt: list[int], new_tokens: int) -> float:
 
 # llama.cpp runs in a child process per run: loaded beside torch (or left idle in a second process),
 # ggml's threads and torch's shared the 2 cores, and keel's compiled step ran 25-35% slower than alone.
+# The prompt goes in one token at a time (n_batch 1): only decode is timed, and llama-cpp-python 0.3.36's
+# build crashes (SIGSEGV) on a prompt batch over its repacked weights on an AMX CPU, while its repacked
+# one-row path is its fastest decode there (docs/BENCHMARKS.md, fifth part).
 LLAMA_CHILD = """
 import json, sys, time
 from llama_cpp import Llama
 path, threads, prompt, n = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=1, verbose=False)
 def decode(count):
     times = []
     for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):

@@ -2,6 +2,8 @@
 
     python bench/throughput.py MODEL [--dtype float32|bfloat16] [--threads 2] [--num-requests 256]
     python bench/throughput.py --random-llama [...]     # a random ~134M-parameter Llama, built offline
+    python bench/throughput.py MODEL.gguf --dtype float32 --quantize gguf --quant-keep '' \
+        --reference-dtype bfloat16      # keel on the file's blocks, transformers in its own fastest dtype
 
 Workload: --num-requests requests with prompt and output lengths uniform in [--min-len, --max-len]
 (random token-id prompts, fixed seed), greedy, EOS ignored, so every request generates exactly its
@@ -20,6 +22,11 @@ subset: the first --baseline-requests requests for batched transformers, the fir
 compared to a rate; keel is also run on the same subsets so every ratio has a like-for-like
 companion. KV fragmentation is measured during (a) at every step: for each running request,
 allocated-but-unused token slots = blocks held x block_size - tokens whose K/V are stored.
+
+`--quantize` loads keel's model quantized (`gguf`: the file's own blocks on keel's kernels; `int8`,
+`int4`), with `--quant-keep` and `--quant-activations` as `keel serve` takes them; transformers runs
+the same weights dequantized, in `--reference-dtype` (default: `--dtype`), so each side can run in
+the dtype it is fastest in.
 
 bfloat16 is the default: since decode attention runs as batched matmuls (not SDPA's CPU kernel,
 ~9x slower in bfloat16 for one-token queries), bfloat16 is the faster dtype here (see
@@ -232,6 +239,10 @@ def main() -> None:
     parser.add_argument("model", nargs="?", help="catalog name, GGUF file or HF directory")
     parser.add_argument("--random-llama", action="store_true", help="benchmark a random ~134M Llama instead")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantize", default=None, choices=["gguf", "int8", "int4"], help="keel's weights")
+    parser.add_argument("--quant-keep", default="lm_head", help="comma-separated layers kept in --dtype")
+    parser.add_argument("--quant-activations", default="refined", choices=["refined", "int8"])
+    parser.add_argument("--reference-dtype", default=None, choices=["float32", "bfloat16"], help="transformers'")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=32)
@@ -267,11 +278,18 @@ def main() -> None:
             source = random_llama_dir(tmp / "random-llama", args.seed)
         else:
             model_name, source = args.model, args.model
-        loaded = load_model(str(source), args.dtype)
+        loaded = load_model(
+            str(source),
+            args.dtype,
+            quantize=args.quantize,
+            quant_keep=tuple(filter(None, args.quant_keep.split(","))),
+            quant_activations=args.quant_activations,
+        )
         reference = None
         if not args.skip_baselines:
             ref_dir = hf_reference_dir(str(source), tmp)
-            reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=loaded.model.dtype).eval()
+            ref_dtype = getattr(torch, args.reference_dtype) if args.reference_dtype else loaded.model.dtype
+            reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=ref_dtype).eval()
             reference.generation_config.eos_token_id = None
 
     params = sum(p.numel() for p in {id(p): p for p in loaded.model.parameters()}.values())
@@ -279,8 +297,10 @@ def main() -> None:
     work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
     base = work.subset(args.baseline_requests)
     one = work.subset(args.batch1_requests)
+    quantized = f" {args.quantize} (keep {args.quant_keep!r}, {args.quant_activations})" if args.quantize else ""
     print(
-        f"model {model_name}: {params / 1e6:.1f}M parameters, {args.dtype}, {args.threads} threads; "
+        f"model {model_name}: {params / 1e6:.1f}M float parameters, keel {args.dtype}{quantized}, "
+        f"transformers {args.reference_dtype or args.dtype}, {args.threads} threads; "
         f"{len(work)} requests, prompt and output lengths uniform in [{args.min_len}, {args.max_len}] "
         f"({sum(map(len, work.prompts))} prompt + {work.output_tokens} output tokens), greedy, EOS ignored",
         flush=True,

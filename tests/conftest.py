@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 import sys
@@ -21,20 +22,27 @@ os.environ.setdefault("KEEL_COMPILE", "0")
 
 @pytest.fixture
 def force_isa(monkeypatch):
-    """force_isa("avx2"): keel.platform answers as under KEEL_CPU_ISA for the rest of the test (torch's own
-    kernels are not re-dispatched: they read their caps once). Skips where the CPU is below the level."""
-    from keel import platform
+    """force_isa("avx2"): keel.platform answers as under KEEL_CPU_ISA for the rest of the test, and keel's
+    kernels run at that platform's level (torch's own kernels are not re-dispatched: they read their caps
+    once). Skips where the CPU is below the level."""
+    from keel import kernels, platform
     from keel.errors import KeelError
+
+    levels = contextlib.ExitStack()
 
     def force(level: str) -> platform.Platform:
         monkeypatch.setenv(platform.ISA_ENV, level)
         platform.host.cache_clear()
         try:
-            return platform.host()
+            forced = platform.host()
         except KeelError as e:
             pytest.skip(str(e))
+        if kernels.enabled():
+            levels.enter_context(kernels.using_level(kernels.kernel_level(forced)))
+        return forced
 
     yield force
+    levels.close()
     monkeypatch.undo()
     platform.host.cache_clear()
 

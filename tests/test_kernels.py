@@ -296,6 +296,20 @@ def test_gguf_blocks_and_tied_head_run_as_stored(tmp_path):
     assert ((got - want).norm() / want.norm()).item() < 0.03
 
 
+@pytest.mark.parametrize("isa", ["avx2", None])
+def test_auto_dtype_on_the_kernels_is_float32_on_every_cpu(tmp_path, force_isa, isa):
+    """--dtype auto with --quantize on keel's kernels: float32 whatever the host's bf16 support (the
+    kernels multiply float32 activations; their fused layers run float32 only)."""
+    from gguf import GGMLQuantizationType as Q
+
+    if isa is not None:
+        force_isa(isa)
+    path = write_gguf(build_hf("llama"), tmp_path / "m.gguf", qtype=Q.Q4_1)
+    loaded = load_model(path, "auto", quantize="gguf")
+    assert loaded.model.dtype == torch.float32 and "keel's block kernels" in loaded.dtype_reason
+    assert load_model(path, "bfloat16", quantize="gguf").model.dtype == torch.bfloat16  # asked for: honoured
+
+
 def test_untied_and_kept_embeddings(tmp_path):
     """An untied model's embedding runs its own token_embd blocks; a kept (float) tied head keeps the
     float table it reads; `--quant-keep embed_tokens` keeps a float embedding."""

@@ -122,7 +122,8 @@ def status() -> str:
         return f"off ({ENV}=0)"
     if not built():
         return "not built (reinstall keel: pip install --no-build-isolation -e .)"
-    return f"keel {_load()}"
+    _load()
+    return f"keel {_LEVEL_NOW[0]}"  # the level running now (`using_level` changes it)
 
 
 @contextlib.contextmanager

@@ -107,6 +107,16 @@ inline __m512i signed_dot(__m512i w, const int8_t* a, int t) {
 
 constexpr int64_t kPrefetchRows = 4;
 
+// The lane sums of four vectors, [sum a, sum b, sum c, sum d]: their horizontal sums in one tree.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // a0 b0 a1 b1 per lane
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xee));  // a b c d
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
 // Output features n..n+NR over activation rows m..m+MR (NR x MR independent accumulators, each activation
 // vector loaded once for NR weight rows). Blocks go by chunks of up to 16: their scales are converted and
 // multiplied by the activations' in one vector each, and the mins' term is one multiply-add a chunk. A
@@ -145,6 +155,7 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
         if constexpr (Two) da2[r] = spread(da2[r], halves);
       }
     }
+#pragma GCC unroll 4
     for (int i = 0; i < NR; ++i) {
       const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * w.row_bytes + b * kCodeBytes);
       for (int line = 0; line < count * kCodeBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
@@ -191,13 +202,24 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
           }
         }
       };
-      const int whole = count / kPer;
-      for (int j = 0; j < whole; ++j) step(j, std::false_type{});
-      if (count % kPer != 0) step(whole, std::true_type{});
+      // Whole chunks unrolled (constant scale indices, accumulators kept in registers), the rest as it comes.
+      if (count == kChunk) {
+#pragma GCC unroll 8
+        for (int j = 0; j < kChunk / kPer; ++j) step(j, std::false_type{});
+      } else {
+        const int whole = count / kPer;
+        for (int j = 0; j < whole; ++j) step(j, std::false_type{});
+        if (count % kPer != 0) step(whole, std::true_type{});
+      }
     }
   }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < MR; ++r) out[(m + r) * ldo + n + i] = _mm512_reduce_add_ps(acc[i][r]);
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(out + (m + r) * ldo + n, sum4(acc[0][r], acc[1][r], acc[2][r], acc[3][r]));
+    } else {
+      for (int i = 0; i < NR; ++i) out[(m + r) * ldo + n + i] = _mm512_reduce_add_ps(acc[i][r]);
+    }
+  }
 }
 
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
