@@ -1,7 +1,7 @@
 """Serving: `keel serve` against llama.cpp's `llama-server` on one workload, one server at a time.
 
     make bench-deps   # builds .bench-deps/llama-server (and llama-cpp-python)
-    python bench/serve_llamacpp.py [MODEL] [--num-prompts 64] [--threads 2] [--keel-args "..."]
+    python bench/serve_llamacpp.py [MODEL] [--num-prompts 64] [--threads 2] [--keel-args "..."] [--llama-args "..."]
 
 Workload (seeded): --num-prompts requests sent at once, each "Continue the following text:" and a
 window of Shakespeare's works cut to a uniform 44-250 tokens (SmolLM2's tokenizer), asking for a
@@ -11,6 +11,8 @@ native bf16, compiled decode, continuous batching); llama-server serves the same
 `-t THREADS -np 16 -cb` (16 slots, continuous batching) and a context of 16 x 512 tokens. Both are
 measured by `keel bench serve` (vLLM's metric names); the table shows output tok/s and inter-token
 latency (p50, p99) and the ratios keel / llama-server. The servers never run at the same time.
+--llama-args adds llama-server options: on an AMX CPU this build's repacked weights crash llama-server
+on its first prompt batch (SIGSEGV), so there it runs with `--no-repack` (docs/BENCHMARKS.md, fifth part).
 Results (the full JSON of each run) go to --result-dir.
 """
 
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llama-server", default=".bench-deps/llama-server")
     parser.add_argument("--keel-args", default="", help="extra `keel serve` options, e.g. '--no-compile'")
+    parser.add_argument("--llama-args", default="", help="extra llama-server options, e.g. '--no-repack'")
     parser.add_argument("--result-dir", default="out/serve-llamacpp")
     args = parser.parse_args()
     out = Path(args.result_dir)
@@ -132,6 +135,7 @@ def main() -> None:
         str(port),
         "--host",
         "127.0.0.1",
+        *shlex.split(args.llama_args),
     ]
     with open(out / "server-llama.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
