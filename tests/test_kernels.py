@@ -404,6 +404,25 @@ def test_paged_attention_matches_dense_softmax(level, store, window):
     assert (got.double() - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dim", [16, 24, 20, 96])
+def test_paged_attention_head_dims_take_every_body(level, dim):
+    """Head dims of whole 16-lane vectors (the AVX-512 body), of 8-lane ones only (the AVX2 body), and
+    neither (the portable loops), each level: the dense softmax, over blocks cut at every offset."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, bs, blocks = 4, 2, 16, 12
+    keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    values = torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in range(2)]).int()
+    table_of = torch.tensor([0, 1, 1])
+    positions = torch.tensor([16, 70, 93])
+    q = torch.randn(len(positions), heads, dim, generator=g)
+    want = dense_attention(q, keys, values, tables, table_of, positions, bs, 0, 0.2, dim)
+    with kernels.using_level(level):
+        got = torch.ops.keel.paged_attention(q, keys, values, None, None, tables, table_of, positions, bs, 0, 0.2, dim)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
 def test_paged_attention_refuses_a_table_outside_the_store():
     keys = torch.randn(1, 64, 32)
     with pytest.raises(RuntimeError, match="outside the store"):

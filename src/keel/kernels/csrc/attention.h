@@ -39,5 +39,6 @@ struct PagedQuery {
 
 void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
 void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
+void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
 
 }  // namespace keel

@@ -1,6 +1,6 @@
 // The body of paged decode attention, compiled once per ISA level: included by attention_scalar.cpp
-// and attention_avx2.cpp (the latter under its target pragma), so the same loops are vectorised for
-// each level by the compiler. Everything here has internal linkage: no copy compiled for one level can
+// and, through attention_vec.h, by attention_avx2.cpp and attention_avx512.cpp (under their target
+// pragmas), so the same loops are vectorised for each level by the compiler. Everything here has internal linkage: no copy compiled for one level can
 // stand in for another's.
 #include <cstring>
 #include <type_traits>

@@ -94,6 +94,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
   const Isa isa = current_isa();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t i0, int64_t i1) {
 #if defined(__x86_64__) || defined(_M_X64)
+    if (isa >= kAvx512Vnni && dim % 16 == 0 && v_dim % 16 == 0) {  // head dims of whole 16-lane vectors
+      paged_attention_avx512(store, query, i0, i1);
+      return;
+    }
     if (isa >= kAvx2) {
       paged_attention_avx2(store, query, i0, i1);
       return;

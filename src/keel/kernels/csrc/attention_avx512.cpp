@@ -1,0 +1,71 @@
+// Paged decode attention for AVX-512 (this unit alone is compiled for that level; the dispatcher calls it
+// only when keel.platform reports avx512_vnni or above): attention_vec.h's block body over 16 float lanes,
+// half the instructions of the AVX2 body per key and channel.
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+// GCC 12's own AVX-512 headers trip these (their _mm512_undefined_* values), not this code.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+
+#include "attention_vec.h"
+
+namespace {
+
+struct Lanes16 {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+
+  // [sum(v0), ..., sum(v15)] of 16 vectors: pairs interleaved and added within 128-bit lanes, then the
+  // 128-bit lanes of four and of eight vectors exchanged and added; lane i ends with vector i's sum.
+  static F sums(const F v[16]) {
+    F s[8], t[4], u[2];
+    for (int i = 0; i < 8; ++i)
+      s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+      t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; ++i)
+      u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+  }
+
+  // exp(x) for x <= 0: the polynomial of exp_parts (attention_impl.h), 2^k by the exponent bits.
+  static F exp_nonpositive(F x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const F k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const F r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f))),
+                              _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
+    F p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  }
+};
+
+}  // namespace
+
+namespace keel {
+
+void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
+  attend_items_vectorised<Lanes16>(s, q, item0, item1);
+}
+
+}  // namespace keel
+#endif

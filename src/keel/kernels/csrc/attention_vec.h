@@ -1,0 +1,155 @@
+// The vectorised block body of paged decode attention, written once over a vector traits type V and
+// compiled per ISA level: included by attention_avx2.cpp (V = 8 float lanes) and attention_avx512.cpp
+// (16 lanes), each under its own target pragma, after defining its traits. Everything here has internal
+// linkage, so no copy compiled for one level can stand in for another's.
+//
+// Why not the portable loops (attention_impl.h): they reduce every (key, head) dot product
+// horizontally and keep the output accumulator in memory across keys, ~150 cycles per (key, query
+// head) measured (docs/BENCHMARKS.md, "Decode attention alone"). Here V::kLanes keys' dot products are
+// reduced together (one tree for as many scores), their exponentials are one vector, and each query
+// head's output stays in registers while it runs over the block's values.
+//
+// V provides: F (a vector of kLanes floats), zero, load, store, set1, add, sub, mul, max, fmadd,
+// sums (kLanes vectors -> the vector of their lane sums), exp_nonpositive, and prefetch.
+#pragma once
+
+#include "attention_impl.h"
+
+namespace {
+
+// scores[j] = q . key[j] for j < n (q and keys of dim channels, a multiple of V::kLanes).
+template <typename V>
+inline void block_scores(const float* q, const float* const* key, int64_t n, int64_t dim, float* scores) {
+  constexpr int L = V::kLanes;
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    typename V::F acc[L];
+    for (int t = 0; t < L; ++t) acc[t] = V::zero();
+    for (int64_t d = 0; d < dim; d += L) {
+      const typename V::F qv = V::load(q + d);
+      for (int t = 0; t < L; ++t) acc[t] = V::fmadd(qv, V::load(key[j + t] + d), acc[t]);
+    }
+    V::store(scores + j, V::sums(acc));
+  }
+  if (j < n) {  // the block's last keys: as many accumulators, the others summed as zeros
+    typename V::F acc[L];
+    for (int t = 0; t < L; ++t) acc[t] = V::zero();
+    const int64_t left = n - j;
+    for (int64_t d = 0; d < dim; d += L) {
+      const typename V::F qv = V::load(q + d);
+      for (int t = 0; t < left; ++t) acc[t] = V::fmadd(qv, V::load(key[j + t] + d), acc[t]);
+    }
+    alignas(64) float all[L];
+    V::store(all, V::sums(acc));
+    for (int t = 0; t < left; ++t) scores[j + t] = all[t];
+  }
+}
+
+// v[j] = exp(v[j] - shift) for j < n; returns their sum.
+template <typename V>
+inline float exp_block(float* v, int64_t n, float shift) {
+  constexpr int L = V::kLanes;
+  const typename V::F s = V::set1(shift);
+  typename V::F total = V::zero();
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    const typename V::F e = V::exp_nonpositive(V::sub(V::load(v + j), s));
+    V::store(v + j, e);
+    total = V::add(total, e);
+  }
+  alignas(64) float lanes[L];
+  V::store(lanes, total);
+  for (int width = L; width > 4; width /= 2)  // halves folded onto each other down to 4 partial sums
+    for (int i = 0; i < width / 2; ++i) lanes[i] += lanes[i + width / 2];
+  float sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; j < n; ++j) {
+    v[j] = exp_nonpositive(v[j] - shift);
+    sum += v[j];
+  }
+  return sum;
+}
+
+// acc[0..C) = acc * correction + sum over j of p[j] * value[j][0..C), C = kLanes * Chunks channels in registers.
+template <typename V, int Chunks>
+inline void accumulate_chunk(float* acc, typename V::F correction, const float* p, const float* const* value,
+                             int64_t n, int64_t offset) {
+  constexpr int L = V::kLanes;
+  typename V::F a[Chunks];
+  for (int i = 0; i < Chunks; ++i) a[i] = V::mul(V::load(acc + L * i), correction);
+  for (int64_t j = 0; j < n; ++j) {
+    const typename V::F pj = V::set1(p[j]);
+    const float* v = value[j] + offset;
+    for (int i = 0; i < Chunks; ++i) a[i] = V::fmadd(pj, V::load(v + L * i), a[i]);
+  }
+  for (int i = 0; i < Chunks; ++i) V::store(acc + L * i, a[i]);
+}
+
+// acc[0..vdim) = acc * correction + sum over j of p[j] * value[j], 64 channels at a time in registers.
+template <typename V>
+inline void accumulate_values(float* acc, float correction, const float* p, const float* const* value, int64_t n,
+                              int64_t vdim) {
+  constexpr int L = V::kLanes;
+  const typename V::F c = V::set1(correction);
+  int64_t d0 = 0;
+  for (; d0 + 64 <= vdim; d0 += 64) accumulate_chunk<V, 64 / L>(acc + d0, c, p, value, n, d0);
+  for (; d0 < vdim; d0 += L) accumulate_chunk<V, 1>(acc + d0, c, p, value, n, d0);
+}
+
+template <int Dtype>
+constexpr int64_t kElementBytes = Dtype == 0 ? 4 : Dtype == 1 ? 2 : 1;
+
+// The vectorised block body of walk_heads (attention_impl.h): the same walk, online softmax per block.
+template <typename V, int Dtype>
+void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r, int64_t h, int64_t g0,
+                             int64_t gn) {
+  const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
+  alignas(64) float key_buf[kMaxBlock][kMaxDim];
+  alignas(64) float value_buf[kMaxBlock][kMaxDim];
+  const float* key[kMaxBlock];
+  const float* value[kMaxBlock];
+  alignas(64) float scores[kMaxBlock];
+  walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t start, int64_t slot0, int64_t n) {
+    // The next blocks lie elsewhere in the store (tables are scattered), where the hardware prefetcher
+    // cannot guess: fetch the rows two blocks ahead (and, at the first block, the next one too).
+    for (int64_t ahead = start == w.first - w.first % bs ? 1 : 2; ahead <= 2; ++ahead) {
+      if (start + ahead * bs > w.pos) break;
+      const int64_t next = (w.row_base + w.table[start / bs + ahead] * bs) * dim * kElementBytes<Dtype>;
+      const int64_t bytes = bs * dim * kElementBytes<Dtype>;
+      for (int64_t b = 0; b < bytes; b += 64) {
+        V::prefetch(static_cast<const char*>(s.keys) + next + b);
+        if (s.values != nullptr) V::prefetch(static_cast<const char*>(s.values) + next + b);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
+      // Without a value store the latent is both key and value.
+      value[j] = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, value_buf[j])
+                                     : key[j];
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      block_scores<V>(w.qs[g], key, n, dim, scores);
+      float block_max = w.running_max[g];
+      for (int64_t j = 0; j < n; ++j) block_max = scores[j] > block_max ? scores[j] : block_max;
+      // Online softmax: what was summed under the old maximum is rescaled to the new one.
+      const float correction = exp_nonpositive(w.running_max[g] - block_max);
+      w.running_max[g] = block_max;
+      w.total[g] = w.total[g] * correction + exp_block<V>(scores, n, block_max);
+      accumulate_values<V>(w.acc[g], correction, scores, value, n, vdim);
+    }
+  });
+}
+
+// The items [item0, item1) of a paged attention call: the vectorised body where the head dims are whole
+// vectors, the portable loops (vectorised by the compiler for this unit's level) otherwise.
+template <typename V>
+void attend_items_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
+  if (s.head_dim % V::kLanes != 0 || s.v_dim % V::kLanes != 0) {
+    attend_items(s, q, item0, item1);
+    return;
+  }
+  for_each_item(s, q, item0, item1, [&](auto dtype, int64_t r, int64_t h, int64_t g0, int64_t gn) {
+    attend_heads_vectorised<V, decltype(dtype)::value>(s, q, r, h, g0, gn);
+  });
+}
+
+}  // namespace
