@@ -7,7 +7,7 @@
 
 #include <immintrin.h>
 
-#include "kernels.h"
+#include "block_gemm_shared.h"
 
 namespace keel {
 
@@ -25,23 +25,6 @@ inline int hsum_i32(__m256i v) {
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
   x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
   return _mm_cvtsi128_si32(x);
-}
-
-template <bool Half>
-inline float scale_at(const void* p, int64_t i) {
-  if constexpr (Half) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return static_cast<const float*>(p)[i];
-  }
-}
-
-// Blocks per scale as a shift: a power of two, or the whole row (shift past every block index).
-inline int group_shift(const BlockWeights& w) {
-  if (w.group_blocks == w.blocks) return 62;
-  int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
-  return shift;
 }
 
 // 32 weight codes of block b as bytes (4-bit: 0..15, low nibbles are values 0..15).
@@ -259,54 +242,6 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
           hsum(Bits == 8 ? _mm256_add_ps(acc[i][r], odd[i][r]) : acc[i][r]) + (Min ? hsum(min_acc[i][r]) + tail[i][r] : 0.f);
 }
 
-template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
-void gemm_rows(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m, float* out,
-               int64_t ldo) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, Two, Sub, 4, MR>(w, n, a, m, out, ldo);
-  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, Two, Sub, 1, MR>(w, n, a, m, out, ldo);
-}
-
-template <int Bits, bool Half, bool Min, bool Two, bool Sub = false>
-void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
-          float* out, int64_t ldo) {
-  // Tiles of output features whose codes stay in L1 while every pair of activation rows passes.
-  constexpr int64_t kTile = 32;
-  for (int64_t t = n0; t < n1; t += kTile) {
-    const int64_t te = t + kTile < n1 ? t + kTile : n1;
-    int64_t m = m0;
-    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, Two, Sub, 2>(w, t, te, a, m, out, ldo);
-    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, Two, Sub, 1>(w, t, te, a, m, out, ldo);
-  }
-}
-
-template <int Bits, bool Two>
-void gemm_passes(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
-                 float* out, int64_t ldo) {
-  const bool min = w.mins != nullptr;
-  if constexpr (Bits == 8) {
-    if (w.half_block_scales) {  // weights_of: no mins
-      w.scale_half ? gemm<8, true, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo)
-                   : gemm<8, false, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo);
-      return;
-    }
-  }
-  if (w.scale_half) {
-    min ? gemm<Bits, true, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
-        : gemm<Bits, true, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
-  } else {
-    min ? gemm<Bits, false, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
-        : gemm<Bits, false, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
-  }
-}
-
-template <int Bits>
-void gemm_bits(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
-               float* out, int64_t ldo) {
-  a.q2 != nullptr ? gemm_passes<Bits, true>(w, n0, n1, a, m0, m1, out, ldo)
-                  : gemm_passes<Bits, false>(w, n0, n1, a, m0, m1, out, ldo);
-}
-
 }  // namespace
 
 namespace {
@@ -368,11 +303,7 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s,
 
 void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                      int64_t m1, float* out, int64_t ldo) {
-  if (w.bits == 4) {
-    gemm_bits<4>(w, n0, n1, a, m0, m1, out, ldo);
-  } else {
-    gemm_bits<8>(w, n0, n1, a, m0, m1, out, ldo);
-  }
+  row_products(w, n0, n1, a, m0, m1, out, ldo);
 }
 
 }  // namespace keel

@@ -19,27 +19,11 @@
 
 #include <type_traits>
 
-#include "kernels.h"
+#include "block_gemm_shared.h"
 
 namespace keel {
 
 namespace {
-
-template <bool Half>
-inline float scale_at(const void* p, int64_t i) {
-  if constexpr (Half) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return static_cast<const float*>(p)[i];
-  }
-}
-
-inline int group_shift(const BlockWeights& w) {
-  if (w.group_blocks == w.blocks) return 62;
-  int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
-  return shift;
-}
 
 // Per-lane scales of `count` (<= 16) consecutive entries from i: one masked load where each entry is its
 // own (GGUF blocks, half-block scales), else each block's group's scale (keel's int4 groups).
@@ -222,46 +206,6 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
   }
 }
 
-template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
-void gemm_rows(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m, float* out,
-               int64_t ldo) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) gemm_tile<Bits, Half, Min, Two, Sub, 4, MR>(w, n, a, m, out, ldo);
-  for (; n < n1; ++n) gemm_tile<Bits, Half, Min, Two, Sub, 1, MR>(w, n, a, m, out, ldo);
-}
-
-template <int Bits, bool Half, bool Min, bool Two, bool Sub = false>
-void gemm(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
-          float* out, int64_t ldo) {
-  constexpr int64_t kTile = 32;  // output features whose codes stay in L1 while the activation rows pass
-  for (int64_t t = n0; t < n1; t += kTile) {
-    const int64_t te = t + kTile < n1 ? t + kTile : n1;
-    int64_t m = m0;
-    for (; m + 2 <= m1; m += 2) gemm_rows<Bits, Half, Min, Two, Sub, 2>(w, t, te, a, m, out, ldo);
-    for (; m < m1; ++m) gemm_rows<Bits, Half, Min, Two, Sub, 1>(w, t, te, a, m, out, ldo);
-  }
-}
-
-template <int Bits, bool Two>
-void gemm_passes(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0, int64_t m1,
-                 float* out, int64_t ldo) {
-  const bool min = w.mins != nullptr;
-  if constexpr (Bits == 8) {
-    if (w.half_block_scales) {  // weights_of: no mins
-      w.scale_half ? gemm<8, true, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo)
-                   : gemm<8, false, false, Two, true>(w, n0, n1, a, m0, m1, out, ldo);
-      return;
-    }
-  }
-  if (w.scale_half) {
-    min ? gemm<Bits, true, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
-        : gemm<Bits, true, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
-  } else {
-    min ? gemm<Bits, false, true, Two>(w, n0, n1, a, m0, m1, out, ldo)
-        : gemm<Bits, false, false, Two>(w, n0, n1, a, m0, m1, out, ldo);
-  }
-}
-
 }  // namespace
 
 void interleave_quads_avx512(int8_t* q, int64_t k) {
@@ -282,13 +226,7 @@ void interleave_quads_avx512(int8_t* q, int64_t k) {
 
 void block_gemm_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                        int64_t m1, float* out, int64_t ldo) {
-  if (w.bits == 4) {
-    a.q2 != nullptr ? gemm_passes<4, true>(w, n0, n1, a, m0, m1, out, ldo)
-                    : gemm_passes<4, false>(w, n0, n1, a, m0, m1, out, ldo);
-  } else {
-    a.q2 != nullptr ? gemm_passes<8, true>(w, n0, n1, a, m0, m1, out, ldo)
-                    : gemm_passes<8, false>(w, n0, n1, a, m0, m1, out, ldo);
-  }
+  row_products(w, n0, n1, a, m0, m1, out, ldo);
 }
 
 }  // namespace keel

@@ -17,7 +17,7 @@
 
 #include <vector>
 
-#include "kernels.h"
+#include "block_gemm_shared.h"
 
 namespace keel {
 
@@ -32,29 +32,6 @@ struct PanelBlock {
   __m256 scales;
   __m256 mins;
 };
-
-inline float scale_of(const BlockWeights& w, const void* p, int64_t i) {
-  return w.scale_half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-
-// Transposes 8 vectors of 8 int32 lanes: out[g] lane j = in[j] lane g.
-inline void transpose8(__m256i v[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
 
 // Rows n..n+rows (rows <= 8; missing rows are zeros) of 4-bit weights into the panel.
 void pack_panel(const BlockWeights& w, int64_t n, int rows, PanelBlock* panel) {
