@@ -23,6 +23,8 @@ compared to a rate; keel is also run on the same subsets so every ratio has a li
 companion. KV fragmentation is measured during (a) at every step: for each running request,
 allocated-but-unused token slots = blocks held x block_size - tokens whose K/V are stored.
 
+`--kv-cache-dtype int8` stores keel's KV cache as int8 rows with a scale per token and head (the engine's
+option; a quarter of float32's bytes, for a workload whose attention re-reads long contexts every step).
 `--quantize` loads keel's model quantized (`gguf`: the file's own blocks on keel's kernels; `int8`,
 `int4`), with `--quant-keep` and `--quant-activations` as `keel serve` takes them; transformers runs
 the same weights dequantized, in `--reference-dtype` (default: `--dtype`), so each side can run in
@@ -131,6 +133,7 @@ def engine_config(args, **overrides):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=True,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     fields.update(overrides)
     return EngineConfig.of(**fields)
@@ -255,6 +258,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="4GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument(
         "--sweep", default="", help="extra keel configs over all requests, e.g. '512x64,2048x256' (tokens x seqs)"
     )
