@@ -31,43 +31,69 @@ constexpr int kRows = 16;
 // rows' per-lane numbers (the `Meta` entries below).
 enum Meta { kScale = 0, kMin = 1, kOffset = 2, kScaleHi = 3, kOffsetHi = 4, kMetas = 5 };
 
-// Block b of row r as 32 bytes in value order (4-bit: low nibbles are values 0..15, high ones 16..31).
-inline __m256i row_block(const BlockWeights& w, int64_t r, int64_t b) {
-  if (w.bits == 4) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.codes + r * w.row_bytes + b * 16));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0f));
+// Entries first + j * stride (j < rows) of a float16 or float32 array of at least `total` entries, as 16
+// float lanes (zeros past `rows`). A float16 entry is gathered as the 32 bits from it, which take the next
+// entry too: entry total - 1, possibly the array's last, is read on its own.
+inline __m512 gather_scales(const BlockWeights& w, const void* p, int64_t first, int64_t stride, int rows,
+                            int64_t total) {
+  __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  if (!w.scale_half)
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, static_cast<const float*>(p) + first, 4);
+  const bool last = first + (rows - 1) * stride == total - 1;
+  if (last) mask &= static_cast<__mmask16>(~(1u << (rows - 1)));
+  const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx,
+                                                    static_cast<const uint16_t*>(p) + first, 2);
+  __m512 out = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));  // each lane's low 16 bits
+  if (last) {
+    alignas(64) float lanes[kRows];
+    _mm512_store_ps(lanes, out);
+    lanes[rows - 1] = scale_of(w, p, total - 1);
+    out = _mm512_load_ps(lanes);
   }
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + r * w.row_bytes + b * 32));
+  return out;
 }
 
 // Rows n..n+rows (rows <= 16; missing rows are zeros) into the panel: codes [blocks * 8], meta
-// [blocks * kMetas].
+// [blocks * kMetas]. A panel vector's lane j is 4 bytes of row j: one gather per 4 bytes of a block (for
+// 4-bit codes, whose byte i holds values i and i + 16, one gather gives two vectors: the low nibbles
+// and the high ones), no transposes.
 void pack_panel(const BlockWeights& w, int64_t n, int rows, __m512i* codes, __m512* meta) {
   const int64_t groups = w.blocks / w.group_blocks;
-  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t block_bytes = w.bits == 4 ? 16 : 32;
+  const __m512i ones = _mm512_set1_epi8(1), nibble = _mm512_set1_epi8(0x0f);
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i row_offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(w.row_bytes)));
+  // The scale entries of the rows up to this panel's last: the array may end there (the last panel's last
+  // entry is then read on its own; other panels' last entries too, which costs a scalar load).
+  const int64_t total = (w.half_block_scales ? 2 * w.blocks : groups) * (n + rows);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256i half[2][8];
-    for (int j = 0; j < kRows; ++j)
-      half[j / 8][j % 8] = j < rows ? row_block(w, n + j, b) : _mm256_setzero_si256();
-    transpose8(half[0]);
-    transpose8(half[1]);
+    const uint8_t* base = w.codes + n * w.row_bytes + b * block_bytes;
     __m512i* c = codes + b * 8;
-    for (int g = 0; g < 8; ++g) c[g] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0][g]), half[1][g], 1);
-    alignas(64) float scale[kRows] = {}, scale_hi[kRows] = {}, mins[kRows] = {};
-    const int64_t g = b / w.group_blocks;
-    for (int j = 0; j < rows; ++j) {
-      if (w.half_block_scales) {
-        scale[j] = scale_of(w, w.scales, 2 * ((n + j) * w.blocks + b));
-        scale_hi[j] = scale_of(w, w.scales, 2 * ((n + j) * w.blocks + b) + 1);
-      } else {
-        scale[j] = scale_of(w, w.scales, (n + j) * groups + g);
-        if (w.mins != nullptr) mins[j] = scale_of(w, w.mins, (n + j) * groups + g);
+    if (w.bits == 4) {
+      for (int q = 0; q < 4; ++q) {
+        const __m512i packed = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, row_offsets, base + 4 * q, 1);
+        c[q] = _mm512_and_si512(packed, nibble);
+        c[q + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       }
+    } else {
+      for (int g = 0; g < 8; ++g)
+        c[g] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, row_offsets, base + 4 * g, 1);
     }
     __m512* m = meta + b * kMetas;
-    m[kScale] = _mm512_load_ps(scale);
-    m[kScaleHi] = _mm512_load_ps(scale_hi);
-    m[kMin] = _mm512_load_ps(mins);
+    if (w.half_block_scales) {
+      m[kScale] = gather_scales(w, w.scales, 2 * (n * w.blocks + b), 2 * w.blocks, rows, total);
+      m[kScaleHi] = gather_scales(w, w.scales, 2 * (n * w.blocks + b) + 1, 2 * w.blocks, rows, total);
+      m[kMin] = _mm512_setzero_ps();
+    } else {
+      const int64_t g = b / w.group_blocks;
+      m[kScale] = gather_scales(w, w.scales, n * groups + g, groups, rows, total);
+      m[kScaleHi] = _mm512_setzero_ps();
+      m[kMin] = w.mins != nullptr ? gather_scales(w, w.mins, n * groups + g, groups, rows, total) : _mm512_setzero_ps();
+    }
     if (w.bits == 8) {  // 128 x each row's sum of codes (over each half under half-block scales)
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int q = 0; q < 4; ++q) lo = _mm512_dpbusd_epi32(lo, ones, c[q]);

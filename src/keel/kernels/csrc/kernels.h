@@ -66,7 +66,6 @@ void block_gemm_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockA
 // The AVX2 4-bit kernel for many activation rows (from kPanelMinRows): 8 output rows at a time repacked
 // into a panel that every activation row reads; activations in their natural order (not pair order).
 constexpr int64_t kPanelMinRows = 4;
-constexpr int64_t kPanelMinRowsVnni = 8;
 void block_gemm_panels_avx2(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                             int64_t m1, float* out, int64_t ldo);
 
@@ -77,7 +76,7 @@ void interleave_quads_avx512(int8_t* q, int64_t k);
 void block_gemm_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                        int64_t m1, float* out, int64_t ldo);
 
-// The AVX-512 VNNI kernel for many activation rows (from kPanelMinRows), 4-bit and 8-bit codes: 16 output
+// The AVX-512 VNNI kernel for many activation rows (from kPanelMinRows too), 4-bit and 8-bit codes: 16 output
 // rows at a time repacked into a panel; activations in their natural order.
 void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                               int64_t m1, float* out, int64_t ldo);

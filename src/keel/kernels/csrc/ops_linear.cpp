@@ -117,7 +117,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t m = x2.size(0);
   const Isa isa = current_isa();
   // Many rows: the panel kernels (4-bit from AVX2, 8-bit too from VNNI); a few: the row kernels.
-  const bool panels = isa >= kAvx512Vnni ? m >= kPanelMinRowsVnni : isa >= kAvx2 && bits == 4 && m >= kPanelMinRows;
+  const bool panels = m >= kPanelMinRows && (isa >= kAvx512Vnni || (isa >= kAvx2 && bits == 4));
   const bool vnni = isa >= kAvx512Vnni;
   const Order order = bits == 4 && !panels ? (vnni ? Order::kQuads : isa >= kAvx2 ? Order::kPairs : Order::kNatural)
                                            : Order::kNatural;
