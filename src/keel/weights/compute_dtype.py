@@ -17,15 +17,14 @@ def choose_dtype(
     checkpoint's own float dtype (GGUF: block-quantized, none) and whether it is quantized."""
     if dtype != "auto":
         return (parse_dtype(dtype) if isinstance(dtype, str) else dtype), "requested"
-    stored = None if checkpoint.format == "gguf" else checkpoint.config.dtype
     quantized = quantize is not None or checkpoint.quantization is not None
-    on_kernels = quantized and kernels.enabled(torch.device(device).type)
-    if on_kernels:
+    if quantized and kernels.enabled(torch.device(device).type):
         # keel's block kernels multiply float32 activations whatever the model's dtype, and their fused
         # layers and small ops run in float32 only: float32 on every CPU (on AMX, SmolLM2's Q4_1 file
         # decodes 1.5x faster in float32 than in bf16, a float32 kept head included: docs/BENCHMARKS.md).
         return torch.float32, "auto: keel's block kernels compute in float32"
     # torch's integer kernels want bf16 activations (keel.platform.auto_dtype).
+    stored = None if checkpoint.format == "gguf" else checkpoint.config.dtype
     stored = stored if stored in DTYPES or stored is None else "float32"
     name, why = auto_dtype(stored, str(device), quantized=quantized)
     return parse_dtype(name), f"auto: {why}"

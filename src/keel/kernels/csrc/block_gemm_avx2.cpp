@@ -100,9 +100,6 @@ inline __m256 eight_scales(const void* p, int64_t row_start, int64_t b, int shif
 // multiply-adds of consecutive blocks do not wait on each other, and each activation block is loaded
 // once for NR weight rows. Blocks go 8 at a time: their scales are converted and multiplied by the
 // activations' in one vector each, and the mins' term is one multiply-add per 8 blocks.
-// How far ahead the next rows' codes are prefetched: the next tile (the distance the measurements settled on).
-constexpr int64_t kPrefetchRows = 4;
-
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, int NR, int MR>
 void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo) {
   const int64_t groups = w.blocks / w.group_blocks;

@@ -6,7 +6,7 @@
 // What VNNI changes against the AVX2 loop: one vpdpbusd multiplies 64 unsigned bytes by 64 signed
 // bytes and adds each 4 products into an int32 lane, where AVX2 spends maddubs + madd on 32. A 512-bit
 // vector holds four 4-bit blocks' codes (their low nibbles, then their high nibbles, in one load), so
-// the activations of each 4 blocks are stored in quad order (`interleave_quads`): the 4 blocks' first
+// the activations of each 4 blocks are stored in quad order (`interleave_quads_avx512`): the 4 blocks' first
 // 16 values, then their last 16. 8-bit codes are signed: |w| against the activations with w's sign
 // (a masked negation; the activations lie in -127..127, so negating never overflows).
 #if defined(__x86_64__) || defined(_M_X64)
@@ -25,7 +25,7 @@ namespace keel {
 
 namespace {
 
-// Per-lane scales of `count` (<= 16) consecutive entries from i: one masked load where each entry is its
+// Per-lane scales of `count` (<= 16) consecutive blocks from b of the row starting at row_start: one masked load where each entry is its
 // own (GGUF blocks, half-block scales), else each block's group's scale (keel's int4 groups).
 template <bool Half>
 inline __m512 sixteen(const void* p, int64_t row_start, int64_t b, int shift, int count) {
@@ -88,8 +88,6 @@ inline __m512i signed_dot(__m512i w, const int8_t* a, int t) {
   const __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
 }
-
-constexpr int64_t kPrefetchRows = 4;
 
 // The lane sums of four vectors, [sum a, sum b, sum c, sum d]: their horizontal sums in one tree.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {

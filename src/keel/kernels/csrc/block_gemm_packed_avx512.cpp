@@ -108,14 +108,14 @@ void pack_panel(const BlockWeights& w, int64_t n, int rows, __m512i* codes, __m5
   }
 }
 
-// One activation block against one panel block: the int32 dot products of the 16 rows (with Sub, of
-// the block's two halves apart). Two chains of 4 vpdpbusd, so their latency is not the pace.
 inline __m512i broadcast4(const uint8_t* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
 
+// One activation block against one panel block: the int32 dot products of the 16 rows (with Sub, of
+// the block's two halves apart). Two chains of 4 vpdpbusd, so their latency is not the pace.
 template <int Bits, bool Sub>
 inline void block_dots(const __m512i* c, const void* act, __m512i& lo, __m512i& hi) {
   const uint8_t* x = static_cast<const uint8_t*>(act);
@@ -249,10 +249,8 @@ void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, con
                               int64_t m1, float* out, int64_t ldo) {
   if (w.bits == 4) {
     panel_gemm_forms<4, false>(w, n0, n1, a, m0, m1, out, ldo);
-  } else if (w.half_block_scales) {  // weights_of: no mins
-    const bool two = a.q2 != nullptr;
-    two ? panel_gemm<8, false, true, true>(w, n0, n1, a, m0, m1, out, ldo)
-        : panel_gemm<8, false, false, true>(w, n0, n1, a, m0, m1, out, ldo);
+  } else if (w.half_block_scales) {
+    panel_gemm_forms<8, true>(w, n0, n1, a, m0, m1, out, ldo);
   } else {
     panel_gemm_forms<8, false>(w, n0, n1, a, m0, m1, out, ldo);
   }

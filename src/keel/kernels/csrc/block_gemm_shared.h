@@ -51,6 +51,10 @@ inline void transpose8(__m256i v[8]) {
   }
 }
 
+// How far ahead the row kernels prefetch the next rows' codes: the next tile (the distance the
+// measurements settled on).
+constexpr int64_t kPrefetchRows = 4;
+
 // Output features n..n+NR over activation rows m..m+MR: each row kernel unit's own tile.
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, int NR, int MR>
 void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int64_t m, float* out, int64_t ldo);

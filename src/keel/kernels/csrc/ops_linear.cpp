@@ -119,8 +119,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   // Many rows: the panel kernels (4-bit from AVX2, 8-bit too from VNNI); a few: the row kernels.
   const bool panels = m >= kPanelMinRows && (isa >= kAvx512Vnni || (isa >= kAvx2 && bits == 4));
   const bool vnni = isa >= kAvx512Vnni;
-  const Order order = bits == 4 && !panels ? (vnni ? Order::kQuads : isa >= kAvx2 ? Order::kPairs : Order::kNatural)
-                                           : Order::kNatural;
+  Order order = Order::kNatural;  // the panels and 8-bit codes read it; 4-bit row kernels read it reordered
+  if (bits == 4 && !panels && isa >= kAvx2) order = vnni ? Order::kQuads : Order::kPairs;
   const Quantized qa = quantize_activations(x2, passes == 2, order);
   const BlockActivations a{qa.q, qa.d, qa.s, k, k / kBlock, qa.q2, qa.d2};
   at::Tensor out = at::empty({m, n}, x2.options());
