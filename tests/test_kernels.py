@@ -104,6 +104,61 @@ def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins,
     assert (got_bf16.double() - want_bf16).abs().max().item() < 1e-2 * (want_bf16.abs().max().item() + 1)
 
 
+PANEL_FORMS = [  # (bits, scale dtype, mins, groups as blocks per scale: 0 half blocks, -1 the whole row)
+    (4, torch.float16, True, 1),  # Q4_1
+    (4, torch.float32, True, 4),  # keel int4, groups of 128
+    (8, torch.float16, False, 1),  # Q8_0
+    (8, torch.float32, False, -1),  # keel int8 per channel
+    (8, torch.float32, True, 1),  # Q5_K
+    (8, torch.float16, False, 0),  # Q6_K
+]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(("bits", "scale_dtype", "with_mins", "per"), PANEL_FORMS)
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (37, 160), (130, 1568), (3, 256)])
+def test_panel_layout_gives_the_row_layouts_products(level, bits, scale_dtype, with_mins, per, n, k):
+    """Weights re-stored in panels of 16 rows (keel::block_panels, what the engine does at the VNNI
+    level) give the row layout's products at every level and row count (the VNNI kernel reads them as
+    stored, other levels convert them back), and convert back bit for bit."""
+    blocks = k // 32
+    groups = 2 * blocks if per == 0 else 1 if per == -1 else blocks // per if blocks % per == 0 else blocks
+    codes, scales, mins = random_weights(n, k, bits, groups, scale_dtype, with_mins, seed=n)
+    stored = torch.ops.keel.block_panels(codes, scales, mins, bits)
+    assert len(stored) == (3 if with_mins else 2)
+    assert [t.shape for t in stored] == [t.shape for t in (codes, scales, mins) if t is not None]
+    if n > 16:  # the bytes moved (a single panel of one row, or of one unit a row, is its own transpose)
+        assert not torch.equal(stored[0], codes)
+    back = torch.ops.keel.block_rows(*stored[:2], stored[2] if with_mins else None, bits)
+    originals = [t for t in (codes, scales, mins) if t is not None]
+    assert len(back) == len(originals) and all(torch.equal(a, b) for a, b in zip(back, originals, strict=True))
+    panel_mins = stored[2] if with_mins else None
+    for m in (1, 2, 3, 4, 7, 33):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for passes in (1, 2):
+            with kernels.using_level(level):
+                want = torch.ops.keel.block_linear(x, codes, scales, mins, bits, None, passes)
+                got = torch.ops.keel.block_linear(x, stored[0], stored[1], panel_mins, bits, None, passes, 16)
+            rounding = 1e-5 * (want.abs().max().item() + 1) * math.sqrt(blocks)
+            assert got.shape == (m, n) and (got - want).abs().max().item() < rounding, (m, passes)
+    ids = torch.tensor([0, n - 1, n // 2, n - 1])
+    with kernels.using_level(level):
+        assert torch.equal(
+            torch.ops.keel.block_embedding(ids, stored[0], stored[1], panel_mins, bits, torch.float32, 16),
+            torch.ops.keel.block_embedding(ids, codes, scales, mins, bits, torch.float32),
+        )
+        assert torch.equal(
+            torch.ops.keel.block_dequantize(stored[0], stored[1], panel_mins, bits, 16),
+            torch.ops.keel.block_dequantize(codes, scales, mins, bits),
+        )
+
+
+def test_bad_panel_rows_are_refused():
+    codes, scales, mins = random_weights(20, 64, 4, 2, torch.float16, True)
+    with pytest.raises(RuntimeError, match="panel_rows must be 0"):
+        torch.ops.keel.block_linear(torch.randn(1, 64), codes, scales, mins, 4, None, 1, 8)
+
+
 @pytest.mark.parametrize(("bits", "groups"), [(4, 20), (8, 20), (8, 40)])
 def test_levels_agree_and_rows_are_independent(bits, groups):
     """Every ISA level computes the same numbers (to float32 rounding), and a row's output does not
@@ -264,6 +319,40 @@ def test_fused_block_layers_equal_their_parts():
     x = torch.randn(3, 128)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert parts[0].fused_with([QuantizedLinear(nn.Linear(128, 32), "int8")]) is None  # other layout
+
+
+def test_layers_stored_in_panels_compute_as_before():
+    """keel.quant.panels on a model: every block layer and the tied embedding re-stored, the same
+    outputs (to float32 rounding), `values()` the row layout's, and no fusing of re-stored parts."""
+    from keel.quant.panels import store_in_panels
+
+    torch.manual_seed(0)
+    net = nn.ModuleList([QuantizedLinear(nn.Linear(128, 80), "int4", 32), QuantizedLinear(nn.Linear(128, 37), "int8")])
+    head = net[0]
+    embedding = BlockEmbedding.sharing(head)
+    net.append(embedding)
+    x = torch.randn(5, 128)
+    many = torch.randn(300, 128, generator=torch.Generator().manual_seed(2))
+    values = [m.values() for m in net[:2]]
+    before = [m(x) for m in net[:2]]
+    before_many = {level: _at_level(level, head, many) for level in LEVELS}
+    rows_before = embedding(torch.tensor([1, 79]))
+    assert store_in_panels(net) == 2 and store_in_panels(net) == 0
+    assert all(m.panel_rows == 16 for m in net[:2]) and "panels of 16 rows" in head.backend
+    assert embedding.qweight is head.qweight and embedding.panel_rows == 16
+    assert torch.equal(embedding(torch.tensor([1, 79])), rows_before)
+    for m, (q, s, mins), want in zip(net[:2], values, before, strict=True):
+        q2, s2, mins2 = m.values()
+        assert torch.equal(q, q2) and torch.equal(s, s2) and (mins is None or torch.equal(mins, mins2))
+        assert torch.allclose(m(x), want, rtol=1e-5, atol=1e-5)
+    assert head.fused_with([QuantizedLinear(nn.Linear(128, 16), "int4", 32)]) is None
+    for level in LEVELS:  # lower levels convert per call (and dequantize products of many rows there)
+        assert torch.allclose(_at_level(level, head, many), before_many[level], rtol=1e-5, atol=1e-4), level
+
+
+def _at_level(level: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with kernels.using_level(level):
+        return layer(x)
 
 
 def test_kernels_switched_off_build_torch_layers(monkeypatch):

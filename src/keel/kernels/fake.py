@@ -10,12 +10,27 @@ from torch import Tensor
 def register() -> None:
     @torch.library.register_fake("keel::block_linear")
     def _(
-        x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, bits: int, bias: Tensor | None, passes: int = 1
+        x: Tensor,
+        codes: Tensor,
+        scales: Tensor,
+        mins: Tensor | None,
+        bits: int,
+        bias: Tensor | None,
+        passes: int = 1,
+        panel_rows: int = 0,
     ) -> Tensor:
         return x.new_empty(*x.shape[:-1], codes.shape[0])
 
     @torch.library.register_fake("keel::block_embedding")
-    def _(ids: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, bits: int, dtype: torch.dtype) -> Tensor:
+    def _(
+        ids: Tensor,
+        codes: Tensor,
+        scales: Tensor,
+        mins: Tensor | None,
+        bits: int,
+        dtype: torch.dtype,
+        panel_rows: int = 0,
+    ) -> Tensor:
         k = codes.shape[1] * (2 if bits == 4 else 1)
         return torch.empty(*ids.shape, k, dtype=dtype, device=ids.device)
 

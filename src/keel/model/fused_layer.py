@@ -46,11 +46,12 @@ def modules_only() -> Iterator[None]:
 
 
 def _projection(module: nn.Module | None, rows: int) -> tuple | None:
-    """(weight or codes, scales, mins, bias, bits, passes) of one projection, bits 0 for float32 weights."""
+    """(weight or codes, scales, mins, bias, bits, passes, panel rows) of one projection, bits 0 for float32
+    weights."""
     if type(module) is nn.Linear:
         params = module._parameters
         weight = params["weight"]
-        return (weight, None, None, params["bias"], 0, 1) if weight.dtype == torch.float32 else None
+        return (weight, None, None, params["bias"], 0, 1, 0) if weight.dtype == torch.float32 else None
     args = getattr(module, "kernel_args", None)
     return args(rows) if args is not None else None
 
@@ -96,7 +97,7 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
         parts.get("k_norm"),
     )
     tensors = [t for p in projections for t in p[:4]] + [_weight(n) for n in norms]
-    ints = [p[4] for p in projections] + [p[5] for p in projections]
+    ints = [p[i] for i in (4, 5, 6) for p in projections]
     ints += [q_size // head_dim, kv_size // head_dim, head_dim, stores.block_size, attn.window or 0]
     floats = [n.eps if n is not None else 0.0 for n in norms] + [head_dim**-0.5]
     return tensors, ints, floats, stores, attn.layer

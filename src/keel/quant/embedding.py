@@ -30,19 +30,24 @@ class BlockEmbedding(nn.Module):
         self.register_buffer("qweight", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
+        self.panel_rows = 0  # the codes' layout (keel.quant.block_layout); `sharing` takes the head's
         self.table: Tensor | None = None  # the dequantized table, once moved where the kernels do not run
 
     @classmethod
     def sharing(cls, layer: nn.Module) -> BlockEmbedding:
         """The embedding of a tied head in the block layout (a QuantizedLinear), on the same tensors."""
         b = layer._buffers
-        return cls(layer.bits, b["qweight"], b["scales"], b["mins"], layer.compute_dtype)
+        embedding = cls(layer.bits, b["qweight"], b["scales"], b["mins"], layer.compute_dtype)
+        embedding.panel_rows = layer.panel_rows
+        return embedding
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.table is not None:
             return nn.functional.embedding(ids, self.table)
         b = self._buffers
-        return torch.ops.keel.block_embedding(ids, b["qweight"], b["scales"], b["mins"], self.bits, self.compute_dtype)
+        return torch.ops.keel.block_embedding(
+            ids, b["qweight"], b["scales"], b["mins"], self.bits, self.compute_dtype, self.panel_rows
+        )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BlockEmbedding:  # type: ignore[override]
         """Codes and scales stay as stored (a dtype move changes the output dtype only,
@@ -51,7 +56,7 @@ class BlockEmbedding(nn.Module):
         probe = fn(torch.empty(0, dtype=self.compute_dtype, device=codes.device if codes is not None else "cpu"))
         if codes is not None and probe.device.type not in ("cpu", "meta"):
             b = self._buffers
-            table = torch.ops.keel.block_dequantize(b["qweight"], b["scales"], b["mins"], self.bits)
+            table = torch.ops.keel.block_dequantize(b["qweight"], b["scales"], b["mins"], self.bits, self.panel_rows)
             self.table = table.to(device=probe.device, dtype=probe.dtype)
             for name in ("qweight", "scales", "mins"):
                 self._buffers[name] = None

@@ -33,6 +33,7 @@ from keel import kernels
 from keel.platform import int8_dequantize_rows
 from keel.quant.block_layout import (
     BLOCK,
+    PANEL_ROWS,
     apply_keeping_scales,
     blocks_fit,
     nibble_blocks,
@@ -302,10 +303,32 @@ class QuantizedLinear(nn.Module):
         # 2: the activations' int8 residual too (~15 bits; keel.quant.apply.set_activations "refined"):
         # twice the integer products, the same weight bytes.
         self.activation_passes = 1
+        # 0: codes and scales in rows, as above; PANEL_ROWS: in kernels.h's panel layout (`store_in_panels`).
+        self.panel_rows = 0
         self._set_common(scheme, n, k, group_size, bias, dtype)
         self.register_buffer("qweight", codes.contiguous())
         self.register_buffer("scales", scales.to(device=codes.device).contiguous())
         self.register_buffer("mins", None if mins is None else mins.to(device=codes.device).contiguous())
+
+    def store_in_panels(self) -> bool:
+        """Re-store the codes, scales and mins in the panel layout the VNNI kernel reads
+        (keel.quant.panels); whether they were re-stored (block layout, on the CPU, not yet)."""
+        if self.layout != "blocks" or self.panel_rows or self.qweight.device.type != "cpu":
+            return False
+        b = self._buffers
+        stored = torch.ops.keel.block_panels(b["qweight"], b["scales"], b["mins"], self.bits)
+        b["qweight"], b["scales"] = stored[0], stored[1]
+        b["mins"] = stored[2] if len(stored) > 2 else None
+        self.panel_rows = PANEL_ROWS
+        return True
+
+    def _row_blocks(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(codes, scales, mins) in the row layout, whichever layout they are stored in."""
+        b = self._buffers
+        if not self.panel_rows:
+            return b["qweight"], b["scales"], b["mins"]
+        rows = torch.ops.keel.block_rows(b["qweight"], b["scales"], b["mins"], self.bits)
+        return rows[0], rows[1], rows[2] if len(rows) > 2 else None
 
     def fused_with(self, others: list[nn.Module]) -> QuantizedLinear | None:
         """One block-layout layer whose output rows are this layer's, then each of `others`' (the fused
@@ -314,7 +337,7 @@ class QuantizedLinear(nn.Module):
         parts = [self, *others]
 
         def key(p: nn.Module) -> tuple | None:
-            if not isinstance(p, QuantizedLinear) or p.layout != "blocks":
+            if not isinstance(p, QuantizedLinear) or p.layout != "blocks" or p.panel_rows:
                 return None
             return (
                 p.bits,
@@ -348,9 +371,9 @@ class QuantizedLinear(nn.Module):
         """The layer's integer values [N, K] and float32 scales and mins [N, G] (w = q * s + min per
         group of K/G inputs; int8 has no mins), whatever its layout."""
         if self.layout == "blocks":
-            q = values_of_nibble_blocks(self.qweight) if self.bits == 4 else self.qweight
-            mins = None if self.mins is None else self.mins.float()
-            return q, self.scales.float(), mins
+            codes, scales, mins = self._row_blocks()
+            q = values_of_nibble_blocks(codes) if self.bits == 4 else codes
+            return q, scales.float(), None if mins is None else mins.float()
         if self.scheme == "int8":
             return self.qweight, self.scales.float()[:, None], None
         q = _unpack_int4(self.qweight, self.out_features, self.in_features)
@@ -373,7 +396,8 @@ class QuantizedLinear(nn.Module):
         if self.layout == "blocks":
             scale = "float16" if self.scales.dtype == torch.float16 else "float32"
             acts = "int8 activations" if self.activation_passes == 1 else "int8 activations + residual"
-            return f"keel block_linear ({kernels.status()}), {acts}, {scale} scales"
+            stored = f", stored in panels of {self.panel_rows} rows" if self.panel_rows else ""
+            return f"keel block_linear ({kernels.status()}), {acts}, {scale} scales{stored}"
         device = self.qweight.device.type
         if self.scheme == "int8":
             kernel = "aten _weight_int8pack_mm"
@@ -394,8 +418,8 @@ class QuantizedLinear(nn.Module):
                 total += t.numel() * t.element_size()
         return total
 
-    def kernel_args(self, rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int, int] | None:
-        """(codes, scales, mins, bias, bits, activation passes) as keel::block_linear takes them, for an
+    def kernel_args(self, rows: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, int, int, int] | None:
+        """(codes, scales, mins, bias, bits, activation passes, panel rows) as keel::block_linear takes them, for an
         operator that runs this layer on `rows` rows inside a larger call (keel.model.fused_layer); None
         where this layer would not run keel::block_linear on them (off the block layout, or from
         BLOCK_DEQUANTIZE_ROWS rows)."""
@@ -404,14 +428,22 @@ class QuantizedLinear(nn.Module):
         # The buffers dict directly: nn.Module's attribute lookup costs ~1 us a read, on every layer of
         # every step (a missing bias is a plain None attribute, not a buffer).
         b = self._buffers
-        return b["qweight"], b["scales"], b["mins"], b.get("bias"), self.bits, self.activation_passes
+        return b["qweight"], b["scales"], b["mins"], b.get("bias"), self.bits, self.activation_passes, self.panel_rows
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
             if self._dequantizes(x.shape[:-1].numel()) and not torch.compiler.is_compiling():
                 return self._dequantized_product(x)
+            b = self._buffers
             return torch.ops.keel.block_linear(
-                x, self.qweight, self.scales, self.mins, self.bits, self.bias, self.activation_passes
+                x,
+                b["qweight"],
+                b["scales"],
+                b["mins"],
+                self.bits,
+                b.get("bias"),
+                self.activation_passes,
+                self.panel_rows,
             )
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -453,11 +485,14 @@ class QuantizedLinear(nn.Module):
         rows: docs/BENCHMARKS.md, "keel's kernels")."""
         x2 = x.reshape(-1, self.in_features).float()
         out = x2.new_empty(x2.shape[0], self.out_features)
-        step = max(1, DEQUANTIZE_SLICE_ELEMENTS // self.in_features)
+        # Whole panels a slice (in the panel layout a run of whole panels is that layout of its rows).
+        step = -(-max(1, DEQUANTIZE_SLICE_ELEMENTS // self.in_features) // PANEL_ROWS) * PANEL_ROWS
         for n0 in range(0, self.out_features, step):
             n1 = min(self.out_features, n0 + step)
             mins = None if self.mins is None else self.mins[n0:n1]
-            weight = torch.ops.keel.block_dequantize(self.qweight[n0:n1], self.scales[n0:n1], mins, self.bits)
+            weight = torch.ops.keel.block_dequantize(
+                self.qweight[n0:n1], self.scales[n0:n1], mins, self.bits, self.panel_rows
+            )
             out[:, n0:n1] = x2 @ weight.t()
         if self.bias is not None:
             out += self.bias.float()

@@ -32,7 +32,8 @@ class LoadConfig:
     """q/k/v and gate/up as one matmul each (keel.model.fuse): fewer, larger calls, identical outputs"""
 
     prepack_weights: bool = True
-    """bf16 linear weights pre-packed for oneDNN on CPU (keel.model.prepack): identical outputs, less work a call"""
+    """weights pre-packed for the kernels that run them: bf16 linears for oneDNN on CPU (keel.model.prepack), block
+    weights in panels of 16 rows at keel's VNNI kernel level (keel.quant.panels); identical outputs, less work a call"""
 
     compile: bool | None = None
     """decode steps through one torch.compile'd graph (default: on for dense models of 50M+ parameters, where the

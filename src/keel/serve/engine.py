@@ -234,8 +234,13 @@ class LLMEngine:
             fuse_projections(loaded.model)
         if load.prepack_weights and owned:
             from keel.model.prepack import prepare_bf16_linears
+            from keel.quant.panels import panels_pay, store_in_panels
 
             prepare_bf16_linears(loaded.model)
+            if panels_pay():
+                stored = store_in_panels(loaded.model)
+                if stored:
+                    log.info("block weights of %d layers re-stored in panels for the VNNI kernel", stored)
 
     def _allocate_kv_cache(self, device: str) -> int:
         """The block manager and (one process) the paged cache tensors; the number of blocks."""

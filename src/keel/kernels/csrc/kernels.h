@@ -31,7 +31,19 @@ struct BlockWeights {
   int64_t blocks;  // K / 32
   int64_t group_blocks;  // blocks per scale (1 with half_block_scales)
   bool half_block_scales;  // two scales per block: values 0..15 and 16..31
+  int64_t rows;  // N
+  int panel_rows;  // 0: the row layout above; kPanelRows: the panel layout below
 };
+
+// The panel layout (what keel::block_panels makes of the row layout; the stored-panel kernel reads it):
+// the same tensors, shapes and bytes, in another order. Rows go in panels of kPanelRows (the last one
+// may hold fewer, `rows_p`); a panel's codes are one contiguous run: block by block, each block as
+// vectors of 4 bytes per row (row j's 4 bytes at 4j), 4 such vectors a block for 4-bit codes (bytes
+// 4v..4v+3 of each row's block) and 8 for 8-bit ones, whose bytes are stored offset by 128 (code ^ 0x80:
+// unsigned, as vpdpbusd reads them). Scales (and mins) likewise: a panel's entries group by group, each
+// group's rows_p entries side by side. In both, a panel is the [rows_p, units] slice of the row layout
+// transposed (a unit: 4 bytes of codes, or one scale).
+constexpr int kPanelRows = 16;
 
 // Activations quantized to int8 blocks of 32: q [M, K], d [M, K/32] (x ~ q * d), and
 // s [M, K/32] = the block's sum as quantized (what a weight block's min multiplies). With a second
@@ -45,6 +57,7 @@ struct BlockActivations {
   int64_t blocks;
   const int8_t* q2;  // null: one pass
   const float* d2;
+  int64_t m = 0;  // rows (the stride of `offsets` between passes, for the stored-panel kernel)
 };
 
 constexpr int kBlock = 32;
@@ -80,6 +93,13 @@ void block_gemm_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const Bloc
 // rows at a time repacked into a panel; activations in their natural order.
 void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                               int64_t m1, float* out, int64_t ldo);
+
+// The AVX-512 VNNI kernel over weights in the panel layout, panels [p0, p1), activations in their natural
+// order, any number of rows. 8-bit codes: `offsets` [passes, m, blocks, 2] holds 128 x each activation
+// block's sum of codes (its two halves apart where the weights have half-block scales, else the whole
+// block's in the first entry), subtracted from the dot products of the codes' +128.
+void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
+                              const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
 
 // Row r of the weights as float32 [K]: q * scale (+ min), each rounded as the portable loop rounds it.
 void dequantize_row_avx2(const BlockWeights& w, int64_t r, float* dst);

@@ -8,7 +8,7 @@ namespace keel {
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
-                        int64_t passes);
+                        int64_t passes, int64_t panel_rows);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,

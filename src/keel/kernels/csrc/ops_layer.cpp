@@ -24,15 +24,15 @@ namespace {
 struct Projection {
   at::Tensor weight;  // [N, K] float32, or the block codes
   c10::optional<at::Tensor> scales, mins, bias;
-  int64_t bits, passes;
+  int64_t bits, passes, panel_rows;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == 0) return at::linear(x, weight, bias);
-    return block_linear(x, weight, *scales, mins, bits, bias, passes);
+    return block_linear(x, weight, *scales, mins, bits, bias, passes, panel_rows);
   }
 };
 
-constexpr int64_t kTensors = 20, kInts = 13, kFloats = 5;  // per layer
+constexpr int64_t kTensors = 20, kInts = 17, kFloats = 5;  // per layer
 
 // One layer's slice of the flat argument lists.
 struct LayerArgs {
@@ -51,7 +51,7 @@ Projection projection(const LayerArgs& args, int i) {
   const c10::optional<at::Tensor> weight = args.entry(4 * i);
   TORCH_CHECK(weight.has_value(), "keel::decoder_layers: projection ", i, " has no weight");
   Projection p{*weight, args.entry(4 * i + 1), args.entry(4 * i + 2), args.entry(4 * i + 3), args.ints[i],
-               args.ints[4 + i]};
+               args.ints[4 + i], args.ints[8 + i]};
   TORCH_CHECK(p.bits == 0 || p.scales.has_value(), "keel::decoder_layers: block projection ", i, " has no scales");
   TORCH_CHECK(p.bits != 0 || p.weight.scalar_type() == at::kFloat, "keel::decoder_layers: dense weights are float32");
   return p;
@@ -105,7 +105,7 @@ at::Tensor layer_forward(const at::Tensor& x, const LayerArgs& args, const at::T
   const int64_t* ints = args.ints;
   const double* floats = args.floats;
   const int64_t tokens = x.size(0), hidden = x.size(1);
-  const int64_t heads = ints[8], kv_heads = ints[9], dim = ints[10], block_size = ints[11], window = ints[12];
+  const int64_t heads = ints[12], kv_heads = ints[13], dim = ints[14], block_size = ints[15], window = ints[16];
   TORCH_CHECK(k_store.scalar_type() == v_store.scalar_type() &&
                   (k_store.scalar_type() == at::kFloat || k_store.scalar_type() == at::kBFloat16) &&
                   k_store.is_contiguous() && v_store.is_contiguous() && k_store.dim() == 3 &&
@@ -162,8 +162,8 @@ at::Tensor layer_forward(const at::Tensor& x, const LayerArgs& args, const at::T
 // For L layers, each layer's arguments in turn:
 // tensors (20 a layer): the q/k/v, output, gate/up and down projections' [weight or codes, scales, mins,
 // bias], then [input norm, post-attention norm, q norm, k norm] (None where absent).
-// ints (13 a layer): [bits x 4, activation passes x 4, query heads, KV heads, head dim, block size,
-// window (0: none)]. floats (5 a layer): [eps of each norm x 4, attention scale].
+// ints (17 a layer): [bits x 4, activation passes x 4, panel rows x 4 (kernels.h's panel layout, 0: rows),
+// query heads, KV heads, head dim, block size, window (0: none)]. floats (5 a layer): [eps of each norm x 4, attention scale].
 // k_stores, v_stores: each layer's. cos/sin, slots and the paged rows are the step's, shared by all.
 at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& tensors,
                           at::IntArrayRef ints, at::ArrayRef<double> floats, const at::Tensor& cos,
@@ -175,7 +175,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<
                   static_cast<int64_t>(tensors.size()) == kTensors * layers &&
                   static_cast<int64_t>(ints.size()) == kInts * layers &&
                   static_cast<int64_t>(floats.size()) == kFloats * layers,
-              "keel::decoder_layers: per layer 20 tensors, 13 ints, 5 floats and a K and a V store");
+              "keel::decoder_layers: per layer 20 tensors, 17 ints, 5 floats and a K and a V store");
   TORCH_CHECK(x_in.dim() >= 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(),
               "keel::decoder_layers: x must be a contiguous float32 [..., T, hidden]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&

@@ -1,5 +1,6 @@
 // Block-quantized linear layers and embedding lookups as torch operators (keel::block_linear,
-// keel::block_embedding, keel::block_dequantize).
+// keel::block_embedding, keel::block_dequantize), and the panel layout's conversions (keel::block_panels,
+// keel::block_rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -7,6 +8,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <vector>
 
 #include "isa.h"
 #include "ops.h"
@@ -26,8 +29,10 @@ struct Quantized {
 };
 
 BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                        int64_t bits, int64_t k) {
+                        int64_t bits, int64_t k, int64_t panel_rows) {
   TORCH_CHECK(bits == 4 || bits == 8, "keel block weights: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(panel_rows == 0 || panel_rows == kPanelRows, "keel block weights: panel_rows must be 0 (rows) or ",
+              kPanelRows, ", got ", panel_rows);
   TORCH_CHECK(k % kBlock == 0, "keel block weights: in_features ", k, " is not a multiple of ", kBlock);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "keel block weights: codes must be a contiguous [N, *] tensor");
   TORCH_CHECK(codes.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "keel block weights: ", bits,
@@ -53,7 +58,50 @@ BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const
     min_ptr = mins->data_ptr();
   }
   return BlockWeights{static_cast<int>(bits), static_cast<const uint8_t*>(codes.data_ptr()), codes.size(1),
-                      scales.data_ptr(), min_ptr, half, k / kBlock, group_blocks, half_blocks};
+                      scales.data_ptr(), min_ptr, half, k / kBlock, group_blocks, half_blocks, n,
+                      static_cast<int>(panel_rows)};
+}
+
+// Each panel's [rows_p, units] slice of t [N, units] transposed (to_panels), or back: kernels.h's panel
+// layout, for any unit (4 bytes of codes, a float16 or float32 scale).
+at::Tensor transpose_panels(const at::Tensor& t, bool to_panels) {
+  const int64_t n = t.size(0), units = t.size(1);
+  at::Tensor out = at::empty_like(t);
+  for (int64_t p0 = 0; p0 < n; p0 += kPanelRows) {
+    const int64_t rows = std::min<int64_t>(kPanelRows, n - p0);
+    if (to_panels) {
+      out.narrow(0, p0, rows).view({units, rows}).copy_(t.narrow(0, p0, rows).t());
+    } else {
+      out.narrow(0, p0, rows).copy_(t.narrow(0, p0, rows).view({units, rows}).t());
+    }
+  }
+  return out;
+}
+
+// Codes as 4-byte units (8-bit codes with their +128 turned on or off: the panel layout stores it).
+at::Tensor transpose_code_panels(const at::Tensor& codes, int64_t bits, bool to_panels) {
+  at::Tensor c = codes;
+  if (bits == 8 && !to_panels) c = at::bitwise_xor(codes.view(at::kByte), 0x80).view(at::kChar);
+  at::Tensor out = transpose_panels(c.view(at::kInt), to_panels).view(codes.scalar_type());
+  if (bits == 8 && to_panels) out = at::bitwise_xor(out.view(at::kByte), 0x80).view(at::kChar);
+  return out;
+}
+
+// The row layout of weights in either layout: [codes, scales, mins?].
+std::vector<at::Tensor> rows_of(const at::Tensor& codes, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& mins, int64_t bits, int64_t panel_rows) {
+  if (panel_rows == 0) {
+    std::vector<at::Tensor> out{codes, scales};
+    if (mins.has_value()) out.push_back(*mins);
+    return out;
+  }
+  std::vector<at::Tensor> out{transpose_code_panels(codes, bits, false), transpose_panels(scales, false)};
+  if (mins.has_value()) out.push_back(transpose_panels(*mins, false));
+  return out;
+}
+
+c10::optional<at::Tensor> mins_in(const std::vector<at::Tensor>& tensors) {
+  return tensors.size() > 2 ? c10::optional<at::Tensor>(tensors[2]) : c10::nullopt;
 }
 
 // The order the chosen kernel reads a row's activation codes in (kernels.h).
@@ -106,16 +154,60 @@ at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::option
 
 }  // namespace
 
+namespace {
+
+// Weights in the panel layout at the VNNI level: every row count through the stored-panel kernel.
+at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const BlockWeights& w,
+                               const c10::optional<at::Tensor>& bias, int64_t passes) {
+  const int64_t m = x2.size(0), k = x2.size(1), n = w.rows, blocks = k / kBlock;
+  const Quantized qa = quantize_activations(x2, passes == 2, Order::kNatural);
+  BlockActivations a{qa.q, qa.d, qa.s, k, blocks, qa.q2, qa.d2};
+  a.m = m;
+  std::vector<int32_t> offsets;
+  if (w.bits == 8) {  // 128 x each activation block's sum of codes, per half (kernels.h)
+    offsets.resize(static_cast<size_t>(2 * passes * m * blocks));
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int8_t* q = pass == 0 ? a.q : a.q2;
+      int32_t* o = offsets.data() + 2 * pass * m * blocks;
+      for (int64_t i = 0; i < m * blocks; ++i) {
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < kBlock / 2; ++j) {
+          lo += q[i * kBlock + j];
+          hi += q[i * kBlock + kBlock / 2 + j];
+        }
+        o[2 * i] = 128 * (w.half_block_scales ? lo : lo + hi);
+        o[2 * i + 1] = 128 * hi;
+      }
+    }
+  }
+  at::Tensor out = at::empty({m, n}, x2.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
+    block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), 0, m, o, n);
+  });
+  return finish_linear(out, x, bias, n);
+}
+
+}  // namespace
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
-                        int64_t passes) {
+                        int64_t passes, int64_t panel_rows) {
   TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
   const int64_t k = x.size(-1);
-  const BlockWeights w = weights_of(codes, scales, mins, bits, k);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k, panel_rows);
   const int64_t n = codes.size(0);
   at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
   const Isa isa = current_isa();
+  if (panel_rows != 0) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa >= kAvx512Vnni) return stored_panel_linear(x, x2, w, bias, passes);
+#endif
+    // Below the VNNI level (tests running every level on one model): the row layout, converted per call.
+    const std::vector<at::Tensor> rows = rows_of(codes, scales, mins, bits, panel_rows);
+    return block_linear(x, rows[0], rows[1], mins_in(rows), bits, bias, passes, 0);
+  }
   // Many rows: the panel kernels (4-bit from AVX2, 8-bit too from VNNI); a few: the row kernels.
   const bool panels = m >= kPanelMinRows && (isa >= kAvx512Vnni || (isa >= kAvx2 && bits == 4));
   const bool vnni = isa >= kAvx512Vnni;
@@ -204,7 +296,7 @@ void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, 
 at::Tensor dequantize_selected(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                                int64_t bits, const int64_t* rows, int64_t count) {
   const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
-  const BlockWeights w = weights_of(codes, scales, mins, bits, k);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k, 0);
   at::Tensor out = at::empty({count, k}, scales.options().dtype(at::kFloat));
   if (w.scale_half) {
     dequantize_rows<c10::Half>(w, rows, count, out.data_ptr<float>(), k);
@@ -214,26 +306,70 @@ at::Tensor dequantize_selected(const at::Tensor& codes, const at::Tensor& scales
   return out;
 }
 
+// Rows `ids` of t [N, units] in the panel layout, in the row layout [count, units].
+at::Tensor rows_from_panels(const at::Tensor& t, const at::Tensor& ids) {
+  const int64_t n = t.size(0), units = t.size(1), count = ids.numel(), size = t.element_size();
+  at::Tensor out = at::empty({count, units}, t.options());
+  const char* src = static_cast<const char*>(t.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const int64_t* rows = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = rows[i] / kPanelRows, j = rows[i] % kPanelRows;
+    const int64_t rows_p = std::min<int64_t>(kPanelRows, n - p * kPanelRows);
+    const char* panel = src + p * kPanelRows * units * size;
+    for (int64_t u = 0; u < units; ++u) std::memcpy(dst + (i * units + u) * size, panel + (u * rows_p + j) * size, size);
+  }
+  return out;
+}
+
 at::Tensor block_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
-                            int64_t bits) {
-  return dequantize_selected(codes, scales, mins, bits, nullptr, codes.size(0));
+                            int64_t bits, int64_t panel_rows) {
+  const std::vector<at::Tensor> rows = rows_of(codes, scales, mins, bits, panel_rows);
+  return dequantize_selected(rows[0], rows[1], mins_in(rows), bits, nullptr, codes.size(0));
 }
 
 at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
-                           const c10::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype) {
+                           const c10::optional<at::Tensor>& mins, int64_t bits, at::ScalarType dtype,
+                           int64_t panel_rows) {
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
   const int64_t* rows = flat.data_ptr<int64_t>();
   const int64_t vocab = codes.size(0);
   for (int64_t i = 0; i < flat.numel(); ++i)
     TORCH_CHECK(rows[i] >= 0 && rows[i] < vocab, "keel::block_embedding: token id ", rows[i], " outside 0..",
                 vocab - 1);
-  at::Tensor out = dequantize_selected(codes, scales, mins, bits, rows, flat.numel());
+  at::Tensor out;
+  if (panel_rows == 0) {
+    out = dequantize_selected(codes, scales, mins, bits, rows, flat.numel());
+  } else {  // the step's rows gathered into the row layout, then dequantized as rows 0..count-1
+    TORCH_CHECK(panel_rows == kPanelRows, "keel::block_embedding: panel_rows must be 0 or ", kPanelRows);
+    at::Tensor c = rows_from_panels(codes.view(at::kInt), flat).view(codes.scalar_type());
+    if (bits == 8) c = at::bitwise_xor(c.view(at::kByte), 0x80).view(at::kChar);
+    c10::optional<at::Tensor> m;
+    if (mins.has_value()) m = rows_from_panels(*mins, flat);
+    out = dequantize_selected(c, rows_from_panels(scales, flat), m, bits, nullptr, flat.numel());
+  }
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(out.size(1));
   return out.to(dtype).view(shape);
 }
 
 }  // namespace
+
+std::vector<at::Tensor> block_panels(const at::Tensor& codes, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& mins, int64_t bits) {
+  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  weights_of(codes, scales, mins, bits, k, 0);  // the checks
+  std::vector<at::Tensor> out{transpose_code_panels(codes, bits, true), transpose_panels(scales, true)};
+  if (mins.has_value()) out.push_back(transpose_panels(*mins, true));
+  return out;
+}
+
+std::vector<at::Tensor> block_rows(const at::Tensor& codes, const at::Tensor& scales,
+                                   const c10::optional<at::Tensor>& mins, int64_t bits) {
+  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  weights_of(codes, scales, mins, bits, k, kPanelRows);
+  return rows_of(codes, scales, mins, bits, kPanelRows);
+}
 
 Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
@@ -250,14 +386,20 @@ int64_t set_kernel_isa(int64_t level) {
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("set_kernel_isa(int level) -> int", &keel::set_kernel_isa);
   m.def(
-      "block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias, int passes=1) "
-      "-> Tensor");
-  m.def("block_dequantize(Tensor codes, Tensor scales, Tensor? mins, int bits) -> Tensor");
-  m.def("block_embedding(Tensor ids, Tensor codes, Tensor scales, Tensor? mins, int bits, ScalarType dtype) -> Tensor");
+      "block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias, int passes=1, "
+      "int panel_rows=0) -> Tensor");
+  m.def("block_dequantize(Tensor codes, Tensor scales, Tensor? mins, int bits, int panel_rows=0) -> Tensor");
+  m.def(
+      "block_embedding(Tensor ids, Tensor codes, Tensor scales, Tensor? mins, int bits, ScalarType dtype, "
+      "int panel_rows=0) -> Tensor");
+  m.def("block_panels(Tensor codes, Tensor scales, Tensor? mins, int bits) -> Tensor[]");
+  m.def("block_rows(Tensor codes, Tensor scales, Tensor? mins, int bits) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(keel, CPU, m) {
   m.impl("block_linear", &keel::block_linear);
   m.impl("block_dequantize", &keel::block_dequantize);
   m.impl("block_embedding", &keel::block_embedding);
+  m.impl("block_panels", &keel::block_panels);
+  m.impl("block_rows", &keel::block_rows);
 }

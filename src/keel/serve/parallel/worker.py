@@ -34,6 +34,7 @@ from keel.model.prepack import prepare_bf16_linears
 from keel.model.stages import layer_ranges
 from keel.quant.apply import quantize_kept, set_activations
 from keel.quant.config import QuantConfig
+from keel.quant.panels import panels_pay, store_in_panels
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
@@ -250,6 +251,8 @@ class Worker:
             fuse_projections(model)
         if spec.load.prepack_weights:
             prepare_bf16_linears(model)
+            if panels_pay():
+                store_in_panels(model)
         return model, weight_bytes
 
     def _allocate_cache(self, model: torch.nn.Module, stage: int, tp_rank: int):

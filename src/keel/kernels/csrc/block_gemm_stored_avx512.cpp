@@ -1,0 +1,224 @@
+// The AVX-512 VNNI kernel over weights stored in panels of 16 rows (kernels.h, "the panel layout"), any
+// number of activation rows: batch-1 decode, batched decode and prefill chunks alike. Compiled for
+// AVX-512 + VNNI alone, as block_gemm_avx512.cpp is, for the same reason.
+//
+// Why a stored layout: the row kernel (block_gemm_avx512.cpp) reduces each output row's lanes and
+// shuffles per-block scales into place on every call, and the many-row kernel
+// (block_gemm_packed_avx512.cpp) repacks 16 rows into a panel on every call; here the weights already
+// lie as the panel kernel reads them, one contiguous stream per 16 output rows. A panel vector's lane j
+// holds 4 values of row j; one vpdpbusd multiplies it by 4 broadcast activation bytes and adds each
+// row's 4 products into its lane, so 8 of them make a block's dot products for 16 rows, with no
+// horizontal sum, and each row's scale is a lane of one vector load.
+//
+// vpdpbusd takes one unsigned operand: the weight codes. 4-bit codes are unsigned; 8-bit codes are
+// stored offset by 128 (code ^ 0x80), so a dot product carries 128 x the activation block's sum of
+// codes, which is subtracted (the activation side: computed once per call, shared by every panel).
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+// GCC 12's own AVX-512 headers trip these (their _mm512_undefined_* values), not this code.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace keel {
+
+namespace {
+
+constexpr int kRows = kPanelRows;
+
+// How far ahead one activation row prefetches the panel's stream (a product of one row is paced by
+// memory; with more rows the panel stays in cache while they pass). 512 and 2048 bytes measured alike.
+constexpr int64_t kAheadBytes = 1024;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 lanes of scales (float16 or float32) from p, `mask` selecting the panel's rows.
+template <bool Half>
+inline __m512 lanes_of(const void* p, int64_t at, __mmask16 mask) {
+  if constexpr (Half) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + at));
+  } else {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + at);
+  }
+}
+
+// A block's code vectors: 8 of them, vector g holding values 4g..4g+3 of each row (values 16.. from g = 4).
+template <int Bits, bool Full>
+inline void load_block(const uint8_t* p, int rows, __mmask16 mask, __m512i c[8]) {
+  const int64_t stride = 4 * rows;  // bytes of one vector in this panel
+  auto load = [&](int v) {
+    if constexpr (Full) {
+      return _mm512_loadu_si512(p + v * 64);
+    } else {
+      return _mm512_maskz_loadu_epi32(mask, p + v * stride);
+    }
+  };
+  if constexpr (Bits == 4) {  // byte i of a block holds values i and i + 16 (low and high nibble)
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i packed = load(v);
+      c[v] = _mm512_and_si512(packed, nibble);
+      c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+  } else {
+    for (int v = 0; v < 8; ++v) c[v] = load(v);
+  }
+}
+
+// One activation block (32 signed bytes, natural order) against a block's 8 code vectors: the int32 dot
+// products of the 16 rows, over values 0..15 (lo) and 16..31 (hi) apart with Sub, else all in lo. Two
+// chains, so vpdpbusd's latency is not the pace.
+template <bool Sub>
+inline void block_dots(const __m512i c[8], const int8_t* x, __m512i& lo, __m512i& hi) {
+  __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], broadcast4(x));
+  __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], broadcast4(x + 4));
+  even = _mm512_dpbusd_epi32(even, c[2], broadcast4(x + 8));
+  odd = _mm512_dpbusd_epi32(odd, c[3], broadcast4(x + 12));
+  if constexpr (Sub) {
+    lo = _mm512_add_epi32(even, odd);
+    even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[4], broadcast4(x + 16));
+    odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[5], broadcast4(x + 20));
+  } else {
+    even = _mm512_dpbusd_epi32(even, c[4], broadcast4(x + 16));
+    odd = _mm512_dpbusd_epi32(odd, c[5], broadcast4(x + 20));
+  }
+  even = _mm512_dpbusd_epi32(even, c[6], broadcast4(x + 24));
+  odd = _mm512_dpbusd_epi32(odd, c[7], broadcast4(x + 28));
+  (Sub ? hi : lo) = _mm512_add_epi32(even, odd);
+}
+
+// Activation rows m..m+MR against panel p: out[(m + r) * ldo + 16p + j] for the panel's rows j.
+template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full, int MR>
+void panel_rows(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
+                int64_t m, float* out, int64_t ldo) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  const int64_t block_bytes = Bits == 4 ? 16 : 32;
+  const int64_t groups = Sub ? 2 * w.blocks : w.blocks / w.group_blocks;
+  const uint8_t* codes = w.codes + p * kRows * w.row_bytes;
+  const int64_t scale_base = p * kRows * groups;  // the panel's first scale entry
+  int shift = 0;
+  while ((int64_t{1} << shift) < w.group_blocks && w.group_blocks != w.blocks) ++shift;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i c[8];
+    const uint8_t* block = codes + b * rows * block_bytes;
+    if constexpr (MR == 1) {
+      for (int line = 0; line < (Bits == 4 ? 4 : 8); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBytes + 64 * line), _MM_HINT_T0);
+    }
+    load_block<Bits, Full>(block, rows, mask, c);
+    const int64_t g = Sub ? 2 * b : (w.group_blocks == w.blocks ? 0 : b >> shift);
+    const __m512 scale = lanes_of<Half>(w.scales, scale_base + g * rows, mask);
+    __m512 scale_hi;
+    if constexpr (Sub) scale_hi = lanes_of<Half>(w.scales, scale_base + (g + 1) * rows, mask);
+    __m512 min;
+    if constexpr (Min) min = lanes_of<Half>(w.mins, scale_base + g * rows, mask);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t mb = (m + r) * a.blocks + b;
+      for (int pass = 0; pass < (Two ? 2 : 1); ++pass) {
+        __m512i lo, hi;
+        block_dots<Sub>(c, (pass == 0 ? a.q : a.q2) + (m + r) * a.k + b * kBlock, lo, hi);
+        const __m512 da = _mm512_set1_ps(pass == 0 ? a.d[mb] : a.d2[mb]);
+        if constexpr (Bits == 8) {  // the codes' +128, times the activations' sums (each half apart with Sub)
+          const int32_t* o = offsets + 2 * ((pass * a.m + m + r) * a.blocks + b);
+          lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(o[0]));
+          if constexpr (Sub) hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(o[1]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale, da), acc[r]);
+        if constexpr (Sub) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, da), acc[r]);
+      }
+      if constexpr (Min) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s[mb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m + r) * ldo + p * kRows, mask, acc[r]);
+}
+
+template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full>
+void panel(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
+           int64_t m0, int64_t m1, float* out, int64_t ldo) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) panel_rows<Bits, Half, Min, Two, Sub, Full, 4>(w, p, rows, a, offsets, m, out, ldo);
+  switch (m1 - m) {
+    case 3:
+      panel_rows<Bits, Half, Min, Two, Sub, Full, 3>(w, p, rows, a, offsets, m, out, ldo);
+      break;
+    case 2:
+      panel_rows<Bits, Half, Min, Two, Sub, Full, 2>(w, p, rows, a, offsets, m, out, ldo);
+      break;
+    case 1:
+      panel_rows<Bits, Half, Min, Two, Sub, Full, 1>(w, p, rows, a, offsets, m, out, ldo);
+      break;
+    default:
+      break;
+  }
+}
+
+template <int Bits, bool Half, bool Min, bool Two, bool Sub>
+void panels(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a, const int32_t* offsets,
+            int64_t m0, int64_t m1, float* out, int64_t ldo) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t left = w.rows - p * kRows;
+    if (left >= kRows) {
+      panel<Bits, Half, Min, Two, Sub, true>(w, p, kRows, a, offsets, m0, m1, out, ldo);
+    } else {
+      panel<Bits, Half, Min, Two, Sub, false>(w, p, static_cast<int>(left), a, offsets, m0, m1, out, ldo);
+    }
+  }
+}
+
+template <int Bits, bool Sub>
+void forms(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a, const int32_t* offsets,
+           int64_t m0, int64_t m1, float* out, int64_t ldo) {
+  const bool min = w.mins != nullptr, two = a.q2 != nullptr;
+  if constexpr (Sub) {  // half-block scales: 8-bit codes, no mins
+    if (w.scale_half) {
+      two ? panels<Bits, true, false, true, true>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+          : panels<Bits, true, false, false, true>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+    } else {
+      two ? panels<Bits, false, false, true, true>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+          : panels<Bits, false, false, false, true>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+    }
+    return;
+  }
+  if (w.scale_half) {
+    if (min) {
+      two ? panels<Bits, true, true, true, false>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+          : panels<Bits, true, true, false, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+    } else {
+      two ? panels<Bits, true, false, true, false>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+          : panels<Bits, true, false, false, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+    }
+  } else if (min) {
+    two ? panels<Bits, false, true, true, false>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+        : panels<Bits, false, true, false, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  } else {
+    two ? panels<Bits, false, false, true, false>(w, p0, p1, a, offsets, m0, m1, out, ldo)
+        : panels<Bits, false, false, false, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  }
+}
+
+}  // namespace
+
+void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
+                              const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo) {
+  if (w.bits == 4) {
+    forms<4, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  } else if (w.half_block_scales) {
+    forms<8, true>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  } else {
+    forms<8, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  }
+}
+
+}  // namespace keel
+#endif

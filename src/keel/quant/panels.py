@@ -1,0 +1,47 @@
+"""Block weights re-stored in panels for the VNNI kernel: the serving engine's step after fusing.
+
+At the `avx512_vnni` kernel level keel's block products read weights in panels of 16 output rows
+(csrc/kernels.h, "the panel layout"; csrc/block_gemm_stored_avx512.cpp): one contiguous stream per
+16 rows, each row's 4 values a 32-bit lane, so a vpdpbusd serves 16 rows with no per-row reduction
+and no per-call repacking. The same codes, scales and mins in another order (llama.cpp repacks its
+Q4_0/Q8_0 weights at load the same way): no bytes added, no rounding changed. The layers keep what
+else reads them working: `values()` and moves off the CPU read the rows back, a tied embedding reads
+the head's panels (`keel::block_embedding` gathers a token's row), and other kernel levels convert
+per call (tests that run every level on one model).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from keel import kernels
+from keel.quant.embedding import BlockEmbedding
+from keel.quant.linear import QuantizedLinear
+
+
+def panels_pay() -> bool:
+    """Whether block weights are re-stored in panels here: the VNNI kernel level, where they beat the row
+    layout at every row count measured (docs/BENCHMARKS.md, "keel's kernels (issue 22, sixth part)")."""
+    return kernels.vnni_panels_here()
+
+
+def store_in_panels(model: nn.Module) -> int:
+    """Re-store every block-layout QuantizedLinear of `model` in panels, and point each BlockEmbedding
+    that shared a head's row-layout codes at the head's panels; the number of layers re-stored."""
+    embeddings: dict[int, list[BlockEmbedding]] = {}
+    for module in model.modules():
+        if isinstance(module, BlockEmbedding) and module._buffers.get("qweight") is not None:
+            embeddings.setdefault(id(module._buffers["qweight"]), []).append(module)
+    stored = 0
+    for module in model.modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        codes = module._buffers.get("qweight")
+        if not module.store_in_panels():
+            continue
+        stored += 1
+        for embedding in embeddings.pop(id(codes), []):
+            for name in ("qweight", "scales", "mins"):
+                embedding._buffers[name] = module._buffers[name]
+            embedding.panel_rows = module.panel_rows
+    return stored
