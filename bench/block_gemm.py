@@ -1,6 +1,7 @@
 """keel::block_linear against float32 BLAS on SmolLM2's layer shapes, by activation rows.
 
     python bench/block_gemm.py [--rows 1,4,16,64,256,512] [--threads 1] [--levels avx2,avx512_vnni]
+                               [--shapes 1536x576,576x1536]
 
 For each shape: GOP/s of the 4-bit kernel (one int8 pass, and refined: two), the 8-bit kernel (the
 same two), and `x @ W.T` in float32 on the same weights dequantized (2 * M * N * K operations per
@@ -9,6 +10,9 @@ that this machine runs, keel.kernels.levels_here), so one run compares them. Tim
 thread's CPU time (`time.thread_time`), so a machine shared with other work skews them less than
 wall time would; with --threads above 1 use a quiet machine (then wall time is what counts, and
 thread time undercounts).
+
+At the VNNI level the weights are timed in both layouts the kernels read: rows (`avx512_vnni`) and
+panels of 16 rows (`vnni panels`: keel::block_panels, what the serving engine stores at that level).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from keel import kernels
 
-SHAPES = [(1536, 576), (576, 1536)]  # gate/up and down of SmolLM2-135M
+SHAPES = "1536x576,576x1536"  # gate/up and down of SmolLM2-135M
 
 
 def cpu_seconds(fn: Callable[[], object], repeats: int = 10) -> float:
@@ -38,31 +42,40 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64,256,512")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--levels", default=None, help="comma-separated kernel levels (default: all above scalar)")
+    parser.add_argument("--shapes", default=SHAPES, help="comma-separated NxK weight shapes")
     args = parser.parse_args()
     if not kernels.enabled():
         raise SystemExit(f"keel kernels: {kernels.status()}")
     levels = args.levels.split(",") if args.levels else [lv for lv in kernels.levels_here() if lv != "scalar"]
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    for n, k in SHAPES:
+    for n, k in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")):
         codes4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         codes8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
         mins = (-torch.rand(n, k // 32, generator=g) * 0.08).half()
         weight = torch.ops.keel.block_dequantize(codes4, scales, mins, 4)
+        panels4 = torch.ops.keel.block_panels(codes4, scales, mins, 4)
+        panels8 = torch.ops.keel.block_panels(codes8, scales, None, 8)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=g)
             ops = 2 * m * n * k / 1e9
             linear = torch.ops.keel.block_linear
             f32 = cpu_seconds(functools.partial(torch.matmul, x, weight.T))
-            for level in levels:
+            timed = [(level, level, None) for level in levels]
+            if "avx512_vnni" in levels:
+                timed.append(("avx512_vnni", "vnni panels", 16))
+            for level, label, panel_rows in timed:
+                c4, s4, m4 = panels4 if panel_rows else (codes4, scales, mins)
+                c8, s8 = panels8 if panel_rows else (codes8, scales)
+                rows = panel_rows or 0
                 with kernels.using_level(level):
-                    q4 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 1))
-                    q4x2 = cpu_seconds(functools.partial(linear, x, codes4, scales, mins, 4, None, 2))
-                    q8 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 1))
-                    q8x2 = cpu_seconds(functools.partial(linear, x, codes8, scales, None, 8, None, 2))
+                    q4 = cpu_seconds(functools.partial(linear, x, c4, s4, m4, 4, None, 1, rows))
+                    q4x2 = cpu_seconds(functools.partial(linear, x, c4, s4, m4, 4, None, 2, rows))
+                    q8 = cpu_seconds(functools.partial(linear, x, c8, s8, None, 8, None, 1, rows))
+                    q8x2 = cpu_seconds(functools.partial(linear, x, c8, s8, None, 8, None, 2, rows))
                 print(
-                    f"{n}x{k} rows {m:4d} {level:>11}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
+                    f"{n}x{k} rows {m:4d} {label:>11}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
                     f"8-bit {ops / q8:6.1f}  8-bit refined {ops / q8x2:6.1f}  float32 BLAS {ops / f32:6.1f}  "
                     f"GOP/s ({args.threads} thread(s))",
                     flush=True,

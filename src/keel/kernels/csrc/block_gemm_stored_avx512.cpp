@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 
@@ -96,40 +97,61 @@ inline void block_dots(const __m512i c[8], const int8_t* x, __m512i& lo, __m512i
   (Sub ? hi : lo) = _mm512_add_epi32(even, odd);
 }
 
-// Activation rows m..m+MR against panel p: out[(m + r) * ldo + 16p + j] for the panel's rows j.
-template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full, int MR>
-void panel_rows(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
-                int64_t m, float* out, int64_t ldo) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-  const int64_t block_bytes = Bits == 4 ? 16 : 32;
-  const int64_t groups = Sub ? 2 * w.blocks : w.blocks / w.group_blocks;
-  const uint8_t* codes = w.codes + p * kRows * w.row_bytes;
-  const int64_t scale_base = p * kRows * groups;  // the panel's first scale entry
+// One panel as panel_rows reads it: its codes (block by block, `block_bytes` apart), and its scales and
+// mins (group by group, `group_stride` entries apart, 16 lanes from each group's first entry).
+struct PanelView {
+  const uint8_t* codes;
+  int64_t block_bytes;
+  const void* scales;
+  const void* mins;
+  int64_t group_stride;
+};
+
+// The group of block b: its own (Sub: 2b, then 2b + 1 for values 16..31), one per 2^shift blocks, or
+// the row's one (shift < 0).
+template <bool Sub>
+inline int64_t group_of(int64_t b, int shift) {
+  if constexpr (Sub) return 2 * b;
+  return shift < 0 ? 0 : b >> shift;
+}
+
+inline int shift_of(const BlockWeights& w) {
+  if (w.group_blocks == w.blocks) return -1;
   int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks && w.group_blocks != w.blocks) ++shift;
+  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
+  return shift;
+}
+
+// Activation rows m..m+MR against one panel: out[(m + r) * ldo + n + j] for the panel's rows j. Load:
+// 4 for packed nibbles, 8 for a byte per value (8-bit codes, or 4-bit ones `expand`ed); Offset: 8-bit
+// codes stored + 128, whose activation sums `offsets` are subtracted.
+template <int Load, bool Offset, bool Half, bool Min, bool Two, bool Sub, bool Full, int MR>
+void panel_rows(const PanelView& v, int64_t blocks, int shift, int rows, const BlockActivations& a,
+                const int32_t* offsets, int64_t m, int64_t n, float* out, int64_t ldo) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < w.blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     __m512i c[8];
-    const uint8_t* block = codes + b * rows * block_bytes;
+    const uint8_t* block = v.codes + b * v.block_bytes;
     if constexpr (MR == 1) {
-      for (int line = 0; line < (Bits == 4 ? 4 : 8); ++line)
+      for (int line = 0; line < Load; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(block + kAheadBytes + 64 * line), _MM_HINT_T0);
     }
-    load_block<Bits, Full>(block, rows, mask, c);
-    const int64_t g = Sub ? 2 * b : (w.group_blocks == w.blocks ? 0 : b >> shift);
-    const __m512 scale = lanes_of<Half>(w.scales, scale_base + g * rows, mask);
+    load_block<Load, Full>(block, rows, mask, c);
+    const int64_t g = group_of<Sub>(b, shift);
+    const __m512 scale = lanes_of<Half>(v.scales, g * v.group_stride, mask);
     __m512 scale_hi;
-    if constexpr (Sub) scale_hi = lanes_of<Half>(w.scales, scale_base + (g + 1) * rows, mask);
+    if constexpr (Sub) scale_hi = lanes_of<Half>(v.scales, (g + 1) * v.group_stride, mask);
     __m512 min;
-    if constexpr (Min) min = lanes_of<Half>(w.mins, scale_base + g * rows, mask);
+    if constexpr (Min) min = lanes_of<Half>(v.mins, g * v.group_stride, mask);
     for (int r = 0; r < MR; ++r) {
       const int64_t mb = (m + r) * a.blocks + b;
       for (int pass = 0; pass < (Two ? 2 : 1); ++pass) {
         __m512i lo, hi;
         block_dots<Sub>(c, (pass == 0 ? a.q : a.q2) + (m + r) * a.k + b * kBlock, lo, hi);
         const __m512 da = _mm512_set1_ps(pass == 0 ? a.d[mb] : a.d2[mb]);
-        if constexpr (Bits == 8) {  // the codes' +128, times the activations' sums (each half apart with Sub)
+        if constexpr (Offset) {  // the codes' +128, times the activations' sums (each half apart with Sub)
           const int32_t* o = offsets + 2 * ((pass * a.m + m + r) * a.blocks + b);
           lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(o[0]));
           if constexpr (Sub) hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(o[1]));
@@ -140,38 +162,90 @@ void panel_rows(const BlockWeights& w, int64_t p, int rows, const BlockActivatio
       if constexpr (Min) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s[mb]), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m + r) * ldo + p * kRows, mask, acc[r]);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (m + r) * ldo + n, mask, acc[r]);
 }
 
-template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full>
-void panel(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
-           int64_t m0, int64_t m1, float* out, int64_t ldo) {
+template <int Load, bool Offset, bool Half, bool Min, bool Two, bool Sub, bool Full>
+void rows_against(const PanelView& v, int64_t blocks, int shift, int rows, const BlockActivations& a,
+                  const int32_t* offsets, int64_t m0, int64_t m1, int64_t n, float* out, int64_t ldo) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) panel_rows<Bits, Half, Min, Two, Sub, Full, 4>(w, p, rows, a, offsets, m, out, ldo);
+  for (; m + 4 <= m1; m += 4)
+    panel_rows<Load, Offset, Half, Min, Two, Sub, Full, 4>(v, blocks, shift, rows, a, offsets, m, n, out, ldo);
   switch (m1 - m) {
     case 3:
-      panel_rows<Bits, Half, Min, Two, Sub, Full, 3>(w, p, rows, a, offsets, m, out, ldo);
+      panel_rows<Load, Offset, Half, Min, Two, Sub, Full, 3>(v, blocks, shift, rows, a, offsets, m, n, out, ldo);
       break;
     case 2:
-      panel_rows<Bits, Half, Min, Two, Sub, Full, 2>(w, p, rows, a, offsets, m, out, ldo);
+      panel_rows<Load, Offset, Half, Min, Two, Sub, Full, 2>(v, blocks, shift, rows, a, offsets, m, n, out, ldo);
       break;
     case 1:
-      panel_rows<Bits, Half, Min, Two, Sub, Full, 1>(w, p, rows, a, offsets, m, out, ldo);
+      panel_rows<Load, Offset, Half, Min, Two, Sub, Full, 1>(v, blocks, shift, rows, a, offsets, m, n, out, ldo);
       break;
     default:
       break;
   }
 }
 
+// From this many activation rows a panel is expanded once before the rows pass (4-bit codes to a byte
+// per value, scales and mins to float32): each group of 4 rows would otherwise split the nibbles and
+// convert the scales again.
+constexpr int64_t kExpandRows = 8;
+
+// A panel expanded into `storage`: 4-bit codes as 8 full vectors a block (missing rows zero; 8-bit codes
+// stay where they are), float32 scales and mins, 16 a group.
+template <int Bits, bool Half, bool Min, bool Full>
+PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, std::vector<uint8_t>& storage) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+  const int64_t code_bytes = Bits == 4 ? blocks * 8 * 64 : 0, scale_bytes = groups * 64;
+  storage.resize(code_bytes + (Min ? 2 : 1) * scale_bytes + 64);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  if constexpr (Bits == 4) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i c[8];
+      load_block<4, Full>(v.codes + b * v.block_bytes, rows, mask, c);
+      for (int i = 0; i < 8; ++i) _mm512_store_si512(base + (b * 8 + i) * 64, c[i]);
+    }
+  }
+  float* scales = reinterpret_cast<float*>(base + code_bytes);
+  float* mins = scales + groups * 16;
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm512_store_ps(scales + g * 16, lanes_of<Half>(v.scales, g * v.group_stride, mask));
+    if constexpr (Min) _mm512_store_ps(mins + g * 16, lanes_of<Half>(v.mins, g * v.group_stride, mask));
+  }
+  if constexpr (Bits == 4) return PanelView{base, 8 * 64, scales, Min ? mins : nullptr, 16};
+  return PanelView{v.codes, v.block_bytes, scales, Min ? mins : nullptr, 16};
+}
+
+template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full>
+void panel(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
+           int64_t m0, int64_t m1, float* out, int64_t ldo, std::vector<uint8_t>& storage) {
+  const int64_t groups = Sub ? 2 * w.blocks : w.blocks / w.group_blocks;
+  const int64_t first = p * kRows;  // the panel's first row, and (times groups) its first scale entry
+  const PanelView v{w.codes + first * w.row_bytes, rows * (Bits == 4 ? 16 : 32),
+                    static_cast<const char*>(w.scales) + first * groups * (Half ? 2 : 4),
+                    w.mins == nullptr ? nullptr : static_cast<const char*>(w.mins) + first * groups * (Half ? 2 : 4),
+                    rows};
+  const int shift = shift_of(w);
+  if (m1 - m0 >= kExpandRows) {
+    const PanelView e = expand<Bits, Half, Min, Full>(v, w.blocks, groups, rows, storage);
+    rows_against<8, Bits == 8, false, Min, Two, Sub, Bits == 4 || Full>(e, w.blocks, shift, rows, a, offsets, m0, m1,
+                                                                         first, out, ldo);
+    return;
+  }
+  rows_against<Bits, Bits == 8, Half, Min, Two, Sub, Full>(v, w.blocks, shift, rows, a, offsets, m0, m1, first, out,
+                                                            ldo);
+}
+
 template <int Bits, bool Half, bool Min, bool Two, bool Sub>
 void panels(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a, const int32_t* offsets,
             int64_t m0, int64_t m1, float* out, int64_t ldo) {
+  std::vector<uint8_t> storage;  // an expanded panel's (one at a time)
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t left = w.rows - p * kRows;
     if (left >= kRows) {
-      panel<Bits, Half, Min, Two, Sub, true>(w, p, kRows, a, offsets, m0, m1, out, ldo);
+      panel<Bits, Half, Min, Two, Sub, true>(w, p, kRows, a, offsets, m0, m1, out, ldo, storage);
     } else {
-      panel<Bits, Half, Min, Two, Sub, false>(w, p, static_cast<int>(left), a, offsets, m0, m1, out, ldo);
+      panel<Bits, Half, Min, Two, Sub, false>(w, p, static_cast<int>(left), a, offsets, m0, m1, out, ldo, storage);
     }
   }
 }
