@@ -11,8 +11,9 @@ thread's CPU time (`time.thread_time`), so a machine shared with other work skew
 wall time would; with --threads above 1 use a quiet machine (then wall time is what counts, and
 thread time undercounts).
 
-At the VNNI level the weights are timed in both layouts the kernels read: rows (`avx512_vnni`) and
-panels of 16 rows (`vnni panels`: keel::block_panels, what the serving engine stores at that level).
+From the VNNI level the weights are also timed in panels of 16 rows (`vnni panels`, `amx panels`:
+keel::block_panels, what the serving engine stores there; the `amx` level adds tile products of 16
+activation rows at a time to the VNNI kernels, on the panel layout only).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from keel import kernels
 
+PANELS = ("avx512_vnni", "amx")  # the levels with a kernel over the panel layout
 SHAPES = "1536x576,576x1536"  # gate/up and down of SmolLM2-135M
 
 
@@ -62,9 +64,9 @@ def main() -> None:
             ops = 2 * m * n * k / 1e9
             linear = torch.ops.keel.block_linear
             f32 = cpu_seconds(functools.partial(torch.matmul, x, weight.T))
-            timed = [(level, level, None) for level in levels]
-            if "avx512_vnni" in levels:
-                timed.append(("avx512_vnni", "vnni panels", 16))
+            # The row layout where a level has its own row kernels; the panel layout from the VNNI level.
+            timed = [(level, level, None) for level in levels if level != "amx"]
+            timed += [(level, f"{level.removeprefix('avx512_')} panels", 16) for level in levels if level in PANELS]
             for level, label, panel_rows in timed:
                 c4, s4, m4 = panels4 if panel_rows else (codes4, scales, mins)
                 c8, s8 = panels8 if panel_rows else (codes8, scales)

@@ -143,7 +143,7 @@ def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = Fa
     from keel.model.kv_size import kv_cache_bytes
     from keel.serve import LLMEngine, SamplingParams
 
-    engine = LLMEngine(loaded, config)
+    engine = LLMEngine(loaded, config, adapt=True)  # fused projections and pre-packed weights, as served
     bs = config.cache.block_size
     slack_sum = slack_count = 0
     peak_blocks = peak_running = steps = 0
@@ -191,7 +191,7 @@ def keel_profile(loaded, config, work: Workload, warmup_steps: int, steps: int, 
 
     from keel.serve import LLMEngine, SamplingParams
 
-    engine = LLMEngine(loaded, config)
+    engine = LLMEngine(loaded, config, adapt=True)  # fused projections and pre-packed weights, as served
     for prompt, out_len in zip(work.prompts, work.output_lens, strict=True):
         engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
     for _ in range(warmup_steps):

@@ -286,7 +286,7 @@ def test_one_pass_4_bit_prefill_runs_the_integer_kernel(monkeypatch):
     for level in LEVELS:
         with kernels.using_level(level):
             layer(rows)
-        assert bool(dequantized) == (level != "avx512_vnni"), level
+        assert bool(dequantized) == (level not in ("avx512_vnni", "amx")), level
         dequantized.clear()
 
 
@@ -307,7 +307,7 @@ def test_eight_bit_products_of_many_rows_run_the_vnni_panels(monkeypatch):
         for level in LEVELS:
             with kernels.using_level(level):
                 got = layer(rows).double()
-            assert bool(dequantized) == (level != "avx512_vnni"), (level, passes)
+            assert bool(dequantized) == (level not in ("avx512_vnni", "amx")), (level, passes)
             dequantized.clear()
             assert ((got - exact).norm() / exact.norm()).item() < (2e-2 if passes == 1 else 2e-4), (level, passes)
 

@@ -1,8 +1,9 @@
 """keel's C++ CPU kernels, registered as torch operators (`torch.ops.keel.*`) by `keel.kernels._C`.
 
 The library is compiled by the project's own build at install (setup.py; g++ and torch's headers,
-nothing downloaded) and dispatches at run time on the level keel.platform reports: AVX-512 VNNI
-kernels for the block products of a few rows from `avx512_vnni` up (BF16 and AMX machines included),
+nothing downloaded) and dispatches at run time on the level keel.platform reports: AMX tile products
+of many rows from `amx` (where Linux grants the process the tile state), AVX-512 VNNI kernels for the
+block products from `avx512_vnni` up (BF16 and AMX machines included),
 AVX2 + FMA kernels from `avx2` up for everything else, the portable ones elsewhere (`default` x86-64,
 aarch64). Every kernel splits its work with ATen's `parallel_for`, so
 `torch.set_num_threads` governs it.
@@ -26,34 +27,44 @@ from keel.platform import Platform, host
 
 ENV = "KEEL_KERNELS"
 # The levels the library has kernels for, lowest first (the values of keel::Isa in csrc/kernels.h).
-LEVELS = ("scalar", "avx2", "avx512_vnni")
+LEVELS = ("scalar", "avx2", "avx512_vnni", "amx")
 
 
 def kernel_level(platform: Platform) -> str:
-    """The library's level for a host: the VNNI kernels from keel.platform's `avx512_vnni` up, AVX2 ones
-    from `avx2`, portable ones elsewhere."""
+    """The library's level for a host: AMX tiles on keel.platform's `amx`, the VNNI kernels from
+    `avx512_vnni` up, AVX2 ones from `avx2`, portable ones elsewhere (the tiles also need the
+    process's permission: `levels_here`)."""
     if platform.arch != "x86_64":
         return "scalar"
-    return "avx512_vnni" if platform.vnni else "avx2" if platform.avx2 else "scalar"
+    if platform.vnni:
+        return "amx" if platform.amx else "avx512_vnni"
+    return "avx2" if platform.avx2 else "scalar"
+
+
+def _granted(level: str) -> str:
+    """`level`, or the VNNI level where the AMX tile state is not granted to this process."""
+    return "avx512_vnni" if level == "amx" and not torch.ops.keel.amx_ready() else level
 
 
 def panels_here() -> bool:
     """Whether 4-bit products of many rows run a panel kernel (csrc/block_gemm_packed_avx2.cpp, and
     block_gemm_packed_avx512.cpp at the VNNI level): they beat dequantizing to float32 for BLAS at
     every row count measured when the activations take one int8 pass."""
-    return _load() is not None and _LEVEL_NOW[0] in ("avx2", "avx512_vnni")
+    return _load() is not None and _LEVEL_NOW[0] in ("avx2", "avx512_vnni", "amx")
 
 
 def vnni_panels_here() -> bool:
     """Whether products of many rows run the VNNI panel kernel (csrc/block_gemm_packed_avx512.cpp, 4-bit
     and 8-bit codes): it beats dequantizing to float32 for BLAS at every row count measured, with one
     int8 pass or two (docs/BENCHMARKS.md, "keel's kernels (issue 22, fifth part)")."""
-    return _load() is not None and _LEVEL_NOW[0] == "avx512_vnni"
+    return _load() is not None and _LEVEL_NOW[0] in ("avx512_vnni", "amx")
 
 
 def levels_here(platform: Platform | None = None) -> tuple[str, ...]:
     """Every kernel level this machine can run (tests run each of them)."""
     top = kernel_level(platform or host())
+    if _load() is not None:
+        top = _granted(top)
     return LEVELS[: LEVELS.index(top) + 1]
 
 
@@ -79,7 +90,7 @@ def _load() -> str | None:
 
     fake.register()
 
-    level = kernel_level(host())
+    level = _granted(kernel_level(host()))
     torch.ops.keel.set_kernel_isa(LEVELS.index(level))
     _LEVEL_NOW[0] = level
     logging.getLogger("keel").debug("keel kernels: %s level", level)

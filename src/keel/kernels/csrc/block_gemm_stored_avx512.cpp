@@ -24,13 +24,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels.h"
+#include "block_gemm_stored.h"
 
 namespace keel {
 
 namespace {
-
-constexpr int kRows = kPanelRows;
 
 // How far ahead one activation row prefetches the panel's stream (a product of one row is paced by
 // memory; with more rows the panel stays in cache while they pass). 512 and 2048 bytes measured alike.
@@ -40,39 +38,6 @@ inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// 16 lanes of scales (float16 or float32) from p, `mask` selecting the panel's rows.
-template <bool Half>
-inline __m512 lanes_of(const void* p, int64_t at, __mmask16 mask) {
-  if constexpr (Half) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + at));
-  } else {
-    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + at);
-  }
-}
-
-// A block's code vectors: 8 of them, vector g holding values 4g..4g+3 of each row (values 16.. from g = 4).
-template <int Bits, bool Full>
-inline void load_block(const uint8_t* p, int rows, __mmask16 mask, __m512i c[8]) {
-  const int64_t stride = 4 * rows;  // bytes of one vector in this panel
-  auto load = [&](int v) {
-    if constexpr (Full) {
-      return _mm512_loadu_si512(p + v * 64);
-    } else {
-      return _mm512_maskz_loadu_epi32(mask, p + v * stride);
-    }
-  };
-  if constexpr (Bits == 4) {  // byte i of a block holds values i and i + 16 (low and high nibble)
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i packed = load(v);
-      c[v] = _mm512_and_si512(packed, nibble);
-      c[v + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    }
-  } else {
-    for (int v = 0; v < 8; ++v) c[v] = load(v);
-  }
 }
 
 // One activation block (32 signed bytes, natural order) against a block's 8 code vectors: the int32 dot
@@ -95,31 +60,6 @@ inline void block_dots(const __m512i c[8], const int8_t* x, __m512i& lo, __m512i
   even = _mm512_dpbusd_epi32(even, c[6], broadcast4(x + 24));
   odd = _mm512_dpbusd_epi32(odd, c[7], broadcast4(x + 28));
   (Sub ? hi : lo) = _mm512_add_epi32(even, odd);
-}
-
-// One panel as panel_rows reads it: its codes (block by block, `block_bytes` apart), and its scales and
-// mins (group by group, `group_stride` entries apart, 16 lanes from each group's first entry).
-struct PanelView {
-  const uint8_t* codes;
-  int64_t block_bytes;
-  const void* scales;
-  const void* mins;
-  int64_t group_stride;
-};
-
-// The group of block b: its own (Sub: 2b, then 2b + 1 for values 16..31), one per 2^shift blocks, or
-// the row's one (shift < 0).
-template <bool Sub>
-inline int64_t group_of(int64_t b, int shift) {
-  if constexpr (Sub) return 2 * b;
-  return shift < 0 ? 0 : b >> shift;
-}
-
-inline int shift_of(const BlockWeights& w) {
-  if (w.group_blocks == w.blocks) return -1;
-  int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
-  return shift;
 }
 
 // Activation rows m..m+MR against one panel: out[(m + r) * ldo + n + j] for the panel's rows j. Load:
@@ -186,45 +126,11 @@ void rows_against(const PanelView& v, int64_t blocks, int shift, int rows, const
   }
 }
 
-// From this many activation rows a panel is expanded once before the rows pass (4-bit codes to a byte
-// per value, scales and mins to float32): each group of 4 rows would otherwise split the nibbles and
-// convert the scales again.
-constexpr int64_t kExpandRows = 8;
-
-// A panel expanded into `storage`: 4-bit codes as 8 full vectors a block (missing rows zero; 8-bit codes
-// stay where they are), float32 scales and mins, 16 a group.
-template <int Bits, bool Half, bool Min, bool Full>
-PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, std::vector<uint8_t>& storage) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-  const int64_t code_bytes = Bits == 4 ? blocks * 8 * 64 : 0, scale_bytes = groups * 64;
-  storage.resize(code_bytes + (Min ? 2 : 1) * scale_bytes + 64);
-  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  if constexpr (Bits == 4) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i c[8];
-      load_block<4, Full>(v.codes + b * v.block_bytes, rows, mask, c);
-      for (int i = 0; i < 8; ++i) _mm512_store_si512(base + (b * 8 + i) * 64, c[i]);
-    }
-  }
-  float* scales = reinterpret_cast<float*>(base + code_bytes);
-  float* mins = scales + groups * 16;
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm512_store_ps(scales + g * 16, lanes_of<Half>(v.scales, g * v.group_stride, mask));
-    if constexpr (Min) _mm512_store_ps(mins + g * 16, lanes_of<Half>(v.mins, g * v.group_stride, mask));
-  }
-  if constexpr (Bits == 4) return PanelView{base, 8 * 64, scales, Min ? mins : nullptr, 16};
-  return PanelView{v.codes, v.block_bytes, scales, Min ? mins : nullptr, 16};
-}
-
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, bool Full>
 void panel(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a, const int32_t* offsets,
            int64_t m0, int64_t m1, float* out, int64_t ldo, std::vector<uint8_t>& storage) {
-  const int64_t groups = Sub ? 2 * w.blocks : w.blocks / w.group_blocks;
-  const int64_t first = p * kRows;  // the panel's first row, and (times groups) its first scale entry
-  const PanelView v{w.codes + first * w.row_bytes, rows * (Bits == 4 ? 16 : 32),
-                    static_cast<const char*>(w.scales) + first * groups * (Half ? 2 : 4),
-                    w.mins == nullptr ? nullptr : static_cast<const char*>(w.mins) + first * groups * (Half ? 2 : 4),
-                    rows};
+  const int64_t groups = groups_of(w), first = p * kRows;
+  const PanelView v = view_of(w, p, rows);
   const int shift = shift_of(w);
   if (m1 - m0 >= kExpandRows) {
     const PanelView e = expand<Bits, Half, Min, Full>(v, w.blocks, groups, rows, storage);

@@ -10,8 +10,8 @@ namespace keel {
 
 // The instruction-set levels with their own kernels, lowest first. A level runs its own kernels where it
 // has them and the highest lower level's elsewhere (AVX-512 without VNNI runs AVX2's; so do BF16 and AMX
-// machines outside the VNNI kernels).
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+// machines outside the VNNI kernels); AMX adds tile products of many rows to the VNNI level's kernels.
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3 };
 
 // Weights in blocks of 32 along K, a row of K/32 blocks per output feature:
 // bits 4: codes uint8 [N, K/2], block b of a row in bytes 16b..16b+15, byte j holding value j in its
@@ -100,6 +100,14 @@ void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, con
 // block's in the first entry), subtracted from the dot products of the codes' +128.
 void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                               const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
+
+// The AMX kernel over weights in the panel layout (not half-block scales), panels [p0, p1), activation
+// rows [m0, m1) in whole tiles of kAmxRows; `offsets` as above. Runs only where `amx_permitted()`.
+constexpr int64_t kAmxRows = 16;
+void block_gemm_stored_amx(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
+                           const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
+// Asks Linux for this process's AMX tile state; whether it is granted.
+bool amx_permitted();
 
 // Row r of the weights as float32 [K]: q * scale (+ min), each rounded as the portable loop rounds it.
 void dequantize_row_avx2(const BlockWeights& w, int64_t r, float* dst);

@@ -182,8 +182,12 @@ at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const 
   }
   at::Tensor out = at::empty({m, n}, x2.options());
   float* o = out.data_ptr<float>();
+  // AMX tiles take whole tiles of activation rows (not half-block scales), the VNNI kernel the rest.
+  const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
+  const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
-    block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), 0, m, o, n);
+    if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, offsets.data(), 0, tiled, o, n);
+    if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), tiled, m, o, n);
   });
   return finish_linear(out, x, bias, n);
 }
@@ -371,10 +375,20 @@ std::vector<at::Tensor> block_rows(const at::Tensor& codes, const at::Tensor& sc
   return rows_of(codes, scales, mins, bits, kPanelRows);
 }
 
+bool amx_ready() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool permitted = amx_permitted();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
 Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
 int64_t set_kernel_isa(int64_t level) {
-  TORCH_CHECK(level >= kScalar && level <= kAvx512Vnni, "keel::set_kernel_isa: unknown level ", level);
+  TORCH_CHECK(level >= kScalar && level <= kAmx, "keel::set_kernel_isa: unknown level ", level);
+  TORCH_CHECK(level < kAmx || amx_ready(), "keel::set_kernel_isa: this process was not granted the AMX tile state");
 #if !(defined(__x86_64__) || defined(_M_X64))
   TORCH_CHECK(level == kScalar, "keel::set_kernel_isa: only the portable level exists on this architecture");
 #endif
@@ -385,6 +399,7 @@ int64_t set_kernel_isa(int64_t level) {
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("set_kernel_isa(int level) -> int", &keel::set_kernel_isa);
+  m.def("amx_ready() -> bool", &keel::amx_ready);
   m.def(
       "block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias, int passes=1, "
       "int panel_rows=0) -> Tensor");
