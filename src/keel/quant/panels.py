@@ -1,7 +1,8 @@
 """Block weights re-stored in panels for the VNNI kernel: the serving engine's step after fusing.
 
-At the `avx512_vnni` kernel level keel's block products read weights in panels of 16 output rows
-(csrc/kernels.h, "the panel layout"; csrc/block_gemm_stored_avx512.cpp): one contiguous stream per
+From the `avx512_vnni` kernel level (`amx` included) keel's block products read weights in panels of
+16 output rows (csrc/kernels.h, "the panel layout"; csrc/block_gemm_stored_avx512.cpp, and
+block_gemm_stored_amx.cpp's tiles, whose B operand is a stored panel block as it lies): one contiguous stream per
 16 rows, each row's 4 values a 32-bit lane, so a vpdpbusd serves 16 rows with no per-row reduction
 and no per-call repacking. The same codes, scales and mins in another order (llama.cpp repacks its
 Q4_0/Q8_0 weights at load the same way): no bytes added, no rounding changed. The layers keep what
@@ -20,8 +21,8 @@ from keel.quant.linear import QuantizedLinear
 
 
 def panels_pay() -> bool:
-    """Whether block weights are re-stored in panels here: the VNNI kernel level, where they beat the row
-    layout at every row count measured (docs/BENCHMARKS.md, "keel's kernels (issue 22, sixth part)")."""
+    """Whether block weights are re-stored in panels here: from the VNNI kernel level, where they beat the
+    row layout at every row count measured (docs/BENCHMARKS.md, "keel's kernels (issue 22, sixth part)")."""
     return kernels.vnni_panels_here()
 
 
