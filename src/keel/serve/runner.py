@@ -109,6 +109,15 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
+def rows_of(logits: Tensor, rows: list[int]) -> Tensor:
+    """logits[rows]: a slice where the rows run consecutively (every decode step): indexing by a Python
+    list goes through torch's advanced indexing, a measurable share of a batch-1 step on a CPU
+    (docs/BENCHMARKS.md, sixth part)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits[torch.tensor(rows, device=logits.device)]
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, cache: PagedKVCache, block_tables: Callable[[str], list[int]]) -> None:
         self.model = model
@@ -184,7 +193,7 @@ class ModelRunner:
         states = [
             RowState(r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in samplers
         ]
-        sampled = self.sampler(logits[sample_rows], states)
+        sampled = self.sampler(rows_of(logits, sample_rows), states)
         ids = sampled.token_ids.tolist()
         lps = sampled.logprobs.to_lists(sampled.token_ids) if sampled.logprobs is not None else [None] * len(ids)
         for request, token, lp in zip(samplers, ids, lps, strict=True):

@@ -195,13 +195,17 @@ def apply_penalties(logits: Tensor, states: list[RowState]) -> Tensor:
     - frequency / presence (OpenAI): on output tokens only, logit -= freq * count + presence * (count > 0);
     - min_tokens: while fewer than min_tokens tokens were generated, EOS (unless ignore_eos) and
       stop_token_ids get -inf, so the request cannot end early.
-    Returns a new tensor; `logits` is left as it is (its raw values feed the logprobs).
+    `logits` is left as it is (its raw values feed the logprobs): where no row has a penalty or a
+    min_tokens still to reach, the result is `logits` itself as float32 (no copy of the vocabulary;
+    callers do not write into it), else a new tensor.
     """
+    use_rep = any(s.params.repetition_penalty != 1.0 for s in states)
+    use_freq = any(s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0 for s in states)
+    if not (use_rep or use_freq or any(len(s.output_ids) < s.params.min_tokens for s in states)):
+        return logits.float()
     x = logits.to(torch.float32, copy=True)
     vocab = x.shape[-1]
     device = x.device
-    use_rep = any(s.params.repetition_penalty != 1.0 for s in states)
-    use_freq = any(s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0 for s in states)
     if use_rep or use_freq:
         out_counts = _token_counts([s.output_ids for s in states], vocab, device)
         if use_rep:
