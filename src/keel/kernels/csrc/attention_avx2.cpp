@@ -21,6 +21,10 @@ struct Lanes8 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  static F from_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
 
   // [sum(v0), ..., sum(v7)] of 8 vectors.
   static F sums(const F v[8]) {

@@ -25,6 +25,10 @@ struct Lanes16 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  static F from_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float half(uint16_t h) { return _cvtsh_ss(h); }
 
   // [sum(v0), ..., sum(v15)] of 16 vectors: pairs interleaved and added within 128-bit lanes, then the
   // 128-bit lanes of four and of eight vectors exchanged and added; lane i ends with vector i's sum.

@@ -10,7 +10,11 @@
 // head's output stays in registers while it runs over the block's values.
 //
 // V provides: F (a vector of kLanes floats), zero, load, store, set1, add, sub, mul, max, fmadd,
-// sums (kLanes vectors -> the vector of their lane sums), exp_nonpositive, and prefetch.
+// sums (kLanes vectors -> the vector of their lane sums), exp_nonpositive, prefetch, from_i8 (kLanes
+// int8 values as floats) and half (a float16 scale as a float).
+//
+// int8 rows are converted without their scales: a key's scale multiplies its score, a value's scale
+// its probability, one multiply a row instead of one a channel.
 #pragma once
 
 #include "attention_impl.h"
@@ -95,6 +99,14 @@ inline void accumulate_values(float* acc, float correction, const float* p, cons
   for (; d0 < vdim; d0 += L) accumulate_chunk<V, 1>(acc + d0, c, p, value, n, d0);
 }
 
+// An int8 row of `dim` channels (a multiple of V::kLanes) as floats, unscaled, into buf.
+template <typename V>
+inline const float* int8_row(const void* base, int64_t index, int64_t stride, int64_t dim, float* buf) {
+  const int8_t* src = static_cast<const int8_t*>(base) + index * stride;
+  for (int64_t d = 0; d < dim; d += V::kLanes) V::store(buf + d, V::from_i8(src + d));
+  return buf;
+}
+
 template <int Dtype>
 constexpr int64_t kElementBytes = Dtype == 0 ? 4 : Dtype == 1 ? 2 : 1;
 
@@ -108,6 +120,7 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
   const float* key[kMaxBlock];
   const float* value[kMaxBlock];
   alignas(64) float scores[kMaxBlock];
+  float key_scale[kMaxBlock], value_scale[kMaxBlock];  // int8 rows' scales
   walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t start, int64_t slot0, int64_t n) {
     // The next blocks lie elsewhere in the store (tables are scattered), where the hardware prefetcher
     // cannot guess: fetch the rows two blocks ahead (and, at the first block, the next one too).
@@ -121,19 +134,30 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
       // Without a value store the latent is both key and value.
-      value[j] = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, value_buf[j])
-                                     : key[j];
+      if constexpr (Dtype == 2) {
+        key[j] = int8_row<V>(s.keys, slot0 + j, dim, dim, key_buf[j]);
+        key_scale[j] = V::half(s.key_scales[slot0 + j]);
+        value[j] = s.values != nullptr ? int8_row<V>(s.values, slot0 + j, dim, vdim, value_buf[j]) : key[j];
+        value_scale[j] = s.values != nullptr ? V::half(s.value_scales[slot0 + j]) : key_scale[j];
+      } else {
+        key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
+        value[j] = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, value_buf[j])
+                                       : key[j];
+      }
     }
     for (int64_t g = 0; g < gn; ++g) {
       block_scores<V>(w.qs[g], key, n, dim, scores);
+      if constexpr (Dtype == 2)
+        for (int64_t j = 0; j < n; ++j) scores[j] *= key_scale[j];
       float block_max = w.running_max[g];
       for (int64_t j = 0; j < n; ++j) block_max = scores[j] > block_max ? scores[j] : block_max;
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
       const float correction = exp_nonpositive(w.running_max[g] - block_max);
       w.running_max[g] = block_max;
       w.total[g] = w.total[g] * correction + exp_block<V>(scores, n, block_max);
+      if constexpr (Dtype == 2)
+        for (int64_t j = 0; j < n; ++j) scores[j] *= value_scale[j];  // each value row's scale, on its weight
       accumulate_values<V>(w.acc[g], correction, scores, value, n, vdim);
     }
   });
