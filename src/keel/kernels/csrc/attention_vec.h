@@ -73,31 +73,46 @@ inline float exp_block(float* v, int64_t n, float shift) {
   return sum;
 }
 
-// acc[0..C) = acc * correction + sum over j of p[j] * value[j][0..C), C = kLanes * Chunks channels in registers.
-template <typename V, int Chunks>
-inline void accumulate_chunk(float* acc, typename V::F correction, const float* p, const float* const* value,
-                             int64_t n, int64_t offset) {
+// For G query heads at once: acc_g[offset..offset+C) = acc_g * correction_g + sum over j of p_g[j] *
+// value[j][offset..offset+C), C = kLanes * Chunks channels in registers. Each value row is loaded once
+// for the G heads, and the G x Chunks sums are independent chains (one head's Chunks alone would wait
+// on the multiply-add latency at every row).
+template <typename V, int Chunks, int G>
+inline void accumulate_chunk(float* const* acc, const float* correction, const float* const* p,
+                             const float* const* value, int64_t n, int64_t offset) {
   constexpr int L = V::kLanes;
-  typename V::F a[Chunks];
-  for (int i = 0; i < Chunks; ++i) a[i] = V::mul(V::load(acc + L * i), correction);
-  for (int64_t j = 0; j < n; ++j) {
-    const typename V::F pj = V::set1(p[j]);
-    const float* v = value[j] + offset;
-    for (int i = 0; i < Chunks; ++i) a[i] = V::fmadd(pj, V::load(v + L * i), a[i]);
+  typename V::F a[G][Chunks];
+  for (int g = 0; g < G; ++g) {
+    const typename V::F c = V::set1(correction[g]);
+    for (int i = 0; i < Chunks; ++i) a[g][i] = V::mul(V::load(acc[g] + offset + L * i), c);
   }
-  for (int i = 0; i < Chunks; ++i) V::store(acc + L * i, a[i]);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = value[j] + offset;
+    typename V::F row[Chunks];
+    for (int i = 0; i < Chunks; ++i) row[i] = V::load(v + L * i);
+    for (int g = 0; g < G; ++g) {
+      const typename V::F pj = V::set1(p[g][j]);
+      for (int i = 0; i < Chunks; ++i) a[g][i] = V::fmadd(pj, row[i], a[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < Chunks; ++i) V::store(acc[g] + offset + L * i, a[g][i]);
 }
 
-// acc[0..vdim) = acc * correction + sum over j of p[j] * value[j], 64 channels at a time in registers.
-template <typename V>
-inline void accumulate_values(float* acc, float correction, const float* p, const float* const* value, int64_t n,
-                              int64_t vdim) {
+// accumulate_chunk over all vdim channels, 64 at a time in registers, for G heads.
+template <typename V, int G>
+inline void accumulate_values(float* const* acc, const float* correction, const float* const* p,
+                              const float* const* value, int64_t n, int64_t vdim) {
   constexpr int L = V::kLanes;
-  const typename V::F c = V::set1(correction);
   int64_t d0 = 0;
-  for (; d0 + 64 <= vdim; d0 += 64) accumulate_chunk<V, 64 / L>(acc + d0, c, p, value, n, d0);
-  for (; d0 < vdim; d0 += L) accumulate_chunk<V, 1>(acc + d0, c, p, value, n, d0);
+  for (; d0 + 64 <= vdim; d0 += 64) accumulate_chunk<V, 64 / L, G>(acc, correction, p, value, n, d0);
+  for (; d0 < vdim; d0 += L) accumulate_chunk<V, 1, G>(acc, correction, p, value, n, d0);
 }
+
+// Heads taken together by accumulate_values: as many as keep 64 channels' sums of each, the value row
+// and the weights in registers (32 of 16 lanes; 16 of 8 lanes hold one head's).
+template <typename V>
+constexpr int kHeadsTogether = V::kLanes == 16 ? 3 : 1;
 
 // An int8 row of `dim` channels (a multiple of V::kLanes) as floats, unscaled, into buf.
 template <typename V>
@@ -119,8 +134,11 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
   alignas(64) float value_buf[kMaxBlock][kMaxDim];
   const float* key[kMaxBlock];
   const float* value[kMaxBlock];
-  alignas(64) float scores[kMaxBlock];
+  alignas(64) float scores[kMaxGroup][kMaxBlock];  // each query head's, then its weights
   float key_scale[kMaxBlock], value_scale[kMaxBlock];  // int8 rows' scales
+  float correction[kMaxGroup];
+  float* acc[kMaxGroup];
+  const float* weights[kMaxGroup];
   walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t start, int64_t slot0, int64_t n) {
     // The next blocks lie elsewhere in the store (tables are scattered), where the hardware prefetcher
     // cannot guess: fetch the rows two blocks ahead (and, at the first block, the next one too).
@@ -147,18 +165,27 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
       }
     }
     for (int64_t g = 0; g < gn; ++g) {
-      block_scores<V>(w.qs[g], key, n, dim, scores);
+      float* p = scores[g];
+      block_scores<V>(w.qs[g], key, n, dim, p);
       if constexpr (Dtype == 2)
-        for (int64_t j = 0; j < n; ++j) scores[j] *= key_scale[j];
+        for (int64_t j = 0; j < n; ++j) p[j] *= key_scale[j];
       float block_max = w.running_max[g];
-      for (int64_t j = 0; j < n; ++j) block_max = scores[j] > block_max ? scores[j] : block_max;
+      for (int64_t j = 0; j < n; ++j) block_max = p[j] > block_max ? p[j] : block_max;
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
-      const float correction = exp_nonpositive(w.running_max[g] - block_max);
+      correction[g] = exp_nonpositive(w.running_max[g] - block_max);
       w.running_max[g] = block_max;
-      w.total[g] = w.total[g] * correction + exp_block<V>(scores, n, block_max);
+      w.total[g] = w.total[g] * correction[g] + exp_block<V>(p, n, block_max);
       if constexpr (Dtype == 2)
-        for (int64_t j = 0; j < n; ++j) scores[j] *= value_scale[j];  // each value row's scale, on its weight
-      accumulate_values<V>(w.acc[g], correction, scores, value, n, vdim);
+        for (int64_t j = 0; j < n; ++j) p[j] *= value_scale[j];  // each value row's scale, on its weight
+      acc[g] = w.acc[g];
+      weights[g] = p;
+    }
+    constexpr int G = kHeadsTogether<V>;
+    int64_t g = 0;
+    for (; g + G <= gn; g += G) accumulate_values<V, G>(acc + g, correction + g, weights + g, value, n, vdim);
+    if constexpr (G == 3) {
+      if (gn - g == 2) accumulate_values<V, 2>(acc + g, correction + g, weights + g, value, n, vdim);
+      if (gn - g == 1) accumulate_values<V, 1>(acc + g, correction + g, weights + g, value, n, vdim);
     }
   });
 }
