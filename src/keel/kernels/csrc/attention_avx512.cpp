@@ -24,6 +24,8 @@ struct Lanes16 {
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
   static F from_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));

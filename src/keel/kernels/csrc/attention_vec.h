@@ -10,8 +10,8 @@
 // head's output stays in registers while it runs over the block's values.
 //
 // V provides: F (a vector of kLanes floats), zero, load, store, set1, add, sub, mul, max, fmadd,
-// sums (kLanes vectors -> the vector of their lane sums), exp_nonpositive, prefetch, from_i8 (kLanes
-// int8 values as floats) and half (a float16 scale as a float).
+// sums (kLanes vectors -> the vector of their lane sums), reduce_max (the largest lane), exp_nonpositive,
+// prefetch, from_i8 (kLanes int8 values as floats) and half (a float16 scale as a float).
 //
 // int8 rows are converted without their scales: a key's scale multiplies its score, a value's scale
 // its probability, one multiply a row instead of one a channel.
@@ -47,6 +47,19 @@ inline void block_scores(const float* q, const float* const* key, int64_t n, int
     V::store(all, V::sums(acc));
     for (int t = 0; t < left; ++t) scores[j + t] = all[t];
   }
+}
+
+// The largest of v[0..n) and `floor`: a vector maximum (a scalar loop's compare-and-select chain was a
+// tenth of the block body).
+template <typename V>
+inline float max_of(const float* v, int64_t n, float floor) {
+  constexpr int L = V::kLanes;
+  typename V::F m = V::set1(floor);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) m = V::max(m, V::load(v + j));
+  float out = V::reduce_max(m);
+  for (; j < n; ++j) out = v[j] > out ? v[j] : out;
+  return out;
 }
 
 // v[j] = exp(v[j] - shift) for j < n; returns their sum.
@@ -169,8 +182,7 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
       block_scores<V>(w.qs[g], key, n, dim, p);
       if constexpr (Dtype == 2)
         for (int64_t j = 0; j < n; ++j) p[j] *= key_scale[j];
-      float block_max = w.running_max[g];
-      for (int64_t j = 0; j < n; ++j) block_max = p[j] > block_max ? p[j] : block_max;
+      const float block_max = max_of<V>(p, n, w.running_max[g]);
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
       correction[g] = exp_nonpositive(w.running_max[g] - block_max);
       w.running_max[g] = block_max;
