@@ -26,7 +26,9 @@ struct Lanes16 {
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
-  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  // Into L2: the next blocks' lines requested into L1 held its fill buffers, and the prefetches stalled
+  // behind them once the cache no longer fits in L2 (docs/BENCHMARKS.md, sixth part).
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static F from_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
