@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -69,6 +70,20 @@ inline PanelView view_of(const BlockWeights& w, int64_t p, int rows) {
   const char* scales = static_cast<const char*>(w.scales) + first * groups_of(w) * entry;
   const char* mins = w.mins == nullptr ? nullptr : static_cast<const char*>(w.mins) + first * groups_of(w) * entry;
   return PanelView{w.codes + first * w.row_bytes, rows * (w.bits == 4 ? 16 : 32), scales, mins, rows};
+}
+
+// f(p, rows, std::true_type{}) for each whole panel of [p0, p1), f(p, rows, std::false_type{}) for a last
+// partial one (its rows fewer than kRows): the kernels' Full template argument.
+template <typename F>
+inline void for_each_panel(const BlockWeights& w, int64_t p0, int64_t p1, F&& f) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t left = w.rows - p * kRows;
+    if (left >= kRows) {
+      f(p, kRows, std::true_type{});
+    } else {
+      f(p, static_cast<int>(left), std::false_type{});
+    }
+  }
 }
 
 // The group of block b: its own (Sub: 2b, then 2b + 1 for values 16..31), one per 2^shift blocks, or

@@ -142,14 +142,9 @@ template <int Bits, bool Half, bool Min, bool Two>
 void panels(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a, const int32_t* offsets,
             int64_t m0, int64_t m1, float* out, int64_t ldo) {
   std::vector<uint8_t> storage;  // an expanded panel's (one at a time)
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t left = w.rows - p * kRows;
-    if (left >= kRows) {
-      panel<Bits, Half, Min, Two, true>(w, p, kRows, a, offsets, m0, m1, out, ldo, storage);
-    } else {
-      panel<Bits, Half, Min, Two, false>(w, p, static_cast<int>(left), a, offsets, m0, m1, out, ldo, storage);
-    }
-  }
+  for_each_panel(w, p0, p1, [&](int64_t p, int rows, auto full) {
+    panel<Bits, Half, Min, Two, decltype(full)::value>(w, p, rows, a, offsets, m0, m1, out, ldo, storage);
+  });
 }
 
 template <int Bits>
