@@ -28,6 +28,11 @@ struct Quantized {
   float *d, *s, *d2;
 };
 
+// K of block codes [N, *]: two values a byte for 4-bit codes.
+int64_t in_features_of(const at::Tensor& codes, int64_t bits) {
+  return bits == 4 ? codes.size(1) * 2 : codes.size(1);
+}
+
 BlockWeights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                         int64_t bits, int64_t k, int64_t panel_rows) {
   TORCH_CHECK(bits == 4 || bits == 8, "keel block weights: bits must be 4 or 8, got ", bits);
@@ -78,25 +83,28 @@ at::Tensor transpose_panels(const at::Tensor& t, bool to_panels) {
   return out;
 }
 
-// Codes as 4-byte units (8-bit codes with their +128 turned on or off: the panel layout stores it).
-at::Tensor transpose_code_panels(const at::Tensor& codes, int64_t bits, bool to_panels) {
-  at::Tensor c = codes;
-  if (bits == 8 && !to_panels) c = at::bitwise_xor(codes.view(at::kByte), 0x80).view(at::kChar);
-  at::Tensor out = transpose_panels(c.view(at::kInt), to_panels).view(codes.scalar_type());
-  if (bits == 8 && to_panels) out = at::bitwise_xor(out.view(at::kByte), 0x80).view(at::kChar);
+// 8-bit codes with the panel layout's +128 turned on, or off (the XOR is its own inverse); 4-bit codes
+// as they are.
+at::Tensor toggle_code_offset(const at::Tensor& codes, int64_t bits) {
+  return bits == 8 ? at::bitwise_xor(codes.view(at::kByte), 0x80).view(at::kChar) : codes;
+}
+
+// Codes, scales and mins moved into the panel layout (to_panels) or back to rows: [codes, scales, mins?].
+// Codes move as 4-byte units; the +128 is a byte-wise XOR, so it commutes with the move.
+std::vector<at::Tensor> transposed_blocks(const at::Tensor& codes, const at::Tensor& scales,
+                                          const c10::optional<at::Tensor>& mins, int64_t bits, bool to_panels) {
+  const at::Tensor moved = transpose_panels(codes.view(at::kInt), to_panels).view(codes.scalar_type());
+  std::vector<at::Tensor> out{toggle_code_offset(moved, bits), transpose_panels(scales, to_panels)};
+  if (mins.has_value()) out.push_back(transpose_panels(*mins, to_panels));
   return out;
 }
 
 // The row layout of weights in either layout: [codes, scales, mins?].
 std::vector<at::Tensor> rows_of(const at::Tensor& codes, const at::Tensor& scales,
                                 const c10::optional<at::Tensor>& mins, int64_t bits, int64_t panel_rows) {
-  if (panel_rows == 0) {
-    std::vector<at::Tensor> out{codes, scales};
-    if (mins.has_value()) out.push_back(*mins);
-    return out;
-  }
-  std::vector<at::Tensor> out{transpose_code_panels(codes, bits, false), transpose_panels(scales, false)};
-  if (mins.has_value()) out.push_back(transpose_panels(*mins, false));
+  if (panel_rows != 0) return transposed_blocks(codes, scales, mins, bits, false);
+  std::vector<at::Tensor> out{codes, scales};
+  if (mins.has_value()) out.push_back(*mins);
   return out;
 }
 
@@ -299,7 +307,7 @@ void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, 
 
 at::Tensor dequantize_selected(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                                int64_t bits, const int64_t* rows, int64_t count) {
-  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  const int64_t k = in_features_of(codes, bits);
   const BlockWeights w = weights_of(codes, scales, mins, bits, k, 0);
   at::Tensor out = at::empty({count, k}, scales.options().dtype(at::kFloat));
   if (w.scale_half) {
@@ -346,8 +354,8 @@ at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const
     out = dequantize_selected(codes, scales, mins, bits, rows, flat.numel());
   } else {  // the step's rows gathered into the row layout, then dequantized as rows 0..count-1
     TORCH_CHECK(panel_rows == kPanelRows, "keel::block_embedding: panel_rows must be 0 or ", kPanelRows);
-    at::Tensor c = rows_from_panels(codes.view(at::kInt), flat).view(codes.scalar_type());
-    if (bits == 8) c = at::bitwise_xor(c.view(at::kByte), 0x80).view(at::kChar);
+    const at::Tensor c =
+        toggle_code_offset(rows_from_panels(codes.view(at::kInt), flat).view(codes.scalar_type()), bits);
     c10::optional<at::Tensor> m;
     if (mins.has_value()) m = rows_from_panels(*mins, flat);
     out = dequantize_selected(c, rows_from_panels(scales, flat), m, bits, nullptr, flat.numel());
@@ -361,16 +369,14 @@ at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const
 
 std::vector<at::Tensor> block_panels(const at::Tensor& codes, const at::Tensor& scales,
                                      const c10::optional<at::Tensor>& mins, int64_t bits) {
-  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  const int64_t k = in_features_of(codes, bits);
   weights_of(codes, scales, mins, bits, k, 0);  // the checks
-  std::vector<at::Tensor> out{transpose_code_panels(codes, bits, true), transpose_panels(scales, true)};
-  if (mins.has_value()) out.push_back(transpose_panels(*mins, true));
-  return out;
+  return transposed_blocks(codes, scales, mins, bits, true);
 }
 
 std::vector<at::Tensor> block_rows(const at::Tensor& codes, const at::Tensor& scales,
                                    const c10::optional<at::Tensor>& mins, int64_t bits) {
-  const int64_t k = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  const int64_t k = in_features_of(codes, bits);
   weights_of(codes, scales, mins, bits, k, kPanelRows);
   return rows_of(codes, scales, mins, bits, kPanelRows);
 }
