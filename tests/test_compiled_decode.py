@@ -54,6 +54,19 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     assert compiled == eager
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_compiled_decode_runs_block_quantized_weights(tmp_path, quantize):
+    """keel's block layout (the integer kernels) inside the graph: the same tokens as eager steps."""
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    extra = {"quantize": quantize, "quant_group_size": 32}
+    _, eager = _generate(tmp_path, False, **extra)
+    llm, compiled = _generate(tmp_path, True, **extra)
+    assert any(getattr(m, "layout", None) == "blocks" for m in llm.engine.model.modules())
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 20
+    assert compiled == eager
+
+
 def test_auto_compiles_only_large_dense_models(tmp_path, monkeypatch):
     save_hf_model("llama", tmp_path / "dense")
     save_hf_model("qwen2_moe", tmp_path / "moe")

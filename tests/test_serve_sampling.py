@@ -174,6 +174,37 @@ def test_kernel_draw_inverts_the_filtered_distribution(params):
     assert greedy.item() == 7
 
 
+def _first_largest(row: list[float]) -> int:
+    """The scan greedy decoding defines: the best so far replaced only by a strictly larger value."""
+    best = 0
+    for i, value in enumerate(row):
+        if value > row[best]:
+            best = i
+    return best
+
+
+@pytest.mark.skipif(not kernels.enabled(), reason=f"keel kernels: {kernels.status()}")
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152 + 5])
+def test_greedy_rows_take_the_first_largest_logit(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(-3, 4, (6, vocab), generator=g).float()  # many ties
+    rows[1, vocab // 2] = float("inf")
+    rows[2] = float("-inf")
+    rows[3, 0] = float("nan")  # a NaN first logit: nothing compares greater
+    rows[4, vocab - 1] = float("nan")  # a NaN elsewhere is never the largest
+    rows[5, vocab - 1] = 100.0  # the largest in the tail past the last whole vector
+    n = rows.shape[0]
+    got = torch.ops.keel.sample_rows(
+        rows,
+        torch.zeros(n),
+        torch.zeros(n, dtype=torch.int64),
+        torch.ones(n),
+        torch.zeros(n),
+        torch.zeros(n, dtype=torch.float64),
+    )
+    assert got.tolist() == [_first_largest(r) for r in rows.tolist()]
+
+
 def test_rows_keep_their_own_parameters_in_one_batch():
     torch.manual_seed(2)
     params = [SamplingParams(top_k=1), SamplingParams(top_p=0.6), SamplingParams(temperature=0), SamplingParams()]

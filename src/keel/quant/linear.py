@@ -432,7 +432,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.layout == "blocks":
-            if self._dequantizes(x.shape[:-1].numel()) and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self._dequantizes(x.shape[:-1].numel()):
                 return self._dequantized_product(x)
             b = self._buffers
             return torch.ops.keel.block_linear(

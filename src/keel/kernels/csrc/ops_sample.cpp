@@ -15,6 +15,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace keel {
 
 namespace {
@@ -29,11 +33,32 @@ inline bool before(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
+// The first index of the row's largest value (a NaN first value stays the answer, as a scan keeping
+// the best so far by `>` leaves it). Two passes over whole vectors: the maximum in independent lanes,
+// then the first vector that holds it. (A scan comparing each value with the best so far is a
+// dependent chain a value; the compiler does not vectorise `x > m ? x : m` on floats itself.)
 int64_t greedy_row(const float* x, int64_t vocab) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < vocab; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+  float top = x[0];
+  int64_t i = 0, from = 0;
+#if defined(__SSE2__)
+  // _mm_max_ps(a, b) is a > b ? a : b lane by lane, NaNs included: the scalar rule below.
+  __m128 lanes[4] = {_mm_set1_ps(top), _mm_set1_ps(top), _mm_set1_ps(top), _mm_set1_ps(top)};
+  for (; i + 16 <= vocab; i += 16)
+    for (int j = 0; j < 4; ++j) lanes[j] = _mm_max_ps(_mm_loadu_ps(x + i + 4 * j), lanes[j]);
+  alignas(16) float kept[16];
+  for (int j = 0; j < 4; ++j) _mm_store_ps(kept + 4 * j, lanes[j]);
+  for (const float v : kept) top = v > top ? v : top;
+#endif
+  for (; i < vocab; ++i) top = x[i] > top ? x[i] : top;
+  if (top != top) return 0;  // x[0] is NaN: nothing compares greater
+#if defined(__SSE2__)
+  const __m128 wanted = _mm_set1_ps(top);
+  for (; from + 4 <= vocab; from += 4)
+    if (_mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + from), wanted)) != 0) break;
+#endif
+  for (int64_t k = from; k < vocab; ++k)
+    if (x[k] == top) return k;
+  return 0;
 }
 
 // The first `count` candidates of the row in sorted order.
