@@ -138,3 +138,6 @@ def test_kept_stacks_follow_changes_to_the_layers(tmp_path, fused_calls):
     swapped = _run(llm, True)
     assert swapped == _run(llm, False) and swapped != one_pass
     assert fused_calls["stacks"] > 0
+    # Kept stacks hold their lists on the C++ side (keel.DecoderStack), converted once.
+    kept = layers.__dict__["_keel_stacks"][3]
+    assert any(stack is not None and stack.held is not None for stack in kept.values())

@@ -116,6 +116,12 @@ class _Stack:
     def __init__(self, tensors: list, ints: list[int], floats: list[float], keys: list, values: list, first: int):
         self.tensors, self.ints, self.floats, self.keys, self.values = tensors, ints, floats, keys, values
         self.first = first  # the first layer's index in the cache: its `in_place` hands over a step's rows
+        self.held: object | None = None  # the lists on the C++ side (`hold`)
+
+    def hold(self) -> None:
+        """Convert the lists once into a keel.DecoderStack for the steps to come: passed on each call,
+        their ~20 entries a layer cost ~0.25 us each to convert (docs/BENCHMARKS.md, seventh part)."""
+        self.held = torch.classes.keel.DecoderStack(self.tensors, self.ints, self.floats, self.keys, self.values)
 
     @classmethod
     def of(cls, args: list[tuple]) -> _Stack | None:
@@ -134,6 +140,8 @@ class _Stack:
     def run(self, x: Tensor, meta: AttentionMetadata, stores: object) -> Tensor:
         cos, sin = meta.rope
         rows = stores.rows
+        if self.held is not None:
+            return self.held.run(x, cos, sin, stores.slots, rows.tables, rows.table_of, rows.positions)
         return torch.ops.keel.decoder_layers(
             x, self.tensors, self.ints, self.floats, cos, sin, self.keys, self.values,
             stores.slots, rows.tables, rows.table_of, rows.positions,
@@ -194,6 +202,8 @@ def fused_layers(layers: nn.ModuleDict, x: Tensor, meta: AttentionMetadata) -> T
             break
         args.append(one)
     stack = _Stack.of(args) if len(args) == len(layers) else None
+    if stack is not None:
+        stack.hold()  # kept for the steps to come
     if len(sizes) >= _MAX_SIZES:
         sizes.clear()
     sizes[tokens] = stack

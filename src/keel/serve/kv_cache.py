@@ -104,6 +104,11 @@ class InPlaceLayer:
 
 def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
     """The plan's decode groups and prefill chunks as one `PagedRows` (built once per step)."""
+    if not plan.prefills and len(plan.decodes) == 1 and plan.decodes[0].whole_step:
+        # Every row a decode, in order (batch-1 decode, most decode steps): the group's own tensors, not
+        # a dozen small ops that, on caches the step's weights sweep, cost a measurable share of a step.
+        group = plan.decodes[0]
+        return PagedRows(group.tables.cpu().to(torch.int32), torch.arange(num_tokens), group.positions.cpu())
     tables: list[Tensor] = []  # [rows, width] each: a decode group's (padded already), a chunk's
     table_of = torch.zeros(num_tokens, dtype=torch.long)
     positions = torch.zeros(num_tokens, dtype=torch.long)

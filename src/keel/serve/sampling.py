@@ -25,6 +25,7 @@ whatever the request's sampling parameters (what OpenAI clients expect from `log
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -354,6 +355,8 @@ def _sample_on_kernels(x: Tensor, states: list[RowState]) -> Tensor:
     if x.shape[0] != len(states):
         raise ValueError(f"logits {tuple(x.shape)} do not match {len(states)} row states")
     params = [s.params for s in states]
+    if all(p.greedy for p in params):
+        return torch.ops.keel.sample_rows(x.float(), *_greedy_arguments(len(params)))
     temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
@@ -366,6 +369,19 @@ def _sample_on_kernels(x: Tensor, states: list[RowState]) -> Tensor:
         if not s.params.greedy and s.generator is not None:
             uniform[i] = torch.rand((), dtype=torch.float64, generator=s.generator)
     return torch.ops.keel.sample_rows(x.float(), temperature, top_k, top_p, min_p, uniform)
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy_arguments(rows: int) -> tuple[Tensor, ...]:
+    """keel::sample_rows' parameters for `rows` greedy rows (read, never written: kept per batch size,
+    as building five small tensors a step costs more than the draw)."""
+    return (
+        torch.zeros(rows),
+        torch.zeros(rows, dtype=torch.int64),
+        torch.ones(rows),
+        torch.zeros(rows),
+        torch.zeros(rows, dtype=torch.float64),
+    )
 
 
 def _logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: list[int | None]) -> LogprobsTensors:

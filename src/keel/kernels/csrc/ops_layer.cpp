@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -194,11 +196,40 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<
   return x.view(x_in.sizes());
 }
 
+// A stack's per-layer arguments held on the C++ side, for one call a step with the step's tensors only.
+//
+// Why: handing keel::decoder_layers its 20 tensors a layer from Python converts each list entry on
+// every call (~0.25 us an entry: ~170 us a step for a 30-layer model, docs/BENCHMARKS.md); the stack's
+// weights, norms and K/V stores do not change between steps, so they are converted once, here.
+struct DecoderStack : torch::CustomClassHolder {
+  c10::List<c10::optional<at::Tensor>> tensors;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  std::vector<at::Tensor> k_stores, v_stores;
+
+  DecoderStack(c10::List<c10::optional<at::Tensor>> tensors_, std::vector<int64_t> ints_, std::vector<double> floats_,
+               std::vector<at::Tensor> k_stores_, std::vector<at::Tensor> v_stores_)
+      : tensors(std::move(tensors_)),
+        ints(std::move(ints_)),
+        floats(std::move(floats_)),
+        k_stores(std::move(k_stores_)),
+        v_stores(std::move(v_stores_)) {}
+
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                 const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions) {
+    return decoder_layers(x, tensors, ints, floats, cos, sin, k_stores, v_stores, slots, tables, table_of, positions);
+  }
+};
+
 }  // namespace
 
 }  // namespace keel
 
 TORCH_LIBRARY_FRAGMENT(keel, m) {
+  m.class_<keel::DecoderStack>("DecoderStack")
+      .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>, std::vector<double>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("run", &keel::DecoderStack::run);
   m.def(
       "decoder_layers(Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor cos, Tensor sin, "
       "Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor slots, Tensor tables, Tensor table_of, "

@@ -354,8 +354,11 @@ at::Tensor block_embedding(const at::Tensor& ids, const at::Tensor& codes, const
     out = dequantize_selected(codes, scales, mins, bits, rows, flat.numel());
   } else {  // the step's rows gathered into the row layout, then dequantized as rows 0..count-1
     TORCH_CHECK(panel_rows == kPanelRows, "keel::block_embedding: panel_rows must be 0 or ", kPanelRows);
-    const at::Tensor c =
-        toggle_code_offset(rows_from_panels(codes.view(at::kInt), flat).view(codes.scalar_type()), bits);
+    const at::Tensor c = rows_from_panels(codes.view(at::kInt), flat).view(codes.scalar_type());
+    if (bits == 8) {  // the panel layout's +128 off, in place on the gathered rows (toggle_code_offset's XOR)
+      uint8_t* byte = static_cast<uint8_t*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) byte[i] ^= 0x80;
+    }
     c10::optional<at::Tensor> m;
     if (mins.has_value()) m = rows_from_panels(*mins, flat);
     out = dequantize_selected(c, rows_from_panels(scales, flat), m, bits, nullptr, flat.numel());
