@@ -10,11 +10,24 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
                         int64_t passes, int64_t panel_rows);
 
+// block_linear on x [m, k] float32 into out [m, N] (add: out += the result, the bias included first),
+// with no tensor allocated on the panel layout's VNNI/AMX path; the same values as block_linear.
+void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                       int64_t passes, int64_t panel_rows, float* out, bool add);
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
                            const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
                            const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
                            int64_t v_dim);
+
+// paged_attention on q [rows, heads, dim] float32 into out [rows, heads, v_dim] (no tensor allocated).
+void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t dim, const at::Tensor& keys,
+                          const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& key_scales,
+                          const c10::optional<at::Tensor>& value_scales, const at::Tensor& tables,
+                          const c10::optional<at::Tensor>& table_of, const at::Tensor& positions, int64_t block_size,
+                          int64_t window, double scale, int64_t v_dim, float* out);
 
 // Row loops of the fused small operators (ops_small.cpp), float32, parallel over rows.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);

@@ -32,14 +32,13 @@ const uint16_t* scales_of(const c10::optional<at::Tensor>& scales, const at::Ten
 
 }  // namespace
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
-                           const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
-                           const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
-                           const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
-                           int64_t v_dim) {
-  TORCH_CHECK(q.dim() == 3, "keel::paged_attention: q must be [R, H, D]");
+void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t dim, const at::Tensor& keys,
+                          const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& key_scales,
+                          const c10::optional<at::Tensor>& value_scales, const at::Tensor& tables,
+                          const c10::optional<at::Tensor>& table_of, const at::Tensor& positions, int64_t block_size,
+                          int64_t window, double scale, int64_t v_dim, float* out) {
   TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous(), "keel::paged_attention: keys must be a contiguous [H_kv, slots, D]");
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = keys.size(0);
+  const int64_t kv_heads = keys.size(0);
   TORCH_CHECK(keys.size(2) == dim, "keel::paged_attention: q has ", dim, " channels, the keys ", keys.size(2));
   TORCH_CHECK(heads % kv_heads == 0, "keel::paged_attention: ", heads, " query heads over ", kv_heads, " KV heads");
   TORCH_CHECK(dim <= 576 && v_dim <= dim && block_size <= 64 && block_size > 0,
@@ -77,8 +76,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
       TORCH_CHECK(tab[t * width + b] >= 0 && tab[t * width + b] < blocks, "keel::paged_attention: block ",
                   tab[t * width + b], " outside the store");
   }
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, heads, v_dim}, qf.options());
   const PagedStore store{dtype,
                          keys.data_ptr(),
                          values.has_value() ? values->data_ptr() : nullptr,
@@ -89,8 +86,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
                          dim,
                          v_dim,
                          block_size};
-  const PagedQuery query{qf.data_ptr<float>(), heads, tab, width, table_index, pos, window,
-                         static_cast<float>(scale), out.data_ptr<float>()};
+  const PagedQuery query{q, heads, tab, width, table_index, pos, window, static_cast<float>(scale), out};
   const Isa isa = current_isa();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t i0, int64_t i1) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -105,6 +101,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
 #endif
     paged_attention_scalar(store, query, i0, i1);
   });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
+                           const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
+                           const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
+                           const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
+                           int64_t v_dim) {
+  TORCH_CHECK(q.dim() == 3, "keel::paged_attention: q must be [R, H, D]");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, heads, v_dim}, qf.options());
+  paged_attention_into(qf.data_ptr<float>(), rows, heads, dim, keys, values, key_scales, value_scales, tables,
+                       table_of, positions, block_size, window, scale, v_dim, out.data_ptr<float>());
   return out.to(q.scalar_type());
 }
 

@@ -28,9 +28,24 @@ struct Projection {
   c10::optional<at::Tensor> scales, mins, bias;
   int64_t bits, passes, panel_rows;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (bits == 0) return at::linear(x, weight, bias);
-    return block_linear(x, weight, *scales, mins, bits, bias, passes, panel_rows);
+  int64_t out_features() const { return weight.size(0); }
+  int64_t in_features() const { return bits == 4 ? weight.size(1) * 2 : weight.size(1); }
+
+  // x [m, K] -> out [m, N], or out += it (add): the values the separate operators give.
+  void into(const float* x, int64_t m, float* out, bool add) const {
+    const int64_t k = in_features(), n = out_features();
+    if (bits != 0) {
+      block_linear_into(x, m, k, weight, *scales, mins, bits, bias, passes, panel_rows, out, add);
+      return;
+    }
+    const at::Tensor y =
+        at::linear(at::from_blob(const_cast<float*>(x), {m, k}, weight.options()), weight, bias).contiguous();
+    const float* yp = y.data_ptr<float>();
+    if (add) {
+      for (int64_t i = 0; i < m * n; ++i) out[i] += yp[i];
+    } else {
+      std::memcpy(out, yp, sizeof(float) * m * n);
+    }
   }
 };
 
@@ -67,23 +82,18 @@ const float* norm_weight(const c10::optional<at::Tensor>& w, int64_t dim, const 
 }
 
 // Channels [from, from + heads * dim) of each row of `packed` [T, width] -> a contiguous [T, heads, dim].
-at::Tensor heads_of(const at::Tensor& packed, int64_t from, int64_t heads, int64_t dim) {
-  const int64_t tokens = packed.size(0), width = packed.size(1);
-  at::Tensor out = at::empty({tokens, heads, dim}, packed.options());
-  const float* src = packed.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+void heads_of(const float* packed, int64_t tokens, int64_t width, int64_t from, int64_t heads, int64_t dim,
+              float* out) {
   for (int64_t t = 0; t < tokens; ++t)
-    std::memcpy(dst + t * heads * dim, src + t * width + from, sizeof(float) * heads * dim);
-  return out;
+    std::memcpy(out + t * heads * dim, packed + t * width + from, sizeof(float) * heads * dim);
 }
 
 // rows [T, H_kv, D] float32 into slots[t] of store [H_kv, slots, D] (float32, or bfloat16 rounded to
 // nearest even as torch's conversion rounds).
-void write_rows(at::Tensor& store, const at::Tensor& rows, const int64_t* slots) {
-  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2), capacity = store.size(1);
+void write_rows(at::Tensor& store, const float* src, int64_t tokens, const int64_t* slots) {
+  const int64_t heads = store.size(0), capacity = store.size(1), dim = store.size(2);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "keel::decoder_layers: slot ", slots[t], " outside the store");
-  const float* src = rows.data_ptr<float>();
   if (store.scalar_type() == at::kFloat) {
     float* dst = store.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t)
@@ -100,13 +110,24 @@ void write_rows(at::Tensor& store, const at::Tensor& rows, const int64_t* slots)
     }
 }
 
-// One layer: x [T, hidden] -> [T, hidden].
-at::Tensor layer_forward(const at::Tensor& x, const LayerArgs& args, const at::Tensor& cos, const at::Tensor& sin,
-                         at::Tensor& k_store, at::Tensor& v_store, const at::Tensor& slots, const at::Tensor& tables,
-                         const at::Tensor& table_of, const at::Tensor& positions) {
+// One call's buffers, reused by every layer of the stack (an allocation a buffer a layer cost about a
+// tenth of a decode step's time outside the products: docs/BENCHMARKS.md, seventh part).
+struct Workspace {
+  std::vector<float> normed, packed, q, k, v, q_rot, k_rot, attended, gu, act;
+};
+
+float* sized(std::vector<float>& buffer, int64_t count) {
+  buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
+// One layer: src [T, hidden] -> dst [T, hidden] (dst is not src).
+void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden, const LayerArgs& args,
+                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store,
+                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& table_of,
+                   const at::Tensor& positions, Workspace& ws) {
   const int64_t* ints = args.ints;
   const double* floats = args.floats;
-  const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t heads = ints[12], kv_heads = ints[13], dim = ints[14], block_size = ints[15], window = ints[16];
   TORCH_CHECK(k_store.scalar_type() == v_store.scalar_type() &&
                   (k_store.scalar_type() == at::kFloat || k_store.scalar_type() == at::kBFloat16) &&
@@ -118,6 +139,15 @@ at::Tensor layer_forward(const at::Tensor& x, const LayerArgs& args, const at::T
               "keel::decoder_layers: cos/sin must have a head-dim row per token");
   const Projection qkv = projection(args, 0), out_proj = projection(args, 1), gate_up = projection(args, 2),
                    down = projection(args, 3);
+  const int64_t width = (heads + 2 * kv_heads) * dim, inter = gate_up.out_features() / 2;
+  TORCH_CHECK(qkv.in_features() == hidden && qkv.out_features() == width, "keel::decoder_layers: the q/k/v projection is ",
+              qkv.out_features(), " x ", qkv.in_features(), " for ", heads, " + 2 x ", kv_heads, " heads of ", dim,
+              " over ", hidden);
+  TORCH_CHECK(out_proj.in_features() == heads * dim && out_proj.out_features() == hidden,
+              "keel::decoder_layers: the output projection does not map ", heads * dim, " to ", hidden);
+  TORCH_CHECK(gate_up.in_features() == hidden && gate_up.out_features() % 2 == 0 && down.in_features() == inter &&
+                  down.out_features() == hidden,
+              "keel::decoder_layers: the MLP projections do not fit ", hidden, " and ", inter);
   const float* input_norm = norm_weight(args.entry(16), hidden, "the input norm");
   const float* post_norm = norm_weight(args.entry(17), hidden, "the post-attention norm");
   const float* q_norm = norm_weight(args.entry(18), dim, "the q norm");
@@ -125,40 +155,37 @@ at::Tensor layer_forward(const at::Tensor& x, const LayerArgs& args, const at::T
   TORCH_CHECK(input_norm != nullptr && post_norm != nullptr, "keel::decoder_layers: both layer norms are required");
 
   // Attention: norm, q/k/v, per-head norms, rotary, K/V into their slots, attention over the blocks.
-  at::Tensor normed = at::empty_like(x);
-  rms_norm_rows(x.data_ptr<float>(), input_norm, normed.data_ptr<float>(), tokens, hidden,
-                static_cast<float>(floats[0]));
-  const at::Tensor packed = qkv(normed);
-  TORCH_CHECK(packed.size(1) == (heads + 2 * kv_heads) * dim, "keel::decoder_layers: the q/k/v projection gives ",
-              packed.size(1), " channels for ", heads, " + 2 x ", kv_heads, " heads of ", dim);
-  at::Tensor q = heads_of(packed, 0, heads, dim);
-  at::Tensor k = heads_of(packed, heads * dim, kv_heads, dim);
-  const at::Tensor v = heads_of(packed, (heads + kv_heads) * dim, kv_heads, dim);
-  if (q_norm != nullptr)
-    rms_norm_rows(q.data_ptr<float>(), q_norm, q.data_ptr<float>(), tokens * heads, dim, static_cast<float>(floats[2]));
-  if (k_norm != nullptr)
-    rms_norm_rows(k.data_ptr<float>(), k_norm, k.data_ptr<float>(), tokens * kv_heads, dim,
-                  static_cast<float>(floats[3]));
-  at::Tensor q_rot = at::empty_like(q), k_rot = at::empty_like(k);
-  rotary_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot.data_ptr<float>(), tokens,
-              heads, dim);
-  rotary_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot.data_ptr<float>(), tokens,
-              kv_heads, dim);
-  write_rows(k_store, k_rot, slots.data_ptr<int64_t>());
-  write_rows(v_store, v, slots.data_ptr<int64_t>());
-  const at::Tensor attended = paged_attention(q_rot, k_store, v_store, c10::nullopt, c10::nullopt, tables, table_of,
-                                              positions, block_size, window, floats[4], dim);
+  float* normed = sized(ws.normed, tokens * hidden);
+  rms_norm_rows(src, input_norm, normed, tokens, hidden, static_cast<float>(floats[0]));
+  float* packed = sized(ws.packed, tokens * width);
+  qkv.into(normed, tokens, packed, false);
+  float* q = sized(ws.q, tokens * heads * dim);
+  float* k = sized(ws.k, tokens * kv_heads * dim);
+  float* v = sized(ws.v, tokens * kv_heads * dim);
+  heads_of(packed, tokens, width, 0, heads, dim, q);
+  heads_of(packed, tokens, width, heads * dim, kv_heads, dim, k);
+  heads_of(packed, tokens, width, (heads + kv_heads) * dim, kv_heads, dim, v);
+  if (q_norm != nullptr) rms_norm_rows(q, q_norm, q, tokens * heads, dim, static_cast<float>(floats[2]));
+  if (k_norm != nullptr) rms_norm_rows(k, k_norm, k, tokens * kv_heads, dim, static_cast<float>(floats[3]));
+  float* q_rot = sized(ws.q_rot, tokens * heads * dim);
+  float* k_rot = sized(ws.k_rot, tokens * kv_heads * dim);
+  rotary_rows(q, cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot, tokens, heads, dim);
+  rotary_rows(k, cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot, tokens, kv_heads, dim);
+  write_rows(k_store, k_rot, tokens, slots.data_ptr<int64_t>());
+  write_rows(v_store, v, tokens, slots.data_ptr<int64_t>());
+  float* attended = sized(ws.attended, tokens * heads * dim);
+  paged_attention_into(q_rot, tokens, heads, dim, k_store, v_store, c10::nullopt, c10::nullopt, tables, table_of,
+                       positions, block_size, window, floats[4], dim, attended);
 
   // The residual, then the MLP: norm, gate/up, SiLU-and-multiply, down, the residual.
-  at::Tensor h = x + out_proj(attended.view({tokens, heads * dim}));
-  rms_norm_rows(h.data_ptr<float>(), post_norm, normed.data_ptr<float>(), tokens, hidden,
-                static_cast<float>(floats[1]));
-  const at::Tensor gu = gate_up(normed);
-  const int64_t inter = gu.size(1) / 2;
-  at::Tensor act = at::empty({tokens, inter}, x.options());
-  silu_mul_rows(gu.data_ptr<float>(), gu.size(1), gu.data_ptr<float>() + inter, gu.size(1), act.data_ptr<float>(),
-                tokens, inter);
-  return h.add_(down(act));
+  std::memcpy(dst, src, sizeof(float) * tokens * hidden);
+  out_proj.into(attended, tokens, dst, true);
+  rms_norm_rows(dst, post_norm, normed, tokens, hidden, static_cast<float>(floats[1]));
+  float* gu = sized(ws.gu, tokens * 2 * inter);
+  gate_up.into(normed, tokens, gu, false);
+  float* act = sized(ws.act, tokens * inter);
+  silu_mul_rows(gu, 2 * inter, gu + inter, 2 * inter, act, tokens, inter);
+  down.into(act, tokens, dst, true);
 }
 
 // For L layers, each layer's arguments in turn:
@@ -187,13 +214,21 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<
   at::Tensor x = x_in.view({-1, x_in.size(-1)});
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
               "keel::decoder_layers: slots must be int64 [T]");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  // Layers alternate between `out` and a second buffer so that the last one writes `out`; x is only read.
+  at::Tensor out = at::empty_like(x);
+  std::vector<float> other(static_cast<size_t>(layers > 1 ? tokens * hidden : 0));
+  Workspace ws;
+  const float* src = x.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
     const LayerArgs args{tensors, l, ints.data() + l * kInts, floats.data() + l * kFloats};
     // The stores are mutable views; TensorList hands out const references to the list's tensors.
     at::Tensor k_store = k_stores[l], v_store = v_stores[l];
-    x = layer_forward(x, args, cos, sin, k_store, v_store, slots, tables, table_of, positions);
+    float* dst = (layers - 1 - l) % 2 == 0 ? out.data_ptr<float>() : other.data();
+    layer_forward(src, dst, tokens, hidden, args, cos, sin, k_store, v_store, slots, tables, table_of, positions, ws);
+    src = dst;
   }
-  return x.view(x_in.sizes());
+  return out.view(x_in.sizes());
 }
 
 // A stack's per-layer arguments held on the C++ side, for one call a step with the step's tensors only.

@@ -115,18 +115,24 @@ c10::optional<at::Tensor> mins_in(const std::vector<at::Tensor>& tensors) {
 // The order the chosen kernel reads a row's activation codes in (kernels.h).
 enum class Order { kNatural, kPairs, kQuads };
 
-Quantized quantize_activations(const at::Tensor& x2, bool two_passes, Order order) {
-  const int64_t m = x2.size(0), k = x2.size(1), blocks = m * (k / kBlock);
-  const int64_t floats = blocks * (two_passes ? 3 : 2), codes = m * k * (two_passes ? 2 : 1);
+// Bytes of one product's quantized activations (m rows of k): scales and sums, then the codes.
+int64_t quantized_bytes(int64_t m, int64_t k, bool two_passes) {
+  const int64_t blocks = m * (k / kBlock);
+  return blocks * (two_passes ? 3 : 2) * static_cast<int64_t>(sizeof(float)) + m * k * (two_passes ? 2 : 1);
+}
+
+// x [m, k] float32 quantized into `storage` (quantized_bytes of it, float-aligned).
+Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool two_passes, Order order,
+                                    uint8_t* storage) {
+  const int64_t blocks = m * (k / kBlock);
+  const int64_t floats = blocks * (two_passes ? 3 : 2);
   Quantized out;
-  out.storage = at::empty({floats * static_cast<int64_t>(sizeof(float)) + codes}, x2.options().dtype(at::kByte));
-  float* base = reinterpret_cast<float*>(out.storage.data_ptr<uint8_t>());  // floats first: aligned
+  float* base = reinterpret_cast<float*>(storage);  // floats first: aligned
   out.d = base;
   out.s = base + blocks;
   out.d2 = two_passes ? base + 2 * blocks : nullptr;
   out.q = reinterpret_cast<int8_t*>(base + floats);
   out.q2 = two_passes ? out.q + m * k : nullptr;
-  const float* x = x2.data_ptr<float>();
   int8_t *q = out.q, *q2 = out.q2;
   float *d = out.d, *s = out.s, *d2 = out.d2;
   const Isa isa = current_isa();
@@ -152,6 +158,14 @@ Quantized quantize_activations(const at::Tensor& x2, bool two_passes, Order orde
   return out;
 }
 
+Quantized quantize_activations(const at::Tensor& x2, bool two_passes, Order order) {
+  const int64_t m = x2.size(0), k = x2.size(1);
+  at::Tensor storage = at::empty({quantized_bytes(m, k, two_passes)}, x2.options().dtype(at::kByte));
+  Quantized out = quantize_activations_into(x2.data_ptr<float>(), m, k, two_passes, order, storage.data_ptr<uint8_t>());
+  out.storage = storage;
+  return out;
+}
+
 // The bias, then the input's dtype and leading shape.
 at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t n) {
   if (bias.has_value()) out.add_(*bias);
@@ -165,10 +179,12 @@ at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::option
 namespace {
 
 // Weights in the panel layout at the VNNI level: every row count through the stored-panel kernel.
-at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const BlockWeights& w,
-                               const c10::optional<at::Tensor>& bias, int64_t passes) {
-  const int64_t m = x2.size(0), k = x2.size(1), n = w.rows, blocks = k / kBlock;
-  const Quantized qa = quantize_activations(x2, passes == 2, Order::kNatural);
+// x [m, k] float32 -> out [m, n] (the product, no bias); the activations are quantized into `scratch`.
+void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeights& w, int64_t passes, float* out,
+                          std::vector<uint8_t>& scratch) {
+  const int64_t n = w.rows, blocks = k / kBlock;
+  scratch.resize(static_cast<size_t>(quantized_bytes(m, k, passes == 2)));
+  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data());
   BlockActivations a{qa.q, qa.d, qa.s, k, blocks, qa.q2, qa.d2};
   a.m = m;
   std::vector<int32_t> offsets;
@@ -188,16 +204,22 @@ at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const 
       }
     }
   }
-  at::Tensor out = at::empty({m, n}, x2.options());
-  float* o = out.data_ptr<float>();
   // AMX tiles take whole tiles of activation rows (not half-block scales), the VNNI kernel the rest.
   const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
   const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
-    if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, offsets.data(), 0, tiled, o, n);
-    if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), tiled, m, o, n);
+    if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, offsets.data(), 0, tiled, out, n);
+    if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), tiled, m, out, n);
   });
-  return finish_linear(out, x, bias, n);
+}
+
+at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const BlockWeights& w,
+                               const c10::optional<at::Tensor>& bias, int64_t passes) {
+  const int64_t m = x2.size(0), k = x2.size(1);
+  at::Tensor out = at::empty({m, w.rows}, x2.options());
+  std::vector<uint8_t> scratch;
+  stored_panel_product(x2.data_ptr<float>(), m, k, w, passes, out.data_ptr<float>(), scratch);
+  return finish_linear(out, x, bias, w.rows);
 }
 
 }  // namespace
@@ -258,6 +280,44 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     block_gemm_scalar(w, n0, n1, a, 0, m, o, n);
   });
   return finish_linear(out, x, bias, n);
+}
+
+void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                       int64_t passes, int64_t panel_rows, float* out, bool add) {
+  TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k, panel_rows);
+  const int64_t n = w.rows;
+  const bool float_bias = bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                          bias->numel() == n;
+  const float* b = float_bias ? bias->data_ptr<float>() : nullptr;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (panel_rows != 0 && current_isa() >= kAvx512Vnni && (!bias.has_value() || float_bias)) {
+    // The product into `out` itself, or beside it to be added; the bias first, as block_linear adds it.
+    thread_local std::vector<uint8_t> scratch;
+    thread_local std::vector<float> product;
+    float* y = out;
+    if (add) {
+      product.resize(static_cast<size_t>(m * n));
+      y = product.data();
+    }
+    stored_panel_product(x, m, k, w, passes, y, scratch);
+    for (int64_t r = 0; r < m && b != nullptr; ++r)
+      for (int64_t j = 0; j < n; ++j) y[r * n + j] += b[j];
+    if (add)
+      for (int64_t i = 0; i < m * n; ++i) out[i] += y[i];
+    return;
+  }
+#endif
+  // Every other layout and level: the operator's own path, its result copied or added.
+  const at::Tensor x2 = at::from_blob(const_cast<float*>(x), {m, k}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor y = block_linear(x2, codes, scales, mins, bits, bias, passes, panel_rows);
+  const float* yp = y.data_ptr<float>();
+  if (add) {
+    for (int64_t i = 0; i < m * n; ++i) out[i] += yp[i];
+  } else {
+    std::memcpy(out, yp, sizeof(float) * m * n);
+  }
 }
 
 namespace {
