@@ -10,11 +10,15 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                         const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
                         int64_t passes, int64_t panel_rows);
 
-// block_linear on x [m, k] float32 into out [m, N] (add: out += the result, the bias included first),
-// with no tensor allocated on the panel layout's VNNI/AMX path; the same values as block_linear.
+// block_linear on x [m, k] float32 into out [m, N], or out = residual + it (the bias added to it first;
+// residual may be out), with no tensor allocated where the weights' layout runs at this level (rows;
+// panels from the VNNI level); the same values as block_linear and the residual added after it.
 void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
-                       int64_t passes, int64_t panel_rows, float* out, bool add);
+                       int64_t passes, int64_t panel_rows, float* out, const float* residual);
+
+// out = residual + (y + bias) (or y + bias in place where residual is null and y is out), rows in parallel.
+void finish_rows(float* y, const float* bias, const float* residual, float* out, int64_t m, int64_t n);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,

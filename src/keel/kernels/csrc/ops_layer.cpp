@@ -31,20 +31,20 @@ struct Projection {
   int64_t out_features() const { return weight.size(0); }
   int64_t in_features() const { return bits == 4 ? weight.size(1) * 2 : weight.size(1); }
 
-  // x [m, K] -> out [m, N], or out += it (add): the values the separate operators give.
-  void into(const float* x, int64_t m, float* out, bool add) const {
+  // x [m, K] -> out [m, N], or out = residual + it (residual may be out): the values the separate
+  // operators give, and the residual added after, as `x + o_proj(...)` adds it.
+  void into(const float* x, int64_t m, float* out, const float* residual) const {
     const int64_t k = in_features(), n = out_features();
     if (bits != 0) {
-      block_linear_into(x, m, k, weight, *scales, mins, bits, bias, passes, panel_rows, out, add);
+      block_linear_into(x, m, k, weight, *scales, mins, bits, bias, passes, panel_rows, out, residual);
       return;
     }
-    const at::Tensor y =
+    at::Tensor y =
         at::linear(at::from_blob(const_cast<float*>(x), {m, k}, weight.options()), weight, bias).contiguous();
-    const float* yp = y.data_ptr<float>();
-    if (add) {
-      for (int64_t i = 0; i < m * n; ++i) out[i] += yp[i];
+    if (residual != nullptr) {
+      finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
     } else {
-      std::memcpy(out, yp, sizeof(float) * m * n);
+      std::memcpy(out, y.data_ptr<float>(), sizeof(float) * m * n);
     }
   }
 };
@@ -158,7 +158,7 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
   float* normed = sized(ws.normed, tokens * hidden);
   rms_norm_rows(src, input_norm, normed, tokens, hidden, static_cast<float>(floats[0]));
   float* packed = sized(ws.packed, tokens * width);
-  qkv.into(normed, tokens, packed, false);
+  qkv.into(normed, tokens, packed, nullptr);
   float* q = sized(ws.q, tokens * heads * dim);
   float* k = sized(ws.k, tokens * kv_heads * dim);
   float* v = sized(ws.v, tokens * kv_heads * dim);
@@ -178,14 +178,13 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
                        positions, block_size, window, floats[4], dim, attended);
 
   // The residual, then the MLP: norm, gate/up, SiLU-and-multiply, down, the residual.
-  std::memcpy(dst, src, sizeof(float) * tokens * hidden);
-  out_proj.into(attended, tokens, dst, true);
+  out_proj.into(attended, tokens, dst, src);
   rms_norm_rows(dst, post_norm, normed, tokens, hidden, static_cast<float>(floats[1]));
   float* gu = sized(ws.gu, tokens * 2 * inter);
-  gate_up.into(normed, tokens, gu, false);
+  gate_up.into(normed, tokens, gu, nullptr);
   float* act = sized(ws.act, tokens * inter);
   silu_mul_rows(gu, 2 * inter, gu + inter, 2 * inter, act, tokens, inter);
-  down.into(act, tokens, dst, true);
+  down.into(act, tokens, dst, dst);
 }
 
 // For L layers, each layer's arguments in turn:

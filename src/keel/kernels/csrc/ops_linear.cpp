@@ -20,10 +20,9 @@ namespace {
 
 std::atomic<int> g_isa{kScalar};
 
-// A row block's quantized activations, all in one allocation (one call per product: at decode sizes
-// each allocation is a measurable share of the product).
+// A row block's quantized activations, in one caller's buffer (quantized_bytes; at decode sizes each
+// allocation is a measurable share of the product).
 struct Quantized {
-  at::Tensor storage;
   int8_t *q, *q2;
   float *d, *s, *d2;
 };
@@ -158,13 +157,6 @@ Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool t
   return out;
 }
 
-Quantized quantize_activations(const at::Tensor& x2, bool two_passes, Order order) {
-  const int64_t m = x2.size(0), k = x2.size(1);
-  at::Tensor storage = at::empty({quantized_bytes(m, k, two_passes)}, x2.options().dtype(at::kByte));
-  Quantized out = quantize_activations_into(x2.data_ptr<float>(), m, k, two_passes, order, storage.data_ptr<uint8_t>());
-  out.storage = storage;
-  return out;
-}
 
 // The bias, then the input's dtype and leading shape.
 at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -224,33 +216,23 @@ at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const 
 
 }  // namespace
 
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
-                        int64_t passes, int64_t panel_rows) {
-  TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
-  const int64_t k = x.size(-1);
-  const BlockWeights w = weights_of(codes, scales, mins, bits, k, panel_rows);
-  const int64_t n = codes.size(0);
-  at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
-  const int64_t m = x2.size(0);
+namespace {
+
+// Weights in the row layout, at any level: x [m, k] float32 -> out [m, n] (the product, no bias); the
+// activations are quantized into `scratch`.
+void row_layout_product(const float* x, int64_t m, int64_t k, const BlockWeights& w, int64_t passes, float* out,
+                        std::vector<uint8_t>& scratch) {
+  const int64_t n = w.rows;
   const Isa isa = current_isa();
-  if (panel_rows != 0) {
-#if defined(__x86_64__) || defined(_M_X64)
-    if (isa >= kAvx512Vnni) return stored_panel_linear(x, x2, w, bias, passes);
-#endif
-    // Below the VNNI level (tests running every level on one model): the row layout, converted per call.
-    const std::vector<at::Tensor> rows = rows_of(codes, scales, mins, bits, panel_rows);
-    return block_linear(x, rows[0], rows[1], mins_in(rows), bits, bias, passes, 0);
-  }
   // Many rows: the panel kernels (4-bit from AVX2, 8-bit too from VNNI); a few: the row kernels.
-  const bool panels = m >= kPanelMinRows && (isa >= kAvx512Vnni || (isa >= kAvx2 && bits == 4));
+  const bool panels = m >= kPanelMinRows && (isa >= kAvx512Vnni || (isa >= kAvx2 && w.bits == 4));
   const bool vnni = isa >= kAvx512Vnni;
   Order order = Order::kNatural;  // the panels and 8-bit codes read it; 4-bit row kernels read it reordered
-  if (bits == 4 && !panels && isa >= kAvx2) order = vnni ? Order::kQuads : Order::kPairs;
-  const Quantized qa = quantize_activations(x2, passes == 2, order);
+  if (w.bits == 4 && !panels && isa >= kAvx2) order = vnni ? Order::kQuads : Order::kPairs;
+  scratch.resize(static_cast<size_t>(quantized_bytes(m, k, passes == 2)));
+  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, order, scratch.data());
   const BlockActivations a{qa.q, qa.d, qa.s, k, k / kBlock, qa.q2, qa.d2};
-  at::Tensor out = at::empty({m, n}, x2.options());
-  float* o = out.data_ptr<float>();
+  float* o = out;
 #if defined(__x86_64__) || defined(_M_X64)
   if (panels) {
     // Split the output features by panels (8 rows at AVX2, 16 at VNNI): each thread packs and streams its own.
@@ -262,7 +244,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
         block_gemm_panels_avx2(w, t0 * rows, std::min(n, t1 * rows), a, 0, m, o, n);
       }
     });
-    return finish_linear(out, x, bias, n);
+    return;
   }
 #endif
   // Split the output features: each thread streams its own rows of the weights once.
@@ -279,44 +261,85 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #endif
     block_gemm_scalar(w, n0, n1, a, 0, m, o, n);
   });
+}
+
+}  // namespace
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
+                        int64_t passes, int64_t panel_rows) {
+  TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
+  const int64_t k = x.size(-1);
+  const BlockWeights w = weights_of(codes, scales, mins, bits, k, panel_rows);
+  const int64_t n = codes.size(0);
+  at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t m = x2.size(0);
+  if (panel_rows != 0) {
+#if defined(__x86_64__) || defined(_M_X64)
+    if (current_isa() >= kAvx512Vnni) return stored_panel_linear(x, x2, w, bias, passes);
+#endif
+    // Below the VNNI level (tests running every level on one model): the row layout, converted per call.
+    const std::vector<at::Tensor> rows = rows_of(codes, scales, mins, bits, panel_rows);
+    return block_linear(x, rows[0], rows[1], mins_in(rows), bits, bias, passes, 0);
+  }
+  at::Tensor out = at::empty({m, n}, x2.options());
+  std::vector<uint8_t> scratch;
+  row_layout_product(x2.data_ptr<float>(), m, k, w, passes, out.data_ptr<float>(), scratch);
   return finish_linear(out, x, bias, n);
+}
+
+// out = residual + (y + bias), or y + bias in place (no residual: y is out), rows split among threads for
+// prefill-sized products (one thread would make these passes a tenth of a large step).
+void finish_rows(float* y, const float* bias, const float* residual, float* out, int64_t m, int64_t n) {
+  if (bias == nullptr && residual == nullptr) return;
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* yr = y + r * n;
+      if (bias != nullptr)
+        for (int64_t j = 0; j < n; ++j) yr[j] += bias[j];
+      if (residual != nullptr)
+        for (int64_t j = 0; j < n; ++j) out[r * n + j] = residual[r * n + j] + yr[j];
+    }
+  });
 }
 
 void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
-                       int64_t passes, int64_t panel_rows, float* out, bool add) {
+                       int64_t passes, int64_t panel_rows, float* out, const float* residual) {
   TORCH_CHECK(passes == 1 || passes == 2, "keel::block_linear: activations take 1 or 2 passes, got ", passes);
   const BlockWeights w = weights_of(codes, scales, mins, bits, k, panel_rows);
   const int64_t n = w.rows;
   const bool float_bias = bias.has_value() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                           bias->numel() == n;
-  const float* b = float_bias ? bias->data_ptr<float>() : nullptr;
+  bool stored = false;  // the panel layout's kernel reads these weights as they lie
 #if defined(__x86_64__) || defined(_M_X64)
-  if (panel_rows != 0 && current_isa() >= kAvx512Vnni && (!bias.has_value() || float_bias)) {
-    // The product into `out` itself, or beside it to be added; the bias first, as block_linear adds it.
+  stored = panel_rows != 0 && current_isa() >= kAvx512Vnni;
+#endif
+  if ((panel_rows == 0 || stored) && (!bias.has_value() || float_bias)) {
+    // The product into `out` itself, or beside it when a residual is added; the bias first, as
+    // block_linear adds it.
     thread_local std::vector<uint8_t> scratch;
     thread_local std::vector<float> product;
     float* y = out;
-    if (add) {
+    if (residual != nullptr) {
       product.resize(static_cast<size_t>(m * n));
       y = product.data();
     }
-    stored_panel_product(x, m, k, w, passes, y, scratch);
-    for (int64_t r = 0; r < m && b != nullptr; ++r)
-      for (int64_t j = 0; j < n; ++j) y[r * n + j] += b[j];
-    if (add)
-      for (int64_t i = 0; i < m * n; ++i) out[i] += y[i];
+#if defined(__x86_64__) || defined(_M_X64)
+    if (stored) stored_panel_product(x, m, k, w, passes, y, scratch);
+#endif
+    if (!stored) row_layout_product(x, m, k, w, passes, y, scratch);
+    finish_rows(y, float_bias ? bias->data_ptr<float>() : nullptr, residual, out, m, n);
     return;
   }
-#endif
-  // Every other layout and level: the operator's own path, its result copied or added.
+  // Panels below the VNNI level (converted to rows per call), or a bias of another dtype: the operator's
+  // own path, its result copied or added.
   const at::Tensor x2 = at::from_blob(const_cast<float*>(x), {m, k}, at::TensorOptions().dtype(at::kFloat));
-  const at::Tensor y = block_linear(x2, codes, scales, mins, bits, bias, passes, panel_rows);
-  const float* yp = y.data_ptr<float>();
-  if (add) {
-    for (int64_t i = 0; i < m * n; ++i) out[i] += yp[i];
+  at::Tensor y = block_linear(x2, codes, scales, mins, bits, bias, passes, panel_rows).contiguous();
+  if (residual != nullptr) {
+    finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
   } else {
-    std::memcpy(out, yp, sizeof(float) * m * n);
+    std::memcpy(out, y.data_ptr<float>(), sizeof(float) * m * n);
   }
 }
 
