@@ -110,10 +110,25 @@ void write_rows(at::Tensor& store, const float* src, int64_t tokens, const int64
     }
 }
 
-// One call's buffers, reused by every layer of the stack (an allocation a buffer a layer cost about a
-// tenth of a decode step's time outside the products: docs/BENCHMARKS.md, seventh part).
+// The buffers of a call, reused by every layer and kept by the thread for its next calls (an allocation
+// a buffer a layer cost about a tenth of a decode step's time outside the products, docs/BENCHMARKS.md,
+// seventh part; fresh buffers a call would also be zeroed and page-faulted in at prefill sizes).
 struct Workspace {
-  std::vector<float> normed, packed, q, k, v, q_rot, k_rot, attended, gu, act;
+  std::vector<float> normed, packed, q, k, v, q_rot, k_rot, attended, gu, act, other;
+
+  // Past this many bytes a call's buffers are given back when it ends (a long prompt's chunk).
+  static constexpr size_t kKeptBytes = size_t{64} << 20;
+
+  void trim() {
+    size_t bytes = 0;
+    for (const auto* b : {&normed, &packed, &q, &k, &v, &q_rot, &k_rot, &attended, &gu, &act, &other})
+      bytes += b->capacity() * sizeof(float);
+    if (bytes <= kKeptBytes) return;
+    for (auto* b : {&normed, &packed, &q, &k, &v, &q_rot, &k_rot, &attended, &gu, &act, &other}) {
+      b->clear();
+      b->shrink_to_fit();
+    }
+  }
 };
 
 float* sized(std::vector<float>& buffer, int64_t count) {
@@ -216,17 +231,18 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<
   const int64_t tokens = x.size(0), hidden = x.size(1);
   // Layers alternate between `out` and a second buffer so that the last one writes `out`; x is only read.
   at::Tensor out = at::empty_like(x);
-  std::vector<float> other(static_cast<size_t>(layers > 1 ? tokens * hidden : 0));
-  Workspace ws;
+  thread_local Workspace ws;
+  float* other = sized(ws.other, layers > 1 ? tokens * hidden : 0);
   const float* src = x.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
     const LayerArgs args{tensors, l, ints.data() + l * kInts, floats.data() + l * kFloats};
     // The stores are mutable views; TensorList hands out const references to the list's tensors.
     at::Tensor k_store = k_stores[l], v_store = v_stores[l];
-    float* dst = (layers - 1 - l) % 2 == 0 ? out.data_ptr<float>() : other.data();
+    float* dst = (layers - 1 - l) % 2 == 0 ? out.data_ptr<float>() : other;
     layer_forward(src, dst, tokens, hidden, args, cos, sin, k_store, v_store, slots, tables, table_of, positions, ws);
     src = dst;
   }
+  ws.trim();
   return out.view(x_in.sizes());
 }
 
