@@ -200,6 +200,46 @@ def host() -> Platform:
     return platform
 
 
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+
+
+def resolve_device(spec: str | None, platform: Platform | None = None) -> torch.device:
+    """`--device`: auto (the first CUDA device where one is visible, else the CPU), cpu, cuda (cuda:0) or
+    cuda:N; a KeelError naming what is missing where CUDA is asked for and absent."""
+    import torch
+
+    platform = platform or host()
+    text = (spec or "auto").strip().lower()
+    if text == "auto":
+        return torch.device("cuda", 0) if platform.cuda_devices else torch.device("cpu")
+    if text == "cpu":
+        return torch.device("cpu")
+    kind, colon, index = text.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise KeelError(f"--device {spec!r}: expected {DEVICE_FORMS}")
+    if not platform.cuda_devices:
+        raise KeelError(f"--device {spec}: {cuda_missing()}")
+    number = int(index or 0)
+    if number >= len(platform.cuda_devices):
+        count = len(platform.cuda_devices)
+        raise KeelError(f"--device {spec}: {count} CUDA device(s) visible here (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", number)
+
+
+def cuda_missing() -> str:
+    """Why no CUDA device is usable here, in one phrase."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU build, without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return (
+        f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no GPU{hidden}: "
+        "no NVIDIA driver or device"
+    )
+
+
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -12,6 +12,7 @@ from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.data.text_corpus import CORPORA, corpus_text
 from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
+from keel.platform import resolve_device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -202,7 +203,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(
-        args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **config.quant.load_options()
+        args.model,
+        config.load.dtype,
+        head_dim=args.head_dim,
+        num_heads=args.num_heads,
+        device=str(resolve_device(config.load.device)),
+        **config.quant.load_options(),
     )
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")

@@ -9,6 +9,7 @@ import sys
 from keel.cli.common import add_model_args, add_threads_arg, set_threads
 from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.errors import KeelError
+from keel.platform import resolve_device
 from keel.serve.config import CacheConfig, SchedulerConfig
 
 # The engine options that matter to one request; its KV cache is sized to the request.
@@ -58,8 +59,14 @@ def run(args: argparse.Namespace) -> int:
     )
     params.validate()
     config = engine_config_from_args(args)  # option errors (and the quantization plan) before the model loads
+    device = str(resolve_device(config.load.device))
     loaded = load_model(
-        args.model, config.load.dtype, head_dim=args.head_dim, num_heads=args.num_heads, **config.quant.load_options()
+        args.model,
+        config.load.dtype,
+        head_dim=args.head_dim,
+        num_heads=args.num_heads,
+        device=device,
+        **config.quant.load_options(),
     )
     prompt_ids = _prompt_ids(args, loaded.tokenizer)
     context = loaded.config.max_position_embeddings

@@ -24,6 +24,9 @@ from keel.serve.speculative import SpeculativeConfig
 class LoadConfig:
     """How the model is loaded and prepared to run"""
 
+    device: str = "auto"
+    """where the model runs: auto (the first CUDA device where one is visible, else the CPU), cpu, cuda, cuda:N"""
+
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """compute dtype (auto: the fastest correct one here: bf16 on CPUs with native bf16 matmul and for quantized
     weights, float32 on other CPUs, the checkpoint's dtype on CUDA)"""

@@ -20,6 +20,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
 from keel.model.transformer import Transformer
+from keel.platform import resolve_device
 from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
@@ -140,11 +141,14 @@ class LLMEngine:
         model: str | LoadedModel,
         config: EngineConfig | None = None,
         *,
-        device: str = "cpu",
+        device: str | None = None,
         adapt: bool = False,
     ) -> None:
-        """adapt: rewrite a caller's LoadedModel for serving (fused projections, pre-packed weights)
-        as the engine does with a model it loads itself; for callers that loaded it only to serve it."""
+        """device: where the engine runs (default: the config's `device`, auto: CUDA where a GPU is visible;
+        keel.platform.resolve_device); a caller's LoadedModel that the engine does not adapt stays where it
+        is and the engine runs there. adapt: rewrite a caller's LoadedModel for serving (fused projections,
+        pre-packed weights, moved to the device) as the engine does with a model it loads itself; for
+        callers that loaded it only to serve it."""
         self.executor: ParallelExecutor | None = None
         try:
             self._init(model, config, device, adapt)
@@ -152,12 +156,15 @@ class LLMEngine:
             self.shutdown()  # workers already started must not outlive a failed start
             raise
 
-    def _init(self, model: str | LoadedModel, config: EngineConfig | None, device: str, adapt: bool) -> None:
+    def _init(self, model: str | LoadedModel, config: EngineConfig | None, device: str | None, adapt: bool) -> None:
         """Start-up in named steps: load, adapt, allocate the KV cache, scheduler and runner, speculation."""
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
+        device = self._device(model, device, adapt)
         self.loaded = loaded = self._load(model, device)
         owned = (adapt or not isinstance(model, LoadedModel)) and self.executor is None
+        if owned and loaded.model.device != torch.device(device) and not config.offload.enabled:
+            loaded.model.to(device)  # a caller's model to adapt, loaded elsewhere
         self._adapt(loaded, owned)
         self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
         self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
@@ -183,6 +190,19 @@ class LLMEngine:
         log.info("backends: %s", self.backends)
         self.startup_seconds = time.perf_counter() - started
         log.info("engine ready in %.1f s (decode %s)", self.startup_seconds, decode)
+
+    def _device(self, model: str | LoadedModel, device: str | None, adapt: bool) -> str:
+        """The device the engine runs on: a caller's model it does not adapt decides; else `device`, or the
+        config's (resolve_device: a one-line error where CUDA is asked for and absent)."""
+        if isinstance(model, LoadedModel) and not adapt and device is None:
+            return str(model.model.device)
+        resolved = resolve_device(device if device is not None else self.config.load.device)
+        if self.config.parallel.world_size > 1 and resolved.type == "cuda" and (resolved.index or 0) != 0:
+            raise KeelError(
+                f"--device {resolved}: tensor/pipeline-parallel workers take one GPU each, cuda:0 up on every "
+                "node (--device cuda)"
+            )
+        return "cuda" if resolved.type == "cuda" and self.config.parallel.world_size > 1 else str(resolved)
 
     def _load(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """The model: a caller's, this process's own load, or (parallel serving) a placeholder while the workers

@@ -117,7 +117,7 @@ struct Workspace {
   std::vector<float> normed, packed, q, k, v, q_rot, k_rot, attended, gu, act, other;
 
   // Past this many bytes a call's buffers are given back when it ends (a long prompt's chunk).
-  static constexpr size_t kKeptBytes = size_t{64} << 20;
+  static constexpr size_t kKeptBytes = size_t{256} << 20;
 
   void trim() {
     size_t bytes = 0;

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from keel.errors import KeelError
+from keel.platform import resolve_device
 from keel.serve.config import EngineConfig
 from keel.serve.openai.options import ModelSource, ServeOptions
 
@@ -79,6 +80,7 @@ def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfi
     loaded = load_model(
         source.model,
         config.load.dtype,
+        device=str(resolve_device(config.load.device)),
         head_dim=source.head_dim,
         num_heads=source.num_heads,
         **config.quant.load_options(),
