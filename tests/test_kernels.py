@@ -547,6 +547,19 @@ def test_fused_small_ops_compute_the_torch_formulas(dtype):
         assert torch.allclose(torch.ops.keel.fused_silu_mul(gate, up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("level", kernels.levels_here())
+@pytest.mark.parametrize("inter", [1, 13, 16, 384, 1536 + 7])
+def test_silu_mul_at_every_level(level, inter):
+    """keel::fused_silu_mul (the vector exponential from AVX2, a scalar tail) against torch's silu."""
+    g = torch.Generator().manual_seed(inter)
+    gate = torch.randn(5, inter, generator=g) * 6
+    gate[0, : min(inter, 4)] = torch.tensor([0.0, -0.0, 88.0, -90.0])[: min(inter, 4)]
+    up = torch.randn(5, inter, generator=g)
+    with kernels.using_level(level):
+        got = torch.ops.keel.fused_silu_mul(gate, up)
+    assert torch.allclose(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- the real checkpoint
 def k_quant_form(weight: torch.Tensor, half_blocks: bool) -> QuantizedLinear:
     """A layer in the form keel runs Q6_K (8-bit codes -32..31, a scale per 16 values) or Q5_K (codes

@@ -41,4 +41,9 @@ void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, int64_t it
 void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
 void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
 
+// silu(gate) * up over n values (ops_small.cpp's silu_mul_rows), on the attention units' vector
+// exponential (silu_vec.h).
+void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n);
+void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n);
+
 }  // namespace keel

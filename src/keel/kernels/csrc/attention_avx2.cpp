@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "attention_vec.h"
+#include "silu_vec.h"
 
 namespace {
 
@@ -21,6 +22,8 @@ struct Lanes8 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F select_negative(F x, F a, F b) { return _mm256_blendv_ps(b, a, x); }  // x < 0 (sign bit): a
   static float reduce_max(F v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -65,6 +68,10 @@ namespace keel {
 
 void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
   attend_items_vectorised<Lanes8>(s, q, item0, item1);
+}
+
+void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n) {
+  silu_mul_vectorised<Lanes8>(gate, up, out, n);
 }
 
 }  // namespace keel

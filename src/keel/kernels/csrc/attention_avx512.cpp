@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "attention_vec.h"
+#include "silu_vec.h"
 
 namespace {
 
@@ -25,6 +26,10 @@ struct Lanes16 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F select_negative(F x, F a, F b) {  // x < 0 (sign bit): a
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(x)), b, a);
+  }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   // Into L2: the next blocks' lines requested into L1 held its fill buffers, and the prefetches stalled
   // behind them once the cache no longer fits in L2 (docs/BENCHMARKS.md, sixth part).
@@ -73,6 +78,10 @@ namespace keel {
 
 void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
   attend_items_vectorised<Lanes16>(s, q, item0, item1);
+}
+
+void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n) {
+  silu_mul_vectorised<Lanes16>(gate, up, out, n);
 }
 
 }  // namespace keel

@@ -9,6 +9,8 @@
 
 #include <cmath>
 
+#include "attention.h"
+#include "isa.h"
 #include "ops.h"
 
 namespace keel {
@@ -81,11 +83,22 @@ at::Tensor fused_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 // silu(gate) * up, gate and up [..., I] (rows may be strided: the halves of a fused gate_up output).
 void silu_mul_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
                    int64_t rows, int64_t inter) {
+  const Isa isa = current_isa();
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = gate + r * gate_stride;
       const float* u = up + r * up_stride;
       float* o = out + r * inter;
+#if defined(__x86_64__) || defined(_M_X64)
+      if (isa >= kAvx512Vnni) {
+        silu_mul_row_avx512(g, u, o, inter);
+        continue;
+      }
+      if (isa >= kAvx2) {
+        silu_mul_row_avx2(g, u, o, inter);
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
