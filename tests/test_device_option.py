@@ -11,6 +11,7 @@ import torch
 from keel import platform
 from keel.errors import KeelError
 from keel.platform import resolve_device
+from keel.quant.loading import load_model
 from keel.serve.llm import LLM
 from test_cli_errors import assert_one_line_error, run_keel
 from tiny_models import save_byte_tokenizer, save_hf_model
@@ -69,6 +70,18 @@ def test_the_engine_runs_where_the_option_says(tiny):
     if not platform.host().cuda_devices:
         with pytest.raises(KeelError, match="--device cuda: "):
             LLM(str(tiny), num_blocks=16, max_model_len=64, compile=False, device="cuda")
+
+
+def test_a_callers_model_is_served_where_it_lies_or_the_device_is_refused(tiny):
+    """A LoadedModel the engine does not adapt is served on its own device: a different device asked for
+    is refused by name rather than dropped; with adapt=True the engine moves the model."""
+    loaded = load_model(str(tiny), "float32")
+    assert LLM(loaded, num_blocks=16, max_model_len=64, compile=False).engine.device_type == "cpu"
+    assert LLM(loaded, num_blocks=16, max_model_len=64, compile=False, device="cpu").engine.device_type == "cpu"
+    meta = load_model(str(tiny), "float32")
+    meta.model.to("meta")
+    with pytest.raises(KeelError, match="--device cpu: the model given was loaded on meta"):
+        LLM(meta, num_blocks=16, max_model_len=64, compile=False, device="cpu")
 
 
 @pytest.mark.skipif(bool(platform.host().cuda_devices), reason="asks for CUDA where none is visible")

@@ -194,9 +194,16 @@ class LLMEngine:
     def _device(self, model: str | LoadedModel, device: str | None, adapt: bool) -> str:
         """The device the engine runs on: a caller's model it does not adapt decides; else `device`, or the
         config's (resolve_device: a one-line error where CUDA is asked for and absent)."""
-        if isinstance(model, LoadedModel) and not adapt and device is None:
-            return str(model.model.device)
         resolved = resolve_device(device if device is not None else self.config.load.device)
+        if isinstance(model, LoadedModel) and not adapt:
+            here = model.model.device
+            asked = device is not None or self.config.load.device != "auto"
+            if asked and resolved != here:
+                raise KeelError(
+                    f"--device {resolved}: the model given was loaded on {here} and is served as given; load it on "
+                    f"{resolved}, or pass adapt=True to let the engine move it"
+                )
+            return str(here)
         if self.config.parallel.world_size > 1 and resolved.type == "cuda" and (resolved.index or 0) != 0:
             raise KeelError(
                 f"--device {resolved}: tensor/pipeline-parallel workers take one GPU each, cuda:0 up on every "
