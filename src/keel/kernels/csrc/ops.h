@@ -17,7 +17,7 @@ void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& c
                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
                        int64_t passes, int64_t panel_rows, float* out, const float* residual);
 
-// out = residual + (y + bias) (or y + bias in place where residual is null and y is out), rows in parallel.
+// out = residual + (y + bias), or y + bias (copied into out where y is not out), rows in parallel.
 void finish_rows(float* y, const float* bias, const float* residual, float* out, int64_t m, int64_t n);
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c10::optional<at::Tensor>& values,

@@ -41,11 +41,7 @@ struct Projection {
     }
     at::Tensor y =
         at::linear(at::from_blob(const_cast<float*>(x), {m, k}, weight.options()), weight, bias).contiguous();
-    if (residual != nullptr) {
-      finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
-    } else {
-      std::memcpy(out, y.data_ptr<float>(), sizeof(float) * m * n);
-    }
+    finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
   }
 };
 

@@ -288,17 +288,20 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return finish_linear(out, x, bias, n);
 }
 
-// out = residual + (y + bias), or y + bias in place (no residual: y is out), rows split among threads for
-// prefill-sized products (one thread would make these passes a tenth of a large step).
+// out = residual + (y + bias), or y + bias (copied into out where y is not out), rows split among threads
+// for prefill-sized products (one thread would make these passes a tenth of a large step).
 void finish_rows(float* y, const float* bias, const float* residual, float* out, int64_t m, int64_t n) {
-  if (bias == nullptr && residual == nullptr) return;
+  if (bias == nullptr && residual == nullptr && y == out) return;
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* yr = y + r * n;
       if (bias != nullptr)
         for (int64_t j = 0; j < n; ++j) yr[j] += bias[j];
-      if (residual != nullptr)
+      if (residual != nullptr) {
         for (int64_t j = 0; j < n; ++j) out[r * n + j] = residual[r * n + j] + yr[j];
+      } else if (y != out) {
+        std::memcpy(out + r * n, yr, sizeof(float) * n);
+      }
     }
   });
 }
@@ -336,11 +339,7 @@ void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& c
   // own path, its result copied or added.
   const at::Tensor x2 = at::from_blob(const_cast<float*>(x), {m, k}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor y = block_linear(x2, codes, scales, mins, bits, bias, passes, panel_rows).contiguous();
-  if (residual != nullptr) {
-    finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
-  } else {
-    std::memcpy(out, y.data_ptr<float>(), sizeof(float) * m * n);
-  }
+  finish_rows(y.data_ptr<float>(), nullptr, residual, out, m, n);
 }
 
 namespace {
