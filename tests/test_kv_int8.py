@@ -10,7 +10,7 @@ from keel.errors import KeelError
 from keel.model.kv_size import kv_cache_bytes
 from keel.quant.loading import load_model
 from keel.serve import EngineConfig, LLMEngine, SamplingParams
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan
 from keel.serve.kv_quant import (
     Int8PagedKVCache,
     dequantize_kv,
@@ -80,7 +80,9 @@ def packed_plan(steps: list[tuple[list[int], int, int]], block_size: int) -> Ste
             dec_tables.append(blocks)
             dec_pos.append(start)
         else:
-            prefills.append((offset, offset + n, torch.tensor(blocks), torch.arange(start, start + n)))
+            prefills.append(
+                PrefillChunk(offset, offset + n, torch.tensor(blocks), torch.arange(start, start + n), start + n)
+            )
         offset += n
     width = max((len(t) for t in dec_tables), default=0)
     decodes = (

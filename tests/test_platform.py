@@ -120,12 +120,12 @@ def test_the_startup_line_names_the_backends(tmp_path, force_isa, caplog):
         assert "compute float32 (auto: " in line
         assert "int8 keel block_linear (keel avx2), int8 activations + residual, float32 scales" in line
         assert "float32 MKL sgemm" in line or "float32 aten sgemm" in line  # the kept head
-        assert "KV cache paged float32" in line and "decode eager" in line
+        assert "KV cache paged float32, attention kernels" in line and "decode eager" in line
         return
     assert "compute bfloat16 (auto: the int8/int4 kernels" in line
     assert "int8 aten _weight_int8pack_mm, bfloat16 activations" in line  # q/k/v, o, gate/up, down
     assert "bfloat16 aten (emulated); from 16 rows upcast to float32" in line  # the kept head: no oneDNN bf16 at AVX2
-    assert "KV cache paged bfloat16" in line and "decode eager" in line
+    assert "KV cache paged bfloat16, attention torch" in line and "decode eager" in line
 
 
 def test_an_unrunnable_isa_is_one_line_at_the_cli(tmp_path, monkeypatch, capsys):

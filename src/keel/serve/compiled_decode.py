@@ -7,8 +7,8 @@ runs as one call. Attention over the paged cache stays one opaque op per layer
 (`keel::paged_decode_attention`): its KV writes mutate the cache in place, and its shapes depend
 on the block-table width, which changes every `block_size` tokens; outside the graph's traced
 shapes, that width never causes a recompile. The op calls the same code as the eager paged cache
-(keel's paged-attention kernel where it runs, else `attend_decode_rows`), so attention is the same
-arithmetic either way; inductor runs with
+(the backend keel.serve.attention_backends picks: keel's C++ kernel on CPU, the Triton kernel on CUDA,
+else `attend_decode_rows`), so attention is the same arithmetic either way; inductor runs with
 `emulate_precision_casts`, rounding fused bf16 intermediates where eager rounds them, so greedy
 outputs are the same with and without compilation (tests/test_compiled_decode.py).
 
@@ -35,16 +35,17 @@ from torch import Tensor
 
 from keel import kernels
 from keel.errors import KeelError
+from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
 from keel.paths import inductor_cache_dir
 from keel.platform import host
+from keel.serve.attention_backends import attention_backend
 from keel.serve.kv_cache import (
     PagedKVCache,
     attend_decode_rows,
     decode_mask,
     gather_blocks,
-    kernel_attends,
     length_groups,
     write_rows,
 )
@@ -88,12 +89,20 @@ def paged_decode_attention(
     does), so a batch of short and long sequences does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
-    if kernel_attends(k_store, k_store.shape[-1], block_size):
-        # keel's kernel walks each row's own table where the blocks lie: no gather, no grouping.
-        out = torch.ops.keel.paged_attention(
-            q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size, window,
-            scale, v_store.shape[-1],
-        )  # fmt: skip
+    backend = attention_backend(k_store, k_store.shape[-1], block_size)
+    if backend != "torch":
+        # keel's C++ kernel (CPU) or the Triton one (CUDA) walks each row's own table where the blocks lie:
+        # no gather, no grouping, no host sync (so the step can be replayed as a CUDA graph).
+        if backend == "kernels":
+            out = torch.ops.keel.paged_attention(
+                q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size,
+                window, scale, v_store.shape[-1],
+            )  # fmt: skip
+        else:
+            out = triton_paged.paged_attention(
+                q[0].transpose(0, 1), k_store, v_store, tables.int(), torch.arange(q.shape[2], device=q.device),
+                positions, block_size, window, scale, v_store.shape[-1],
+            )  # fmt: skip
         return out.transpose(0, 1).contiguous().unsqueeze(0)  # the layout the graph was traced with
     # On CUDA the step is replayed as a CUDA graph, which cannot follow data-dependent grouping: one group.
     lengths = widths.tolist() if widths.device.type == "cpu" else None

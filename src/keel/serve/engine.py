@@ -184,8 +184,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         decode = "compiled" if self.runner.compiled is not None else "eager"
         kv_dtype = str(self.model.dtype).removeprefix("torch.") if config.cache.kv_cache_dtype == "auto" else "int8"
+        kv_line = f"paged {kv_dtype}"
+        if self.cache is not None:
+            kv_line += f", attention {self.cache.attention_backend()}"
         self.backends = describe_backends(
-            self.model, loaded.dtype_reason, f"paged {kv_dtype}", decode, workers=self.executor is not None
+            self.model, loaded.dtype_reason, kv_line, decode, workers=self.executor is not None
         )
         log.info("backends: %s", self.backends)
         self.startup_seconds = time.perf_counter() - started

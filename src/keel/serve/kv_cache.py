@@ -8,14 +8,16 @@ the blocks of its sequence, as the runner's `StepPlan` describes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from keel import kernels
 from keel.config import ModelConfig
-from keel.model.attention import AttentionMetadata, sdpa
+from keel.kernels import triton_paged
+from keel.model.attention import AttentionMetadata
+from keel.serve.attention_backends import attend_chunk, attention_backend
 
 
 def write_rows(store: Tensor, slots: Tensor, rows: Tensor) -> None:
@@ -119,10 +121,10 @@ def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
         positions[index] = group.positions.cpu()
         tables.append(group.tables.cpu())
         count += len(index)
-    for start, end, table, chunk_positions in plan.prefills:
-        table_of[start:end] = count
-        positions[start:end] = chunk_positions.cpu()
-        tables.append(table.cpu()[None])
+    for chunk in plan.prefills:
+        table_of[chunk.start : chunk.end] = count
+        positions[chunk.start : chunk.end] = chunk.positions.cpu()
+        tables.append(chunk.table.cpu()[None])
         count += 1
     width = max(t.shape[1] for t in tables)
     padded = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
@@ -130,16 +132,19 @@ def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
 
 
 def kernel_attends(store: Tensor, head_dim: int, block_size: int) -> bool:
-    """Whether keel's paged-attention kernel reads this store (CPU, float32/bf16/int8 rows, head dim <= 576,
-    blocks <= 64 tokens); else the gather-and-matmul path below runs."""
-    return (
-        store.device.type == "cpu"
-        and kernels.active()
-        and store.dtype in (torch.float32, torch.bfloat16, torch.int8)
-        and head_dim <= 576
-        and block_size <= 64
-        and not torch.compiler.is_compiling()
-    )
+    """Whether keel's C++ paged-attention kernel reads this store (keel.serve.attention_backends decides:
+    CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace)."""
+    return attention_backend(store, head_dim, block_size) == "kernels"
+
+
+class PrefillChunk(NamedTuple):
+    """A multi-token chunk of one sequence in a packed step (a prefill chunk, or a token and its drafts)."""
+
+    start: int  # the chunk's rows [start, end) of the packed step
+    end: int
+    table: Tensor  # the sequence's visible blocks [nb]
+    positions: Tensor  # the chunk's query positions [C]
+    keys: int  # keys the chunk's last token sees (its position + 1): the chunk's gathered rows end there
 
 
 @dataclass
@@ -153,7 +158,7 @@ class StepPlan:
 
     slot_mapping: Tensor  # [T] flat slot (block * block_size + offset) where each token's K/V goes
     decodes: list[DecodeGroup]
-    prefills: list[tuple[int, int, Tensor, Tensor]]  # (start, end, block table [nb], query positions [C])
+    prefills: list[PrefillChunk]
     _masks: dict = field(default_factory=dict)
 
     def rows(self, num_tokens: int) -> PagedRows:
@@ -207,6 +212,11 @@ class PagedKVCache:
         self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
         self.plan: StepPlan | None = None
 
+    def attention_backend(self) -> str:
+        """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
+        store = self.keys[self.layers[0]] if self.layers else self.keys[0]
+        return attention_backend(store, self.head_dim, self.block_size)
+
     def slots_of(self, layer: int) -> int:
         """Token slots of a layer's store: all blocks' for the stored layers, none for the others."""
         return self.num_blocks * self.block_size if layer in self.layers else 0
@@ -253,7 +263,8 @@ class PagedKVCache:
         """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
         a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
         plan = self.plan
-        if isinstance(k_store, Tensor) and kernel_attends(k_store, self.head_dim, self.block_size):
+        backend = attention_backend(k_store, self.head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
+        if backend == "kernels":
             return self._attend_in_place(q, k_store, v_store, None, None, window, scale)
 
         def gather(tables: Tensor) -> tuple[Tensor, Tensor]:
@@ -267,20 +278,30 @@ class PagedKVCache:
         out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
         decode_scale = scale if scale is not None else self.head_dim**-0.5
         for g, dec in enumerate(plan.decodes):
-            keys, values = gather(dec.tables)
             # A step of decodes only, in row order (steady-state decoding): the queries are the
             # group's, and its output is the step's (no selecting and scattering back).
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
-            mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
-            od = attend_decode_rows(rows, keys, values, mask, decode_scale)
+            if backend == "triton":  # each row walks its own table: no gather, no padding to the group
+                od = triton_paged.paged_attention(
+                    rows.transpose(0, 1), k_store, v_store, dec.tables.int(),
+                    torch.arange(len(dec.positions), device=rows.device), dec.positions,
+                    self.block_size, window or 0, decode_scale, v_dim,
+                ).transpose(0, 1)  # fmt: skip
+            else:
+                keys, values = gather(dec.tables)
+                mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
+                od = attend_decode_rows(rows, keys, values, mask, decode_scale)
             if dec.whole_step:
                 return od.unsqueeze(0)
             out.index_copy_(1, dec.index, od)
-        for i, (start, end, table, positions) in enumerate(plan.prefills):
-            keys, values = gather(table[None])
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, Hkv, L, D]
-            mask = plan.mask(i, positions, keys.shape[2], window)[None, None]
-            out[:, start:end] = sdpa(queries[None, :, start:end], keys, values, mask, scale=scale)[0]
+        for i, chunk in enumerate(plan.prefills):
+            keys, values = gather(chunk.table[None])
+            # [1, Hkv, L, D], cut at the chunk's last key (a block's unwritten tail is never visible)
+            keys, values = keys.transpose(0, 1)[:, :, : chunk.keys], values.transpose(0, 1)[:, :, : chunk.keys]
+            mask = None if window is None else plan.mask(i, chunk.positions, chunk.keys, window)[None, None]
+            out[:, chunk.start : chunk.end] = attend_chunk(
+                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale
+            )[0]
         return out.unsqueeze(0)
 
     def _attend_in_place(

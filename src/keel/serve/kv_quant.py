@@ -41,7 +41,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, kernel_attends
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
 QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
 
@@ -219,4 +219,4 @@ def sequence_plan(table: list[int], start: int, num_tokens: int, block_size: int
     positions = torch.tensor(list(span), device=device)
     if num_tokens == 1:
         return StepPlan(slots, [DecodeGroup(torch.tensor([0], device=device), blocks[None], positions)], [])
-    return StepPlan(slots, [], [(0, num_tokens, blocks, positions)])
+    return StepPlan(slots, [], [PrefillChunk(0, num_tokens, blocks, positions, start + num_tokens)])

@@ -18,7 +18,7 @@ from torch import Tensor
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
 from keel.serve.kv_blocks import slot_of, visible_blocks
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, length_groups
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, length_groups
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
@@ -78,7 +78,10 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
     plan = StepPlan(
         slot_mapping=torch.tensor(slots, device=device),
         decodes=_decode_groups(decode_index, decode_tables, decode_positions, device, total=len(tokens)),
-        prefills=[(s, e, torch.tensor(b, device=device), torch.tensor(p, device=device)) for s, e, b, p in prefills],
+        prefills=[
+            PrefillChunk(s, e, torch.tensor(b, device=device), torch.tensor(p, device=device), p[-1] + 1)
+            for s, e, b, p in prefills
+        ],
     )
     return PackedStep(
         torch.tensor([tokens], device=device),

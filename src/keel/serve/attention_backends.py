@@ -1,0 +1,94 @@
+"""Attention backends of the paged KV cache: which code attends a step's queries over the paged stores.
+
+The model never changes: its attention layers call the cache (`KVCache.attend`), and the cache asks
+`attention_backend` which backend reads its stores, from what keel.platform and the store report:
+
+- `kernels`: keel's C++ paged-attention operator (keel.kernels) on CPU stores of float32, bfloat16 or
+  int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie.
+- `triton`: on CUDA, one-token decodes through a Triton kernel that walks each row's block table
+  (keel.kernels.triton_paged); prefill chunks through `scaled_dot_product_attention` with a causal
+  mask aligned to the chunk's end (`causal_lower_right`: torch's fused flash / memory-efficient
+  kernels, no mask tensor), where no sliding window applies.
+- `torch`: the portable path everywhere else (and the reference): each group of decodes gathers its
+  blocks once per layer and attends with batched matmuls; chunks as under `triton`.
+
+`KEEL_ATTENTION_BACKEND=kernels|triton|torch` forces one (where it cannot read the store: an error
+naming why). The Triton kernel also runs on CPU tensors under `TRITON_INTERPRET=1`, which is how the
+test suite checks it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from keel import kernels
+from keel.errors import KeelError
+from keel.kernels import triton_paged
+
+ENV = "KEEL_ATTENTION_BACKEND"
+BACKENDS = ("kernels", "triton", "torch")
+_FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
+    if store.device.type != "cpu":
+        return f"keel's C++ kernels read CPU stores, not {store.device.type}"
+    if not kernels.active():
+        return "keel's C++ kernels are off (KEEL_KERNELS=0, or the library was not built)"
+    if store.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        return f"keel's paged-attention kernel reads float32, bfloat16 or int8 rows, not {store.dtype}"
+    if head_dim > 576 or block_size > 64:
+        return "keel's paged-attention kernel takes head dims up to 576 and blocks up to 64 tokens"
+    return None
+
+
+def _triton_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
+    if store.dtype not in _FLOAT_ROWS:
+        return f"the Triton paged attention reads float rows, not {store.dtype}"
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"the Triton paged attention needs a power-of-two block size of at least 16, not {block_size}"
+    if not triton_paged.available():
+        return "Triton is not installed"
+    if store.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton runs on CUDA stores (on CPU only under TRITON_INTERPRET=1)"
+    return None
+
+
+_REFUSALS = {"kernels": _kernels_refusal, "triton": _triton_refusal, "torch": lambda *_: None}
+
+
+def attention_backend(store: Tensor, head_dim: int, block_size: int) -> str:
+    """The backend that attends over `store` (one layer's key rows, [H_kv, slots, D]): the forced one
+    (KEEL_ATTENTION_BACKEND) or the fastest that reads it. Inside a torch.compile trace the C++
+    kernels are left to the op that wraps them (keel.serve.compiled_decode)."""
+    forced = os.environ.get(ENV)
+    if forced:
+        if forced not in BACKENDS:
+            raise KeelError(f"{ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
+        reason = _REFUSALS[forced](store, head_dim, block_size)
+        if reason is not None:
+            raise KeelError(f"{ENV}={forced}: {reason}")
+        return forced
+    if store.device.type == "cpu":
+        if _kernels_refusal(store, head_dim, block_size) is None and not torch.compiler.is_compiling():
+            return "kernels"
+        return "torch"
+    if store.device.type == "cuda" and _triton_refusal(store, head_dim, block_size) is None:
+        return "triton"
+    return "torch"
+
+
+def attend_chunk(queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
+    """One prefill chunk's queries [1, H, C, D] over its sequence's gathered keys [1, H_kv, L, D] (the last C
+    of which are the chunk's own) -> [1, H, C, Dv]. Without a mask (no sliding window) the causal mask is
+    aligned to the chunk's end and passed as torch's `causal_lower_right` bias, which SDPA runs in its
+    fused kernels without building an [C, L] tensor; with one, the mask as given."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
+    return torch.nn.functional.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=bias, enable_gqa=queries.shape[1] != keys.shape[1], scale=scale
+    )
