@@ -29,13 +29,17 @@ def _generate(path, compile_: bool, **extra):
         dtype="bfloat16", compile=compile_, num_blocks=96, max_model_len=256, block_size=8, **extra
     )
     llm = LLM(str(path), config)
+    return llm, _run(llm)
+
+
+def _run(llm: LLM) -> list[list[int]]:
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     # Batch 1 first (eager on CPU), then all prompts together (the compiled graph, mixed lengths:
     # the tables grow from 1 to 7 blocks, and sequences join and leave as their prompts finish).
     alone = [llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids]
     params = [SamplingParams(max_tokens=12 + 9 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    return llm, alone + together
+    return alone + together
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])  # tied head; q/k norms; sliding window of 8
@@ -52,6 +56,26 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     # serving, whatever the batch size or the block-table width.
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
     assert compiled == eager
+
+
+def test_batches_padded_to_buckets_give_the_eager_tokens(tmp_path):
+    """CUDA's graph buckets, run on CPU: batches padded to 1, 2, 4 or 8 rows with copies of row 0 (which
+    rewrite row 0's own K/V), tables padded to the longest a sequence can have: the eager tokens."""
+    from keel import kernels
+    from keel.serve.compiled_decode import CompiledDecode
+
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    _, eager = _generate(tmp_path, False)
+    llm = LLM(str(tmp_path), EngineConfig.of(dtype="bfloat16", num_blocks=96, max_model_len=256, block_size=8))
+    engine = llm.engine  # nothing served yet: the warm-up's K/V land in blocks no sequence holds
+    padded = CompiledDecode(engine.model, engine.cache, max_batch=8, max_blocks=32, pad_batches=True)
+    assert padded.batch_buckets == (1, 2, 4, 8)
+    assert padded.fixed_width == (32 if kernels.active() else 0)  # where attention reads rows in place
+    padded.warm_up()
+    engine.runner.compiled = padded
+    assert _run(llm) == eager
+    assert padded.steps > 20
 
 
 @pytest.mark.parametrize("quantize", ["int4", "int8"])

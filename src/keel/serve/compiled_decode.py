@@ -49,6 +49,7 @@ from keel.serve.kv_cache import (
     length_groups,
     write_rows,
 )
+from keel.serve.staging import staging_for
 
 log = logging.getLogger("keel.serve")
 
@@ -199,10 +200,26 @@ def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCac
     return True
 
 
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes graphs are captured for, as vLLM's: 1, 2, 4, 8, then every 8 up to max_batch."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return (*sizes, max_batch)
+
+
 class CompiledDecode:
     """Runs decode-only steps through one compiled forward of the model (see the module docstring)."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        *,
+        max_batch: int = 256,
+        max_blocks: int = 0,
+        pad_batches: bool | None = None,
+    ) -> None:
+        """max_batch: the most sequences a step holds (the largest bucket); max_blocks: the most blocks a
+        sequence holds (the fixed table width); pad_batches: pad to buckets (default: on CUDA)."""
         kernels.active()  # read before tracing: the graph takes the kernels eager steps take
         self.model, self.cache = model, cache
         self.device = model.device
@@ -227,6 +244,13 @@ class CompiledDecode:
         # decode fast path"). So on CPU only batches of 2 or more run compiled (one graph); on CUDA
         # every batch does (CUDA graphs remove per-kernel launches at any size).
         self.min_batch = 1 if self.device.type == "cuda" else 2
+        # CUDA graphs are captured per input shape: batches padded to a few sizes, and, where the Triton
+        # kernel reads each row to its own length (padding costs nothing), tables to the longest a
+        # sequence can have, bound the graphs to one per bucket. On CPU nothing is captured: no padding.
+        pad = self.device.type == "cuda" if pad_batches is None else pad_batches
+        self.batch_buckets = batch_buckets(max_batch) if pad else ()
+        reads_in_place = attention_backend(cache.keys[cache.layers[0]], cache.head_dim, cache.block_size) != "torch"
+        self.fixed_width = max_blocks if pad and reads_in_place else 0
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, widths: Tensor) -> Tensor:
         cache = _StepCache(self.cache, slots, tables, widths, positions[0])
@@ -235,28 +259,41 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> Tensor:
         """One decode token per sequence -> logits [B, V]. Tables are padded with block 0 to a common
-        width of at least 2 blocks (masked by position)."""
-        width = max(2, max(len(t) for t in tables))
-        dev = self.device
-        tok = torch.tensor([tokens], device=dev)
-        pos = torch.tensor([positions], device=dev)
-        slot = torch.tensor(slots, device=dev)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-        # Read by the op to group rows on CPU (a host tensor); on CUDA it stays on the device, unread.
-        widths = torch.tensor([len(t) for t in tables], device=dev)
+        width of at least 2 blocks (masked by position); with `batch_buckets`, the batch is padded to the
+        next bucket with copies of its first row, and tables to `fixed_width`."""
         batch = len(tokens)
-        if batch > 1:  # size 1 is specialised by torch: batch 1 has its own graph
-            for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0), (widths, 0)):
+        padded = next((b for b in self.batch_buckets if b >= batch), batch)
+        if padded > batch:
+            # Copies of row 0: they write row 0's own K/V into its own slot (the same values) and their
+            # logits are dropped.
+            extra = padded - batch
+            tokens, positions = tokens + tokens[:1] * extra, positions + positions[:1] * extra
+            slots, tables = slots + slots[:1] * extra, tables + tables[:1] * extra
+        width = max(2, max(len(t) for t in tables), self.fixed_width)
+        # Read by the op to group rows on CPU (a host tensor); on CUDA it stays on the device, unread.
+        widths = [len(t) for t in tables]
+        host = [
+            torch.tensor([tokens]),
+            torch.tensor([positions]),
+            torch.tensor(slots),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            torch.tensor(widths),
+        ]
+        tok, pos, slot, table, widths_t = staging_for(self.device).move(host)
+        if padded > 1:  # size 1 is specialised by torch: batch 1 has its own graph
+            for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0), (widths_t, 0)):
                 torch._dynamo.mark_dynamic(t, dim)
-        torch._dynamo.mark_dynamic(table, 1)
+        if not self.fixed_width:
+            torch._dynamo.mark_dynamic(table, 1)
         self.steps += 1
-        return self._compiled(tok, pos, slot, table, widths).view(batch, -1)
+        return self._compiled(tok, pos, slot, table, widths_t).view(padded, -1)[:batch]
 
     def warm_up(self) -> float:
-        """Compile the graphs (batch 1 on CUDA, batch 2+) before serving; seconds taken. Writes garbage K/V
-        into block 0, which no sequence holds yet (a sequence reads only positions it has written)."""
+        """Compile the graphs (batch 1 on CUDA, batch 2+) and, with buckets, capture every bucket's before
+        serving; seconds taken. Writes garbage K/V into the first blocks, which no sequence holds yet (a
+        sequence reads only positions it has written)."""
         start = time.perf_counter()
-        for batch in sorted({self.min_batch, 2}):
+        for batch in sorted({self.min_batch, 2, *self.batch_buckets}):
             self([0] * batch, [0] * batch, list(range(batch)), [[0]] * batch)
         self.steps = 0
         self.compile_seconds = time.perf_counter() - start

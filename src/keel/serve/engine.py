@@ -322,7 +322,12 @@ class LLMEngine:
         self.compile_seconds = 0.0
         offloading = self.config.offload.enabled
         if self.executor is None and decide_compile(self.config.load.compile, self.model, self.cache, offloading):
-            self.runner.compiled = CompiledDecode(self.model, self.cache)
+            self.runner.compiled = CompiledDecode(
+                self.model,
+                self.cache,
+                max_batch=self.config.scheduler.max_num_seqs,
+                max_blocks=-(-self.max_model_len // self.cache.block_size),
+            )
             self.compile_seconds = self.runner.compiled.warm_up()
             log.info(
                 "decode step compiled in %.1f s (inductor cache: %s)",

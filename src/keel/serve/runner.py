@@ -23,6 +23,7 @@ from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
 from keel.serve.speculative.verify import verify_drafts
+from keel.serve.staging import staging_for
 
 
 @dataclass
@@ -46,7 +47,8 @@ class PackedStep:
 
 def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> PackedStep:
     """Pack chunks of several sequences into one row, with the paged cache's plan: where each token's
-    K/V goes, which tokens are one-token decodes (attended as a batch) and which are chunks."""
+    K/V goes, which tokens are one-token decodes (attended as a batch) and which are chunks. Built on the
+    host and moved in one copy (keel.serve.staging)."""
     bs = block_size
     tokens: list[int] = []
     positions: list[int] = []
@@ -75,21 +77,25 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         elif chunk.logits == "last":
             select.append(offset + n - 1)
         rows.append(range(first, len(select)))
-    plan = StepPlan(
-        slot_mapping=torch.tensor(slots, device=device),
-        decodes=_decode_groups(decode_index, decode_tables, decode_positions, device, total=len(tokens)),
-        prefills=[
-            PrefillChunk(s, e, torch.tensor(b, device=device), torch.tensor(p, device=device), p[-1] + 1)
-            for s, e, b, p in prefills
-        ],
-    )
-    return PackedStep(
-        torch.tensor([tokens], device=device),
-        torch.tensor([positions], device=device),
-        plan,
+    groups = _decode_groups(decode_index, decode_tables, decode_positions, "cpu", total=len(tokens))
+    host = [
+        torch.tensor([tokens]),
+        torch.tensor([positions]),
+        torch.tensor(slots),
         torch.tensor(select, dtype=torch.long),
-        rows,
+    ]
+    for g in groups:
+        host += [g.index, g.tables, g.positions]
+    for _, _, blocks, span in prefills:
+        host += [torch.tensor(blocks), torch.tensor(span)]
+    moved = iter(staging_for(torch.device(device)).move(host))
+    tokens_t, positions_t, slots_t, select_t = (next(moved) for _ in range(4))
+    plan = StepPlan(
+        slot_mapping=slots_t,
+        decodes=[DecodeGroup(next(moved), next(moved), next(moved), g.whole_step) for g in groups],
+        prefills=[PrefillChunk(s, e, next(moved), next(moved), span[-1] + 1) for s, e, _, span in prefills],
     )
+    return PackedStep(tokens_t, positions_t, plan, select_t, rows)
 
 
 @torch.inference_mode()

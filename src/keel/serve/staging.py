@@ -1,0 +1,60 @@
+"""A step's integer inputs moved to the device in one copy from pinned host memory.
+
+A decode step's inputs (token ids, positions, KV slots, block tables, decode-group indices) are a dozen
+small int64 tensors built on the host. Moved one by one from ordinary (pageable) memory, each is a
+blocking host-to-device copy, and the host waits for the GPU a dozen times per step. Staged here, they
+are laid end to end in one page-locked buffer that lives as long as the engine (grown when a step needs
+more) and cross in one non-blocking copy; the device tensors are views of one device buffer. Before the
+host buffer is written again, the previous copy's event is waited on (it is long done by then: every
+step ends by reading the sampled tokens back).
+
+On the CPU the tensors are returned as they are: there is nothing to copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+class Staging:
+    """`move(tensors)`: int64 host tensors -> the same tensors on `device` (see the module docstring)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._host: Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def move(self, tensors: list[Tensor]) -> list[Tensor]:
+        if self.device.type == "cpu" or not tensors:
+            return tensors
+        if any(t.dtype != torch.int64 for t in tensors):
+            raise ValueError("Staging moves int64 tensors only")
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if self.device.type != "cuda":
+            return [t.to(self.device) for t in tensors]
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._host is None or self._host.numel() < total:
+            self._host = torch.empty(max(total, 2 * (0 if self._host is None else self._host.numel())),
+                                     dtype=torch.int64, pin_memory=True)  # fmt: skip
+        host = self._host[:total]
+        torch.cat([t.reshape(-1).to(torch.int64) for t in tensors], out=host)
+        moved = host.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        out, offset = [], 0
+        for t, n in zip(tensors, sizes, strict=True):
+            out.append(moved[offset : offset + n].view(t.shape))
+            offset += n
+        return out
+
+
+@functools.cache
+def staging_for(device: torch.device) -> Staging:
+    """The process's staging buffer for a device: shared by every caller in the engine's thread (each move
+    waits for the previous copy out of the host buffer, and returns fresh device tensors)."""
+    return Staging(device)
