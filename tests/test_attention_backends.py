@@ -100,15 +100,15 @@ def test_the_probe_picks_a_backend_and_a_forced_one_is_checked(monkeypatch):
     monkeypatch.setenv(ENV, "torch")
     assert attention_backend(store, 32, 16) == "torch"
     monkeypatch.setenv(ENV, "triton")
-    assert attention_backend(store, 32, 16) == "triton"  # interpreted here
+    device_store = store.to(DEVICE)
+    assert attention_backend(device_store, 32, 16) == "triton"  # on CPU: interpreted
     with pytest.raises(KeelError, match="power-of-two block size"):
-        attention_backend(store, 32, 4)
+        attention_backend(device_store, 32, 4)
     with pytest.raises(KeelError, match="float rows"):
-        attention_backend(store.to(torch.int8), 32, 16)
-    monkeypatch.delenv("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        with pytest.raises(KeelError, match="TRITON_INTERPRET"):
-            attention_backend(store, 32, 16)
+        attention_backend(device_store.to(torch.int8), 32, 16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KeelError, match="TRITON_INTERPRET"):
+        attention_backend(store, 32, 16)
     monkeypatch.setenv(ENV, "flash")
     with pytest.raises(KeelError, match="kernels, triton, torch"):
         attention_backend(store, 32, 16)
@@ -138,7 +138,7 @@ def models(tmp_path_factory):
     for name in ("llama", "mistral"):  # mistral: a sliding window of 8
         save_hf_model(name, root / name)
         save_byte_tokenizer(root / name)
-        out[name] = load_model(root / name)
+        out[name] = load_model(root / name, device=DEVICE)
     return out
 
 
@@ -149,14 +149,16 @@ def test_greedy_tokens_are_the_same_under_every_backend(models, name, monkeypatc
     rng = random.Random(3)
     prompts = [[rng.randrange(250) for _ in range(n)] for n in (5, 23, 40, 23)]
     prompts[3][:16] = prompts[1][:16]  # a cached block shared with the second prompt
-    backends = ["torch", "triton"] + (["kernels"] if kernels.active() else [])
+    backends = ["torch", "triton"] + (["kernels"] if kernels.active() and DEVICE == "cpu" else [])
     results = {}
     calls = []
     real = triton_paged.paged_attention
     monkeypatch.setattr(triton_paged, "paged_attention", lambda *a: calls.append(1) or real(*a))
     for backend in backends:
         monkeypatch.setenv(ENV, backend)
-        llm = LLM(models[name], num_blocks=32, block_size=16, max_model_len=96, max_num_batched_tokens=24)
+        llm = LLM(
+            models[name], num_blocks=32, block_size=16, max_model_len=96, max_num_batched_tokens=24, device=DEVICE
+        )
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         results[backend] = [o.outputs[0].token_ids for o in outputs]
@@ -175,23 +177,23 @@ def test_the_compiled_decode_op_attends_through_triton_as_the_eager_cache(models
     monkeypatch.setenv(ENV, "triton")
     config = models["llama"].config
     gen = torch.Generator().manual_seed(0)
-    caches = [PagedKVCache(config, 8, 16, torch.float32) for _ in range(2)]
+    caches = [PagedKVCache(config, 8, 16, torch.float32, DEVICE) for _ in range(2)]
     for a, b in zip(caches[1].keys + caches[1].values, caches[0].keys + caches[0].values, strict=True):
-        a.copy_(b.normal_(generator=gen))
+        a.copy_(b.copy_(torch.randn(b.shape, generator=gen)))
     h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    q = torch.randn(1, h, 3, d, generator=gen)
-    k, v = (torch.randn(1, 3, hkv, d, generator=gen) for _ in range(2))
-    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]])
-    positions = torch.tensor([20, 40, 2])
-    slots = torch.tensor([2 * 16 + 4, 5 * 16 + 8, 6 * 16 + 2])
-    caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3), tables, positions, whole_step=True)], [])
+    q = torch.randn(1, h, 3, d, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 3, hkv, d, generator=gen).to(DEVICE) for _ in range(2))
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0]], device=DEVICE)
+    positions = torch.tensor([20, 40, 2], device=DEVICE)
+    slots = torch.tensor([2 * 16 + 4, 5 * 16 + 8, 6 * 16 + 2], device=DEVICE)
+    caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3, device=DEVICE), tables, positions, True)], [])
     eager = caches[0].attend(0, q, k, v, None, window=None)
-    widths = torch.tensor([2, 3, 1])
+    widths = torch.tensor([2, 3, 1], device=DEVICE)
     mask = decode_mask(positions, 48, None)
     op = paged_decode_attention(
         q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, widths, mask, positions, 0, 16, d**-0.5
     )
     torch.testing.assert_close(op, eager)
     monkeypatch.setenv(ENV, "torch")
-    caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3), tables, positions, whole_step=True)], [])
+    caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3, device=DEVICE), tables, positions, True)], [])
     torch.testing.assert_close(caches[0].attend(0, q, k, v, None, window=None), eager)

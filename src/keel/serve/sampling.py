@@ -172,6 +172,12 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None  # only when some row asked for logprobs
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device`, copied without blocking the host (`torch.tensor(..., device=cuda)`
+    waits for the copy: a host sync per call, several per step)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
     """[N, V] float32 count of each token id in each row's list."""
     width = max((len(r) for r in rows), default=0)
@@ -179,13 +185,13 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     if width == 0:
         return counts[:, :vocab_size]
     # Pad with id V (an extra column, dropped below) so ragged lists scatter in one op.
-    padded = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+    padded = to_device([r + [vocab_size] * (width - len(r)) for r in rows], torch.int64, device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
 def _column(states: list[RowState], name: str, device: torch.device) -> Tensor:
-    return torch.tensor([float(getattr(s.params, name)) for s in states], dtype=torch.float32, device=device)
+    return to_device([float(getattr(s.params, name)) for s in states], torch.float32, device)
 
 
 def apply_penalties(logits: Tensor, states: list[RowState]) -> Tensor:
@@ -226,7 +232,7 @@ def apply_penalties(logits: Tensor, states: list[RowState]) -> Tensor:
             rows += [i] * len(ids)
             cols += ids
     if rows:
-        x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        x[to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)] = float("-inf")
     return x
 
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 23's proof on one lent GPU: keel's CUDA tests, then bench/gpu_bench.py (greedy agreement with
+# transformers in float32, batch-1 decode against the copy roofline, 256-request offline throughput
+# against transformers' static batches). One run, under 8 minutes on an H200, nothing from a network.
+#
+#   bash bench/gpu_check.sh --fetch-wheels   # here, once: the wheels keel needs that the device image lacks -> .whl/
+#   bash bench/gpu_check.sh                  # there (the device tool's run, carry [".whl"]): results under $OUT
+#
+# The device image has torch 2.11 + CUDA 13, triton, transformers, pytest, numpy, safetensors, tokenizers,
+# jinja2, tqdm, httpx and prometheus-client; keel's other dependencies travel as wheels for its Python (3.12),
+# pinned as in constraints.txt. keel runs from this source tree (PYTHONPATH=src): its C++ CPU kernels are
+# not built there (nothing on the CUDA path calls them; keel.kernels reports them off).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS="gguf==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 uvicorn==0.54.0"
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl $WHEELS
+  ls .whl
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
+
+status=0
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_attention_backends.py \
+  2>&1 | tee "$OUT/tests.log" || status=1
+timeout 330 python3 bench/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+exit $status

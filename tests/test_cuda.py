@@ -1,0 +1,138 @@
+"""keel on a CUDA device: run by bench/gpu_check.sh on a lent GPU (docs/BENCHMARKS.md records each run).
+
+Every path here also runs on CPU through the same interfaces in the default suite (the engine and its
+compiled decode in test_serve_engine / test_compiled_decode, the Triton kernel under Triton's interpreter
+in test_attention_backends, the staging and bucket logic with the buckets forced on); these tests prove
+them on the device itself, so they need one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.serve import LLM, SamplingParams
+from keel.serve.sampling import RowState, Sampler
+from keel.serve.staging import Staging
+from tiny_models import build_hf_model, save_byte_tokenizer, save_hf_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh)")
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 42], list(range(30, 70)), [200] * 9, list(range(100, 123))]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cuda") / "llama"
+    save_hf_model("llama", path)
+    save_byte_tokenizer(path)
+    return path
+
+
+def transformers_tokens(path, prompts, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
+    llm = LLM(
+        str(llama),
+        device="cuda",
+        dtype="float32",
+        compile=compile_,
+        max_model_len=256,
+        max_num_seqs=8,
+        kv_cache_memory="1GiB",
+    )
+    engine = llm.engine
+    assert engine.model.device.type == "cuda" and engine.cache.keys[0].device.type == "cuda"
+    assert "attention triton" in engine.backends
+    assert (engine.runner.compiled is not None) == compile_
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == transformers_tokens(llama, PROMPTS)
+    if compile_:
+        assert engine.runner.compiled.steps > 10 and engine.runner.compiled.batch_buckets[:4] == (1, 2, 4, 8)
+
+
+def test_bf16_engine_serves_chunked_prefill_and_prefix_hits(llama):
+    """bf16 (the GPU default): a step budget smaller than the prompts and a shared prefix, the same tokens
+    as each prompt alone."""
+    llm = LLM(
+        str(llama),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        kv_cache_memory="1GiB",
+    )
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS + PROMPTS[1:2], GREEDY, use_tqdm=False)]
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert together[:4] == alone and together[4] == alone[1]
+
+
+def test_sampler_reads_nothing_back_from_the_device():
+    """Penalties, temperature, top-k/top-p/min-p and the draw, seeded and not: no host sync inside."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(4, 1000, device="cuda")
+    states = [
+        RowState(SamplingParams(temperature=0.0)),
+        RowState(SamplingParams(temperature=0.8, top_k=20, top_p=0.9), prompt_ids=[1, 2], output_ids=[3]),
+        RowState(SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2), output_ids=[5, 5]),
+        RowState(SamplingParams(temperature=0.7, seed=3), generator=gen),
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, states)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids = out.token_ids.tolist()
+    assert ids[0] == int(logits[0].argmax()) and all(0 <= i < 1000 for i in ids)
+
+
+def test_staging_moves_a_step_in_one_copy():
+    staging = Staging("cuda")
+    host = [torch.arange(5), torch.tensor([[1, 2], [3, 4]]), torch.tensor([7])]
+    moved = staging.move(host)
+    assert all(m.device.type == "cuda" and torch.equal(m.cpu(), h) for m, h in zip(moved, host, strict=True))
+    assert staging._host.is_pinned()
+    again = staging.move([torch.tensor([9, 9])])  # the host buffer reused once the last copy is done
+    assert again[0].tolist() == [9, 9] and moved[0].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_weight_only_quantized_linears_run_on_cuda(llama, quantize):
+    """keel's int8/int4 weight-only layers on the device: logits close to the float model's."""
+    from keel.quant.loading import load_model
+
+    dense = load_model(str(llama), "bfloat16", device="cuda")
+    quant = load_model(str(llama), "bfloat16", device="cuda", quantize=quantize, quant_group_size=32)
+    assert any(getattr(m, "scheme", None) for m in quant.model.modules())
+    tokens = torch.tensor([PROMPTS[1]], device="cuda")
+    with torch.inference_mode():
+        want, got = dense.model(tokens).float(), quant.model(tokens).float()
+    assert got.device.type == "cuda"
+    error = (got - want).norm() / want.norm()
+    assert error < (0.05 if quantize == "int8" else 0.2), error
+
+
+def test_a_model_of_its_own_dtype_round_trips(tmp_path):
+    """The reference tiny model itself on the device: keel's forward equals transformers' in float32."""
+    from keel.quant.loading import load_model
+
+    hf = build_hf_model("qwen3").cuda().eval()
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), "float32", device="cuda")
+    tokens = torch.tensor([PROMPTS[1]], device="cuda")
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
