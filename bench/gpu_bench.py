@@ -105,7 +105,8 @@ def keel_engine(path: Path, dtype: str, device: torch.device, **options):  # noq
     from keel.serve import EngineConfig, LLMEngine
 
     loaded = load_model(str(path), dtype, device=str(device))
-    if device.type == "cpu":  # on CUDA the budget is --gpu-memory-utilization's share
+    if device.type == "cpu":  # on CUDA the budget is --gpu-memory-utilization's share (transformers' beside it)
+        options.pop("gpu_memory_utilization", None)
         options.setdefault("kv_cache_memory", "1GiB")
     config = EngineConfig.of(device=str(device), **options)
     return LLMEngine(loaded, config, adapt=True)
@@ -233,7 +234,7 @@ def main() -> None:
         roofline = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
         reference = hf_model(path, torch.bfloat16, device)
         engine = keel_engine(path, "bfloat16", device, max_num_seqs=128, max_model_len=1024,
-                             max_num_batched_tokens=4096)  # fmt: skip
+                             max_num_batched_tokens=4096, gpu_memory_utilization=0.5)  # fmt: skip
         print(f"keel: {engine.backends}", flush=True)
         vocab = engine.model.config.vocab_size
         results["batch1"] = batch1(engine, reference, device, vocab, args.new_tokens, roofline)

@@ -136,3 +136,15 @@ def test_a_model_of_its_own_dtype_round_trips(tmp_path):
     tokens = torch.tensor([PROMPTS[1]], device="cuda")
     with torch.inference_mode():
         torch.testing.assert_close(loaded.model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_after_a_dummy_step(llama, caplog):
+    import logging
+
+    total = torch.cuda.mem_get_info()[1]
+    with caplog.at_level(logging.INFO, logger="keel.serve"):
+        llm = LLM(str(llama), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=256)
+    assert any("activation peak of a" in r.getMessage() for r in caplog.records)
+    cache_bytes = llm.engine.cache.nbytes()
+    assert 0.1 * total < cache_bytes < 0.2 * total  # the tiny model's weights and step take little
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24

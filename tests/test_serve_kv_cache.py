@@ -99,3 +99,23 @@ def test_bad_sizes_are_clear_errors():
     assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory("4096") == 4096
     with pytest.raises(KeelError, match="kv-cache-memory"):
         parse_memory("lots")
+
+
+def test_gpu_memory_utilization_leaves_the_weights_and_the_activation_peak(monkeypatch):
+    """vLLM's rule: KV = total x utilization - memory in use - the dummy step's activation peak."""
+    from keel.serve import kv_budget
+
+    gib = 2**30
+    assert kv_budget.utilization_budget(0.9, free=90 * gib, total=100 * gib, activation_peak=5 * gib) == 75 * gib
+    with pytest.raises(KeelError, match="--gpu-memory-utilization 0.5: 50.0 GiB .* 60.0 GiB in use"):
+        kv_budget.utilization_budget(0.5, free=40 * gib, total=100 * gib, activation_peak=gib)
+    with pytest.raises(KeelError, match="expected a share"):
+        kv_budget.utilization_budget(1.5, free=40 * gib, total=100 * gib, activation_peak=0)
+    # On CUDA without a size: the device's memory and the profiled peak (the probe is faked here).
+    peaks = []
+    monkeypatch.setattr(kv_budget.torch.cuda, "mem_get_info", lambda device: (80 * gib, 100 * gib))
+    blocks = kv_budget.blocks_in_budget(gib, None, "cuda:0", 0.5, lambda: peaks.append(1) or 4 * gib)
+    assert blocks == 50 - 20 - 4 and peaks == [1]
+    assert kv_budget.blocks_in_budget(gib, "3GiB", "cuda:0", 0.5, lambda: peaks.append(1) or 0) == 3 and peaks == [1]
+    # On CPU without a size: the default, nothing profiled.
+    assert kv_budget.blocks_in_budget(2**20, None, "cpu") == parse_memory(kv_budget.CPU_DEFAULT) // 2**20

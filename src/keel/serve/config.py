@@ -50,11 +50,13 @@ class CacheConfig:
     block_size: int = 16
     """tokens per KV-cache block"""
 
-    kv_cache_memory: str | int | None = field(default="2GiB", metadata={"metavar": "SIZE"})
-    """KV-cache budget, e.g. 2GiB (bytes or a size; on CUDA, none: a share of the free memory)"""
+    kv_cache_memory: str | int | None = field(default=None, metadata={"metavar": "SIZE"})
+    """KV-cache budget, e.g. 2GiB (bytes or a size); unset: 2GiB on CPU, on CUDA what --gpu-memory-utilization
+    leaves"""
 
     gpu_memory_utilization: float = 0.9
-    """share of the free device memory after loading the KV cache takes, when --kv-cache-memory is none"""
+    """on CUDA without --kv-cache-memory: the share of the device's memory the engine holds (weights,
+    activations measured by a dummy step, KV cache), as vLLM's"""
 
     num_blocks: int | None = None
     """KV blocks (overrides --kv-cache-memory)"""

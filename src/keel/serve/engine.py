@@ -30,7 +30,7 @@ from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
-from keel.serve.sampling import SamplingParams, TokenLogprobs, request_generator
+from keel.serve.sampling import RowState, Sampler, SamplingParams, TokenLogprobs, request_generator
 from keel.serve.scheduler import Scheduler, default_batched_tokens
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
@@ -295,17 +295,43 @@ class LLMEngine:
         )
         return num_blocks
 
-    def _build_scheduler_and_runner(self) -> None:
-        """The scheduler over the block manager, and the runner (this process's, or the workers' executor),
-        compiled when `compile` asks or the model is worth it."""
-        mc, sched = self.model.config, self.config.scheduler
-        windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+    def _step_budget(self) -> int:
+        """Tokens a step may hold: --max-num-batched-tokens, else the device's default."""
+        sched = self.config.scheduler
         budget = sched.max_num_batched_tokens
         if budget is None:
             budget = default_batched_tokens(self.device_type, torch.get_num_threads())
             if not sched.enable_chunked_prefill:  # a whole prompt goes in one step
                 budget = max(budget, self.max_model_len)
-        self.max_num_batched_tokens = budget
+        return budget
+
+    def _activation_peak(self) -> int:
+        """Bytes a full step allocates beyond what is held before it (CUDA): a dummy forward of the step
+        budget's tokens with the logits of `max_num_seqs` rows, then the sampler over them with top-k/top-p
+        (its sort is the widest tensor of a step). The cache is released after, so the KV pool can use it."""
+        device = self.model.device
+        tokens = min(self._step_budget(), self.max_model_len)
+        rows = min(self.config.scheduler.max_num_seqs, tokens)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+            logits = self.model(ids, select=torch.arange(tokens - rows, tokens, device=device))
+            Sampler()(logits, [RowState(SamplingParams(temperature=1.0, top_k=50, top_p=0.9))] * rows)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del ids, logits
+        torch.cuda.empty_cache()
+        log.info("activation peak of a %d-token step: %.1f MiB", tokens, peak / 2**20)
+        return peak
+
+    def _build_scheduler_and_runner(self) -> None:
+        """The scheduler over the block manager, and the runner (this process's, or the workers' executor),
+        compiled when `compile` asks or the model is worth it."""
+        mc, sched = self.model.config, self.config.scheduler
+        windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+        self.max_num_batched_tokens = budget = self._step_budget()
         self.scheduler = Scheduler(
             self.kv,
             budget,
@@ -427,7 +453,9 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        return blocks_in_budget(self._bytes_per_block(), cache.kv_cache_memory, device, cache.gpu_memory_utilization)
+        return blocks_in_budget(
+            self._bytes_per_block(), cache.kv_cache_memory, device, cache.gpu_memory_utilization, self._activation_peak
+        )
 
     # ------------------------------------------------------------- requests
     def add_request(

@@ -1,10 +1,24 @@
-"""The KV-cache memory budget: a size such as "2GiB", or a share of a GPU's free memory, in whole blocks."""
+"""The KV-cache memory budget in whole blocks: a size such as "2GiB", or on CUDA vLLM's
+`--gpu-memory-utilization`: the share of the device's whole memory this engine may hold (weights,
+activations and the KV cache together).
+
+With a utilization, the engine first runs a dummy forward of a full step (`max_num_batched_tokens` tokens,
+the sampler over `max_num_seqs` rows) and measures the activation peak it allocates; then
+  KV bytes = total x utilization - (memory in use once the dummy step's cache is released) - activation peak,
+where the memory in use counts the weights, the CUDA context and anything else already on the device
+(another process's share included, as vLLM counts it at start-up). Without a size on CPU the budget is
+`CPU_DEFAULT`.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from keel.errors import KeelError
+
+CPU_DEFAULT = "2GiB"
 
 
 def blocks_in_budget(
@@ -12,19 +26,39 @@ def blocks_in_budget(
     kv_cache_memory: str | int | None,
     device: str | torch.device = "cpu",
     gpu_memory_utilization: float = 0.9,
+    activation_peak: Callable[[], int] | None = None,
 ) -> int:
-    """KV blocks a budget holds: `kv_cache_memory` bytes ("2GiB" or an int), or with None on CUDA a share of
-    the device's free memory (None on CPU is an error)."""
+    """KV blocks a budget holds: `kv_cache_memory` bytes ("2GiB" or an int); with None, on CUDA what
+    `gpu_memory_utilization` leaves after the weights and `activation_peak()` (bytes; 0 when not given),
+    elsewhere CPU_DEFAULT."""
     if kv_cache_memory is None:
-        if not torch.cuda.is_available() or not str(device).startswith("cuda"):
-            raise KeelError("--kv-cache-memory is required on CPU (e.g. 2GiB)")
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * gpu_memory_utilization)
+        if str(device).startswith("cuda"):
+            peak = activation_peak() if activation_peak is not None else 0
+            budget = utilization_budget(gpu_memory_utilization, *torch.cuda.mem_get_info(device), peak)
+        else:
+            budget = parse_memory(CPU_DEFAULT)
     elif isinstance(kv_cache_memory, int):
         budget = kv_cache_memory
     else:
         budget = parse_memory(kv_cache_memory)
     return budget // bytes_per_block
+
+
+def utilization_budget(utilization: float, free: int, total: int, activation_peak: int) -> int:
+    """KV bytes under vLLM's rule (the module docstring), from the device's free and total bytes."""
+    if not 0 < utilization <= 1:
+        raise KeelError(f"--gpu-memory-utilization {utilization}: expected a share in (0, 1]")
+    in_use = total - free
+    budget = int(total * utilization) - in_use - activation_peak
+    if budget <= 0:
+        gib = 2**30
+        raise KeelError(
+            f"--gpu-memory-utilization {utilization}: {total * utilization / gib:.1f} GiB of the device's "
+            f"{total / gib:.1f} GiB leave no KV cache after {in_use / gib:.1f} GiB in use (weights, CUDA context, "
+            f"other processes) and a {activation_peak / gib:.2f} GiB activation peak: raise it, lower "
+            "--max-num-batched-tokens, or give --kv-cache-memory"
+        )
+    return budget
 
 
 def parse_memory(text: str) -> int:

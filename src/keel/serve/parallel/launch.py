@@ -36,11 +36,10 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
     if tp < 1 or pp < 1:
         raise KeelError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}")
     cuda = str(device).startswith("cuda")
-    cache, spec_method = config.cache, getattr(config.speculative, "method", None)
+    spec_method = getattr(config.speculative, "method", None)
     unsupported = [
         (config.quant.quantize == "gguf", "--quantize gguf (int8 and int4 work)"),
         (config.offload.enabled, "--expert-cache"),
-        (cache.kv_cache_memory is None and cache.num_blocks is None and not cuda, "no --kv-cache-memory on CPU"),
         (spec_method == "draft_model", "speculative decoding with a draft model (ngram works)"),
     ]
     for bad, what in unsupported:
