@@ -45,6 +45,9 @@ def transformers_tokens(path, prompts, dtype=torch.float32):
 
 @pytest.mark.parametrize("compile_", [False, True])
 def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]  # compiled at start-up: counted from before
     llm = LLM(
         str(llama),
         device="cuda",
@@ -60,6 +63,7 @@ def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
     assert (engine.runner.compiled is not None) == compile_
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == transformers_tokens(llama, PROMPTS)
+    assert counters["inductor"]["cudagraph_skips"] == skips  # the decode graphs were captured, not skipped
     if compile_:
         assert engine.runner.compiled.steps > 10 and engine.runner.compiled.batch_buckets[:4] == (1, 2, 4, 8)
 

@@ -237,6 +237,11 @@ class CompiledDecode:
         code = CompiledDecode._forward.__code__.replace()
         forward = types.MethodType(types.FunctionType(code, globals(), "_forward"), self)
         self._compiled = torch.compile(forward, fullgraph=True, mode=mode, options=options)
+        if self.device.type == "cuda":
+            # The graph writes each step's K/V into the cache's stores: CUDA graphs replay writes into
+            # inputs only at fixed addresses (else torch skips the graphs), and the stores never move.
+            for store in (*cache.keys, *cache.values):
+                torch._dynamo.mark_static_address(store)
         self.compile_seconds = 0.0
         self.steps = 0
         # On CPU a batch-1 step is its weights' matrix-vector products, which compiling does not
