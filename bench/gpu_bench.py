@@ -137,7 +137,9 @@ def agreement(path: Path, device: torch.device, prompts: int, new_tokens: int, s
     expected = [hf_generate(reference, [p], new_tokens, device)[0].tolist() for p in work]
     del reference
     gc.collect()
-    engine = keel_engine(path, "float32", device, max_num_seqs=8, max_model_len=256, kv_cache_memory="1GiB")
+    # Eager: the floor is about the numbers (tests/test_cuda.py checks the compiled graphs give the same).
+    engine = keel_engine(path, "float32", device, max_num_seqs=8, max_model_len=256, kv_cache_memory="1GiB",
+                         compile=False)  # fmt: skip
     got, _ = keel_generate(engine, work, [new_tokens] * len(work))
     del engine
     gc.collect()

@@ -37,5 +37,5 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 status=0
 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_attention_backends.py \
   2>&1 | tee "$OUT/tests.log" || status=1
-timeout 330 python3 bench/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+timeout 300 python3 bench/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

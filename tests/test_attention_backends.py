@@ -65,6 +65,7 @@ def random_case(kv_heads, group, head_dim, v_dim, block_size, dtype, latent=Fals
         (1, 8, 64, 64, 32, False),
         (4, 1, 80, 80, 16, False),  # multi-head attention, head dim 80
         (1, 4, 40, 32, 16, True),  # latent (MLA): values are the keys' first channels
+        (1, 20, 32, 24, 16, True),  # a group past one tile of 16 heads (MLA's 64-128)
     ],
 )
 @pytest.mark.parametrize("window", [0, 20])

@@ -68,20 +68,16 @@ def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
         assert engine.runner.compiled.steps > 10 and engine.runner.compiled.batch_buckets[:4] == (1, 2, 4, 8)
 
 
-def test_bf16_engine_serves_chunked_prefill_and_prefix_hits(llama):
-    """bf16 (the GPU default): a step budget smaller than the prompts and a shared prefix, the same tokens
-    as each prompt alone."""
+def test_chunked_prefill_and_prefix_hits_give_transformers_tokens(llama):
+    """A step budget smaller than the prompts and a prompt sent twice (the second hits the prefix cache): the
+    same tokens as transformers' (float32: bf16 products are not batch-invariant on a GPU)."""
     llm = LLM(
-        str(llama),
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        kv_cache_memory="1GiB",
+        str(llama), device="cuda", dtype="float32", max_model_len=256, max_num_batched_tokens=32, kv_cache_memory="1GiB"
     )
-    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS + PROMPTS[1:2], GREEDY, use_tqdm=False)]
-    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
-    assert together[:4] == alone and together[4] == alone[1]
+    prompts = PROMPTS + PROMPTS[1:2]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert together == transformers_tokens(llama, prompts)
+    assert llm.engine.kv.prefix_hits > 0
 
 
 def test_sampler_reads_nothing_back_from_the_device():
@@ -145,10 +141,12 @@ def test_a_model_of_its_own_dtype_round_trips(tmp_path):
 def test_gpu_memory_utilization_sizes_the_cache_after_a_dummy_step(llama, caplog):
     import logging
 
-    total = torch.cuda.mem_get_info()[1]
+    free, total = torch.cuda.mem_get_info()
+    share = 0.03 + (total - free) / total  # what is in use now, and ~4 GiB more on an H200
     with caplog.at_level(logging.INFO, logger="keel.serve"):
-        llm = LLM(str(llama), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=256)
+        llm = LLM(str(llama), device="cuda", dtype="bfloat16", gpu_memory_utilization=share, max_model_len=256)
     assert any("activation peak of a" in r.getMessage() for r in caplog.records)
     cache_bytes = llm.engine.cache.nbytes()
-    assert 0.1 * total < cache_bytes < 0.2 * total  # the tiny model's weights and step take little
+    budget = 0.03 * total  # less the tiny model's weights and its dummy step's peak (a few MiB)
+    assert budget - 2**28 < cache_bytes <= budget
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24

@@ -3,8 +3,9 @@
 The same contract as keel's CPU operator `keel::paged_attention`: every query token (a decode row or a
 row of a chunk) walks its sequence's block table and reads the keys and values where they lie in the
 paged stores, with an online softmax, causal by position and within a sliding window when one is set.
-One program per (token, KV head): the query heads of a GQA group share each block's K/V load and go
-through `tl.dot` together (padded to 16 rows, the smallest tile the tensor cores take). A store without
+One program per (token, KV head, 16 of the group's query heads): those heads share each block's K/V
+load and go through `tl.dot` together (a group under 16 is padded to 16, the smallest tile `tl.dot`
+takes; an MLA group of 64-128 heads in one tile would not fit in shared memory). A store without
 values (multi-head latent attention) reads each row's first `v_dim` channels as its value.
 
 Rows of any float dtype are multiplied in float32 at IEEE precision (no TF32; bf16 and fp16 rows are
@@ -66,12 +67,13 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction, typed only once triton is
         dim_pad: tl.constexpr,
         v_pad: tl.constexpr,
     ):
-        token = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        token = tl.program_id(0).to(tl.int64)  # int64: offsets past 2^31 elements in large stores
+        kv_head = tl.program_id(1).to(tl.int64)
+        tile = tl.program_id(2)  # which 16 of the group's query heads
         row = tl.load(table_of_ptr + token)
         position = tl.load(positions_ptr + token)
 
-        heads = tl.arange(0, heads_pad)
+        heads = tile * heads_pad + tl.arange(0, heads_pad)
         dims = tl.arange(0, dim_pad)
         vdims = tl.arange(0, v_pad)
         offsets = tl.arange(0, block_size)
@@ -123,6 +125,9 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction, typed only once triton is
 _NO_WINDOW = 1 << 40  # a window no sequence reaches: every earlier position visible
 
 
+_HEAD_TILE = 16  # query heads a program takes (tl.dot's smallest tile; padded where the group is smaller)
+
+
 def _pad(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -153,7 +158,7 @@ def paged_attention(
     if tokens == 0:
         return out
     group = heads // kv_heads
-    _kernel()[(tokens, kv_heads)](
+    _kernel()[(tokens, kv_heads, -(-group // _HEAD_TILE))](
         queries, k_store, values, out,
         tables, table_of, positions,
         queries.stride(0), queries.stride(1),
@@ -163,6 +168,6 @@ def paged_attention(
         tables.stride(0),
         scale, window if window > 0 else _NO_WINDOW,
         group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size,
-        heads_pad=_pad(group, 16), dim_pad=_pad(head_dim, 16), v_pad=_pad(v_dim, 16),
+        heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=_pad(v_dim, 16),
     )  # fmt: skip
     return out

@@ -15,9 +15,10 @@ outputs are the same with and without compilation (tests/test_compiled_decode.py
 Shapes: one graph for every batch of 2 or more (the batch dimension is dynamic), compiled at
 start-up by a warm-up step, so serving never stalls on a compile. On CPU batch-1 steps stay eager
 (measured no faster compiled: see `min_batch`); on CUDA batch 1 has its own graph (torch
-specialises size 1). On CUDA the graph is compiled with mode="reduce-overhead", which captures CUDA graphs per
-batch size. Inductor's on-disk caches (FX graph and AOTAutograd caches) live under
-`$KEEL_CACHE/inductor` (default ~/.cache/keel/inductor), so a second start reuses the compiled code.
+specialises size 1). On CUDA the graph is compiled with inductor's CUDA graphs (what
+mode="reduce-overhead" sets), captured per batch bucket. Inductor's on-disk caches (FX graph and
+AOTAutograd caches) live under `$KEEL_CACHE/inductor` (default ~/.cache/keel/inductor), so a second
+start reuses the compiled code.
 
 Not compiled (the engine runs them eagerly): prefill chunks and mixed steps, speculative
 verification, MoE and multi-head latent attention models, int8 KV caches and expert offloading.
@@ -225,7 +226,6 @@ class CompiledDecode:
         self.device = model.device
         if not _USER_CACHE_DIR:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
         options = {
             "emulate_precision_casts": True,
             # The served model's modules never change: checking their ~300 tensors on every call
@@ -236,7 +236,10 @@ class CompiledDecode:
         # models apart: each instance compiles its own copy of `_forward`'s code.
         code = CompiledDecode._forward.__code__.replace()
         forward = types.MethodType(types.FunctionType(code, globals(), "_forward"), self)
-        self._compiled = torch.compile(forward, fullgraph=True, mode=mode, options=options)
+        if self.device.type == "cuda":
+            # mode="reduce-overhead" is this option, and torch.compile refuses a mode beside options.
+            options["triton.cudagraphs"] = True
+        self._compiled = torch.compile(forward, fullgraph=True, options=options)
         if self.device.type == "cuda":
             # The graph writes each step's K/V into the cache's stores: CUDA graphs replay writes into
             # inputs only at fixed addresses (else torch skips the graphs), and the stores never move.
@@ -295,11 +298,15 @@ class CompiledDecode:
 
     def warm_up(self) -> float:
         """Compile the graphs (batch 1 on CUDA, batch 2+) and, with buckets, capture every bucket's before
-        serving; seconds taken. Writes garbage K/V into the first blocks, which no sequence holds yet (a
+        serving; seconds taken. Writes garbage K/V into block 0's first slot, which no sequence holds yet (a
         sequence reads only positions it has written)."""
         start = time.perf_counter()
+        # Every row writes slot 0 (a cache smaller than the largest bucket has no slot per row); on CUDA
+        # each shape runs twice: CUDA graph trees run a new shape eagerly once and record it the next time.
+        calls = 2 if self.device.type == "cuda" else 1
         for batch in sorted({self.min_batch, 2, *self.batch_buckets}):
-            self([0] * batch, [0] * batch, list(range(batch)), [[0]] * batch)
+            for _ in range(calls):
+                self([0] * batch, [0] * batch, [0] * batch, [[0]] * batch)
         self.steps = 0
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds

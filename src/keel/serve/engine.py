@@ -310,14 +310,17 @@ class LLMEngine:
         budget's tokens with the logits of `max_num_seqs` rows, then the sampler over them with top-k/top-p
         (its sort is the widest tensor of a step). The cache is released after, so the KV pool can use it."""
         device = self.model.device
-        tokens = min(self._step_budget(), self.max_model_len)
+        tokens = self._step_budget()
+        length = min(tokens, self.max_model_len)  # a step packs sequences of at most max_model_len tokens
+        sequences = -(-tokens // length)
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         with torch.inference_mode():
-            ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
-            logits = self.model(ids, select=torch.arange(tokens - rows, tokens, device=device))
+            ids = torch.zeros(sequences, length, dtype=torch.long, device=device)
+            flat = sequences * length
+            logits = self.model(ids, select=torch.arange(flat - rows, flat, device=device))
             Sampler()(logits, [RowState(SamplingParams(temperature=1.0, top_k=50, top_p=0.9))] * rows)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
