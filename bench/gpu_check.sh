@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 23's proof on one lent GPU: keel's CUDA tests, then bench/gpu_bench.py (greedy agreement with
 # transformers in float32, batch-1 decode against the copy roofline, 256-request offline throughput
-# against transformers' static batches). One run, under 8 minutes on an H200, nothing from a network.
+# against transformers' static batches). One run bounded at ~8.5 minutes (tests 200 s, bench 300 s, the
+# install), nothing from a network.
 #
 #   bash bench/gpu_check.sh --fetch-wheels   # here, once: the wheels keel needs that the device image lacks -> .whl/
 #   bash bench/gpu_check.sh                  # there (the device tool's run, carry [".whl"]): results under $OUT
