@@ -128,6 +128,14 @@ _NO_WINDOW = 1 << 40  # a window no sequence reaches: every earlier position vis
 _HEAD_TILE = 16  # query heads a program takes (tl.dot's smallest tile; padded where the group is smaller)
 
 
+def block_size_refusal(block_size: int) -> str | None:
+    """Why the kernel cannot tile blocks of `block_size` tokens (None: it can): `tl.dot` takes power-of-two
+    sizes of at least 16."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"the Triton paged attention needs a power-of-two block size of at least 16, not {block_size}"
+    return None
+
+
 def _pad(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -148,8 +156,9 @@ def paged_attention(
     keys' first `v_dim` channels) -> [T, H, Dv] in the queries' dtype. tables [R, W] int32, table_of [T]
     (each token's row), positions [T] (each token's position: it sees keys at positions <= its own and,
     with window > 0, within `window` tokens). block_size must be a power of two of at least 16."""
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"the Triton paged attention needs a power-of-two block size of at least 16, not {block_size}")
+    refusal = block_size_refusal(block_size)
+    if refusal is not None:
+        raise ValueError(refusal)
     tokens, heads, head_dim = queries.shape
     kv_heads = k_store.shape[0]
     values = k_store if v_store is None else v_store

@@ -48,8 +48,9 @@ def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | Non
 def _triton_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
     if store.dtype not in _FLOAT_ROWS:
         return f"the Triton paged attention reads float rows, not {store.dtype}"
-    if block_size < 16 or block_size & (block_size - 1):
-        return f"the Triton paged attention needs a power-of-two block size of at least 16, not {block_size}"
+    refusal = triton_paged.block_size_refusal(block_size)
+    if refusal is not None:
+        return refusal
     if not triton_paged.available():
         return "Triton is not installed"
     if store.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

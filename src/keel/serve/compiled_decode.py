@@ -239,12 +239,11 @@ class CompiledDecode:
         if self.device.type == "cuda":
             # mode="reduce-overhead" is this option, and torch.compile refuses a mode beside options.
             options["triton.cudagraphs"] = True
-        self._compiled = torch.compile(forward, fullgraph=True, options=options)
-        if self.device.type == "cuda":
             # The graph writes each step's K/V into the cache's stores: CUDA graphs replay writes into
             # inputs only at fixed addresses (else torch skips the graphs), and the stores never move.
             for store in (*cache.keys, *cache.values):
                 torch._dynamo.mark_static_address(store)
+        self._compiled = torch.compile(forward, fullgraph=True, options=options)
         self.compile_seconds = 0.0
         self.steps = 0
         # On CPU a batch-1 step is its weights' matrix-vector products, which compiling does not
@@ -257,8 +256,7 @@ class CompiledDecode:
         # sequence can have, bound the graphs to one per bucket. On CPU nothing is captured: no padding.
         pad = self.device.type == "cuda" if pad_batches is None else pad_batches
         self.batch_buckets = batch_buckets(max_batch) if pad else ()
-        reads_in_place = attention_backend(cache.keys[cache.layers[0]], cache.head_dim, cache.block_size) != "torch"
-        self.fixed_width = max_blocks if pad and reads_in_place else 0
+        self.fixed_width = max_blocks if pad and cache.attention_backend() != "torch" else 0
 
     def _forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, widths: Tensor) -> Tensor:
         cache = _StepCache(self.cache, slots, tables, widths, positions[0])

@@ -167,6 +167,14 @@ class StepPlan:
             self._masks["rows"] = paged_rows(self, num_tokens)
         return self._masks["rows"]
 
+    def decode_rows(self, g: int) -> tuple[Tensor, Tensor]:
+        """Decode group g's block tables as int32 and each row's index into them, for the Triton kernel;
+        memoised per step for all layers."""
+        if ("decode_rows", g) not in self._masks:
+            tables = self.decodes[g].tables
+            self._masks[("decode_rows", g)] = (tables.int(), torch.arange(tables.shape[0], device=tables.device))
+        return self._masks[("decode_rows", g)]
+
     def mask(self, key: object, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
         """[Q, L] boolean, True = attend; memoised per step for all layers."""
         if (key, window) not in self._masks:
@@ -283,8 +291,7 @@ class PagedKVCache:
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
             if backend == "triton":  # each row walks its own table: no gather, no padding to the group
                 od = triton_paged.paged_attention(
-                    rows.transpose(0, 1), k_store, v_store, dec.tables.int(),
-                    torch.arange(len(dec.positions), device=rows.device), dec.positions,
+                    rows.transpose(0, 1), k_store, v_store, *plan.decode_rows(g), dec.positions,
                     self.block_size, window or 0, decode_scale, v_dim,
                 ).transpose(0, 1)  # fmt: skip
             else:

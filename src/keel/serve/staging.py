@@ -32,17 +32,17 @@ class Staging:
             return tensors
         if any(t.dtype != torch.int64 for t in tensors):
             raise ValueError("Staging moves int64 tensors only")
-        sizes = [t.numel() for t in tensors]
-        total = sum(sizes)
         if self.device.type != "cuda":
             return [t.to(self.device) for t in tensors]
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
         if self._copied is not None:
             self._copied.synchronize()
         if self._host is None or self._host.numel() < total:
             self._host = torch.empty(max(total, 2 * (0 if self._host is None else self._host.numel())),
                                      dtype=torch.int64, pin_memory=True)  # fmt: skip
         host = self._host[:total]
-        torch.cat([t.reshape(-1).to(torch.int64) for t in tensors], out=host)
+        torch.cat([t.reshape(-1) for t in tensors], out=host)
         moved = host.to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
