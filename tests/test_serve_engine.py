@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 import torch
@@ -281,6 +282,45 @@ def test_priority_policy_runs_important_requests_first(models):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["high", "mid", "low"]
+
+
+def test_async_engine_build_loads_and_steps_on_one_thread(models):
+    """The server's way: the factory (model loading included) runs on the thread that steps the engine,
+    so OpenMP keeps one worker pool; its failure is raised to the caller, with no thread left behind."""
+    loaded = models["llama"]
+    threads = {}
+
+    class Recording(LLMEngine):
+        def step(self):
+            threads.setdefault("step", threading.current_thread())
+            return super().step()
+
+    def factory():
+        threads["build"] = threading.current_thread()
+        return Recording(loaded, EngineConfig.of(num_blocks=64, max_model_len=128))
+
+    engine = AsyncEngine.build(factory)
+
+    async def run():
+        async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)):
+            last = out
+        return last
+
+    try:
+        last = asyncio.run(run())
+        assert last.outputs[0].token_ids == solo(loaded.model, [1, 2, 3], 4)
+        assert threads["build"] is threads["step"] is not threading.main_thread()
+        assert threads["build"].name == "keel-engine"
+    finally:
+        engine.shutdown()
+
+    def broken():
+        raise KeelError("cannot read model.gguf")
+
+    before = threading.active_count()
+    with pytest.raises(KeelError, match="model.gguf"):
+        AsyncEngine.build(broken)
+    assert threading.active_count() == before
 
 
 def test_async_engine_streams_deltas_and_aborts_on_cancel(models):

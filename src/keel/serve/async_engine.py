@@ -8,6 +8,12 @@ before the next step runs). Outputs come back through the request's asyncio queu
 
 Anything with `LLMEngine`'s methods (add_request, abort_request, has_unfinished_requests, step,
 stats) can be driven this way; the naive transformers baseline is.
+
+`AsyncEngine.build(factory)` constructs the engine (model loading included) on the thread that will
+step it, which is how the server starts one. OpenMP keeps one worker pool per thread that opens a
+parallel region: a model loaded on the main thread and stepped on another leaves two pools, more
+OpenMP threads than cores, and libgomp then stops spin-waiting between parallel regions, so every one
+of a step's regions wakes its workers from sleep (docs/ARCHITECTURE.md, "The engine thread").
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from keel.errors import KeelError
@@ -40,23 +46,56 @@ class _Rejected:
 
 class AsyncEngine:
     def __init__(self, engine: Any) -> None:
-        self.engine = engine
+        """Drive `engine`, already built (on this thread: see `build` for why that can cost speed)."""
+        self._setup()
+        self._adopt(engine)
+        self._thread = threading.Thread(target=self._loop, name="keel-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any]) -> AsyncEngine:
+        """Call `factory()` on the engine thread and drive what it returns; its error is raised here."""
+        self = cls.__new__(cls)
+        self._setup()
+        built = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._adopt(factory())
+            except BaseException as e:  # the caller re-raises it
+                failure.append(e)
+                return
+            finally:
+                built.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=run, name="keel-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        return self
+
+    def _setup(self) -> None:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
         self._lock = threading.Lock()  # guards _pending_adds, and posting against error/stop
         self._pending_adds = 0  # posted but not yet applied: they are waiting requests too
-        self._stats: dict[str, float] = dict(engine.stats())
         self.error: BaseException | None = None
         self._failure_callbacks: list = []
-        self._check_health = getattr(engine, "check_health", None)
         self.health_interval = 1.0  # seconds between idle health checks
+
+    def _adopt(self, engine: Any) -> None:
+        self.engine = engine
+        self._stats: dict[str, float] = dict(engine.stats())
+        self._check_health = getattr(engine, "check_health", None)
         executor = getattr(engine, "executor", None)
         if executor is not None:  # a worker's death wakes the idle loop at once
             executor.add_listener(self._wake.set)
-        self._thread = threading.Thread(target=self._loop, name="keel-engine", daemon=True)
-        self._thread.start()
 
     # -------------------------------------------------------------- clients
     async def generate(

@@ -70,13 +70,18 @@ def _setup_logging(audit_path: str | None) -> None:
 
 
 def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
-    """The AsyncEngine over the chosen engine, with the model loaded."""
-    from keel.quant.loading import load_model
+    """The AsyncEngine over the chosen engine, the model loaded on the engine's own thread (AsyncEngine.build)."""
     from keel.serve.async_engine import AsyncEngine
+
+    return AsyncEngine.build(lambda: _load_engine(source, options, config))
+
+
+def _load_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
+    from keel.quant.loading import load_model
     from keel.serve.engine import LLMEngine
 
     if config.parallel.world_size > 1 and options.engine == "keel":
-        return AsyncEngine(LLMEngine(source.model, config))  # workers load the shards
+        return LLMEngine(source.model, config)  # workers load the shards
     loaded = load_model(
         source.model,
         config.load.dtype,
@@ -88,8 +93,8 @@ def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfi
     if options.engine == "naive":
         from keel.serve.naive import NaiveEngine
 
-        return AsyncEngine(NaiveEngine(loaded, config.scheduler.max_model_len))
-    return AsyncEngine(LLMEngine(loaded, config, adapt=True))
+        return NaiveEngine(loaded, config.scheduler.max_model_len)
+    return LLMEngine(loaded, config, adapt=True)
 
 
 def _server_class():
