@@ -86,6 +86,21 @@ def test_triton_kernel_matches_the_reference(kv_heads, group, head_dim, v_dim, b
         torch.testing.assert_close(out.float(), cpu.float(), atol=tolerance, rtol=tolerance)
 
 
+def test_triton_kernel_reads_bfloat16_rows_for_float32_queries():
+    """kv_cache_dtype="bfloat16" under a float32 model: float32 queries and outputs over bfloat16 stores,
+    as the float64 reference and keel's CPU kernel compute them over the same rows."""
+    queries, k, v, tables, table_of, positions = random_case(2, 3, 64, 64, 16, torch.float32)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    args = (tables, table_of, positions, 16, 0, 0.125, 64)
+    dev = [t.to(DEVICE) for t in (queries, k, v)]
+    out = triton_paged.paged_attention(*dev, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args)).cpu()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(queries, k, v, *args), atol=1e-5, rtol=1e-5)
+    if kernels.active():
+        cpu = torch.ops.keel.paged_attention(queries, k, v, None, None, *args)
+        torch.testing.assert_close(out, cpu, atol=1e-5, rtol=1e-5)
+
+
 def test_triton_kernel_refuses_a_block_size_it_cannot_tile():
     queries, k, v, tables, table_of, positions = random_case(1, 2, 16, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="block size"):

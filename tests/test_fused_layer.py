@@ -88,6 +88,17 @@ def test_fused_layers_give_the_modules_results(tmp_path, fused_calls, name, quan
     assert fused == modules
 
 
+def test_a_bfloat16_cache_runs_fused_with_the_modules_results(tmp_path, fused_calls):
+    """kv_cache_dtype="bfloat16" under float32 activations: the stack writes bfloat16 rows (rounded as torch
+    rounds) and attends over them in place; tokens and logprobs as the modules'."""
+    save_hf_model("mistral", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    modules = _generate(tmp_path, False, quantize="int4", kv_cache_dtype="bfloat16")
+    fused = _generate(tmp_path, True, quantize="int4", kv_cache_dtype="bfloat16")
+    assert fused_calls["stacks"] > 0 and fused == modules
+    assert fused != _generate(tmp_path, True, quantize="int4")  # the float32 cache's logprobs differ
+
+
 @pytest.mark.parametrize("level", kernels.levels_here())
 def test_fused_layers_agree_at_every_kernel_level(tmp_path, fused_calls, level):
     save_hf_model("qwen3", tmp_path)

@@ -1,4 +1,5 @@
-"""The int8 paged KV cache (keel.serve.kv_quant): quantization, attention against the float cache, a tiny model."""
+"""The compact paged KV caches: int8 (keel.serve.kv_quant: quantization, attention against the float cache, a tiny
+model) and bfloat16 rows under a float32 model (`kv_cache_dtype="bfloat16"`), on every attention backend."""
 
 from __future__ import annotations
 
@@ -248,3 +249,76 @@ def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     assert agree >= 0.8 * 3 * 12
     with pytest.raises(KeelError, match="kv_cache_dtype|kv-cache-dtype"):
         LLMEngine(loaded, EngineConfig.of(num_blocks=64, block_size=8, max_model_len=128, kv_cache_dtype="fp8"))
+
+
+# ------------------------------------------------------------------ bfloat16 rows, float32 compute
+class RoundedCache(PagedKVCache):
+    """The reference for a bfloat16 store: a float32 cache whose written K/V are rounded to bfloat16 first."""
+
+    def _write(self, store: torch.Tensor, rows: torch.Tensor) -> None:
+        super()._write(store, rows.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+@pytest.mark.parametrize("arch", ["llama", "llama-window", "mla"])
+def test_bfloat16_store_attends_as_rounded_float32(arch, backend, monkeypatch):
+    """A float32 model's queries over bfloat16 rows (decode group + prefill chunk over a cached prefix): the
+    float32 cache fed the same rows rounded to bfloat16, to float32 rounding; float32 outputs, half the bytes."""
+    monkeypatch.setenv("KEEL_ATTENTION_BACKEND", backend)
+    latent, window = arch == "mla", (5 if arch == "llama-window" else None)
+    config = ModelConfig(**(MLA if latent else LLAMA))
+    torch.manual_seed(0)
+    heads, kv_heads = config.num_heads, (1 if latent else config.num_kv_heads)
+    dim = config.kv_lora_rank + config.qk_rope_head_dim if latent else config.head_dim
+    inputs = []
+    for steps in (STEP1, STEP2):
+        t = sum(n for _, _, n in steps)
+        q = torch.randn(1, heads, t, dim)
+        k, v = torch.randn(1, t, kv_heads, dim), torch.randn(1, t, kv_heads, dim)
+        inputs.append((q, k) if latent else (q, k, v))
+    bf16 = make_paged_kv_cache(config, 10, BS, torch.float32, "cpu", "bfloat16")
+    assert type(bf16) is PagedKVCache and bf16.keys[0].dtype == torch.bfloat16
+    assert bf16.attention_backend() == backend
+    got = run_steps(bf16, inputs, latent, window)
+    want = run_steps(RoundedCache(config, 10, BS, torch.float32), inputs, latent, window)
+    unrounded = run_steps(PagedKVCache(config, 10, BS, torch.float32), inputs, latent, window)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert rel(got, want) < 1e-5
+    assert rel(got, unrounded) > 1e-4  # the rows were stored rounded: the test can tell
+    assert bf16.nbytes() * 2 == PagedKVCache(config, 10, BS, torch.float32).nbytes()
+    assert kv_cache_bytes(config, torch.float32, "bfloat16") == kv_cache_bytes(config, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_engine_bfloat16_cache_of_a_float32_model(tmp_path, backend, monkeypatch):
+    """EngineConfig.of(kv_cache_dtype="bfloat16") on a float32 model, as served (fused layers, prefill chunks,
+    decode batches, prefix hits): twice the blocks of the same budget, and greedy tokens equal to the float32
+    model over a cache that rounds its rows to bfloat16."""
+    monkeypatch.setenv("KEEL_ATTENTION_BACKEND", backend)
+    save_hf_model("llama", tmp_path / "m")
+    loaded = load_model(tmp_path / "m", "float32")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[i % 250 for i in range(s, s + 40)] for s in (0, 0, 7)]  # two share a prefix
+    blocks, done = {}, {}
+    for kind in ("auto", "bfloat16"):
+        engine = LLMEngine(
+            loaded,
+            EngineConfig.of(
+                kv_cache_memory="4MiB", block_size=8, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype=kind
+            ),
+            adapt=True,
+        )
+        blocks[kind] = engine.kv.num_blocks
+        if kind == "auto":
+            continue
+        assert engine.cache.keys[0].dtype == torch.bfloat16 and "paged bfloat16" in engine.backends
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=str(i))
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert engine.stats()["prefix_cache_hits"] > 0
+    assert blocks["bfloat16"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)
+    config = loaded.model.config
+    for i, p in enumerate(prompts):
+        _, want = greedy_run(loaded.model, RoundedCache(config, 24, 8, torch.float32), p, 12, 16)
+        assert done[str(i)] == want

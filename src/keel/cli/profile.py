@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from keel.atomic import write_json_atomic
+from keel.model.kv_size import KV_CACHE_DTYPES
 from keel.profile.decode import PARTS, DecodeProfile, StepProfile
 
 
@@ -71,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     d.add_argument("--quantize", default=None, choices=["int8", "int4", "gguf"], help="weight-only quantization")
-    d.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="the paged cache's storage")
+    d.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="the paged cache's storage")
     d.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     d.add_argument("--prompt-tokens", type=int, default=32, help="each sequence's prompt")
     d.add_argument("--prefill", type=int, default=256, help="tokens of the prefill chunk profiled (0: none)")

@@ -6,7 +6,9 @@ every KV head, or for multi-head latent attention (config.is_mla) one row per la
 and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values. Sliding-window layers
 count in full: the paged cache stores every layer's rows for every block, windowed or not.
 
-kv_cache_dtype "auto" stores rows in the model's `dtype`; "int8" stores int8 values with one
+kv_cache_dtype "auto" stores rows in the model's `dtype`; "bfloat16" in bfloat16 whatever the compute
+dtype (vLLM's option: half a float32 model's cache bytes, which decode attention streams every step);
+"int8" stores int8 values with one
 float16 scale per (KV head, token), two per MLA row (latent and rope key have a scale each), so
 its size does not depend on the compute dtype (keel.serve.kv_quant is that cache).
 """
@@ -18,13 +20,18 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")  # "auto": the model's dtype
 SCALE_DTYPE = torch.float16  # 11-bit mantissa: its rounding (<0.05%) is far below int8's half step (0.4% of absmax)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise KeelError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_store_dtype(dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The dtype a float cache stores its rows in, for a model computing in `dtype` (not for "int8")."""
+    return torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype
 
 
 def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", tokens: int = 1) -> int:
@@ -34,7 +41,8 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype != "int8":
+        dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
             return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize

@@ -90,6 +90,7 @@ def attend_chunk(queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | N
     from torch.nn.attention.bias import causal_lower_right
 
     bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
+    keys, values = keys.to(queries.dtype), values.to(queries.dtype)  # a bfloat16 cache of a float32 model
     return torch.nn.functional.scaled_dot_product_attention(
         queries, keys, values, attn_mask=bias, enable_gqa=queries.shape[1] != keys.shape[1], scale=scale
     )

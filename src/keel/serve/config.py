@@ -64,8 +64,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """reuse the KV blocks of a shared prompt prefix"""
 
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    """KV-cache storage: the model's dtype, or int8 with a scale per token and head"""
+    kv_cache_dtype: Literal["auto", "bfloat16", "int8"] = "auto"
+    """KV-cache storage: the model's dtype, bfloat16 (half a float32 model's bytes; attention still computes
+    in the model's dtype), or int8 with a scale per token and head"""
 
 
 @dataclass

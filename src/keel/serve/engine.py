@@ -183,7 +183,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         decode = "compiled" if self.runner.compiled is not None else "eager"
-        kv_dtype = str(self.model.dtype).removeprefix("torch.") if config.cache.kv_cache_dtype == "auto" else "int8"
+        kv_dtype = config.cache.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = str(self.model.dtype).removeprefix("torch.")
         kv_line = f"paged {kv_dtype}"
         if self.cache is not None:
             kv_line += f", attention {self.cache.attention_backend()}"

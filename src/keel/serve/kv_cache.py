@@ -21,8 +21,9 @@ from keel.serve.attention_backends import attend_chunk, attention_backend
 
 
 def write_rows(store: Tensor, slots: Tensor, rows: Tensor) -> None:
-    """A step's new rows [1, T, H_kv, D] into their flat slots [T] of one layer's store [H_kv, slots, D]."""
-    store.index_copy_(1, slots, rows[0].transpose(0, 1))
+    """A step's new rows [1, T, H_kv, D] into their flat slots [T] of one layer's store [H_kv, slots, D]
+    (rounded to the store's dtype: a bfloat16 cache of a float32 model)."""
+    store.index_copy_(1, slots, rows[0].transpose(0, 1).to(store.dtype))
 
 
 def gather_blocks(store: Tensor, tables: Tensor, block_size: int) -> Tensor:
@@ -49,7 +50,9 @@ def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
     and the compiled decode step (keel.serve.compiled_decode), so both compute the same numbers.
 
     One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (measured in
-    docs/BENCHMARKS.md, "int8 KV cache")."""
+    docs/BENCHMARKS.md, "int8 KV cache"). Rows stored in another dtype (a bfloat16 cache) are read as the
+    queries' dtype."""
+    keys, values = keys.to(rows.dtype), values.to(rows.dtype)
     kv_heads, heads, dim = keys.shape[0], rows.shape[0], rows.shape[-1]
     qd = rows.view(kv_heads, heads // kv_heads, -1, dim).transpose(1, 2)  # [Hkv, B, G, D]
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]

@@ -40,7 +40,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
-from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype
+from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
 from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
 QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
@@ -87,12 +87,13 @@ def make_paged_kv_cache(
     kv_cache_dtype: str = "auto",
     layers: range | None = None,
 ) -> PagedKVCache:
-    """The engine's paged cache: `PagedKVCache` in the model's dtype ("auto") or `Int8PagedKVCache` ("int8").
+    """The engine's paged cache: `PagedKVCache` in the model's dtype ("auto") or in bfloat16 ("bfloat16"),
+    or `Int8PagedKVCache` ("int8").
     layers: a pipeline stage's layers (default: all)."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "int8":
         return Int8PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
-    return PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
+    return PagedKVCache(config, num_blocks, block_size, kv_store_dtype(dtype, kv_cache_dtype), device, layers)
 
 
 class Int8PagedKVCache(PagedKVCache):
