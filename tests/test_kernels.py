@@ -494,6 +494,42 @@ def test_paged_attention_matches_dense_softmax(level, store, window):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("group", [3, 20])
+def test_paged_attention_prefill_chunks_in_tiles(level, store, window, group):
+    """Long prefill chunks (cut into tiles of rows that share each block's reads) beside decodes: a chunk of
+    40 rows from position 9 (tiles straddle blocks, the first starts mid-block), one of 23 rows from 0, a
+    lone row of a third sequence at a position after a gap; GQA groups of 3 and of 20 (cut in 16s)."""
+    g = torch.Generator().manual_seed(2)
+    kv_heads, dim, bs, blocks = 2, (48 if store == "latent" else 64), 16, 24
+    heads, v_dim = kv_heads * group, (32 if store == "latent" else dim)
+    keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    values = None if store == "latent" else torch.randn(kv_heads, blocks * bs, dim, generator=g)
+    key_scales = value_scales = None
+    dense_k, dense_v = keys, values
+    if store == "int8":
+        key_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
+        value_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
+        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
+    elif store == "bfloat16":
+        keys, values = keys.bfloat16(), values.bfloat16()
+        dense_k, dense_v = keys.float(), values.float()
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:4] for _ in range(3)]).int()
+    table_of = torch.tensor([1] + [0] * 40 + [2] * 23 + [2, 1])
+    positions = torch.tensor([30, *range(9, 49), *range(0, 23), 40, 31])
+    q = torch.randn(len(positions), heads, dim, generator=g)
+    want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
+    with kernels.using_level(level):
+        got = torch.ops.keel.paged_attention(
+            q, keys, values, key_scales, value_scales, tables, table_of, positions, bs, window, 0.125, v_dim
+        )
+    assert (got.double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dim", [16, 24, 20, 96])
 def test_paged_attention_head_dims_take_every_body(level, dim):
     """Head dims of whole 16-lane vectors (the AVX-512 body), of 8-lane ones only (the AVX2 body), and

@@ -23,8 +23,7 @@ struct PagedStore {
 
 // Queries q [R, H, D] float32, each at positions[r] of the sequence whose block table is
 // tables[table_of[r]] ([T, table_width] int32), attend causally (within `window` tokens when > 0) over
-// the rows stored for positions 0..positions[r]. out [R, H, v_dim] float32. Work item i covers row
-// i / H_kv and KV head i % H_kv (its group of H / H_kv query heads shares every K/V read).
+// the rows stored for positions 0..positions[r]. out [R, H, v_dim] float32.
 struct PagedQuery {
   const float* q;
   int64_t heads;
@@ -37,9 +36,29 @@ struct PagedQuery {
   float* out;
 };
 
-void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
-void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
-void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1);
+// One work item: KV head `kv_head` (its group of H / H_kv query heads shares every K/V read) for rows
+// row0..row0+rows-1. A decode row is an item alone; a prefill chunk's consecutive rows (one table, one
+// position after another) are cut into tiles of tile_rows(group) rows, whose queries share each block's
+// keys and values: a tile's scores are a small matrix product per block.
+struct PagedItem {
+  int64_t row0;
+  int64_t rows;
+  int64_t kv_head;
+};
+
+constexpr int64_t kTileVectors = 48;  // query vectors (rows x query heads) of one tile
+constexpr int64_t kMaxTileRows = 16;
+constexpr int64_t kTileDim = 256;     // the largest head dim the tile body takes (others: row by row)
+
+inline int64_t tile_rows(int64_t group) {
+  const int64_t heads = group < 16 ? group : 16;  // the heads attended together (a group is cut in 16s)
+  const int64_t rows = kTileVectors / heads;
+  return rows < 1 ? 1 : rows > kMaxTileRows ? kMaxTileRows : rows;
+}
+
+void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
+void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
+void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
 
 // silu(gate) * up over n values (ops_small.cpp's silu_mul_rows), on the attention units' vector
 // exponential (silu_vec.h).

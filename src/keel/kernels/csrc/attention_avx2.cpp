@@ -66,8 +66,8 @@ struct Lanes8 {
 
 namespace keel {
 
-void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
-  attend_items_vectorised<Lanes8>(s, q, item0, item1);
+void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count) {
+  attend_items_vectorised<Lanes8>(s, q, items, count);
 }
 
 void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n) {

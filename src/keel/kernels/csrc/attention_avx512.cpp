@@ -76,8 +76,8 @@ struct Lanes16 {
 
 namespace keel {
 
-void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
-  attend_items_vectorised<Lanes16>(s, q, item0, item1);
+void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count) {
+  attend_items_vectorised<Lanes16>(s, q, items, count);
 }
 
 void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n) {

@@ -172,30 +172,32 @@ inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, i
   });
 }
 
-// Work items item0..item1 (row, KV head), in slices of at most kMaxGroup query heads:
-// heads(dtype, r, h, g0, gn) with the store's dtype as a compile-time constant.
+// The work items, in slices of at most kMaxGroup query heads: heads(dtype, row0, rows, h, g0, gn) with
+// the store's dtype as a compile-time constant.
 template <class Heads>
-inline void for_each_item(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1,
-                          Heads&& heads) {
+inline void for_each_item(const keel::PagedStore& s, const keel::PagedQuery& q, const keel::PagedItem* items,
+                          int64_t count, Heads&& heads) {
   const int64_t group = q.heads / s.kv_heads;
-  for (int64_t item = item0; item < item1; ++item) {
-    const int64_t r = item / s.kv_heads, h = item % s.kv_heads;
+  for (int64_t i = 0; i < count; ++i) {
+    const keel::PagedItem& item = items[i];
     for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
       const int64_t gn = group - g0 < kMaxGroup ? group - g0 : kMaxGroup;
       if (s.dtype == 0) {
-        heads(std::integral_constant<int, 0>{}, r, h, g0, gn);
+        heads(std::integral_constant<int, 0>{}, item.row0, item.rows, item.kv_head, g0, gn);
       } else if (s.dtype == 1) {
-        heads(std::integral_constant<int, 1>{}, r, h, g0, gn);
+        heads(std::integral_constant<int, 1>{}, item.row0, item.rows, item.kv_head, g0, gn);
       } else {
-        heads(std::integral_constant<int, 2>{}, r, h, g0, gn);
+        heads(std::integral_constant<int, 2>{}, item.row0, item.rows, item.kv_head, g0, gn);
       }
     }
   }
 }
 
-inline void attend_items(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
-  for_each_item(s, q, item0, item1, [&](auto dtype, int64_t r, int64_t h, int64_t g0, int64_t gn) {
-    attend_heads<decltype(dtype)::value>(s, q, r, h, g0, gn);
+// The portable loops: a tile row by row.
+inline void attend_items(const keel::PagedStore& s, const keel::PagedQuery& q, const keel::PagedItem* items,
+                         int64_t count) {
+  for_each_item(s, q, items, count, [&](auto dtype, int64_t r0, int64_t rows, int64_t h, int64_t g0, int64_t gn) {
+    for (int64_t r = r0; r < r0 + rows; ++r) attend_heads<decltype(dtype)::value>(s, q, r, h, g0, gn);
   });
 }
 

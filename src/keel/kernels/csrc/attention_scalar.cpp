@@ -3,8 +3,8 @@
 
 namespace keel {
 
-void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, int64_t item0, int64_t item1) {
-  attend_items(s, q, item0, item1);
+void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count) {
+  attend_items(s, q, items, count);
 }
 
 }  // namespace keel

@@ -202,16 +202,139 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
   });
 }
 
-// The items [item0, item1) of a paged attention call: the vectorised body where the head dims are whole
-// vectors, the portable loops (vectorised by the compiler for this unit's level) otherwise.
+// scores[m][c..c+L) = sum over d of qs[m][d] * kt[d][c..c+L) for M query vectors, Rows at a time: each
+// transposed key vector is loaded once for Rows queries, and every multiply-add yields L scores.
+template <typename V, int Rows>
+inline void tile_scores_rows(const float* qs, const float* kt, int64_t m, int64_t dim, int64_t width, int64_t c,
+                             float* scores) {
+  typename V::F acc[Rows];
+  for (int i = 0; i < Rows; ++i) acc[i] = V::zero();
+  for (int64_t d = 0; d < dim; ++d) {
+    const typename V::F k = V::load(kt + d * width + c);
+    for (int i = 0; i < Rows; ++i) acc[i] = V::fmadd(V::set1(qs[(m + i) * dim + d]), k, acc[i]);
+  }
+  for (int i = 0; i < Rows; ++i) V::store(scores + (m + i) * width + c, acc[i]);
+}
+
+// A tile: rows r0..r0+rows-1 of one sequence (one table) and query heads g0..g0+gn of KV head h, walked
+// over their blocks once. Per block the keys are transposed once ([D][block]) and the tile's scores are
+// a matrix product (tile_scores_rows); each query vector then runs the online softmax over the keys its
+// position sees (causal, window), and accumulate_values adds the weighted values, G vectors at a time.
+// float32 and bf16 stores with head dims of whole vectors up to kTileDim (the caller checks).
+template <typename V, int Dtype>
+void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r0, int64_t rows,
+                            int64_t h, int64_t g0, int64_t gn) {
+  constexpr int L = V::kLanes;
+  constexpr int64_t kVectors = keel::kTileVectors, kDim = keel::kTileDim;
+  const int64_t group = q.heads / s.kv_heads;
+  const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
+  const int64_t width = (bs + L - 1) / L * L;  // a block's keys, padded to whole vectors
+  const int64_t count = rows * gn;             // query vectors: vector m is row m / gn, head m % gn
+  alignas(64) float qs[kVectors * kDim];
+  alignas(64) float acc_store[kVectors * kDim];
+  alignas(64) float kt[kDim * kMaxBlock];
+  alignas(64) float key_buf[kMaxBlock][kDim];
+  alignas(64) float value_buf[kMaxBlock][kDim];
+  alignas(64) float scores[kVectors * kMaxBlock];
+  float running_max[kVectors], total[kVectors], correction[kVectors];
+  float* acc[kVectors];
+  const float* weights[kVectors];
+  const float* value[kMaxBlock];
+  int64_t first[keel::kMaxTileRows], last[keel::kMaxTileRows];  // each row's visible positions
+  const int32_t* table = q.tables + (q.table_of ? q.table_of[r0] : r0) * q.table_width;
+  int64_t lo = -1, hi = -1;
+  for (int64_t t = 0; t < rows; ++t) {
+    last[t] = q.positions[r0 + t];
+    first[t] = q.window > 0 && last[t] - q.window + 1 > 0 ? last[t] - q.window + 1 : 0;
+    lo = lo < 0 || first[t] < lo ? first[t] : lo;
+    hi = last[t] > hi ? last[t] : hi;
+  }
+  for (int64_t m = 0; m < count; ++m) {
+    const float* src = q.q + ((r0 + m / gn) * q.heads + h * group + g0 + m % gn) * dim;
+    for (int64_t d = 0; d < dim; ++d) qs[m * dim + d] = src[d] * q.scale;
+    acc[m] = acc_store + m * vdim;
+    for (int64_t d = 0; d < vdim; ++d) acc[m][d] = 0.f;
+    running_max[m] = -1e30f;
+    total[m] = 0.f;
+    weights[m] = scores + m * width;
+  }
+  const int64_t row_base = h * s.slots;
+  for (int64_t start = lo - lo % bs; start <= hi; start += bs) {
+    const int64_t n = start + bs - 1 < hi ? bs : hi - start + 1;  // the block's keys some row sees
+    const int64_t slot0 = row_base + table[start / bs] * bs;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* key = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
+      for (int64_t d = 0; d < dim; ++d) kt[d * width + j] = key[d];
+      // Without a value store the latent is both key and value (row_at returns the store's row or key_buf).
+      value[j] = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, value_buf[j])
+                                     : key;
+    }
+    for (int64_t j = n; j < width; ++j)
+      for (int64_t d = 0; d < dim; ++d) kt[d * width + j] = 0.f;
+    for (int64_t c = 0; c < width; c += L) {
+      int64_t m = 0;
+      for (; m + 8 <= count; m += 8) tile_scores_rows<V, 8>(qs, kt, m, dim, width, c, scores);
+      for (; m < count; ++m) tile_scores_rows<V, 1>(qs, kt, m, dim, width, c, scores);
+    }
+    for (int64_t m = 0; m < count; ++m) {
+      float* p = scores + m * width;
+      const int64_t t = m / gn;
+      const int64_t j0 = first[t] > start ? first[t] - start : 0;
+      const int64_t j1 = last[t] - start + 1 < n ? last[t] - start + 1 : n;  // keys [j0, j1) are visible
+      if (j1 <= j0) {  // none in this block: the row's sums stand
+        correction[m] = 1.f;
+        for (int64_t j = 0; j < n; ++j) p[j] = 0.f;
+        continue;
+      }
+      // Whole vectors through max and exp (no scalar tails): the keys a row does not see are set to
+      // -87 below the block's maximum first (exp gives ~1.6e-38 of a total >= 1) and to 0 after.
+      const float block_max = max_of<V>(p + j0, j1 - j0, running_max[m]);
+      const bool cut = j0 > 0 || j1 < width;
+      if (cut) {
+        for (int64_t j = 0; j < j0; ++j) p[j] = block_max - 87.f;
+        for (int64_t j = j1; j < width; ++j) p[j] = block_max - 87.f;
+      }
+      // Online softmax: what was summed under the old maximum is rescaled to the new one.
+      correction[m] = exp_nonpositive(running_max[m] - block_max);
+      running_max[m] = block_max;
+      total[m] = total[m] * correction[m] + exp_block<V>(p, width, block_max);
+      if (cut) {
+        for (int64_t j = 0; j < j0; ++j) p[j] = 0.f;
+        for (int64_t j = j1; j < n; ++j) p[j] = 0.f;
+      }
+    }
+    constexpr int G = kHeadsTogether<V>;
+    int64_t m = 0;
+    for (; m + G <= count; m += G) accumulate_values<V, G>(acc + m, correction + m, weights + m, value, n, vdim);
+    for (; m < count; ++m) accumulate_values<V, 1>(acc + m, correction + m, weights + m, value, n, vdim);
+  }
+  for (int64_t m = 0; m < count; ++m) {
+    float* dst = q.out + ((r0 + m / gn) * q.heads + h * group + g0 + m % gn) * vdim;
+    const float inverse = 1.f / total[m];
+    for (int64_t d = 0; d < vdim; ++d) dst[d] = acc[m][d] * inverse;
+  }
+}
+
+// The items of a paged attention call: the vectorised bodies where the head dims are whole vectors (a
+// tile of rows through attend_tile_vectorised where its store and dims allow, else row by row), the
+// portable loops (vectorised by the compiler for this unit's level) otherwise.
 template <typename V>
-void attend_items_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t item0, int64_t item1) {
+void attend_items_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, const keel::PagedItem* items,
+                             int64_t count) {
   if (s.head_dim % V::kLanes != 0 || s.v_dim % V::kLanes != 0) {
-    attend_items(s, q, item0, item1);
+    attend_items(s, q, items, count);
     return;
   }
-  for_each_item(s, q, item0, item1, [&](auto dtype, int64_t r, int64_t h, int64_t g0, int64_t gn) {
-    attend_heads_vectorised<V, decltype(dtype)::value>(s, q, r, h, g0, gn);
+  const bool tiles = s.dtype != 2 && s.head_dim <= keel::kTileDim;
+  for_each_item(s, q, items, count, [&](auto dtype, int64_t r0, int64_t rows, int64_t h, int64_t g0, int64_t gn) {
+    constexpr int Dtype = decltype(dtype)::value;
+    if constexpr (Dtype != 2) {
+      if (tiles && rows > 1) {
+        attend_tile_vectorised<V, Dtype>(s, q, r0, rows, h, g0, gn);
+        return;
+      }
+    }
+    for (int64_t r = r0; r < r0 + rows; ++r) attend_heads_vectorised<V, Dtype>(s, q, r, h, g0, gn);
   });
 }
 

@@ -1,8 +1,14 @@
 // keel::paged_attention: attention of query rows over the paged KV store, reading each sequence's
-// blocks where they lie (no gather), one work item per (row, KV head).
+// blocks where they lie (no gather). Work items (attention.h's PagedItem): a decode row and KV head, or
+// a tile of a prefill chunk's rows and a KV head, handed to the threads largest first.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <vector>
 
 #include "attention.h"
 #include "isa.h"
@@ -87,19 +93,48 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                          v_dim,
                          block_size};
   const PagedQuery query{q, heads, tab, width, table_index, pos, window, static_cast<float>(scale), out};
+  // Runs of rows of one table at consecutive positions (a prefill chunk's) cut into tiles; each tile or
+  // lone row is an item per KV head, costed by the rows times the keys they walk.
+  const int64_t tile = tile_rows(heads / kv_heads);
+  std::vector<PagedItem> items;
+  std::vector<int64_t> cost;
+  items.reserve(rows * kv_heads);
+  cost.reserve(rows * kv_heads);
+  for (int64_t r = 0; r < rows;) {
+    const int64_t t = table_index ? table_index[r] : r;
+    int64_t n = 1;
+    while (n < tile && r + n < rows && table_index && table_index[r + n] == t && pos[r + n] == pos[r] + n) ++n;
+    const int64_t first = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      items.push_back({r, n, h});
+      cost.push_back(n * (pos[r + n - 1] - first + 1 + block_size));
+    }
+    r += n;
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::vector<int64_t> order(count);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   const Isa isa = current_isa();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+  auto run = [&](const PagedItem* item) {
 #if defined(__x86_64__) || defined(_M_X64)
     if (isa >= kAvx512Vnni && dim % 16 == 0 && v_dim % 16 == 0) {  // head dims of whole 16-lane vectors
-      paged_attention_avx512(store, query, i0, i1);
+      paged_attention_avx512(store, query, item, 1);
       return;
     }
     if (isa >= kAvx2) {
-      paged_attention_avx2(store, query, i0, i1);
+      paged_attention_avx2(store, query, item, 1);
       return;
     }
 #endif
-    paged_attention_scalar(store, query, i0, i1);
+    paged_attention_scalar(store, query, item, 1);
+  };
+  // Items differ in cost by orders of magnitude (a decode row against a tile of a long chunk): each
+  // thread takes the next largest until none is left, not a fixed share of the list.
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) run(&items[order[i]]);
   });
 }
 
