@@ -458,6 +458,25 @@ def dense_attention(q, keys, values, tables, table_of, positions, block_size, wi
     return torch.stack(out)
 
 
+def random_store(store: str, kv_heads: int, slots: int, dim: int, g: torch.Generator) -> tuple:
+    """((keys, values, key scales, value scales) as paged_attention takes them, dense keys, dense values) for a
+    store kind: float32, bfloat16, int8 with float16 scales, or latent (float32 keys, no values)."""
+    keys = torch.randn(kv_heads, slots, dim, generator=g)
+    values = None if store == "latent" else torch.randn(kv_heads, slots, dim, generator=g)
+    key_scales = value_scales = None
+    dense_k, dense_v = keys, values
+    if store == "int8":
+        key_scales = (torch.rand(kv_heads, slots, 1, generator=g) * 0.05).half()
+        value_scales = (torch.rand(kv_heads, slots, 1, generator=g) * 0.05).half()
+        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
+        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
+    elif store == "bfloat16":
+        keys, values = keys.bfloat16(), values.bfloat16()
+        dense_k, dense_v = keys.float(), values.float()
+    return (keys, values, key_scales, value_scales), dense_k, dense_v
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
 @pytest.mark.parametrize("window", [0, 21])
@@ -465,20 +484,7 @@ def test_paged_attention_matches_dense_softmax(level, store, window):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, blocks = (8, 1, 80, 16, 40) if store == "latent" else (6, 2, 64, 16, 40)
     v_dim = 64 if store == "latent" else dim
-    keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
-    values = None if store == "latent" else torch.randn(kv_heads, blocks * bs, dim, generator=g)
-    key_scales = value_scales = None
-    if store == "int8":
-        key_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
-        value_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
-        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
-    elif store == "bfloat16":
-        keys, values = keys.bfloat16(), values.bfloat16()
-        dense_k, dense_v = keys.float(), values.float()
-    else:
-        dense_k, dense_v = keys, values
+    stored, dense_k, dense_v = random_store(store, kv_heads, blocks * bs, dim, g)
     # Three sequences: a decode at position 0, a decode past a block boundary, a 5-token prefill chunk.
     tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in range(3)]).int()
     table_of = torch.tensor([0, 1, 2, 2, 2, 2, 2])
@@ -486,9 +492,7 @@ def test_paged_attention_matches_dense_softmax(level, store, window):
     q = torch.randn(len(positions), heads, dim, generator=g)
     want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
     with kernels.using_level(level):
-        got = torch.ops.keel.paged_attention(
-            q, keys, values, key_scales, value_scales, tables, table_of, positions, bs, window, 0.125, v_dim
-        )
+        got = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, bs, window, 0.125, v_dim)
     assert got.shape == (len(positions), heads, v_dim)
     assert (got.double() - want).abs().max().item() < 1e-5
 
@@ -504,28 +508,14 @@ def test_paged_attention_prefill_chunks_in_tiles(level, store, window, group):
     g = torch.Generator().manual_seed(2)
     kv_heads, dim, bs, blocks = 2, (48 if store == "latent" else 64), 16, 24
     heads, v_dim = kv_heads * group, (32 if store == "latent" else dim)
-    keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
-    values = None if store == "latent" else torch.randn(kv_heads, blocks * bs, dim, generator=g)
-    key_scales = value_scales = None
-    dense_k, dense_v = keys, values
-    if store == "int8":
-        key_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
-        value_scales = (torch.rand(kv_heads, blocks * bs, 1, generator=g) * 0.05).half()
-        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
-    elif store == "bfloat16":
-        keys, values = keys.bfloat16(), values.bfloat16()
-        dense_k, dense_v = keys.float(), values.float()
+    stored, dense_k, dense_v = random_store(store, kv_heads, blocks * bs, dim, g)
     tables = torch.stack([torch.randperm(blocks, generator=g)[:4] for _ in range(3)]).int()
     table_of = torch.tensor([1] + [0] * 40 + [2] * 23 + [2, 1])
     positions = torch.tensor([30, *range(9, 49), *range(0, 23), 40, 31])
     q = torch.randn(len(positions), heads, dim, generator=g)
     want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
     with kernels.using_level(level):
-        got = torch.ops.keel.paged_attention(
-            q, keys, values, key_scales, value_scales, tables, table_of, positions, bs, window, 0.125, v_dim
-        )
+        got = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, bs, window, 0.125, v_dim)
     assert (got.double() - want).abs().max().item() < 1e-5
 
 

@@ -222,6 +222,14 @@ def test_bytes_are_about_half_of_bfloat16():
         kv_cache_bytes(ModelConfig(**LLAMA), torch.bfloat16, "fp8")
 
 
+def budget_engine(loaded, kind: str, adapt: bool = False) -> LLMEngine:
+    """An engine of a 4 MiB KV budget (its block count shows the bytes per token), 32-token steps."""
+    config = EngineConfig.of(
+        kv_cache_memory="4MiB", block_size=8, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype=kind
+    )
+    return LLMEngine(loaded, config, adapt=adapt)
+
+
 def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     """EngineConfig.of(kv_cache_dtype="int8"): the same budget holds more blocks, and generation works
     through prefill chunks, decode batches and prefix hits; a bad value is a clear error."""
@@ -231,12 +239,7 @@ def test_engine_option_sizes_the_pool_and_generates(tmp_path):
     prompts = [[i % 250 for i in range(s, s + 40)] for s in (0, 0, 7)]  # two share a prefix
     outputs, blocks = {}, {}
     for kind in ("auto", "int8"):
-        engine = LLMEngine(
-            loaded,
-            EngineConfig.of(
-                kv_cache_memory="4MiB", block_size=8, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype=kind
-            ),
-        )
+        engine = budget_engine(loaded, kind)
         for i, p in enumerate(prompts):
             engine.add_request(p, params, request_id=str(i))
         done = {}
@@ -301,13 +304,7 @@ def test_engine_bfloat16_cache_of_a_float32_model(tmp_path, backend, monkeypatch
     prompts = [[i % 250 for i in range(s, s + 40)] for s in (0, 0, 7)]  # two share a prefix
     blocks, done = {}, {}
     for kind in ("auto", "bfloat16"):
-        engine = LLMEngine(
-            loaded,
-            EngineConfig.of(
-                kv_cache_memory="4MiB", block_size=8, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype=kind
-            ),
-            adapt=True,
-        )
+        engine = budget_engine(loaded, kind, adapt=True)
         blocks[kind] = engine.kv.num_blocks
         if kind == "auto":
             continue
