@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from keel.model.kv_size import KV_CACHE_DTYPES
+
 
 @dataclass
 class Workload:
@@ -258,7 +260,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="4GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     parser.add_argument(
         "--sweep", default="", help="extra keel configs over all requests, e.g. '512x64,2048x256' (tokens x seqs)"
     )
