@@ -520,6 +520,28 @@ def test_paged_attention_prefill_chunks_in_tiles(level, store, window, group):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("store", ["float32", "bfloat16"])
+def test_paged_attention_tiles_are_bit_for_bit_their_rows(level, store):
+    """A chunk attended in tiles gives exactly what its rows give attended one call each (a lone row takes the
+    row body): the tiles change the work's sharing, not its rounding, so greedy tokens do not move."""
+    g = torch.Generator().manual_seed(3)
+    stored, _, _ = random_store(store, 3, 20 * 16, 64, g)
+    tables = torch.randperm(20, generator=g)[:6][None].int()
+    positions = torch.arange(7, 90)
+    table_of = torch.zeros(len(positions), dtype=torch.long)
+    q = torch.randn(len(positions), 9, 64, generator=g)
+    with kernels.using_level(level):
+        whole = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, 16, 0, 0.125, 64)
+        alone = [
+            torch.ops.keel.paged_attention(
+                q[r : r + 1], *stored, tables, table_of[:1], positions[r : r + 1], 16, 0, 0.125, 64
+            )
+            for r in range(len(positions))
+        ]
+    assert torch.equal(whole, torch.cat(alone))
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dim", [16, 24, 20, 96])
 def test_paged_attention_head_dims_take_every_body(level, dim):
     """Head dims of whole 16-lane vectors (the AVX-512 body), of 8-lane ones only (the AVX2 body), and

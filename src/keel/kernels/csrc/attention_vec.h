@@ -202,40 +202,25 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
   });
 }
 
-// scores[m][c..c+L) = sum over d of qs[m][d] * kt[d][c..c+L) for M query vectors, Rows at a time: each
-// transposed key vector is loaded once for Rows queries, and every multiply-add yields L scores.
-template <typename V, int Rows>
-inline void tile_scores_rows(const float* qs, const float* kt, int64_t m, int64_t dim, int64_t width, int64_t c,
-                             float* scores) {
-  typename V::F acc[Rows];
-  for (int i = 0; i < Rows; ++i) acc[i] = V::zero();
-  for (int64_t d = 0; d < dim; ++d) {
-    const typename V::F k = V::load(kt + d * width + c);
-    for (int i = 0; i < Rows; ++i) acc[i] = V::fmadd(V::set1(qs[(m + i) * dim + d]), k, acc[i]);
-  }
-  for (int i = 0; i < Rows; ++i) V::store(scores + (m + i) * width + c, acc[i]);
-}
-
 // A tile: rows r0..r0+rows-1 of one sequence (one table) and query heads g0..g0+gn of KV head h, walked
-// over their blocks once. Per block the keys are transposed once ([D][block]) and the tile's scores are
-// a matrix product (tile_scores_rows); each query vector then runs the online softmax over the keys its
-// position sees (causal, window), and accumulate_values adds the weighted values, G vectors at a time.
+// over their blocks once: each block's rows are converted (bf16) and located once for the tile, then each
+// row runs the row body's arithmetic over the keys its position sees (causal, window), so a tile's
+// outputs are bit for bit those of its rows walked alone. (A variant scoring the tile as one matrix
+// product against transposed keys was ~10% faster on a 192-row chunk but changed the rounding: a bf16
+// model's near-tie greedy tokens moved with it; docs/BENCHMARKS.md, issue 22 ninth part.)
 // float32 and bf16 stores with head dims of whole vectors up to kTileDim (the caller checks).
 template <typename V, int Dtype>
 void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q, int64_t r0, int64_t rows,
                             int64_t h, int64_t g0, int64_t gn) {
-  constexpr int L = V::kLanes;
   constexpr int64_t kVectors = keel::kTileVectors, kDim = keel::kTileDim;
   const int64_t group = q.heads / s.kv_heads;
   const int64_t dim = s.head_dim, vdim = s.v_dim, bs = s.block_size;
-  const int64_t width = (bs + L - 1) / L * L;  // a block's keys, padded to whole vectors
-  const int64_t count = rows * gn;             // query vectors: vector m is row m / gn, head m % gn
+  const int64_t count = rows * gn;  // query vectors: vector m is row m / gn, head m % gn
   alignas(64) float qs[kVectors * kDim];
   alignas(64) float acc_store[kVectors * kDim];
-  alignas(64) float kt[kDim * kMaxBlock];
   alignas(64) float key_buf[kMaxBlock][kDim];
   alignas(64) float value_buf[kMaxBlock][kDim];
-  alignas(64) float scores[kVectors * kMaxBlock];
+  alignas(64) float scores[kVectors * kMaxBlock];  // each vector's scores, then its weights
   float running_max[kVectors], total[kVectors], correction[kVectors];
   float* acc[kVectors];
   const float* weights[kVectors];
@@ -256,57 +241,42 @@ void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q
     for (int64_t d = 0; d < vdim; ++d) acc[m][d] = 0.f;
     running_max[m] = -1e30f;
     total[m] = 0.f;
-    weights[m] = scores + m * width;
   }
   const int64_t row_base = h * s.slots;
   for (int64_t start = lo - lo % bs; start <= hi; start += bs) {
     const int64_t n = start + bs - 1 < hi ? bs : hi - start + 1;  // the block's keys some row sees
     const int64_t slot0 = row_base + table[start / bs] * bs;
+    const float* key[kMaxBlock];
     for (int64_t j = 0; j < n; ++j) {
-      const float* key = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
-      for (int64_t d = 0; d < dim; ++d) kt[d * width + j] = key[d];
+      key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
       // Without a value store the latent is both key and value (row_at returns the store's row or key_buf).
       value[j] = s.values != nullptr ? row_at<Dtype>(s.values, s.value_scales, slot0 + j, dim, vdim, value_buf[j])
-                                     : key;
+                                     : key[j];
     }
-    for (int64_t j = n; j < width; ++j)
-      for (int64_t d = 0; d < dim; ++d) kt[d * width + j] = 0.f;
-    for (int64_t c = 0; c < width; c += L) {
-      int64_t m = 0;
-      for (; m + 8 <= count; m += 8) tile_scores_rows<V, 8>(qs, kt, m, dim, width, c, scores);
-      for (; m < count; ++m) tile_scores_rows<V, 1>(qs, kt, m, dim, width, c, scores);
-    }
-    for (int64_t m = 0; m < count; ++m) {
-      float* p = scores + m * width;
-      const int64_t t = m / gn;
+    // Each row over the keys its position sees, [j0, j1) of the block, with the arithmetic of the row
+    // body (attend_heads_vectorised) in the same order: a tile's outputs are bit for bit its rows'.
+    for (int64_t t = 0; t < rows; ++t) {
       const int64_t j0 = first[t] > start ? first[t] - start : 0;
-      const int64_t j1 = last[t] - start + 1 < n ? last[t] - start + 1 : n;  // keys [j0, j1) are visible
-      if (j1 <= j0) {  // none in this block: the row's sums stand
-        correction[m] = 1.f;
-        for (int64_t j = 0; j < n; ++j) p[j] = 0.f;
-        continue;
+      const int64_t j1 = last[t] - start + 1 < n ? last[t] - start + 1 : n;
+      if (j1 <= j0) continue;  // none in this block: the row's sums stand
+      const int64_t seen = j1 - j0;
+      for (int64_t m = t * gn; m < (t + 1) * gn; ++m) {
+        float* p = scores + m * kMaxBlock;
+        block_scores<V>(qs + m * dim, key + j0, seen, dim, p);
+        const float block_max = max_of<V>(p, seen, running_max[m]);
+        // Online softmax: what was summed under the old maximum is rescaled to the new one.
+        correction[m] = exp_nonpositive(running_max[m] - block_max);
+        running_max[m] = block_max;
+        total[m] = total[m] * correction[m] + exp_block<V>(p, seen, block_max);
+        weights[m] = p;
       }
-      // Whole vectors through max and exp (no scalar tails): the keys a row does not see are set to
-      // -87 below the block's maximum first (exp gives ~1.6e-38 of a total >= 1) and to 0 after.
-      const float block_max = max_of<V>(p + j0, j1 - j0, running_max[m]);
-      const bool cut = j0 > 0 || j1 < width;
-      if (cut) {
-        for (int64_t j = 0; j < j0; ++j) p[j] = block_max - 87.f;
-        for (int64_t j = j1; j < width; ++j) p[j] = block_max - 87.f;
-      }
-      // Online softmax: what was summed under the old maximum is rescaled to the new one.
-      correction[m] = exp_nonpositive(running_max[m] - block_max);
-      running_max[m] = block_max;
-      total[m] = total[m] * correction[m] + exp_block<V>(p, width, block_max);
-      if (cut) {
-        for (int64_t j = 0; j < j0; ++j) p[j] = 0.f;
-        for (int64_t j = j1; j < n; ++j) p[j] = 0.f;
-      }
+      constexpr int G = kHeadsTogether<V>;
+      int64_t m = t * gn;
+      for (; m + G <= (t + 1) * gn; m += G)
+        accumulate_values<V, G>(acc + m, correction + m, weights + m, value + j0, seen, vdim);
+      for (; m < (t + 1) * gn; ++m)
+        accumulate_values<V, 1>(acc + m, correction + m, weights + m, value + j0, seen, vdim);
     }
-    constexpr int G = kHeadsTogether<V>;
-    int64_t m = 0;
-    for (; m + G <= count; m += G) accumulate_values<V, G>(acc + m, correction + m, weights + m, value, n, vdim);
-    for (; m < count; ++m) accumulate_values<V, 1>(acc + m, correction + m, weights + m, value, n, vdim);
   }
   for (int64_t m = 0; m < count; ++m) {
     float* dst = q.out + ((r0 + m / gn) * q.heads + h * group + g0 + m % gn) * vdim;
