@@ -38,8 +38,8 @@ struct PagedQuery {
 
 // One work item: KV head `kv_head` (its group of H / H_kv query heads shares every K/V read) for rows
 // row0..row0+rows-1. A decode row is an item alone; a prefill chunk's consecutive rows (one table, one
-// position after another) are cut into tiles of tile_rows(group) rows, whose queries share each block's
-// keys and values: a tile's scores are a small matrix product per block.
+// position after another) are cut into tiles of tile_rows(group) rows, which convert and locate each
+// block's keys and values once for all their rows (each row's arithmetic stays the row body's).
 struct PagedItem {
   int64_t row0;
   int64_t rows;
