@@ -47,6 +47,20 @@ def test_prefix_is_shared_by_reference_and_never_covers_the_last_token():
     assert len(kv.find_prefix(other)) == 1
 
 
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_are_held():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = tokens(12)
+    assert kv.allocate("a", 12)
+    commit_all(kv, "a", prompt)
+    assert not kv.reset_prefix_cache()  # "a" still holds its blocks
+    assert len(kv.find_prefix(prompt)) == 2
+    kv.free("a")
+    assert len(kv.find_prefix(prompt)) == 2  # freed, still cached
+    assert kv.reset_prefix_cache()
+    assert kv.find_prefix(prompt) == [] and kv.num_free_blocks == 8
+    assert all(b.hash is None for b in kv.blocks)
+
+
 def test_chained_hash_depends_on_the_parent_and_the_extra_key():
     block = (1, 2, 3, 4)
     assert block_hash(None, block) != block_hash(block_hash(None, (9, 9, 9, 9)), block)

@@ -491,6 +491,10 @@ class LLMEngine:
         track.stop.finish_reason = track.stop.finish_reason or "abort"
         return build_output(request, track, "", [])
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's name): False while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 

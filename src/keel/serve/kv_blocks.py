@@ -94,6 +94,16 @@ class KVCacheManager:
             parent = h
         return found
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`): False, and nothing changed, while a
+        sequence holds blocks, since a running sequence's registered blocks are still being reused."""
+        if self.seqs:
+            return False
+        for block_id in self.cached.values():
+            self.blocks[block_id].hash, self.blocks[block_id].tokens = None, ()
+        self.cached.clear()
+        return True
+
     def record_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += queried_tokens
         self.prefix_hits += hit_tokens
