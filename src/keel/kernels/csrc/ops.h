@@ -35,8 +35,8 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
 
 // Row loops of the fused small operators (ops_small.cpp), float32, parallel over rows.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
-void rotary_rows(const float* x, const float* cos, const float* sin, float* out, int64_t tokens, int64_t heads,
-                 int64_t dim);
+void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t tokens,
+                 int64_t heads, int64_t dim);
 void silu_mul_rows(const float* gate, int64_t gate_stride, const float* up, int64_t up_stride, float* out,
                    int64_t rows, int64_t inter);
 

@@ -84,9 +84,9 @@ void heads_of(const float* packed, int64_t tokens, int64_t width, int64_t from, 
     std::memcpy(out + t * heads * dim, packed + t * width + from, sizeof(float) * heads * dim);
 }
 
-// rows [T, H_kv, D] float32 into slots[t] of store [H_kv, slots, D] (float32, or bfloat16 rounded to
-// nearest even as torch's conversion rounds).
-void write_rows(at::Tensor& store, const float* src, int64_t tokens, const int64_t* slots) {
+// Rows [T, H_kv, D] float32 (token t's heads at src + t * src_stride) into slots[t] of store [H_kv, slots,
+// D] (float32, or bfloat16 rounded to nearest even as torch's conversion rounds, NaN to torch's NaN).
+void write_rows(at::Tensor& store, const float* src, int64_t src_stride, int64_t tokens, const int64_t* slots) {
   const int64_t heads = store.size(0), capacity = store.size(1), dim = store.size(2);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "keel::decoder_layers: slot ", slots[t], " outside the store");
@@ -94,15 +94,22 @@ void write_rows(at::Tensor& store, const float* src, int64_t tokens, const int64
     float* dst = store.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 0; h < heads; ++h)
-        std::memcpy(dst + (h * capacity + slots[t]) * dim, src + (t * heads + h) * dim, sizeof(float) * dim);
+        std::memcpy(dst + (h * capacity + slots[t]) * dim, src + t * src_stride + h * dim, sizeof(float) * dim);
     return;
   }
-  c10::BFloat16* dst = store.data_ptr<c10::BFloat16>();
+  // Branch-free rounding (c10::BFloat16's, which tests NaN per value and does not vectorise): this ran
+  // alone on one thread inside every layer.
+  uint16_t* dst = reinterpret_cast<uint16_t*>(store.data_ptr<c10::BFloat16>());
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < heads; ++h) {
-      const float* s = src + (t * heads + h) * dim;
-      c10::BFloat16* d = dst + (h * capacity + slots[t]) * dim;
-      for (int64_t i = 0; i < dim; ++i) d[i] = c10::BFloat16(s[i]);
+      const float* s = src + t * src_stride + h * dim;
+      uint16_t* d = dst + (h * capacity + slots[t]) * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, s + i, sizeof(bits));
+        const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        d[i] = static_cast<uint16_t>(s[i] != s[i] ? 0x7fc0u : rounded);
+      }
     }
 }
 
@@ -110,17 +117,17 @@ void write_rows(at::Tensor& store, const float* src, int64_t tokens, const int64
 // a buffer a layer cost about a tenth of a decode step's time outside the products, docs/BENCHMARKS.md,
 // seventh part; fresh buffers a call would also be zeroed and page-faulted in at prefill sizes).
 struct Workspace {
-  std::vector<float> normed, packed, q, k, v, q_rot, k_rot, attended, gu, act, other;
+  std::vector<float> normed, packed, q, k, q_rot, k_rot, attended, gu, act, other;
 
   // Past this many bytes a call's buffers are given back when it ends (a long prompt's chunk).
   static constexpr size_t kKeptBytes = size_t{256} << 20;
 
   void trim() {
     size_t bytes = 0;
-    for (const auto* b : {&normed, &packed, &q, &k, &v, &q_rot, &k_rot, &attended, &gu, &act, &other})
+    for (const auto* b : {&normed, &packed, &q, &k, &q_rot, &k_rot, &attended, &gu, &act, &other})
       bytes += b->capacity() * sizeof(float);
     if (bytes <= kKeptBytes) return;
-    for (auto* b : {&normed, &packed, &q, &k, &v, &q_rot, &k_rot, &attended, &gu, &act, &other}) {
+    for (auto* b : {&normed, &packed, &q, &k, &q_rot, &k_rot, &attended, &gu, &act, &other}) {
       b->clear();
       b->shrink_to_fit();
     }
@@ -170,20 +177,31 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
   rms_norm_rows(src, input_norm, normed, tokens, hidden, static_cast<float>(floats[0]));
   float* packed = sized(ws.packed, tokens * width);
   qkv.into(normed, tokens, packed, nullptr);
-  float* q = sized(ws.q, tokens * heads * dim);
-  float* k = sized(ws.k, tokens * kv_heads * dim);
-  float* v = sized(ws.v, tokens * kv_heads * dim);
-  heads_of(packed, tokens, width, 0, heads, dim, q);
-  heads_of(packed, tokens, width, heads * dim, kv_heads, dim, k);
-  heads_of(packed, tokens, width, (heads + kv_heads) * dim, kv_heads, dim, v);
-  if (q_norm != nullptr) rms_norm_rows(q, q_norm, q, tokens * heads, dim, static_cast<float>(floats[2]));
-  if (k_norm != nullptr) rms_norm_rows(k, k_norm, k, tokens * kv_heads, dim, static_cast<float>(floats[3]));
+  // q and k are rotated, and v written, where they lie in the packed rows; per-head norms first copy
+  // q and k out (their rows must be contiguous to be normalised in place).
+  const float* q = packed;
+  const float* k = packed + heads * dim;
+  int64_t q_stride = width, k_stride = width;
+  if (q_norm != nullptr) {
+    float* copied = sized(ws.q, tokens * heads * dim);
+    heads_of(packed, tokens, width, 0, heads, dim, copied);
+    rms_norm_rows(copied, q_norm, copied, tokens * heads, dim, static_cast<float>(floats[2]));
+    q = copied;
+    q_stride = heads * dim;
+  }
+  if (k_norm != nullptr) {
+    float* copied = sized(ws.k, tokens * kv_heads * dim);
+    heads_of(packed, tokens, width, heads * dim, kv_heads, dim, copied);
+    rms_norm_rows(copied, k_norm, copied, tokens * kv_heads, dim, static_cast<float>(floats[3]));
+    k = copied;
+    k_stride = kv_heads * dim;
+  }
   float* q_rot = sized(ws.q_rot, tokens * heads * dim);
   float* k_rot = sized(ws.k_rot, tokens * kv_heads * dim);
-  rotary_rows(q, cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot, tokens, heads, dim);
-  rotary_rows(k, cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot, tokens, kv_heads, dim);
-  write_rows(k_store, k_rot, tokens, slots.data_ptr<int64_t>());
-  write_rows(v_store, v, tokens, slots.data_ptr<int64_t>());
+  rotary_rows(q, q_stride, cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot, tokens, heads, dim);
+  rotary_rows(k, k_stride, cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot, tokens, kv_heads, dim);
+  write_rows(k_store, k_rot, kv_heads * dim, tokens, slots.data_ptr<int64_t>());
+  write_rows(v_store, packed + (heads + kv_heads) * dim, width, tokens, slots.data_ptr<int64_t>());
   float* attended = sized(ws.attended, tokens * heads * dim);
   paged_attention_into(q_rot, tokens, heads, dim, k_store, v_store, c10::nullopt, c10::nullopt, tables, table_of,
                        positions, block_size, window, floats[4], dim, attended);

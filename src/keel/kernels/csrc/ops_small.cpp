@@ -15,16 +15,26 @@
 
 namespace keel {
 
-// RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * w.
+// RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * w. The sum of squares runs in 16
+// partial sums (a vector's worth, which the compiler keeps in registers), added in a fixed order, so
+// the result does not depend on the machine; a single running sum could not be vectorised and made
+// this a serial stretch of every decode step. 16 rows a task: at decode sizes a step's rows split
+// across the threads rather than running on one.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  constexpr int64_t kLanes = 16;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = x + r * dim;
       float* o = out + r * dim;
-      float sum = 0.f;
-      for (int64_t d = 0; d < dim; ++d) sum += xr[d] * xr[d];
-      const float inverse = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
-      for (int64_t d = 0; d < dim; ++d) {
+      float lanes[kLanes] = {};
+      int64_t d = 0;
+      for (; d + kLanes <= dim; d += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) lanes[j] += xr[d + j] * xr[d + j];
+      for (int64_t j = 0; d < dim; ++d, ++j) lanes[j] += xr[d] * xr[d];
+      for (int64_t width = kLanes / 2; width > 0; width /= 2)
+        for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+      const float inverse = 1.f / std::sqrt(lanes[0] / static_cast<float>(dim) + eps);
+      for (d = 0; d < dim; ++d) {
         const float normed = xr[d] * inverse;
         o[d] = w != nullptr ? normed * w[d] : normed;
       }
@@ -49,16 +59,18 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& 
 }
 
 // Rotate-half rotary embedding, keel.model.layers.apply_rotary: x * cos + roll(x, D/2) * signed_sin,
-// x [..., S, H, D] with cos/sin [..., S, 1, D] (one row per token, shared by its heads).
-void rotary_rows(const float* x, const float* cos, const float* sin, float* out, int64_t tokens, int64_t heads,
-                 int64_t dim) {
+// x [..., S, H, D] with cos/sin [..., S, 1, D] (one row per token, shared by its heads). Token t's heads
+// start at x + t * x_stride (H * D when x is contiguous; a fused q/k/v row's width when x is its q or k
+// part, read in place); out is contiguous [S, H, D].
+void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t tokens,
+                 int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* c = cos + t * dim;
       const float* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const float* xr = x + (t * heads + h) * dim;
+        const float* xr = x + t * x_stride + h * dim;
         float* o = out + (t * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = xr[d] * c[d] + xr[d < half ? d + half : d - half] * s[d];
       }
@@ -75,7 +87,7 @@ at::Tensor fused_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
               "keel::fused_rotary: float32 only");
   const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor out = at::empty_like(xc);
-  rotary_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), b * s, heads,
+  rotary_rows(xc.data_ptr<float>(), heads * dim, cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), b * s, heads,
               dim);
   return out;
 }
