@@ -106,6 +106,7 @@ def test_block_linear_matches_its_reference(level, bits, scale_dtype, with_mins,
 
 PANEL_FORMS = [  # (bits, scale dtype, mins, groups as blocks per scale: 0 half blocks, -1 the whole row)
     (4, torch.float16, True, 1),  # Q4_1
+    (4, torch.float16, "centred", 1),  # Q4_0: mins -8 x scales (the VNNI kernel's integer offsets)
     (4, torch.float32, True, 4),  # keel int4, groups of 128
     (8, torch.float16, False, 1),  # Q8_0
     (8, torch.float32, False, -1),  # keel int8 per channel
@@ -124,6 +125,10 @@ def test_panel_layout_gives_the_row_layouts_products(level, bits, scale_dtype, w
     blocks = k // 32
     groups = 2 * blocks if per == 0 else 1 if per == -1 else blocks // per if blocks % per == 0 else blocks
     codes, scales, mins = random_weights(n, k, bits, groups, scale_dtype, with_mins, seed=n)
+    if with_mins == "centred":
+        mins = (-8 * scales.float()).to(scale_dtype)
+        if n > 16:  # one min off the centre: its panel takes the mins' path, the others the offsets'
+            mins[n - 1, 0] *= 0.5
     stored = torch.ops.keel.block_panels(codes, scales, mins, bits)
     assert len(stored) == (3 if with_mins else 2)
     assert [t.shape for t in stored] == [t.shape for t in (codes, scales, mins) if t is not None]
@@ -133,7 +138,7 @@ def test_panel_layout_gives_the_row_layouts_products(level, bits, scale_dtype, w
     originals = [t for t in (codes, scales, mins) if t is not None]
     assert len(back) == len(originals) and all(torch.equal(a, b) for a, b in zip(back, originals, strict=True))
     panel_mins = stored[2] if with_mins else None
-    for m in (1, 2, 3, 4, 7, 33):
+    for m in (1, 2, 3, 4, 7, 8, 33):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         for passes in (1, 2):
             with kernels.using_level(level):

@@ -101,15 +101,12 @@ inline int shift_of(const BlockWeights& w) {
   return shift;
 }
 
-// From this many activation rows a panel is expanded once before the rows pass (4-bit codes to a byte
-// per value, scales and mins to float32): each group of 4 rows would otherwise split the nibbles and
-// convert the scales again.
-constexpr int64_t kExpandRows = 8;
-
 // A panel expanded into `storage`: 4-bit codes as 8 full vectors a block (missing rows zero; 8-bit codes
 // stay where they are unless CopyCodes, then copied the same way), float32 scales and mins, 16 a group.
+// With Min, *centered tells whether every min is exactly -8 x its scale (kernels.h, `offsets`).
 template <int Bits, bool Half, bool Min, bool Full, bool CopyCodes = false>
-PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, std::vector<uint8_t>& storage) {
+PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, std::vector<uint8_t>& storage,
+                 bool* centered = nullptr) {
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
   const int64_t code_bytes = Bits == 4 || CopyCodes ? blocks * 8 * 64 : 0, scale_bytes = groups * 64;
   storage.resize(code_bytes + (Min ? 2 : 1) * scale_bytes + 64);
@@ -123,10 +120,18 @@ PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, s
   }
   float* scales = reinterpret_cast<float*>(base + code_bytes);
   float* mins = scales + groups * 16;
+  __mmask16 off_centre = 0;
+  const __m512 minus8 = _mm512_set1_ps(-8.f);
   for (int64_t g = 0; g < groups; ++g) {
-    _mm512_store_ps(scales + g * 16, lanes_of<Half>(v.scales, g * v.group_stride, mask));
-    if constexpr (Min) _mm512_store_ps(mins + g * 16, lanes_of<Half>(v.mins, g * v.group_stride, mask));
+    const __m512 scale = lanes_of<Half>(v.scales, g * v.group_stride, mask);
+    _mm512_store_ps(scales + g * 16, scale);
+    if constexpr (Min) {
+      const __m512 min = lanes_of<Half>(v.mins, g * v.group_stride, mask);
+      _mm512_store_ps(mins + g * 16, min);
+      off_centre |= _mm512_cmp_ps_mask(min, _mm512_mul_ps(scale, minus8), _CMP_NEQ_UQ);
+    }
   }
+  if (centered != nullptr) *centered = Min && off_centre == 0;
   if constexpr (Bits == 4 || CopyCodes) return PanelView{base, 8 * 64, scales, Min ? mins : nullptr, 16};
   return PanelView{v.codes, v.block_bytes, scales, Min ? mins : nullptr, 16};
 }

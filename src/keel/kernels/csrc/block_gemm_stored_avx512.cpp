@@ -13,6 +13,7 @@
 // vpdpbusd takes one unsigned operand: the weight codes. 4-bit codes are unsigned; 8-bit codes are
 // stored offset by 128 (code ^ 0x80), so a dot product carries 128 x the activation block's sum of
 // codes, which is subtracted (the activation side: computed once per call, shared by every panel).
+// 4-bit codes centred on 8 (Q4_0) are handled the same way, with 8 x that sum, in place of their mins.
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 // GCC 12's own AVX-512 headers trip these (their _mm512_undefined_* values), not this code.
@@ -133,7 +134,15 @@ void panel(const BlockWeights& w, int64_t p, int rows, const BlockActivations& a
   const PanelView v = view_of(w, p, rows);
   const int shift = shift_of(w);
   if (m1 - m0 >= kExpandRows) {
-    const PanelView e = expand<Bits, Half, Min, Full>(v, w.blocks, groups, rows, storage);
+    bool centered = false;
+    const PanelView e = expand<Bits, Half, Min, Full>(v, w.blocks, groups, rows, storage, &centered);
+    if constexpr (Bits == 4 && Min) {
+      if (centered && offsets != nullptr) {  // Q4_0: its mins as the integer offsets (kernels.h)
+        rows_against<8, true, false, false, Two, Sub, true>(e, w.blocks, shift, rows, a, offsets, m0, m1, first, out,
+                                                            ldo);
+        return;
+      }
+    }
     rows_against<8, Bits == 8, false, Min, Two, Sub, Bits == 4 || Full>(e, w.blocks, shift, rows, a, offsets, m0, m1,
                                                                          first, out, ldo);
     return;

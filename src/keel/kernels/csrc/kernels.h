@@ -94,10 +94,18 @@ void block_gemm_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const Bloc
 void block_gemm_panels_avx512(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
                               int64_t m1, float* out, int64_t ldo);
 
+// From this many activation rows the stored-panel kernel expands each panel once before the rows pass
+// (4-bit codes to a byte per value, scales and mins to float32): each group of 4 rows would otherwise
+// split the nibbles and convert the scales again.
+constexpr int64_t kExpandRows = 8;
+
 // The AVX-512 VNNI kernel over weights in the panel layout, panels [p0, p1), activations in their natural
-// order, any number of rows. 8-bit codes: `offsets` [passes, m, blocks, 2] holds 128 x each activation
+// order, any number of rows. `offsets` [passes, m, blocks, 2]: for 8-bit codes, 128 x each activation
 // block's sum of codes (its two halves apart where the weights have half-block scales, else the whole
-// block's in the first entry), subtracted from the dot products of the codes' +128.
+// block's in the first entry), subtracted from the dot products of the codes' +128; for 4-bit codes with
+// mins, from kExpandRows rows (else null), 8 x each block's sum, which stands in for the mins of a panel
+// whose every min is -8 x its scale (GGUF Q4_0, w = (q - 8) d): subtracted as an integer from each dot
+// product, where the min would cost a float multiply-add a block and row, the VNNI units' own port.
 void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                               const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
 

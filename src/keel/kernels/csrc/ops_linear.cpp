@@ -120,9 +120,32 @@ int64_t quantized_bytes(int64_t m, int64_t k, bool two_passes) {
   return blocks * (two_passes ? 3 : 2) * static_cast<int64_t>(sizeof(float)) + m * k * (two_passes ? 2 : 1);
 }
 
-// x [m, k] float32 quantized into `storage` (quantized_bytes of it, float-aligned).
+// Where a product wants each activation block's sum of codes (the stored-panel kernel's `offsets`,
+// kernels.h): out [passes, m, blocks, 2], each sum times `unit`, the block's two halves apart with
+// `halves` (else the whole block's sum first and the second half's after it); out null: none.
+struct CodeSums {
+  int32_t* out = nullptr;
+  int32_t unit = 0;
+  bool halves = false;
+};
+
+// One row's blocks of codes q [blocks * 32] into o [blocks, 2] (CodeSums).
+void code_sums_of_row(const int8_t* q, int64_t blocks, const CodeSums& sums, int32_t* o) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < kBlock / 2; ++j) {
+      lo += q[b * kBlock + j];
+      hi += q[b * kBlock + kBlock / 2 + j];
+    }
+    o[2 * b] = sums.unit * (sums.halves ? lo : lo + hi);
+    o[2 * b + 1] = sums.unit * hi;
+  }
+}
+
+// x [m, k] float32 quantized into `storage` (quantized_bytes of it, float-aligned); with sums.out, the
+// codes' sums too (natural order only), each row's while it is in cache on its thread.
 Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool two_passes, Order order,
-                                    uint8_t* storage) {
+                                    uint8_t* storage, const CodeSums& sums = {}) {
   const int64_t blocks = m * (k / kBlock);
   const int64_t floats = blocks * (two_passes ? 3 : 2);
   Quantized out;
@@ -135,6 +158,13 @@ Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool t
   int8_t *q = out.q, *q2 = out.q2;
   float *d = out.d, *s = out.s, *d2 = out.d2;
   const Isa isa = current_isa();
+  TORCH_CHECK(sums.out == nullptr || order == Order::kNatural, "keel: code sums are of natural-order rows");
+  const int64_t row_blocks = k / kBlock;
+  auto sum_row = [&](int64_t r) {
+    if (sums.out == nullptr) return;
+    code_sums_of_row(q + r * k, row_blocks, sums, sums.out + 2 * r * row_blocks);
+    if (q2 != nullptr) code_sums_of_row(q2 + r * k, row_blocks, sums, sums.out + 2 * (m + r) * row_blocks);
+  };
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t qo = r * k, so = r * (k / kBlock);
@@ -148,10 +178,12 @@ Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool t
           interleave_quads_avx512(q + qo, k);
           if (q2) interleave_quads_avx512(q2 + qo, k);
         }
+        sum_row(r);
         continue;
       }
 #endif
       quantize_row_scalar(x + qo, k, q + qo, d + so, s + so, q2 ? q2 + qo : nullptr, d2 ? d2 + so : nullptr);
+      sum_row(r);
     }
   });
   return out;
@@ -176,32 +208,21 @@ void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeigh
                           std::vector<uint8_t>& scratch) {
   const int64_t n = w.rows, blocks = k / kBlock;
   scratch.resize(static_cast<size_t>(quantized_bytes(m, k, passes == 2)));
-  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data());
+  // 8-bit codes: 128 x each activation block's sum of codes, per half; 4-bit codes with mins over
+  // expanded panels: 8 x it, for the panels centred on 8 (kernels.h). Summed as each row is quantized.
+  const bool centring = w.bits == 4 && w.mins != nullptr && m >= kExpandRows;
+  std::vector<int32_t> offsets(w.bits == 8 || centring ? static_cast<size_t>(2 * passes * m * blocks) : 0);
+  const CodeSums sums_of{offsets.empty() ? nullptr : offsets.data(), w.bits == 8 ? 128 : 8, w.half_block_scales};
+  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data(), sums_of);
   BlockActivations a{qa.q, qa.d, qa.s, k, blocks, qa.q2, qa.d2};
   a.m = m;
-  std::vector<int32_t> offsets;
-  if (w.bits == 8) {  // 128 x each activation block's sum of codes, per half (kernels.h)
-    offsets.resize(static_cast<size_t>(2 * passes * m * blocks));
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const int8_t* q = pass == 0 ? a.q : a.q2;
-      int32_t* o = offsets.data() + 2 * pass * m * blocks;
-      for (int64_t i = 0; i < m * blocks; ++i) {
-        int32_t lo = 0, hi = 0;
-        for (int j = 0; j < kBlock / 2; ++j) {
-          lo += q[i * kBlock + j];
-          hi += q[i * kBlock + kBlock / 2 + j];
-        }
-        o[2 * i] = 128 * (w.half_block_scales ? lo : lo + hi);
-        o[2 * i + 1] = 128 * hi;
-      }
-    }
-  }
   // AMX tiles take whole tiles of activation rows (not half-block scales), the VNNI kernel the rest.
+  const int32_t* sums = offsets.empty() ? nullptr : offsets.data();
   const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
   const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
-    if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, offsets.data(), 0, tiled, out, n);
-    if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, offsets.data(), tiled, m, out, n);
+    if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, sums, 0, tiled, out, n);
+    if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, sums, tiled, m, out, n);
   });
 }
 
