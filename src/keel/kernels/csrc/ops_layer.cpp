@@ -179,23 +179,17 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
   qkv.into(normed, tokens, packed, nullptr);
   // q and k are rotated, and v written, where they lie in the packed rows; per-head norms first copy
   // q and k out (their rows must be contiguous to be normalised in place).
-  const float* q = packed;
-  const float* k = packed + heads * dim;
-  int64_t q_stride = width, k_stride = width;
-  if (q_norm != nullptr) {
-    float* copied = sized(ws.q, tokens * heads * dim);
-    heads_of(packed, tokens, width, 0, heads, dim, copied);
-    rms_norm_rows(copied, q_norm, copied, tokens * heads, dim, static_cast<float>(floats[2]));
-    q = copied;
-    q_stride = heads * dim;
-  }
-  if (k_norm != nullptr) {
-    float* copied = sized(ws.k, tokens * kv_heads * dim);
-    heads_of(packed, tokens, width, heads * dim, kv_heads, dim, copied);
-    rms_norm_rows(copied, k_norm, copied, tokens * kv_heads, dim, static_cast<float>(floats[3]));
-    k = copied;
-    k_stride = kv_heads * dim;
-  }
+  // The `count` heads from channel `from` of each packed row, for rotary: (rows, token stride).
+  auto heads_for_rotary = [&](int64_t from, int64_t count, const float* norm, double eps,
+                              std::vector<float>& buffer) -> std::pair<const float*, int64_t> {
+    if (norm == nullptr) return {packed + from, width};
+    float* copied = sized(buffer, tokens * count * dim);
+    heads_of(packed, tokens, width, from, count, dim, copied);
+    rms_norm_rows(copied, norm, copied, tokens * count, dim, static_cast<float>(eps));
+    return {copied, count * dim};
+  };
+  const auto [q, q_stride] = heads_for_rotary(0, heads, q_norm, floats[2], ws.q);
+  const auto [k, k_stride] = heads_for_rotary(heads * dim, kv_heads, k_norm, floats[3], ws.k);
   float* q_rot = sized(ws.q_rot, tokens * heads * dim);
   float* k_rot = sized(ws.k_rot, tokens * kv_heads * dim);
   rotary_rows(q, q_stride, cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot, tokens, heads, dim);

@@ -212,12 +212,12 @@ void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeigh
   // expanded panels: 8 x it, for the panels centred on 8 (kernels.h). Summed as each row is quantized.
   const bool centring = w.bits == 4 && w.mins != nullptr && m >= kExpandRows;
   std::vector<int32_t> offsets(w.bits == 8 || centring ? static_cast<size_t>(2 * passes * m * blocks) : 0);
-  const CodeSums sums_of{offsets.empty() ? nullptr : offsets.data(), w.bits == 8 ? 128 : 8, w.half_block_scales};
-  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data(), sums_of);
+  int32_t* const sums = offsets.empty() ? nullptr : offsets.data();
+  const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data(),
+                                                 CodeSums{sums, w.bits == 8 ? 128 : 8, w.half_block_scales});
   BlockActivations a{qa.q, qa.d, qa.s, k, blocks, qa.q2, qa.d2};
   a.m = m;
   // AMX tiles take whole tiles of activation rows (not half-block scales), the VNNI kernel the rest.
-  const int32_t* sums = offsets.empty() ? nullptr : offsets.data();
   const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
   const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {

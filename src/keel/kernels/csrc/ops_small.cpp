@@ -87,8 +87,8 @@ at::Tensor fused_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
               "keel::fused_rotary: float32 only");
   const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor out = at::empty_like(xc);
-  rotary_rows(xc.data_ptr<float>(), heads * dim, cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(), b * s, heads,
-              dim);
+  rotary_rows(xc.data_ptr<float>(), heads * dim, cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<float>(),
+              b * s, heads, dim);
   return out;
 }
 
