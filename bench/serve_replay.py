@@ -28,6 +28,7 @@ from keel.cli.common import add_model_args
 from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.quant.loading import load_model
 from keel.serve.engine import LLMEngine
+from keel.serve.heap import freeze_startup_heap
 from keel.serve.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,6 +79,7 @@ def main() -> None:
     config = engine_config_from_args(args)
     loaded = load_model(args.model, config.load.dtype, **config.quant.load_options())
     engine = LLMEngine(loaded, config, adapt=True)
+    freeze_startup_heap()  # as `keel serve` does once its engine is built
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "requests.jsonl"
         build_dataset(args.model, dataset, args.num_prompts, args.seed)

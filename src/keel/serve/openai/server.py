@@ -77,6 +77,15 @@ def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfi
 
 
 def _load_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
+    """The engine, then its start-up heap frozen: this process serves it until it exits (keel.serve.heap)."""
+    from keel.serve.heap import freeze_startup_heap
+
+    engine = _load_engine_only(source, options, config)
+    freeze_startup_heap()
+    return engine
+
+
+def _load_engine_only(source: ModelSource, options: ServeOptions, config: EngineConfig):
     from keel.quant.loading import load_model
     from keel.serve.engine import LLMEngine
 
