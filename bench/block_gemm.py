@@ -28,7 +28,7 @@ import torch
 
 from keel import kernels
 
-PANELS = ("avx512_vnni", "amx")  # the levels with a kernel over the panel layout
+PANELS = ("avx2", "avx512_vnni", "amx")  # the levels with a kernel over the panel layout
 SHAPES = "1536x576,576x1536"  # gate/up and down of SmolLM2-135M
 
 

@@ -78,6 +78,7 @@ def test_fused_layers_give_the_modules_results(tmp_path, fused_calls, name, quan
     # 8-bit layers dequantize for BLAS from a few rows, and the stack leaves such steps (the prompts') to
     # the modules; here every step is to run fused, so the kernels take every size.
     monkeypatch.setattr(quant_linear, "EIGHT_BIT_DEQUANTIZE_ROWS", {1: 1 << 30, 2: 1 << 30})
+    monkeypatch.setattr(quant_linear, "STORED_DEQUANTIZE_ROWS", dict.fromkeys(quant_linear.STORED_DEQUANTIZE_ROWS))
     save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
     modules = _generate(tmp_path, False, quantize=quantize)

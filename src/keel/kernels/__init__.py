@@ -60,6 +60,13 @@ def vnni_panels_here() -> bool:
     return _load() is not None and _LEVEL_NOW[0] in ("avx512_vnni", "amx")
 
 
+def stored_panels_here() -> bool:
+    """Whether block weights stored in panels of 16 rows (keel.quant.panels) run as stored: the AVX2 kernel
+    (csrc/block_gemm_stored_avx2.cpp) from `avx2`, the VNNI one (and AMX tiles) from `avx512_vnni`; the
+    portable level converts them back to rows per call."""
+    return _load() is not None and _LEVEL_NOW[0] in ("avx2", "avx512_vnni", "amx")
+
+
 def levels_here(platform: Platform | None = None) -> tuple[str, ...]:
     """Every kernel level this machine can run (tests run each of them)."""
     top = kernel_level(platform or host())

@@ -54,6 +54,10 @@ BLOCK_DEQUANTIZE_ROWS = 128
 # refined activations (by activation passes; measured as above). At the VNNI level neither threshold
 # applies: its panel kernel beats BLAS at every size, both widths, one pass or two (keel.kernels.vnni_panels_here).
 EIGHT_BIT_DEQUANTIZE_ROWS = {1: 32, 2: 16}
+# Weights stored in panels at the AVX2 level (keel.quant.panels): the stored-panel kernel has no per-call
+# packing and one broadcast per 16 rows, so dequantizing for BLAS pays only with refined activations, and
+# later (by bits and activation passes; None: never; measured on SmolLM2's shapes and its 49152 x 576 head).
+STORED_DEQUANTIZE_ROWS = {(4, 1): None, (4, 2): 128, (8, 1): None, (8, 2): 64}
 DEQUANTIZE_SLICE_ELEMENTS = 1 << 20  # float32 weights per slice: 4 MiB
 
 
@@ -472,6 +476,9 @@ class QuantizedLinear(nn.Module):
         """Whether a product over `rows` rows takes `_dequantized_product` (block layout)."""
         if kernels.vnni_panels_here():
             return False
+        if self.panel_rows and kernels.stored_panels_here():
+            threshold = STORED_DEQUANTIZE_ROWS[self.bits, self.activation_passes]
+            return threshold is not None and rows >= threshold
         if self.bits == 8:
             return rows >= EIGHT_BIT_DEQUANTIZE_ROWS[self.activation_passes]
         if rows < BLOCK_DEQUANTIZE_ROWS:

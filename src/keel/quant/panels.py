@@ -1,14 +1,15 @@
-"""Block weights re-stored in panels for the VNNI kernel: the serving engine's step after fusing.
+"""Block weights re-stored in panels for the stored-panel kernels: the serving engine's step after fusing.
 
-From the `avx512_vnni` kernel level (`amx` included) keel's block products read weights in panels of
-16 output rows (csrc/kernels.h, "the panel layout"; csrc/block_gemm_stored_avx512.cpp, and
-block_gemm_stored_amx.cpp's tiles, whose B operand is a stored panel block as it lies): one contiguous stream per
-16 rows, each row's 4 values a 32-bit lane, so a vpdpbusd serves 16 rows with no per-row reduction
-and no per-call repacking. The same codes, scales and mins in another order (llama.cpp repacks its
-Q4_0/Q8_0 weights at load the same way): no bytes added, no rounding changed. The layers keep what
-else reads them working: `values()` and moves off the CPU read the rows back, a tied embedding reads
-the head's panels (`keel::block_embedding` gathers a token's row), and other kernel levels convert
-per call (tests that run every level on one model).
+From the `avx2` kernel level keel's block products read weights in panels of 16 output rows
+(csrc/kernels.h, "the panel layout"; csrc/block_gemm_stored_avx2.cpp, block_gemm_stored_avx512.cpp at
+the VNNI level, and block_gemm_stored_amx.cpp's tiles, whose B operand is a stored panel block as it
+lies): one contiguous stream per 16 rows, each row's 4 values a 32-bit lane, so one broadcast multiply
+serves 16 rows (vpdpbusd; two maddubs on AVX2) with no per-row reduction and no per-call repacking. The
+same codes, scales and mins in another order (llama.cpp repacks its Q4_0/Q8_0 weights at load the same
+way): no bytes added, no rounding changed. The layers keep what else reads them working: `values()` and
+moves off the CPU read the rows back, a tied embedding reads the head's panels (`keel::block_embedding`
+gathers a token's row), and the portable level converts per call (tests that run every level on one
+model).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from keel.quant.linear import QuantizedLinear
 
 
 def panels_pay() -> bool:
-    """Whether block weights are re-stored in panels here: from the VNNI kernel level, where they beat the
-    row layout at every row count measured (docs/BENCHMARKS.md, "keel's kernels (issue 22, sixth part)")."""
-    return kernels.vnni_panels_here()
+    """Whether block weights are re-stored in panels here: from the AVX2 kernel level, where the stored-panel
+    kernels beat the row layout's (and, at the VNNI level, BLAS) at the row counts measured
+    (docs/BENCHMARKS.md: "issue 22, sixth part" for VNNI, "eleventh part" for AVX2)."""
+    return kernels.stored_panels_here()
 
 
 def store_in_panels(model: nn.Module) -> int:

@@ -272,7 +272,7 @@ class LLMEngine:
             if panels_pay():
                 stored = store_in_panels(loaded.model)
                 if stored:
-                    log.info("block weights of %d layers re-stored in panels for the VNNI kernel", stored)
+                    log.info("block weights of %d layers re-stored in panels for the stored-panel kernel", stored)
 
     def _allocate_kv_cache(self, device: str) -> int:
         """The block manager and (one process) the paged cache tensors; the number of blocks."""

@@ -109,6 +109,12 @@ constexpr int64_t kExpandRows = 8;
 void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                               const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
 
+// The AVX2 kernel over weights in the panel layout, panels [p0, p1), activations in their natural order,
+// any number of rows. `offsets` as above for 4-bit codes with mins from kExpandRows rows (else null); none
+// for 8-bit codes (multiplied signed: no +128 to take off).
+void block_gemm_stored_avx2(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
+                            const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
+
 // The AMX kernel over weights in the panel layout (not half-block scales), panels [p0, p1), activation
 // rows [m0, m1) in whole tiles of kAmxRows; `offsets` as above. Runs only where `amx_permitted()`.
 constexpr int64_t kAmxRows = 16;

@@ -12,7 +12,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 
 // block_linear on x [m, k] float32 into out [m, N], or out = residual + it (the bias added to it first;
 // residual may be out), with no tensor allocated where the weights' layout runs at this level (rows;
-// panels from the VNNI level); the same values as block_linear and the residual added after it.
+// panels from the AVX2 level); the same values as block_linear and the residual added after it.
 void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& codes, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& mins, int64_t bits, const c10::optional<at::Tensor>& bias,
                        int64_t passes, int64_t panel_rows, float* out, const float* residual);

@@ -202,16 +202,18 @@ at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::option
 
 namespace {
 
-// Weights in the panel layout at the VNNI level: every row count through the stored-panel kernel.
+// Weights in the panel layout, from the AVX2 level: every row count through a stored-panel kernel.
 // x [m, k] float32 -> out [m, n] (the product, no bias); the activations are quantized into `scratch`.
 void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeights& w, int64_t passes, float* out,
                           std::vector<uint8_t>& scratch) {
   const int64_t n = w.rows, blocks = k / kBlock;
   scratch.resize(static_cast<size_t>(quantized_bytes(m, k, passes == 2)));
-  // 8-bit codes: 128 x each activation block's sum of codes, per half; 4-bit codes with mins over
-  // expanded panels: 8 x it, for the panels centred on 8 (kernels.h). Summed as each row is quantized.
+  // 8-bit codes at the VNNI level: 128 x each activation block's sum of codes, per half; 4-bit codes with
+  // mins over expanded panels: 8 x it, for the panels centred on 8 (kernels.h). Summed as each row is
+  // quantized.
+  const bool vnni = current_isa() >= kAvx512Vnni;
   const bool centring = w.bits == 4 && w.mins != nullptr && m >= kExpandRows;
-  std::vector<int32_t> offsets(w.bits == 8 || centring ? static_cast<size_t>(2 * passes * m * blocks) : 0);
+  std::vector<int32_t> offsets((w.bits == 8 && vnni) || centring ? static_cast<size_t>(2 * passes * m * blocks) : 0);
   int32_t* const sums = offsets.empty() ? nullptr : offsets.data();
   const Quantized qa = quantize_activations_into(x, m, k, passes == 2, Order::kNatural, scratch.data(),
                                                  CodeSums{sums, w.bits == 8 ? 128 : 8, w.half_block_scales});
@@ -221,6 +223,10 @@ void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeigh
   const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
   const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
+    if (!vnni) {
+      block_gemm_stored_avx2(w, p0, p1, a, sums, 0, m, out, n);
+      return;
+    }
     if (tiled > 0) block_gemm_stored_amx(w, p0, p1, a, sums, 0, tiled, out, n);
     if (tiled < m) block_gemm_stored_avx512(w, p0, p1, a, sums, tiled, m, out, n);
   });
@@ -297,9 +303,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const int64_t m = x2.size(0);
   if (panel_rows != 0) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (current_isa() >= kAvx512Vnni) return stored_panel_linear(x, x2, w, bias, passes);
+    if (current_isa() >= kAvx2) return stored_panel_linear(x, x2, w, bias, passes);
 #endif
-    // Below the VNNI level (tests running every level on one model): the row layout, converted per call.
+    // The portable level (tests running every level on one model): the row layout, converted per call.
     const std::vector<at::Tensor> rows = rows_of(codes, scales, mins, bits, panel_rows);
     return block_linear(x, rows[0], rows[1], mins_in(rows), bits, bias, passes, 0);
   }
@@ -337,7 +343,7 @@ void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& c
                           bias->numel() == n;
   bool stored = false;  // the panel layout's kernel reads these weights as they lie
 #if defined(__x86_64__) || defined(_M_X64)
-  stored = panel_rows != 0 && current_isa() >= kAvx512Vnni;
+  stored = panel_rows != 0 && current_isa() >= kAvx2;
 #endif
   if ((panel_rows == 0 || stored) && (!bias.has_value() || float_bias)) {
     // The product into `out` itself, or beside it when a residual is added; the bias first, as
@@ -356,7 +362,7 @@ void block_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& c
     finish_rows(y, float_bias ? bias->data_ptr<float>() : nullptr, residual, out, m, n);
     return;
   }
-  // Panels below the VNNI level (converted to rows per call), or a bias of another dtype: the operator's
+  // Panels at the portable level (converted to rows per call), or a bias of another dtype: the operator's
   // own path, its result copied or added.
   const at::Tensor x2 = at::from_blob(const_cast<float*>(x), {m, k}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor y = block_linear(x2, codes, scales, mins, bits, bias, passes, panel_rows).contiguous();
