@@ -89,6 +89,20 @@ def test_fused_layers_give_the_modules_results(tmp_path, fused_calls, name, quan
     assert fused == modules
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])  # tied; q/k norms; window 8
+def test_an_int8_cache_runs_fused_with_the_modules_results(tmp_path, fused_calls, name):
+    """kv_cache_dtype="int8": the stack quantizes each K/V row as keel.serve.kv_quant.quantize_kv does
+    (the same codes and float16 scales) and attends over them in place; tokens and logprobs as the
+    modules', which write through torch and attend with the same kernel."""
+    save_hf_model(name, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    modules = _generate(tmp_path, False, quantize="int4", kv_cache_dtype="int8")
+    fused = _generate(tmp_path, True, quantize="int4", kv_cache_dtype="int8")
+    assert fused_calls["stacks"] > 0 and fused_calls["fused"] == fused_calls["all"] / 2
+    assert fused == modules
+    assert fused != _generate(tmp_path, True, quantize="int4", kv_cache_dtype="bfloat16")  # int8 rows differ
+
+
 def test_a_bfloat16_cache_runs_fused_with_the_modules_results(tmp_path, fused_calls):
     """kv_cache_dtype="bfloat16" under float32 activations: the stack writes bfloat16 rows (rounded as torch
     rounds) and attends over them in place; tokens and logprobs as the modules'."""
@@ -113,8 +127,6 @@ def test_fused_layers_agree_at_every_kernel_level(tmp_path, fused_calls, level):
 def test_caches_and_steps_it_does_not_cover_run_the_modules(tmp_path, fused_calls):
     save_hf_model("llama", tmp_path)
     save_byte_tokenizer(tmp_path)
-    _generate(tmp_path, True, kv_cache_dtype="int8")  # int8 rows are written with their scales in Python
-    assert fused_calls["fused"] == 0
     _generate(tmp_path, True, dtype="bfloat16")  # bf16 activations keep torch's ops
     assert fused_calls["fused"] == 0
 

@@ -73,6 +73,8 @@ def register() -> None:
         sin: Tensor,
         k_stores: list[Tensor],
         v_stores: list[Tensor],
+        k_scales: list[Tensor],
+        v_scales: list[Tensor],
         slots: Tensor,
         tables: Tensor,
         table_of: Tensor,

@@ -15,7 +15,8 @@ It runs where all of these hold, else the modules do (`fused_forward` returns No
   gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would run
   keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
 - a cache whose layer keel's paged-attention kernel reads in place (`in_place`: the serving engine's
-  float32/bf16 paged cache).
+  float32/bf16 paged cache, or its int8 cache, whose rows the operator quantizes as
+  keel.serve.kv_quant.quantize_kv does, value for value).
 """
 
 from __future__ import annotations
@@ -113,27 +114,37 @@ def _run(x: Tensor, meta: AttentionMetadata, args: list[tuple]) -> Tensor | None
 class _Stack:
     """The flat argument lists of keel::decoder_layers for some layers, less the step's slots and rows."""
 
-    def __init__(self, tensors: list, ints: list[int], floats: list[float], keys: list, values: list, first: int):
-        self.tensors, self.ints, self.floats, self.keys, self.values = tensors, ints, floats, keys, values
+    def __init__(
+        self, tensors: list, ints: list[int], floats: list[float], stores: list[list[Tensor]], first: int
+    ) -> None:
+        self.tensors, self.ints, self.floats = tensors, ints, floats
+        # Each layer's K and V stores, then (int8 stores) their scales, or no scales: lists of tensors.
+        self.keys, self.values, self.key_scales, self.value_scales = stores
         self.first = first  # the first layer's index in the cache: its `in_place` hands over a step's rows
         self.held: object | None = None  # the lists on the C++ side (`hold`)
 
     def hold(self) -> None:
         """Convert the lists once into a keel.DecoderStack for the steps to come: passed on each call,
         their ~20 entries a layer cost ~0.25 us each to convert (docs/BENCHMARKS.md, seventh part)."""
-        self.held = torch.classes.keel.DecoderStack(self.tensors, self.ints, self.floats, self.keys, self.values)
+        self.held = torch.classes.keel.DecoderStack(
+            self.tensors, self.ints, self.floats, self.keys, self.values, self.key_scales, self.value_scales
+        )
 
     @classmethod
     def of(cls, args: list[tuple]) -> _Stack | None:
         first = args[0][3]
         if any(a[3].slots is not first.slots or a[3].rows is not first.rows for a in args[1:]):
             return None
+        scaled = [a[3].key_scales is not None for a in args]
+        if any(scaled) and not all(scaled):
+            return None
+        stores = [[a[3].keys for a in args], [a[3].values for a in args]]
+        stores += [[a[3].key_scales for a in args], [a[3].value_scales for a in args]] if all(scaled) else [[], []]
         return cls(
             [t for a in args for t in a[0]],
             [i for a in args for i in a[1]],
             [f for a in args for f in a[2]],
-            [a[3].keys for a in args],
-            [a[3].values for a in args],
+            stores,
             args[0][4],
         )
 
@@ -143,8 +154,8 @@ class _Stack:
         if self.held is not None:
             return self.held.run(x, cos, sin, stores.slots, rows.tables, rows.table_of, rows.positions)
         return torch.ops.keel.decoder_layers(
-            x, self.tensors, self.ints, self.floats, cos, sin, self.keys, self.values,
-            stores.slots, rows.tables, rows.table_of, rows.positions,
+            x, self.tensors, self.ints, self.floats, cos, sin, self.keys, self.values, self.key_scales,
+            self.value_scales, stores.slots, rows.tables, rows.table_of, rows.positions,
         )  # fmt: skip
 
 

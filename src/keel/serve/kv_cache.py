@@ -105,6 +105,8 @@ class InPlaceLayer:
     slots: Tensor  # [T] int64: where each token's K/V go
     rows: PagedRows
     block_size: int
+    key_scales: Tensor | None = None  # int8 stores' float16 scales [H_kv, slots, 1] (keel.serve.kv_quant)
+    value_scales: Tensor | None = None
 
 
 def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:

@@ -41,7 +41,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
+from keel.serve.kv_cache import DecodeGroup, InPlaceLayer, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
 QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
 
@@ -146,9 +146,13 @@ class Int8PagedKVCache(PagedKVCache):
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
-    def in_place(self, layer: int, num_tokens: int) -> None:  # type: ignore[override]
-        """None: int8 rows are written with their scales here, not by keel::decoder_layers."""
-        return None
+    def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
+        """The base class's, with the layer's scales: keel::decoder_layers quantizes each row as
+        `quantize_kv` does (one scale a row: not MLA's two-part rows, which have no values anyway)."""
+        found = super().in_place(layer, num_tokens)
+        if found is None or len(self.parts) != 1:
+            return None
+        return replace(found, key_scales=self.key_scales[layer], value_scales=self.value_scales[layer])
 
     # ----------------------------------------------------------------- read
     def _gather_int8(self, store: QuantStore, tables: Tensor) -> tuple[Tensor, Tensor]:

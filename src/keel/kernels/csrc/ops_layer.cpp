@@ -10,8 +10,11 @@
 // the modules' (keel.model.fused_layer builds the call; tests compare).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -84,12 +87,45 @@ void heads_of(const float* packed, int64_t tokens, int64_t width, int64_t from, 
     std::memcpy(out + t * heads * dim, packed + t * width + from, sizeof(float) * heads * dim);
 }
 
+// One row x [dim] as keel.serve.kv_quant.quantize_kv stores it, value for value: scale = absmax / 127,
+// clamped to [2^-24, float16's max], rounded to float16; codes = x times the stored scale's reciprocal,
+// rounded half to even, clamped to +-127. (A row holding NaN stores a NaN scale and zero codes.)
+void quantize_row_int8(const float* x, int64_t dim, int8_t* codes, c10::Half* scale) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < dim; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    nan = nan || x[i] != x[i];
+  }
+  if (nan) {
+    *scale = c10::Half(std::nanf(""));
+    std::memset(codes, 0, static_cast<size_t>(dim));
+    return;
+  }
+  const c10::Half stored(std::min(std::max(amax / 127.f, 0x1p-24f), 65504.f));
+  const float inv = 1.f / static_cast<float>(stored);
+  for (int64_t i = 0; i < dim; ++i)
+    codes[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(x[i] * inv), -127.f), 127.f));
+  *scale = stored;
+}
+
 // Rows [T, H_kv, D] float32 (token t's heads at src + t * src_stride) into slots[t] of store [H_kv, slots,
-// D] (float32, or bfloat16 rounded to nearest even as torch's conversion rounds, NaN to torch's NaN).
-void write_rows(at::Tensor& store, const float* src, int64_t src_stride, int64_t tokens, const int64_t* slots) {
+// D]: float32; bfloat16 rounded to nearest even as torch's conversion rounds (NaN to torch's NaN); or
+// int8 with a float16 scale a row in `scales` [H_kv, slots, 1] (quantize_row_int8).
+void write_rows(at::Tensor& store, const at::Tensor* scales, const float* src, int64_t src_stride, int64_t tokens,
+                const int64_t* slots) {
   const int64_t heads = store.size(0), capacity = store.size(1), dim = store.size(2);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "keel::decoder_layers: slot ", slots[t], " outside the store");
+  if (store.scalar_type() == at::kChar) {
+    int8_t* dst = store.data_ptr<int8_t>();
+    c10::Half* scale = scales->data_ptr<c10::Half>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        quantize_row_int8(src + t * src_stride + h * dim, dim, dst + (h * capacity + slots[t]) * dim,
+                          scale + h * capacity + slots[t]);
+    return;
+  }
   if (store.scalar_type() == at::kFloat) {
     float* dst = store.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t)
@@ -142,17 +178,25 @@ float* sized(std::vector<float>& buffer, int64_t count) {
 // One layer: src [T, hidden] -> dst [T, hidden] (dst is not src).
 void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden, const LayerArgs& args,
                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_store, at::Tensor& v_store,
-                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& table_of,
-                   const at::Tensor& positions, Workspace& ws) {
+                   const at::Tensor* k_scales, const at::Tensor* v_scales, const at::Tensor& slots,
+                   const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions, Workspace& ws) {
   const int64_t* ints = args.ints;
   const double* floats = args.floats;
   const int64_t heads = ints[12], kv_heads = ints[13], dim = ints[14], block_size = ints[15], window = ints[16];
-  TORCH_CHECK(k_store.scalar_type() == v_store.scalar_type() &&
-                  (k_store.scalar_type() == at::kFloat || k_store.scalar_type() == at::kBFloat16) &&
+  const at::ScalarType store_type = k_store.scalar_type();
+  TORCH_CHECK(v_store.scalar_type() == store_type &&
+                  (store_type == at::kFloat || store_type == at::kBFloat16 || store_type == at::kChar) &&
                   k_store.is_contiguous() && v_store.is_contiguous() && k_store.dim() == 3 &&
                   k_store.size(0) == kv_heads && k_store.size(2) == dim && v_store.sizes() == k_store.sizes(),
-              "keel::decoder_layers: the K/V stores must be contiguous float32 or bfloat16 [", kv_heads, ", slots, ",
-              dim, "]");
+              "keel::decoder_layers: the K/V stores must be contiguous float32, bfloat16 or int8 [", kv_heads,
+              ", slots, ", dim, "]");
+  const bool int8 = store_type == at::kChar;
+  TORCH_CHECK((k_scales != nullptr && v_scales != nullptr) == int8, "keel::decoder_layers: int8 stores, and only they, ",
+              "take scales");
+  for (const at::Tensor* s : {k_scales, v_scales})
+    TORCH_CHECK(!int8 || (s->scalar_type() == at::kHalf && s->is_contiguous() && s->dim() == 3 &&
+                          s->size(0) == kv_heads && s->size(1) == k_store.size(1) && s->size(2) == 1),
+                "keel::decoder_layers: int8 stores' scales must be contiguous float16 [", kv_heads, ", slots, 1]");
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim,
               "keel::decoder_layers: cos/sin must have a head-dim row per token");
   const Projection qkv = projection(args, 0), out_proj = projection(args, 1), gate_up = projection(args, 2),
@@ -194,10 +238,12 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
   float* k_rot = sized(ws.k_rot, tokens * kv_heads * dim);
   rotary_rows(q, q_stride, cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot, tokens, heads, dim);
   rotary_rows(k, k_stride, cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot, tokens, kv_heads, dim);
-  write_rows(k_store, k_rot, kv_heads * dim, tokens, slots.data_ptr<int64_t>());
-  write_rows(v_store, packed + (heads + kv_heads) * dim, width, tokens, slots.data_ptr<int64_t>());
+  write_rows(k_store, k_scales, k_rot, kv_heads * dim, tokens, slots.data_ptr<int64_t>());
+  write_rows(v_store, v_scales, packed + (heads + kv_heads) * dim, width, tokens, slots.data_ptr<int64_t>());
   float* attended = sized(ws.attended, tokens * heads * dim);
-  paged_attention_into(q_rot, tokens, heads, dim, k_store, v_store, c10::nullopt, c10::nullopt, tables, table_of,
+  const c10::optional<at::Tensor> key_scales = int8 ? c10::optional<at::Tensor>(*k_scales) : c10::nullopt;
+  const c10::optional<at::Tensor> value_scales = int8 ? c10::optional<at::Tensor>(*v_scales) : c10::nullopt;
+  paged_attention_into(q_rot, tokens, heads, dim, k_store, v_store, key_scales, value_scales, tables, table_of,
                        positions, block_size, window, floats[4], dim, attended);
 
   // The residual, then the MLP: norm, gate/up, SiLU-and-multiply, down, the residual.
@@ -215,13 +261,18 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
 // bias], then [input norm, post-attention norm, q norm, k norm] (None where absent).
 // ints (17 a layer): [bits x 4, activation passes x 4, panel rows x 4 (kernels.h's panel layout, 0: rows),
 // query heads, KV heads, head dim, block size, window (0: none)]. floats (5 a layer): [eps of each norm x 4, attention scale].
-// k_stores, v_stores: each layer's. cos/sin, slots and the paged rows are the step's, shared by all.
+// k_stores, v_stores: each layer's; k_scales, v_scales: each layer's float16 scales where the stores are
+// int8 (keel.serve.kv_quant), else empty. cos/sin, slots and the paged rows are the step's, shared by all.
 at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& tensors,
                           at::IntArrayRef ints, at::ArrayRef<double> floats, const at::Tensor& cos,
                           const at::Tensor& sin, at::TensorList k_stores, at::TensorList v_stores,
-                          const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& table_of,
-                          const at::Tensor& positions) {
+                          at::TensorList k_scales, at::TensorList v_scales, const at::Tensor& slots,
+                          const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions) {
   const int64_t layers = static_cast<int64_t>(k_stores.size());
+  const bool scaled = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(v_scales.size()) == static_cast<int64_t>(k_scales.size()) &&
+                  (!scaled || static_cast<int64_t>(k_scales.size()) == layers),
+              "keel::decoder_layers: K and V scales for every layer, or none");
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_stores.size()) == layers &&
                   static_cast<int64_t>(tensors.size()) == kTensors * layers &&
                   static_cast<int64_t>(ints.size()) == kInts * layers &&
@@ -247,7 +298,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const c10::List<c10::optional<
     // The stores are mutable views; TensorList hands out const references to the list's tensors.
     at::Tensor k_store = k_stores[l], v_store = v_stores[l];
     float* dst = (layers - 1 - l) % 2 == 0 ? out.data_ptr<float>() : other;
-    layer_forward(src, dst, tokens, hidden, args, cos, sin, k_store, v_store, slots, tables, table_of, positions, ws);
+    const at::Tensor* k_scale = scaled ? &k_scales[l] : nullptr;
+    const at::Tensor* v_scale = scaled ? &v_scales[l] : nullptr;
+    layer_forward(src, dst, tokens, hidden, args, cos, sin, k_store, v_store, k_scale, v_scale, slots, tables,
+                  table_of, positions, ws);
     src = dst;
   }
   ws.trim();
@@ -263,19 +317,23 @@ struct DecoderStack : torch::CustomClassHolder {
   c10::List<c10::optional<at::Tensor>> tensors;
   std::vector<int64_t> ints;
   std::vector<double> floats;
-  std::vector<at::Tensor> k_stores, v_stores;
+  std::vector<at::Tensor> k_stores, v_stores, k_scales, v_scales;
 
   DecoderStack(c10::List<c10::optional<at::Tensor>> tensors_, std::vector<int64_t> ints_, std::vector<double> floats_,
-               std::vector<at::Tensor> k_stores_, std::vector<at::Tensor> v_stores_)
+               std::vector<at::Tensor> k_stores_, std::vector<at::Tensor> v_stores_, std::vector<at::Tensor> k_scales_,
+               std::vector<at::Tensor> v_scales_)
       : tensors(std::move(tensors_)),
         ints(std::move(ints_)),
         floats(std::move(floats_)),
         k_stores(std::move(k_stores_)),
-        v_stores(std::move(v_stores_)) {}
+        v_stores(std::move(v_stores_)),
+        k_scales(std::move(k_scales_)),
+        v_scales(std::move(v_scales_)) {}
 
   at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                  const at::Tensor& tables, const at::Tensor& table_of, const at::Tensor& positions) {
-    return decoder_layers(x, tensors, ints, floats, cos, sin, k_stores, v_stores, slots, tables, table_of, positions);
+    return decoder_layers(x, tensors, ints, floats, cos, sin, k_stores, v_stores, k_scales, v_scales, slots, tables,
+                          table_of, positions);
   }
 };
 
@@ -286,12 +344,13 @@ struct DecoderStack : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.class_<keel::DecoderStack>("DecoderStack")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>, std::vector<double>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>>())
       .def("run", &keel::DecoderStack::run);
   m.def(
       "decoder_layers(Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor cos, Tensor sin, "
-      "Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor slots, Tensor tables, Tensor table_of, "
-      "Tensor positions) -> Tensor");
+      "Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor slots, "
+      "Tensor tables, Tensor table_of, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(keel, CPU, m) { m.impl("decoder_layers", &keel::decoder_layers); }
