@@ -119,9 +119,9 @@ PANEL_FORMS = [  # (bits, scale dtype, mins, groups as blocks per scale: 0 half 
 @pytest.mark.parametrize(("bits", "scale_dtype", "with_mins", "per"), PANEL_FORMS)
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (37, 160), (130, 1568), (3, 256)])
 def test_panel_layout_gives_the_row_layouts_products(level, bits, scale_dtype, with_mins, per, n, k):
-    """Weights re-stored in panels of 16 rows (keel::block_panels, what the engine does at the VNNI
-    level) give the row layout's products at every level and row count (the VNNI kernel reads them as
-    stored, other levels convert them back), and convert back bit for bit."""
+    """Weights re-stored in panels of 16 rows (keel::block_panels, what the engine does from the AVX2
+    level) give the row layout's products at every level and row count (the AVX2 and VNNI kernels read
+    them as stored, the portable level converts them back), and convert back bit for bit."""
     blocks = k // 32
     groups = 2 * blocks if per == 0 else 1 if per == -1 else blocks // per if blocks % per == 0 else blocks
     codes, scales, mins = random_weights(n, k, bits, groups, scale_dtype, with_mins, seed=n)
