@@ -9,9 +9,9 @@ conversion of their numbers:
   float16, exactly as stored; the K-quants' float32 sub-block scales, G = K/16 for Q6_K's 8-bit codes,
   which take no mins), keel's int4 groups of 32-256 and int8 per output channel (G = 1), float32.
 
-At the VNNI kernel level the serving engine re-stores them in panels of PANEL_ROWS output rows
-(keel.quant.panels: the same tensors in another order, kernels.h's "panel layout"), which the VNNI
-kernel streams with no per-call repacking; `panel_rows` on a layer says which layout it holds.
+From the AVX2 kernel level the serving engine re-stores them in panels of PANEL_ROWS output rows
+(keel.quant.panels: the same tensors in another order, kernels.h's "panel layout"), which the stored-panel
+kernels stream with no per-call repacking; `panel_rows` on a layer says which layout it holds.
 
 The kernels quantize each activation row to int8 blocks of 32 on the fly (one scale per block,
 absmax / 127, as llama.cpp's Q8_0 activations) and accumulate integer dot products in float32.

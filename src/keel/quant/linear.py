@@ -315,7 +315,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("mins", None if mins is None else mins.to(device=codes.device).contiguous())
 
     def store_in_panels(self) -> bool:
-        """Re-store the codes, scales and mins in the panel layout the VNNI kernel reads
+        """Re-store the codes, scales and mins in the panel layout the stored-panel kernels read
         (keel.quant.panels); whether they were re-stored (block layout, on the CPU, not yet)."""
         if self.layout != "blocks" or self.panel_rows or self.qweight.device.type != "cpu":
             return False

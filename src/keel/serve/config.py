@@ -36,7 +36,8 @@ class LoadConfig:
 
     prepack_weights: bool = True
     """weights pre-packed for the kernels that run them: bf16 linears for oneDNN on CPU (keel.model.prepack), block
-    weights in panels of 16 rows at keel's VNNI kernel level (keel.quant.panels); identical outputs, less work a call"""
+    weights in panels of 16 rows from keel's AVX2 kernel level (keel.quant.panels); identical outputs, less work a
+    call"""
 
     compile: bool | None = None
     """decode steps through one torch.compile'd graph (default: on for dense models of 50M+ parameters, where the
