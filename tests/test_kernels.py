@@ -654,12 +654,20 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
     assert len(ids) >= BLOCK_DEQUANTIZE_ROWS
     monkeypatch.setattr(quant_linear, "BLOCK_DEQUANTIZE_ROWS", 1 << 30)
     monkeypatch.setattr(quant_linear, "EIGHT_BIT_DEQUANTIZE_ROWS", {1: 1 << 30, 2: 1 << 30})
+    monkeypatch.setattr(quant_linear, "STORED_DEQUANTIZE_ROWS", dict.fromkeys(quant_linear.STORED_DEQUANTIZE_ROWS))
     float_path = perplexity(base.model, ids)
     gguf = load_model(CATALOG_NAME, "float32", quantize="gguf", quant_keep=()).model
     assert all(m.layout == "blocks" for m in gguf.modules() if isinstance(m, QuantizedLinear))
     assert perplexity(gguf, ids) <= 1.005 * float_path
     set_activations(gguf, "int8")
     assert perplexity(gguf, ids) <= 1.02 * float_path
+    # The layout the serving engine stores from the AVX2 level: the stored-panel kernels, the same bounds.
+    from keel.quant.panels import store_in_panels
+
+    assert store_in_panels(gguf) > 0
+    assert perplexity(gguf, ids) <= 1.02 * float_path
+    set_activations(gguf, "refined")
+    assert perplexity(gguf, ids) <= 1.005 * float_path
     del gguf
     for scheme, group in (("int4", 32), ("int8", 128), ("k-quant forms", 0)):
         model = copy.deepcopy(base.model)
