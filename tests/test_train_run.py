@@ -337,6 +337,25 @@ def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     assert losses(root / "runs/crash")[20] == pytest.approx(two[20], abs=1e-6)
 
 
+def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(root):
+    """SIGTERM reaching rank 1 alone (KEEL_FAULTS stop@7:1) during step 7 of a 2-rank FSDP run: the ranks
+    agree at the step boundary, both stop after step 7, and the final checkpoint (committed before the
+    validation pass) is step 7's; a run resumed from it goes on from step 8."""
+    path = config(root, "stop1")
+    args = ["--nproc", "2", "--set", "data.val_tokens=1200"]
+    r = keel_train(path, *args, env={"KEEL_FAULTS": "stop@7:1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = read_metrics(root / "runs/stop1/metrics.jsonl")
+    assert max(x["step"] for x in records if "loss" in x) == 7
+    assert [x["step"] for x in records if "val_loss" in x] == [7]  # validated after the checkpoint
+    latest = latest_checkpoint(root / "runs/stop1/checkpoints")
+    assert latest is not None and latest.name == "step-00000007" and (latest / COMPLETE).exists()
+    r = keel_train(path, *args, "--set", "training.steps=9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [x["step"] for x in read_metrics(root / "runs/stop1/metrics.jsonl") if "loss" in x]
+    assert steps[-2:] == [8, 9]
+
+
 def test_validation_loss_is_the_same_with_a_pipeline(root):
     """Held-out tokens (the tail of the file) are evaluated at the end; a 2-stage pipeline runs them
     through the schedule forward-only and reports the single-process value."""

@@ -7,7 +7,8 @@
 - `crash@S:R`: rank R exits with code 1 before step S;
 - `crash_in_save@S:R`: rank R exits with code 1 after writing checkpoint S's files, before the commit;
 - `hang@S:R`: rank R sleeps forever before step S (the watchdog's case);
-- `stop@S`: behave as if SIGTERM arrived during step S (checkpoint after it, then stop).
+- `stop@S` / `stop@S:R`: behave as if SIGTERM arrived during step S, on every rank or on rank R alone
+  (the ranks agree to stop after step S: checkpoint, then stop).
 Loss faults fire once per process (a rollback that comes back to step S does not re-inject);
 process faults only on the first attempt (TORCHELASTIC_RESTART_COUNT = 0), so a torchrun restart
 recovers instead of crashing again.
@@ -28,6 +29,7 @@ class Faults:
         self.process: dict[tuple[str, int], int] = {}  # (kind, step) -> rank
         self._fired: set[int] = set()
         self.stop_step: int | None = None
+        self.stop_rank: int | None = None  # None: every rank
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, rest = item.partition("@")
             step_text, _, arg = rest.partition(":")
@@ -39,6 +41,7 @@ class Faults:
                     self.loss[step] = float(arg or 100.0)
                 elif kind == "stop":
                     self.stop_step = step
+                    self.stop_rank = int(arg) if arg else None
                 elif kind in ("crash", "crash_in_save", "hang"):
                     self.process[(kind, step)] = int(arg or 0)
                 else:
@@ -71,8 +74,8 @@ class Faults:
             while True:
                 time.sleep(3600)
 
-    def stop_after(self, step: int) -> bool:
-        return self.stop_step == step and self._first_attempt()
+    def stop_after(self, step: int, rank: int) -> bool:
+        return self.stop_step == step and self.stop_rank in (None, rank) and self._first_attempt()
 
     def before_commit(self, step: int, rank: int) -> None:
         if self._first_attempt() and self.process.get(("crash_in_save", step)) == rank:

@@ -539,6 +539,18 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
 
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM, or KEEL_FAULTS' `stop`), agreed by all at this step
+        boundary: a signal reaches ranks at different times, and a rank that left the loop alone would enter
+        the final save's collectives while the others entered the next step's. One element all-reduced a
+        step."""
+        local = self._stop_requested or self.faults.stop_after(self.step, self.rank)
+        if self.world == 1:
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def run(self) -> TrainResult:
         cfg = self.cfg
         resume = cfg.checkpoint.resume
@@ -585,7 +597,9 @@ class Trainer:
                     result.events.append(record["guard"])
                 interval = cfg.checkpoint.interval
                 at_end = self.step >= cfg.training.steps
-                if "rolled_back_to" not in record and interval and self.step % interval == 0 and not at_end:
+                stop = self._stop_agreed()  # then the final save below stands for this step's checkpoint
+                checkpoint_due = interval and self.step % interval == 0 and not at_end and not stop
+                if "rolled_back_to" not in record and checkpoint_due:
                     t = time.perf_counter()
                     self.save()
                     val = self.validate()
@@ -598,15 +612,17 @@ class Trainer:
                     bar.n = self.step
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}")
                     bar.refresh()
-                if self._stop_requested or self.faults.stop_after(self.step):
-                    log.warning("SIGTERM: saving a checkpoint at step %d and stopping", self.step)
+                if stop:
+                    log.warning("stop requested (SIGTERM): saving a checkpoint at step %d, then stopping", self.step)
                     result.stopped_by_signal = True
                     break
+            # The final checkpoint first, committed, then validation: a preempted run's grace period may end
+            # before the held-out pass does, and nothing is lost if it does.
+            self.save(blocking=True)
+            self.checkpoints.finalize()
             val = self.validate()
             if val is not None and self.rank == 0:
                 self.metrics.write({"step": self.step, "val_loss": val})
-            self.save(blocking=True)
-            self.checkpoints.finalize()
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.watchdog.stop()
