@@ -356,6 +356,26 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(root):
     assert steps[-2:] == [8, 9]
 
 
+def test_an_async_checkpoint_is_committed_once_written(root):
+    """Async saves over 2 ranks every 5 steps, rank 0 killed before step 8 (no restart): step 5's save,
+    whose files were written during steps 6-7, was committed at a step boundary, so it is the latest
+    complete checkpoint (committed only when the next save started, a crash there lost it)."""
+    path = config(root, "commit")
+    r = keel_train(
+        path,
+        "--nproc",
+        "2",
+        "--set",
+        "checkpoint.async_save=true",
+        "--set",
+        "checkpoint.interval=5",
+        env={"KEEL_FAULTS": "crash@8:0"},
+    )
+    assert r.returncode != 0 and "rank 0 crashes before step 8" in r.stdout + r.stderr
+    latest = latest_checkpoint(root / "runs/commit/checkpoints")
+    assert latest is not None and latest.name == "step-00000005" and (latest / COMPLETE).exists()
+
+
 def test_validation_loss_is_the_same_with_a_pipeline(root):
     """Held-out tokens (the tail of the file) are evaluated at the end; a 2-stage pipeline runs them
     through the schedule forward-only and reports the single-process value."""

@@ -151,6 +151,14 @@ class CheckpointManager:
         self._commit(tmp, final, step)
         log.info("checkpoint step %d saved in %.2f s", step, time.perf_counter() - start)
 
+    def written(self) -> bool:
+        """Whether this rank has no save in flight, or has written all of its files (committing then
+        waits for no write; the ranks agree before they commit: `_commit` is collective)."""
+        if self._pending is None:
+            return True
+        future = self._pending[0]
+        return (future if hasattr(future, "done") else future.upload_completion).done()
+
     def finalize(self) -> None:
         """Wait for the save in flight, if any, and commit it."""
         if self._pending is None:

@@ -539,17 +539,20 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (SIGTERM, or KEEL_FAULTS' `stop`), agreed by all at this step
-        boundary: a signal reaches ranks at different times, and a rank that left the loop alone would enter
-        the final save's collectives while the others entered the next step's. One element all-reduced a
-        step."""
-        local = self._stop_requested or self.faults.stop_after(self.step, self.rank)
-        if self.world == 1:
-            return local
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _agree_at_boundary(self) -> tuple[bool, bool]:
+        """(stop, written), agreed by every rank at this step boundary in one two-element all-reduce:
+        - stop: whether any rank was asked to stop (SIGTERM, or KEEL_FAULTS' `stop`). A signal reaches
+          ranks at different times, and a rank that left the loop alone would enter the final save's
+          collectives while the others entered the next step's;
+        - written: whether every rank has written its files of the async save in flight (or has none),
+          so that the save is committed now, not when the next one starts (a crash in between would
+          lose two intervals)."""
+        local = [self._stop_requested or self.faults.stop_after(self.step, self.rank), not self.checkpoints.written()]
+        if self.world > 1:
+            flags = torch.tensor(local, dtype=torch.int32, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            local = [bool(v) for v in flags.tolist()]
+        return local[0], not local[1]
 
     def run(self) -> TrainResult:
         cfg = self.cfg
@@ -597,7 +600,11 @@ class Trainer:
                     result.events.append(record["guard"])
                 interval = cfg.checkpoint.interval
                 at_end = self.step >= cfg.training.steps
-                stop = self._stop_agreed()  # then the final save below stands for this step's checkpoint
+                # On a stop the final save below stands for this step's checkpoint. An async save whose files
+                # every rank has written is committed now.
+                stop, written = self._agree_at_boundary()
+                if written:
+                    self.checkpoints.finalize()
                 checkpoint_due = interval and self.step % interval == 0 and not at_end and not stop
                 if "rolled_back_to" not in record and checkpoint_due:
                     t = time.perf_counter()
