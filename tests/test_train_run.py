@@ -23,7 +23,7 @@ from keel.train.checkpoint import COMPLETE, latest_checkpoint
 from keel.train.config import load_config
 from keel.train.data import write_token_file
 from keel.train.metrics import read_metrics
-from keel.train.trainer import Trainer
+from keel.train.trainer import GuardStop, Trainer
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
@@ -186,6 +186,24 @@ def test_guard_skips_nan_and_rolls_back_spike(root):
     records = read_metrics(root / "runs/guard/metrics.jsonl")
     assert any(r.get("rolled_back_to") == 10 for r in records)  # back to the step-10 checkpoint
     assert result.steps_done == 16 and all(np.isfinite(v) for s, v in result.losses.items() if s not in (3, 13))
+
+
+def test_a_rollback_skips_the_batch_that_caused_the_spike(root):
+    """A spike caused by its batch (KEEL_FAULTS bad_batch: it comes back whenever that batch is trained on):
+    by default the rollback to step 10 skips the batches of steps 11-13, so the run goes on after one
+    rollback; replaying them (skip_batches_after_rollback = 0) meets the spike again until the guard
+    stops the run."""
+    guard = '[guard]\nspike = "rollback"\nwarmup = 4\nspike_zscore = 4\ngrad_norm_zscore = 1000\nmax_rollbacks = 2\n'
+    path = config(root, "bad_batch", guard)
+    path.write_text(path.read_text().replace('[guard]\nspike = "off"\n', ""))
+    env = {"KEEL_FAULTS": "bad_batch@13:50"}
+    _, result = run(path, "training.steps=16", "checkpoint.interval=5", env=env)
+    assert [(e["action"], e["step"]) for e in result.events] == [("rollback", 13)]
+    assert result.steps_done == 16 and all(np.isfinite(v) for v in result.losses.values())
+    replay = config(root, "bad_batch_replayed", guard)
+    replay.write_text(replay.read_text().replace('[guard]\nspike = "off"\n', ""))
+    with pytest.raises(GuardStop, match="max_rollbacks"):
+        run(replay, "training.steps=16", "checkpoint.interval=5", "guard.skip_batches_after_rollback=0", env=env)
 
 
 def test_fp16_loss_scale_backs_off_and_training_goes_on(root):

@@ -171,8 +171,17 @@ class GuardSection(_Section):
     grad_norm_zscore: float = Field(6.0, gt=0)
     window: int = Field(50, ge=2)  # steps in the running mean/std
     warmup: int = Field(20, ge=0)  # steps before spike checks start
-    skip_batches_after_rollback: int = Field(0, ge=0)
+    # Steps' batches skipped after a rollback, or "window": those of every step from the checkpoint through
+    # the one that triggered it, so a spike caused by its data is not replayed (PaLM's remedy).
+    skip_batches_after_rollback: int | Literal["window"] = "window"
     max_rollbacks: int = Field(3, ge=0)
+
+    @field_validator("skip_batches_after_rollback")
+    @classmethod
+    def _skip_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError('must be >= 0 or "window"')
+        return value
 
 
 class WatchdogSection(_Section):

@@ -4,6 +4,9 @@
 
 - `nan@S`: step S's loss (hence its gradients) becomes NaN;
 - `spike@S:F`: step S's loss is multiplied by F (a loss spike with consistent gradients);
+- `bad_batch@S:F`: the loss of step S's batch is multiplied by F whenever that batch is trained on,
+  replays after a rollback included (a spike caused by the data: it comes back unless the batch is
+  skipped);
 - `crash@S:R`: rank R exits with code 1 before step S;
 - `crash_in_save@S:R`: rank R exits with code 1 after writing checkpoint S's files, before the commit;
 - `hang@S:R`: rank R sleeps forever before step S (the watchdog's case);
@@ -30,6 +33,8 @@ class Faults:
         self._fired: set[int] = set()
         self.stop_step: int | None = None
         self.stop_rank: int | None = None  # None: every rank
+        self.bad_batch: tuple[int, float] | None = None  # (step, factor)
+        self._bad_position: int | None = None  # where in the data the bad batch lies, once seen
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, rest = item.partition("@")
             step_text, _, arg = rest.partition(":")
@@ -39,6 +44,8 @@ class Faults:
                     self.loss[step] = math.nan
                 elif kind == "spike":
                     self.loss[step] = float(arg or 100.0)
+                elif kind == "bad_batch":
+                    self.bad_batch = (step, float(arg or 100.0))
                 elif kind == "stop":
                     self.stop_step = step
                     self.stop_rank = int(arg) if arg else None
@@ -62,6 +69,14 @@ class Faults:
             self._fired.add(step)
             return self.loss[step]
         return 1.0
+
+    def batch_scale(self, step: int, position: int) -> float:
+        """The loss factor of the batch at data `position` (samples consumed before it), trained as `step`."""
+        if self.bad_batch is None:
+            return 1.0
+        if step == self.bad_batch[0] and self._bad_position is None:
+            self._bad_position = position
+        return self.bad_batch[1] if position == self._bad_position else 1.0
 
     def before_step(self, step: int, rank: int) -> None:
         if not self._first_attempt():

@@ -386,7 +386,8 @@ class Trainer:
 
     def _train_step(self) -> dict[str, Any]:
         step = self.step + 1
-        self._fault_scale = self.faults.loss_scale(step)
+        position = self.loader.state_dict()["samples_consumed"]
+        self._fault_scale = self.faults.loss_scale(step) * self.faults.batch_scale(step, position)
         if self.moe:
             self._set_aux_grad_scale()
         t0 = time.perf_counter()
@@ -442,7 +443,7 @@ class Trainer:
             self._zero_grad()
             for moe in self.moe.values():
                 moe.reset_stats()
-            self._rollback(event.describe())
+            self._rollback(event.describe(), step)
             record["rolled_back_to"] = self.step
         return False
 
@@ -472,7 +473,9 @@ class Trainer:
             peak_memory_bytes=peak_memory_bytes(self.device),
         )
 
-    def _rollback(self, reason: str) -> None:
+    def _rollback(self, reason: str, step: int) -> None:
+        """Back to the latest checkpoint, then past the batches `guard.skip_batches_after_rollback` names
+        (by default every batch since that checkpoint through `step`, the one that triggered this)."""
         self.rollbacks += 1
         if self.rollbacks > self.cfg.guard.max_rollbacks:
             raise GuardStop(
@@ -486,6 +489,8 @@ class Trainer:
         self._restore(path)
         self.rollbacks = rollbacks  # the count survives the restore
         skip = self.cfg.guard.skip_batches_after_rollback
+        if skip == "window":
+            skip = step - self.step
         if skip:
             self.loader.skip(skip)
         log.warning("rolled back to step %d, skipping the next %d batches", self.step, skip)
