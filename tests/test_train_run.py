@@ -206,6 +206,18 @@ def test_a_rollback_skips_the_batch_that_caused_the_spike(root):
         run(replay, "training.steps=16", "checkpoint.interval=5", "guard.skip_batches_after_rollback=0", env=env)
 
 
+def test_skipped_steps_in_a_row_roll_back_then_stop_naming_them(root):
+    """NaN losses at every step from 11 (each injected once; the guard skips them): the fifth in a row
+    escalates to a rollback to step 10; after it the NaNs go on (steps 16-20), and that run of five skips
+    stops the run with a message naming the steps."""
+    path = config(root, "escalate")
+    nans = ",".join(f"nan@{s}" for s in range(11, 30))
+    with pytest.raises(GuardStop, match=r"5 skipped steps in a row \(\d+, \d+, \d+, \d+, \d+\)"):
+        run(path, "training.steps=30", "checkpoint.interval=10", env={"KEEL_FAULTS": nans})
+    records = read_metrics(root / "runs/escalate/metrics.jsonl")
+    assert any(r.get("rolled_back_to") == 10 for r in records)
+
+
 def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
     path = config(root, "fp16")
     # 2**28 overflows fp16 gradients at once; a few back-offs later the steps apply.

@@ -96,6 +96,20 @@ def test_guard_nan_and_spikes():
     assert off.check(1, 100.0, 1.0) is None
 
 
+def test_a_run_of_skipped_steps_escalates_to_a_rollback_then_a_stop():
+    g = TrainingGuard(nan="skip", warmup=0, escalate_after=3)
+    actions = [g.check(step, float("nan"), 1.0).action for step in (1, 2, 3)]
+    assert actions == ["skip", "skip", "rollback"] and g.events[-1].skipped == [1, 2, 3]
+    g.load_state_dict(g.state_dict())  # the rollback's restore: a new run of skips starts
+    assert g.check(4, float("nan"), 1.0).action == "skip"
+    g.accept(2.0, 1.0)  # an applied step ends the run
+    assert [g.check(s, float("nan"), 1.0).action for s in (5, 6)] == ["skip", "skip"]
+    last = g.check(7, float("nan"), 1.0)
+    assert last.action == "stop" and "3 skipped steps in a row (5, 6, 7)" in last.describe()
+    never = TrainingGuard(nan="skip", warmup=0, escalate_after=0)
+    assert all(never.check(s, float("nan"), 1.0).action == "skip" for s in range(20))
+
+
 def test_flops_per_token_and_peak(tmp_path):
     cfg = ModelConfig.from_hf(
         {

@@ -175,6 +175,8 @@ class GuardSection(_Section):
     # the one that triggered it, so a spike caused by its data is not replayed (PaLM's remedy).
     skip_batches_after_rollback: int | Literal["window"] = "window"
     max_rollbacks: int = Field(3, ge=0)
+    # Skipped steps in a row before the guard escalates (first a rollback, then a stop); 0: never.
+    escalate_after: int = Field(5, ge=0)
 
     @field_validator("skip_batches_after_rollback")
     @classmethod

@@ -101,7 +101,9 @@ class Trainer:
             tr.init_scale, tr.growth_factor, tr.backoff_factor, tr.growth_interval, enabled=tr.precision == "fp16"
         )
         g = cfg.guard
-        self.guard = TrainingGuard(g.nan, g.spike, g.spike_zscore, g.grad_norm_zscore, g.window, g.warmup)
+        self.guard = TrainingGuard(
+            g.nan, g.spike, g.spike_zscore, g.grad_norm_zscore, g.window, g.warmup, g.escalate_after
+        )
         self.train_file, self.val_file = open_datasets(cfg.data.path, cfg.data.val_path, cfg.data.val_tokens)
         check_vocabulary(self.train_file, self.model_config.vocab_size)
         dp_rank, dp_size = self._dp_rank_size()
