@@ -176,6 +176,34 @@ def test_exact_resume_single_process(root):
         assert resumed.losses[step] == straight.losses[step], step  # bit-identical
 
 
+def test_checkpoints_carry_numpy_python_and_torch_rng_states(root):
+    """A checkpoint restores NumPy's and Python's global generators as well as torch's: draws after a
+    restore repeat the draws made after the save."""
+    import random
+
+    trainer = Trainer(load_config(config(root, "rng"), ["training.steps=2"]))
+    try:
+        np.random.seed(1), random.seed(2), torch.manual_seed(3)
+        trainer.save(blocking=True)
+        after_save = (np.random.random(), random.random(), torch.rand(1).item())
+        np.random.seed(9), random.seed(9), torch.manual_seed(9)  # other states
+        trainer._restore(latest_checkpoint(root / "runs/rng/checkpoints"))
+        assert (np.random.random(), random.random(), torch.rand(1).item()) == after_save
+    finally:
+        trainer.close()
+
+
+def test_a_collective_that_waits_past_the_timeout_fails_the_run(root):
+    """parallel.timeout_s reaches the process group: rank 1 hangs before step 3 (watchdog off), rank 0's
+    next collective fails after the timeout instead of waiting for torch's default half hour."""
+    path = config(root, "pg_timeout")
+    args = ["--nproc", "2", "--set", "parallel.timeout_s=10.0", "--set", "watchdog.timeout_s=0.0"]
+    r = keel_train(path, *args, env={"KEEL_FAULTS": "hang@3:1"}, timeout=120)
+    assert r.returncode != 0
+    assert "rank 1 hangs before step 3" in r.stdout + r.stderr
+    assert "timed out" in (r.stdout + r.stderr).lower(), (r.stdout + r.stderr)[-3000:]
+
+
 def test_guard_skips_nan_and_rolls_back_spike(root):
     guard = '[guard]\nnan = "skip"\nspike = "rollback"\nwarmup = 4\nspike_zscore = 4\ngrad_norm_zscore = 1000\n'
     path = config(root, "guard", guard)

@@ -133,6 +133,9 @@ class ParallelSection(_Section):
     pp_microbatches: int | None = Field(None, ge=1)  # null: pp
     pp_stages_per_rank: int = Field(1, ge=1)  # 2 (or more) for interleaved1f1b, exactly 2 for zbv
     reshard_after_forward: bool = True
+    # How long a collective may wait for its peers before the process group fails it (torch's default is
+    # 10 minutes for NCCL and 30 for gloo); an error then ends the rank, which torchrun can restart.
+    timeout_s: float = Field(600.0, gt=0)
 
     @field_validator("dp_shard")
     @classmethod

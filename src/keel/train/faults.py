@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 
 from keel.errors import KeelError
@@ -86,6 +87,9 @@ class Faults:
             os._exit(1)
         if self.process.get(("hang", step)) == rank:
             print(f"KEEL_FAULTS: rank {rank} hangs before step {step}", flush=True)
+            # The launcher's SIGTERM (once a peer failed) ends it at once, not after torchrun's 30 s grace:
+            # the trainer's handler only sets a flag that this loop never reads.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             while True:
                 time.sleep(3600)
 

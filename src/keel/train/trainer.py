@@ -15,12 +15,15 @@ import dataclasses
 import logging
 import math
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -73,7 +76,8 @@ class Trainer:
         self.rank, self.world, local_rank = _env_world()
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.world > 1 and not dist.is_initialized():
-            _init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.rank, self.world)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            _init_process_group(backend, self.rank, self.world, timedelta(seconds=cfg.parallel.timeout_s))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.faults = Faults.from_env()
@@ -235,7 +239,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "guard": self.guard.state_dict(),
             "rollbacks": self.rollbacks,
-            "rng": {"torch": torch.get_rng_state()},
+            "rng": _rng_states(),
         }
 
     def _restore(self, path: Path) -> None:
@@ -248,7 +252,7 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         self.rollbacks = int(state.get("rollbacks", 0))
         if "rng" in state:
-            torch.set_rng_state(state["rng"]["torch"])
+            _set_rng_states(state["rng"])
         log.info("resumed from %s at step %d", path, self.step)
 
     def save(self, blocking: bool = False) -> None:
@@ -653,7 +657,26 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def _init_process_group(backend: str, rank: int, world: int) -> None:
+def _rng_states() -> dict[str, Any]:
+    """Every generator a step may draw from: torch's CPU and CUDA ones, NumPy's and Python's global ones."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    """`_rng_states()` restored (a checkpoint from before NumPy's and Python's were saved has torch's only)."""
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+    if "python" in states:
+        random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
     """The default group, its keys under a per-attempt prefix of the launcher's store.
 
     After a torchrun restart (`--max-restarts`) the agent's store still holds the previous
@@ -663,5 +686,9 @@ def _init_process_group(backend: str, rank: int, world: int) -> None:
     store, _, _ = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"keel/attempt-{attempt}", store), rank=rank, world_size=world
+        backend,
+        store=dist.PrefixStore(f"keel/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
     )
