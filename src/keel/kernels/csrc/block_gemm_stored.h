@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "panel_layout.h"
 
 namespace keel {
 
@@ -59,11 +60,6 @@ struct PanelView {
   int64_t group_stride;
 };
 
-// Scale entries a row: two a block (half-block scales), else one a group.
-inline int64_t groups_of(const BlockWeights& w) {
-  return w.half_block_scales ? 2 * w.blocks : w.blocks / w.group_blocks;
-}
-
 // Panel p (of `rows` rows) of weights in the panel layout.
 inline PanelView view_of(const BlockWeights& w, int64_t p, int rows) {
   const int64_t first = p * kRows, entry = w.scale_half ? 2 : 4;  // the panel's first row
@@ -84,21 +80,6 @@ inline void for_each_panel(const BlockWeights& w, int64_t p0, int64_t p1, F&& f)
       f(p, static_cast<int>(left), std::false_type{});
     }
   }
-}
-
-// The group of block b: its own (Sub: 2b, then 2b + 1 for values 16..31), one per 2^shift blocks, or
-// the row's one (shift < 0).
-template <bool Sub>
-inline int64_t group_of(int64_t b, int shift) {
-  if constexpr (Sub) return 2 * b;
-  return shift < 0 ? 0 : b >> shift;
-}
-
-inline int shift_of(const BlockWeights& w) {
-  if (w.group_blocks == w.blocks) return -1;
-  int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
-  return shift;
 }
 
 // A panel expanded into `storage`: 4-bit codes as 8 full vectors a block (missing rows zero; 8-bit codes

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "panel_layout.h"
 
 namespace keel {
 
@@ -47,26 +48,6 @@ constexpr int64_t kVectorBytes = 4 * kRows;  // one code vector of a panel: 4 by
 // An expanded block: 8 vectors (values 4g..4g+3); for 8-bit codes their magnitudes, then 8 of the codes.
 template <int Bits>
 constexpr int64_t kBlockBytes = (Bits == 4 ? 8 : 16) * kVectorBytes;
-
-// Scale entries a row: two a block (half-block scales), else one a group.
-inline int64_t groups_of(const BlockWeights& w) {
-  return w.half_block_scales ? 2 * w.blocks : w.blocks / w.group_blocks;
-}
-
-inline int shift_of(const BlockWeights& w) {
-  if (w.group_blocks == w.blocks) return -1;
-  int shift = 0;
-  while ((int64_t{1} << shift) < w.group_blocks) ++shift;
-  return shift;
-}
-
-// The scale-entry index (within a row's groups) of block b: 2b with Sub (2b + 1 for values 16..31), one
-// per 2^shift blocks, or the row's one (shift < 0).
-template <bool Sub>
-inline int64_t group_of(int64_t b, int shift) {
-  if constexpr (Sub) return 2 * b;
-  return shift < 0 ? 0 : b >> shift;
-}
 
 // One panel in the stored layout: `rows` rows from `first`.
 struct StoredPanel {
@@ -434,13 +415,9 @@ void forms(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations
 
 void block_gemm_stored_avx2(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                             const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo) {
-  if (w.bits == 4) {
-    forms<4, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  } else if (w.half_block_scales) {
-    forms<8, true>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  } else {
-    forms<8, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  }
+  for_form(w, [&](auto bits, auto sub) {
+    forms<decltype(bits)::value, decltype(sub)::value>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  });
 }
 
 }  // namespace keel

@@ -195,13 +195,9 @@ void forms(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations
 
 void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                               const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo) {
-  if (w.bits == 4) {
-    forms<4, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  } else if (w.half_block_scales) {
-    forms<8, true>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  } else {
-    forms<8, false>(w, p0, p1, a, offsets, m0, m1, out, ldo);
-  }
+  for_form(w, [&](auto bits, auto sub) {
+    forms<decltype(bits)::value, decltype(sub)::value>(w, p0, p1, a, offsets, m0, m1, out, ldo);
+  });
 }
 
 }  // namespace keel
