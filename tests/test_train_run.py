@@ -204,6 +204,20 @@ def test_a_collective_that_waits_past_the_timeout_fails_the_run(root):
     assert "timed out" in (r.stdout + r.stderr).lower(), (r.stdout + r.stderr)[-3000:]
 
 
+def test_profile_writes_a_chrome_trace_of_each_chosen_step(root):
+    """[profile] steps = [2, 3]: a Chrome trace per traced step (and rank) under RUN/profile, holding the
+    step's range and the operators it ran; no trace for the other steps."""
+    import json
+
+    run(config(root, "profiled"), "training.steps=4", "profile.steps=[3, 2]")
+    traces = sorted(p.name for p in (root / "runs/profiled/profile").iterdir())
+    assert traces == ["trace-step-00000002-rank-0.json", "trace-step-00000003-rank-0.json"]
+    events = json.loads((root / "runs/profiled/profile" / traces[0]).read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "keel train step 2" in names and "keel train step 3" not in names
+    assert any(str(n).startswith("aten::") for n in names)  # the step's operators
+
+
 def test_guard_skips_nan_and_rolls_back_spike(root):
     guard = '[guard]\nnan = "skip"\nspike = "rollback"\nwarmup = 4\nspike_zscore = 4\ngrad_norm_zscore = 1000\n'
     path = config(root, "guard", guard)

@@ -202,6 +202,21 @@ class LogSection(_Section):
     memory_breakdown: bool = False
 
 
+class ProfileSection(_Section):
+    """torch.profiler traces of chosen steps (and, on CUDA, memory snapshots), per rank, under the run dir."""
+
+    steps: list[int] = Field(default_factory=list)  # the steps to trace, e.g. [5, 6]; none by default
+    dir: str = Field("profile", min_length=1)  # relative to the run dir
+    memory_snapshot: bool = True  # on CUDA: the allocator's history over the traced steps, for memory_viz
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_positive(cls, value: list[int]) -> list[int]:
+        if any(step < 1 for step in value):
+            raise ValueError("steps are numbered from 1")
+        return sorted(set(value))
+
+
 class TrainConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
@@ -216,6 +231,7 @@ class TrainConfig(_Section):
     moe: MoESection = Field(default_factory=MoESection)
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection)
     log: LogSection = Field(default_factory=LogSection)
+    profile: ProfileSection = Field(default_factory=ProfileSection)
 
     _source: str = PrivateAttr("config")  # the file it came from, for error messages
 

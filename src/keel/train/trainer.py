@@ -46,6 +46,7 @@ from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_me
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.precision import DynamicLossScaler, clip_grad_norm_
 from keel.train.preflight import check_vocabulary
+from keel.train.profiling import StepProfiler
 from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
@@ -138,6 +139,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, tr.precision)
         self.watchdog = StepWatchdog(cfg.watchdog.timeout_s)
+        self.profiler = StepProfiler(cfg.profile, cfg.run_dir, self.rank, self.device)
         self.predicted_memory = predict_run_memory(cfg, self.model_config, self.layout)
         self.memory_record: dict[str, Any] | None = None  # [log] memory_breakdown: the measured step
         self._step_memory: StepMemory | None = None
@@ -604,7 +606,8 @@ class Trainer:
             while self.step < cfg.training.steps:
                 self.watchdog.step_started(self.step + 1)
                 self.faults.before_step(self.step + 1, self.rank)
-                record = self.train_step()
+                with self.profiler.step(self.step + 1):
+                    record = self.train_step()
                 self.watchdog.pause()
                 result.losses[record["step"]] = record["loss"]
                 if "guard" in record:
