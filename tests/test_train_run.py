@@ -385,6 +385,31 @@ def refused(capsys, path: Path, *args: str) -> str:
     return err
 
 
+@pytest.mark.parametrize(
+    ("layout", "logged"),
+    [
+        # tensor parallel with sequence parallelism (the default), dp 1
+        (["parallel.tp=2"], "dp_replicate=1 dp_shard=1 tp=2"),
+        # HSDP 2 x 1: replicated, unsharded
+        (["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_replicate=2 dp_shard=1 tp=1"),
+    ],
+    ids=["tp2-sp", "hsdp2x1"],
+)
+def test_the_trainer_end_to_end_on_other_layouts_matches_one_process(root, layout, logged):
+    """`keel train --nproc 2` with tensor parallelism (+SP) or HSDP gives the one-process losses, step for
+    step (other reduction orders: float32 rounding, within 1e-5 relative over 6 steps)."""
+    name = "layout-" + "-".join(x.split("=")[0].split(".")[1] + x.split("=")[1] for x in layout)
+    _, single = run(config(root, name + "-single"), "training.steps=6", "checkpoint.interval=0")
+    args = ["--set", "training.steps=6", "--set", "checkpoint.interval=0"]
+    r = keel_train(config(root, name), "--nproc", "2", *args, *(a for x in layout for a in ("--set", x)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert logged in r.stderr  # the start-up line: the layout the ranks ran
+    two = losses(root / f"runs/{name}")
+    assert sorted(two) == list(range(1, 7))
+    for step in range(1, 7):
+        assert two[step] == pytest.approx(single.losses[step], rel=1e-5), step
+
+
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     _, single = run(config(root, "single"))
     # FSDP over 2 ranks: the single-process curve (async checkpoints on their own gloo group).
