@@ -410,6 +410,23 @@ def test_the_trainer_end_to_end_on_other_layouts_matches_one_process(root, layou
         assert two[step] == pytest.approx(single.losses[step], rel=1e-5), step
 
 
+def test_a_one_process_checkpoint_resumes_onto_more_ranks_and_another_layout(root):
+    """A checkpoint written by one process (step 3 of 6) resumed by 2 ranks with tp = 2 (+SP): DCP reshards
+    it, and steps 4-6 give the uninterrupted single-process run's losses (1e-5 relative)."""
+    _, straight = run(config(root, "grow-straight"), "training.steps=6", "checkpoint.interval=0")
+    # The same 6-step run (its LR schedule), stopped after step 3 as SIGTERM would stop it.
+    run(config(root, "grow-first"), "training.steps=6", "checkpoint.interval=0", env={"KEEL_FAULTS": "stop@3"})
+    first = latest_checkpoint(root / "runs/grow-first/checkpoints")
+    assert first is not None and first.name == "step-00000003"
+    args = ["--set", "training.steps=6", "--set", "checkpoint.interval=0", "--set", f"checkpoint.resume={first}"]
+    r = keel_train(config(root, "grow"), "--nproc", "2", "--set", "parallel.tp=2", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = losses(root / "runs/grow")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(straight.losses[step], rel=1e-5), step
+
+
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     _, single = run(config(root, "single"))
     # FSDP over 2 ranks: the single-process curve (async checkpoints on their own gloo group).
