@@ -410,6 +410,21 @@ def test_the_trainer_end_to_end_on_other_layouts_matches_one_process(root, layou
         assert two[step] == pytest.approx(single.losses[step], rel=1e-5), step
 
 
+@pytest.mark.slow
+def test_the_trainer_at_world_8_with_pp_dp_and_tp_matches_one_process(root):
+    """pp = 2 x dp_shard = 2 x tp = 2 (+SP) over 8 ranks, end to end: one process's losses (1e-5 relative)."""
+    _, single = run(config(root, "w8-single"), "training.steps=4", "checkpoint.interval=0")
+    layout = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"]
+    args = ["--set", "training.steps=4", "--set", "checkpoint.interval=0", *(a for x in layout for a in ("--set", x))]
+    r = keel_train(config(root, "w8"), "--nproc", "8", *args, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pp=2 dp_replicate=1 dp_shard=2 tp=2" in r.stderr
+    eight = losses(root / "runs/w8")
+    assert sorted(eight) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert eight[step] == pytest.approx(single.losses[step], rel=1e-5), step
+
+
 def test_a_one_process_checkpoint_resumes_onto_more_ranks_and_another_layout(root):
     """A checkpoint written by one process (step 3 of 6) resumed by 2 ranks with tp = 2 (+SP): DCP reshards
     it, and steps 4-6 give the uninterrupted single-process run's losses (1e-5 relative)."""
