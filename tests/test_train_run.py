@@ -442,6 +442,21 @@ def test_a_one_process_checkpoint_resumes_onto_more_ranks_and_another_layout(roo
         assert resumed[step] == pytest.approx(straight.losses[step], rel=1e-5), step
 
 
+def test_a_pipeline_checkpoint_resumes_in_one_process(root):
+    """A 2-stage pipeline's checkpoint (each rank holds its stage's layers, under the whole model's names)
+    resumed by one process: steps 4-6 give the uninterrupted single-process run's losses."""
+    _, straight = run(config(root, "pp-straight"), "training.steps=6", "checkpoint.interval=0")
+    args = ["--set", "training.steps=6", "--set", "checkpoint.interval=0", "--set", "parallel.pp=2"]
+    r = keel_train(config(root, "pp-first"), "--nproc", "2", *args, env={"KEEL_FAULTS": "stop@3"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = latest_checkpoint(root / "runs/pp-first/checkpoints")
+    assert first is not None and first.name == "step-00000003"
+    _, resumed = run(config(root, "pp-resumed"), "training.steps=6", f"checkpoint.resume={first}")
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == pytest.approx(straight.losses[step], rel=1e-5), step
+
+
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     _, single = run(config(root, "single"))
     # FSDP over 2 ranks: the single-process curve (async checkpoints on their own gloo group).
