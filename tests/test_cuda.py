@@ -150,3 +150,29 @@ def test_gpu_memory_utilization_sizes_the_cache_after_a_dummy_step(llama, caplog
     budget = 0.03 * total  # less the tiny model's weights and its dummy step's peak (a few MiB)
     assert budget - 2**28 < cache_bytes <= budget
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_the_nccl_flight_recorder_dumps_this_ranks_collectives(tmp_path, monkeypatch):
+    """One-rank NCCL group with the recorder's environment (keel.train.flight_recorder): after a collective,
+    the watchdog's dump writes a recorder snapshot that names it."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from keel.train import flight_recorder
+
+    for name, value in flight_recorder.environment(tmp_path, 100).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        t = torch.ones(4, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        path = flight_recorder.dump(tmp_path, 0)
+        assert path is not None and path.exists()
+        snapshot = pickle.loads(path.read_bytes())
+        assert any(e.get("profiling_name") == "nccl:all_reduce" for e in snapshot["entries"])
+    finally:
+        dist.destroy_process_group()

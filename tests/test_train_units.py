@@ -110,6 +110,35 @@ def test_a_run_of_skipped_steps_escalates_to_a_rollback_then_a_stop():
     assert all(never.check(s, float("nan"), 1.0).action == "skip" for s in range(20))
 
 
+def test_the_watchdog_runs_its_dump_hook_before_it_exits():
+    """StepWatchdog's on_fire (the NCCL flight recorder's dump in a GPU run) runs after the stacks and before
+    the exit; a hook that raises still lets the process exit with the watchdog's code."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from keel.train.watchdog import StepWatchdog\n"
+        "def hook():\n"
+        "    print('hook ran', flush=True)\n"
+        "    raise RuntimeError('no recorder')\n"
+        "w = StepWatchdog(0.4, hook)\n"
+        "w.step_started(7)\n"
+        "time.sleep(30)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "hook ran" in r.stdout
+    assert "watchdog: step 7 exceeded" in r.stderr and "the dump failed: no recorder" in r.stderr
+
+
+def test_flight_recorder_environment_points_into_the_run(tmp_path):
+    from keel.train import flight_recorder
+
+    env = flight_recorder.environment(tmp_path, 500)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "500"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+
+
 def test_flops_per_token_and_peak(tmp_path):
     cfg = ModelConfig.from_hf(
         {

@@ -136,6 +136,8 @@ class ParallelSection(_Section):
     # How long a collective may wait for its peers before the process group fails it (torch's default is
     # 10 minutes for NCCL and 30 for gloo); an error then ends the rank, which torchrun can restart.
     timeout_s: float = Field(600.0, gt=0)
+    # NCCL's flight recorder (keel.train.flight_recorder): entries kept a rank, dumped on a timeout; 0: off.
+    flight_recorder_events: int = Field(20_000, ge=0)
 
     @field_validator("dp_shard")
     @classmethod

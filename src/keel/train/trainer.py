@@ -35,7 +35,7 @@ from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
 from keel.model.transformer import Transformer, build_model
 from keel.plan.run import predict_run_memory
-from keel.train import moe_stats
+from keel.train import flight_recorder, moe_stats
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
@@ -78,6 +78,10 @@ class Trainer:
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            events = cfg.parallel.flight_recorder_events
+            if backend == "nccl" and events > 0:  # read when the group is created; a user's own settings win
+                for name, value in flight_recorder.environment(cfg.run_dir, events).items():
+                    os.environ.setdefault(name, value)
             _init_process_group(backend, self.rank, self.world, timedelta(seconds=cfg.parallel.timeout_s))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -138,7 +142,9 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None  # measured after the first update
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, tr.precision)
-        self.watchdog = StepWatchdog(cfg.watchdog.timeout_s)
+        recorded = self.world > 1 and self.device.type == "cuda" and cfg.parallel.flight_recorder_events > 0
+        on_fire = (lambda: flight_recorder.dump(cfg.run_dir, self.rank)) if recorded else None
+        self.watchdog = StepWatchdog(cfg.watchdog.timeout_s, on_fire)
         self.profiler = StepProfiler(cfg.profile, cfg.run_dir, self.rank, self.device)
         self.predicted_memory = predict_run_memory(cfg, self.model_config, self.layout)
         self.memory_record: dict[str, Any] | None = None  # [log] memory_breakdown: the measured step

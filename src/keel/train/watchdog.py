@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("keel.train")
 
@@ -17,8 +18,10 @@ EXIT_CODE = 3
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, on_fire: Callable[[], None] | None = None) -> None:
+        """on_fire: called once the stacks are dumped, before the exit (the NCCL flight recorder's dump)."""
         self.timeout_s = timeout_s
+        self.on_fire = on_fire
         self._deadline: float | None = None
         self._step = -1
         self._stop = threading.Event()
@@ -49,4 +52,9 @@ class StepWatchdog:
                 )
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                if self.on_fire is not None:
+                    try:
+                        self.on_fire()
+                    except Exception as e:  # noqa: BLE001 - the exit below must happen whatever the dump does
+                        print(f"keel train: watchdog: the dump failed: {e}", file=sys.stderr, flush=True)
                 os._exit(EXIT_CODE)  # no cleanup: a hung collective would block it
