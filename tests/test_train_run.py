@@ -176,6 +176,25 @@ def test_exact_resume_single_process(root):
         assert resumed.losses[step] == straight.losses[step], step  # bit-identical
 
 
+def test_a_resume_follows_the_resumed_runs_schedule(root):
+    """A checkpoint of a 3-step run resumed as a 6-step run: the learning rate of step 4 is the 6-step
+    schedule's (the checkpoint's optimizer held the 3-step schedule's, its minimum)."""
+    from keel.train.optim import lr_lambda
+
+    run(config(root, "sched-short"), "training.steps=3", "checkpoint.interval=0")
+    longer = load_config(config(root, "sched-long"), ["training.steps=6"])
+    trainer = Trainer(longer)
+    try:
+        trainer._restore(latest_checkpoint(root / "runs/sched-short/checkpoints"))
+        s = longer.schedule
+        want = longer.optimizer.lr * lr_lambda(s.warmup_steps, 6, s.decay, s.min_lr_ratio)(3)
+        assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+        short = lr_lambda(s.warmup_steps, 3, s.decay, s.min_lr_ratio)(3)
+        assert want != pytest.approx(longer.optimizer.lr * short)  # the two schedules differ there
+    finally:
+        trainer.close()
+
+
 def test_checkpoints_carry_numpy_python_and_torch_rng_states(root):
     """A checkpoint restores NumPy's and Python's global generators as well as torch's: draws after a
     restore repeat the draws made after the save."""
@@ -502,8 +521,9 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step(root):
 
 def test_an_async_checkpoint_is_committed_once_written(root):
     """Async saves over 2 ranks every 5 steps, rank 0 killed before step 8 (no restart): step 5's save,
-    whose files were written during steps 6-7, was committed at a step boundary, so it is the latest
-    complete checkpoint (committed only when the next save started, a crash there lost it)."""
+    whose files were written while step 7 waited 3 s (`sleep@7:3`: time for the background write on a
+    loaded machine), was committed at a step boundary, so it is the latest complete checkpoint
+    (committed only when the next save started, a crash there lost it)."""
     path = config(root, "commit")
     r = keel_train(
         path,
@@ -513,7 +533,7 @@ def test_an_async_checkpoint_is_committed_once_written(root):
         "checkpoint.async_save=true",
         "--set",
         "checkpoint.interval=5",
-        env={"KEEL_FAULTS": "crash@8:0"},
+        env={"KEEL_FAULTS": "sleep@7:3,crash@8:0"},
     )
     assert r.returncode != 0 and "rank 0 crashes before step 8" in r.stdout + r.stderr
     latest = latest_checkpoint(root / "runs/commit/checkpoints")

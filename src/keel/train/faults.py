@@ -10,6 +10,7 @@
 - `crash@S:R`: rank R exits with code 1 before step S;
 - `crash_in_save@S:R`: rank R exits with code 1 after writing checkpoint S's files, before the commit;
 - `hang@S:R`: rank R sleeps forever before step S (the watchdog's case);
+- `sleep@S:T`: every rank sleeps T seconds before step S (a slow step: background work gets that long);
 - `stop@S` / `stop@S:R`: behave as if SIGTERM arrived during step S, on every rank or on rank R alone
   (the ranks agree to stop after step S: checkpoint, then stop).
 Loss faults fire once per process (a rollback that comes back to step S does not re-inject);
@@ -35,6 +36,7 @@ class Faults:
         self.stop_step: int | None = None
         self.stop_rank: int | None = None  # None: every rank
         self.bad_batch: tuple[int, float] | None = None  # (step, factor)
+        self.sleep: dict[int, float] = {}  # step -> seconds
         self._bad_position: int | None = None  # where in the data the bad batch lies, once seen
         for item in filter(None, (part.strip() for part in spec.split(","))):
             kind, _, rest = item.partition("@")
@@ -47,6 +49,8 @@ class Faults:
                     self.loss[step] = float(arg or 100.0)
                 elif kind == "bad_batch":
                     self.bad_batch = (step, float(arg or 100.0))
+                elif kind == "sleep":
+                    self.sleep[step] = float(arg or 1.0)
                 elif kind == "stop":
                     self.stop_step = step
                     self.stop_rank = int(arg) if arg else None
@@ -82,6 +86,8 @@ class Faults:
     def before_step(self, step: int, rank: int) -> None:
         if not self._first_attempt():
             return
+        if step in self.sleep:
+            time.sleep(self.sleep[step])
         if self.process.get(("crash", step)) == rank:
             print(f"KEEL_FAULTS: rank {rank} crashes before step {step}", flush=True)
             os._exit(1)

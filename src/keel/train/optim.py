@@ -73,3 +73,13 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, decay, min_lr_ratio))
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Each parameter group's learning rate set to what the scheduler's lambdas give at its current step.
+    After a restore the optimizer holds the rate the checkpoint's schedule set; a resumed run whose
+    schedule changed (training.steps, warmup, decay) follows its own from its first step on, and with an
+    unchanged schedule this is the same value."""
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

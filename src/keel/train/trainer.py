@@ -43,7 +43,7 @@ from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
 from keel.train.memory import StepMemory, track_step_memory
 from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_memory_bytes
-from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.optim import apply_schedule, build_optimizer, build_scheduler
 from keel.train.precision import DynamicLossScaler, clip_grad_norm_
 from keel.train.preflight import check_vocabulary
 from keel.train.profiling import StepProfiler
@@ -255,6 +255,7 @@ class Trainer:
         self.step = int(state["step"])
         for sched, s in zip(self.schedulers, state["schedulers"], strict=False):
             sched.load_state_dict(s)
+            apply_schedule(sched)
         self.scaler.load_state_dict(state["scaler"])
         self.loader.load_state_dict(state["loader"])
         self.guard.load_state_dict(state["guard"])
