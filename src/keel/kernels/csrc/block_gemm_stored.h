@@ -15,8 +15,6 @@ namespace keel {
 
 namespace {
 
-constexpr int kRows = kPanelRows;
-
 // 16 lanes of scales (float16 or float32) from p, `mask` selecting the panel's rows.
 template <bool Half>
 inline __m512 lanes_of(const void* p, int64_t at, __mmask16 mask) {
@@ -47,38 +45,6 @@ inline void load_block(const uint8_t* p, int rows, __mmask16 mask, __m512i c[8])
     }
   } else {
     for (int v = 0; v < 8; ++v) c[v] = load(v);
-  }
-}
-
-// One panel as panel_rows reads it: its codes (block by block, `block_bytes` apart), and its scales and
-// mins (group by group, `group_stride` entries apart, 16 lanes from each group's first entry).
-struct PanelView {
-  const uint8_t* codes;
-  int64_t block_bytes;
-  const void* scales;
-  const void* mins;
-  int64_t group_stride;
-};
-
-// Panel p (of `rows` rows) of weights in the panel layout.
-inline PanelView view_of(const BlockWeights& w, int64_t p, int rows) {
-  const int64_t first = p * kRows, entry = w.scale_half ? 2 : 4;  // the panel's first row
-  const char* scales = static_cast<const char*>(w.scales) + first * groups_of(w) * entry;
-  const char* mins = w.mins == nullptr ? nullptr : static_cast<const char*>(w.mins) + first * groups_of(w) * entry;
-  return PanelView{w.codes + first * w.row_bytes, rows * (w.bits == 4 ? 16 : 32), scales, mins, rows};
-}
-
-// f(p, rows, std::true_type{}) for each whole panel of [p0, p1), f(p, rows, std::false_type{}) for a last
-// partial one (its rows fewer than kRows): the kernels' Full template argument.
-template <typename F>
-inline void for_each_panel(const BlockWeights& w, int64_t p0, int64_t p1, F&& f) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t left = w.rows - p * kRows;
-    if (left >= kRows) {
-      f(p, kRows, std::true_type{});
-    } else {
-      f(p, static_cast<int>(left), std::false_type{});
-    }
   }
 }
 

@@ -41,7 +41,6 @@ namespace {
 // call and clears the upper halves (vzeroupper) on each one.
 #define KEEL_ALWAYS_INLINE inline __attribute__((always_inline))
 
-constexpr int kRows = kPanelRows;
 // How far ahead a product of a few rows prefetches the panel's stream (the VNNI kernel's distance).
 constexpr int64_t kAheadBytes = 1024;
 constexpr int64_t kVectorBytes = 4 * kRows;  // one code vector of a panel: 4 bytes of each of 16 rows
@@ -49,32 +48,14 @@ constexpr int64_t kVectorBytes = 4 * kRows;  // one code vector of a panel: 4 by
 template <int Bits>
 constexpr int64_t kBlockBytes = (Bits == 4 ? 8 : 16) * kVectorBytes;
 
-// One panel in the stored layout: `rows` rows from `first`.
-struct StoredPanel {
-  const uint8_t* codes;  // blocks one after another, each `block_bytes`
-  int64_t block_bytes;
-  const void* scales;  // groups one after another, each `rows` entries
-  const void* mins;
-  int rows;
-};
-
-inline StoredPanel panel_of(const BlockWeights& w, int64_t p) {
-  const int64_t first = p * kRows, left = w.rows - first;
-  const int rows = left < kRows ? static_cast<int>(left) : kRows;
-  const int64_t entry = w.scale_half ? 2 : 4, offset = first * groups_of(w) * entry;
-  const char* mins = w.mins == nullptr ? nullptr : static_cast<const char*>(w.mins) + offset;
-  return StoredPanel{w.codes + first * w.row_bytes, rows * (w.bits == 4 ? 16 : 32),
-                     static_cast<const char*>(w.scales) + offset, mins, rows};
-}
-
-// Block b of a stored panel into `out` (kBlockBytes, 32-byte aligned): vector g (values 4g..4g+3) at
-// g * 64, row j's 4 bytes at 4j (8-bit codes: |code| there, the signed code 8 vectors on); rows past
-// the panel's zero.
+// Block b of a stored panel of `rows` rows into `out` (kBlockBytes, 32-byte aligned): vector g (values
+// 4g..4g+3) at g * 64, row j's 4 bytes at 4j (8-bit codes: |code| there, the signed code 8 vectors on);
+// rows past the panel's zero.
 template <int Bits>
-inline void expand_block(const StoredPanel& v, int64_t b, uint8_t* out) {
+inline void expand_block(const PanelView& v, int rows, int64_t b, uint8_t* out) {
   const uint8_t* src = v.codes + b * v.block_bytes;
   constexpr int kStored = Bits == 4 ? 4 : 8;  // stored vectors a block
-  if (v.rows == kRows) {
+  if (rows == kRows) {
     for (int s = 0; s < kStored; ++s) {
       for (int h = 0; h < 2; ++h) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + s * kVectorBytes + 32 * h));
@@ -94,9 +75,9 @@ inline void expand_block(const StoredPanel& v, int64_t b, uint8_t* out) {
   }
   std::memset(out, 0, kBlockBytes<Bits>);  // a short panel: row by row, the missing rows zero
   for (int s = 0; s < kStored; ++s) {
-    for (int j = 0; j < v.rows; ++j) {
+    for (int j = 0; j < rows; ++j) {
       for (int i = 0; i < 4; ++i) {
-        const uint8_t byte = src[s * 4 * v.rows + 4 * j + i];
+        const uint8_t byte = src[s * 4 * rows + 4 * j + i];
         if constexpr (Bits == 4) {
           out[s * kVectorBytes + 4 * j + i] = byte & 0x0f;
           out[(s + 4) * kVectorBytes + 4 * j + i] = byte >> 4;
@@ -143,18 +124,18 @@ struct Expanded {
 
 // The whole panel expanded into `storage`; with mins, *centered tells whether each is -8 x its scale.
 template <int Bits, bool Half, bool Min>
-Expanded expand_panel(const StoredPanel& v, int64_t blocks, int64_t groups, std::vector<uint8_t>& storage,
-                      bool* centered) {
+Expanded expand_panel(const PanelView& v, int rows, int64_t blocks, int64_t groups,
+                      std::vector<uint8_t>& storage, bool* centered) {
   storage.resize(blocks * kBlockBytes<Bits> + (Min ? 2 : 1) * groups * kRows * sizeof(float) + 32);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
-  for (int64_t b = 0; b < blocks; ++b) expand_block<Bits>(v, b, base + b * kBlockBytes<Bits>);
+  for (int64_t b = 0; b < blocks; ++b) expand_block<Bits>(v, rows, b, base + b * kBlockBytes<Bits>);
   float* scales = reinterpret_cast<float*>(base + blocks * kBlockBytes<Bits>);
   float* mins = scales + groups * kRows;
   bool all_centred = Min;
   for (int64_t g = 0; g < groups; ++g) {
-    expand_group<Half>(v.scales, g, v.rows, scales + g * kRows);
+    expand_group<Half>(v.scales, g, rows, scales + g * kRows);
     if constexpr (Min) {
-      expand_group<Half>(v.mins, g, v.rows, mins + g * kRows);
+      expand_group<Half>(v.mins, g, rows, mins + g * kRows);
       for (int j = 0; j < kRows; ++j)
         all_centred = all_centred && mins[g * kRows + j] == -8.f * scales[g * kRows + j];
     }
@@ -326,7 +307,7 @@ void rows_expanded(const Expanded& e, int64_t blocks, int shift, int rows, const
 
 // MR rows against a whole stored panel read as it lies (a few rows: StoredCodes).
 template <int Bits, bool Half, bool Min, bool Two, bool Sub, int MR>
-void rows_stored(const StoredPanel& v, int64_t blocks, int shift, const BlockActivations& a, int64_t m, int64_t n,
+void rows_stored(const PanelView& v, int64_t blocks, int shift, const BlockActivations& a, int64_t m, int64_t n,
                  float* out, int64_t ldo) {
   alignas(32) float scale[2 * kRows] = {}, min[kRows] = {};
   Accumulators<MR> acc;
@@ -368,31 +349,31 @@ void panels(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivation
   const int64_t groups = groups_of(w);
   const int shift = shift_of(w);
   std::vector<uint8_t> storage;  // an expanded panel's (one at a time)
-  for (int64_t p = p0; p < p1; ++p) {
-    const StoredPanel v = panel_of(w, p);
+  for_each_panel(w, p0, p1, [&](int64_t p, int rows, auto) {
+    const PanelView v = view_of(w, p, rows);
     const int64_t n = p * kRows;
-    if (m1 - m0 < kExpandRows && v.rows == kRows) {
+    if (m1 - m0 < kExpandRows && rows == kRows) {
       row_groups(m0, m1, [&](auto mr, int64_t m) {
         rows_stored<Bits, Half, Min, Two, Sub, decltype(mr)::value>(v, w.blocks, shift, a, m, n, out, ldo);
       });
-      continue;
+      return;
     }
     bool centered = false;
-    const Expanded e = expand_panel<Bits, Half, Min>(v, w.blocks, groups, storage, &centered);
+    const Expanded e = expand_panel<Bits, Half, Min>(v, rows, w.blocks, groups, storage, &centered);
     if constexpr (Bits == 4 && Min) {
       if (centered && offsets != nullptr) {  // Q4_0: its mins as the integer offsets (kernels.h)
         row_groups(m0, m1, [&](auto mr, int64_t m) {
-          rows_expanded<Bits, false, Two, Sub, true, decltype(mr)::value>(e, w.blocks, shift, v.rows, a, offsets, m,
-                                                                            n, out, ldo);
+          rows_expanded<Bits, false, Two, Sub, true, decltype(mr)::value>(e, w.blocks, shift, rows, a, offsets, m, n,
+                                                                            out, ldo);
         });
-        continue;
+        return;
       }
     }
     row_groups(m0, m1, [&](auto mr, int64_t m) {
-      rows_expanded<Bits, Min, Two, Sub, false, decltype(mr)::value>(e, w.blocks, shift, v.rows, a, nullptr, m, n,
-                                                                      out, ldo);
+      rows_expanded<Bits, Min, Two, Sub, false, decltype(mr)::value>(e, w.blocks, shift, rows, a, nullptr, m, n, out,
+                                                                      ldo);
     });
-  }
+  });
 }
 
 template <int Bits, bool Sub>
