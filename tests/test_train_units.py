@@ -162,7 +162,13 @@ def test_flops_per_token_and_peak(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "worlds"),
-    [("tiny-shakespeare", [1, 2]), ("smollm2-continue", [1, 2]), ("llama3-8b-8gpu", [8]), ("llama3-70b-64gpu", [64])],
+    [
+        ("tiny-shakespeare", [1, 2]),
+        ("smollm2-continue", [1, 2]),
+        ("smollm2-finetune", [2]),
+        ("llama3-8b-8gpu", [8]),
+        ("llama3-70b-64gpu", [64]),
+    ],
 )
 def test_recipes_validate_at_their_scale(name, worlds):
     from pathlib import Path

@@ -25,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default=None, help="job id shared by all nodes (multi-node)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times on a failure")
+    p.add_argument(
+        "--seed-checkpoint",
+        action="store_true",
+        help="write the run's initial model as its step-0 checkpoint (one process) and exit; runs start from it",
+    )
     p.add_argument("--out", default=None, help="with `plot`: the PNG path (default RUN_DIR/curves.png)")
     p.set_defaults(func=run)
 
@@ -48,4 +53,5 @@ def run(args: argparse.Namespace) -> int:
         args.rdzv_endpoint,
         args.rdzv_id,
         args.max_restarts,
+        args.seed_checkpoint,
     )

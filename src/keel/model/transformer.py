@@ -53,7 +53,8 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (call again after loading)."""
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+            if self.lm_head.weight is not self.embed_tokens.weight:  # FSDP keeps its own tie: leave it be
+                self.lm_head.weight = self.embed_tokens.weight
 
     def reset_buffers(self, device: torch.device | str = "cpu") -> None:
         """Recompute non-persistent buffers, e.g. after building on the meta device."""

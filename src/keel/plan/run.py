@@ -7,8 +7,10 @@ kinds of state for layouts it cannot run; here the recipe is keel's own, exactly
 - model states: weights, gradients and AdamW's two moments, all in the weights' dtype, sharded over
   `dp_shard` by FSDP2 (ZeRO-3; `dp_replicate` ranks hold copies), split by `tp` and `pp`;
 - FSDP2 gathers each block's weights in the compute dtype for its forward and backward (and
-  prefetches the next block's), and keeps the root's (embedding, final norm, head) gathered from
-  forward until the end of backward; each unit's gradients are reduce-scattered in float32;
+  prefetches the next block's); the head and final norm (one unit) stay gathered from forward through
+  their backward, the embedding (another) only while it computes; a tied embedding and head are
+  one unit, the root's, gathered from forward until the end of backward; each unit's gradients are
+  reduce-scattered in float32;
 - without FSDP, bf16 compute over float32 weights runs under autocast, whose cast (bf16) copy of every
   matmul weight is saved for backward;
 - activations: `layer_activation_bytes` per block in the run's recipe, or only the block's input
@@ -19,9 +21,10 @@ kinds of state for layouts it cannot run; here the recipe is keel's own, exactly
 The peak is the largest of these moments: backward starts, every activation alive (gradients exist
 from the second micro-batch of an accumulation on); the backward of each block, from the last, with
 the gradients of the blocks above it, the activations of those below and all of its own (recomputed
-from its input when checkpointed); under FSDP the reduce-scatter of the root's gradients, last in
-backward (unsharded, cast to float32, copied into the collective's buffer, its output shard); the optimizer step,
-every gradient present.
+from its input when checkpointed); under FSDP the reduce-scatters of the head's gradients (first in
+backward, every activation kept) and of the embedding's (last), or of a tied root's (last), each
+unsharded, cast to float32, copied into the collective's buffer, with its output shard; the
+optimizer step, every gradient present.
 tests/test_plan_run.py compares the prediction with the peak torch's MemTracker measures in real
 runs (one process and FSDP over 2, with and without checkpointing). Pipeline stages (1F1B: `pp`
 micro-batches in flight on the first stage) and tensor parallelism (sequence-parallel activations
@@ -127,8 +130,12 @@ class RunMemory:
 def predict_run_memory(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> RunMemory:
     """The predicted peak of one rank of the run `cfg` (model `config`, layout from
     keel.train.config.resolve_layout)."""
-    sizes = _rank_sizes(cfg, config, layout)
-    return max(_moments(cfg, config, layout, sizes), key=lambda m: m.peak)
+    return max(predict_run_moments(cfg, config, layout), key=lambda m: m.peak)
+
+
+def predict_run_moments(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> list[RunMemory]:
+    """Every candidate peak of one rank, in step order ("backward starts" first)."""
+    return _moments(cfg, config, layout, _rank_sizes(cfg, config, layout))
 
 
 @dataclass(frozen=True)
@@ -166,11 +173,19 @@ def _rank_sizes(cfg: RunSettings, config: ModelConfig, layout: RunLayout) -> _Ra
     shard = layout.dp_shard if fsdp else 1
     weights = params * w / shard
     gathered = 0.0
-    if fsdp:  # the root's gathered copy, and two blocks' (the one computing, the prefetched one)
-        gathered = (root / tp) * compute + 2 * block / tp * compute
+    if fsdp:  # two blocks' gathered copies (the one computing, the prefetched one), and the head's
+        # (untied: its own unit with the final norm, gathered from forward through its backward) or the
+        # root's (tied: embedding, head and norm in one unit)
+        kept_root = _head_unit(config) if not config.tie_word_embeddings else root
+        gathered = (kept_root / tp) * compute + 2 * block / tp * compute
     elif precision.autocast:  # the bf16 copies of every matmul weight (the embedding is a lookup)
         gathered = 2 * (params - (0 if config.tie_word_embeddings else vocab * h / tp))
     return _RankSizes(w, compute, fsdp, precision, tokens, root, block, layers, params, shard, weights, gathered)
+
+
+def _head_unit(config: ModelConfig) -> int:
+    """Parameters of an untied model's head unit under FSDP: the LM head and the final norm."""
+    return config.vocab_size * config.hidden_size + config.hidden_size
 
 
 def _kept_activations(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _RankSizes) -> list[float]:
@@ -227,7 +242,31 @@ def _moments(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _R
         grads = max(grads_during, head_grads + j * block_grads)
         alive = sum(kept[j + 1 :]) + full_block
         moments.append(RunMemory(held, grads, optimizer, alive, block_temp, f"backward of block {layers - 1 - j}"))
-    if fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
+    if fsdp and not config.tie_word_embeddings:
+        # The head's unit reduce-scatters first in backward, every activation still kept; the embedding's
+        # last, every other gradient present (keel.train.parallel.apply_fsdp).
+        head_unit, embedding = _head_unit(config) / tp, vocab * h / tp
+        moments.append(
+            RunMemory(
+                held,
+                grads_during,
+                optimizer,
+                sum(kept) + head,
+                head_unit * reduce_scatter,
+                "reduce-scatter of the head's gradients",
+            )
+        )
+        moments.append(
+            RunMemory(
+                weights + embedding * compute,
+                grads_all - embedding * w / shard,
+                optimizer,
+                0.0,
+                embedding * reduce_scatter,
+                "reduce-scatter of the embedding's gradients",
+            )
+        )
+    elif fsdp:  # the root's gradients reduce-scattered last, every block's sharded gradient present
         moments.append(
             RunMemory(
                 weights + root / tp * compute,

@@ -9,6 +9,8 @@ Layout of a run directory:
         config.json, tokenizer files      the model's HF config and tokenizer: the directory is a
                                           model keel loads (`keel convert/serve/generate`)
         COMPLETE                          written last
+    RUN/checkpoints/step-00000000/        a seed checkpoint (`keel train CONFIG --seed-checkpoint`):
+        .metadata, __0_0.distcp, SEED     the initial model only (keel.train.seed_checkpoint)
     RUN/checkpoints/step-00000200.tmp/    a save in progress (or one that crashed): ignored
 
 Every save goes to `step-N.tmp`; only after every rank has finished writing (a barrier) does rank
@@ -50,6 +52,7 @@ log = logging.getLogger("keel.train")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 COMPLETE = "COMPLETE"
+SEED = "SEED"  # marks a checkpoint that holds only a run's initial model
 
 
 def _rank() -> int:
@@ -104,6 +107,15 @@ class ModelParts:
             )
 
 
+def load_model_only(path: Path, parts: ModelParts) -> None:
+    """The model of checkpoint `path` into `parts` (each rank reading its shards, resharded by DCP); the
+    optimizer states and trainer state stay as they are."""
+    model = {"model": parts.model_state()}
+    dcp.load(model, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    for module in parts.modules:
+        set_model_state_dict(module, model["model"], options=StateDictOptions(strict=False))
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -151,6 +163,17 @@ class CheckpointManager:
         self._commit(tmp, final, step)
         log.info("checkpoint step %d saved in %.2f s", step, time.perf_counter() - start)
 
+    def save_seed(self, parts: ModelParts) -> Path:
+        """Write the model alone as the step-0 checkpoint (one process; see keel.train.seed_checkpoint)."""
+        final, tmp = self.dir / f"step-{0:08d}", self.dir / f"step-{0:08d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        dcp.save({"model": parts.model_state()}, checkpoint_id=str(tmp), no_dist=True)
+        (tmp / SEED).write_text("the initial model of a run: no optimizer or trainer state\n")
+        self._commit(tmp, final, 0)
+        return final
+
     def written(self) -> bool:
         """Whether this rank has no save in flight, or has written all of its files (committing then
         waits for no write; the ranks agree before they commit: `_commit` is collective)."""
@@ -195,9 +218,13 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, path: Path, parts: ModelParts) -> dict[str, Any]:
+    def load(self, path: Path, parts: ModelParts) -> dict[str, Any] | None:
         """Restore model and optimizer shards from `path` (resharding as needed); returns the
-        trainer state of rank 0 (global) with this rank's RNG state when it has one."""
+        trainer state of rank 0 (global) with this rank's RNG state when it has one, or None for a
+        seed checkpoint (only the model is restored; the optimizer keeps its state)."""
+        if (path / SEED).exists():
+            load_model_only(path, parts)
+            return None
         state = {"model": parts.model_state(), "optim": parts.optim_state()}
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         parts.load(state["model"], state["optim"])

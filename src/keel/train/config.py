@@ -32,6 +32,8 @@ class RunSection(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     dir: str = "runs/{name}"  # {name} is replaced by run.name
     seed: int = Field(0, ge=0, lt=2**63)
+    # Allocations from this size get their own mapping, returned on free (keel.train.host_memory); 0: glibc's policy.
+    mmap_threshold_kib: int = Field(1024, ge=0, le=32768)
 
     @field_validator("dir")
     @classmethod
@@ -167,6 +169,8 @@ class CheckpointSection(_Section):
     keep: int = Field(3, ge=0)  # most recent checkpoints kept; 0 keeps all
     async_save: bool = True
     resume: str = Field("auto", min_length=1)  # "auto" (latest in the run dir), "none", or a checkpoint path
+    # At the end of the run, the model as an HF safetensors directory RUN/hf, written shard-wise (keel.train.hf_export).
+    export_hf: bool = False
 
 
 class GuardSection(_Section):

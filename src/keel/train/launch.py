@@ -2,6 +2,7 @@
 
     keel train CONFIG.toml [--set section.key=value]... [--nproc N]
                [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID] [--max-restarts K]
+    keel train CONFIG.toml --seed-checkpoint    (one process: the run's initial model as step 0)
     keel train plot RUN_DIR [--out FILE]
 
 The config, the parallel layout (mesh sizes against the world size, batch divisibility), the data
@@ -32,6 +33,7 @@ def launch(
     rdzv_endpoint: str | None = None,
     rdzv_id: str | None = None,
     max_restarts: int = 0,
+    seed_checkpoint: bool = False,
 ) -> int:
     """Check everything that can be checked before a process group exists, then train in this process
     (one process) or exec torchrun (its exit status becomes ours)."""
@@ -45,6 +47,13 @@ def launch(
     if not nodes.isdigit() or int(nodes) < 1:
         raise KeelError(f"--nnodes {nnodes}: expected N or MIN:MAX")
     world = nproc * int(nodes)
+    if seed_checkpoint:
+        if world != 1:
+            raise KeelError("--seed-checkpoint writes the initial model in one process: drop --nproc/--nnodes")
+        from keel.train.seed_checkpoint import write_seed_checkpoint
+
+        print(f"keel train: wrote the seed checkpoint {write_seed_checkpoint(cfg)}")
+        return 0
     resolve_layout(cfg, world)  # mesh and batch checks before any process starts
     preflight(cfg)  # data files and the run directory, before any process starts
     if world == 1:

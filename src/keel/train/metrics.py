@@ -86,6 +86,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
+def current_memory_bytes(device: torch.device) -> int:
+    """GPU: memory_allocated; CPU: the process's resident set now (Linux; elsewhere its high-water mark)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_memory_bytes(device)
+
+
 class MetricsFile:
     """Append-only JSONL, one object per logged step (rank 0 only), flushed each line so a crash
     loses at most the line being written."""

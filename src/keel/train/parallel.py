@@ -358,7 +358,18 @@ def apply_fsdp(
             # data-parallel ranks (apply_ep scales their gradients by 1/ep, see there).
             fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # The root's parameters are the first needed in backward: keep them gathered after forward.
+    # The embedding and the head are units of their own (as torchtitan has them): each is gathered, and
+    # its gradients reduce-scattered, while it computes, rather than the two together from the start of
+    # forward to the end of backward (at a large vocabulary they are the largest tensors of the model).
+    # A tied pair shares one parameter, so it stays one unit: the root's.
+    if not model.config.tie_word_embeddings:
+        if model.embed_tokens is not None:
+            fully_shard(model.embed_tokens, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        if model.lm_head is not None:
+            # The first needed in backward: kept gathered after forward. The final norm goes with it.
+            head = [model.norm, model.lm_head] if model.norm is not None else [model.lm_head]
+            fully_shard(head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    # The root's parameters (a tied embedding and head, the norm) are the first needed in backward.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 

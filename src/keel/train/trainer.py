@@ -11,6 +11,7 @@ parallelism is applied from outside (keel.train.parallel, keel.train.pipeline).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -33,20 +34,30 @@ from keel.config import ModelConfig
 from keel.dtypes import DTYPES
 from keel.errors import KeelError
 from keel.model.loss import cross_entropy_loss
-from keel.model.transformer import Transformer, build_model
+from keel.model.seeded_init import init_weights_seeded, materialize
+from keel.model.transformer import Transformer
 from keel.plan.run import predict_run_memory
 from keel.train import flight_recorder, moe_stats
-from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint
+from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint, load_model_only
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
 from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
+from keel.train.hf_export import export_hf
+from keel.train.host_memory import set_mmap_threshold
 from keel.train.memory import StepMemory, track_step_memory
-from keel.train.metrics import MetricsFile, flops_per_token, peak_flops, peak_memory_bytes
+from keel.train.metrics import (
+    MetricsFile,
+    current_memory_bytes,
+    flops_per_token,
+    peak_flops,
+    peak_memory_bytes,
+)
 from keel.train.optim import apply_schedule, build_optimizer, build_scheduler
 from keel.train.precision import DynamicLossScaler, clip_grad_norm_
 from keel.train.preflight import check_vocabulary
 from keel.train.profiling import StepProfiler
+from keel.train.sharded_load import check_loadable, load_shards
 from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
@@ -85,15 +96,22 @@ class Trainer:
             _init_process_group(backend, self.rank, self.world, timedelta(seconds=cfg.parallel.timeout_s))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        set_mmap_threshold(cfg.run.mmap_threshold_kib)
         self.faults = Faults.from_env()
         self._fault_scale = 1.0
         self._evaluating = False  # the pipeline loss function returns the plain loss while validating
         self._stop_requested = False
         self.model_config, self.tokenizer, model = self._build_model()
+        if cfg.checkpoint.export_hf and self.model_config.is_moe:
+            raise KeelError(
+                "checkpoint.export_hf: HF stores a mixture-of-experts model's experts one tensor each; "
+                "write it with `keel convert CHECKPOINT OUT` after the run"
+            )
         self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
         self.mesh = None
         self.pipeline = None
         self._build_parallel(model)
+        self._materialize()
         self.moe = moe_stats.moe_layers(self.modules)
         moe_stats.configure(self.moe, cfg.moe)
         opt = cfg.optimizer
@@ -149,26 +167,64 @@ class Trainer:
         self.predicted_memory = predict_run_memory(cfg, self.model_config, self.layout)
         self.memory_record: dict[str, Any] | None = None  # [log] memory_breakdown: the measured step
         self._step_memory: StepMemory | None = None
+        self._startup_peak: int | None = peak_memory_bytes(self.device) - self._memory_base
+        # What a seed checkpoint restores besides the model (its RNG streams go on).
+        self._initial_state = copy.deepcopy({k: v for k, v in self.trainer_state().items() if k != "rng"})
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> tuple[ModelConfig, Any, Transformer]:
-        from keel.quant.loading import load_model
+        """The model, built on the meta device: it holds no memory until each rank materialises its own
+        shards (`_materialize`, after the parallelisms are applied), initialised from the seed or read
+        from `model.source` (keel.train.sharded_load)."""
+        from keel.tokenizer import Tokenizer
         from keel.weights import open_checkpoint
+        from keel.weights.dcp import is_dcp_checkpoint
+        from keel.weights.loader import resolve_path
 
         cfg = self.cfg
-        torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
-        dtype = DTYPES[cfg.model.dtype]
+        torch.manual_seed(cfg.run.seed)
+        self._source = None  # a checkpoint whose tensors each rank reads its shards of
+        self._source_dcp: Path | None = None  # a keel training checkpoint: DCP reads and reshards its model
         if cfg.model.source is not None:
-            loaded = load_model(cfg.model.source, "float32")
-            model, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
-            model.to(dtype)
+            path = resolve_path(cfg.model.source)
+            if is_dcp_checkpoint(path):
+                config = ModelConfig.from_json_file(path / "config.json")
+                tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_id)
+                self._source_dcp = path
+            else:
+                checkpoint = open_checkpoint(path)
+                check_loadable(checkpoint, cfg.model.source)
+                config, tokenizer, self._source = checkpoint.config, checkpoint.tokenizer, checkpoint
         else:
             config = model_config_from(cfg.model.config)
-            model = build_model(config, dtype=dtype)
             tokenizer = open_checkpoint(cfg.model.tokenizer_ref).tokenizer
-        model.to(self.device)
+        with torch.device("meta"):
+            model = Transformer(config)
+        model.to(DTYPES[cfg.model.dtype])
+        # The rank's memory with the model's skeleton built and no weight in it (torch, keel and the
+        # libraries its modules load, the process group, the tokenizer): start-up and first-step
+        # peaks are reported above it.
+        self._memory_base = current_memory_bytes(self.device)
         model.train()
         return config, tokenizer, model
+
+    def _materialize(self) -> None:
+        """Give each meta-device module this rank's shards and their values: the checkpoint's (each rank
+        reading its own part), or initial values that depend on the run's seed and each parameter's name
+        only, so that every layout (and one process) starts from the same model (keel.model.seeded_init)."""
+        seed = self.cfg.run.seed
+        for module in self.modules:
+            if self._source is not None:
+                materialize(module, self.device, lambda m, source=self._source: load_shards(m, source))
+            elif self._source_dcp is not None:
+                materialize(module, self.device, lambda m: None)
+            else:
+                materialize(module, self.device, lambda m: init_weights_seeded(m, seed))
+        if self._source_dcp is not None:
+            load_model_only(self._source_dcp, ModelParts(self.modules, []))
+        if self._source is not None:
+            self._source.reader.close()
+            self._source = None
 
     def _build_parallel(self, model: Transformer) -> None:
         from keel.train import parallel
@@ -224,16 +280,8 @@ class Trainer:
         return dp_rank_and_size(self.mesh)
 
     def _write_model_files(self, directory: Path) -> None:
-        """Make a checkpoint directory a model keel can load: HF config.json and the tokenizer."""
-        config = self.model_config
-        if self.pipeline is not None and config.tie_word_embeddings:
-            config = dataclasses.replace(config, tie_word_embeddings=False)  # the pipeline trained two copies
-        hf = config.to_hf()
-        hf["dtype"] = self.cfg.model.dtype
-        write_json_atomic(directory / "config.json", hf)
-        write_text_atomic(directory / "train_config.json", config_json(self.cfg))
-        if self.tokenizer is not None:
-            self.tokenizer.save_hf(directory)
+        untied = self.pipeline is not None  # the pipeline trained two copies of a tied embedding
+        write_model_files(directory, self.model_config, self.cfg, self.tokenizer, untied=untied)
 
     # ------------------------------------------------------------------ state
     def _parts(self) -> ModelParts:
@@ -252,6 +300,16 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         state = self.checkpoints.load(path, self._parts())
+        if state is None:  # a seed checkpoint: its model, with the state every run starts from
+            for optimizer in self.optimizers:
+                optimizer.state.clear()
+            self._set_trainer_state(self._initial_state)
+            log.info("started from the seed checkpoint %s", path)
+            return
+        self._set_trainer_state(state)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _set_trainer_state(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         for sched, s in zip(self.schedulers, state["schedulers"], strict=False):
             sched.load_state_dict(s)
@@ -262,7 +320,6 @@ class Trainer:
         self.rollbacks = int(state.get("rollbacks", 0))
         if "rng" in state:
             _set_rng_states(state["rng"])
-        log.info("resumed from %s at step %d", path, self.step)
 
     def save(self, blocking: bool = False) -> None:
         self.watchdog.pause()
@@ -487,6 +544,19 @@ class Trainer:
             time_step_s=t_end - t0,
             peak_memory_bytes=peak_memory_bytes(self.device),
         )
+        if self._startup_peak is not None:  # this process's first step: the start-up record
+            record["start_memory"] = self._start_memory()
+            self._startup_peak = None
+
+    def _start_memory(self) -> dict[str, int]:
+        """The largest rank's peaks above its own baseline (RSS on CPU, allocated bytes on GPU) during
+        start-up (model built and sharded) and through the first step, and its baseline."""
+        values = [self._startup_peak, peak_memory_bytes(self.device) - self._memory_base, self._memory_base]
+        if self.world > 1:
+            flags = torch.tensor(values, dtype=torch.int64, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            values = flags.tolist()
+        return {"startup_peak_bytes": values[0], "first_step_peak_bytes": values[1], "baseline_bytes": values[2]}
 
     def _rollback(self, reason: str, step: int) -> None:
         """Back to the latest checkpoint, then past the batches `guard.skip_batches_after_rollback` names
@@ -648,6 +718,9 @@ class Trainer:
             # before the held-out pass does, and nothing is lost if it does.
             self.save(blocking=True)
             self.checkpoints.finalize()
+            if cfg.checkpoint.export_hf and self.step >= cfg.training.steps:
+                exported = export_hf(self._parts(), self.model_config, self.run_dir, self._write_model_files)
+                log.info("exported the model as an HF directory: %s", exported)
             val = self.validate()
             if val is not None and self.rank == 0:
                 self.metrics.write({"step": self.step, "val_loss": val})
@@ -665,6 +738,18 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def write_model_files(directory: Path, config: ModelConfig, cfg: TrainConfig, tokenizer: Any, untied: bool) -> None:
+    """Make a checkpoint directory a model keel can load: HF config.json and the tokenizer."""
+    if untied and config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    hf = config.to_hf()
+    hf["dtype"] = cfg.model.dtype
+    write_json_atomic(directory / "config.json", hf)
+    write_text_atomic(directory / "train_config.json", config_json(cfg))
+    if tokenizer is not None:
+        tokenizer.save_hf(directory)
 
 
 def _rng_states() -> dict[str, Any]:

@@ -93,5 +93,16 @@ class SafetensorsReader:
         except SafetensorError as e:
             raise WeightsError(f"{self.file_of(name)}: cannot read a slice of tensor {name!r} ({e})") from None
 
+    def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+        """The block [offset, offset + shape) of tensor `name` in every dimension, reading only those bytes
+        (a rank's shard under FSDP, TP or both)."""
+        if name not in self._where:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        try:
+            return self._files[self._where[name]].get_slice(name)[box]
+        except SafetensorError as e:
+            raise WeightsError(f"{self.file_of(name)}: cannot read a block of tensor {name!r} ({e})") from None
+
     def close(self) -> None:
         self._stack.close()
