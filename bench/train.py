@@ -104,9 +104,10 @@ progress = false
     return path
 
 
-def keel_run(root: Path, args, name: str, nproc: int) -> list[dict]:
+def keel_run(root: Path, args, name: str, nproc: int, overrides: tuple[str, ...] = ()) -> list[dict]:
     config = write_config(root, args, name, dp=nproc)
     cmd = [sys.executable, "-m", "keel.cli", "train", str(config), "--nproc", str(nproc)]
+    cmd += [a for override in overrides for a in ("--set", override)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc)), "KEEL_BENCH_MEMORY": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -123,6 +124,7 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--compile", action="store_true", help="also keel with torch.compile per block")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("command: python bench/train.py " + " ".join(sys.argv[1:]))
@@ -140,6 +142,7 @@ def main() -> int:
         base = transformers_loop(args, data)
         base_tps = tokens / statistics.median(base[1:])
         single = keel_run(root, args, "single", 1)
+        compiled = keel_run(root, args, "compiled", 1, ("training.compile=true",)) if args.compile else None
         keel_tps = statistics.median(r["tokens_per_s"] for r in single[1:])
         dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
         peak = measure_cpu_peak(dtype)
@@ -148,6 +151,13 @@ def main() -> int:
             ("transformers loop (LlamaForCausalLM + AdamW)", base_tps),
             ("keel train, 1 process", keel_tps),
         ]
+        if compiled is not None:  # the first steps compile: the median of the last half
+            rows.append(
+                (
+                    "keel train, 1 process, training.compile",
+                    statistics.median(r["tokens_per_s"] for r in compiled[len(compiled) // 2 :]),
+                )
+            )
         total = ModelConfig.from_hf(CONFIG).param_counts()["total"]
         print(
             f"\nmodel {total:,} parameters, {args.precision}, {args.threads} threads, {tokens} tokens/step, "

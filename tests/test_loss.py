@@ -58,3 +58,16 @@ def test_no_grad_evaluation_and_extreme_logits():
         ours = cross_entropy_loss(logits, targets)
     torch.testing.assert_close(ours, F.cross_entropy(logits, targets))
     assert torch.isfinite(ours)
+
+
+def test_chunks_stay_cache_sized_on_cpus_and_few_on_gpus():
+    """A CPU chunk is 4 MiB of float32 logits whatever the batch; off the CPU the chunks grow so that a
+    call iterates at most MAX_CHUNKS times (Llama 3's 128,256-token vocabulary, 16 Ki rows: 32 chunks)."""
+    from keel.model.loss import MAX_CHUNKS, chunk_rows
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name, no GPU needed
+    assert chunk_rows(16384, 128256, cpu) == 8 and chunk_rows(16384, 32000, cpu) == 32
+    for rows, vocab in [(16384, 128256), (131072, 128256), (4096, 32000), (7, 256000)]:
+        per = chunk_rows(rows, vocab, cuda)
+        assert -(-rows // per) <= MAX_CHUNKS
+        assert per >= min(rows, (256 << 20) // (4 * vocab))  # 256 MiB of float32 logits, or every row

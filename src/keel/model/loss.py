@@ -19,19 +19,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Float32 bytes per chunk: a few MiB fits the L2/L3 caches of current CPUs and is plenty on GPUs.
+# Float32 bytes per chunk on CPUs: a few MiB fits their L2/L3 caches, and a chunk's arithmetic costs
+# far more than the Python of its iteration, even at a 128k vocabulary (8 rows).
 CHUNK_BYTES = 4 << 20
+# On GPUs a chunk is bounded by memory, not by a cache, while each iteration is a few kernel launches
+# from Python: at a 128k vocabulary 4 MiB chunks would mean thousands of iterations a micro-batch.
+# There a call makes at most MAX_CHUNKS iterations, of at least GPU_CHUNK_BYTES each.
+GPU_CHUNK_BYTES = 256 << 20
+MAX_CHUNKS = 64
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
+def chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
+    """Rows of logits per chunk of the loss."""
+    if device.type == "cpu":
+        return max(1, CHUNK_BYTES // (4 * vocab))
+    return max(1, GPU_CHUNK_BYTES // (4 * vocab), -(-rows // MAX_CHUNKS))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:  # type: ignore[override]
         n, vocab = logits.shape
-        rows = _chunk_rows(vocab)
+        rows = chunk_rows(n, vocab, logits.device)
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -46,7 +55,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         logits, lse, safe, valid = ctx.saved_tensors
-        rows = _chunk_rows(logits.shape[1])
+        rows = chunk_rows(logits.shape[0], logits.shape[1], logits.device)
         grad = torch.empty_like(logits)
         # d loss / d logit = (softmax - onehot(target)) * grad_loss on valid rows, 0 on ignored ones.
         scale = torch.where(valid, grad_loss.float(), 0.0)

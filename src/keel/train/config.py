@@ -32,8 +32,9 @@ class RunSection(_Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     dir: str = "runs/{name}"  # {name} is replaced by run.name
     seed: int = Field(0, ge=0, lt=2**63)
-    # Allocations from this size get their own mapping, returned on free (keel.train.host_memory); 0: glibc's policy.
-    mmap_threshold_kib: int = Field(1024, ge=0, le=32768)
+    # KiB: allocations from this size get their own mapping, returned on free (keel.train.host_memory): less
+    # resident memory, slower steps; 0: glibc's own policy.
+    mmap_threshold_kib: int = Field(0, ge=0, le=32768)
 
     @field_validator("dir")
     @classmethod
@@ -89,6 +90,7 @@ class TrainingSection(_Section):
     micro_batch_size: int = Field(1, ge=1)  # sequences per forward per rank
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"
     max_norm: float = Field(1.0, ge=0)  # 0 disables clipping
+    compile: bool = False  # torch.compile each decoder block (keel.train.parallel.apply_compile)
     # fp16 loss scaler (torch.amp.GradScaler's arguments)
     init_scale: float = Field(2.0**16, gt=0)
     growth_factor: float = Field(2.0, gt=1)
@@ -135,6 +137,8 @@ class ParallelSection(_Section):
     pp_microbatches: int | None = Field(None, ge=1)  # null: pp
     pp_stages_per_rank: int = Field(1, ge=1)  # 2 (or more) for interleaved1f1b, exactly 2 for zbv
     reshard_after_forward: bool = True
+    # Under tp > 1 without a pipeline: vocab-sharded logits and cross-entropy (keel.train.parallel).
+    loss_parallel: bool = True
     # How long a collective may wait for its peers before the process group fails it (torch's default is
     # 10 minutes for NCCL and 30 for gloo); an error then ends the rank, which torchrun can restart.
     timeout_s: float = Field(600.0, gt=0)

@@ -5,9 +5,11 @@ and that threshold rises to the size of every mmapped block freed (up to 32 MiB)
 frees and reallocates many tensors of 1-32 MiB (FSDP's gathered blocks and their gradients,
 activations); after the first step they come from the heap, whose freed pages stay in the process
 unless they sit at its top, so the resident set keeps the high-water mark of every layout the heap
-has had. Measured in docs/BENCHMARKS.md ("Host memory of FSDP start-up"): a fixed threshold of 1 MiB cut
-the peak resident set of a 5-step FSDP run by a quarter at the same speed. `run.mmap_threshold_kib`
-sets it (0 leaves glibc's own policy); an `MALLOC_MMAP_THRESHOLD_` in the environment wins.
+has had. A fixed threshold returns those pages at once, at a price: every such allocation is a
+fresh mapping the kernel must fault in and zero. Measured (docs/BENCHMARKS.md, "Host memory of FSDP
+start-up"): 1 MiB cut the first-step peak of a 4-rank FSDP run by a third, and made a one-process bf16
+step 35-40% slower. So it is a choice for hosts short of memory: `run.mmap_threshold_kib` (default 0:
+glibc's own policy); an `MALLOC_MMAP_THRESHOLD_` in the environment wins.
 """
 
 from __future__ import annotations

@@ -40,16 +40,19 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | `layers.N.mlp` (dense SwiGLU)            | gate_proj/up_proj Colwise, down_proj Rowwise                |
 | `layers.N.mlp` (MoE)                     | replicated: gathered in, computed on every tp rank, re-split|
 | `norm`                                   | SequenceParallel (SP only)                                  |
-| `lm_head`                                | ColwiseParallel, logits gathered to Replicate               |
+| `lm_head`                                | ColwiseParallel; logits vocab-sharded (loss-parallel) or gathered |
 
 Qwen2's q/k/v biases are sharded with their weights; Mistral's sliding window and Qwen3's q/k norm
 need nothing else. Requirements: `num_heads % tp == 0`, `num_kv_heads % tp == 0` (checked, ValueError),
 `intermediate_size % tp == 0`, and with SP the sequence length `% tp == 0`.
 
-Logits come out replicated (full `[B, S, V]` on every tp rank) rather than loss-parallel: the loss and
-the pipeline's loss function stay plain `cross_entropy`, at the cost of `B*S*V` floats per rank and an
-all-gather over the vocab. Loss-parallel (`Shard(-1)` logits + `loss_parallel()`) is the next step
-when vocabularies are large.
+Loss-parallel (`parallel.loss_parallel`, on by default, without a pipeline): the head's logits stay
+sharded on the vocabulary (a `Shard(-1)` DTensor) and the cross-entropy runs under torch's
+`loss_parallel()`, which reduces the log-sum-exp and the target logit over the tp ranks: no rank
+holds `B*S*V` logits and no all-gather over the vocab runs. The trainer enters the context around
+forward, loss and backward (keel.train.trainer). Under a pipeline the last stage's logits come out
+replicated (full `[B, S, V]` on every tp rank): torch's stages pass plain tensors, and the pipeline's
+loss function stays plain cross-entropy.
 
 With SP the residual stream between blocks is a DTensor sharded on the sequence, which keeps the
 model's own shape logic correct: `Transformer.forward` reads `B, S` from it (the global shape), so
@@ -259,7 +262,9 @@ def _seq_divisible_hook(tp: int):
     return hook
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> Transformer:
+def apply_tp(
+    model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> Transformer:
     """Tensor parallel (Megatron layout) with optional sequence parallel norms, in place.
 
     `model` may be a pipeline stage: missing embed_tokens / norm / lm_head are skipped, and under
@@ -279,7 +284,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.lm_head is not None:
-        top["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+        top["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,  # a vocab-sharded DTensor for torch's loss_parallel()
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     if sp:
@@ -331,6 +340,20 @@ def apply_activation_checkpointing(model: Transformer, mode: ACMode = "full", ev
     for name in list(model.layers.keys()):
         if mode == "full" or int(name) % every == 0:
             model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+    return model
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def apply_compile(model: Transformer) -> Transformer:
+    """Compile each decoder block (after activation checkpointing wraps it, before FSDP shards it), in
+    place: `Module.compile` keeps the module and its parameter names, and since dynamo treats a
+    block's parameters as inputs, the blocks of one architecture share one compiled graph (one
+    compilation for forward, one for backward). Compiling block by block rather than the whole model
+    keeps FSDP's per-block hooks outside the graphs and the compile time of one block."""
+    for layer in model.layers.values():
+        layer.compile()
     return model
 
 
@@ -387,17 +410,22 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    loss_parallel: bool = False,
+    compile_blocks: bool = False,
 ) -> Transformer:
-    """TP (when tp > 1), activation checkpointing, then FSDP/HSDP (when dp > 1), in that order, in place.
+    """TP (when tp > 1), activation checkpointing, torch.compile per block, then FSDP/HSDP (when dp > 1),
+    in that order (torchtitan's), in place.
 
     `model` is the whole model or one pipeline stage module (see keel.train.pipeline).
     """
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], sequence_parallel)
+        apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel)
     ep = ep_size(mesh)
     if ep > 1:
         apply_ep(model, mesh["ep"])
     apply_activation_checkpointing(model, ac_mode, ac_every)
+    if compile_blocks:
+        apply_compile(model)
     if loss_mesh(mesh).size() > 1:
         apply_fsdp(
             model,

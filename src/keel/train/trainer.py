@@ -234,12 +234,13 @@ class Trainer:
         compute = COMPUTE[cfg.training.precision]
         # FSDP's mixed precision casts the gathered copies when there is a dp dimension; otherwise autocast.
         self.use_autocast = compute is not None and lay.dp == 1 and DTYPES[cfg.model.dtype] == torch.float32
-        if self.world == 1:  # no mesh; activation checkpointing still applies
-            self.modules: list[nn.Module] = [
-                parallel.apply_activation_checkpointing(
-                    model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every
-                )
-            ]
+        self.loss_parallel = par.loss_parallel and lay.tp > 1 and lay.pp == 1
+        if self.world == 1:  # no mesh; activation checkpointing and compilation still apply
+            ac = cfg.activation_checkpoint
+            parallel.apply_activation_checkpointing(model, ac.mode, ac.every)
+            if cfg.training.compile:
+                parallel.apply_compile(model)
+            self.modules: list[nn.Module] = [model]
             return
         self.mesh = parallel.build_mesh(lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, self.device.type, ep=lay.ep)
 
@@ -252,6 +253,8 @@ class Trainer:
                 ac_every=cfg.activation_checkpoint.every,
                 param_dtype=compute if lay.dp > 1 else None,
                 reshard_after_forward=par.reshard_after_forward,
+                loss_parallel=self.loss_parallel,
+                compile_blocks=cfg.training.compile,
             )
 
         if lay.pp > 1:
@@ -261,7 +264,7 @@ class Trainer:
                 model,
                 self.mesh["pp"],
                 par.pp_schedule,
-                lay.pp_microbatches,
+                lay.pp_microbatches * (lay.grad_accum if self._fold_accumulation else 1),
                 lay.pp_stages_per_rank,
                 self._pipeline_loss,
                 parallelize_fn=parallelize,
@@ -271,6 +274,15 @@ class Trainer:
             self.modules = list(self.pipeline.modules)
         else:
             self.modules = [parallelize(model)]
+
+    @property
+    def _fold_accumulation(self) -> bool:
+        """Under a pipeline, a step's accumulation micro-batches run as one schedule step of
+        pp_microbatches x grad_accum pipeline microbatches: torch's stages reduce-scatter FSDP gradients
+        at the end of every schedule step, so one step per optimizer step reduce-scatters once. Not
+        under GPipe, whose forwards all run before any backward: it would keep every micro-batch's
+        activations of the step at once (one schedule step per accumulation micro-batch instead)."""
+        return self.layout.pp > 1 and self.cfg.parallel.pp_schedule != "gpipe"
 
     def _dp_rank_size(self) -> tuple[int, int]:
         if self.mesh is None:
@@ -329,10 +341,20 @@ class Trainer:
     def _pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         if self._evaluating:  # summed: validate() divides by the token count, padding rows add nothing
             return cross_entropy_loss(logits, targets, reduction="sum")
-        # The schedule averages microbatch losses itself; here: accumulation and fp16 scaling.
-        loss = cross_entropy_loss(logits, targets) / self.layout.grad_accum
+        # The schedule averages microbatch losses itself (folded accumulation included); here: accumulation
+        # over schedule steps and fp16 scaling.
+        accumulation = 1 if self._fold_accumulation else self.layout.grad_accum
+        loss = cross_entropy_loss(logits, targets) / accumulation
         loss = loss * self._fault_scale
         return self.scaler.scale_loss(loss)
+
+    def _loss_parallel(self):
+        """torch's loss_parallel() context when the logits are vocab-sharded (keel.train.parallel)."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def _autocast(self):
         compute = COMPUTE[self.cfg.training.precision]
@@ -345,6 +367,17 @@ class Trainer:
         accum = self.layout.grad_accum
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         self._data_time = 0.0
+        if self._fold_accumulation:  # the whole local batch in one schedule step (see _fold_accumulation)
+            t = time.perf_counter()
+            batches = [self.loader.next_microbatch() for _ in range(accum)]
+            self._data_time += time.perf_counter() - t
+            inputs = torch.cat([b[0] for b in batches]).to(self.device)
+            labels = torch.cat([b[1] for b in batches]).to(self.device)
+            with self._autocast():
+                loss = self.pipeline.step(inputs, labels)
+            if loss is not None:
+                total += loss.float() / self.scaler.scale
+            return total
         for micro in range(accum):
             t = time.perf_counter()
             inputs, labels = self.loader.next_microbatch()
@@ -362,11 +395,12 @@ class Trainer:
                 if loss is not None:  # the last stage: the schedule's mean of the scaled losses
                     total += loss.float() / self.scaler.scale
                 continue
-            with self._autocast():
+            with self._loss_parallel(), self._autocast():
                 logits = self.modules[0](inputs)
-            loss = cross_entropy_loss(logits, labels) / accum * self._fault_scale
-            self.scaler.scale_loss(loss).backward()
-            total += loss.detach().float()
+            with self._loss_parallel():
+                loss = cross_entropy_loss(logits, labels) / accum * self._fault_scale
+                self.scaler.scale_loss(loss).backward()
+            total += _plain(loss.detach()).float()
         return total
 
     def _global_loss(self, local: Tensor) -> float:
@@ -493,8 +527,9 @@ class Trainer:
     def _set_aux_grad_scale(self) -> None:
         """Auxiliary losses get the main loss's factor: 1/accumulation, 1/microbatches, fp16 scale."""
         microbatches = self.pipeline.microbatches if self.pipeline is not None else 1
+        accumulation = 1 if self._fold_accumulation else self.layout.grad_accum  # folded: in the microbatches
         scale = self.scaler.scale if self.scaler.enabled else 1.0
-        moe_stats.set_aux_grad_scale(self.moe, scale / (self.layout.grad_accum * microbatches))
+        moe_stats.set_aux_grad_scale(self.moe, scale / (accumulation * microbatches))
 
     def _judge_step(self, step: int, loss: float, norm: float, record: dict[str, Any]) -> bool:
         """Whether the step's update is applied: an fp16 overflow or the guard skips it; the guard may
@@ -588,26 +623,25 @@ class Trainer:
         if self.val_file is None:
             return None
         dp_rank, dp_size = self._dp_rank_size()
+        rows = self.cfg.training.micro_batch_size * (self.layout.grad_accum if self._fold_accumulation else 1)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
         for module in self.modules:
             module.eval()
         self._evaluating = True
         try:
-            for inputs, labels in iter_eval_batches(
-                self.val_file, self.cfg.data.seq_len, self.cfg.training.micro_batch_size, dp_rank, dp_size
-            ):
+            for inputs, labels in iter_eval_batches(self.val_file, self.cfg.data.seq_len, rows, dp_rank, dp_size):
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
                 if self.pipeline is not None:
-                    pad = self.cfg.training.micro_batch_size - len(inputs)
+                    pad = rows - len(inputs)
                     if pad:
                         inputs = torch.cat([inputs, inputs.new_zeros(pad, inputs.shape[1])])
                         labels = torch.cat([labels, labels.new_full((pad, labels.shape[1]), -100)])
                     with self._autocast():
                         loss_sum = self.pipeline.evaluate(inputs, labels)
                 else:
-                    with self._autocast():
+                    with self._loss_parallel(), self._autocast():
                         logits = self.modules[0](inputs)
-                    loss_sum = cross_entropy_loss(logits, labels, reduction="sum")
+                        loss_sum = _plain(cross_entropy_loss(logits, labels, reduction="sum"))
                 if loss_sum is not None:  # with a pipeline: only on the last stage's ranks
                     total[0] += loss_sum.double()
                     total[1] += (labels != -100).sum()
@@ -738,6 +772,11 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _plain(tensor: Tensor) -> Tensor:
+    """A loss as a plain tensor (loss-parallel returns a replicated DTensor)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def write_model_files(directory: Path, config: ModelConfig, cfg: TrainConfig, tokenizer: Any, untied: bool) -> None:
