@@ -18,42 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from keel.train.data import write_token_file
+from test_train_run import config
 from tiny_models import save_byte_tokenizer, save_hf_model
 
 ACCUM = 2
-CONFIG = """
-[run]
-name = "{name}"
-dir = "{root}/runs/{{name}}"
-[model]
-tokenizer = "{root}/tok"
-[model.config]
-architectures = ["LlamaForCausalLM"]
-vocab_size = 256
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 128
-tie_word_embeddings = false
-eos_token_id = 2
-[data]
-path = "{root}/data.bin"
-seq_len = 16
-[training]
-steps = 2
-global_batch_size = {batch}
-micro_batch_size = 2
-[parallel]
-pp = 2
-pp_schedule = "{schedule}"
-[checkpoint]
-interval = 0
-async_save = false
-[log]
-progress = false
-"""
 
 
 def _worker(rank: int, root: str, schedule: str, out: str) -> None:
@@ -76,7 +44,9 @@ def _worker(rank: int, root: str, schedule: str, out: str) -> None:
 
     param_group.foreach_reduce = counted
     path = Path(root) / f"{schedule}.toml"
-    trainer = Trainer(load_config(path))
+    batch = 2 * 2 * ACCUM  # micro-batch 2 rows x dp 2 x accumulation
+    overrides = [f"training.global_batch_size={batch}", "training.micro_batch_size=2", "training.steps=2"]
+    trainer = Trainer(load_config(path, overrides))
     per_step = []
     for _ in range(2):
         before = len(calls)
@@ -103,9 +73,7 @@ def test_fsdp_reduce_scatters_once_per_optimizer_step_under_a_pipeline(tmp_path:
     save_byte_tokenizer(tmp_path / "tok")
     rng = np.random.default_rng(0)
     write_token_file(tmp_path / "data.bin", rng.integers(3, 250, size=4000), vocab_size=256, eos_id=2)
-    batch = 2 * 2 * ACCUM  # micro-batch 2 rows x dp 2 x accumulation
-    text = CONFIG.format(name=schedule, root=tmp_path, batch=batch, schedule=schedule)
-    (tmp_path / f"{schedule}.toml").write_text(text)
+    config(tmp_path, schedule, f'[parallel]\npp = 2\npp_schedule = "{schedule}"\n')  # writes tmp_path/SCHEDULE.toml
     out = str(tmp_path / "calls")
     mp.spawn(_worker, args=(str(tmp_path), schedule, out), nprocs=4, join=True)
     for rank in range(4):
