@@ -180,7 +180,8 @@ def _worker(rank: int, world: int, init_file: str, out: str, hf_dir: str) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# World 4 (FSDP over TP shards, EP inside FSDP) runs in `make test-slow`.
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_layout_materialises_the_one_process_model_and_reads_only_its_shards(world: int, tmp_path: Path):
     save_hf_model("llama-bias", tmp_path / "hf", num_hidden_layers=2)  # untied, with biases
     out = str(tmp_path / "mismatches")

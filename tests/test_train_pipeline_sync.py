@@ -67,7 +67,8 @@ def _worker(rank: int, root: str, schedule: str, out: str) -> None:
     trainer.close()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+# GPipe's contrast (one reduce-scatter per micro-batch) runs in `make test-slow`.
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_fsdp_reduce_scatters_once_per_optimizer_step_under_a_pipeline(tmp_path: Path, schedule: str):
     save_hf_model("llama", tmp_path / "tok")
     save_byte_tokenizer(tmp_path / "tok")
