@@ -55,11 +55,11 @@ COMPLETE = "COMPLETE"
 SEED = "SEED"  # marks a checkpoint that holds only a run's initial model
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
+def barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
@@ -133,9 +133,9 @@ class CheckpointManager:
         # Async saves talk over their own group, so they never interleave with training collectives.
         self._group = dist.new_group(backend="gloo") if self.async_save else None
         self._pending: tuple[Any, Path, Path, int] | None = None  # (future, tmp dir, final dir, step)
-        if _rank() == 0:
+        if process_rank() == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-        _barrier(None)
+        barrier(None)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, parts: ModelParts, trainer_state: dict[str, Any], *, blocking: bool = False) -> None:
@@ -143,14 +143,14 @@ class CheckpointManager:
         self.finalize()  # at most one save in flight: commit the previous one first
         final = self.dir / f"step-{step:08d}"
         tmp = self.dir / f"step-{step:08d}.tmp"
-        if _rank() == 0:
+        if process_rank() == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)  # a crashed earlier attempt at this step
             tmp.mkdir(parents=True)
-        _barrier(None)
+        barrier(None)
         start = time.perf_counter()
         state = {"model": parts.model_state(), "optim": parts.optim_state()}
-        with atomic_file(tmp / f"trainer-rank-{_rank()}.pt") as f:
+        with atomic_file(tmp / f"trainer-rank-{process_rank()}.pt") as f:
             torch.save(trainer_state, f)
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
@@ -195,8 +195,8 @@ class CheckpointManager:
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         if self.before_commit is not None:
             self.before_commit(step)
-        _barrier(self._group)  # every rank has written its files
-        if _rank() == 0:
+        barrier(self._group)  # every rank has written its files
+        if process_rank() == 0:
             if self.write_model_files is not None:
                 self.write_model_files(tmp)
             (tmp / COMPLETE).write_text(f"{step}\n")
@@ -204,7 +204,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             replace_dir(tmp, final)  # the files on disk before the rename publishes them
             self._prune()
-        _barrier(self._group)
+        barrier(self._group)
 
     def _prune(self) -> None:
         if self.keep <= 0:
@@ -229,7 +229,7 @@ class CheckpointManager:
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         parts.load(state["model"], state["optim"])
         trainer = torch.load(path / "trainer-rank-0.pt", weights_only=False)
-        own = path / f"trainer-rank-{_rank()}.pt"
-        if _rank() != 0 and own.exists():
+        own = path / f"trainer-rank-{process_rank()}.pt"
+        if process_rank() != 0 and own.exists():
             trainer["rng"] = torch.load(own, weights_only=False).get("rng", trainer.get("rng"))
         return trainer

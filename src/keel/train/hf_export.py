@@ -19,20 +19,11 @@ import torch.distributed.checkpoint as dcp
 
 from keel.atomic import replace_dir
 from keel.config import ModelConfig
-from keel.train.checkpoint import ModelParts
+from keel.train.checkpoint import ModelParts, barrier, process_rank
 from keel.weights.convert import DEFAULT_MAX_SHARD_BYTES
 from keel.weights.names import hf_source
 
 EXPORT_DIR = "hf"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def hf_state(parts: ModelParts, config: ModelConfig) -> dict:
@@ -62,10 +53,10 @@ def export_hf(parts: ModelParts, config: ModelConfig, run_dir: Path, write_model
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     final, tmp = Path(run_dir) / EXPORT_DIR, Path(run_dir) / f"{EXPORT_DIR}.tmp"
-    if _rank() == 0:
+    if process_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier(None)
     state = hf_state(parts, config)
     # Every rank must pass the same map, covering every tensor: a pipeline stage knows only its own.
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}  # global sizes (DTensor)
@@ -78,11 +69,11 @@ def export_hf(parts: ModelParts, config: ModelConfig, run_dir: Path, write_model
         path=str(tmp), fqn_to_index_mapping=indices, save_distributed=True, enable_consolidation=True
     )
     dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
-    _barrier()
-    if _rank() == 0:
+    barrier(None)
+    if process_rank() == 0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         write_model_files(tmp)
         shutil.rmtree(final, ignore_errors=True)
         replace_dir(tmp, final)
-    _barrier()
+    barrier(None)
     return final
