@@ -146,8 +146,9 @@ def _chat(client: openai.OpenAI, model: str, text: str, stream: bool) -> str:
     return "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
 
 
-# ~60 s, in `make test-slow`: workers behind HTTP also in test_two_nodes_on_one_host, SmolLM2's TP shards in
-# test_smollm2_gguf_shards_reassemble, TP engines against one process in test_parallel_engine_matches_one_process.
+# ~60 s, in `make test-slow`: workers behind HTTP also in test_killed_worker_fails_the_server_fast, SmolLM2's TP
+# shards in test_smollm2_gguf_shards_reassemble, TP engines against one process in
+# test_parallel_engine_matches_one_process.
 @pytest.mark.slow
 def test_keel_serve_tp3_smollm2_with_the_openai_client():
     """`keel serve --tensor-parallel-size 3` on SmolLM2 (9 heads, 3 KV heads, read slice by slice from its
@@ -269,6 +270,7 @@ def test_parallel_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
         resolve_auto_parallel(str(tmp_path), "2xH200", EngineConfig.of(tensor_parallel_size=3))
 
 
+@pytest.mark.slow  # ~27 s on 2 cores; the rendezvous options' checks and pipeline serving stay in `make test`
 def test_two_nodes_on_one_host(tmp_path):
     """Multi-node serving through the rendezvous options, pipeline-parallel across the nodes (the layout
     for a slow link): node 1 runs its stage headless, node 0 the engine, the server and the first stage;

@@ -220,7 +220,7 @@ def test_a_collective_that_waits_past_the_timeout_fails_the_run(root):
     """parallel.timeout_s reaches the process group: rank 1 hangs before step 3 (watchdog off), rank 0's
     next collective fails after the timeout instead of waiting for torch's default half hour."""
     path = config(root, "pg_timeout")
-    args = ["--nproc", "2", "--set", "parallel.timeout_s=10.0", "--set", "watchdog.timeout_s=0.0"]
+    args = ["--nproc", "2", "--set", "parallel.timeout_s=5.0", "--set", "watchdog.timeout_s=0.0"]
     r = keel_train(path, *args, env={"KEEL_FAULTS": "hang@3:1"}, timeout=120)
     assert r.returncode != 0
     assert "rank 1 hangs before step 3" in r.stdout + r.stderr
