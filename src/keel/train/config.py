@@ -17,10 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from keel.config import ModelConfig
 from keel.errors import ConfigError, KeelError
+from keel.train.trackers import missing_package
 
 
 class _Section(BaseModel):
@@ -210,6 +220,19 @@ class LogSection(_Section):
     # Measure one step's tensor memory by kind (torch's MemTracker; the step runs slower) and record
     # it beside the planner's prediction (keel.plan.run) in the metrics file.
     memory_breakdown: bool = False
+    # TensorBoard event files of every logged record under RUN/<tensorboard_dir> (keel.train.trackers;
+    # needs `pip install 'keel[tensorboard]'`), and a Weights & Biases run (needs wandb, not a keel dependency).
+    tensorboard: bool = False
+    tensorboard_dir: str = Field("tensorboard", min_length=1)  # relative to the run dir
+    wandb: bool = False
+
+    @field_validator("tensorboard", "wandb")
+    @classmethod
+    def _tracker_installed(cls, value: bool, info: ValidationInfo) -> bool:
+        reason = missing_package(info.field_name) if value else None
+        if reason:
+            raise ValueError(reason)
+        return value
 
 
 class ProfileSection(_Section):

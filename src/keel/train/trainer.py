@@ -58,6 +58,7 @@ from keel.train.precision import DynamicLossScaler, clip_grad_norm_
 from keel.train.preflight import check_vocabulary
 from keel.train.profiling import StepProfiler
 from keel.train.sharded_load import check_loadable, load_shards
+from keel.train.trackers import TensorBoardTracker, Trackers, WandbTracker
 from keel.train.watchdog import StepWatchdog
 
 log = logging.getLogger("keel.train")
@@ -155,6 +156,7 @@ class Trainer:
             before_commit=lambda step: self.faults.before_commit(step, self.rank),
         )
         self.metrics = MetricsFile(cfg.metrics_path, enabled=self.rank == 0)
+        self.trackers = Trackers([])  # opened by run(), on rank 0
         self.step = 0
         self.rollbacks = 0
         self.state_bytes: dict[str, int] | None = None  # measured after the first update
@@ -714,6 +716,7 @@ class Trainer:
                 self.predicted_memory.moment,
             )
         try:
+            self.trackers = self._open_trackers()
             while self.step < cfg.training.steps:
                 self.watchdog.step_started(self.step + 1)
                 self.faults.before_step(self.step + 1, self.rank)
@@ -739,7 +742,7 @@ class Trainer:
                     if val is not None:
                         record["val_loss"] = val
                 if self.rank == 0 and (record["step"] % cfg.log.interval == 0 or "guard" in record):
-                    self.metrics.write(record)
+                    self._log(record)
                 if bar is not None:
                     bar.n = self.step
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}")
@@ -757,16 +760,30 @@ class Trainer:
                 log.info("exported the model as an HF directory: %s", exported)
             val = self.validate()
             if val is not None and self.rank == 0:
-                self.metrics.write({"step": self.step, "val_loss": val})
+                self._log({"step": self.step, "val_loss": val})
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.watchdog.stop()
             if bar is not None:
                 bar.close()
             self.metrics.close()
+            self.trackers.close()
         result.steps_done = self.step
         result.final_loss = result.losses.get(self.step)
         return result
+
+    def _open_trackers(self) -> Trackers:
+        log_cfg, trackers = self.cfg.log, []
+        if self.rank == 0 and log_cfg.tensorboard:
+            trackers.append(TensorBoardTracker(self.run_dir / log_cfg.tensorboard_dir))
+        if self.rank == 0 and log_cfg.wandb:
+            trackers.append(WandbTracker(self.run_dir, self.cfg.run.name, self.cfg.model_dump(mode="json")))
+        return Trackers(trackers)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """A record to metrics.jsonl and to the trackers the config asks for (rank 0)."""
+        self.metrics.write(record)
+        self.trackers.write(record)
 
     def close(self) -> None:
         if dist.is_initialized():
