@@ -5,6 +5,7 @@ helpers (the data are built again here, so that the two files run in parallel)."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -168,7 +169,12 @@ def test_compiled_blocks_train_like_eager_ones(root):
     args = ["--set", "training.steps=3", "--set", "checkpoint.interval=0", "--set", "training.compile=true"]
     # A cache of its own: inductor's on-disk FX graph cache has served a graph generated for another thread
     # count (pytorch#160812: its key lacked the count baked into the C++), and other tests compile too.
-    env = {"TORCH_LOGS": "graph_breaks,recompiles", "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor-compiled")}
+    # One thread, as each xdist worker runs (conftest): the process has one core of the two.
+    env = {
+        "TORCH_LOGS": "graph_breaks,recompiles",
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor-compiled"),
+        "OMP_NUM_THREADS": "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2",
+    }
     r = keel_process(config(root, "compiled"), *args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Recompiling" not in r.stderr  # the second block reuses the first block's graph
