@@ -8,6 +8,8 @@ them on the device itself, so they need one.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -110,20 +112,43 @@ def test_staging_moves_a_step_in_one_copy():
     assert again[0].tolist() == [9, 9] and moved[0].tolist() == [0, 1, 2, 3, 4]
 
 
+def test_staging_grown_under_inference_mode_serves_steps_outside_it():
+    """The engine's dummy step grows the buffer under inference_mode; later steps run outside it."""
+    staging = Staging("cuda")
+    with torch.inference_mode():
+        staging.move([torch.arange(4)])
+    assert staging.move([torch.arange(3)])[0].tolist() == [0, 1, 2]
+    with torch.inference_mode():
+        assert staging.move([torch.arange(2)])[0].tolist() == [0, 1]
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_weight_only_quantized_linears_run_on_cuda(llama, quantize):
-    """keel's int8/int4 weight-only layers on the device: logits close to the float model's."""
+    """keel's int8/int4 weight-only layers on the device: each layer's product equals the product with the
+    weight it stores (read back through a layout-agnostic unpack), and the logits stay near the float
+    model's (int4 at group 32 on random weights loses ~0.2 of the logits' norm on CPU as on CUDA)."""
+    from keel.quant.linear import QuantizedLinear
     from keel.quant.loading import load_model
 
     dense = load_model(str(llama), "bfloat16", device="cuda")
     quant = load_model(str(llama), "bfloat16", device="cuda", quantize=quantize, quant_group_size=32)
-    assert any(getattr(m, "scheme", None) for m in quant.model.modules())
-    tokens = torch.tensor([PROMPTS[1]], device="cuda")
+    layers = [m for m in quant.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.qweight.device.type == "cuda" for m in layers)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():
+        for layer in layers:
+            for rows in (1, 7, 64):
+                x = torch.randn(rows, layer.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
+                want = x.float() @ layer.dequantized().T
+                if layer.bias is not None:
+                    want += layer.bias.float()
+                got = layer(x).float()
+                assert ((got - want).norm() / want.norm()) < 0.02, (layer, rows)
+        tokens = torch.tensor([PROMPTS[1]], device="cuda")
         want, got = dense.model(tokens).float(), quant.model(tokens).float()
     assert got.device.type == "cuda"
     error = (got - want).norm() / want.norm()
-    assert error < (0.05 if quantize == "int8" else 0.2), error
+    assert error < (0.05 if quantize == "int8" else 0.3), error
 
 
 def test_a_model_of_its_own_dtype_round_trips(tmp_path):
@@ -141,6 +166,8 @@ def test_a_model_of_its_own_dtype_round_trips(tmp_path):
 def test_gpu_memory_utilization_sizes_the_cache_after_a_dummy_step(llama, caplog):
     import logging
 
+    gc.collect()  # earlier tests' cached blocks: the engine empties the cache before it measures
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     share = 0.03 + (total - free) / total  # what is in use now, and ~4 GiB more on an H200
     with caplog.at_level(logging.INFO, logger="keel.serve"):

@@ -75,6 +75,20 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             head_dim=16,
         ),
     ),
+    # Llama's block with Granite's four scalars, each away from 1 (softmax scale neither 1 nor 1/sqrt(16)).
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            intermediate_size=128,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+    ),
     # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
     # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
     "deepseek_v3": (

@@ -26,6 +26,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GraniteForCausalLM": "granite",
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
@@ -43,6 +44,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": [2]},
     "mistral": {**_COMMON_DEFAULTS, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": [2]},
     "qwen2": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
+    # Granite: Llama's block with four scalars (transformers' GraniteConfig defaults: all 1.0, so a
+    # config without attention_multiplier has softmax scale 1, not 1/sqrt(head_dim)).
+    "granite": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": [2]},
     "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
     "mixtral": {
         **_COMMON_DEFAULTS,
@@ -168,6 +172,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # DeepSeek's checkpoints store rotary pairs interleaved
+    # Scalars of the block (Granite's four; 1.0 / None: not there).
+    embedding_multiplier: float = 1.0  # the embedding's output is multiplied by this
+    residual_multiplier: float = 1.0  # each sublayer's output is multiplied by this before the residual add
+    attention_scale: float | None = None  # the softmax scale of q.k; None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # the logits are divided by this
     # Tokens and provenance.
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -231,6 +240,8 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
+        need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
+        need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
         need(
             self.rope_scaling.type in ROPE_TYPES,
             f"rope scaling type {self.rope_scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
@@ -366,6 +377,7 @@ class ModelConfig:
             tie_word_embeddings=bool(_hf_get(hf, "tie_word_embeddings", False)),
             **_biases_from_hf(family, hf),
             qk_norm=family in ("qwen3", "qwen3_moe"),
+            **_scalars_from_hf(family, hf),
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=_hf_get(hf, "bos_token_id"),
@@ -411,16 +423,23 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "dtype": self.dtype,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "granite"):
             hf["attention_bias"] = self.qkv_bias
             hf["mlp_bias"] = self.mlp_bias
+        if self.architecture == "granite":
+            hf.update(
+                embedding_multiplier=self.embedding_multiplier,
+                residual_multiplier=self.residual_multiplier,
+                attention_multiplier=self.attention_scale,
+                logits_scaling=self.logits_scaling,
+            )
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
         if self.architecture == "deepseek_v3":
             hf.update(_deepseek_to_hf(self))
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
-        elif self.architecture != "llama":
+        elif self.architecture not in ("llama", "granite"):
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["sliding_window"] = self.sliding_window
             hf["layer_types"] = list(self.layer_types)
@@ -525,8 +544,20 @@ def _biases_from_hf(family: str, hf: dict[str, Any]) -> dict[str, bool]:
         "qkv_bias": qkv_bias,
         # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only. DeepSeek's covers
         # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj or kv_b_proj).
-        "o_bias": attention_bias if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False,
-        "mlp_bias": bool(_hf_get(hf, "mlp_bias", False)) if family == "llama" else False,
+        "o_bias": attention_bias if family in ("llama", "granite", "qwen3", "qwen3_moe", "deepseek_v3") else False,
+        "mlp_bias": bool(_hf_get(hf, "mlp_bias", False)) if family in ("llama", "granite") else False,
+    }
+
+
+def _scalars_from_hf(family: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers under keel's names (GraniteConfig's defaults where absent)."""
+    if family != "granite":
+        return {}
+    return {
+        "embedding_multiplier": float(_hf_get(hf, "embedding_multiplier", 1.0)),
+        "residual_multiplier": float(_hf_get(hf, "residual_multiplier", 1.0)),
+        "attention_scale": float(_hf_get(hf, "attention_multiplier", 1.0)),
+        "logits_scaling": float(_hf_get(hf, "logits_scaling", 1.0)),
     }
 
 
@@ -685,7 +716,7 @@ def _sliding_from_hf(family: str, hf: dict[str, Any], num_layers: int) -> tuple[
     layer_types = hf.get("layer_types")
     if layer_types and len(layer_types) == num_layers:
         return window, list(layer_types)
-    if window is None or family == "llama":
+    if window is None or family in ("llama", "granite"):
         return None, ["full_attention"] * num_layers
     max_window_layers = int(hf.get("max_window_layers", num_layers))
     if family in ("qwen2", "qwen3"):

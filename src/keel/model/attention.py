@@ -8,6 +8,7 @@ attention only asks it to store the new ones and hand back what the queries may 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -110,6 +111,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
+        # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
+        # that every attention backend (SDPA, the paged caches' kernels) keeps its default scale.
+        scale = config.attention_scale
+        self.q_multiplier = None if scale is None else scale * math.sqrt(self.head_dim)
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
@@ -125,6 +130,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = meta.rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_multiplier is not None:
+            q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]
         if meta.cache is not None:
             out = meta.cache.attend(self.layer, q, k, v, meta, self.window)

@@ -25,6 +25,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn: nn.Module = MLAttention(config, layer) if config.is_mla else Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
         self.mlp: nn.Module = (
             MoE(config)
             if config.is_moe_layer(layer)
@@ -35,6 +36,9 @@ class DecoderLayer(nn.Module):
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        if self.residual_multiplier != 1.0:
+            x = x + self.self_attn(self.input_layernorm(x), meta) * self.residual_multiplier
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
         x = x + self.self_attn(self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -83,7 +87,12 @@ class Transformer(nn.Module):
         decoding. last_only: compute logits only for the last position (generation). select: indices
         into the flattened B*S tokens whose logits are wanted (a packed serving batch) -> [N, V].
         """
-        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(tokens)
+            if self.config.embedding_multiplier != 1.0:  # Granite
+                h = h * self.config.embedding_multiplier
+        else:
+            h = tokens
         b, s = h.shape[:2]
         if positions is None and cache is None:
             meta = AttentionMetadata.for_sequence(b, s, device=h.device)
@@ -105,7 +114,10 @@ class Transformer(nn.Module):
         elif select is not None:
             h = h.reshape(-1, h.shape[-1]).index_select(0, select)
         h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        logits = self.lm_head(h)
+        return logits / self.config.logits_scaling if self.config.logits_scaling != 1.0 else logits
 
 
 def build_model(

@@ -23,6 +23,7 @@ import os
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from keel import kernels
 from keel.errors import KeelError
@@ -31,6 +32,7 @@ from keel.kernels import triton_paged
 ENV = "KEEL_ATTENTION_BACKEND"
 BACKENDS = ("kernels", "triton", "torch")
 _FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
+_CHUNK_BACKENDS_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
@@ -91,6 +93,12 @@ def attend_chunk(queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | N
 
     bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
     keys, values = keys.to(queries.dtype), values.to(queries.dtype)  # a bfloat16 cache of a float32 model
-    return torch.nn.functional.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=bias, enable_gqa=queries.shape[1] != keys.shape[1], scale=scale
-    )
+    gqa = queries.shape[1] != keys.shape[1]
+    if not queries.is_cuda:
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
+                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+    # Not cuDNN's kernel, which SDPA prefers on Hopper: it builds a plan per new shape, and every chunk
+    # length is new (the host time of a prefill-heavy step on an H200: docs/BENCHMARKS.md, issue 23).
+    with sdpa_kernel(_CHUNK_BACKENDS_CUDA):
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
+                                                                enable_gqa=gqa, scale=scale)  # fmt: skip

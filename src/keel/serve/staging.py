@@ -39,8 +39,11 @@ class Staging:
         if self._copied is not None:
             self._copied.synchronize()
         if self._host is None or self._host.numel() < total:
-            self._host = torch.empty(max(total, 2 * (0 if self._host is None else self._host.numel())),
-                                     dtype=torch.int64, pin_memory=True)  # fmt: skip
+            # Not an inference tensor even when the first step to grow it runs under inference_mode (the
+            # engine's dummy step does): written in place by every later step, in that mode or not.
+            with torch.inference_mode(False):
+                self._host = torch.empty(max(total, 2 * (0 if self._host is None else self._host.numel())),
+                                         dtype=torch.int64, pin_memory=True)  # fmt: skip
         host = self._host[:total]
         torch.cat([t.reshape(-1) for t in tensors], out=host)
         moved = host.to(self.device, non_blocking=True)

@@ -1,0 +1,41 @@
+"""Families added as config options of the one model, served through the engine (paged KV cache, prefix
+caching, the compiled decode step) with transformers' greedy tokens; their logits, align and conversion
+are in tests/test_architectures.py and tests/test_convert.py with every tiny family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.serve.engine import EngineConfig
+from keel.serve.llm import LLM
+from keel.serve.sampling import SamplingParams
+from tiny_models import save_byte_tokenizer, save_hf_model
+
+pytestmark = pytest.mark.isa  # the compiled step and the kernels differ by ISA
+
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("name", ["granite"])
+def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
+    hf = save_hf_model(name, tmp_path)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    shared = list(range(40, 80))  # five blocks of 8: the second prompt's prefix is served from the cache
+    prompts = [shared + [7, 9, 11], shared + [100, 3], [5, 6, 7, 8, 9]]
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(ids) :].tolist())
+    config = EngineConfig.of(
+        dtype="float32", compile=True, num_blocks=64, max_model_len=256, block_size=8, enable_prefix_caching=True
+    )
+    llm = LLM(str(tmp_path), config)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in [first, *rest]] == expected
+    assert rest[0].num_cached_tokens >= 32  # the shared blocks came from the prefix cache
+    assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
