@@ -17,7 +17,7 @@ pytestmark = pytest.mark.isa  # the compiled step and the kernels differ by ISA
 NEW_TOKENS = 24
 
 
-@pytest.mark.parametrize("name", ["granite"])
+@pytest.mark.parametrize("name", ["granite", "phi3"])
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     hf = save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)

@@ -23,6 +23,7 @@ LAYERS = [
         "keel.platform",
         "keel.kernels",
         "keel.config",
+        "keel.families",
         "keel.catalog",
         "keel.tokenizer",
     },

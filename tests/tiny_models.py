@@ -89,6 +89,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_bias=True,
         ),
     ),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), split at load; a sliding window.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(intermediate_size=128, sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    ),
     # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
     # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
     "deepseek_v3": (

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families import FAMILIES
 
 # HF `architectures` value -> keel family. The family decides HF defaults and name maps.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -27,6 +28,7 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GraniteForCausalLM": "granite",
+    **{module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()},
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
@@ -48,6 +50,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # config without attention_multiplier has softmax scale 1, not 1/sqrt(head_dim)).
     "granite": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": [2]},
     "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
+    **{family: {**_COMMON_DEFAULTS, **module.DEFAULTS} for family, module in FAMILIES.items()},
     "mixtral": {
         **_COMMON_DEFAULTS,
         "rms_norm_eps": 1e-5,
@@ -125,7 +128,8 @@ class RopeScaling:
 class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
 
-    architecture: str  # keel family: llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
+    # keel family: llama | mistral | qwen2 | qwen3 | granite | phi3 | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -344,6 +348,7 @@ class ModelConfig:
         config (DeepSeek-V3's FP8) is read too; loading such weights is still refused."""
         family = _family_from_hf(hf, source)
         defaults = FAMILY_DEFAULTS[family]
+        own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
         hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
         if not structure_only:
             _refuse_quantized(hf, source)
@@ -378,6 +383,7 @@ class ModelConfig:
             **_biases_from_hf(family, hf),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **_scalars_from_hf(family, hf),
+            **own,
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=_hf_get(hf, "bos_token_id"),
@@ -433,13 +439,15 @@ class ModelConfig:
                 attention_multiplier=self.attention_scale,
                 logits_scaling=self.logits_scaling,
             )
+        if self.architecture in FAMILIES:
+            hf.update(FAMILIES[self.architecture].hf_fields(self))
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
         if self.architecture == "deepseek_v3":
             hf.update(_deepseek_to_hf(self))
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
-        elif self.architecture not in ("llama", "granite"):
+        elif self.architecture not in ("llama", "granite", *FAMILIES):
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["sliding_window"] = self.sliding_window
             hf["layer_types"] = list(self.layer_types)

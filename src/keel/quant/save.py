@@ -137,7 +137,7 @@ def _tensors(
                 base = f"{base}.{leaf}"
             yield from portable(base, tensor.to(dtype), scheme, group_size)
             continue
-        for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)]).items():
+        for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)], fuse=False).items():
             yield hf_name, _owned(hf_tensor.to(dtype))
         if name == "embed_tokens.weight" and head_from_embedding:
             # A tied head that is quantized is its own copy of the embedding matrix (as quantize_model makes it).

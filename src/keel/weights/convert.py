@@ -29,7 +29,7 @@ from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.loader import checked_tensors, open_checkpoint
-from keel.weights.names import keel_to_hf
+from keel.weights.names import fused_stream, keel_to_hf
 from keel.weights.safetensors import INDEX_FILE, SINGLE_FILE
 
 T = TypeVar("T")
@@ -190,9 +190,13 @@ def _hf_tensors(checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype)
     with torch.device("meta"):  # names and shapes only; no memory
         skeleton = Transformer(checkpoint.config)
     # named_parameters lists a tied head once (as embed_tokens); keel_to_hf drops lm_head when tied.
-    for name, tensor in checked_tensors(skeleton, checkpoint):
-        for hf_name, hf_tensor in keel_to_hf(config, [(name, tensor)]).items():
-            yield hf_name, _owned(hf_tensor.to(dtype))
+    parts = (
+        item
+        for name, tensor in checked_tensors(skeleton, checkpoint)
+        for item in keel_to_hf(config, [(name, tensor)], fuse=False).items()
+    )
+    for hf_name, hf_tensor in fused_stream(config, parts):
+        yield hf_name, _owned(hf_tensor.to(dtype))
 
 
 def _owned(tensor: Tensor) -> Tensor:

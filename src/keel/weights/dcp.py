@@ -51,7 +51,7 @@ class DCPReader:
                 dcp.load({"model": state}, checkpoint_id=str(directory), no_dist=True)
             except Exception as e:  # noqa: BLE001
                 raise WeightsError(f"{directory}: cannot read the checkpoint's shards ({e})") from None
-        self._tensors = keel_to_hf(config, state.items())
+        self._tensors = keel_to_hf(config, state.items(), fuse=False)
 
     def names(self) -> set[str]:
         return set(self._tensors)

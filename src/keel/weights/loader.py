@@ -18,6 +18,7 @@ from torch import Tensor
 from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
+from keel.families import FAMILIES
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import Checkpoint
@@ -63,6 +64,8 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
     quantization = None
     if config_path.exists():
         config, quantization = _read_config(config_path)
+        if config.architecture in FAMILIES and hasattr(FAMILIES[config.architecture], "fused_rows"):
+            reader.split_rows(FAMILIES[config.architecture].fused_rows(config))
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:

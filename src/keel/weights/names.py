@@ -13,13 +13,14 @@ Multi-head latent attention keeps the HF names (`self_attn.q_a_proj`, `kv_a_proj
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from keel.config import ModelConfig
+from keel.families import FAMILIES
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -78,8 +79,9 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
     return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)
 
 
-def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    """keel parameters -> HF hub-format tensors (per-expert weights), for `keel convert`."""
+def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: bool = True) -> dict[str, Tensor]:
+    """keel parameters -> HF hub-format tensors (per-expert weights; the family's fused tensors unless
+    `fuse` is False: keel's own readers take the parts), for `keel convert`."""
     out: dict[str, Tensor] = {}
     gate_name, up_name, down_name = _expert_names(config)
     for name, tensor in state:
@@ -99,4 +101,25 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]]) -> dict
             continue
         source = hf_source(config, name, set())
         out[source.names[0]] = tensor
-    return out
+    return dict(fused_stream(config, out.items())) if fuse else out
+
+
+def fused_stream(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """HF-named tensors with the family's fused checkpoint tensors (keel.families: Phi-3's qkv_proj,
+    gate_up_proj) made again from their parts, in row order, as soon as the last part arrives; every
+    other tensor passes as it comes."""
+    family = FAMILIES.get(config.architecture)
+    layout = family.fused_rows(config) if family is not None and hasattr(family, "fused_rows") else {}
+    owner = {part: fused for fused, parts in layout.items() for part in parts}
+    held: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in tensors:
+        fused = owner.get(name)
+        if fused is None:
+            yield name, tensor
+            continue
+        held.setdefault(fused, {})[name] = tensor
+        if len(held[fused]) == len(layout[fused]):
+            parts = held.pop(fused)
+            yield fused, torch.cat([parts[p] for p in sorted(parts, key=lambda p: layout[fused][p][0])])
+    for parts in held.values():  # a fused tensor whose parts did not all come (a pipeline stage's share)
+        yield from parts.items()

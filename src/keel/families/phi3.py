@@ -1,0 +1,59 @@
+"""Phi-3 (`Phi3ForCausalLM`): Llama's block, with q, k and v stored as one `qkv_proj` tensor and the
+MLP's gate and up as one `gate_up_proj` (gate first), both split into keel's projections at load
+and fused again on export. Sliding windows as Mistral's (every layer, when `sliding_window` is set).
+
+Not read: `rope_scaling` of type longrope (Phi-3 128k, Phi-3.5: a per-frequency rescaling keel's
+rotary does not have) and `partial_rotary_factor` below 1 (Phi-4-mini): both refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.errors import ConfigError
+
+FAMILY = "phi3"
+HF_ARCHITECTURE = "Phi3ForCausalLM"
+# transformers' Phi3Config defaults.
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": [32000],
+}
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Phi-3's own config.json keys as keel fields (none beyond Llama's); what keel cannot run, refused."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in ("longrope", "su", "yarn"):  # Phi-3's "su" and "yarn" are its longrope (transformers' reading)
+        raise ConfigError(f"{source}: rope scaling {kind!r} (Phi-3's longrope) is not supported")
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor is not None and float(factor) != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor {factor} is not supported (rotary over whole heads only)")
+    return {}
+
+
+def hf_fields(config: Any) -> dict[str, Any]:
+    """config.json keys of the family, beyond the common ones keel writes for every family."""
+    return {"sliding_window": config.sliding_window, "original_max_position_embeddings": config.max_position_embeddings}
+
+
+def fused_rows(config: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """HF fused tensor name -> {the HF-style name of each part: its [start, stop) rows}, every layer."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    layout = {}
+    for layer in range(config.num_layers):
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        layout[f"{attn}.qkv_proj.weight"] = {
+            f"{attn}.q_proj.weight": (0, q),
+            f"{attn}.k_proj.weight": (q, q + kv),
+            f"{attn}.v_proj.weight": (q + kv, q + 2 * kv),
+        }
+        layout[f"{mlp}.gate_up_proj.weight"] = {
+            f"{mlp}.gate_proj.weight": (0, inter),
+            f"{mlp}.up_proj.weight": (inter, 2 * inter),
+        }
+    return layout
