@@ -62,7 +62,9 @@ def test_keel_align_passes(tiny_dirs, name, capsys):
     assert "PASS" in out and "logits" in out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_moe", "granite", "phi3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen2_moe", "granite", "phi3", "stablelm", "stablelm-parallel", "gpt_neox", "olmo2", "gemma3"]
+)
 def test_align_bfloat16_passes(tiny_dirs, name, capsys):
     directory, _ = tiny_dirs[name]
     assert keel_main(["align", str(directory), "--dtype", "bfloat16"]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import ConfigError
 from keel.families import FAMILIES
+from keel.weights.parts import PartsReader
 from keel.weights.safetensors import SafetensorsReader
 from keel.weights.shard import Shard, narrow
 from tiny_models import save_hf_model
@@ -26,8 +28,7 @@ def test_fused_tensors_read_as_their_parts(phi3):
     config = ModelConfig.from_json_file(phi3 / "config.json")
     fused = SafetensorsReader(phi3)
     whole = {name: fused.get(name) for name in fused.names()}
-    reader = SafetensorsReader(phi3)
-    reader.split_rows(FAMILIES["phi3"].fused_rows(config))
+    reader = PartsReader(SafetensorsReader(phi3), FAMILIES["phi3"].checkpoint_layout(config))
     names = reader.names()
     assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
@@ -75,3 +76,86 @@ def test_the_exported_config_is_phi3s(phi3):
     hf = config.to_hf()
     assert hf["architectures"] == ["Phi3ForCausalLM"] and hf["sliding_window"] == 8
     assert ModelConfig.from_hf(hf) == config
+
+
+def test_stablelm_per_head_layernorm_is_refused_by_name(tmp_path):
+    save_hf_model("stablelm", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="qk_layernorm"):
+        ModelConfig.from_hf({**data, "qk_layernorm": True}, source="stablelm/config.json")
+    config = ModelConfig.from_hf(data)
+    assert (config.norm_type, config.norm_bias, config.rotary_dim, config.head_dim) == ("layer", True, 8, 16)
+    hf = config.to_hf()
+    assert hf["rope_parameters"]["partial_rotary_factor"] == 0.5 and ModelConfig.from_hf(hf) == config
+
+
+def test_gpt_neox_reads_interleaved_heads_and_its_own_names(tmp_path):
+    """GPT-NeoX's query_key_value holds, per head, q then k then v: keel's q/k/v_proj (weights and biases)
+    are read from those rows, a tensor-parallel rank's heads included, and the other tensors by rename."""
+    save_hf_model("gpt_neox", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    stored = SafetensorsReader(tmp_path)
+    reader = PartsReader(SafetensorsReader(tmp_path), FAMILIES["gpt_neox"].checkpoint_layout(config))
+    assert not any(n.startswith("gpt_neox.") for n in reader.names())
+    d, heads = config.head_dim, config.num_heads
+    for kind in ("weight", "bias"):
+        qkv = stored.get(f"gpt_neox.layers.1.attention.query_key_value.{kind}")
+        per_head = qkv.reshape(heads, 3, d, *qkv.shape[1:])
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            want = per_head[:, i].reshape(heads * d, *qkv.shape[1:])
+            assert torch.equal(reader.get(f"model.layers.1.self_attn.{name}.{kind}"), want)
+            shard = Shard(0, d, 3 * d)  # heads 1 and 2 of 4
+            assert torch.equal(reader.get_shard(f"model.layers.1.self_attn.{name}.{kind}", shard), want[d : 3 * d])
+    assert torch.equal(reader.get("model.norm.bias"), stored.get("gpt_neox.final_layer_norm.bias"))
+    assert torch.equal(
+        reader.get_row("model.layers.0.mlp.up_proj.weight", 5),
+        stored.get("gpt_neox.layers.0.mlp.dense_h_to_4h.weight")[5],
+    )
+
+
+def test_a_checkpoint_whose_tensors_the_inferred_block_cannot_place_is_refused(tmp_path):
+    """Without config.json, StableLM's tensors look like Qwen2's but for the LayerNorms' biases: keel refuses
+    to infer the structure rather than serve a Qwen2 without them."""
+    from keel.weights import open_checkpoint
+
+    save_hf_model("stablelm", tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        open_checkpoint(str(tmp_path), head_dim=16)
+    message = str(e.value)
+    assert "input_layernorm.bias" in message and "config.json" in message and "\n" not in message
+
+
+def test_whole_projection_qk_norms_refuse_tensor_parallelism(tmp_path):
+    """OLMo 2's q/k norms span every head: a tensor-parallel rank holds some heads only, so serving and
+    training both refuse tp > 1 by name (one process runs it)."""
+    from keel.errors import KeelError
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model("olmo2", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert (config.qk_norm_scope, config.norm_placement) == ("all", "post")
+    with pytest.raises(KeelError, match="whole projection"):
+        check_parallel_model(config, tmp_path, 2, 1)
+    check_parallel_model(config, tmp_path, 1, 2)  # pipeline stages cut whole layers
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="whole projection"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+
+def test_gemma3_reads_both_rope_forms_and_refuses_attention_softcapping(tmp_path):
+    """Gemma 3's per-kind RoPE as transformers 5 writes it (rope_parameters by layer kind) and as older
+    configs do (rope_theta, rope_local_base_freq, rope_scaling) give the same model; attention-score
+    soft-capping (Gemma 2's) is refused by name."""
+    save_hf_model("gemma3", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    config = ModelConfig.from_hf(data)
+    assert (config.rope_theta, config.rope_scaling.type, config.rope_scaling.factor) == (100000.0, "linear", 2.0)
+    assert (config.sliding_rope_theta, config.sliding_rope_scaling.type) == (5000.0, "default")
+    legacy = {k: v for k, v in data.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=100000.0, rope_local_base_freq=5000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert ModelConfig.from_hf(legacy) == config
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf({**data, "attn_logit_softcapping": 50.0}, source="gemma/config.json")

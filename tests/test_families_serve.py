@@ -17,7 +17,23 @@ pytestmark = pytest.mark.isa  # the compiled step and the kernels differ by ISA
 NEW_TOKENS = 24
 
 
-@pytest.mark.parametrize("name", ["granite", "phi3"])
+# Each family compiles a decode graph of its own (30-45 s of inductor on 2 cores): Granite and StableLM, whose
+# block features GPT-NeoX and Gemma 3 cover here, are served in make test-slow.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("granite", marks=SLOW),
+        "phi3",
+        pytest.param("stablelm", marks=SLOW),
+        pytest.param("stablelm-parallel", marks=SLOW),
+        "gpt_neox",
+        "olmo2",
+        "gemma3",
+    ],
+)
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     hf = save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
@@ -30,7 +46,13 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
             out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
             expected.append(out[0, len(ids) :].tolist())
     config = EngineConfig.of(
-        dtype="float32", compile=True, num_blocks=64, max_model_len=256, block_size=8, enable_prefix_caching=True
+        dtype="float32",
+        compile=True,
+        num_blocks=64,
+        max_model_len=256,
+        block_size=8,
+        enable_prefix_caching=True,
+        max_num_seqs=4,
     )
     llm = LLM(str(tmp_path), config)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -95,6 +95,41 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "Phi3ForCausalLM",
         dict(intermediate_size=128, sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     ),
+    # StableLM 2: LayerNorm with bias, rotary over half of each head, q/k/v bias.
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(intermediate_size=128, use_qkv_bias=True, partial_rotary_factor=0.5),
+    ),
+    # ... and its parallel residual (one LayerNorm for both sublayers), a quarter of each head rotated.
+    "stablelm-parallel": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(intermediate_size=128, use_parallel_residual=True, partial_rotary_factor=0.25),
+    ),
+    # GPT-NeoX: its own names, q/k/v interleaved per head in one tensor, parallel residual with two
+    # LayerNorms, an ungated GELU MLP with biases, a quarter of each head rotated.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
+    # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
+    # Gemma 3 (text): sandwich norms with (1 + w), GeGLU, sqrt(hidden) embedding, query_pre_attn_scalar, sliding
+    # layers (two in three here) with their own RoPE base and linear-scaled global layers, a final soft-cap.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            intermediate_size=128,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+        ),
+    ),
     # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
     # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
     "deepseek_v3": (

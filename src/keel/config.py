@@ -101,6 +101,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# transformers' hidden_act names -> keel's (keel.model.layers runs them).
+HIDDEN_ACTS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,22 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each sublayer's output is multiplied by this before the residual add
     attention_scale: float | None = None  # the softmax scale of q.k; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # the logits are divided by this
+    # Block options of issue 25, each aligned against a transformers family that has it.
+    partial_rotary_factor: float = 1.0  # rotary over the first int(head_dim * factor) channels of each head
+    norm_type: str = "rms"  # rms | layer: the block and final norms (eps: rms_norm_eps); q/k norms stay RMSNorm
+    norm_bias: bool = False  # LayerNorm with a bias
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's option)
+    post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
+    # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
+    norm_placement: str = "pre"
+    qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in float32 (Gemma: 1)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Sliding-window layers' own RoPE (Gemma 3's local layers); None: every layer takes rope_theta/rope_scaling.
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh
+    mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -204,8 +228,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels per head that rotary embeddings rotate (MLA: only the decoupled qk_rope part)."""
-        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+        """Channels per head that rotary embeddings rotate (MLA: only the decoupled qk_rope part; with a
+        partial_rotary_factor the first int(head_dim * factor), transformers' rounding)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -246,6 +271,38 @@ class ModelConfig:
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
+        need(
+            0 < self.partial_rotary_factor <= 1,
+            f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}",
+        )
+        need(not (self.is_mla and self.partial_rotary_factor != 1), "MLA sets its rotary width by qk_rope_head_dim")
+        rotary = self.rotary_dim
+        need(
+            self.is_mla or (rotary > 0 and rotary % 2 == 0),
+            f"the rotary width int(head_dim x partial_rotary_factor) must be even and positive, got {rotary}",
+        )
+        need(self.norm_type in ("rms", "layer"), f"norm_type {self.norm_type!r} is not supported (rms, layer)")
+        need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
+        need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
+        need(self.hidden_act in HIDDEN_ACTS.values(), f"hidden_act {self.hidden_act!r} is not supported")
+        need(
+            self.sliding_rope_scaling.type in ROPE_TYPES,
+            f"sliding rope scaling type {self.sliding_rope_scaling.type!r} is not supported",
+        )
+        need(
+            self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
+            "final_logit_softcapping must be > 0",
+        )
+        need(not (self.is_mla and self.sliding_rope_theta is not None), "MLA has no sliding layers")
+        need(
+            self.norm_placement in ("pre", "post", "sandwich"),
+            f"norm_placement {self.norm_placement!r}: pre, post or sandwich",
+        )
+        need(self.qk_norm_scope in ("head", "all"), f"qk_norm_scope {self.qk_norm_scope!r}: head or all")
+        need(
+            not (self.parallel_residual and self.norm_placement != "pre"),
+            "parallel_residual needs norm_placement 'pre'",
+        )
         need(
             self.rope_scaling.type in ROPE_TYPES,
             f"rope scaling type {self.rope_scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
@@ -306,7 +363,7 @@ class ModelConfig:
         if self.o_bias:
             attn += h
         if self.qk_norm:
-            attn += 2 * self.head_dim
+            attn += self.q_size + self.kv_size if self.qk_norm_scope == "all" else 2 * self.head_dim
         return attn
 
     def param_counts(self) -> dict[str, int]:
@@ -317,13 +374,19 @@ class ModelConfig:
         gradients), as in transformers, so it is not counted."""
         h = self.hidden_size
         attn = self._attention_params()
-        dense_mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        mats = 3 if self.mlp_gated else 2
+        dense_mlp = mats * h * self.intermediate_size + (
+            (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
+        )
         expert = 3 * h * self.moe_intermediate_size
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         shared = 3 * h * self.shared_expert_intermediate_size + shared_gate
+        norm = h * (2 if self.norm_bias else 1)
+        pre = (2 if self.post_attention_norm else 1) if self.norm_placement != "post" else 0
+        block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
         total = active = 0
         for layer in range(self.num_layers):
-            base = attn + 2 * h
+            base = attn + block_norms
             if self.is_moe_layer(layer):
                 router = h * self.num_experts
                 total += base + router + shared + self.num_experts * expert
@@ -333,8 +396,8 @@ class ModelConfig:
                 active += base + dense_mlp
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        total += embed + head + h
-        active += embed + head + h
+        total += embed + head + norm
+        active += embed + head + norm
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and
         # the "activated parameters" model cards publish count the rest (a tied table, as the head, counts).
         matmul = active - (0 if self.tie_word_embeddings else embed)
@@ -355,7 +418,18 @@ class ModelConfig:
         head_dim = int(_hf_get(hf, "head_dim", hidden // num_heads))
         num_kv_heads = int(_hf_get(hf, "num_key_value_heads", num_heads))
         max_positions = int(_hf_get(hf, "max_position_embeddings", defaults["max_position_embeddings"]))
-        rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions)
+        per_kind = _rope_per_layer_kind(hf)
+        if per_kind is not None:  # transformers' per-kind form: {"full_attention": {...}, "sliding_attention": {...}}
+            rope_theta, scaling = _rope_from_hf(
+                per_kind["full_attention"], defaults["rope_theta"], source, max_positions
+            )
+            if "sliding_attention" in per_kind:
+                local_theta, local_scaling = _rope_from_hf(
+                    per_kind["sliding_attention"], defaults["rope_theta"], source, max_positions
+                )
+                own.update(sliding_rope_theta=local_theta, sliding_rope_scaling=local_scaling)
+        else:
+            rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions)
         sliding_window, layer_types = _sliding_from_hf(family, hf, num_layers)
         eos = _hf_get(hf, "eos_token_id", [])
         mla: dict[str, Any] = {}
@@ -364,9 +438,10 @@ class ModelConfig:
             # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
             head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
         moe = _moe_from_hf(family, hf, defaults, num_layers, source)
-        if _hf_get(hf, "hidden_act", "silu") not in ("silu", "swish"):
-            raise ConfigError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-        return cls(
+        act = _hf_get(hf, "hidden_act", "silu")
+        if act not in HIDDEN_ACTS:
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
+        fields = dict(
             architecture=family,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -379,11 +454,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
+            hidden_act=HIDDEN_ACTS[act],
             tie_word_embeddings=bool(_hf_get(hf, "tie_word_embeddings", False)),
             **_biases_from_hf(family, hf),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **_scalars_from_hf(family, hf),
-            **own,
             sliding_window=sliding_window,
             layer_types=layer_types,
             bos_token_id=_hf_get(hf, "bos_token_id"),
@@ -393,6 +468,7 @@ class ModelConfig:
             **moe,
             **mla,
         )
+        return cls(**{**fields, **own})  # a family file's fields over the common reading
 
     @classmethod
     def from_json_file(cls, path: str | Path, structure_only: bool = False) -> ModelConfig:
@@ -419,11 +495,16 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(self.hidden_act, self.hidden_act),
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_parameters": _rope_to_hf(self.rope_theta, self.rope_scaling),
+            "rope_parameters": _rope_to_hf(self.rope_theta, self.rope_scaling)
+            if self.sliding_rope_theta is None
+            else {
+                "full_attention": _rope_to_hf(self.rope_theta, self.rope_scaling),
+                "sliding_attention": _rope_to_hf(self.sliding_rope_theta, self.sliding_rope_scaling),
+            },
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
@@ -440,7 +521,7 @@ class ModelConfig:
                 logits_scaling=self.logits_scaling,
             )
         if self.architecture in FAMILIES:
-            hf.update(FAMILIES[self.architecture].hf_fields(self))
+            hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
         if self.architecture == "deepseek_v3":
@@ -687,6 +768,15 @@ def _rope_from_hf(
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(spec.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _rope_per_layer_kind(hf: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """transformers' rope_parameters by layer kind ({"full_attention": {...}, "sliding_attention": {...}}), each
+    as a config of its own for _rope_from_hf; None for the common flat form."""
+    params = hf.get("rope_parameters")
+    if not (isinstance(params, dict) and isinstance(params.get("full_attention"), dict)):
+        return None
+    return {kind: {"rope_parameters": spec} for kind, spec in params.items() if isinstance(spec, dict)}
 
 
 def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:

@@ -3,18 +3,25 @@ keel's one model (config translation, defaults, name layout), with no model code
 
 A family module defines `FAMILY` (keel's name), `HF_ARCHITECTURE` (transformers' class name),
 `DEFAULTS` (transformers' config defaults for fields a config.json may omit), `config_fields(hf,
-source)` (keel ModelConfig fields read from config.json beyond the common ones), `hf_fields(config)`
-(the family's own config.json keys on export) and, where its checkpoints fuse tensors that keel keeps
-apart, `fused_rows(config)` (docs/ARCHITECTURE.md, "Adding a family"). This package imports nothing
-of keel's but its errors, so that keel.config can read it.
+source)` (keel ModelConfig fields read from config.json beyond the common ones), `hf_fields(config, hf)`
+(the family's own config.json keys on export, given the common ones) and, where its checkpoints name
+or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)` (keel.weights.parts;
+docs/ARCHITECTURE.md, "Adding a family"). This package imports nothing of keel's but its errors, so
+that keel.config can read it.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from keel.families import phi3
+from keel.families import gemma3, gpt_neox, olmo2, phi3, stablelm
 
-FAMILIES: dict[str, ModuleType] = {module.FAMILY: module for module in (phi3,)}
-# Families whose checkpoints store some of keel's projections fused in one tensor (split at load).
-FUSED_CHECKPOINT_FAMILIES = {family for family, module in FAMILIES.items() if hasattr(module, "fused_rows")}
+FAMILIES: dict[str, ModuleType] = {module.FAMILY: module for module in (phi3, stablelm, gpt_neox, olmo2, gemma3)}
+# Families whose checkpoints store tensors otherwise than keel reads them (fused or renamed).
+FUSED_CHECKPOINT_FAMILIES = {family for family, module in FAMILIES.items() if hasattr(module, "checkpoint_layout")}
+
+
+def checkpoint_layout(config) -> dict:  # noqa: ANN001
+    """The family's stored tensors that keel reads under other names or in parts (keel.weights.parts), or {}."""
+    family = FAMILIES.get(config.architecture)
+    return family.checkpoint_layout(config) if family is not None and hasattr(family, "checkpoint_layout") else {}

@@ -36,24 +36,24 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {}
 
 
-def hf_fields(config: Any) -> dict[str, Any]:
-    """config.json keys of the family, beyond the common ones keel writes for every family."""
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys of the family, given the common ones keel writes for every family (`hf`)."""
     return {"sliding_window": config.sliding_window, "original_max_position_embeddings": config.max_position_embeddings}
 
 
-def fused_rows(config: Any) -> dict[str, dict[str, tuple[int, int]]]:
-    """HF fused tensor name -> {the HF-style name of each part: its [start, stop) rows}, every layer."""
+def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """Stored tensor -> {the HF-style name keel reads: its rows of it}, every layer (keel.weights.parts)."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    layout = {}
+    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
     for layer in range(config.num_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
         layout[f"{attn}.qkv_proj.weight"] = {
-            f"{attn}.q_proj.weight": (0, q),
-            f"{attn}.k_proj.weight": (q, q + kv),
-            f"{attn}.v_proj.weight": (q + kv, q + 2 * kv),
+            f"{attn}.q_proj.weight": [(0, q)],
+            f"{attn}.k_proj.weight": [(q, q + kv)],
+            f"{attn}.v_proj.weight": [(q + kv, q + 2 * kv)],
         }
         layout[f"{mlp}.gate_up_proj.weight"] = {
-            f"{mlp}.gate_proj.weight": (0, inter),
-            f"{mlp}.up_proj.weight": (inter, 2 * inter),
+            f"{mlp}.gate_proj.weight": [(0, inter)],
+            f"{mlp}.up_proj.weight": [(inter, 2 * inter)],
         }
     return layout

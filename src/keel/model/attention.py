@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.layers import RMSNorm, apply_rotary
+from keel.model.layers import RMSNorm, apply_partial_rotary
 
 
 class KVCache(Protocol):
@@ -65,6 +65,7 @@ class AttentionMetadata:
     # True when positions are 0..S-1 in every row and there is no cache: plain causal attention.
     plain_causal: bool = False
     rope: tuple[Tensor, Tensor] | None = None  # (cos, sin), filled by the model once per forward
+    sliding_rope: tuple[Tensor, Tensor] | None = None  # the sliding layers' own (cos, sin), where they have one
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
     cache_plan: object | None = None
     _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)
@@ -100,15 +101,22 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.window = config.layer_window(layer)
         h = config.hidden_size
         self.q_proj = nn.Linear(h, config.q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_bias)
-        # Qwen3: RMSNorm over each head's q and k before the rotary embedding.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # RMSNorm over each head's q and k (Qwen3), or over the whole q and k projections (OLMo 2), before the
+        # rotary embedding.
+        self.qk_norm_whole = config.qk_norm_scope == "all"
+        q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        offset = config.norm_weight_offset
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm else None
+        # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
+        self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
@@ -121,15 +129,15 @@ class Attention(nn.Module):
         # -1 heads: under tensor parallelism q/k/v hold this rank's heads only, not num_heads.
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-            q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         else:
-            q = self.q_proj(x).view(b, s, -1, self.head_dim)
-            k = self.k_proj(x).view(b, s, -1, self.head_dim)
-            v = self.v_proj(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = meta.rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None and not self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
+        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]

@@ -51,7 +51,7 @@ def fuse_projections(model: nn.Module) -> int:
                 module.qkv_proj = qkv
                 del module.q_proj, module.k_proj, module.v_proj
                 fused += 1
-        elif isinstance(module, SwiGLU) and module.gate_up_proj is None:
+        elif isinstance(module, SwiGLU) and module.gate_up_proj is None and module.gate_proj is not None:
             gate_up = _concat([module.gate_proj, module.up_proj])
             if gate_up is not None:
                 module.gate_up_proj = gate_up

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from keel import kernels
 from keel.model.attention import Attention, AttentionMetadata
-from keel.model.layers import SwiGLU
+from keel.model.layers import RMSNorm, SwiGLU
 
 _enabled = True
 
@@ -81,6 +81,14 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
         return None
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
         return None  # Granite's scalars: the modules run them
+    # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
+    # whole heads, q/k norms per head; the modules run the other blocks.
+    if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):
+        return None
+    if mlp.act != "silu" or attn.rotary_dim != attn.head_dim or attn.qk_norm_whole or attn.sliding_rope:
+        return None
+    if layer.input_layernorm.offset:  # Gemma's (1 + w) scale
+        return None
     parts, mlp_parts = attn._modules, mlp._modules
     qkv, gate_up = parts.get("qkv_proj"), mlp_parts.get("gate_up_proj")
     if qkv is None or gate_up is None:

@@ -1,4 +1,4 @@
-"""Building blocks shared by every architecture: RMSNorm, rotary embeddings, SwiGLU MLP."""
+"""Building blocks shared by every architecture: norms, rotary embeddings, the SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -32,14 +32,18 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm; statistics in float32 as the reference implementations do."""
+    """Root-mean-square norm; statistics in float32 as the reference implementations do. With an
+    `offset` (Gemma's 1), the scale is (offset + weight), applied in float32 before rounding once."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.offset:
+            return (rms_norm(x.float(), None, self.eps) * (self.weight.float() + self.offset)).to(x.dtype)
         if kernels.fused_ops(x):  # one call instead of ~6 (serving on CPU; same formula)
             return torch.ops.keel.fused_rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
@@ -48,6 +52,13 @@ class RMSNorm(nn.Module):
         # Reduced precision: normalise in float32, round once, then scale (bit-compatible with HF).
         normed = rms_norm(x.float(), None, self.eps).to(x.dtype)
         return self.weight * normed
+
+
+def block_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias."""
+    if config.norm_type == "layer":
+        return nn.LayerNorm(dim, eps=config.rms_norm_eps, bias=config.norm_bias)
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -110,12 +121,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """Computes (cos, sin) for given positions once per forward; layers apply them."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, sliding: bool = False) -> None:
+        """`sliding`: the frequencies of the sliding-window layers' own RoPE (config.sliding_rope_theta)."""
         super().__init__()
         self.head_dim = config.rotary_dim  # MLA rotates only the qk_rope part of each head
-        self.theta = config.rope_theta
-        self.scaling = config.rope_scaling
-        self.attention_factor = rope_attention_factor(config.rope_scaling)
+        self.theta = config.sliding_rope_theta if sliding else config.rope_theta
+        self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
+        self.attention_factor = rope_attention_factor(self.scaling)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self, device: torch.device | None = None) -> Tensor:
@@ -137,6 +149,17 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)
 
 
+def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary over the first cos.shape[-1] channels of each head, the rest passed as they are
+    (partial_rotary_factor: GPT-NeoX, StableLM, Phi-4-mini); the whole head when they are as wide."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return apply_rotary(x, cos, signed_sin)
+    rotated = x[..., :rotary]
+    rotated = rotated * cos + rotated.roll(rotary // 2, dims=-1) * signed_sin
+    return torch.cat((rotated, x[..., rotary:]), dim=-1)
+
+
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotate-half rotary embedding (the HF weight layout): x * cos + rotate_half(x) * sin.
 
@@ -148,22 +171,36 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-class SwiGLU(nn.Module):
-    """The gated MLP of Llama-family models: down(silu(gate(x)) * up(x))."""
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,  # erf (GPT-NeoX's "gelu")
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # transformers' gelu_pytorch_tanh / gelu_new (Gemma)
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+
+class SwiGLU(nn.Module):
+    """The MLP of every block: gated, down(act(gate(x)) * up(x)) (SwiGLU with SiLU, the Llama family's;
+    GeGLU with GELU), or ungated, down(act(up(x))) (GPT-NeoX's dense_h_to_4h / dense_4h_to_h)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu", gated: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = act
+        self._act = _ACTIVATIONS[act]
         # Serving fuses gate and up into one projection at load (keel.model.fuse); None otherwise.
         self.gate_up_proj: nn.Linear | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        elif self.gate_proj is None:
+            return self.down_proj(self._act(self.up_proj(x)))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if kernels.fused_ops(gate):  # one call; the same in the fused and the separate projections
+        if self.act == "silu" and kernels.fused_ops(gate):  # one call; the same in fused and separate projections
             return self.down_proj(torch.ops.keel.fused_silu_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._act(gate) * up)

@@ -114,8 +114,8 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             name = f"{prefix}.{param_name}" if prefix else param_name
             if name == "lm_head.weight" and tied:
                 name = "embed_tokens.weight"  # a stage's untied head starts as the tied model's
-            if isinstance(module, RMSNorm):
-                param.fill_(1.0)
+            if isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
+                param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
             elif param_name == "bias":
                 param.zero_()
             elif isinstance(module, nn.Linear | nn.Embedding | Router | GroupedExperts):

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache
 from keel.model.fused_layer import fused_forward, fused_layers
-from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 
@@ -22,20 +22,39 @@ from keel.model.moe import MoE
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, pre, post = config.hidden_size, config.norm_placement != "post", config.norm_placement != "pre"
+        # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
+        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
+        self.input_layernorm: nn.Module | None = block_norm(config, h) if pre else None
         self.self_attn: nn.Module = MLAttention(config, layer) if config.is_mla else Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm: nn.Module | None = (
+            block_norm(config, h) if pre and config.post_attention_norm else None
+        )
+        self.attn_output_norm: nn.Module | None = block_norm(config, h) if post else None
+        self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post else None
         self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
+        self.parallel_residual = config.parallel_residual
         self.mlp: nn.Module = (
             MoE(config)
             if config.is_moe_layer(layer)
-            else SwiGLU(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            else SwiGLU(
+                config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+            )
         )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
+            h = x if self.input_layernorm is None else self.input_layernorm(x)
+            x = x + self.attn_output_norm(self.self_attn(h, meta))
+            h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+            return x + self.mlp_output_norm(self.mlp(h))
+        if self.parallel_residual:  # both sublayers read the block's input (GPT-NeoX, StableLM's option)
+            normed = self.input_layernorm(x)
+            mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+            return x + self.self_attn(normed, meta) + self.mlp(mlp_in)
         if self.residual_multiplier != 1.0:
             x = x + self.self_attn(self.input_layernorm(x), meta) * self.residual_multiplier
             return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
@@ -49,8 +68,9 @@ class Transformer(nn.Module):
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
+        self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: nn.Module | None = block_norm(config, config.hidden_size)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -63,6 +83,8 @@ class Transformer(nn.Module):
     def reset_buffers(self, device: torch.device | str = "cpu") -> None:
         """Recompute non-persistent buffers, e.g. after building on the meta device."""
         self.rotary.reset_buffers(torch.device(device))
+        if self.sliding_rotary is not None:
+            self.sliding_rotary.reset_buffers(torch.device(device))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,6 +123,8 @@ class Transformer(nn.Module):
                 raise ValueError("positions are required with a KV cache")
             meta = AttentionMetadata(positions=positions, cache=cache)
         meta.rope = self.rotary(meta.positions, h.dtype)
+        if self.sliding_rotary is not None:
+            meta.sliding_rope = self.sliding_rotary(meta.positions, h.dtype)
         fused = fused_layers(self.layers, h, meta)  # serving on keel's CPU kernels: one call
         if fused is not None:
             h = fused
@@ -117,7 +141,10 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             return h
         logits = self.lm_head(h)
-        return logits / self.config.logits_scaling if self.config.logits_scaling != 1.0 else logits
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2
 
 
 def build_model(
@@ -141,8 +168,10 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        elif isinstance(module, RMSNorm | nn.LayerNorm):
+            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
         elif isinstance(module, MoE):
             nn.init.normal_(module.router.weight, std=std)
             nn.init.normal_(module.experts.gate_up_proj, std=std)

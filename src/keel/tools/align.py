@@ -122,7 +122,7 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
     with tempfile.TemporaryDirectory(prefix="keel-align-") as tmp:
         ref_dir = _reference_dir(model, Path(tmp))
         reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype).eval()
-        ref_out = _layer_outputs(reference.model.layers, lambda: reference(tokens).logits)
+        ref_out = _layer_outputs(reference.base_model.layers, lambda: reference(tokens).logits)  # model. or gpt_neox.
     ours = _layer_outputs(list(loaded.model.layers.values()), lambda: loaded.model(tokens))
 
     min_cosine, max_rel = TOLERANCES[dtype]

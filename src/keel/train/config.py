@@ -636,6 +636,8 @@ def _check_model_fits(
     for name, count in (("num_attention_heads", model.num_heads), ("num_key_value_heads", model.num_kv_heads)):
         if count % par.tp:
             raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
+    if par.tp > 1 and model.qk_norm and model.qk_norm_scope == "all":
+        raise fail("parallel: tp > 1 is not supported for q/k norms over the whole projection (OLMo 2) yet")
     if par.tp > 1 and model.is_mla:
         raise fail("parallel: tp > 1 is not supported for multi-head latent attention (DeepSeek-V3) yet")
     if par.ep > 1 and not model.is_moe:

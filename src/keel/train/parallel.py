@@ -222,8 +222,9 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=out),
     }
     if sp:
-        plan["input_layernorm"] = SequenceParallel()
-        plan["post_attention_layernorm"] = SequenceParallel()
+        for norm in ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm"):
+            if getattr(layer, norm) is not None:
+                plan[norm] = SequenceParallel()
         # Gather the sequence once per block half; the meta argument is not a tensor.
         plan["self_attn"] = PrepareModuleInput(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
@@ -234,7 +235,8 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if isinstance(layer.mlp, SwiGLU):
-        plan["mlp.gate_proj"] = ColwiseParallel()
+        if layer.mlp.gate_proj is not None:
+            plan["mlp.gate_proj"] = ColwiseParallel()
         plan["mlp.up_proj"] = ColwiseParallel()
         plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=out)
         if sp:

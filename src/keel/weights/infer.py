@@ -98,11 +98,32 @@ def infer_config(
         dtype=_STORED_DTYPES.get(reader.dtype(EMBED), "float32"),
         **_moe_fields(mlp.moe, defaults, len(layers), provenance),
     )
+    _refuse_unplaced(tensors, config)
     for name in UNRECOVERABLE:
         provenance[name] = "default"
     for name in ModelConfig.__dataclass_fields__:
         provenance.setdefault(name, "inferred")
     return config, provenance
+
+
+def _refuse_unplaced(tensors: _Tensors, config: ModelConfig) -> None:
+    """Tensors the inferred structure has no place for (a LayerNorm's bias, a norm after a sublayer: another
+    family's block) mean the shapes alone do not tell the model: refuse rather than load it without them."""
+    import torch
+
+    from keel.model.transformer import Transformer
+    from keel.weights.names import hf_source
+
+    names = tensors.names
+    with torch.device("meta"):
+        expected = {n for key in Transformer(config).state_dict() for n in hf_source(config, key, names).names}
+    unplaced = sorted(n for n in names if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if unplaced:
+        more = f" and {len(unplaced) - 3} more" if len(unplaced) > 3 else ""
+        raise tensors.fail(
+            f"tensors {', '.join(unplaced[:3])}{more} have no place in the {config.architecture} block inferred from "
+            "shapes; add the checkpoint's config.json"
+        )
 
 
 class _Tensors:

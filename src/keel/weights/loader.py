@@ -18,11 +18,12 @@ from torch import Tensor
 from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
-from keel.families import FAMILIES
+from keel.families import checkpoint_layout
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.names import hf_source
+from keel.weights.parts import PartsReader
 from keel.weights.quant_format import check_saved_quantization
 
 
@@ -64,8 +65,9 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
     quantization = None
     if config_path.exists():
         config, quantization = _read_config(config_path)
-        if config.architecture in FAMILIES and hasattr(FAMILIES[config.architecture], "fused_rows"):
-            reader.split_rows(FAMILIES[config.architecture].fused_rows(config))
+        layout = checkpoint_layout(config)
+        if layout:
+            reader = PartsReader(reader, layout)
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from keel.config import ModelConfig
-from keel.families import FAMILIES
+from keel.families import checkpoint_layout
+from keel.weights.parts import fused_stream as parts_fused_stream
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -105,21 +106,5 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
 
 
 def fused_stream(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """HF-named tensors with the family's fused checkpoint tensors (keel.families: Phi-3's qkv_proj,
-    gate_up_proj) made again from their parts, in row order, as soon as the last part arrives; every
-    other tensor passes as it comes."""
-    family = FAMILIES.get(config.architecture)
-    layout = family.fused_rows(config) if family is not None and hasattr(family, "fused_rows") else {}
-    owner = {part: fused for fused, parts in layout.items() for part in parts}
-    held: dict[str, dict[str, Tensor]] = {}
-    for name, tensor in tensors:
-        fused = owner.get(name)
-        if fused is None:
-            yield name, tensor
-            continue
-        held.setdefault(fused, {})[name] = tensor
-        if len(held[fused]) == len(layout[fused]):
-            parts = held.pop(fused)
-            yield fused, torch.cat([parts[p] for p in sorted(parts, key=lambda p: layout[fused][p][0])])
-    for parts in held.values():  # a fused tensor whose parts did not all come (a pipeline stage's share)
-        yield from parts.items()
+    """HF-named tensors as the family stores them (keel.families: renamed, fused), made from keel's."""
+    return parts_fused_stream(checkpoint_layout(config), tensors)

@@ -33,6 +33,10 @@ def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_pa
         raise KeelError(f"--pipeline-parallel-size {pp}: the model has only {config.num_layers} layers")
     if expert_parallel and not config.is_moe:
         raise KeelError(f"{source}: --enable-expert-parallel needs a mixture-of-experts model")
+    if tp > 1 and config.qk_norm and config.qk_norm_scope == "all":
+        raise KeelError(
+            f"{source}: tensor-parallel serving does not handle q/k norms over the whole projection (OLMo 2)"
+        )
     if tp > 1:
         TensorParallelLayout(config, tp, 0, expert_parallel)  # raises when heads, KV heads or widths do not divide
 

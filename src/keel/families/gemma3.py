@@ -1,0 +1,86 @@
+"""Gemma 3, text only (`Gemma3ForCausalLM`, model_type gemma3_text): a norm before and after each sublayer
+("sandwich"), every RMSNorm scaling by (1 + weight) in float32, q/k norms per head, the embedding
+multiplied by sqrt(hidden_size), the softmax scale query_pre_attn_scalar^-1/2, a GELU-gated MLP (tanh
+approximation), and sliding-window layers (five in six by default) whose RoPE has its own base
+(`rope_local_base_freq`, or `rope_parameters["sliding_attention"]`) while the global layers take
+`rope_theta` and its scaling. Gemma's `post_attention_layernorm` is the attention's output norm
+(keel's `attn_output_norm`), `pre_feedforward_layernorm` the norm before the MLP (keel's
+`post_attention_layernorm`), `post_feedforward_layernorm` the MLP's output norm (`mlp_output_norm`).
+
+Not read: `attn_logit_softcapping` (Gemma 2's attention-score soft-capping; None in Gemma 3), refused by
+name when set; the bidirectional attention of `use_bidirectional_attention`, refused likewise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.errors import ConfigError
+
+FAMILY = "gemma3"
+HF_ARCHITECTURE = "Gemma3ForCausalLM"
+# transformers' Gemma3TextConfig defaults.
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 131_072,
+    "bos_token_id": 2,
+    "eos_token_id": [1],
+}
+LOCAL_ROPE_THETA = 10_000.0
+SLIDING_WINDOW_PATTERN = 6  # every sixth layer global
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(key):
+            raise ConfigError(f"{source}: {key} {hf[key]!r} is not supported")
+    activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if activation not in ("gelu_pytorch_tanh", "gelu_new"):
+        raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    layers = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN))
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    window = hf.get("sliding_window", 4096)
+    cap = hf.get("final_logit_softcapping")
+    return {
+        "norm_placement": "sandwich",
+        "norm_weight_offset": 1.0,
+        "qk_norm": True,
+        "embedding_multiplier": float(hf["hidden_size"]) ** 0.5,
+        "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "hidden_act": "gelu_tanh",
+        "final_logit_softcapping": None if cap is None else float(cap),
+        "sliding_window": window,
+        "layer_types": list(layer_types) if window else ["full_attention"] * layers,
+        "sliding_rope_theta": float(hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)),
+        "qkv_bias": bool(hf.get("attention_bias", False)),
+        "o_bias": bool(hf.get("attention_bias", False)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(config.attention_scale**-2),  # an int in transformers
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "attn_logit_softcapping": None,
+        "sliding_window": config.sliding_window,
+        "layer_types": list(config.layer_types),
+        "attention_bias": config.qkv_bias,
+    }
+
+
+def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """Gemma's four block norms under keel's names (the module docstring)."""
+    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}"
+        layout[f"{p}.post_attention_layernorm.weight"] = {f"{p}.attn_output_norm.weight": None}
+        layout[f"{p}.pre_feedforward_layernorm.weight"] = {f"{p}.post_attention_layernorm.weight": None}
+        layout[f"{p}.post_feedforward_layernorm.weight"] = {f"{p}.mlp_output_norm.weight": None}
+    return layout

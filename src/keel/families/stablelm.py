@@ -1,0 +1,55 @@
+"""StableLM 2 (`StableLmForCausalLM`): LayerNorm with a bias for every norm, rotary over the first quarter
+of each head (`partial_rotary_factor`), optional q/k/v bias and, as an option, the parallel residual
+(x + attn(ln(x)) + mlp(ln(x)): one norm for both sublayers). Llama's tensor names.
+
+Not read: `qk_layernorm` (a LayerNorm per head, StableLM 2 12B): refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.errors import ConfigError
+
+FAMILY = "stablelm"
+HF_ARCHITECTURE = "StableLmForCausalLM"
+# transformers' StableLmConfig defaults (its layer_norm_eps is keel's rms_norm_eps: the norms' eps).
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 0,
+    "eos_token_id": [0],
+}
+DEFAULT_PARTIAL_ROTARY = 0.25
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    if hf.get("qk_layernorm"):
+        raise ConfigError(f"{source}: qk_layernorm (a LayerNorm per head) is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    parallel = bool(hf.get("use_parallel_residual", False))
+    eps = hf.get("layer_norm_eps")
+    return {
+        "norm_type": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),
+        "partial_rotary_factor": float(DEFAULT_PARTIAL_ROTARY if factor is None else factor),
+        "qkv_bias": bool(hf.get("use_qkv_bias", False)),
+        "o_bias": False,
+        "mlp_bias": False,
+        "parallel_residual": parallel,
+        "post_attention_norm": not parallel,
+    }
+
+
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "layer_norm_eps": config.rms_norm_eps,
+        "use_qkv_bias": config.qkv_bias,
+        "qk_layernorm": False,
+        "use_parallel_residual": config.parallel_residual,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": config.partial_rotary_factor},
+    }

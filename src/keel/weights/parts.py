@@ -1,0 +1,137 @@
+"""A checkpoint's tensors under the names keel reads, where a family stores them otherwise (keel.families:
+renamed tensors, and fused tensors whose rows hold several of keel's, in one block each or interleaved).
+
+`PartsReader(reader, layout)` wraps a safetensors reader. `layout` maps a stored tensor name to the
+names it serves: each with the stored rows it takes, in order ([(start, stop), ...]), or None for the
+whole tensor under another name. Every read (whole, one row, a tensor-parallel shard, an FSDP box)
+takes only the rows it needs from the stored tensor's bytes; the stored names are no longer listed.
+`fused_stream` puts the stored tensors together again from keel's, for writing HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from keel.errors import WeightsError
+from keel.weights.shard import Shard
+
+Rows = list[tuple[int, int]] | None
+Layout = dict[str, dict[str, Rows]]
+
+
+def _pieces(rows: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The stored row ranges that hold rows [start, stop) of the part made of `rows`."""
+    out, offset = [], 0
+    for a, b in rows:
+        lo, hi = max(start, offset), min(stop, offset + b - a)
+        if lo < hi:
+            out.append((a + lo - offset, a + hi - offset))
+        offset += b - a
+    return out
+
+
+class PartsReader:
+    """A tensor reader (keel.weights.checkpoint.TensorReader) serving `layout`'s names (the module docstring)."""
+
+    def __init__(self, reader, layout: Layout) -> None:  # noqa: ANN001
+        self.inner = reader
+        present = reader.names()
+        self._parts: dict[str, tuple[str, Rows]] = {
+            name: (stored, rows)
+            for stored, parts in layout.items()
+            if stored in present
+            for name, rows in parts.items()
+        }
+        self._names = (present - {stored for stored, _ in self._parts.values()}) | set(self._parts)
+
+    def _known(self, name: str) -> None:
+        if name not in self._names:
+            raise WeightsError(f"{getattr(self.inner, 'directory', '')}: tensor {name!r} not found in the checkpoint")
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def file_of(self, name: str) -> Path:
+        return self.inner.file_of(self._parts.get(name, (name, None))[0])
+
+    def dtype(self, name: str) -> str:
+        self._known(name)
+        return self.inner.dtype(self._parts.get(name, (name, None))[0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._known(name)
+        stored, rows = self._parts.get(name, (name, None))
+        shape = tuple(self.inner.shape(stored))
+        return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+
+    def get(self, name: str) -> Tensor:
+        self._known(name)
+        if name not in self._parts:
+            return self.inner.get(name)
+        shape = self.shape(name)
+        return self.get_box(name, (0,) * len(shape), shape)
+
+    def get_row(self, name: str, index: int) -> Tensor:
+        shape = self.shape(name)
+        return self.get_box(name, (index, *[0] * (len(shape) - 1)), (1, *shape[1:]))[0]
+
+    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
+        self._known(name)
+        if name not in self._parts:
+            return self.inner.get_shard(name, shard)
+        if shard is None:
+            return self.get(name)
+        shape = self.shape(name)
+        pieces = []
+        for a, b in shard.ranges(shape[shard.dim]):
+            offset = tuple(a if i == shard.dim else 0 for i in range(len(shape)))
+            size = tuple(b - a if i == shard.dim else n for i, n in enumerate(shape))
+            pieces.append(self.get_box(name, offset, size))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+    def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+        self._known(name)
+        stored, rows = self._parts.get(name, (name, None))
+        if rows is None:
+            return self.inner.get_box(stored, offset, shape)
+        pieces = [
+            self.inner.get_box(stored, (a, *offset[1:]), (b - a, *shape[1:]))
+            for a, b in _pieces(rows, offset[0], offset[0] + shape[0])
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """HF-named tensors with `layout`'s stored tensors made again from keel's, each as soon as its last
+    part arrives; every other tensor passes as it comes."""
+    owner = {name: stored for stored, parts in layout.items() for name in parts}
+    held: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in tensors:
+        stored = owner.get(name)
+        if stored is None:
+            yield name, tensor
+            continue
+        held.setdefault(stored, {})[name] = tensor
+        if len(held[stored]) < len(layout[stored]):
+            continue
+        parts = held.pop(stored)
+        if len(parts) == 1 and layout[stored][name] is None:  # renamed
+            yield stored, tensor
+            continue
+        rows = max(b for ranges in layout[stored].values() for _, b in ranges)
+        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        for part, ranges in layout[stored].items():
+            offset = 0
+            for a, b in ranges:
+                out[a:b] = parts[part][offset : offset + b - a]
+                offset += b - a
+        yield stored, out
+    for parts in held.values():  # a stored tensor whose parts did not all come (a pipeline stage's share)
+        yield from parts.items()

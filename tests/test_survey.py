@@ -1,0 +1,67 @@
+"""`keel inspect` on a family keel does not know: the tensors it could place by role, the ones it could
+not, and the metadata keys it does not read, then a one-line error (HF and GGUF)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import transformers
+
+from keel.cli import main
+
+
+def inspect(capsys, path, *extra):
+    code = main(["inspect", str(path), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' own progress bar
+    code, out, err = inspect(capsys, tmp_path)
+    assert code == 1
+    assert err.count("\n") == 1 and "unsupported HF architecture GPT2LMHeadModel" in err
+    lines = out.splitlines()
+    assert "  attention  transformer.h.N.attn.c_attn.weight  x2  new" in lines
+    assert "  norm       transformer.h.N.ln_1.weight  x2  new" in lines
+    assert "  embedding  transformer.wte.weight  new" in lines
+    unplaced = lines[lines.index("tensors keel could not place:") + 1 :]
+    assert "  transformer.wpe.weight" in unplaced  # learned positions: no role in keel's block
+    keys = out.split("metadata keys keel does not read:")[1]
+    assert "n_embd" in keys and "n_layer" in keys and "vocab_size" not in keys and "resid_pdrop" not in keys
+
+
+def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_context_length(32)
+    writer.add_layer_norm_eps(1e-5)
+    for name in ("token_embd.weight", "position_embd.weight", "blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"):
+        writer.add_tensor(name, np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    code, out, err = inspect(capsys, path, "--json")
+    assert code == 1 and "unsupported GGUF architecture 'gpt2'" in err
+    import json
+
+    survey = json.loads(out)
+    assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
+    assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
+    assert survey["unplaced"] == {"position_embd.weight": 1}
+    assert survey["unread_keys"] == ["gpt2.attention.layer_norm_epsilon"]  # context_length and block_count are read
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox"])
+def test_a_known_family_is_inspected_as_before(tmp_path, capsys, name):
+    from tiny_models import save_hf_model
+
+    save_hf_model(name, tmp_path)
+    capsys.readouterr()
+    code, out, _ = inspect(capsys, tmp_path)
+    assert code == 0 and "no keel family reads it" not in out and f'"{name}"' in out
