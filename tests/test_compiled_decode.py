@@ -59,6 +59,9 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     assert compiled == eager
 
 
+# In make test-slow (38 s on an AVX2 machine): the buckets are CUDA's, where tests/test_cuda.py runs them
+# (greedy tokens equal to transformers' with CUDA graphs, on an H200: docs/BENCHMARKS.md).
+@pytest.mark.slow
 def test_batches_padded_to_buckets_give_the_eager_tokens(tmp_path):
     """CUDA's graph buckets, run on CPU: batches padded to 1, 2, 4 or 8 rows with copies of row 0 (which
     rewrite row 0's own K/V), tables padded to the longest a sequence can have: the eager tokens."""

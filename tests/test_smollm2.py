@@ -108,7 +108,9 @@ def test_convert_loads_in_transformers_with_same_logits(smollm2, tmp_path):
     assert hf_tok.encode(text) == smollm2.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bf16 on the real checkpoint in make test-slow (39 s on an AVX2 machine): bf16 align runs in make test on
+# every tiny family (tests/test_architectures.py), and the real checkpoint aligns here in float32.
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_keel_align_passes_on_the_real_checkpoint(dtype, capsys):
     from keel.cli import main as keel_main
 

@@ -25,7 +25,10 @@ def run(args: argparse.Namespace) -> int:
     survey = unknown_family(path)
     if survey is not None:  # a family keel does not know: what it could place, then the error
         print(json.dumps(survey, indent=2) if args.json else format_survey(survey))
-        raise ConfigError(f"{path}: unsupported {survey['architecture']}; what keel could and could not place is above")
+        raise ConfigError(
+            f"{path}: unsupported {survey['architecture']}; supported: {', '.join(survey['known'])} "
+            "(what keel could and could not place is listed above)"
+        )
     info = describe(open_checkpoint(args.model, head_dim=args.head_dim, num_heads=args.num_heads))
     print(json.dumps(info, indent=2, default=str) if args.json else format_text(info))
     return 0
