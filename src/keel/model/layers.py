@@ -155,8 +155,7 @@ def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rotary = cos.shape[-1]
     if rotary == x.shape[-1]:
         return apply_rotary(x, cos, signed_sin)
-    rotated = x[..., :rotary]
-    rotated = rotated * cos + rotated.roll(rotary // 2, dims=-1) * signed_sin
+    rotated = apply_rotary(x[..., :rotary].contiguous(), cos, signed_sin)
     return torch.cat((rotated, x[..., rotary:]), dim=-1)
 
 

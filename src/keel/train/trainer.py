@@ -111,8 +111,9 @@ class Trainer:
             )
         if cfg.checkpoint.export_hf and self.model_config.architecture in FUSED_CHECKPOINT_FAMILIES:
             raise KeelError(
-                f"checkpoint.export_hf: {self.model_config.architecture} checkpoints fuse q/k/v and gate/up into one "
-                "tensor each, which a rank's shards are not; write it with `keel convert CHECKPOINT OUT` after the run"
+                f"checkpoint.export_hf: {self.model_config.architecture} checkpoints store tensors fused or under "
+                "other names than keel's, which a rank's shards are not written as; write it with "
+                "`keel convert CHECKPOINT OUT` after the run"
             )
         self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
         self.mesh = None
