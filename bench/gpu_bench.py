@@ -235,7 +235,7 @@ def main() -> None:
         results["agreement"] = agreement(path, device, 8, 32, args.seed)
         roofline = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
         reference = hf_model(path, torch.bfloat16, device)
-        engine = keel_engine(path, "bfloat16", device, max_num_seqs=128, max_model_len=1024,
+        engine = keel_engine(path, "bfloat16", device, max_num_seqs=256, max_model_len=1024,
                              max_num_batched_tokens=4096, gpu_memory_utilization=0.5)  # fmt: skip
         print(f"keel: {engine.backends}", flush=True)
         vocab = engine.model.config.vocab_size

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 23's proof on one lent GPU: keel's CUDA tests, then bench/gpu_bench.py (greedy agreement with
+# Issue 23's proof on one lent GPU: keel's CUDA tests, bench/triton_decode.py (the decode kernel's variants
+# side by side), then bench/gpu_bench.py (greedy agreement with
 # transformers in float32, batch-1 decode against the copy roofline, 256-request offline throughput
-# against transformers' static batches). One run bounded at ~8.5 minutes (tests 200 s, bench 300 s, the
-# install), nothing from a network.
+# against transformers' static batches). One run bounded at ~8.5 minutes (tests 120 s, kernel variants
+# 90 s, bench 300 s, the install; 11 with --profile), nothing from a network.
 #
 #   bash bench/gpu_check.sh --fetch-wheels   # here, once: the wheels keel needs that the device image lacks -> .whl/
-#   bash bench/gpu_check.sh                  # there (the device tool's run, carry [".whl"]): results under $OUT
+#   bash bench/gpu_check.sh [--profile]      # there (the device tool's run, carry [".whl"]): results under $OUT
+#                                            # (--profile: then bench/gpu_profile.py, 150 s more at most)
 #
 # The device image has torch 2.11 + CUDA 13, triton, transformers, pytest, numpy, safetensors, tokenizers,
 # jinja2, tqdm, httpx and prometheus-client; keel's other dependencies travel as wheels for its Python (3.12),
@@ -36,7 +38,11 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
 
 status=0
-timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_attention_backends.py \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_attention_backends.py \
   2>&1 | tee "$OUT/tests.log" || status=1
+timeout 90 python3 bench/triton_decode.py --out "$OUT/triton_decode.json" 2>&1 | tee "$OUT/triton_decode.log" || status=1
 timeout 300 python3 bench/gpu_bench.py --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
+if [ "${1:-}" = "--profile" ]; then  # where the steps' time goes (bench/gpu_profile.py), bounded at 150 s
+  timeout 150 python3 bench/gpu_profile.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" || status=1
+fi
 exit $status

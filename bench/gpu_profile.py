@@ -105,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="keel-gpu-profile-") as tmp:
         path = save_random_llama(Path(tmp) / "llama", TINY if args.tiny else LLAMA_1B, 0)
         start = time.perf_counter()
-        engine = keel_engine(path, "bfloat16", device, max_num_seqs=128, max_model_len=1024,
+        engine = keel_engine(path, "bfloat16", device, max_num_seqs=256, max_model_len=1024,
                              max_num_batched_tokens=4096, gpu_memory_utilization=0.5)  # fmt: skip
         say(f"engine ready in {time.perf_counter() - start:.1f} s: {engine.backends}\n")
         vocab = engine.model.config.vocab_size

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata, sdpa
+from keel.model.attention import AttentionMetadata, sdpa, softcapped_attention
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 
@@ -39,6 +39,7 @@ class ContiguousKVCache:
     ) -> None:
         self.max_len = max_len
         self.latent_rank = config.kv_lora_rank
+        self.softcap = config.attn_logit_softcapping  # Gemma 2's attention-score soft-capping
         if config.is_mla:  # one shared row per token: [latent, rope key]
             shape = (batch, 1, max_len, config.kv_lora_rank + config.qk_rope_head_dim)
             self.values: list[Tensor] = []
@@ -78,6 +79,8 @@ class ContiguousKVCache:
         self._store(v_cache, v, meta, rows)
         # Slot i holds position i; slots past a row's own tokens are masked as "after the query".
         mask = meta.mask(self._key_positions[:visible], window)
+        if self.softcap is not None:
+            return softcapped_attention(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask, self.softcap)
         return sdpa(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -25,8 +25,9 @@ from tiny_models import save_byte_tokenizer, save_hf_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def reference(queries, k_store, v_store, tables, table_of, positions, block_size, window, scale, v_dim):
-    """Each token over its sequence's rows, gathered one by one: softmax(scale q.k) v in float64."""
+def reference(queries, k_store, v_store, tables, table_of, positions, block_size, window, scale, v_dim, softcap=0.0):
+    """Each token over its sequence's rows, gathered one by one: softmax(scale q.k) v in float64 (each score
+    capped at softcap * tanh(score / softcap) when softcap > 0)."""
     values = k_store if v_store is None else v_store
     tokens, heads, _ = queries.shape
     group = heads // k_store.shape[0]
@@ -38,7 +39,10 @@ def reference(queries, k_store, v_store, tables, table_of, positions, block_size
         for h in range(heads):
             k = k_store[h // group, slots].double()
             v = values[h // group, slots, :v_dim].double()
-            weights = torch.softmax(k @ queries[t, h].double() * scale, dim=0)
+            scores = k @ queries[t, h].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = torch.softmax(scores, dim=0)
             out[t, h] = weights @ v
     return out
 
@@ -84,6 +88,47 @@ def test_triton_kernel_matches_the_reference(kv_heads, group, head_dim, v_dim, b
     if dtype != torch.float16 and kernels.active():  # the CPU kernel reads the same stores the same way
         cpu = torch.ops.keel.paged_attention(queries, k, v, None, None, *args)
         torch.testing.assert_close(out.float(), cpu.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("splits", [2, 5, 8])
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_context_split_across_programs_combines_to_the_reference(splits, window):
+    """Flash-decoding: each token's visible blocks shared out among `splits` programs (some of them empty:
+    five or eight splits of a context of at most six blocks), combined by the second kernel."""
+    queries, k, v, tables, table_of, positions = random_case(2, 4, 32, 32, 16, torch.float32, seed=4)
+    args = (tables, table_of, positions, 16, window, 32**-0.5, 32)
+    dev = [t.to(DEVICE) for t in (queries, k, v)]
+    out = triton_paged.paged_attention(
+        *dev, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args), splits=splits
+    ).cpu()
+    torch.testing.assert_close(out.double(), reference(queries, k, v, *args), atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_count_fills_the_device_from_shapes_alone(monkeypatch):
+    """Enough programs for every multiprocessor a few (at batch 1 the context is split; at a batch that fills
+    the device it is not), never more splits than the table has blocks, and none on CPU."""
+    monkeypatch.setattr(triton_paged, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert triton_paged.context_splits(8, 64, cuda) == 64  # batch 1, 8 KV heads: 528 programs wanted
+    assert triton_paged.context_splits(8, 20, cuda) == 20
+    assert triton_paged.context_splits(128 * 8, 64, cuda) == 1
+    assert 1 < triton_paged.context_splits(16 * 8, 64, cuda) < 64
+    assert triton_paged.context_splits(8, 64, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_scores_are_soft_capped_when_asked(splits):
+    """Gemma 2's attention soft-capping (softcap * tanh(score / softcap)), with the scores made large
+    enough that the cap changes the result."""
+    queries, k, v, tables, table_of, positions = random_case(1, 4, 32, 32, 16, torch.float32, seed=5)
+    queries = queries * 6
+    args = (tables, table_of, positions, 16, 0, 32**-0.5, 32)
+    dev = [t.to(DEVICE) for t in (queries, k, v)]
+    device_args = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    out = triton_paged.paged_attention(*dev, *device_args, softcap=5.0, splits=splits).cpu()
+    capped = reference(queries, k, v, *args, softcap=5.0)
+    torch.testing.assert_close(out.double(), capped, atol=1e-5, rtol=1e-5)
+    assert (capped - reference(queries, k, v, *args)).abs().max() > 0.05  # the cap mattered
 
 
 def test_triton_kernel_reads_bfloat16_rows_for_float32_queries():
@@ -169,7 +214,7 @@ def test_greedy_tokens_are_the_same_under_every_backend(models, name, monkeypatc
     results = {}
     calls = []
     real = triton_paged.paged_attention
-    monkeypatch.setattr(triton_paged, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_paged, "paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     for backend in backends:
         monkeypatch.setenv(ENV, backend)
         llm = LLM(
@@ -213,3 +258,50 @@ def test_the_compiled_decode_op_attends_through_triton_as_the_eager_cache(models
     monkeypatch.setenv(ENV, "torch")
     caches[0].plan = StepPlan(slots, [DecodeGroup(torch.arange(3, device=DEVICE), tables, positions, True)], [])
     torch.testing.assert_close(caches[0].attend(0, q, k, v, None, window=None), eager)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunks_that_start_their_sequences_attend_as_one_batch(models, backend, monkeypatch):
+    """A step of two decodes, four first chunks of 3-30 tokens (three batched together, the shortest left
+    alone: padding it to 30 would waste too much) and a chunk over cached rows: the same rows as one call per
+    chunk gives, under the backends that batch them (the C++ kernel takes every row in one call anyway)."""
+    from keel.serve import kv_cache
+    from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan
+
+    monkeypatch.setenv(ENV, backend)
+    config = models["llama"].config
+    gen = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(config, 32, 16, torch.float32, DEVICE)
+    for store in cache.keys + cache.values:
+        store.copy_(torch.randn(store.shape, generator=gen))
+    lengths = [30, 3, 12, 10]
+    chunks, start, block = [], 2, 1
+    for n in lengths:
+        table = torch.arange(block, block + 2, device=DEVICE)
+        chunks.append(PrefillChunk(start, start + n, table, torch.arange(n, device=DEVICE), n))
+        start, block = start + n, block + 2
+    cached = PrefillChunk(start, start + 4, torch.tensor([20, 21], device=DEVICE), torch.arange(20, 24).to(DEVICE), 24)
+    chunks.append(cached)
+    total = start + 4
+    first_slots = [
+        c.table.cpu()[torch.arange(len(c.positions)) // 16] * 16 + torch.arange(len(c.positions)) % 16
+        for c in chunks[:4]
+    ]
+    slots = torch.cat([
+        torch.tensor([30 * 16, 31 * 16]),
+        *first_slots,
+        torch.tensor([21 * 16 + 4 + i for i in range(4)]),
+    ]).to(DEVICE)  # fmt: skip
+    decodes = [DecodeGroup(torch.arange(2, device=DEVICE), torch.tensor([[24, 30], [25, 31]], device=DEVICE),
+                           torch.tensor([16, 16], device=DEVICE))]  # fmt: skip
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    q = torch.randn(1, h, total, d, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, total, hkv, d, generator=gen).to(DEVICE) for _ in range(2))
+
+    cache.plan = StepPlan(slots, decodes, chunks)
+    batches = cache.plan.fresh_prefills()
+    assert [sorted(b.chunks) for b in batches] == [[0, 2, 3]]
+    batched = cache.attend(0, q, k, v, None, window=None)
+    monkeypatch.setattr(kv_cache, "fresh_batches", lambda *a, **kw: [])
+    cache.plan = StepPlan(slots, decodes, chunks)
+    torch.testing.assert_close(batched, cache.attend(0, q, k, v, None, window=None))

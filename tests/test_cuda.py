@@ -203,3 +203,22 @@ def test_the_nccl_flight_recorder_dumps_this_ranks_collectives(tmp_path, monkeyp
         assert any(e.get("profiling_name") == "nccl:all_reduce" for e in snapshot["entries"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tile_keys", [16, 64])
+def test_the_triton_decode_kernel_on_the_tensor_cores_matches_float32(tile_keys):
+    """bf16 queries over bf16 rows with `half_dot` (bf16 products on the tensor cores, float32 sums; Triton's
+    CPU interpreter cannot run bf16 dots, so this is checked here) against the float32 IEEE path, with the
+    context split and not."""
+    from keel.kernels import triton_paged
+
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(4, 64 * 16, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    queries = torch.randn(5, 16, 64, generator=gen).to("cuda", torch.bfloat16)
+    tables = torch.randperm(64, generator=gen)[:60].view(5, 12).to("cuda")
+    positions = torch.tensor([0, 15, 16, 100, 191], device="cuda")
+    for splits in (1, 4):
+        args = (queries, k, v, tables, None, positions, 16, 0, 0.125, 64)
+        exact = triton_paged.paged_attention(*args, splits=splits, tile_keys=tile_keys, half_dot=False)
+        fast = triton_paged.paged_attention(*args, splits=splits, tile_keys=tile_keys, half_dot=True)
+        torch.testing.assert_close(fast.float(), exact.float(), atol=2e-2, rtol=2e-2)

@@ -144,10 +144,10 @@ def test_whole_projection_qk_norms_refuse_tensor_parallelism(tmp_path):
         train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
 
 
-def test_gemma3_reads_both_rope_forms_and_refuses_attention_softcapping(tmp_path):
+def test_gemma3_reads_both_rope_forms_and_attention_softcapping(tmp_path):
     """Gemma 3's per-kind RoPE as transformers 5 writes it (rope_parameters by layer kind) and as older
     configs do (rope_theta, rope_local_base_freq, rope_scaling) give the same model; attention-score
-    soft-capping (Gemma 2's) is refused by name."""
+    soft-capping (Gemma 2's, None in Gemma 3) is read where a config sets it."""
     save_hf_model("gemma3", tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     config = ModelConfig.from_hf(data)
@@ -157,5 +157,52 @@ def test_gemma3_reads_both_rope_forms_and_refuses_attention_softcapping(tmp_path
     legacy.update(rope_theta=100000.0, rope_local_base_freq=5000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert ModelConfig.from_hf(legacy) == config
     assert ModelConfig.from_hf(config.to_hf()) == config
-    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
-        ModelConfig.from_hf({**data, "attn_logit_softcapping": 50.0}, source="gemma/config.json")
+    assert config.attn_logit_softcapping is None
+    capped = ModelConfig.from_hf({**data, "attn_logit_softcapping": 50.0})
+    assert capped.attn_logit_softcapping == 50.0 and ModelConfig.from_hf(capped.to_hf()) == capped
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf({**data, "use_bidirectional_attention": True}, source="gemma/config.json")
+
+
+def test_gemma2_reads_transformers_defaults_and_writes_its_config(tmp_path):
+    """Gemma 2's config.json: without layer_types the layers alternate as transformers' Gemma2Config sets them
+    (even layers slide); absent soft-caps take transformers' defaults (final 30, attention 50), null ones are
+    off; the exported config reads back the same; bidirectional attention and a cap <= 0 are refused."""
+    save_hf_model("gemma2", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    config = ModelConfig.from_hf(data)
+    assert (config.architecture, config.norm_placement, config.norm_weight_offset) == ("gemma2", "sandwich", 1.0)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.qk_norm) == (5.0, 30.0, False)
+    assert config.attention_scale == 24**-0.5 and config.sliding_rope_theta is None
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    bare = {
+        k: v for k, v in data.items() if k not in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping")
+    }
+    bare["num_hidden_layers"] = 4
+    read = ModelConfig.from_hf(bare)
+    assert read.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert (read.attn_logit_softcapping, read.final_logit_softcapping) == (50.0, 30.0)
+    off = ModelConfig.from_hf({**data, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (off.attn_logit_softcapping, off.final_logit_softcapping) == (None, None)
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf({**data, "use_bidirectional_attention": True}, source="gemma/config.json")
+    with pytest.raises(ConfigError, match="attn_logit_softcapping must be > 0"):
+        ModelConfig.from_hf({**data, "attn_logit_softcapping": -1.0})
+
+
+@pytest.mark.parametrize("cap", [None, 1.0])
+def test_gemma2_attention_softcapping_is_exercised(tmp_path, cap):
+    """The attention soft-cap changes the logits (the tiny model's 5.0 against none, and against 1.0), and keel
+    matches transformers' Gemma2ForCausalLM with each (float32, the model's own attention without a cache)."""
+    from keel.quant.loading import load_model
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, overrides in (("tiny", {}), ("cap", {"attn_logit_softcapping": cap})):
+        hf = save_hf_model("gemma2", tmp_path / name, **overrides)
+        keel = load_model(tmp_path / name, "float32").model
+        assert keel.layers["0"].self_attn.softcap == hf.config.attn_logit_softcapping
+        with torch.no_grad():
+            ref, logits[name] = hf(tokens).logits, keel(tokens)
+        assert ((logits[name] - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    assert ((logits["cap"] - logits["tiny"]).abs().max() / logits["tiny"].abs().max()).item() > 0.1

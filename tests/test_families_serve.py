@@ -17,8 +17,9 @@ pytestmark = pytest.mark.isa  # the compiled step and the kernels differ by ISA
 NEW_TOKENS = 24
 
 
-# Each family compiles a decode graph of its own (30-45 s of inductor on 2 cores): Granite and StableLM, whose
-# block features GPT-NeoX and Gemma 3 cover here, are served in make test-slow.
+# Each family compiles a decode graph of its own (30-45 s of inductor on 2 cores): Granite, StableLM and Gemma 2,
+# whose block features GPT-NeoX and Gemma 3 cover here, are served in make test-slow (Gemma 2's attention-score
+# soft-capping on the paged cache's paths, the compiled decode op's included: tests/test_attention_softcap.py).
 SLOW = pytest.mark.slow
 
 
@@ -31,7 +32,8 @@ SLOW = pytest.mark.slow
         pytest.param("stablelm-parallel", marks=SLOW),
         "gpt_neox",
         "olmo2",
-        "gemma3",
+        pytest.param("gemma3", marks=SLOW),
+        pytest.param("gemma2", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):

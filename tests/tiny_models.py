@@ -130,6 +130,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Gemma 2: Gemma 3's block without q/k norms, one RoPE, sliding and global layers alternating by transformers'
+    # default rule, and attention-score soft-capping (a cap low enough here to bend the sharpened scores). Eager
+    # attention: some transformers releases (5.17) run Gemma 2 under SDPA, which drops the cap.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            attn_implementation="eager",
+            intermediate_size=128,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=5.0,
+        ),
+    ),
     # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
     # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
     "deepseek_v3": (

@@ -137,7 +137,7 @@ class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
-    # one of keel.families (phi3, stablelm, gpt_neox, olmo2, gemma3)
+    # one of keel.families (phi3, stablelm, gpt_neox, olmo2, gemma2, gemma3)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -201,6 +201,8 @@ class ModelConfig:
     qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in float32 (Gemma: 1)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Attention scores (after the softmax scale) -> cap * tanh(scores / cap), before the mask (Gemma 2).
+    attn_logit_softcapping: float | None = None
     # Sliding-window layers' own RoPE (Gemma 3's local layers); None: every layer takes rope_theta/rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -293,6 +295,14 @@ class ModelConfig:
         need(
             self.final_logit_softcapping is None or self.final_logit_softcapping > 0,
             "final_logit_softcapping must be > 0",
+        )
+        need(
+            self.attn_logit_softcapping is None or self.attn_logit_softcapping > 0,
+            "attn_logit_softcapping must be > 0",
+        )
+        need(
+            not (self.is_mla and self.attn_logit_softcapping is not None),
+            "attn_logit_softcapping is not read by MLA",
         )
         need(not (self.is_mla and self.sliding_rope_theta is not None), "MLA has no sliding layers")
         need(

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from keel.families import gemma3, gpt_neox, olmo2, phi3, stablelm
+from keel.families import gemma2, gemma3, gpt_neox, olmo2, phi3, stablelm
 
-FAMILIES: dict[str, ModuleType] = {module.FAMILY: module for module in (phi3, stablelm, gpt_neox, olmo2, gemma3)}
+FAMILIES: dict[str, ModuleType] = {
+    module.FAMILY: module for module in (phi3, stablelm, gpt_neox, olmo2, gemma3, gemma2)
+}
 # Families whose checkpoints store tensors otherwise than keel reads them (fused or renamed).
 FUSED_CHECKPOINT_FAMILIES = {family for family, module in FAMILIES.items() if hasattr(module, "checkpoint_layout")}
 

@@ -6,9 +6,9 @@ approximation), and sliding-window layers (five in six by default) whose RoPE ha
 `rope_theta` and its scaling. Gemma's `post_attention_layernorm` is the attention's output norm
 (keel's `attn_output_norm`), `pre_feedforward_layernorm` the norm before the MLP (keel's
 `post_attention_layernorm`), `post_feedforward_layernorm` the MLP's output norm (`mlp_output_norm`).
+`attn_logit_softcapping` (Gemma 2's attention-score soft-capping; None in Gemma 3) is read where set.
 
-Not read: `attn_logit_softcapping` (Gemma 2's attention-score soft-capping; None in Gemma 3), refused by
-name when set; the bidirectional attention of `use_bidirectional_attention`, refused likewise.
+Not read: the bidirectional attention of `use_bidirectional_attention`, refused by name.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ SLIDING_WINDOW_PATTERN = 6  # every sixth layer global
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if hf.get(key):
-            raise ConfigError(f"{source}: {key} {hf[key]!r} is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(
+            f"{source}: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is not supported"
+        )
     activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if activation not in ("gelu_pytorch_tanh", "gelu_new"):
         raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
@@ -44,7 +45,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
     window = hf.get("sliding_window", 4096)
-    cap = hf.get("final_logit_softcapping")
+    cap, attn_cap = hf.get("final_logit_softcapping"), hf.get("attn_logit_softcapping")
     return {
         "norm_placement": "sandwich",
         "norm_weight_offset": 1.0,
@@ -53,6 +54,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         "hidden_act": "gelu_tanh",
         "final_logit_softcapping": None if cap is None else float(cap),
+        "attn_logit_softcapping": None if attn_cap is None else float(attn_cap),
         "sliding_window": window,
         "layer_types": list(layer_types) if window else ["full_attention"] * layers,
         "sliding_rope_theta": float(hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)),
@@ -68,7 +70,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": round(config.attention_scale**-2),  # an int in transformers
         "final_logit_softcapping": config.final_logit_softcapping,
-        "attn_logit_softcapping": None,
+        "attn_logit_softcapping": config.attn_logit_softcapping,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.layer_types),
         "attention_bias": config.qkv_bias,

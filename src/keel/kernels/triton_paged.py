@@ -1,19 +1,32 @@
-"""Paged attention as a Triton kernel: the CUDA decode backend (keel.serve.attention_backends).
+"""Paged attention as Triton kernels: the CUDA decode backend (keel.serve.attention_backends).
 
 The same contract as keel's CPU operator `keel::paged_attention`: every query token (a decode row or a
 row of a chunk) walks its sequence's block table and reads the keys and values where they lie in the
 paged stores, with an online softmax, causal by position and within a sliding window when one is set.
-One program per (token, KV head, 16 of the group's query heads): those heads share each block's K/V
-load and go through `tl.dot` together (a group under 16 is padded to 16, the smallest tile `tl.dot`
-takes; an MLA group of 64-128 heads in one tile would not fit in shared memory). A store without
+One program per (token, KV head, 16 of the group's query heads, split of the context): those heads share
+each K/V load and go through `tl.dot` together (a group under 16 is padded to 16, the smallest tile
+`tl.dot` takes; an MLA group of 64-128 heads in one tile would not fit in shared memory). A store without
 values (multi-head latent attention) reads each row's first `v_dim` channels as its value.
 
-Rows of any float dtype are multiplied in float32 at IEEE precision (no TF32; bf16 and fp16 rows are
-converted as they are loaded), as keel's CPU kernel does: decode attention is bound by reading the
-cache, not by the products, and a float32 model's greedy tokens match the reference.
+Each iteration reads a tile of several blocks' keys (their slots looked up in the table together), so a
+program keeps more loads in flight than one block's 16 rows give it. When a step has too few (token, KV
+head) pairs to fill the device (decode at small batches), the context is split across programs as well
+(flash-decoding): each split writes its unnormalised output with its running maximum and sum, and a second
+kernel combines the splits. The split count depends only on the shapes (tokens, heads, the table's width),
+so a CUDA graph captured for a batch bucket replays it unchanged.
 
-Under `TRITON_INTERPRET=1` the kernel runs on CPU tensors through Triton's interpreter: that is how
-`make test` checks it on machines without a GPU (tests/test_attention_backends.py).
+Precision: on CUDA, bf16 (or fp16) queries over rows of the same dtype are multiplied on the tensor cores
+with float32 sums, the probabilities rounded to that dtype before they weight the values, as flash
+attention does. Any other mix (a float32 model, a bf16 cache under a float32 model) is multiplied in
+float32 at IEEE precision (no TF32), so a float32 model's greedy tokens match the reference. Both paths
+were timed side by side on an H200 (bench/triton_decode.py, docs/BENCHMARKS.md): at 64-256 decode rows
+float32 products made the kernel 2-5x slower than the bytes it reads; bf16 ones brought it within about
+2.5x of the copy roofline. Triton's CPU interpreter cannot multiply bf16 tiles, so there every dtype takes
+the float32 path (tests/test_cuda.py checks the tensor-core path on a device). With `softcap` > 0
+each score becomes softcap * tanh(score / softcap) before the mask (Gemma 2's attention soft-capping).
+
+Under `TRITON_INTERPRET=1` the kernels run on CPU tensors through Triton's interpreter: that is how
+`make test` checks them on machines without a GPU (tests/test_attention_backends.py).
 
 Triton is imported on first use (torch's CUDA wheels bring it; on CPU it is a test dependency).
 """
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 
 
@@ -35,7 +49,7 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernel():  # noqa: ANN202 - a triton.JITFunction, typed only once triton is imported
+def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is imported
     import triton
     import triton.language as tl
 
@@ -44,9 +58,11 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction, typed only once triton is
         q_ptr,  # [T, H, D]
         k_ptr,  # [H_kv, slots, D]
         v_ptr,  # [H_kv, slots, Dv] (the key store itself where there are no values)
-        out_ptr,  # [T, H, Dv]
-        tables_ptr,  # [R, W] int32
-        table_of_ptr,  # [T] int64: each token's row of `tables`
+        out_ptr,  # [T, H, Dv]; with splits: [T, H, splits, v_pad] float32, unnormalised
+        max_ptr,  # [T, H, splits] float32 (used with splits only)
+        sum_ptr,  # [T, H, splits] float32 (used with splits only)
+        tables_ptr,  # [R, W] int32 or int64
+        table_of_ptr,  # [T] int64: each token's row of `tables` (unless rows_are_tokens)
         positions_ptr,  # [T] int64
         stride_qt,
         stride_qh,
@@ -59,73 +75,137 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction, typed only once triton is
         stride_table,
         scale,
         window,
+        softcap,
+        splits,
         group: tl.constexpr,  # query heads per KV head
         head_dim: tl.constexpr,
         v_dim: tl.constexpr,
         block_size: tl.constexpr,
+        tile_keys: tl.constexpr,  # keys an iteration reads: a multiple of block_size (both powers of two)
         heads_pad: tl.constexpr,
         dim_pad: tl.constexpr,
         v_pad: tl.constexpr,
+        use_softcap: tl.constexpr,
+        split_output: tl.constexpr,
+        rows_are_tokens: tl.constexpr,  # token t reads table row t (table_of_ptr is not read)
+        half_dot: tl.constexpr,  # queries and rows of one 16-bit dtype, multiplied as such
     ):
         token = tl.program_id(0).to(tl.int64)  # int64: offsets past 2^31 elements in large stores
         kv_head = tl.program_id(1).to(tl.int64)
-        tile = tl.program_id(2)  # which 16 of the group's query heads
-        row = tl.load(table_of_ptr + token)
+        tile = tl.program_id(2) // splits  # which 16 of the group's query heads
+        split = tl.program_id(2) % splits
+        row = token if rows_are_tokens else tl.load(table_of_ptr + token)
         position = tl.load(positions_ptr + token)
 
         heads = tile * heads_pad + tl.arange(0, heads_pad)
         dims = tl.arange(0, dim_pad)
         vdims = tl.arange(0, v_pad)
-        offsets = tl.arange(0, block_size)
+        offsets = tl.arange(0, tile_keys)
         head_ok = heads < group
         dim_ok = dims < head_dim
         vdim_ok = vdims < v_dim
 
         q_rows = q_ptr + token * stride_qt + (kv_head * group + heads)[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_rows, mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(q_rows, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        if not half_dot:
+            q = q.to(tl.float32)
 
         maximum = tl.full([heads_pad], float("-inf"), tl.float32)
         total = tl.zeros([heads_pad], tl.float32)
         acc = tl.zeros([heads_pad, v_pad], tl.float32)
 
-        # window: the host passes a span longer than any sequence when there is none (no branch here)
+        # window: the host passes a span longer than any sequence when there is none (no branch here).
+        # The visible keys' blocks [first, last] are shared out among the splits, a contiguous run each,
+        # which a split reads `tile_keys` at a time (every tile starts on a block that holds a visible key).
         first = tl.maximum(position - window + 1, 0) // block_size
         last = position // block_size
-        for b in range(first, last + 1):
-            block = tl.load(tables_ptr + row * stride_table + b).to(tl.int64)
-            slots = block * block_size + offsets
-            key_positions = b * block_size + offsets
-            visible = (key_positions <= position) & (key_positions > position - window)
+        per_split = (last - first + splits) // splits
+        start = (first + split * per_split) * block_size
+        stop = tl.minimum(first + (split + 1) * per_split, last + 1) * block_size
+        for tile_start in range(start, stop, tile_keys):
+            key_positions = tile_start + offsets
+            visible = (key_positions <= position) & (key_positions > position - window) & (key_positions < stop)
+            table_entries = tables_ptr + row * stride_table + key_positions // block_size
+            blocks = tl.load(table_entries, mask=visible, other=0).to(tl.int64)
+            slots = blocks * block_size + key_positions % block_size
             k = tl.load(
                 k_ptr + kv_head * stride_kh + slots[:, None] * stride_ks + dims[None, :],
                 mask=visible[:, None] & dim_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            new_maximum = tl.maximum(maximum, tl.max(scores, 1))
-            correction = tl.exp(maximum - new_maximum)
-            p = tl.exp(scores - new_maximum[:, None])
-            total = total * correction + tl.sum(p, 1)
+            )
             v = tl.load(
                 v_ptr + kv_head * stride_vh + slots[:, None] * stride_vs + vdims[None, :],
                 mask=visible[:, None] & vdim_ok[None, :],
                 other=0.0,
-            ).to(tl.float32)
-            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+            )
+            if half_dot:  # 16-bit operands on the tensor cores, float32 sums (as flash attention)
+                scores = tl.dot(q, tl.trans(k)) * scale
+            else:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+            if use_softcap:  # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends in float32
+                scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            new_maximum = tl.maximum(maximum, tl.max(scores, 1))
+            # a split's first tile starts from -inf: exp(-inf - finite) = 0 (every tile has a visible key)
+            correction = tl.exp(maximum - new_maximum)
+            p = tl.exp(scores - new_maximum[:, None])
+            total = total * correction + tl.sum(p, 1)
+            if half_dot:
+                acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * correction[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             maximum = new_maximum
 
-        out = acc / total[:, None]
-        out_rows = out_ptr + token * stride_ot + (kv_head * group + heads)[:, None] * stride_oh + vdims[None, :]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & vdim_ok[None, :])
+        if split_output:
+            # [T, H, splits, v_pad]: the combining kernel reads each head's splits as one tile
+            part = (token * stride_ot + (kv_head * group + heads) * stride_oh) + split * v_pad
+            tl.store(out_ptr + part[:, None] + vdims[None, :], acc, mask=head_ok[:, None])
+            stat = (token * stride_ot // v_pad + (kv_head * group + heads) * stride_oh // v_pad) + split
+            tl.store(max_ptr + stat, maximum, mask=head_ok)
+            tl.store(sum_ptr + stat, total, mask=head_ok)
+        else:
+            out = acc / total[:, None]
+            out_rows = out_ptr + token * stride_ot + (kv_head * group + heads)[:, None] * stride_oh + vdims[None, :]
+            tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & vdim_ok[None, :])
 
-    return paged_attention_kernel
+    @triton.jit
+    def combine_splits_kernel(
+        part_ptr,  # [T, H, splits, v_pad] float32
+        max_ptr,  # [T, H, splits] float32
+        sum_ptr,  # [T, H, splits] float32
+        out_ptr,  # [T, H, Dv]
+        stride_ot,
+        stride_oh,
+        heads: tl.constexpr,
+        splits: tl.constexpr,
+        splits_pad: tl.constexpr,
+        v_dim: tl.constexpr,
+        v_pad: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        index = tl.arange(0, splits_pad)
+        vdims = tl.arange(0, v_pad)
+        split_ok = index < splits
+        stat = (token * heads + head) * splits + index
+        maxima = tl.load(max_ptr + stat, mask=split_ok, other=float("-inf"))
+        totals = tl.load(sum_ptr + stat, mask=split_ok, other=0.0)
+        overall = tl.max(maxima, 0)
+        weights = tl.exp(maxima - overall)  # an empty split (-inf) weighs 0
+        part = tl.load(part_ptr + stat[:, None] * v_pad + vdims[None, :], mask=split_ok[:, None], other=0.0)
+        out = tl.sum(part * weights[:, None], 0) / tl.sum(totals * weights, 0)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + vdims, out.to(out_ptr.dtype.element_ty),
+                 mask=vdims < v_dim)  # fmt: skip
+
+    return paged_attention_kernel, combine_splits_kernel
 
 
 _NO_WINDOW = 1 << 40  # a window no sequence reaches: every earlier position visible
-
-
 _HEAD_TILE = 16  # query heads a program takes (tl.dot's smallest tile; padded where the group is smaller)
+TILE_KEYS = 64  # keys an iteration reads (whole blocks: at least one); measured in bench/triton_decode.py
+HALF_DOT = True  # on CUDA, bf16/fp16 products on the tensor cores (see the module docstring)
+_PROGRAMS_PER_SM = 4  # enough resident programs per multiprocessor to cover the loads' latency
+_MAX_SPLITS = 64
 
 
 def block_size_refusal(block_size: int) -> str | None:
@@ -140,6 +220,21 @@ def _pad(n: int, least: int) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def context_splits(programs: int, blocks: int, device: torch.device) -> int:
+    """How many parts each (token, KV head, head tile)'s context is split into: enough programs to give
+    every multiprocessor a few, never more than the table's width in blocks. From shapes only (no
+    positions), so a captured CUDA graph replays the same grid. One on CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    wanted = -(-_PROGRAMS_PER_SM * _multiprocessors(device) // programs)
+    return max(1, min(wanted, blocks, _MAX_SPLITS))
+
+
 def paged_attention(
     queries: Tensor,
     k_store: Tensor,
@@ -151,32 +246,65 @@ def paged_attention(
     window: int,
     scale: float,
     v_dim: int,
+    softcap: float = 0.0,
+    splits: int | None = None,
+    out: Tensor | None = None,
+    tile_keys: int | None = None,
+    half_dot: bool | None = None,
 ) -> Tensor:
     """queries [T, H, D] over the paged stores ([H_kv, slots, D], values [H_kv, slots, Dv] or None: the
     keys' first `v_dim` channels) -> [T, H, Dv] in the queries' dtype. tables [R, W] int32, table_of [T]
     (each token's row), positions [T] (each token's position: it sees keys at positions <= its own and,
-    with window > 0, within `window` tokens). block_size must be a power of two of at least 16."""
+    with window > 0, within `window` tokens). block_size must be a power of two of at least 16. softcap > 0
+    caps each score at softcap * tanh(score / softcap). splits: how many programs share one context
+    (default: `context_splits`; tests force it). out: where to write ([T, H, Dv], any strides but the
+    last; e.g. a transposed view of the [H, T, Dv] layout the model wants, sparing a copy). tile_keys: keys
+    an iteration reads (default `TILE_KEYS`); half_dot: multiply 16-bit queries and rows of one dtype on the
+    tensor cores with float32 sums (default `HALF_DOT`; float32 at IEEE precision otherwise). The last two
+    are for bench/triton_decode.py's comparison."""
     refusal = block_size_refusal(block_size)
     if refusal is not None:
         raise ValueError(refusal)
     tokens, heads, head_dim = queries.shape
     kv_heads = k_store.shape[0]
     values = k_store if v_store is None else v_store
-    queries = queries.contiguous()
-    out = queries.new_empty(tokens, heads, v_dim)
+    if queries.stride(-1) != 1:
+        queries = queries.contiguous()
+    if out is None:
+        out = queries.new_empty(tokens, heads, v_dim)
     if tokens == 0:
         return out
     group = heads // kv_heads
-    _kernel()[(tokens, kv_heads, -(-group // _HEAD_TILE))](
-        queries, k_store, values, out,
-        tables, table_of, positions,
+    head_tiles = -(-group // _HEAD_TILE)
+    if splits is None:
+        splits = context_splits(tokens * kv_heads * head_tiles, tables.shape[1], queries.device)
+    v_pad = _pad(v_dim, 16)
+    tile_keys = max(TILE_KEYS if tile_keys is None else tile_keys, block_size)
+    same_half = queries.dtype in (torch.bfloat16, torch.float16) and queries.dtype == k_store.dtype == values.dtype
+    half_dot = same_half and (HALF_DOT and queries.is_cuda if half_dot is None else half_dot)
+    attend, combine = _kernels()
+    if splits > 1:
+        target = torch.empty(tokens, heads, splits, v_pad, dtype=torch.float32, device=queries.device)
+        maxima = torch.empty(tokens, heads, splits, dtype=torch.float32, device=queries.device)
+        totals = torch.empty_like(maxima)
+    else:
+        target, maxima, totals = out, out, out
+    attend[(tokens, kv_heads, head_tiles * splits)](
+        queries, k_store, values, target, maxima, totals,
+        tables, positions if table_of is None else table_of, positions,
         queries.stride(0), queries.stride(1),
         k_store.stride(0), k_store.stride(1),
         values.stride(0), values.stride(1),
-        out.stride(0), out.stride(1),
+        target.stride(0), target.stride(1),
         tables.stride(0),
-        scale, window if window > 0 else _NO_WINDOW,
-        group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size,
-        heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=_pad(v_dim, 16),
+        scale, window if window > 0 else _NO_WINDOW, softcap, splits,
+        group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size, tile_keys=tile_keys, half_dot=half_dot,
+        heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=v_pad,
+        use_softcap=softcap > 0, split_output=splits > 1, rows_are_tokens=table_of is None,
     )  # fmt: skip
+    if splits > 1:
+        combine[(tokens, heads)](
+            target, maxima, totals, out, out.stride(0), out.stride(1),
+            heads=heads, splits=splits, splits_pad=_pad(splits, 2), v_dim=v_dim, v_pad=v_pad,
+        )  # fmt: skip
     return out

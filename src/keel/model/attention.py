@@ -1,4 +1,4 @@
-"""Grouped-query attention with optional sliding window, q/k norm and q/k/v bias.
+"""Grouped-query attention with optional sliding window, q/k norm, q/k/v bias and score soft-capping.
 
 The same module runs a full-sequence forward (training, prefill) and incremental decode: the
 caller passes an `AttentionMetadata` with the query positions and, when decoding, a KV cache.
@@ -33,7 +33,9 @@ class KVCache(Protocol):
     ) -> Tensor:
         """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`, and return the
         attention output [B, H, S, D] of queries `q` ([B, H, S, D]) over every key they may see
-        (causal by position, within `window` tokens when set)."""
+        (causal by position, within `window` tokens when set). Where the model's config sets
+        `attn_logit_softcapping` (Gemma 2), the cache, built from that config, caps every score at
+        cap * tanh(score / cap) before the mask (`softcapped_attention`'s arithmetic)."""
         ...
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -54,6 +56,28 @@ def sdpa(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], scale=scale
     )
+
+
+def softcap_scores(scores: Tensor, cap: float) -> Tensor:
+    """Attention-score soft-capping (Gemma 2): scores -> cap * tanh(scores / cap)."""
+    return torch.tanh(scores / cap) * cap
+
+
+def softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float, scale: float | None = None
+) -> Tensor:
+    """Attention whose scaled scores are soft-capped before the mask (Gemma 2's `attn_logit_softcapping`),
+    which SDPA cannot do: the scores are computed explicitly (float32, [B, H, S, L] of them) and
+    softmaxed in float32. q [B, H, S, D], k [B, H_kv, L, D], v [B, H_kv, L, Dv], mask broadcastable to
+    [B, H, S, L] (True = attend) or None; `scale` defaults to 1/sqrt(D)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)).float() * scale, cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 @dataclass
@@ -123,6 +147,8 @@ class Attention(nn.Module):
         # that every attention backend (SDPA, the paged caches' kernels) keeps its default scale.
         scale = config.attention_scale
         self.q_multiplier = None if scale is None else scale * math.sqrt(self.head_dim)
+        # Gemma 2's attention-score soft-capping; with a cache, the cache applies it (KVCache.attend).
+        self.softcap = config.attn_logit_softcapping
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
@@ -143,6 +169,9 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # [B, H, S, D]
         if meta.cache is not None:
             out = meta.cache.attend(self.layer, q, k, v, meta, self.window)
+        elif self.softcap is not None:  # SDPA cannot cap the scores: they are computed explicitly
+            mask = meta.mask(meta.positions, self.window)
+            out = softcapped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap)
         elif meta.plain_causal and self.window is None:
             out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
         else:

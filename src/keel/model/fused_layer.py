@@ -11,10 +11,10 @@ its output is bit for bit theirs (tests/test_kernels.py compares); it is an impl
 It runs where all of these hold, else the modules do (`fused_forward` returns None):
 - keel's kernels are active, float32 activations, no autograd, not under torch.compile, not switched
   off by `modules_only` (keel profile decode times the modules);
-- a dense layer without Granite's scalars (residual and softmax multipliers): grouped-query attention
-  with fused q/k/v (keel.model.fuse) and a SwiGLU MLP with fused gate/up, every projection float32
-  `nn.Linear` or a block-layout QuantizedLinear that would run keel::block_linear on this many rows
-  (`kernel_args`), no tensor-parallel wrapper;
+- a dense layer without Granite's scalars (residual and softmax multipliers) or attention-score
+  soft-capping (Gemma 2): grouped-query attention with fused q/k/v (keel.model.fuse) and a SwiGLU MLP
+  with fused gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would
+  run keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
 - a cache whose layer keel's paged-attention kernel reads in place (`in_place`: the serving engine's
   float32/bf16 paged cache, or its int8 cache, whose rows the operator quantizes as
   keel.serve.kv_quant.quantize_kv does, value for value).
@@ -81,6 +81,8 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
         return None
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
         return None  # Granite's scalars: the modules run them
+    if attn.softcap is not None:
+        return None  # Gemma 2's attention-score soft-capping: keel's paged-attention kernel has none
     # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):

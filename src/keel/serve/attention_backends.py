@@ -4,11 +4,13 @@ The model never changes: its attention layers call the cache (`KVCache.attend`),
 `attention_backend` which backend reads its stores, from what keel.platform and the store report:
 
 - `kernels`: keel's C++ paged-attention operator (keel.kernels) on CPU stores of float32, bfloat16 or
-  int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie.
+  int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie. It has no
+  attention-score soft-capping (Gemma 2's `attn_logit_softcapping`): models with it take `torch`.
 - `triton`: on CUDA, one-token decodes through a Triton kernel that walks each row's block table
   (keel.kernels.triton_paged); prefill chunks through `scaled_dot_product_attention` with a causal
   mask aligned to the chunk's end (`causal_lower_right`: torch's fused flash / memory-efficient
-  kernels, no mask tensor), where no sliding window applies.
+  kernels, no mask tensor), where no sliding window applies. With score soft-capping the decode kernel
+  caps the scores (its `softcap`) and chunks take `attend_chunk`'s explicit scores.
 - `torch`: the portable path everywhere else (and the reference): each group of decodes gathers its
   blocks once per layer and attends with batched matmuls; chunks as under `triton`.
 
@@ -28,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from keel import kernels
 from keel.errors import KeelError
 from keel.kernels import triton_paged
+from keel.model.attention import softcapped_attention
 
 ENV = "KEEL_ATTENTION_BACKEND"
 BACKENDS = ("kernels", "triton", "torch")
@@ -35,7 +38,9 @@ _FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_BACKENDS_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
+def _kernels_refusal(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str | None:
+    if softcap:
+        return "keel's paged-attention kernel has no attention-score soft-capping (attn_logit_softcapping)"
     if store.device.type != "cpu":
         return f"keel's C++ kernels read CPU stores, not {store.device.type}"
     if not kernels.active():
@@ -47,7 +52,8 @@ def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | Non
     return None
 
 
-def _triton_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
+def _triton_refusal(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str | None:
+    # softcap: the Triton kernel caps scores itself (triton_paged.paged_attention's `softcap`).
     if store.dtype not in _FLOAT_ROWS:
         return f"the Triton paged attention reads float rows, not {store.dtype}"
     refusal = triton_paged.block_size_refusal(block_size)
@@ -63,36 +69,64 @@ def _triton_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None
 _REFUSALS = {"kernels": _kernels_refusal, "triton": _triton_refusal, "torch": lambda *_: None}
 
 
-def attention_backend(store: Tensor, head_dim: int, block_size: int) -> str:
-    """The backend that attends over `store` (one layer's key rows, [H_kv, slots, D]): the forced one
+def attention_backend(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str:
+    """The backend that attends over `store` (one layer's key rows, [H_kv, slots, D]) for a model whose
+    attention scores are soft-capped at `softcap` (None or 0: not capped): the forced one
     (KEEL_ATTENTION_BACKEND) or the fastest that reads it. Inside a torch.compile trace the C++
     kernels are left to the op that wraps them (keel.serve.compiled_decode)."""
     forced = os.environ.get(ENV)
     if forced:
         if forced not in BACKENDS:
             raise KeelError(f"{ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
-        reason = _REFUSALS[forced](store, head_dim, block_size)
+        reason = _REFUSALS[forced](store, head_dim, block_size, softcap)
         if reason is not None:
             raise KeelError(f"{ENV}={forced}: {reason}")
         return forced
     if store.device.type == "cpu":
-        if _kernels_refusal(store, head_dim, block_size) is None and not torch.compiler.is_compiling():
+        if _kernels_refusal(store, head_dim, block_size, softcap) is None and not torch.compiler.is_compiling():
             return "kernels"
         return "torch"
-    if store.device.type == "cuda" and _triton_refusal(store, head_dim, block_size) is None:
+    if store.device.type == "cuda" and _triton_refusal(store, head_dim, block_size, softcap) is None:
         return "triton"
     return "torch"
 
 
-def attend_chunk(queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float | None) -> Tensor:
+def attend_causal(queries: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
+    """A batch of sequences' queries [N, H, L, D] over their own keys [N, H_kv, L, D] and values, causal from
+    the start (the queries are the keys' positions) -> [N, H, L, Dv]: one fused SDPA call with no mask tensor
+    (on CUDA flash or memory-efficient, not cuDNN: see `attend_chunk`)."""
+    keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+    gqa = queries.shape[1] != keys.shape[1]
+    if not queries.is_cuda:
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+    with sdpa_kernel(_CHUNK_BACKENDS_CUDA):
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+
+
+def attend_chunk(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor | None,
+    scale: float | None,
+    softcap: float | None = None,
+) -> Tensor:
     """One prefill chunk's queries [1, H, C, D] over its sequence's gathered keys [1, H_kv, L, D] (the last C
     of which are the chunk's own) -> [1, H, C, Dv]. Without a mask (no sliding window) the causal mask is
     aligned to the chunk's end and passed as torch's `causal_lower_right` bias, which SDPA runs in its
-    fused kernels without building an [C, L] tensor; with one, the mask as given."""
+    fused kernels without building an [C, L] tensor; with one, the mask as given. With `softcap` (Gemma 2's
+    score soft-capping, which SDPA cannot do) the scores are computed explicitly (`softcapped_attention`)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
     keys, values = keys.to(queries.dtype), values.to(queries.dtype)  # a bfloat16 cache of a float32 model
+    if softcap:
+        if mask is None:  # causal, aligned to the chunk's end: query i sees keys up to L - C + i
+            chunk, length = queries.shape[2], keys.shape[2]
+            mask = torch.ones(chunk, length, dtype=torch.bool, device=queries.device).tril(length - chunk)
+        return softcapped_attention(queries, keys, values, mask, softcap, scale)
+    bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
     gqa = queries.shape[1] != keys.shape[1]
     if not queries.is_cuda:
         return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,

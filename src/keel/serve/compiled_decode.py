@@ -66,7 +66,8 @@ _USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define(
     "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
-    "Tensor tables, Tensor widths, Tensor mask, Tensor positions, int window, int block_size, float scale) -> Tensor"
+    "Tensor tables, Tensor widths, Tensor mask, Tensor positions, int window, int block_size, float scale, "
+    "float softcap=0.0) -> Tensor"
 )
 
 
@@ -84,14 +85,16 @@ def paged_decode_attention(
     window: int,
     block_size: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
     q ([1, H, B, D]) over each sequence's blocks (tables [B, nb], the first widths[b] of row b in use)
-    -> [1, H, B, D]. Rows are attended in groups of similar width (`length_groups`, as the eager cache
-    does), so a batch of short and long sequences does not gather every row at the longest width."""
+    -> [1, H, B, D], the scores soft-capped at `softcap` when > 0 (Gemma 2). Rows are attended in groups
+    of similar width (`length_groups`, as the eager cache does), so a batch of short and long sequences
+    does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
-    backend = attention_backend(k_store, k_store.shape[-1], block_size)
+    backend = attention_backend(k_store, k_store.shape[-1], block_size, softcap)
     if backend != "torch":
         # keel's C++ kernel (CPU) or the Triton one (CUDA) walks each row's own table where the blocks lie:
         # no gather, no grouping, no host sync (so the step can be replayed as a CUDA graph).
@@ -101,17 +104,20 @@ def paged_decode_attention(
                 window, scale, v_store.shape[-1],
             )  # fmt: skip
         else:
-            out = triton_paged.paged_attention(
-                q[0].transpose(0, 1), k_store, v_store, tables.int(), torch.arange(q.shape[2], device=q.device),
-                positions, block_size, window, scale, v_store.shape[-1],
+            # written straight into the [1, H, B, Dv] layout the graph was traced with; row b reads table row b
+            out = q.new_empty(1, q.shape[1], q.shape[2], v_store.shape[-1])
+            triton_paged.paged_attention(
+                q[0].transpose(0, 1), k_store, v_store, tables, None, positions, block_size, window, scale,
+                v_store.shape[-1], softcap=softcap, out=out[0].transpose(0, 1),
             )  # fmt: skip
+            return out
         return out.transpose(0, 1).contiguous().unsqueeze(0)  # the layout the graph was traced with
     # On CUDA the step is replayed as a CUDA graph, which cannot follow data-dependent grouping: one group.
     lengths = widths.tolist() if widths.device.type == "cpu" else None
     groups = length_groups(lengths) if lengths is not None else [None]
     if len(groups) == 1:
         keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
-        return attend_decode_rows(q[0], keys, values, mask, scale).unsqueeze(0)
+        return attend_decode_rows(q[0], keys, values, mask, scale, softcap).unsqueeze(0)
     out = q.new_empty(q.shape[1], q.shape[2], v_store.shape[-1])
     for rows in groups:
         index = torch.tensor(rows, device=q.device)
@@ -122,7 +128,8 @@ def paged_decode_attention(
             gather_blocks(v_store, group_tables, block_size),
         )
         group_mask = mask.index_select(0, index)[:, : width * block_size]
-        out.index_copy_(1, index, attend_decode_rows(q[0].index_select(1, index), keys, values, group_mask, scale))
+        attended = attend_decode_rows(q[0].index_select(1, index), keys, values, group_mask, scale, softcap)
+        out.index_copy_(1, index, attended)
     return out.unsqueeze(0)
 
 
@@ -130,7 +137,7 @@ _lib.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAu
 
 
 @torch.library.register_fake("keel::paged_decode_attention")
-def _(q, k, v, k_store, v_store, slots, tables, widths, mask, positions, window, block_size, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, k_store, v_store, slots, tables, widths, mask, positions, window, block_size, scale, softcap=0.0):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
 
@@ -161,6 +168,7 @@ class _StepCache:
             window or 0,
             paged.block_size,
             paged.head_dim**-0.5,
+            paged.softcap or 0.0,
         )
 
 

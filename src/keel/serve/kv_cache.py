@@ -16,8 +16,8 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
-from keel.model.attention import AttentionMetadata
-from keel.serve.attention_backends import attend_chunk, attention_backend
+from keel.model.attention import AttentionMetadata, softcap_scores
+from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 
 
 def write_rows(store: Tensor, slots: Tensor, rows: Tensor) -> None:
@@ -44,10 +44,13 @@ def decode_mask(positions: Tensor, num_keys: int, window: int | None) -> Tensor:
     return allowed
 
 
-def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attend_decode_rows(
+    rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+) -> Tensor:
     """Attention of one-token queries rows [H, B, D] over their gathered keys [H_kv, B, L, D] and
-    values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv]. Shared by the eager paged cache
-    and the compiled decode step (keel.serve.compiled_decode), so both compute the same numbers.
+    values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv], the scaled scores soft-capped at
+    `softcap` when set (Gemma 2). Shared by the eager paged cache and the compiled decode step
+    (keel.serve.compiled_decode), so both compute the same numbers.
 
     One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (measured in
     docs/BENCHMARKS.md, "int8 KV cache"). Rows stored in another dtype (a bfloat16 cache) are read as the
@@ -56,6 +59,8 @@ def attend_decode_rows(rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor,
     kv_heads, heads, dim = keys.shape[0], rows.shape[0], rows.shape[-1]
     qd = rows.view(kv_heads, heads // kv_heads, -1, dim).transpose(1, 2)  # [Hkv, B, G, D]
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]
+    if softcap:
+        scores = softcap_scores(scores, softcap)
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
@@ -136,10 +141,11 @@ def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
     return PagedRows(padded, table_of, positions)
 
 
-def kernel_attends(store: Tensor, head_dim: int, block_size: int) -> bool:
+def kernel_attends(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> bool:
     """Whether keel's C++ paged-attention kernel reads this store (keel.serve.attention_backends decides:
-    CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace)."""
-    return attention_backend(store, head_dim, block_size) == "kernels"
+    CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace, no
+    attention-score soft-capping)."""
+    return attention_backend(store, head_dim, block_size, softcap) == "kernels"
 
 
 class PrefillChunk(NamedTuple):
@@ -150,6 +156,79 @@ class PrefillChunk(NamedTuple):
     table: Tensor  # the sequence's visible blocks [nb]
     positions: Tensor  # the chunk's query positions [C]
     keys: int  # keys the chunk's last token sees (its position + 1): the chunk's gathered rows end there
+
+
+class FreshChunks(NamedTuple):
+    """Chunks that start their sequences (each sees only its own rows), padded at the end to one length
+    and attended as one batch with a plain causal mask: padding rows follow every real row, so no real
+    query sees them."""
+
+    chunks: list[int]  # their indices in StepPlan.prefills
+    length: int  # the longest chunk's: every chunk padded to it
+    rows: Tensor  # [N * length] the step's row of each padded query (padding: the chunk's first row)
+    slots: Tensor  # [N * length] the store slot of each padded key (padding: the chunk's first slot)
+    valid: Tensor  # [n] the real entries' places in the padded [N * length]
+    valid_rows: Tensor  # [n] their rows of the step
+
+
+def fresh_batches(prefills: list[PrefillChunk], slot_mapping: Tensor, waste: float = 2.0) -> list[FreshChunks]:
+    """Chunks that start at position 0, longest first, grouped while the padded size stays within `waste`
+    times the group's real tokens; groups of one are left to the per-chunk path."""
+    fresh = sorted(
+        (i for i, c in enumerate(prefills) if c.keys == c.end - c.start),
+        key=lambda i: prefills[i].start - prefills[i].end,
+    )
+    groups: list[list[int]] = []
+    for i in fresh:
+        size = prefills[i].end - prefills[i].start
+        group = groups[-1] if groups else None
+        longest = prefills[group[0]].end - prefills[group[0]].start if group else 0
+        real = sum(prefills[j].end - prefills[j].start for j in group) if group else 0
+        if group and (len(group) + 1) * longest <= waste * (real + size):
+            group.append(i)
+        else:
+            groups.append([i])
+    batches = []
+    for group in groups:
+        if len(group) < 2:
+            continue
+        length = prefills[group[0]].end - prefills[group[0]].start
+        rows, valid, valid_rows = [], [], []
+        for n, i in enumerate(group):
+            c = prefills[i]
+            own = list(range(c.start, c.end))
+            rows += own + [c.start] * (length - len(own))
+            valid += range(n * length, n * length + len(own))
+            valid_rows += own
+        device = slot_mapping.device
+        row_index = torch.tensor(rows, device=device)
+        batches.append(
+            FreshChunks(
+                group, length, row_index, slot_mapping.index_select(0, row_index),
+                torch.tensor(valid, device=device), torch.tensor(valid_rows, device=device),
+            )
+        )  # fmt: skip
+    return batches
+
+
+def attend_fresh_chunks(
+    queries: Tensor, k_store: Tensor, v_store: Tensor | None, fresh: FreshChunks, v_dim: int, scale: float | None
+) -> Tensor:
+    """queries [H, T, D] of a step; the batch's chunks attended causally over their own stored rows
+    -> [H, n, Dv] for its real rows (`fresh.valid_rows`). Without a value store (MLA) a row's value is
+    its first `v_dim` channels."""
+    heads, dim = queries.shape[0], queries.shape[-1]
+    count, length = len(fresh.chunks), fresh.length
+    q = queries.index_select(1, fresh.rows).view(heads, count, length, dim).transpose(0, 1)
+    keys = k_store.index_select(1, fresh.slots)
+    keys = keys.view(keys.shape[0], count, length, keys.shape[-1]).transpose(0, 1)  # [N, Hkv, L, D]
+    if v_store is None:
+        values = keys[..., :v_dim]
+    else:
+        values = v_store.index_select(1, fresh.slots)
+        values = values.view(values.shape[0], count, length, v_dim).transpose(0, 1)
+    out = attend_causal(q, keys, values, scale)  # [N, H, L, Dv]
+    return out.transpose(0, 1).reshape(heads, count * length, v_dim).index_select(1, fresh.valid)
 
 
 @dataclass
@@ -172,13 +251,30 @@ class StepPlan:
             self._masks["rows"] = paged_rows(self, num_tokens)
         return self._masks["rows"]
 
-    def decode_rows(self, g: int) -> tuple[Tensor, Tensor]:
-        """Decode group g's block tables as int32 and each row's index into them, for the Triton kernel;
+    def all_decodes(self) -> tuple[Tensor | None, Tensor, Tensor]:
+        """Every decode row of the step at once, for a kernel that walks each row's own table (Triton):
+        (their rows of the step, None when they are the whole step in order; tables [N, W] padded with
+        block 0; positions [N]). Memoised per step for all layers."""
+        if "all_decodes" not in self._masks:
+            groups = self.decodes
+            if len(groups) == 1:
+                group = groups[0]
+                self._masks["all_decodes"] = (None if group.whole_step else group.index, group.tables, group.positions)
+            else:
+                width = max(g.tables.shape[1] for g in groups)
+                self._masks["all_decodes"] = (
+                    torch.cat([g.index for g in groups]),
+                    torch.cat([F.pad(g.tables, (0, width - g.tables.shape[1])) for g in groups]),
+                    torch.cat([g.positions for g in groups]),
+                )
+        return self._masks["all_decodes"]
+
+    def fresh_prefills(self) -> list[FreshChunks]:
+        """The step's chunks that start their sequences, in batches of similar lengths (`fresh_batches`);
         memoised per step for all layers."""
-        if ("decode_rows", g) not in self._masks:
-            tables = self.decodes[g].tables
-            self._masks[("decode_rows", g)] = (tables.int(), torch.arange(tables.shape[0], device=tables.device))
-        return self._masks[("decode_rows", g)]
+        if "fresh" not in self._masks:
+            self._masks["fresh"] = fresh_batches(self.prefills, self.slot_mapping)
+        return self._masks["fresh"]
 
     def mask(self, key: object, q_positions: Tensor, num_keys: int, window: int | None) -> Tensor:
         """[Q, L] boolean, True = attend; memoised per step for all layers."""
@@ -214,6 +310,9 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.layers = range(config.num_layers) if layers is None else layers
         self.latent_rank = config.kv_lora_rank
+        # Gemma 2's attention-score soft-capping, applied by every backend that attends here (the C++
+        # kernel, which has none, is not chosen: keel.serve.attention_backends).
+        self.softcap = config.attn_logit_softcapping
         if config.is_mla:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
@@ -228,7 +327,7 @@ class PagedKVCache:
     def attention_backend(self) -> str:
         """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
         store = self.keys[self.layers[0]] if self.layers else self.keys[0]
-        return attention_backend(store, self.head_dim, self.block_size)
+        return attention_backend(store, self.head_dim, self.block_size, self.softcap)
 
     def slots_of(self, layer: int) -> int:
         """Token slots of a layer's store: all blocks' for the stored layers, none for the others."""
@@ -254,7 +353,8 @@ class PagedKVCache:
         attends where they lie in one call (keel::decoder_layers); None where keel's paged-attention kernel
         does not read this cache (then `attend` runs)."""
         k_store = self.keys[layer]
-        if not self.values or not kernel_attends(k_store, self.head_dim, self.block_size):  # MLA has no values
+        # MLA has no values; a soft-capped model's scores are not the kernel's
+        if not self.values or not kernel_attends(k_store, self.head_dim, self.block_size, self.softcap):
             return None
         return InPlaceLayer(
             k_store, self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
@@ -276,7 +376,12 @@ class PagedKVCache:
         """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
         a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
         plan = self.plan
-        backend = attention_backend(k_store, self.head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
+        softcap = self.softcap
+        backend = (
+            attention_backend(k_store, self.head_dim, self.block_size, softcap)
+            if isinstance(k_store, Tensor)
+            else "torch"
+        )
         if backend == "kernels":
             return self._attend_in_place(q, k_store, v_store, None, None, window, scale)
 
@@ -290,29 +395,44 @@ class PagedKVCache:
         whole = len(plan.decodes) == 1 and plan.decodes[0].whole_step
         out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
         decode_scale = scale if scale is not None else self.head_dim**-0.5
-        for g, dec in enumerate(plan.decodes):
+        if backend == "triton" and plan.decodes:
+            # Each row walks its own table: every decode row of the step in one call, whatever its length.
+            index, tables, positions = plan.all_decodes()
+            rows = queries if index is None else queries.index_select(1, index)
+            od = triton_paged.paged_attention(
+                rows.transpose(0, 1), k_store, v_store, tables, None, positions,
+                self.block_size, window or 0, decode_scale, v_dim, softcap=softcap or 0.0,
+            ).transpose(0, 1)  # fmt: skip
+            if index is None:
+                return od.unsqueeze(0)
+            out.index_copy_(1, index, od)
+        for g, dec in enumerate(plan.decodes if backend != "triton" else []):
             # A step of decodes only, in row order (steady-state decoding): the queries are the
             # group's, and its output is the step's (no selecting and scattering back).
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
-            if backend == "triton":  # each row walks its own table: no gather, no padding to the group
-                od = triton_paged.paged_attention(
-                    rows.transpose(0, 1), k_store, v_store, *plan.decode_rows(g), dec.positions,
-                    self.block_size, window or 0, decode_scale, v_dim,
-                ).transpose(0, 1)  # fmt: skip
-            else:
-                keys, values = gather(dec.tables)
-                mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
-                od = attend_decode_rows(rows, keys, values, mask, decode_scale)
+            keys, values = gather(dec.tables)
+            mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
+            od = attend_decode_rows(rows, keys, values, mask, decode_scale, softcap)
             if dec.whole_step:
                 return od.unsqueeze(0)
             out.index_copy_(1, dec.index, od)
+        batched: set[int] = set()
+        if window is None and not softcap and isinstance(k_store, Tensor):
+            # Chunks that start their sequence (a prompt's first chunk) see only their own rows: those of
+            # similar lengths go through one causal call instead of a gather and a call each.
+            for fresh in plan.fresh_prefills():
+                rows = attend_fresh_chunks(queries, k_store, v_store, fresh, v_dim, scale)
+                out.index_copy_(1, fresh.valid_rows, rows)
+                batched.update(fresh.chunks)
         for i, chunk in enumerate(plan.prefills):
+            if i in batched:
+                continue
             keys, values = gather(chunk.table[None])
             # [1, Hkv, L, D], cut at the chunk's last key (a block's unwritten tail is never visible)
             keys, values = keys.transpose(0, 1)[:, :, : chunk.keys], values.transpose(0, 1)[:, :, : chunk.keys]
             mask = None if window is None else plan.mask(i, chunk.positions, chunk.keys, window)[None, None]
             out[:, chunk.start : chunk.end] = attend_chunk(
-                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale
+                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale, softcap
             )[0]
         return out.unsqueeze(0)
 

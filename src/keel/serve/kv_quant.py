@@ -39,7 +39,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata
+from keel.model.attention import AttentionMetadata, softcap_scores
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
 from keel.serve.kv_cache import DecodeGroup, InPlaceLayer, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
@@ -171,7 +171,7 @@ class Int8PagedKVCache(PagedKVCache):
         self, q: Tensor, k_store: QuantStore, v_store: QuantStore | None, window: int | None, scale: float | None
     ) -> Tensor:
         plan = self.plan
-        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size):
+        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size, self.softcap):
             return self._attend_in_place(q, k_store.data, v_store.data, k_store.scales, v_store.scales, window, scale)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
             return super()._attend(q, k_store, v_store, window, scale)
@@ -207,6 +207,8 @@ class Int8PagedKVCache(PagedKVCache):
         scores = torch.matmul(qd, keys.to(queries.dtype).transpose(-1, -2)).float()  # [Hkv, B, G, L]
         # [Hkv, B, L, 1] -> [Hkv, B, 1, L]: one scale per key, the same for the group's G queries.
         scores.mul_(k_scales.float().transpose(-1, -2) * (scale if scale is not None else dim**-0.5))
+        if self.softcap:  # Gemma 2's attention-score soft-capping, on the scaled scores
+            scores = softcap_scores(scores, self.softcap)
         mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
         scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).mul_(v_scales.float().transpose(-1, -2))
