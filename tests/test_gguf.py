@@ -3,7 +3,9 @@
 Three sources of truth: the real SmolLM2 Q4_1 GGUF read by transformers; tiny random HF models
 written to GGUF here the way llama.cpp's converter writes them (llama.cpp names, ggml shape order,
 llama q/k rows permuted) and compared with the HF model they came from; and transformers' torch
-dequantizer (an implementation independent of gguf.quants) for every block type keel reads.
+dequantizer (an implementation independent of gguf.quants) for the block types keel also runs as
+integer blocks. The types keel reads as float only (Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL) are in
+tests/test_gguf_types.py, the families beyond Llama/Qwen in tests/test_gguf_families.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -161,6 +164,8 @@ def test_smollm_chat_template(smollm, smollm_hf_tokenizer):
     assert rendered == smollm_hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+# The real SmolLM2 GGUF's logits, in `make test-slow` (the default suite's budget); test_smollm2 checks its HF form.
+@pytest.mark.slow
 def test_smollm_logits_match_transformers(smollm, smollm_path):
     tok = smollm.tokenizer
     texts = ["The capital of France is Paris, and the capital of Japan is", "def fibonacci(n):\n    return"]
@@ -251,7 +256,8 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe")
+GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
+GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -270,10 +276,36 @@ LAYER_NAMES = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3 keeps q/k/v fused ...
+    "mlp.gate_up_proj": "ffn_up",  # ... and gate/up in ffn_up (llama.cpp splits it in halves: gate, up)
+    "attention.query_key_value": "attn_qkv",  # GPT-NeoX's own names
+    "attention.dense": "attn_output",
+    "mlp.dense_h_to_4h": "ffn_up",
+    "mlp.dense_4h_to_h": "ffn_down",
+}
+# Per-architecture names (gguf's TENSOR_NAMES): OLMo 2's norms sit after each sublayer.
+# Gemma's: a norm after the attention and one before and after the MLP.
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+ARCH_LAYER_NAMES = {
+    "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
 }
 
 
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "model.norm.bias": "output_norm.bias",  # StableLM's LayerNorm
+    "gpt_neox.embed_in.weight": "token_embd.weight",
+    "gpt_neox.final_layer_norm.weight": "output_norm.weight",
+    "gpt_neox.final_layer_norm.bias": "output_norm.bias",
+}
+HEADS = ("lm_head.weight", "embed_out.weight")  # GPT-NeoX's head is embed_out
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -307,6 +339,7 @@ def write_gguf(
     add_bos: bool = False,
     per_expert: bool = False,
     mixed: dict[str, Q] | None = None,
+    encode: dict[Q, Callable[[np.ndarray], np.ndarray]] | None = None,
 ) -> Path:
     """Write an HF model the way llama.cpp's convert_hf_to_gguf.py (+ llama-quantize) would.
 
@@ -314,6 +347,8 @@ def write_gguf(
     mixed: other types for tensors whose llama.cpp name contains a key (as Q4_K_M keeps attn_v and
     ffn_down in Q6_K). gguf cannot quantize to K-quants: their tensors (widths in multiples of 256)
     are random blocks with small scales, not the model's weights; other widths stay float32.
+    encode: for types gguf cannot quantize, a function from float rows [rows, K] to their blocks
+    [rows, bytes] (the model's own weights, quantized by the test); it takes precedence.
     """
     rng = np.random.default_rng(0)
     cfg = model.config
@@ -326,17 +361,43 @@ def write_gguf(
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch != "gptneox":  # GPTNeoXModel writes no KV head count (multi-head attention)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+    rope = cfg.rope_parameters
+    if arch == "gemma3":  # TextModel: the global layers' RoPE (and its scaling), the sliding layers' base
+        rope = cfg.rope_parameters["full_attention"]
+        w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes no RoPE base (llama.cpp's default, 10000, is Gemma 2's)
+        w.add_rope_freq_base(rope["rope_theta"])
+    if arch in ("stablelm", "gptneox"):  # LayerNorms; the rotary width (rope_pct / rotary_pct of the head)
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * (cfg.hidden_size // cfg.num_attention_heads)))
+        w.add_parallel_residual(cfg.use_parallel_residual)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
-    if arch == "llama":
+    if arch in ("llama", "granite", "phi3"):  # LlamaModel (and its subclass GraniteModel), Phi3MiniModel
         w.add_rope_dimension_count(head_dim)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if arch == "gemma2":  # Gemma2Model
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":  # Gemma3Model: the cap where set, the window (llama.cpp: 5 sliding layers in 6)
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "granite":  # GraniteModel: the four multipliers under llama.cpp's names
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    if arch == "phi3":  # Phi3MiniModel: 0 for no window
+        w.add_sliding_window(cfg.sliding_window or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    rope = cfg.rope_parameters
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -359,14 +420,20 @@ def write_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_eot_token_id(0)
+    if cfg.pad_token_id is not None:  # gguf's SpecialVocab takes it from config.json
+        w.add_pad_token_id(cfg.pad_token_id)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHATML)
 
     def add(name: str, t: torch.Tensor) -> None:
         a = t.detach().float().numpy()
         kind = next((q for key, q in (mixed or {}).items() if key in name), qtype)
+        block = gguf.GGML_QUANT_SIZES[kind][0]
         # llama-quantize keeps 1-D tensors and MoE routers in float32.
-        if kind in K_QUANTS and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 256 == 0:
+        if kind in (encode or {}) and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % block == 0:
+            blocks = encode[kind](a.reshape(-1, a.shape[-1]))
+            w.add_tensor(name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=kind)
+        elif kind in K_QUANTS and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 256 == 0:
             blocks = random_blocks(kind, math.prod(a.shape[:-1]), a.shape[-1], rng, scale=1e-4)
             w.add_tensor(name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=kind)
         elif kind not in (Q.F32, *K_QUANTS) and a.ndim >= 2 and "ffn_gate_inp" not in name and a.shape[-1] % 32 == 0:
@@ -374,16 +441,18 @@ def write_gguf(
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
 
-    permute = arch == "llama"
+    permute = arch in ("llama", "granite")  # convert_hf_to_gguf.py's LlamaModel.modify_tensors
     for hf_name, t in model.state_dict().items():
-        if hf_name == "lm_head.weight":
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            t = t + 1  # Gemma2Model / Gemma3Model: llama.cpp's RMSNorm scales by w, Gemma's by 1 + w
+        if hf_name in HEADS:
             if not cfg.tie_word_embeddings:
                 add("output.weight", t)
             continue
         if hf_name in GLOBAL_NAMES:
             add(GLOBAL_NAMES[hf_name], t)
             continue
-        layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", hf_name).groups()
+        layer, rest = re.match(r"(?:model|gpt_neox)\.layers\.(\d+)\.(.+)$", hf_name).groups()
         blk = f"blk.{layer}"
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             gate, up = t.chunk(2, dim=1)
@@ -402,13 +471,15 @@ def write_gguf(
                 add(f"{blk}.ffn_down_exps.weight", t)
             continue
         module, suffix = rest.rsplit(".", 1)
-        name = f"{blk}.{LAYER_NAMES[module]}.{suffix}"
+        name = f"{blk}.{ {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}[module] }.{suffix}"
         if permute and module == "self_attn.q_proj":
             t = torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_attention_heads))
         elif permute and module == "self_attn.k_proj":
             t = torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_key_value_heads))
         elif module == "mlp.shared_expert_gate":
             t = t.reshape(-1)  # the converter stores it as [H]
+        elif module == "attention.query_key_value":  # GPTNeoXModel: per-head [q; k; v] -> [all q; all k; all v]
+            t = t.reshape(cfg.num_attention_heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         add(name, t)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
@@ -629,11 +700,14 @@ def test_float_types(tmp_path):
 
 def test_unsupported_block_type(tmp_path):
     rng = np.random.default_rng(0)
-    write_block_gguf(tmp_path / "q2k.gguf", Q.Q2_K, {"blk.0.attn_v.weight": random_blocks(Q.Q2_K, 128, 256, rng)})
-    reader = open_gguf(tmp_path / "q2k.gguf").reader
-    with pytest.raises(WeightsError, match=r"blk\.0\.attn_v\.weight.*Q2_K") as e:
+    raw = rng.integers(0, 256, size=(128, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes per 256 values
+    write_block_gguf(tmp_path / "iq2.gguf", Q.IQ2_XXS, {"blk.0.attn_v.weight": raw})
+    reader = open_gguf(tmp_path / "iq2.gguf").reader
+    with pytest.raises(WeightsError, match=r"blk\.0\.attn_v\.weight.*IQ2_XXS") as e:
         reader.get("model.layers.0.self_attn.v_proj.weight")
     assert "\n" not in str(e.value)
+    readable = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+    assert all(name in str(e.value).split("supported: ")[1] for name in readable)
 
 
 # -------------------------------------------------------------------------------------- bad input
@@ -643,7 +717,7 @@ def one_line(excinfo) -> str:
     return message
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "phi3"])
+@pytest.mark.parametrize("arch", ["gpt2", "falcon"])
 def test_unsupported_architecture(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
@@ -687,7 +761,7 @@ def test_missing_and_garbage_files(tmp_path):
 
 
 def test_unsupported_tokenizers(tmp_path, valid_gguf):
-    """A SentencePiece vocabulary or an unknown pre-tokenizer is a clear one-line KeelError."""
+    """A SentencePiece vocabulary without scores, or an unknown pre-tokenizer, is a clear one-line KeelError."""
     for key, value in (("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "made-up")):
         reader = gguf.GGUFReader(valid_gguf)
         w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")

@@ -39,7 +39,7 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(1)
     writer.add_context_length(32)
-    writer.add_layer_norm_eps(1e-5)
+    writer.add_clamp_kqv(8.0)
     for name in ("token_embd.weight", "position_embd.weight", "blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"):
         writer.add_tensor(name, np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -54,7 +54,7 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
     assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
     assert survey["unplaced"] == {"position_embd.weight": 1}
-    assert survey["unread_keys"] == ["gpt2.attention.layer_norm_epsilon"]  # context_length and block_count are read
+    assert survey["unread_keys"] == ["gpt2.attention.clamp_kqv"]  # context_length and block_count are read
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox"])

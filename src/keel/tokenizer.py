@@ -21,6 +21,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 @functools.cache
@@ -126,9 +127,13 @@ class Tokenizer:
         """The raw bytes of one token: also for a token that is only part of a UTF-8 character
         (which `decode` would show as U+FFFD). Byte-level BPE and SentencePiece byte tokens."""
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" not in text:
-            return text.encode("utf-8")
         piece = self.tokenizer.id_to_token(token_id) or ""
+        if "\ufffd" not in text:
+            # A SentencePiece decoder strips the prefix space off a text's first token ("\u2581the" decodes
+            # as "the" alone): the token itself still stands for " the".
+            if piece.startswith(_SPM_SPACE) and piece.replace(_SPM_SPACE, " ") == " " + text:
+                text = " " + text
+            return text.encode("utf-8")
         if match := _BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(match.group(1), 16)])
         table = _byte_level_decoder()

@@ -18,7 +18,8 @@ Sources:
   table). Elsewhere torch's kernels get Q4_0 (w = (q - 8) d), Q4_1 (w = q d + m) and Q4_K as int4
   groups of 32 exactly, and Q8_0 (w = q d per block of 32), which has no exact per-channel int8 form,
   as per-channel int8 (`int8_from_blocks`: error <= half a step of the row's largest value / 127);
-  Q5_K and Q6_K load as float there. Other tensor types (F16, ...) load as float;
+  Q5_K and Q6_K load as float there. Other tensor types (F16, BF16, and the block types without an
+  integer form here: Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL) load as float;
 - a directory written by `keel quantize save` (config.json `quantization_config`, quant_method
   "keel"): its portable integer tensors (see keel.quant.save for the format).
 """

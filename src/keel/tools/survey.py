@@ -17,6 +17,7 @@ from typing import Any
 
 from keel.config import HF_ARCHITECTURES
 from keel.weights.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
+from keel.weights.gguf import KEYS_READ as GGUF_KEYS_READ
 
 # Role -> a pattern on a tensor name; the first role that matches takes it (norms before the
 # sublayers they sit in, experts and the router before the dense MLP).
@@ -52,18 +53,8 @@ _KEEL_NAME = re.compile(
 
 
 def _gguf_keys_read(arch: str) -> set[str]:
-    """The keys under the architecture's prefix that keel's GGUF reading uses (gguf's constants)."""
-    from gguf import Keys
-
-    keys = [
-        Keys.LLM.CONTEXT_LENGTH, Keys.LLM.EMBEDDING_LENGTH, Keys.LLM.BLOCK_COUNT, Keys.LLM.FEED_FORWARD_LENGTH,
-        Keys.LLM.VOCAB_SIZE, Keys.LLM.EXPERT_COUNT, Keys.LLM.EXPERT_USED_COUNT, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-        Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, Keys.LLM.EXPERT_WEIGHTS_NORM, Keys.Attention.HEAD_COUNT,
-        Keys.Attention.HEAD_COUNT_KV, Keys.Attention.KEY_LENGTH, Keys.Attention.VALUE_LENGTH,
-        Keys.Attention.LAYERNORM_RMS_EPS, Keys.Rope.DIMENSION_COUNT, Keys.Rope.FREQ_BASE, Keys.Rope.SCALING_TYPE,
-        Keys.Rope.SCALING_FACTOR, Keys.Rope.SCALING_ORIG_CTX_LEN,
-    ]  # fmt: skip
-    return {key.format(arch=arch) for key in keys}
+    """The keys under the architecture's prefix that keel's GGUF reading uses (keel.weights.gguf.KEYS_READ)."""
+    return {key.format(arch=arch) for key in GGUF_KEYS_READ}
 
 
 def unknown_family(path: Path) -> dict[str, Any] | None:

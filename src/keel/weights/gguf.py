@@ -7,17 +7,55 @@ with shapes in ggml order (innermost dimension first). `open_gguf` turns that in
 names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
 Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors are also served as integer codes and group scales
 (`get_blocks`, keel.weights.gguf_blocks), which `--quantize gguf` (keel.quant.on_load) repacks for
-the integer kernels without a float copy.
+the integer kernels without a float copy; the other block types load as float.
+
+Nothing of llama.cpp's naming is retyped here: the metadata keys are gguf's `Keys` constants, the
+architecture names `MODEL_ARCH_NAMES`, and the tensor names come from gguf's `TensorNameMap` run
+forward over the HF names a checkpoint of the config holds (as llama.cpp's convert_hf_to_gguf.py
+names them), so that a llama.cpp tensor is read as the HF tensor it was converted from; a family
+that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe; tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K; byte-level BPE vocabularies
-(`tokenizer.ggml.model == "gpt2"`). SentencePiece vocabularies (`"llama"`) raise a KeelError.
+qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm and gptneox (others are refused by name); tensor
+types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL (others, e.g. IQ2_XXS, are a
+one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
+SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
+(keel.weights.gguf_tokenizer).
+
+Conventions of llama.cpp's converter (convert_hf_to_gguf.py, which the gguf package does not ship;
+these are assumptions about it, shared by transformers' GGUF loader where it reads the architecture):
+q/k rows (and biases) are permuted for the llama architecture and its subclass granite only; Phi-3
+keeps q/k/v fused in `attn_qkv` and gate/up in `ffn_up` (gate rows first); OLMo 2's output norms are
+`post_attention_norm` and `post_ffw_norm`; Granite's four multipliers are `embedding_scale`,
+`residual_scale`, `attention.scale` and `logit_scale`, each written only when config.json has it
+(absent, transformers' default 1.0 is taken). Phi-3's `attention.sliding_window` (0: none) applies
+to every layer, as transformers applies the HF config's; a Phi-3 with longrope factors is refused.
+
+Gemma 2 and 3: the converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm has no 1 + w), which is
+taken off on load; the embedding is stored unscaled (keel scales it by sqrt(hidden) as transformers does)
+and the head is tied (no `output.weight`). No key holds query_pre_attn_scalar: the softmax scale is
+llama.cpp's, (hidden / heads)^-1/2 for the 27B models (46 layers for Gemma 2, 62 for Gemma 3) and
+key_length^-1/2 otherwise, which is query_pre_attn_scalar^-1/2 for every released Gemma 2/3. Gemma 2:
+`attn_logit_softcapping` and `final_logit_softcapping` (absent: llama.cpp's 50 and 30), the window
+`attention.sliding_window` (absent: 4096) on even layers, one RoPE base (the converter writes none:
+llama.cpp's 10000). Gemma 3: `final_logit_softcapping` where written (else none), five sliding layers in
+six (`attention.sliding_window_pattern` where a file has it; absent or 0 `attention.sliding_window`:
+every layer global), the global layers' RoPE in `rope.freq_base` and its linear scaling, the sliding
+layers' base in `rope.freq_base_swa` (absent: llama.cpp's hard-coded 10000, unscaled), and the vocabulary
+from the embedding's rows (the converter drops rows past the tokenizer's). StableLM and GPT-NeoX:
+LayerNorms with biases (eps `attention.layer_norm_epsilon`), rotary over the first `rope.dimension_count`
+channels of each head (the head size is hidden / heads); StableLM's parallel residual is read from the
+tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), GPT-NeoX's from
+`use_parallel_residual`. GPT-NeoX's converter regroups HF's per-head interleaved query_key_value into
+`attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
+names no activation; llama.cpp runs ggml's tanh-approximated GELU).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,53 +64,107 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    MODEL_TENSORS,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    Keys,
+    get_tensor_name_map,
+)
 from gguf.quants import dequantize
 from torch import Tensor
 
 from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
+from keel.families import FAMILIES, checkpoint_layout
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.shard import Shard, narrow
 
-# general.architecture -> keel family ("llama" with experts becomes "mixtral" below).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_A = MODEL_ARCH
+# llama.cpp architecture -> keel family ("llama" with experts becomes "mixtral" below).
+_FAMILIES = {
+    _A.LLAMA: "llama",
+    _A.QWEN2: "qwen2",
+    _A.QWEN3: "qwen3",
+    _A.QWEN2MOE: "qwen2_moe",
+    _A.QWEN3MOE: "qwen3_moe",
+    _A.GRANITE: "granite",
+    _A.PHI3: "phi3",
+    _A.OLMO2: "olmo2",
+    _A.GEMMA2: "gemma2",
+    _A.GEMMA3: "gemma3",
+    _A.STABLELM: "stablelm",
+    _A.GPTNEOX: "gpt_neox",
+}
+# general.architecture (its name in the file) -> keel family.
+ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
+_ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
+# llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses
+# that keep its tensor handling: llama (Mixtral included) and granite.
+_PERMUTED = {_A.LLAMA, _A.GRANITE}
+# Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
+_NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
+# Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
+_PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
+# Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
+_LAYER_NORM = {"stablelm", "gpt_neox"}
+# llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
+# (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# What llama.cpp hard-codes for Gemma where the file says nothing: Gemma 2's window (4096), Gemma 3's
+# pattern (five sliding layers, then a global one) and the RoPE base of its sliding layers.
+_GEMMA2_WINDOW = 4096
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
 
 _T = GGMLQuantizationType
-SUPPORTED_TYPES = (_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q4_K, _T.Q5_K, _T.Q6_K)
+SUPPORTED_TYPES = (
+    *(_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1),
+    *(_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL),
+)
 
-# llama.cpp per-layer tensor name -> HF name after `model.layers.N.`. "{moe}" is the MoE block
-# (`mlp`, or `block_sparse_moe` for Mixtral).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "{moe}.gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+# The one key keel reads that gguf-py does not name: older files' linear RoPE factor (llama.cpp still
+# reads it as LLM_KV_ROPE_SCALE_LINEAR; newer converters write rope.scaling.type/factor).
+ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"
+_K, _KA, _KR, _KT = Keys.LLM, Keys.Attention, Keys.Rope, Keys.Tokenizer
+# Every metadata key keel reads here (gguf_tokenizer reads the tokenizer.* ones it needs besides): a test
+# checks that each is one of gguf's Keys (but ROPE_SCALE_LINEAR) and that no key is spelled out in this file.
+KEYS_READ = (
+    Keys.General.ARCHITECTURE,
+    *(_K.VOCAB_SIZE, _K.CONTEXT_LENGTH, _K.EMBEDDING_LENGTH, _K.BLOCK_COUNT, _K.FEED_FORWARD_LENGTH),
+    *(_K.EXPERT_COUNT, _K.EXPERT_USED_COUNT, _K.EXPERT_FEED_FORWARD_LENGTH, _K.EXPERT_SHARED_FEED_FORWARD_LENGTH),
+    *(_K.EXPERT_WEIGHTS_NORM, _K.EMBEDDING_SCALE, _K.RESIDUAL_SCALE, _K.LOGIT_SCALE),
+    *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
+    *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
+    *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
+    *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
+    _KR.SCALING_ORIG_CTX_LEN,
+    ROPE_SCALE_LINEAR,
+    *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
+)
+
+
+def _tensor(kind: MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
+    """llama.cpp's name of a tensor (gguf's TENSOR_NAMES), e.g. `blk.0.attn_q.bias`."""
+    return f"{TENSOR_NAMES[kind].format(bid=layer)}.{suffix}"
+
+
+_TOKEN_EMBD, _OUTPUT = _tensor(MODEL_TENSOR.TOKEN_EMBD), _tensor(MODEL_TENSOR.OUTPUT)
+_ROPE_FREQS = _tensor(MODEL_TENSOR.ROPE_FREQS)
+# Older Mixtral GGUFs store experts one by one: the dense FFN's name and the expert's index
+# (blk.N.ffn_gate.E.weight); keel.weights.names reads the hub form.
+_OLD_EXPERT = {
+    kind: re.compile("^" + re.escape(TENSOR_NAMES[kind]).replace(re.escape("{bid}"), r"(\d+)") + r"\.(\d+)\.weight$")
+    for kind in (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN)
 }
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Old Mixtral GGUFs store experts one by one (blk.N.ffn_gate.E.weight); names.py reads the hub form.
-_OLD_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
-_MIXTRAL_EXPERT = {"gate": "w1", "up": "w3", "down": "w2"}
+_MIXTRAL_EXPERT = {MODEL_TENSOR.FFN_GATE: "w1", MODEL_TENSOR.FFN_UP: "w3", MODEL_TENSOR.FFN_DOWN: "w2"}
 
 
 def open_gguf(path: Path) -> Checkpoint:
@@ -128,18 +220,22 @@ def _f32(value: float) -> float:
 # ------------------------------------------------------------------------------------------ config
 class _Fields:
     """One file's `<arch>.*` metadata read into config fields, recording where each field came from:
-    "read" (metadata), "inferred" (tensor names and shapes) or "default" (the family default)."""
+    "read" (metadata), "inferred" (tensor names and shapes) or "default" (the family default).
+    Keys are gguf's templates (`Keys.LLM.CONTEXT_LENGTH`), formatted with the file's architecture."""
 
     def __init__(self, meta: _Metadata, arch: str, family: str) -> None:
         self.meta, self.arch = meta, arch
         self.defaults = FAMILY_DEFAULTS[family]
         self.provenance = {name: "default" for name in ModelConfig.__dataclass_fields__}
 
-    def key(self, name: str, default: Any = None) -> Any:
-        return self.meta.get(f"{self.arch}.{name}", default)
+    def name(self, key: str) -> str:
+        return key.format(arch=self.arch)
 
-    def require(self, name: str) -> Any:
-        return self.meta.require(f"{self.arch}.{name}")
+    def key(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(self.name(key), default)
+
+    def require(self, key: str) -> Any:
+        return self.meta.require(self.name(key))
 
     def read(self, field: str, value: Any, how: str = "read") -> Any:
         self.provenance[field] = how
@@ -161,48 +257,52 @@ def _config_from_metadata(
     meta: _Metadata, tensors: dict[str, GGUFTensor], path: Path
 ) -> tuple[ModelConfig, dict[str, str]]:
     arch = _architecture(meta, path)
-    num_experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    family = "mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch]
+    num_experts = int(meta.get(_K.EXPERT_COUNT.format(arch=arch), 0) or 0)
+    family = "mixtral" if arch == MODEL_ARCH_NAMES[_A.LLAMA] and num_experts else ARCHITECTURES[arch]
     f = _Fields(meta, arch, family)
-    hidden, num_heads, kv_heads, head_dim = _attention_shape(f, path)
-    vocab = _vocab_size(f, tensors, path)
-    rope_theta = f.pick("rope_theta", f.key("rope.freq_base"), _f32)
-    scaling = _rope_scaling(meta, arch, tensors, head_dim, rope_theta, path, f.provenance)
-    has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
-    num_layers = int(f.require("block_count"))
+    hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
+    vocab = _vocab_size(f, tensors, path, embedding_first=family == "gemma3")
+    rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
+    scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
+    has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
+    num_layers = int(f.require(_K.BLOCK_COUNT))
     moe: dict[str, Any] = {}
     if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        moe = _moe_fields(meta, arch, family, tensors, num_layers, num_experts, f.read, path)
-    elif f.key("feed_forward_length") is None:
-        raise ConfigError(f"{path}: GGUF metadata key {arch + '.feed_forward_length'!r} is missing")
+        moe = _moe_fields(f, family, tensors, num_layers, num_experts, path)
+    elif f.key(_K.FEED_FORWARD_LENGTH) is None:
+        raise ConfigError(f"{path}: GGUF metadata key {f.name(_K.FEED_FORWARD_LENGTH)!r} is missing")
     eos_ids = _eos_ids(meta)
+    fields = dict(
+        architecture=f.read("architecture", family),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        # All-sparse MoE files have no dense width; the family default is then unused.
+        intermediate_size=f.pick("intermediate_size", f.key(_K.FEED_FORWARD_LENGTH), int),
+        num_layers=f.read("num_layers", num_layers),
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.pick(
+            "rms_norm_eps", f.key(_KA.LAYERNORM_EPS if family in _LAYER_NORM else _KA.LAYERNORM_RMS_EPS), _f32
+        ),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        max_position_embeddings=f.pick("max_position_embeddings", f.key(_K.CONTEXT_LENGTH), int),
+        # llama.cpp writes output.weight only when the head is not the embedding matrix.
+        tie_word_embeddings=f.read("tie_word_embeddings", _OUTPUT not in tensors, "inferred"),
+        qkv_bias=f.read("qkv_bias", has(MODEL_TENSOR.ATTN_Q, "bias") or has(MODEL_TENSOR.ATTN_QKV, "bias"), "inferred"),
+        o_bias=f.read("o_bias", has(MODEL_TENSOR.ATTN_OUT, "bias"), "inferred"),
+        mlp_bias=f.read("mlp_bias", has(MODEL_TENSOR.FFN_UP, "bias"), "inferred"),
+        qk_norm=f.read("qk_norm", has(MODEL_TENSOR.ATTN_Q_NORM), "inferred"),
+        bos_token_id=f.pick("bos_token_id", meta.get(_KT.BOS_ID), int),
+        eos_token_id=f.pick("eos_token_id", eos_ids, list),
+        pad_token_id=f.pick("pad_token_id", meta.get(_KT.PAD_ID), int),
+        dtype=f.read("dtype", _checkpoint_dtype(tensors), "inferred"),
+        **moe,
+    )
+    fields.update(_family_fields(f, family, fields, tensors, path))
     try:
-        config = ModelConfig(
-            architecture=f.read("architecture", family),
-            vocab_size=vocab,
-            hidden_size=hidden,
-            # All-sparse MoE files have no dense width; the family default is then unused.
-            intermediate_size=f.pick("intermediate_size", f.key("feed_forward_length"), int),
-            num_layers=f.read("num_layers", num_layers),
-            num_heads=num_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=f.pick("rms_norm_eps", f.key("attention.layer_norm_rms_epsilon"), _f32),
-            rope_theta=rope_theta,
-            rope_scaling=scaling,
-            max_position_embeddings=f.pick("max_position_embeddings", f.key("context_length"), int),
-            # llama.cpp writes output.weight only when the head is not the embedding matrix.
-            tie_word_embeddings=f.read("tie_word_embeddings", "output.weight" not in tensors, "inferred"),
-            qkv_bias=f.read("qkv_bias", has("attn_q.bias"), "inferred"),
-            o_bias=f.read("o_bias", has("attn_output.bias"), "inferred"),
-            mlp_bias=f.read("mlp_bias", has("ffn_up.bias"), "inferred"),
-            qk_norm=f.read("qk_norm", has("attn_q_norm.weight"), "inferred"),
-            bos_token_id=f.pick("bos_token_id", meta.get("tokenizer.ggml.bos_token_id"), int),
-            eos_token_id=f.pick("eos_token_id", eos_ids, list),
-            pad_token_id=f.pick("pad_token_id", meta.get("tokenizer.ggml.padding_token_id"), int),
-            dtype=f.read("dtype", _checkpoint_dtype(tensors), "inferred"),
-            **moe,
-        )
+        config = ModelConfig(**fields)
     except ConfigError as e:  # ModelConfig.validate does not know the file
         raise ConfigError(f"{path}: {e}") from None
     return config, f.provenance
@@ -210,10 +310,10 @@ def _config_from_metadata(
 
 def _architecture(meta: _Metadata, path: Path) -> str:
     """general.architecture, when keel reads it from GGUF."""
-    arch = meta.get("general.architecture")
-    if arch == "deepseek2":  # llama.cpp's name for DeepSeek-V2/V3 (multi-head latent attention)
+    arch = meta.get(Keys.General.ARCHITECTURE)
+    if arch == MODEL_ARCH_NAMES[_A.DEEPSEEK2]:  # DeepSeek-V2/V3 (multi-head latent attention)
         raise ConfigError(
-            f"{path}: GGUF architecture 'deepseek2' (DeepSeek-V2/V3, multi-head latent attention) is not supported "
+            f"{path}: GGUF architecture {arch!r} (DeepSeek-V2/V3, multi-head latent attention) is not supported "
             "from GGUF; use the HF safetensors checkpoint (config.json + model*.safetensors)"
         )
     if arch not in ARCHITECTURES:
@@ -221,24 +321,123 @@ def _architecture(meta: _Metadata, path: Path) -> str:
     return arch
 
 
-def _attention_shape(f: _Fields, path: Path) -> tuple[int, int, int, int]:
-    """(hidden size, attention heads, KV heads, head dim), their provenance recorded."""
-    hidden = f.read("hidden_size", int(f.require("embedding_length")))
-    heads = _per_layer_constant(f.require("attention.head_count"), "attention.head_count", path)
+def _family_fields(
+    f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path
+) -> dict[str, Any]:
+    """The config fields of the family beyond the Llama block: Granite's multipliers, Phi-3's sliding
+    window, and what a keel.families module sets for its family (OLMo 2's norm placement and q/k norms)."""
+    own: dict[str, Any] = {}
+    if family == "granite":
+        # The converter writes each only when config.json has it; absent, transformers' default 1.0 holds.
+        one = lambda field, key: f.read(field, _f32(f.key(key)), "read") if f.key(key) else 1.0  # noqa: E731
+        own = {
+            "embedding_multiplier": one("embedding_multiplier", _K.EMBEDDING_SCALE),
+            "residual_multiplier": one("residual_multiplier", _K.RESIDUAL_SCALE),
+            "attention_scale": one("attention_scale", _KA.SCALE),
+            "logits_scaling": one("logits_scaling", _K.LOGIT_SCALE),
+        }
+    if family == "phi3":
+        longrope = [_tensor(k) for k in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT)]
+        if any(name in tensors for name in longrope):
+            raise ConfigError(f"{path}: rope scaling 'longrope' (Phi-3's {', '.join(longrope)}) is not supported")
+        window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
+        own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
+    if family in FAMILIES:
+        # The family file reads its config.json keys: from GGUF, those the metadata and tensors give.
+        hf, read = _family_hf_config(f, family, common, tensors)
+        for field, value in FAMILIES[family].config_fields(hf, str(path)).items():
+            own[field] = f.read(field, value, "read" if field in read else "inferred")
+        if family == "gpt_neox":  # no activation key: transformers' GPTNeoXConfig default (erf GELU)
+            own["hidden_act"] = "gelu"
+    return own
+
+
+def _family_hf_config(
+    f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """The config.json keys a keel.families module reads, as llama.cpp takes them from a GGUF file of the
+    family, and the config fields that then come from metadata keys (provenance "read")."""
+    has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
+    layers, hidden, heads, head_dim = (common[k] for k in ("num_layers", "hidden_size", "num_heads", "head_dim"))
+    hf: dict[str, Any] = dict(attention_bias=common["qkv_bias"], num_hidden_layers=layers, hidden_size=hidden)
+    read: set[str] = set()
+    if family in ("gemma2", "gemma3"):
+        # llama.cpp's softmax scale (no key): (hidden / heads)^-1/2 for the 27B models, head_dim^-1/2 otherwise.
+        scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[family] else head_dim
+        hf.update(query_pre_attn_scalar=scalar, tie_word_embeddings=common["tie_word_embeddings"])
+        for field, key in (
+            ("final_logit_softcapping", _K.FINAL_LOGIT_SOFTCAPPING),
+            ("attn_logit_softcapping", _K.ATTN_LOGIT_SOFTCAPPING),
+        ):
+            if f.key(key) is not None:  # absent: llama.cpp's default (Gemma 2: 30 and 50; Gemma 3: none)
+                hf[field] = _f32(f.key(key))
+                read.add(field)
+        window = f.key(_KA.SLIDING_WINDOW)
+        read |= {"sliding_window", "layer_types"} if window is not None else set()
+    if family == "gemma2":
+        hf.update(sliding_window=int(window) if window is not None else _GEMMA2_WINDOW)
+    if family == "gemma3":
+        hf.update(sliding_window=int(window) if window else None)  # absent or 0: every layer global
+        pattern = f.key(_KA.SLIDING_WINDOW_PATTERN)
+        if isinstance(pattern, list):  # per layer: true where the layer slides
+            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
+        else:
+            hf.update(sliding_window_pattern=int(pattern) if pattern is not None else _GEMMA3_PATTERN)
+        local = f.key(_KR.FREQ_BASE_SWA)
+        hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
+        read |= {"sliding_rope_theta"} if local is not None else set()
+    if family in _PARTIAL_ROTARY:
+        rope_dims = f.key(_KR.DIMENSION_COUNT)
+        factor = _rotary_factor(int(rope_dims), head_dim) if rope_dims is not None else None
+        read |= {"partial_rotary_factor"} if factor is not None else set()
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+        read |= {"rope_theta"} if f.key(_KR.FREQ_BASE) is not None else set()
+        hf.update(layer_norm_eps=common["rms_norm_eps"])
+    if family == "stablelm":
+        # The parallel residual has no norm before the MLP: as llama.cpp and transformers, from the tensors
+        # (the converter's use_parallel_residual key defaults to true where config.json lacks it).
+        hf.update(use_qkv_bias=common["qkv_bias"], use_parallel_residual=not has(MODEL_TENSOR.FFN_NORM))
+        hf.update(qk_layernorm=has(MODEL_TENSOR.ATTN_Q_NORM))
+        if factor is not None:
+            hf.update(partial_rotary_factor=factor)
+    if family == "gpt_neox":
+        parallel = f.key(_K.USE_PARALLEL_RESIDUAL)
+        if parallel is not None:
+            hf.update(use_parallel_residual=bool(parallel))
+            read.add("parallel_residual")
+        hf.update(num_attention_heads=heads, rope_theta=common["rope_theta"])
+        if factor is not None:
+            hf.update(rotary_pct=factor)
+    return hf, read
+
+
+def _rotary_factor(rope_dims: int, head_dim: int) -> float:
+    """The partial_rotary_factor whose int(head_dim * factor) (transformers' and keel's rounding) is rope_dims."""
+    factor = rope_dims / head_dim
+    while int(head_dim * factor) < rope_dims:  # e.g. 30 / 88 * 88 == 29.999...
+        factor = math.nextafter(factor, 1.0)
+    return factor
+
+
+def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int, int]:
+    """(hidden size, attention heads, KV heads, head dim), their provenance recorded. rope.dimension_count
+    is the head size for llama (no key_length), the rotary width for the partial-rotary families."""
+    hidden = f.read("hidden_size", int(f.require(_K.EMBEDDING_LENGTH)))
+    heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
-    kv_heads = f.key("attention.head_count_kv")
+    kv_heads = f.key(_KA.HEAD_COUNT_KV)
     if kv_heads is None:
         kv_heads = f.read("num_kv_heads", num_heads, "default")
     else:
-        kv_heads = f.read("num_kv_heads", _per_layer_constant(kv_heads, "attention.head_count_kv", path))
-    rope_dims = f.key("rope.dimension_count")
-    if f.key("attention.key_length") is not None:
-        head_dim = f.read("head_dim", int(f.key("attention.key_length")))
-    elif rope_dims is not None:  # llama.cpp writes the head size here for llama
+        kv_heads = f.read("num_kv_heads", _per_layer_constant(kv_heads, f.name(_KA.HEAD_COUNT_KV), path))
+    rope_dims = f.key(_KR.DIMENSION_COUNT)
+    if f.key(_KA.KEY_LENGTH) is not None:
+        head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
+    elif rope_dims is not None and family not in _PARTIAL_ROTARY:  # llama.cpp writes the head size here for llama
         head_dim = f.read("head_dim", int(rope_dims))
     else:
         head_dim = f.read("head_dim", hidden // num_heads, "inferred")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and int(rope_dims) != head_dim and family not in _PARTIAL_ROTARY:
         raise ConfigError(
             f"{path}: partial rotary embeddings are not supported "
             f"(rope.dimension_count={rope_dims}, head_dim={head_dim})"
@@ -246,12 +445,15 @@ def _attention_shape(f: _Fields, path: Path) -> tuple[int, int, int, int]:
     return hidden, num_heads, kv_heads, head_dim
 
 
-def _vocab_size(f: _Fields, tensors: dict[str, GGUFTensor], path: Path) -> int:
-    """From vocab_size, else the token list, else the embedding's rows."""
-    embed = tensors.get("token_embd.weight")
-    tokens = f.meta.fields.get("tokenizer.ggml.tokens")
-    if f.key("vocab_size") is not None:
-        return f.read("vocab_size", int(f.key("vocab_size")))
+def _vocab_size(f: _Fields, tensors: dict[str, GGUFTensor], path: Path, embedding_first: bool = False) -> int:
+    """From vocab_size, else the token list, else the embedding's rows (first, for Gemma 3: its converter
+    drops the embedding rows past the tokenizer's vocabulary)."""
+    embed = tensors.get(_TOKEN_EMBD)
+    tokens = f.meta.get(_KT.LIST)
+    if embedding_first and embed is not None:
+        return f.read("vocab_size", int(embed.shape[-1]), "inferred")
+    if f.key(_K.VOCAB_SIZE) is not None:
+        return f.read("vocab_size", int(f.key(_K.VOCAB_SIZE)))
     if tokens is not None:
         return f.read("vocab_size", len(tokens))
     if embed is not None:
@@ -261,7 +463,7 @@ def _vocab_size(f: _Fields, tensors: dict[str, GGUFTensor], path: Path) -> int:
 
 def _eos_ids(meta: _Metadata) -> list[int] | None:
     """llama.cpp stops generation at any of these; keel's eos list plays that role."""
-    eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos = [meta.get(key) for key in (_KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID)]
     return list(dict.fromkeys(int(i) for i in eos if i is not None)) or None
 
 
@@ -275,34 +477,30 @@ def _per_layer_constant(value: Any, key: str, path: Path) -> int:
 
 
 def _moe_fields(
-    meta: _Metadata,
-    arch: str,
+    f: _Fields,
     family: str,
     tensors: dict[str, GGUFTensor],
     num_layers: int,
     num_experts: int,
-    read: Callable[..., Any],
     path: Path,
 ) -> dict[str, Any]:
-    k = lambda name, default=None: meta.get(f"{arch}.{name}", default)  # noqa: E731
-    if family == "mixtral":
-        width = k("feed_forward_length")
-    else:
-        width = k("expert_feed_forward_length")
+    width = f.key(_K.FEED_FORWARD_LENGTH if family == "mixtral" else _K.EXPERT_FEED_FORWARD_LENGTH)
     how = "read"
     if width is None:  # from the stacked down projection: ggml shape [I, H, E]
-        down = next((t for n, t in tensors.items() if n.endswith("ffn_down_exps.weight")), None)
+        downs = (tensors.get(_tensor(MODEL_TENSOR.FFN_DOWN_EXP, i)) for i in range(num_layers))
+        down = next((t for t in downs if t is not None), None)
         if down is None:
-            raise ConfigError(f"{path}: cannot tell the expert width (no expert_feed_forward_length)")
+            raise ConfigError(f"{path}: cannot tell the expert width (no {f.name(_K.EXPERT_FEED_FORWARD_LENGTH)})")
         width, how = int(down.shape[0]), "inferred"
     # A layer without a router is dense (Qwen-MoE's mlp_only_layers).
-    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    dense = [i for i in range(num_layers) if _tensor(MODEL_TENSOR.FFN_GATE_INP, i) not in tensors]
     # llama.cpp normalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
-    norm = k("expert_weights_norm")
-    shared = int(k("expert_shared_feed_forward_length", 0) or 0) if family == "qwen2_moe" else 0
+    norm = f.key(_K.EXPERT_WEIGHTS_NORM)
+    shared = int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0) or 0) if family == "qwen2_moe" else 0
+    read = f.read
     return {
         "num_experts": read("num_experts", num_experts),
-        "num_experts_per_tok": read("num_experts_per_tok", int(meta.require(f"{arch}.expert_used_count"))),
+        "num_experts_per_tok": read("num_experts_per_tok", int(f.require(_K.EXPERT_USED_COUNT))),
         "moe_intermediate_size": read("moe_intermediate_size", int(width), how),
         "norm_topk_prob": read("norm_topk_prob", bool(norm), "read") if norm is not None else family != "qwen2_moe",
         "shared_expert_intermediate_size": read("shared_expert_intermediate_size", shared)
@@ -312,40 +510,30 @@ def _moe_fields(
     }
 
 
-def _rope_scaling(
-    meta: _Metadata,
-    arch: str,
-    tensors: dict[str, GGUFTensor],
-    head_dim: int,
-    theta: float,
-    path: Path,
-    prov: dict[str, str],
-) -> RopeScaling:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
-    if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is not None:
+def _rope_scaling(f: _Fields, tensors: dict[str, GGUFTensor], head_dim: int, theta: float, path: Path) -> RopeScaling:
+    kind = f.key(_KR.SCALING_TYPE)
+    factor = f.key(_KR.SCALING_FACTOR, f.key(ROPE_SCALE_LINEAR))
+    if kind in (None, "none") and f.key(ROPE_SCALE_LINEAR) is not None:
         kind = "linear"  # older files: only rope.scale_linear
     if kind == "linear" and factor is not None and _f32(factor) != 1.0:
-        prov["rope_scaling"] = "read"
+        f.provenance["rope_scaling"] = "read"
         return RopeScaling(type="linear", factor=_f32(factor))
     if kind not in (None, "none", "linear"):
         raise ConfigError(f"{path}: rope scaling type {kind!r} is not supported (supported: linear, llama3)")
-    freqs = tensors.get("rope_freqs.weight")
+    freqs = tensors.get(_ROPE_FREQS)
     if freqs is None:
         return RopeScaling()
     # Llama 3.x: the converter stores per-frequency divisors instead of the rope_scaling parameters.
-    scaling = _llama3_from_rope_freqs(_to_numpy(freqs, path), head_dim, theta, meta, arch)
+    scaling = _llama3_from_rope_freqs(_to_numpy(freqs, path), head_dim, theta, f)
     if scaling is None:
         raise ConfigError(
-            f"{path}: rope_freqs.weight does not match llama3 rope scaling; custom rope factors are not supported"
+            f"{path}: {_ROPE_FREQS} does not match llama3 rope scaling; custom rope factors are not supported"
         )
-    prov["rope_scaling"] = "inferred"
+    f.provenance["rope_scaling"] = "inferred"
     return scaling
 
 
-def _llama3_from_rope_freqs(
-    freqs: np.ndarray, head_dim: int, theta: float, meta: _Metadata, arch: str
-) -> RopeScaling | None:
+def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float, f: _Fields) -> RopeScaling | None:
     """The llama3 RopeScaling whose frequencies equal base / rope_freqs, or None."""
     from keel.model.layers import rope_inv_freq
 
@@ -359,7 +547,7 @@ def _llama3_from_rope_freqs(
     # The file keeps only the resulting divisors. Llama 3.1 / 3.2 / 3.3 all use low_freq_factor 1,
     # high_freq_factor 4 and an original context of 8192; the factor is the largest divisor. Accept
     # that reading only if it reproduces every stored frequency.
-    original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 8192)
+    original = int(f.key(_KR.SCALING_ORIG_CTX_LEN) or 8192)
     candidate = RopeScaling("llama3", float(freqs.max()), 1.0, 4.0, original)
     got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
     return candidate if np.allclose(got, target, rtol=1e-4, atol=0) else None
@@ -380,17 +568,33 @@ def _hf_shape(t: GGUFTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the innermost dimension first
 
 
-def _to_numpy(t: GGUFTensor, path: Path) -> np.ndarray:
-    """Dequantize one GGUF tensor to float32 in numpy (HF / row-major) shape."""
+Rows = tuple[int, int] | None
+
+
+def _check_type(t: GGUFTensor, path: Path) -> None:
     if t.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(s.name for s in SUPPORTED_TYPES)
         raise WeightsError(
             f"{path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which keel cannot read "
             f"(supported: {supported})"
         )
+
+
+def _raw(t: GGUFTensor, rows: Rows) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The tensor's stored data (values, or bytes of blocks, one row per HF row) and HF shape, or only
+    rows [start, stop) of its first (outermost) dimension."""
     shape = _hf_shape(t)
+    if rows is None:
+        return t.data, shape
+    return t.data[rows[0] : rows[1]], (rows[1] - rows[0], *shape[1:])
+
+
+def _to_numpy(t: GGUFTensor, path: Path, rows: Rows = None) -> np.ndarray:
+    """Dequantize one GGUF tensor (or rows of it) to float32 in numpy (HF / row-major) shape."""
+    _check_type(t, path)
+    data, shape = _raw(t, rows)
     try:
-        return dequantize(t.data, t.tensor_type).reshape(shape)
+        return dequantize(np.ascontiguousarray(data), t.tensor_type).reshape(shape)
     except Exception as e:
         raise WeightsError(f"{path}: cannot read tensor {t.name!r} ({_one_line(e)})") from None
 
@@ -408,15 +612,80 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One HF tensor: the GGUF tensors it is made of, its HF shape and how to combine them."""
+    """One HF tensor: the GGUF tensors it is made of, its HF shape and how to combine them; `rows`:
+    it is those rows of its one source (a part of a fused tensor, e.g. Phi-3's q in attn_qkv)."""
 
     sources: tuple[GGUFTensor, ...]
     shape: tuple[int, ...]
     combine: Callable[[list[np.ndarray]], np.ndarray]
+    rows: Rows = None
 
 
 def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
+
+
+def _minus_one(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] - np.float32(1)
+
+
+def _norm_offset(arch: MODEL_ARCH, hf: str) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """Gemma's norm weights as HF stores them: the converter added 1 to each `*norm.weight` (llama.cpp's
+    RMSNorm has no 1 + w); keel, like transformers, scales by 1 + w (norm_weight_offset)."""
+    return _minus_one if arch in _NORM_PLUS_ONE and hf.endswith("norm.weight") else _single
+
+
+def hf_names_by_gguf(config: ModelConfig, arch: MODEL_ARCH) -> dict[str, str]:
+    """llama.cpp tensor name -> the HF name it was converted from, both without `.weight`/`.bias`
+    (`blk.0.attn_q` -> `model.layers.0.self_attn.q_proj`), for a checkpoint of `config`.
+
+    gguf's TensorNameMap (the table llama.cpp's converter names tensors by) run forward over the HF
+    names such a checkpoint holds: the names keel reads and, for a family that stores them fused or
+    renamed (keel.families), the stored ones, which win where both map to one llama.cpp name (Phi-3's
+    gate_up_proj and up_proj are both `ffn_up`; its files hold the fused one). Stacked experts have no
+    HF name of their own and are placed by their llama.cpp kind (GGUFTensorReader)."""
+    key = (repr(config), arch)
+    if key not in _NAMES_CACHE:  # the skeleton costs ~10 ms a layer: once per config and process
+        if len(_NAMES_CACHE) >= 16:
+            _NAMES_CACHE.clear()
+        _NAMES_CACHE[key] = _hf_names_by_gguf(config, arch)
+    return _NAMES_CACHE[key]
+
+
+_NAMES_CACHE: dict[tuple[str, MODEL_ARCH], dict[str, str]] = {}
+
+
+def _hf_names_by_gguf(config: ModelConfig, arch: MODEL_ARCH) -> dict[str, str]:
+    from keel.model.transformer import Transformer
+    from keel.weights.names import hf_source
+
+    with torch.device("meta"):  # names only; no memory
+        skeleton = Transformer(config)
+    read = {n for key in skeleton.state_dict() for n in hf_source(config, key, set()).names}
+    stored = {name for name, parts in checkpoint_layout(config).items() if parts.keys() & read}
+    bases = [hf.rsplit(".", 1)[0] for hf in [*sorted(read), *sorted(stored)]]
+    out: dict[str, str] = {}
+    # The architecture's own table, then llama's for what it does not list (the dense layers of a
+    # Qwen-MoE file with mlp_only_layers), never over a name the own table gave.
+    for table in (get_tensor_name_map(arch, config.num_layers), get_tensor_name_map(_A.LLAMA, config.num_layers)):
+        found = {}
+        for base in bases:
+            name = table.get_name(base)
+            if name is not None and name not in out:
+                found[name] = base
+        out.update(found)
+        bases = [base for base in bases if base not in out.values()]
+    return out
+
+
+def _kinds(arch: MODEL_ARCH, num_layers: int) -> dict[str, tuple[MODEL_TENSOR, int | None]]:
+    """llama.cpp tensor name (without suffix) -> (its kind, its layer) for the architecture's tensors."""
+    out: dict[str, tuple[MODEL_TENSOR, int | None]] = {}
+    for kind in dict.fromkeys([*MODEL_TENSORS[arch], *MODEL_TENSORS[_A.LLAMA]]):  # as hf_names_by_gguf
+        template = TENSOR_NAMES[kind]
+        layers = range(num_layers) if "{bid}" in template else [None]
+        out.update({template.format(bid=layer): (kind, layer) for layer in layers})
+    return out
 
 
 class GGUFTensorReader:
@@ -427,49 +696,66 @@ class GGUFTensorReader:
         self.path = path
         self._reader: GGUFFile | None = reader
         self._entries: dict[str, _Entry] = {}
+        arch = _ARCH_BY_NAME[reader.fields[Keys.General.ARCHITECTURE]]
         moe = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
-        # llama.cpp's converter permutes q/k rows for the llama architecture (Mixtral included) only.
-        permuted = config.architecture in ("llama", "mixtral")
+        names = hf_names_by_gguf(config, arch)
+        kinds = _kinds(arch, config.num_layers)
+        layout = checkpoint_layout(config)
         tensors = {t.name: t for t in reader.tensors}
         for name, t in tensors.items():
-            if name in _GLOBAL_NAMES:
-                self._add(_GLOBAL_NAMES[name], (t,), _hf_shape(t), _single)
-                continue
-            if match := _OLD_EXPERT.match(name):
-                layer, kind, expert = match.groups()
-                hf = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT[kind]}.weight"
-                self._add(hf, (t,), _hf_shape(t), _single)
-                continue
-            match = _LAYER_TENSOR.match(name)
-            if match is None:
-                continue  # rope_freqs.weight (read into the config) and tensors keel has no use for
-            layer, kind, suffix = match.groups()
-            prefix = f"model.layers.{layer}"
+            base, _, suffix = name.rpartition(".")
+            kind, layer = kinds.get(base, (None, None))
             shape = _hf_shape(t)
-            if kind == "ffn_down_exps":
-                self._add(f"{prefix}.{moe}.experts.down_proj", (t,), shape, _single)
-            elif kind == "ffn_gate_exps":
-                up = tensors.get(f"blk.{layer}.ffn_up_exps.weight")
+            if kind is None:
+                self._add_old_expert(name, t)
+            elif kind == MODEL_TENSOR.FFN_DOWN_EXP:
+                self._add(f"model.layers.{layer}.{moe}.experts.down_proj", (t,), shape, _single)
+            elif kind == MODEL_TENSOR.FFN_GATE_EXP:
+                up = tensors.get(_tensor(MODEL_TENSOR.FFN_UP_EXP, layer))
                 if up is None:
-                    raise WeightsError(f"{path}: tensor 'blk.{layer}.ffn_up_exps.weight' is missing")
+                    raise WeightsError(f"{path}: tensor {_tensor(MODEL_TENSOR.FFN_UP_EXP, layer)!r} is missing")
                 # HF-v5 stacked layout: [E, 2I, H], gate rows first, then up.
                 stacked = (shape[0], shape[1] + _hf_shape(up)[1], shape[2])
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
-                self._add(f"{prefix}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
-            elif kind == "ffn_gate_inp_shexp":  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
-                row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
-                self._add(f"{prefix}.mlp.shared_expert_gate.{suffix}", (t,), (1, shape[-1]), row)
-            elif kind in _LAYER_NAMES:
-                hf = f"{prefix}.{_LAYER_NAMES[kind].format(moe=moe)}.{suffix}"
-                combine: Callable[[list[np.ndarray]], np.ndarray] = _single
-                if permuted and kind == "attn_q":
-                    combine = _unpermute(config.num_heads)
-                elif permuted and kind == "attn_k":
-                    combine = _unpermute(config.num_kv_heads)
-                self._add(hf, (t,), shape, combine)
+                self._add(f"model.layers.{layer}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
+            elif base in names:
+                hf = f"{names[base]}.{suffix}"
+                if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
+                    row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
+                    self._add(hf, (t,), (1, shape[-1]), row)
+                elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
+                    start = 0
+                    for part, rows in layout[hf].items():
+                        if rows is not None and len(rows) != 1 and arch != _A.GPTNEOX:
+                            raise WeightsError(f"{path}: tensor {name!r} holds interleaved parts; not read from GGUF")
+                        if rows is not None and len(rows) != 1:
+                            # GPT-NeoX's q/k/v, interleaved per head in HF's query_key_value: the converter
+                            # stores all of q, then k, then v, so each part is one run of rows.
+                            rows = [(start, start + sum(stop - first for first, stop in rows))]
+                        span = None if rows is None else rows[0]
+                        start = start if span is None else span[1]
+                        part_shape = shape if span is None else (span[1] - span[0], *shape[1:])
+                        self._add(part, (t,), part_shape, _norm_offset(arch, hf), span)
+                else:
+                    combine: Callable[[list[np.ndarray]], np.ndarray] = _norm_offset(arch, hf)
+                    if arch in _PERMUTED and kind == MODEL_TENSOR.ATTN_Q:
+                        combine = _unpermute(config.num_heads)
+                    elif arch in _PERMUTED and kind == MODEL_TENSOR.ATTN_K:
+                        combine = _unpermute(config.num_kv_heads)
+                    self._add(hf, (t,), shape, combine)
+            # else: rope_freqs (read into the config), up experts (with the gate's) and tensors keel has no use for
 
-    def _add(self, name: str, sources: tuple[GGUFTensor, ...], shape: tuple[int, ...], combine) -> None:
-        self._entries[name] = _Entry(sources, shape, combine)
+    def _add_old_expert(self, name: str, t: GGUFTensor) -> None:
+        for kind, pattern in _OLD_EXPERT.items():
+            if match := pattern.match(name):
+                layer, expert = match.groups()
+                hf = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_EXPERT[kind]}.weight"
+                self._add(hf, (t,), _hf_shape(t), _single)
+
+    def _add(
+        self, name: str, sources: tuple[GGUFTensor, ...], shape: tuple[int, ...], combine, rows: Rows = None
+    ) -> None:
+        self._entries[name] = _Entry(sources, shape, combine, rows)
 
     def names(self) -> set[str]:
         return set(self._entries)
@@ -495,7 +781,7 @@ class GGUFTensorReader:
         if self._reader is None:
             raise WeightsError(f"{self.path}: the checkpoint is closed")
         entry = self._entry(name)
-        arrays = [_to_numpy(t, self.path) for t in entry.sources]
+        arrays = [_to_numpy(t, self.path, entry.rows) for t in entry.sources]
         try:
             array = entry.combine(arrays)
         except ValueError as e:  # e.g. a q/k row count that does not split into the config's heads
@@ -516,10 +802,10 @@ class GGUFTensorReader:
         if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: read whole, then cut
             return narrow(self.get(name), shard)
         t = entry.sources[0]
-        if t.tensor_type not in SUPPORTED_TYPES:
-            _to_numpy(t, self.path)  # raises the unsupported-type error
+        _check_type(t, self.path)
         rows, cols = entry.shape
-        raw = np.asarray(t.data).reshape(rows, -1)  # one row per HF row: bytes of blocks, or values
+        data, _ = _raw(t, entry.rows)
+        raw = np.asarray(data).reshape(rows, -1)  # one row per HF row: bytes of blocks, or values
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         start, stop = shard.start, shard.stop
         cut_after = None
@@ -549,8 +835,8 @@ class GGUFTensorReader:
     def get_blocks(self, name: str) -> QuantBlocks | None:
         """The tensor as integer codes and group scales (keel.weights.gguf_blocks), or None when any of
         its GGUF sources has no integer form or they differ in kind or group (then it loads as float
-        through `get()`). The combination (llama q/k un-permute, gate+up concatenation) moves whole
-        rows, so it applies to codes and scales alike."""
+        through `get()`). The combination (llama q/k un-permute, gate+up concatenation, a fused tensor's
+        rows) moves whole rows, so it applies to codes and scales alike."""
         if self._reader is None:
             raise WeightsError(f"{self.path}: the checkpoint is closed")
         entry = self._entry(name)
@@ -558,7 +844,7 @@ class GGUFTensorReader:
         if None in specs or len({s.form for s in specs}) != 1:  # type: ignore[union-attr]
             return None
         spec = specs[0]
-        parts = [decode_blocks(t.tensor_type, t.data, _hf_shape(t)) for t in entry.sources]
+        parts = [decode_blocks(t.tensor_type, *_raw(t, entry.rows)) for t in entry.sources]
         try:
             codes = entry.combine([p[0] for p in parts])
             scales = entry.combine([p[1] for p in parts])

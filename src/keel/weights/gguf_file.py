@@ -6,8 +6,8 @@ the file pays. Read here, values are decoded straight into Python objects (numer
 `np.frombuffer` each), and the file opens many times faster (docs/BENCHMARKS.md, "Opening a GGUF
 file"). The tensors are views of one read-only memory map, as gguf's are, and
 carry the fields keel uses of gguf's `ReaderTensor` (name, type, GGUF-order dims, sizes, data). The
-value and tensor types are gguf's own constants (`GGUFValueType`, `GGMLQuantizationType`,
-`GGML_QUANT_SIZES`), not retyped.
+value and tensor types and the alignment key are gguf's own constants (`GGUFValueType`,
+`GGMLQuantizationType`, `GGML_QUANT_SIZES`, `Keys`), not retyped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
 from gguf.quants import quant_shape_to_byte_shape
 
 SUPPORTED_VERSIONS = (2, 3)
@@ -78,9 +78,9 @@ class GGUFFile:
                 raise ValueError(f"duplicate key {key!r}")
             self.fields[key] = self._value(GGUFValueType(self._scalar(GGUFValueType.UINT32)))
         infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        alignment = self.fields.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"invalid general.alignment {alignment!r}")
+            raise ValueError(f"invalid {Keys.General.ALIGNMENT} {alignment!r}")
         start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):

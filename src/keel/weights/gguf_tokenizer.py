@@ -1,8 +1,18 @@
 """The tokenizer of a GGUF file, rebuilt as a `tokenizers.Tokenizer` from its vocabulary and merges.
 
-llama.cpp stores byte-level BPE vocabularies as `tokenizer.ggml.tokens` / `merges` / `token_type`
-plus a `pre` name that selects the pre-tokenizer regex; this module maps those onto the
-`tokenizers` library the way llama.cpp and transformers' GGUF loader do.
+llama.cpp stores byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) as
+`tokenizer.ggml.tokens` / `merges` / `token_type` plus a `pre` name that selects the pre-tokenizer
+regex; this module maps those onto the `tokenizers` library the way llama.cpp and transformers' GGUF
+loader do.
+
+SentencePiece vocabularies (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) store `tokens`,
+`scores` and `token_type` and no merges: llama.cpp (llm_tokenizer_spm in llama-vocab.cpp) prefixes
+each stretch of text between special tokens with a space (`add_space_prefix`), writes spaces as
+U+2581, then repeatedly merges the adjacent pair of symbols (UTF-8 characters at first) whose
+concatenation is the best-scored token, the leftmost on a tie, and spells a character that no token
+covers as byte tokens `<0xXX>`. That is BPE with the merges ranked by the score of the token they
+make, which `tokenizers`' BPE model runs with the same leftmost tie-break (as transformers' GGUF
+loader derives them); the file's scores, not any `merges` key, define the order, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -11,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from gguf import Keys
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from keel.errors import KeelError
@@ -37,7 +48,14 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_LLAMA3_SPLIT,), False) for name in ("smaug-bpe", "dbrx")},
     **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
 }
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+_K = Keys.Tokenizer  # the metadata keys, as gguf names them
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
+# llama.cpp's SentencePiece defaults when the file names no special token ids.
+_SPM_BOS_ID, _SPM_EOS_ID, _SPM_UNK_ID = 1, 2, 0
+# llama.cpp strips the whitespace after Phi-3's special tokens (by model name: the file does not say so),
+# except after these.
+_PHI3_NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -57,39 +75,120 @@ def _bytes_to_unicode() -> dict[int, str]:
 def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], path: Path) -> Tokenizer | None:
     """The tokenizer stored in a GGUF's `tokenizer.*` metadata (`get(key)` reads a key, None if absent),
     or None for a weights-only file."""
-    model = get("tokenizer.ggml.model")
-    tokens = get("tokenizer.ggml.tokens")
+    model = get(_K.MODEL)
+    tokens = get(_K.LIST)
     if model is None or tokens is None:
         return None  # a weights-only GGUF
+    if model == "llama":
+        return _sentencepiece_tokenizer(get, tokens, eos_token_ids, path)
     if model != "gpt2":
         raise KeelError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (keel reads byte-level BPE, 'gpt2', only)"
+            f"{path}: GGUF tokenizer model {model!r} is not supported "
+            "(keel reads byte-level BPE, 'gpt2', and SentencePiece, 'llama')"
         )
-    pre = get("tokenizer.ggml.pre") or "default"
+    pre = get(_K.PRE) or "default"
     if pre not in _PRE_TOKENIZERS:
         raise KeelError(
             f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_PRE_TOKENIZERS)})"
         )
     splits, ignore_merges = _PRE_TOKENIZERS[pre]
-    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges") or []]
+    types = get(_K.TOKEN_TYPE) or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in get(_K.MERGES) or []]
     tok, vocab, alphabet = _byte_level_bpe(tokens, merges, splits, ignore_merges)
     _add_special_tokens(tok, tokens, types, vocab, alphabet)
 
     token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
-    bos = token_at(get("tokenizer.ggml.bos_token_id"))
-    eos = token_at(get("tokenizer.ggml.eos_token_id"))
+    bos = token_at(get(_K.BOS_ID))
+    eos = token_at(get(_K.EOS_ID))
     # llama.cpp adds BOS by default for llama3-style vocabularies; the file's flag overrides.
-    add_bos = get("tokenizer.ggml.add_bos_token", ignore_merges)
-    add_eos = get("tokenizer.ggml.add_eos_token", False)
+    add_bos = get(_K.ADD_BOS, ignore_merges)
+    add_eos = get(_K.ADD_EOS, False)
     _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
     return Tokenizer(
         tok,
-        chat_template=get("tokenizer.chat_template"),
+        chat_template=get(_K.CHAT_TEMPLATE),
         bos_token=bos,
         eos_token=eos,
         eos_token_ids=eos_token_ids,
     )
+
+
+def _sentencepiece_tokenizer(
+    get: Callable[[str], Any], tokens: list[str], eos_token_ids: list[int], path: Path
+) -> Tokenizer:
+    """A SentencePiece (`"llama"`) vocabulary tokenized as llama.cpp's llm_tokenizer_spm does."""
+    scores = get(_K.SCORES)
+    if scores is None or len(scores) != len(tokens):
+        raise KeelError(
+            f"{path}: GGUF tokenizer model 'llama' (SentencePiece) needs tokenizer.ggml.scores, one per token "
+            f"({len(tokens)} tokens, {'no' if scores is None else len(scores)} scores)"
+        )
+    types = get(_K.TOKEN_TYPE) or [1] * len(tokens)
+    # A token spelled twice is looked up as its last id, as llama.cpp's token_to_id map does.
+    vocab = {token: i for i, token in enumerate(tokens)}
+    token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
+    unk = token_at(get(_K.UNK_ID, _SPM_UNK_ID))
+    # byte_fallback: a character no token spells becomes its UTF-8 bytes' <0xXX> tokens; without those,
+    # the unknown token (consecutive ones fused, as sentencepiece does; llama.cpp has no answer there).
+    bpe = models.BPE(vocab, _merges_by_score(vocab, scores), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = HFTokenizer(bpe)
+    add_space_prefix = bool(get(_K.ADD_PREFIX, True))
+    # Normalizers run on each stretch of text between added tokens, so each one gets the space prefix:
+    # llama.cpp prefixes the first stretch and every one that follows a special token (is_prev_special).
+    # A Prepend, not Metaspace's prefix: llama.cpp prefixes text that starts with a space too.
+    replace = normalizers.Replace(" ", _SPM_SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace]) if add_space_prefix else replace
+    decoder = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    # The prefix space comes off the decoded text again, as transformers does (llama.cpp's detokenize too,
+    # but keeps it after a leading BOS it skips: the decoder does not see skipped tokens).
+    tok.decoder = decoders.Sequence(decoder + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+
+    name = str(get(Keys.General.NAME) or "").lower()
+    phi3 = "phi-3" in name or "phi3" in name
+    special = [
+        AddedToken(t, special=kind != _USER_DEFINED, normalized=False, rstrip=phi3 and t not in _PHI3_NO_RSTRIP)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+    ]
+    # llama.cpp matches control and unknown tokens in the text when it parses special tokens (as keel
+    # always does, like llama-server) and user-defined ones always: all whole, longest first.
+    tok.add_special_tokens([t for t in special if t.special])
+    tok.add_tokens([t for t in special if not t.special])
+
+    bos = token_at(get(_K.BOS_ID, _SPM_BOS_ID))
+    eos = token_at(get(_K.EOS_ID, _SPM_EOS_ID))
+    add_bos = get(_K.ADD_BOS, True)  # llama.cpp adds BOS to SentencePiece text by default
+    add_eos = get(_K.ADD_EOS, False)
+    _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
+    return Tokenizer(
+        tok,
+        chat_template=get(_K.CHAT_TEMPLATE),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every pair of tokens that concatenate to a token, ranked by that token's score, best first.
+
+    llama.cpp merges the adjacent symbols whose concatenation is the best-scored token, the leftmost
+    first among equals; `tokenizers`' BPE merges the best-ranked pair, the leftmost first among equals.
+    The splits of one token share its score: they are ranked next to each other, shortest left first.
+    Distinct tokens of one score rank by id. Only there can the two differ: llama.cpp merges the leftmost
+    of such pairs whatever their tokens, which no ranking reproduces. SentencePiece-trained vocabularies
+    score every token apart (sentencepiece itself merges as llama.cpp does). Files whose converter wrote
+    one placeholder score for all (gguf's LlamaHfVocab: -1000 each) keep a tokenizer.json's ids, which
+    usually number the tokens in the original BPE's merge order: ranking by id follows that order.
+    """
+    ranked = []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[i]), i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _byte_level_bpe(

@@ -1,0 +1,178 @@
+"""GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
+Gemma 2, Gemma 3, StableLM and GPT-NeoX.
+
+Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
+(tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
+fused attn_qkv and ffn_up kept fused, OLMo 2's output norms, Gemma's norms plus 1, GPT-NeoX's q/k/v
+regrouped from per head to all q, all k, all v), loaded by keel and compared with transformers running
+the original HF weights. Families keel does not read from GGUF are refused by name.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from keel.errors import ConfigError
+from keel.quant.loading import load_model
+from keel.weights.gguf import ARCHITECTURES, open_gguf
+from test_gguf import TOKENS, build_hf, rel_err, transformers_from_gguf, write_gguf
+from tiny_models import build_hf_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", ["granite", "phi3", "olmo2"])
+def test_family_gguf_matches_hf_model(tmp_path, name):
+    hf = build_hf(name)
+    path = write_gguf(hf, tmp_path / f"{name}.gguf")
+    loaded = load_model(path)
+    c = loaded.config
+    assert c.architecture == name and (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
+    if name == "granite":
+        assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
+            12.0,
+            0.22,
+            0.09,
+            4.0,
+        )
+        assert c.qkv_bias and c.o_bias and c.mlp_bias
+    if name == "phi3":
+        assert c.sliding_window == 8 and set(c.layer_types) == {"sliding_attention"}
+        assert loaded.checkpoint.reader.gguf_names("model.layers.0.self_attn.k_proj.weight") == [
+            "blk.0.attn_qkv.weight"
+        ]
+    if name == "olmo2":
+        assert (c.norm_placement, c.qk_norm, c.qk_norm_scope) == ("post", True, "all")
+        reader = loaded.checkpoint.reader
+        assert reader.gguf_names("model.layers.1.attn_output_norm.weight") == ["blk.1.post_attention_norm.weight"]
+        assert reader.gguf_names("model.layers.1.mlp_output_norm.weight") == ["blk.1.post_ffw_norm.weight"]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_phi3_fused_tensors_are_split_by_rows(tmp_path):
+    """Phi-3's attn_qkv [q; k; v] and ffn_up [gate; up] (rows in HF order), each part read from its own rows,
+    whole, as a row shard and as Q8_0 blocks (the rows of a quantized tensor are whole blocks)."""
+    from keel.weights.shard import Shard
+
+    hf = build_hf("phi3")
+    path = write_gguf(hf, tmp_path / "phi3.gguf", qtype=Q.Q8_0)
+    reader = open_gguf(path).reader
+    state = hf.state_dict()
+    qkv = state["model.layers.0.self_attn.qkv_proj.weight"]
+    k = reader.get("model.layers.0.self_attn.k_proj.weight")
+    assert k.shape == (32, 64) and torch.nn.functional.cosine_similarity(k.flatten(), qkv[64:96].flatten(), 0) > 0.999
+    whole = reader.get("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(reader.get_shard("model.layers.0.mlp.up_proj.weight", Shard(0, 32, 96)), whole[32:96])
+    assert torch.equal(reader.get_shard("model.layers.0.mlp.up_proj.weight", Shard(1, 32, 64)), whole[:, 32:64])
+    blocks = reader.get_blocks("model.layers.0.mlp.up_proj.weight")
+    rebuilt = blocks.codes.float() * blocks.scales.repeat_interleave(32, dim=1)
+    assert torch.equal(rebuilt, whole)
+
+
+def test_phi3_gguf_without_window_matches_transformers_gguf_loader(tmp_path):
+    """The writer's Phi-3 conventions are transformers' reading of llama.cpp's too (transformers' GGUF
+    loader reads no sliding window: the model here has none)."""
+    hf = build_hf_model("phi3", 0, num_hidden_layers=2, sliding_window=None)
+    path = write_gguf(hf, tmp_path / "phi3.gguf")
+    with torch.no_grad():
+        theirs = transformers_from_gguf(path)(TOKENS).logits
+        assert rel_err(hf(TOKENS).logits, theirs) <= 1e-5
+        assert rel_err(theirs, load_model(path).model(TOKENS)) <= 1e-4
+
+
+# The families llama.cpp's converter writes with their own conventions. llama.cpp takes Gemma's softmax scale
+# from the head size (no key), so the models here have query_pre_attn_scalar == head_dim; Gemma 3 has llama.cpp's
+# layer pattern (five sliding layers, then a global one: its converter writes no pattern).
+NEW_FAMILIES = {
+    "gemma2": dict(num_hidden_layers=2, query_pre_attn_scalar=16),
+    "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16),
+    "stablelm": dict(num_hidden_layers=2),
+    "stablelm-parallel": dict(num_hidden_layers=2),
+    "gpt_neox": dict(num_hidden_layers=2),
+}
+
+
+def build_new(name: str):
+    return build_hf_model(name, 0, **NEW_FAMILIES[name])
+
+
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
+    hf = build_new(name)
+    loaded = load_model(write_gguf(hf, tmp_path / f"{name}.gguf"))
+    c, reader = loaded.config, loaded.checkpoint.reader
+    assert c.architecture == name.removesuffix("-parallel")
+    if name.startswith("gemma"):
+        assert (c.norm_weight_offset, c.attention_scale, c.embedding_multiplier) == (1.0, 0.25, 8.0)
+        assert c.sliding_window == 8 and c.tie_word_embeddings and c.final_logit_softcapping == 30.0
+        # The file's norms are HF's plus 1; keel reads HF's.
+        norm = "model.layers.1.post_attention_layernorm.weight"
+        assert reader.gguf_names("model.layers.1.attn_output_norm.weight") == ["blk.1.post_attention_norm.weight"]
+        assert torch.allclose(reader.get("model.layers.1.attn_output_norm.weight"), hf.state_dict()[norm], atol=1e-6)
+    if name == "gemma2":
+        assert c.attn_logit_softcapping == 5.0 and c.layer_types == ["sliding_attention", "full_attention"]
+        assert c.rope_theta == 10000.0 and loaded.checkpoint.provenance["rope_theta"] == "default"
+    if name == "gemma3":
+        assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention"] and c.qk_norm
+        assert (c.rope_theta, c.rope_scaling.type, c.rope_scaling.factor, c.sliding_rope_theta) == (
+            100000.0,
+            "linear",
+            2.0,
+            5000.0,
+        )
+    if name.startswith("stablelm"):
+        parallel = name == "stablelm-parallel"
+        assert (c.norm_type, c.norm_bias, c.parallel_residual, c.post_attention_norm) == (
+            "layer",
+            True,
+            parallel,
+            not parallel,
+        )
+        assert c.partial_rotary_factor == (0.25 if parallel else 0.5) and c.qkv_bias == (not parallel)
+    if name == "gpt_neox":
+        assert (c.parallel_residual, c.partial_rotary_factor, c.mlp_gated, c.hidden_act) == (True, 0.25, False, "gelu")
+        assert (c.num_kv_heads, c.qkv_bias, c.o_bias, c.mlp_bias, c.tie_word_embeddings) == (4, True, True, True, False)
+        assert reader.gguf_names("model.layers.0.self_attn.k_proj.weight") == ["blk.0.attn_qkv.weight"]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "gpt_neox", "gemma2"])
+def test_keel_convert_of_the_gguf_gives_back_the_hf_tensors(tmp_path, name):
+    """GGUF -> HF safetensors (`keel convert`): the family's fused and renamed tensors as HF stores them
+    (GPT-NeoX's q/k/v interleaved per head again; Gemma's norms less the converter's 1, to float32 rounding)."""
+    from safetensors.torch import load_file
+
+    from keel.weights.convert import convert
+
+    hf = build_new(name) if name in NEW_FAMILIES else build_hf(name)
+    out = convert(write_gguf(hf, tmp_path / f"{name}.gguf"), tmp_path / "hf", dtype="float32")
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    if "embed_out.weight" in written:  # the Pythia checkpoints' head name, which transformers 5 loads as lm_head
+        written["lm_head.weight"] = written.pop("embed_out.weight")
+    expected = {k: v for k, v in hf.state_dict().items() if not (name == "gemma2" and k == "lm_head.weight")}
+    assert set(written) == set(expected)
+    same = (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6)) if name == "gemma2" else torch.equal
+    assert all(same(written[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "falcon", "bloom"])
+def test_families_not_read_from_gguf_are_refused(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError) as e:
+        open_gguf(path)
+    message = str(e.value)
+    assert "\n" not in message and repr(arch) in message
+    assert ", ".join(ARCHITECTURES) in message and "gemma3" in message and "gptneox" in message
