@@ -46,14 +46,19 @@ class DecoderLayer(nn.Module):
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
         if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
             h = x if self.input_layernorm is None else self.input_layernorm(x)
-            x = x + self.attn_output_norm(self.self_attn(h, meta))
+            out = self.attn_output_norm(self.self_attn(h, meta))
+            x = x + (out if m == 1.0 else out * m)
             h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
-            return x + self.mlp_output_norm(self.mlp(h))
+            out = self.mlp_output_norm(self.mlp(h))
+            return x + (out if m == 1.0 else out * m)
         if self.parallel_residual:  # both sublayers read the block's input (GPT-NeoX, StableLM's option)
             normed = self.input_layernorm(x)
             mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+            if m != 1.0:
+                return x + self.self_attn(normed, meta) * m + self.mlp(mlp_in) * m
             return x + self.self_attn(normed, meta) + self.mlp(mlp_in)
         if self.residual_multiplier != 1.0:
             x = x + self.self_attn(self.input_layernorm(x), meta) * self.residual_multiplier
