@@ -43,7 +43,9 @@ def _run(llm: LLM) -> list[list[int]]:
 
 
 # Tied head; q/k norms (in `make test-slow`: 15 s, the norms are plain ops in the graph); sliding window of 8.
-@pytest.mark.parametrize("name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), "mistral"])
+@pytest.mark.parametrize(
+    "name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow)]
+)
 def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
@@ -82,7 +84,7 @@ def test_batches_padded_to_buckets_give_the_eager_tokens(tmp_path):
     assert padded.steps > 20
 
 
-@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("quantize", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_compiled_decode_runs_block_quantized_weights(tmp_path, quantize):
     """keel's block layout (the integer kernels) inside the graph: the same tokens as eager steps."""
     save_hf_model("llama", tmp_path)

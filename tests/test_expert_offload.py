@@ -270,6 +270,8 @@ def test_keel_generate_with_offloading_prints_the_same_text(dirs, capsys):
 
 
 # ----------------------------------------------------------------------------------- HTTP
+# In `make test-slow` (the default suite's budget): the engine and CLI tests above serve through the expert cache.
+@pytest.mark.slow
 def test_keel_serve_expert_cache_over_http(dirs, resident):
     from keel.serve.openai.child import ServerProcess
 

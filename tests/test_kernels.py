@@ -633,6 +633,8 @@ def k_quant_form(weight: torch.Tensor, half_blocks: bool) -> QuantizedLinear:
     return QuantizedLinear.from_blocks(8, q, scales, low, dtype=torch.float32)
 
 
+# Two minutes on a 2-core machine, in `make test-slow` (the default suite's budget); each kernel's tests above stay.
+@pytest.mark.slow
 def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float_path(monkeypatch):
     """Every format keel's kernels run, on SmolLM2-135M's GGUF: its own Q4_1 blocks with the tied head
     on the embedding's Q8_0 blocks, keel's int4 (g32) and int8 of the dequantized weights, and the

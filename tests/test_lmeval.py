@@ -23,6 +23,10 @@ from keel.cli import main as keel_main
 from keel.serve.openai.child import ServerProcess
 from tiny_models import save_bpe_tokenizer, save_hf_model
 
+# lm-eval through a keel server costs 1.5 minutes of set-up: in `make test-slow` (the default suite's budget);
+# keel eval's own scoring is tests/test_eval_*.
+pytestmark = pytest.mark.slow
+
 TASK = "keel_tiny_mc"
 CONTEXT = 256
 WORDS = [

@@ -93,7 +93,7 @@ def test_activation_checkpointing_lowers_a_single_process_peak(root):
 @pytest.mark.parametrize(
     "ac,vocab,precision",
     [
-        ("none", 4096, "fp32"),
+        pytest.param("none", 4096, "fp32", marks=pytest.mark.slow),
         pytest.param("none", 4096, "bf16", marks=pytest.mark.slow),
         pytest.param("full", 4096, "bf16", marks=pytest.mark.slow),
         pytest.param("full", 32768, "bf16", marks=pytest.mark.slow),

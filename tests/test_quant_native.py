@@ -258,6 +258,8 @@ def test_gguf_scheme_errors(tmp_path):
         quantize_model(load_model(tmp_path / "hf").model, "gguf")
 
 
+# The real SmolLM2 GGUF, in `make test-slow` (the default suite's budget); the synthetic GGUFs' scheme tests stay.
+@pytest.mark.slow
 def test_smollm2_gguf_scheme_greedy_matches_the_float_load():
     """The packaged Q4_1 file on the int4 kernels (bfloat16, the fast CPU path) generates what the
     float32 expansion generates."""

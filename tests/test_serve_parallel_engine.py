@@ -55,7 +55,7 @@ def _params() -> list[SamplingParams]:
         ("mixtral", 2, 1),
         ("qwen2_moe-ep", 2, 1),
         ("llama-bias", 1, 2),
-        ("llama", 2, 2),
+        pytest.param("llama", 2, 2, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -213,9 +213,9 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     "method,params",
     [
-        ("draft_model", dict(temperature=1.0)),
+        pytest.param("draft_model", dict(temperature=1.0), marks=pytest.mark.slow),
         ("draft_model", dict(temperature=0.8, top_k=6)),
-        ("ngram", dict(temperature=1.0)),
+        pytest.param("ngram", dict(temperature=1.0), marks=pytest.mark.slow),
     ],
     ids=["draft-t1", "draft-t0.8-topk", "ngram-t1"],
 )

@@ -484,6 +484,8 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(root):
         assert resumed.losses[step] == pytest.approx(straight.losses[step], rel=1e-5), step
 
 
+# In `make test-slow` (the default suite's budget): resuming onto other layouts and crash recovery have their own tests.
+@pytest.mark.slow
 def test_fsdp_parity_resume_across_layouts_and_crash_recovery(root):
     _, single = run(config(root, "single"))
     # FSDP over 2 ranks: the single-process curve (async checkpoints on their own gloo group).
@@ -548,6 +550,8 @@ def test_an_async_checkpoint_is_committed_once_written(root):
     assert latest is not None and latest.name == "step-00000005" and (latest / COMPLETE).exists()
 
 
+# In `make test-slow` (the default suite's budget): pipeline losses are test_train_parallel's.
+@pytest.mark.slow
 def test_validation_loss_is_the_same_with_a_pipeline(root):
     """Held-out tokens (the tail of the file) are evaluated at the end; a 2-stage pipeline runs them
     through the schedule forward-only and reports the single-process value."""

@@ -49,6 +49,8 @@ def test_fsdp_ranks_never_hold_the_whole_model(root):
     assert 0.35 * 4 * params < startup < 0.65 * 4 * params, (startup, 4 * params)
 
 
+# In `make test-slow` (the default suite's budget): the seed checkpoint's rollback test stays.
+@pytest.mark.slow
 def test_a_seed_checkpoint_starts_every_layout_from_its_weights(root, capsys, no_torchrun):
     """`keel train --seed-checkpoint` writes the initial model as step 0 (one process); a later run starts
     from it whatever its layout or seed: 2 ranks (FSDP) and one process resuming it give the same losses,

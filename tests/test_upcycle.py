@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from keel.quant.loading import load_model
@@ -11,6 +12,8 @@ from tiny_models import save_byte_tokenizer, save_hf_model
 DICKENS = "It was the best of times, it was the worst of times, it was the age of wisdom"
 
 
+# The real SmolLM2 upcycled, in `make test-slow` (the default suite's budget); keel upcycle's test stays.
+@pytest.mark.slow
 def test_upcycled_smollm2_equals_the_dense_model():
     """The real checkpoint, 4 experts top-2: the same logits and the same greedy continuation."""
     dense = load_model("smollm2-135m-instruct", "float32")
