@@ -17,9 +17,11 @@ pytestmark = pytest.mark.isa  # the compiled step and the kernels differ by ISA
 NEW_TOKENS = 24
 
 
-# Each family compiles a decode graph of its own (30-45 s of inductor on 2 cores): Granite, StableLM and Gemma 2,
-# whose block features GPT-NeoX and Gemma 3 cover here, are served in make test-slow (Gemma 2's attention-score
-# soft-capping on the paged cache's paths, the compiled decode op's included: tests/test_attention_softcap.py).
+# Each family compiles a decode graph of its own (30-70 s of inductor on 2 cores): Granite, StableLM, Gemma 2 and
+# Gemma 3 are served in make test-slow. Their block features are served in make test as well: GPT-NeoX's
+# parallel residual and LayerNorms here, the Gemmas' sandwich norms, soft-caps and alternating layers in
+# tests/test_features_compose.py, and the soft-cap on every paged-cache path, the compiled decode op's
+# included, in tests/test_attention_softcap.py.
 SLOW = pytest.mark.slow
 
 
