@@ -96,13 +96,7 @@ def attend_causal(queries: Tensor, keys: Tensor, values: Tensor, scale: float | 
     the start (the queries are the keys' positions) -> [N, H, L, Dv]: one fused SDPA call with no mask tensor
     (on CUDA flash or memory-efficient, not cuDNN: see `attend_chunk`)."""
     keys, values = keys.to(queries.dtype), values.to(queries.dtype)
-    gqa = queries.shape[1] != keys.shape[1]
-    if not queries.is_cuda:
-        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
-    with sdpa_kernel(_CHUNK_BACKENDS_CUDA):
-        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+    return _fused_attention(queries, keys, values, None, scale)
 
 
 def attend_chunk(
@@ -127,12 +121,16 @@ def attend_chunk(
             mask = torch.ones(chunk, length, dtype=torch.bool, device=queries.device).tril(length - chunk)
         return softcapped_attention(queries, keys, values, mask, softcap, scale)
     bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
-    gqa = queries.shape[1] != keys.shape[1]
+    return _fused_attention(queries, keys, values, bias, scale)
+
+
+def _fused_attention(queries: Tensor, keys: Tensor, values: Tensor, bias: object, scale: float | None) -> Tensor:
+    """SDPA of [N, H, Q, D] queries over [N, H_kv, L, D] keys (grouped heads as they are), causal from the start
+    where `bias` is None, else under the mask or bias given."""
+    options = dict(attn_mask=bias, is_causal=bias is None, enable_gqa=queries.shape[1] != keys.shape[1], scale=scale)
     if not queries.is_cuda:
-        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
-                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, **options)
     # Not cuDNN's kernel, which SDPA prefers on Hopper: it builds a plan per new shape, and every chunk
     # length is new (the host time of a prefill-heavy step on an H200: docs/BENCHMARKS.md, issue 23).
     with sdpa_kernel(_CHUNK_BACKENDS_CUDA):
-        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=bias,
-                                                                enable_gqa=gqa, scale=scale)  # fmt: skip
+        return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, **options)

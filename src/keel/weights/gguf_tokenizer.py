@@ -98,19 +98,8 @@ def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], pat
     _add_special_tokens(tok, tokens, types, vocab, alphabet)
 
     token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
-    bos = token_at(get(_K.BOS_ID))
-    eos = token_at(get(_K.EOS_ID))
     # llama.cpp adds BOS by default for llama3-style vocabularies; the file's flag overrides.
-    add_bos = get(_K.ADD_BOS, ignore_merges)
-    add_eos = get(_K.ADD_EOS, False)
-    _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
-    return Tokenizer(
-        tok,
-        chat_template=get(_K.CHAT_TEMPLATE),
-        bos_token=bos,
-        eos_token=eos,
-        eos_token_ids=eos_token_ids,
-    )
+    return _wrapped(tok, get, token_at(get(_K.BOS_ID)), token_at(get(_K.EOS_ID)), ignore_merges, eos_token_ids)
 
 
 def _sentencepiece_tokenizer(
@@ -155,18 +144,8 @@ def _sentencepiece_tokenizer(
     tok.add_special_tokens([t for t in special if t.special])
     tok.add_tokens([t for t in special if not t.special])
 
-    bos = token_at(get(_K.BOS_ID, _SPM_BOS_ID))
-    eos = token_at(get(_K.EOS_ID, _SPM_EOS_ID))
-    add_bos = get(_K.ADD_BOS, True)  # llama.cpp adds BOS to SentencePiece text by default
-    add_eos = get(_K.ADD_EOS, False)
-    _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
-    return Tokenizer(
-        tok,
-        chat_template=get(_K.CHAT_TEMPLATE),
-        bos_token=bos,
-        eos_token=eos,
-        eos_token_ids=eos_token_ids,
-    )
+    bos, eos = token_at(get(_K.BOS_ID, _SPM_BOS_ID)), token_at(get(_K.EOS_ID, _SPM_EOS_ID))
+    return _wrapped(tok, get, bos, eos, True, eos_token_ids)  # llama.cpp adds BOS to SentencePiece text by default
 
 
 def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
@@ -227,6 +206,23 @@ def _add_special_tokens(
             for t, kind in zip(tokens, types, strict=False)
             if kind == _USER_DEFINED and t in vocab
         ]
+    )
+
+
+def _wrapped(
+    tok: HFTokenizer,
+    get: Callable[..., Any],
+    bos: str | None,
+    eos: str | None,
+    add_bos_default: bool,
+    eos_token_ids: list[int],
+) -> Tokenizer:
+    """keel's Tokenizer over `tok`: BOS and EOS added as the file's flags say (BOS by `add_bos_default` where
+    the file has no flag, EOS never), and its chat template."""
+    add_bos, add_eos = get(_K.ADD_BOS, add_bos_default), get(_K.ADD_EOS, False)
+    _add_bos_eos(tok, bos if add_bos else None, eos if add_eos else None)
+    return Tokenizer(
+        tok, chat_template=get(_K.CHAT_TEMPLATE), bos_token=bos, eos_token=eos, eos_token_ids=eos_token_ids
     )
 
 
