@@ -14,7 +14,7 @@ from keel.families import FAMILIES
 from keel.weights.parts import PartsReader
 from keel.weights.safetensors import SafetensorsReader
 from keel.weights.shard import Shard, narrow
-from tiny_models import save_hf_model
+from tiny_models import build_hf_model, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,6 @@ def test_fused_tensors_read_as_their_parts(phi3):
     [
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
         ({"rope_scaling": {"type": "su"}}, "'su'"),
-        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
     ],
 )
 def test_what_phi3_cannot_run_is_refused_by_name(phi3, tmp_path, change, named):
@@ -69,6 +68,25 @@ def test_what_phi3_cannot_run_is_refused_by_name(phi3, tmp_path, change, named):
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_hf(data, source="phi3/config.json")
     assert named in str(e.value) and "phi3/config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_phi3_rotates_part_of_each_head_as_transformers_does(tmp_path):
+    """Phi-4-mini's partial_rotary_factor (0.75) without its longrope: transformers' logits, and the factor
+    written back on export (keel.families.rope reads it from rope_parameters or the top level)."""
+    from keel.quant.loading import load_model
+
+    hf = save_hf_model("phi3", tmp_path, partial_rotary_factor=0.75)
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.partial_rotary_factor == 0.75
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, loaded.model(tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    whole = build_hf_model("phi3")  # the same weights rotating whole heads: the factor is live
+    with torch.no_grad():
+        assert (whole(tokens).logits - ref).abs().max() > 1e-3
+    exported = loaded.model.config.to_hf()
+    assert ModelConfig.from_hf(exported).partial_rotary_factor == 0.75
 
 
 def test_the_exported_config_is_phi3s(phi3):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from keel.families.rope import partial_rotary_factor, rope_settings
+
 FAMILY = "gpt_neox"
 HF_ARCHITECTURE = "GPTNeoXForCausalLM"
 # transformers' GPTNeoXConfig defaults (its layer_norm_eps is keel's rms_norm_eps: the norms' eps).
@@ -24,8 +26,7 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    factor = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    rope = rope_settings(hf)
     theta = rope.get("rope_theta", hf.get("rotary_emb_base", hf.get("rope_theta", DEFAULTS["rope_theta"])))
     parallel = bool(hf.get("use_parallel_residual", True))
     bias = bool(hf.get("attention_bias", True))
@@ -34,7 +35,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "norm_type": "layer",
         "norm_bias": True,
         "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),
-        "partial_rotary_factor": float(factor),
+        "partial_rotary_factor": partial_rotary_factor(hf, 0.25, "rotary_pct"),
         "rope_theta": float(theta),
         "qkv_bias": bias,
         "o_bias": bias,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.rope import partial_rotary_factor
 
 FAMILY = "stablelm"
 HF_ARCHITECTURE = "StableLmForCausalLM"
@@ -27,15 +28,13 @@ DEFAULT_PARTIAL_ROTARY = 0.25
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if hf.get("qk_layernorm"):
         raise ConfigError(f"{source}: qk_layernorm (a LayerNorm per head) is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     parallel = bool(hf.get("use_parallel_residual", False))
     eps = hf.get("layer_norm_eps")
     return {
         "norm_type": "layer",
         "norm_bias": True,
         "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),
-        "partial_rotary_factor": float(DEFAULT_PARTIAL_ROTARY if factor is None else factor),
+        "partial_rotary_factor": partial_rotary_factor(hf, DEFAULT_PARTIAL_ROTARY),
         "qkv_bias": bool(hf.get("use_qkv_bias", False)),
         "o_bias": False,
         "mlp_bias": False,
