@@ -185,3 +185,32 @@ def test_compiled_blocks_train_like_eager_ones(root):
     assert sorted(compiled) == [1, 2, 3], (records, r.stderr[-3000:])  # every step applied, none skipped
     for step in (1, 2, 3):
         assert compiled[step] == pytest.approx(eager.losses[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_the_hf_export_writes_a_renaming_family_under_its_own_names(root, tmp_path, family):
+    """OLMo 2 and the Gemmas store some norms under other names than keel's (Gemma's even swap two):
+    `checkpoint.export_hf` writes them under the stored names, so transformers loads the run's weights.
+    A family that fuses tensors (Phi-3) is refused before the run, naming `keel convert`."""
+    import transformers
+
+    from keel.errors import KeelError
+    from keel.quant.loading import load_model
+    from tiny_models import save_byte_tokenizer, save_hf_model
+
+    source = tmp_path / family
+    save_hf_model(family, source)
+    save_byte_tokenizer(source)
+    path = source_config(root, f"export-{family}", source)
+    overrides = ["training.steps=2", "checkpoint.interval=0", "checkpoint.export_hf=true"]
+    if family == "phi3":
+        with pytest.raises(KeelError, match="phi3 checkpoints store tensors fused.*keel convert"):
+            Trainer(load_config(path, overrides))
+        return
+    run(path, *overrides)
+    exported = root / f"runs/export-{family}/hf"
+    final = load_model(latest_checkpoint(root / f"runs/export-{family}/checkpoints"), "float32").model
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, final(tokens), rtol=1e-5, atol=1e-5)

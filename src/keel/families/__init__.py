@@ -19,11 +19,21 @@ from keel.families import gemma2, gemma3, gpt_neox, olmo2, phi3, stablelm
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module for module in (phi3, stablelm, gpt_neox, olmo2, gemma3, gemma2)
 }
-# Families whose checkpoints store tensors otherwise than keel reads them (fused or renamed).
-FUSED_CHECKPOINT_FAMILIES = {family for family, module in FAMILIES.items() if hasattr(module, "checkpoint_layout")}
 
 
 def checkpoint_layout(config) -> dict:  # noqa: ANN001
     """The family's stored tensors that keel reads under other names or in parts (keel.weights.parts), or {}."""
     family = FAMILIES.get(config.architecture)
     return family.checkpoint_layout(config) if family is not None and hasattr(family, "checkpoint_layout") else {}
+
+
+def stored_names(config) -> dict[str, str] | None:  # noqa: ANN001
+    """{the name keel reads: the name the family's checkpoints store it under} where they only rename tensors
+    (OLMo 2, the Gemmas; {} where they store keel's names), None where some are fused or split by rows
+    (Phi-3, GPT-NeoX): a tensor-parallel rank's shard of one part is no shard of the stored tensor."""
+    names = {}
+    for stored, parts in checkpoint_layout(config).items():
+        if len(parts) != 1 or next(iter(parts.values())) is not None:
+            return None
+        names[next(iter(parts))] = stored
+    return names

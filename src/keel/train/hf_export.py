@@ -4,8 +4,10 @@ Every rank writes its own shards of the model under HF tensor names through DCP'
 (no rank gathers the model); rank 0 then consolidates them into HF's `model-0000i-of-0000N.safetensors`
 files of at most 2 GiB each with their index, adds config.json and the tokenizer, and publishes the
 directory by a rename (RUN/hf.tmp until then). transformers' `from_pretrained`, `keel serve` and
-`keel convert` read it. Mixture-of-experts models are refused here: HF stores their experts one
-tensor each, which a rank's stacked expert shard is not; `keel convert CHECKPOINT OUT` writes those.
+`keel convert` read it. A family whose checkpoints rename tensors (OLMo 2, the Gemmas) is written under
+its stored names. Refused here, `keel convert CHECKPOINT OUT` writes them: mixture-of-experts models (HF
+stores their experts one tensor each, which a rank's stacked expert shard is not) and families whose
+checkpoints fuse tensors (Phi-3, GPT-NeoX).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from keel.atomic import replace_dir
 from keel.config import ModelConfig
+from keel.families import stored_names
 from keel.train.checkpoint import ModelParts, barrier, process_rank
 from keel.weights.convert import DEFAULT_MAX_SHARD_BYTES
 from keel.weights.names import hf_source
@@ -28,11 +31,13 @@ EXPORT_DIR = "hf"
 
 def hf_state(parts: ModelParts, config: ModelConfig) -> dict:
     """This rank's model tensors (sharded as they are) under their HF names."""
+    stored = stored_names(config) or {}  # a family's renamed tensors (the trainer refused fused ones)
     state = {}
     for name, tensor in parts.model_state().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the tied head is the embedding
-        state[hf_source(config, name, set()).names[0]] = tensor
+        hf_name = hf_source(config, name, set()).names[0]
+        state[stored.get(hf_name, hf_name)] = tensor
     return state
 
 

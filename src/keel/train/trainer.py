@@ -33,7 +33,7 @@ from keel.atomic import write_json_atomic, write_text_atomic
 from keel.config import ModelConfig
 from keel.dtypes import DTYPES
 from keel.errors import KeelError
-from keel.families import FUSED_CHECKPOINT_FAMILIES
+from keel.families import stored_names
 from keel.model.loss import cross_entropy_loss
 from keel.model.seeded_init import init_weights_seeded, materialize
 from keel.model.transformer import Transformer
@@ -109,11 +109,10 @@ class Trainer:
                 "checkpoint.export_hf: HF stores a mixture-of-experts model's experts one tensor each; "
                 "write it with `keel convert CHECKPOINT OUT` after the run"
             )
-        if cfg.checkpoint.export_hf and self.model_config.architecture in FUSED_CHECKPOINT_FAMILIES:
+        if cfg.checkpoint.export_hf and stored_names(self.model_config) is None:
             raise KeelError(
-                f"checkpoint.export_hf: {self.model_config.architecture} checkpoints store tensors fused or under "
-                "other names than keel's, which a rank's shards are not written as; write it with "
-                "`keel convert CHECKPOINT OUT` after the run"
+                f"checkpoint.export_hf: {self.model_config.architecture} checkpoints store tensors fused, which a "
+                "rank's shards are not written as; write it with `keel convert CHECKPOINT OUT` after the run"
             )
         self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
         self.mesh = None
