@@ -494,6 +494,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf(data, source=str(path), structure_only=structure_only)
 
+    def transformers_attention(self) -> dict[str, str]:
+        """from_pretrained / from_config options for transformers' reference of this model: eager attention
+        for attention-score soft-capping (Gemma 2), which SDPA cannot do and some transformers releases run
+        anyway, dropping the cap; none otherwise."""
+        return {"attn_implementation": "eager"} if self.attn_logit_softcapping else {}
+
     def to_hf(self) -> dict[str, Any]:
         """An HF config.json dict that transformers 5.x loads into the same architecture."""
         hf: dict[str, Any] = {

@@ -33,10 +33,7 @@ def hf_model_from(loaded: LoadedModel) -> torch.nn.Module:
     hf_dict = config.to_hf()
     model_type = hf_dict.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **hf_dict)
-    # Eager attention for attention-score soft-capping (Gemma 2): SDPA cannot cap, and some transformers
-    # releases run it anyway, dropping the cap.
-    eager = {"attn_implementation": "eager"} if config.attn_logit_softcapping else {}
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=loaded.model.dtype, **eager)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=loaded.model.dtype, **config.transformers_attention())
     state = keel_to_hf(config, loaded.model.state_dict().items())
     result = hf.load_state_dict(state, strict=False)
     missing = [n for n in result.missing_keys if not (config.tie_word_embeddings and n == "lm_head.weight")]

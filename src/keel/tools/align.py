@@ -105,12 +105,6 @@ def _layer_outputs(layers, run) -> list[Tensor]:
     return [*outputs, logits]
 
 
-def _attention(config) -> dict:  # noqa: ANN001
-    """transformers' attention where it matters: eager for attention-score soft-capping (Gemma 2), which
-    SDPA cannot do and some transformers releases run anyway, dropping the cap."""
-    return {"attn_implementation": "eager"} if config.attn_logit_softcapping else {}
-
-
 @torch.no_grad()
 def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_heads: int | None = None) -> AlignReport:
     if dtype not in TOLERANCES:
@@ -127,7 +121,8 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
     tokens = alignment_input(loaded.config)
     with tempfile.TemporaryDirectory(prefix="keel-align-") as tmp:
         ref_dir = _reference_dir(model, Path(tmp))
-        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **_attention(loaded.config)).eval()
+        options = loaded.config.transformers_attention()
+        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
         ref_out = _layer_outputs(reference.base_model.layers, lambda: reference(tokens).logits)  # model. or gpt_neox.
     ours = _layer_outputs(list(loaded.model.layers.values()), lambda: loaded.model(tokens))
 
