@@ -73,6 +73,10 @@ def test_pressure_preemption_prefixes_aborts_match_solo(models):
     assert 0 < stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
     assert stats["generation_tokens_total"] == generated
     assert stats["prompt_tokens_total"] == sum(len(p) for _, p, _, _ in requests)
+    # vLLM's iteration tokens, through preemptions and prefix hits: each step's prompts whose prefill ended
+    # and tokens generated, so they add up to every prompt and generated token.
+    assert 0 < sum(stats["iteration_tokens_counts"]) <= steps
+    assert stats["iteration_tokens_sum"] == stats["prompt_tokens_total"] + generated
     check_no_leak(engine)
     for rid, prompt, max_tokens, aborted in requests:
         got = results[rid].outputs[0].token_ids

@@ -96,6 +96,38 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
         llm.engine.shutdown()
 
 
+def test_parallel_engine_keeps_structured_outputs(tmp_path):
+    """The engine fills the grammar's bitmasks and ships them with the step; rank 0's sampler applies them:
+    TP 2 gives the single-process engine's constrained tokens (greedy and seeded), which match the regex."""
+    import re
+
+    from keel.serve.structured import StructuredOutputsParams
+
+    save_hf_model("llama", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    pattern = r"[a-f]{3}-[0-9]{2}"
+    spec = StructuredOutputsParams.of(regex=pattern)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, structured_outputs=spec),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, structured_outputs=spec),
+        SamplingParams(
+            max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams.of(choice=["up", "down"])
+        ),
+    ]
+    config = dict(kv_cache_memory="8MiB", max_model_len=256, compile=False, dtype="float32")
+    prompts = ["hello there", "abc", "which way?"]
+    expected = [
+        o.outputs[0] for o in LLM(str(tmp_path), EngineConfig.of(**config)).generate(prompts, params, use_tqdm=False)
+    ]
+    llm = LLM(str(tmp_path), EngineConfig.of(**config, tensor_parallel_size=2))
+    try:
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert re.fullmatch(pattern, got[0].text) and re.fullmatch(pattern, got[1].text) and got[2].text in ("up", "down")
+
+
 def test_smollm2_gguf_shards_reassemble():
     """GGUF slices (Q4_1 and Q8_0 blocks, llama's permuted q/k rows) put together equal the whole tensor."""
     checkpoint = open_checkpoint(SMOLLM2)

@@ -123,6 +123,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def special_token_ids(self) -> set[int]:
+        """Ids of the special tokens (BOS, EOS, chat markers): never part of a text's own characters."""
+        return {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token: also for a token that is only part of a UTF-8 character
         (which `decode` would show as U+FFFD). Byte-level BPE and SentencePiece byte tokens."""
@@ -160,6 +164,12 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise KeelError(f"chat template: {e}") from None
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the chat template (`keel serve --chat-template`); compiled here, so a syntax error is a
+        KeelError now rather than at the first request."""
+        self._template = _compile_template(template)
+        self.chat_template = template
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template already writes any BOS token itself; transformers encodes it without extras.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
@@ -170,6 +180,12 @@ class Tokenizer:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def check_chat_template(source: str) -> None:
+    """KeelError naming the line of a chat template's syntax error (`keel serve --chat-template` checks its
+    template before the model loads)."""
+    _compile_template(source)
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from keel.dtypes import DTYPE_CHOICES
+from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_dtype_arg(
     p: argparse.ArgumentParser, default: str = "auto", choices: tuple[str, ...] = DTYPE_CHOICES, help: str = ""
 ) -> None:
-    p.add_argument("--dtype", default=default, choices=list(choices), help=help or None)
+    aliases = [alias for alias, name in DTYPE_ALIASES.items() if name in choices]  # vLLM's half and float
+    p.add_argument("--dtype", default=default, choices=[*choices, *aliases], type=canonical_dtype, help=help or None)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

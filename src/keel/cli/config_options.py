@@ -5,7 +5,9 @@ gives the choices, `bool` a `--x/--no-x` pair, `tuple[str, ...]` a comma-separat
 a repeatable option), its default the default, and the string literal under it (an attribute
 docstring, as vLLM's config classes have) its help. `metadata` adds what a type cannot say: short
 aliases, a metavar, choices held in a constant (keel.dtypes.DTYPE_CHOICES), `json` (one option holding a
-whole JSON object), `nargs` / `const`.
+whole JSON object), `nargs` / `const` (a `list[str]` field with `nargs` takes its values after one flag,
+as vLLM's `--served-model-name A B`), `type` (a parser of the text, e.g. vLLM's `32k`), and
+`negative_aliases` (flags that turn a bool field off: vLLM's `--enforce-eager` for `--no-compile`).
 """
 
 from __future__ import annotations
@@ -72,10 +74,28 @@ def _argument(f: dataclasses.Field, hint: Any, doc: str) -> tuple[list[str], dic
     elif origin is tuple:
         kwargs["type"] = _comma_list
     elif origin is list:
-        kwargs.update(action="append", default=list(f.default_factory()) if callable(f.default_factory) else [])
+        default = list(f.default_factory()) if callable(f.default_factory) else []
+        if "nargs" in meta:  # all values after one flag; a repeated flag replaces them
+            kwargs.update(type=typing.get_args(kind)[0], default=default)
+        else:
+            kwargs.update(action="append", default=default)
     else:
         kwargs["type"] = kind
+    if "type" in meta:
+        kwargs["type"] = _option_parser(meta["type"])
     return names, kwargs
+
+
+def _option_parser(parse: Any) -> Any:
+    """`parse` with its ValueError's message shown as the option's error (argparse shows only its own)."""
+
+    def parse_option(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_option
 
 
 def _is_union(hint: Any) -> bool:
@@ -88,6 +108,10 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         names, kwargs = _argument(f, hints[f.name], docs.get(f.name, ""))
+        for flag in f.metadata.get("negative_aliases", ()):
+            # SUPPRESS: the field's own option (added last, so it is the dest's last action) sets the default
+            off = dict(action="store_const", const=False, default=argparse.SUPPRESS)
+            group.add_argument(flag, dest=kwargs["dest"], help=f"the same as --no-{names[0][2:]}", **off)
         group.add_argument(*names, **kwargs)
 
 

@@ -35,8 +35,15 @@ class QuantConfig:
     quant_plan: str | None = field(default=None, metadata={"metavar": "PLAN.json"})
     """a plan from `keel quantize analyze`: its scheme, group size and kept layers (over the three options above)"""
 
+    quantization: str | None = field(default=None, metadata={"aliases": ("-q",), "metavar": "METHOD"})
+    """vLLM's spelling: the methods keel runs map to --quantize (gguf); vLLM's others (awq, gptq, fp8, ...) are
+    refused"""
+
     def __post_init__(self) -> None:
         self.quant_keep = tuple(self.quant_keep)
+        if self.quantization is not None:  # resolved here: copies (workers, replace()) see only --quantize
+            self.quantize = _from_vllm_method(self.quantization, self.quantize)
+            self.quantization = None
         if self.quant_plan is not None:  # read here: a bad plan fails before any model loads
             from keel.quant.plan import read_plan
 
@@ -57,3 +64,21 @@ class QuantConfig:
             quant_keep_as=self.quant_keep_as,
             quant_activations=self.quant_activations,
         )
+
+
+# vLLM's --quantization methods that keel runs, as keel's --quantize scheme. vLLM's awq, gptq, fp8, bitsandbytes,
+# compressed-tensors ... read checkpoints keel does not load; keel's int8/int4 quantize float weights at load,
+# which no vLLM method names.
+VLLM_METHODS = {"gguf": "gguf"}
+
+
+def _from_vllm_method(method: str, quantize: str | None) -> str:
+    if method not in VLLM_METHODS:
+        raise KeelError(
+            f"--quantization {method}: keel does not run this method; it runs {', '.join(VLLM_METHODS)} "
+            "(and quantizes float weights at load with --quantize int8|int4)"
+        )
+    scheme = VLLM_METHODS[method]
+    if quantize is not None and quantize != scheme:
+        raise KeelError(f"--quantization {method} means --quantize {scheme}, not --quantize {quantize}: give one")
+    return scheme

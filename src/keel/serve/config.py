@@ -14,10 +14,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from keel.dtypes import DTYPE_CHOICES
+from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 from keel.errors import KeelError
 from keel.quant.config import QuantConfig
 from keel.serve.speculative import SpeculativeConfig
+from keel.serve.units import human_readable_int
 
 
 @dataclass
@@ -27,9 +28,10 @@ class LoadConfig:
     device: str = "auto"
     """where the model runs: auto (the first CUDA device where one is visible, else the CPU), cpu, cuda, cuda:N"""
 
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
+    dtype: str = field(default="auto", metadata={"choices": (*DTYPE_CHOICES, *DTYPE_ALIASES), "type": canonical_dtype})
     """compute dtype (auto: the fastest correct one here: bf16 on CPUs with native bf16 matmul and for quantized
-    weights, float32 on other CPUs, the checkpoint's dtype on CUDA)"""
+    weights, float32 on other CPUs, the checkpoint's dtype on CUDA; half and float: vLLM's names of float16 and
+    float32)"""
 
     fuse_projections: bool = True
     """q/k/v and gate/up as one matmul each (keel.model.fuse): fewer, larger calls, identical outputs"""
@@ -39,9 +41,12 @@ class LoadConfig:
     weights in panels of 16 rows from keel's AVX2 kernel level (keel.quant.panels); identical outputs, less work a
     call"""
 
-    compile: bool | None = None
+    compile: bool | None = field(default=None, metadata={"negative_aliases": ("--enforce-eager",)})
     """decode steps through one torch.compile'd graph (default: on for dense models of 50M+ parameters, where the
-    compile time pays back; --no-compile: eager)"""
+    compile time pays back; --no-compile, or vLLM's --enforce-eager: eager)"""
+
+    def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)  # keel.LLM(model, dtype="half") as vLLM's LLM takes it
 
 
 @dataclass
@@ -74,15 +79,15 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching (keel.serve.scheduler)"""
 
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = field(default=None, metadata={"type": human_readable_int})
     """tokens one step may compute (prefill chunks and decodes together; default: 2048 on GPUs, on CPUs 128 per
     compute thread: a CPU step costs about its tokens, so a chunk of 2048 stalls every running decode)"""
 
     max_num_seqs: int = 256
     """requests running at once"""
 
-    max_model_len: int | None = None
-    """longest sequence, prompt and output (default: the model's context)"""
+    max_model_len: int | None = field(default=None, metadata={"type": human_readable_int})
+    """longest sequence, prompt and output (default: the model's context); vLLM's 32k = 32000, 32K = 32768"""
 
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """which waiting request runs first: arrival order, or the request's priority"""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
+from keel.serve.constraints import bad_words_token_ids
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
@@ -34,7 +36,10 @@ from keel.serve.sampling import RowState, Sampler, SamplingParams, TokenLogprobs
 from keel.serve.scheduler import Scheduler, default_batched_tokens
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
+from keel.serve.step_tokens import TokenHistogram
 from keel.serve.stop import StopChecker
+from keel.serve.structured.backend import GrammarBackend
+from keel.serve.structured.state import GrammarState
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
 from keel.weights.checkpoint import LoadedModel
 
@@ -150,6 +155,8 @@ class LLMEngine:
         pre-packed weights, moved to the device) as the engine does with a model it loads itself; for
         callers that loaded it only to serve it."""
         self.executor: ParallelExecutor | None = None
+        self._grammar_backend: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
         try:
             self._init(model, config, device, adapt)
         except BaseException:
@@ -181,7 +188,8 @@ class LLMEngine:
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # of requests whose prefill finished (vLLM's prompt_tokens_total)
+        self.iteration_tokens = TokenHistogram()  # prompt + generated tokens counted in each step
         decode = "compiled" if self.runner.compiled is not None else "eager"
         kv_dtype = config.cache.kv_cache_dtype
         if kv_dtype == "auto":
@@ -472,15 +480,35 @@ class LLMEngine:
     ) -> str:
         params = params or SamplingParams()
         params.validate()
+        params.check_vocabulary(self.model.config.vocab_size)
         prompt_ids, text = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
+        grammar = self._grammar_state(params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, priority=priority, prompt=text)
+        request.grammar = grammar
         if self.executor is None:  # with workers, rank 0 makes the request's generator on its device
             request.generator = request_generator(params, self.model.device)
         self.scheduler.add(request)
         self._tracks[request_id] = _Track(request, self.tokenizer)
-        self.num_prompt_tokens += len(prompt_ids)
         return request_id
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this model's vocabulary, built on first use (the server
+        also compiles a request's grammar with it at admission, so a bad one is a 400 before queueing)."""
+        if self._grammar_backend is None:
+            with self._grammar_lock:
+                if self._grammar_backend is None:
+                    self._grammar_backend = GrammarBackend(
+                        self.tokenizer, self.model.config.vocab_size, self.eos_token_ids
+                    )
+        return self._grammar_backend
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        if params.structured_outputs is None:
+            return None
+        return self.grammar_backend().new_state(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -509,12 +537,14 @@ class LLMEngine:
             verifying = [r for r, _ in sched.scheduled if r.spec_token_ids]
             if verifying:
                 self.drafter.propose(verifying)
+        self._grammar_masks(sched.scheduled)
         try:
             result = self.runner.execute(sched)
         except BaseException:
             self._clear_drafts(proposed)
             raise
         now = time.perf_counter()
+        counted = self.num_prompt_tokens + self.num_generated_tokens
         outputs = []
         for request, n in sched.scheduled:
             track = self._tracks[request.request_id]
@@ -542,7 +572,24 @@ class LLMEngine:
                 self.runner.release(request.request_id)
             outputs.append(build_output(request, track, released, emitted))
         self._clear_drafts(proposed)
+        # vLLM's tokens of an iteration: the prompts whose prefill finished in it and the tokens it generated.
+        self.iteration_tokens.observe(self.num_prompt_tokens + self.num_generated_tokens - counted)
         return outputs
+
+    @staticmethod
+    def _grammar_masks(scheduled: list[tuple[Request, int]]) -> None:
+        """The bitmask rows of each structured request that samples this step (all of them in one pass
+        before the forward; verification gets one row per draft position)."""
+        for request, n in scheduled:
+            grammar: GrammarState | None = request.grammar  # type: ignore[assignment]
+            if grammar is None:
+                continue
+            if request.spec_token_ids:
+                request.token_bitmask = grammar.draft_masks(request.spec_token_ids)
+            elif request.num_computed_tokens + n == request.num_tokens:
+                request.token_bitmask = grammar.next_mask()
+            else:
+                request.token_bitmask = None  # a prefill chunk that samples nothing
 
     def _emit(
         self, request: Request, track: _Track, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
@@ -556,6 +603,7 @@ class LLMEngine:
             request.protected = False
             if request.stats.first_token is None:
                 request.stats.first_token = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)  # counted when its prefill ends, as vLLM
             request.stats.token_times.append(now)
             self.num_generated_tokens += 1
             emitted.append(token)
@@ -563,6 +611,12 @@ class LLMEngine:
                 track.logprobs.append(logprobs[i])
             delta = track.detok.add(token) if track.detok else ""
             released, finished = track.stop.add(token, delta)
+            grammar: GrammarState | None = request.grammar  # type: ignore[assignment]
+            if grammar is not None and not finished and (not grammar.accept(token) or grammar.terminated):
+                # The grammar is complete (its stop token accepted under ignore_eos), or nothing it allows
+                # could be sampled (min_tokens or allowed_token_ids excluding all of it): the output ends.
+                more, finished = track.stop.finish("stop")
+                released += more
             track.text += released
             released_text += released
             if finished:
@@ -615,6 +669,17 @@ class LLMEngine:
             self.spec_accepted_per_pos[pos] += 1
 
     # ---------------------------------------------------------------- stats
+    def cache_config_info(self) -> dict[str, str]:
+        """The KV cache's configuration as label values (vLLM's `vllm:cache_config_info` gauge, set to 1)."""
+        cache = self.config.cache
+        return {
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(self.kv.num_blocks),  # vLLM's name; the blocks wherever the cache lives
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        }
+
     def stats(self) -> dict[str, float]:
         """Gauges and counters for the metrics endpoint."""
         kv = self.kv
@@ -628,6 +693,9 @@ class LLMEngine:
             "num_preemptions_total": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
+            # Copies: the snapshot outlives this step while the engine goes on counting.
+            "iteration_tokens_counts": list(self.iteration_tokens.counts),
+            "iteration_tokens_sum": self.iteration_tokens.sum,
         }
         if self.spec is not None:
             stats.update(

@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from keel.serve.config import EngineConfig
 from keel.serve.engine import LLMEngine, RequestOutput
+from keel.serve.generation_config import sampling_defaults
 from keel.serve.sampling import SamplingParams
 from keel.weights.checkpoint import LoadedModel
 
@@ -14,14 +15,29 @@ class LLM:
     """LLM(model).generate(prompts, params) -> one RequestOutput per prompt, in input order."""
 
     def __init__(
-        self, model: str | LoadedModel, config: EngineConfig | None = None, *, adapt: bool = False, **config_kwargs
+        self,
+        model: str | LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        adapt: bool = False,
+        generation_config: str = "auto",
+        **config_kwargs,
     ) -> None:
-        """adapt: rewrite a LoadedModel for serving as the engine does a model it loads (LLMEngine's `adapt`)."""
+        """adapt: rewrite a LoadedModel for serving as the engine does a model it loads (LLMEngine's `adapt`).
+        generation_config: where the default sampling parameters come from, as `keel serve --generation-config`
+        (auto: the model directory's generation_config.json; vllm: none; or a folder)."""
         if config is None:
             config = EngineConfig.of(**config_kwargs)
         elif config_kwargs:
             raise TypeError("LLM: give an EngineConfig or options by name, not both")
+        # read first: a bad file fails before the model loads (a LoadedModel has no directory: "auto" finds none)
+        self.default_sampling = sampling_defaults(model if isinstance(model, str) else None, generation_config)
         self.engine = LLMEngine(model, config, adapt=adapt)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` uses when given none: the model's generation_config.json values over
+        SamplingParams' defaults (vLLM's LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.default_sampling)
 
     def generate(
         self,
@@ -33,7 +49,9 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, or token ids)
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            params if isinstance(params, list) else [params or self.get_default_sampling_params()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         ids = [

@@ -78,6 +78,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     draft_computed: int = 0
+    # Structured outputs: the request's grammar (keel.serve.structured.GrammarState), and this step's
+    # bitmask rows of allowed tokens (one per sampled position: [1, W], or [k + 1, W] when verifying drafts).
+    grammar: object | None = None
+    token_bitmask: torch.Tensor | None = None
     stats: RequestStats = field(default_factory=lambda: RequestStats(arrival=time.perf_counter()))
 
     def __post_init__(self) -> None:

@@ -200,7 +200,15 @@ class ModelRunner:
         if not samplers:
             return result
         states = [
-            RowState(r.params, r.generator, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids) for r in samplers
+            RowState(
+                r.params,
+                r.generator,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.eos_token_ids,
+                None if r.token_bitmask is None else r.token_bitmask[0],
+            )
+            for r in samplers
         ]
         sampled = self.sampler(rows_of(logits, sample_rows), states)
         ids = sampled.token_ids.tolist()

@@ -33,6 +33,8 @@ from torch import Tensor
 
 from keel import kernels
 from keel.errors import KeelError
+from keel.serve.constraints import apply_constraints, has_constraints
+from keel.serve.structured.params import StructuredOutputsParams
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -61,6 +63,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token; 0: only the sampled token's
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Token constraints (keel.serve.constraints), vLLM's names: a bias added to each listed token's
+    # logit, the only tokens that may be sampled, words that may not be generated (token sequences
+    # filled in by the engine from the tokenizer), and a grammar the output must match.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # The OpenAI API accepts a single string (or null) for `stop`.
@@ -110,6 +120,32 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 fail(name, f"in [0, {MAX_LOGPROBS}]", value)
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0:
+                    fail("logit_bias", "keyed by token ids >= 0", token)
+                if not -100 <= bias <= 100:
+                    fail("logit_bias", "values in [-100, 100]", bias)
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "a non-empty list of token ids >= 0", self.allowed_token_ids)
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            fail("bad_words", "a list of non-empty strings", self.bad_words)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise KeelError naming a field whose token id is outside the model's vocabulary."""
+        named = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+        }
+        for name, ids in named.items():
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise KeelError(f"{name}: token id {bad} is out of range [0, {vocab_size})")
 
 
 def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -132,6 +168,7 @@ class RowState:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
+    token_bitmask: Tensor | None = None  # [ceil(V / 32)] int32: the tokens the request's grammar allows
 
 
 @dataclass
@@ -195,7 +232,8 @@ def _column(states: list[RowState], name: str, device: torch.device) -> Tensor:
 
 
 def apply_penalties(logits: Tensor, states: list[RowState]) -> Tensor:
-    """Repetition, frequency and presence penalties and the min_tokens mask, as float32.
+    """Token constraints (logit_bias, allowed tokens, bad words, the grammar's bitmask: keel.serve.constraints),
+    then repetition, frequency and presence penalties and the min_tokens mask, as float32.
 
     - repetition (HF/vLLM): on tokens seen in the prompt or the output, positive logits are
       divided by the penalty and negative ones multiplied (both make the token less likely);
@@ -208,9 +246,12 @@ def apply_penalties(logits: Tensor, states: list[RowState]) -> Tensor:
     """
     use_rep = any(s.params.repetition_penalty != 1.0 for s in states)
     use_freq = any(s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0 for s in states)
-    if not (use_rep or use_freq or any(len(s.output_ids) < s.params.min_tokens for s in states)):
+    constrained = has_constraints(states)
+    if not (use_rep or use_freq or constrained or any(len(s.output_ids) < s.params.min_tokens for s in states)):
         return logits.float()
     x = logits.to(torch.float32, copy=True)
+    if constrained:
+        x = apply_constraints(x, states)
     vocab = x.shape[-1]
     device = x.device
     if use_rep or use_freq:

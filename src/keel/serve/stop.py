@@ -79,6 +79,10 @@ class StopChecker:
         self._buffer, self._emitted = "", 0
         return text
 
+    def finish(self, reason: str) -> tuple[str, bool]:
+        """End the request for a reason of the caller's (the held-back text, True)."""
+        return self._finish(reason, None)
+
     def _finish(self, reason: str, stop_reason: str | int | None) -> tuple[str, bool]:
         # Held-back text was not a stop string after all: the request is over, release it.
         self.finish_reason, self.stop_reason = reason, stop_reason

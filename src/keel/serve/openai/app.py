@@ -19,9 +19,11 @@ from keel.serve.openai.http_io import ClientDisconnected
 from keel.serve.openai.serving_chat import OpenAIServingChat
 from keel.serve.openai.serving_completion import OpenAIServingCompletion
 from keel.serve.openai.serving_models import OpenAIServingModels
+from keel.serve.openai.serving_tokens import OpenAIServingTokens
 from keel.serve.openai.settings import ServerSettings
 from keel.serve.openai.state import ServerState
 from keel.serve.openai.tenants import Tenants
+from keel.version import __version__
 
 __all__ = ["ClientDisconnected", "ServerSettings", "create_app"]
 
@@ -40,7 +42,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
     app.state.server = state
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
-    app.state.serving_models = OpenAIServingModels(settings.served_model_name, engine.engine.max_model_len, tenants)
+    app.state.serving_models = OpenAIServingModels(settings.served_model_names, engine.engine.max_model_len, tenants)
+    app.state.serving_tokens = OpenAIServingTokens(state)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(404, _not_found)
@@ -81,6 +84,29 @@ async def _bad_method(request: Request, exc: Exception) -> JSONResponse:
 @router.get("/health")
 async def health(request: Request) -> Response:
     return _server(request).health()
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request) -> Response:
+    """vLLM's liveness probe (SageMaker's): /health's status, with an empty body."""
+    return Response(status_code=_server(request).health().status_code)
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse({"version": __version__})
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    serving: OpenAIServingTokens = request.app.state.serving_tokens
+    return await serving.tokenize(request)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    serving: OpenAIServingTokens = request.app.state.serving_tokens
+    return await serving.detokenize(request)
 
 
 @router.get("/v1/models")

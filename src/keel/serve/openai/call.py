@@ -25,6 +25,7 @@ class Job:
     sent_tokens: int = 0  # generated tokens already counted / streamed
     sent_logprobs: int = 0
     echoed: bool = False  # a stream has sent the echoed prompt of this choice
+    writer: object | None = None  # chat: this choice's ChoiceWriter (reasoning and tool-call parsers)
 
 
 @dataclass
@@ -41,6 +42,13 @@ class Call:
     echo: bool = False
     logprobs: int | None = None
     prompt_only: bool = False  # max_tokens 0 with echo: each job's one generated token is not returned
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: returned beside the choices
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    priority: int = 0  # the scheduler's priority (lower first, under --scheduling-policy priority)
+    response_id: str | None = None  # the client's request_id, shown as the response's id
+    request: object | None = None  # the validated request body (the route's pydantic model)
+    chat: object | None = None  # chat: keel.serve.openai.chat_output.ChatOutputs
+    chat_echo: str = ""  # chat echo: the last message, which the reply continues
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)

@@ -34,11 +34,13 @@ class CallRunner:
             while remaining:
                 job, out = await self._next(call, merged)
                 new = len(out.outputs[0].token_ids) - job.sent_tokens
-                self.metrics.on_tokens(call.tenant.name, new)
+                self.metrics.on_output(call.tenant.name, out, job.sent_tokens)
                 if out.finished:
                     job.final = out
                     remaining -= 1
-                    self.metrics.on_finished(call.tenant.name, out.metrics, out.outputs[0].finish_reason or "abort")
+                    reason = out.outputs[0].finish_reason or "abort"
+                    self.metrics.on_finished(call.tenant.name, reason, out, job.params.max_tokens)
+                    self._prompt_finished(call, job)
                 yield job, out
                 job.sent_tokens += new
         finally:
@@ -46,11 +48,20 @@ class CallRunner:
                 task.cancel()  # an unfinished job's generate() aborts its engine request
             for job in call.jobs:
                 if job.final is None:
-                    self.metrics.on_finished(call.tenant.name, None, "abort")
+                    self.metrics.on_finished(call.tenant.name, "abort")
+
+    def _prompt_finished(self, call: Call, job: Job) -> None:
+        """Once every choice of `job`'s prompt has finished: the prompt's n and its longest choice (vLLM
+        observes them per parent request)."""
+        choices = [j for j in call.jobs if j.prompt_index == job.prompt_index]
+        if all(j.final is not None for j in choices):
+            longest = max(len(j.final.outputs[0].token_ids) for j in choices)  # type: ignore[union-attr]
+            self.metrics.on_prompt_finished(len(choices), longest)
 
     async def _pump(self, call: Call, job: Job, merged: asyncio.Queue[_Item]) -> None:
         try:
-            async for out in self.engine.generate(job.prompt_ids, job.params, f"{call.request_id}-{job.index}"):
+            request_id = f"{call.request_id}-{job.index}"
+            async for out in self.engine.generate(job.prompt_ids, job.params, request_id, priority=call.priority):
                 merged.put_nowait((job, out, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             merged.put_nowait((job, None, e))

@@ -5,10 +5,14 @@ Each field's docstring is its command-line help (keel.cli derives the options fr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from keel.serve.openai.settings import ServerSettings
+
+# Environment variables holding an API key, when no --api-key or --api-keys-file is given: vLLM's, and keel's own.
+API_KEY_ENV = ("VLLM_API_KEY", "KEEL_API_KEY")
 
 
 @dataclass
@@ -16,16 +20,19 @@ class ServeOptions:
     """The HTTP server"""
 
     host: str = "127.0.0.1"
-    """bind address (loopback by default)"""
+    """bind address (loopback by default, unlike vLLM: keel serves without a key unless given one; 0.0.0.0 for
+    all interfaces)"""
 
     port: int = 8000
     """TCP port"""
 
-    served_model_name: str | None = None
-    """the model id clients send (default: MODEL)"""
+    served_model_name: list[str] = field(default_factory=list, metadata={"nargs": "+", "metavar": "NAME"})
+    """the model ids clients may send, e.g. --served-model-name A B (default: MODEL); responses and /metrics
+    name the first"""
 
     api_key: list[str] = field(default_factory=list, metadata={"metavar": "KEY"})
-    """accept this Bearer key (tenant 'default', no limits); repeatable"""
+    """accept this Bearer key (tenant 'default', no limits); repeatable; without it and --api-keys-file: the
+    VLLM_API_KEY or KEEL_API_KEY environment variable"""
 
     api_keys_file: str | None = field(default=None, metadata={"metavar": "F"})
     """TOML/JSON keys with tenants and limits"""
@@ -60,14 +67,45 @@ class ServeOptions:
     auto_parallel: str | None = field(default=None, metadata={"nargs": "?", "const": "local", "metavar": "COUNTxTYPE"})
     """take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, e.g. 8xH200)"""
 
-    def settings(self, model: str) -> ServerSettings:
+    enable_auto_tool_choice: bool = False
+    """let the model decide when to call tools (tool_choice auto, the default with tools): needs --tool-call-parser"""
+
+    tool_call_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
+    """how tool calls are read from the model's text: hermes (also Qwen2.5/Qwen3), llama3_json, qwen3_coder, mistral"""
+
+    reasoning_parser: str | None = field(default=None, metadata={"metavar": "NAME"})
+    """split <think> reasoning into reasoning_content: deepseek_r1, qwen3"""
+
+    generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
+    """sampling defaults for requests that omit them, as vLLM's: auto reads the model directory's
+    generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens),
+    vllm ignores it, PATH reads the one in that folder"""
+
+    chat_template: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """a Jinja chat template file (or the template itself) used instead of the model's"""
+
+    def api_keys(self) -> list[str]:
+        """--api-key's keys; without them and without --api-keys-file, the key of the environment (vLLM reads
+        VLLM_API_KEY; KEEL_API_KEY is keel's own name for it)."""
+        if self.api_key or self.api_keys_file:
+            return list(self.api_key)
+        return [key for name in API_KEY_ENV if (key := os.environ.get(name))]
+
+    def settings(self, model: str, default_sampling: dict | None = None) -> ServerSettings:
+        given = self.served_model_name
+        names = ((given,) if isinstance(given, str) else tuple(given)) or (str(model),)  # a str: one name
         return ServerSettings(
-            served_model_name=self.served_model_name or str(model),
+            served_model_name=names[0],
+            served_model_names=names,
+            default_sampling=dict(default_sampling or {}),
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,
             max_tokens_cap=self.max_tokens_cap,
             max_body_bytes=self.max_body_bytes,
             audit_prompts=self.audit_prompts,
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

@@ -1,28 +1,53 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), validated with pydantic.
 
-Unknown fields are ignored, as OpenAI-compatible servers do (clients send `user` and others);
-fields that would change the result but that keel does not implement (`logit_bias`, `suffix`,
-`tools`, `response_format` other than text, `best_of` > n) are rejected with a 400 rather than
-silently ignored.
+Every field of vLLM's OpenAI server that changes the result is honoured or refused with a 400 naming
+it (tests/test_serve_fields.py enumerates them); fields that do not change it (`user`, `metadata`,
+`store`, ...) and unknown fields are accepted and ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from keel.serve.openai.errors import APIError
+from keel.serve.openai.structured_fields import structured_outputs_of
 from keel.serve.sampling import MAX_LOGPROBS, SamplingParams
+from keel.serve.structured import StructuredOutputsParams
 
 INT64 = 2**63
-# Fields that change the result and that keel does not implement: a 400, never silently ignored.
-UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "tool_choice", "function_call")
+# Fields that change the result and that keel does not implement: a 400 unless the value is one that
+# changes nothing (listed), never silently ignored.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "mm_processor_kwargs": (None,),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "prompt_embeds": (None,),
+    "structural_tag": (None,),
+    "modalities": (None, ["text"]),
+}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk
 
 
 class _SamplingFields(BaseModel):
@@ -48,18 +73,44 @@ class _SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Token constraints and scheduling (vLLM's extensions; logit_bias is OpenAI's, keyed by token id strings)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
+    bad_words: list[StrictStr] | None = None
+    priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
+    request_id: StrictStr | None = None  # the response's id (vLLM's); the engine keeps its own unique ids
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # keep the prompt's last N tokens
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Structured outputs (keel.serve.openai.structured_fields): one of these constrains the output
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
 
     def check_unsupported(self) -> None:
         extra = self.model_extra or {}
-        for name in UNSUPPORTED:
-            if extra.get(name) not in (None, {}, [], "", "none", "auto"):
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and extra[name] not in neutral:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
         best_of = extra.get("best_of")
         if best_of is not None and best_of != self.n:
             raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")
-        fmt = extra.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-            raise APIError(400, "'response_format' other than text is not supported", param="response_format")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return structured_outputs_of(self.response_format, self.structured_outputs, guided)
+
+    def token_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "'logit_bias' keys must be token ids", param="logit_bias") from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
@@ -89,9 +140,27 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=_larger(prompt_logprobs, self.prompt_logprobs),
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
+            structured_outputs=self.structured(),
         )
+
+
+def _larger(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
 
 
 PromptIds = list[Annotated[int, Field(ge=0, lt=INT64)]]
@@ -104,6 +173,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=0, lt=INT64)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # BOS and the like around a text prompt, as vLLM's default
 
     def prompt_only(self) -> bool:
         """max_tokens 0 with echo: the response is the echoed prompt (with its logprobs when asked),
@@ -138,22 +208,87 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: StrictStr | None = None  # a tool result: the call it answers
+    reasoning_content: StrictStr | None = None
 
-    def to_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string (text parts joined)."""
+    def text(self) -> str:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        return content or ""
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it (transformers' convention, as vLLM renders it): content
+        as one string (text parts joined); a tool call's arguments as an object, not JSON text."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        message["content"] = content or ""
+        message["content"] = self.text()
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise APIError(400, f"a tool call's arguments are not JSON: {text[:80]!r}", param="messages") from None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -163,9 +298,38 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool = False
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    include_reasoning: StrictBool = True  # false: reasoning_content is left out of the response
+    documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's constraint: its structured-output fields, or the schema a forcing tool_choice implies
+        (a named function's parameters, or vLLM's array of calls for "required"); both at once is a 400."""
+        from keel.serve.openai.tool_schemas import tool_choice_schema
+
+        constraint = super().structured()
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return constraint
+        choice = self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+        try:
+            schema = tool_choice_schema([tool.model_dump(exclude_none=True) for tool in self.tools], choice)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if choice == "required" and not self.parallel_tool_calls:
+            schema["maxItems"] = 1  # OpenAI's parallel_tool_calls false: at most one call
+        if constraint is not None:
+            raise APIError(400, "tool_choice and a structured output both constrain the output", param="tool_choice")
+        return StructuredOutputsParams.of(json=schema, source="tools")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

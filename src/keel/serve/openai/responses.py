@@ -87,3 +87,22 @@ def chat_logprobs(entries: list[TokenLogprobs], token_text: TokenText, token_byt
         row["top_logprobs"] = [item(t, lp) for t, lp in entry.top]
         content.append(row)
     return {"content": content}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs | None], token_text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token and the top-n alternatives."""
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    result: list[dict | None] = []
+    for item in entries:
+        if item is None:
+            result.append(None)
+            continue
+        row = {str(item.token_id): entry(item.token_id, item.logprob, item.rank)}
+        for rank, (token_id, logprob) in enumerate(item.top, start=1):
+            row.setdefault(str(token_id), entry(token_id, logprob, rank))
+        result.append(row)
+    return result

@@ -69,18 +69,27 @@ def _setup_logging(audit_path: str | None) -> None:
         audit.propagate = False
 
 
-def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
-    """The AsyncEngine over the chosen engine, the model loaded on the engine's own thread (AsyncEngine.build)."""
+def build_engine(source: ModelSource, options: ServeOptions, config: EngineConfig, chat_template: str | None = None):
+    """The AsyncEngine over the chosen engine, the model loaded on the engine's own thread (AsyncEngine.build);
+    `chat_template` (--chat-template's text) replaces the model's."""
     from keel.serve.async_engine import AsyncEngine
 
-    return AsyncEngine.build(lambda: _load_engine(source, options, config))
+    return AsyncEngine.build(lambda: _load_engine(source, options, config, chat_template))
 
 
-def _load_engine(source: ModelSource, options: ServeOptions, config: EngineConfig):
+def _load_engine(source: ModelSource, options: ServeOptions, config: EngineConfig, chat_template: str | None):
     """The engine, then its start-up heap frozen: this process serves it until it exits (keel.serve.heap)."""
     from keel.serve.heap import freeze_startup_heap
+    from keel.serve.openai.chat_template import use_chat_template
 
     engine = _load_engine_only(source, options, config)
+    if chat_template is not None:
+        try:
+            use_chat_template(engine.tokenizer, chat_template)
+        except BaseException:
+            if hasattr(engine, "shutdown"):  # parallel workers must not outlive a failed start
+                engine.shutdown()
+            raise
     freeze_startup_heap()
     return engine
 
@@ -125,21 +134,26 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     import torch
     import uvicorn
 
+    from keel.serve.generation_config import describe, sampling_defaults
     from keel.serve.openai.app import create_app
+    from keel.serve.openai.chat_template import load_chat_template
     from keel.serve.openai.tenants import Tenants
 
     check_options(options, config)
     _setup_logging(options.audit_log)
     if options.threads:
         torch.set_num_threads(options.threads)
-    tenants = Tenants.from_options(options.api_key, options.api_keys_file)  # before loading: a bad file fails fast
+    # Read before loading, so that a bad keys file, generation config or template fails fast.
+    tenants = Tenants.from_options(options.api_keys(), options.api_keys_file)
+    default_sampling = sampling_defaults(source.model, options.generation_config)
+    chat_template = load_chat_template(options.chat_template)
     config = resolve_auto_parallel(source.model, options.auto_parallel, config)
     if config.parallel.node_rank > 0:  # a workers-only node of multi-node serving: no engine, no port
         from keel.serve.parallel.launch import run_headless
 
         return run_headless(source.model, config)
     _check_port(options.host, options.port)
-    engine = build_engine(source, options, config)
+    engine = build_engine(source, options, config, chat_template)
     failure: list[BaseException] = []
 
     def on_engine_failure(error: BaseException) -> None:
@@ -149,7 +163,15 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
         threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
 
     engine.on_failure(on_engine_failure)
-    settings = options.settings(source.model)
+    settings = options.settings(source.model, default_sampling)
+    if default_sampling:  # as vLLM logs the generation config's overrides
+        auto = options.generation_config == "auto"
+        where = "the model's generation_config.json" if auto else f"--generation-config {options.generation_config}"
+        log.info(
+            "default sampling params from %s: %s (a request's own values win; --generation-config vllm: none)",
+            where,
+            describe(default_sampling),
+        )
     app = create_app(engine, settings, tenants)
     uvicorn_config = uvicorn.Config(
         app,
@@ -164,9 +186,9 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     if failure:  # failed before the server existed: stop it as soon as it runs
         server.should_exit = True
     log.info(
-        "serving %s as %r on http://%s:%d (%s engine, auth %s)",
+        "serving %s as %s on http://%s:%d (%s engine, auth %s)",
         source.model,
-        settings.served_model_name,
+        ", ".join(repr(name) for name in settings.served_model_names),
         options.host,
         options.port,
         options.engine,

@@ -31,7 +31,7 @@ from keel.serve.openai.errors import APIError
 from keel.serve.openai.generation import CallRunner
 from keel.serve.openai.http_io import ClientDisconnected, read_json, until_disconnected, validation_error
 from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
-from keel.serve.openai.responses import SSE_DONE, sse
+from keel.serve.openai.responses import SSE_DONE, sse, vllm_prompt_logprobs
 from keel.serve.openai.state import ServerState
 from keel.serve.openai.tenants import Admission, TenantState
 from keel.serve.sampling import SamplingParams, TokenLogprobs
@@ -52,6 +52,15 @@ _REJECTION_REASONS = {
 
 def rejection_reason(error: APIError) -> str:
     return _REJECTION_REASONS.get(error.status, "error")
+
+
+def check_model_name(model: str | None, served: tuple[str, ...]) -> None:
+    """404 unless the request's model is one of the served names (or left out)."""
+    if model is not None and model not in served:
+        names = ", ".join(repr(name) for name in served)
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {names}", param="model", code="model_not_found"
+        )
 
 
 @dataclass
@@ -136,11 +145,32 @@ class OpenAIServing:
         """The prepared call, once the queue and the tenant's limits let it in (APIError otherwise)."""
         body = await read_json(request, self.settings.max_body_bytes)
         call = self._prepare(body, tenant)
+        await self._compile_grammars(call)
         self._check_queue(call)
         timeout = self.settings.request_timeout
         call.deadline = None if timeout is None else started + timeout
         admission = await self.state.tenants.admit(tenant, call.cost(), call.deadline)
         return call, admission
+
+    async def _compile_grammars(self, call: Call) -> None:
+        """Compile the call's structured-output constraint off the event loop, so a bad schema, regex or
+        grammar is a 400 before the request queues (the engine then finds it in the compiler's cache)."""
+        specs = {job.params.structured_outputs for job in call.jobs} - {None}
+        if not specs:
+            return
+        engine = self.state.engine.engine
+        if not hasattr(engine, "grammar_backend"):
+            raise APIError(400, "structured outputs need the keel engine (this server runs --engine naive)")
+
+        def compile_all() -> None:
+            backend = engine.grammar_backend()
+            for spec in specs:
+                try:
+                    backend.compile(spec)
+                except KeelError as e:
+                    raise APIError(400, str(e), param=spec.source or None) from None
+
+        await asyncio.to_thread(compile_all)
 
     def _check_queue(self, call: Call) -> None:
         waiting = self.state.engine.stats()["num_requests_waiting"] + self.state.tenants.num_queued
@@ -174,6 +204,10 @@ class OpenAIServing:
     def _prepare(self, body: object, tenant: TenantState) -> Call:
         req = self._validate(body)
         spec = self._prompt_spec(req)
+        if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last N tokens (echo then shows those)
+            keep = req.truncate_prompt_tokens
+            spec.texts = [text if len(p) <= keep else None for p, text in zip(spec.prompts, spec.texts, strict=True)]
+            spec.prompts = [p[-keep:] for p in spec.prompts]
         jobs = []
         for p_index, prompt_ids in enumerate(spec.prompts):
             params = self._params(req, spec, len(prompt_ids))
@@ -183,7 +217,22 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         call = Call(self.kind, tenant, jobs, spec.prompts, spec.texts, req.stream, include_usage)
         call.echo, call.logprobs, call.prompt_only = spec.echo, spec.logprobs, spec.prompt_only
+        call.continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        call.prompt_logprobs = req.prompt_logprobs
+        call.priority = self._priority(req)
+        call.request = req
+        call.response_id = req.request_id
         return call
+
+    def _priority(self, req: GenerationRequest) -> int:
+        """The request's priority for the scheduler; refused (as vLLM does) where the policy ignores it."""
+        if req.priority == 0:
+            return 0
+        config = getattr(self.state.engine.engine, "config", None)
+        policy = getattr(getattr(config, "scheduler", None), "scheduling_policy", "fcfs")
+        if policy != "priority":
+            raise APIError(400, "'priority' needs a server started with --scheduling-policy priority", param="priority")
+        return req.priority
 
     def _validate(self, body: object) -> GenerationRequest:
         """The body as the route's request model, with a model name this server serves."""
@@ -194,17 +243,14 @@ class OpenAIServing:
         except ValidationError as e:
             raise validation_error(e) from None
         req.check_unsupported()
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(
-                404,
-                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "'prompt_logprobs' are not available when stream is true", param="prompt_logprobs")
+        check_model_name(req.model, self.settings.served_model_names)
         return req
 
     def _params(self, req: GenerationRequest, spec: PromptSpec, prompt_len: int) -> SamplingParams:
         """One prompt's engine sampling parameters (each of its n choices gets its own seed)."""
+        req = self._with_defaults(req)
         max_tokens = self._max_tokens(prompt_len, spec.requested_max_tokens)
         prompt_logprobs = spec.logprobs if spec.echo and spec.logprobs is not None else None
         try:
@@ -220,6 +266,12 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
         return params
 
+    def _with_defaults(self, req: GenerationRequest) -> GenerationRequest:
+        """The request with the server's sampling defaults (--generation-config) in the fields it left out."""
+        defaults = self.settings.default_sampling
+        fill = {name: value for name, value in defaults.items() if name != "max_tokens" and getattr(req, name) is None}
+        return req.model_copy(update=fill) if fill else req
+
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
         name, cap, model_len = self.max_tokens_param, self.settings.max_tokens_cap, self.max_model_len
         if requested is not None and cap is not None and requested > cap:
@@ -229,6 +281,9 @@ class OpenAIServing:
                 400, f"the prompt has {prompt_len} tokens; the model's length is {model_len}", param=self.prompt_param
             )
         max_tokens = requested if requested is not None else model_len - prompt_len
+        default = self.settings.default_sampling.get("max_tokens")  # the model's max_new_tokens, as vLLM's
+        if requested is None and default is not None:
+            max_tokens = min(max_tokens, default)
         if cap is not None:
             max_tokens = min(max_tokens, cap)
         if prompt_len + max_tokens > model_len:
@@ -244,19 +299,29 @@ class OpenAIServing:
     async def _collect(self, call: Call) -> dict:
         async for _ in self.runner.outputs(call):
             pass
-        return {
-            "id": self.id_prefix + call.request_id,
+        body = {
+            "id": self.id_prefix + (call.response_id or call.request_id),
             "object": self.response_object,
             "created": call.created,
             "model": self.model_name,
             "choices": [self._final_choice(call, job) for job in call.jobs],
             "usage": call.usage().to_dict(),
         }
+        return self._finish_body(call, body)
+
+    def _finish_body(self, call: Call, body: dict) -> dict:
+        """The route's additions to a whole response."""
+        return body
+
+    def _prompt_logprobs(self, job: Job) -> list[dict | None] | None:
+        if job.final is None or job.final.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(job.final.prompt_logprobs, self.tokens.token_text)
 
     async def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
         status, error = 200, None
         head = {
-            "id": self.id_prefix + call.request_id,
+            "id": self.id_prefix + (call.response_id or call.request_id),
             "object": self.chunk_object,
             "created": call.created,
             "model": self.model_name,
@@ -268,7 +333,10 @@ class OpenAIServing:
                 delta = self._stream_delta(call, job, out)
                 if delta is None:
                     continue  # text held back (a possible stop string): nothing to send yet
-                yield sse({**head, "choices": [self._stream_choice(call, job, out, delta)]})
+                chunk = {**head, "choices": [self._stream_choice(call, job, out, delta)]}
+                if call.continuous_usage:
+                    chunk["usage"] = call.usage().to_dict()
+                yield sse(chunk)
             if call.include_usage:
                 yield sse({**head, "choices": [], "usage": call.usage().to_dict()})
             yield SSE_DONE

@@ -1,11 +1,11 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template."""
+"""POST /v1/chat/completions: messages through the chat template; reasoning, tool calls and echo on the way out."""
 
 from __future__ import annotations
 
-from keel.errors import KeelError
 from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job
-from keel.serve.openai.errors import APIError
+from keel.serve.openai.chat_output import ChatOutputs, ChoiceWriter
+from keel.serve.openai.chat_prompt import render_chat
 from keel.serve.openai.protocol import ChatCompletionRequest
 from keel.serve.openai.responses import chat_logprobs
 from keel.serve.openai.serving_base import OpenAIServing, PromptSpec, StreamDelta
@@ -21,38 +21,69 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object = "chat.completion.chunk"
 
     def _prompt_spec(self, req: ChatCompletionRequest) -> PromptSpec:
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions")
-        messages = [m.to_template() for m in req.messages]
-        try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
-        except KeelError as e:
-            raise APIError(400, str(e), param="messages") from None
+        ids = render_chat(self.tokenizer, req)
         return PromptSpec([ids], [None], req.requested_max_tokens(), req.num_logprobs())
 
+    def _prepare(self, body: object, tenant) -> Call:
+        call = super()._prepare(body, tenant)
+        req: ChatCompletionRequest = call.request
+        constrained = call.jobs[0].params.structured_outputs is not None
+        call.chat = ChatOutputs.of(req, self.settings, constrained)
+        if call.chat.reasoning is not None and not constrained and self._prompt_opens_reasoning(call):
+            call.chat.starts_in_reasoning = True  # the template opened <think> (Qwen3 thinking, DeepSeek-R1)
+        if call.chat.tool_parser is not None and call.chat.tool_parser.needs_special_tokens:
+            for job in call.jobs:  # its call marker is a special token (Mistral's [TOOL_CALLS]): keep it in the text
+                job.params.skip_special_tokens = False
+        last = req.messages[-1]
+        # vLLM's echo: the reply is prefixed with the last message when that is the assistant's own turn
+        call.chat_echo = last.text() if req.echo and last.role == "assistant" else ""
+        return call
+
+    def _prompt_opens_reasoning(self, call: Call) -> bool:
+        tail = self.tokenizer.decode(call.prompts[0][-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(call.chat.reasoning.start_token)
+
+    def _writer(self, call: Call, job: Job) -> ChoiceWriter:
+        if job.writer is None:
+            job.writer = call.chat.writer()
+        return job.writer
+
     def _first_choices(self, call: Call) -> list[dict]:
-        """The role comes first, as OpenAI streams it."""
-        return [_chat_choice(job.index, {"role": "assistant", "content": ""}, None, None) for job in call.jobs]
+        """The role comes first, as OpenAI streams it (with the echoed message, when asked)."""
+        return [
+            _chat_choice(job.index, {"role": "assistant", "content": call.chat_echo}, None, None) for job in call.jobs
+        ]
 
     def _final_choice(self, call: Call, job: Job) -> dict:
         out = job.final.outputs[0]
         logprobs = None
         if call.logprobs is not None:
             logprobs = chat_logprobs(out.logprobs or [], self.tokens.token_text, self.tokens.token_bytes)
+        message, finish = self._writer(call, job).message(out.text, out.finish_reason)
+        if call.chat_echo and message.get("content") is not None:
+            message["content"] = call.chat_echo + message["content"]
         return {
             "index": job.index,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish,
             "stop_reason": out.stop_reason,
         }
+
+    def _finish_body(self, call: Call, body: dict) -> dict:
+        if call.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(call.jobs[0])
+        return body
 
     def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
         logprobs = None
         if call.logprobs is not None:
             logprobs = chat_logprobs(delta.logprobs, self.tokens.token_text, self.tokens.token_bytes)
-        content = {"content": delta.text} if delta.text or delta.finish is None else {}
-        return _chat_choice(job.index, content, logprobs, delta.finish)
+        writer = self._writer(call, job)
+        fields = writer.delta(delta.text, final=delta.finish is not None)
+        if not fields and delta.finish is None:
+            fields = {"content": ""}
+        return _chat_choice(job.index, fields, logprobs, writer.stream_finish_reason(delta.finish))
 
 
 def _chat_choice(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:

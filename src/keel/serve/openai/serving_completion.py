@@ -24,17 +24,17 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, texts = [], []
         for item in req.prompts():
             if isinstance(item, str):
-                prompts.append(self._encode(item))
+                prompts.append(self._encode(item, req.add_special_tokens))
                 texts.append(item)
             else:
                 prompts.append(self._checked_ids(item))
                 texts.append(None)
         return PromptSpec(prompts, texts, req.max_tokens, req.logprobs, req.echo, prompt_only)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
         return ids
@@ -59,13 +59,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if call.echo:
             text = self._prompt_text(call, job) + text
         finish, stop_reason = ("length", None) if call.prompt_only else (out.finish_reason, out.stop_reason)
-        return {
+        choice = {
             "index": job.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish,
             "stop_reason": stop_reason,
         }
+        if call.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(job)
+        return choice
 
     def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
         text, logprobs = delta.text, None

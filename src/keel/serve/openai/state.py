@@ -18,7 +18,11 @@ class ServerState:
         self.engine = engine
         self.settings = settings
         self.tenants = tenants
-        self.metrics = ServerMetrics(settings.served_model_name, engine.stats)
+        core = engine.engine
+        cache_info = core.cache_config_info() if hasattr(core, "cache_config_info") else None  # not --engine naive
+        self.metrics = ServerMetrics(
+            settings.served_model_name, engine.stats, max_model_len=core.max_model_len, cache_info=cache_info
+        )
         self.audit = AuditLog(settings.audit_prompts)
         self.tokens = TokenRenderer(engine.engine.tokenizer)
         self.draining = False  # set when the server shuts down: new requests get 503

@@ -191,6 +191,7 @@ class ParallelExecutor:
                     list(request.spec_token_ids),
                     self.block_tables(request_id),
                     new,
+                    request.token_bitmask,  # the grammar lives with the engine; rank 0's sampler applies it
                 )
             )
         message = StepMessage(entries, self._released)

@@ -97,6 +97,7 @@ class StepEntry:
     spec_token_ids: list[int]
     block_table: list[int]
     new: NewRequest | None = None  # the first time the request is scheduled
+    token_bitmask: torch.Tensor | None = None  # structured outputs: the engine's grammar masks for this step
 
 
 @dataclass
@@ -323,6 +324,7 @@ class Worker:
             mirror.output_token_ids.extend(entry.new_output_ids)
             mirror.num_computed_tokens = entry.num_computed_tokens
             mirror.spec_token_ids = entry.spec_token_ids
+            mirror.token_bitmask = entry.token_bitmask
             self._tables[entry.request_id] = entry.block_table
             out.scheduled.append((mirror, entry.num_scheduled))
         return out

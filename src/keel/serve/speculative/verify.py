@@ -70,8 +70,11 @@ def verify_drafts(
         for j, row in enumerate(rows):
             # Row j predicts the token after draft j: penalties see drafts[:j] as already output.
             output = request.output_token_ids + drafts[:j]
+            mask = None if request.token_bitmask is None else request.token_bitmask[j]  # the grammar after drafts[:j]
             states.append(
-                RowState(request.params, request.generator, request.prompt_token_ids, output, request.eos_token_ids)
+                RowState(
+                    request.params, request.generator, request.prompt_token_ids, output, request.eos_token_ids, mask
+                )
             )
             flat_rows.append(row)
     raw = logits[flat_rows]
