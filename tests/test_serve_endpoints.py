@@ -189,6 +189,8 @@ def test_llm_takes_its_defaults_from_the_generation_config(model_dir):
     )
 
 
+# In make test-slow (13 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_bad_generation_config_is_one_line_naming_file_and_field(model_dir, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "temperature": "hot"}))
     with pytest.raises(KeelError, match="generation_config.json: temperature must be a number"):

@@ -373,7 +373,29 @@ def test_chat_field_is_honoured(server, field):
     check(api, field, _baseline(api))
 
 
-@pytest.mark.parametrize("field", HONOURED_COMPLETION)
+# Completion fields that go through the same code as chat's (the shared sampling fields and constraints)
+# run in `make test-slow`; the ones with completion-specific handling run in `make test`.
+COMPLETION_SPECIFIC = {
+    "echo",
+    "add_special_tokens",
+    "prompt_logprobs",
+    "logprobs",
+    "stream",
+    "truncate_prompt_tokens",
+    "best_of",
+    "n",
+    "max_tokens",
+    "response_format",
+    "guided_json",
+    "request_id",
+    "priority",
+}
+
+
+@pytest.mark.parametrize(
+    "field",
+    [f if f in COMPLETION_SPECIFIC else pytest.param(f, marks=pytest.mark.slow) for f in HONOURED_COMPLETION],
+)
 def test_completion_field_is_honoured(server, field):
     if field in ("tools", "tool_choice", "include_reasoning", "reasoning_effort", "documents"):
         pytest.fail(f"{field} is a chat field")

@@ -96,6 +96,8 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
         llm.engine.shutdown()
 
 
+# In make test-slow (15 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_parallel_engine_keeps_structured_outputs(tmp_path):
     """The engine fills the grammar's bitmasks and ships them with the step; rank 0's sampler applies them:
     TP 2 gives the single-process engine's constrained tokens (greedy and seeded), which match the regex."""
@@ -359,6 +361,8 @@ def test_two_nodes_on_one_host(tmp_path):
             node1.kill()
 
 
+# In make test-slow (33 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_quantized_shards(tmp_path):
     """int8 under TP 2: with the row-parallel layers kept in float, every quantized layer has the scales
     one process computes, so the tokens are the single-process int8 engine's; quantized row-parallel

@@ -216,6 +216,8 @@ def test_checkpoints_carry_numpy_python_and_torch_rng_states(root):
         trainer.close()
 
 
+# In make test-slow (24 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_a_collective_that_waits_past_the_timeout_fails_the_run(root):
     """parallel.timeout_s reaches the process group: rank 1 hangs before step 3 (watchdog off), rank 0's
     next collective fails after the timeout instead of waiting for torch's default half hour."""
@@ -452,6 +454,8 @@ def test_the_trainer_at_world_8_with_pp_dp_and_tp_matches_one_process(root):
         assert eight[step] == pytest.approx(single.losses[step], rel=1e-5), step
 
 
+# In make test-slow (22 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_onto_more_ranks_and_another_layout(root):
     """A checkpoint written by one process (step 3 of 6) resumed by 2 ranks with tp = 2 (+SP): DCP reshards
     it, and steps 4-6 give the uninterrupted single-process run's losses (1e-5 relative)."""
@@ -469,6 +473,8 @@ def test_a_one_process_checkpoint_resumes_onto_more_ranks_and_another_layout(roo
         assert resumed[step] == pytest.approx(straight.losses[step], rel=1e-5), step
 
 
+# In make test-slow (21 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_in_one_process(root):
     """A 2-stage pipeline's checkpoint (each rank holds its stage's layers, under the whole model's names)
     resumed by one process: steps 4-6 give the uninterrupted single-process run's losses."""
@@ -634,6 +640,8 @@ def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root, cap
     assert "multi-head latent attention" in refused(capsys, path, "--nproc", "2", "--set", "parallel.tp=2")
 
 
+# In make test-slow (21 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_expert_parallel_training_matches_one_process_and_reshards(root, capsys, no_torchrun):
     """ep = 2 through the CLI: the one-process losses; its checkpoint resumes in one process (experts
     gathered from their two ranks by DCP); bad ep settings are one-line errors."""
@@ -676,6 +684,8 @@ def test_expert_parallel_training_matches_one_process_and_reshards(root, capsys,
     assert "needs a mixture-of-experts model" in refused(capsys, dense, "--nproc", "2", "--set", "parallel.ep=2")
 
 
+# In make test-slow (19 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_the_last_good_one(root):
     path = config(root, "torn")
     r = keel_train(
@@ -733,6 +743,8 @@ def test_bad_configs_fail_before_any_process_starts(root, capsys):
     assert "optimiser" in err and "optimizer" in err  # lists the valid keys
 
 
+# In make test-slow (10 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_on_a_hang(root):
     path = config(root, "hang")
     r = keel_process(path, "--set", "watchdog.timeout_s=2", env={"KEEL_FAULTS": "hang@3:0"}, timeout=60)

@@ -31,6 +31,8 @@ def no_torchrun(monkeypatch):
     forbid_exec(monkeypatch)
 
 
+# In make test-slow (29 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_fsdp_ranks_never_hold_the_whole_model(root):
     """A model built on the meta device and sharded before it holds any data: under FSDP over 2 ranks each
     rank's resident set grows by its half of the weights during start-up, never by the whole model
@@ -163,6 +165,8 @@ def test_a_run_from_a_keel_checkpoint_reads_its_model_only(root, no_torchrun):
         trainer.close()
 
 
+# In make test-slow (44 s on the 2-core AVX2 machine), to keep make test within its budget.
+@pytest.mark.slow
 def test_compiled_blocks_train_like_eager_ones(root):
     """`training.compile`: each decoder block through torch.compile (inductor), in a `keel train` process of
     its own (as a user runs it: no compiler state left by other tests), compiled once for all blocks
