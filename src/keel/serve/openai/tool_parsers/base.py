@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from keel.serve.openai.tool_parsers.scan import find_marker
+
 
 @dataclass
 class ToolCall:
@@ -189,6 +191,20 @@ class ToolParser(ABC):
         if kept:
             self._emit(kept)
             self._ws = self._ws[len(kept) :]
+
+    def _text_to_marker(self, markers: tuple[str, ...], final: bool) -> str | None:
+        """Release the text before the first of `markers` as content and consume the marker (returned); None
+        when the buffer holds none yet (its end that could start one stays buffered, unless `final`)."""
+        pos, marker = find_marker(self._buf, markers)
+        if marker is None:
+            cut = len(self._buf) if final else pos
+            self._content(self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return None
+        self._content(self._buf[:pos])
+        self._at_marker()
+        self._buf = self._buf[pos + len(marker) :]
+        return marker
 
     def _at_marker(self) -> None:
         """A call marker was found: the whitespace before it is dropped (unless the call proves malformed)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from keel.serve.openai.tool_parsers.base import ToolParser
 from keel.serve.openai.tool_parsers.registry import register_tool_parser
-from keel.serve.openai.tool_parsers.scan import find_marker, parse_call_json
+from keel.serve.openai.tool_parsers.scan import parse_call_json
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -21,15 +21,8 @@ class HermesToolParser(ToolParser):
 
     def _step(self, final: bool) -> bool:
         if not self._in_call:
-            pos, marker = find_marker(self._buf, (START,))
-            if marker is None:
-                cut = len(self._buf) if final else pos
-                self._content(self._buf[:cut])
-                self._buf = self._buf[cut:]
+            if self._text_to_marker((START,), final) is None:
                 return False
-            self._content(self._buf[:pos])
-            self._at_marker()
-            self._buf = self._buf[pos + len(START) :]
             self._in_call = True
             return True
         end = self._buf.find(END)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from keel.serve.openai.tool_parsers.base import ToolParser
 from keel.serve.openai.tool_parsers.registry import register_tool_parser
-from keel.serve.openai.tool_parsers.scan import JsonEnd, find_marker, is_marker_prefix, parse_call_json
+from keel.serve.openai.tool_parsers.scan import JsonEnd, is_marker_prefix, parse_call_json
 
 PYTHON_TAG = "<|python_tag|>"
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -45,16 +45,9 @@ class Llama3JsonToolParser(ToolParser):
             self._state = TEXT
             return True
         if self._state == TEXT:
-            pos, marker = find_marker(buf, (PYTHON_TAG,))
-            if marker is None:
-                cut = len(buf) if final else pos
-                self._content(buf[:cut])
-                self._buf = buf[cut:]
+            if self._text_to_marker((PYTHON_TAG,), final) is None:
                 return False
-            self._content(buf[:pos])
-            self._at_marker()
             self._raw = PYTHON_TAG
-            self._buf = buf[pos + len(PYTHON_TAG) :]
             self._state = EXPECT
             return True
         if self._state == EXPECT:

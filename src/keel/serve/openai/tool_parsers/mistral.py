@@ -20,7 +20,6 @@ from keel.serve.openai.tool_parsers.registry import register_tool_parser
 from keel.serve.openai.tool_parsers.scan import (
     JsonEnd,
     arguments_json,
-    find_marker,
     is_marker_prefix,
     loads_strict,
     parse_call_json,
@@ -55,16 +54,9 @@ class MistralToolParser(ToolParser):
         buf = self._buf
         state = self._state
         if state == TEXT:
-            pos, marker = find_marker(buf, (BOT,))
-            if marker is None:
-                cut = len(buf) if final else pos
-                self._content(buf[:cut])
-                self._buf = buf[cut:]
+            if self._text_to_marker((BOT,), final) is None:
                 return False
-            self._content(buf[:pos])
-            self._at_marker()
             self._raw = BOT
-            self._buf = buf[pos + len(BOT) :]
             self._state = AFTER_BOT
             return True
         if state == AFTER_BOT:

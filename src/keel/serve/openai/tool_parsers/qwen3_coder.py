@@ -50,16 +50,10 @@ class Qwen3CoderToolParser(ToolParser):
         buf = self._buf
         state = self._state
         if state == TEXT:
-            pos, marker = find_marker(buf, (CALL_START, FUNCTION_START))
+            marker = self._text_to_marker((CALL_START, FUNCTION_START), final)
             if marker is None:
-                cut = len(buf) if final else pos
-                self._content(buf[:cut])
-                self._buf = buf[cut:]
                 return False
-            self._content(buf[:pos])
-            self._at_marker()
             self._raw = marker
-            self._buf = buf[pos + len(marker) :]
             self._in_block = marker == CALL_START
             self._state = BLOCK if self._in_block else NAME
             return True
