@@ -5,5 +5,15 @@ from keel.serve.config import EngineConfig
 from keel.serve.engine import CompletionOutput, LLMEngine, RequestOutput
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
+from keel.serve.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
