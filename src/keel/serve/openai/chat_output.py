@@ -48,7 +48,7 @@ class ChatOutputs:
                 raise APIError(400, "tool_choice needs 'tools'", param="tool_choice")
             return outputs
         try:
-            outputs.tools = validate_tools([tool.model_dump(exclude_none=True) for tool in req.tools])
+            outputs.tools = validate_tools(req.tool_list())
         except ValueError as e:
             raise APIError(400, str(e), param="tools") from None
         choice = req.tool_choice if req.tool_choice is not None else "auto"  # OpenAI's default with tools

@@ -51,7 +51,7 @@ def _template_variables(req: ChatCompletionRequest) -> dict[str, Any]:
             raise APIError(400, f"chat_template_kwargs may not set {name!r}", param="chat_template_kwargs")
         variables[name] = value
     if req.tools:  # also under tool_choice none, as vLLM renders them by default
-        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
+        variables["tools"] = req.tool_list()
     if req.documents is not None:
         variables["documents"] = req.documents
     if req.reasoning_effort is not None:

@@ -8,11 +8,12 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from keel.serve.openai.errors import APIError
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class ClientDisconnected(Exception):
@@ -43,6 +44,16 @@ def validation_error(error: ValidationError) -> APIError:
     param = ".".join(loc) if loc else None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     return APIError(400, message, param=param)
+
+
+def parse_body(body: object, model: type[M]) -> M:
+    """A JSON body as the route's pydantic model; a 400 naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -309,6 +309,10 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: StrictBool = True  # false: reasoning_content is left out of the response
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
 
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as OpenAI's JSON (what chat templates and the tool-call schemas take); [] without tools."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -322,7 +326,7 @@ class ChatCompletionRequest(_SamplingFields):
             return constraint
         choice = self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
         try:
-            schema = tool_choice_schema([tool.model_dump(exclude_none=True) for tool in self.tools], choice)
+            schema = tool_choice_schema(self.tool_list(), choice)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
         if choice == "required" and not self.parallel_tool_calls:

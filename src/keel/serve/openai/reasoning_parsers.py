@@ -20,8 +20,9 @@ The markers are stripped; the newlines after `</think>` stay in the content, as 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar, NamedTuple
+
+from keel.serve.openai.parser_registry import ParserRegistry
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -130,33 +131,13 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(*names: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    """Class decorator: `@register_reasoning_parser("mine")` makes `get_reasoning_parser("mine")` return it."""
-    if not names:
-        raise ValueError("register_reasoning_parser needs at least one name")
-
-    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
-            raise TypeError(f"{cls!r} is not a ReasoningParser subclass")
-        if not cls.name:
-            cls.name = names[0]
-        for name in names:
-            REASONING_PARSERS[name] = cls
-        return cls
-
-    return register
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class registered as `name`; make one per output."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS)) or "none"
-        raise ValueError(f"unknown reasoning parser {name!r} (known: {known})") from None
+# `@register_reasoning_parser("mine")` on a ReasoningParser subclass makes `get_reasoning_parser("mine")` return it.
+_REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry(
+    ReasoningParser, "reasoning parser", "register_reasoning_parser"
+)
+REASONING_PARSERS = _REGISTRY.classes
+register_reasoning_parser = _REGISTRY.register
+get_reasoning_parser = _REGISTRY.get
 
 
 @register_reasoning_parser("deepseek_r1")

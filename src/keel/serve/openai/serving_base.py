@@ -22,14 +22,13 @@ from typing import ClassVar, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from keel.errors import KeelError
 from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job, child_params
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.generation import CallRunner
-from keel.serve.openai.http_io import ClientDisconnected, read_json, until_disconnected, validation_error
+from keel.serve.openai.http_io import ClientDisconnected, parse_body, read_json, until_disconnected
 from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from keel.serve.openai.responses import SSE_DONE, sse, vllm_prompt_logprobs
 from keel.serve.openai.state import ServerState
@@ -202,7 +201,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ preparation
     def _prepare(self, body: object, tenant: TenantState) -> Call:
-        req = self._validate(body)
+        req = self._with_defaults(self._validate(body))
         spec = self._prompt_spec(req)
         if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last N tokens (echo then shows those)
             keep = req.truncate_prompt_tokens
@@ -236,12 +235,7 @@ class OpenAIServing:
 
     def _validate(self, body: object) -> GenerationRequest:
         """The body as the route's request model, with a model name this server serves."""
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            req = self.request_model.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        req = parse_body(body, self.request_model)
         req.check_unsupported()
         if req.stream and req.prompt_logprobs is not None:
             raise APIError(400, "'prompt_logprobs' are not available when stream is true", param="prompt_logprobs")
@@ -250,7 +244,6 @@ class OpenAIServing:
 
     def _params(self, req: GenerationRequest, spec: PromptSpec, prompt_len: int) -> SamplingParams:
         """One prompt's engine sampling parameters (each of its n choices gets its own seed)."""
-        req = self._with_defaults(req)
         max_tokens = self._max_tokens(prompt_len, spec.requested_max_tokens)
         prompt_logprobs = spec.logprobs if spec.echo and spec.logprobs is not None else None
         try:

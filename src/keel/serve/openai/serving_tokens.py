@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from keel.serve.openai.chat_prompt import render_chat
 from keel.serve.openai.errors import APIError
-from keel.serve.openai.http_io import read_json, validation_error
+from keel.serve.openai.http_io import parse_body, read_json
 from keel.serve.openai.protocol_tokens import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -59,12 +59,7 @@ class OpenAIServingTokens:
         """The authenticated, validated body, for a model this server serves (as the generation routes check)."""
         self.state.tenants.authenticate(request.headers.get("authorization"))
         body = await read_json(request, self.settings.max_body_bytes)
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            req = model_of(body).model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
+        req = parse_body(body, model_of(body))
         check_model_name(req.model, self.settings.served_model_names)
         return req
 
@@ -81,9 +76,9 @@ class OpenAIServingTokens:
         return self.tokenizer
 
 
-def _tokenize_model(body: dict) -> type[TokenizeRequest]:
+def _tokenize_model(body: object) -> type[TokenizeRequest]:
     """vLLM's union: a body with messages is a chat body, one without a prompt body."""
-    if "messages" in body:
+    if isinstance(body, dict) and "messages" in body:
         if "prompt" in body:
             raise APIError(400, "send 'prompt' or 'messages', not both", param="messages")
         return TokenizeChatRequest

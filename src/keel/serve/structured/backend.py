@@ -39,7 +39,6 @@ class GrammarBackend:
         vocab += [b""] * (vocab_size - len(vocab))  # a head padded past the tokenizer's vocabulary
         self.info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
-        self.bitmask_width = (vocab_size + 31) // 32
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar (cached); KeelError naming the constraint when it does not compile."""
