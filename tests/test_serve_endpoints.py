@@ -282,3 +282,11 @@ def test_vllm_spellings_of_engine_flags():
 
 def test_quantization_keel_does_not_run_is_one_line():
     assert_one_line_error(run_keel("serve", "m", "-q", "awq"), "--quantization awq", "gguf", "int8")
+
+
+def test_parser_flags_are_checked_before_loading():
+    """An unknown parser name, or auto tool choice without a parser, is one line at start-up (not a failure
+    of the first request that needs it)."""
+    assert_one_line_error(run_keel("serve", "m", "--tool-call-parser", "nope"), "--tool-call-parser", "hermes")
+    assert_one_line_error(run_keel("serve", "m", "--reasoning-parser", "nope"), "--reasoning-parser", "deepseek_r1")
+    assert_one_line_error(run_keel("serve", "m", "--enable-auto-tool-choice"), "--tool-call-parser")

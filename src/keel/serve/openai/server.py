@@ -31,6 +31,7 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
         raise KeelError(f"--max-tokens-cap must be >= 1, got {options.max_tokens_cap}")
     if options.request_timeout < 0 or options.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
+    _check_parsers(options)
     if options.engine != "naive":
         return
     keel_only = [
@@ -42,6 +43,25 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
     for used, what in keel_only:
         if used:
             raise KeelError(f"{what} the keel engine (not --engine naive)")
+
+
+def _check_parsers(options: ServeOptions) -> None:
+    """The tool-call and reasoning parsers are known names, and auto tool choice has a parser (vLLM refuses it
+    without one), checked before the model loads rather than at the first request that needs them."""
+    from keel.serve.openai.reasoning_parsers import get_reasoning_parser
+    from keel.serve.openai.tool_parsers import get_tool_parser
+
+    if options.enable_auto_tool_choice and not options.tool_call_parser:
+        raise KeelError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    for flag, name, lookup in (
+        ("--tool-call-parser", options.tool_call_parser, get_tool_parser),
+        ("--reasoning-parser", options.reasoning_parser, get_reasoning_parser),
+    ):
+        if name is not None:
+            try:
+                lookup(name)
+            except ValueError as e:
+                raise KeelError(f"{flag}: {e}") from None
 
 
 def _check_port(host: str, port: int) -> None:
