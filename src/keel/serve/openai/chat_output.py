@@ -119,7 +119,7 @@ class ChoiceWriter:
         """The delta fields a stream chunk carries for `text` (more of the output); final: the output ended."""
         delta: dict[str, Any] = {}
         if self.reasoning is not None:
-            step = self.reasoning.feed(text) if text else self.reasoning.feed("")
+            step = self.reasoning.feed(text)
             if final:
                 last = self.reasoning.finish()
                 step = type(step)(step.reasoning + last.reasoning, step.content + last.content)
@@ -128,7 +128,7 @@ class ChoiceWriter:
             text = step.content
         mode = self.outputs.tool_mode
         if mode == "auto":
-            update = self.parser.feed(text) if text else self.parser.feed("")
+            update = self.parser.feed(text)
             if final:
                 last = self.parser.finish()
                 update.content += last.content
