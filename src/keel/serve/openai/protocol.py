@@ -44,6 +44,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def refuse_fields(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first of `refused` that `extra` (a body's fields beyond the model's) gives a value other
+    than the ones listed for it, which change nothing."""
+    for name, neutral in refused.items():
+        if name in extra and extra[name] not in neutral:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -93,9 +101,7 @@ class _SamplingFields(BaseModel):
 
     def check_unsupported(self) -> None:
         extra = self.model_extra or {}
-        for name, neutral in UNSUPPORTED.items():
-            if name in extra and extra[name] not in neutral:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        refuse_fields(extra, UNSUPPORTED)
         best_of = extra.get("best_of")
         if best_of is not None and best_of != self.n:
             raise APIError(400, "'best_of' other than n is not supported by this server", param="best_of")

@@ -6,11 +6,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from keel.serve.openai.errors import APIError
-from keel.serve.openai.protocol import INT64, ChatCompletionRequest, ChatMessage, Tool
+from keel.serve.openai.protocol import INT64, ChatCompletionRequest, ChatMessage, Tool, refuse_fields
 
 # vLLM's fields that change the tokens and that keel does not take: a 400 unless left out.
-_UNSUPPORTED = ("chat_template", "mm_processor_kwargs", "media_io_kwargs")
+_UNSUPPORTED = {"chat_template": (None,), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,)}
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -35,10 +34,7 @@ class TokenizeChatRequest(BaseModel):
     tools: list[Tool] | None = None
 
     def check_unsupported(self) -> None:
-        extra = self.model_extra or {}
-        for name in _UNSUPPORTED:
-            if extra.get(name) is not None:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        refuse_fields(self.model_extra or {}, _UNSUPPORTED)
 
     def as_chat_request(self) -> ChatCompletionRequest:
         """The chat completion request these messages and template options make: /tokenize renders exactly
