@@ -26,7 +26,6 @@ Sources:
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 import torch
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
+from keel.libc import trim_heap
 from keel.model.moe import GroupedExperts
 from keel.quant.apply import (
     GGUF,
@@ -106,17 +106,7 @@ def release_freed_memory() -> None:
     torch's CPU int4 packing frees large temporaries around the small packed tensor it keeps, and
     glibc does not return such heap holes on its own: without this call after each module, freed
     memory stays resident (several times the packed weights; docs/BENCHMARKS.md, issue 7)."""
-    global _TRIM
-    if _TRIM is None:
-        try:
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
-
-
-_TRIM = None
+    trim_heap()
 
 
 # ------------------------------------------------------------------------------------ from a checkpoint

@@ -45,7 +45,7 @@ from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
 from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
 from keel.train.hf_export import export_hf
-from keel.train.host_memory import set_mmap_threshold
+from keel.train.host_memory import HeapTrimmer, set_mmap_threshold
 from keel.train.memory import StepMemory, track_step_memory
 from keel.train.metrics import (
     MetricsFile,
@@ -119,6 +119,7 @@ class Trainer:
         self.pipeline = None
         self._build_parallel(model)
         self._materialize()
+        self.heap = self._heap_trimmer()
         self.moe = moe_stats.moe_layers(self.modules)
         moe_stats.configure(self.moe, cfg.moe)
         opt = cfg.optimizer
@@ -233,6 +234,20 @@ class Trainer:
         if self._source is not None:
             self._source.reader.close()
             self._source = None
+
+    def _heap_trimmer(self) -> HeapTrimmer | None:
+        """`run.trim_heap`: glibc's free pages returned as each block's backward begins and after each
+        backward and update. Under `training.compile` only the latter two: dynamo would trace the block
+        hooks into the compiled blocks."""
+        if not self.cfg.run.trim_heap:
+            return None
+        heap = HeapTrimmer()
+        if not heap.available:
+            raise KeelError("run.trim_heap: needs glibc's malloc_trim (Linux with glibc); this C library has none")
+        if not self.cfg.training.compile:
+            for module in self.modules:
+                heap.attach(getattr(module, "layers", {}).values())
+        return heap
 
     def _build_parallel(self, model: Transformer) -> None:
         from keel.train import parallel
@@ -408,6 +423,8 @@ class Trainer:
             with self._loss_parallel():
                 loss = cross_entropy_loss(logits, labels) / accum * self._fault_scale
                 self.scaler.scale_loss(loss).backward()
+            if self.heap is not None:
+                self.heap.trim()
             total += _plain(loss.detach()).float()
         return total
 
@@ -565,6 +582,8 @@ class Trainer:
     def _apply_update(self, loss: float, norm: float, record: dict[str, Any]) -> None:
         for o in self.optimizers:
             o.step()
+        if self.heap is not None:
+            self.heap.trim()
         self.guard.accept(loss, norm)
         if self.state_bytes is None:
             self.state_bytes = self._state_bytes()  # after the first update: optimizer states exist
