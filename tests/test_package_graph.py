@@ -21,6 +21,7 @@ LAYERS = [
         "keel.net",
         "keel.version",
         "keel.platform",
+        "keel.libc",
         "keel.kernels",
         "keel.config",
         "keel.families",
