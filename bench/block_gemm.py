@@ -15,6 +15,7 @@ From the VNNI level the weights are also timed in panels of 16 rows (`vnni panel
 keel::block_panels, what the serving engine stores there; the `amx` level adds tile products of 16
 activation rows at a time to the VNNI kernels, on the panel layout only), and in panels as Q4_0 (the
 same codes and scales, mins -8 x the scales, which the VNNI kernel runs as integer offsets from 8 rows).
+`Q6_K` is the 8-bit kernel with a scale per 16 values (half-block scales, GGUF Q6_K's form).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main() -> None:
         # Q4_0 (w = (q - 8) d: mins -8 x scales), which the VNNI kernel runs without its mins.
         panels_q4_0 = torch.ops.keel.block_panels(codes4, scales, (-8 * scales.float()).half(), 4)
         panels8 = torch.ops.keel.block_panels(codes8, scales, None, 8)
+        half_scales = (torch.rand(n, k // 16, generator=g) * 0.01).half()  # Q6_K: a scale per 16 values
+        panels_q6_k = torch.ops.keel.block_panels(codes8, half_scales, None, 8)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=g)
             ops = 2 * m * n * k / 1e9
@@ -73,19 +76,22 @@ def main() -> None:
             for level, label, panel_rows in timed:
                 c4, s4, m4 = panels4 if panel_rows else (codes4, scales, mins)
                 c8, s8 = panels8 if panel_rows else (codes8, scales)
+                c6, s6 = panels_q6_k if panel_rows else (codes8, half_scales)
                 rows = panel_rows or 0
                 with kernels.using_level(level):
                     q4 = cpu_seconds(functools.partial(linear, x, c4, s4, m4, 4, None, 1, rows))
                     q4x2 = cpu_seconds(functools.partial(linear, x, c4, s4, m4, 4, None, 2, rows))
                     q8 = cpu_seconds(functools.partial(linear, x, c8, s8, None, 8, None, 1, rows))
                     q8x2 = cpu_seconds(functools.partial(linear, x, c8, s8, None, 8, None, 2, rows))
+                    q6_k = cpu_seconds(functools.partial(linear, x, c6, s6, None, 8, None, 1, rows))
                     q4_0 = ""
                     if panel_rows:
                         seconds = cpu_seconds(functools.partial(linear, x, *panels_q4_0, 4, None, 1, rows))
                         q4_0 = f"  Q4_0 {ops / seconds:6.1f}"
                 print(
                     f"{n}x{k} rows {m:4d} {label:>11}: 4-bit {ops / q4:6.1f}  4-bit refined {ops / q4x2:6.1f}  "
-                    f"8-bit {ops / q8:6.1f}  8-bit refined {ops / q8x2:6.1f}{q4_0}  float32 BLAS {ops / f32:6.1f}  "
+                    f"8-bit {ops / q8:6.1f}  8-bit refined {ops / q8x2:6.1f}  Q6_K {ops / q6_k:6.1f}{q4_0}  "
+                    f"float32 BLAS {ops / f32:6.1f}  "
                     f"GOP/s ({args.threads} thread(s))",
                     flush=True,
                 )

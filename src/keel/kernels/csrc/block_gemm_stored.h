@@ -49,9 +49,10 @@ inline void load_block(const uint8_t* p, int rows, __mmask16 mask, __m512i c[8])
 }
 
 // A panel expanded into `storage`: 4-bit codes as 8 full vectors a block (missing rows zero; 8-bit codes
-// stay where they are unless CopyCodes, then copied the same way), float32 scales and mins, 16 a group.
-// With Min, *centered tells whether every min is exactly -8 x its scale (kernels.h, `offsets`).
-template <int Bits, bool Half, bool Min, bool Full, bool CopyCodes = false>
+// stay where they are unless CopyCodes, then copied the same way, made signed again with Signed), float32
+// scales and mins, 16 a group. With Min, *centered tells whether every min is exactly -8 x its scale
+// (kernels.h, `offsets`).
+template <int Bits, bool Half, bool Min, bool Full, bool CopyCodes = false, bool Signed = false>
 PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, std::vector<uint8_t>& storage,
                  bool* centered = nullptr) {
   const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
@@ -62,6 +63,9 @@ PanelView expand(const PanelView& v, int64_t blocks, int64_t groups, int rows, s
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i c[8];
       load_block<Bits, Full>(v.codes + b * v.block_bytes, rows, mask, c);
+      if constexpr (Bits == 8 && Signed) {  // stored + 128 (code ^ 0x80): back to the signed code
+        for (int i = 0; i < 8; ++i) c[i] = _mm512_xor_si512(c[i], _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
       for (int i = 0; i < 8; ++i) _mm512_store_si512(base + (b * 8 + i) * 64, c[i]);
     }
   }

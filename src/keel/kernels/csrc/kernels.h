@@ -115,7 +115,7 @@ void block_gemm_stored_avx512(const BlockWeights& w, int64_t p0, int64_t p1, con
 void block_gemm_stored_avx2(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,
                             const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
 
-// The AMX kernel over weights in the panel layout (not half-block scales), panels [p0, p1), activation
+// The AMX kernel over weights in the panel layout (half-block scales too), panels [p0, p1), activation
 // rows [m0, m1) in whole tiles of kAmxRows; `offsets` as above. Runs only where `amx_permitted()`.
 constexpr int64_t kAmxRows = 16;
 void block_gemm_stored_amx(const BlockWeights& w, int64_t p0, int64_t p1, const BlockActivations& a,

@@ -219,8 +219,8 @@ void stored_panel_product(const float* x, int64_t m, int64_t k, const BlockWeigh
                                                  CodeSums{sums, w.bits == 8 ? 128 : 8, w.half_block_scales});
   BlockActivations a{qa.q, qa.d, qa.s, k, blocks, qa.q2, qa.d2};
   a.m = m;
-  // AMX tiles take whole tiles of activation rows (not half-block scales), the VNNI kernel the rest.
-  const bool tiles = current_isa() >= kAmx && !w.half_block_scales;
+  // AMX tiles take whole tiles of activation rows, the VNNI kernel the rest.
+  const bool tiles = current_isa() >= kAmx;
   const int64_t tiled = tiles ? m / kAmxRows * kAmxRows : 0;
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
     if (!vnni) {
