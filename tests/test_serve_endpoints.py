@@ -259,6 +259,8 @@ def test_vllm_spellings_of_engine_flags():
     assert parse("--dtype", "half")[1].load.dtype == "float16"
     assert parse("--dtype", "float")[1].load.dtype == "float32"
     assert parse("--dtype", "bfloat16")[1].load.dtype == "bfloat16" and parse()[1].load.dtype == "auto"
+    ppl = build_parser().parse_args(["eval", "ppl", "m", "--corpus", "c", "--dtype", "half"])
+    assert ppl.dtype == "float16"
     assert parse("--enable-prefix-caching")[1].cache.enable_prefix_caching is True
     assert parse("--no-enable-prefix-caching")[1].cache.enable_prefix_caching is False
     assert parse("--enforce-eager")[1].load.compile is False and parse()[1].load.compile is None

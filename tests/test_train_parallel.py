@@ -94,6 +94,7 @@ class Layout:
     tp: int = 1
     ep: int = 1  # experts split over ep of the dp_shard ranks
     sequence_parallel: bool = True
+    loss_parallel: bool = False  # logits sharded on the vocabulary (under pp: keel.train.vocab_parallel's loss)
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     microbatches: int = 4
@@ -145,7 +146,8 @@ LAYOUTS = [
     Layout("dp_replicate=2 x dp_shard=2 (HSDP)", dp_replicate=2, dp_shard=2),
     Layout("pp=2 x dp_shard=2", pp=2, dp_shard=2),
     Layout("pp=2 x dp_shard=2 accum=2", pp=2, dp_shard=2, accum=2, microbatches=2),
-    Layout("pp=2 x tp=2", pp=2, tp=2),
+    Layout("pp=2 x tp=2 loss-parallel", pp=2, tp=2, loss_parallel=True),
+    Layout("pp=2 x tp=2 gathered logits", pp=2, tp=2),
     Layout("dp_shard=4", dp_shard=4),
     Layout("pp=4 1f1b", pp=4),
     Layout("dp_replicate=2 x tp=2 (HSDP 2x1 + TP)", dp_replicate=2, tp=2),
@@ -214,6 +216,7 @@ def reference_losses(model_name: str) -> dict[str, list[float]]:
 def run_layout(layout: Layout) -> dict[str, list[float]]:
     from keel.train.parallel import build_mesh, dp_rank_and_size, parallelize
     from keel.train.pipeline import build_pipeline
+    from keel.train.vocab_parallel import vocab_parallel_loss
 
     config = MODELS[layout.model]()
     mesh = build_mesh(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, ep=layout.ep)
@@ -228,15 +231,20 @@ def run_layout(layout: Layout) -> dict[str, list[float]]:
             ac_every=2,
             reshard_after_forward=layout.reshard_after_forward,
             param_dtype=getattr(torch, layout.param_dtype) if layout.param_dtype else None,
+            loss_parallel=layout.loss_parallel,
         )
 
     if layout.pp > 1:
+        loss_fn = cross_entropy_loss
+        if layout.loss_parallel:  # the last stage returns its tp rank's slice of the vocabulary
+            loss_fn = vocab_parallel_loss(mesh["tp"].get_group(), config.vocab_size)
         pipe = build_pipeline(
             lambda: fresh_model(config),
             mesh["pp"],
             layout.schedule,
             layout.microbatches,
             layout.stages_per_rank,
+            loss_fn,
             parallelize_fn=par,
         )
         params = [p for m in pipe.modules for p in m.parameters()]

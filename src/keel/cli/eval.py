@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from keel.cli.common import add_model_args
+from keel.cli.common import add_dtype_arg, add_model_args
 from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.data.text_corpus import CORPORA, corpus_text
-from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
 from keel.platform import resolve_device
 
@@ -24,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
-    q.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES))
+    add_dtype_arg(q)
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)

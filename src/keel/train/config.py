@@ -149,7 +149,8 @@ class ParallelSection(_Section):
     pp_microbatches: int | None = Field(None, ge=1)  # null: pp
     pp_stages_per_rank: int = Field(1, ge=1)  # 2 (or more) for interleaved1f1b, exactly 2 for zbv
     reshard_after_forward: bool = True
-    # Under tp > 1 without a pipeline: vocab-sharded logits and cross-entropy (keel.train.parallel).
+    # Under tp > 1: vocab-sharded logits and cross-entropy (keel.train.parallel; under a pipeline
+    # keel.train.vocab_parallel).
     loss_parallel: bool = True
     # How long a collective may wait for its peers before the process group fails it (torch's default is
     # 10 minutes for NCCL and 30 for gloo); an error then ends the rank, which torchrun can restart.

@@ -46,13 +46,13 @@ Qwen2's q/k/v biases are sharded with their weights; Mistral's sliding window an
 need nothing else. Requirements: `num_heads % tp == 0`, `num_kv_heads % tp == 0` (checked, ValueError),
 `intermediate_size % tp == 0`, and with SP the sequence length `% tp == 0`.
 
-Loss-parallel (`parallel.loss_parallel`, on by default, without a pipeline): the head's logits stay
-sharded on the vocabulary (a `Shard(-1)` DTensor) and the cross-entropy runs under torch's
-`loss_parallel()`, which reduces the log-sum-exp and the target logit over the tp ranks: no rank
-holds `B*S*V` logits and no all-gather over the vocab runs. The trainer enters the context around
-forward, loss and backward (keel.train.trainer). Under a pipeline the last stage's logits come out
-replicated (full `[B, S, V]` on every tp rank): torch's stages pass plain tensors, and the pipeline's
-loss function stays plain cross-entropy.
+Loss-parallel (`parallel.loss_parallel`, on by default): the head's logits stay sharded on the
+vocabulary and the cross-entropy reduces the log-sum-exp and the target logit over the tp ranks: no
+rank holds `B*S*V` logits and no all-gather over the vocab runs. Without a pipeline the logits are a
+`Shard(-1)` DTensor and the loss runs under torch's `loss_parallel()` (the trainer enters the context
+around forward, loss and backward). Under a pipeline torch's stages pass plain tensors: the last
+stage returns each tp rank's slice `[B, S, V/tp]`, and the pipeline's loss function is
+keel.train.vocab_parallel's, which does the same reductions over the tp group.
 
 With SP the residual stream between blocks is a DTensor sharded on the sequence, which keeps the
 model's own shape logic correct: `Transformer.forward` reads `B, S` from it (the global shape), so
@@ -265,13 +265,19 @@ def _seq_divisible_hook(tp: int):
 
 
 def apply_tp(
-    model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = False
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    local_logits: bool = False,
 ) -> Transformer:
     """Tensor parallel (Megatron layout) with optional sequence parallel norms, in place.
 
     `model` may be a pipeline stage: missing embed_tokens / norm / lm_head are skipped, and under
     sequence parallel the stage's input (when it has no embedding) and output (when it has no head)
-    are the local sequence shards [B, S/tp, H].
+    are the local sequence shards [B, S/tp, H]. With loss_parallel the logits stay sharded on the
+    vocabulary: a `Shard(-1)` DTensor, or with local_logits (a pipeline's last stage, whose outputs are
+    plain tensors) this rank's slice [B, S, V/tp] for keel.train.vocab_parallel's loss.
     """
     tp = tp_mesh.size()
     check_tp_divisible(model, tp)
@@ -289,7 +295,8 @@ def apply_tp(
         top["lm_head"] = ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,  # a vocab-sharded DTensor for torch's loss_parallel()
+            # a vocab-sharded DTensor for torch's loss_parallel(), or under a pipeline the local slice
+            use_local_output=local_logits or not loss_parallel,
         )
     if top:
         parallelize_module(model, tp_mesh, top)
@@ -418,10 +425,12 @@ def parallelize(
     """TP (when tp > 1), activation checkpointing, torch.compile per block, then FSDP/HSDP (when dp > 1),
     in that order (torchtitan's), in place.
 
-    `model` is the whole model or one pipeline stage module (see keel.train.pipeline).
+    `model` is the whole model or one pipeline stage module (see keel.train.pipeline). With
+    loss_parallel under a pipeline (pp > 1) the last stage returns its vocabulary slice of the logits:
+    pass keel.train.vocab_parallel's `vocab_parallel_loss` to build_pipeline as its loss function.
     """
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel)
+        apply_tp(model, mesh["tp"], sequence_parallel, loss_parallel, local_logits=mesh["pp"].size() > 1)
     ep = ep_size(mesh)
     if ep > 1:
         apply_ep(model, mesh["ep"])

@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +118,7 @@ class Trainer:
         self.layout: Layout = resolve_layout(cfg, self.world, self.model_config)
         self.mesh = None
         self.pipeline = None
+        self._stage_cross_entropy: Callable[..., Tensor] = cross_entropy_loss  # a pipeline's last stage
         self._build_parallel(model)
         self._materialize()
         self.heap = self._heap_trimmer()
@@ -257,7 +259,7 @@ class Trainer:
         compute = COMPUTE[cfg.training.precision]
         # FSDP's mixed precision casts the gathered copies when there is a dp dimension; otherwise autocast.
         self.use_autocast = compute is not None and lay.dp == 1 and DTYPES[cfg.model.dtype] == torch.float32
-        self.loss_parallel = par.loss_parallel and lay.tp > 1 and lay.pp == 1
+        self.loss_parallel = par.loss_parallel and lay.tp > 1
         if self.world == 1:  # no mesh; activation checkpointing and compilation still apply
             ac = cfg.activation_checkpoint
             parallel.apply_activation_checkpointing(model, ac.mode, ac.every)
@@ -282,6 +284,11 @@ class Trainer:
 
         if lay.pp > 1:
             from keel.train.pipeline import build_pipeline
+
+            if self.loss_parallel:  # the last stage's logits are its tp rank's vocabulary slice
+                from keel.train.vocab_parallel import vocab_parallel_loss
+
+                self._stage_cross_entropy = vocab_parallel_loss(self.mesh["tp"].get_group(), model.config.vocab_size)
 
             self.pipeline = build_pipeline(
                 model,
@@ -363,17 +370,18 @@ class Trainer:
     # ------------------------------------------------------------------ step
     def _pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         if self._evaluating:  # summed: validate() divides by the token count, padding rows add nothing
-            return cross_entropy_loss(logits, targets, reduction="sum")
+            return self._stage_cross_entropy(logits, targets, reduction="sum")
         # The schedule averages microbatch losses itself (folded accumulation included); here: accumulation
         # over schedule steps and fp16 scaling.
         accumulation = 1 if self._fold_accumulation else self.layout.grad_accum
-        loss = cross_entropy_loss(logits, targets) / accumulation
+        loss = self._stage_cross_entropy(logits, targets) / accumulation
         loss = loss * self._fault_scale
         return self.scaler.scale_loss(loss)
 
     def _loss_parallel(self):
-        """torch's loss_parallel() context when the logits are vocab-sharded (keel.train.parallel)."""
-        if not self.loss_parallel:
+        """torch's loss_parallel() context when the logits are vocab-sharded (keel.train.parallel); not
+        under a pipeline, whose last stage's loss reduces the vocabulary slices itself."""
+        if not self.loss_parallel or self.pipeline is not None:
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
 
