@@ -1,6 +1,7 @@
 """Training throughput: keel's trainer against a plain transformers loop, and FSDP memory per rank.
 
     python bench/train.py [--steps 10] [--seq-len 256] [--batch 8] [--threads 2] [--precision bf16]
+                          [--compile] [--trim-heap-rounds N]
 
 Same ~134M-parameter Llama config (hidden 768, 12 layers, 12 heads, FFN 2048, vocab 32000,
 untied), same random-token data, same AdamW settings and threads, one process each, one after
@@ -11,6 +12,8 @@ the other:
 3. keel's `Trainer` with FSDP over 2 ranks (torchrun, gloo), for the per-rank parameter + gradient
    + optimizer bytes against single-process (the ZeRO-3 prediction: 1/dp_shard of 16 B per
    parameter, plus the unsharded remainder).
+With --trim-heap-rounds N, keel's one-process and FSDP x2 runs also with `run.trim_heap`, alternated with
+the default N times each (its step-time cost).
 Tokens/s is the median over the steps after the first (warm-up); MFU uses the measured matmul peak
 in the training dtype on the same threads (keel.train.metrics). Prints a table and the ratios.
 """
@@ -125,6 +128,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--compile", action="store_true", help="also keel with torch.compile per block")
+    parser.add_argument(
+        "--trim-heap-rounds",
+        type=int,
+        default=0,
+        help="also one process with run.trim_heap, alternated with the default this many times each",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("command: python bench/train.py " + " ".join(sys.argv[1:]))
@@ -170,6 +179,19 @@ def main() -> int:
             f"\nkeel / transformers: {keel_tps / base_tps:.2f}x (floor >= 1.0); "
             f"keel MFU {fpt * keel_tps / peak:.1%} of the measured peak (floor >= 30%)"
         )
+        for nproc in (1, 2) if args.trim_heap_rounds else ():  # run.trim_heap's step cost, alternated
+            speeds: dict[bool, list[float]] = {False: [], True: []}
+            for i in range(args.trim_heap_rounds):
+                for trim in (False, True):
+                    name, override = f"trim{int(trim)}-{nproc}-{i}", f"run.trim_heap={str(trim).lower()}"
+                    runs = keel_run(root, args, name, nproc, (override,))
+                    speeds[trim].append(statistics.median(r["tokens_per_s"] for r in runs[1:]))
+            off, on = statistics.median(speeds[False]), statistics.median(speeds[True])
+            print(
+                f"\nrun.trim_heap, {'1 process' if nproc == 1 else 'FSDP x2'}, alternated: {on:.1f} against "
+                f"{off:.1f} tokens/s ({on / off:.3f}x); each run's median: "
+                f"off {[round(v, 1) for v in speeds[False]]}, on {[round(v, 1) for v in speeds[True]]}"
+            )
         # FSDP over 2 ranks: per-rank parameter + gradient + AdamW bytes against one process.
         fsdp = keel_run(root, args, "fsdp2", 2)
         one = single[0]["state_bytes"]

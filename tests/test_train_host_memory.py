@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from keel.train.host_memory import HeapTrimmer
+from keel.train.host_memory import HeapTrimmer, trim_heap_wanted
 from test_train_run import config, make_train_root, run
 
 pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
@@ -27,7 +27,7 @@ def test_trim_returns_the_pages_of_freed_tensors():
     script = textwrap.dedent(
         """
         import torch
-        from keel.train.host_memory import HeapTrimmer
+        from keel.train.host_memory import HeapTrimmer, trim_heap_wanted
         def rss():
             return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
         tensors = [torch.ones(256 * 1024) for _ in range(96)]  # 96 x 1 MiB, touched
@@ -67,9 +67,17 @@ def test_attached_blocks_trim_as_each_backward_begins_and_not_without_a_graph():
 def test_a_run_that_trims_the_heap_has_the_same_losses(tmp_path: Path):
     root = make_train_root(tmp_path)
     path = config(root, "trim")
-    _, plain = run(path, "training.steps=3", "checkpoint.interval=0")
+    default, plain = run(path, "training.steps=3", "checkpoint.interval=0")
     trainer, trimmed = run(path, "training.steps=3", "checkpoint.interval=0", "run.trim_heap=true", "run.name=trim2")
     assert trimmed.losses == plain.losses
+    assert default.heap is None  # one process: off by default
     # each step: a trim as each of the 2 blocks' backward begins (2 micro-batches), after the
     # backward of each micro-batch, and after the update
     assert trainer.heap.calls == 3 * (2 * 2 + 2 + 1)
+
+
+def test_the_heap_is_trimmed_by_default_on_cpu_runs_of_several_ranks_only():
+    assert trim_heap_wanted(None, 2, "cpu", True) and trim_heap_wanted(None, 8, "cpu", True)
+    assert not trim_heap_wanted(None, 1, "cpu", True)  # one process: the refaults cost step time
+    assert not trim_heap_wanted(None, 2, "cuda", True) and not trim_heap_wanted(None, 2, "cpu", False)
+    assert trim_heap_wanted(True, 1, "cpu", True) and not trim_heap_wanted(False, 4, "cpu", True)

@@ -45,8 +45,9 @@ class RunSection(_Section):
     # KiB: allocations from this size get their own mapping, returned on free (keel.train.host_memory): less
     # resident memory, slower steps; 0: glibc's own policy.
     mmap_threshold_kib: int = Field(0, ge=0, le=32768)
-    # glibc's free heap pages returned at each block's backward and after each step (keel.train.host_memory).
-    trim_heap: bool = False
+    # glibc's free heap pages returned at each block's backward and after each step (keel.train.host_memory);
+    # null: on for CPU runs of more than one rank where glibc has malloc_trim, off for one process.
+    trim_heap: bool | None = None
 
     @field_validator("dir")
     @classmethod

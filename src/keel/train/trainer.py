@@ -46,7 +46,7 @@ from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
 from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
 from keel.train.hf_export import export_hf
-from keel.train.host_memory import HeapTrimmer, set_mmap_threshold
+from keel.train.host_memory import HeapTrimmer, set_mmap_threshold, trim_heap_wanted
 from keel.train.memory import StepMemory, track_step_memory
 from keel.train.metrics import (
     MetricsFile,
@@ -240,10 +240,11 @@ class Trainer:
     def _heap_trimmer(self) -> HeapTrimmer | None:
         """`run.trim_heap`: glibc's free pages returned as each block's backward begins and after each
         backward and update. Under `training.compile` only the latter two: dynamo would trace the block
-        hooks into the compiled blocks."""
-        if not self.cfg.run.trim_heap:
-            return None
+        hooks into the compiled blocks. By default on for CPU runs of more than one rank only
+        (keel.train.host_memory.trim_heap_wanted)."""
         heap = HeapTrimmer()
+        if not trim_heap_wanted(self.cfg.run.trim_heap, self.world, self.device.type, heap.available):
+            return None
         if not heap.available:
             raise KeelError("run.trim_heap: needs glibc's malloc_trim (Linux with glibc); this C library has none")
         if not self.cfg.training.compile:
