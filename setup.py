@@ -8,6 +8,7 @@ resolve a torch of its own, a multi-GB CUDA build on these machines.
 
 import importlib.util
 import os
+import platform
 import sys
 
 from setuptools import setup
@@ -29,6 +30,11 @@ HEADERS = sorted(os.path.join(CSRC, f) for f in os.listdir(CSRC) if f.endswith("
 # No -march: the library must run on any CPU of its architecture; the ISA-specific units raise their own
 # level (block_gemm_avx2.cpp) and run only when keel.platform reports that level.
 COMPILE_ARGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+# GCC fuses a * b + c into one multiply-add wherever the target has one, and every aarch64 CPU has it: the
+# portable loops' values (a product rounded, then the sum: the torch formulas' roundings) would differ
+# there from x86-64's, whose baseline has no FMA. The vector kernels ask for fused ones by name.
+if platform.machine() in ("aarch64", "arm64"):
+    COMPILE_ARGS.append("-ffp-contract=off")
 
 setup(
     ext_modules=[

@@ -4,8 +4,9 @@ The library is compiled by the project's own build at install (setup.py; g++ and
 nothing downloaded) and dispatches at run time on the level keel.platform reports: AMX tile products
 of many rows from `amx` (where Linux grants the process the tile state), AVX-512 VNNI kernels for the
 block products from `avx512_vnni` up (BF16 and AMX machines included),
-AVX2 + FMA kernels from `avx2` up for everything else, the portable ones elsewhere (`default` x86-64,
-aarch64). Every kernel splits its work with ATen's `parallel_for`, so
+AVX2 + FMA kernels from `avx2` up for everything else; on aarch64 NEON kernels from `neon` up (the block
+products with ARMv8.2's SDOT where the CPU has it); the portable ones elsewhere (`default` x86-64 or
+aarch64, other architectures). Every kernel splits its work with ATen's `parallel_for`, so
 `torch.set_num_threads` governs it.
 
 `KEEL_KERNELS=0` turns them off: every caller takes its pure-torch path instead (for debugging and
@@ -26,14 +27,24 @@ import torch
 from keel.platform import Platform, host
 
 ENV = "KEEL_KERNELS"
-# The levels the library has kernels for, lowest first (the values of keel::Isa in csrc/kernels.h).
-LEVELS = ("scalar", "avx2", "avx512_vnni", "amx")
+# The levels the library has kernels for, by architecture, lowest first.
+X86_LEVELS = ("scalar", "avx2", "avx512_vnni", "amx")
+ARM_LEVELS = ("scalar", "neon", "neon_dotprod")
+# Their values in keel::Isa (csrc/kernels.h).
+ISA_VALUES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "amx": 3, "neon": 4, "neon_dotprod": 5}
+
+
+def levels_of(arch: str) -> tuple[str, ...]:
+    """The kernel levels of an architecture, lowest first."""
+    return X86_LEVELS if arch == "x86_64" else ARM_LEVELS if arch == "aarch64" else ("scalar",)
 
 
 def kernel_level(platform: Platform) -> str:
     """The library's level for a host: AMX tiles on keel.platform's `amx`, the VNNI kernels from
-    `avx512_vnni` up, AVX2 ones from `avx2`, portable ones elsewhere (the tiles also need the
-    process's permission: `levels_here`)."""
+    `avx512_vnni` up, AVX2 ones from `avx2`; NEON ones from `neon` (SDOT's where the CPU has it); portable
+    ones elsewhere (the tiles and SDOT are also asked of the library: `levels_here`)."""
+    if platform.arch == "aarch64":
+        return "neon_dotprod" if platform.neon else "scalar"
     if platform.arch != "x86_64":
         return "scalar"
     if platform.vnni:
@@ -42,8 +53,13 @@ def kernel_level(platform: Platform) -> str:
 
 
 def _granted(level: str) -> str:
-    """`level`, or the VNNI level where the AMX tile state is not granted to this process."""
-    return "avx512_vnni" if level == "amx" and not torch.ops.keel.amx_ready() else level
+    """`level`, or the level below it where the library finds it cannot run: the VNNI level where the
+    AMX tile state is not granted to this process, plain NEON where the CPU has no SDOT."""
+    if level == "amx" and not torch.ops.keel.amx_ready():
+        return "avx512_vnni"
+    if level == "neon_dotprod" and not torch.ops.keel.neon_dotprod_ready():
+        return "neon"
+    return level
 
 
 def panels_here() -> bool:
@@ -69,10 +85,12 @@ def stored_panels_here() -> bool:
 
 def levels_here(platform: Platform | None = None) -> tuple[str, ...]:
     """Every kernel level this machine can run (tests run each of them)."""
-    top = kernel_level(platform or host())
+    platform = platform or host()
+    top = kernel_level(platform)
     if _load() is not None:
         top = _granted(top)
-    return LEVELS[: LEVELS.index(top) + 1]
+    levels = levels_of(platform.arch)
+    return levels[: levels.index(top) + 1]
 
 
 def built() -> bool:
@@ -98,7 +116,7 @@ def _load() -> str | None:
     fake.register()
 
     level = _granted(kernel_level(host()))
-    torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    torch.ops.keel.set_kernel_isa(ISA_VALUES[level])
     _LEVEL_NOW[0] = level
     logging.getLogger("keel").debug("keel kernels: %s level", level)
     return level
@@ -151,7 +169,7 @@ def using_level(level: str) -> Iterator[None]:
         raise RuntimeError("keel kernels are not loaded")
     if level not in levels_here():
         raise ValueError(f"kernel level {level!r} does not run here; choose from {', '.join(levels_here())}")
-    previous = torch.ops.keel.set_kernel_isa(LEVELS.index(level))
+    previous = torch.ops.keel.set_kernel_isa(ISA_VALUES[level])
     previous_name, _LEVEL_NOW[0] = _LEVEL_NOW[0], level
     try:
         yield

@@ -59,10 +59,12 @@ inline int64_t tile_rows(int64_t group) {
 void paged_attention_scalar(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
 void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
 void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
+void paged_attention_neon(const PagedStore& s, const PagedQuery& q, const PagedItem* items, int64_t count);
 
 // silu(gate) * up over n values (ops_small.cpp's silu_mul_rows), on the attention units' vector
 // exponential (silu_vec.h).
 void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n);
 void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n);
+void silu_mul_row_neon(const float* gate, const float* up, float* out, int64_t n);
 
 }  // namespace keel

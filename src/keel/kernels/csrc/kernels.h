@@ -8,10 +8,12 @@
 
 namespace keel {
 
-// The instruction-set levels with their own kernels, lowest first. A level runs its own kernels where it
-// has them and the highest lower level's elsewhere (AVX-512 without VNNI runs AVX2's; so do BF16 and AMX
-// machines outside the VNNI kernels); AMX adds tile products of many rows to the VNNI level's kernels.
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3 };
+// The instruction-set levels with their own kernels, lowest first within an architecture (x86-64: scalar,
+// AVX2, VNNI, AMX; aarch64: scalar, NEON, NEON with SDOT). A level runs its own kernels where it has them
+// and the highest lower level's elsewhere (AVX-512 without VNNI runs AVX2's; so do BF16 and AMX machines
+// outside the VNNI kernels); AMX adds tile products of many rows to the VNNI level's kernels. Only the
+// scalar level and the levels of the architecture compiled for can be set (set_kernel_isa).
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2, kAmx = 3, kNeon = 4, kNeonDot = 5 };
 
 // Weights in blocks of 32 along K, a row of K/32 blocks per output feature:
 // bits 4: codes uint8 [N, K/2], block b of a row in bytes 16b..16b+15, byte j holding value j in its
@@ -122,6 +124,16 @@ void block_gemm_stored_amx(const BlockWeights& w, int64_t p0, int64_t p1, const 
                            const int32_t* offsets, int64_t m0, int64_t m1, float* out, int64_t ldo);
 // Asks Linux for this process's AMX tile state; whether it is granted.
 bool amx_permitted();
+
+// The aarch64 row kernels (block_gemm_neon.h): weights in the row layout, activations in their natural
+// order, any number of rows; without and with ARMv8.2's SDOT.
+void block_gemm_neon(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                     int64_t m1, float* out, int64_t ldo);
+void block_gemm_neon_dotprod(const BlockWeights& w, int64_t n0, int64_t n1, const BlockActivations& a, int64_t m0,
+                             int64_t m1, float* out, int64_t ldo);
+// Whether this CPU has SDOT (the kernel level `neon_dotprod`): Linux's hardware-capability bits, which
+// user-mode emulators report too (/proc/cpuinfo they do not).
+bool neon_dotprod_supported();
 
 // Row r of the weights as float32 [K]: q * scale (+ min), each rounded as the portable loop rounds it.
 void dequantize_row_avx2(const BlockWeights& w, int64_t r, float* dst);

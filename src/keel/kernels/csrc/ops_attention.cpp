@@ -126,6 +126,11 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
       paged_attention_avx2(store, query, item, 1);
       return;
     }
+#elif defined(__aarch64__)
+    if (isa >= kNeon) {
+      paged_attention_neon(store, query, item, 1);
+      return;
+    }
 #endif
     paged_attention_scalar(store, query, item, 1);
   };

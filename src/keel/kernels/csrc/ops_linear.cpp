@@ -157,7 +157,7 @@ Quantized quantize_activations_into(const float* x, int64_t m, int64_t k, bool t
   out.q2 = two_passes ? out.q + m * k : nullptr;
   int8_t *q = out.q, *q2 = out.q2;
   float *d = out.d, *s = out.s, *d2 = out.d2;
-  const Isa isa = current_isa();
+  [[maybe_unused]] const Isa isa = current_isa();  // the portable loop alone off x86-64
   TORCH_CHECK(sums.out == nullptr || order == Order::kNatural, "keel: code sums are of natural-order rows");
   const int64_t row_blocks = k / kBlock;
   auto sum_row = [&](int64_t r) {
@@ -200,6 +200,7 @@ at::Tensor finish_linear(at::Tensor& out, const at::Tensor& x, const c10::option
 
 }  // namespace
 
+#if defined(__x86_64__) || defined(_M_X64)  // the panel kernels are x86-64 kernels
 namespace {
 
 // Weights in the panel layout, from the AVX2 level: every row count through a stored-panel kernel.
@@ -242,6 +243,7 @@ at::Tensor stored_panel_linear(const at::Tensor& x, const at::Tensor& x2, const 
 }
 
 }  // namespace
+#endif
 
 namespace {
 
@@ -283,6 +285,15 @@ void row_layout_product(const float* x, int64_t m, int64_t k, const BlockWeights
     }
     if (isa >= kAvx2) {
       block_gemm_avx2(w, n0, n1, a, 0, m, o, n);
+      return;
+    }
+#elif defined(__aarch64__)
+    if (isa >= kNeonDot) {
+      block_gemm_neon_dotprod(w, n0, n1, a, 0, m, o, n);
+      return;
+    }
+    if (isa >= kNeon) {
+      block_gemm_neon(w, n0, n1, a, 0, m, o, n);
       return;
     }
 #endif
@@ -375,7 +386,7 @@ template <typename Scale>
 void dequantize_rows(const BlockWeights& w, const int64_t* rows, int64_t count, float* out, int64_t k) {
   const Scale* sc = static_cast<const Scale*>(w.scales);
   const Scale* mn = static_cast<const Scale*>(w.mins);
-  const Isa isa = current_isa();
+  [[maybe_unused]] const Isa isa = current_isa();  // the portable loop alone off x86-64
   at::parallel_for(0, count, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = rows == nullptr ? i : rows[i];
@@ -504,10 +515,24 @@ bool amx_ready() {
 
 Isa current_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 
+bool neon_dotprod_ready() {
+#if defined(__aarch64__)
+  static const bool supported = neon_dotprod_supported();
+  return supported;
+#else
+  return false;
+#endif
+}
+
 int64_t set_kernel_isa(int64_t level) {
-  TORCH_CHECK(level >= kScalar && level <= kAmx, "keel::set_kernel_isa: unknown level ", level);
+  TORCH_CHECK(level >= kScalar && level <= kNeonDot, "keel::set_kernel_isa: unknown level ", level);
+#if defined(__x86_64__) || defined(_M_X64)
+  TORCH_CHECK(level <= kAmx, "keel::set_kernel_isa: level ", level, " is not an x86-64 level");
   TORCH_CHECK(level < kAmx || amx_ready(), "keel::set_kernel_isa: this process was not granted the AMX tile state");
-#if !(defined(__x86_64__) || defined(_M_X64))
+#elif defined(__aarch64__)
+  TORCH_CHECK(level == kScalar || level >= kNeon, "keel::set_kernel_isa: level ", level, " is not an aarch64 level");
+  TORCH_CHECK(level < kNeonDot || neon_dotprod_ready(), "keel::set_kernel_isa: this CPU has no SDOT (asimddp)");
+#else
   TORCH_CHECK(level == kScalar, "keel::set_kernel_isa: only the portable level exists on this architecture");
 #endif
   return g_isa.exchange(static_cast<int>(level));
@@ -518,6 +543,7 @@ int64_t set_kernel_isa(int64_t level) {
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def("set_kernel_isa(int level) -> int", &keel::set_kernel_isa);
   m.def("amx_ready() -> bool", &keel::amx_ready);
+  m.def("neon_dotprod_ready() -> bool", &keel::neon_dotprod_ready);
   m.def(
       "block_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int bits, Tensor? bias, int passes=1, "
       "int panel_rows=0) -> Tensor");

@@ -110,6 +110,11 @@ void silu_mul_rows(const float* gate, int64_t gate_stride, const float* up, int6
         silu_mul_row_avx2(g, u, o, inter);
         continue;
       }
+#elif defined(__aarch64__)
+      if (isa >= kNeon) {
+        silu_mul_row_neon(g, u, o, inter);
+        continue;
+      }
 #endif
       for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
