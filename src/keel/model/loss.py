@@ -36,34 +36,50 @@ def chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, GPU_CHUNK_BYTES // (4 * vocab), -(-rows // MAX_CHUNKS))
 
 
+def chunked_log_sum_exp_and_target(logits: Tensor, safe: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of logits [N, V]: the float32 log-sum-exp and the logit at column safe[N], a chunk of
+    rows at a time (keel.train.vocab_parallel calls it on a vocabulary slice)."""
+    n, vocab = logits.shape
+    rows = chunk_rows(n, max(vocab, 1), logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    picked = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for i in range(0, n, rows):
+        chunk = logits[i : i + rows].float()
+        lse[i : i + rows] = torch.logsumexp(chunk, dim=-1)
+        picked[i : i + rows] = chunk.gather(1, safe[i : i + rows, None]).squeeze(1)
+    return lse, picked
+
+
+def chunked_softmax_gradient(logits: Tensor, lse: Tensor, safe: Tensor, onehot: Tensor, scale: Tensor) -> Tensor:
+    """(exp(logits - lse) + onehot at column safe) * scale per row, in the logits' dtype, a chunk of rows
+    at a time: the cross-entropy gradient where onehot is -1 on the rows whose target column is here
+    (0 elsewhere) and scale the loss's gradient (0 on ignored rows)."""
+    n, vocab = logits.shape
+    rows = chunk_rows(n, max(vocab, 1), logits.device)
+    grad = torch.empty_like(logits)
+    for i in range(0, n, rows):
+        p = logits[i : i + rows].float().sub_(lse[i : i + rows, None]).exp_()
+        p.scatter_add_(1, safe[i : i + rows, None], onehot[i : i + rows, None])
+        grad[i : i + rows].copy_(p.mul_(scale[i : i + rows, None]))
+    return grad
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:  # type: ignore[override]
-        n, vocab = logits.shape
-        rows = chunk_rows(n, vocab, logits.device)
         valid = targets != ignore_index
         safe = torch.where(valid, targets, 0)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for i in range(0, n, rows):
-            chunk = logits[i : i + rows].float()
-            lse[i : i + rows] = torch.logsumexp(chunk, dim=-1)
-            picked[i : i + rows] = chunk.gather(1, safe[i : i + rows, None]).squeeze(1)
+        lse, picked = chunked_log_sum_exp_and_target(logits, safe)
         ctx.save_for_backward(logits, lse, safe, valid)
         return torch.where(valid, lse - picked, 0.0).sum()  # the caller divides for a mean
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         logits, lse, safe, valid = ctx.saved_tensors
-        rows = chunk_rows(logits.shape[0], logits.shape[1], logits.device)
-        grad = torch.empty_like(logits)
         # d loss / d logit = (softmax - onehot(target)) * grad_loss on valid rows, 0 on ignored ones.
         scale = torch.where(valid, grad_loss.float(), 0.0)
-        for i in range(0, logits.shape[0], rows):
-            p = logits[i : i + rows].float().sub_(lse[i : i + rows, None]).exp_()
-            p.scatter_add_(1, safe[i : i + rows, None], p.new_full((p.shape[0], 1), -1.0))
-            grad[i : i + rows].copy_(p.mul_(scale[i : i + rows, None]))
-        return grad, None, None
+        onehot = torch.full_like(lse, -1.0)
+        return chunked_softmax_gradient(logits, lse, safe, onehot, scale), None, None
 
 
 def cross_entropy_loss(

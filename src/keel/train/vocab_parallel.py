@@ -4,8 +4,8 @@ Without a pipeline, loss-parallel is torch's (`loss_parallel()` over a `Shard(-1
 keel.train.parallel). Under one, torch's pipeline stages pass plain tensors, so the last stage hands its
 loss function each tp rank's own slice of the vocabulary ([..., V/tp], a plain tensor): this module
 reduces that slice's log-sum-exp and target logit over the tp group, so that no rank gathers the
-[B, S, V] logits. It keeps keel.model.loss's row chunks (float32 arithmetic on a few rows at a time,
-the gradient written in the logits' dtype).
+[B, S, V] logits. It runs keel.model.loss's row-chunk loops (float32 arithmetic on a few rows at a time,
+the gradient written in the logits' dtype) on the slice; only the reductions between them are its own.
 
 Every tp rank of the last stage computes the same loss and calls backward on it, so the gradient of
 each rank's slice is local (softmax - onehot on its own columns): the backward pass runs no collective.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from keel.model.loss import chunk_rows
+from keel.model.loss import chunked_log_sum_exp_and_target, chunked_softmax_gradient
 
 
 def shard_offset(vocab: int, rank: int, size: int) -> int:
@@ -35,18 +35,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx, logits: Tensor, targets: Tensor, ignore_index: int, offset: int, group: dist.ProcessGroup
     ) -> Tensor:
         n, width = logits.shape
-        rows = chunk_rows(n, max(width, 1), logits.device)
         valid = targets != ignore_index
         local = targets - offset
         mine = valid & (local >= 0) & (local < width)  # the target's column lies in this slice
         safe = torch.where(mine, local, 0)
-        lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
-        picked = torch.zeros(n, dtype=torch.float32, device=logits.device)
         if width > 0:
-            for i in range(0, n, rows):
-                chunk = logits[i : i + rows].float()
-                lse[i : i + rows] = torch.logsumexp(chunk, dim=-1)
-                picked[i : i + rows] = chunk.gather(1, safe[i : i + rows, None]).squeeze(1)
+            lse, picked = chunked_log_sum_exp_and_target(logits, safe)
+        else:
+            lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+            picked = torch.zeros(n, dtype=torch.float32, device=logits.device)
         picked = torch.where(mine, picked, 0.0)
         # The slices' log-sum-exps combine as log(sum(exp(lse_r - max))) + max: one MAX, then one SUM that
         # also carries the target logit (non-zero on the one rank holding each row's target).
@@ -62,18 +59,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits, total, safe, mine, valid = ctx.saved_tensors
-        n, width = logits.shape
-        grad = torch.empty_like(logits)
-        if width == 0:
-            return grad, None, None, None, None
-        rows = chunk_rows(n, width, logits.device)
+        if logits.shape[1] == 0:
+            return torch.empty_like(logits), None, None, None, None
         scale = torch.where(valid, grad_loss.float(), 0.0)
-        minus_one = torch.where(mine, -1.0, 0.0)
-        for i in range(0, n, rows):
-            p = logits[i : i + rows].float().sub_(total[i : i + rows, None]).exp_()
-            p.scatter_add_(1, safe[i : i + rows, None], minus_one[i : i + rows, None])
-            grad[i : i + rows].copy_(p.mul_(scale[i : i + rows, None]))
-        return grad, None, None, None, None
+        onehot = torch.where(mine, -1.0, 0.0)
+        return chunked_softmax_gradient(logits, total, safe, onehot, scale), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
