@@ -38,9 +38,11 @@ demo: setup
 	$(BIN)/python examples/serve_demo.py smollm2-135m-instruct
 
 # Two pytest-xdist workers (the CI machine's cores), a test file at a time on each (module fixtures stay
-# in one process). TEST_WORKERS=1 runs the files one after the other.
+# in one process). TEST_WORKERS=1 runs the files one after the other. No worker restarts: under loadfile,
+# xdist 3.8 replaces a crashed worker and can then wait forever for work it never sends (pytest-xdist
+# issues 784 and 1323); without them a crash fails the run at once, naming the test it ran.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=15
 # The forced lowest-ISA leg: keel's probe (keel.platform), ATen's kernels, oneDNN and MKL all capped at
 # AVX2, as on an x86-64 CPU without AVX-512, whatever CPU runs it.
 AVX2_LEG := KEEL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
