@@ -9,6 +9,7 @@ order. Paged attention: against a dense softmax over the positions each query ma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -167,8 +168,6 @@ def test_bad_panel_rows_are_refused():
 
 
 def test_levels_follow_the_architecture():
-    import dataclasses
-
     here = kernels.host()
     arm = dataclasses.replace(here, arch="aarch64", avx2=False, avx512=False, vnni=False, amx=False, neon=True)
     assert kernels.kernel_level(arm) == "neon_dotprod"  # the library lowers it where the CPU lacks SDOT

@@ -37,10 +37,10 @@ def chunk_rows(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def chunked_log_sum_exp_and_target(logits: Tensor, safe: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row of logits [N, V]: the float32 log-sum-exp and the logit at column safe[N], a chunk of
+    """Per row of logits [N, V] (V > 0): the float32 log-sum-exp and the logit at column safe[N], a chunk of
     rows at a time (keel.train.vocab_parallel calls it on a vocabulary slice)."""
     n, vocab = logits.shape
-    rows = chunk_rows(n, max(vocab, 1), logits.device)
+    rows = chunk_rows(n, vocab, logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     picked = torch.empty(n, dtype=torch.float32, device=logits.device)
     for i in range(0, n, rows):
@@ -55,7 +55,7 @@ def chunked_softmax_gradient(logits: Tensor, lse: Tensor, safe: Tensor, onehot: 
     at a time: the cross-entropy gradient where onehot is -1 on the rows whose target column is here
     (0 elsewhere) and scale the loss's gradient (0 on ignored rows)."""
     n, vocab = logits.shape
-    rows = chunk_rows(n, max(vocab, 1), logits.device)
+    rows = chunk_rows(n, vocab, logits.device)
     grad = torch.empty_like(logits)
     for i in range(0, n, rows):
         p = logits[i : i + rows].float().sub_(lse[i : i + rows, None]).exp_()
