@@ -18,6 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines decode eagerly unless a test asks for compilation (tests/test_compiled_decode.py does):
 # compiling SmolLM2 in every test that serves it would cost minutes of the suite.
 os.environ.setdefault("KEEL_COMPILE", "0")
+if not torch.cuda.is_available():
+    # keel's Triton kernel runs interpreted on CPU tensors (tests/test_attention_backends.py,
+    # test_attention_softcap.py). Triton reads this when triton.language is first imported (its own @jit
+    # helpers become interpreted functions then), which any module compiling with inductor may do first:
+    # set before any test module is imported, or the kernel calls compiled helpers it cannot run.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -4,15 +4,10 @@ GPU: the code a GPU runs, on CPU tensors), and the engine's greedy tokens equal 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Read when the kernel is first built (keel.kernels.triton_paged): this module's tests run it on CPU.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from keel import kernels
 from keel.errors import KeelError

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
-
-if not torch.cuda.is_available():
-    # Read when the Triton kernel is first built (keel.kernels.triton_paged): run it on CPU tensors.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from keel import kernels
 from keel.config import ModelConfig
