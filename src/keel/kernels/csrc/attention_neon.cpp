@@ -46,22 +46,8 @@ struct Lanes4 {
   // [sum(v0), sum(v1), sum(v2), sum(v3)] of 4 vectors: two rounds of pairwise adds.
   static F sums(const F v[4]) { return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3])); }
 
-  // exp(x) for x <= 0: the polynomial of exp_parts (attention_impl.h), 2^k by the exponent bits.
-  static F exp_nonpositive(F x) {
-    x = vmaxq_f32(x, vdupq_n_f32(-87.f));
-    const F k = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
-    const F r = vaddq_f32(vsubq_f32(x, vmulq_f32(k, vdupq_n_f32(0.693359375f))),
-                          vmulq_f32(k, vdupq_n_f32(2.12194440e-4f)));
-    F p = vdupq_n_f32(1.9875691500e-4f);
-    p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
-    p = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.f));
-    const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23);
-    return vmulq_f32(p, vreinterpretq_f32_s32(bits));
-  }
+  static F round_nearest(F x) { return vrndnq_f32(x); }
+  static F pow2(F k) { return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23)); }
 };
 
 }  // namespace

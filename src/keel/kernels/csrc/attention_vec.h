@@ -10,8 +10,9 @@
 // head's output stays in registers while it runs over the block's values.
 //
 // V provides: F (a vector of kLanes floats), zero, load, store, set1, add, sub, mul, max, fmadd,
-// sums (kLanes vectors -> the vector of their lane sums), reduce_max (the largest lane), exp_nonpositive,
-// prefetch, from_i8 (kLanes int8 values as floats) and half (a float16 scale as a float).
+// sums (kLanes vectors -> the vector of their lane sums), reduce_max (the largest lane), round_nearest (to
+// an integral float, ties to even), pow2 (2^k of integral floats k, by the exponent bits), prefetch,
+// from_i8 (kLanes int8 values as floats) and half (a float16 scale as a float).
 //
 // int8 rows are converted without their scales: a key's scale multiplies its score, a value's scale
 // its probability, one multiply a row instead of one a channel.
@@ -20,6 +21,23 @@
 #include "attention_impl.h"
 
 namespace {
+
+// exp(x) for x <= 0, kLanes at a time: exp_parts' polynomial (attention_impl.h) with the traits'
+// rounding and exponent-bit scale, the one vector exponential of every level (silu_vec.h's too).
+template <typename V>
+inline typename V::F exp_nonpositive_lanes(typename V::F x) {
+  x = V::max(x, V::set1(-87.f));
+  const typename V::F k = V::round_nearest(V::mul(x, V::set1(1.44269504f)));
+  const typename V::F r = V::add(V::sub(x, V::mul(k, V::set1(0.693359375f))), V::mul(k, V::set1(2.12194440e-4f)));
+  typename V::F p = V::set1(1.9875691500e-4f);
+  p = V::fmadd(p, r, V::set1(1.3981999507e-3f));
+  p = V::fmadd(p, r, V::set1(8.3334519073e-3f));
+  p = V::fmadd(p, r, V::set1(4.1665795894e-2f));
+  p = V::fmadd(p, r, V::set1(1.6666665459e-1f));
+  p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
+  p = V::add(V::fmadd(V::mul(p, r), r, r), V::set1(1.f));
+  return V::mul(p, V::pow2(k));
+}
 
 // scores[j] = q . key[j] for j < n (q and keys of dim channels, a multiple of V::kLanes).
 template <typename V>
@@ -70,7 +88,7 @@ inline float exp_block(float* v, int64_t n, float shift) {
   typename V::F total = V::zero();
   int64_t j = 0;
   for (; j + L <= n; j += L) {
-    const typename V::F e = V::exp_nonpositive(V::sub(V::load(v + j), s));
+    const typename V::F e = exp_nonpositive_lanes<V>(V::sub(V::load(v + j), s));
     V::store(v + j, e);
     total = V::add(total, e);
   }

@@ -1,5 +1,6 @@
 // SiLU(gate) * up over one row, on a vector traits type (attention_avx2.cpp's Lanes8, attention_avx512.cpp's
-// Lanes16: their exponential of a nonpositive argument). Included after the traits, inside each unit.
+// Lanes16, attention_neon.cpp's Lanes4), with attention_vec.h's exponential of a nonpositive argument.
+// Included after the traits, inside each unit.
 //
 // Why: the scalar loop called libm's expf once a value, ~5% of an offline-throughput run's time
 // (docs/BENCHMARKS.md, seventh part). The exponential is taken of -|g| only, where the polynomial holds:
@@ -8,6 +9,8 @@
 
 #include <cmath>
 #include <cstdint>
+
+#include "attention_vec.h"
 
 namespace {
 
@@ -18,7 +21,7 @@ void silu_mul_vectorised(const float* gate, const float* up, float* out, int64_t
   int64_t i = 0;
   for (; i + L <= n; i += L) {
     const typename V::F g = V::load(gate + i);
-    const typename V::F e = V::exp_nonpositive(V::sub(zero, V::max(g, V::sub(zero, g))));
+    const typename V::F e = exp_nonpositive_lanes<V>(V::sub(zero, V::max(g, V::sub(zero, g))));
     const typename V::F share = V::div(V::select_negative(g, e, one), V::add(one, e));
     V::store(out + i, V::mul(V::mul(g, share), V::load(up + i)));
   }
