@@ -109,6 +109,13 @@ class Platform:
         return self.isa != self.native_isa
 
     @property
+    def generated_code_key(self) -> str:
+        """Names the native code generated for this host, e.g. "x86_64-amx-avx512": the CPU's own level and
+        the vector ISA torch vectorises for (its ATen capability, which ATEN_CPU_CAPABILITY lowers).
+        Caches of generated code are kept apart by it (keel.paths.inductor_cache_dir)."""
+        return f"{self.arch}-{self.native_isa}-{self.aten_capability.lower()}"
+
+    @property
     def native_bf16_matmul(self) -> bool:
         """bf16 matrix products in hardware (AVX512-BF16, AMX, aarch64 BF16): faster than float32 there
         (docs/BENCHMARKS.md, batch scaling); elsewhere bf16 is converted to float32 in software and no

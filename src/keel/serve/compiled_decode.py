@@ -39,7 +39,7 @@ from keel.errors import KeelError
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata
 from keel.model.transformer import Transformer
-from keel.paths import inductor_cache_dir
+from keel.paths import use_inductor_cache_dir
 from keel.platform import host
 from keel.serve.attention_backends import attention_backend
 from keel.serve.kv_cache import (
@@ -57,9 +57,6 @@ log = logging.getLogger("keel.serve")
 # Below this many parameters a decode step is too short for compilation (tens of seconds at first
 # start) to pay back; tiny test models run eagerly unless asked.
 AUTO_COMPILE_MIN_PARAMS = 50_000_000
-# Whether the user chose inductor's cache directory (checked at import: loading a model can make
-# torch fill in its default /tmp one).
-_USER_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR" in os.environ
 
 
 # Registered through torch.library's low-level API (see keel.model.prepack for why not custom_op).
@@ -232,8 +229,7 @@ class CompiledDecode:
         kernels.active()  # read before tracing: the graph takes the kernels eager steps take
         self.model, self.cache = model, cache
         self.device = model.device
-        if not _USER_CACHE_DIR:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+        use_inductor_cache_dir()
         options = {
             "emulate_precision_casts": True,
             # The served model's modules never change: checking their ~300 tensors on every call

@@ -108,6 +108,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from keel.model.layers import SwiGLU
 from keel.model.moe import MoE
 from keel.model.transformer import Transformer
+from keel.paths import use_inductor_cache_dir
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 MESH_DIMS_EP = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
@@ -360,7 +361,9 @@ def apply_compile(model: Transformer) -> Transformer:
     place: `Module.compile` keeps the module and its parameter names, and since dynamo treats a
     block's parameters as inputs, the blocks of one architecture share one compiled graph (one
     compilation for forward, one for backward). Compiling block by block rather than the whole model
-    keeps FSDP's per-block hooks outside the graphs and the compile time of one block."""
+    keeps FSDP's per-block hooks outside the graphs and the compile time of one block. Inductor's caches go
+    to keel's per-ISA directory (keel.paths.inductor_cache_dir) unless TORCHINDUCTOR_CACHE_DIR is set."""
+    use_inductor_cache_dir()
     for layer in model.layers.values():
         layer.compile()
     return model
