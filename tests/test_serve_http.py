@@ -495,20 +495,20 @@ def test_full_queue_is_503_at_once(limited):
         deadline = time.monotonic() + 5
         while metric(metrics(limited), "vllm:num_requests_waiting") < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        start = time.monotonic()
         r = httpx.post(
             limited.base_url + "/v1/completions",
             json={"prompt": "x", "max_tokens": 1},
             headers={"Authorization": "Bearer key-c"},
         )
-        elapsed = time.monotonic() - start
         for t in threads:
             t.join(30)
-        outcomes.append((r.status_code, round(elapsed, 2)))
+        outcomes.append(r.status_code)
         if r.status_code == 503:
-            assert "queue" in r.json()["error"]["message"] and elapsed < 1.0
+            # Refused at admission, not queued: a queued request would have run once a holder's deadline
+            # freed the slot (a 200). No time bound: on a loaded machine the answer took 1.6 s.
+            assert "queue is full (2 waiting, limit 2)" in r.json()["error"]["message"]
             break
-    assert outcomes[-1][0] == 503, outcomes
+    assert outcomes[-1] == 503, outcomes
 
 
 def test_deadline_aborts_and_frees_blocks(limited):

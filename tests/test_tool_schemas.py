@@ -13,7 +13,7 @@ from keel.serve.openai.tool_parsers import ToolCall
 from keel.serve.openai.tool_schemas import (
     DEFAULT_PARAMETERS,
     named_tool_schema,
-    parse_forced_calls,
+    parse_required_calls,
     required_tools_schema,
     tool_choice_schema,
     validate_tools,
@@ -151,39 +151,28 @@ def test_tool_choice_schema():
 
 def test_parse_forced_required_calls():
     text = '[{"name": "get_weather", "parameters": {"city": "Zürich"}}, {"name": "get_time", "parameters": {}}]'
-    calls = parse_forced_calls(text, TOOLS, "required", id_factory=counting_ids())
+    calls = parse_required_calls(text, TOOLS, id_factory=counting_ids())
     assert calls == [
         ToolCall("call-0", "get_weather", '{"city": "Zürich"}'),
         ToolCall("call-1", "get_time", "{}"),
     ]
 
 
-def test_parse_forced_named_call():
-    text = '{\n  "query": "paged attention",\n  "top_k": 5\n}'
-    (call,) = parse_forced_calls(text, TOOLS, {"type": "function", "function": {"name": "search"}})
-    assert call.name == "search"
-    assert json.loads(call.arguments) == {"query": "paged attention", "top_k": 5}
-    assert call.id.startswith("chatcmpl-tool-")
-
-
 @pytest.mark.parametrize(
-    "text,choice,message",
+    "text,message",
     [
-        ('[{"name": "get_time", "parameters": {}}', "required", "not valid JSON"),  # cut off by max_tokens
-        ("[]", "required", "non-empty array"),
-        ('{"name": "get_time", "parameters": {}}', "required", "non-empty array"),
-        ('[{"name": "get_stock", "parameters": {}}]', "required", "'get_stock'"),
-        ('[{"parameters": {}}]', "required", "no name"),
-        ('[{"name": "get_time", "parameters": []}]', "required", "not an object"),
-        ('["x"]', {"type": "function", "function": {"name": "search"}}, "not a JSON object"),
-        ("{}", {"type": "function", "function": {"name": "nope"}}, "'nope'"),
-        ("{}", "auto", "does not force"),
-        ('{"a": NaN}', {"type": "function", "function": {"name": "search"}}, "not valid JSON"),
+        ('[{"name": "get_time", "parameters": {}}', "not valid JSON"),  # cut off by max_tokens
+        ("[]", "non-empty array"),
+        ('{"name": "get_time", "parameters": {}}', "non-empty array"),
+        ('[{"name": "get_stock", "parameters": {}}]', "'get_stock'"),
+        ('[{"parameters": {}}]', "no name"),
+        ('[{"name": "get_time", "parameters": []}]', "not an object"),
+        ('[{"name": "get_time", "parameters": {"a": NaN}}]', "not valid JSON"),
     ],
 )
-def test_parse_forced_calls_rejects_what_the_schema_would_not_produce(text, choice, message):
+def test_parse_required_calls_rejects_what_the_schema_would_not_produce(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_forced_calls(text, TOOLS, choice)
+        parse_required_calls(text, TOOLS)
 
 
 def test_forced_output_round_trip():
@@ -195,5 +184,5 @@ def test_forced_output_round_trip():
         {"name": "get_weather", "parameters": {"city": "Lyon", "unit": "fahrenheit"}},
     ]
     jsonschema.validate(output, schema, cls=jsonschema.Draft202012Validator)
-    calls = parse_forced_calls(json.dumps(output), TOOLS, "required")
+    calls = parse_required_calls(json.dumps(output), TOOLS)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [(o["name"], o["parameters"]) for o in output]

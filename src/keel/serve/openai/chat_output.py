@@ -4,8 +4,9 @@ Per call, `ChatOutputs` knows the server's parsers and the request's tool mode; 
 `ChoiceWriter` turns the engine's text into message fields:
 - reasoning (`--reasoning-parser`): `<think>...</think>` becomes `reasoning_content`, the rest content;
 - tool calls: `tool_choice` naming a function or "required" forced the output with a grammar (the
-  arguments object, or vLLM's array of {name, parameters}), which becomes `tool_calls`; "auto" reads
-  calls out of free text with `--tool-call-parser` (needs `--enable-auto-tool-choice`, as in vLLM).
+  arguments object, sent as generated, or vLLM's array of {name, parameters}, parsed), which becomes
+  `tool_calls`; "auto" reads calls out of free text with `--tool-call-parser` (needs
+  `--enable-auto-tool-choice`, as in vLLM).
 A request whose output a grammar constrains has no reasoning (the grammar holds from the first token),
 so its text is all content.
 """
@@ -20,7 +21,7 @@ from keel.serve.openai.protocol import ChatCompletionRequest
 from keel.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from keel.serve.openai.settings import ServerSettings
 from keel.serve.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser, random_call_id
-from keel.serve.openai.tool_schemas import parse_forced_calls, validate_tools
+from keel.serve.openai.tool_schemas import parse_required_calls, validate_tools
 
 
 @dataclass
@@ -107,9 +108,12 @@ class ChoiceWriter:
             extracted = self.parser.extract(content)
             calls = extracted.tool_calls[:1] if not self.outputs.parallel_tool_calls else extracted.tool_calls
             return (extracted.content, calls) if calls else None
-        if mode in ("required", "named"):
+        if mode == "named":
+            # The output is the arguments, as the stream sends them (vLLM's), cut off by max_tokens or not.
+            return None, [ToolCall(random_call_id(), self.outputs.tool_choice["function"]["name"], content)]
+        if mode == "required":
             try:
-                return None, parse_forced_calls(content, self.outputs.tools, self.outputs.tool_choice)
+                return None, parse_required_calls(content, self.outputs.tools)
             except ValueError:
                 return None  # cut off (max_tokens): the text stays content
         return None
@@ -147,7 +151,7 @@ class ChoiceWriter:
             self._forced += text
             if final:
                 try:
-                    calls = parse_forced_calls(self._forced, self.outputs.tools, self.outputs.tool_choice)
+                    calls = parse_required_calls(self._forced, self.outputs.tools)
                 except ValueError:
                     delta["content"] = self._forced
                 else:

@@ -3,7 +3,8 @@
 With `tool_choice` naming a function, the model's output is constrained to that function's `parameters`
 schema: the output is the arguments object. With `tool_choice: "required"`, it is constrained to vLLM's
 schema: a non-empty array of `{"name": <a function's name>, "parameters": <its arguments>}`, one `anyOf`
-branch per function. `parse_forced_calls` turns either back into ToolCalls.
+branch per function, which `parse_required_calls` turns back into ToolCalls. A named function's output is
+its call's arguments as generated (vLLM's), whole or cut off by max_tokens: it needs no parsing.
 
 Every function here checks the request's `tools` first; a ValueError's message names the field at fault,
 for the route to answer with a 400.
@@ -118,11 +119,8 @@ def tool_choice_schema(tools: object, choice: object) -> dict[str, Any] | None:
     return named_tool_schema(tools, _chosen_name(choice))
 
 
-def parse_forced_calls(
-    text: str, tools: object, choice: object, *, id_factory: Callable[[], str] | None = None
-) -> list[ToolCall]:
-    """The calls in output that a forced tool_choice constrained: for "required", the array of
-    `{"name", "parameters"}`; for a named function, the arguments object itself.
+def parse_required_calls(text: str, tools: object, *, id_factory: Callable[[], str] | None = None) -> list[ToolCall]:
+    """The calls in output that tool_choice "required" constrained: the array of `{"name", "parameters"}`.
 
     Raises ValueError when the text is not what the schema forces (the output was cut off by max_tokens,
     say): the route may then answer with the text as content."""
@@ -133,28 +131,19 @@ def parse_forced_calls(
         value = loads_strict(text)
     except (ValueError, RecursionError) as e:
         raise ValueError(f"the forced tool-call output is not valid JSON: {e}") from None
-    if choice == "required":
-        if not isinstance(value, list) or not value:
-            raise ValueError("the forced tool-call output is not a non-empty array of calls")
-        calls = []
-        for i, item in enumerate(value):
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                raise ValueError(f"forced tool call {i} has no name")
-            if item["name"] not in names:
-                raise ValueError(f"forced tool call {i} names {item['name']!r}, which is not among the tools")
-            arguments = item.get("parameters", {})
-            if not isinstance(arguments, dict):
-                raise ValueError(f"forced tool call {i}'s parameters are not an object")
-            calls.append(ToolCall(new_id(), item["name"], dumps(arguments)))
-        return calls
-    if choice in ("auto", "none") or choice is None:
-        raise ValueError(f"tool_choice {choice!r} does not force a call")
-    name = _chosen_name(choice)
-    if name not in names:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the request's tools")
-    if not isinstance(value, dict):
-        raise ValueError(f"the forced output for function {name!r} is not a JSON object")
-    return [ToolCall(new_id(), name, dumps(value))]
+    if not isinstance(value, list) or not value:
+        raise ValueError("the forced tool-call output is not a non-empty array of calls")
+    calls = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError(f"forced tool call {i} has no name")
+        if item["name"] not in names:
+            raise ValueError(f"forced tool call {i} names {item['name']!r}, which is not among the tools")
+        arguments = item.get("parameters", {})
+        if not isinstance(arguments, dict):
+            raise ValueError(f"forced tool call {i}'s parameters are not an object")
+        calls.append(ToolCall(new_id(), item["name"], dumps(arguments)))
+    return calls
 
 
 def _chosen_name(choice: object) -> str:
