@@ -1,14 +1,15 @@
 """Decode attention alone: keel's paged-attention kernel against the gather-and-matmul path, beside the
 time to stream the same K/V bytes once.
 
-    python bench/decode_attention.py [--sequences 64] [--tokens 320] [--threads 2]
+    python bench/decode_attention.py [--sequences 64] [--tokens 320] [--threads 2] [--softcap 50]
 
 SmolLM2-135M's attention shape (9 query heads over 3 KV heads of 64 channels), blocks of 16 tokens,
 every sequence's blocks scattered over the store (a shuffled block table, as a long-running server
 has them). One layer's decode step: each sequence's one query over its --tokens positions. "stream"
 is the K/V bytes of those positions over the copy bandwidth measured in the same run
 (keel.profile.roofline: bytes read + written per second of a large copy); the floor is kernel time
-<= 1.5x stream time.
+<= 1.5x stream time. --softcap caps the scores as Gemma 2 does (its attn_logit_softcapping is 50), in both
+paths: the gather path is what a capped model ran on CPU before keel's kernel took the cap.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=320)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--softcap", type=float, default=0.0, help="attention-score soft-cap (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.enabled():
@@ -59,7 +61,8 @@ def main() -> None:
     print(f"command: python bench/{Path(__file__).name} {shlex.join(sys.argv[1:])}")
     print(
         f"{args.sequences} sequences x {args.tokens} tokens, {HEADS} heads / {KV_HEADS} KV heads x {DIM}, blocks of "
-        f"{BLOCK}; {args.threads} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; platform {host().describe()}"
+        f"{BLOCK}; softcap {args.softcap or 'none'}; {args.threads} threads; copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s; platform {host().describe()}"
     )
     header = ("store", "K/V MB", "stream ms", "keel ms", "x stream", "gather ms", "speed-up")
     print(f"{header[0]:<9} " + " ".join(f"{h:>9}" for h in header[1:]))
@@ -77,7 +80,7 @@ def main() -> None:
         table32 = tables.int()
         in_place = best_of(
             lambda k=keys, v=values, ks=k_scales, vs=v_scales, t=table32: torch.ops.keel.paged_attention(
-                q, k, v, ks, vs, t, None, positions, BLOCK, 0, DIM**-0.5, DIM
+                q, k, v, ks, vs, t, None, positions, BLOCK, 0, DIM**-0.5, DIM, args.softcap
             ),
             args.repeats,
         )
@@ -90,7 +93,12 @@ def main() -> None:
 
             def gathered(k=keys, v=values, rows=rows, mask=mask) -> torch.Tensor:
                 return attend_decode_rows(
-                    rows, gather_blocks(k, tables, BLOCK), gather_blocks(v, tables, BLOCK), mask, DIM**-0.5
+                    rows,
+                    gather_blocks(k, tables, BLOCK),
+                    gather_blocks(v, tables, BLOCK),
+                    mask,
+                    DIM**-0.5,
+                    args.softcap or None,
                 )
 
             gather_s = best_of(gathered, args.repeats)

@@ -1,8 +1,8 @@
 """Attention-score soft-capping (Gemma 2's `attn_logit_softcapping`: each scaled score -> cap * tanh(score / cap)
 before the mask) on every attention path of the paged KV cache: the `torch` backend's decode groups and prefill
-chunks, the int8 cache, the Triton backend (its kernel interpreted on CPU), the compiled decode step's op, the
-C++ kernel refused, and a served Llama-shaped model with a cap (where keel's fused CPU layer would otherwise
-run) against the reference generator. The model's own attention and Gemma 2 against transformers:
+chunks, keel's C++ kernel, each over float and int8 caches, the Triton backend (its kernel interpreted on CPU),
+the compiled decode step's op, and a served Llama-shaped model with a cap (where keel's fused CPU layer would
+otherwise run) against the reference generator. The model's own attention and Gemma 2 against transformers:
 tests/test_families.py and tests/test_architectures.py."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 
 from keel import kernels
 from keel.config import ModelConfig
-from keel.errors import KeelError
 from keel.kernels import triton_paged
 from keel.model import transformer
 from keel.model.transformer import build_model
@@ -85,22 +84,25 @@ def random_inputs(device: str = "cpu") -> list[tuple]:
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("kind", ["torch", "int8", "triton"])
-def test_every_paged_backend_caps_the_scores(kind, window, monkeypatch):
+@pytest.mark.parametrize(
+    ("backend", "int8"), [("torch", False), ("torch", True), ("kernels", False), ("kernels", True), ("triton", False)]
+)
+def test_every_paged_backend_caps_the_scores(backend, int8, window, monkeypatch):
     """A decode group of two lengths and a prefill chunk over a cached prefix (tests/test_kv_int8.py's steps),
-    against a float64 reference with the cap; the cap changes the output (the reference without it is far)."""
+    against a float64 reference with the cap, on every backend (float and int8 caches); the cap changes the
+    output (the reference without it is far)."""
     device, block_size = "cpu", 4
-    if kind == "triton":
+    if backend == "triton":
         if not triton_paged.available():
             pytest.skip("Triton is not installed")
-        monkeypatch.setenv(ENV, "triton")
         device, block_size = ("cuda" if torch.cuda.is_available() else "cpu"), 16  # the kernel's smallest block
-    else:
-        monkeypatch.delenv(ENV, raising=False)
+    if backend == "kernels" and not kernels.active():
+        pytest.skip("keel's kernels are not active here")
+    monkeypatch.setenv(ENV, backend)
     inputs = random_inputs(device)
-    make = Int8PagedKVCache if kind == "int8" else PagedKVCache
+    make = Int8PagedKVCache if int8 else PagedKVCache
     cache = make(CONFIG, 10, block_size, torch.float32, device)
-    assert cache.attention_backend() == ("triton" if kind == "triton" else "torch")  # never keel's C++ kernel
+    assert cache.attention_backend() == backend
     for steps, args in zip((STEP1, STEP2), inputs, strict=True):
         plan = packed_plan(steps, block_size)
         cache.plan = StepPlan(
@@ -111,7 +113,7 @@ def test_every_paged_backend_caps_the_scores(kind, window, monkeypatch):
         )  # fmt: skip
         out = cache.attend(0, *args, None, window)
     inputs = [tuple(t.cpu() for t in step) for step in inputs]
-    if kind == "int8":  # the reference reads what the cache stores
+    if int8:  # the reference reads what the cache stores
         inputs = [
             (q, *(dequantize_kv(*quantize_kv(x, None), torch.float32, None) for x in (k, v))) for q, k, v in inputs
         ]
@@ -120,24 +122,24 @@ def test_every_paged_backend_caps_the_scores(kind, window, monkeypatch):
     assert (want - reference(inputs, None, window)).abs().max() > 0.1
 
 
-def test_the_c_kernel_is_not_chosen_for_capped_scores(monkeypatch):
-    """keel's C++ paged-attention kernel has no soft-capping: the probe takes `torch`, and forcing it is an error."""
+def test_the_c_kernel_is_chosen_for_capped_scores(monkeypatch):
+    """keel's C++ paged-attention kernel caps scores itself: the probe takes it for capped models as for others."""
     monkeypatch.delenv(ENV, raising=False)
     store = torch.zeros(2, 64, 16)
-    assert attention_backend(store, 16, 16, CAP) == "torch"
-    assert attention_backend(store, 16, 16) == ("kernels" if kernels.active() else "torch")
-    monkeypatch.setenv(ENV, "kernels")
-    if kernels.active():
-        with pytest.raises(KeelError, match="soft-capping"):
-            attention_backend(store, 16, 16, CAP)
+    expected = "kernels" if kernels.active() else "torch"
+    assert attention_backend(store, 16, 16, CAP) == attention_backend(store, 16, 16) == expected
 
 
-def test_the_compiled_decode_op_caps_the_scores_as_the_eager_cache(monkeypatch):
-    """keel::paged_decode_attention (the compiled decode graph's op) with the cap, rows of three widths in
-    length groups: the eager cache's rows; without the cap, other rows."""
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_the_compiled_decode_op_caps_the_scores_as_the_eager_cache(backend, monkeypatch):
+    """keel::paged_decode_attention (the compiled decode graph's op) with the cap, rows of three widths (in
+    length groups under `torch`, each walking its own table under `kernels`): the eager cache's rows on the
+    torch path; without the cap, other rows."""
     from keel.serve.compiled_decode import paged_decode_attention
 
-    monkeypatch.delenv(ENV, raising=False)
+    if backend == "kernels" and not kernels.active():
+        pytest.skip("keel's kernels are not active here")
+    monkeypatch.setenv(ENV, "torch")
     gen = torch.Generator().manual_seed(0)
     caches = [PagedKVCache(CONFIG, 8, 4, torch.float32) for _ in range(2)]
     for a, b in zip(caches[1].keys + caches[1].values, caches[0].keys + caches[0].values, strict=True):
@@ -152,7 +154,8 @@ def test_the_compiled_decode_op_caps_the_scores_as_the_eager_cache(monkeypatch):
     eager = caches[0].attend(0, q, k, v, None, window=None)
     mask = decode_mask(positions, 20, None)
     args = (q, k, v, caches[1].keys[0], caches[1].values[0], slots, tables, widths, mask, positions, 0, 4, d**-0.5)
-    torch.testing.assert_close(paged_decode_attention(*args, CAP), eager)
+    monkeypatch.setenv(ENV, backend)
+    torch.testing.assert_close(paged_decode_attention(*args, CAP), eager, atol=1e-5, rtol=1e-5)
     assert (paged_decode_attention(*args) - eager).abs().max() > 0.1
 
 
@@ -206,5 +209,6 @@ def test_a_served_capped_model_gives_the_reference_tokens(tmp_path, monkeypatch)
         if cap is None:
             assert ran == kernels.active()  # where the kernels run, the uncapped model's layers run fused
         else:
-            assert not ran and llm.engine.cache.attention_backend() == "torch"
+            # the C++ kernel caps the scores where it runs; keel::decoder_layers, which does not, steps aside
+            assert not ran and llm.engine.cache.attention_backend() == ("kernels" if kernels.active() else "torch")
     assert tokens[1.0] != tokens[None]

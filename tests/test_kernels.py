@@ -466,8 +466,9 @@ def test_k_quant_blocks_run_as_stored(tmp_path):
 
 
 # ----------------------------------------------------------------------------- paged attention
-def dense_attention(q, keys, values, tables, table_of, positions, block_size, window, scale, v_dim):
-    """q [R, H, D]; keys/values [H_kv, slots, D] -> [R, H, v_dim] by a plain softmax over the visible rows."""
+def dense_attention(q, keys, values, tables, table_of, positions, block_size, window, scale, v_dim, softcap=0.0):
+    """q [R, H, D]; keys/values [H_kv, slots, D] -> [R, H, v_dim] by a plain softmax over the visible rows (each
+    scaled score soft-capped at softcap * tanh(score / softcap) when softcap > 0, Gemma 2's)."""
     heads, kv_heads = q.shape[1], keys.shape[0]
     out = []
     for r in range(q.shape[0]):
@@ -478,6 +479,8 @@ def dense_attention(q, keys, values, tables, table_of, positions, block_size, wi
         v = (values[:, slots] if values is not None else keys[:, slots, :v_dim]).double()
         qq = q[r].double().view(kv_heads, heads // kv_heads, -1)
         s = torch.einsum("hgd,hld->hgl", qq, k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         if window:
             s[..., torch.arange(pos + 1) <= pos - window] = float("-inf")
         out.append(torch.einsum("hgl,hld->hgd", s.softmax(-1), v).reshape(heads, -1))
@@ -506,7 +509,10 @@ def random_store(store: str, kv_heads: int, slots: int, dim: int, g: torch.Gener
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
 @pytest.mark.parametrize("window", [0, 21])
-def test_paged_attention_matches_dense_softmax(level, store, window):
+@pytest.mark.parametrize("softcap", [0.0, 0.5])
+def test_paged_attention_matches_dense_softmax(level, store, window, softcap):
+    """Decodes and a short chunk over every store kind, with and without a sliding window and score
+    soft-capping (a cap of 0.5 bends most of these scores: the capped reference is far from the uncapped)."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, blocks = (8, 1, 80, 16, 40) if store == "latent" else (6, 2, 64, 16, 40)
     v_dim = 64 if store == "latent" else dim
@@ -516,11 +522,16 @@ def test_paged_attention_matches_dense_softmax(level, store, window):
     table_of = torch.tensor([0, 1, 2, 2, 2, 2, 2])
     positions = torch.tensor([0, 37, 60, 61, 62, 63, 64])
     q = torch.randn(len(positions), heads, dim, generator=g)
-    want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
+    want = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim, softcap)
     with kernels.using_level(level):
-        got = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, bs, window, 0.125, v_dim)
+        got = torch.ops.keel.paged_attention(
+            q, *stored, tables, table_of, positions, bs, window, 0.125, v_dim, softcap=softcap
+        )
     assert got.shape == (len(positions), heads, v_dim)
     assert (got.double() - want).abs().max().item() < 1e-5
+    if softcap:
+        uncapped = dense_attention(q, dense_k, dense_v, tables, table_of, positions, bs, window, 0.125, v_dim)
+        assert (uncapped - want).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -547,9 +558,11 @@ def test_paged_attention_prefill_chunks_in_tiles(level, store, window, group):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("store", ["float32", "bfloat16"])
-def test_paged_attention_tiles_are_bit_for_bit_their_rows(level, store):
+@pytest.mark.parametrize("softcap", [0.0, 0.7])
+def test_paged_attention_tiles_are_bit_for_bit_their_rows(level, store, softcap):
     """A chunk attended in tiles gives exactly what its rows give attended one call each (a lone row takes the
-    row body): the tiles change the work's sharing, not its rounding, so greedy tokens do not move."""
+    row body): the tiles change the work's sharing, not its rounding, so greedy tokens do not move. Capped
+    scores too: a score's cap does not depend on where in the block the tile's row starts."""
     g = torch.Generator().manual_seed(3)
     stored, _, _ = random_store(store, 3, 20 * 16, 64, g)
     tables = torch.randperm(20, generator=g)[:6][None].int()
@@ -557,10 +570,10 @@ def test_paged_attention_tiles_are_bit_for_bit_their_rows(level, store):
     table_of = torch.zeros(len(positions), dtype=torch.long)
     q = torch.randn(len(positions), 9, 64, generator=g)
     with kernels.using_level(level):
-        whole = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, 16, 0, 0.125, 64)
+        whole = torch.ops.keel.paged_attention(q, *stored, tables, table_of, positions, 16, 0, 0.125, 64, softcap)
         alone = [
             torch.ops.keel.paged_attention(
-                q[r : r + 1], *stored, tables, table_of[:1], positions[r : r + 1], 16, 0, 0.125, 64
+                q[r : r + 1], *stored, tables, table_of[:1], positions[r : r + 1], 16, 0, 0.125, 64, softcap
             )
             for r in range(len(positions))
         ]
@@ -569,9 +582,11 @@ def test_paged_attention_tiles_are_bit_for_bit_their_rows(level, store):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dim", [16, 24, 20, 96])
-def test_paged_attention_head_dims_take_every_body(level, dim):
+@pytest.mark.parametrize("softcap", [0.0, 0.4])
+def test_paged_attention_head_dims_take_every_body(level, dim, softcap):
     """Head dims of whole 16-lane vectors (the AVX-512 body), of 8-lane ones only (the AVX2 body), and
-    neither (the portable loops), each level: the dense softmax, over blocks cut at every offset."""
+    neither (the portable loops), each level: the dense softmax, over blocks cut at every offset, with and
+    without soft-capped scores."""
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, bs, blocks = 4, 2, 16, 12
     keys = torch.randn(kv_heads, blocks * bs, dim, generator=g)
@@ -580,9 +595,11 @@ def test_paged_attention_head_dims_take_every_body(level, dim):
     table_of = torch.tensor([0, 1, 1])
     positions = torch.tensor([16, 70, 93])
     q = torch.randn(len(positions), heads, dim, generator=g)
-    want = dense_attention(q, keys, values, tables, table_of, positions, bs, 0, 0.2, dim)
+    want = dense_attention(q, keys, values, tables, table_of, positions, bs, 0, 0.2, dim, softcap)
     with kernels.using_level(level):
-        got = torch.ops.keel.paged_attention(q, keys, values, None, None, tables, table_of, positions, bs, 0, 0.2, dim)
+        got = torch.ops.keel.paged_attention(
+            q, keys, values, None, None, tables, table_of, positions, bs, 0, 0.2, dim, softcap
+        )
     assert (got.double() - want).abs().max().item() < 1e-5
 
 
@@ -592,6 +609,11 @@ def test_paged_attention_refuses_a_table_outside_the_store():
         torch.ops.keel.paged_attention(
             torch.randn(1, 2, 32), keys, keys, None, None, torch.tensor([[9]], dtype=torch.int32), None,
             torch.tensor([3]), 16, 0, 1.0, 32,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        torch.ops.keel.paged_attention(
+            torch.randn(1, 2, 32), keys, keys, None, None, torch.tensor([[0]], dtype=torch.int32), None,
+            torch.tensor([3]), 16, 0, 1.0, 32, -1.0,
         )  # fmt: skip
 
 

@@ -48,6 +48,7 @@ def register() -> None:
         window: int,
         scale: float,
         v_dim: int,
+        softcap: float = 0.0,
     ) -> Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_dim)
 

@@ -82,7 +82,7 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
         return None  # Granite's scalars: the modules run them
     if attn.softcap is not None:
-        return None  # Gemma 2's attention-score soft-capping: keel's paged-attention kernel has none
+        return None  # Gemma 2's attention-score soft-capping: keel::decoder_layers does not cap
     # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):

@@ -4,8 +4,8 @@ The model never changes: its attention layers call the cache (`KVCache.attend`),
 `attention_backend` which backend reads its stores, from what keel.platform and the store report:
 
 - `kernels`: keel's C++ paged-attention operator (keel.kernels) on CPU stores of float32, bfloat16 or
-  int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie. It has no
-  attention-score soft-capping (Gemma 2's `attn_logit_softcapping`): models with it take `torch`.
+  int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie, the scores
+  soft-capped where the model caps them (Gemma 2's `attn_logit_softcapping`).
 - `triton`: on CUDA, one-token decodes through a Triton kernel that walks each row's block table
   (keel.kernels.triton_paged); prefill chunks through `scaled_dot_product_attention` with a causal
   mask aligned to the chunk's end (`causal_lower_right`: torch's fused flash / memory-efficient
@@ -39,8 +39,7 @@ _CHUNK_BACKENDS_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 
 def _kernels_refusal(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str | None:
-    if softcap:
-        return "keel's paged-attention kernel has no attention-score soft-capping (attn_logit_softcapping)"
+    # softcap: the kernel caps scores itself (keel::paged_attention's `softcap`).
     if store.device.type != "cpu":
         return f"keel's C++ kernels read CPU stores, not {store.device.type}"
     if not kernels.active():

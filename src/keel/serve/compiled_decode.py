@@ -98,7 +98,7 @@ def paged_decode_attention(
         if backend == "kernels":
             out = torch.ops.keel.paged_attention(
                 q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size,
-                window, scale, v_store.shape[-1],
+                window, scale, v_store.shape[-1], softcap,
             )  # fmt: skip
         else:
             # written straight into the [1, H, B, Dv] layout the graph was traced with; row b reads table row b

@@ -143,8 +143,7 @@ def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
 
 def kernel_attends(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> bool:
     """Whether keel's C++ paged-attention kernel reads this store (keel.serve.attention_backends decides:
-    CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace, no
-    attention-score soft-capping)."""
+    CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace)."""
     return attention_backend(store, head_dim, block_size, softcap) == "kernels"
 
 
@@ -353,8 +352,8 @@ class PagedKVCache:
         attends where they lie in one call (keel::decoder_layers); None where keel's paged-attention kernel
         does not read this cache (then `attend` runs)."""
         k_store = self.keys[layer]
-        # MLA has no values; a soft-capped model's scores are not the kernel's
-        if not self.values or not kernel_attends(k_store, self.head_dim, self.block_size, self.softcap):
+        # MLA has no values; keel::decoder_layers's attention does not soft-cap scores
+        if not self.values or self.softcap or not kernel_attends(k_store, self.head_dim, self.block_size):
             return None
         return InPlaceLayer(
             k_store, self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
@@ -464,5 +463,6 @@ class PagedKVCache:
             window or 0,
             scale if scale is not None else self.head_dim**-0.5,
             self.head_dim if v_store is not None else self.latent_rank,
+            self.softcap or 0.0,
         )  # [T, H, Dv]
         return out.transpose(0, 1).unsqueeze(0)

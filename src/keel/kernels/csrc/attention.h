@@ -23,7 +23,8 @@ struct PagedStore {
 
 // Queries q [R, H, D] float32, each at positions[r] of the sequence whose block table is
 // tables[table_of[r]] ([T, table_width] int32), attend causally (within `window` tokens when > 0) over
-// the rows stored for positions 0..positions[r]. out [R, H, v_dim] float32.
+// the rows stored for positions 0..positions[r], scores soft-capped where softcap > 0. out [R, H, v_dim]
+// float32.
 struct PagedQuery {
   const float* q;
   int64_t heads;
@@ -33,6 +34,7 @@ struct PagedQuery {
   const int64_t* positions;
   int64_t window;
   float scale;
+  float softcap;  // > 0: each scaled score becomes softcap * tanh(score / softcap) (Gemma 2's soft-capping)
   float* out;
 };
 

@@ -2,6 +2,7 @@
 // and, through attention_vec.h, by attention_avx2.cpp and attention_avx512.cpp (under their target
 // pragmas), so the same loops are vectorised for each level by the compiler. Everything here has internal linkage: no copy compiled for one level can
 // stand in for another's.
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -147,7 +148,8 @@ inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, i
     for (int64_t g = 0; g < gn; ++g) {
       float block_max = w.running_max[g];
       for (int64_t j = 0; j < n; ++j) {
-        const float dot = dot_product(w.qs[g], key[j], dim);
+        float dot = dot_product(w.qs[g], key[j], dim);
+        if (q.softcap > 0.f) dot = q.softcap * std::tanh(dot / q.softcap);
         scores[g][j] = dot;
         block_max = dot > block_max ? dot : block_max;
       }

@@ -67,6 +67,29 @@ inline void block_scores(const float* q, const float* const* key, int64_t n, int
   }
 }
 
+// v[j] = cap * tanh(v[j] / cap) for j < n (attention-score soft-capping), tanh(a) = (1 - e) / (1 + e) with
+// e = exp(-2 |a|) <= 1, the sign restored. The block's last values go through the same vector code (a
+// padded copy), so a score's capped value does not depend on where it lies in the block: a tile's rows stay
+// bit for bit the rows walked alone.
+template <typename V>
+inline void cap_scores(float* v, int64_t n, float cap) {
+  constexpr int L = V::kLanes;
+  const typename V::F zero = V::zero(), one = V::set1(1.f), c = V::set1(cap), slope = V::set1(-2.f / cap);
+  auto capped = [&](typename V::F x) {
+    const typename V::F e = exp_nonpositive_lanes<V>(V::mul(V::max(x, V::sub(zero, x)), slope));
+    const typename V::F t = V::mul(c, V::div(V::sub(one, e), V::add(one, e)));
+    return V::select_negative(x, V::sub(zero, t), t);
+  };
+  int64_t j = 0;
+  for (; j + L <= n; j += L) V::store(v + j, capped(V::load(v + j)));
+  if (j < n) {
+    alignas(64) float tail[L] = {};
+    for (int64_t i = j; i < n; ++i) tail[i - j] = v[i];
+    V::store(tail, capped(V::load(tail)));
+    for (int64_t i = j; i < n; ++i) v[i] = tail[i - j];
+  }
+}
+
 // The largest of v[0..n) and `floor`: a vector maximum (a scalar loop's compare-and-select chain was a
 // tenth of the block body).
 template <typename V>
@@ -200,6 +223,7 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
       block_scores<V>(w.qs[g], key, n, dim, p);
       if constexpr (Dtype == 2)
         for (int64_t j = 0; j < n; ++j) p[j] *= key_scale[j];
+      if (q.softcap > 0.f) cap_scores<V>(p, n, q.softcap);
       const float block_max = max_of<V>(p, n, w.running_max[g]);
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
       correction[g] = exp_nonpositive(w.running_max[g] - block_max);
@@ -281,6 +305,7 @@ void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q
       for (int64_t m = t * gn; m < (t + 1) * gn; ++m) {
         float* p = scores + m * kMaxBlock;
         block_scores<V>(qs + m * dim, key + j0, seen, dim, p);
+        if (q.softcap > 0.f) cap_scores<V>(p, seen, q.softcap);
         const float block_max = max_of<V>(p, seen, running_max[m]);
         // Online softmax: what was summed under the old maximum is rescaled to the new one.
         correction[m] = exp_nonpositive(running_max[m] - block_max);

@@ -42,7 +42,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                           const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& key_scales,
                           const c10::optional<at::Tensor>& value_scales, const at::Tensor& tables,
                           const c10::optional<at::Tensor>& table_of, const at::Tensor& positions, int64_t block_size,
-                          int64_t window, double scale, int64_t v_dim, float* out) {
+                          int64_t window, double scale, int64_t v_dim, double softcap, float* out) {
   TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous(), "keel::paged_attention: keys must be a contiguous [H_kv, slots, D]");
   const int64_t kv_heads = keys.size(0);
   TORCH_CHECK(keys.size(2) == dim, "keel::paged_attention: q has ", dim, " channels, the keys ", keys.size(2));
@@ -92,7 +92,9 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                          dim,
                          v_dim,
                          block_size};
-  const PagedQuery query{q, heads, tab, width, table_index, pos, window, static_cast<float>(scale), out};
+  TORCH_CHECK(softcap >= 0, "keel::paged_attention: softcap must be >= 0 (0: none), got ", softcap);
+  const PagedQuery query{q,      heads, tab, width, table_index, pos, window, static_cast<float>(scale),
+                         static_cast<float>(softcap), out};
   // Runs of rows of one table at consecutive positions (a prefill chunk's) cut into tiles; each tile or
   // lone row is an item per KV head, costed by the rows times the keys they walk.
   const int64_t tile = tile_rows(heads / kv_heads);
@@ -147,13 +149,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
                            const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
                            const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
-                           int64_t v_dim) {
+                           int64_t v_dim, double softcap) {
   TORCH_CHECK(q.dim() == 3, "keel::paged_attention: q must be [R, H, D]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, heads, v_dim}, qf.options());
   paged_attention_into(qf.data_ptr<float>(), rows, heads, dim, keys, values, key_scales, value_scales, tables,
-                       table_of, positions, block_size, window, scale, v_dim, out.data_ptr<float>());
+                       table_of, positions, block_size, window, scale, v_dim, softcap, out.data_ptr<float>());
   return out.to(q.scalar_type());
 }
 
@@ -163,8 +165,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
 TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def(
       "paged_attention(Tensor q, Tensor keys, Tensor? values, Tensor? key_scales, Tensor? value_scales, "
-      "Tensor tables, Tensor? table_of, Tensor positions, int block_size, int window, float scale, int v_dim) "
-      "-> Tensor");
+      "Tensor tables, Tensor? table_of, Tensor positions, int block_size, int window, float scale, int v_dim, "
+      "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(keel, CPU, m) { m.impl("paged_attention", &keel::paged_attention); }
