@@ -80,20 +80,25 @@ def test_the_override_caps_torch_unless_the_user_did(monkeypatch):
 
 def test_generated_code_is_cached_apart_per_vector_isa(tmp_path):
     """Two processes on one machine, one with torch's kernels lowered to the portable level
-    (ATEN_CPU_CAPABILITY=default, as make test's forced-AVX2 leg lowers them): inductor's caches (keyed
-    without the vector ISA its C++ was generated for) land in different directories under KEEL_CACHE."""
-    code = "from keel.paths import inductor_cache_dir; print(inductor_cache_dir())"
+    (ATEN_CPU_CAPABILITY=default, as make test's forced-AVX2 leg lowers them to AVX2): inductor's caches
+    (keyed without the vector ISA its C++ was generated for) land in different directories under KEEL_CACHE."""
+    code = (
+        "from keel.paths import inductor_cache_dir; from keel.platform import host; "
+        "print(inductor_cache_dir()); print(host().aten_capability)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "KEEL_CPU_ISA")}
     env["KEEL_CACHE"] = str(tmp_path)
-    dirs = []
+    runs = []
     for capability in (None, "default"):
         run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
         out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
-        dirs.append(Path(out.stdout.strip()))
-    native = probe()
-    assert dirs[0] == tmp_path / "inductor" / f"{native.arch}-{native.native_isa}-{native.aten_capability.lower()}"
-    assert dirs[1] == tmp_path / "inductor" / f"{native.arch}-{native.native_isa}-default"
-    assert (native.aten_capability == "DEFAULT") == (dirs[0] == dirs[1])
+        directory, aten = out.stdout.split()
+        runs.append((Path(directory), aten))
+    here = probe()  # the CPU's own level does not follow the caps
+    for directory, aten in runs:
+        assert directory == tmp_path / "inductor" / f"{here.arch}-{here.native_isa}-{aten.lower()}"
+    assert runs[1][1] == "DEFAULT"
+    assert (runs[0][1] == "DEFAULT") == (runs[0][0] == runs[1][0])
 
 
 def _host(native_bf16: bool) -> platform.Platform:
