@@ -21,7 +21,7 @@ from keel.model import transformer
 from keel.model.transformer import build_model
 from keel.quant.loading import load_model
 from keel.serve import LLM, SamplingParams
-from keel.serve.attention_backends import ENV, attention_backend
+from keel.serve.attention_backends import ENV
 from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, decode_mask
 from keel.serve.kv_quant import Int8PagedKVCache, dequantize_kv, quantize_kv
 from keel.weights.names import keel_to_hf
@@ -123,11 +123,12 @@ def test_every_paged_backend_caps_the_scores(backend, int8, window, monkeypatch)
 
 
 def test_the_c_kernel_is_chosen_for_capped_scores(monkeypatch):
-    """keel's C++ paged-attention kernel caps scores itself: the probe takes it for capped models as for others."""
+    """keel's C++ paged-attention kernel caps scores itself: a capped model's cache takes it as others do."""
     monkeypatch.delenv(ENV, raising=False)
-    store = torch.zeros(2, 64, 16)
     expected = "kernels" if kernels.active() else "torch"
-    assert attention_backend(store, 16, 16, CAP) == attention_backend(store, 16, 16) == expected
+    for cap in (CAP, None):
+        config = dataclasses.replace(CONFIG, attn_logit_softcapping=cap)
+        assert PagedKVCache(config, 8, 16, torch.float32).attention_backend() == expected
 
 
 @pytest.mark.parametrize("backend", ["torch", "kernels"])

@@ -38,8 +38,7 @@ _FLOAT_ROWS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_BACKENDS_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _kernels_refusal(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str | None:
-    # softcap: the kernel caps scores itself (keel::paged_attention's `softcap`).
+def _kernels_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
     if store.device.type != "cpu":
         return f"keel's C++ kernels read CPU stores, not {store.device.type}"
     if not kernels.active():
@@ -51,8 +50,7 @@ def _kernels_refusal(store: Tensor, head_dim: int, block_size: int, softcap: flo
     return None
 
 
-def _triton_refusal(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str | None:
-    # softcap: the Triton kernel caps scores itself (triton_paged.paged_attention's `softcap`).
+def _triton_refusal(store: Tensor, head_dim: int, block_size: int) -> str | None:
     if store.dtype not in _FLOAT_ROWS:
         return f"the Triton paged attention reads float rows, not {store.dtype}"
     refusal = triton_paged.block_size_refusal(block_size)
@@ -68,24 +66,24 @@ def _triton_refusal(store: Tensor, head_dim: int, block_size: int, softcap: floa
 _REFUSALS = {"kernels": _kernels_refusal, "triton": _triton_refusal, "torch": lambda *_: None}
 
 
-def attention_backend(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> str:
-    """The backend that attends over `store` (one layer's key rows, [H_kv, slots, D]) for a model whose
-    attention scores are soft-capped at `softcap` (None or 0: not capped): the forced one
-    (KEEL_ATTENTION_BACKEND) or the fastest that reads it. Inside a torch.compile trace the C++
+def attention_backend(store: Tensor, head_dim: int, block_size: int) -> str:
+    """The backend that attends over `store` (one layer's key rows, [H_kv, slots, D]): the forced one
+    (KEEL_ATTENTION_BACKEND) or the fastest that reads it (every backend soft-caps scores where the model
+    caps them, so the cap does not choose). Inside a torch.compile trace the C++
     kernels are left to the op that wraps them (keel.serve.compiled_decode)."""
     forced = os.environ.get(ENV)
     if forced:
         if forced not in BACKENDS:
             raise KeelError(f"{ENV}={forced!r}: expected one of {', '.join(BACKENDS)}")
-        reason = _REFUSALS[forced](store, head_dim, block_size, softcap)
+        reason = _REFUSALS[forced](store, head_dim, block_size)
         if reason is not None:
             raise KeelError(f"{ENV}={forced}: {reason}")
         return forced
     if store.device.type == "cpu":
-        if _kernels_refusal(store, head_dim, block_size, softcap) is None and not torch.compiler.is_compiling():
+        if _kernels_refusal(store, head_dim, block_size) is None and not torch.compiler.is_compiling():
             return "kernels"
         return "torch"
-    if store.device.type == "cuda" and _triton_refusal(store, head_dim, block_size, softcap) is None:
+    if store.device.type == "cuda" and _triton_refusal(store, head_dim, block_size) is None:
         return "triton"
     return "torch"
 

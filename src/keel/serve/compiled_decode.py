@@ -91,7 +91,7 @@ def paged_decode_attention(
     does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
     write_rows(v_store, slots, v)
-    backend = attention_backend(k_store, k_store.shape[-1], block_size, softcap)
+    backend = attention_backend(k_store, k_store.shape[-1], block_size)
     if backend != "torch":
         # keel's C++ kernel (CPU) or the Triton one (CUDA) walks each row's own table where the blocks lie:
         # no gather, no grouping, no host sync (so the step can be replayed as a CUDA graph).

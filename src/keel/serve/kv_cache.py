@@ -141,10 +141,10 @@ def paged_rows(plan: StepPlan, num_tokens: int) -> PagedRows:
     return PagedRows(padded, table_of, positions)
 
 
-def kernel_attends(store: Tensor, head_dim: int, block_size: int, softcap: float | None = None) -> bool:
+def kernel_attends(store: Tensor, head_dim: int, block_size: int) -> bool:
     """Whether keel's C++ paged-attention kernel reads this store (keel.serve.attention_backends decides:
     CPU, float32/bf16/int8 rows, head dim <= 576, blocks <= 64 tokens, outside a compile trace)."""
-    return attention_backend(store, head_dim, block_size, softcap) == "kernels"
+    return attention_backend(store, head_dim, block_size) == "kernels"
 
 
 class PrefillChunk(NamedTuple):
@@ -326,7 +326,7 @@ class PagedKVCache:
     def attention_backend(self) -> str:
         """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
         store = self.keys[self.layers[0]] if self.layers else self.keys[0]
-        return attention_backend(store, self.head_dim, self.block_size, self.softcap)
+        return attention_backend(store, self.head_dim, self.block_size)
 
     def slots_of(self, layer: int) -> int:
         """Token slots of a layer's store: all blocks' for the stored layers, none for the others."""
@@ -376,11 +376,7 @@ class PagedKVCache:
         a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
         plan = self.plan
         softcap = self.softcap
-        backend = (
-            attention_backend(k_store, self.head_dim, self.block_size, softcap)
-            if isinstance(k_store, Tensor)
-            else "torch"
-        )
+        backend = attention_backend(k_store, self.head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
         if backend == "kernels":
             return self._attend_in_place(q, k_store, v_store, None, None, window, scale)
 

@@ -171,7 +171,7 @@ class Int8PagedKVCache(PagedKVCache):
         self, q: Tensor, k_store: QuantStore, v_store: QuantStore | None, window: int | None, scale: float | None
     ) -> Tensor:
         plan = self.plan
-        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size, self.softcap):
+        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size):
             return self._attend_in_place(q, k_store.data, v_store.data, k_store.scales, v_store.scales, window, scale)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
             return super()._attend(q, k_store, v_store, window, scale)
