@@ -50,6 +50,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
   TORCH_CHECK(dim <= 576 && v_dim <= dim && block_size <= 64 && block_size > 0,
               "keel::paged_attention: head dim <= 576 and block size <= 64 only");
   TORCH_CHECK(keys.size(1) % block_size == 0, "keel::paged_attention: slots not a multiple of the block size");
+  TORCH_CHECK(softcap >= 0, "keel::paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.is_contiguous(),
               "keel::paged_attention: tables must be a contiguous int32 [T, width]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == rows && positions.is_contiguous(),
@@ -92,8 +93,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                          dim,
                          v_dim,
                          block_size};
-  TORCH_CHECK(softcap >= 0, "keel::paged_attention: softcap must be >= 0 (0: none), got ", softcap);
-  const PagedQuery query{q,      heads, tab, width, table_index, pos, window, static_cast<float>(scale),
+  const PagedQuery query{q, heads, tab, width, table_index, pos, window, static_cast<float>(scale),
                          static_cast<float>(softcap), out};
   // Runs of rows of one table at consecutive positions (a prefill chunk's) cut into tiles; each tile or
   // lone row is an item per KV head, costed by the rows times the keys they walk.
