@@ -107,8 +107,8 @@ def test_of_routes_names_to_their_part_and_refuses_unknown_ones():
 
 
 def test_option_errors_come_before_any_model_loads():
-    with pytest.raises(KeelError, match="--quant-keep-as needs --quantize"):
-        EngineConfig.of(quant_keep_as="int8")
+    with pytest.raises(KeelError, match="--quant-keep-as needs a quantized model"):
+        EngineConfig.of(quant_keep_as="int8", quantize="none")
     with pytest.raises(KeelError, match="--expert-cache"):
         EngineConfig.of(expert_cache="lots")
     with pytest.raises(KeelError, match="speculative config: unknown key"):

@@ -69,6 +69,11 @@ def test_cli_prints_perplexity_and_writes_json(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["tokens_scored"] == len(corpus.read_text().encode()) - 1  # byte tokenizer: one token per byte
     assert f"perplexity {record['perplexity']:.4f}" in capsys.readouterr().out
+    assert record["quantize"] is None  # auto: an HF checkpoint in float
+    assert keel_main([*args, "--quantize", "int8", "--json", str(out)]) == 0
+    quantized = json.loads(out.read_text())
+    assert quantized["quantize"] == "int8" and quantized["perplexity"] != record["perplexity"]
+    assert "(float32, int8) on " in capsys.readouterr().out
     assert keel_main([*args[:3], "--corpus", str(tmp_path / "missing.txt")]) == 1
     assert "missing.txt: no such file" in capsys.readouterr().err
     assert keel_main([*args, "--stride", "65"]) == 1

@@ -258,6 +258,61 @@ def test_gguf_scheme_errors(tmp_path):
         quantize_model(load_model(tmp_path / "hf").model, "gguf")
 
 
+# ------------------------------------------------------------------------------- --quantize auto
+def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def test_auto_runs_a_gguf_files_blocks_on_cpu_and_loads_everything_else_in_float(tmp_path):
+    """The engine's default (vLLM runs a GGUF file quantized): a GGUF file with integer blocks gets the gguf scheme,
+    a float GGUF file, an HF directory, "none" and a CUDA device get float."""
+    from keel.quant.loading import resolve_scheme
+    from keel.weights.loader import open_checkpoint
+
+    hf = build_hf("llama")
+    blocks = write_gguf(hf, tmp_path / "q.gguf", qtype=Q.Q4_1)
+    auto = load_model(blocks, "float32", quantize="auto")
+    assert auto.model.quantization["scheme"] == "gguf" and len(quantized_layers(auto.model)) == 2 * 7
+    explicit = load_model(blocks, "float32", quantize="gguf")
+    expanded = load_model(blocks, "float32", quantize="none")
+    assert not quantized_layers(expanded.model) and not hasattr(expanded.model, "quantization")
+    with torch.no_grad():
+        assert torch.equal(auto.model(TOKENS), explicit.model(TOKENS))
+        assert torch.equal(expanded.model(TOKENS), load_model(blocks, "float32").model(TOKENS))  # the library's default
+    save_hf_model("llama", tmp_path / "hf")
+    for float_source in (write_gguf(hf, tmp_path / "f.gguf"), tmp_path / "hf"):
+        assert not quantized_layers(load_model(float_source, "float32", quantize="auto").model)
+    checkpoint = open_checkpoint(blocks)
+    assert resolve_scheme(checkpoint, "auto", "cpu") == "gguf"
+    assert resolve_scheme(checkpoint, "auto", "cuda:0") is None  # CUDA runs the blocks only when asked by name
+    assert resolve_scheme(checkpoint, "int8", "cpu") == "int8" and resolve_scheme(checkpoint, "none") is None
+
+
+def test_auto_is_the_engine_default_and_keep_as_needs_a_quantized_model(tmp_path):
+    from keel.serve import EngineConfig, LLMEngine
+    from keel.serve.openai.options import ModelSource, ServeOptions
+    from keel.serve.openai.server import _load_engine_only
+
+    path = write_gguf(build_hf("llama"), tmp_path / "q.gguf", qtype=Q.Q4_0)
+    config = EngineConfig.of(num_blocks=16, max_model_len=64, compile=False)
+    assert config.quant.quantize == "auto" and config.quant.scheme is None
+    engine = LLMEngine(str(path), config)
+    assert engine.model.quantization["scheme"] == "gguf"
+    # The naive baseline puts the weights into transformers' model: it takes the blocks expanded to float.
+    naive = _load_engine_only(ModelSource(str(path)), ServeOptions(engine="naive"), config)
+    assert not quantized_layers(naive.loaded.model)
+    # --quant-keep-as: a second tier of a quantized model; refused by name where the model loads in float.
+    assert EngineConfig.of(quant_keep_as="int8").quant.quantize == "auto"
+    with pytest.raises(KeelError, match="--quant-keep-as needs a quantized model"):
+        EngineConfig.of(quantize="none", quant_keep_as="int8")
+    save_hf_model("llama", tmp_path / "hf")
+    with pytest.raises(KeelError, match=r"hf: --quant-keep-as int8 needs a quantized model") as e:
+        load_model(tmp_path / "hf", quantize="auto", quant_keep_as="int8")
+    assert "\n" not in str(e.value)
+    kept = load_model(path, "float32", quantize="auto", quant_keep_as="int8")  # the head as int8, the rest as stored
+    assert isinstance(kept.model.lm_head, QuantizedLinear) and kept.model.lm_head.scheme == "int8"
+
+
 # The real SmolLM2 GGUF, in `make test-slow` (the default suite's budget); the synthetic GGUFs' scheme tests stay.
 @pytest.mark.slow
 def test_smollm2_gguf_scheme_greedy_matches_the_float_load():

@@ -12,6 +12,7 @@ from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.data.text_corpus import CORPORA, corpus_text
 from keel.errors import KeelError
 from keel.platform import resolve_device
+from keel.quant.config import QUANTIZE_CHOICES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
     add_dtype_arg(q)
+    q.add_argument(
+        "--quantize",
+        default="auto",
+        choices=list(QUANTIZE_CHOICES),
+        help="weights as `keel serve --quantize` takes them (auto: a GGUF file's integer blocks as stored, as "
+        "llama.cpp's perplexity runs them; none: float)",
+    )
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)
@@ -266,18 +274,20 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     name, text = corpus_text(args.corpus)
-    loaded = load_model(args.model, args.dtype)
+    loaded = load_model(args.model, args.dtype, quantize=args.quantize)
     if loaded.tokenizer is None:
         raise KeelError(f"{args.model}: no tokenizer found (tokenizer.json or GGUF tokenizer metadata)")
     ids = leading_tokens(loaded.tokenizer, text, args.max_tokens)
     result = sliding_window_perplexity(loaded.model, ids, args.context, args.stride)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
+    scheme = (getattr(loaded.model, "quantization", None) or {}).get("scheme")
+    weights = f"{dtype}, {scheme}" if scheme else dtype
     print(
-        f"{args.model} ({dtype}) on {name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
+        f"{args.model} ({weights}) on {name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
         f"({result.windows} windows of {args.context}, stride {args.stride}; {result.tokens_per_s:.0f} tok/s)"
     )
     if args.json:
-        record = {"model": str(args.model), "dtype": dtype, "corpus": name, **result.as_dict()}
+        record = {"model": str(args.model), "dtype": dtype, "quantize": scheme, "corpus": name, **result.as_dict()}
         from keel.eval.run import write_json
 
         write_json(args.json, record)

@@ -83,7 +83,7 @@ def cmd_save(args: argparse.Namespace) -> int:
         quant_keep=tuple(name for name in args.quant_keep.split(",") if name),
         quant_plan=args.quant_plan,
     )
-    scheme, group_size, keep = options.quantize, options.quant_group_size, options.quant_keep
+    scheme, group_size, keep = options.scheme, options.quant_group_size, options.quant_keep
     if scheme is None:
         raise KeelError("keel quantize save: pass --quantize int8|int4 or --quant-plan PLAN.json")
     if getattr(args, "quant_keep_as", None) is not None:

@@ -85,7 +85,7 @@ class StepProfile:
 class DecodeProfile:
     model: str
     dtype: str
-    quantize: str | None
+    quantize: str | None  # the scheme the model ran in (None: float)
     threads: int
     device: str
     copy_bandwidth: float  # bytes/s
@@ -244,7 +244,7 @@ def profile_decode(
     model: str,
     batch: int = 1,
     dtype: str = "auto",
-    quantize: str | None = None,
+    quantize: str = "auto",
     steps: int = 32,
     prompt_tokens: int = 32,
     prefill: int | None = 256,
@@ -297,7 +297,7 @@ def profile_decode(
         # The loaded (and already quantized) model, one request per step.
         engine = LLMEngine(
             engine.loaded,
-            config.replace(quantize=None, max_num_seqs=1, max_num_batched_tokens=max(2048, prefill)),
+            config.replace(quantize="none", max_num_seqs=1, max_num_batched_tokens=max(2048, prefill)),
         )
         prefill_profile = _profile_prefill_pass(engine, prefill, prompt)
         prefill_profile.weight_bytes = weights
@@ -305,7 +305,7 @@ def profile_decode(
     return DecodeProfile(
         model=model,
         dtype=str(engine.model.dtype).removeprefix("torch."),
-        quantize=quantize,
+        quantize=(getattr(engine.model, "quantization", None) or {}).get("scheme"),  # what auto chose
         threads=torch.get_num_threads(),
         device=str(engine.model.device),
         copy_bandwidth=copy_bandwidth(device=engine.model.device),

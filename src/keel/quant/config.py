@@ -10,14 +10,19 @@ from typing import Literal
 
 from keel.errors import KeelError
 
+AUTO = "auto"  # the checkpoint's own storage: a GGUF file's integer blocks as stored, other checkpoints in float
+FLOAT = "none"  # float weights (a GGUF file's blocks expanded at load)
+QUANTIZE_CHOICES = (AUTO, FLOAT, "int8", "int4", "gguf")  # --quantize, as `QuantConfig.quantize` types it
+
 
 @dataclass
 class QuantConfig:
     """Weight-only quantization of the linear layers and MoE experts at load (keel.quant)"""
 
-    quantize: Literal["int8", "int4", "gguf"] | None = None
-    """quantize linear layers and MoE experts at load: int8 per channel, int4 per group; gguf: run the file's own
-    integer (Q4_0 ... Q6_K) blocks on the integer kernels"""
+    quantize: Literal["auto", "none", "int8", "int4", "gguf"] = AUTO
+    """weights of the linear layers and MoE experts: int8 per channel, int4 per group (quantized at load); gguf: a
+    GGUF file's own integer (Q4_0 ... Q6_K) blocks run as stored on the integer kernels; none: float; auto: gguf
+    for a GGUF file with integer blocks on CPU (as vLLM runs GGUF files), none otherwise"""
 
     quant_group_size: Literal[32, 64, 128, 256] = 128
     """int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks"""
@@ -52,8 +57,14 @@ class QuantConfig:
             self.quant_group_size = plan.get("group_size") or 128
             self.quant_keep = tuple(plan.get("keep", []))
             self.quant_plan = None  # resolved: copies (workers, replace()) do not read the file again
-        if self.quant_keep_as is not None and self.quantize is None:
-            raise KeelError("--quant-keep-as needs --quantize (or --quant-plan)")
+        if self.quant_keep_as is not None and self.quantize in (FLOAT, None):
+            raise KeelError("--quant-keep-as needs a quantized model: --quantize int8|int4|gguf (or --quant-plan)")
+
+    @property
+    def scheme(self) -> str | None:
+        """The scheme asked for by name (int8, int4, gguf); None for auto and none, which the checkpoint decides
+        (`keel.quant.loading.resolve_scheme`)."""
+        return None if self.quantize in (AUTO, FLOAT, None) else self.quantize
 
     def load_options(self) -> dict:
         """The quantization keywords of `load_model`."""
@@ -79,6 +90,6 @@ def _from_vllm_method(method: str, quantize: str | None) -> str:
             "(and quantizes float weights at load with --quantize int8|int4)"
         )
     scheme = VLLM_METHODS[method]
-    if quantize is not None and quantize != scheme:
+    if quantize not in (AUTO, None) and quantize != scheme:
         raise KeelError(f"--quantization {method} means --quantize {scheme}, not --quantize {quantize}: give one")
     return scheme

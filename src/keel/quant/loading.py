@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
+from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.quant.apply import quantize_kept, set_activations
+from keel.quant.apply import GGUF, quantize_kept, set_activations
+from keel.quant.config import AUTO, FLOAT
 from keel.quant.on_load import quantize_while_loading
-from keel.weights.checkpoint import LoadedModel
+from keel.weights.checkpoint import Checkpoint, LoadedModel
 from keel.weights.compute_dtype import choose_dtype
+from keel.weights.gguf_blocks import BLOCK_TYPES
 from keel.weights.loader import load_weights, open_checkpoint
 
 
@@ -37,7 +40,8 @@ def load_model(
 
     dtype "auto": see `choose_dtype` (bfloat16 on CPUs with native bf16 matmul, float32 elsewhere).
 
-    quantize ("int8", "int4" or "gguf", see keel.quant): the linear layers and MoE experts are built
+    quantize ("int8", "int4" or "gguf", see keel.quant; None or "none": float; "auto": `resolve_scheme`'s choice for
+    this checkpoint and device): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
     as a whole; "gguf" takes a GGUF file's integer blocks (Q4_0 ... Q6_K) as they are, without expanding them
     to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
@@ -46,6 +50,12 @@ def load_model(
     quant_activations: how keel's CPU kernels quantize activations (keel.quant.apply.set_activations).
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    quantize = resolve_scheme(checkpoint, quantize, device)
+    if quant_keep_as is not None and quantize is None and checkpoint.quantization is None:
+        raise KeelError(
+            f"{checkpoint.path}: --quant-keep-as {quant_keep_as} needs a quantized model, and this one loads in float "
+            "(--quantize auto quantizes only a GGUF file's integer blocks on CPU): give --quantize int8|int4|gguf"
+        )
     torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
@@ -59,3 +69,19 @@ def load_model(
     net.to(device)
     net.eval()
     return LoadedModel(net, checkpoint, dtype_reason)
+
+
+def resolve_scheme(checkpoint: Checkpoint, quantize: str | None, device: str | torch.device = "cpu") -> str | None:
+    """The scheme a model loads in: "int8", "int4", "gguf" as asked; None (float) for None or "none"; for "auto",
+    "gguf" when `checkpoint` is a GGUF file with integer blocks and the model runs on the CPU (vLLM, too, runs a
+    GGUF file's blocks as stored), float otherwise (on CUDA the blocks become torch's int4/int8 kernels' layouts
+    only when --quantize gguf asks for it)."""
+    if quantize == AUTO:
+        return GGUF if stores_integer_blocks(checkpoint) and torch.device(device).type == "cpu" else None
+    return None if quantize == FLOAT else quantize
+
+
+def stores_integer_blocks(checkpoint: Checkpoint) -> bool:
+    """A GGUF file holding tensors in a block type that --quantize gguf runs as stored (Q4_0 ... Q6_K)."""
+    names = {t.name for t in BLOCK_TYPES}
+    return checkpoint.format == "gguf" and any(name in names for name in checkpoint.bytes_by_dtype)

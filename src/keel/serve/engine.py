@@ -256,14 +256,14 @@ class LLMEngine:
         """Quantize (what a caller's model still has in float), fuse projections, pre-pack weights: only a model
         this engine loaded, or was told to adapt; a caller's LoadedModel otherwise keeps the modules it was given."""
         quant, load = self.config.quant, self.config.load
-        if quant.quantize is not None:
+        if quant.scheme is not None:
             from keel.quant import quantize_model
 
-            q = quantize_model(loaded.model, quant.quantize, quant.quant_group_size, set(quant.quant_keep))
+            q = quantize_model(loaded.model, quant.scheme, quant.quant_group_size, set(quant.quant_keep))
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
                 q["quantized"],
-                quant.quantize,
+                quant.scheme,
                 q["kept"],
                 q["bytes_before"] / 2**20,
                 q["bytes_after"] / 2**20,
@@ -416,7 +416,7 @@ class LLMEngine:
         )
         with torch.device("meta"):
             placeholder = Transformer(checkpoint.config).to(parse_dtype(spec.dtype))
-        reason = choose_dtype(checkpoint, config.load.dtype, device, config.quant.quantize)[1]
+        reason = choose_dtype(checkpoint, config.load.dtype, device, config.quant.scheme)[1]
         return LoadedModel(placeholder, checkpoint, reason)
 
     def check_health(self) -> None:
@@ -439,7 +439,7 @@ class LLMEngine:
             source,
             config.load.dtype,
             device=device,
-            quantize=spec.quantization,
+            quantize=spec.quantization or "auto",  # unset: as the target, a GGUF draft's blocks as stored
             quant_group_size=quant.quant_group_size,
             quant_keep=quant.quant_keep,
         ).model

@@ -36,7 +36,7 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
         return
     keel_only = [
         (config.offload.enabled, "--expert-cache needs"),
-        (config.quant.quantize is not None, "--quantize needs"),
+        (config.quant.scheme is not None, "--quantize needs"),
         (config.speculative is not None, "--speculative-config needs"),
         (config.parallel.world_size > 1, "--tensor-parallel-size/--pipeline-parallel-size need"),
     ]
@@ -120,6 +120,8 @@ def _load_engine_only(source: ModelSource, options: ServeOptions, config: Engine
 
     if config.parallel.world_size > 1 and options.engine == "keel":
         return LLMEngine(source.model, config)  # workers load the shards
+    if options.engine == "naive":  # transformers' model takes float weights: a GGUF file's blocks are expanded
+        config = config.replace(quantize="none")
     loaded = load_model(
         source.model,
         config.load.dtype,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from keel.errors import KeelError
 from keel.net import free_port
+from keel.quant.config import AUTO
+from keel.quant.loading import stores_integer_blocks
 from keel.serve.parallel.executor import ParallelExecutor, node_ranks
 from keel.serve.parallel.load import check_parallel_model
 from keel.serve.parallel.worker import WorkerSpec
@@ -47,11 +49,13 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
             raise KeelError(f"tensor/pipeline-parallel serving does not support {what} yet")
     checkpoint = open_checkpoint(model)
     check_parallel_model(checkpoint.config, model, tp, pp, par.enable_expert_parallel)
+    if config.quant.quantize == AUTO and stores_integer_blocks(checkpoint):
+        log.info("%s: the workers load the GGUF file's blocks as float (they run as stored in one process)", model)
     ranks = node_ranks(par.world_size, par.nnodes, par.node_rank)
     if par.nnodes > 1 and par.master_port is None:
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
     port = par.master_port or free_port(par.master_addr)
-    dtype = resolve_dtype(checkpoint, config.load.dtype, device, config.quant.quantize)
+    dtype = resolve_dtype(checkpoint, config.load.dtype, device, config.quant.scheme)
     spec = WorkerSpec(
         model=str(model),
         dtype=str(dtype).removeprefix("torch."),

@@ -232,8 +232,8 @@ class Worker:
             expert_parallel=spec.parallel.enable_expert_parallel,
         )
         model, quant = loaded.model, spec.quant
-        if quant.quantize is not None:
-            stats = quantize_shard(model, quant.quantize, quant.quant_group_size, quant.quant_keep)
+        if quant.scheme is not None:
+            stats = quantize_shard(model, quant.scheme, quant.quant_group_size, quant.quant_keep)
             if quant.quant_keep_as is not None:
                 stats["quantized"] += quantize_kept(
                     model, quant.quant_keep, quant.quant_keep_as, quant.quant_group_size
@@ -243,7 +243,7 @@ class Worker:
                 "rank %d: %d layers quantized to %s, %d kept",
                 self.rank,
                 stats["quantized"],
-                quant.quantize,
+                quant.scheme,
                 stats["kept"],
             )
         # This rank's weights (a tied head counted once), before fusing and packing re-store them.

@@ -28,7 +28,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     model: str | None = None  # draft_model: a path or catalog name; None: the target's own checkpoint
-    quantization: str | None = None  # draft_model: quantize the draft ("int8", "int4"): a cheap copy of the target
+    # draft_model: quantize the draft ("int8", "int4"): a cheap copy of the target; unset: the draft's own storage
+    # (`--quantize auto`: a GGUF file's blocks as stored, other checkpoints float)
+    quantization: str | None = None
     # Speculation is off in a step when more requests than this are running: a batch that large
     # already keeps the matmuls busy, so drafts that get rejected cost real compute. None: the
     # device's rule, B * (k + 1) <= BANDWIDTH_BOUND_TOKENS (docs/SERVING.md).
