@@ -29,7 +29,21 @@ HEADERS = sorted(os.path.join(CSRC, f) for f in os.listdir(CSRC) if f.endswith("
 # the library links libgomp.so.1, which resolves to the copy torch has already loaded.
 # No -march: the library must run on any CPU of its architecture; the ISA-specific units raise their own
 # level (block_gemm_avx2.cpp) and run only when keel.platform reports that level.
-COMPILE_ARGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+# TORCH_ASSERT_ONLY_METHOD_OPERATORS: the units include ATen's tensor class and the ops they call
+# (ATen/ops/*.h), not ATen/ATen.h, whose every-operator header cost each unit seconds; the macro turns an
+# include of it into an error.
+COMPILE_ARGS = [
+    "-O3",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-Wall",
+    "-Wno-unknown-pragmas",
+    "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
+]
+# -g0: Python's own CFLAGS (sysconfig) ask for debug information, which doubles each unit's compile time at
+# install; KEEL_KERNELS_DEBUG=1 keeps it, for gdb.
+if os.environ.get("KEEL_KERNELS_DEBUG") != "1":
+    COMPILE_ARGS.append("-g0")
 # GCC fuses a * b + c into one multiply-add wherever the target has one, and every aarch64 CPU has it: the
 # portable loops' values (a product rounded, then the sum: the torch formulas' roundings) would differ
 # there from x86-64's, whose baseline has no FMA. The vector kernels ask for fused ones by name.

@@ -2,7 +2,7 @@
 // (keel::decoder_layers calls the same code the separate operators run, so both paths agree bit for bit).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace keel {
 

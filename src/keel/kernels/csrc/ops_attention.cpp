@@ -1,7 +1,8 @@
 // keel::paged_attention: attention of query rows over the paged KV store, reading each sequence's
 // blocks where they lie (no gather). Work items (attention.h's PagedItem): a decode row and KV head, or
 // a tile of a prefill chunk's rows and a KV head, handed to the threads largest first.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,7 @@
 // 32 rows of a 49k vocabulary on 2 cores). Here each 32-bit word is read once: an all-ones word (the
 // common case inside JSON strings) skips its 32 logits, an all-zeros word fills them, others are set
 // bit by bit. The torch reference is keel.serve.constraints.unpack_bitmask + masked_fill.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -8,7 +8,10 @@
 // same functions the separate operators run (block_linear or at::linear, rms_norm_rows, rotary_rows,
 // paged_attention, silu_mul_rows), in the same order on the same values, so its result is bit for bit
 // the modules' (keel.model.fused_layer builds the call; tests compare).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

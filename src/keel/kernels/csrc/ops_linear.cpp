@@ -1,7 +1,11 @@
 // Block-quantized linear layers and embedding lookups as torch operators (keel::block_linear,
 // keel::block_embedding, keel::block_dequantize), and the panel layout's conversions (keel::block_panels,
 // keel::block_rows).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bitwise_xor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -7,7 +7,8 @@
 // on the order the stable sort defines (value descending, then index), only they are sorted, and the
 // draw inverts the kept distribution's CDF with one uniform number per row (given by the caller, so
 // that seeded rows draw from their own generators).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

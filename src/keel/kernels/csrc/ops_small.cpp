@@ -3,7 +3,9 @@
 // row: at decode sizes (one row of a few thousand values) the call, not the arithmetic, is the cost.
 // Arithmetic follows the torch formulas they replace (keel.model.layers), in float32 (bf16 models keep
 // torch's ops, whose roundings transformers' bf16 reference shares).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
