@@ -250,6 +250,8 @@ def test_vllm_spellings_of_engine_flags():
         ("1m", 10**6),
         ("2M", 2 * 2**20),
         ("4096", 4096),
+        ("auto", -1),  # vLLM's: fit the KV cache (tests/test_serve_engine.py)
+        ("-1", -1),
     ):
         assert parse("--max-model-len", text)[1].scheduler.max_model_len == want
     assert parse("--max-num-batched-tokens", "8k")[1].scheduler.max_num_batched_tokens == 8000

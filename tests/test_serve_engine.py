@@ -275,6 +275,28 @@ def test_limits_and_errors(models):
     check_no_leak(engine)
 
 
+def test_max_model_len_auto_fits_the_kv_cache(models, caplog):
+    """vLLM's --max-model-len auto (-1): the model's context where the cache holds it, else what the cache holds
+    (logged), and requests are refused past that length."""
+    loaded = models["llama"]
+    context = loaded.config.max_position_embeddings
+    roomy = LLMEngine(loaded, EngineConfig.of(num_blocks=-(-context // 16) + 1, block_size=16, max_model_len="auto"))
+    assert roomy.max_model_len == context and roomy.config.scheduler.max_model_len == -1
+    with caplog.at_level("WARNING", logger="keel.serve"):
+        tight = LLMEngine(loaded, EngineConfig.of(num_blocks=3, block_size=16, max_model_len=-1))
+    assert tight.max_model_len == 48 < context and "--max-model-len auto: 48 tokens" in caplog.text
+    with pytest.raises(KeelError, match="exceeds the model length 48"):
+        tight.add_request(list(range(40)), SamplingParams(max_tokens=9))
+    rid = tight.add_request(list(range(40)), SamplingParams(max_tokens=8, **GREEDY))
+    while tight.has_unfinished_requests():
+        outputs = tight.step()
+    assert outputs[0].request_id == rid and len(outputs[0].outputs[0].token_ids) == 8
+    check_no_leak(tight)
+    for bad in (0, -2):
+        with pytest.raises(KeelError, match="--max-model-len must be >= 1 or auto"):
+            EngineConfig.of(max_model_len=bad)
+
+
 def test_priority_policy_runs_important_requests_first(models):
     loaded = models["llama"]
     engine = LLMEngine(

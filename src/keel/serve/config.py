@@ -18,7 +18,7 @@ from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 from keel.errors import KeelError
 from keel.quant.config import QuantConfig
 from keel.serve.speculative import SpeculativeConfig
-from keel.serve.units import human_readable_int
+from keel.serve.units import AUTO_LENGTH, human_readable_int, model_length
 
 
 @dataclass
@@ -86,8 +86,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """requests running at once"""
 
-    max_model_len: int | None = field(default=None, metadata={"type": human_readable_int})
-    """longest sequence, prompt and output (default: the model's context); vLLM's 32k = 32000, 32K = 32768"""
+    max_model_len: int | None = field(default=None, metadata={"type": model_length})
+    """longest sequence, prompt and output (default: the model's context); vLLM's 32k = 32000, 32K = 32768; auto
+    (or -1): the model's context or, where the KV cache holds fewer tokens, as many as it holds"""
 
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """which waiting request runs first: arrival order, or the request's priority"""
@@ -95,6 +96,16 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """split a long prompt's prefill over steps, beside running decodes; off: a prompt is prefilled in one step
     (it waits for a step with room for all of it; --max-num-batched-tokens must hold --max-model-len)"""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_model_len, str):  # keel.LLM(model, max_model_len="auto"), as the flag takes it
+            self.max_model_len = model_length(self.max_model_len)
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != AUTO_LENGTH:
+            raise KeelError(f"--max-model-len must be >= 1 or auto, got {self.max_model_len}")
+
+    def model_len(self, context: int) -> int:
+        """The length asked for, or the model's `context` (unset, or auto before the KV cache is sized)."""
+        return context if self.max_model_len in (None, AUTO_LENGTH) else self.max_model_len
 
 
 @dataclass

@@ -40,6 +40,7 @@ from keel.serve.step_tokens import TokenHistogram
 from keel.serve.stop import StopChecker
 from keel.serve.structured.backend import GrammarBackend
 from keel.serve.structured.state import GrammarState
+from keel.serve.units import AUTO_LENGTH
 from keel.tokenizer import IncrementalDetokenizer, Tokenizer
 from keel.weights.checkpoint import LoadedModel
 
@@ -176,7 +177,8 @@ class LLMEngine:
         self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
         self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.max_model_len = config.scheduler.max_model_len or self.model.config.max_position_embeddings
+        # Under --max-model-len auto the model's context until the KV cache is sized (_allocate_kv_cache).
+        self.max_model_len = config.scheduler.model_len(self.model.config.max_position_embeddings)
         self.spec: SpeculativeConfig | None = config.speculative
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
@@ -288,7 +290,14 @@ class LLMEngine:
         check_kv_cache_dtype(cache.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
         num_blocks = self.executor.num_blocks if self.executor is not None else self._num_blocks(device)
         tokens = num_blocks * cache.block_size
-        if tokens < self.max_model_len:
+        if tokens < self.max_model_len and self.config.scheduler.max_model_len == AUTO_LENGTH:
+            log.warning(
+                "--max-model-len auto: %d tokens, what the KV cache holds (the model's context is %d)",
+                tokens,
+                self.max_model_len,
+            )
+            self.max_model_len = tokens
+        elif tokens < self.max_model_len:
             raise KeelError(
                 f"KV cache of {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"

@@ -26,3 +26,13 @@ def human_readable_int(text: str) -> int:
     if "." in number:  # as vLLM: a binary multiple of a fraction is most likely a typo for the decimal one
         raise ValueError(f"{text!r}: decimals need a decimal suffix ({number}{suffix.lower()})")
     return int(number) * _BINARY[suffix]
+
+
+AUTO_LENGTH = -1  # --max-model-len auto (vLLM's -1): the longest length the KV cache holds, up to the model's context
+
+
+def model_length(text: str) -> int:
+    """--max-model-len: a human-readable integer, or 'auto' / -1 (`AUTO_LENGTH`), as vLLM reads it."""
+    if text.strip().lower() in ("auto", str(AUTO_LENGTH)):
+        return AUTO_LENGTH
+    return human_readable_int(text)

@@ -133,7 +133,7 @@ def _load_engine_only(source: ModelSource, options: ServeOptions, config: Engine
     if options.engine == "naive":
         from keel.serve.naive import NaiveEngine
 
-        return NaiveEngine(loaded, config.scheduler.max_model_len)
+        return NaiveEngine(loaded, config.scheduler.model_len(loaded.config.max_position_embeddings))  # no KV pool
     return LLMEngine(loaded, config, adapt=True)
 
 
@@ -242,7 +242,7 @@ def resolve_auto_parallel(model: str, auto_parallel: str | None, config: EngineC
     from keel.serve.parallel.launch import auto_parallel as plan_layout
 
     model_cfg = model_config(model)
-    context = config.scheduler.max_model_len or model_cfg.max_position_embeddings
+    context = config.scheduler.model_len(model_cfg.max_position_embeddings)
     gpus = None if auto_parallel == "local" else auto_parallel
     tp, pp, why = plan_layout(model_cfg, gpus, context, config.load.dtype)
     log.info("--auto-parallel: %s", why)
