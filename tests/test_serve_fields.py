@@ -82,9 +82,6 @@ def server(tmp_path_factory):
     (root / "t.jinja").write_text(TEMPLATE)
     args = ["--served-model-name", MODEL, "--threads", "1", "--no-compile", "--chat-template", str(root / "t.jinja")]
     args += ["--reasoning-parser", "qwen3", "--scheduling-policy", "priority", "--max-num-seqs", "1"]
-    # The file's own blocks on keel's kernels (as vLLM serves a GGUF file): what these tests check does not
-    # depend on the weights' arithmetic, and the blocks decode in half the time of the dequantized float path.
-    args += ["--quantization", "gguf"]
     proc = ServerProcess("smollm2-135m-instruct", *args, log_path=root / "server.log").wait_ready()
     yield proc
     proc.terminate()

@@ -81,9 +81,6 @@ def server(tmp_path_factory):
     template.write_text(TOOLS_TEMPLATE)
     args = ["--served-model-name", MODEL, "--threads", "1", "--no-compile", "--chat-template", str(template)]
     args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-    # The file's own blocks on keel's kernels (as vLLM serves a GGUF file): what these tests check does not
-    # depend on the weights' arithmetic, and the blocks decode in half the time of the dequantized float path.
-    args += ["--quantization", "gguf"]
     proc = ServerProcess("smollm2-135m-instruct", *args, log_path=root / "server.log").wait_ready()
     yield proc
     proc.terminate()
