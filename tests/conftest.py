@@ -1,5 +1,4 @@
 import contextlib
-import functools
 import os
 import sys
 from pathlib import Path
@@ -51,21 +50,6 @@ def force_isa(monkeypatch):
     levels.close()
     monkeypatch.undo()
     platform.host.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def cpu_peak_measured_once():
-    """Each Trainer measures the CPU's matmul peak (MFU's denominator) for a second as it starts; Trainers
-    run in this process measure it once per precision and thread count, and reuse it: the same machine."""
-    from keel.train import trainer
-
-    real = trainer.peak_flops
-    measured = functools.cache(lambda device, precision, threads: real(device, precision))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            trainer, "peak_flops", lambda device, precision: measured(device, precision, torch.get_num_threads())
-        )
-        yield
 
 
 # `make test` runs two xdist workers a file at a time each: the longest files go first, so that the run does not

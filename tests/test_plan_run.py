@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 from plan_memory import TINY, config_text  # noqa: E402  (the benchmark's runs, so both stay the same)
 
 TOLERANCE = 0.15
-pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
 
 
 @pytest.fixture(scope="module")

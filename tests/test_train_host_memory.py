@@ -15,7 +15,6 @@ from torch import nn
 from keel.train.host_memory import HeapTrimmer, trim_heap_wanted
 from test_train_run import config, make_train_root, run
 
-pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
 needs_glibc = pytest.mark.skipif(not HeapTrimmer().available, reason="malloc_trim is glibc's (Linux)")
 
 

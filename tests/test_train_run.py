@@ -26,8 +26,6 @@ from keel.train.metrics import read_metrics
 from keel.train.trainer import GuardStop, Trainer
 from tiny_models import save_byte_tokenizer, save_hf_model
 
-pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
-
 MODEL = """
 [model]
 tokenizer = "{tok}"

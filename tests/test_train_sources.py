@@ -18,8 +18,6 @@ from keel.train.metrics import read_metrics
 from keel.train.trainer import Trainer
 from test_train_run import config, forbid_exec, keel_process, keel_train, losses, make_train_root, refused, run
 
-pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):

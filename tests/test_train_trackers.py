@@ -14,8 +14,6 @@ from keel.train.metrics import read_metrics
 from keel.train.trackers import scalars
 from test_train_run import config, make_train_root, refused, run
 
-pytestmark = pytest.mark.usefixtures("cpu_peak_measured_once")
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):

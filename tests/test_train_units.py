@@ -160,6 +160,28 @@ def test_flops_per_token_and_peak(tmp_path):
     assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "loss": 2.0}]
 
 
+def test_the_cpu_peak_is_measured_once_per_machine_dtype_and_thread_count(tmp_path, monkeypatch):
+    from keel.train import metrics
+
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    measured: list[torch.dtype] = []
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda dtype: measured.append(dtype) or 1e9 * len(measured))
+    cpu = torch.device("cpu")
+    first, source = metrics.peak_flops(cpu, "fp32")
+    assert first == 1e9 and "kept in" not in source and measured == [torch.float32]
+    assert metrics.peak_flops(cpu, "fp32") == (1e9, f"{source}, kept in {tmp_path / 'cpu_peak_flops.json'}")
+    assert metrics.peak_flops(cpu, "bf16")[0] == 2e9 and measured == [torch.float32, torch.bfloat16]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert metrics.peak_flops(cpu, "fp32")[0] == 3e9  # another thread count: measured again
+    finally:
+        torch.set_num_threads(threads)
+    assert metrics.peak_flops(cpu, "fp32")[0] == 1e9 and len(measured) == 3
+    (tmp_path / "cpu_peak_flops.json").write_text('{"torn')  # unreadable: measured again and rewritten
+    assert metrics.peak_flops(cpu, "fp32")[0] == 4e9 and metrics.peak_flops(cpu, "fp32")[0] == 4e9
+
+
 @pytest.mark.parametrize(
     ("name", "worlds"),
     [

@@ -23,6 +23,7 @@ import os
 import platform as _platform
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel.errors import KeelError
@@ -205,6 +206,18 @@ def host() -> Platform:
     for warning in platform.warnings:
         logging.getLogger("keel").warning(warning)
     return platform
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's name as the OS gives it (Linux's /proc/cpuinfo "model name"), else the platform's processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine()
 
 
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"

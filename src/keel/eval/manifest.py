@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from keel.platform import host
+from keel.platform import cpu_model, host
 from keel.serve.engine import LLMEngine
 from keel.version import __version__
 
@@ -73,18 +73,10 @@ def git_commit() -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info: dict[str, Any] = {
         "hostname": platform.node(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -6,9 +6,9 @@ parameters + the LM head) + 12 x layers x heads x head_dim x seq_len (attention 
 values, forward + backward; causal masking not discounted, as PaLM counts it). Recomputation
 (activation checkpointing) is not counted: MFU, not HFU.
 
-The peak: on CPU it is measured at start (square matmuls in the training dtype on the threads
-torch uses; what "the measured matmul peak" of the benchmark means); on GPU it comes from the
-table below (dense, no sparsity).
+The peak: on CPU it is measured (square matmuls in the training dtype on the threads torch uses; what
+"the measured matmul peak" of the benchmark means) once per machine, dtype and thread count, and kept
+(keel.train.peak_cache); on GPU it comes from the table below (dense, no sparsity).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from keel.config import ModelConfig
+from keel.train.peak_cache import cached_cpu_peak, peak_cache_path
 
 # Dense peak FLOP/s per GPU, (bf16/fp16, fp32 via TF32 where the vendor quotes it).
 GPU_PEAK_FLOPS = {
@@ -75,7 +76,10 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
                 return peaks[key], f"{gpu} datasheet ({key}, dense)"
         return 0.0, f"unknown GPU {name!r}: MFU not computed"
     dtype = torch.float32 if precision == "fp32" else (torch.bfloat16 if precision == "bf16" else torch.float16)
-    return measure_cpu_peak(dtype), f"measured: {dtype} matmul on {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    peak, kept = cached_cpu_peak(dtype, threads, lambda: measure_cpu_peak(dtype))
+    source = f"measured: {dtype} matmul on {threads} threads"
+    return peak, source + (f", kept in {peak_cache_path()}" if kept else "")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
