@@ -67,11 +67,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, built on the meta device (every checkpoint load and training start) without its N(0, 1)
+    initialisation: meta tensors hold no values, and the meta kernel of normal_ (a torch._refs decomposition)
+    imports torch._dynamo on first use, a second of each process's start-up."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | None = _embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
