@@ -313,6 +313,27 @@ def test_auto_is_the_engine_default_and_keep_as_needs_a_quantized_model(tmp_path
     assert isinstance(kept.model.lm_head, QuantizedLinear) and kept.model.lm_head.scheme == "int8"
 
 
+def test_auto_keeps_the_experts_in_float_for_expert_offloading(tmp_path):
+    """--expert-cache moves float experts between host and slots: under auto a GGUF MoE file's experts load in float
+    and the rest runs its blocks; the tokens are those of the same split without offloading."""
+    from keel.serve import EngineConfig, LLMEngine, SamplingParams
+
+    path = str(write_gguf(build_hf("mixtral"), tmp_path / "moe.gguf", qtype=Q.Q4_0))
+    base = dict(num_blocks=32, max_model_len=64, compile=False)
+    offloaded = LLMEngine(path, EngineConfig.of(**base, expert_cache=2))
+    layer = offloaded.model.layers["0"]
+    assert type(layer.mlp.experts) is GroupedExperts and quantized_layers(layer.self_attn)
+    resident = LLMEngine(path, EngineConfig.of(**base, quant_keep=("lm_head", "*.experts")))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for engine in (offloaded, resident):
+        engine.add_request([5, 6, 7, 8], params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+        tokens.append(outputs[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
 # The real SmolLM2 GGUF, in `make test-slow` (the default suite's budget); the synthetic GGUFs' scheme tests stay.
 @pytest.mark.slow
 def test_smollm2_gguf_scheme_greedy_matches_the_float_load():

@@ -22,6 +22,7 @@ from keel.errors import KeelError
 from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
 from keel.model.transformer import Transformer
 from keel.platform import resolve_device
+from keel.quant.config import AUTO
 from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
@@ -237,7 +238,10 @@ class LLMEngine:
             loaded = model
         else:
             host = "cpu" if offloading else device
-            loaded = load_model(model, config.load.dtype, device=host, **config.quant.load_options())
+            options = config.quant.load_options()
+            if offloading and config.quant.quantize == AUTO:  # offloading moves float experts: auto keeps them so
+                options["quant_keep"] = (*options["quant_keep"], "*.experts")
+            loaded = load_model(model, config.load.dtype, device=host, **options)
         self.offload: ExpertOffload | None = None
         if offloading:
             from keel.serve.offload import enable_expert_offload
