@@ -59,6 +59,7 @@ def main() -> None:
     for name, (dtype, prepare) in PATHS.items():
         config = EngineConfig.of(
             dtype=dtype,
+            quantize="none",  # the float paths, also for a GGUF file (whose blocks --quantize auto would run)
             prepack_weights=prepare,
             compile=False,
             enable_prefix_caching=False,

@@ -61,6 +61,7 @@ def main() -> None:
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 8) // 16) + 1) + 8
     config = EngineConfig.of(
         dtype=args.dtype,
+        quantize="none",  # float weights, as the roofline counts them (a GGUF file's blocks expanded)
         num_blocks=blocks,
         enable_prefix_caching=False,
         max_model_len=args.prompt_tokens + args.steps + 64,

@@ -6,8 +6,8 @@
 Workload (seeded): --num-prompts requests sent at once, each "Continue the following text:" and a
 window of Shakespeare's works cut to a uniform 44-250 tokens (SmolLM2's tokenizer), asking for a
 uniform 64-128 tokens with EOS ignored (`ignore_eos`, which both servers honour); streaming
-/v1/completions, greedy. keel serves the GGUF file in its default serving setup (bf16 on CPUs with
-native bf16, compiled decode, continuous batching); llama-server serves the same file with
+/v1/completions, greedy. keel serves the GGUF file in its default serving setup (`--quantize auto`: the
+file's blocks on keel's kernels, compiled decode, continuous batching); llama-server serves the same file with
 `-t THREADS -np 16 -cb` (16 slots, continuous batching) and a context of 16 x 512 tokens. Both are
 measured by `keel bench serve` (vLLM's metric names); the table shows output tok/s and inter-token
 latency (p50, p99) of every run and the ratios keel / llama-server of the medians. --rounds N

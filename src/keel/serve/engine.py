@@ -452,7 +452,7 @@ class LLMEngine:
             source,
             config.load.dtype,
             device=device,
-            quantize=spec.quantization or "auto",  # unset: as the target, a GGUF draft's blocks as stored
+            quantize=spec.quantization or AUTO,  # unset: as the target, a GGUF draft's blocks as stored
             quant_group_size=quant.quant_group_size,
             quant_keep=quant.quant_keep,
         ).model
