@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from keel import platform
+from keel import kernels, platform
 from keel.errors import KeelError
 from keel.serve import compiled_decode
 from keel.serve.compiled_decode import decide_compile
@@ -67,7 +67,6 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
 def test_batches_padded_to_buckets_give_the_eager_tokens(tmp_path):
     """CUDA's graph buckets, run on CPU: batches padded to 1, 2, 4 or 8 rows with copies of row 0 (which
     rewrite row 0's own K/V), tables padded to the longest a sequence can have: the eager tokens."""
-    from keel import kernels
     from keel.serve.compiled_decode import CompiledDecode
 
     save_hf_model("llama", tmp_path)
@@ -119,6 +118,27 @@ def test_auto_compiles_only_large_dense_models(tmp_path, monkeypatch):
     assert decide_compile(None, dense.model, dense.cache, offloading=False) is False
     with pytest.raises(KeelError, match="no C\\+\\+ compiler"):
         decide_compile(True, dense.model, dense.cache, offloading=False)
+
+
+def test_auto_leaves_models_on_keels_fused_cpu_layers_eager(tmp_path, monkeypatch):
+    """Auto compiles a large model only where its decode does not already run through keel::decoder_layers (float32
+    or block weights on keel's CPU kernels), whose step the compiled modules do not beat (docs/BENCHMARKS.md)."""
+    from keel.model.fused_layer import decode_runs_fused
+
+    monkeypatch.delenv("KEEL_COMPILE", raising=False)
+    monkeypatch.setattr(compiled_decode, "AUTO_COMPILE_MIN_PARAMS", 0)  # every model counts as large
+    save_hf_model("llama", tmp_path / "llama")
+    save_hf_model("gpt_neox", tmp_path / "neox")  # parallel residual, LayerNorm: the modules run it
+    fused = LLM(str(tmp_path / "llama"), dtype="float32", num_blocks=16, max_model_len=64, compile=False).engine
+    bf16 = LLM(str(tmp_path / "llama"), dtype="bfloat16", num_blocks=16, max_model_len=64, compile=False).engine
+    neox = LLM(str(tmp_path / "neox"), dtype="float32", num_blocks=16, max_model_len=64, compile=False).engine
+    assert decode_runs_fused(fused.model, fused.cache) is kernels.active()
+    assert decide_compile(None, fused.model, fused.cache, offloading=False) is not kernels.active()
+    assert decode_runs_fused(bf16.model, bf16.cache) is False  # bf16 activations keep torch's ops
+    assert decide_compile(None, bf16.model, bf16.cache, offloading=False) is True
+    assert decode_runs_fused(neox.model, neox.cache) is False
+    assert decide_compile(None, neox.model, neox.cache, offloading=False) is True
+    assert decide_compile(True, fused.model, fused.cache, offloading=False) is True  # --compile is honoured
 
 
 def test_decode_attention_op_matches_the_paged_cache(tmp_path):

@@ -69,12 +69,24 @@ def _ready(x: Tensor, meta: AttentionMetadata) -> bool:
     return kernels.fused_ops(x) and not torch.compiler.is_compiling()
 
 
-def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
-    """(tensors, ints, floats, stores) of one layer as keel::decoder_layers takes them, or None where
-    the layer or its cache is not one the operator runs.
+def decode_runs_fused(model: nn.Module, cache: object) -> bool:
+    """Whether a decode step of `model` (one token a sequence) over `cache` runs through keel::decoder_layers:
+    the step-wide conditions for the model's dtype and device, and every layer and its stores."""
+    with torch.inference_mode():
+        probe = torch.empty(0, dtype=model.dtype, device=model.device)
+        if not _enabled or not kernels.fused_ops(probe):
+            return False
+    attends = getattr(cache, "attends_in_place", None)
+    for layer in model.layers.values():
+        parts = _layer_parts(layer, 1)
+        if parts is None or attends is None or not attends(parts[0].layer):
+            return False
+    return True
 
-    Submodules and tensors are read from the modules' `_modules` / `_parameters` dicts: nn.Module's
-    attribute lookup costs ~1 us a read, ~25 reads a layer, on every layer of every step."""
+
+def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
+    """(attention, its submodules, the projections' kernel arguments) of a layer whose block the operator runs on
+    `tokens` rows, or None."""
     children = layer._modules
     attn, mlp = children["self_attn"], children["mlp"]
     if type(attn) is not Attention or type(mlp) is not SwiGLU:
@@ -96,8 +108,20 @@ def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
     if qkv is None or gate_up is None:
         return None
     projections = [_projection(m, tokens) for m in (qkv, parts["o_proj"], gate_up, mlp_parts["down_proj"])]
-    if None in projections:
+    return None if None in projections else (attn, parts, projections)
+
+
+def _layer_args(layer: nn.Module, tokens: int, cache: object) -> tuple | None:
+    """(tensors, ints, floats, stores) of one layer as keel::decoder_layers takes them, or None where
+    the layer or its cache is not one the operator runs.
+
+    Submodules and tensors are read from the modules' `_modules` / `_parameters` dicts: nn.Module's
+    attribute lookup costs ~1 us a read, ~25 reads a layer, on every layer of every step."""
+    found = _layer_parts(layer, tokens)
+    if found is None:
         return None
+    attn, parts, projections = found
+    children = layer._modules
     in_place = getattr(cache, "in_place", None)
     stores = in_place(attn.layer, tokens) if in_place is not None else None
     if stores is None:

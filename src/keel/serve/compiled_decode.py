@@ -38,6 +38,7 @@ from keel import kernels
 from keel.errors import KeelError
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata
+from keel.model.fused_layer import decode_runs_fused
 from keel.model.transformer import Transformer
 from keel.paths import use_inductor_cache_dir
 from keel.platform import host
@@ -187,7 +188,9 @@ def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCac
     """The engine's `compile` option: True / False as asked (True where the model is unsupported falls
     back to eager with a warning; on a CPU host without a C++ compiler it is a KeelError); None
     (auto): the environment's KEEL_COMPILE=0/1 when set, else on for supported models of
-    AUTO_COMPILE_MIN_PARAMS or more (never without a C++ compiler on CPU)."""
+    AUTO_COMPILE_MIN_PARAMS or more (never without a C++ compiler on CPU), except where every decoder layer
+    runs through keel::decoder_layers (float32 or block weights on keel's CPU kernels: the compiled step,
+    which runs the modules, measured no faster at batch 1 and slower at 16, after ~20 s of compiling)."""
     if requested is None and os.environ.get("KEEL_COMPILE") in ("0", "1"):
         requested = os.environ["KEEL_COMPILE"] == "1"
     reason = compile_unsupported(model, cache) or ("expert offloading" if offloading else None)
@@ -202,6 +205,8 @@ def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCac
             log.warning("decode compilation off: not supported with %s", reason)
         return False
     if requested is None:
+        if decode_runs_fused(model, cache):  # keel's C++ layers: a compiled step would run the modules instead
+            return False
         return sum(p.numel() for p in model.parameters()) >= AUTO_COMPILE_MIN_PARAMS
     return True
 

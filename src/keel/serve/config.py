@@ -43,7 +43,8 @@ class LoadConfig:
 
     compile: bool | None = field(default=None, metadata={"negative_aliases": ("--enforce-eager",)})
     """decode steps through one torch.compile'd graph (default: on for dense models of 50M+ parameters, where the
-    compile time pays back; --no-compile, or vLLM's --enforce-eager: eager)"""
+    compile time pays back, unless keel's fused CPU layers run every layer (float32 or block weights); --no-compile,
+    or vLLM's --enforce-eager: eager)"""
 
     def __post_init__(self) -> None:
         self.dtype = canonical_dtype(self.dtype)  # keel.LLM(model, dtype="half") as vLLM's LLM takes it

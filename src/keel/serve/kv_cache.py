@@ -351,13 +351,18 @@ class PagedKVCache:
         """One layer's stores and this step's slots and rows, for an operator that writes the step's K/V and
         attends where they lie in one call (keel::decoder_layers); None where keel's paged-attention kernel
         does not read this cache (then `attend` runs)."""
-        k_store = self.keys[layer]
-        # MLA has no values; keel::decoder_layers's attention does not soft-cap scores
-        if not self.values or self.softcap or not kernel_attends(k_store, self.head_dim, self.block_size):
+        if not self.attends_in_place(layer):
             return None
         return InPlaceLayer(
-            k_store, self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
+            self.keys[layer], self.values[layer], self.plan.slot_mapping, self.plan.rows(num_tokens), self.block_size
         )
+
+    def attends_in_place(self, layer: int) -> bool:
+        """Whether `in_place` serves this layer: keel's paged-attention kernel reads its stores where they lie."""
+        # MLA has no values; keel::decoder_layers's attention does not soft-cap scores
+        if not self.values or self.softcap:
+            return False
+        return kernel_attends(self.keys[layer], self.head_dim, self.block_size)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         store = self.keys[layer]

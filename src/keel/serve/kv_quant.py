@@ -146,6 +146,9 @@ class Int8PagedKVCache(PagedKVCache):
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
+    def attends_in_place(self, layer: int) -> bool:
+        return len(self.parts) == 1 and super().attends_in_place(layer)
+
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
         """The base class's, with the layer's scales: keel::decoder_layers quantizes each row as
         `quantize_kv` does (one scale a row: not MLA's two-part rows, which have no values anyway)."""
