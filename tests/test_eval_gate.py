@@ -1,8 +1,8 @@
 """The regression gate on the real SmolLM2-135M-Instruct: every serving configuration keel ships is
-gated against the eager baseline in the host's `--dtype auto` (bf16 where bf16 matmul is native,
-float32 where it is emulated: keel.platform) with `keel eval compare`, on small slices of the
-built-in suites, the golden prompts and the Shakespeare corpus. The quantized candidates compute in
-bf16 on every host (the int8/int4 kernels' fast path).
+gated against the eager float baseline (`--quantize none`: the GGUF file's blocks expanded) in the host's
+`--dtype auto` (bf16 where bf16 matmul is native, float32 where it is emulated: keel.platform) with
+`keel eval compare`, on small slices of the built-in suites, the golden prompts and the Shakespeare corpus.
+The quantized candidates compute in bf16 on every host (the int8/int4 kernels' fast path).
 
 Thresholds (the quantization issue's): perplexity +1% at int8, +5% at int4; no significant suite
 drop beyond 5 points; speculative decoding and the compiled decode step are lossless, so their
@@ -60,7 +60,7 @@ def _evaluate(config: EngineConfig, damage: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline() -> dict:
-    return _evaluate(EngineConfig.of(num_blocks=512, compile=False))
+    return _evaluate(EngineConfig.of(num_blocks=512, compile=False, quantize="none"))
 
 
 def _gate(baseline: dict, candidate: dict, thresholds: Thresholds) -> None:
@@ -75,7 +75,7 @@ def _gate(baseline: dict, candidate: dict, thresholds: Thresholds) -> None:
 def test_damaged_weights_fail_the_gate(baseline):
     # (An identical rerun passing with zero change: tests/test_eval_suites.py on a tiny model, and the
     # lossless configurations below, whose results equal the baseline's exactly.)
-    damaged = compare(baseline, _evaluate(EngineConfig.of(num_blocks=512, compile=False), damage=True))
+    damaged = compare(baseline, _evaluate(EngineConfig.of(num_blocks=512, compile=False, quantize="none"), damage=True))
     assert not damaged.passed
     assert any(f.startswith("perplexity") for f in damaged.failures)
     assert damaged.greedy["stability"] < 1.0
@@ -95,13 +95,13 @@ def test_quantized_serving_passes_the_gate(baseline, quantize, max_ppl_increase)
 @pytest.mark.slow  # ~45 s on AVX2; n-gram and draft speculation's greedy equality: tests/test_speculative.py
 def test_speculative_decoding_is_lossless_under_the_gate(baseline):
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=False, speculative_config=spec))
+    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=False, quantize="none", speculative_config=spec))
     assert candidate["manifest"]["engine"]["speculative"]["method"] == "ngram"
     _gate(baseline, candidate, Thresholds(min_greedy_stability=1.0, max_ppl_increase=0.0))
 
 
 @pytest.mark.slow  # ~50 s; the compiled step's tokens are also checked by tests/test_compiled_decode.py
 def test_compiled_decode_is_lossless_under_the_gate(baseline):
-    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=True))
+    candidate = _evaluate(EngineConfig.of(num_blocks=512, compile=True, quantize="none"))
     assert candidate["manifest"]["engine"]["compile"] is True
     _gate(baseline, candidate, Thresholds(min_greedy_stability=1.0, max_ppl_increase=0.0))
