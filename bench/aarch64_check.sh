@@ -28,7 +28,8 @@ echo "aarch64 torch: $torch_dir (C++11 ABI $abi)"
 
 # The flags setup.py's build gives each unit on aarch64 (torch's CppExtension: C++20, the extension
 # defines), no -march.
-flags=(-O3 -std=c++20 -fPIC -fopenmp -fno-math-errno -Wall -Wno-unknown-pragmas -ffp-contract=off
+flags=(-O3 -g0 -std=c++20 -fPIC -fopenmp -fno-math-errno -Wall -Wno-unknown-pragmas -ffp-contract=off
+       -DTORCH_ASSERT_ONLY_METHOD_OPERATORS
        "-D_GLIBCXX_USE_CXX11_ABI=$abi" -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C
        -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include"
        -isystem "$ARM_ROOT/usr/include/python3.11" -idirafter "$ARM_ROOT/usr/include")
