@@ -147,13 +147,14 @@ class Int8PagedKVCache(PagedKVCache):
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
 
     def attends_in_place(self, layer: int) -> bool:
+        """The base class's, for rows of one scale (keel::decoder_layers quantizes each row as `quantize_kv`
+        does; not MLA's two-part rows, which have no values anyway)."""
         return len(self.parts) == 1 and super().attends_in_place(layer)
 
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
-        """The base class's, with the layer's scales: keel::decoder_layers quantizes each row as
-        `quantize_kv` does (one scale a row: not MLA's two-part rows, which have no values anyway)."""
-        found = super().in_place(layer, num_tokens)
-        if found is None or len(self.parts) != 1:
+        """The base class's, with the layer's scales."""
+        found = super().in_place(layer, num_tokens)  # None unless `attends_in_place`
+        if found is None:
             return None
         return replace(found, key_scales=self.key_scales[layer], value_scales=self.value_scales[layer])
 
