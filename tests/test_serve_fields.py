@@ -326,7 +326,9 @@ def check_priority(api: Api) -> None:
         api.ok(**fields)
         finished.append(name)
 
-    long = threading.Thread(target=run, args=("long",), kwargs={"max_tokens": 40, "ignore_eos": True})
+    # Long enough to outlast both arrivals (0.5 s) at any decode speed this suite meets (the GGUF blocks decode
+    # ~100 tokens/s on one thread: 40 tokens ended before the urgent request came, then the low one ran first).
+    long = threading.Thread(target=run, args=("long",), kwargs={"max_tokens": 300, "ignore_eos": True})
     long.start()
     time.sleep(0.3)
     late = threading.Thread(target=run, args=("low",), kwargs={"priority": 5})
