@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
+from keel.quant.config import QUANTIZE_CHOICES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,11 @@ def add_dtype_arg(
 ) -> None:
     aliases = [alias for alias, name in DTYPE_ALIASES.items() if name in choices]  # vLLM's half and float
     p.add_argument("--dtype", default=default, choices=[*choices, *aliases], type=canonical_dtype, help=help or None)
+
+
+def add_quantize_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """--quantize as `keel serve` takes it, for commands that load a model without the engine's options."""
+    p.add_argument("--quantize", default="auto", choices=list(QUANTIZE_CHOICES), help=help)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from keel.cli.common import add_dtype_arg, add_model_args
+from keel.cli.common import add_dtype_arg, add_model_args, add_quantize_arg
 from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.data.text_corpus import CORPORA, corpus_text
 from keel.errors import KeelError
 from keel.platform import resolve_device
-from keel.quant.config import QUANTIZE_CHOICES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
     add_dtype_arg(q)
-    q.add_argument(
-        "--quantize",
-        default="auto",
-        choices=list(QUANTIZE_CHOICES),
-        help="weights as `keel serve --quantize` takes them (auto: a GGUF file's integer blocks as stored, as "
+    add_quantize_arg(
+        q,
+        "weights as `keel serve --quantize` takes them (auto: a GGUF file's integer blocks as stored, as "
         "llama.cpp's perplexity runs them; none: float)",
     )
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -269,7 +266,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         raise KeelError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     import torch
 
-    from keel.quant.loading import load_model
+    from keel.quant.loading import load_model, loaded_scheme
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -280,7 +277,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     ids = leading_tokens(loaded.tokenizer, text, args.max_tokens)
     result = sliding_window_perplexity(loaded.model, ids, args.context, args.stride)
     dtype = str(loaded.model.dtype).removeprefix("torch.")
-    scheme = (getattr(loaded.model, "quantization", None) or {}).get("scheme")
+    scheme = loaded_scheme(loaded.model)
     weights = f"{dtype}, {scheme}" if scheme else dtype
     print(
         f"{args.model} ({weights}) on {name}: perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from keel.atomic import write_json_atomic
+from keel.cli.common import add_quantize_arg
 from keel.model.kv_size import KV_CACHE_DTYPES
 from keel.profile.decode import PARTS, DecodeProfile, StepProfile
-from keel.quant.config import QUANTIZE_CHOICES
 
 
 def _table(profile: DecodeProfile, step: StepProfile) -> list[str]:
@@ -72,12 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("model", help="a catalog name, an HF directory or a GGUF file")
     d.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    d.add_argument(
-        "--quantize",
-        default="auto",
-        choices=list(QUANTIZE_CHOICES),
-        help="weights as `keel serve --quantize` takes them (auto: a GGUF file's blocks as stored)",
-    )
+    add_quantize_arg(d, "weights as `keel serve --quantize` takes them (auto: a GGUF file's blocks as stored)")
     d.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="the paged cache's storage")
     d.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     d.add_argument("--prompt-tokens", type=int, default=32, help="each sequence's prompt")

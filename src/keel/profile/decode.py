@@ -38,6 +38,7 @@ from keel.model.fused_layer import modules_only
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.layers import RMSNorm
 from keel.profile.roofline import copy_bandwidth, streamed_weight_bytes
+from keel.quant.loading import loaded_scheme
 
 PARTS = (
     "embedding",
@@ -305,7 +306,7 @@ def profile_decode(
     return DecodeProfile(
         model=model,
         dtype=str(engine.model.dtype).removeprefix("torch."),
-        quantize=(getattr(engine.model, "quantization", None) or {}).get("scheme"),  # what auto chose
+        quantize=loaded_scheme(engine.model),  # what auto chose
         threads=torch.get_num_threads(),
         device=str(engine.model.device),
         copy_bandwidth=copy_bandwidth(device=engine.model.device),

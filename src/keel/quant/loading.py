@@ -81,6 +81,11 @@ def resolve_scheme(checkpoint: Checkpoint, quantize: str | None, device: str | t
     return None if quantize == FLOAT else quantize
 
 
+def loaded_scheme(model: torch.nn.Module) -> str | None:
+    """The scheme `load_model` quantized `model` in (what "auto" chose), None for a float model."""
+    return (getattr(model, "quantization", None) or {}).get("scheme")
+
+
 def stores_integer_blocks(checkpoint: Checkpoint) -> bool:
     """A GGUF file holding tensors in a block type that --quantize gguf runs as stored (Q4_0 ... Q6_K)."""
     names = {t.name for t in BLOCK_TYPES}
