@@ -118,6 +118,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
     return inv_freq
 
 
+def building_on_meta() -> bool:
+    """Whether modules are being built on the meta device (every checkpoint load and training start), where
+    their initial values are skipped: meta tensors hold none, and arithmetic or init on them runs torch._refs
+    decompositions, whose first use imports torch._dynamo (a second of each process's start-up)."""
+    return torch.get_default_device().type == "meta"
+
+
 class RotaryEmbedding(nn.Module):
     """Computes (cos, sin) for given positions once per forward; layers apply them."""
 
@@ -128,12 +135,10 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.sliding_rope_theta if sliding else config.rope_theta
         self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
         self.attention_factor = rope_attention_factor(self.scaling)
-        # Built on the meta device (every load and training start), a placeholder of the frequencies' shape:
-        # arithmetic on meta tensors runs torch._refs decompositions, whose first use imports torch._dynamo (a
-        # second of start-up), and reset_buffers computes the values where the model lands.
-        meta = torch.get_default_device().type == "meta"
-        placeholder = torch.empty((self.head_dim + 1) // 2) if meta else None  # as many as arange(0, dim, 2)
-        self.register_buffer("inv_freq", self._inv_freq() if placeholder is None else placeholder, persistent=False)
+        # On meta, a placeholder of the frequencies' shape (as many as arange(0, dim, 2)): reset_buffers computes
+        # the values where the model lands.
+        inv_freq = torch.empty((self.head_dim + 1) // 2) if building_on_meta() else self._inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _inv_freq(self, device: torch.device | None = None) -> Tensor:
         return rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache
 from keel.model.fused_layer import fused_forward, fused_layers
-from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm
+from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 
@@ -68,10 +68,8 @@ class DecoderLayer(nn.Module):
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
-    """nn.Embedding, built on the meta device (every checkpoint load and training start) without its N(0, 1)
-    initialisation: meta tensors hold no values, and the meta kernel of normal_ (a torch._refs decomposition)
-    imports torch._dynamo on first use, a second of each process's start-up."""
-    if torch.get_default_device().type == "meta":
+    """nn.Embedding; on the meta device without its N(0, 1) initialisation (`building_on_meta`)."""
+    if building_on_meta():
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     return nn.Embedding(num, dim)
 
