@@ -65,6 +65,10 @@ def rel(reference: torch.Tensor, ours: torch.Tensor) -> float:
     return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
+def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
 # --------------------------------------------------------------------------------- building blocks
 def test_direct_construction_equals_quantizing_a_float_weight():
     torch.manual_seed(0)
@@ -180,7 +184,7 @@ def test_tiny_gguf_with_the_gguf_scheme_matches_the_float_load(tmp_path, qtype, 
     path = write_gguf(build_hf("llama"), tmp_path / "m.gguf", qtype=qtype)
     reference = load_model(path, "float32")
     loaded = load_model(path, "float32", quantize="gguf", quant_keep=())
-    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = quantized_layers(loaded.model)
     assert len(layers) == 2 * 7 and {m.scheme for m in layers} == {"int8" if qtype == Q.Q8_0 else "int4"}
     assert type(loaded.model.lm_head) is nn.Linear  # tied: the head is the float embedding matrix
     stats = loaded.model.quantization["stats"]
@@ -259,10 +263,6 @@ def test_gguf_scheme_errors(tmp_path):
 
 
 # ------------------------------------------------------------------------------- --quantize auto
-def quantized_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-
-
 def test_auto_runs_a_gguf_files_blocks_on_cpu_and_loads_everything_else_in_float(tmp_path):
     """The engine's default (vLLM runs a GGUF file quantized): a GGUF file with integer blocks gets the gguf scheme,
     a float GGUF file, an HF directory, "none" and a CUDA device get float."""
@@ -348,7 +348,7 @@ def test_smollm2_gguf_scheme_greedy_matches_the_float_load():
         pytest.skip(str(e))
     loaded = load_model("smollm2-135m-instruct", "auto", quantize="gguf")  # auto: bfloat16 when quantizing
     assert loaded.model.dtype == torch.bfloat16
-    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = quantized_layers(loaded.model)
     assert len(layers) == 30 * 7 and all(m.scheme == "int4" and m.group_size == 32 for m in layers)
     ids = reference.tokenizer.encode("The capital of France is")
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
