@@ -245,7 +245,9 @@ def main() -> None:
     parser.add_argument("--random-llama", action="store_true", help="benchmark a random ~134M Llama instead")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--quantize", default=None, choices=["gguf", "int8", "int4"], help="keel's weights")
-    parser.add_argument("--quant-keep", default="lm_head", help="comma-separated layers kept in --dtype")
+    parser.add_argument(
+        "--quant-keep", default=None, help="comma-separated layers kept in --dtype (default: as keel serve)"
+    )
     parser.add_argument("--quant-activations", default="refined", choices=["refined", "int8"])
     parser.add_argument("--reference-dtype", default=None, choices=["float32", "bfloat16"], help="transformers'")
     parser.add_argument("--threads", type=int, default=2)
@@ -288,7 +290,7 @@ def main() -> None:
             str(source),
             args.dtype,
             quantize=args.quantize,
-            quant_keep=tuple(filter(None, args.quant_keep.split(","))),
+            quant_keep=None if args.quant_keep is None else tuple(filter(None, args.quant_keep.split(","))),
             quant_activations=args.quant_activations,
         )
         reference = None

@@ -443,6 +443,30 @@ def test_untied_and_kept_embeddings(tmp_path):
     assert type(float_head.embed_tokens) is nn.Embedding and float_head.lm_head.weight is float_head.embed_tokens.weight
 
 
+def test_a_gguf_files_head_runs_as_stored_unless_kept(tmp_path):
+    """Under gguf (auto's choice for the file) the head keeps the type the file gave it, its tied embedding sharing
+    the codes, and the logits stay those of the float head to the refined activations' accuracy; --quant-keep lm_head
+    expands it. keel's own int8/int4 keep the head in float by default; --quant-keep-as alone tiers the head."""
+    from gguf import GGMLQuantizationType as Q
+
+    from keel.quant.config import DEFAULT_KEEP, keep_for
+    from keel.serve import EngineConfig, LLMEngine
+
+    path = write_gguf(build_hf("llama"), tmp_path / "q.gguf", qtype=Q.Q4_1)
+    stored = load_model(path, "float32", quantize="auto").model
+    assert isinstance(stored.lm_head, QuantizedLinear) and stored.lm_head.layout == "blocks"
+    assert isinstance(stored.embed_tokens, BlockEmbedding)
+    kept = load_model(path, "float32", quantize="auto", quant_keep=("lm_head",)).model
+    assert type(kept.lm_head) is nn.Linear and type(kept.embed_tokens) is nn.Embedding
+    with torch.no_grad():
+        a, b = stored(TOKENS), kept(TOKENS)
+    assert (a - b).norm() <= 1e-3 * b.norm()
+    engine = LLMEngine(str(path), EngineConfig.of(num_blocks=16, max_model_len=64, compile=False))
+    assert isinstance(engine.model.lm_head, QuantizedLinear)
+    assert keep_for(None, "gguf") == () and keep_for(None, "gguf", "int8") == DEFAULT_KEEP == ("lm_head",)
+    assert keep_for(None, "int4") == keep_for(None, None) == DEFAULT_KEEP and keep_for((), "int8") == ()
+
+
 def test_k_quant_blocks_run_as_stored(tmp_path):
     """A Q4_K_M-like file (Q4_K, with Q6_K attn_v and Q5_K ffn_down): every K-quant tensor runs as its
     integer codes (Q4_K 4-bit, Q5_K 8-bit with mins, Q6_K 8-bit with a scale per 16 values), the tied

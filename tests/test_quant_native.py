@@ -226,7 +226,9 @@ def test_gguf_scheme_reads_no_quantized_weight_as_float(tmp_path, monkeypatch):
     reference = load_model(path, "float32")
     with torch.no_grad():
         assert rel(reference.model(TOKENS), loaded.model(TOKENS)) < 1e-5
-    kept = load_model(path, "float32", quantize="gguf")  # the default keep: lm_head stays float
+    # The default under gguf keeps nothing (the file chose its head's type); a kept head loads as float.
+    assert isinstance(load_model(path, "float32", quantize="gguf").model.lm_head, QuantizedLinear)
+    kept = load_model(path, "float32", quantize="gguf", quant_keep=("lm_head",))
     assert type(kept.model.lm_head) is nn.Linear
 
 

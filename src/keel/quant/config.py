@@ -5,6 +5,7 @@ Each field's docstring is its command-line help (keel.cli derives the options fr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -13,6 +14,10 @@ from keel.errors import KeelError
 AUTO = "auto"  # the checkpoint's own storage: a GGUF file's integer blocks as stored, other checkpoints in float
 FLOAT = "none"  # float weights (a GGUF file's blocks expanded at load)
 QUANTIZE_CHOICES = (AUTO, FLOAT, "int8", "int4", "gguf")  # --quantize, as `QuantConfig.quantize` types it
+# What keel's own int8/int4 leave in float unless told otherwise: the head, whose rounding costs the most accuracy.
+# A GGUF file's blocks run as stored keep nothing by default: its head already has the type the file's producer
+# chose for it (llama.cpp: Q6_K or Q8_0), and expanding it to float costs 4x its bytes for no change in the weights.
+DEFAULT_KEEP = ("lm_head",)
 
 
 @dataclass
@@ -27,8 +32,9 @@ class QuantConfig:
     quant_group_size: Literal[32, 64, 128, 256] = 128
     """int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks"""
 
-    quant_keep: tuple[str, ...] = field(default=("lm_head",), metadata={"metavar": "NAMES"})
-    """comma-separated layers left in float, names or patterns such as '*.experts' (default: lm_head; '' for none)"""
+    quant_keep: tuple[str, ...] | None = field(default=None, metadata={"metavar": "NAMES"})
+    """comma-separated layers left in float, names or patterns such as '*.experts' ('' for none; default: lm_head
+    under int8/int4 or with --quant-keep-as, none under gguf, whose file stores the head in the type it chose)"""
 
     quant_keep_as: Literal["int8", "int4"] | None = None
     """run the kept layers in this scheme, not float (e.g. int4 with an int8 head)"""
@@ -45,7 +51,8 @@ class QuantConfig:
     refused"""
 
     def __post_init__(self) -> None:
-        self.quant_keep = tuple(self.quant_keep)
+        if self.quant_keep is not None:
+            self.quant_keep = tuple(self.quant_keep)
         if self.quantization is not None:  # resolved here: copies (workers, replace()) see only --quantize
             self.quantize = _from_vllm_method(self.quantization, self.quantize)
             self.quantization = None
@@ -93,3 +100,11 @@ def _from_vllm_method(method: str, quantize: str | None) -> str:
     if quantize not in (AUTO, None) and quantize != scheme:
         raise KeelError(f"--quantization {method} means --quantize {scheme}, not --quantize {quantize}: give one")
     return scheme
+
+
+def keep_for(keep: Iterable[str] | None, scheme: str | None, keep_as: str | None = None) -> tuple[str, ...]:
+    """The layers kept out of the scheme: `keep` as given, else the scheme's default: DEFAULT_KEEP, or none under
+    gguf unless `keep_as` asks for a second tier (then the head, which that option is for)."""
+    if keep is not None:
+        return tuple(keep)
+    return () if scheme == "gguf" and keep_as is None else DEFAULT_KEEP

@@ -15,7 +15,7 @@ import torch
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.quant.apply import GGUF, quantize_kept, set_activations
-from keel.quant.config import AUTO, FLOAT
+from keel.quant.config import AUTO, FLOAT, keep_for
 from keel.quant.on_load import quantize_while_loading
 from keel.weights.checkpoint import Checkpoint, LoadedModel
 from keel.weights.compute_dtype import choose_dtype
@@ -32,7 +32,7 @@ def load_model(
     device: str = "cpu",
     quantize: str | None = None,
     quant_group_size: int = 128,
-    quant_keep: Iterable[str] = ("lm_head",),
+    quant_keep: Iterable[str] | None = None,
     quant_keep_as: str | None = None,
     quant_activations: str = "refined",
 ) -> LoadedModel:
@@ -44,13 +44,14 @@ def load_model(
     this checkpoint and device): the linear layers and MoE experts are built
     quantized while loading, one at a time from the checkpoint, so the model never exists in float
     as a whole; "gguf" takes a GGUF file's integer blocks (Q4_0 ... Q6_K) as they are, without expanding them
-    to float. quant_keep: layers left in float (names or shell patterns), or in `quant_keep_as`
-    ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head). A directory written by
-    `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
+    to float. quant_keep: layers left in float (names or shell patterns; None: the scheme's default, `keep_for`),
+    or in `quant_keep_as` ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head).
+    A directory written by `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     quant_activations: how keel's CPU kernels quantize activations (keel.quant.apply.set_activations).
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     quantize = resolve_scheme(checkpoint, quantize, device)
+    quant_keep = keep_for(quant_keep, quantize, quant_keep_as)
     if quant_keep_as is not None and quantize is None and checkpoint.quantization is None:
         raise KeelError(
             f"{checkpoint.path}: --quant-keep-as {quant_keep_as} needs a quantized model, and this one loads in float "
@@ -63,7 +64,7 @@ def load_model(
         quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
     load_weights(net, checkpoint, torch_dtype)
     if quant_keep_as is not None and quantize is not None:
-        quantize_kept(net, tuple(quant_keep), quant_keep_as, quant_group_size)
+        quantize_kept(net, quant_keep, quant_keep_as, quant_group_size)
     set_activations(net, quant_activations)
     net.reset_buffers(device)
     net.to(device)
