@@ -81,7 +81,7 @@ class SchedulerConfig:
     """Continuous batching (keel.serve.scheduler)"""
 
     max_num_batched_tokens: int | None = field(default=None, metadata={"type": human_readable_int})
-    """tokens one step may compute (prefill chunks and decodes together; default: 2048 on GPUs, on CPUs 128 per
+    """tokens one step may compute (prefill chunks and decodes together; default: 2048 on GPUs, on CPUs 64 per
     compute thread: a CPU step costs about its tokens, so a chunk of 2048 stalls every running decode)"""
 
     max_num_seqs: int = 256

@@ -29,7 +29,7 @@ POLICIES = ("fcfs", "priority")
 
 
 GPU_BATCHED_TOKENS = 2048
-CPU_BATCHED_TOKENS_PER_THREAD = 128
+CPU_BATCHED_TOKENS_PER_THREAD = 64
 
 
 def default_batched_tokens(device_type: str, threads: int) -> int:
