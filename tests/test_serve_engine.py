@@ -169,13 +169,13 @@ def test_prefill_unchunked_when_asked(models):
 
 
 def test_cpu_step_budget_follows_the_threads(models, monkeypatch):
-    """Without --max-num-batched-tokens a CPU step takes 128 tokens per compute thread (a CPU step costs
+    """Without --max-num-batched-tokens a CPU step takes 64 tokens per compute thread (a CPU step costs
     about its tokens); whole-prompt scheduling raises it to max_model_len; a given budget is kept."""
     loaded = models["llama"]
     options = dict(num_blocks=64, max_model_len=512, compile=False)
     for threads in (1, 3):
         monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-        assert LLMEngine(loaded, EngineConfig.of(**options)).scheduler.max_num_batched_tokens == 128 * threads
+        assert LLMEngine(loaded, EngineConfig.of(**options)).scheduler.max_num_batched_tokens == 64 * threads
     whole = LLMEngine(loaded, EngineConfig.of(**options, enable_chunked_prefill=False))
     assert whole.scheduler.max_num_batched_tokens == 512
     assert (
