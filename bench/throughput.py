@@ -48,7 +48,9 @@ from pathlib import Path
 
 import torch
 
+from keel.cli.config_options import comma_list
 from keel.model.kv_size import KV_CACHE_DTYPES
+from keel.quant.config import keep_for
 
 
 @dataclass
@@ -246,7 +248,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--quantize", default=None, choices=["gguf", "int8", "int4"], help="keel's weights")
     parser.add_argument(
-        "--quant-keep", default=None, help="comma-separated layers kept in --dtype (default: as keel serve)"
+        "--quant-keep", type=comma_list, help="comma-separated layers kept in --dtype (default: as keel serve)"
     )
     parser.add_argument("--quant-activations", default="refined", choices=["refined", "int8"])
     parser.add_argument("--reference-dtype", default=None, choices=["float32", "bfloat16"], help="transformers'")
@@ -290,7 +292,7 @@ def main() -> None:
             str(source),
             args.dtype,
             quantize=args.quantize,
-            quant_keep=None if args.quant_keep is None else tuple(filter(None, args.quant_keep.split(","))),
+            quant_keep=args.quant_keep,
             quant_activations=args.quant_activations,
         )
         reference = None
@@ -305,7 +307,8 @@ def main() -> None:
     work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
     base = work.subset(args.baseline_requests)
     one = work.subset(args.batch1_requests)
-    quantized = f" {args.quantize} (keep {args.quant_keep!r}, {args.quant_activations})" if args.quantize else ""
+    keep = keep_for(args.quant_keep, args.quantize)
+    quantized = f" {args.quantize} (keep {','.join(keep)!r}, {args.quant_activations})" if args.quantize else ""
     print(
         f"model {model_name}: {params / 1e6:.1f}M float parameters, keel {args.dtype}{quantized}, "
         f"transformers {args.reference_dtype or args.dtype}, {args.threads} threads; "

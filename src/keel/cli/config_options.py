@@ -46,7 +46,8 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
-def _comma_list(text: str) -> tuple[str, ...]:
+def comma_list(text: str) -> tuple[str, ...]:
+    """A comma-separated option's names, empty entries dropped ('' is the empty tuple)."""
     return tuple(name for name in text.split(",") if name)
 
 
@@ -72,7 +73,7 @@ def _argument(f: dataclasses.Field, hint: Any, doc: str) -> tuple[list[str], dic
         kwargs["choices"] = list(typing.get_args(kind))
         kwargs["type"] = type(kwargs["choices"][0])
     elif origin is tuple:
-        kwargs["type"] = _comma_list
+        kwargs["type"] = comma_list
     elif origin is list:
         default = list(f.default_factory()) if callable(f.default_factory) else []
         if "nargs" in meta:  # all values after one flag; a repeated flag replaces them

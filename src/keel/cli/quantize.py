@@ -15,6 +15,7 @@ import argparse
 
 import torch
 
+from keel.cli.config_options import comma_list
 from keel.data.text_corpus import corpus_text
 from keel.dtypes import DTYPE_CHOICES
 from keel.errors import KeelError
@@ -80,7 +81,7 @@ def cmd_save(args: argparse.Namespace) -> int:
     options = QuantConfig(
         quantize=args.quantize,
         quant_group_size=args.quant_group_size,
-        quant_keep=tuple(name for name in args.quant_keep.split(",") if name),
+        quant_keep=args.quant_keep,
         quant_plan=args.quant_plan,
     )
     scheme, group_size, keep = options.scheme, options.quant_group_size, options.quant_keep
@@ -102,6 +103,7 @@ def _register_save(qsub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--quant-keep",
         default="lm_head",
+        type=comma_list,
         metavar="NAMES",
         help="comma-separated modules (names or patterns like '*.experts') left in float",
     )
