@@ -705,8 +705,10 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
     on the embedding's Q8_0 blocks, keel's int4 (g32) and int8 of the dequantized weights, and the
     K-quants' forms (`k_quant_form`). Each
     against the float path of the same weights (the file dequantized; each quantized layer's own
-    dequantized weights as float layers). With refined activations (the default) the kernels stay
-    within +0.5%; int8 activations alone (llama.cpp's way) cost more, within 2%."""
+    dequantized weights as float layers). With refined activations (the default: int8 and its residual)
+    the kernels stay within 0.05%. With int8 activations alone (llama.cpp's way) within +1%: on this
+    146-token paragraph keel's int8 weights measure +0.68%, on 4,096 Shakespeare tokens every format
+    +0.06-0.18% (bench/activation_quality.py)."""
     import copy
 
     from keel.model.perplexity import perplexity
@@ -725,16 +727,15 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
     float_path = perplexity(base.model, ids)
     gguf = load_model(CATALOG_NAME, "float32", quantize="gguf", quant_keep=()).model
     assert all(m.layout == "blocks" for m in gguf.modules() if isinstance(m, QuantizedLinear))
-    assert perplexity(gguf, ids) <= 1.005 * float_path
-    set_activations(gguf, "int8")
-    assert perplexity(gguf, ids) <= 1.02 * float_path
+    assert all(m.activation_passes == 2 for m in gguf.modules() if isinstance(m, QuantizedLinear))
+    assert abs(perplexity(gguf, ids) / float_path - 1) <= 5e-4
     # The layout the serving engine stores from the AVX2 level: the stored-panel kernels, the same bounds.
     from keel.quant.panels import store_in_panels
 
     assert store_in_panels(gguf) > 0
-    assert perplexity(gguf, ids) <= 1.02 * float_path
-    set_activations(gguf, "refined")
-    assert perplexity(gguf, ids) <= 1.005 * float_path
+    assert abs(perplexity(gguf, ids) / float_path - 1) <= 5e-4
+    set_activations(gguf, "int8")
+    assert perplexity(gguf, ids) <= 1.01 * float_path
     del gguf
     for scheme, group in (("int4", 32), ("int8", 128), ("k-quant forms", 0)):
         model = copy.deepcopy(base.model)
@@ -745,14 +746,18 @@ def test_smollm2_perplexity_on_the_kernels_is_within_half_a_percent_of_the_float
                 if name != "lm_head":
                     half = name.endswith(("v_proj", "down_proj"))
                     replace_module(model, name, k_quant_form(linear.weight.detach(), half))
-        set_activations(model, "refined")
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
         assert layers and all(m.layout == "blocks" for _, m in layers)
-        quantized = perplexity(model, ids)
+        quantized = {}
+        for activations in ("int8", "refined"):
+            set_activations(model, activations)
+            quantized[activations] = perplexity(model, ids)
         for name, layer in layers:  # the same weights, as float layers
             dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
             dense.weight.data = layer.dequantized()
             if layer.bias is not None:
                 dense.bias.data = layer.bias.float()
             replace_module(model, name, dense)
-        assert quantized <= 1.005 * perplexity(model, ids), scheme
+        float_path = perplexity(model, ids)
+        assert quantized["int8"] <= 1.01 * float_path, scheme
+        assert abs(quantized["refined"] / float_path - 1) <= 5e-4, scheme
