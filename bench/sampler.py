@@ -1,9 +1,11 @@
 """The serving sampler's cost per call: keel::sample_rows against torch's path, 64 rows of SmolLM2's vocabulary.
 
-    python bench/sampler.py [--rows 64] [--vocab 49152] [--threads 1]
+    python bench/sampler.py [--rows 64] [--vocab 49152] [--threads 1] [--logits random|smollm2]
 
 Times are the calling thread's CPU time per call (`time.thread_time`), for greedy rows, temperature
-alone, top-k, top-p and both; "torch" is the same Sampler with keel's kernels switched off.
+alone, top-k, top-p and both; "torch" is the same Sampler with keel's kernels switched off. Logits:
+Gaussian (standard deviation 3, every row alike in spread) or SmolLM2-135M's own over consecutive
+positions of Shakespeare (rows from confident to uncertain, as a serving step's are).
 """
 
 from __future__ import annotations
@@ -33,16 +35,31 @@ def cpu_ms(sampler: Sampler, logits: torch.Tensor, states: list[RowState], repea
     return (time.thread_time() - start) / repeats * 1e3
 
 
+def random_logits(rows: int, vocab: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def model_logits(rows: int) -> torch.Tensor:
+    from keel.data.corpora import shakespeare_path
+    from keel.quant.loading import load_model
+
+    loaded = load_model("smollm2-135m-instruct", "float32", quantize="none")
+    ids = loaded.tokenizer.encode(shakespeare_path().read_text(encoding="utf-8")[:20_000])[1000 : 1000 + rows]
+    with torch.inference_mode():
+        return loaded.model(torch.tensor([ids])).float()[0].contiguous()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--logits", choices=["random", "smollm2"], default="random")
     args = parser.parse_args()
     if not kernels.active():
         raise SystemExit(f"keel kernels: {kernels.status()}")
     torch.set_num_threads(args.threads)
-    logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = model_logits(args.rows) if args.logits == "smollm2" else random_logits(args.rows, args.vocab)
     sampler = Sampler()
     for name, params in CASES.items():
         states = [RowState(params) for _ in range(args.rows)]

@@ -1,10 +1,12 @@
 """The serving benchmark's workload replayed offline: the engine `keel serve` builds, stepped directly.
 
-    python bench/serve_replay.py [MODEL] [--num-prompts 64] [--threads 2] [--repeats 1] [keel serve options]
+    python bench/serve_replay.py [MODEL] [--num-prompts 64] [--threads 2] [--repeats 1]
+        [--temperature 0] [--top-k 0] [--top-p 1] [keel serve options]
 
-The same seeded requests as bench/serve_llamacpp.py (its `build_dataset`), all added at once, greedy,
-EOS ignored, stepped by `LLMEngine.step()` on the thread that built the engine (as the server's engine
-thread does) with no HTTP, tokenizer streaming or event loop around it. Prints the whole run, its
+The same seeded requests as bench/serve_llamacpp.py (its `build_dataset`), all added at once, greedy
+unless sampling is asked for (seeded per request, so a replay draws the same tokens), EOS ignored,
+stepped by `LLMEngine.step()` on the thread that built the engine (as the server's engine thread
+does) with no HTTP, tokenizer streaming or event loop around it. Prints the whole run, its
 prefill phase (the steps until the last prompt is in) and its decode phase, output tok/s, and the
 median step of each kind. Why: a server run's figure mixes the engine with the HTTP side and drifts
 with the machine; a replay isolates the step, so a change to the engine is measured on the serving
@@ -35,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_llamacpp import build_dataset  # noqa: E402  (the same workload, seeded the same)
 
 
-def replay(engine: LLMEngine, requests: list[dict]) -> dict:
+def replay(engine: LLMEngine, requests: list[dict], sampling: dict) -> dict:
     assert engine.reset_prefix_cache()  # a repeat computes every prompt again, as the first run did
     for i, r in enumerate(requests):
-        params = SamplingParams(max_tokens=r["output_len"], temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=r["output_len"], ignore_eos=True, seed=i, **sampling)
         engine.add_request(r["prompt"], params, str(i))
     steps: list[tuple[float, bool]] = []  # (seconds, whether a prompt was still waiting or in prefill)
     output_tokens = 0
@@ -72,6 +74,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="replays on one engine, prefix cache reset before each")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     if len(sys.argv) == 1 or sys.argv[1].startswith("-"):
         sys.argv.insert(1, "smollm2-135m-instruct")
     args = parser.parse_args()
@@ -86,11 +91,12 @@ def main() -> None:
         requests = [json.loads(line) for line in dataset.read_text().splitlines()]
     print(
         f"{len(requests)} requests, {sum(r['output_len'] for r in requests)} output tokens, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads; temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}"
     )
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     print("run | seconds | prefill phase s | decode phase s | steps | prefill step ms | decode step ms | output tok/s")
     for i in range(args.repeats):
-        r = replay(engine, requests)
+        r = replay(engine, requests, sampling)
         print(
             f"{i} | {r['seconds']:.2f} | {r['prefill_s']:.2f} | {r['decode_s']:.2f} | {r['steps']} | "
             f"{r['prefill_step_ms']:.1f} | {r['decode_step_ms']:.1f} | {r['output_tokens'] / r['seconds']:.1f}"

@@ -136,12 +136,19 @@ def test_sampling_follows_the_renormalised_distribution():
         SamplingParams(min_p=0.2),
     ],
 )
-def test_kernel_draw_inverts_the_filtered_distribution(params):
+@pytest.mark.parametrize("level", kernels.levels_here() if kernels.enabled() else ())
+@pytest.mark.parametrize(
+    ("vocab", "grid", "scale"),
+    [(3000, 4000, 2.5), (20005, 600, 9.0)],  # the second: a short last chunk, and chunks enough for top-p's first 256
+)
+def test_kernel_draw_inverts_the_filtered_distribution(params, level, vocab, grid, scale):
     """keel::sample_rows at evenly spaced uniforms draws each token as often as apply_filters' softmax
-    gives it probability (to the grid's resolution), and never a filtered one."""
-    vocab, grid = 3000, 4000
-    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2.5
+    gives it probability (to the grid's resolution), and never a filtered one, at every kernel level: the
+    candidates come from the chunks (kSampleChunk) whose maxima can hold the first k (or first 256 for
+    top-p) values, and a whole-vocabulary draw walks the chunks' sums."""
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * scale
     logits[0, 7] = logits[0, 8] = logits[0].max()  # a tie at the top: the stable order keeps both, 7 first
+    logits[0, 0] = float("-inf")  # a masked token (grammar, allowed_token_ids): never drawn
     keep = apply_filters(
         logits,
         torch.tensor([params.temperature]),
@@ -151,17 +158,29 @@ def test_kernel_draw_inverts_the_filtered_distribution(params):
     ).softmax(dim=-1)[0]
     rows = logits.expand(grid, -1).contiguous()
     u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
-    got = torch.ops.keel.sample_rows(
-        rows,
-        torch.full((grid,), params.temperature),
-        torch.full((grid,), params.top_k, dtype=torch.int64),
-        torch.full((grid,), params.top_p),
-        torch.full((grid,), params.min_p),
-        u,
-    )
+    with kernels.using_level(level):
+        got = torch.ops.keel.sample_rows(
+            rows,
+            torch.full((grid,), params.temperature),
+            torch.full((grid,), params.top_k, dtype=torch.int64),
+            torch.full((grid,), params.top_p),
+            torch.full((grid,), params.min_p),
+            u,
+        )
     assert set(got.tolist()) <= set(keep.nonzero().flatten().tolist())
     freq = torch.bincount(got, minlength=vocab).double() / grid
     assert (freq - keep.double()).abs().max().item() <= 1.0 / grid + 1e-6
+    # The lowest draw (u = 0) is the first kept token, never the masked one before it.
+    with kernels.using_level(level):
+        lowest = torch.ops.keel.sample_rows(
+            logits,
+            torch.full((1,), params.temperature),
+            torch.full((1,), params.top_k, dtype=torch.int64),
+            torch.full((1,), params.top_p),
+            torch.full((1,), params.min_p),
+            torch.zeros(1, dtype=torch.float64),
+        )
+    assert keep[lowest.item()] > 0
     # Greedy rows (temperature 0): the first largest logit.
     greedy = torch.ops.keel.sample_rows(
         logits,

@@ -69,4 +69,22 @@ void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n
 void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n);
 void silu_mul_row_neon(const float* gate, const float* up, float* out, int64_t n);
 
+// keel::sample_rows' pass over one row of `vocab` logits (sample_vec.h; the portable one in ops_sample.cpp):
+// x = logits / temperature; e = exp(x - max x), 0 where x - max < -87 or (min_p > 0) where e < min_p; per chunk
+// of kSampleChunk values (the last may be short) the largest x and the sum of e. Returns max x.
+constexpr int64_t kSampleChunk = 64;
+struct SamplePass {
+  const float* logits;
+  int64_t vocab;
+  float temperature;
+  float min_p;
+  float* x;          // [vocab]
+  float* e;          // [vocab]
+  float* chunk_max;  // [chunks]
+  double* chunk_sum; // [chunks]
+};
+float sample_pass_avx2(const SamplePass& p);
+float sample_pass_avx512(const SamplePass& p);
+float sample_pass_neon(const SamplePass& p);
+
 }  // namespace keel

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "attention_vec.h"
+#include "sample_vec.h"
 #include "silu_vec.h"
 
 namespace {
@@ -62,6 +63,8 @@ void paged_attention_avx2(const PagedStore& s, const PagedQuery& q, const PagedI
 void silu_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n) {
   silu_mul_vectorised<Lanes8>(gate, up, out, n);
 }
+
+float sample_pass_avx2(const SamplePass& p) { return sample_pass_vectorised<Lanes8>(p); }
 
 }  // namespace keel
 #endif

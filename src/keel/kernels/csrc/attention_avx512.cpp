@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "attention_vec.h"
+#include "sample_vec.h"
 #include "silu_vec.h"
 
 namespace {
@@ -70,6 +71,8 @@ void paged_attention_avx512(const PagedStore& s, const PagedQuery& q, const Page
 void silu_mul_row_avx512(const float* gate, const float* up, float* out, int64_t n) {
   silu_mul_vectorised<Lanes16>(gate, up, out, n);
 }
+
+float sample_pass_avx512(const SamplePass& p) { return sample_pass_vectorised<Lanes16>(p); }
 
 }  // namespace keel
 #endif

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "attention_vec.h"
+#include "sample_vec.h"
 #include "silu_vec.h"
 
 namespace {
@@ -61,6 +62,8 @@ void paged_attention_neon(const PagedStore& s, const PagedQuery& q, const PagedI
 void silu_mul_row_neon(const float* gate, const float* up, float* out, int64_t n) {
   silu_mul_vectorised<Lanes4>(gate, up, out, n);
 }
+
+float sample_pass_neon(const SamplePass& p) { return sample_pass_vectorised<Lanes4>(p); }
 
 }  // namespace keel
 #endif

@@ -3,10 +3,12 @@
 //
 // Why: torch's path sorts every row's whole vocabulary (for top-k/top-p), materialises softmax, and
 // draws V exponentials a row for the race; at 64 rows of a 49k vocabulary that is ~0.5 s of CPU per
-// step, longer than the model's step. Here a row's candidates are found by selection (nth_element)
-// on the order the stable sort defines (value descending, then index), only they are sorted, and the
-// draw inverts the kept distribution's CDF with one uniform number per row (given by the caller, so
-// that seeded rows draw from their own generators).
+// step, longer than the model's step. Here one vector pass a row (sample_vec.h) scales the logits and
+// takes their exponentials, with each chunk's maximum and sum; top-k/top-p candidates are the values in
+// the chunks whose maxima can hold them, selected (nth_element) on the order the stable sort defines
+// (value descending, then index), and only they are sorted; the draw inverts the kept distribution's CDF
+// with one uniform number per row (given by the caller, so that seeded rows draw from their own
+// generators), over chunk sums first where it runs in vocabulary order.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -14,7 +16,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
+
+#include "attention.h"
+#include "isa.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -30,7 +36,7 @@ struct Candidate {
 };
 
 // The stable descending sort's order: larger values first, equal values by index.
-inline bool before(const Candidate& a, const Candidate& b) {
+inline bool before_in_order(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
@@ -64,61 +70,181 @@ int64_t greedy_row(const float* x, int64_t vocab) {
 
 // The first `count` candidates of the row in sorted order.
 void top_candidates(std::vector<Candidate>& all, int64_t count) {
-  if (count < static_cast<int64_t>(all.size())) std::nth_element(all.begin(), all.begin() + count, all.end(), before);
-  std::sort(all.begin(), all.begin() + count, before);
+  if (count < static_cast<int64_t>(all.size()))
+    std::nth_element(all.begin(), all.begin() + count, all.end(), before_in_order);
+  std::sort(all.begin(), all.begin() + count, before_in_order);
 }
 
-int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
-                   double u, std::vector<float>& x, std::vector<float>& e, std::vector<Candidate>& all) {
-  for (int64_t i = 0; i < vocab; ++i) x[i] = logits[i] / temperature;
-  const float top = *std::max_element(x.begin(), x.begin() + vocab);
-  const bool use_k = top_k > 0 && top_k < vocab, use_p = top_p < 1.f;
-  // Unnormalised probabilities e_i = exp(x_i - max) (sums in double): min-p keeps e_i >= min_p
-  // (p_i >= min_p * p_max). The order stays the logits' (exp could round two of them equal).
-  for (int64_t i = 0; i < vocab; ++i) e[i] = std::exp(x[i] - top);
-  auto weight = [&](int64_t i) { return static_cast<double>(e[i]); };
-  if (!use_k && !use_p) {  // the whole vocabulary (min-p aside), drawn in vocabulary order
-    double total = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (min_p > 0.f && e[i] < min_p) e[i] = 0;
-      total += e[i];
+// A row's scratch, kept across the rows of one thread.
+struct Scratch {
+  std::vector<float> x, e, chunk_max, maxima;
+  std::vector<double> chunk_sum;
+  std::vector<Candidate> all, boundary;
+  std::vector<uint16_t> bucket;
+};
+
+float sample_pass_portable(const SamplePass& p) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < p.vocab; ++i) {
+    p.x[i] = p.logits[i] / p.temperature;
+    const int64_t c = i / kSampleChunk;
+    if (i % kSampleChunk == 0) p.chunk_max[c] = -INFINITY;
+    p.chunk_max[c] = p.x[i] > p.chunk_max[c] ? p.x[i] : p.chunk_max[c];
+    top = p.x[i] > top ? p.x[i] : top;
+  }
+  for (int64_t i = 0; i < p.vocab; ++i) {
+    const int64_t c = i / kSampleChunk;
+    if (i % kSampleChunk == 0) p.chunk_sum[c] = 0;
+    const float d = p.x[i] - top;
+    float e = d + 87.f < 0.f ? 0.f : std::exp(d);
+    if (p.min_p > 0.f && e < p.min_p) e = 0.f;
+    p.e[i] = e;
+    p.chunk_sum[c] += e;
+  }
+  return top;
+}
+
+float sample_pass(Isa isa, const SamplePass& p) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa >= kAvx512Vnni) return sample_pass_avx512(p);
+  if (isa >= kAvx2) return sample_pass_avx2(p);
+#elif defined(__aarch64__)
+  if (isa >= kNeon) return sample_pass_neon(p);
+#endif
+  return sample_pass_portable(p);
+}
+
+// s.all = candidates that hold the row's first `count` values in the stable sort's order: the values not below
+// the count-th largest chunk maximum (the count largest chunk maxima are count values at least that large, so
+// the count-th largest value is too), found in the chunks whose maximum reaches it. Every value when count
+// exceeds the chunks.
+void collect_candidates(Scratch& s, int64_t vocab, int64_t count) {
+  const int64_t chunks = static_cast<int64_t>(s.chunk_max.size());
+  s.all.clear();
+  if (count >= chunks) {
+    for (int64_t i = 0; i < vocab; ++i) s.all.push_back(Candidate{s.x[i], i});
+    return;
+  }
+  s.maxima.assign(s.chunk_max.begin(), s.chunk_max.end());
+  std::nth_element(s.maxima.begin(), s.maxima.begin() + (count - 1), s.maxima.end(), std::greater<float>());
+  const float floor = s.maxima[count - 1];
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!(s.chunk_max[c] >= floor)) continue;
+    const int64_t end = std::min(vocab, (c + 1) * kSampleChunk);
+    for (int64_t i = c * kSampleChunk; i < end; ++i)
+      if (s.x[i] >= floor) s.all.push_back(Candidate{s.x[i], i});
+  }
+  if (static_cast<int64_t>(s.all.size()) < count) {  // only where NaNs broke the maxima' order: every value
+    s.all.clear();
+    for (int64_t i = 0; i < vocab; ++i) s.all.push_back(Candidate{s.x[i], i});
+  }
+}
+
+// The tokens top-p can keep when the first 256 did not hold top_p of the mass: s.all = every value of the buckets
+// (of x's distance from the maximum, finer than a chunk's spread) whose mass sums below `needed`, in vocabulary
+// order, then the bucket that reaches it, sorted in the stable order. The top-p cut over them keeps what a
+// sorted prefix keeps: every token before the bucket has less than `needed` before it. Returns the count.
+int64_t nucleus_by_buckets(Scratch& s, int64_t vocab, float top, double needed) {
+  constexpr int kBuckets = 1024;
+  constexpr float kScale = kBuckets / 88.f;  // exp's zero lies past 87 below the maximum
+  s.bucket.resize(vocab);
+  double mass[kBuckets] = {};
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float d = (top - s.x[i]) * kScale;
+    // Monotone in x: a larger value never lands in a later bucket (zeros and NaNs in the last).
+    const int b = s.e[i] == 0 || !(d >= 0.f) ? kBuckets - 1 : std::min(kBuckets - 1, static_cast<int>(d));
+    s.bucket[i] = static_cast<uint16_t>(b);
+    mass[b] += s.e[i];
+  }
+  int crossing = kBuckets - 1;
+  double before = 0;
+  for (int b = 0; b < kBuckets; ++b) {
+    if (before + mass[b] >= needed) {
+      crossing = b;
+      break;
     }
-    const double target = u * total;
-    double acc = 0;
-    int64_t last = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (e[i] == 0) continue;
-      acc += e[i];
+    before += mass[b];
+  }
+  s.all.clear();
+  s.boundary.clear();
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (s.bucket[i] < crossing) s.all.push_back(Candidate{s.x[i], i});
+    else if (s.bucket[i] == crossing) s.boundary.push_back(Candidate{s.x[i], i});
+  }
+  std::sort(s.boundary.begin(), s.boundary.end(), before_in_order);
+  s.all.insert(s.all.end(), s.boundary.begin(), s.boundary.end());
+  return static_cast<int64_t>(s.all.size());
+}
+
+// A draw over the whole vocabulary in its order: the chunk whose running sum passes u * total, then the value.
+int64_t draw_in_vocabulary_order(const Scratch& s, int64_t vocab, double u) {
+  const int64_t chunks = static_cast<int64_t>(s.chunk_sum.size());
+  double total = 0;
+  for (int64_t c = 0; c < chunks; ++c) total += s.chunk_sum[c];
+  const double target = u * total;
+  double acc = 0;
+  int64_t last = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (s.chunk_sum[c] == 0) continue;
+    const int64_t end = std::min(vocab, (c + 1) * kSampleChunk);
+    if (acc + s.chunk_sum[c] <= target) {
+      acc += s.chunk_sum[c];
+      for (int64_t i = end - 1; i >= c * kSampleChunk; --i)
+        if (s.e[i] != 0) {
+          last = i;
+          break;
+        }
+      continue;
+    }
+    for (int64_t i = c * kSampleChunk; i < end; ++i) {  // the chunk's own sum rounds apart from this one
+      if (s.e[i] == 0) continue;
+      acc += s.e[i];
       last = i;
       if (acc > target) return i;
     }
-    return last;
   }
-  all.resize(vocab);
-  for (int64_t i = 0; i < vocab; ++i) all[i] = Candidate{x[i], i};
+  return last;
+}
+
+int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                   double u, Isa isa, Scratch& s) {
+  const bool use_k = top_k > 0 && top_k < vocab, use_p = top_p < 1.f;
+  const int64_t chunks = (vocab + kSampleChunk - 1) / kSampleChunk;
+  s.x.resize(vocab);
+  s.e.resize(vocab);
+  s.chunk_max.resize(chunks);
+  s.chunk_sum.resize(chunks);
+  // Unnormalised probabilities e_i = exp(x_i - max): min-p keeps e_i >= min_p (p_i >= min_p * p_max), applied
+  // in the pass for a draw over the whole vocabulary, after top-k/top-p otherwise. The order stays the
+  // logits' (exp could round two of them equal).
+  const float top = sample_pass(isa, SamplePass{logits, vocab, temperature, use_k || use_p ? 0.f : min_p, s.x.data(), s.e.data(),
+                              s.chunk_max.data(), s.chunk_sum.data()});
+  if (!use_k && !use_p) return draw_in_vocabulary_order(s, vocab, u);
+  auto weight = [&](int64_t i) { return static_cast<double>(s.e[i]); };
+  std::vector<Candidate>& all = s.all;
   int64_t count;
   double mass;  // the sum the top-p masses are fractions of
   if (use_k) {
-    // top-k by threshold: every token at least the k-th largest value stays (ties included).
-    std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), before);
+    // top-k by threshold: every token at least the k-th largest value stays (ties included); each such value
+    // is a candidate, so they are counted there.
+    collect_candidates(s, vocab, top_k);
+    std::nth_element(all.begin(), all.begin() + (top_k - 1), all.end(), before_in_order);
     const float kth = all[top_k - 1].value;
     count = 0;
-    for (int64_t i = 0; i < vocab; ++i) count += x[i] >= kth;
+    for (const Candidate& c : all) count += c.value >= kth;
     top_candidates(all, count);
     mass = 0;
     for (int64_t j = 0; j < count; ++j) mass += weight(all[j].index);
   } else {
     // top-p alone: grow the sorted prefix until it holds top_p of the whole mass.
     mass = 0;
-    for (int64_t i = 0; i < vocab; ++i) mass += weight(i);
+    for (const double c : s.chunk_sum) mass += c;
     count = std::min<int64_t>(vocab, 256);
-    for (;;) {
-      top_candidates(all, count);
-      double prefix = 0;
-      for (int64_t j = 0; j < count; ++j) prefix += weight(all[j].index);
-      if (prefix >= top_p * mass || count == vocab) break;
-      count = std::min<int64_t>(vocab, count * 4);
-    }
+    collect_candidates(s, vocab, count);
+    top_candidates(all, count);
+    double prefix = 0;
+    for (int64_t j = 0; j < count; ++j) prefix += weight(all[j].index);
+    if (prefix < top_p * mass && count < vocab) count = nucleus_by_buckets(s, vocab, top, top_p * mass);
   }
   // top-p: drop a token once the mass before it reaches top_p (the first always stays); then min-p.
   int64_t kept = count;
@@ -173,18 +299,12 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   const int64_t* kp = k.data_ptr<int64_t>();
   const double* up = u.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
+  const Isa isa = current_isa();
   at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> row, weights;
-    std::vector<Candidate> all;
+    Scratch scratch;
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * vocab;
-      if (tp[r] == 0.f) {
-        o[r] = greedy_row(xr, vocab);
-        continue;
-      }
-      row.resize(vocab);
-      weights.resize(vocab);
-      o[r] = sample_row(xr, vocab, tp[r], kp[r], pp[r], mp[r], up[r], row, weights, all);
+      o[r] = tp[r] == 0.f ? greedy_row(xr, vocab) : sample_row(xr, vocab, tp[r], kp[r], pp[r], mp[r], up[r], isa, scratch);
     }
   });
   return out;
