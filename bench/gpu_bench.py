@@ -113,12 +113,16 @@ def keel_engine(path: Path, dtype: str, device: torch.device, **options):  # noq
 
 
 def keel_generate(engine, prompts: list[list[int]], lengths: list[int]) -> tuple[dict[str, list[int]], float]:  # noqa: ANN001
-    """Every prompt at once through continuous batching: the tokens by request, and the wall seconds."""
+    """Every prompt at once through continuous batching: the tokens by request, and the wall seconds. Only
+    finished outputs are asked for (as keel.LLM and vLLM's LLM ask)."""
     from keel.serve import SamplingParams
+    from keel.serve.sampling import RequestOutputKind
+
+    final = RequestOutputKind.FINAL_ONLY
 
     start = time.perf_counter()
     ids = [
-        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, output_kind=final))
         for p, n in zip(prompts, lengths, strict=True)
     ]
     tokens: dict[str, list[int]] = {}

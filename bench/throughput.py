@@ -146,7 +146,9 @@ def engine_config(args, **overrides):
 def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = False) -> Result:
     from keel.model.kv_size import kv_cache_bytes
     from keel.serve import LLMEngine, SamplingParams
+    from keel.serve.sampling import RequestOutputKind
 
+    final_only = RequestOutputKind.FINAL_ONLY
     engine = LLMEngine(loaded, config, adapt=True)  # fused projections and pre-packed weights, as served
     bs = config.cache.block_size
     slack_sum = slack_count = 0
@@ -155,7 +157,9 @@ def keel_run(loaded, config, work: Workload, name: str, *, measure_kv: bool = Fa
     generated = 0
     cpu_start, start = time.process_time(), time.perf_counter()
     for prompt, out_len in zip(work.prompts, work.output_lens, strict=True):
-        engine.add_request(prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+        # Only finished outputs are read (as keel.LLM and vLLM's LLM ask): no per-step outputs.
+        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, output_kind=final_only)
+        engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

@@ -175,7 +175,7 @@ def test_decode_attention_op_matches_the_paged_cache(tmp_path):
     from keel.serve.runner import _decode_groups
 
     lists = [[1, 2], [3, 4, 5], [6]]
-    caches[0].plan = StepPlan(slots, _decode_groups([0, 1, 2], lists, positions.tolist(), "cpu", total=3), [])
+    caches[0].plan = StepPlan(slots, _decode_groups([0, 1, 2], lists, positions.tolist(), total=3), [])
     assert len(caches[0].plan.decodes) == 3
     eager = caches[0].attend(0, q, k, v, None, window=None)
     widths = torch.tensor([2, 3, 1])

@@ -11,7 +11,7 @@ import torch
 
 from keel.errors import KeelError
 from keel.quant.loading import load_model
-from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from keel.serve import LLM, AsyncEngine, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
 from reference_generate import stream_tokens
 from tiny_models import save_byte_tokenizer, save_hf_model
 
@@ -138,6 +138,46 @@ def test_a_step_output_is_a_snapshot(models):
     assert len(seen) == 6
     for out, ids, n_logprobs in seen:
         assert out.outputs[0].token_ids == ids and len(out.outputs[0].logprobs) == n_logprobs == len(ids)
+
+
+def test_output_kinds_cumulative_delta_and_final_only(models):
+    """vLLM's RequestOutputKind: DELTA outputs add up to the CUMULATIVE ones (text, tokens, logprobs; prompt
+    logprobs with the first tokens only), FINAL_ONLY returns nothing until the request finishes and then the
+    same output; keel.LLM asks for FINAL_ONLY and leaves the caller's params alone."""
+    engine = LLMEngine(models["llama"], EngineConfig.of(num_blocks=64, max_model_len=64))
+    outputs: dict[str, list] = {}
+    prompt = [5, 3, 9, 1, 2]
+    for kind in RequestOutputKind:
+        params = SamplingParams(
+            max_tokens=7, temperature=0.9, seed=4, logprobs=1, prompt_logprobs=1, ignore_eos=True, output_kind=kind
+        )
+        engine.add_request(prompt, params, kind.name)
+        outputs[kind.name] = []
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    cumulative, delta, final = (outputs[k.name] for k in RequestOutputKind)
+    assert steps >= 7 and len(cumulative) == len(delta) == 7 and len(final) == 1
+    whole = cumulative[-1].outputs[0]
+    assert final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+    assert final[0].outputs[0].text == whole.text and final[0].outputs[0].finish_reason == whole.finish_reason
+    assert [lp.token_id for lp in final[0].outputs[0].logprobs] == whole.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == whole.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == whole.token_ids
+    assert [lp.logprob for o in delta for lp in o.outputs[0].logprobs] == [lp.logprob for lp in whole.logprobs]
+    assert all(len(o.outputs[0].token_ids) == 1 for o in delta) and delta[-1].finished
+    assert delta[0].prompt_logprobs == cumulative[0].prompt_logprobs and len(delta[0].prompt_logprobs) == len(prompt)
+    assert all(o.prompt_logprobs is None for o in delta[1:])
+    assert delta[-1].outputs[0].cumulative_logprob == pytest.approx(whole.cumulative_logprob)
+    check_no_leak(engine)
+    llm = LLM(models["llama"], num_blocks=64, max_model_len=64)
+    params = SamplingParams(max_tokens=7, temperature=0.9, seed=4, ignore_eos=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == whole.token_ids
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    with pytest.raises(KeelError, match="output_kind"):
+        SamplingParams(output_kind=2).validate()
 
 
 def test_prefill_unchunked_when_asked(models):

@@ -4,7 +4,7 @@ from keel.serve.async_engine import AsyncEngine
 from keel.serve.config import EngineConfig
 from keel.serve.engine import CompletionOutput, LLMEngine, RequestOutput
 from keel.serve.llm import LLM
-from keel.serve.sampling import SamplingParams
+from keel.serve.sampling import RequestOutputKind, SamplingParams
 from keel.serve.structured import StructuredOutputsParams
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
 ]

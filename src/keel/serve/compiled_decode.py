@@ -51,7 +51,7 @@ from keel.serve.kv_cache import (
     length_groups,
     write_rows,
 )
-from keel.serve.staging import staging_for
+from keel.serve.staging import host_int64, staging_for
 
 log = logging.getLogger("keel.serve")
 
@@ -288,11 +288,11 @@ class CompiledDecode:
         # Read by the op to group rows on CPU (a host tensor); on CUDA it stays on the device, unread.
         widths = [len(t) for t in tables]
         host = [
-            torch.tensor([tokens]),
-            torch.tensor([positions]),
-            torch.tensor(slots),
-            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            torch.tensor(widths),
+            host_int64([tokens]),
+            host_int64([positions]),
+            host_int64(slots),
+            host_int64([t + [0] * (width - len(t)) for t in tables]),
+            host_int64(widths),
         ]
         tok, pos, slot, table, widths_t = staging_for(self.device).move(host)
         if padded > 1:  # size 1 is specialised by torch: batch 1 has its own graph

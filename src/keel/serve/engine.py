@@ -34,7 +34,14 @@ from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
-from keel.serve.sampling import RowState, Sampler, SamplingParams, TokenLogprobs, request_generator
+from keel.serve.sampling import (
+    RequestOutputKind,
+    RowState,
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    request_generator,
+)
 from keel.serve.scheduler import Scheduler, default_batched_tokens
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
@@ -98,17 +105,27 @@ class _Track:
 
 def build_output(request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
     """The RequestOutput of a request after a step (`delta`: text this step released). Its lists are copies:
-    the engine thread goes on appending to the request's while a server's event loop reads the output."""
+    the engine thread goes on appending to the request's while a server's event loop reads the output.
+    Under RequestOutputKind.DELTA its text, token ids and logprobs are this step's only (prompt logprobs
+    come with the first tokens), as vLLM's."""
     finished = request.status is Status.FINISHED
-    logprobs = list(track.logprobs) if track.logprobs is not None else None
+    delta_kind = request.params.output_kind is RequestOutputKind.DELTA
+    every = track.logprobs
+    cumulative_logprob = sum(lp.logprob for lp in every) if every else None
+    prompt_logprobs = track.prompt_logprobs
+    if delta_kind:
+        prompt_logprobs = prompt_logprobs if len(delta_ids) == len(request.output_token_ids) else None
+        logprobs = every[len(every) - len(delta_ids) :] if every is not None else None
+    else:
+        logprobs = list(every) if every is not None else None
     completion = CompletionOutput(
         index=0,
-        text=track.text,
-        token_ids=list(request.output_token_ids),
+        text=delta if delta_kind else track.text,
+        token_ids=list(delta_ids) if delta_kind else list(request.output_token_ids),
         finish_reason=track.stop.finish_reason if finished else None,
         stop_reason=track.stop.stop_reason if finished else None,
         logprobs=logprobs,
-        cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+        cumulative_logprob=cumulative_logprob,
     )
     return RequestOutput(
         request_id=request.request_id,
@@ -118,7 +135,7 @@ def build_output(request: Request, track: _Track, delta: str, delta_ids: list[in
         finished=finished,
         delta_text=delta,
         delta_token_ids=delta_ids,
-        prompt_logprobs=track.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         num_cached_tokens=request.stats.cached_tokens,
         metrics=request.stats,
     )
@@ -586,7 +603,8 @@ class LLMEngine:
                 self.scheduler.finish(request)
                 self._tracks.pop(request.request_id)
                 self.runner.release(request.request_id)
-            outputs.append(build_output(request, track, released, emitted))
+            if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(build_output(request, track, released, emitted))
         self._clear_drafts(proposed)
         # vLLM's tokens of an iteration: the prompts whose prefill finished in it and the tokens it generated.
         self.iteration_tokens.observe(self.num_prompt_tokens + self.num_generated_tokens - counted)

@@ -214,5 +214,9 @@ def slot_of(table: list[int], position: int, block_size: int) -> int:
 
 def visible_blocks(table: list[int], num_tokens: int, block_size: int) -> list[int]:
     """The blocks holding a sequence's first `num_tokens` tokens, freed ones (NULL_BLOCK, behind a
-    sliding window) as block 0: attention masks them by position."""
-    return [b if b != NULL_BLOCK else 0 for b in table[: -(-num_tokens // block_size)]]
+    sliding window) as block 0: attention masks them by position. A new list (a slice: a row a step, so the
+    Python loop runs only where a window freed blocks)."""
+    blocks = table[: -(-num_tokens // block_size)]
+    if NULL_BLOCK in blocks:
+        return [b if b != NULL_BLOCK else 0 for b in blocks]
+    return blocks

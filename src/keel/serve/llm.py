@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tqdm import tqdm
 
 from keel.serve.config import EngineConfig
 from keel.serve.engine import LLMEngine, RequestOutput
 from keel.serve.generation_config import sampling_defaults
-from keel.serve.sampling import SamplingParams
+from keel.serve.sampling import RequestOutputKind, SamplingParams
 from keel.weights.checkpoint import LoadedModel
 
 
@@ -54,6 +56,8 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
+        # Only finished outputs are read here (vLLM's LLM asks the same): no per-step output of any request.
+        params_list = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list]
         ids = [
             self.engine.add_request(p, sp, priority=(priority[i] if priority else 0))
             for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))

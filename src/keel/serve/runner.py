@@ -23,7 +23,7 @@ from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
 from keel.serve.speculative.verify import verify_drafts
-from keel.serve.staging import staging_for
+from keel.serve.staging import host_int64, staging_for
 
 
 @dataclass
@@ -77,17 +77,12 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         elif chunk.logits == "last":
             select.append(offset + n - 1)
         rows.append(range(first, len(select)))
-    groups = _decode_groups(decode_index, decode_tables, decode_positions, "cpu", total=len(tokens))
-    host = [
-        torch.tensor([tokens]),
-        torch.tensor([positions]),
-        torch.tensor(slots),
-        torch.tensor(select, dtype=torch.long),
-    ]
+    groups = _decode_groups(decode_index, decode_tables, decode_positions, total=len(tokens))
+    host = [host_int64([tokens]), host_int64([positions]), host_int64(slots), host_int64(select)]
     for g in groups:
         host += [g.index, g.tables, g.positions]
     for _, _, blocks, span in prefills:
-        host += [torch.tensor(blocks), torch.tensor(span)]
+        host += [host_int64(blocks), host_int64(span)]
     moved = iter(staging_for(torch.device(device)).move(host))
     tokens_t, positions_t, slots_t, select_t = (next(moved) for _ in range(4))
     plan = StepPlan(
@@ -228,9 +223,10 @@ class ModelRunner:
 
 
 def _decode_groups(
-    index: list[int], tables: list[list[int]], positions: list[int], device, total: int = -1
+    index: list[int], tables: list[list[int]], positions: list[int], total: int = -1
 ) -> list[DecodeGroup]:
-    """Decode rows grouped by length (`length_groups`): each group is padded to its longest table only."""
+    """Decode rows grouped by length (`length_groups`): each group is padded to its longest table only. Host
+    tensors (pack_step moves them with the step's other inputs)."""
     groups = length_groups([len(t) for t in tables])
     result = []
     for rows in groups:
@@ -238,9 +234,9 @@ def _decode_groups(
         group_index = [index[i] for i in rows]
         result.append(
             DecodeGroup(
-                index=torch.tensor(group_index, device=device),
-                tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows], device=device),
-                positions=torch.tensor([positions[i] for i in rows], device=device),
+                index=host_int64(group_index),
+                tables=host_int64([tables[i] + [0] * (width - len(tables[i])) for i in rows]),
+                positions=host_int64([positions[i] for i in rows]),
                 whole_step=len(groups) == 1 and group_index == list(range(total)),
             )
         )

@@ -25,6 +25,7 @@ whatever the request's sampling parameters (what OpenAI clients expect from `log
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, field
 
@@ -39,6 +40,16 @@ from keel.serve.structured.params import StructuredOutputsParams
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs `LLMEngine.step()` returns for a request, vLLM's: every step's whole output so far
+    (CUMULATIVE), every step's new text and tokens only (DELTA), or only the finished output (FINAL_ONLY,
+    what `keel.LLM.generate` asks for: no per-step copies of a long output, no per-step objects)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -71,6 +82,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # The OpenAI API accepts a single string (or null) for `stop`.
@@ -94,6 +106,8 @@ class SamplingParams:
 
         if self.n < 1:
             fail("n", ">= 1", self.n)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind", self.output_kind)
         if self.max_tokens < 1:
             fail("max_tokens", ">= 1", self.max_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:

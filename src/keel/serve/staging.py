@@ -14,9 +14,17 @@ On the CPU the tensors are returned as they are: there is nothing to copy.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def host_int64(values: Sequence) -> Tensor:
+    """A list of ints (or a rectangular list of lists) as an int64 host tensor. Through numpy: torch.tensor
+    converts Python ints at ~125 ns each (2 ms for the block tables of 256 rows of 64 blocks), numpy at ~17."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 class Staging:

@@ -33,7 +33,7 @@ from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from keel.serve.openai.responses import SSE_DONE, sse, vllm_prompt_logprobs
 from keel.serve.openai.state import ServerState
 from keel.serve.openai.tenants import Admission, TenantState
-from keel.serve.sampling import SamplingParams, TokenLogprobs
+from keel.serve.sampling import RequestOutputKind, SamplingParams, TokenLogprobs
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -210,6 +210,8 @@ class OpenAIServing:
         jobs = []
         for p_index, prompt_ids in enumerate(spec.prompts):
             params = self._params(req, spec, len(prompt_ids))
+            if not req.stream:  # the response is built from the finished outputs alone (vLLM asks the same)
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             for j in range(req.n):
                 child = params if req.n == 1 else child_params(params, j)
                 jobs.append(Job(p_index * req.n + j, p_index, prompt_ids, child))
