@@ -8,14 +8,14 @@ dequantized into float layers (the reference), on keel's kernels with int8 activ
 default), and with refined activations (int8 and its int8 residual). The row thresholds above which a block
 layer dequantizes for BLAS are lifted, so every product of a 512-token window runs the integer kernels.
 Corpus: Shakespeare's works (keel.data.corpora), --tokens tokens from token 1000 on, in non-overlapping
-windows of --window tokens. Perplexity = exp(mean NLL over every predicted token).
+windows of --window tokens (keel.model.perplexity.sliding_window_perplexity, stride = window, as `keel eval
+ppl --context W --stride W` scores them).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
 import shlex
 import sys
 import time
@@ -23,23 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 MODEL = "smollm2-135m-instruct"
 
 
 def perplexity(model: nn.Module, ids: list[int], window: int) -> float:
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor([ids[start : start + window]])
-            if chunk.shape[1] < 2:
-                break
-            logits = model(chunk).float()[0, :-1]
-            total += F.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
-            count += chunk.shape[1] - 1
-    return math.exp(total / count)
+    from keel.model.perplexity import sliding_window_perplexity
+
+    return sliding_window_perplexity(model, ids, context=window, stride=window).perplexity
 
 
 def as_float_layers(model: nn.Module) -> nn.Module:
