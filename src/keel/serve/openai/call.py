@@ -22,8 +22,8 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     final: RequestOutput | None = None
+    generated: int = 0  # tokens the engine has generated for the job so far (its outputs may be deltas)
     sent_tokens: int = 0  # generated tokens already counted / streamed
-    sent_logprobs: int = 0
     echoed: bool = False  # a stream has sent the echoed prompt of this choice
     writer: object | None = None  # chat: this choice's ChoiceWriter (reasoning and tool-call parsers)
 
@@ -70,7 +70,7 @@ class Call:
         usage = Usage(prompt_tokens=self.prompt_tokens)
         for job in self.jobs:
             if job.final is not None and not self.prompt_only:
-                usage.completion_tokens += len(job.final.outputs[0].token_ids)
+                usage.completion_tokens += job.generated
         cached: dict[int, int] = {}  # the choices of one prompt share its cached prefix: count it once
         for job in self.jobs:
             if job.final is not None:

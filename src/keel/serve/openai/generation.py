@@ -12,9 +12,16 @@ from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.metrics import ServerMetrics
+from keel.serve.sampling import RequestOutputKind
 
 # (job, output, None) for an output, (job, None, error) when the job's generation failed
 _Item = tuple[Job, RequestOutput | None, BaseException | None]
+
+
+def generated_so_far(job: Job, out: RequestOutput) -> int:
+    """The job's generated tokens once `out` is counted: a DELTA output carries only the step's."""
+    count = len(out.outputs[0].token_ids)
+    return job.generated + count if job.params.output_kind is RequestOutputKind.DELTA else count
 
 
 class CallRunner:
@@ -33,13 +40,14 @@ class CallRunner:
         try:
             while remaining:
                 job, out = await self._next(call, merged)
-                new = len(out.outputs[0].token_ids) - job.sent_tokens
-                self.metrics.on_output(call.tenant.name, out, job.sent_tokens)
+                job.generated = generated_so_far(job, out)
+                new = job.generated - job.sent_tokens
+                self.metrics.on_output(call.tenant.name, out, job.sent_tokens, job.generated)
                 if out.finished:
                     job.final = out
                     remaining -= 1
                     reason = out.outputs[0].finish_reason or "abort"
-                    self.metrics.on_finished(call.tenant.name, reason, out, job.params.max_tokens)
+                    self.metrics.on_finished(call.tenant.name, reason, out, job.params.max_tokens, job.generated)
                     self._prompt_finished(call, job)
                 yield job, out
                 job.sent_tokens += new
@@ -55,7 +63,7 @@ class CallRunner:
         observes them per parent request)."""
         choices = [j for j in call.jobs if j.prompt_index == job.prompt_index]
         if all(j.final is not None for j in choices):
-            longest = max(len(j.final.outputs[0].token_ids) for j in choices)  # type: ignore[union-attr]
+            longest = max(j.generated for j in choices)
             self.metrics.on_prompt_finished(len(choices), longest)
 
     async def _pump(self, call: Call, job: Job, merged: asyncio.Queue[_Item]) -> None:

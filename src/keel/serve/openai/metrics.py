@@ -300,10 +300,10 @@ class ServerMetrics:
     def on_admitted(self, tenant: str, prompt_tokens: int) -> None:
         self.tenant_prompt_tokens.labels(self.model_name, tenant).inc(prompt_tokens)
 
-    def on_output(self, tenant: str, out: RequestOutput, seen: int) -> None:
-        """An engine request's output after a step; `seen`: its tokens already passed here. Observes the TTFT
-        with its first token and one inter-token latency per later step that produced tokens."""
-        count = len(out.outputs[0].token_ids)
+    def on_output(self, tenant: str, out: RequestOutput, seen: int, count: int) -> None:
+        """An engine request's output after a step; `seen`: its tokens already passed here, `count`: its tokens
+        with this output's (its outputs may be deltas). Observes the TTFT with its first token and one
+        inter-token latency per later step that produced tokens."""
         if count > seen:
             self.tenant_generation_tokens.labels(self.model_name, tenant).inc(count - seen)
         stats = out.metrics
@@ -321,15 +321,20 @@ class ServerMetrics:
                 self.tpot.observe(gap)
 
     def on_finished(
-        self, tenant: str, finish_reason: str, out: RequestOutput | None = None, max_tokens: int | None = None
+        self,
+        tenant: str,
+        finish_reason: str,
+        out: RequestOutput | None = None,
+        max_tokens: int | None = None,
+        generated: int = 0,
     ) -> None:
-        """An engine request ended: `out` is its final output (None when it was aborted without one)."""
+        """An engine request ended: `out` is its final output (None when it was aborted without one), after
+        `generated` tokens."""
         self.success.labels(self.model_name, ENGINE_INDEX, finish_reason).inc()
         self.tenant_success.labels(self.model_name, tenant, finish_reason).inc()
         stats = out.metrics if out is not None else None
         if stats is None:
             return
-        generated = len(out.outputs[0].token_ids)
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.generation_tokens.observe(generated)
         if max_tokens:

@@ -210,8 +210,10 @@ class OpenAIServing:
         jobs = []
         for p_index, prompt_ids in enumerate(spec.prompts):
             params = self._params(req, spec, len(prompt_ids))
-            if not req.stream:  # the response is built from the finished outputs alone (vLLM asks the same)
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            # As vLLM's server asks: a stream sends each step's new text, tokens and logprobs (DELTA); a whole
+            # response is built from the finished output alone (FINAL_ONLY). No per-step copies of the output.
+            kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+            params = dataclasses.replace(params, output_kind=kind)
             for j in range(req.n):
                 child = params if req.n == 1 else child_params(params, j)
                 jobs.append(Job(p_index * req.n + j, p_index, prompt_ids, child))
@@ -351,8 +353,7 @@ class OpenAIServing:
     def _stream_delta(self, call: Call, job: Job, out: RequestOutput) -> StreamDelta | None:
         """What `out` adds to its choice; None when nothing (yet)."""
         completion = out.outputs[0]
-        new_lps = (completion.logprobs or [])[job.sent_logprobs :]
-        job.sent_logprobs += len(new_lps)
+        new_lps = completion.logprobs or []  # the step's own (a stream's outputs are DELTA)
         finish = completion.finish_reason if out.finished else None
         text = out.delta_text
         if call.prompt_only:  # the engine's one token is not part of the response (see _params)
