@@ -31,16 +31,19 @@ from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.quant.loading import load_model
 from keel.serve.engine import LLMEngine
 from keel.serve.heap import freeze_startup_heap
-from keel.serve.sampling import SamplingParams
+from keel.serve.sampling import RequestOutputKind, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_llamacpp import build_dataset  # noqa: E402  (the same workload, seeded the same)
+
+DELTA = RequestOutputKind.DELTA
 
 
 def replay(engine: LLMEngine, requests: list[dict], sampling: dict) -> dict:
     assert engine.reset_prefix_cache()  # a repeat computes every prompt again, as the first run did
     for i, r in enumerate(requests):
-        params = SamplingParams(max_tokens=r["output_len"], ignore_eos=True, seed=i, **sampling)
+        # DELTA outputs, as the server asks for its streams
+        params = SamplingParams(max_tokens=r["output_len"], ignore_eos=True, seed=i, output_kind=DELTA, **sampling)
         engine.add_request(r["prompt"], params, str(i))
     steps: list[tuple[float, bool]] = []  # (seconds, whether a prompt was still waiting or in prefill)
     output_tokens = 0
