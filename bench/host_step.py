@@ -3,6 +3,7 @@
     python bench/host_step.py [--rows 256] [--tokens 1024] [--output-kind CUMULATIVE|DELTA|FINAL_ONLY]
                               [--temperature 0] [--top-p 1] [--threads 2]
     python bench/host_step.py --pack-step [--rows 256] [--tokens 1024]
+    python bench/host_step.py --detokenize
 
 A random Llama of hidden size 64 (2 layers, 2,048-token vocabulary) with SmolLM2-135M's tokenizer, so the step's
 time is what surrounds the forward: scheduling, packing the step's inputs, the draw, detokenizing, stop checks and
@@ -12,6 +13,8 @@ a GPU step spends on the host is this work, at the same rows (docs/BENCHMARKS.md
 
 --pack-step times `keel.serve.runner.pack_step` alone for --rows decode rows whose block tables hold --tokens
 tokens, with its int64 tensors built through numpy (`keel.serve.staging.host_int64`) and through torch.tensor.
+--detokenize times keel's IncrementalDetokenizer (tokenizers' DecodeStream) against the same scheme decoding both
+windows in Python, over 6,000 Shakespeare tokens with SmolLM2's tokenizer, and checks the texts agree.
 """
 
 from __future__ import annotations
@@ -52,6 +55,35 @@ def pack_step_ms(rows: int, tokens: int, repeats: int = 200) -> dict[str, float]
     return result
 
 
+def two_window_text(tokenizer, ids: list[int]) -> str:  # noqa: ANN001
+    """The incremental scheme in Python: decode the window before and after each token, emit the suffix."""
+    text, prefix_at, read_at = "", 0, 0
+    for n in range(1, len(ids) + 1):
+        prefix = tokenizer.decode(ids[prefix_at:read_at])
+        full = tokenizer.decode(ids[prefix_at:n])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            text += full[len(prefix) :]
+            prefix_at, read_at = read_at, n
+    return text + tokenizer.decode(ids[prefix_at:])[len(tokenizer.decode(ids[prefix_at:read_at])) :]
+
+
+def detokenize_us() -> dict[str, float]:
+    from keel.data.corpora import shakespeare_path
+    from keel.quant.loading import load_model
+
+    tokenizer = load_model("smollm2-135m-instruct", "float32", quantize="none").tokenizer
+    ids = tokenizer.encode(shakespeare_path().read_text(encoding="utf-8")[:40_000])[:6000]
+    start = time.perf_counter()
+    detok = tokenizer.detokenizer()
+    streamed = "".join(detok.add(i) for i in ids) + detok.flush()
+    keel_us = (time.perf_counter() - start) / len(ids) * 1e6
+    start = time.perf_counter()
+    reference = two_window_text(tokenizer, ids)
+    python_us = (time.perf_counter() - start) / len(ids) * 1e6
+    assert streamed == reference == tokenizer.decode(ids)
+    return {"keel (DecodeStream)": keel_us, "two windows in Python": python_us}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -61,8 +93,12 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pack-step", action="store_true", help="time pack_step alone (see above)")
+    parser.add_argument("--detokenize", action="store_true", help="time the incremental detokenizer (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.detokenize:
+        print("detokenizing, us a token: " + ", ".join(f"{k} {v:.2f}" for k, v in detokenize_us().items()))
+        return
     if args.pack_step:
         times = pack_step_ms(args.rows, args.tokens)
         print(f"pack_step, {args.rows} decode rows at ~{args.tokens} tokens: " + ", ".join(

@@ -14,6 +14,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from keel.errors import KeelError
 
@@ -207,28 +208,28 @@ class IncrementalDetokenizer:
 
     Decoding token by token splits multi-byte characters and breaks byte-level spaces, so each
     step decodes a short window of recent tokens and emits only the new suffix, holding back text
-    while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD). Same scheme as vLLM/TGI.
+    while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD). Same scheme as vLLM/TGI, run by
+    tokenizers' own `DecodeStream` (one call a token, where decoding both windows in Python cost
+    ~2 us a token: docs/BENCHMARKS.md); `flush` decodes what it still holds back.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the decoding window
+        self.prefix_offset = 0  # start of the window `flush` decodes
         self.read_offset = 0  # tokens before this have been emitted
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return delta
-        return ""
+        delta = self._stream.step(self.tokenizer.tokenizer, token_id)
+        if not delta:
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
