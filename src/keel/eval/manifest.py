@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from keel.platform import cpu_model, host
-from keel.quant.config import keep_for
 from keel.serve.engine import LLMEngine
 from keel.version import __version__
 
@@ -115,9 +114,8 @@ def _quantization(quant: dict | None, engine: LLMEngine) -> dict[str, Any] | Non
     record = {k: v for k, v in quant.items() if k != "stats"}
     if record.get("scheme") == "int8":
         record["group_size"] = None  # per output channel: the int4 group-size option does not apply
-    quant_config = engine.config.quant
-    keep = keep_for(quant_config.quant_keep, record.get("scheme"), quant_config.quant_keep_as)
-    return {**record, "keep": list(keep), "keep_as": quant_config.quant_keep_as}
+    quant = engine.config.quant
+    return {**record, "keep": list(quant.kept(record.get("scheme"))), "keep_as": quant.quant_keep_as}
 
 
 def build_manifest(model: str, engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -74,6 +74,11 @@ class QuantConfig:
         (`keel.quant.loading.resolve_scheme`)."""
         return None if self.quantize in (AUTO, FLOAT, None) else self.quantize
 
+    def kept(self, scheme: str | None) -> tuple[str, ...]:
+        """The layers kept out of `scheme` (the one asked for, or the one a checkpoint resolved to) under these
+        options (`keep_for`)."""
+        return keep_for(self.quant_keep, scheme, self.quant_keep_as)
+
     def load_options(self) -> dict:
         """The quantization keywords of `load_model`."""
         return dict(

@@ -23,7 +23,7 @@ from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
 from keel.model.transformer import Transformer
 from keel.platform import resolve_device
 from keel.quant.apply import GGUF
-from keel.quant.config import AUTO, keep_for
+from keel.quant.config import AUTO
 from keel.quant.loading import load_model
 from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
@@ -259,7 +259,7 @@ class LLMEngine:
             options = config.quant.load_options()
             if offloading and config.quant.quantize == AUTO:  # offloading moves float experts: auto keeps them so
                 # (auto quantizes only to gguf, whose default keeps nothing else)
-                options["quant_keep"] = (*keep_for(options["quant_keep"], GGUF, options["quant_keep_as"]), "*.experts")
+                options["quant_keep"] = (*config.quant.kept(GGUF), "*.experts")
             loaded = load_model(model, config.load.dtype, device=host, **options)
         self.offload: ExpertOffload | None = None
         if offloading:
@@ -284,7 +284,7 @@ class LLMEngine:
         if quant.scheme is not None:
             from keel.quant import quantize_model
 
-            keep = set(keep_for(quant.quant_keep, quant.scheme, quant.quant_keep_as))
+            keep = set(quant.kept(quant.scheme))
             q = quantize_model(loaded.model, quant.scheme, quant.quant_group_size, keep)
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",

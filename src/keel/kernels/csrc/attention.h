@@ -1,6 +1,7 @@
 // Paged decode attention over keel's KV store, as plain pointers (see ops_attention.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace keel {
@@ -83,6 +84,12 @@ struct SamplePass {
   float* chunk_max;  // [chunks]
   double* chunk_sum; // [chunks]
 };
+// One value's weight in that pass, in scalar code (the portable pass and the vector passes' short last chunk).
+inline float sample_weight(float x, float top, float min_p) {
+  const float d = x - top;
+  const float e = d + 87.f < 0.f ? 0.f : std::exp(d);
+  return min_p > 0.f && e < min_p ? 0.f : e;
+}
 float sample_pass_avx2(const SamplePass& p);
 float sample_pass_avx512(const SamplePass& p);
 float sample_pass_neon(const SamplePass& p);

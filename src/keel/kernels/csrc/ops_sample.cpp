@@ -95,11 +95,8 @@ float sample_pass_portable(const SamplePass& p) {
   for (int64_t i = 0; i < p.vocab; ++i) {
     const int64_t c = i / kSampleChunk;
     if (i % kSampleChunk == 0) p.chunk_sum[c] = 0;
-    const float d = p.x[i] - top;
-    float e = d + 87.f < 0.f ? 0.f : std::exp(d);
-    if (p.min_p > 0.f && e < p.min_p) e = 0.f;
-    p.e[i] = e;
-    p.chunk_sum[c] += e;
+    p.e[i] = sample_weight(p.x[i], top, p.min_p);
+    p.chunk_sum[c] += p.e[i];
   }
   return top;
 }
@@ -118,13 +115,15 @@ float sample_pass(Isa isa, const SamplePass& p) {
 // the count-th largest chunk maximum (the count largest chunk maxima are count values at least that large, so
 // the count-th largest value is too), found in the chunks whose maximum reaches it. Every value when count
 // exceeds the chunks.
+void every_value(Scratch& s, int64_t vocab) {
+  s.all.clear();
+  for (int64_t i = 0; i < vocab; ++i) s.all.push_back(Candidate{s.x[i], i});
+}
+
 void collect_candidates(Scratch& s, int64_t vocab, int64_t count) {
   const int64_t chunks = static_cast<int64_t>(s.chunk_max.size());
+  if (count >= chunks) return every_value(s, vocab);
   s.all.clear();
-  if (count >= chunks) {
-    for (int64_t i = 0; i < vocab; ++i) s.all.push_back(Candidate{s.x[i], i});
-    return;
-  }
   s.maxima.assign(s.chunk_max.begin(), s.chunk_max.end());
   std::nth_element(s.maxima.begin(), s.maxima.begin() + (count - 1), s.maxima.end(), std::greater<float>());
   const float floor = s.maxima[count - 1];
@@ -134,10 +133,7 @@ void collect_candidates(Scratch& s, int64_t vocab, int64_t count) {
     for (int64_t i = c * kSampleChunk; i < end; ++i)
       if (s.x[i] >= floor) s.all.push_back(Candidate{s.x[i], i});
   }
-  if (static_cast<int64_t>(s.all.size()) < count) {  // only where NaNs broke the maxima' order: every value
-    s.all.clear();
-    for (int64_t i = 0; i < vocab; ++i) s.all.push_back(Candidate{s.x[i], i});
-  }
+  if (static_cast<int64_t>(s.all.size()) < count) every_value(s, vocab);  // only where NaNs broke the maxima' order
 }
 
 // The tokens top-p can keep when the first 256 did not hold top_p of the mass: s.all = every value of the buckets

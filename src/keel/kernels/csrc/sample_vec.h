@@ -14,10 +14,11 @@
 
 namespace {
 
+// x = logits / temperature over one whole chunk; returns the chunk's lane maxima.
 template <typename V>
-typename V::F scaled_chunk(const float* logits, typename V::F temperature, float* x, typename V::F& chunk_max) {
+typename V::F scaled_chunk(const float* logits, typename V::F temperature, float* x) {
   constexpr int L = V::kLanes;
-  chunk_max = V::set1(-INFINITY);
+  typename V::F chunk_max = V::set1(-INFINITY);
   for (int i = 0; i < keel::kSampleChunk; i += L) {
     const typename V::F v = V::div(V::load(logits + i), temperature);
     V::store(x + i, v);
@@ -34,9 +35,8 @@ float sample_pass_vectorised(const keel::SamplePass& p) {
   const typename V::F t = V::set1(p.temperature);
   typename V::F all = V::set1(-INFINITY);
   for (int64_t c = 0; c < whole; ++c) {
-    typename V::F m;
     const int64_t at = c * keel::kSampleChunk;
-    scaled_chunk<V>(p.logits + at, t, p.x + at, m);
+    const typename V::F m = scaled_chunk<V>(p.logits + at, t, p.x + at);
     p.chunk_max[c] = V::reduce_max(m);
     all = V::max(all, m);
   }
@@ -71,11 +71,8 @@ float sample_pass_vectorised(const keel::SamplePass& p) {
   if (tail < p.vocab) {
     double s = 0;
     for (int64_t i = tail; i < p.vocab; ++i) {
-      const float d = p.x[i] - top;
-      float e = d + 87.f < 0.f ? 0.f : std::exp(d);
-      if (p.min_p > 0.f && e < p.min_p) e = 0.f;
-      p.e[i] = e;
-      s += e;
+      p.e[i] = keel::sample_weight(p.x[i], top, p.min_p);
+      s += p.e[i];
     }
     p.chunk_sum[whole] = s;
   }
