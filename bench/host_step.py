@@ -1,7 +1,7 @@
 """The host's share of an engine step: a model too small to cost anything, SmolLM2's tokenizer, many rows.
 
     python bench/host_step.py [--rows 256] [--tokens 1024] [--output-kind CUMULATIVE|DELTA|FINAL_ONLY]
-                              [--temperature 0] [--top-p 1] [--threads 2]
+                              [--temperature 0] [--top-p 1] [--threads 2] [--async-scheduling]
     python bench/host_step.py --pack-step [--rows 256] [--tokens 1024]
     python bench/host_step.py --detokenize
 
@@ -9,7 +9,9 @@ A random Llama of hidden size 64 (2 layers, 2,048-token vocabulary) with SmolLM2
 time is what surrounds the forward: scheduling, packing the step's inputs, the draw, detokenizing, stop checks and
 the outputs. --rows requests of 32 prompt tokens each generate --tokens tokens (EOS ignored); the median step time
 is printed for each quarter of the generation (the contexts, block tables and outputs grow) and the total. What
-a GPU step spends on the host is this work, at the same rows (docs/BENCHMARKS.md, issue 23).
+a GPU step spends on the host is this work, at the same rows (docs/BENCHMARKS.md, issue 23). --async-scheduling
+queues each step before reading the last: on a CPU nothing overlaps, so this measures what the pipeline itself
+adds to the host's work.
 
 --pack-step times `keel.serve.runner.pack_step` alone for --rows decode rows whose block tables hold --tokens
 tokens, with its int64 tensors built through numpy (`keel.serve.staging.host_int64`) and through torch.tensor.
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="queue each step before reading the last (on a CPU: its cost)"
+    )
     parser.add_argument("--pack-step", action="store_true", help="time pack_step alone (see above)")
     parser.add_argument("--detokenize", action="store_true", help="time the incremental detokenizer (see above)")
     args = parser.parse_args()
@@ -117,7 +122,11 @@ def main() -> None:
         load_model("smollm2-135m-instruct", "float32", quantize="none").tokenizer.save_hf(tmp)
         loaded = load_model(tmp, "float32")
     config = EngineConfig.of(
-        max_num_seqs=args.rows, max_model_len=args.tokens + 64, max_num_batched_tokens=8192, kv_cache_memory="4GiB"
+        max_num_seqs=args.rows,
+        max_model_len=args.tokens + 64,
+        max_num_batched_tokens=8192,
+        kv_cache_memory="4GiB",
+        async_scheduling=args.async_scheduling,
     )
     engine = LLMEngine(loaded, config, adapt=True)
     kind = RequestOutputKind[args.output_kind]
@@ -129,6 +138,7 @@ def main() -> None:
         engine.add_request(list(range(10 + i % 7, 42 + i % 7)), params)
     print(
         f"{args.rows} rows x {args.tokens} tokens, {kind.name}, temperature {args.temperature}, top-p {args.top_p}, "
+        f"{'asynchronous' if engine.async_scheduling else 'synchronous'} scheduling, "
         f"{torch.get_num_threads()} threads; {engine.backends}"
     )
     engine.step()  # every prefill

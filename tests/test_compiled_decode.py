@@ -59,6 +59,10 @@ def test_compiled_decode_gives_the_eager_tokens(tmp_path, name):
     # serving, whatever the batch size or the block-table width.
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
     assert compiled == eager
+    # Asynchronous scheduling: each step's tokens are the previous step's draws, filled in on the device.
+    llm.engine.async_scheduling = True
+    assert _run(llm) == eager
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
 # In make test-slow (38 s on an AVX2 machine): the buckets are CUDA's, where tests/test_cuda.py runs them
@@ -81,6 +85,8 @@ def test_batches_padded_to_buckets_give_the_eager_tokens(tmp_path):
     engine.runner.compiled = padded
     assert _run(llm) == eager
     assert padded.steps > 20
+    engine.async_scheduling = True  # the padding rows copy row 0's token, which is in flight
+    assert _run(llm) == eager
 
 
 @pytest.mark.parametrize("quantize", ["int4", pytest.param("int8", marks=pytest.mark.slow)])

@@ -45,8 +45,12 @@ def transformers_tokens(path, prompts, dtype=torch.float32):
     return out
 
 
-@pytest.mark.parametrize("compile_", [False, True])
-def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
+# Asynchronous scheduling is CUDA's default: each step is queued before the previous one's tokens are read,
+# and the synchronous engine is checked once beside it.
+@pytest.mark.parametrize(
+    ("compile_", "async_scheduling"), [(False, None), (True, None), (True, False)], ids=["eager", "compiled", "sync"]
+)
+def test_greedy_tokens_equal_transformers_in_float32(llama, compile_, async_scheduling):
     from torch._dynamo.utils import counters
 
     skips = counters["inductor"]["cudagraph_skips"]  # compiled at start-up: counted from before
@@ -58,8 +62,10 @@ def test_greedy_tokens_equal_transformers_in_float32(llama, compile_):
         max_model_len=256,
         max_num_seqs=8,
         kv_cache_memory="1GiB",
+        async_scheduling=async_scheduling,
     )
     engine = llm.engine
+    assert engine.async_scheduling is (async_scheduling is None)
     assert engine.model.device.type == "cuda" and engine.cache.keys[0].device.type == "cuda"
     assert "attention triton" in engine.backends
     assert (engine.runner.compiled is not None) == compile_

@@ -41,7 +41,10 @@ def check_no_leak(engine: LLMEngine) -> None:
     assert not kv.seqs and not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def test_pressure_preemption_prefixes_aborts_match_solo(models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_pressure_preemption_prefixes_aborts_match_solo(models, async_scheduling):
+    """Under asynchronous scheduling too: preemption and aborts with tokens in flight, a finished request's
+    extra step dropped, prefix blocks registered once their last token is read."""
     loaded = models["llama"]
     rng = random.Random(0)
     shared = [[rng.randrange(256) for _ in range(rng.choice((16, 24, 40)))] for _ in range(4)]
@@ -51,8 +54,16 @@ def test_pressure_preemption_prefixes_aborts_match_solo(models):
         prompt = (rng.choice(shared) + body) if i % 3 == 0 else body
         requests.append((str(i), prompt, rng.randrange(1, 24), i % 10 == 7))  # every 10th is aborted
     # 40 blocks of 8 tokens: far less than 64 running sequences need, so preemption must happen.
-    config = EngineConfig.of(num_blocks=40, block_size=8, max_num_batched_tokens=96, max_num_seqs=64, max_model_len=128)
+    config = EngineConfig.of(
+        num_blocks=40,
+        block_size=8,
+        max_num_batched_tokens=96,
+        max_num_seqs=64,
+        max_model_len=128,
+        async_scheduling=async_scheduling,
+    )
     engine = LLMEngine(loaded, config)
+    assert engine.async_scheduling is async_scheduling
     for rid, prompt, max_tokens, _ in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id=rid)
     to_abort = {rid for rid, *_, abort in requests if abort}
@@ -389,9 +400,11 @@ def test_async_engine_build_loads_and_steps_on_one_thread(models):
     assert threading.active_count() == before
 
 
-def test_async_engine_streams_deltas_and_aborts_on_cancel(models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_async_engine_streams_deltas_and_aborts_on_cancel(models, async_scheduling):
     loaded = models["llama"]
-    engine = AsyncEngine(LLMEngine(loaded, EngineConfig.of(num_blocks=64, max_model_len=128)))
+    config = EngineConfig.of(num_blocks=64, max_model_len=128, async_scheduling=async_scheduling)
+    engine = AsyncEngine(LLMEngine(loaded, config))
 
     async def consume(prompt, max_tokens):
         deltas, last = [], None

@@ -51,6 +51,7 @@ from keel.serve.kv_cache import (
     length_groups,
     write_rows,
 )
+from keel.serve.launched import TokenFill
 from keel.serve.staging import host_int64, staging_for
 
 log = logging.getLogger("keel.serve")
@@ -272,10 +273,18 @@ class CompiledDecode:
         return self.model(tokens, positions=positions, cache=cache)
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> Tensor:
+    def __call__(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        fill: TokenFill | None = None,
+    ) -> Tensor:
         """One decode token per sequence -> logits [B, V]. Tables are padded with block 0 to a common
         width of at least 2 blocks (masked by position); with `batch_buckets`, the batch is padded to the
-        next bucket with copies of its first row, and tables to `fixed_width`."""
+        next bucket with copies of its first row, and tables to `fixed_width`. `fill`: tokens still in
+        flight (asynchronous scheduling), filled in on the device."""
         batch = len(tokens)
         padded = next((b for b in self.batch_buckets if b >= batch), batch)
         if padded > batch:
@@ -294,7 +303,13 @@ class CompiledDecode:
             host_int64([t + [0] * (width - len(t)) for t in tables]),
             host_int64(widths),
         ]
-        tok, pos, slot, table, widths_t = staging_for(self.device).move(host)
+        if fill is not None:
+            host += fill.host()
+        tok, pos, slot, table, widths_t, *fill_index = staging_for(self.device).move(host)
+        if fill is not None:
+            fill.apply(tok.view(-1), *fill_index)
+            if padded > batch:  # the padding rows copy row 0, whose token may have been in flight
+                tok[0, batch:] = tok[0, 0]
         if padded > 1:  # size 1 is specialised by torch: batch 1 has its own graph
             for t, dim in ((tok, 1), (pos, 1), (slot, 0), (table, 0), (widths_t, 0)):
                 torch._dynamo.mark_dynamic(t, dim)

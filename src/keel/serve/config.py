@@ -98,6 +98,13 @@ class SchedulerConfig:
     """split a long prompt's prefill over steps, beside running decodes; off: a prompt is prefilled in one step
     (it waits for a step with room for all of it; --max-num-batched-tokens must hold --max-model-len)"""
 
+    async_scheduling: bool | None = None
+    """schedule and queue step N+1 while step N runs on the device, and read step N's tokens after (vLLM's
+    --async-scheduling: the host's share of a step hides behind the device's). Default: on with CUDA, off on
+    CPUs (no device runs while the host works). Steps wait for the previous one while a request's sampling
+    reads its own last tokens (penalties, min_tokens, bad words, structured outputs, prompt logprobs); not
+    with speculative decoding or parallel workers"""
+
     def __post_init__(self) -> None:
         if isinstance(self.max_model_len, str):  # keel.LLM(model, max_model_len="auto"), as the flag takes it
             self.max_model_len = model_length(self.max_model_len)

@@ -32,6 +32,7 @@ from keel.serve.constraints import bad_words_token_ids
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
+from keel.serve.launched import LaunchedStep
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import (
@@ -205,6 +206,9 @@ class LLMEngine:
         num_blocks = self._allocate_kv_cache(device)
         self._build_scheduler_and_runner()
         self._build_speculation(num_blocks, device)
+        self.async_scheduling = self._decide_async_scheduling()
+        self._pending: LaunchedStep | None = None  # the step queued and not yet read (asynchronous scheduling)
+        self._reads_own_tokens: set[str] = set()  # requests whose steps wait for the previous one's tokens
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
@@ -407,6 +411,18 @@ class LLMEngine:
                 os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
             )
 
+    def _decide_async_scheduling(self) -> bool:
+        """Asynchronous scheduling as asked, or by default where a device runs while the host works (CUDA)."""
+        asked = self.config.scheduler.async_scheduling
+        unsupported = "speculative decoding" if self.spec is not None else None
+        if self.executor is not None:
+            unsupported = "parallel workers"
+        if asked and unsupported:
+            raise KeelError(f"--async-scheduling does not run with {unsupported}")
+        if asked is None:
+            return self.device_type == "cuda" and unsupported is None
+        return asked
+
     def _build_speculation(self, num_blocks: int, device: str) -> None:
         """The draft model's proposer (its own paged cache over the target's block tables) and the counters."""
         self.drafter: DraftModelProposer | None = None
@@ -525,6 +541,8 @@ class LLMEngine:
             request.generator = request_generator(params, self.model.device)
         self.scheduler.add(request)
         self._tracks[request_id] = _Track(request, self.tokenizer)
+        if params.reads_own_tokens:
+            self._reads_own_tokens.add(request_id)
         return request_id
 
     def grammar_backend(self) -> GrammarBackend:
@@ -548,6 +566,7 @@ class LLMEngine:
         if request is None:
             return None
         track = self._tracks.pop(request_id)
+        self._reads_own_tokens.discard(request_id)
         self.runner.release(request_id)
         track.stop.finish_reason = track.stop.finish_reason or "abort"
         return build_output(request, track, "", [])
@@ -557,10 +576,65 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._pending is not None
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run, and the outputs of what changed. With asynchronous scheduling the outputs
+        are those of the step before, read after this one was queued."""
+        if self.async_scheduling and not self._reads_own_tokens:
+            return self._step_async()
+        pending, self._pending = self._pending, None
+        outputs = self._read(pending) if pending is not None else []
+        return outputs + self._step_sync()
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and queue this step with the previous step's tokens still in flight (the runner feeds them
+        from the device), then read the previous step's tokens and emit them."""
+        sched = self.scheduler.schedule()
+        launched = None
+        if sched.scheduled:
+            launched = self.runner.launch(sched, self._pending)
+            for request, n in sched.scheduled:
+                draws = request.num_computed_tokens + n == request.num_tokens
+                self.scheduler.computed(request, n)
+                if draws:
+                    request.in_flight += 1
+                else:  # a prefill chunk: every token it fed is known
+                    self.scheduler.commit(request)
+        pending, self._pending = self._pending, launched
+        return self._read(pending) if pending is not None else []
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a queued step's tokens and emit them (a request that finished or was aborted meanwhile
+        drops its token)."""
+        result = self.runner.collect(launched)
+        now = time.perf_counter()
+        counted = self.num_prompt_tokens + self.num_generated_tokens
+        outputs = []
+        for request in launched.samplers:
+            request.in_flight -= 1
+            if request.is_finished:
+                continue
+            rid = request.request_id
+            track = self._tracks[rid]
+            tokens, logprobs = result.token_ids[rid], result.logprobs.get(rid)
+            emitted, released, finished = self._emit(request, track, tokens, logprobs, now)
+            self.scheduler.commit(request)
+            if finished:
+                self._finish(request)
+            if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(build_output(request, track, released, emitted))
+        self.iteration_tokens.observe(self.num_prompt_tokens + self.num_generated_tokens - counted)
+        return outputs
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self._tracks.pop(request.request_id)
+        self._reads_own_tokens.discard(request.request_id)
+        self.runner.release(request.request_id)
+
+    def _step_sync(self) -> list[RequestOutput]:
         proposed = self._propose_before_schedule()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -600,9 +674,7 @@ class LLMEngine:
             if drafts:
                 request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
             if finished:
-                self.scheduler.finish(request)
-                self._tracks.pop(request.request_id)
-                self.runner.release(request.request_id)
+                self._finish(request)
             if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(build_output(request, track, released, emitted))
         self._clear_drafts(proposed)

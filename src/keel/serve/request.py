@@ -65,6 +65,9 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Asynchronous scheduling: tokens drawn by a step whose result the host has not read yet. They count
+    # in num_tokens (the next step feeds them) but are not in output_token_ids until read.
+    in_flight: int = 0
     status: Status = Status.WAITING
     # Set when preempted; cleared by the next generated token. A protected request is chosen as a
     # victim only when every other candidate is protected too (no preemption ping-pong).
@@ -103,7 +106,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, with those in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.in_flight
 
     @property
     def num_remaining(self) -> int:

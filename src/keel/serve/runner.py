@@ -10,7 +10,7 @@ that samples, every token of a request that verifies drafts or asked for prompt 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,11 +19,12 @@ from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
 from keel.serve.kv_blocks import slot_of, visible_blocks
 from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, length_groups
+from keel.serve.launched import LaunchedStep, StepResult, TokenFill
 from keel.serve.request import Request
-from keel.serve.sampling import RowState, Sampler, TokenLogprobs, prompt_logprobs
+from keel.serve.sampling import RowState, Sampler, prompt_logprobs
 from keel.serve.scheduler import SchedulerOutput
 from keel.serve.speculative.verify import verify_drafts
-from keel.serve.staging import host_int64, staging_for
+from keel.serve.staging import HostCopy, host_int64, staging_for
 
 
 @dataclass
@@ -45,10 +46,10 @@ class PackedStep:
     rows: list[range]  # per chunk: its rows in the selected logits (empty for "none")
 
 
-def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> PackedStep:
+def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: TokenFill | None = None) -> PackedStep:
     """Pack chunks of several sequences into one row, with the paged cache's plan: where each token's
     K/V goes, which tokens are one-token decodes (attended as a batch) and which are chunks. Built on the
-    host and moved in one copy (keel.serve.staging)."""
+    host and moved in one copy (keel.serve.staging); tokens still in flight are then filled in on the device."""
     bs = block_size
     tokens: list[int] = []
     positions: list[int] = []
@@ -83,6 +84,8 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         host += [g.index, g.tables, g.positions]
     for _, _, blocks, span in prefills:
         host += [host_int64(blocks), host_int64(span)]
+    if fill is not None:
+        host += fill.host()
     moved = iter(staging_for(torch.device(device)).move(host))
     tokens_t, positions_t, slots_t, select_t = (next(moved) for _ in range(4))
     plan = StepPlan(
@@ -90,6 +93,8 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device) -> Pac
         decodes=[DecodeGroup(next(moved), next(moved), next(moved), g.whole_step) for g in groups],
         prefills=[PrefillChunk(s, e, next(moved), next(moved), span[-1] + 1) for s, e, _, span in prefills],
     )
+    if fill is not None:
+        fill.apply(tokens_t.view(-1), next(moved), next(moved))
     return PackedStep(tokens_t, positions_t, plan, select_t, rows)
 
 
@@ -101,16 +106,6 @@ def forward_step(model: Transformer, cache: PagedKVCache, step: PackedStep) -> T
         return model(step.tokens, positions=step.positions, cache=cache, select=step.select)
     finally:
         cache.plan = None
-
-
-@dataclass
-class StepResult:
-    """Per scheduled request that reached the end of its known tokens: the tokens it gained (one, or
-    with speculation the accepted drafts and one more), with their logprobs when asked."""
-
-    token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 def rows_of(logits: Tensor, rows: list[int]) -> Tensor:
@@ -135,12 +130,17 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """A request finished or was aborted (nothing kept here; parallel workers drop their mirror)."""
 
-    def _chunks(self, out: SchedulerOutput) -> list[Chunk]:
-        chunks = []
+    def _chunks(self, out: SchedulerOutput) -> tuple[list[Chunk], list[int]]:
+        """The step's chunks, and the chunks whose last token is still in flight (asynchronous scheduling:
+        sampled by the previous step, not yet read back; a placeholder here, filled on the device)."""
+        chunks, placeholders = [], []
         for request, n in out.scheduled:
             start = request.num_computed_tokens
             known = min(n, request.num_tokens - start)  # the rest of n are speculative drafts
             tokens = request.token_ids_between(start, start + known) + request.spec_token_ids[: n - known]
+            if len(tokens) < n:  # only a decode's one token can be in flight
+                placeholders.append(len(chunks))
+                tokens.append(0)
             wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids)
             if wants_prompt_logprobs or request.spec_token_ids:
                 logits = "all"
@@ -149,9 +149,9 @@ class ModelRunner:
             else:
                 logits = "none"  # a prefill chunk that does not reach the end of the prompt
             chunks.append(Chunk(self.block_tables(request.request_id), start, tokens, logits))
-        return chunks
+        return chunks, placeholders
 
-    def _forward(self, chunks: list[Chunk]) -> tuple[Tensor, list[range]]:
+    def _forward(self, chunks: list[Chunk], fill: TokenFill | None) -> tuple[Tensor, list[range]]:
         """The chunks' selected logits and each chunk's rows in them: a step of one-token decodes
         through the compiled graph when there is one, anything else eagerly."""
         compiled = self.compiled
@@ -166,14 +166,29 @@ class ModelRunner:
                 [c.start for c in chunks],
                 [slot_of(c.table, c.start, bs) for c in chunks],
                 [visible_blocks(c.table, c.start + 1, bs) for c in chunks],
+                fill=fill,
             )
             return logits, [range(i, i + 1) for i in range(len(chunks))]
-        step = pack_step(chunks, self.block_size, self.device)
+        step = pack_step(chunks, self.block_size, self.device, fill)
         return forward_step(self.model, self.cache, step), step.rows
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        logits, step_rows = self._forward(self._chunks(out))
-        result = StepResult()
+        """Run a step and read its tokens back (the synchronous engine's step)."""
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a step's forward and draw on the device and start reading the drawn tokens back, without
+        waiting for them. Tokens still in flight from `previous` (asynchronous scheduling) are taken from
+        its device tensor of drawn tokens."""
+        chunks, placeholders = self._chunks(out)
+        fill = None
+        if placeholders:
+            if previous is None:
+                raise RuntimeError("a step feeds a token in flight, but no previous step was given")
+            fill = self._token_fill(chunks, placeholders, out, previous)
+        logits, step_rows = self._forward(chunks, fill)
+        launched = LaunchedStep()
+        result = launched.result
         samplers: list[Request] = []
         sample_rows: list[int] = []
         verifiers: list[tuple[Request, range]] = []
@@ -193,7 +208,7 @@ class ModelRunner:
                 if lps is not None:
                     result.logprobs[request.request_id] = lps
         if not samplers:
-            return result
+            return launched
         states = [
             RowState(
                 r.params,
@@ -206,9 +221,39 @@ class ModelRunner:
             for r in samplers
         ]
         sampled = self.sampler(rows_of(logits, sample_rows), states)
-        ids = sampled.token_ids.tolist()
-        lps = sampled.logprobs.to_lists(sampled.token_ids) if sampled.logprobs is not None else [None] * len(ids)
-        for request, token, lp in zip(samplers, ids, lps, strict=True):
+        launched.samplers = samplers
+        launched.token_ids = sampled.token_ids
+        logprobs = [] if sampled.logprobs is None else sampled.logprobs.tensors()
+        launched.readback = HostCopy([sampled.token_ids, *logprobs])
+        launched.logprobs = sampled.logprobs
+        return launched
+
+    @staticmethod
+    def _token_fill(
+        chunks: list[Chunk], placeholders: list[int], out: SchedulerOutput, previous: LaunchedStep
+    ) -> TokenFill:
+        """Where each in-flight token goes in this step's packed tokens, and its row in `previous`'s draw."""
+        offsets, offset = [], 0
+        for chunk in chunks:
+            offsets.append(offset)
+            offset += len(chunk.tokens)
+        row_of = previous.row_of()
+        dst, src = [], []
+        for i in placeholders:
+            request = out.scheduled[i][0]
+            dst.append(offsets[i] + len(chunks[i].tokens) - 1)
+            src.append(row_of[request.request_id])
+        return TokenFill(previous.token_ids, dst, src)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's drawn tokens (and logprobs) and return them by request."""
+        result = launched.result
+        if not launched.samplers:
+            return result
+        host = launched.readback.wait()
+        ids = host[0].tolist()
+        lps = launched.logprobs.to_lists(host[0], *host[1:]) if launched.logprobs is not None else [None] * len(ids)
+        for request, token, lp in zip(launched.samplers, ids, lps, strict=True):
             result.token_ids[request.request_id] = [token]
             if lp is not None:
                 result.logprobs[request.request_id] = [lp]

@@ -98,6 +98,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    @property
+    def reads_own_tokens(self) -> bool:
+        """Whether drawing a token reads the request's previous tokens on the host (penalties, min_tokens, bad
+        words, a grammar) or its prompt's logits (prompt logprobs): such a step cannot be queued before the
+        previous step's tokens are read back (asynchronous scheduling)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.min_tokens
+            or self.bad_words
+            or self.bad_words_token_ids
+            or self.structured_outputs is not None
+            or self.prompt_logprobs is not None
+        )
+
     def validate(self) -> None:
         """Raise KeelError naming the first out-of-range field."""
 
@@ -205,9 +221,14 @@ class LogprobsTensors:
     top_ids: Tensor  # [N, K], K = the largest n in the batch; row i uses the first n_i columns
     top_logprobs: Tensor  # [N, K]
 
-    def to_lists(self, token_ids: Tensor) -> list[TokenLogprobs | None]:
-        ids, lps, ranks = token_ids.tolist(), self.sampled_logprobs.tolist(), self.ranks.tolist()
-        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+    def tensors(self) -> list[Tensor]:
+        """The tensors `to_lists` reads, in the order it takes host copies of them."""
+        return [self.sampled_logprobs, self.ranks, self.top_ids, self.top_logprobs]
+
+    def to_lists(self, token_ids: Tensor, *host: Tensor) -> list[TokenLogprobs | None]:
+        """Per row, from these tensors or from `host`: copies of `tensors()` already read back."""
+        sampled, ranks, top_ids, top_lps = (t.tolist() for t in (host or self.tensors()))
+        ids, lps = token_ids.tolist(), sampled
         rows: list[TokenLogprobs | None] = []
         for i, n in enumerate(self.num_logprobs):
             if n is None:

@@ -133,6 +133,8 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:  # preempted while its last token was in flight (asynchronous scheduling)
+            self.waiting.remove(request)
         self.kv.free(request.request_id)
         request.status = Status.FINISHED
         request.stats.finished = time.perf_counter()
@@ -154,6 +156,8 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
+            if request.in_flight and len(request.output_token_ids) + request.in_flight >= request.params.max_tokens:
+                continue  # its last token is in flight: nothing more to compute
             # Speculative drafts ride after the last known token; the budget may cut some of them.
             n = min(request.num_remaining + len(request.spec_token_ids), budget)
             del request.spec_token_ids[max(0, n - request.num_remaining) :]
@@ -183,6 +187,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.in_flight:  # preempted with a token in flight: recomputed once it is read
+                break
             tokens = request.all_token_ids
             # Prompt logprobs need every prompt position computed: no prefix reuse for those requests.
             prefix = self.kv.find_prefix(tokens) if request.params.prompt_logprobs is None else []
@@ -229,7 +235,25 @@ class Scheduler:
         were reserved for rejected drafts are released."""
         request.num_computed_tokens += num_tokens
         self.kv.truncate(request.request_id, request.num_computed_tokens + 1)
-        self.kv.commit(request.request_id, request.num_computed_tokens, request.token_ids_between)
+        self.commit(request)
+        self._slide(request)
+
+    def computed(self, request: Request, num_tokens: int) -> None:
+        """`advance` for a step queued on the device and not yet run (asynchronous scheduling), its blocks
+        registered for prefix reuse by `commit` once its tokens are known. Every later step is queued behind
+        this one, so the blocks freed here are reused only after it has run."""
+        request.num_computed_tokens += num_tokens
+        self.kv.truncate(request.request_id, request.num_computed_tokens + 1)
+        self._slide(request)
+
+    def commit(self, request: Request) -> None:
+        """Register the request's full computed blocks whose tokens the host knows for prefix reuse (a
+        token in flight is registered once read)."""
+        if request.request_id in self.kv.seqs:  # not preempted while its last token was in flight
+            known = request.num_tokens - request.in_flight
+            self.kv.commit(request.request_id, min(request.num_computed_tokens, known), request.token_ids_between)
+
+    def _slide(self, request: Request) -> None:
         if self.sliding_window is not None:
             # The next query sits at position num_computed_tokens; it sees window - 1 tokens back.
             self.kv.free_outside_window(request.request_id, request.num_computed_tokens - self.sliding_window + 1)

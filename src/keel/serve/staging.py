@@ -69,3 +69,28 @@ def staging_for(device: torch.device) -> Staging:
     """The process's staging buffer for a device: shared by every caller in the engine's thread (each move
     waits for the previous copy out of the host buffer, and returns fresh device tensors)."""
     return Staging(device)
+
+
+class HostCopy:
+    """Device tensors read back to the host without waiting: each copy goes into page-locked memory behind
+    the work already queued, and `wait()` waits for those copies only, not for work queued after them (the
+    next step, under asynchronous scheduling). On the CPU the tensors are the copies."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type == "cpu":
+            self._host = tensors
+            return
+        self._host = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            host.copy_(t, non_blocking=True)
+            self._host.append(host)
+        if tensors[0].device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> list[Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from keel.errors import KeelError
+from keel.serve.launched import StepResult
 from keel.serve.parallel.worker import NewRequest, StepEntry, StepMessage, WorkerReport, WorkerSpec, worker_main
-from keel.serve.runner import StepResult
 from keel.serve.scheduler import SchedulerOutput
 
 log = logging.getLogger("keel.serve")

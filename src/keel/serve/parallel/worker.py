@@ -38,6 +38,7 @@ from keel.quant.panels import panels_pay, store_in_panels
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
+from keel.serve.launched import TokenFill
 from keel.serve.parallel.load import load_tensor_parallel
 from keel.serve.parallel.stage import StageRunner
 from keel.serve.parallel.tensor import quantize_shard
@@ -336,7 +337,8 @@ class _SamplingRunner(ModelRunner):
         super().__init__(worker.stage.model, worker.stage.cache, worker._tables.__getitem__)
         self.worker = worker
 
-    def _forward(self, chunks: list[Chunk]):
+    def _forward(self, chunks: list[Chunk], fill: TokenFill | None):
+        """The parallel forward; `fill` is always None: the engine schedules synchronously with workers."""
         from keel.serve.parallel.stage import selected_rows
 
         self.worker._broadcast(chunks)
