@@ -156,19 +156,31 @@ def agreement(path: Path, device: torch.device, prompts: int, new_tokens: int, s
     return {"prompts": len(work), "tokens": new_tokens, "equal": equal, "first_differences": first_differences}
 
 
-def batch1(engine, reference, device: torch.device, vocab: int, new_tokens: int, roofline: float) -> dict:  # noqa: ANN001
+def decode_alone(engine, prompt: list[int], new_tokens: int, device: torch.device) -> float:  # noqa: ANN001
+    """One request's decode tok/s: timed from the step that emitted its first token (asynchronous scheduling
+    emits it a step later) to the last, counting the tokens emitted in between."""
     from keel.serve import SamplingParams
 
-    prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.add_request(prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    engine.step()  # the prefill and the first token
+    while not any(o.delta_token_ids for o in engine.step()):  # the prefill and the first token
+        pass
     synchronize(device)
-    start, steps = time.perf_counter(), 0
+    start, tokens = time.perf_counter(), 0
     while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
+        tokens += sum(len(o.delta_token_ids) for o in engine.step())
     synchronize(device)
-    keel_tps = steps / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start)
+
+
+def batch1(engine, reference, device: torch.device, vocab: int, new_tokens: int, roofline: float) -> dict:  # noqa: ANN001
+    prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(1)).tolist()
+    keel_tps = decode_alone(engine, prompt, new_tokens, device)
+    scheduling = engine.async_scheduling
+    engine.async_scheduling = not scheduling  # the other way on the same engine, for comparison
+    other_tps = decode_alone(engine, prompt, new_tokens, device)
+    engine.async_scheduling = scheduling
+    print(f"batch-1 bfloat16: keel {'async' if scheduling else 'sync'} scheduling {keel_tps:.1f} tok/s, "
+          f"{'sync' if scheduling else 'async'} {other_tps:.1f} tok/s", flush=True)  # fmt: skip
     model = engine.model
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     config = model.config
@@ -181,7 +193,8 @@ def batch1(engine, reference, device: torch.device, vocab: int, new_tokens: int,
     hf_generate(reference, [prompt], new_tokens, device)
     synchronize(device)
     hf_tps = new_tokens / (time.perf_counter() - start)  # its prefill included: one step of new_tokens
-    row = {"keel_tok_s": keel_tps, "transformers_tok_s": hf_tps, "step_bytes": step_bytes,
+    row = {"keel_tok_s": keel_tps, "keel_other_scheduling_tok_s": other_tps, "async_scheduling": scheduling,
+           "transformers_tok_s": hf_tps, "step_bytes": step_bytes,
            "keel_GB_s": keel_tps * step_bytes / 1e9, "roofline_GB_s": roofline / 1e9,
            "of_roofline": keel_tps * step_bytes / roofline}  # fmt: skip
     print(f"batch-1 bfloat16: keel {keel_tps:.1f} tok/s ({row['keel_GB_s']:.0f} GB/s, "
