@@ -131,3 +131,20 @@ def test_refused_beside_speculation_and_off_by_default_on_cpu(loaded):
         LLMEngine(loaded, _config(True, speculative=ngram))
     assert LLMEngine(loaded, _config(None, speculative=ngram)).async_scheduling is False
     assert LLMEngine(loaded, _config(None)).async_scheduling is False
+
+
+def test_a_token_read_after_preemption_keeps_the_request_protected(loaded):
+    """Preempted while its token was in flight: the token joins its output, and the request stays protected
+    from another preemption until it runs again (as when it generates its next token)."""
+    from keel.serve.request import Status
+
+    engine = LLMEngine(loaded, _config(True))
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    request = engine.scheduler.requests[rid]
+    track = engine._tracks[rid]
+    request.status, request.protected = Status.WAITING, True
+    engine._emit(request, track, [7], None, 0.0)
+    assert request.output_token_ids == [7] and request.protected
+    request.status = Status.RUNNING
+    engine._emit(request, track, [8], None, 0.0)
+    assert request.output_token_ids == [7, 8] and not request.protected

@@ -99,9 +99,15 @@ class _Track:
         self.stop = StopChecker(request.params, request.eos_token_ids)
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0  # of `logprobs`, summed as they come (outputs report it every step)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [] if request.params.prompt_logprobs is not None else None
         )
+
+    def add_logprob(self, entry: TokenLogprobs) -> None:
+        assert self.logprobs is not None
+        self.logprobs.append(entry)
+        self.cumulative_logprob += entry.logprob
 
 
 def build_output(request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
@@ -112,7 +118,7 @@ def build_output(request: Request, track: _Track, delta: str, delta_ids: list[in
     finished = request.status is Status.FINISHED
     delta_kind = request.params.output_kind is RequestOutputKind.DELTA
     every = track.logprobs
-    cumulative_logprob = sum(lp.logprob for lp in every) if every else None
+    cumulative_logprob = track.cumulative_logprob if every else None
     prompt_logprobs = track.prompt_logprobs
     if delta_kind:
         prompt_logprobs = prompt_logprobs if len(delta_ids) == len(request.output_token_ids) else None
@@ -704,9 +710,12 @@ class LLMEngine:
         tokens and strings, EOS, max_tokens); tokens after a stop are dropped.
         Returns (tokens emitted, text released, finished)."""
         released_text, emitted = "", []
+        # A request preempted with its token in flight (asynchronous scheduling) stays protected until it
+        # runs again.
+        running = request.status is Status.RUNNING
         for i, token in enumerate(tokens):
             request.output_token_ids.append(token)
-            request.protected = False
+            request.protected = request.protected and not running
             if request.stats.first_token is None:
                 request.stats.first_token = now
                 self.num_prompt_tokens += len(request.prompt_token_ids)  # counted when its prefill ends, as vLLM
@@ -714,7 +723,7 @@ class LLMEngine:
             self.num_generated_tokens += 1
             emitted.append(token)
             if track.logprobs is not None and logprobs is not None:
-                track.logprobs.append(logprobs[i])
+                track.add_logprob(logprobs[i])
             delta = track.detok.add(token) if track.detok else ""
             released, finished = track.stop.add(token, delta)
             grammar: GrammarState | None = request.grammar  # type: ignore[assignment]

@@ -145,7 +145,7 @@ class NaiveEngine:
         request.stats.token_times.append(now)
         self.num_generated_tokens += 1
         if track.logprobs is not None and sampled.logprobs is not None:
-            track.logprobs.append(sampled.logprobs.to_lists(sampled.token_ids)[0])
+            track.add_logprob(sampled.logprobs.to_lists(sampled.token_ids)[0])
         delta = track.detok.add(token) if track.detok else ""
         released, finished = track.stop.add(token, delta)
         track.text += released
