@@ -2,8 +2,9 @@
 
 from keel.serve.async_engine import AsyncEngine
 from keel.serve.config import EngineConfig
-from keel.serve.engine import CompletionOutput, LLMEngine, RequestOutput
+from keel.serve.engine import LLMEngine
 from keel.serve.llm import LLM
+from keel.serve.outputs import CompletionOutput, RequestOutput
 from keel.serve.sampling import RequestOutputKind, SamplingParams
 from keel.serve.structured import StructuredOutputsParams
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from keel.errors import KeelError
-from keel.serve.engine import RequestOutput
+from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import SamplingParams
 
 log = logging.getLogger("keel.serve")

@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +32,7 @@ from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import blocks_in_budget
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.launched import LaunchedStep
+from keel.serve.outputs import OutputTrack, RequestOutput, build_output
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import (
@@ -47,11 +47,10 @@ from keel.serve.scheduler import Scheduler, default_batched_tokens
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.step_tokens import TokenHistogram
-from keel.serve.stop import StopChecker
 from keel.serve.structured.backend import GrammarBackend
 from keel.serve.structured.state import GrammarState
 from keel.serve.units import AUTO_LENGTH
-from keel.tokenizer import IncrementalDetokenizer, Tokenizer
+from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import LoadedModel
 
 if TYPE_CHECKING:
@@ -60,92 +59,6 @@ if TYPE_CHECKING:
     from keel.serve.speculative.draft import DraftModelProposer
 
 log = logging.getLogger("keel.serve")
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A request's state after a step. `delta_text` / `delta_token_ids` are what this step added."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    num_cached_tokens: int = 0
-    metrics: object | None = None  # RequestStats
-
-
-class _Track:
-    """Output-side state of one request: text, stop checking, logprobs."""
-
-    def __init__(self, request: Request, tokenizer: Tokenizer | None) -> None:
-        self.detok: IncrementalDetokenizer | None = (
-            tokenizer.detokenizer(request.params.skip_special_tokens) if tokenizer else None
-        )
-        self.stop = StopChecker(request.params, request.eos_token_ids)
-        self.text = ""
-        self.logprobs: list[TokenLogprobs] | None = [] if request.params.logprobs is not None else None
-        self.cumulative_logprob = 0.0  # of `logprobs`, summed as they come (outputs report it every step)
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
-            [] if request.params.prompt_logprobs is not None else None
-        )
-
-    def add_logprob(self, entry: TokenLogprobs) -> None:
-        assert self.logprobs is not None
-        self.logprobs.append(entry)
-        self.cumulative_logprob += entry.logprob
-
-
-def build_output(request: Request, track: _Track, delta: str, delta_ids: list[int]) -> RequestOutput:
-    """The RequestOutput of a request after a step (`delta`: text this step released). Its lists are copies:
-    the engine thread goes on appending to the request's while a server's event loop reads the output.
-    Under RequestOutputKind.DELTA its text, token ids and logprobs are this step's only (prompt logprobs
-    come with the first tokens), as vLLM's."""
-    finished = request.status is Status.FINISHED
-    delta_kind = request.params.output_kind is RequestOutputKind.DELTA
-    every = track.logprobs
-    cumulative_logprob = track.cumulative_logprob if every else None
-    prompt_logprobs = track.prompt_logprobs
-    if delta_kind:
-        prompt_logprobs = prompt_logprobs if len(delta_ids) == len(request.output_token_ids) else None
-        logprobs = every[len(every) - len(delta_ids) :] if every is not None else None
-    else:
-        logprobs = list(every) if every is not None else None
-    completion = CompletionOutput(
-        index=0,
-        text=delta if delta_kind else track.text,
-        token_ids=list(delta_ids) if delta_kind else list(request.output_token_ids),
-        finish_reason=track.stop.finish_reason if finished else None,
-        stop_reason=track.stop.stop_reason if finished else None,
-        logprobs=logprobs,
-        cumulative_logprob=cumulative_logprob,
-    )
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=[completion],
-        finished=finished,
-        delta_text=delta,
-        delta_token_ids=delta_ids,
-        prompt_logprobs=prompt_logprobs,
-        num_cached_tokens=request.stats.cached_tokens,
-        metrics=request.stats,
-    )
 
 
 def encode_prompt(
@@ -216,7 +129,7 @@ class LLMEngine:
         self._pending: LaunchedStep | None = None  # the step queued and not yet read (asynchronous scheduling)
         self._reads_own_tokens: set[str] = set()  # requests whose steps wait for the previous one's tokens
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, OutputTrack] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0  # of requests whose prefill finished (vLLM's prompt_tokens_total)
@@ -546,7 +459,7 @@ class LLMEngine:
         if self.executor is None:  # with workers, rank 0 makes the request's generator on its device
             request.generator = request_generator(params, self.model.device)
         self.scheduler.add(request)
-        self._tracks[request_id] = _Track(request, self.tokenizer)
+        self._tracks[request_id] = OutputTrack(request, self.tokenizer)
         if params.reads_own_tokens:
             self._reads_own_tokens.add(request_id)
         return request_id
@@ -704,7 +617,7 @@ class LLMEngine:
                 request.token_bitmask = None  # a prefill chunk that samples nothing
 
     def _emit(
-        self, request: Request, track: _Track, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
+        self, request: Request, track: OutputTrack, tokens: list[int], logprobs: list[TokenLogprobs] | None, now: float
     ) -> tuple[list[int], str, bool]:
         """Append a step's tokens to the request's output one by one, through the stop checks (stop
         tokens and strings, EOS, max_tokens); tokens after a stop are dropped.

@@ -7,8 +7,9 @@ import dataclasses
 from tqdm import tqdm
 
 from keel.serve.config import EngineConfig
-from keel.serve.engine import LLMEngine, RequestOutput
+from keel.serve.engine import LLMEngine
 from keel.serve.generation_config import sampling_defaults
+from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import RequestOutputKind, SamplingParams
 from keel.weights.checkpoint import LoadedModel
 

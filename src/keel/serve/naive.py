@@ -16,7 +16,8 @@ from collections import deque
 import torch
 
 from keel.errors import KeelError
-from keel.serve.engine import RequestOutput, _Track, build_output, encode_prompt, eos_token_ids
+from keel.serve.engine import encode_prompt, eos_token_ids
+from keel.serve.outputs import OutputTrack, RequestOutput, build_output
 from keel.serve.request import Request, Status
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 from keel.weights.checkpoint import LoadedModel
@@ -59,7 +60,7 @@ class NaiveEngine:
         self.waiting: deque[Request] = deque()
         self.current: Request | None = None
         self._past = None
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, OutputTrack] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -91,7 +92,7 @@ class NaiveEngine:
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, priority=priority, prompt=text)
         request.generator = request_generator(params, self.hf.device)
         self.waiting.append(request)
-        self._tracks[request_id] = _Track(request, self.tokenizer)
+        self._tracks[request_id] = OutputTrack(request, self.tokenizer)
         self.num_prompt_tokens += len(prompt_ids)
         return request_id
 

@@ -7,9 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from keel.serve.engine import RequestOutput
 from keel.serve.openai.responses import Usage
 from keel.serve.openai.tenants import TenantState
+from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import SamplingParams
 
 

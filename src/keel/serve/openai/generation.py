@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 from keel.errors import KeelError
 from keel.serve.async_engine import AsyncEngine, EngineDeadError
-from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.metrics import ServerMetrics
+from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import RequestOutputKind
 
 # (job, output, None) for an output, (job, None, error) when the job's generation failed

@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 from keel.serve.step_tokens import ITERATION_TOKENS_BUCKETS
 
 if TYPE_CHECKING:
-    from keel.serve.engine import RequestOutput
+    from keel.serve.outputs import RequestOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]

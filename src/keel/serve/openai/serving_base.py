@@ -24,7 +24,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from keel.errors import KeelError
-from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job, child_params
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.generation import CallRunner
@@ -33,6 +32,7 @@ from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from keel.serve.openai.responses import SSE_DONE, sse, vllm_prompt_logprobs
 from keel.serve.openai.state import ServerState
 from keel.serve.openai.tenants import Admission, TenantState
+from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import RequestOutputKind, SamplingParams, TokenLogprobs
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest

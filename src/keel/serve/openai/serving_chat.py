@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job
 from keel.serve.openai.chat_output import ChatOutputs, ChoiceWriter
 from keel.serve.openai.chat_prompt import render_chat
 from keel.serve.openai.protocol import ChatCompletionRequest
 from keel.serve.openai.responses import chat_logprobs
 from keel.serve.openai.serving_base import OpenAIServing, PromptSpec, StreamDelta
+from keel.serve.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from keel.serve.engine import RequestOutput
 from keel.serve.openai.call import Call, Job
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.protocol import CompletionRequest
 from keel.serve.openai.responses import CompletionLogprobs
 from keel.serve.openai.serving_base import OpenAIServing, PromptSpec, StreamDelta
+from keel.serve.outputs import RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
