@@ -126,6 +126,23 @@ def test_auto_compiles_only_large_dense_models(tmp_path, monkeypatch):
         decide_compile(True, dense.model, dense.cache, offloading=False)
 
 
+def test_auto_counts_quantized_weights_as_parameters(tmp_path, monkeypatch):
+    """The size rule counts the architecture's parameters: an int8 model's weights are buffers, which
+    parameters() leaves out (here, on torch's int8 kernels, as with KEEL_KERNELS=0 or on CUDA)."""
+    monkeypatch.delenv("KEEL_COMPILE", raising=False)
+    save_hf_model("llama", tmp_path)
+    engine = LLM(str(tmp_path), quantize="int8", num_blocks=16, max_model_len=64, compile=False).engine
+    model = engine.model
+    total = model.config.param_counts()["total"]
+    stored = sum(p.numel() for p in model.parameters())
+    assert stored < total // 2  # the projections are buffers now
+    monkeypatch.setattr(compiled_decode, "decode_runs_fused", lambda *_: False)
+    monkeypatch.setattr(compiled_decode, "AUTO_COMPILE_MIN_PARAMS", total)
+    assert decide_compile(None, model, engine.cache, offloading=False) is True
+    monkeypatch.setattr(compiled_decode, "AUTO_COMPILE_MIN_PARAMS", total + 1)
+    assert decide_compile(None, model, engine.cache, offloading=False) is False
+
+
 def test_auto_leaves_models_on_keels_fused_cpu_layers_eager(tmp_path, monkeypatch):
     """Auto compiles a large model only where its decode does not already run through keel::decoder_layers (float32
     or block weights on keel's CPU kernels), whose step the compiled modules do not beat (docs/BENCHMARKS.md)."""

@@ -208,7 +208,8 @@ def decide_compile(requested: bool | None, model: Transformer, cache: PagedKVCac
     if requested is None:
         if decode_runs_fused(model, cache):  # keel's C++ layers: a compiled step would run the modules instead
             return False
-        return sum(p.numel() for p in model.parameters()) >= AUTO_COMPILE_MIN_PARAMS
+        # The architecture's count, not parameters(): quantized weights are buffers (codes and scales).
+        return model.config.param_counts()["total"] >= AUTO_COMPILE_MIN_PARAMS
     return True
 
 
