@@ -8,11 +8,16 @@ compiled decode with CUDA graphs, the probe's attention backend), two phases:
 
 1. Batch-1 decode: 60 steps after warm-up, each step's wall time; cProfile over 40 of them and
    torch.profiler over 20.
-2. Offline: 256 requests as in gpu_bench's offline run; every step's wall time with the requests that gained a
-   token; cProfile and torch.profiler over 30 steps once the first prefills are in.
+2. Offline: 256 requests as in gpu_bench's offline run: torch.profiler over the first 4 steps (admission:
+   prefill chunks beside the decodes), then every step's wall time with the requests that gained a token;
+   cProfile and torch.profiler over 30 steps once the first prefills are in.
+
+Every timed step is synchronised, so under asynchronous scheduling (CUDA's default) a timed step is its
+host and device work one after the other; the untimed loops overlap them.
 
 Writes under --out: steps.txt (per-step times and the summaries), host-*.txt (cProfile, by cumulative and
-own time), device-*.txt (torch.profiler's operator table by device time and by host time).
+own time), device-*.txt (torch.profiler's operator table by device time and by host time; device-admission.txt
+for the first offline steps).
 """
 
 from __future__ import annotations
@@ -127,8 +132,11 @@ def main() -> None:
         for p, n in zip(work.prompts, work.output_lens, strict=True):
             engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         offline_start = time.perf_counter()
-        rows = timed_steps(engine, device, 40)
-        say(summary("offline: first 40 steps (prefill-heavy)", rows))
+        # The admission steps (prefill chunks of new requests beside the running decodes: 135-175 ms each on
+        # an H200 in the first session, never broken down since): torch.profiler over the first few.
+        device_profile(engine, device, 4, out, "admission")
+        rows = timed_steps(engine, device, 36)
+        say(summary("offline: steps 5-40 (prefill-heavy)", rows))
         say("  per step ms / outputs: " + " ".join(f"{t * 1e3:.1f}/{d}" for t, d in rows) + "\n")
         host_profile(engine, 30, out, "offline")
         device_profile(engine, device, 30, out, "offline")
@@ -136,7 +144,7 @@ def main() -> None:
         seconds = time.perf_counter() - offline_start
         say(summary("offline: the rest", rows))
         say(
-            f"offline: {len(work)} requests, {work.output_tokens} tokens in {seconds:.1f} s (two profiled "
+            f"offline: {len(work)} requests, {work.output_tokens} tokens in {seconds:.1f} s (the profiled "
             f"windows included): {work.output_tokens / seconds:.0f} tok/s\n"
         )
         say("  per step ms / outputs (every 10th): "
