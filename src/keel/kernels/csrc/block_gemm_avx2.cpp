@@ -243,6 +243,26 @@ void gemm_tile(const BlockWeights& w, int64_t n, const BlockActivations& a, int6
 
 namespace {
 
+// 32 values in 4 vectors times `inverse`, rounded and clamped to +-127 -> int8 codes, and the codes as
+// floats (for the residual); returns the codes' sum.
+inline int codes_of_block(const __m256 v[4], float scale_inverse, int8_t* q, __m256 rounded[4]) {
+  const __m256 inverse = _mm256_set1_ps(scale_inverse);
+  const __m256 top = _mm256_set1_ps(127.f), bottom = _mm256_set1_ps(-127.f);
+  __m256i ints[4];
+  for (int i = 0; i < 4; ++i) {
+    rounded[i] = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    rounded[i] = _mm256_min_ps(top, _mm256_max_ps(bottom, rounded[i]));
+    ints[i] = _mm256_cvtps_epi32(rounded[i]);
+  }
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+  const __m256i p01 = _mm256_packs_epi32(ints[0], ints[1]);
+  const __m256i p23 = _mm256_packs_epi32(ints[2], ints[3]);
+  const __m256i bytes =
+      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  return hsum_i32(total);
+}
+
 // 32 values in 4 vectors -> int8 codes, their scale, and the codes as floats (for the residual).
 inline int quantize_block(const __m256 v[4], int8_t* q, float* d, __m256 rounded[4]) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -252,21 +272,8 @@ inline int quantize_block(const __m256 v[4], int8_t* q, float* d, __m256 rounded
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float top = _mm_cvtss_f32(m4);
-  const float scale = top / 127.f;
-  const __m256 inverse = _mm256_set1_ps(scale != 0.f ? 127.f / top : 0.f);
-  __m256i ints[4];
-  for (int i = 0; i < 4; ++i) {
-    rounded[i] = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    ints[i] = _mm256_cvtps_epi32(rounded[i]);
-  }
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
-  const __m256i p01 = _mm256_packs_epi32(ints[0], ints[1]);
-  const __m256i p23 = _mm256_packs_epi32(ints[2], ints[3]);
-  const __m256i bytes =
-      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  *d = scale;
-  return hsum_i32(total);
+  *d = top / 127.f;
+  return codes_of_block(v, *d != 0.f ? 127.f / top : 0.f, q, rounded);
 }
 
 }  // namespace
@@ -292,7 +299,8 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s,
       const __m256 scale = _mm256_set1_ps(d[b]);
       __m256 residual[4], unused[4];
       for (int i = 0; i < 4; ++i) residual[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(rounded[i], scale));
-      const int sum2 = quantize_block(residual, q2 + b * kBlock, d2 + b, unused);
+      d2[b] = d[b] / kResidualSteps;
+      const int sum2 = codes_of_block(residual, d[b] != 0.f ? kResidualSteps / d[b] : 0.f, q2 + b * kBlock, unused);
       s[b] += d2[b] * static_cast<float>(sum2);
     }
   }

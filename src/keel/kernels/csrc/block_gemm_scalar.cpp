@@ -32,20 +32,23 @@ float half_to_float(uint16_t h) {
 
 namespace {
 
+// One block of 32 values times `inverse`, rounded and clamped to +-127 -> int8 codes; returns their sum.
+int codes_of_block(const float* x, float inverse, int8_t* q) {
+  int sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int v = static_cast<int>(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(x[i] * inverse))));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+}
+
 // One block of 32 values -> int8 codes and their scale; returns the sum of the codes.
 int quantize_block(const float* x, int8_t* q, float* d) {
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float scale = amax / 127.f;
-  const float inverse = scale != 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
-  for (int i = 0; i < kBlock; ++i) {
-    const int v = static_cast<int>(std::nearbyint(x[i] * inverse));
-    q[i] = static_cast<int8_t>(v);
-    sum += v;
-  }
-  *d = scale;
-  return sum;
+  *d = amax / 127.f;
+  return codes_of_block(x, *d != 0.f ? 127.f / amax : 0.f, q);
 }
 
 }  // namespace
@@ -57,7 +60,8 @@ void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* 
     if (q2 != nullptr) {
       float residual[kBlock];
       for (int i = 0; i < kBlock; ++i) residual[i] = x[b * kBlock + i] - static_cast<float>(q[b * kBlock + i]) * d[b];
-      const int sum2 = quantize_block(residual, q2 + b * kBlock, d2 + b);
+      d2[b] = d[b] / kResidualSteps;
+      const int sum2 = codes_of_block(residual, d[b] != 0.f ? kResidualSteps / d[b] : 0.f, q2 + b * kBlock);
       s[b] += d2[b] * static_cast<float>(sum2);
     }
   }

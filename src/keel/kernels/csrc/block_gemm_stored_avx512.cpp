@@ -88,18 +88,33 @@ void panel_rows(const PanelView& v, int64_t blocks, int shift, int rows, const B
     if constexpr (Min) min = lanes_of<Half>(v.mins, g * v.group_stride, mask);
     for (int r = 0; r < MR; ++r) {
       const int64_t mb = (m + r) * a.blocks + b;
-      for (int pass = 0; pass < (Two ? 2 : 1); ++pass) {
-        __m512i lo, hi;
-        block_dots<Sub>(c, (pass == 0 ? a.q : a.q2) + (m + r) * a.k + b * kBlock, lo, hi);
-        const __m512 da = _mm512_set1_ps(pass == 0 ? a.d[mb] : a.d2[mb]);
-        if constexpr (Offset) {  // the codes' +128, times the activations' sums (each half apart with Sub)
-          const int32_t* o = offsets + 2 * ((pass * a.m + m + r) * a.blocks + b);
-          lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(o[0]));
-          if constexpr (Sub) hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(o[1]));
-        }
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale, da), acc[r]);
-        if constexpr (Sub) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, da), acc[r]);
+      const int64_t at = (m + r) * a.k + b * kBlock;
+      __m512i lo, hi;
+      block_dots<Sub>(c, a.q + at, lo, hi);
+      float d = a.d[mb];
+      if constexpr (Two) {
+        // The residual's scale is d / 2^kResidualShift (kernels.h): both passes add in int32, scaled once.
+        // At most 32 x 255 x 127 x 2^8 + 32 x 255 x 127 < 2^31 (8-bit codes; 4-bit ones far less).
+        __m512i lo2, hi2;
+        block_dots<Sub>(c, a.q2 + at, lo2, hi2);
+        lo = _mm512_add_epi32(_mm512_slli_epi32(lo, kResidualShift), lo2);
+        if constexpr (Sub) hi = _mm512_add_epi32(_mm512_slli_epi32(hi, kResidualShift), hi2);
+        d = a.d2[mb];
       }
+      if constexpr (Offset) {  // the codes' +128, times the activations' sums (each half apart with Sub)
+        const int32_t* o = offsets + 2 * ((m + r) * a.blocks + b);
+        int32_t lo_offset = o[0], hi_offset = o[1];
+        if constexpr (Two) {
+          const int32_t* o2 = offsets + 2 * ((a.m + m + r) * a.blocks + b);
+          lo_offset = lo_offset * (1 << kResidualShift) + o2[0];
+          hi_offset = hi_offset * (1 << kResidualShift) + o2[1];
+        }
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(lo_offset));
+        if constexpr (Sub) hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(hi_offset));
+      }
+      const __m512 da = _mm512_set1_ps(d);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(scale, da), acc[r]);
+      if constexpr (Sub) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(scale_hi, da), acc[r]);
       if constexpr (Min) acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a.s[mb]), acc[r]);
     }
   }

@@ -49,8 +49,13 @@ constexpr int kPanelRows = 16;
 
 // Activations quantized to int8 blocks of 32: q [M, K], d [M, K/32] (x ~ q * d), and
 // s [M, K/32] = the block's sum as quantized (what a weight block's min multiplies). With a second
-// pass, the residual x - q * d is quantized the same way (q2, d2: x ~ q * d + q2 * d2, about 15 bits):
-// for inputs whose blocks hold outliers (after SiLU-and-multiply) and for the LM head.
+// pass, the residual x - q * d (|.| <= d / 2) is quantized on a fixed finer grid: d2 = d / kResidualSteps,
+// q2 = round((x - q * d) / d2) clamped to +-127 (x ~ q * d + q2 * d2, about 15 bits): for inputs whose
+// blocks hold outliers (after SiLU-and-multiply) and for the LM head. Every kernel reads d2 as given; the
+// VNNI panel kernel relies on the power of two to add both passes' dot products in int32 (dot1 << 8 + dot2),
+// one conversion and one multiply-add a block instead of two.
+constexpr int kResidualShift = 8;
+constexpr float kResidualSteps = 256.f;  // 1 << kResidualShift
 struct BlockActivations {
   const int8_t* q;
   const float* d;
