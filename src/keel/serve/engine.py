@@ -540,12 +540,25 @@ class LLMEngine:
             tokens, logprobs = result.token_ids[rid], result.logprobs.get(rid)
             emitted, released, finished = self._emit(request, track, tokens, logprobs, now)
             self.scheduler.commit(request)
-            if finished:
-                self._finish(request)
-            if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(build_output(request, track, released, emitted))
+            self._settle(request, track, released, emitted, finished, outputs)
         self.iteration_tokens.observe(self.num_prompt_tokens + self.num_generated_tokens - counted)
         return outputs
+
+    def _settle(
+        self,
+        request: Request,
+        track: OutputTrack,
+        released: str,
+        emitted: list[int],
+        finished: bool,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """After a request's tokens were emitted: free it if it finished, and add its output where its kind
+        wants one now."""
+        if finished:
+            self._finish(request)
+        if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            outputs.append(build_output(request, track, released, emitted))
 
     def _finish(self, request: Request) -> None:
         self.scheduler.finish(request)
@@ -592,10 +605,7 @@ class LLMEngine:
             self.scheduler.advance(request, n - len(drafts) + len(emitted) - 1)
             if drafts:
                 request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
-            if finished:
-                self._finish(request)
-            if finished or request.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(build_output(request, track, released, emitted))
+            self._settle(request, track, released, emitted, finished, outputs)
         self._clear_drafts(proposed)
         # vLLM's tokens of an iteration: the prompts whose prefill finished in it and the tokens it generated.
         self.iteration_tokens.observe(self.num_prompt_tokens + self.num_generated_tokens - counted)

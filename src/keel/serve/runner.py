@@ -130,17 +130,19 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """A request finished or was aborted (nothing kept here; parallel workers drop their mirror)."""
 
-    def _chunks(self, out: SchedulerOutput) -> tuple[list[Chunk], list[int]]:
-        """The step's chunks, and the chunks whose last token is still in flight (asynchronous scheduling:
-        sampled by the previous step, not yet read back; a placeholder here, filled on the device)."""
-        chunks, placeholders = [], []
+    def _chunks(self, out: SchedulerOutput) -> tuple[list[Chunk], list[tuple[int, str]]]:
+        """The step's chunks, and the tokens still in flight (asynchronous scheduling: drawn by the previous
+        step, not yet read back; a placeholder here, filled on the device) as (position among the step's
+        packed tokens, request id)."""
+        chunks, placeholders, offset = [], [], 0
         for request, n in out.scheduled:
             start = request.num_computed_tokens
             known = min(n, request.num_tokens - start)  # the rest of n are speculative drafts
             tokens = request.token_ids_between(start, start + known) + request.spec_token_ids[: n - known]
             if len(tokens) < n:  # only a decode's one token can be in flight
-                placeholders.append(len(chunks))
+                placeholders.append((offset + n - 1, request.request_id))
                 tokens.append(0)
+            offset += n
             wants_prompt_logprobs = request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids)
             if wants_prompt_logprobs or request.spec_token_ids:
                 logits = "all"
@@ -185,7 +187,8 @@ class ModelRunner:
         if placeholders:
             if previous is None:
                 raise RuntimeError("a step feeds a token in flight, but no previous step was given")
-            fill = self._token_fill(chunks, placeholders, out, previous)
+            row_of = previous.row_of()
+            fill = TokenFill(previous.token_ids, [at for at, _ in placeholders], [row_of[r] for _, r in placeholders])
         logits, step_rows = self._forward(chunks, fill)
         launched = LaunchedStep()
         result = launched.result
@@ -227,23 +230,6 @@ class ModelRunner:
         launched.readback = HostCopy([sampled.token_ids, *logprobs])
         launched.logprobs = sampled.logprobs
         return launched
-
-    @staticmethod
-    def _token_fill(
-        chunks: list[Chunk], placeholders: list[int], out: SchedulerOutput, previous: LaunchedStep
-    ) -> TokenFill:
-        """Where each in-flight token goes in this step's packed tokens, and its row in `previous`'s draw."""
-        offsets, offset = [], 0
-        for chunk in chunks:
-            offsets.append(offset)
-            offset += len(chunk.tokens)
-        row_of = previous.row_of()
-        dst, src = [], []
-        for i in placeholders:
-            request = out.scheduled[i][0]
-            dst.append(offsets[i] + len(chunks[i].tokens) - 1)
-            src.append(row_of[request.request_id])
-        return TokenFill(previous.token_ids, dst, src)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's drawn tokens (and logprobs) and return them by request."""

@@ -227,8 +227,8 @@ class LogprobsTensors:
 
     def to_lists(self, token_ids: Tensor, *host: Tensor) -> list[TokenLogprobs | None]:
         """Per row, from these tensors or from `host`: copies of `tensors()` already read back."""
-        sampled, ranks, top_ids, top_lps = (t.tolist() for t in (host or self.tensors()))
-        ids, lps = token_ids.tolist(), sampled
+        lps, ranks, top_ids, top_lps = (t.tolist() for t in (host or self.tensors()))
+        ids = token_ids.tolist()
         rows: list[TokenLogprobs | None] = []
         for i, n in enumerate(self.num_logprobs):
             if n is None:
