@@ -300,7 +300,7 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* d, float* s,
       __m256 residual[4], unused[4];
       for (int i = 0; i < 4; ++i) residual[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(rounded[i], scale));
       d2[b] = d[b] / kResidualSteps;
-      const int sum2 = codes_of_block(residual, d[b] != 0.f ? kResidualSteps / d[b] : 0.f, q2 + b * kBlock, unused);
+      const int sum2 = codes_of_block(residual, residual_inverse(d[b]), q2 + b * kBlock, unused);
       s[b] += d2[b] * static_cast<float>(sum2);
     }
   }

@@ -61,7 +61,7 @@ void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* d, float* 
       float residual[kBlock];
       for (int i = 0; i < kBlock; ++i) residual[i] = x[b * kBlock + i] - static_cast<float>(q[b * kBlock + i]) * d[b];
       d2[b] = d[b] / kResidualSteps;
-      const int sum2 = codes_of_block(residual, d[b] != 0.f ? kResidualSteps / d[b] : 0.f, q2 + b * kBlock);
+      const int sum2 = codes_of_block(residual, residual_inverse(d[b]), q2 + b * kBlock);
       s[b] += d2[b] * static_cast<float>(sum2);
     }
   }

@@ -55,7 +55,9 @@ constexpr int kPanelRows = 16;
 // VNNI panel kernel relies on the power of two to add both passes' dot products in int32 (dot1 << 8 + dot2),
 // one conversion and one multiply-add a block instead of two.
 constexpr int kResidualShift = 8;
-constexpr float kResidualSteps = 256.f;  // 1 << kResidualShift
+constexpr float kResidualSteps = 1 << kResidualShift;
+// The residual's codes per unit for a block of scale d (0 for an all-zero block).
+inline float residual_inverse(float d) { return d != 0.f ? kResidualSteps / d : 0.f; }
 struct BlockActivations {
   const int8_t* q;
   const float* d;
