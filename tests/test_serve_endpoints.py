@@ -5,6 +5,7 @@ user types (32k, half, --enforce-eager, -q). Real HTTP on a tiny random Llama, a
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -134,6 +135,17 @@ def test_tokenize_errors_name_the_field(server):
     assert error_of(r, 400)["type"] == "invalid_request_error"
 
 
+def test_chat_content_parts_text_joined_and_other_parts_refused_by_name(server, tokenizer):
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    joined = post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()
+    assert joined["tokens"] == post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [parts[0], image]}], "max_tokens": 1}
+    e = error_of(post(server, "/v1/chat/completions", body), 400)
+    assert e["param"] == "messages.0.content" and "part 1 has type 'image_url'" in e["message"]
+    assert "text only" in e["message"]
+
+
 def test_version_and_ping(server):
     assert httpx.get(server.base_url + "/version").json() == {"version": keel.__version__}
     for method in ("GET", "POST"):
@@ -144,7 +156,13 @@ def test_version_and_ping(server):
 # ---------------------------------------------------------------- --served-model-name A B
 def test_every_served_name_is_accepted_and_listed(server):
     c = client(server)
-    assert [m.id for m in c.models.list().data] == ["tiny", "alias"]
+    listed = c.models.list().data
+    assert [m.id for m in listed] == ["tiny", "alias"]
+    assert time.time() - 3600 < listed[0].created <= time.time()  # when the server started, not 0
+    assert c.models.retrieve("alias").id == "alias"  # OpenAI's retrieve, each served name
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.models.retrieve("tin")
+    assert missing.value.body["code"] == "model_not_found"
     r = c.completions.create(model="alias", prompt="hi", max_tokens=2)
     assert r.model == "tiny" and r.usage.completion_tokens <= 2  # vLLM's responses name the first
     with pytest.raises(openai.NotFoundError):

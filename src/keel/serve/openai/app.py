@@ -115,6 +115,12 @@ async def models(request: Request) -> Response:
     return serving.list_models(request.headers.get("authorization"))
 
 
+@router.get("/v1/models/{model_id:path}")  # :path: a served name may hold a slash (org/model)
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    serving: OpenAIServingModels = request.app.state.serving_models
+    return serving.retrieve_model(model_id, request.headers.get("authorization"))
+
+
 @router.get("/metrics")
 async def prometheus(request: Request) -> Response:
     return Response(_server(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -55,3 +55,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
             "code": code,
         }
     }
+
+
+def check_model_name(model: str | None, served: tuple[str, ...], param: str | None = "model") -> None:
+    """404 unless the request's model is one of the served names (or left out)."""
+    if model is not None and model not in served:
+        names = ", ".join(repr(name) for name in served)
+        raise APIError(
+            404, f"model {model!r} does not exist; this server serves {names}", param=param, code="model_not_found"
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.structured_fields import structured_outputs_of
@@ -235,6 +235,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: StrictStr | None = None  # a tool result: the call it answers
     reasoning_content: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Without this a list holding an image part fails the union's first branch, and the client reads
+        # "Input should be a valid string" about a list it sent on purpose.
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"part {i} has type {kind!r}; this server takes text only (content parts of type 'text')"
+                    )
+        return content
 
     def text(self) -> str:
         content = self.content

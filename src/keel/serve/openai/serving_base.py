@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from keel.errors import KeelError
 from keel.serve.openai.call import Call, Job, child_params
-from keel.serve.openai.errors import APIError
+from keel.serve.openai.errors import APIError, check_model_name
 from keel.serve.openai.generation import CallRunner
 from keel.serve.openai.http_io import ClientDisconnected, parse_body, read_json, until_disconnected
 from keel.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,15 +51,6 @@ _REJECTION_REASONS = {
 
 def rejection_reason(error: APIError) -> str:
     return _REJECTION_REASONS.get(error.status, "error")
-
-
-def check_model_name(model: str | None, served: tuple[str, ...]) -> None:
-    """404 unless the request's model is one of the served names (or left out)."""
-    if model is not None and model not in served:
-        names = ", ".join(repr(name) for name in served)
-        raise APIError(
-            404, f"model {model!r} does not exist; this server serves {names}", param="model", code="model_not_found"
-        )
 
 
 @dataclass

@@ -1,9 +1,13 @@
-"""GET /v1/models: the one model this server serves, a card per name it answers to (vLLM's list)."""
+"""GET /v1/models (vLLM's list: a card per name this server answers to) and GET /v1/models/{id} (OpenAI's
+retrieve: one card, or 404 in OpenAI's shape)."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi.responses import JSONResponse
 
+from keel.serve.openai.errors import check_model_name
 from keel.serve.openai.tenants import Tenants
 
 
@@ -12,11 +16,22 @@ class OpenAIServingModels:
         self.model_names = model_names
         self.max_model_len = max_model_len
         self.tenants = tenants
+        self.created = int(time.time())  # when the server started serving, as vLLM's cards say
+
+    def _card(self, name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "keel",
+            "max_model_len": self.max_model_len,
+        }
 
     def list_models(self, authorization: str | None) -> JSONResponse:
         self.tenants.authenticate(authorization)
-        cards = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "keel", "max_model_len": self.max_model_len}
-            for name in self.model_names
-        ]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [self._card(name) for name in self.model_names]})
+
+    def retrieve_model(self, model_id: str, authorization: str | None) -> JSONResponse:
+        self.tenants.authenticate(authorization)
+        check_model_name(model_id, self.model_names, param=None)  # a path segment, not a body field
+        return JSONResponse(self._card(model_id))

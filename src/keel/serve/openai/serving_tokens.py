@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from keel.serve.openai.chat_prompt import render_chat
-from keel.serve.openai.errors import APIError
+from keel.serve.openai.errors import APIError, check_model_name
 from keel.serve.openai.http_io import parse_body, read_json
 from keel.serve.openai.protocol_tokens import (
     DetokenizeRequest,
@@ -19,7 +19,6 @@ from keel.serve.openai.protocol_tokens import (
     TokenizeCompletionRequest,
     TokenizeRequest,
 )
-from keel.serve.openai.serving_base import check_model_name
 from keel.serve.openai.state import ServerState
 from keel.tokenizer import Tokenizer
 
