@@ -8,6 +8,10 @@
 #   bash bench/gpu_check.sh --fetch-wheels   # here, once: the wheels keel needs that the device image lacks -> .whl/
 #   bash bench/gpu_check.sh [--profile]      # there (the device tool's run, carry [".whl"]): results under $OUT
 #                                            # (--profile: then bench/gpu_profile.py, 150 s more at most)
+#   bash bench/gpu_check.sh --train          # there, instead: issue 24's training on the GPU (~8 minutes):
+#                                            # tests/test_cuda_train.py and test_train_run.py's one-process
+#                                            # cases on the device, then bench/train.py on a 1.1B Llama (bf16,
+#                                            # keel eager and compiled against a transformers loop: tokens/s, MFU)
 #
 # The device image has torch 2.11 + CUDA 13, triton, transformers, pytest, numpy, safetensors, tokenizers,
 # jinja2, tqdm, httpx and prometheus-client; keel's other dependencies travel as wheels for its Python (3.12),
@@ -38,6 +42,20 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
 
 status=0
+if [ "${1:-}" = "--train" ]; then
+  # The one-process cases of test_train_run.py (its --nproc 2 cases need a GPU per rank, and its bit-exact
+  # resume assumes deterministic kernels: test_cuda_train.py resumes on the device with and without them).
+  one_process="learns_logs or resumed_runs_schedule or deterministic_kernels or rng_states or profile_writes"
+  one_process="$one_process or guard_skips_nan or rollback_skips or skipped_steps_in_a_row"
+  timeout 210 python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_cuda_train.py \
+    tests/test_train_run.py -k "test_cuda_train or $one_process" 2>&1 | tee "$OUT/train_tests.log" || status=1
+  # The runs' tokenizer (checkpoints save it): the tests' byte-level one, as no catalog model travels here.
+  python3 -c 'import sys; sys.path.insert(0, "tests"); from tiny_models import save_byte_tokenizer, save_hf_model
+save_hf_model("llama", "/tmp/train_tok"); save_byte_tokenizer("/tmp/train_tok")'
+  timeout 270 python3 bench/train.py --device cuda --model 1b --seq-len 2048 --batch 4 --micro 4 --steps 8 \
+    --compile --tokenizer /tmp/train_tok 2>&1 | tee "$OUT/train_bench.log" || status=1
+  exit $status
+fi
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda.py tests/test_attention_backends.py \
   2>&1 | tee "$OUT/tests.log" || status=1
 timeout 90 python3 bench/triton_decode.py --out "$OUT/triton_decode.json" 2>&1 | tee "$OUT/triton_decode.log" || status=1

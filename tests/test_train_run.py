@@ -178,6 +178,23 @@ def test_exact_resume_single_process(root):
         assert resumed.losses[step] == straight.losses[step], step  # bit-identical
 
 
+def test_deterministic_kernels_for_the_run_only(root):
+    """run.deterministic: torch's deterministic algorithms are on while the trainer lives (every training op
+    has a deterministic CPU kernel: the run goes through) and off again after; a CPU run is deterministic
+    already, so its losses are the default run's bit for bit (on a GPU, tests/test_cuda_train.py)."""
+    _, plain = run(config(root, "nondet"), "training.steps=3", "checkpoint.interval=0")
+    trainer = Trainer(
+        load_config(config(root, "det"), ["training.steps=3", "checkpoint.interval=0", "run.deterministic=true"])
+    )
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        result = trainer.run()
+    finally:
+        trainer.close()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert result.losses == plain.losses
+
+
 def test_a_resume_follows_the_resumed_runs_schedule(root):
     """A checkpoint of a 3-step run resumed as a 6-step run: the learning rate of step 4 is the 6-step
     schedule's (the checkpoint's optimizer held the 3-step schedule's, its minimum)."""

@@ -48,6 +48,10 @@ class RunSection(_Section):
     # glibc's free heap pages returned at each block's backward and after each step (keel.train.host_memory);
     # null: on for CPU runs of more than one rank where glibc has malloc_trim, off for one process.
     trim_heap: bool | None = None
+    # Deterministic kernels only (torchtitan's debug.deterministic): on a GPU, attention's backward and
+    # cuBLAS otherwise add in an order that varies from run to run, so a resumed run parts from the straight
+    # one in the last bits; slower. An op with no deterministic kernel then fails naming itself.
+    deterministic: bool = False
 
     @field_validator("dir")
     @classmethod

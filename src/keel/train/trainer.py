@@ -43,6 +43,7 @@ from keel.train import flight_recorder, moe_stats
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint, load_model_only
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
 from keel.train.data import BatchLoader, iter_eval_batches, open_datasets
+from keel.train.determinism import deterministic_kernels
 from keel.train.faults import Faults
 from keel.train.guard import TrainingGuard
 from keel.train.hf_export import export_hf
@@ -89,6 +90,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.rank, self.world, local_rank = _env_world()
+        self._restore_kernels = deterministic_kernels(cfg.run.deterministic)  # before any product runs
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -216,6 +218,8 @@ class Trainer:
         # libraries its modules load, the process group, the tokenizer): start-up and first-step
         # peaks are reported above it.
         self._memory_base = current_memory_bytes(self.device)
+        if self.device.type == "cuda":  # peaks from here: not a high-water mark left by earlier work in the process
+            torch.cuda.reset_peak_memory_stats(self.device)
         model.train()
         return config, tokenizer, model
 
@@ -823,6 +827,7 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        self._restore_kernels()
 
 
 def _plain(tensor: Tensor) -> Tensor:
