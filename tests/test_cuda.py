@@ -88,15 +88,29 @@ def test_chunked_prefill_and_prefix_hits_give_transformers_tokens(llama):
     assert llm.engine.kv.prefix_hits > 0
 
 
-def test_an_async_step_returns_while_the_device_is_still_busy(llama):
+# Sampled rows with a seed, logit_bias and allowed_token_ids (none reads its own tokens, so the steps stay
+# asynchronous): their per-row tables and indices cross in page-locked, non-blocking copies.
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, logit_bias={5: 2.0}, allowed_token_ids=list(range(3, 300)))
+
+
+@pytest.mark.parametrize(
+    ("compile_", "sampled"), [(False, False), (True, True)], ids=["eager-greedy", "compiled-sampled"]
+)
+def test_an_async_step_returns_while_the_device_is_still_busy(llama, compile_, sampled):
     """Asynchronous scheduling: step() queues step N+1 and reads step N without waiting for the device. A
     ~100 ms spin queued on the stream before the call must still be running when step() returns (any host
-    sync in the step, a blocking copy or a read of N+1's tensors, would wait for it)."""
-    llm = LLM(str(llama), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory="1GiB")
+    sync in the step, a blocking copy or a read of N+1's tensors, would wait for it). Compiled, no step
+    compiles or records a graph the warm-up did not (dynamo's graph count stays)."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(llama), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory="1GiB",
+              compile=compile_)  # fmt: skip
     engine = llm.engine
     assert engine.async_scheduling
+    graphs = counters["stats"]["unique_graphs"]
+    extra = SAMPLED if sampled else {"temperature": 0.0}
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), str(i))
+        engine.add_request(prompt, SamplingParams(max_tokens=64, ignore_eos=True, **extra), str(i))
     for _ in range(6):  # past the prefills: decode steps only, a step queued
         engine.step()
     torch.cuda.synchronize()
@@ -109,6 +123,7 @@ def test_an_async_step_returns_while_the_device_is_still_busy(llama):
         assert len(outputs) == len(PROMPTS)  # the previous step's tokens, one a request
     while engine.has_unfinished_requests():
         engine.step()
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_sampler_reads_nothing_back_from_the_device():

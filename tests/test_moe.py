@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 from keel.config import ModelConfig
 from keel.model.grouped import grouped_matmul, segmented_matmul, use_grouped_mm
-from keel.model.moe import MoE, Router, _within_capacity, update_routing_bias
+from keel.model.moe import (
+    MoE,
+    Router,
+    _within_capacity,
+    counts_by_comparison,
+    expert_counts,
+    update_routing_bias,
+)
 
 
 def moe_config(**overrides) -> ModelConfig:
@@ -130,6 +137,15 @@ def test_grouped_matmul_equals_per_expert_matmuls_with_gradients():
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
     assert torch.all(w.grad[1] == 0)
+
+
+def test_expert_counts_without_a_host_sync_equal_bincount():
+    """The comparison count (what CUDA runs, so that no MoE layer reads back to the host) equals bincount,
+    with experts no row chose."""
+    ids = torch.tensor([3, 0, 3, 7, 3, 0, 5], dtype=torch.int64)
+    want = torch.bincount(ids, minlength=9)
+    assert torch.equal(counts_by_comparison(ids, 9), want) and torch.equal(expert_counts(ids, 9), want)
+    assert counts_by_comparison(torch.empty(0, dtype=torch.int64), 4).tolist() == [0, 0, 0, 0]
 
 
 def test_moe_block_equals_a_per_token_loop():

@@ -128,11 +128,26 @@ def _local(weight: Tensor) -> Tensor:
     return to_local() if to_local is not None else weight
 
 
+def expert_counts(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """Rows per expert, int64 [num_experts]. On CUDA `bincount` sizes its output from the ids' maximum, read
+    back to the host: a sync in every MoE layer of every step, which an asynchronously scheduled step
+    cannot afford; comparing each id with every expert's reads nothing back."""
+    if expert_ids.device.type == "cpu":
+        return torch.bincount(expert_ids, minlength=num_experts)
+    return counts_by_comparison(expert_ids, num_experts)
+
+
+def counts_by_comparison(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """`expert_counts` off the CPU (also tested on it): ids against 0..num_experts-1, summed per expert."""
+    experts = torch.arange(num_experts, device=expert_ids.device)
+    return (expert_ids[:, None] == experts).sum(dim=0)
+
+
 def group_by_expert(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """(order, offsets): the permutation that groups rows by expert (stable: each expert's rows keep
     their order) and the int32 cumulative row counts per expert that `grouped_matmul` takes."""
     order = torch.argsort(expert_ids, stable=True)
-    offsets = torch.bincount(expert_ids, minlength=num_experts).cumsum(0).to(torch.int32)
+    offsets = expert_counts(expert_ids, num_experts).cumsum(0).to(torch.int32)
     return order, offsets
 
 
@@ -207,7 +222,7 @@ class MoE(nn.Module):
         expert_ids = routing.ids.reshape(-1)
         slot_weights = routing.weights.reshape(-1)
         slot_tokens = torch.arange(t, device=flat.device).repeat_interleave(self.top_k)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        counts = expert_counts(expert_ids, self.num_experts)
         limit = self.capacity(t)
         kept = None
         if limit is not None:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from keel import kernels
 from keel.errors import KeelError
+from keel.serve.staging import to_device
 
 if TYPE_CHECKING:
     from keel.tokenizer import Tokenizer
@@ -57,11 +58,11 @@ def apply_constraints(x: Tensor, states: list[RowState]) -> Tensor:
                 banned_cols.append(word[-1])
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=device)
-            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.int64, device=device)] = True
+            keep[_ids([t for t in p.allowed_token_ids if t < vocab], device)] = True
             x[i].masked_fill_(~keep, float("-inf"))
     if bias_rows:
         index = (_ids(bias_rows, device), _ids(bias_cols, device))
-        x.index_put_(index, torch.tensor(bias_values, dtype=x.dtype).to(device, non_blocking=True), accumulate=True)
+        x.index_put_(index, to_device(bias_values, x.dtype, device), accumulate=True)
     if banned_rows:
         x[_ids(banned_rows, device), _ids(banned_cols, device)] = float("-inf")
     masked = [i for i, s in enumerate(states) if s.token_bitmask is not None]
@@ -90,7 +91,7 @@ def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
 
 
 def _ids(values: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(values, torch.int64, device)
 
 
 def bad_words_token_ids(words: list[str], tokenizer: Tokenizer | None) -> list[list[int]]:

@@ -114,6 +114,10 @@ class LLMEngine:
             loaded.model.to(device)  # a caller's model to adapt, loaded elsewhere
         self._adapt(loaded, owned)
         self.model: Transformer = loaded.model  # on the meta device when workers hold the weights
+        # CUDA's current device is the calling thread's: events, Triton's launches and the current stream all
+        # take it, so it is the engine's device on every thread that builds or steps the engine (cuda:1 too).
+        self._cuda = self.model.device if self.model.device.type == "cuda" else None
+        self._enter_device()
         self.device_type = torch.device(device).type if self.executor is not None else self.model.device.type
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         # Under --max-model-len auto the model's context until the KV cache is sized (_allocate_kv_cache).
@@ -501,11 +505,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: schedule, run, and the outputs of what changed. With asynchronous scheduling the outputs
         are those of the step before, read after this one was queued."""
+        self._enter_device()
         if self.async_scheduling and not self._reads_own_tokens:
             return self._step_async()
         pending, self._pending = self._pending, None
         outputs = self._read(pending) if pending is not None else []
         return outputs + self._step_sync()
+
+    def _enter_device(self) -> None:
+        if self._cuda is not None:
+            torch.cuda.set_device(self._cuda)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and queue this step with the previous step's tokens still in flight (the runner feeds them

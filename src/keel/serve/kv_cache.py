@@ -18,6 +18,7 @@ from keel.config import ModelConfig
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata, softcap_scores
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
+from keel.serve.staging import to_device
 
 
 def write_rows(store: Tensor, slots: Tensor, rows: Tensor) -> None:
@@ -200,11 +201,11 @@ def fresh_batches(prefills: list[PrefillChunk], slot_mapping: Tensor, waste: flo
             valid += range(n * length, n * length + len(own))
             valid_rows += own
         device = slot_mapping.device
-        row_index = torch.tensor(rows, device=device)
+        row_index = to_device(rows, torch.int64, device)
         batches.append(
             FreshChunks(
                 group, length, row_index, slot_mapping.index_select(0, row_index),
-                torch.tensor(valid, device=device), torch.tensor(valid_rows, device=device),
+                to_device(valid, torch.int64, device), to_device(valid_rows, torch.int64, device),
             )
         )  # fmt: skip
     return batches

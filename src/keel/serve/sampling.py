@@ -35,6 +35,7 @@ from torch import Tensor
 from keel import kernels
 from keel.errors import KeelError
 from keel.serve.constraints import apply_constraints, has_constraints
+from keel.serve.staging import to_device
 from keel.serve.structured.params import StructuredOutputsParams
 
 # Below this temperature a row is greedy (vLLM's _SAMPLING_EPS).
@@ -244,12 +245,6 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None  # only when some row asked for logprobs
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A host list as a tensor on `device`, copied without blocking the host (`torch.tensor(..., device=cuda)`
-    waits for the copy: a host sync per call, several per step)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
     """[N, V] float32 count of each token id in each row's list."""
     width = max((len(r) for r in rows), default=0)
@@ -370,7 +365,7 @@ class Sampler:
         if all(greedy_list):
             return x, torch.ones(len(states), dtype=torch.bool, device=device)
         # All per-row parameters in one host->device copy.
-        table = torch.tensor(
+        table = to_device(
             [
                 [
                     1.0 if s.params.greedy else s.params.temperature,
@@ -381,8 +376,9 @@ class Sampler:
                 ]
                 for s in states
             ],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)
+            torch.float32,
+            device,
+        )
         temperature, top_k, top_p, min_p, greedy = table.unbind(dim=1)
         greedy = greedy.bool()
         sampled = [s.params for s in states if not s.params.greedy]

@@ -5,8 +5,9 @@ small int64 tensors built on the host. Moved one by one from ordinary (pageable)
 blocking host-to-device copy, and the host waits for the GPU a dozen times per step. Staged here, they
 are laid end to end in one page-locked buffer that lives as long as the engine (grown when a step needs
 more) and cross in one non-blocking copy; the device tensors are views of one device buffer. Before the
-host buffer is written again, the previous copy's event is waited on (it is long done by then: every
-step ends by reading the sampled tokens back).
+host buffer is written again, the previous copy's event is waited on (it is done or nearly so by then:
+a synchronous step ends by reading its tokens back; under asynchronous scheduling that copy was queued
+right behind the step whose tokens the host has already read).
 
 On the CPU the tensors are returned as they are: there is nothing to copy.
 """
@@ -19,6 +20,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device` without making the host wait. `torch.tensor(values, device=cuda)`
+    blocks until the copy is done (a host sync); a non-blocking copy out of ordinary (pageable) memory may
+    still make the driver wait for the stream, so on CUDA the list is laid in page-locked memory first
+    (torch's pinned-block cache keeps the block until its copy has run)."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
 
 
 def host_int64(values: Sequence) -> Tensor:
@@ -56,7 +66,7 @@ class Staging:
         torch.cat([t.reshape(-1) for t in tensors], out=host)
         moved = host.to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
         out, offset = [], 0
         for t, n in zip(tensors, sizes, strict=True):
             out.append(moved[offset : offset + n].view(t.shape))
@@ -88,7 +98,7 @@ class HostCopy:
             self._host.append(host)
         if tensors[0].device.type == "cuda":
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensors[0].device))
 
     def wait(self) -> list[Tensor]:
         if self._event is not None:
