@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from keel.cli import main
+from keel.errors import KeelError
 from keel.train.checkpoint import COMPLETE, latest_checkpoint
 from keel.train.config import load_config
 from keel.train.data import write_token_file
@@ -132,7 +133,7 @@ def test_learns_logs_and_checkpoints_a_loadable_model(root):
     loaded = load_model(ckpt, "float32")
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
-        assert torch.equal(loaded.model(tokens), trainer.modules[0].eval()(tokens))
+        assert torch.equal(loaded.model(tokens), trainer.modules[0].cpu().eval()(tokens))  # trained on a GPU too
     assert loaded.tokenizer is not None
 
 
@@ -193,6 +194,17 @@ def test_deterministic_kernels_for_the_run_only(root):
         trainer.close()
     assert not torch.are_deterministic_algorithms_enabled()
     assert result.losses == plain.losses
+
+
+def test_run_device_cpu_trains_on_the_cpu_and_cuda_without_a_gpu_is_one_line(root):
+    trainer = Trainer(load_config(config(root, "on-cpu"), ["training.steps=1", "run.device=cpu"]))
+    try:
+        assert trainer.device.type == "cpu" and all(p.device.type == "cpu" for p in trainer.modules[0].parameters())
+    finally:
+        trainer.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(KeelError, match='run.device = "cuda": torch sees no CUDA device'):
+            Trainer(load_config(config(root, "on-cuda"), ["run.device=cuda"]))
 
 
 def test_a_resume_follows_the_resumed_runs_schedule(root):

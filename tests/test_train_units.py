@@ -137,6 +137,7 @@ def test_flight_recorder_environment_points_into_the_run(tmp_path):
     env = flight_recorder.environment(tmp_path, 500)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_FR_BUFFER_SIZE"] == "500"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+    assert (tmp_path / "flight_recorder").is_dir()  # NCCL's dump opens rank_N there and does not make the directory
 
 
 def test_flops_per_token_and_peak(tmp_path):
@@ -158,6 +159,20 @@ def test_flops_per_token_and_peak(tmp_path):
     assert measure_cpu_peak(torch.float32, max_size=256, seconds=0.05) > 1e8
     (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # a torn last line
     assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "loss": 2.0}]
+
+
+def test_gpu_peaks_are_the_datasheets_float32_not_tf32(monkeypatch):
+    """keel leaves float32 products in full precision on CUDA: an fp32 run's MFU is against the IEEE float32
+    peak (TF32's is ~7x higher on an H100); a GPU without that figure gets none rather than a wrong one."""
+    from keel.train import metrics
+
+    name = {"value": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(metrics.torch.cuda, "get_device_name", lambda device=None: name["value"])
+    cuda = torch.device("cuda", 0)
+    assert metrics.peak_flops(cuda, "fp32")[0] == 67e12 and metrics.peak_flops(cuda, "bf16")[0] == 989e12
+    name["value"] = "NVIDIA B200"
+    peak, source = metrics.peak_flops(cuda, "fp32")
+    assert peak == 0.0 and "MFU not computed" in source and metrics.peak_flops(cuda, "bf16")[0] == 2250e12
 
 
 def test_the_cpu_peak_is_measured_once_per_machine_dtype_and_thread_count(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ its sampler, stop checking and detokenizer, so outputs differ only by the model'
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections import deque
@@ -53,6 +54,9 @@ class NaiveEngine:
         self.model = loaded.model  # keel's module, kept for its config and device only
         self.tokenizer = loaded.tokenizer
         self.hf = hf_model_from(loaded)
+        # The KV cache's argument and output field: `cache` in today's transformers, `past_key_values` before
+        # (5.17, the GPU image's release, still names it so).
+        self._cache_field = "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
         mc = loaded.config
         self.max_model_len = max_model_len or mc.max_position_embeddings
         self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
@@ -130,8 +134,8 @@ class NaiveEngine:
             request = self.current
             feed = request.output_token_ids[-1:]
         ids = torch.tensor([feed], dtype=torch.long, device=self.hf.device)
-        out = self.hf(input_ids=ids, cache=self._past, use_cache=True, logits_to_keep=1)
-        self._past = out.cache
+        out = self.hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_field: self._past})
+        self._past = getattr(out, self._cache_field)
         state = RowState(
             request.params, request.generator, request.prompt_token_ids, request.output_token_ids, self.eos_token_ids
         )

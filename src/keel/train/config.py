@@ -52,6 +52,9 @@ class RunSection(_Section):
     # cuBLAS otherwise add in an order that varies from run to run, so a resumed run parts from the straight
     # one in the last bits; slower. An op with no deterministic kernel then fails naming itself.
     deterministic: bool = False
+    # Where each rank trains: auto takes cuda:LOCAL_RANK wherever torch sees a GPU, else the CPU; cpu trains on
+    # the CPU (gloo) on a GPU host too; cuda refuses to start without one.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @field_validator("dir")
     @classmethod

@@ -21,8 +21,12 @@ log = logging.getLogger("keel.train")
 
 
 def environment(run_dir: Path, events: int) -> dict[str, str]:
-    """The variables that turn the recorder on with `events` entries a rank and dump it on a timeout."""
-    prefix = str(run_dir / "flight_recorder" / "rank_")
+    """The variables that turn the recorder on with `events` entries a rank and dump it on a timeout; makes
+    the directory the dumps go to (NCCL's writer opens the file and, where its directory is missing, logs an
+    error and drops the trace of the hang)."""
+    directory = run_dir / "flight_recorder"
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = str(directory / "rank_")
     return {
         "TORCH_FR_BUFFER_SIZE": str(events),
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(events),

@@ -25,13 +25,15 @@ import torch
 from keel.config import ModelConfig
 from keel.train.peak_cache import cached_cpu_peak, peak_cache_path
 
-# Dense peak FLOP/s per GPU, (bf16/fp16, fp32 via TF32 where the vendor quotes it).
+# Dense peak FLOP/s per GPU from the vendors' datasheets: bf16/fp16 on the tensor cores; fp32 as IEEE float32,
+# not TF32 (keel leaves torch's default: float32 products in full precision, so TF32's peak is not what an
+# fp32 run can reach). A GPU without an fp32 figure here gets no fp32 MFU.
 GPU_PEAK_FLOPS = {
-    "A100": {"bf16": 312e12, "fp32": 156e12},
-    "H100": {"bf16": 989e12, "fp32": 494e12},
-    "H200": {"bf16": 989e12, "fp32": 494e12},
-    "B200": {"bf16": 2250e12, "fp32": 1100e12},
-    "MI300X": {"bf16": 1307e12, "fp32": 654e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "B200": {"bf16": 2250e12},
+    "MI300X": {"bf16": 1307e12, "fp32": 163.4e12},
 }
 
 
@@ -72,8 +74,10 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for gpu, peaks in GPU_PEAK_FLOPS.items():
-            if gpu in name:
+            if gpu in name and key in peaks:
                 return peaks[key], f"{gpu} datasheet ({key}, dense)"
+            if gpu in name:
+                return 0.0, f"{gpu}: no {key} datasheet peak here, MFU not computed"
         return 0.0, f"unknown GPU {name!r}: MFU not computed"
     dtype = torch.float32 if precision == "fp32" else (torch.bfloat16 if precision == "bf16" else torch.float16)
     threads = torch.get_num_threads()

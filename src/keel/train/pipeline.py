@@ -102,10 +102,16 @@ class Pipeline:
         calls accumulate); the mean microbatch loss on the rank holding the last stage, None
         elsewhere. Every rank of the pp group must call it."""
         losses: list[Tensor] | None = [] if self.has_last else None
-        args = (tokens,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        args, kwargs = self._inputs(tokens, targets, losses)
         self.schedule.step(*args, return_outputs=False, **kwargs)
         return _mean_of_scaled(losses)
+
+    def _inputs(self, tokens: Tensor, targets: Tensor, losses: list[Tensor] | None) -> tuple[tuple, dict]:
+        """The schedule's arguments on this rank. Contiguous: torch 2.11's stages check each micro-batch's
+        strides against the ones they were built for, and a slice such as chunk[:, :-1] has its parent's."""
+        args = (tokens.contiguous(),) if self.has_first else ()
+        kwargs = {"target": targets.contiguous(), "losses": losses} if self.has_last else {}
+        return args, kwargs
 
     @torch.no_grad()
     def evaluate(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
@@ -114,8 +120,7 @@ class Pipeline:
         elsewhere. The batch size must be a multiple of `microbatches`. Every rank of the pp group
         must call it."""
         losses: list[Tensor] | None = [] if self.has_last else None
-        args = (tokens,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        args, kwargs = self._inputs(tokens, targets, losses)
         self.schedule.eval(*args, **kwargs)
         mean = _mean_of_scaled(losses)
         return None if mean is None else mean * self.microbatches

@@ -82,6 +82,21 @@ class TrainResult:
     stopped_by_signal: bool = False
 
 
+def _rank_device(asked: str, local_rank: int) -> torch.device:
+    """`run.device` for the rank with this LOCAL_RANK: one GPU per local rank, or the CPU."""
+    if asked == "cpu" or (asked == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise KeelError('run.device = "cuda": torch sees no CUDA device here (a CPU build, or no GPU visible)')
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise KeelError(
+            f"local rank {local_rank} has no GPU: {count} CUDA device(s) visible on this node, one per local rank "
+            '(use --nproc at most that, or run.device = "cpu")'
+        )
+    return torch.device("cuda", local_rank)
+
+
 def _env_world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
@@ -91,7 +106,7 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world, local_rank = _env_world()
         self._restore_kernels = deterministic_kernels(cfg.run.deterministic)  # before any product runs
-        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.device = _rank_device(cfg.run.device, local_rank)
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             events = cfg.parallel.flight_recorder_events
@@ -342,7 +357,7 @@ class Trainer:
             "loader": self.loader.state_dict(),
             "guard": self.guard.state_dict(),
             "rollbacks": self.rollbacks,
-            "rng": _rng_states(),
+            "rng": _rng_states(self.device.type == "cuda"),
         }
 
     def _restore(self, path: Path) -> None:
@@ -366,7 +381,7 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         self.rollbacks = int(state.get("rollbacks", 0))
         if "rng" in state:
-            _set_rng_states(state["rng"])
+            _set_rng_states(state["rng"], self.device.type == "cuda")
 
     def save(self, blocking: bool = False) -> None:
         self.watchdog.pause()
@@ -407,8 +422,8 @@ class Trainer:
             t = time.perf_counter()
             batches = [self.loader.next_microbatch() for _ in range(accum)]
             self._data_time += time.perf_counter() - t
-            inputs = torch.cat([b[0] for b in batches]).to(self.device)
-            labels = torch.cat([b[1] for b in batches]).to(self.device)
+            inputs = self._to_device(torch.cat([b[0] for b in batches]))
+            labels = self._to_device(torch.cat([b[1] for b in batches]))
             with self._autocast():
                 loss = self.pipeline.step(inputs, labels)
             if loss is not None:
@@ -418,7 +433,7 @@ class Trainer:
             t = time.perf_counter()
             inputs, labels = self.loader.next_microbatch()
             self._data_time += time.perf_counter() - t
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels = self._to_device(inputs), self._to_device(labels)
             last = micro == accum - 1
             if micro and self._step_memory is not None:
                 self._step_memory.next_micro_batch()
@@ -536,6 +551,8 @@ class Trainer:
             self._set_aux_grad_scale()
         t0 = time.perf_counter()
         local = self._forward_backward()
+        if self.device.type == "cuda":  # its kernels are only queued: wait, so their time is not the optimizer's
+            torch.cuda.synchronize(self.device)
         t_fb = time.perf_counter()
         loss = self._global_loss(local)
         params = self._params()
@@ -623,6 +640,13 @@ class Trainer:
             record["start_memory"] = self._start_memory()
             self._startup_peak = None
 
+    def _to_device(self, batch: Tensor) -> Tensor:
+        """A host batch on the device. On CUDA through page-locked memory without blocking: a copy out of
+        ordinary memory waits for every kernel queued before it, so the host could never queue ahead."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
+
     def _start_memory(self) -> dict[str, int]:
         """The largest rank's peaks above its own baseline (RSS on CPU, allocated bytes on GPU) during
         start-up (model built and sharded) and through the first step, and its baseline."""
@@ -670,7 +694,7 @@ class Trainer:
         self._evaluating = True
         try:
             for inputs, labels in iter_eval_batches(self.val_file, self.cfg.data.seq_len, rows, dp_rank, dp_size):
-                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                inputs, labels = self._to_device(inputs), self._to_device(labels)
                 if self.pipeline is not None:
                     pad = rows - len(inputs)
                     if pad:
@@ -847,23 +871,34 @@ def write_model_files(directory: Path, config: ModelConfig, cfg: TrainConfig, to
         tokenizer.save_hf(directory)
 
 
-def _rng_states() -> dict[str, Any]:
-    """Every generator a step may draw from: torch's CPU and CUDA ones, NumPy's and Python's global ones."""
+def _rng_states(cuda: bool) -> dict[str, Any]:
+    """Every generator a step may draw from: torch's CPU one and the rank's CUDA one (on a GPU), NumPy's and
+    Python's global ones."""
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda:
+        # The rank's own device (the trainer made it current), not every visible one: a resume may see
+        # another number of devices (one per rank under a scheduler's CUDA_VISIBLE_DEVICES).
+        states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
+def _set_rng_states(states: dict[str, Any], cuda: bool) -> None:
     """`_rng_states()` restored (a checkpoint from before NumPy's and Python's were saved has torch's only)."""
     torch.set_rng_state(states["torch"])
     if "numpy" in states:
         np.random.set_state(states["numpy"])
     if "python" in states:
         random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if not cuda:
+        return
+    state = states.get("cuda")
+    if isinstance(state, list):  # saved by an earlier keel: every visible device's, in device order
+        here = torch.cuda.current_device()
+        state = state[here] if here < len(state) else None
+    if state is not None:
+        torch.cuda.set_rng_state(state)
+    else:
+        log.warning("the checkpoint holds no CUDA generator state for this device: its draws start afresh")
 
 
 def _init_process_group(backend: str, rank: int, world: int, timeout: timedelta) -> None:
