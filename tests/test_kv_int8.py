@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from keel import kernels
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import kv_cache_bytes
@@ -22,6 +23,7 @@ from keel.serve.kv_quant import (
 from tiny_models import save_hf_model
 
 pytestmark = pytest.mark.isa  # run again under KEEL_CPU_ISA=avx2 by `make test`
+NEEDS_KERNELS = pytest.mark.skipif(not kernels.active(), reason="keel's C++ kernels are off")
 
 LLAMA = dict(
     architecture="llama",
@@ -262,7 +264,7 @@ class RoundedCache(PagedKVCache):
         super()._write(store, rows.to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("backend", ["kernels", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("kernels", marks=NEEDS_KERNELS), "torch"])
 @pytest.mark.parametrize("arch", ["llama", "llama-window", "mla"])
 def test_bfloat16_store_attends_as_rounded_float32(arch, backend, monkeypatch):
     """A float32 model's queries over bfloat16 rows (decode group + prefill chunk over a cached prefix): the
@@ -292,7 +294,7 @@ def test_bfloat16_store_attends_as_rounded_float32(arch, backend, monkeypatch):
     assert kv_cache_bytes(config, torch.float32, "bfloat16") == kv_cache_bytes(config, torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["kernels", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("kernels", marks=NEEDS_KERNELS), "torch"])
 def test_engine_bfloat16_cache_of_a_float32_model(tmp_path, backend, monkeypatch):
     """EngineConfig.of(kv_cache_dtype="bfloat16") on a float32 model, as served (fused layers, prefill chunks,
     decode batches, prefix hits): twice the blocks of the same budget, and greedy tokens equal to the float32
