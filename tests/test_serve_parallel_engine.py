@@ -96,6 +96,22 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
         llm.engine.shutdown()
 
 
+def test_an_idle_server_keeps_its_workers(tmp_path):
+    """The followers wait on the control group for the next step, within --distributed-timeout; rank 0 renews
+    that wait while the engine has nothing to run, so a server idle for longer still serves (before, every
+    worker failed on the first request after an idle minute)."""
+    save_hf_model("llama", tmp_path)
+    config = dict(kv_cache_memory="8MiB", max_model_len=256, compile=False, dtype="float32")
+    llm = LLM(str(tmp_path), EngineConfig.of(**config, tensor_parallel_size=2, distributed_timeout=3))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+        time.sleep(7)  # over twice the timeout
+        assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    finally:
+        llm.engine.shutdown()
+
+
 # In make test-slow (15 s on the 2-core AVX2 machine), to keep make test within its budget.
 @pytest.mark.slow
 def test_parallel_engine_keeps_structured_outputs(tmp_path):

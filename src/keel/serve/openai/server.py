@@ -171,9 +171,11 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     chat_template = load_chat_template(options.chat_template)
     config = resolve_auto_parallel(source.model, options.auto_parallel, config)
     if config.parallel.node_rank > 0:  # a workers-only node of multi-node serving: no engine, no port
+        from keel.platform import resolve_device
         from keel.serve.parallel.launch import run_headless
 
-        return run_headless(source.model, config)
+        # The device node 0's engine resolves from the same option: NCCL and one GPU a rank, or gloo on CPUs.
+        return run_headless(source.model, config, resolve_device(config.load.device).type)
     _check_port(options.host, options.port)
     engine = build_engine(source, options, config, chat_template)
     failure: list[BaseException] = []

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from keel.dtypes import parse_dtype
+from keel.errors import KeelError
 from keel.model.fuse import fuse_projections
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
@@ -50,6 +51,8 @@ from keel.serve.scheduler import SchedulerOutput
 from keel.weights.shard import TensorParallelLayout
 
 log = logging.getLogger("keel.serve")
+# Rank 0 to the followers while the engine sends no step (a step is a list of chunks; None stops them).
+PING = "ping"
 
 
 @dataclass
@@ -203,6 +206,12 @@ class Worker:
         tp, pp = spec.tp, spec.pp
         local_rank = rank - spec.parallel.node_rank * spec.local_world
         if spec.device == "cuda":
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise KeelError(
+                    f"rank {rank} (local rank {local_rank}) has no GPU: {count} CUDA device(s) visible on this node, "
+                    "one per local rank"
+                )
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         else:
@@ -214,8 +223,13 @@ class Worker:
         dist.init_process_group(
             backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size, timeout=timeout
         )
-        # Control messages (pickled objects) always travel over gloo, on the host.
-        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        # Control messages (pickled objects) travel over a gloo group of their own, on the host. The followers wait
+        # there for the next step however long the server stays idle: rank 0 renews their wait (`PING`) well
+        # inside the timeout. Start-up's one collective has its own group: ranks finish loading apart.
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self._ping_every = spec.parallel.distributed_timeout / 4
+        startup = timedelta(seconds=max(spec.parallel.startup_timeout, spec.parallel.distributed_timeout))
+        self.startup_group = dist.new_group(backend="gloo", timeout=startup)
         tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
         return tp_groups[rank // tp]
 
@@ -271,7 +285,7 @@ class Worker:
         if budget is None:
             budget = blocks_in_budget(per_block, cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
         blocks = torch.tensor([budget], dtype=torch.long)
-        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.control)  # every rank holds the same blocks
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.startup_group)  # every rank the same blocks
         return make_paged_kv_cache(
             local, int(blocks.item()), cache.block_size, model.dtype, self.device, cache.kv_cache_dtype, layers=layers
         )
@@ -283,12 +297,16 @@ class Worker:
             chunks = self._broadcast(None)
             if chunks is None:
                 return
+            if chunks == PING:
+                continue
             self.stage.run(chunks)
 
     def serve_engine(self, conn) -> None:
         """Rank 0: apply each step message from the engine, run it, answer with the sampled tokens."""
         while True:
             try:
+                while not conn.poll(self._ping_every):  # idle: the followers' wait for a step starts over
+                    self._broadcast(PING)
                 message = conn.recv()
             except EOFError:  # the engine is gone
                 message = None
@@ -302,8 +320,8 @@ class Worker:
                 raise
             conn.send(("ok", result))
 
-    def _broadcast(self, chunks: list[Chunk] | None) -> list[Chunk] | None:
-        """Rank 0's chunks to every rank (None: stop)."""
+    def _broadcast(self, chunks: list[Chunk] | str | None) -> list[Chunk] | str | None:
+        """Rank 0's chunks to every rank (None: stop; PING: nothing to run yet)."""
         box = [chunks]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
