@@ -126,6 +126,24 @@ def test_an_async_step_returns_while_the_device_is_still_busy(llama, compile_, s
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_one_rank_in_a_worker_on_nccl(llama):
+    """--distributed-executor-backend mp at tp = 1: the parallel workers' path on one GPU (set_device, an NCCL
+    world of one beside the gloo control groups, the KV pool on the device, rank 0's sampling, shutdown):
+    the in-process engine's float32 greedy tokens. (tp > 1 needs a GPU per rank.)"""
+    base = dict(device="cuda", dtype="float32", max_model_len=256, kv_cache_memory="1GiB", compile=False)
+    llm = LLM(str(llama), **base)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(llama), **base, distributed_executor_backend="mp")
+    try:
+        assert llm.engine.executor is not None and llm.engine.model.device.type == "meta"
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.engine.shutdown()
+
+
 def test_sampler_reads_nothing_back_from_the_device():
     """Penalties, temperature, top-k/top-p/min-p and the draw, seeded and not: no host sync inside."""
     gen = torch.Generator(device="cuda").manual_seed(3)

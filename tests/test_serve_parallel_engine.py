@@ -96,6 +96,23 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
         llm.engine.shutdown()
 
 
+def test_one_rank_in_a_worker_process(tmp_path):
+    """--distributed-executor-backend mp with tp = pp = 1 (vLLM's option): the one rank runs in a worker, the
+    path a single GPU can prove on NCCL (tests/test_cuda.py); the single-process engine's tokens. uni with
+    more than one rank is one line."""
+    save_hf_model("llama", tmp_path)
+    config = dict(kv_cache_memory="8MiB", max_model_len=256, compile=False, dtype="float32")
+    expected = _outputs(LLM(str(tmp_path), EngineConfig.of(**config)), _params())
+    llm = LLM(str(tmp_path), EngineConfig.of(**config, distributed_executor_backend="mp"))
+    try:
+        assert sorted(llm.engine.executor.reports) == [0]
+        assert [o.token_ids for o in _outputs(llm, _params())] == [o.token_ids for o in expected]
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(KeelError, match="--distributed-executor-backend uni runs one rank"):
+        LLM(str(tmp_path), EngineConfig.of(**config, tensor_parallel_size=2, distributed_executor_backend="uni"))
+
+
 def test_an_idle_server_keeps_its_workers(tmp_path):
     """The followers wait on the control group for the next step, within --distributed-timeout; rank 0 renews
     that wait while the engine has nothing to run, so a server idle for longer still serves (before, every

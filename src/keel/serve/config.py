@@ -150,9 +150,19 @@ class ParallelConfig:
     worker_threads: int | None = None
     """torch threads per CPU worker (default: the cores shared out)"""
 
+    distributed_executor_backend: Literal["mp", "uni"] | None = None
+    """where the model runs (vLLM's option): mp, worker processes (the default for tp x pp > 1); uni, the engine's
+    own process (the default for one rank); mp with one rank runs it in a worker too, its NCCL/gloo path
+    on a single GPU"""
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether the model runs in worker processes (keel.serve.parallel) rather than the engine's."""
+        return self.world_size > 1 or self.distributed_executor_backend == "mp"
 
 
 @dataclass

@@ -165,19 +165,19 @@ class LLMEngine:
                     f"{resolved}, or pass adapt=True to let the engine move it"
                 )
             return str(here)
-        if self.config.parallel.world_size > 1 and resolved.type == "cuda" and (resolved.index or 0) != 0:
+        if self.config.parallel.uses_workers and resolved.type == "cuda" and (resolved.index or 0) != 0:
             raise KeelError(
                 f"--device {resolved}: tensor/pipeline-parallel workers take one GPU each, cuda:0 up on every "
                 "node (--device cuda)"
             )
-        return "cuda" if resolved.type == "cuda" and self.config.parallel.world_size > 1 else str(resolved)
+        return "cuda" if resolved.type == "cuda" and self.config.parallel.uses_workers else str(resolved)
 
     def _load(self, model: str | LoadedModel, device: str) -> LoadedModel:
         """The model: a caller's, this process's own load, or (parallel serving) a placeholder while the workers
         load their shards. With offloading only the resident experts may reach the device: load on the host."""
         config = self.config
         offloading = config.offload.enabled
-        if config.parallel.world_size > 1:
+        if config.parallel.uses_workers:
             loaded = self._start_workers(model, device)
         elif isinstance(model, LoadedModel):
             loaded = model

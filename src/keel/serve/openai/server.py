@@ -38,7 +38,7 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
         (config.offload.enabled, "--expert-cache needs"),
         (config.quant.scheme is not None, "--quantize needs"),
         (config.speculative is not None, "--speculative-config needs"),
-        (config.parallel.world_size > 1, "--tensor-parallel-size/--pipeline-parallel-size need"),
+        (config.parallel.uses_workers, "--tensor-parallel-size/--pipeline-parallel-size (worker processes) need"),
     ]
     for used, what in keel_only:
         if used:
@@ -118,7 +118,7 @@ def _load_engine_only(source: ModelSource, options: ServeOptions, config: Engine
     from keel.quant.loading import load_model
     from keel.serve.engine import LLMEngine
 
-    if config.parallel.world_size > 1 and options.engine == "keel":
+    if config.parallel.uses_workers and options.engine == "keel":
         return LLMEngine(source.model, config)  # workers load the shards
     if options.engine == "naive":  # transformers' model takes float weights: a GGUF file's blocks are expanded
         config = config.replace(quantize="none")

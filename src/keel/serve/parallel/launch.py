@@ -37,6 +37,8 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     if tp < 1 or pp < 1:
         raise KeelError(f"--tensor-parallel-size and --pipeline-parallel-size must be >= 1, got {tp} and {pp}")
+    if par.distributed_executor_backend == "uni" and par.world_size > 1:
+        raise KeelError(f"--distributed-executor-backend uni runs one rank in the engine process; tp x pp = {tp * pp}")
     cuda = str(device).startswith("cuda")
     spec_method = getattr(config.speculative, "method", None)
     unsupported = [
