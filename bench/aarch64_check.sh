@@ -69,4 +69,4 @@ assert levels == ("scalar", "neon"), levels'
 echo "== QEMU_CPU=neoverse-n1"
 QEMU_CPU=neoverse-n1 PYTHONPATH="$OUT/src:tests" "$ARM_PYTHON" -c \
   'from keel import kernels; print("arch", kernels.host().arch, "levels", kernels.levels_here())'
-QEMU_CPU=neoverse-n1 PYTHONPATH="$OUT/src:tests" exec "$ARM_PYTHON" -m pytest -q -p no:cacheprovider -p no:xdist -o timeout=1800 "${args[@]}"
+QEMU_CPU=neoverse-n1 PYTHONPATH="$OUT/src:tests" exec "$ARM_PYTHON" -m pytest -q -p no:cacheprovider -p no:xdist -o timeout=3600 "${args[@]}"
