@@ -90,7 +90,9 @@ def load_tensor_parallel(
         else:  # experts stored one per tensor, stacked by `combine`: each piece cut on its own dimension
             piece = None if shard is None else Shard(shard.dim - 1, shard.start, shard.stop)
             tensor = source.combine([reader.get_shard(stored, piece) for stored in names])
-        tensor = tensor.to(dtype)
+        # To the device as it is read: on GPUs the host never holds more than one tensor of the shard (every
+        # local rank loads at once, and a whole shard per rank can exceed the host's memory).
+        tensor = tensor.to(device=device, dtype=dtype)
         if tuple(tensor.shape) != tuple(param.shape):
             raise KeelError(
                 f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, expected {list(param.shape)}"

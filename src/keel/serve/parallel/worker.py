@@ -168,10 +168,10 @@ def worker_main(spec: WorkerSpec, rank: int, conn, events) -> None:
     except BaseException as e:  # noqa: BLE001
         log.error("rank %d failed: %s: %s", rank, type(e).__name__, e)
         events.put(("error", rank, f"{type(e).__name__}: {e}"))
+        # Without tearing the process groups down: under NCCL that waits for the failed step's collectives,
+        # which the peers (stopped by the engine on this report) never finish.
         sys.exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 class Worker:
