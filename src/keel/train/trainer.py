@@ -137,6 +137,13 @@ class Trainer:
         self.pipeline = None
         self._stage_cross_entropy: Callable[..., Tensor] = cross_entropy_loss  # a pipeline's last stage
         self._build_parallel(model)
+        # The rank's memory with the model's skeleton built and parallelised, no weight in it yet (torch, keel
+        # and the libraries its modules and parallelisms load, the process group, the tokenizer): start-up
+        # and first-step peaks are reported above it. After the parallelisms: FSDP's first use imports
+        # torch._dynamo (~100 MB of resident memory), which is not the model's.
+        self._memory_base = current_memory_bytes(self.device)
+        if self.device.type == "cuda":  # peaks from here: not a high-water mark left by earlier work in the process
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._materialize()
         self.heap = self._heap_trimmer()
         self.moe = moe_stats.moe_layers(self.modules)
@@ -229,12 +236,6 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(config)
         model.to(DTYPES[cfg.model.dtype])
-        # The rank's memory with the model's skeleton built and no weight in it (torch, keel and the
-        # libraries its modules load, the process group, the tokenizer): start-up and first-step
-        # peaks are reported above it.
-        self._memory_base = current_memory_bytes(self.device)
-        if self.device.type == "cuda":  # peaks from here: not a high-water mark left by earlier work in the process
-            torch.cuda.reset_peak_memory_stats(self.device)
         model.train()
         return config, tokenizer, model
 
