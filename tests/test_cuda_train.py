@@ -21,7 +21,7 @@ from keel.train.checkpoint import latest_checkpoint
 from keel.train.config import load_config
 from keel.train.metrics import read_metrics
 from keel.train.trainer import Trainer
-from test_train_run import config, keel_process, losses, make_train_root, run
+from test_train_run import assert_fp16_scale_backs_off, config, keel_process, losses, make_train_root, run
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -106,14 +106,7 @@ def test_a_deterministic_run_resumes_bit_for_bit(root):
 
 
 def test_fp16_loss_scaling_backs_off_on_the_device(root):
-    _, result = run(
-        config(root, "device-fp16"), "training.precision=fp16", "training.init_scale=268435456.0", "training.steps=10"
-    )
-    records = [r for r in read_metrics(root / "runs/device-fp16/metrics.jsonl") if "loss" in r]
-    overflows = [r for r in records if r.get("overflow")]
-    assert overflows and records[0]["loss_scale"] < 2**28
-    assert any(r["applied"] for r in records[len(overflows) :])
-    assert result.losses[10] < result.losses[1]
+    assert_fp16_scale_backs_off(root, "device-fp16")  # torch's fp16 autocast and keel's scaler on CUDA
 
 
 def test_compiled_blocks_train_like_eager_ones_on_the_device(root):

@@ -167,3 +167,16 @@ def test_an_unrunnable_isa_is_one_line_at_the_cli(tmp_path, monkeypatch, capsys)
         platform.host.cache_clear()
     err = capsys.readouterr().err
     assert err.startswith("keel: error: KEEL_CPU_ISA='pentium'") and err.count("\n") == 1
+
+
+def test_a_local_rank_beyond_the_nodes_gpus_is_one_line_naming_the_count():
+    """keel.platform.local_rank_cuda: what training ranks and serving workers take as their GPU."""
+    import torch
+
+    from keel.platform import local_rank_cuda
+
+    count = torch.cuda.device_count()
+    want = rf"local rank {count} has no GPU: {count} CUDA device\(s\) visible on this node, one per local rank"
+    want += r" \(a hint\)$"
+    with pytest.raises(KeelError, match=want):
+        local_rank_cuda(count, " (a hint)")

@@ -312,15 +312,21 @@ def test_skipped_steps_in_a_row_roll_back_then_stop_naming_them(root):
     assert any(r.get("rolled_back_to") == 10 for r in records)
 
 
-def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
-    path = config(root, "fp16")
-    # 2**28 overflows fp16 gradients at once; a few back-offs later the steps apply.
+def assert_fp16_scale_backs_off(root: Path, name: str) -> Path:
+    """A 10-step fp16 run of config `name` from a loss scale of 2**28, which overflows fp16 gradients at
+    once: the scale drops, a few back-offs later the steps apply, and the loss falls. The config's path."""
+    path = config(root, name)
     _, result = run(path, "training.precision=fp16", "training.init_scale=268435456.0", "training.steps=10")
-    records = [r for r in read_metrics(root / "runs/fp16/metrics.jsonl") if "loss" in r]
+    records = [r for r in read_metrics(root / "runs" / name / "metrics.jsonl") if "loss" in r]
     overflows = [r for r in records if r.get("overflow")]
     assert overflows and records[0]["loss_scale"] < 2**28  # the scale dropped
     assert any(r["applied"] for r in records[len(overflows) :])  # then steps apply again
     assert result.losses[10] < result.losses[1]
+    return path
+
+
+def test_fp16_loss_scale_backs_off_and_training_goes_on(root):
+    path = assert_fp16_scale_backs_off(root, "fp16")
     # The same on FSDP2-sharded gradients (2 ranks, fp16 compute copies, fp32 reductions): the
     # overflow is found in the global norm over both shards, so both ranks skip the same steps.
     r = keel_train(

@@ -246,6 +246,20 @@ def resolve_device(spec: str | None, platform: Platform | None = None) -> torch.
     return torch.device("cuda", number)
 
 
+def local_rank_cuda(local_rank: int, hint: str = "") -> torch.device:
+    """cuda:LOCAL_RANK, one GPU per local rank of a node (a training rank, a serving worker); a KeelError
+    naming the node's count where it has fewer GPUs than local ranks (`hint`: what to change, appended)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise KeelError(
+            f"local rank {local_rank} has no GPU: {count} CUDA device(s) visible on this node, one per local rank"
+            + hint
+        )
+    return torch.device("cuda", local_rank)
+
+
 def cuda_missing() -> str:
     """Why no CUDA device is usable here, in one phrase."""
     import torch

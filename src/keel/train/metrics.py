@@ -74,10 +74,10 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for gpu, peaks in GPU_PEAK_FLOPS.items():
-            if gpu in name and key in peaks:
-                return peaks[key], f"{gpu} datasheet ({key}, dense)"
             if gpu in name:
-                return 0.0, f"{gpu}: no {key} datasheet peak here, MFU not computed"
+                if key not in peaks:
+                    return 0.0, f"{gpu}: no {key} datasheet peak here, MFU not computed"
+                return peaks[key], f"{gpu} datasheet ({key}, dense)"
         return 0.0, f"unknown GPU {name!r}: MFU not computed"
     dtype = torch.float32 if precision == "fp32" else (torch.bfloat16 if precision == "bf16" else torch.float16)
     threads = torch.get_num_threads()

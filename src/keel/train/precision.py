@@ -63,9 +63,11 @@ def global_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | Non
             groups.setdefault(key, [g.device_mesh, dims, []])[2].append(g.to_local())
         else:
             plain.append(g)
-    # On the gradients' device: under NCCL the pipeline all-reduce below takes device tensors only.
-    device = plain[0].device if plain else next((v[2][0].device for v in groups.values()), None)
-    total = _sum_of_squares(plain) if plain else torch.zeros((), dtype=torch.float32, device=device)
+    if plain:
+        total = _sum_of_squares(plain)
+    else:  # on the gradients' device: under NCCL the pipeline all-reduce below takes device tensors only
+        device = next((shards[0].device for _, _, shards in groups.values()), None)
+        total = torch.zeros((), dtype=torch.float32, device=device)
     # Deterministic order: every rank of a stage holds the same parameters, hence the same keys.
     for _, (mesh, dims, shards) in sorted(groups.items(), key=lambda kv: (str(kv[1][0]), kv[1][1])):
         sq = _sum_of_squares(shards)

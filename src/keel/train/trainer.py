@@ -39,6 +39,7 @@ from keel.model.loss import cross_entropy_loss
 from keel.model.seeded_init import init_weights_seeded, materialize
 from keel.model.transformer import Transformer
 from keel.plan.run import predict_run_memory
+from keel.platform import local_rank_cuda
 from keel.train import flight_recorder, moe_stats
 from keel.train.checkpoint import CheckpointManager, ModelParts, latest_checkpoint, load_model_only
 from keel.train.config import Layout, TrainConfig, config_json, dump_config, model_config_from, resolve_layout
@@ -88,13 +89,7 @@ def _rank_device(asked: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise KeelError('run.device = "cuda": torch sees no CUDA device here (a CPU build, or no GPU visible)')
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise KeelError(
-            f"local rank {local_rank} has no GPU: {count} CUDA device(s) visible on this node, one per local rank "
-            '(use --nproc at most that, or run.device = "cpu")'
-        )
-    return torch.device("cuda", local_rank)
+    return local_rank_cuda(local_rank, ' (use --nproc at most that, or run.device = "cpu")')
 
 
 def _env_world() -> tuple[int, int, int]:

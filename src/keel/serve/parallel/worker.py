@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from keel.dtypes import parse_dtype
-from keel.errors import KeelError
 from keel.model.fuse import fuse_projections
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
 from keel.model.stages import layer_ranges
+from keel.platform import local_rank_cuda
 from keel.quant.apply import quantize_kept, set_activations
 from keel.quant.config import QuantConfig
 from keel.quant.panels import panels_pay, store_in_panels
@@ -206,13 +206,7 @@ class Worker:
         tp, pp = spec.tp, spec.pp
         local_rank = rank - spec.parallel.node_rank * spec.local_world
         if spec.device == "cuda":
-            count = torch.cuda.device_count()
-            if local_rank >= count:
-                raise KeelError(
-                    f"rank {rank} (local rank {local_rank}) has no GPU: {count} CUDA device(s) visible on this node, "
-                    "one per local rank"
-                )
-            self.device = torch.device("cuda", local_rank)
+            self.device = local_rank_cuda(local_rank)  # a start-up failure: the engine names the rank
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
