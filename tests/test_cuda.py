@@ -225,6 +225,28 @@ def test_a_model_of_its_own_dtype_round_trips(tmp_path):
         torch.testing.assert_close(loaded.model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_a_workers_kv_pool_leaves_room_for_its_activation_peak(llama):
+    """--gpu-memory-utilization with the workers (mp at tp = 1): the rank runs its share of a full dummy step
+    before its KV pool is sized, as the in-process engine does; its peak is that engine's, and the pool fits the
+    share with the peak left free."""
+    base = dict(device="cuda", dtype="bfloat16", max_model_len=256, compile=False, max_num_batched_tokens=1024)
+    llm = LLM(str(llama), **base, kv_cache_memory="256MiB")
+    want = llm.engine._activation_peak()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = 0.03 + (total - free) / total
+    llm = LLM(str(llama), **base, gpu_memory_utilization=share, distributed_executor_backend="mp")
+    try:
+        report = llm.engine.executor.reports[0]
+        assert want > 0 and 0.75 * want - 2**21 <= report.activation_peak <= 1.33 * want + 2**21
+        assert 0 < report.kv_bytes <= 0.03 * total - report.activation_peak
+        assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+    finally:
+        llm.engine.shutdown()
+
+
 def test_gpu_memory_utilization_sizes_the_cache_after_a_dummy_step(llama, caplog):
     import logging
 

@@ -133,3 +133,21 @@ def test_gpu_memory_utilization_leaves_the_weights_and_the_activation_peak(monke
     assert kv_budget.blocks_in_budget(gib, "3GiB", "cuda:0", 0.5, lambda: peaks.append(1) or 0) == 3 and peaks == [1]
     # On CPU without a size: the default, nothing profiled.
     assert kv_budget.blocks_in_budget(2**20, None, "cpu") == parse_memory(kv_budget.CPU_DEFAULT) // 2**20
+
+
+def test_the_dummy_step_packs_the_step_budget_as_the_scheduler_would():
+    """The step the activation peak is measured on: the budget's tokens in sequences of at most max_model_len,
+    the logits of one row per running sequence (at most max_num_seqs), the last rows of the packed step."""
+    from keel.serve.config import SchedulerConfig
+    from keel.serve.kv_budget import DummyStep
+    from keel.serve.scheduler import GPU_BATCHED_TOKENS, step_budget
+
+    assert DummyStep.of(2048, 4096, 256) == DummyStep(1, 2048, 256)
+    assert DummyStep.of(2048, 300, 256) == DummyStep(7, 300, 256)  # 2,100 tokens: the budget rounded up to sequences
+    assert DummyStep.of(128, 4096, 256) == DummyStep(1, 128, 128)  # no more rows than tokens
+    assert DummyStep(2, 3, 4).select("cpu").tolist() == [2, 3, 4, 5]
+    sched = SchedulerConfig()
+    assert step_budget(sched, "cuda", 2, 8192) == GPU_BATCHED_TOKENS
+    assert step_budget(sched, "cpu", 2, 8192) == 128
+    assert step_budget(SchedulerConfig(enable_chunked_prefill=False), "cpu", 2, 8192) == 8192  # a whole prompt
+    assert step_budget(SchedulerConfig(max_num_batched_tokens=96), "cuda", 2, 8192) == 96

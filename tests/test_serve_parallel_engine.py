@@ -62,7 +62,8 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
     """TP 2 (llama, qwen3 with n-gram speculation, and MoE: mixtral with its experts cut by width, qwen2_moe
     with its experts split over the 2 ranks and its shared expert cut: TP 2 x EP 2), PP 2 and TP 2 x PP 2
     (4 workers): the same tokens as the single-process engine,
-    with a token budget small enough that prompts are chunked and steps mix prefill and decode."""
+    with a token budget small enough that prompts are chunked and steps mix prefill and decode (and each rank's
+    share of the start-up dummy step run in step with its peers)."""
     arch, expert_parallel, _ = arch.partition("-ep")
     save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
     config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")

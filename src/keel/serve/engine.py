@@ -29,7 +29,7 @@ from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
 from keel.serve.constraints import bad_words_token_ids
 from keel.serve.kv_blocks import KVCacheManager
-from keel.serve.kv_budget import blocks_in_budget
+from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.launched import LaunchedStep
 from keel.serve.outputs import OutputTrack, RequestOutput, build_output
@@ -37,13 +37,12 @@ from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
 from keel.serve.sampling import (
     RequestOutputKind,
-    RowState,
-    Sampler,
     SamplingParams,
     TokenLogprobs,
     request_generator,
+    sample_dummy_rows,
 )
-from keel.serve.scheduler import Scheduler, default_batched_tokens
+from keel.serve.scheduler import Scheduler, step_budget
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.step_tokens import TokenHistogram
@@ -267,13 +266,7 @@ class LLMEngine:
 
     def _step_budget(self) -> int:
         """Tokens a step may hold: --max-num-batched-tokens, else the device's default."""
-        sched = self.config.scheduler
-        budget = sched.max_num_batched_tokens
-        if budget is None:
-            budget = default_batched_tokens(self.device_type, torch.get_num_threads())
-            if not sched.enable_chunked_prefill:  # a whole prompt goes in one step
-                budget = max(budget, self.max_model_len)
-        return budget
+        return step_budget(self.config.scheduler, self.device_type, torch.get_num_threads(), self.max_model_len)
 
     def _activation_peak(self) -> int:
         """Bytes a full step allocates beyond what is held before it (CUDA): a dummy forward of the step
@@ -281,21 +274,14 @@ class LLMEngine:
         (its sort is the widest tensor of a step). The cache is released after, so the KV pool can use it."""
         device = self.model.device
         tokens = self._step_budget()
-        length = min(tokens, self.max_model_len)  # a step packs sequences of at most max_model_len tokens
-        sequences = -(-tokens // length)
-        rows = min(self.config.scheduler.max_num_seqs, tokens)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        with torch.inference_mode():
-            ids = torch.zeros(sequences, length, dtype=torch.long, device=device)
-            flat = sequences * length
-            logits = self.model(ids, select=torch.arange(flat - rows, flat, device=device))
-            Sampler()(logits, [RowState(SamplingParams(temperature=1.0, top_k=50, top_p=0.9))] * rows)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del ids, logits
-        torch.cuda.empty_cache()
+        shape = DummyStep.of(tokens, self.max_model_len, self.config.scheduler.max_num_seqs)
+
+        def step() -> None:
+            ids = torch.zeros(shape.sequences, shape.length, dtype=torch.long, device=device)
+            logits = self.model(ids, select=shape.select(device))
+            sample_dummy_rows(logits)
+
+        peak = measured_peak(step, device)
         log.info("activation peak of a %d-token step: %.1f MiB", tokens, peak / 2**20)
         return peak
 

@@ -6,19 +6,56 @@ With a utilization, the engine first runs a dummy forward of a full step (`max_n
 the sampler over `max_num_seqs` rows) and measures the activation peak it allocates; then
   KV bytes = total x utilization - (memory in use once the dummy step's cache is released) - activation peak,
 where the memory in use counts the weights, the CUDA context and anything else already on the device
-(another process's share included, as vLLM counts it at start-up). Without a size on CPU the budget is
-`CPU_DEFAULT`.
+(another process's share included, as vLLM counts it at start-up). Parallel workers do the same per rank: each
+runs its own share of the dummy step (its stage's layers over its tensor-parallel slices, the sampler on rank 0)
+in step with its peers. Without a size on CPU the budget is `CPU_DEFAULT`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from keel.errors import KeelError
 
 CPU_DEFAULT = "2GiB"
+
+
+@dataclass(frozen=True)
+class DummyStep:
+    """The shape of the step that measures the activation peak: the step budget's tokens packed into `sequences`
+    rows of `length` tokens (a step packs sequences of at most max_model_len), the logits of the last `rows`
+    tokens (one a running sequence, at most max_num_seqs) sampled."""
+
+    sequences: int
+    length: int
+    rows: int
+
+    @classmethod
+    def of(cls, tokens: int, max_model_len: int, max_num_seqs: int) -> DummyStep:
+        length = max(1, min(tokens, max_model_len))
+        return cls(-(-tokens // length), length, max(1, min(max_num_seqs, tokens)))
+
+    def select(self, device: torch.device | str) -> torch.Tensor:
+        """The flattened indices of the sampled rows."""
+        flat = self.sequences * self.length
+        return torch.arange(flat - self.rows, flat, device=device)
+
+
+def measured_peak(run: Callable[[], object], device: torch.device) -> int:
+    """CUDA bytes `run()` allocates at its peak beyond what is held before it; its tensors are released after
+    (and the caching allocator's blocks returned) so the KV pool can use that memory."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return peak
 
 
 def blocks_in_budget(

@@ -490,3 +490,9 @@ def prompt_logprobs(logits: Tensor, prompt_ids: list[int], n: int) -> list[Token
     targets = torch.tensor(prompt_ids[1:], dtype=torch.int64, device=logits.device)
     out = _logprobs(logits[: len(prompt_ids) - 1], targets, [n] * (len(prompt_ids) - 1))
     return result + out.to_lists(targets)
+
+
+def sample_dummy_rows(logits: Tensor) -> None:
+    """Sample every row of `logits` as a step's widest sampling does (top-k and top-p: the sort): the sampler's
+    share of the dummy step that measures a step's activation peak (keel.serve.kv_budget)."""
+    Sampler()(logits, [RowState(SamplingParams(temperature=1.0, top_k=50, top_p=0.9))] * logits.shape[0])

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from keel.errors import KeelError
+from keel.serve.config import SchedulerConfig
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.request import Request, Status
 
@@ -39,6 +40,15 @@ def default_batched_tokens(device_type: str, threads: int) -> int:
     if device_type != "cpu":
         return GPU_BATCHED_TOKENS
     return CPU_BATCHED_TOKENS_PER_THREAD * max(1, threads)
+
+
+def step_budget(config: SchedulerConfig, device_type: str, threads: int, max_model_len: int) -> int:
+    """Tokens a step may hold: --max-num-batched-tokens, else the device's default (without chunked prefill
+    at least a whole prompt of `max_model_len` tokens)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    budget = default_batched_tokens(device_type, threads)
+    return budget if config.enable_chunked_prefill else max(budget, max_model_len)
 
 
 @dataclass

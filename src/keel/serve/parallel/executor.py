@@ -92,6 +92,10 @@ class ParallelExecutor:
                 report.peak_at_load / 2**20,
                 report.rss_before_load / 2**20,
             )
+            if spec.device == "cuda":
+                log.info(
+                    "rank %d: activation peak of a full step %.1f MiB", report.rank, report.activation_peak / 2**20
+                )
         self._monitor = threading.Thread(target=self._watch, name="keel-worker-monitor", daemon=True)
         self._monitor.start()
         # A script that never calls shutdown(): the workers are stopped at exit, not left to the OS.

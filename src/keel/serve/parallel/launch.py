@@ -13,13 +13,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from keel.errors import KeelError
 from keel.net import free_port
 from keel.quant.config import AUTO
 from keel.quant.loading import stores_integer_blocks
+from keel.serve.kv_budget import DummyStep
 from keel.serve.parallel.executor import ParallelExecutor, node_ranks
 from keel.serve.parallel.load import check_parallel_model
 from keel.serve.parallel.worker import WorkerSpec
+from keel.serve.scheduler import step_budget
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.compute_dtype import resolve_dtype
 from keel.weights.loader import open_checkpoint
@@ -58,6 +62,9 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
     port = par.master_port or free_port(par.master_addr)
     dtype = resolve_dtype(checkpoint, config.load.dtype, device, config.quant.scheme)
+    sched = config.scheduler
+    max_model_len = sched.model_len(checkpoint.config.max_position_embeddings)
+    tokens = step_budget(sched, "cuda" if cuda else "cpu", torch.get_num_threads(), max_model_len)
     spec = WorkerSpec(
         model=str(model),
         dtype=str(dtype).removeprefix("torch."),
@@ -68,6 +75,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         cache=config.cache,
         parallel=par,
         device="cuda" if cuda else "cpu",
+        dummy_step=DummyStep.of(tokens, max_model_len, sched.max_num_seqs),
     )
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:

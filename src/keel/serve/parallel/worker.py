@@ -37,7 +37,7 @@ from keel.quant.apply import quantize_kept, set_activations
 from keel.quant.config import QuantConfig
 from keel.quant.panels import panels_pay, store_in_panels
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
-from keel.serve.kv_budget import blocks_in_budget
+from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.launched import TokenFill
 from keel.serve.parallel.load import load_tensor_parallel
@@ -46,7 +46,7 @@ from keel.serve.parallel.tensor import quantize_shard
 from keel.serve.parallel.tensor import weight_bytes as rank_weight_bytes
 from keel.serve.request import Request
 from keel.serve.runner import Chunk, ModelRunner
-from keel.serve.sampling import SamplingParams, request_generator
+from keel.serve.sampling import SamplingParams, request_generator, sample_dummy_rows
 from keel.serve.scheduler import SchedulerOutput
 from keel.weights.shard import TensorParallelLayout
 
@@ -69,6 +69,8 @@ class WorkerSpec:
     cache: CacheConfig
     parallel: ParallelConfig
     device: str = "cpu"  # "cpu" | "cuda"
+    # The full step every rank runs once before its KV pool is sized (the activation peak it measures on CUDA).
+    dummy_step: DummyStep = DummyStep(1, 1, 1)
 
     @property
     def tp(self) -> int:
@@ -119,6 +121,7 @@ class WorkerReport:
     load_seconds: float
     rss_before_load: int  # bytes (CPU), or device bytes allocated (CUDA)
     peak_at_load: int
+    activation_peak: int = 0  # bytes of a full step beyond the weights (CUDA; 0 on CPU, not measured)
 
 
 def _peak_rss() -> int:
@@ -185,7 +188,8 @@ class Worker:
         model, weight_bytes = self._load_shard(spec, stage, tp_rank, tp_group)
         load_seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated(self.device) if spec.device == "cuda" else _peak_rss()
-        cache = self._allocate_cache(model, stage, tp_rank)
+        activation_peak = self._dummy_step(model, stage)
+        cache = self._allocate_cache(model, stage, tp_rank, activation_peak)
         config = model.config
         self.stage = StageRunner(
             model,
@@ -196,7 +200,9 @@ class Worker:
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
         )
-        self.report = WorkerReport(rank, cache.num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak)
+        self.report = WorkerReport(
+            rank, cache.num_blocks, weight_bytes, cache.nbytes(), load_seconds, before, peak, activation_peak
+        )
         self._mirrors: dict[str, Request] = {}
         self._tables: dict[str, list[int]] = {}
         self.runner = _SamplingRunner(self) if rank == 0 else None
@@ -264,9 +270,35 @@ class Worker:
                 store_in_panels(model)
         return model, weight_bytes
 
-    def _allocate_cache(self, model: torch.nn.Module, stage: int, tp_rank: int):
+    def _dummy_step(self, model: torch.nn.Module, stage: int) -> int:
+        """This rank's share of a full step (spec.dummy_step), run in step with the peers of its stage (their
+        tensor-parallel collectives) before any KV cache exists: the first stage embeds token ids, a later one
+        takes hidden states, the last computes the sampled rows' logits, and rank 0 samples them. On CUDA the
+        bytes it allocates at its peak (what the KV pool must leave free); on CPU it runs (warming the
+        kernels) and 0 is returned."""
+        shape, device, pp = self.spec.dummy_step, self.device, self.spec.pp
+        last = stage == pp - 1
+
+        def step() -> None:
+            size = (shape.sequences, shape.length)
+            if stage == 0:
+                x = torch.zeros(size, dtype=torch.long, device=device)
+            else:
+                x = torch.zeros(*size, model.config.hidden_size, dtype=model.dtype, device=device)
+            out = model(x, select=shape.select(device) if last else None)
+            if self.rank == 0:  # the sampler's rank: its logits come from the last stage
+                logits = out if last else torch.zeros(shape.rows, model.config.vocab_size, device=device)
+                sample_dummy_rows(logits.to(model.dtype))
+
+        if self.spec.device != "cuda":
+            with torch.inference_mode():
+                step()
+            return 0
+        return measured_peak(step, device)
+
+    def _allocate_cache(self, model: torch.nn.Module, stage: int, tp_rank: int, activation_peak: int):
         """This rank's KV heads and layers of every block; every rank the same number of blocks (the minimum
-        over ranks of what each budget holds)."""
+        over ranks of what each budget holds, each after its own activation peak)."""
         spec, cache = self.spec, self.spec.cache
         config = model.config
         layout = TensorParallelLayout(config, spec.tp, tp_rank)
@@ -277,7 +309,13 @@ class Worker:
         per_block = per_block * len(layers) // config.num_layers
         budget = cache.num_blocks
         if budget is None:
-            budget = blocks_in_budget(per_block, cache.kv_cache_memory, self.device, cache.gpu_memory_utilization)
+            budget = blocks_in_budget(
+                per_block,
+                cache.kv_cache_memory,
+                self.device,
+                cache.gpu_memory_utilization,
+                lambda: activation_peak,
+            )
         blocks = torch.tensor([budget], dtype=torch.long)
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.startup_group)  # every rank the same blocks
         return make_paged_kv_cache(
