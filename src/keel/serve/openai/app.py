@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI routes wired to the serving objects that answer them.
 
-The generation routes are OpenAIServingCompletion and OpenAIServingChat (serving_base.py has the
-path of a request through admission, the engine and the response); OpenAIServingModels answers
+The generation routes are OpenAIServingCompletion, OpenAIServingChat and OpenAIServingResponses
+(serving_base.py has the path of a request through admission, the engine and the response); OpenAIServingModels answers
 /v1/models; ServerState holds what they share, and /health.
 """
 
@@ -19,6 +19,7 @@ from keel.serve.openai.http_io import ClientDisconnected
 from keel.serve.openai.serving_chat import OpenAIServingChat
 from keel.serve.openai.serving_completion import OpenAIServingCompletion
 from keel.serve.openai.serving_models import OpenAIServingModels
+from keel.serve.openai.serving_responses import OpenAIServingResponses
 from keel.serve.openai.serving_tokens import OpenAIServingTokens
 from keel.serve.openai.settings import ServerSettings
 from keel.serve.openai.state import ServerState
@@ -42,6 +43,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
     app.state.server = state
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
+    app.state.serving_responses = OpenAIServingResponses(state)
     app.state.serving_models = OpenAIServingModels(settings.served_model_names, engine.engine.max_model_len, tenants)
     app.state.serving_tokens = OpenAIServingTokens(state)
     app.add_exception_handler(APIError, _api_error)
@@ -135,4 +137,10 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     serving: OpenAIServingChat = request.app.state.serving_chat
+    return await serving.handle(request)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    serving: OpenAIServingResponses = request.app.state.serving_responses
     return await serving.handle(request)

@@ -49,6 +49,7 @@ class Call:
     request: object | None = None  # the validated request body (the route's pydantic model)
     chat: object | None = None  # chat: keel.serve.openai.chat_output.ChatOutputs
     chat_echo: str = ""  # chat echo: the last message, which the reply continues
+    responses: object | None = None  # /v1/responses: its request (protocol_responses.ResponsesRequest)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
