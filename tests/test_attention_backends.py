@@ -187,6 +187,25 @@ def test_a_chunk_attends_causally_from_its_end(window):
     torch.testing.assert_close(out, expected)
 
 
+def test_float32_grouped_heads_are_repeated_for_cudas_fused_kernels():
+    """CUDA's memory-efficient SDPA takes no grouped heads, so float32 GQA would fall back to the math kernel and
+    its [S, L] score matrices: there keys and values get the query heads (the same attention); half precision and
+    the CPU keep them grouped. The rule is checked here with the device test overridden (tests/test_cuda.py
+    measures the memory on a GPU)."""
+    from keel.model.attention import sdpa, sdpa_kv_heads
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 6, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8)
+    repeated_k, repeated_v = sdpa_kv_heads(q, k, v, cuda=True)
+    assert repeated_k.shape[1] == repeated_v.shape[1] == 6
+    torch.testing.assert_close(repeated_k[:, 3:6], k[:, 1:2].expand(1, 3, 5, 8))
+    full = torch.nn.functional.scaled_dot_product_attention(q, repeated_k, repeated_v, is_causal=True)
+    torch.testing.assert_close(full, sdpa(q, k, v, causal=True))
+    assert sdpa_kv_heads(q, k, v)[0] is k  # the CPU: grouped
+    assert sdpa_kv_heads(q.bfloat16(), k.bfloat16(), v.bfloat16(), cuda=True)[0].shape[1] == 2
+    assert sdpa_kv_heads(q[:, :2], k, v, cuda=True)[0] is k  # no groups
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("backends")

@@ -225,6 +225,28 @@ def test_a_model_of_its_own_dtype_round_trips(tmp_path):
         torch.testing.assert_close(loaded.model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_float32_grouped_query_prefill_does_not_materialise_the_scores():
+    """A float32 GQA prefill of 8,192 tokens: SDPA's math kernel would hold 8 x 8192^2 float32 scores (2 GiB) per
+    sequence; through the repeated heads the memory-efficient kernel holds a few MiB."""
+    from keel.model.attention import sdpa
+
+    q = torch.randn(1, 8, 8192, 64, device="cuda")
+    k, v = torch.randn(1, 2, 8192, 64, device="cuda"), torch.randn(1, 2, 8192, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = sdpa(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 2**28
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, -64:],
+        k.repeat_interleave(4, 1),
+        v.repeat_interleave(4, 1),
+        attn_mask=torch.ones(64, 8192, dtype=torch.bool, device="cuda").tril(8192 - 64),
+    )
+    torch.testing.assert_close(out[:, :, -64:], want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_workers_kv_pool_leaves_room_for_its_activation_peak(llama):
     """--gpu-memory-utilization with the workers (mp at tp = 1): the rank runs its share of a full dummy step
     before its KV pool is sized, as the in-process engine does; its peak is that engine's, and the pool fits the

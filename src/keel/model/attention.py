@@ -53,9 +53,23 @@ def sdpa(
 ) -> Tensor:
     """Scaled dot-product attention with grouped-query heads (q [B, H, S, D], k [B, H_kv, L, D],
     v [B, H_kv, L, Dv]); `scale` defaults to 1/sqrt(D)."""
+    k, v = sdpa_kv_heads(q, k, v)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], scale=scale
     )
+
+
+def sdpa_kv_heads(q: Tensor, k: Tensor, v: Tensor, cuda: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Keys and values with as many heads as SDPA's fused kernels take for these queries: on CUDA in float32
+    (or any dtype FlashAttention does not run) grouped heads are repeated to the query heads, because the
+    memory-efficient kernel takes no grouped heads and SDPA would fall back to its math kernel, which
+    materialises every [S, L] score matrix; elsewhere (CPU, and CUDA's half-precision kernels) as they are.
+    `cuda` overrides the device test (a CPU test of the CUDA rule)."""
+    cuda = q.is_cuda if cuda is None else cuda
+    groups = q.shape[1] // k.shape[1]
+    if not cuda or groups == 1 or q.dtype in (torch.float16, torch.bfloat16):
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def softcap_scores(scores: Tensor, cap: float) -> Tensor:

@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from keel import kernels
 from keel.errors import KeelError
 from keel.kernels import triton_paged
-from keel.model.attention import softcapped_attention
+from keel.model.attention import sdpa_kv_heads, softcapped_attention
 
 ENV = "KEEL_ATTENTION_BACKEND"
 BACKENDS = ("kernels", "triton", "torch")
@@ -124,6 +124,7 @@ def attend_chunk(
 def _fused_attention(queries: Tensor, keys: Tensor, values: Tensor, bias: object, scale: float | None) -> Tensor:
     """SDPA of [N, H, Q, D] queries over [N, H_kv, L, D] keys (grouped heads as they are), causal from the start
     where `bias` is None, else under the mask or bias given."""
+    keys, values = sdpa_kv_heads(queries, keys, values)
     options = dict(attn_mask=bias, is_causal=bias is None, enable_gqa=queries.shape[1] != keys.shape[1], scale=scale)
     if not queries.is_cuda:
         return torch.nn.functional.scaled_dot_product_attention(queries, keys, values, **options)
