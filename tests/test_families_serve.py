@@ -65,3 +65,26 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert [o.outputs[0].token_ids for o in [first, *rest]] == expected
     assert rest[0].num_cached_tokens >= 32  # the shared blocks came from the prefix cache
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
+
+
+def test_nope_layers_are_served_with_transformers_greedy_tokens(tmp_path):
+    """SmolLM3's layers without position encoding (one of three here, in a sliding window) through the engine,
+    uncompiled: the rotating layers run keel's fused layer operator where the kernels are on, the NoPE layer its
+    modules (the operator always rotates); transformers' greedy tokens, with a prefix served from the cache."""
+    hf = save_hf_model("smollm3", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    prompts = [list(range(40, 80)) + [7, 9, 11], list(range(40, 80)) + [100, 3]]
+    with torch.no_grad():
+        expected = [
+            hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(ids) :]
+            for ids in prompts
+        ]
+    config = EngineConfig.of(dtype="float32", compile=False, num_blocks=64, max_model_len=256, block_size=8)
+    llm = LLM(str(tmp_path), config)
+    assert [layer.self_attn.rotates for layer in llm.engine.model.layers.values()] == [True, False, True]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
+    second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [e.tolist() for e in expected]
+    assert second.num_cached_tokens >= 32

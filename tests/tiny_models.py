@@ -45,6 +45,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         dict(intermediate_size=128, use_sliding_window=True, sliding_window=8, max_window_layers=1),
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, head_dim=32)),
+    # SmolLM3: layer 1 of 3 without position encoding (NoPE), attending within a sliding window of 8, with biases.
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(
+            intermediate_size=128,
+            no_rope_layer_interval=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

@@ -137,7 +137,7 @@ class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
-    # one of keel.families (phi3, stablelm, gpt_neox, olmo2, gemma2, gemma3)
+    # one of keel.families (phi3, stablelm, gpt_neox, olmo2, gemma2, gemma3, smollm3)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -206,6 +206,8 @@ class ModelConfig:
     # Sliding-window layers' own RoPE (Gemma 3's local layers); None: every layer takes rope_theta/rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
+    rope_layers: list[bool] = field(default_factory=list)
     hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
@@ -218,6 +220,8 @@ class ModelConfig:
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             self.layer_types = [kind] * self.num_layers
+        if not self.rope_layers:
+            self.rope_layers = [True] * self.num_layers
         self.validate()
 
     # ----------------------------------------------------------------- derived
@@ -272,6 +276,8 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
+        need(len(self.rope_layers) == self.num_layers, "rope_layers must have one entry per layer")
+        need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
         need(

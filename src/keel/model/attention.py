@@ -155,6 +155,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm else None
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
+        self.rotates = config.rope_layers[layer]  # False: no position encoding (SmolLM3's NoPE layers)
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
@@ -176,8 +177,9 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if self.rotates:
+            cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]
