@@ -257,7 +257,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
-GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
+GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox", smollm3="smollm3")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -377,7 +377,7 @@ def write_gguf(
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
-    if arch in ("llama", "granite", "phi3"):  # LlamaModel (and its subclass GraniteModel), Phi3MiniModel
+    if arch in ("llama", "granite", "phi3", "smollm3"):  # LlamaModel (and its subclasses), Phi3MiniModel
         w.add_rope_dimension_count(head_dim)
     if arch == "gemma2":  # Gemma2Model
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -441,7 +441,7 @@ def write_gguf(
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
 
-    permute = arch in ("llama", "granite")  # convert_hf_to_gguf.py's LlamaModel.modify_tensors
+    permute = arch in ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.modify_tensors
     for hf_name, t in model.state_dict().items():
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             t = t + 1  # Gemma2Model / Gemma3Model: llama.cpp's RMSNorm scales by w, Gemma's by 1 + w

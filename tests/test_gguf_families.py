@@ -1,5 +1,5 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM and GPT-NeoX.
+Gemma 2, Gemma 3, StableLM, GPT-NeoX and SmolLM3.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -50,6 +50,20 @@ def test_family_gguf_matches_hf_model(tmp_path, name):
         reader = loaded.checkpoint.reader
         assert reader.gguf_names("model.layers.1.attn_output_norm.weight") == ["blk.1.post_attention_norm.weight"]
         assert reader.gguf_names("model.layers.1.mlp_output_norm.weight") == ["blk.1.post_ffw_norm.weight"]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_smollm3_gguf_takes_llama_cpps_nope_layers(tmp_path):
+    """SmolLM3 as llama.cpp converts it (LlamaModel: q/k rows permuted; no key for the NoPE layers, which
+    llama.cpp places every fourth): the fourth of four layers attends without position encoding, and the logits
+    are transformers' on the HF weights."""
+    hf = build_hf_model("smollm3", num_hidden_layers=4, no_rope_layer_interval=4, use_sliding_window=False)
+    loaded = load_model(write_gguf(hf, tmp_path / "smollm3.gguf"))
+    c = loaded.config
+    assert c.architecture == "smollm3" and c.rope_layers == [True, True, True, False]
+    assert loaded.checkpoint.provenance["rope_layers"] == "inferred"
+    assert c.qkv_bias and c.o_bias and c.mlp_bias and c.sliding_window is None
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 

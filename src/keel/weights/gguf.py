@@ -102,13 +102,15 @@ _FAMILIES = {
     _A.GEMMA3: "gemma3",
     _A.STABLELM: "stablelm",
     _A.GPTNEOX: "gpt_neox",
+    _A.SMOLLM3: "smollm3",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
 _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses
-# that keep its tensor handling: llama (Mixtral included) and granite.
-_PERMUTED = {_A.LLAMA, _A.GRANITE}
+# that keep its tensor handling: llama (Mixtral included), granite and smollm3 (its NoPE layers too: the same
+# permutation of q's and k's rows leaves their products as they were).
+_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
 _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
@@ -400,6 +402,8 @@ def _family_hf_config(
         hf.update(qk_layernorm=has(MODEL_TENSOR.ATTN_Q_NORM))
         if factor is not None:
             hf.update(partial_rotary_factor=factor)
+    if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
+        hf.update(mlp_bias=common["mlp_bias"])
     if family == "gpt_neox":
         parallel = f.key(_K.USE_PARALLEL_RESIDUAL)
         if parallel is not None:
