@@ -34,6 +34,7 @@ SLOW = pytest.mark.slow
         pytest.param("stablelm-parallel", marks=SLOW),
         "gpt_neox",
         "olmo2",
+        pytest.param("olmo3", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],

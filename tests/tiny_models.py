@@ -128,6 +128,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
     # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
+    # OLMo 3: two sliding layers (window 8, their own RoPE base) and a global one.
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            intermediate_size=128,
+            pad_token_id=0,
+            eos_token_id=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
     # Gemma 3 (text): sandwich norms with (1 + w), GeGLU, sqrt(hidden) embedding, query_pre_attn_scalar, sliding
     # layers (two in three here) with their own RoPE base and linear-scaled global layers, a final soft-cap.
     "gemma3": (

@@ -1,0 +1,42 @@
+"""OLMo 3 (`Olmo3ForCausalLM`): OLMo 2's block (keel.families.olmo2: norms on each sublayer's output, q/k
+RMSNorms over the whole projections) with sliding-window layers (`layer_types`; by default three in four, every
+fourth global) whose RoPE may differ from the global layers' (`rope_parameters` by layer kind, read for every
+family by keel.config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.families import olmo2
+
+FAMILY = "olmo3"
+HF_ARCHITECTURE = "Olmo3ForCausalLM"
+# transformers' Olmo3Config defaults.
+DEFAULTS: dict[str, Any] = {**olmo2.DEFAULTS, "rope_theta": 500_000.0, "max_position_embeddings": 2048}
+SLIDING_WINDOW = 4096
+GLOBAL_EVERY = 4  # the default layer_types: every fourth layer global
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    layers = int(hf["num_hidden_layers"])
+    window = hf.get("sliding_window", SLIDING_WINDOW)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % GLOBAL_EVERY else "full_attention" for i in range(layers)
+    ]
+    return {
+        **olmo2.config_fields(hf, source),
+        "sliding_window": window,
+        "layer_types": list(layer_types) if window else ["full_attention"] * layers,
+    }
+
+
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **olmo2.hf_fields(config, hf),
+        "sliding_window": config.sliding_window,
+        "layer_types": list(config.layer_types),
+    }
+
+
+checkpoint_layout = olmo2.checkpoint_layout
