@@ -35,6 +35,7 @@ SLOW = pytest.mark.slow
         "gpt_neox",
         "olmo2",
         pytest.param("olmo3", marks=SLOW),
+        pytest.param("exaone4", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],
