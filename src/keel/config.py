@@ -220,8 +220,6 @@ class ModelConfig:
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             self.layer_types = [kind] * self.num_layers
-        if not self.rope_layers:
-            self.rope_layers = [True] * self.num_layers
         self.validate()
 
     # ----------------------------------------------------------------- derived
@@ -253,6 +251,10 @@ class ModelConfig:
             return False
         return (layer + 1) % self.decoder_sparse_step == 0
 
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether `layer` rotates q and k by RoPE (False: no position encoding, `rope_layers`)."""
+        return not self.rope_layers or self.rope_layers[layer]
+
     def layer_window(self, layer: int) -> int | None:
         """Sliding-window size of `layer` in tokens (query sees keys with q_pos - k_pos < window)."""
         if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
@@ -276,7 +278,10 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        need(len(self.rope_layers) == self.num_layers, "rope_layers must have one entry per layer")
+        need(
+            not self.rope_layers or len(self.rope_layers) == self.num_layers,
+            "rope_layers must have one entry per layer",
+        )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")

@@ -47,7 +47,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
-        "no_rope_layers": [int(r) for r in config.rope_layers],
+        "no_rope_layers": [int(config.layer_rotates(i)) for i in range(config.num_layers)],
         "use_sliding_window": config.sliding_window is not None,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.layer_types),

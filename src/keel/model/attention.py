@@ -155,7 +155,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm else None
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
-        self.rotates = config.rope_layers[layer]  # False: no position encoding (SmolLM3's NoPE layers)
+        self.rotates = config.layer_rotates(layer)  # False: no position encoding (SmolLM3's NoPE layers)
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
