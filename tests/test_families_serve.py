@@ -36,6 +36,7 @@ SLOW = pytest.mark.slow
         "olmo2",
         pytest.param("olmo3", marks=SLOW),
         pytest.param("exaone4", marks=SLOW),
+        pytest.param("starcoder2", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],

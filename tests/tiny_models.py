@@ -128,6 +128,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
     # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
+    # StarCoder2: LayerNorms, an ungated GELU MLP (c_fc, c_proj), biases everywhere, a window of 8.
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(intermediate_size=128, sliding_window=8, bos_token_id=0, eos_token_id=2),
+    ),
     # EXAONE 4: two sliding layers that rotate (window 8) and a global one without position encoding.
     "exaone4": (
         "Exaone4Config",
