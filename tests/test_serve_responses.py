@@ -173,6 +173,8 @@ def test_output_logprobs_when_included(client):
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}], "input"),
         ("input", [{"type": "file_search_call", "id": "fs_1"}], "input"),
         ("text", {"verbosity": "low"}, "text"),
+        ("previous_input_messages", [{"role": "user", "content": "hi"}], "previous_input_messages"),
+        ("cache_salt", "salt", "cache_salt"),  # a chat field keel refuses: refused here too
     ],
 )
 def test_what_keel_does_not_implement_is_a_400_naming_it(server, field, value, param):

@@ -28,6 +28,9 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "prompt": (None,),
     "truncation": (None, "disabled"),
     "n": (None, 1),
+    # vLLM's extensions that return or take the conversation's messages
+    "enable_response_messages": (None, False),
+    "previous_input_messages": (None, []),
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The chat fields a Responses body may not carry under their chat names (it has its own for them).
