@@ -262,7 +262,8 @@ def test_a_workers_kv_pool_leaves_room_for_its_activation_peak(llama):
     llm = LLM(str(llama), **base, gpu_memory_utilization=share, distributed_executor_backend="mp")
     try:
         report = llm.engine.executor.reports[0]
-        assert want > 0 and 0.75 * want - 2**21 <= report.activation_peak <= 1.33 * want + 2**21
+        # The worker's first matmuls also allocate cuBLAS's workspaces (tens of MiB), which this process holds already.
+        assert want > 0 and 0.75 * want - 2**21 <= report.activation_peak <= 1.33 * want + 80 * 2**20
         assert 0 < report.kv_bytes <= 0.03 * total - report.activation_peak
         assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
     finally:
