@@ -258,6 +258,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox", smollm3="smollm3")
+GGUF_ARCH.update(starcoder2="starcoder2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -282,6 +283,8 @@ LAYER_NAMES = {
     "attention.dense": "attn_output",
     "mlp.dense_h_to_4h": "ffn_up",
     "mlp.dense_4h_to_h": "ffn_down",
+    "mlp.c_fc": "ffn_up",  # StarCoder2's
+    "mlp.c_proj": "ffn_down",
 }
 # Per-architecture names (gguf's TENSOR_NAMES): OLMo 2's norms sit after each sublayer.
 # Gemma's: a norm after the attention and one before and after the MLP.
@@ -369,7 +372,9 @@ def write_gguf(
         w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
     if arch != "gemma2":  # Gemma2Model writes no RoPE base (llama.cpp's default, 10000, is Gemma 2's)
         w.add_rope_freq_base(rope["rope_theta"])
-    if arch in ("stablelm", "gptneox"):  # LayerNorms; the rotary width (rope_pct / rotary_pct of the head)
+    if arch == "starcoder2":  # StarCoder2Model (TextModel): LayerNorms, no window key
+        w.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch in ("stablelm", "gptneox"):  # LayerNorms; the rotary width (rope_pct / rotary_pct of the head)
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * (cfg.hidden_size // cfg.num_attention_heads)))
         w.add_parallel_residual(cfg.use_parallel_residual)

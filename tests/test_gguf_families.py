@@ -1,5 +1,5 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM, GPT-NeoX and SmolLM3.
+Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3 and StarCoder2.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -64,6 +64,22 @@ def test_smollm3_gguf_takes_llama_cpps_nope_layers(tmp_path):
     assert c.architecture == "smollm3" and c.rope_layers == [True, True, True, False]
     assert loaded.checkpoint.provenance["rope_layers"] == "inferred"
     assert c.qkv_bias and c.o_bias and c.mlp_bias and c.sliding_window is None
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_starcoder2_gguf_matches_hf_model(tmp_path):
+    """StarCoder2 as llama.cpp converts it (TextModel: no permutation; LayerNorm eps under
+    attention.layer_norm_epsilon; c_fc / c_proj as ffn_up / ffn_down with their biases; no window key, and
+    llama.cpp attends over the whole context): transformers' logits on a model without a window."""
+    hf = build_hf_model(
+        "starcoder2", num_hidden_layers=2, sliding_window=None, norm_epsilon=1e-4, tie_word_embeddings=False
+    )
+    loaded = load_model(write_gguf(hf, tmp_path / "starcoder2.gguf"))
+    c = loaded.config
+    assert (c.architecture, c.norm_type, c.mlp_gated, c.hidden_act) == ("starcoder2", "layer", False, "gelu_tanh")
+    assert c.qkv_bias and c.o_bias and c.mlp_bias and c.sliding_window is None and not c.tie_word_embeddings
+    assert c.rms_norm_eps == pytest.approx(1e-4) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 

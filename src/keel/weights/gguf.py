@@ -103,6 +103,7 @@ _FAMILIES = {
     _A.STABLELM: "stablelm",
     _A.GPTNEOX: "gpt_neox",
     _A.SMOLLM3: "smollm3",
+    _A.STARCODER2: "starcoder2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -116,7 +117,7 @@ _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -404,6 +405,10 @@ def _family_hf_config(
             hf.update(partial_rotary_factor=factor)
     if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
         hf.update(mlp_bias=common["mlp_bias"])
+    if family == "starcoder2":  # biases by tensor; no window key (llama.cpp attends over the whole context)
+        hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
+        hf.update(tie_word_embeddings=common["tie_word_embeddings"])
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
     if family == "gpt_neox":
         parallel = f.key(_K.USE_PARALLEL_RESIDUAL)
         if parallel is not None:
