@@ -197,8 +197,21 @@ def test_required_tool_calls(client):
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
     _, calls, finish, _ = streamed(client, max_tokens=100, tools=[WEATHER, TIME], tool_choice="required")
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    # Each call announced once its name is out, then its arguments as generated: the pieces add up to the whole.
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
+    # Cut off by max_tokens: the calls as far as they came, the arguments a prefix of the whole's, streamed alike.
+    short = chat(client, max_tokens=20, tools=[WEATHER, TIME], tool_choice="required").choices[0]
+    assert short.finish_reason == "length" and short.message.content is None
+    cut = short.message.tool_calls[-1]
+    full = whole.message.tool_calls[len(short.message.tool_calls) - 1]
+    assert cut.function.name == full.function.name and full.function.arguments.startswith(cut.function.arguments)
+    assert cut.function.arguments != full.function.arguments
+    _, calls, finish, _ = streamed(client, max_tokens=20, tools=[WEATHER, TIME], tool_choice="required")
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in short.message.tool_calls
     ]
 
 

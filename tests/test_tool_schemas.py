@@ -161,11 +161,11 @@ def test_parse_forced_required_calls():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ('[{"name": "get_time", "parameters": {}}', "not valid JSON"),  # cut off by max_tokens
-        ("[]", "non-empty array"),
-        ('{"name": "get_time", "parameters": {}}', "non-empty array"),
+        ("[]", "holds no call"),
+        ('{"name": "get_time", "parameters": {}}', "holds no call"),  # not an array
         ('[{"name": "get_stock", "parameters": {}}]', "'get_stock'"),
-        ('[{"parameters": {}}]', "no name"),
+        ('[{"parameters": {}}]', "holds no call"),
+        ('[{"name": "get_time", "parameters": {"a": 1,}}, {"name": "get_time", "parameters": {}}]', "not valid JSON"),
         ('[{"name": "get_time", "parameters": []}]', "not an object"),
         ('[{"name": "get_time", "parameters": {"a": NaN}}]', "not valid JSON"),
     ],
@@ -173,6 +173,14 @@ def test_parse_forced_required_calls():
 def test_parse_required_calls_rejects_what_the_schema_would_not_produce(text, message):
     with pytest.raises(ValueError, match=message):
         parse_required_calls(text, TOOLS)
+
+
+def test_a_cut_off_required_output_keeps_its_calls():
+    """max_tokens cut the array: the calls whose names came out, the last one's arguments as far as they came."""
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"zo'
+    calls = parse_required_calls(text, TOOLS, id_factory=counting_ids())
+    assert calls == [ToolCall("call-0", "get_weather", '{"city": "Paris"}'), ToolCall("call-1", "get_time", '{"zo')]
+    assert parse_required_calls('[{"name": "get_time", "par', TOOLS)[0].arguments == ""
 
 
 def test_forced_output_round_trip():

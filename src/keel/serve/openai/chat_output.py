@@ -19,6 +19,7 @@ from typing import Any
 from keel.serve.openai.errors import APIError
 from keel.serve.openai.protocol import ChatCompletionRequest
 from keel.serve.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from keel.serve.openai.required_calls import RequiredCalls
 from keel.serve.openai.settings import ServerSettings
 from keel.serve.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser, random_call_id
 from keel.serve.openai.tool_schemas import parse_required_calls, validate_tools
@@ -84,6 +85,8 @@ class ChoiceWriter:
         self.parser = outputs.tool_parser(outputs.tools) if outputs.tool_parser else None
         self.called = False  # a tool call was sent
         self._forced = ""  # a forced call's output so far
+        self._required = RequiredCalls()  # tool_choice "required": the calls as they stream
+        self._required_ids: list[str] = []
         self._named_id: str | None = None
 
     # ------------------------------------------------------------ whole
@@ -96,7 +99,7 @@ class ChoiceWriter:
         calls = self._calls(content or "")
         if calls is not None:
             message["content"], message["tool_calls"] = calls[0], [call.to_openai() for call in calls[1]]
-            if calls[1] and self.outputs.tool_mode in ("auto", "required"):
+            if calls[1] and self._calls_finish(finish_reason):
                 finish_reason = "tool_calls"
         elif self.outputs.tool_mode is not None:
             message["tool_calls"] = []
@@ -149,17 +152,34 @@ class ChoiceWriter:
                 delta["tool_calls"] = calls
         elif mode == "required":
             self._forced += text
-            if final:
-                try:
-                    calls = parse_required_calls(self._forced, self.outputs.tools)
-                except ValueError:
-                    delta["content"] = self._forced
-                else:
-                    self.called = True
-                    delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
+            calls = self._required_delta(text)
+            if calls:
+                delta["tool_calls"] = calls
+            if final and not self.called:  # no call came out: the text is the content, as the whole response says
+                delta["content"] = self._forced
         elif text:
             delta["content"] = text
         return delta
+
+    def _required_delta(self, text: str) -> list[dict[str, Any]]:
+        """Required calls stream as OpenAI's: a call's id, type and name once its name is out, then its
+        arguments as they come (keel.serve.openai.required_calls)."""
+        calls = []
+        for update in self._required.feed(text):
+            if update.name is not None:
+                self._required_ids.append(random_call_id())
+                self.called = True
+                head = {"index": update.index, "id": self._required_ids[update.index], "type": "function"}
+                calls.append({**head, "function": {"name": update.name, "arguments": update.arguments}})
+            else:
+                calls.append({"index": update.index, "function": {"arguments": update.arguments}})
+        return calls
+
+    def _calls_finish(self, finish_reason: str | None) -> bool:
+        """Whether calls turn the finish reason into "tool_calls": auto's always; required's unless the length
+        cut them (their arguments are then incomplete, as a named call's)."""
+        mode = self.outputs.tool_mode
+        return mode == "auto" or (mode == "required" and finish_reason != "length")
 
     def _named_delta(self, text: str) -> list[dict[str, Any]]:
         """A named call streams as OpenAI's: id, type and name first, then the arguments as they come."""
@@ -176,6 +196,6 @@ class ChoiceWriter:
         return calls
 
     def stream_finish_reason(self, finish_reason: str | None) -> str | None:
-        if finish_reason is not None and self.called and self.outputs.tool_mode in ("auto", "required"):
+        if finish_reason is not None and self.called and self._calls_finish(finish_reason):
             return "tool_calls"
         return finish_reason

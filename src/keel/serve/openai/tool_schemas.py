@@ -3,8 +3,9 @@
 With `tool_choice` naming a function, the model's output is constrained to that function's `parameters`
 schema: the output is the arguments object. With `tool_choice: "required"`, it is constrained to vLLM's
 schema: a non-empty array of `{"name": <a function's name>, "parameters": <its arguments>}`, one `anyOf`
-branch per function, which `parse_required_calls` turns back into ToolCalls. A named function's output is
-its call's arguments as generated (vLLM's), whole or cut off by max_tokens: it needs no parsing.
+branch per function, which `parse_required_calls` turns back into ToolCalls, each call's arguments as
+generated, whole or cut off by max_tokens (keel.serve.openai.required_calls reads it as it streams). A named
+function's output is its call's arguments as generated (vLLM's): it needs no parsing.
 
 Every function here checks the request's `tools` first; a ValueError's message names the field at fault,
 for the route to answer with a 400.
@@ -16,8 +17,9 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from keel.serve.openai.required_calls import RequiredCalls
 from keel.serve.openai.tool_parsers.base import ToolCall, random_call_id
-from keel.serve.openai.tool_parsers.scan import dumps, loads_strict
+from keel.serve.openai.tool_parsers.scan import loads_strict
 
 DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # Definitions a schema's `$ref`s point at from its root; in the `required` schema the functions' schemas
@@ -120,30 +122,30 @@ def tool_choice_schema(tools: object, choice: object) -> dict[str, Any] | None:
 
 
 def parse_required_calls(text: str, tools: object, *, id_factory: Callable[[], str] | None = None) -> list[ToolCall]:
-    """The calls in output that tool_choice "required" constrained: the array of `{"name", "parameters"}`.
+    """The calls in output that tool_choice "required" constrained: the array of `{"name", "parameters"}`, each
+    call's arguments the `parameters` text as generated (keel.serve.openai.required_calls). An output cut off by
+    max_tokens keeps its calls, the last one's arguments as far as they came.
 
-    Raises ValueError when the text is not what the schema forces (the output was cut off by max_tokens,
-    say): the route may then answer with the text as content."""
+    Raises ValueError when the text holds no call or is not what the schema forces (a name not among the tools,
+    complete arguments that are not a JSON object): the route may then answer with the text as content."""
     new_id = id_factory or random_call_id
-    checked = validate_tools(tools)
-    names = {tool["function"]["name"] for tool in checked}
-    try:
-        value = loads_strict(text)
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"the forced tool-call output is not valid JSON: {e}") from None
-    if not isinstance(value, list) or not value:
-        raise ValueError("the forced tool-call output is not a non-empty array of calls")
-    calls = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError(f"forced tool call {i} has no name")
-        if item["name"] not in names:
-            raise ValueError(f"forced tool call {i} names {item['name']!r}, which is not among the tools")
-        arguments = item.get("parameters", {})
-        if not isinstance(arguments, dict):
-            raise ValueError(f"forced tool call {i}'s parameters are not an object")
-        calls.append(ToolCall(new_id(), item["name"], dumps(arguments)))
-    return calls
+    names = {tool["function"]["name"] for tool in validate_tools(tools)}
+    reader = RequiredCalls()
+    reader.feed(text)
+    if not reader.names:
+        raise ValueError("the forced tool-call output holds no call")
+    complete = len(reader.names) if reader.closed else len(reader.names) - 1  # the last may be cut off
+    for i, (name, arguments) in enumerate(zip(reader.names, reader.arguments, strict=True)):
+        if name not in names:
+            raise ValueError(f"forced tool call {i} names {name!r}, which is not among the tools")
+        if i < complete:
+            try:
+                value = loads_strict(arguments)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"forced tool call {i}'s parameters are not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"forced tool call {i}'s parameters are not an object")
+    return [ToolCall(new_id(), name, arguments) for name, arguments in zip(reader.names, reader.arguments, strict=True)]
 
 
 def _chosen_name(choice: object) -> str:
