@@ -16,7 +16,8 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm and gptneox (others are refused by name); tensor
+qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3 and starcoder2 (others are
+refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -24,7 +25,7 @@ SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokeniz
 
 Conventions of llama.cpp's converter (convert_hf_to_gguf.py, which the gguf package does not ship;
 these are assumptions about it, shared by transformers' GGUF loader where it reads the architecture):
-q/k rows (and biases) are permuted for the llama architecture and its subclass granite only; Phi-3
+q/k rows (and biases) are permuted for the llama architecture and its subclasses granite and smollm3 only; Phi-3
 keeps q/k/v fused in `attn_qkv` and gate/up in `ffn_up` (gate rows first); OLMo 2's output norms are
 `post_attention_norm` and `post_ffw_norm`; Granite's four multipliers are `embedding_scale`,
 `residual_scale`, `attention.scale` and `logit_scale`, each written only when config.json has it
@@ -49,6 +50,10 @@ tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), GPT-NeoX's 
 `use_parallel_residual`. GPT-NeoX's converter regroups HF's per-head interleaved query_key_value into
 `attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
 names no activation; llama.cpp runs ggml's tanh-approximated GELU).
+
+SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
+released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
+its MLP as `ffn_up` / `ffn_down`, no window key (llama.cpp attends over the whole context, and so does keel).
 """
 
 from __future__ import annotations
