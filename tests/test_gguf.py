@@ -258,7 +258,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox", smollm3="smollm3")
-GGUF_ARCH.update(starcoder2="starcoder2")
+GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -295,6 +295,7 @@ _GEMMA_NORMS = {
 }
 ARCH_LAYER_NAMES = {
     "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "exaone4": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
 }
@@ -397,6 +398,9 @@ def write_gguf(
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
+    if arch == "exaone4" and cfg.sliding_window is not None:  # Exaone4Model: the window, the sliding layers
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     if arch == "phi3":  # Phi3MiniModel: 0 for no window
         w.add_sliding_window(cfg.sliding_window or 0)
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)

@@ -1,5 +1,5 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3 and StarCoder2.
+Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2 and EXAONE 4.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -80,6 +80,26 @@ def test_starcoder2_gguf_matches_hf_model(tmp_path):
     assert (c.architecture, c.norm_type, c.mlp_gated, c.hidden_act) == ("starcoder2", "layer", False, "gelu_tanh")
     assert c.qkv_bias and c.o_bias and c.mlp_bias and c.sliding_window is None and not c.tie_word_embeddings
     assert c.rms_norm_eps == pytest.approx(1e-4) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_exaone4_gguf_matches_hf_model(tmp_path, window):
+    """EXAONE 4 as llama.cpp converts it (TextModel: no permutation; output norms as post_attention_norm and
+    post_ffw_norm; the window and the per-layer pattern as keys where config.json has a window): hybrid, the global
+    layer without position encoding; without a window every layer global and rotating. transformers' logits."""
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    # (transformers' Exaone4Config needs layer_types without a window: its own default divides by zero)
+    hf = build_hf_model("exaone4", sliding_window=window, layer_types=layer_types if window else ["full_attention"] * 3)
+    loaded = load_model(write_gguf(hf, tmp_path / "exaone4.gguf"))
+    c = loaded.config
+    assert (c.architecture, c.norm_placement, c.qk_norm, c.qk_norm_scope) == ("exaone4", "post", True, "head")
+    if window:
+        assert c.sliding_window == 8 and c.layer_types == layer_types and c.rope_layers == [True, False, True]
+        assert loaded.checkpoint.provenance["rope_layers"] == "read"
+    else:
+        assert c.sliding_window is None and all(c.layer_rotates(i) for i in range(c.num_layers))
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 

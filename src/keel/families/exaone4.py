@@ -41,6 +41,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if len(layer_types) != layers:
         raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
     return {
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "norm_placement": "post",
         "qk_norm": True,
         "sliding_window": window,

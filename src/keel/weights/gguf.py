@@ -16,8 +16,8 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3 and starcoder2 (others are
-refused by name); tensor
+qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2 and exaone4 (others
+are refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -51,6 +51,9 @@ tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), GPT-NeoX's 
 `attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
 names no activation; llama.cpp runs ggml's tanh-approximated GELU).
 
+EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
+`attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
+layers without position encoding; llama.cpp's window of 4096 for a 64-layer file without the keys.
 SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
 released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
 its MLP as `ffn_up` / `ffn_down`, no window key (llama.cpp attends over the whole context, and so does keel).
@@ -109,6 +112,7 @@ _FAMILIES = {
     _A.GPTNEOX: "gpt_neox",
     _A.SMOLLM3: "smollm3",
     _A.STARCODER2: "starcoder2",
+    _A.EXAONE4: "exaone4",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -131,6 +135,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA2_WINDOW = 4096
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
+# What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
+_EXAONE4_SWA_LAYERS = 64
+_EXAONE4_WINDOW = 4096
 
 _T = GGMLQuantizationType
 SUPPORTED_TYPES = (
@@ -410,6 +417,19 @@ def _family_hf_config(
             hf.update(partial_rotary_factor=factor)
     if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
         hf.update(mlp_bias=common["mlp_bias"])
+    if family == "exaone4":
+        # The converter writes the window and the per-layer pattern where config.json has them; llama.cpp
+        # hard-codes both for the 64-layer (32B) model, whose files may lack them.
+        window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
+        read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
+        if window is None and layers == _EXAONE4_SWA_LAYERS:
+            window = _EXAONE4_WINDOW
+        hf.update(sliding_window=int(window) if window else None)
+        if isinstance(pattern, list):  # per layer: true where the layer slides
+            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
+        elif pattern is not None:
+            hf.update(sliding_window_pattern=int(pattern))
+        hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family == "starcoder2":  # biases by tensor; no window key (llama.cpp attends over the whole context)
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
