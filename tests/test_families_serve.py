@@ -37,6 +37,7 @@ SLOW = pytest.mark.slow
         pytest.param("olmo3", marks=SLOW),
         pytest.param("exaone4", marks=SLOW),
         pytest.param("starcoder2", marks=SLOW),
+        pytest.param("glm4", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],

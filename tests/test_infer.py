@@ -76,14 +76,26 @@ def _keel_logits(checkpoint, config: ModelConfig) -> torch.Tensor:
 
 # Multi-head latent attention (DeepSeek) needs its config.json: see test_mla_needs_config_json. Granite's
 # multipliers are scalars no tensor shape holds. The families of keel.families (Phi-3, StableLM, GPT-NeoX,
-# OLMo 2 and 3, Gemma 2 and 3, SmolLM3, EXAONE 4, StarCoder2) are read through their config.json: inference from
+# OLMo 2 and 3, Gemma 2 and 3, SmolLM3, EXAONE 4, StarCoder2, GLM-4) are read through their config.json: inference from
 # shapes knows Llama's names and block only (SmolLM3's tensors are Llama's, with biases; which layers rotate no
 # shape tells).
 SHAPE_INFERABLE = [
     name
     for name in TINY_CONFIGS
     if not name.startswith(
-        ("deepseek", "granite", "phi3", "stablelm", "gpt_neox", "olmo", "gemma", "smollm3", "exaone", "starcoder2")
+        (
+            "deepseek",
+            "granite",
+            "phi3",
+            "stablelm",
+            "gpt_neox",
+            "olmo",
+            "gemma",
+            "smollm3",
+            "exaone",
+            "starcoder2",
+            "glm4",
+        )
     )
 ]
 

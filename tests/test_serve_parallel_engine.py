@@ -56,6 +56,8 @@ def _params() -> list[SamplingParams]:
         ("qwen2_moe-ep", 2, 1),
         ("llama-bias", 1, 2),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
+        # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
+        pytest.param("glm4", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

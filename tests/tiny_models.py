@@ -128,6 +128,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
     # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
+    # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
+    "glm4": (
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        dict(intermediate_size=128, head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
     # StarCoder2: LayerNorms, an ungated GELU MLP (c_fc, c_proj), biases everywhere, a window of 8.
     "starcoder2": (
         "Starcoder2Config",
