@@ -38,6 +38,7 @@ SLOW = pytest.mark.slow
         pytest.param("exaone4", marks=SLOW),
         pytest.param("starcoder2", marks=SLOW),
         pytest.param("glm4", marks=SLOW),
+        pytest.param("ministral3", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],
@@ -71,11 +72,13 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
 
 
-def test_nope_layers_are_served_with_transformers_greedy_tokens(tmp_path):
-    """SmolLM3's layers without position encoding (one of three here, in a sliding window) through the engine,
-    uncompiled: the rotating layers run keel's fused layer operator where the kernels are on, the NoPE layer its
-    modules (the operator always rotates); transformers' greedy tokens, with a prefix served from the cache."""
-    hf = save_hf_model("smollm3", tmp_path)
+@pytest.mark.parametrize("name", ["smollm3", "ministral3"])
+def test_position_features_are_served_with_transformers_greedy_tokens(tmp_path, name):
+    """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
+    window) and Ministral 3's query temperature by position (from position 16 here). Where keel's kernels are on,
+    the other layers run the fused layer operator and these the modules (the operator always rotates and does not
+    scale queries); transformers' greedy tokens, with a prefix served from the cache."""
+    hf = save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
     hf.generation_config.eos_token_id = None
     prompts = [list(range(40, 80)) + [7, 9, 11], list(range(40, 80)) + [100, 3]]
@@ -86,7 +89,11 @@ def test_nope_layers_are_served_with_transformers_greedy_tokens(tmp_path):
         ]
     config = EngineConfig.of(dtype="float32", compile=False, num_blocks=64, max_model_len=256, block_size=8)
     llm = LLM(str(tmp_path), config)
-    assert [layer.self_attn.rotates for layer in llm.engine.model.layers.values()] == [True, False, True]
+    attention = [layer.self_attn for layer in llm.engine.model.layers.values()]
+    if name == "smollm3":
+        assert [a.rotates for a in attention] == [True, False, True]
+    else:
+        assert all(a.scales_queries for a in attention)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]

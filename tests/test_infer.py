@@ -75,9 +75,9 @@ def _keel_logits(checkpoint, config: ModelConfig) -> torch.Tensor:
 
 
 # Multi-head latent attention (DeepSeek) needs its config.json: see test_mla_needs_config_json. Granite's
-# multipliers are scalars no tensor shape holds. The families of keel.families (Phi-3, StableLM, GPT-NeoX,
-# OLMo 2 and 3, Gemma 2 and 3, SmolLM3, EXAONE 4, StarCoder2, GLM-4) are read through their config.json: inference from
-# shapes knows Llama's names and block only (SmolLM3's tensors are Llama's, with biases; which layers rotate no
+# multipliers are scalars no tensor shape holds. The families of keel.families (keel.families.FAMILIES) are read
+# through their config.json: inference from shapes knows Llama's names and block only (SmolLM3's tensors are
+# Llama's, with biases, and Ministral 3's are Mistral's: which layers rotate, or the queries' temperature, no
 # shape tells).
 SHAPE_INFERABLE = [
     name
@@ -95,6 +95,7 @@ SHAPE_INFERABLE = [
             "exaone",
             "starcoder2",
             "glm4",
+            "ministral3",
         )
     )
 ]

@@ -128,6 +128,28 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
     # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
+    # Ministral 3: YaRN and Llama 4's query temperature, from position 16 on (within the tests' 40 tokens).
+    "ministral3": (
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        dict(
+            intermediate_size=128,
+            head_dim=16,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1_000_000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

@@ -138,7 +138,7 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4)
+    # glm4, ministral3)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -209,6 +209,10 @@ class ModelConfig:
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
     rope_layers: list[bool] = field(default_factory=list)
+    # Llama 4's attention temperature (Ministral 3's `llama_4_scaling_beta`): queries at position p are scaled by
+    # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 8192
     hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
@@ -284,6 +288,8 @@ class ModelConfig:
             "rope_layers must have one entry per layer",
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
+        need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
+        need(not (self.is_mla and self.query_scale_beta), "query_scale_beta is not read by MLA")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
         need(

@@ -14,11 +14,37 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from keel.families import exaone4, gemma2, gemma3, glm4, gpt_neox, olmo2, olmo3, phi3, smollm3, stablelm, starcoder2
+from keel.families import (
+    exaone4,
+    gemma2,
+    gemma3,
+    glm4,
+    gpt_neox,
+    ministral3,
+    olmo2,
+    olmo3,
+    phi3,
+    smollm3,
+    stablelm,
+    starcoder2,
+)
 
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
-    for module in (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma3, gemma2, smollm3, exaone4, starcoder2, glm4)
+    for module in (
+        phi3,
+        stablelm,
+        gpt_neox,
+        olmo2,
+        olmo3,
+        gemma3,
+        gemma2,
+        smollm3,
+        exaone4,
+        starcoder2,
+        glm4,
+        ministral3,
+    )
 }
 
 

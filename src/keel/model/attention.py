@@ -48,6 +48,13 @@ class KVCache(Protocol):
         ...
 
 
+def query_scale(positions: Tensor, beta: float, length: int, dtype: torch.dtype) -> Tensor:
+    """Llama 4's attention temperature per query, [B, S, 1, 1]: 1 + beta * log(1 + floor(position / length)),
+    as transformers computes it (float32, then the activations' dtype)."""
+    scale = 1 + beta * torch.log1p(torch.floor(positions.float() / length))
+    return scale.to(dtype)[..., None, None]
+
+
 def sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False, scale: float | None = None
 ) -> Tensor:
@@ -104,6 +111,7 @@ class AttentionMetadata:
     plain_causal: bool = False
     rope: tuple[Tensor, Tensor] | None = None  # (cos, sin), filled by the model once per forward
     sliding_rope: tuple[Tensor, Tensor] | None = None  # the sliding layers' own (cos, sin), where they have one
+    query_scale: Tensor | None = None  # [B, S, 1, 1]: each query's temperature (config.query_scale_beta), or None
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
     cache_plan: object | None = None
     _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)
@@ -156,6 +164,7 @@ class Attention(nn.Module):
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
         self.rotates = config.layer_rotates(layer)  # False: no position encoding (SmolLM3's NoPE layers)
+        self.scales_queries = config.query_scale_beta != 0  # Llama 4's temperature (AttentionMetadata.query_scale)
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
@@ -180,6 +189,8 @@ class Attention(nn.Module):
         if self.rotates:
             cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if meta.query_scale is not None:  # Llama 4's temperature by position (Ministral 3)
+            q = q * meta.query_scale
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]

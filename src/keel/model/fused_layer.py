@@ -12,7 +12,8 @@ It runs where all of these hold, else the modules do (`fused_forward` returns No
 - keel's kernels are active, float32 activations, no autograd, not under torch.compile, not switched
   off by `modules_only` (keel profile decode times the modules);
 - a dense layer without Granite's scalars (residual and softmax multipliers) or attention-score
-  soft-capping (Gemma 2), that rotates q and k (not SmolLM3's NoPE layers): grouped-query attention with
+  soft-capping (Gemma 2), that rotates q and k (not SmolLM3's NoPE layers) and does not scale queries by
+  position (Ministral 3): grouped-query attention with
   fused q/k/v (keel.model.fuse) and a SwiGLU MLP
   with fused gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would
   run keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
@@ -103,6 +104,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     if mlp.act != "silu" or attn.rotary_dim != attn.head_dim or attn.qk_norm_whole or attn.sliding_rope:
         return None
     if not attn.rotates:  # a NoPE layer (SmolLM3): the operator always rotates
+        return None
+    if attn.scales_queries:  # Llama 4's temperature by position (Ministral 3): the modules apply it
         return None
     if layer.input_layernorm.offset:  # Gemma's (1 + w) scale
         return None

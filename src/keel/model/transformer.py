@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.attention import Attention, AttentionMetadata, KVCache
+from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
 from keel.model.mla import MLAttention
@@ -137,6 +137,9 @@ class Transformer(nn.Module):
         meta.rope = self.rotary(meta.positions, h.dtype)
         if self.sliding_rotary is not None:
             meta.sliding_rope = self.sliding_rotary(meta.positions, h.dtype)
+        beta = self.config.query_scale_beta
+        if beta:
+            meta.query_scale = query_scale(meta.positions, beta, self.config.query_scale_length, h.dtype)
         fused = fused_layers(self.layers, h, meta)  # serving on keel's CPU kernels: one call
         if fused is not None:
             h = fused
