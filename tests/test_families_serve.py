@@ -39,6 +39,8 @@ SLOW = pytest.mark.slow
         pytest.param("starcoder2", marks=SLOW),
         pytest.param("glm4", marks=SLOW),
         pytest.param("ministral3", marks=SLOW),
+        pytest.param("cohere", marks=SLOW),
+        pytest.param("cohere2", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],

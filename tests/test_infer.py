@@ -96,6 +96,7 @@ SHAPE_INFERABLE = [
             "starcoder2",
             "glm4",
             "ministral3",
+            "cohere",
         )
     )
 ]

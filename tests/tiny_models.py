@@ -150,6 +150,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Command R: one bias-free LayerNorm for a parallel residual, interleaved rotary, logits scaled.
+    "cohere": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(intermediate_size=128, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
+    # Command R7B / A: two rotating sliding layers (window 8) and a global one without position encoding.
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(
+            intermediate_size=128,
+            logit_scale=0.25,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

@@ -15,6 +15,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from keel.families import (
+    cohere,
+    cohere2,
     exaone4,
     gemma2,
     gemma3,
@@ -44,6 +46,8 @@ FAMILIES: dict[str, ModuleType] = {
         starcoder2,
         glm4,
         ministral3,
+        cohere,
+        cohere2,
     )
 }
 

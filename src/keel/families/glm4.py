@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.families.rope import partial_rotary_factor
+from keel.families.rope import interleaved_qk_layout, partial_rotary_factor
 
 FAMILY = "glm4"
 HF_ARCHITECTURE = "Glm4ForCausalLM"
@@ -44,34 +44,17 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rotary_rows(heads: int, head_dim: int, rotary: int) -> list[tuple[int, int]]:
-    """The stored rows of q or k in keel's order: per head, its even rotary channels, its odd ones, the rest."""
-    rows: list[tuple[int, int]] = []
-    for h in range(heads):
-        base = h * head_dim
-        rows += [(base + c, base + c + 1) for c in range(0, rotary, 2)]
-        rows += [(base + c, base + c + 1) for c in range(1, rotary, 2)]
-        if rotary < head_dim:
-            rows.append((base + rotary, base + head_dim))
-    return rows
-
-
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
     """GLM-4's norms under keel's names, gate/up split by rows, q/k's rotary channels regrouped (module doc)."""
-    inter, d, rotary = config.intermediate_size, config.head_dim, config.rotary_dim
-    q_rows, k_rows = _rotary_rows(config.num_heads, d, rotary), _rotary_rows(config.num_kv_heads, d, rotary)
-    kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
-    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
+    inter = config.intermediate_size
+    layout = interleaved_qk_layout(config)
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
-        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        mlp = f"{prefix}.mlp"
         layout[f"{prefix}.post_self_attn_layernorm.weight"] = {f"{prefix}.attn_output_norm.weight": None}
         layout[f"{prefix}.post_mlp_layernorm.weight"] = {f"{prefix}.mlp_output_norm.weight": None}
         layout[f"{mlp}.gate_up_proj.weight"] = {
             f"{mlp}.gate_proj.weight": [(0, inter)],
             f"{mlp}.up_proj.weight": [(inter, 2 * inter)],
         }
-        for kind in kinds:
-            layout[f"{attn}.q_proj.{kind}"] = {f"{attn}.q_proj.{kind}": q_rows}
-            layout[f"{attn}.k_proj.{kind}"] = {f"{attn}.k_proj.{kind}": k_rows}
     return layout

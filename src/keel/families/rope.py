@@ -21,3 +21,34 @@ def partial_rotary_factor(hf: dict[str, Any], default: float, *legacy_keys: str)
         if hf.get(key) is not None:
             return float(hf[key])
     return float(default)
+
+
+def interleaved_rotary_rows(heads: int, head_dim: int, rotary: int) -> list[tuple[int, int]]:
+    """For families that rotate interleaved pairs (channels 2i and 2i + 1 at frequency i: GLM-4, Cohere): the
+    stored rows of q or k in the order keel's rotary pairs them (channel i with i + rotary / 2), per head its even
+    rotary channels, then its odd ones, then the rest. The same permutation of q's and k's rows keeps every
+    attention score; a checkpoint layout reads q and k through it and export writes them back interleaved."""
+    rows: list[tuple[int, int]] = []
+    for h in range(heads):
+        base = h * head_dim
+        rows += [(base + c, base + c + 1) for c in range(0, rotary, 2)]
+        rows += [(base + c, base + c + 1) for c in range(1, rotary, 2)]
+        if rotary < head_dim:
+            rows.append((base + rotary, base + head_dim))
+    return rows
+
+
+def interleaved_qk_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """Every layer's q and k (weights, and biases where the config has them) read through
+    `interleaved_rotary_rows` (a keel.weights.parts layout)."""
+    d, rotary = config.head_dim, config.rotary_dim
+    q_rows = interleaved_rotary_rows(config.num_heads, d, rotary)
+    k_rows = interleaved_rotary_rows(config.num_kv_heads, d, rotary)
+    kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
+    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
+    for layer in range(config.num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        for kind in kinds:
+            layout[f"{attn}.q_proj.{kind}"] = {f"{attn}.q_proj.{kind}": q_rows}
+            layout[f"{attn}.k_proj.{kind}"] = {f"{attn}.k_proj.{kind}": k_rows}
+    return layout
