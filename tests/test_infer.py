@@ -97,6 +97,9 @@ SHAPE_INFERABLE = [
             "glm4",
             "ministral3",
             "cohere",
+            "seed_oss",
+            "ernie4_5",
+            "arcee",
         )
     )
 ]

@@ -170,6 +170,20 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Seed-OSS: q/k/v and o biases, no MLP bias.
+    "seed_oss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        dict(intermediate_size=128, head_dim=16, attention_out_bias=True, pad_token_id=0, bos_token_id=1),
+    ),
+    # ERNIE 4.5: biases everywhere, rotary on interleaved pairs.
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(intermediate_size=128, head_dim=16, use_bias=True)),
+    # Arcee AFM: an ungated ReLU-squared MLP.
+    "arcee": (
+        "ArceeConfig",
+        "ArceeForCausalLM",
+        dict(intermediate_size=128, head_dim=16, bos_token_id=1, eos_token_id=2),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

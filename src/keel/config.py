@@ -108,6 +108,7 @@ HIDDEN_ACTS = {
     "gelu": "gelu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
+    "relu2": "relu2",
 }
 
 
@@ -138,7 +139,7 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -213,7 +214,7 @@ class ModelConfig:
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
     query_scale_length: int = 8192
-    hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh
+    hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh | relu2 (ReLU squared)
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
     bos_token_id: int | None = None

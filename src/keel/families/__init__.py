@@ -15,8 +15,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from keel.families import (
+    arcee,
     cohere,
     cohere2,
+    ernie4_5,
     exaone4,
     gemma2,
     gemma3,
@@ -26,6 +28,7 @@ from keel.families import (
     olmo2,
     olmo3,
     phi3,
+    seed_oss,
     smollm3,
     stablelm,
     starcoder2,
@@ -48,6 +51,9 @@ FAMILIES: dict[str, ModuleType] = {
         ministral3,
         cohere,
         cohere2,
+        seed_oss,
+        ernie4_5,
+        arcee,
     )
 }
 

@@ -184,6 +184,7 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,  # erf (GPT-NeoX's "gelu")
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # transformers' gelu_pytorch_tanh / gelu_new (Gemma)
+    "relu2": lambda x: F.relu(x).square(),  # ReLU squared (Arcee's AFM)
 }
 
 
