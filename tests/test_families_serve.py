@@ -44,6 +44,7 @@ SLOW = pytest.mark.slow
         pytest.param("seed_oss", marks=SLOW),
         pytest.param("ernie4_5", marks=SLOW),
         pytest.param("arcee", marks=SLOW),
+        pytest.param("olmoe", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],

@@ -184,6 +184,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "ArceeForCausalLM",
         dict(intermediate_size=128, head_dim=16, bos_token_id=1, eos_token_id=2),
     ),
+    # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

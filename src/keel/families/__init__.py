@@ -27,6 +27,7 @@ from keel.families import (
     ministral3,
     olmo2,
     olmo3,
+    olmoe,
     phi3,
     seed_oss,
     smollm3,
@@ -54,6 +55,7 @@ FAMILIES: dict[str, ModuleType] = {
         seed_oss,
         ernie4_5,
         arcee,
+        olmoe,
     )
 }
 

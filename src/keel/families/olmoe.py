@@ -1,0 +1,50 @@
+"""OLMoE (`OlmoeForCausalLM`): Llama's pre-norm block with RMSNorms over the whole q and k projections (keel's
+`qk_norm_scope` all, as OLMo 2's) and a mixture of experts in every layer: a softmax router, the top
+`num_experts_per_tok` of `num_experts` (renormalised where `norm_topk_prob`), experts `intermediate_size` wide.
+Not read: `clip_qkv` (q/k/v clamped), refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.errors import ConfigError
+
+FAMILY = "olmoe"
+HF_ARCHITECTURE = "OlmoeForCausalLM"
+# transformers' OlmoeConfig defaults.
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "bos_token_id": None,
+    "eos_token_id": [50279],
+}
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    if hf.get("clip_qkv") is not None:
+        raise ConfigError(f"{source}: clip_qkv {hf['clip_qkv']!r} is not supported")
+    width = int(hf.get("intermediate_size", 2048))
+    bias = bool(hf.get("attention_bias", False))
+    return {
+        "qk_norm": True,
+        "qk_norm_scope": "all",
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "num_experts": int(hf.get("num_experts", 64)),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 8)),
+        "moe_intermediate_size": width,
+        "intermediate_size": width,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+    }
+
+
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "attention_bias": config.qkv_bias,
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+    }
