@@ -44,7 +44,6 @@ SLOW = pytest.mark.slow
         pytest.param("seed_oss", marks=SLOW),
         pytest.param("ernie4_5", marks=SLOW),
         pytest.param("arcee", marks=SLOW),
-        pytest.param("olmoe", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
     ],
@@ -78,12 +77,13 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
 
 
-@pytest.mark.parametrize("name", ["smollm3", "ministral3"])
-def test_position_features_are_served_with_transformers_greedy_tokens(tmp_path, name):
+@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe"])
+def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
-    window) and Ministral 3's query temperature by position (from position 16 here). Where keel's kernels are on,
-    the other layers run the fused layer operator and these the modules (the operator always rotates and does not
-    scale queries); transformers' greedy tokens, with a prefix served from the cache."""
+    window), Ministral 3's query temperature by position (from position 16 here), and OLMoE's experts (MoE models
+    run eager). Where keel's kernels are on, the other layers run the fused layer operator and these the modules
+    (the operator always rotates and does not scale queries); transformers' greedy tokens, with a prefix served
+    from the cache."""
     hf = save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
     hf.generation_config.eos_token_id = None
@@ -98,8 +98,10 @@ def test_position_features_are_served_with_transformers_greedy_tokens(tmp_path, 
     attention = [layer.self_attn for layer in llm.engine.model.layers.values()]
     if name == "smollm3":
         assert [a.rotates for a in attention] == [True, False, True]
-    else:
+    elif name == "ministral3":
         assert all(a.scales_queries for a in attention)
+    else:
+        assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]
