@@ -18,6 +18,7 @@ LAYERS = [
         "keel.jsonl",
         "keel.paths",
         "keel.dtypes",
+        "keel.dtype_names",
         "keel.net",
         "keel.version",
         "keel.platform",

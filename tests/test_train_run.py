@@ -776,6 +776,20 @@ def test_bad_configs_fail_before_any_process_starts(root, capsys):
     assert "optimiser" in err and "optimizer" in err  # lists the valid keys
 
 
+def test_the_launcher_checks_a_run_without_importing_torch(root):
+    """`keel train --nproc N` validates the config, the data and the run directory, then execs torchrun: the
+    launching process never imports torch (each rank does), so it adds no torch start-up to the run's."""
+    path = config(root, "launcher")
+    code = (
+        "import os, sys\n"
+        "from keel.cli import main\n"
+        "os.execv = lambda exe, cmd: (print('torch' in sys.modules, 'torch.distributed.run' in cmd), sys.exit(0))\n"
+        f"main(['train', {str(path)!r}, '--nproc', '2'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "True"], (r.stdout, r.stderr)
+
+
 # In make test-slow (10 s on the 2-core AVX2 machine), to keep make test within its budget.
 @pytest.mark.slow
 def test_watchdog_dumps_stacks_and_exits_on_a_hang(root):

@@ -1,21 +1,16 @@
-"""The float dtypes keel loads, trains and writes models in, by the names configs and `--dtype` use."""
+"""The float dtypes keel loads, trains and writes models in, by the names configs and `--dtype` use
+(keel.dtype_names, which the CLI reads without torch)."""
 
 from __future__ import annotations
 
 import torch
 
+from keel.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, DTYPE_NAMES, canonical_dtype
 from keel.errors import KeelError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# `--dtype` choices: "auto" lets keel.platform pick the compute dtype for the host and checkpoint.
-DTYPE_CHOICES = ("auto", *DTYPES)
-# vLLM's (and torch's) other spellings, read as the names above wherever a dtype is given.
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+__all__ = ["DTYPES", "DTYPE_ALIASES", "DTYPE_CHOICES", "canonical_dtype", "parse_dtype"]
 
-
-def canonical_dtype(name: str) -> str:
-    """`name` with vLLM's aliases resolved ("half" -> "float16", "float" -> "float32")."""
-    return DTYPE_ALIASES.get(name, name)
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 
 from keel.cli.common import add_dtype_arg, add_model_args, add_threads_arg, set_threads
-from keel.dtypes import DTYPES
+from keel.dtype_names import DTYPE_NAMES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("align", help="compare keel with transformers layer by layer")
     add_model_args(p)
-    add_dtype_arg(p, "float32", tuple(DTYPES), help="compute dtype of both models")
+    add_dtype_arg(p, "float32", DTYPE_NAMES, help="compute dtype of both models")
     add_threads_arg(p)
     p.set_defaults(func=run)
 

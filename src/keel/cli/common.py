@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
+from keel.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 from keel.quant.config import QUANTIZE_CHOICES
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from keel.atomic import write_json_atomic
 from keel.cli.common import add_quantize_arg
-from keel.model.kv_size import KV_CACHE_DTYPES
-from keel.profile.decode import PARTS, DecodeProfile, StepProfile
+from keel.dtype_names import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from keel.profile.decode import DecodeProfile, StepProfile
 
 
 def _table(profile: DecodeProfile, step: StepProfile) -> list[str]:
+    from keel.profile.decode import PARTS
+
     bw = profile.copy_bandwidth
     achieved = step.bytes_per_step / (step.step_ms / 1000)
     lines = [
@@ -36,6 +39,8 @@ def _table(profile: DecodeProfile, step: StepProfile) -> list[str]:
 
 
 def cmd_profile_decode(args: argparse.Namespace) -> int:
+    import torch
+
     from keel.profile.decode import profile_decode
 
     if args.threads:

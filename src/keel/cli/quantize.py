@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from keel.cli.config_options import comma_list
 from keel.data.text_corpus import corpus_text
-from keel.dtypes import DTYPE_CHOICES
+from keel.dtype_names import DTYPE_CHOICES
 from keel.errors import KeelError
 from keel.quant.config import QuantConfig
-from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES
-from keel.quant.plan import write_plan
-from keel.quant.save import save_quantized
-from keel.quant.sensitivity import analyze
+from keel.weights.quant_format import INT4_GROUP_SIZES, SCHEMES
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    import torch
+
     from keel.quant.loading import load_model
+    from keel.quant.plan import write_plan
+    from keel.quant.sensitivity import analyze
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
+    import torch
+
+    from keel.quant.save import save_quantized
+
     if args.threads:
         torch.set_num_threads(args.threads)
     # A plan file resolves as it does for the engine (keel.quant.config): it overrides the three options.

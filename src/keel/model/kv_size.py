@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from keel.config import ModelConfig
+from keel.dtype_names import KV_CACHE_DTYPES
 from keel.errors import KeelError
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")  # "auto": the model's dtype
 SCALE_DTYPE = torch.float16  # 11-bit mantissa: its rounding (<0.05%) is far below int8's half step (0.4% of absmax)
 
 

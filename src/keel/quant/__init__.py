@@ -1,7 +1,29 @@
-"""Weight-only quantization of keel models (int8 per channel, int4 per group, GGUF blocks as they are)."""
+"""Weight-only quantization of keel models (int8 per channel, int4 per group, GGUF blocks as they are).
 
-from keel.quant.apply import LOAD_SCHEMES, quantize_model
-from keel.quant.experts import QuantizedGroupedExperts
-from keel.quant.linear import SCHEMES, QuantizedLinear
+The names below load on first use: keel.quant.config (the options, read by the CLI before torch is imported)
+sits in this package too, and importing it must not import the kernels' modules."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keel.quant.apply import LOAD_SCHEMES, quantize_model
+    from keel.quant.experts import QuantizedGroupedExperts
+    from keel.quant.linear import SCHEMES, QuantizedLinear
 
 __all__ = ["LOAD_SCHEMES", "SCHEMES", "QuantizedGroupedExperts", "QuantizedLinear", "quantize_model"]
+_HOMES = {
+    "LOAD_SCHEMES": "keel.quant.apply",
+    "quantize_model": "keel.quant.apply",
+    "QuantizedGroupedExperts": "keel.quant.experts",
+    "SCHEMES": "keel.quant.linear",
+    "QuantizedLinear": "keel.quant.linear",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'keel.quant' has no attribute {name!r}")

@@ -1,12 +1,21 @@
-"""The serving engine: scheduler, paged KV cache, runner, sampling, stop conditions, API."""
+"""The serving engine: scheduler, paged KV cache, runner, sampling, stop conditions, API.
 
-from keel.serve.async_engine import AsyncEngine
-from keel.serve.config import EngineConfig
-from keel.serve.engine import LLMEngine
-from keel.serve.llm import LLM
-from keel.serve.outputs import CompletionOutput, RequestOutput
-from keel.serve.sampling import RequestOutputKind, SamplingParams
-from keel.serve.structured import StructuredOutputsParams
+The names below load on first use: the CLI reads keel.serve.config's options before anything imports torch
+(`keel train --nproc N` execs torchrun without it), and importing a submodule runs this file first."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keel.serve.async_engine import AsyncEngine
+    from keel.serve.config import EngineConfig
+    from keel.serve.engine import LLMEngine
+    from keel.serve.llm import LLM
+    from keel.serve.outputs import CompletionOutput, RequestOutput
+    from keel.serve.sampling import RequestOutputKind, SamplingParams
+    from keel.serve.structured import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -19,3 +28,20 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
 ]
+_HOMES = {
+    "AsyncEngine": "keel.serve.async_engine",
+    "EngineConfig": "keel.serve.config",
+    "LLMEngine": "keel.serve.engine",
+    "LLM": "keel.serve.llm",
+    "CompletionOutput": "keel.serve.outputs",
+    "RequestOutput": "keel.serve.outputs",
+    "RequestOutputKind": "keel.serve.sampling",
+    "SamplingParams": "keel.serve.sampling",
+    "StructuredOutputsParams": "keel.serve.structured",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'keel.serve' has no attribute {name!r}")

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from keel.dtypes import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
+from keel.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
 from keel.errors import KeelError
 from keel.quant.config import QuantConfig
 from keel.serve.speculative import SpeculativeConfig

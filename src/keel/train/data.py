@@ -24,11 +24,12 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from keel.atomic import atomic_file, write_json_atomic
 from keel.errors import KeelError
@@ -349,6 +350,8 @@ class TokenFile:
         if step != 1:
             raise ValueError("TokenFile slices must be contiguous")
         window = self._tokens[self._start + start : self._start + max(start, stop)]
+        import torch  # here, not at import: `keel train` checks token files before it execs torchrun
+
         return torch.from_numpy(window.astype(np.int64))
 
     def numpy(self) -> np.ndarray:
@@ -459,6 +462,8 @@ class BatchLoader:
         data = self.tokens.numpy()
         s = self.seq_len
         windows = np.stack([data[i * s : i * s + s + 1] for i in ids]).astype(np.int64)
+        import torch
+
         batch = torch.from_numpy(windows)
         self._micro += 1
         if self._micro == self.grad_accum:  # the step is complete: state_dict now points past it
@@ -518,6 +523,8 @@ def iter_eval_batches(
     for start in range(first, first + share, batch_size):
         ids = range(start, min(start + batch_size, first + share))
         windows = np.stack([data[i * seq_len : i * seq_len + seq_len + 1] for i in ids]).astype(np.int64)
+        import torch
+
         batch = torch.from_numpy(windows)
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
