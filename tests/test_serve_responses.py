@@ -122,6 +122,10 @@ def test_function_tools_call_and_take_their_results(client):
     assert [(c.name, c.arguments) for c in final.output if c.type == "function_call"] == [
         (c.name, c.arguments) for c in calls
     ]
+    # The call's item opens once its name is out and its arguments follow as they are generated.
+    first = next(e for e in streamed if e.type == "response.output_item.added" and e.item.type == "function_call")
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta" and e.output_index == 0]
+    assert first.item.name == "get_weather" and len(pieces) > 1 and "".join(pieces) == calls[0].arguments
     assert "response.function_call_arguments.done" in [e.type for e in streamed]
     # The call and its result as input items: the chat route's answer to the same turns.
     result = '{"temperature": 21, "unit": "c"}'
@@ -190,17 +194,17 @@ def test_an_unknown_model_is_a_404(client):
 
 
 def test_stream_events_open_and_close_each_item_in_order():
-    """The event writer alone, on what a reasoning parser and a tool parser hand it: the reasoning item closes
-    when the message starts, the tool calls go out as whole items at the end, every event is numbered, and the
-    output it built is what the events announced."""
+    """The event writer alone, on what a reasoning parser and a tool-call writer hand it: the reasoning item closes
+    when the message starts, the message when a call starts, a call's arguments go out as they come and the call
+    closes at the end; every event is numbered, and the output it built is what the events announced."""
     from keel.serve.openai.serving_responses import ResponseEvents
 
     events = ResponseEvents()
     sent = events.text("reasoning", "Paris is ", []) + events.text("reasoning", "the capital.", [])
     sent += events.text("message", "Paris", [{"token": "Paris", "logprob": -0.1}])
-    events.add_call({"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}})
-    events.add_call({"index": 0, "function": {"arguments": '{"a": '}})
-    events.add_call({"index": 0, "function": {"arguments": "1}"}})
+    sent += events.call({"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}})
+    sent += events.call({"index": 0, "function": {"arguments": '{"a": '}})
+    sent += events.call({"index": 0, "function": {"arguments": "1}"}})
     sent += events.finish("completed")
     parsed = [json.loads(e.split("\ndata: ", 1)[1]) for e in sent]
     assert all(e.startswith(f"event: {p['type']}\n") for e, p in zip(sent, parsed, strict=True))
@@ -221,13 +225,21 @@ def test_stream_events_open_and_close_each_item_in_order():
         "output_item.done",
         "output_item.added",
         "function_call_arguments.delta",
+        "function_call_arguments.delta",
         "function_call_arguments.done",
         "output_item.done",
     ]
     reasoning, message, call = events.output
     assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "Paris is the capital."
     assert message["content"][0]["text"] == "Paris" and message["content"][0]["logprobs"][0]["token"] == "Paris"
-    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert (call["call_id"], call["name"], call["arguments"], call["status"]) == (
+        "call_1",
+        "f",
+        '{"a": 1}',
+        "completed",
+    )
+    added = parsed[13]["item"]
+    assert (added["id"], added["status"], added["arguments"]) == (call["id"], "in_progress", "")
     assert [p["output_index"] for p in parsed if p["type"] == "response.output_item.done"] == [0, 1, 2]
     empty = ResponseEvents()
     assert len(empty.finish("completed")) == 5 and empty.output[0]["content"][0]["text"] == ""

@@ -4,8 +4,9 @@ A response's `output` is a list of items: the reasoning (when the server runs a 
 assistant's message (output_text, with logprobs when included), and one function_call item per tool call.
 A stream sends OpenAI's typed events, each with its sequence number: response.created and in_progress, then per
 item output_item.added, its part and text deltas, their done events and output_item.done, and last
-response.completed (or response.incomplete when max_output_tokens cut it). Tool calls are sent as whole items
-when the output ends, as the chat route's parsers find them.
+response.completed (or response.incomplete when max_output_tokens cut it). A tool call's item opens as the
+chat route's writer finds it (a forced call as soon as its name is out, an auto call once its parser has read
+it) and its arguments follow as delta events.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                     for event in events.text("message", fields["content"], self._logprobs(call, delta.logprobs)):
                         yield event
                 for call_delta in fields.get("tool_calls") or []:
-                    events.add_call(call_delta)
+                    for event in events.call(call_delta):
+                        yield event
                 if delta.finish is not None:
                     finish = writer.stream_finish_reason(delta.finish)
             for event in events.finish("incomplete" if finish == "length" else "completed"):
@@ -151,14 +153,16 @@ def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def function_call_item(call_id: str, function: dict[str, str]) -> dict[str, Any]:
+def function_call_item(
+    call_id: str, function: dict[str, str], item_id: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
     return {
         "type": "function_call",
-        "id": new_id("fc_"),
+        "id": item_id or new_id("fc_"),
         "call_id": call_id,
         "name": function["name"],
         "arguments": function["arguments"],
-        "status": "completed",
+        "status": status,
     }
 
 
@@ -201,29 +205,40 @@ class ResponseEvents:
             events.append(self.send("response.reasoning_text.delta", **where, delta=delta))
         return events
 
-    def add_call(self, delta: dict[str, Any]) -> None:
-        """A chat tool-call delta (index, then id, name and pieces of the arguments)."""
-        entry = self.calls.setdefault(delta.get("index", 0), {"id": "", "name": "", "arguments": ""})
-        entry["id"] = delta.get("id") or entry["id"]
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A chat tool-call delta (index, then id, name and pieces of the arguments): a new call closes the open
+        text item and opens its function_call item; each piece of its arguments is a delta event."""
+        index = delta.get("index", 0)
         function = delta.get("function") or {}
-        entry["name"] = function.get("name") or entry["name"]
-        entry["arguments"] += function.get("arguments") or ""
+        events = []
+        entry = self.calls.get(index)
+        if entry is None:
+            events += self._close("completed")
+            item_id, output_index = new_id("fc_"), len(self.output)
+            entry = {"id": delta.get("id") or "", "name": function.get("name") or "", "arguments": ""}
+            entry.update(item_id=item_id, output_index=output_index)
+            self.calls[index] = entry
+            added = function_call_item(entry["id"], entry, item_id, "in_progress")
+            self.output.append(added)
+            events.append(self.send("response.output_item.added", output_index=output_index, item=added))
+        piece = function.get("arguments") or ""
+        if piece:
+            entry["arguments"] += piece
+            where = {"item_id": entry["item_id"], "output_index": entry["output_index"]}
+            events.append(self.send("response.function_call_arguments.delta", **where, delta=piece))
+        return events
 
     def finish(self, status: str) -> list[str]:
-        """Close the open item (an empty message when nothing was output); send the tool calls as whole items."""
-        events = [] if self.output or self.calls else self._open("message")
+        """Close the open item (an empty message when nothing was output) and every call."""
+        events = [] if self.output else self._open("message")
         events += self._close(status)
         for index in sorted(self.calls):
-            call = self.calls[index]
-            item = function_call_item(call["id"], call)
-            output_index = len(self.output)
-            self.output.append(item)
-            added = {**item, "arguments": "", "status": "in_progress"}
-            events.append(self.send("response.output_item.added", output_index=output_index, item=added))
-            where = {"item_id": item["id"], "output_index": output_index}
-            events.append(self.send("response.function_call_arguments.delta", **where, delta=item["arguments"]))
+            entry = self.calls[index]
+            item = function_call_item(entry["id"], entry, entry["item_id"], "completed")
+            self.output[entry["output_index"]] = item
+            where = {"item_id": entry["item_id"], "output_index": entry["output_index"]}
             events.append(self.send("response.function_call_arguments.done", **where, arguments=item["arguments"]))
-            events.append(self.send("response.output_item.done", output_index=output_index, item=item))
+            events.append(self.send("response.output_item.done", output_index=entry["output_index"], item=item))
         return events
 
     def _open(self, kind: str) -> list[str]:
