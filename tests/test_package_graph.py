@@ -19,6 +19,7 @@ LAYERS = [
         "keel.paths",
         "keel.dtypes",
         "keel.dtype_names",
+        "keel.lazy",
         "keel.net",
         "keel.version",
         "keel.platform",

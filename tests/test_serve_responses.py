@@ -1,7 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API) over real HTTP with the official openai client, on SmolLM2 with the
-tool-call and reasoning parsers of tests/test_serve_structured.py: each answer is the chat route's answer to the
-conversation it amounts to (greedy), whole and streamed (raw events and the SDK's stream helper), with
-instructions, structured text formats, function tools and their results as input items, logprobs, and a 400
+tool-call and reasoning parsers of tests/test_serve_structured.py (its fixtures): each answer is the chat route's
+answer to the conversation it amounts to (greedy), whole and streamed (raw events and the SDK's stream helper),
+with instructions, structured text formats, function tools and their results as input items, logprobs, and a 400
 naming each field keel does not implement."""
 
 from __future__ import annotations
@@ -13,30 +13,16 @@ import jsonschema
 import openai
 import pytest
 
-from keel.serve.openai.child import ServerProcess
-from test_serve_structured import PERSON, TOOLS_TEMPLATE, WEATHER
+import test_serve_structured as structured
+from test_serve_structured import PERSON, WEATHER
+
+# The structured-output tests' fixtures: SmolLM2 with the tools template and the hermes and qwen3 parsers.
+server, client = structured.server, structured.client
 
 MODEL = "smol"
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "Answer in one short sentence."
 FUNCTION = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("responses")
-    template = root / "tools.jinja"
-    template.write_text(TOOLS_TEMPLATE)
-    args = ["--served-model-name", MODEL, "--threads", "1", "--no-compile", "--chat-template", str(template)]
-    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
-    proc = ServerProcess("smollm2-135m-instruct", *args, log_path=root / "server.log").wait_ready()
-    yield proc
-    proc.terminate()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
 
 
 def respond(client, **kw):

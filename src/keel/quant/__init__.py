@@ -5,8 +5,9 @@ sits in this package too, and importing it must not import the kernels' modules.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from keel.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from keel.quant.apply import LOAD_SCHEMES, quantize_model
@@ -22,8 +23,4 @@ _HOMES = {
     "QuantizedLinear": "keel.quant.linear",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'keel.quant' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _HOMES)

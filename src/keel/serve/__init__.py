@@ -5,8 +5,9 @@ The names below load on first use: the CLI reads keel.serve.config's options bef
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from keel.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from keel.serve.async_engine import AsyncEngine
@@ -40,8 +41,4 @@ _HOMES = {
     "StructuredOutputsParams": "keel.serve.structured",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'keel.serve' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _HOMES)

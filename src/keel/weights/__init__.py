@@ -7,8 +7,9 @@ is imported.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from keel.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from keel.weights.checkpoint import Checkpoint, LoadedModel, TensorReader
@@ -23,8 +24,4 @@ _HOMES = {
     "resolve_path": "keel.weights.loader",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'keel.weights' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _HOMES)
