@@ -258,7 +258,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox", smollm3="smollm3")
-GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4")
+GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -375,6 +375,11 @@ def write_gguf(
         w.add_rope_freq_base(rope["rope_theta"])
     if arch == "starcoder2":  # StarCoder2Model (TextModel): LayerNorms, no window key
         w.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch in ("command-r", "cohere2"):  # CommandR2Model / Cohere2Model: LayerNorms, the logit scale
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_logit_scale(cfg.logit_scale)
+        if arch == "cohere2":
+            w.add_sliding_window(cfg.sliding_window)
     elif arch in ("stablelm", "gptneox"):  # LayerNorms; the rotary width (rope_pct / rotary_pct of the head)
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * (cfg.hidden_size // cfg.num_attention_heads)))

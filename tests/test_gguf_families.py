@@ -1,5 +1,5 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2 and EXAONE 4.
+Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R and Cohere 2.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -102,6 +102,29 @@ def test_exaone4_gguf_matches_hf_model(tmp_path, window):
         assert c.sliding_window is None and all(c.layer_rotates(i) for i in range(c.num_layers))
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["cohere", "cohere2"])
+def test_command_r_gguf_matches_hf_model(tmp_path, name):
+    """Command R and Cohere 2 as llama.cpp converts them (TextModel: q/k rows as in HF, interleaved pairs regrouped
+    by keel as for safetensors; LayerNorm eps and logit_scale keys; Cohere 2's window key, one global layer in
+    four without position encoding): transformers' logits."""
+    layers = dict(num_hidden_layers=4, layer_types=None) if name == "cohere2" else dict(num_hidden_layers=2)
+    hf = build_hf_model(name, **layers)
+    loaded = load_model(write_gguf(hf, tmp_path / f"{name}.gguf"))
+    c = loaded.config
+    assert c.architecture == name and c.norm_type == "layer" and c.parallel_residual
+    assert c.logits_scaling == pytest.approx(4.0) and loaded.checkpoint.provenance["logits_scaling"] == "read"
+    if name == "cohere2":
+        assert c.sliding_window == 8 and c.rope_layers == [True, True, True, False]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    # A tensor-parallel rank's rows (two of four heads) and a column shard of the regrouped q, read alone.
+    from keel.weights.shard import Shard, narrow
+
+    reader, q = loaded.checkpoint.reader, "model.layers.0.self_attn.q_proj.weight"
+    for shard in (Shard(0, 32, 64), Shard(1, 32, 64)):
+        assert torch.equal(reader.get_shard(q, shard), narrow(reader.get(q), shard))
 
 
 def test_phi3_fused_tensors_are_split_by_rows(tmp_path):

@@ -16,8 +16,8 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2 and exaone4 (others
-are refused by name); tensor
+qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r and
+cohere2 (others are refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -54,6 +54,10 @@ names no activation; llama.cpp runs ggml's tanh-approximated GELU).
 EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
 `attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
 layers without position encoding; llama.cpp's window of 4096 for a 64-layer file without the keys.
+Command R (`command-r`) and Cohere 2: LayerNorms without biases (eps `attention.layer_norm_epsilon`), `logit_scale`,
+q/k rows as in the HF checkpoint (no permutation: llama.cpp rotates their interleaved pairs, keel regroups them as
+for safetensors); Cohere 2's `attention.sliding_window` with one global layer (no position encoding) in four, as
+llama.cpp takes it.
 SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
 released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
 its MLP as `ffn_up` / `ffn_down`, no window key (llama.cpp attends over the whole context, and so does keel).
@@ -113,6 +117,8 @@ _FAMILIES = {
     _A.SMOLLM3: "smollm3",
     _A.STARCODER2: "starcoder2",
     _A.EXAONE4: "exaone4",
+    _A.COMMAND_R: "cohere",
+    _A.COHERE2: "cohere2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -126,7 +132,7 @@ _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -430,6 +436,21 @@ def _family_hf_config(
         elif pattern is not None:
             hf.update(sliding_window_pattern=int(pattern))
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
+    if family in ("cohere", "cohere2"):
+        # logit_scale (llama.cpp's default 1 where absent); q/k norms where the tensors are (Command R+, refused)
+        scale = f.key(_K.LOGIT_SCALE)
+        read |= {"logits_scaling"} if scale is not None else set()
+        hf.update(logit_scale=_f32(scale) if scale is not None else 1.0, use_qk_norm=has(MODEL_TENSOR.ATTN_Q_NORM))
+        hf.update(layer_norm_eps=common["rms_norm_eps"], tie_word_embeddings=common["tie_word_embeddings"])
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "cohere2":  # the window key; llama.cpp's pattern key where written, else one global layer in four
+        window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
+        hf.update(sliding_window=int(window) if window else None)
+        if isinstance(pattern, list):
+            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
+        elif pattern is not None:
+            hf.update(sliding_window_pattern=int(pattern))
+        read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
     if family == "starcoder2":  # biases by tensor; no window key (llama.cpp attends over the whole context)
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
@@ -644,6 +665,22 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
     return apply
 
 
+def _regrouped(parts: dict[str, Rows], name: str) -> bool:
+    """Whether a family's layout reads this tensor as itself with its rows in another order (GLM-4's and Cohere's
+    q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file stores as the HF checkpoint does."""
+    return list(parts) == [name] and parts[name] is not None and len(parts[name]) > 1
+
+
+def _rows_in_order(order: np.ndarray) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """The tensor's rows in `order` (a row shard takes its own rows of the order: get_shard)."""
+
+    def apply(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0][order]
+
+    apply.order = order  # type: ignore[attr-defined]
+    return apply
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One HF tensor: the GGUF tensors it is made of, its HF shape and how to combine them; `rows`:
@@ -757,6 +794,9 @@ class GGUFTensorReader:
                 if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
                     row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
                     self._add(hf, (t,), (1, shape[-1]), row)
+                elif hf in layout and _regrouped(layout[hf], hf):  # q/k rows regrouped (interleaved rotary pairs)
+                    order = np.concatenate([np.arange(a, b) for a, b in layout[hf][hf]])
+                    self._add(hf, (t,), shape, _rows_in_order(order))
                 elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
                     start = 0
                     for part, rows in layout[hf].items():
@@ -843,8 +883,9 @@ class GGUFTensorReader:
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         start, stop = shard.start, shard.stop
         cut_after = None
+        order = getattr(entry.combine, "order", None)
         if shard.dim == 0:
-            part, width = raw[start:stop], cols
+            part, width = (raw[start:stop] if order is None else raw[order[start:stop]]), cols
         elif start % block == 0 and stop % block == 0:
             if raw.dtype == np.uint8:  # raw bytes: type_size of them per block of `block` values
                 lo, hi = start // block * type_size, stop // block * type_size
@@ -862,7 +903,7 @@ class GGUFTensorReader:
         heads = getattr(entry.combine, "heads", None)
         if heads is not None and shard.dim == 0:
             array = _unpermute(heads * (stop - start) // rows)([array])
-        elif heads is not None:  # a column shard keeps every row: the entry's own un-permute
+        elif heads is not None or (order is not None and shard.dim != 0):  # a column shard keeps every row
             array = entry.combine([array])
         return torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
 
