@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -306,33 +306,50 @@ class OpenAIServing:
             return None
         return vllm_prompt_logprobs(job.final.prompt_logprobs, self.tokens.token_text)
 
-    async def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
-        status, error = 200, None
+    def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
+        """The stream of chunks: the route's events (`_chunks`), the error as vLLM sends it (an error event, then
+        [DONE])."""
+        return self._guarded_stream(call, admission, self._chunks(call), lambda e: [sse(e.body()), SSE_DONE])
+
+    async def _chunks(self, call: Call) -> AsyncIterator[str]:
         head = {
             "id": self.id_prefix + (call.response_id or call.request_id),
             "object": self.chunk_object,
             "created": call.created,
             "model": self.model_name,
         }
+        for choice in self._first_choices(call):
+            yield sse({**head, "choices": [choice]})
+        async for job, out in self.runner.outputs(call):
+            delta = self._stream_delta(call, job, out)
+            if delta is None:
+                continue  # text held back (a possible stop string): nothing to send yet
+            chunk = {**head, "choices": [self._stream_choice(call, job, out, delta)]}
+            if call.continuous_usage:
+                chunk["usage"] = call.usage().to_dict()
+            yield sse(chunk)
+        if call.include_usage:
+            yield sse({**head, "choices": [], "usage": call.usage().to_dict()})
+        yield SSE_DONE
+
+    async def _guarded_stream(
+        self,
+        call: Call,
+        admission: Admission,
+        events: AsyncIterator[str],
+        error_events: Callable[[APIError], list[str]],
+    ) -> AsyncIterator[str]:
+        """What every route's stream shares: `events`; an APIError after the 200 header travels as the route's
+        `error_events`; and, however it ends, the tenant's unused tokens released and the audit line written."""
+        status, error = 200, None
         try:
-            for choice in self._first_choices(call):
-                yield sse({**head, "choices": [choice]})
-            async for job, out in self.runner.outputs(call):
-                delta = self._stream_delta(call, job, out)
-                if delta is None:
-                    continue  # text held back (a possible stop string): nothing to send yet
-                chunk = {**head, "choices": [self._stream_choice(call, job, out, delta)]}
-                if call.continuous_usage:
-                    chunk["usage"] = call.usage().to_dict()
-                yield sse(chunk)
-            if call.include_usage:
-                yield sse({**head, "choices": [], "usage": call.usage().to_dict()})
-            yield SSE_DONE
-        except APIError as e:  # after the 200 header: the error travels as an event, as vLLM sends it
+            async for event in events:
+                yield event
+        except APIError as e:
             status, error = e.status, e.message
             self.metrics.on_rejected(call.tenant.name, rejection_reason(e))
-            yield sse(e.body())
-            yield SSE_DONE
+            for event in error_events(e):
+                yield event
         except asyncio.CancelledError:  # the client went away; the runner aborted the engine requests
             status, error = 499, "client disconnected"
             raise

@@ -11,7 +11,6 @@ it) and its arguments follow as delta events.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +22,6 @@ from keel.serve.openai.errors import APIError
 from keel.serve.openai.http_io import parse_body
 from keel.serve.openai.protocol_responses import ResponsesRequest
 from keel.serve.openai.responses import chat_logprobs
-from keel.serve.openai.serving_base import rejection_reason
 from keel.serve.openai.serving_chat import OpenAIServingChat
 from keel.serve.openai.tenants import Admission, TenantState
 
@@ -58,47 +56,40 @@ class OpenAIServingResponses(OpenAIServingChat):
         return self._response(call, output, finish)
 
     # ------------------------------------------------------------ streamed
-    async def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
-        status, error = 200, None
+    def _stream(self, call: Call, admission: Admission) -> AsyncIterator[str]:
         events = ResponseEvents()
-        job = call.jobs[0]
-        try:
-            started = self._response(call, [], None, status="in_progress")
-            yield events.send("response.created", response=started)
-            yield events.send("response.in_progress", response=started)
-            finish = None
-            async for job, out in self.runner.outputs(call):
-                delta = self._stream_delta(call, job, out)
-                if delta is None:
-                    continue
-                writer = self._writer(call, job)
-                fields = writer.delta(delta.text, final=delta.finish is not None)
-                if fields.get("reasoning_content"):
-                    for event in events.text("reasoning", fields["reasoning_content"], []):
-                        yield event
-                if fields.get("content"):
-                    for event in events.text("message", fields["content"], self._logprobs(call, delta.logprobs)):
-                        yield event
-                for call_delta in fields.get("tool_calls") or []:
-                    for event in events.call(call_delta):
-                        yield event
-                if delta.finish is not None:
-                    finish = writer.stream_finish_reason(delta.finish)
-            for event in events.finish("incomplete" if finish == "length" else "completed"):
+
+        def error(e: APIError) -> list[str]:  # an event with the stream's next number, which the official clients raise
+            return [events.send("error", code=e.code, message=e.message, param=e.param, error=e.body()["error"])]
+
+        return self._guarded_stream(call, admission, self._events(call, events), error)
+
+    async def _events(self, call: Call, events: ResponseEvents) -> AsyncIterator[str]:
+        started = self._response(call, [], None, status="in_progress")
+        yield events.send("response.created", response=started)
+        yield events.send("response.in_progress", response=started)
+        finish = None
+        async for job, out in self.runner.outputs(call):
+            delta = self._stream_delta(call, job, out)
+            if delta is None:
+                continue
+            writer = self._writer(call, job)
+            fields = writer.delta(delta.text, final=delta.finish is not None)
+            sent = []
+            if fields.get("reasoning_content"):
+                sent += events.text("reasoning", fields["reasoning_content"], [])
+            if fields.get("content"):
+                sent += events.text("message", fields["content"], self._logprobs(call, delta.logprobs))
+            for call_delta in fields.get("tool_calls") or []:
+                sent += events.call(call_delta)
+            for event in sent:
                 yield event
-            final = self._response(call, events.output, finish)
-            yield events.send(f"response.{final['status']}", response=final)
-        except APIError as e:  # after the 200 header: an error event the official clients raise
-            status, error = e.status, e.message
-            self.metrics.on_rejected(call.tenant.name, rejection_reason(e))
-            yield events.send("error", code=e.code, message=e.message, param=e.param, error=e.body()["error"])
-        except asyncio.CancelledError:
-            status, error = 499, "client disconnected"
-            raise
-        finally:
-            admission.release(call.unused_tokens())
-            audit = self.state.audit
-            audit.write(call.tenant.name, self.kind, status, call.started, call=call, error=error, stream=True)
+            if delta.finish is not None:
+                finish = writer.stream_finish_reason(delta.finish)
+        for event in events.finish("incomplete" if finish == "length" else "completed"):
+            yield event
+        final = self._response(call, events.output, finish)
+        yield events.send(f"response.{final['status']}", response=final)
 
     # ------------------------------------------------------------ shared
     def _logprobs(self, call: Call, entries: list) -> list[dict]:
