@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.families import cohere
+from keel.families.windows import sliding_layer_types
 
 FAMILY = "cohere2"
 HF_ARCHITECTURE = "Cohere2ForCausalLM"
@@ -21,9 +22,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers = int(hf["num_hidden_layers"])
     window = hf.get("sliding_window", SLIDING_WINDOW)
     pattern = int(hf.get("sliding_window_pattern") or PATTERN)
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
+    layer_types = sliding_layer_types(hf, pattern)
     if window is None:
         layer_types = ["full_attention"] * layers
     return {

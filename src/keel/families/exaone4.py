@@ -11,6 +11,7 @@ from typing import Any
 
 from keel.errors import ConfigError
 from keel.families import olmo2
+from keel.families.windows import sliding_layer_types
 
 FAMILY = "exaone4"
 HF_ARCHITECTURE = "Exaone4ForCausalLM"
@@ -35,9 +36,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         pattern = hf.get("sliding_window_pattern", PATTERN)
         if isinstance(pattern, str):  # "LLLG": the pattern of layers from layer 0, repeated
             pattern = len(pattern)
-        layer_types = hf.get("layer_types") or [
-            "sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)
-        ]
+        layer_types = sliding_layer_types(hf, int(pattern))
     if len(layer_types) != layers:
         raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
     return {

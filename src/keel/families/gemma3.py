@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.windows import sliding_layer_types
 
 FAMILY = "gemma3"
 HF_ARCHITECTURE = "Gemma3ForCausalLM"
@@ -41,9 +42,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN))
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
+    layer_types = sliding_layer_types(hf, pattern)
     window = hf.get("sliding_window", 4096)
     cap, attn_cap = hf.get("final_logit_softcapping"), hf.get("attn_logit_softcapping")
     return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.families import olmo2
+from keel.families.windows import sliding_layer_types
 
 FAMILY = "olmo3"
 HF_ARCHITECTURE = "Olmo3ForCausalLM"
@@ -21,9 +22,7 @@ GLOBAL_EVERY = 4  # the default layer_types: every fourth layer global
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers = int(hf["num_hidden_layers"])
     window = hf.get("sliding_window", SLIDING_WINDOW)
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % GLOBAL_EVERY else "full_attention" for i in range(layers)
-    ]
+    layer_types = sliding_layer_types(hf, GLOBAL_EVERY)
     return {
         **olmo2.config_fields(hf, source),
         "sliding_window": window,

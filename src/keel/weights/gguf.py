@@ -399,11 +399,7 @@ def _family_hf_config(
         hf.update(sliding_window=int(window) if window is not None else _GEMMA2_WINDOW)
     if family == "gemma3":
         hf.update(sliding_window=int(window) if window else None)  # absent or 0: every layer global
-        pattern = f.key(_KA.SLIDING_WINDOW_PATTERN)
-        if isinstance(pattern, list):  # per layer: true where the layer slides
-            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
-        else:
-            hf.update(sliding_window_pattern=int(pattern) if pattern is not None else _GEMMA3_PATTERN)
+        hf.update(_sliding_pattern(f.key(_KA.SLIDING_WINDOW_PATTERN), _GEMMA3_PATTERN))
         local = f.key(_KR.FREQ_BASE_SWA)
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
@@ -430,11 +426,7 @@ def _family_hf_config(
         read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
         if window is None and layers == _EXAONE4_SWA_LAYERS:
             window = _EXAONE4_WINDOW
-        hf.update(sliding_window=int(window) if window else None)
-        if isinstance(pattern, list):  # per layer: true where the layer slides
-            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
-        elif pattern is not None:
-            hf.update(sliding_window_pattern=int(pattern))
+        hf.update(sliding_window=int(window) if window else None, **_sliding_pattern(pattern))
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family in ("cohere", "cohere2"):
         # logit_scale (llama.cpp's default 1 where absent); q/k norms where the tensors are (Command R+, refused)
@@ -445,11 +437,7 @@ def _family_hf_config(
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
     if family == "cohere2":  # the window key; llama.cpp's pattern key where written, else one global layer in four
         window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
-        hf.update(sliding_window=int(window) if window else None)
-        if isinstance(pattern, list):
-            hf.update(layer_types=["sliding_attention" if p else "full_attention" for p in pattern])
-        elif pattern is not None:
-            hf.update(sliding_window_pattern=int(pattern))
+        hf.update(sliding_window=int(window) if window else None, **_sliding_pattern(pattern))
         read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
     if family == "starcoder2":  # biases by tensor; no window key (llama.cpp attends over the whole context)
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
@@ -464,6 +452,16 @@ def _family_hf_config(
         if factor is not None:
             hf.update(rotary_pct=factor)
     return hf, read
+
+
+def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
+    """`attention.sliding_window_pattern` as the config.json keys a family reads: a list (per layer, true where it
+    slides) as `layer_types`, a number (one global layer in that many) or else `default` as
+    `sliding_window_pattern`; nothing where both are None (the family's own default)."""
+    if isinstance(pattern, list):
+        return {"layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
+    every = pattern if pattern is not None else default
+    return {} if every is None else {"sliding_window_pattern": int(every)}
 
 
 def _rotary_factor(rope_dims: int, head_dim: int) -> float:
