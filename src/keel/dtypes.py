@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from keel.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, DTYPE_NAMES, canonical_dtype
+from keel.dtype_names import DTYPE_NAMES, canonical_dtype
 from keel.errors import KeelError
-
-__all__ = ["DTYPES", "DTYPE_ALIASES", "DTYPE_CHOICES", "canonical_dtype", "parse_dtype"]
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 

@@ -13,8 +13,7 @@ It runs where all of these hold, else the modules do (`fused_forward` returns No
   off by `modules_only` (keel profile decode times the modules);
 - a dense layer without Granite's scalars (residual and softmax multipliers) or attention-score
   soft-capping (Gemma 2), that rotates q and k (not SmolLM3's NoPE layers) and does not scale queries by
-  position (Ministral 3): grouped-query attention with
-  fused q/k/v (keel.model.fuse) and a SwiGLU MLP
+  position (Ministral 3): grouped-query attention with fused q/k/v (keel.model.fuse) and a SwiGLU MLP
   with fused gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would
   run keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
 - a cache whose layer keel's paged-attention kernel reads in place (`in_place`: the serving engine's

@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI routes wired to the serving objects that answer them.
 
 The generation routes are OpenAIServingCompletion, OpenAIServingChat and OpenAIServingResponses
-(serving_base.py has the path of a request through admission, the engine and the response); OpenAIServingModels answers
-/v1/models; ServerState holds what they share, and /health.
+(serving_base.py has the path of a request through admission, the engine and the response);
+OpenAIServingModels answers /v1/models; ServerState holds what they share, and /health.
 """
 
 from __future__ import annotations
