@@ -23,7 +23,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata, sdpa, softcapped_attention
+from keel.model.attention import AttentionMetadata, explicit_attention, sdpa
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 
@@ -71,7 +71,14 @@ class ContiguousKVCache:
             cache.permute(0, 2, 1, 3)[rows, meta.positions] = new
 
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         visible, rows = self._prepare(meta)
         k_cache, v_cache = self.keys[layer], self.values[layer]
@@ -79,8 +86,9 @@ class ContiguousKVCache:
         self._store(v_cache, v, meta, rows)
         # Slot i holds position i; slots past a row's own tokens are masked as "after the query".
         mask = meta.mask(self._key_positions[:visible], window)
-        if self.softcap is not None:
-            return softcapped_attention(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask, self.softcap)
+        if self.softcap is not None or sinks is not None:
+            keys, values = k_cache[:, :, :visible], v_cache[:, :, :visible]
+            return explicit_attention(q, keys, values, mask, self.softcap, sinks=sinks)
         return sdpa(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

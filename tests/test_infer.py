@@ -100,6 +100,7 @@ SHAPE_INFERABLE = [
             "seed_oss",
             "ernie4_5",
             "arcee",
+            "gpt_oss",
         )
     )
 ]

@@ -55,6 +55,9 @@ def _params() -> list[SamplingParams]:
         ("mixtral", 2, 1),
         ("qwen2_moe-ep", 2, 1),
         ("llama-bias", 1, 2),
+        # GPT-OSS: sinks cut with their heads, expert biases with the experts' rows or by expert, down's added once
+        ("gpt_oss", 2, 1),
+        ("gpt_oss-ep", 2, 1),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),
@@ -91,7 +94,7 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
             shapes = _shapes(model_config)
             total = sum(torch.Size(s).numel() for s in shapes.values())
             for rank, report in reports.items():
-                layout = TensorParallelLayout(model_config, tp, rank)
+                layout = TensorParallelLayout(model_config, tp, rank, bool(expert_parallel))
                 replicated = sum(torch.Size(s).numel() for n, s in shapes.items() if layout.shard_of(n) is None)
                 assert report.weight_bytes == 4 * ((total - replicated) // tp + replicated)
                 assert report.peak_at_load > report.weight_bytes

@@ -190,6 +190,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "OlmoeForCausalLM",
         dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2),
     ),
+    # GPT-OSS: softmax sinks, biased attention, a sliding layer (window 8) between global ones, YaRN unrounded,
+    # 8 biased experts with the clamped SwiGLU, 2 a token, a biased router.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.5,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",
@@ -344,8 +360,11 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
-            if pname.endswith("norm.weight") or pname.endswith(".bias"):
+            if pname.endswith("norm.weight") or pname.endswith((".bias", "_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
+            # GPT-OSS's sinks start near 0, where they barely move the softmax: spread them, so that they count.
+            if pname.endswith(".sinks"):
+                p.add_(torch.randn_like(p) * 2)
             # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
             if pname.endswith(SHARPENED):

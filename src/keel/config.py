@@ -139,7 +139,7 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -180,6 +180,13 @@ class ModelConfig:
     n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router_linear_bias: bool = False  # GPT-OSS: the router's linear layer has a bias (it moves the logits)
+    expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down projections have biases
+    # The experts' gated activation: "silu" (act(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped above
+    # and up on both sides at swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank == 0: ordinary attention.
     q_lora_rank: int | None = None  # None: q_proj is one full-rank matrix
     kv_lora_rank: int = 0
@@ -214,6 +221,9 @@ class ModelConfig:
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
     query_scale_length: int = 8192
+    # A learned logit per query head that joins every softmax of attention without a value (GPT-OSS's "sinks"):
+    # probabilities exp(s_j) / (sum_i exp(s_i) + exp(sink)), so a head may attend to nothing.
+    attention_sinks: bool = False
     hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh | relu2 (ReLU squared)
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
@@ -289,6 +299,7 @@ class ModelConfig:
             "rope_layers must have one entry per layer",
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
+        need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.query_scale_beta), "query_scale_beta is not read by MLA")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
@@ -346,6 +357,11 @@ class ModelConfig:
                 f"router_scoring {self.router_scoring!r} is not supported (softmax, sigmoid)",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
+            need(
+                self.expert_activation in ("silu", "swiglu_clamped"),
+                f"expert_activation {self.expert_activation!r} is not supported (silu, swiglu_clamped)",
+            )
+            need(self.swiglu_limit > 0, f"swiglu_limit must be positive, got {self.swiglu_limit}")
             need(1 <= self.topk_group <= self.n_group, "topk_group must be in 1..n_group")
             need(
                 self.num_experts_per_tok <= self.topk_group * (self.num_experts // self.n_group),
@@ -394,6 +410,8 @@ class ModelConfig:
             attn += h
         if self.qk_norm:
             attn += self.q_size + self.kv_size if self.qk_norm_scope == "all" else 2 * self.head_dim
+        if self.attention_sinks:
+            attn += self.num_heads
         return attn
 
     def param_counts(self) -> dict[str, int]:
@@ -408,7 +426,7 @@ class ModelConfig:
         dense_mlp = mats * h * self.intermediate_size + (
             (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
         )
-        expert = 3 * h * self.moe_intermediate_size
+        expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         shared = 3 * h * self.shared_expert_intermediate_size + shared_gate
         norm = h * (2 if self.norm_bias else 1)
@@ -418,7 +436,7 @@ class ModelConfig:
         for layer in range(self.num_layers):
             base = attn + block_norms
             if self.is_moe_layer(layer):
-                router = h * self.num_experts
+                router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:
@@ -444,7 +462,7 @@ class ModelConfig:
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
         hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
         if not structure_only:
-            _refuse_quantized(hf, source)
+            _refuse_quantized(family, hf, source)
         head_dim = int(_hf_get(hf, "head_dim", hidden // num_heads))
         num_kv_heads = int(_hf_get(hf, "num_key_value_heads", num_heads))
         max_positions = int(_hf_get(hf, "max_position_embeddings", defaults["max_position_embeddings"]))
@@ -591,10 +609,13 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-def _refuse_quantized(hf: dict[str, Any], source: str) -> None:
+def _refuse_quantized(family: str, hf: dict[str, Any], source: str) -> None:
     """Quantized HF checkpoints (DeepSeek-V3's FP8 release: float8 weights with per-block
-    `weight_scale_inv` tensors) would load as wrong numbers: say so instead."""
+    `weight_scale_inv` tensors) would load as wrong numbers: say so instead. GPT-OSS's MXFP4 experts are
+    read (keel.weights.gpt_oss dequantizes them)."""
     quant = hf.get("quantization_config")
+    if family == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        return
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise ConfigError(

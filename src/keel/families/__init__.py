@@ -24,6 +24,7 @@ from keel.families import (
     gemma3,
     glm4,
     gpt_neox,
+    gpt_oss,
     ministral3,
     olmo2,
     olmo3,
@@ -56,6 +57,7 @@ FAMILIES: dict[str, ModuleType] = {
         ernie4_5,
         arcee,
         olmoe,
+        gpt_oss,
     )
 }
 

@@ -24,6 +24,8 @@ float32 products made the kernel 2-5x slower than the bytes it reads; bf16 ones 
 2.5x of the copy roofline. Triton's CPU interpreter cannot multiply bf16 tiles, so there every dtype takes
 the float32 path (tests/test_cuda.py checks the tensor-core path on a device). With `softcap` > 0
 each score becomes softcap * tanh(score / softcap) before the mask (Gemma 2's attention soft-capping).
+With `sinks`, each query head's sink logit joins its softmax's denominator (GPT-OSS): a split context
+counts it in the combining kernel, an unsplit one starts its online softmax from it.
 
 Under `TRITON_INTERPRET=1` the kernels run on CPU tensors through Triton's interpreter: that is how
 `make test` checks them on machines without a GPU (tests/test_attention_backends.py).
@@ -64,6 +66,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         tables_ptr,  # [R, W] int32 or int64
         table_of_ptr,  # [T] int64: each token's row of `tables` (unless rows_are_tokens)
         positions_ptr,  # [T] int64
+        sinks_ptr,  # [H] float32 (read with start_at_sinks only)
         stride_qt,
         stride_qh,
         stride_kh,
@@ -86,6 +89,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         dim_pad: tl.constexpr,
         v_pad: tl.constexpr,
         use_softcap: tl.constexpr,
+        start_at_sinks: tl.constexpr,  # sinks and no splits (split parts leave them to the combining kernel)
         split_output: tl.constexpr,
         rows_are_tokens: tl.constexpr,  # token t reads table row t (table_of_ptr is not read)
         half_dot: tl.constexpr,  # queries and rows of one 16-bit dtype, multiplied as such
@@ -110,8 +114,12 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         if not half_dot:
             q = q.to(tl.float32)
 
-        maximum = tl.full([heads_pad], float("-inf"), tl.float32)
-        total = tl.zeros([heads_pad], tl.float32)
+        if start_at_sinks:  # the sink as a logit already summed (exp(s - s) = 1), rescaled like the keys
+            maximum = tl.load(sinks_ptr + kv_head * group + heads, mask=head_ok, other=0.0)
+            total = tl.full([heads_pad], 1.0, tl.float32)
+        else:
+            maximum = tl.full([heads_pad], float("-inf"), tl.float32)
+            total = tl.zeros([heads_pad], tl.float32)
         acc = tl.zeros([heads_pad, v_pad], tl.float32)
 
         # window: the host passes a span longer than any sequence when there is none (no branch here).
@@ -174,6 +182,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         max_ptr,  # [T, H, splits] float32
         sum_ptr,  # [T, H, splits] float32
         out_ptr,  # [T, H, Dv]
+        sinks_ptr,  # [H] float32 (read with use_sinks only)
         stride_ot,
         stride_oh,
         heads: tl.constexpr,
@@ -181,6 +190,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         splits_pad: tl.constexpr,
         v_dim: tl.constexpr,
         v_pad: tl.constexpr,
+        use_sinks: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -191,9 +201,16 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         maxima = tl.load(max_ptr + stat, mask=split_ok, other=float("-inf"))
         totals = tl.load(sum_ptr + stat, mask=split_ok, other=0.0)
         overall = tl.max(maxima, 0)
-        weights = tl.exp(maxima - overall)  # an empty split (-inf) weighs 0
+        if use_sinks:  # the head's sink joins the splits' sums here, once (it weighs no value)
+            sink = tl.load(sinks_ptr + head)
+            overall = tl.maximum(overall, sink)
+            weights = tl.exp(maxima - overall)
+            denominator = tl.sum(totals * weights, 0) + tl.exp(sink - overall)
+        else:
+            weights = tl.exp(maxima - overall)  # an empty split (-inf) weighs 0
+            denominator = tl.sum(totals * weights, 0)
         part = tl.load(part_ptr + stat[:, None] * v_pad + vdims[None, :], mask=split_ok[:, None], other=0.0)
-        out = tl.sum(part * weights[:, None], 0) / tl.sum(totals * weights, 0)
+        out = tl.sum(part * weights[:, None], 0) / denominator
         tl.store(out_ptr + token * stride_ot + head * stride_oh + vdims, out.to(out_ptr.dtype.element_ty),
                  mask=vdims < v_dim)  # fmt: skip
 
@@ -251,6 +268,7 @@ def paged_attention(
     out: Tensor | None = None,
     tile_keys: int | None = None,
     half_dot: bool | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """queries [T, H, D] over the paged stores ([H_kv, slots, D], values [H_kv, slots, Dv] or None: the
     keys' first `v_dim` channels) -> [T, H, Dv] in the queries' dtype. tables [R, W] int32, table_of [T]
@@ -261,11 +279,20 @@ def paged_attention(
     last; e.g. a transposed view of the [H, T, Dv] layout the model wants, sparing a copy). tile_keys: keys
     an iteration reads (default `TILE_KEYS`); half_dot: multiply 16-bit queries and rows of one dtype on the
     tensor cores with float32 sums (default `HALF_DOT`; float32 at IEEE precision otherwise). The last two
-    are for bench/triton_decode.py's comparison."""
+    are for bench/triton_decode.py's comparison. sinks: None or float32 [H] on the queries' device, one
+    logit per query head that joins its softmax (unscaled, uncapped, never masked) and weighs no value
+    (GPT-OSS's attention sinks); as `keel::paged_attention`'s."""
     refusal = block_size_refusal(block_size)
     if refusal is not None:
         raise ValueError(refusal)
     tokens, heads, head_dim = queries.shape
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or sinks.shape != (heads,) or sinks.device != queries.device:
+            raise ValueError(
+                f"sinks must be float32 [{heads}] (one per query head) on {queries.device}, "
+                f"got {sinks.dtype} {list(sinks.shape)} on {sinks.device}"
+            )
+        sinks = sinks.contiguous()
     kv_heads = k_store.shape[0]
     values = k_store if v_store is None else v_store
     if queries.stride(-1) != 1:
@@ -292,6 +319,7 @@ def paged_attention(
     attend[(tokens, kv_heads, head_tiles * splits)](
         queries, k_store, values, target, maxima, totals,
         tables, positions if table_of is None else table_of, positions,
+        queries if sinks is None else sinks,  # a pointer never read without sinks
         queries.stride(0), queries.stride(1),
         k_store.stride(0), k_store.stride(1),
         values.stride(0), values.stride(1),
@@ -300,11 +328,13 @@ def paged_attention(
         scale, window if window > 0 else _NO_WINDOW, softcap, splits,
         group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size, tile_keys=tile_keys, half_dot=half_dot,
         heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=v_pad,
-        use_softcap=softcap > 0, split_output=splits > 1, rows_are_tokens=table_of is None,
+        use_softcap=softcap > 0, start_at_sinks=sinks is not None and splits == 1, split_output=splits > 1,
+        rows_are_tokens=table_of is None,
     )  # fmt: skip
     if splits > 1:
         combine[(tokens, heads)](
-            target, maxima, totals, out, out.stride(0), out.stride(1),
+            target, maxima, totals, out, queries if sinks is None else sinks, out.stride(0), out.stride(1),
             heads=heads, splits=splits, splits_pad=_pad(splits, 2), v_dim=v_dim, v_pad=v_pad,
+            use_sinks=sinks is not None,
         )  # fmt: skip
     return out

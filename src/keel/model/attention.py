@@ -1,4 +1,4 @@
-"""Grouped-query attention with optional sliding window, q/k norm, q/k/v bias and score soft-capping.
+"""Grouped-query attention with optional sliding window, q/k norm, q/k/v bias, score soft-capping and sinks.
 
 The same module runs a full-sequence forward (training, prefill) and incremental decode: the
 caller passes an `AttentionMetadata` with the query positions and, when decoding, a KV cache.
@@ -29,13 +29,21 @@ class KVCache(Protocol):
     """
 
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`, and return the
         attention output [B, H, S, D] of queries `q` ([B, H, S, D]) over every key they may see
         (causal by position, within `window` tokens when set). Where the model's config sets
         `attn_logit_softcapping` (Gemma 2), the cache, built from that config, caps every score at
-        cap * tanh(score / cap) before the mask (`softcapped_attention`'s arithmetic)."""
+        cap * tanh(score / cap) before the mask (`explicit_attention`'s arithmetic). `sinks` (float32 [H],
+        GPT-OSS): each head's sink logit joins its softmax's denominator (`explicit_attention`)."""
         ...
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -84,21 +92,42 @@ def softcap_scores(scores: Tensor, cap: float) -> Tensor:
     return torch.tanh(scores / cap) * cap
 
 
-def softcapped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float, scale: float | None = None
+def sink_softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
+    """Softmax over the last dimension of float32 `scores`, where a sink logit (GPT-OSS) joins each row's
+    denominator and takes no value: exp(s_j) / (sum_i exp(s_i) + exp(sink)), as transformers computes it (a sink
+    column concatenated, softmaxed, dropped). `sinks` is shaped to broadcast against `scores[..., :1]` (each row
+    its head's sink); None: the plain softmax. A row whose keys are all masked gives zeros."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def explicit_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    cap: float | None = None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Attention whose scaled scores are soft-capped before the mask (Gemma 2's `attn_logit_softcapping`),
-    which SDPA cannot do: the scores are computed explicitly (float32, [B, H, S, L] of them) and
-    softmaxed in float32. q [B, H, S, D], k [B, H_kv, L, D], v [B, H_kv, L, Dv], mask broadcastable to
-    [B, H, S, L] (True = attend) or None; `scale` defaults to 1/sqrt(D)."""
+    """Attention with what SDPA cannot do: scaled scores soft-capped before the mask (Gemma 2's
+    `attn_logit_softcapping`) and softmax sinks (GPT-OSS, `sink_softmax`). The scores are computed explicitly
+    (float32, [B, H, S, L] of them) and softmaxed in float32. q [B, H, S, D], k [B, H_kv, L, D],
+    v [B, H_kv, L, Dv], mask broadcastable to [B, H, S, L] (True = attend) or None; `scale` defaults to
+    1/sqrt(D); `sinks` [H] or None."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)).float() * scale, cap)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if cap:
+        scores = softcap_scores(scores, cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    column = None if sinks is None else sinks.view(1, -1, 1, 1)
+    return torch.matmul(sink_softmax(scores, column).to(v.dtype), v)
 
 
 @dataclass
@@ -173,6 +202,8 @@ class Attention(nn.Module):
         self.q_multiplier = None if scale is None else scale * math.sqrt(self.head_dim)
         # Gemma 2's attention-score soft-capping; with a cache, the cache applies it (KVCache.attend).
         self.softcap = config.attn_logit_softcapping
+        # GPT-OSS's softmax sinks, one logit per query head (under tensor parallelism, this rank's heads').
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
@@ -195,10 +226,11 @@ class Attention(nn.Module):
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]
         if meta.cache is not None:
-            out = meta.cache.attend(self.layer, q, k, v, meta, self.window)
-        elif self.softcap is not None:  # SDPA cannot cap the scores: they are computed explicitly
+            sinks = None if self.sinks is None else self.sinks.float()
+            out = meta.cache.attend(self.layer, q, k, v, meta, self.window, sinks)
+        elif self.softcap is not None or self.sinks is not None:  # SDPA can do neither: explicit scores
             mask = meta.mask(meta.positions, self.window)
-            out = softcapped_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap)
+            out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=self.sinks)
         elif meta.plain_causal and self.window is None:
             out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
         else:

@@ -82,8 +82,10 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
             dispatcher = AllToAllDispatcher(group, module.num_experts)
             first = rank * dispatcher.local_experts
             experts = module.experts
-            for name in ("gate_up_proj", "down_proj"):
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 full = getattr(experts, name)
+                if full is None:  # biases: GPT-OSS's experts only
+                    continue
                 local = full.detach()[first : first + dispatcher.local_experts].clone()
                 setattr(experts, name, nn.Parameter(local, requires_grad=False))
             module.dispatcher = dispatcher

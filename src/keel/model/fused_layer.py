@@ -94,8 +94,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
         return None  # Granite's scalars: the modules run them
-    if attn.softcap is not None:
-        return None  # Gemma 2's attention-score soft-capping: keel::decoder_layers does not cap
+    if attn.softcap is not None or attn.sinks is not None:
+        return None  # Gemma 2's score soft-capping, GPT-OSS's sinks: keel::decoder_layers does neither
     # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):

@@ -57,6 +57,8 @@ class Router(nn.Module):
         self.topk_group = config.topk_group
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_linear_bias else None
         self.e_score_correction_bias: Tensor | None
         if config.router_bias:
             # A buffer, not a parameter: moved by the load-balancing rule, never by gradients; saved in checkpoints.
@@ -67,7 +69,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         """x [T, H] -> Routing."""
         if self.scoring == "softmax":
-            logits = F.linear(x, self.weight).float()  # Mixtral/Qwen: the matmul in the model's dtype
+            logits = F.linear(x, self.weight, self.bias).float()  # Mixtral/Qwen: the matmul in the model's dtype
             scores = torch.softmax(logits, dim=-1)
             probs = scores
         else:
@@ -96,28 +98,89 @@ class Router(nn.Module):
         return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, -1)
 
 
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights: gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF layout).
-    Under expert parallelism a rank holds a contiguous slice of the experts."""
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' gated activation (ModelConfig.expert_activation): silu, act(gate) * up; swiglu_clamped
+    (GPT-OSS), gate clamped above and up on both sides at `limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ExpertActivation:
+        return cls(config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def row_experts(offsets: Tensor, rows: int) -> Tensor:
+    """The (local) expert of each of `rows` rows sorted by expert, from the int32 cumulative counts `offsets`
+    (rows past the last offset, never read, get the last expert). No host sync: a search, not a repeat."""
+    index = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets, index, right=True).clamp_(max=offsets.numel() - 1)
+
+
+class GroupedExperts(nn.Module):
+    """E gated experts with stacked weights: gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF layout), and
+    with `bias` (GPT-OSS) gate_up_proj_bias [E, 2I], down_proj_bias [E, H]. Under expert parallelism a rank
+    holds a contiguous slice of the experts."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: ExpertActivation | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.activation = activation or ExpertActivation()
+        # Tensor parallelism without expert parallelism: each rank holds every expert cut by width, their partial
+        # outputs are summed, so only one rank adds down's bias (keel.serve.parallel.tensor).
+        self.adds_down_bias = True
         self.grad_scale = 1.0  # expert parallelism: a factor on the weights' gradients (see apply_ep)
+
+    def _weights(self) -> list[Tensor | None]:
+        """This rank's gate_up, down and their biases, with expert parallelism's gradient factor hooked on."""
+        weights = [_local(w) if w is not None else None for w in self._stacked()]
+        if self.grad_scale == 1.0 or not torch.is_grad_enabled():
+            return weights
+        scale = self.grad_scale
+        hooked = []
+        for w in weights:
+            if w is not None:
+                # A fresh autograd node to hook: the parameter's own grad accumulation must not see the hook twice.
+                w = w.view_as(w)
+                w.register_hook(lambda g: g * scale)
+            hooked.append(w)
+        return hooked
+
+    def _stacked(self) -> tuple[Tensor | None, ...]:
+        return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
 
     def forward(self, x: Tensor, offsets: Tensor) -> Tensor:
         """x [N, H] rows sorted by (local) expert; offsets [E_local] int32 cumulative counts -> [N, H]."""
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-        if self.grad_scale != 1.0 and torch.is_grad_enabled():
-            scale = self.grad_scale
-            gate_up = gate_up.view_as(gate_up)  # a fresh autograd node to hook: the parameter's own
-            down = down.view_as(down)  # grad accumulation must not see the hook twice
-            gate_up.register_hook(lambda g: g * scale)
-            down.register_hook(lambda g: g * scale)
-        gate, up = grouped_matmul(x, gate_up.transpose(1, 2), offsets).chunk(2, dim=-1)
-        return grouped_matmul(F.silu(gate) * up, down.transpose(1, 2), offsets)
+        gate_up, down, gate_up_bias, down_bias = self._weights()
+        hidden = grouped_matmul(x, gate_up.transpose(1, 2), offsets)
+        experts = None if gate_up_bias is None else row_experts(offsets, x.shape[0])
+        if gate_up_bias is not None:
+            hidden = hidden + gate_up_bias.index_select(0, experts).to(hidden.dtype)
+        gate, up = hidden.chunk(2, dim=-1)
+        out = grouped_matmul(self.activation(gate, up), down.transpose(1, 2), offsets)
+        if down_bias is not None and self.adds_down_bias:
+            out = out + down_bias.index_select(0, experts).to(out.dtype)
+        return out
 
 
 def _local(weight: Tensor) -> Tensor:
@@ -186,7 +249,9 @@ class MoE(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.router = Router(config)
-        self.experts = GroupedExperts(config.num_experts, h, config.moe_intermediate_size)
+        self.experts = GroupedExperts(
+            config.num_experts, h, config.moe_intermediate_size, config.expert_bias, ExpertActivation.of(config)
+        )
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:

@@ -116,9 +116,9 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 name = "embed_tokens.weight"  # a stage's untied head starts as the tied model's
             if isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
-            elif param_name == "bias":
+            elif param_name == "bias" or param_name.endswith("_bias"):  # GPT-OSS's experts: gate_up_proj_bias
                 param.zero_()
-            elif isinstance(module, nn.Linear | nn.Embedding | Router | GroupedExperts):
+            elif isinstance(module, nn.Linear | nn.Embedding | Router | GroupedExperts) or param_name == "sinks":
                 fill_normal(param, name, seed, std)
             else:
                 raise ValueError(f"no initialisation rule for parameter {name} of {type(module).__name__}")

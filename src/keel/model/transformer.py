@@ -191,3 +191,8 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             nn.init.normal_(module.router.weight, std=std)
             nn.init.normal_(module.experts.gate_up_proj, std=std)
             nn.init.normal_(module.experts.down_proj, std=std)
+            for bias in (module.router.bias, module.experts.gate_up_proj_bias, module.experts.down_proj_bias):
+                if bias is not None:
+                    nn.init.zeros_(bias)
+        elif isinstance(module, Attention) and module.sinks is not None:
+            nn.init.normal_(module.sinks, std=std)  # GPT-OSS's sinks start as transformers initialises them

@@ -15,7 +15,7 @@ from torch import nn
 from keel.errors import KeelError
 from keel.model import fused_layer
 from keel.model.moe import GroupedExperts, MoE, _local
-from keel.quant.experts import QuantizedGroupedExperts, experts_fit
+from keel.quant.experts import QuantizedGroupedExperts, experts_fit, float_parts
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
 
 GGUF = "gguf"  # run the GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on the integer kernels (load time only)
@@ -126,6 +126,7 @@ def quantize_model(
                 [QuantizedLinear.from_float(w, scheme, group_size) for w in gate_up.detach()],
                 [QuantizedLinear.from_float(w, scheme, group_size) for w in down.detach()],
                 module.num_experts,
+                *float_parts(module),
             )
             stats["experts"] += 1
         else:

@@ -9,10 +9,10 @@ the idle experts entirely (their weights are not read).
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.errors import KeelError
+from keel.model.moe import ExpertActivation
 from keel.quant.linear import QuantizedLinear, int4_fits, int8_fits
 
 _FLOAT_ONLY = (
@@ -28,18 +28,39 @@ def experts_fit(scheme: str, hidden: int, intermediate: int, group_size: int) ->
     return int4_fits(hidden, 2 * intermediate, group_size) and int4_fits(intermediate, hidden, group_size)
 
 
+def float_parts(experts: nn.Module) -> tuple[ExpertActivation, Tensor | None, Tensor | None]:
+    """What quantized experts keep of float `GroupedExperts` (activation, biases), in the constructor's order."""
+    local = lambda b: None if b is None else getattr(b, "to_local", lambda: b)()  # noqa: E731
+    down_bias = local(experts.down_proj_bias) if experts.adds_down_bias else None
+    return experts.activation, local(experts.gate_up_proj_bias), down_bias
+
+
 class QuantizedGroupedExperts(nn.Module):
     """Drop-in for `GroupedExperts` at inference: forward(x [N, H] rows sorted by local expert,
     offsets [E_local] int32 cumulative counts) -> [N, H]. Under expert parallelism it holds only
     this rank's experts (`num_experts` stays the global count, as `GroupedExperts.num_experts`)."""
 
-    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], num_experts: int) -> None:
+    def __init__(
+        self,
+        gate_up: list[QuantizedLinear],
+        down: list[QuantizedLinear],
+        num_experts: int,
+        activation: ExpertActivation | None = None,
+        gate_up_bias: Tensor | None = None,
+        down_bias: Tensor | None = None,
+    ) -> None:
+        """`activation` and the stacked float biases (GPT-OSS: [E, 2I], [E, H]; meta tensors while loading,
+        filled from the checkpoint as other parameters) are the float experts' (`GroupedExperts`)."""
         super().__init__()
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{len(gate_up)} gate/up and {len(down)} down projections")
         self.num_experts = num_experts
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
+        self.activation = activation or ExpertActivation()
+        as_param = lambda b: None if b is None else nn.Parameter(b.detach(), requires_grad=False)  # noqa: E731
+        self.gate_up_proj_bias = as_param(gate_up_bias)
+        self.down_proj_bias = as_param(down_bias)
 
     @property
     def scheme(self) -> str:
@@ -64,8 +85,13 @@ class QuantizedGroupedExperts(nn.Module):
         start = 0
         for e, end in enumerate(offsets.tolist()):  # one host sync per layer; the loop needs the counts
             if end > start:
-                gate, up = self.gate_up[e](x[start:end]).chunk(2, dim=-1)
-                out[start:end] = self.down[e](F.silu(gate) * up).to(out.dtype)
+                hidden = self.gate_up[e](x[start:end])
+                if self.gate_up_proj_bias is not None:
+                    hidden = hidden + self.gate_up_proj_bias[e].to(hidden.dtype)
+                projected = self.down[e](self.activation(*hidden.chunk(2, dim=-1)))
+                if self.down_proj_bias is not None:
+                    projected = projected + self.down_proj_bias[e].to(projected.dtype)
+                out[start:end] = projected.to(out.dtype)
             start = end
         return out
 

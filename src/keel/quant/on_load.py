@@ -45,7 +45,7 @@ from keel.quant.apply import (
     replace_module,
 )
 from keel.quant.embedding import BlockEmbedding
-from keel.quant.experts import QuantizedGroupedExperts, experts_fit
+from keel.quant.experts import QuantizedGroupedExperts, experts_fit, float_parts
 from keel.quant.linear import (
     QuantizedLinear,
     int4_fits,
@@ -226,7 +226,10 @@ def _experts(
             )
 
         return QuantizedGroupedExperts(
-            [build(gate_up, x) for x in range(e)], [build(down, x) for x in range(e)], module.num_experts
+            [build(gate_up, x) for x in range(e)],
+            [build(down, x) for x in range(e)],
+            module.num_experts,
+            *float_parts(module),
         )
     if not experts_fit(scheme, h, i, group_size):
         return None
@@ -235,7 +238,7 @@ def _experts(
         for p, shape in (("gate_up_proj", (e, two_i, h)), ("down_proj", (e, h, i)))
     ]
     layers = [[QuantizedLinear.from_float(w.to(device), scheme, group_size) for w in stack] for stack in stacks]
-    return QuantizedGroupedExperts(layers[0], layers[1], module.num_experts)
+    return QuantizedGroupedExperts(layers[0], layers[1], module.num_experts, *float_parts(module))
 
 
 def _blocks_fit(blocks: QuantBlocks, in_features: int, out_features: int, device: torch.device) -> bool:
@@ -340,7 +343,7 @@ def _load_saved(net: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, devi
             i = module.down_proj.shape[2]
             gate_up = _saved(checkpoint, f"{base}.gate_up_proj", name, scheme, group_size, (e, two_i, h), dtype, device)
             down = _saved(checkpoint, f"{base}.down_proj", name, scheme, group_size, (e, h, i), dtype, device)
-            built = QuantizedGroupedExperts(gate_up, down, module.num_experts)
+            built = QuantizedGroupedExperts(gate_up, down, module.num_experts, *float_parts(module))
             stats["experts"] += 1
         else:
             shape = (module.out_features, module.in_features)

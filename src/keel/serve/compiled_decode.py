@@ -66,7 +66,7 @@ _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define(
     "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
     "Tensor tables, Tensor widths, Tensor mask, Tensor positions, int window, int block_size, float scale, "
-    "float softcap=0.0) -> Tensor"
+    "float softcap=0.0, Tensor? sinks=None) -> Tensor"
 )
 
 
@@ -85,10 +85,12 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
     q ([1, H, B, D]) over each sequence's blocks (tables [B, nb], the first widths[b] of row b in use)
-    -> [1, H, B, D], the scores soft-capped at `softcap` when > 0 (Gemma 2). Rows are attended in groups
+    -> [1, H, B, D], the scores soft-capped at `softcap` when > 0 (Gemma 2), each head's softmax sink counted
+    where `sinks` [H] is given (GPT-OSS). Rows are attended in groups
     of similar width (`length_groups`, as the eager cache does), so a batch of short and long sequences
     does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
@@ -100,14 +102,14 @@ def paged_decode_attention(
         if backend == "kernels":
             out = torch.ops.keel.paged_attention(
                 q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size,
-                window, scale, v_store.shape[-1], softcap,
+                window, scale, v_store.shape[-1], softcap, sinks,
             )  # fmt: skip
         else:
             # written straight into the [1, H, B, Dv] layout the graph was traced with; row b reads table row b
             out = q.new_empty(1, q.shape[1], q.shape[2], v_store.shape[-1])
             triton_paged.paged_attention(
                 q[0].transpose(0, 1), k_store, v_store, tables, None, positions, block_size, window, scale,
-                v_store.shape[-1], softcap=softcap, out=out[0].transpose(0, 1),
+                v_store.shape[-1], softcap=softcap, sinks=sinks, out=out[0].transpose(0, 1),
             )  # fmt: skip
             return out
         return out.transpose(0, 1).contiguous().unsqueeze(0)  # the layout the graph was traced with
@@ -116,7 +118,7 @@ def paged_decode_attention(
     groups = length_groups(lengths) if lengths is not None else [None]
     if len(groups) == 1:
         keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
-        return attend_decode_rows(q[0], keys, values, mask, scale, softcap).unsqueeze(0)
+        return attend_decode_rows(q[0], keys, values, mask, scale, softcap, sinks).unsqueeze(0)
     out = q.new_empty(q.shape[1], q.shape[2], v_store.shape[-1])
     for rows in groups:
         index = torch.tensor(rows, device=q.device)
@@ -127,7 +129,8 @@ def paged_decode_attention(
             gather_blocks(v_store, group_tables, block_size),
         )
         group_mask = mask.index_select(0, index)[:, : width * block_size]
-        attended = attend_decode_rows(q[0].index_select(1, index), keys, values, group_mask, scale, softcap)
+        rows_q = q[0].index_select(1, index)
+        attended = attend_decode_rows(rows_q, keys, values, group_mask, scale, softcap, sinks)
         out.index_copy_(1, index, attended)
     return out.unsqueeze(0)
 
@@ -136,7 +139,23 @@ _lib.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAu
 
 
 @torch.library.register_fake("keel::paged_decode_attention")
-def _(q, k, v, k_store, v_store, slots, tables, widths, mask, positions, window, block_size, scale, softcap=0.0):  # noqa: ANN001, ANN202
+def _(
+    q,
+    k,
+    v,
+    k_store,
+    v_store,
+    slots,
+    tables,
+    widths,
+    mask,
+    positions,
+    window,
+    block_size,
+    scale,
+    softcap=0.0,
+    sinks=None,
+):  # noqa: ANN001, ANN202, E501
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
 
@@ -148,7 +167,14 @@ class _StepCache:
         self.masks: dict[int | None, Tensor] = {}  # per window size, built once per step (traced)
 
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         paged = self.paged
         if window not in self.masks:
@@ -168,6 +194,7 @@ class _StepCache:
             paged.block_size,
             paged.head_dim**-0.5,
             paged.softcap or 0.0,
+            sinks,
         )
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
-from keel.model.attention import AttentionMetadata, softcap_scores
+from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
 
@@ -46,12 +46,19 @@ def decode_mask(positions: Tensor, num_keys: int, window: int | None) -> Tensor:
 
 
 def attend_decode_rows(
-    rows: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float | None = None
+    rows: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of one-token queries rows [H, B, D] over their gathered keys [H_kv, B, L, D] and
     values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv], the scaled scores soft-capped at
-    `softcap` when set (Gemma 2). Shared by the eager paged cache and the compiled decode step
-    (keel.serve.compiled_decode), so both compute the same numbers.
+    `softcap` when set (Gemma 2), each head's softmax sink counted where `sinks` [H] is given (GPT-OSS).
+    Shared by the eager paged cache and the compiled decode step (keel.serve.compiled_decode), so both
+    compute the same numbers.
 
     One-token queries: batched matmuls and a float32 softmax beat SDPA's CPU kernel here (measured in
     docs/BENCHMARKS.md, "int8 KV cache"). Rows stored in another dtype (a bfloat16 cache) are read as the
@@ -63,7 +70,8 @@ def attend_decode_rows(
     if softcap:
         scores = softcap_scores(scores, softcap)
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
+    column = None if sinks is None else sinks.view(kv_heads, 1, heads // kv_heads, 1)
+    probs = sink_softmax(scores, column).to(values.dtype)
     out = torch.matmul(probs, values)  # [Hkv, B, G, Dv]
     return out.transpose(1, 2).reshape(heads, -1, values.shape[-1])
 
@@ -310,9 +318,10 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.layers = range(config.num_layers) if layers is None else layers
         self.latent_rank = config.kv_lora_rank
-        # Gemma 2's attention-score soft-capping, applied by every backend that attends here (the C++
-        # kernel, which has none, is not chosen: keel.serve.attention_backends).
+        # Gemma 2's attention-score soft-capping, applied by every backend that attends here.
         self.softcap = config.attn_logit_softcapping
+        # GPT-OSS's softmax sinks: the model passes each layer's to `attend`; keel::decoder_layers has none.
+        self.has_sinks = config.attention_sinks
         if config.is_mla:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
@@ -341,12 +350,19 @@ class PagedKVCache:
         return gather_blocks(store, tables, self.block_size)
 
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         k_store, v_store = self.keys[layer], self.values[layer]
         self._write(k_store, k)
         self._write(v_store, v)
-        return self._attend(q, k_store, v_store, window, None)
+        return self._attend(q, k_store, v_store, window, None, sinks)
 
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
         """One layer's stores and this step's slots and rows, for an operator that writes the step's K/V and
@@ -360,8 +376,8 @@ class PagedKVCache:
 
     def attends_in_place(self, layer: int) -> bool:
         """Whether `in_place` serves this layer: keel's paged-attention kernel reads its stores where they lie."""
-        # MLA has no values; keel::decoder_layers's attention does not soft-cap scores
-        if not self.values or self.softcap:
+        # MLA has no values; keel::decoder_layers's attention neither soft-caps scores nor counts sinks
+        if not self.values or self.softcap or self.has_sinks:
             return False
         return kernel_attends(self.keys[layer], self.head_dim, self.block_size)
 
@@ -376,15 +392,22 @@ class PagedKVCache:
         write_rows(store, self.plan.slot_mapping, rows)
 
     def _attend(
-        self, q: Tensor, k_store: Tensor, v_store: Tensor | None, window: int | None, scale: float | None
+        self,
+        q: Tensor,
+        k_store: Tensor,
+        v_store: Tensor | None,
+        window: int | None,
+        scale: float | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
-        a value store (MLA), a row's value is its first `latent_rank` channels (its latent)."""
+        a value store (MLA), a row's value is its first `latent_rank` channels (its latent). `sinks` [H]: each
+        head's softmax sink (GPT-OSS)."""
         plan = self.plan
         softcap = self.softcap
         backend = attention_backend(k_store, self.head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
         if backend == "kernels":
-            return self._attend_in_place(q, k_store, v_store, None, None, window, scale)
+            return self._attend_in_place(q, k_store, v_store, None, None, window, scale, sinks)
 
         def gather(tables: Tensor) -> tuple[Tensor, Tensor]:
             keys = self._gather(k_store, tables)  # [Hkv, B, L, D]
@@ -402,7 +425,7 @@ class PagedKVCache:
             rows = queries if index is None else queries.index_select(1, index)
             od = triton_paged.paged_attention(
                 rows.transpose(0, 1), k_store, v_store, tables, None, positions,
-                self.block_size, window or 0, decode_scale, v_dim, softcap=softcap or 0.0,
+                self.block_size, window or 0, decode_scale, v_dim, softcap=softcap or 0.0, sinks=sinks,
             ).transpose(0, 1)  # fmt: skip
             if index is None:
                 return od.unsqueeze(0)
@@ -413,12 +436,12 @@ class PagedKVCache:
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
             keys, values = gather(dec.tables)
             mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
-            od = attend_decode_rows(rows, keys, values, mask, decode_scale, softcap)
+            od = attend_decode_rows(rows, keys, values, mask, decode_scale, softcap, sinks)
             if dec.whole_step:
                 return od.unsqueeze(0)
             out.index_copy_(1, dec.index, od)
         batched: set[int] = set()
-        if window is None and not softcap and isinstance(k_store, Tensor):
+        if window is None and not softcap and sinks is None and isinstance(k_store, Tensor):
             # Chunks that start their sequence (a prompt's first chunk) see only their own rows: those of
             # similar lengths go through one causal call instead of a gather and a call each.
             for fresh in plan.fresh_prefills():
@@ -433,7 +456,7 @@ class PagedKVCache:
             keys, values = keys.transpose(0, 1)[:, :, : chunk.keys], values.transpose(0, 1)[:, :, : chunk.keys]
             mask = None if window is None else plan.mask(i, chunk.positions, chunk.keys, window)[None, None]
             out[:, chunk.start : chunk.end] = attend_chunk(
-                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale, softcap
+                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale, softcap, sinks
             )[0]
         return out.unsqueeze(0)
 
@@ -446,6 +469,7 @@ class PagedKVCache:
         v_scales: Tensor | None,
         window: int | None,
         scale: float | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Every query of the step, decodes and prefill chunks alike, in one call of keel's paged-attention
         kernel (keel.kernels): each (token, KV head) walks its sequence's block table and reads K/V where
@@ -466,5 +490,6 @@ class PagedKVCache:
             scale if scale is not None else self.head_dim**-0.5,
             self.head_dim if v_store is not None else self.latent_rank,
             self.softcap or 0.0,
+            sinks,
         )  # [T, H, Dv]
         return out.transpose(0, 1).unsqueeze(0)

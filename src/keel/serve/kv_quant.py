@@ -39,7 +39,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata, softcap_scores
+from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
 from keel.serve.kv_cache import DecodeGroup, InPlaceLayer, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
@@ -137,11 +137,18 @@ class Int8PagedKVCache(PagedKVCache):
         return QuantStore(store, scales)
 
     def attend(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         keys = self._write(self.keys[layer], k, self.key_scales[layer])
         values = self._write(self.values[layer], v, self.value_scales[layer])
-        return self._attend(q, keys, values, window, None)
+        return self._attend(q, keys, values, window, None, sinks)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
@@ -172,22 +179,29 @@ class Int8PagedKVCache(PagedKVCache):
         return dequantize_kv(rows, scales, self.dtype, self.parts)
 
     def _attend(  # type: ignore[override]
-        self, q: Tensor, k_store: QuantStore, v_store: QuantStore | None, window: int | None, scale: float | None
+        self,
+        q: Tensor,
+        k_store: QuantStore,
+        v_store: QuantStore | None,
+        window: int | None,
+        scale: float | None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         plan = self.plan
         if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size):
-            return self._attend_in_place(q, k_store.data, v_store.data, k_store.scales, v_store.scales, window, scale)
+            data = (k_store.data, v_store.data, k_store.scales, v_store.scales)
+            return self._attend_in_place(q, *data, window, scale, sinks)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
-            return super()._attend(q, k_store, v_store, window, scale)
+            return super()._attend(q, k_store, v_store, window, scale, sinks)
         # Prefill chunks: the base class, with the decodes taken out of its plan (its masks memo is
         # shared, so they are still built once per step). Then the decode rows of its output.
         self.plan = replace(plan, decodes=[])
         try:
-            out = super()._attend(q, k_store, v_store, window, scale)
+            out = super()._attend(q, k_store, v_store, window, scale, sinks)
         finally:
             self.plan = plan
         for g, dec in enumerate(plan.decodes):
-            self._attend_decode(out[0], q[0], g, dec, k_store, v_store, window, scale)
+            self._attend_decode(out[0], q[0], g, dec, k_store, v_store, window, scale, sinks)
         return out
 
     def _attend_decode(
@@ -200,6 +214,7 @@ class Int8PagedKVCache(PagedKVCache):
         v_store: QuantStore,
         window: int | None,
         scale: float | None,
+        sinks: Tensor | None = None,
     ) -> None:
         """One decode group as in `PagedKVCache._attend`, with the scales folded: q.(s_k k) = s_k (q.k),
         and sum p (s_v v) = sum (p s_v) v. int8 values convert exactly to bfloat16 / float32."""
@@ -215,7 +230,8 @@ class Int8PagedKVCache(PagedKVCache):
             scores = softcap_scores(scores, self.softcap)
         mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
         scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).mul_(v_scales.float().transpose(-1, -2))
+        column = None if sinks is None else sinks.view(self.num_kv_heads, 1, group, 1)  # GPT-OSS's sinks
+        probs = sink_softmax(scores, column).mul_(v_scales.float().transpose(-1, -2))
         od = torch.matmul(probs.to(queries.dtype), values.to(queries.dtype))  # [Hkv, B, G, D]
         out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, dim))
 

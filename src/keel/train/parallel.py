@@ -463,8 +463,10 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> Transformer:
     for module in model.modules():
         if isinstance(module, MoE):
             experts = module.experts
-            for name in ("gate_up_proj", "down_proj"):
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 full = getattr(experts, name)
+                if full is None:  # biases: GPT-OSS's experts only
+                    continue
                 setattr(experts, name, nn.Parameter(distribute_tensor(full.data, ep_mesh, [Shard(0)])))
             module.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), module.num_experts)
             # An expert's gradient sums the tokens of all ep ranks (the all-to-all's backward), while

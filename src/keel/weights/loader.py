@@ -68,6 +68,10 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
         layout = checkpoint_layout(config)
         if layout:
             reader = PartsReader(reader, layout)
+        if config.architecture == "gpt_oss":  # experts transposed, interleaved, maybe MXFP4: read as keel's
+            from keel.weights.gpt_oss import GptOssReader
+
+            reader = GptOssReader(reader, path)
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:

@@ -4,7 +4,8 @@ keel names are HF names without the `model.` prefix, except for MoE blocks, whic
 calls `mlp` with a `router` and stacked `experts.gate_up_proj` / `experts.down_proj`. HF hub
 checkpoints store experts one by one (Mixtral: `block_sparse_moe.experts.E.w1/w2/w3`; Qwen-MoE and
 DeepSeek-V3: `mlp.experts.E.gate_proj/up_proj/down_proj`); transformers 5 in memory uses the
-stacked form. Both are read; the per-expert hub form is written. DeepSeek-V3 calls its router
+stacked form. Both are read; the per-expert hub form is written. GPT-OSS's hub checkpoints store experts
+stacked under keel's names, in a layout of their own (keel.weights.gpt_oss). DeepSeek-V3 calls its router
 `mlp.gate` (with the selection bias `mlp.gate.e_score_correction_bias`) and its shared experts
 `mlp.shared_experts`; keel calls them `mlp.router` and `mlp.shared_expert` as for Qwen2-MoE.
 Multi-head latent attention keeps the HF names (`self_attn.q_a_proj`, `kv_a_proj_with_mqa`, ...).
@@ -59,6 +60,8 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
         return Source((f"model.{name}",), _single)
     layer, rest = match.group(1), match.group(2)
     prefix = _moe_prefix(config, layer)
+    if config.architecture == "gpt_oss":  # keel's names; keel.weights.gpt_oss reads its experts in keel's layout
+        return Source((f"model.{name}",), _single)
     if rest.startswith("mlp.router."):  # weight; DeepSeek's e_score_correction_bias
         return Source((f"{prefix}.gate.{rest.removeprefix('mlp.router.')}",), _single)
     if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
@@ -87,6 +90,11 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
     gate_name, up_name, down_name = _expert_names(config)
     for name, tensor in state:
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if config.architecture == "gpt_oss":  # stacked experts in transformers' own layout
+            from keel.weights.gpt_oss import to_hf
+
+            out[f"model.{name}" if name != "lm_head.weight" else name] = to_hf(f"model.{name}", tensor)
             continue
         match = _LAYER.match(name)
         if match and match.group(2).startswith("mlp.experts.") and config.is_moe_layer(int(match.group(1))):

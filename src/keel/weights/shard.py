@@ -9,12 +9,14 @@
 
 KV heads: with at least as many KV heads as ranks, each rank holds num_kv_heads / tp of them. With
 fewer (tp a multiple of num_kv_heads), each rank holds one KV head and every KV head is replicated
-tp / num_kv_heads times, the head that rank's query heads attend to (vLLM's rule).
+tp / num_kv_heads times, the head that rank's query heads attend to (vLLM's rule). Softmax sinks (GPT-OSS)
+follow their query heads.
 
 MoE layers (vLLM's default for experts under TP): every rank holds every expert, cut along the
 expert width: gate_up_proj [E, 2I, H] keeps rows [a, b) of its gate half and of its up half, down_proj
-[E, H, I] columns [a, b); a shared expert is cut like a dense MLP. The router is replicated, and the
-block's output (routed plus shared) is all-reduced once. With `expert_parallel`, each rank holds
+[E, H, I] columns [a, b); a shared expert is cut like a dense MLP. Expert biases (GPT-OSS): gate_up's follow
+its rows, down's are replicated and added by one rank only (`GroupedExperts.adds_down_bias`). The router is
+replicated, and the block's output (routed plus shared) is all-reduced once. With `expert_parallel`, each rank holds
 E / tp whole experts instead (every rank sees every token, so it computes its experts' slots and the
 same all-reduce adds the ranks' shares).
 
@@ -34,7 +36,7 @@ from keel.errors import KeelError
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
-_LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias|gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias|gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias|sinks)$")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class TensorParallelLayout:
         d = c.head_dim
         if module == "self_attn.q_proj":
             return Shard(0, self.rank * self.local_heads * d, (self.rank + 1) * self.local_heads * d)
+        if module == "self_attn" and kind == "sinks":  # GPT-OSS: one per query head
+            return Shard(0, self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
         if module in ("self_attn.k_proj", "self_attn.v_proj"):
             first, last = self.kv_head_range()
             return Shard(0, first * d, last * d)
@@ -146,6 +150,8 @@ class TensorParallelLayout:
             return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
         if module == "mlp.experts" and kind == "down_proj":
             return Shard(2, *self._split(c.moe_intermediate_size))
+        if module == "mlp.experts" and kind == "gate_up_proj_bias":  # GPT-OSS: follows gate_up's rows
+            return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
         if module in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"):
             return Shard(0, *self._split(c.shared_expert_intermediate_size))
         if module == "mlp.shared_expert.down_proj" and kind == "weight":

@@ -24,8 +24,8 @@ struct PagedStore {
 
 // Queries q [R, H, D] float32, each at positions[r] of the sequence whose block table is
 // tables[table_of[r]] ([T, table_width] int32), attend causally (within `window` tokens when > 0) over
-// the rows stored for positions 0..positions[r], scores soft-capped where softcap > 0. out [R, H, v_dim]
-// float32.
+// the rows stored for positions 0..positions[r], scores soft-capped where softcap > 0, beside each head's
+// sink logit where there are sinks. out [R, H, v_dim] float32.
 struct PagedQuery {
   const float* q;
   int64_t heads;
@@ -36,6 +36,10 @@ struct PagedQuery {
   int64_t window;
   float scale;
   float softcap;  // > 0: each scaled score becomes softcap * tanh(score / softcap) (Gemma 2's soft-capping)
+  // May be null: else [heads] float32 logits (GPT-OSS's attention sinks), one per query head, that join each
+  // head's softmax (unscaled, uncapped, never masked) and weigh no value: its online softmax starts from the
+  // sink (running maximum s, total exp(s - s) = 1) instead of from nothing.
+  const float* sinks;
   float* out;
 };
 

@@ -115,12 +115,14 @@ inline void walk_heads(const keel::PagedStore& s, const keel::PagedQuery& q, int
   w.table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
   w.first = q.window > 0 && w.pos - q.window + 1 > 0 ? w.pos - q.window + 1 : 0;
   w.row_base = h * s.slots;
+  const float* sink = q.sinks != nullptr ? q.sinks + h * group + g0 : nullptr;
   for (int64_t g = 0; g < gn; ++g) {
     const float* src = q.q + (r * q.heads + h * group + g0 + g) * dim;
     for (int64_t d = 0; d < dim; ++d) w.qs[g][d] = src[d] * q.scale;
     for (int64_t d = 0; d < vdim; ++d) w.acc[g][d] = 0.f;
-    w.running_max[g] = -1e30f;
-    w.total[g] = 0.f;
+    // A sink is a logit already summed (exp(s - s) = 1) that the blocks' corrections rescale like any other.
+    w.running_max[g] = sink != nullptr ? sink[g] : -1e30f;
+    w.total[g] = sink != nullptr ? 1.f : 0.f;
   }
   for (int64_t start = w.first - w.first % bs; start <= w.pos; start += bs) {
     const int64_t lo = start < w.first ? w.first : start;

@@ -276,13 +276,15 @@ void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q
     lo = lo < 0 || first[t] < lo ? first[t] : lo;
     hi = last[t] > hi ? last[t] : hi;
   }
+  const float* sink = q.sinks != nullptr ? q.sinks + h * group + g0 : nullptr;
   for (int64_t m = 0; m < count; ++m) {
     const float* src = q.q + ((r0 + m / gn) * q.heads + h * group + g0 + m % gn) * dim;
     for (int64_t d = 0; d < dim; ++d) qs[m * dim + d] = src[d] * q.scale;
     acc[m] = acc_store + m * vdim;
     for (int64_t d = 0; d < vdim; ++d) acc[m][d] = 0.f;
-    running_max[m] = -1e30f;
-    total[m] = 0.f;
+    // As walk_heads starts a row: from its head's sink where there is one.
+    running_max[m] = sink != nullptr ? sink[m % gn] : -1e30f;
+    total[m] = sink != nullptr ? 1.f : 0.f;
   }
   const int64_t row_base = h * s.slots;
   for (int64_t start = lo - lo % bs; start <= hi; start += bs) {

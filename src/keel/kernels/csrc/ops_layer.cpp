@@ -247,7 +247,8 @@ void layer_forward(const float* src, float* dst, int64_t tokens, int64_t hidden,
   const c10::optional<at::Tensor> key_scales = int8 ? c10::optional<at::Tensor>(*k_scales) : c10::nullopt;
   const c10::optional<at::Tensor> value_scales = int8 ? c10::optional<at::Tensor>(*v_scales) : c10::nullopt;
   paged_attention_into(q_rot, tokens, heads, dim, k_store, v_store, key_scales, value_scales, tables, table_of,
-                       positions, block_size, window, floats[4], dim, /*softcap=*/0.0, attended);
+                       positions, block_size, window, floats[4], dim, /*softcap=*/0.0, /*sinks=*/nullptr,
+                       attended);
 
   // The residual, then the MLP: norm, gate/up, SiLU-and-multiply, down, the residual.
   out_proj.into(attended, tokens, dst, src);

@@ -78,6 +78,11 @@ def enable_expert_offload(
     moes = [(int(i), layer.mlp) for i, layer in model.layers.items() if isinstance(layer.mlp, MoE)]
     if not moes:
         raise KeelError(f"--expert-cache: a {model.config.architecture} model has no mixture-of-experts layers")
+    if model.config.expert_bias:
+        raise KeelError(
+            f"--expert-cache: a {model.config.architecture} model's experts have biases, which expert offloading "
+            "does not move into its slots; serve it without --expert-cache"
+        )
     if any(not isinstance(moe.dispatcher, LocalDispatcher) for _, moe in moes):
         raise KeelError("expert offloading is already on for this model (or it is expert-parallel): load it again")
     device = torch.device(device) if device is not None else model.device

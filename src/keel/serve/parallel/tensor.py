@@ -147,9 +147,13 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             experts = module.experts
-            for param in ("gate_up_proj", "down_proj"):
+            for param in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                if getattr(experts, param) is None:
+                    continue
                 cut = _cut(getattr(experts, param), layout.shard_of(f"{name}.experts.{param}"))
                 setattr(experts, param, nn.Parameter(cut, requires_grad=False))
+            # Ranks that hold every expert cut by width sum partial outputs: one of them adds down's bias.
+            experts.adds_down_bias = layout.expert_parallel or layout.rank == 0
             if layout.expert_parallel:
                 shard = layout.shard_of(f"{name}.experts.down_proj")
                 experts.num_experts = shard.stop - shard.start
@@ -163,7 +167,10 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
     if model.lm_head is not None:
         weight = model.embed_tokens.weight if tied else _cut(model.lm_head.weight, layout.shard_of("lm_head.weight"))
         model.lm_head = GatheredLMHead(weight, config.vocab_size, rows_per_rank, group)
-    for layer in model.layers.values():  # for code that reads head counts (the cache is sized by them)
+    for index, layer in model.layers.items():  # for code that reads head counts (the cache is sized by them)
+        attn = layer.self_attn
+        if getattr(attn, "sinks", None) is not None:  # GPT-OSS: this rank's heads' sinks
+            attn.sinks = nn.Parameter(_cut(attn.sinks, layout.shard_of(f"layers.{index}.self_attn.sinks")), False)
         layer.self_attn.num_heads = layout.local_heads
         first, last = layout.kv_head_range()
         layer.self_attn.num_kv_heads = last - first

@@ -1,0 +1,197 @@
+"""GPT-OSS checkpoints' experts in keel's layout (keel.families.gpt_oss).
+
+transformers' GptOssExperts keep each layer's experts stacked and transposed against keel's `GroupedExperts`:
+`experts.gate_up_proj` [E, H, 2I] whose columns alternate gate and up (column 2j is gate j, 2j + 1 up j),
+`gate_up_proj_bias` [E, 2I] alike, `down_proj` [E, I, H]. OpenAI's release stores the two weights in MXFP4
+instead: `<weight>_blocks` [E, R, K / 32, 16] uint8 (two 4-bit E2M1 codes a byte, the low nibble first) and
+`<weight>_scales` [E, R, K / 32] uint8 (E8M0: a power of two, biased by 127), R x K being the weight as the
+matmul reads it (gate_up [2I, H] with rows alternating, down [H, I]).
+
+`GptOssReader` wraps a tensor reader (keel.weights.checkpoint.TensorReader) so that those names read as keel's
+[E, 2I, H] gate rows then up rows, [E, H, I], and [E, 2I] biases, dequantized (to bfloat16, which holds every
+MXFP4 value exactly). Every read (whole, a row, a tensor-parallel shard, an FSDP box) reads only the experts it
+needs from the stored tensor. `to_hf` turns keel's tensors back into transformers' layout for `keel convert`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from keel.errors import WeightsError
+from keel.weights.shard import Shard
+
+# The E2M1 code points, by their 4-bit code (sign in the high bit).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_SCALE_BIAS = 127
+_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj|gate_up_proj_bias)$")
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """MXFP4 `blocks` [..., G, 16] uint8 and `scales` [..., G] uint8 -> [..., G * 32] of `dtype`."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise WeightsError(f"MXFP4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32], low nibble first
+    values = lut[codes] * torch.exp2(scales.to(torch.float32) - _SCALE_BIAS).unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The nearest MXFP4 of `weight` [..., K] (K a multiple of 32): (blocks [..., K/32, 16], scales [..., K/32]),
+    with each group's scale the smallest power of two that keeps its largest value within 6. For tests and
+    tools that write OpenAI's format; keel never quantizes to it when loading."""
+    groups = weight.float().unflatten(-1, (-1, 32))
+    top = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(top / 6.0)).clamp(-_SCALE_BIAS, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    lut = torch.tensor(FP4_VALUES[:8])
+    magnitude = (scaled.abs().unsqueeze(-1) - lut).abs().argmin(dim=-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + _SCALE_BIAS).to(torch.uint8)
+
+
+def _deinterleave_rows(t: Tensor) -> Tensor:
+    """[E, 2I, ...] with rows alternating gate and up -> gate rows, then up rows."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def _interleave_rows(t: Tensor) -> Tensor:
+    """The inverse of `_deinterleave_rows`."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+class GptOssReader:
+    """A tensor reader serving GPT-OSS's experts in keel's layout (the module docstring)."""
+
+    def __init__(self, reader, directory: Path | str = "") -> None:  # noqa: ANN001
+        self.inner = reader
+        self.directory = directory
+        present = reader.names()
+        # keel name -> (stored names, [E, ...] experts read -> keel's tensor, keel's shape, keel's dtype)
+        self._parts: dict[str, tuple[tuple[str, ...], Callable[[list[Tensor]], Tensor], tuple[int, ...], str]] = {}
+        hidden = set()
+        for stored in present:
+            base = stored.removesuffix("_blocks")
+            match = _EXPERTS.match(base)
+            if match is None or (base != stored and f"{base}_scales" not in present):
+                continue
+            kind = match.group(2)
+            if base != stored:  # MXFP4
+                names = (stored, f"{base}_scales")
+                blocks = reader.shape(stored)
+                rows, cols = blocks[1], blocks[2] * 32
+                convert = _mxfp4_gate_up if kind == "gate_up_proj" else _mxfp4_down
+                self._parts[base] = (names, convert, (blocks[0], rows, cols), "BF16")
+                hidden.update(names)
+                continue
+            if base in self._parts:  # the MXFP4 form of the same weight was seen first
+                continue
+            shape = reader.shape(stored)
+            if kind == "gate_up_proj_bias":
+                self._parts[base] = (
+                    (stored,),
+                    lambda ts: _deinterleave_rows(ts[0]),
+                    tuple(shape),
+                    reader.dtype(stored),
+                )
+            elif kind == "gate_up_proj":  # [E, H, 2I] -> [E, 2I, H]
+                convert = lambda ts: _deinterleave_rows(ts[0].transpose(1, 2))  # noqa: E731
+                self._parts[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
+            else:  # down_proj [E, I, H] -> [E, H, I]
+                convert = lambda ts: ts[0].transpose(1, 2)  # noqa: E731
+                self._parts[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
+            hidden.add(stored)
+        self._names = (present - hidden) | set(self._parts)
+
+    def _known(self, name: str) -> None:
+        if name not in self._names:
+            raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def file_of(self, name: str) -> Path:
+        return self.inner.file_of(self._parts[name][0][0] if name in self._parts else name)
+
+    def dtype(self, name: str) -> str:
+        self._known(name)
+        return self._parts[name][3] if name in self._parts else self.inner.dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._known(name)
+        return self._parts[name][2] if name in self._parts else tuple(self.inner.shape(name))
+
+    def get(self, name: str) -> Tensor:
+        self._known(name)
+        if name not in self._parts:
+            return self.inner.get(name)
+        shape = self.shape(name)
+        return self.get_box(name, (0,) * len(shape), shape)
+
+    def get_row(self, name: str, index: int) -> Tensor:
+        if name not in self._parts:
+            return self.inner.get_row(name, index)
+        shape = self.shape(name)
+        return self.get_box(name, (index, *[0] * (len(shape) - 1)), (1, *shape[1:]))[0]
+
+    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
+        self._known(name)
+        if name not in self._parts:
+            return self.inner.get_shard(name, shard)
+        if shard is None:
+            return self.get(name)
+        shape = self.shape(name)
+        pieces = []
+        for a, b in shard.ranges(shape[shard.dim]):
+            offset = tuple(a if i == shard.dim else 0 for i in range(len(shape)))
+            size = tuple(b - a if i == shard.dim else n for i, n in enumerate(shape))
+            pieces.append(self.get_box(name, offset, size))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+    def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+        """The box of keel's tensor: the stored tensors of its experts (the first dimension) are read whole and
+        converted, then cut; every expert outside the box stays unread."""
+        self._known(name)
+        if name not in self._parts:
+            return self.inner.get_box(name, offset, shape)
+        stored, convert, _, _ = self._parts[name]
+        first, count = offset[0], shape[0]
+        tensors = []
+        for n in stored:
+            full = self.inner.shape(n)
+            tensors.append(self.inner.get_box(n, (first, *[0] * (len(full) - 1)), (count, *full[1:])))
+        out = convert(tensors)
+        for dim in range(1, len(shape)):
+            out = out.narrow(dim, offset[dim], shape[dim])
+        return out.contiguous()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _mxfp4_gate_up(tensors: list[Tensor]) -> Tensor:
+    return _deinterleave_rows(dequantize_mxfp4(tensors[0], tensors[1]))
+
+
+def _mxfp4_down(tensors: list[Tensor]) -> Tensor:
+    return dequantize_mxfp4(tensors[0], tensors[1])
+
+
+def to_hf(name: str, tensor: Tensor) -> Tensor:
+    """One of keel's tensors (keel's layout, under its HF name) in transformers' GPT-OSS layout."""
+    match = _EXPERTS.match(name)
+    if match is None:
+        return tensor
+    kind = match.group(2)
+    if kind == "gate_up_proj":
+        return _interleave_rows(tensor).transpose(1, 2).contiguous()
+    if kind == "down_proj":
+        return tensor.transpose(1, 2).contiguous()
+    return _interleave_rows(tensor).contiguous()
