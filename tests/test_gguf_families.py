@@ -10,6 +10,8 @@ the original HF weights. Families keel does not read from GGUF are refused by na
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -249,3 +251,122 @@ def test_families_not_read_from_gguf_are_refused(tmp_path, arch):
     message = str(e.value)
     assert "\n" not in message and repr(arch) in message
     assert ", ".join(ARCHITECTURES) in message and "gemma3" in message and "gptneox" in message
+
+
+def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
+    """A GPT-OSS model as llama.cpp's GptOssModel converter writes it (then `llama-quantize` for `experts`):
+    metadata of TextModel plus the window and the expert width, YaRN's keys, the o200k pre-tokenizer; gate and
+    up split from transformers' interleaved gate_up_proj (weights transposed to [E, I, H], biases [E, I]), down
+    transposed, sinks as `attn_sinks.weight`, the router as `ffn_gate_inp`. Returns the experts' weights as the
+    file holds them (dequantized), in transformers' layout, for the reference."""
+    from test_gguf import mini_vocab
+
+    cfg = hf.config
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    stored: dict[str, torch.Tensor] = {}
+
+    def add(name: str, t: torch.Tensor, kind: Q = Q.F32) -> torch.Tensor:
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if kind == Q.F32:
+            w.add_tensor(name, a)
+            return t
+        blocks = gguf.quants.quantize(a, kind)
+        w.add_tensor(name, blocks, raw_dtype=kind)
+        return torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(a.shape))
+
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.router": "ffn_gate_inp",
+    }
+    for hf_name, t in hf.state_dict().items():
+        if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            add({"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}.get(
+                hf_name, "output") + ".weight", t)  # fmt: skip
+            continue
+        layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)$", hf_name).groups()
+        blk = f"blk.{layer}"
+        if rest == "self_attn.sinks":
+            add(f"{blk}.attn_sinks.weight", t)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I] -> gate / up [E, I, H]
+            rows = t.transpose(1, 2)
+            gate = add(f"{blk}.ffn_gate_exps.weight", rows[:, ::2], experts)
+            up = add(f"{blk}.ffn_up_exps.weight", rows[:, 1::2], experts)
+            stored[hf_name] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            add(f"{blk}.ffn_gate_exps.bias", t[:, ::2])
+            add(f"{blk}.ffn_up_exps.bias", t[:, 1::2])
+        elif rest == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+            stored[hf_name] = add(f"{blk}.ffn_down_exps.weight", t.transpose(1, 2), experts).transpose(1, 2)
+        elif rest == "mlp.experts.down_proj_bias":
+            add(f"{blk}.ffn_down_exps.bias", t)
+        else:
+            module, suffix = rest.rsplit(".", 1)
+            add(f"{blk}.{names[module]}.{suffix}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("experts", [Q.F32, Q.MXFP4])
+def test_gpt_oss_gguf_matches_hf_model(tmp_path, experts):
+    """GPT-OSS as llama.cpp converts it, with float experts or MXFP4 ones (as gpt-oss GGUFs ship them): the config
+    from metadata (sinks, biases, the window on even layers, YaRN unrounded as transformers' GptOssConfig), and
+    transformers' logits on the weights the file holds."""
+    hf = build_hf_model("gpt_oss", num_hidden_layers=2)
+    stored = write_gpt_oss_gguf(hf, tmp_path / "gpt-oss.gguf", experts)
+    loaded = load_model(tmp_path / "gpt-oss.gguf")
+    c = loaded.config
+    assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("gpt_oss", 8, 2, 32)
+    assert c.attention_sinks and c.expert_bias and c.router_linear_bias and c.qkv_bias and c.o_bias
+    assert c.layer_types == ["sliding_attention", "full_attention"] and c.sliding_window == 8
+    assert (c.rope_scaling.type, c.rope_scaling.factor, c.rope_scaling.truncate) == ("yarn", 32.0, False)
+    with torch.no_grad():
+        for name, weight in stored.items():
+            hf.get_parameter(name).copy_(weight)
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_gpt4o_pre_tokenizer_splits_as_o200k(tmp_path):
+    """The o200k pre-tokenizer (`gpt-4o`, GPT-OSS's GGUF files): words split at capitals, numbers in threes,
+    contractions kept with their word."""
+    hf = build_hf_model("gpt_oss", num_hidden_layers=1)
+    write_gpt_oss_gguf(hf, tmp_path / "gpt-oss.gguf")
+    tokenizer = open_gguf(tmp_path / "gpt-oss.gguf").tokenizer
+    pre = tokenizer.tokenizer.pre_tokenizer.pre_tokenize_str
+    assert [piece for piece, _ in pre("HelloWorld 12345 don't")] == ["Hello", "World", "Ġ", "123", "45", "Ġdon't"]

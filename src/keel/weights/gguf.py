@@ -16,9 +16,9 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r and
-cohere2 (others are refused by name); tensor
-types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL (others, e.g. IQ2_XXS, are a
+qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
+cohere2 and gpt-oss (others are refused by name); tensor
+types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
 (keel.weights.gguf_tokenizer).
@@ -119,6 +119,7 @@ _FAMILIES = {
     _A.EXAONE4: "exaone4",
     _A.COMMAND_R: "cohere",
     _A.COHERE2: "cohere2",
+    _A.GPT_OSS: "gpt_oss",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -148,7 +149,7 @@ _EXAONE4_WINDOW = 4096
 _T = GGMLQuantizationType
 SUPPORTED_TYPES = (
     *(_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1),
-    *(_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL),
+    *(_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.MXFP4),
 )
 
 # The one key keel reads that gguf-py does not name: older files' linear RoPE factor (llama.cpp still
@@ -167,6 +168,7 @@ KEYS_READ = (
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     _KR.SCALING_ORIG_CTX_LEN,
+    *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR),
     ROPE_SCALE_LINEAR,
     *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
 )
@@ -370,6 +372,10 @@ def _family_fields(
             own[field] = f.read(field, value, "read" if field in read else "inferred")
         if family == "gpt_neox":  # no activation key: transformers' GPTNeoXConfig default (erf GELU)
             own["hidden_act"] = "gelu"
+        if family == "gpt_oss" and common["rope_scaling"].type == "yarn":
+            # GPT-OSS's YaRN leaves the correction range unrounded (transformers' truncate false, the model's own;
+            # llama.cpp rounds it for every model).
+            own["rope_scaling"] = dataclasses.replace(common["rope_scaling"], truncate=False)
     return own
 
 
@@ -443,6 +449,16 @@ def _family_hf_config(
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "gpt_oss":  # the window (every other layer slides, as llama.cpp and transformers place them)
+        window = f.key(_KA.SLIDING_WINDOW)
+        read |= {"sliding_window", "layer_types"} if window is not None else set()
+        hf.update(
+            sliding_window=int(window) if window else None,
+            num_local_experts=int(f.require(_K.EXPERT_COUNT)),
+            num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+            intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
     if family == "gpt_neox":
         parallel = f.key(_K.USE_PARALLEL_RESIDUAL)
         if parallel is not None:
@@ -571,8 +587,19 @@ def _rope_scaling(f: _Fields, tensors: dict[str, GGUFTensor], head_dim: int, the
     if kind == "linear" and factor is not None and _f32(factor) != 1.0:
         f.provenance["rope_scaling"] = "read"
         return RopeScaling(type="linear", factor=_f32(factor))
+    if kind == "yarn" and factor is not None:
+        f.provenance["rope_scaling"] = "read"
+        attention = f.key(_KR.SCALING_YARN_ATTN_FACTOR)
+        return RopeScaling(
+            type="yarn",
+            factor=_f32(factor),
+            original_max_position_embeddings=int(f.require(_KR.SCALING_ORIG_CTX_LEN)),
+            beta_fast=_f32(f.key(_KR.SCALING_YARN_BETA_FAST, 32.0)),
+            beta_slow=_f32(f.key(_KR.SCALING_YARN_BETA_SLOW, 1.0)),
+            attention_factor=None if attention is None else _f32(attention),
+        )
     if kind not in (None, "none", "linear"):
-        raise ConfigError(f"{path}: rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+        raise ConfigError(f"{path}: rope scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
     freqs = tensors.get(_ROPE_FREQS)
     if freqs is None:
         return RopeScaling()
@@ -777,16 +804,20 @@ class GGUFTensorReader:
             shape = _hf_shape(t)
             if kind is None:
                 self._add_old_expert(name, t)
-            elif kind == MODEL_TENSOR.FFN_DOWN_EXP:
-                self._add(f"model.layers.{layer}.{moe}.experts.down_proj", (t,), shape, _single)
+            elif kind == MODEL_TENSOR.FFN_DOWN_EXP:  # GPT-OSS's experts have biases: [E, H]
+                stacked_name = "down_proj" if suffix == "weight" else "down_proj_bias"
+                self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t,), shape, _single)
             elif kind == MODEL_TENSOR.FFN_GATE_EXP:
-                up = tensors.get(_tensor(MODEL_TENSOR.FFN_UP_EXP, layer))
+                up = tensors.get(_tensor(MODEL_TENSOR.FFN_UP_EXP, layer, suffix))
                 if up is None:
-                    raise WeightsError(f"{path}: tensor {_tensor(MODEL_TENSOR.FFN_UP_EXP, layer)!r} is missing")
-                # HF-v5 stacked layout: [E, 2I, H], gate rows first, then up.
-                stacked = (shape[0], shape[1] + _hf_shape(up)[1], shape[2])
+                    raise WeightsError(f"{path}: tensor {_tensor(MODEL_TENSOR.FFN_UP_EXP, layer, suffix)!r} is missing")
+                # HF-v5 stacked layout: [E, 2I, H], gate rows first, then up (biases: [E, 2I]).
+                stacked = (shape[0], shape[1] + _hf_shape(up)[1], *shape[2:])
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
-                self._add(f"model.layers.{layer}.{moe}.experts.gate_up_proj", (t, up), stacked, concat)
+                stacked_name = "gate_up_proj" if suffix == "weight" else "gate_up_proj_bias"
+                self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t, up), stacked, concat)
+            elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
+                self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
             elif base in names:
                 hf = f"{names[base]}.{suffix}"
                 if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)

@@ -38,6 +38,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, GPT-OSS, Llama 4): tokenizer.json's own regex, which llama.cpp rewrites without \p{Lu} classes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> (regexes applied in turn, llama.cpp's ignore_merges flag)
 _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "default": ((_GPT2_SPLIT,), False),
@@ -47,6 +53,7 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
     **{name: ((_LLAMA3_SPLIT,), False) for name in ("smaug-bpe", "dbrx")},
     **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    **{name: ((_GPT4O_SPLIT,), False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
 }
 _K = Keys.Tokenizer  # the metadata keys, as gguf names them
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
