@@ -431,6 +431,9 @@ def test_qwen3_coder_streams_each_parameter_as_it_ends():
 
 # The streaming contract, on every parser -------------------------------------------------------------------
 
+# GPT-OSS's calls as the openai_gptoss reasoning parser passes them on (keel.serve.openai.harmony).
+OPENAI_ONE = '<|start|>assistant to=functions.get_weather<|message|>{"city": "Paris", "days": 2}<|call|>'
+OPENAI_TIME = "<|start|>assistant to=functions.get_time<|message|>{}<|call|>"
 CASES = {
     "hermes": [
         HERMES_ONE,
@@ -463,6 +466,15 @@ CASES = {
         '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] [TOOL_CALLS]get_weather{"city": "Nice"}',
         "text [TOOL_CA",
         "[TOOL_CALLS]get_weather[ARG",
+    ],
+    "openai": [
+        OPENAI_ONE,
+        "Checking both. " + OPENAI_ONE + OPENAI_TIME,
+        OPENAI_ONE.removesuffix("<|call|>"),  # the call ended the output (<|call|> is an EOS token)
+        '<|start|>assistant to=functions.get_weather<|message|>{"city": "Par',  # cut off by max_tokens
+        "<|start|>assistant to=functions.<|message|>{}<|call|>",  # no name
+        OPENAI_TIME + "<|start|>assistant to=functions.get_weather<|message|>[1]<|call|> after",
+        "text <|start|>assist",
     ],
     "qwen3_coder": [
         QWEN_TYPED,
@@ -525,6 +537,16 @@ FRAGMENTS = {
         'get_weather{"city": "Paris"}',
         "get_time[ARGS]{}",
         "[ARGS]",
+    ],
+    "openai": [
+        OPENAI_ONE,
+        "<|start|>assistant to=functions.",
+        "<|start|>assist",
+        "get_time",
+        "<|message|>",
+        "<|call|>",
+        '{"city": "Paris"}',
+        "{}",
     ],
     "qwen3_coder": [
         "<tool_call>",

@@ -56,6 +56,8 @@ MODELS = {
     "qwen2": lambda: tiny_config("qwen2", num_hidden_layers=2),  # q/k/v biases
     "mistral": lambda: tiny_config("mistral", num_hidden_layers=2),  # sliding window 8 < SEQ: masked path
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
+    # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
+    "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
     # DeepSeek-V3's router (sigmoid, selection bias, 2 groups) with the router z-loss, whose gradient
     # is injected inside each block: it must survive pipeline splitting and sharding.
     "moe_aux": lambda: dataclasses.replace(
@@ -137,6 +139,8 @@ LAYOUTS = [
     Layout("moe sigmoid-router z-loss dp_shard=2", model="moe_aux", dp_shard=2, more=True),
     Layout("moe sigmoid-router z-loss pp=2", model="moe_aux", pp=2, more=True),
     Layout("moe ep=2", model="moe", dp_shard=2, ep=2),
+    Layout("gpt_oss ep=2", model="gpt_oss", dp_shard=2, ep=2),
+    Layout("gpt_oss tp=2 sp", model="gpt_oss", tp=2),
     Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),
     Layout("moe ep=4", model="moe", dp_shard=4, ep=4),
     Layout("moe ep=2 x dp_shard_mod_ep=2 (experts FSDP-sharded too)", model="moe", dp_shard=4, ep=2),

@@ -225,12 +225,14 @@ class Attention(nn.Module):
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]
+        sinks = self.sinks
+        if sinks is not None and hasattr(sinks, "to_local"):  # training's tensor parallelism: this rank's heads'
+            sinks = sinks.to_local()
         if meta.cache is not None:
-            sinks = None if self.sinks is None else self.sinks.float()
-            out = meta.cache.attend(self.layer, q, k, v, meta, self.window, sinks)
-        elif self.softcap is not None or self.sinks is not None:  # SDPA can do neither: explicit scores
+            out = meta.cache.attend(self.layer, q, k, v, meta, self.window, None if sinks is None else sinks.float())
+        elif self.softcap is not None or sinks is not None:  # SDPA can do neither: explicit scores
             mask = meta.mask(meta.positions, self.window)
-            out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=self.sinks)
+            out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=sinks)
         elif meta.plain_causal and self.window is None:
             out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
         else:

@@ -285,6 +285,9 @@ def apply_tp(
     sp = sequence_parallel
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
+        attn = layer.self_attn
+        if getattr(attn, "sinks", None) is not None:  # GPT-OSS: a rank's heads' sinks, as its q rows
+            attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
     top: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
         top["embed_tokens"] = RowwiseParallel(

@@ -91,7 +91,13 @@ class ServeOptions:
             return list(self.api_key)
         return [key for name in API_KEY_ENV if (key := os.environ.get(name))]
 
-    def settings(self, model: str, default_sampling: dict | None = None) -> ServerSettings:
+    def settings(self, model: str, default_sampling: dict | None = None, architecture: str = "") -> ServerSettings:
+        """The server's settings; `architecture` (the model's keel family) picks the reasoning parser GPT-OSS's
+        harmony format needs when none is given, as vLLM reads harmony for GPT-OSS unasked (and the `openai` tool
+        parser reads what that parser passes on)."""
+        reasoning = self.reasoning_parser
+        if reasoning is None and (architecture == "gpt_oss" or self.tool_call_parser == "openai"):
+            reasoning = "openai_gptoss"
         given = self.served_model_name
         names = ((given,) if isinstance(given, str) else tuple(given)) or (str(model),)  # a str: one name
         return ServerSettings(
@@ -105,7 +111,7 @@ class ServeOptions:
             audit_prompts=self.audit_prompts,
             enable_auto_tool_choice=self.enable_auto_tool_choice,
             tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
+            reasoning_parser=reasoning,
         )
 
 

@@ -16,12 +16,15 @@ The markers are stripped; the newlines after `</think>` stay in the content, as 
   never closed (cut off by max_tokens) is all reasoning, as vLLM streams it and as its current non-streamed
   parser returns it. Templates that put `<think>` in the prompt (Qwen3-2507 Thinking, Qwen3.5) need
   `starts_in_reasoning=True`, which the route can tell from the rendered prompt's end.
+- `openai_gptoss`: GPT-OSS's harmony channels (keel.serve.openai.harmony), not `<think>`: the analysis channel
+  is reasoning, the final channel content; the default for GPT-OSS models (vLLM reads harmony for them too).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, NamedTuple
 
+from keel.serve.openai.harmony import CALL_END, CALL_HEAD, MESSAGE, HarmonyReader
 from keel.serve.openai.parser_registry import ParserRegistry
 
 THINK_START = "<think>"
@@ -46,6 +49,8 @@ class ReasoningParser:
     end_token: ClassVar[str] = THINK_END
     # Whether an output that does not open with start_token is reasoning (the prompt opened it).
     default_starts_in_reasoning: ClassVar[bool] = True
+    # The route must decode with special tokens kept: the markers are special tokens (GPT-OSS's harmony).
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, *, starts_in_reasoning: bool | None = None) -> None:
         self.starts_in_reasoning = (
@@ -148,3 +153,63 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 @register_reasoning_parser("qwen3")
 class Qwen3ReasoningParser(ReasoningParser):
     default_starts_in_reasoning = False
+
+
+@register_reasoning_parser("openai_gptoss")
+class GptOssReasoningParser(ReasoningParser):
+    """GPT-OSS's harmony messages (keel.serve.openai.harmony): the `analysis` channel is reasoning; the `final`
+    channel and commentary without a recipient (preambles) are content; a tool call's message (`to=functions.NAME`)
+    passes to the content as `<|start|>assistant to=functions.NAME<|message|>ARGS<|call|>`, which the `openai`
+    tool parser reads. The markers are special tokens (`needs_special_tokens`). A request whose output a grammar
+    constrains (`starts_in_reasoning=False`) writes no harmony: its text is all content."""
+
+    start_token = "<|channel|>analysis<|message|>"
+    end_token = "<|end|>"
+    needs_special_tokens = True
+    default_starts_in_reasoning = True
+
+    def __init__(self, *, starts_in_reasoning: bool | None = None) -> None:
+        super().__init__(starts_in_reasoning=starts_in_reasoning)
+        self._reader = HarmonyReader()
+        self._kind = "content"  # the current message's: reasoning, content or call
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        if self._finished:
+            raise RuntimeError("feed() after finish(): make a new parser for each output")
+        if not self.starts_in_reasoning:
+            return ReasoningDelta("", delta)
+        return self._route(self._reader.feed(delta))
+
+    def finish(self) -> ReasoningDelta:
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        if not self.starts_in_reasoning:
+            return ReasoningDelta("", "")
+        return self._route(self._reader.finish())
+
+    def is_reasoning_end(self, text_so_far: str) -> bool:
+        """Whether a reply's or a tool call's message has begun (its header is complete)."""
+        if not self.starts_in_reasoning:
+            return True
+        return any(
+            p.kind == "header" and (p.header.channel != "analysis" or p.header.function is not None)
+            for p in HarmonyReader().feed(text_so_far)
+        )
+
+    def _route(self, pieces: list) -> ReasoningDelta:  # noqa: ANN001
+        reasoning: list[str] = []
+        content: list[str] = []
+        for piece in pieces:
+            if piece.kind == "header":
+                header = piece.header
+                if header.function is not None:
+                    self._kind = "call"
+                    content.append(f"{CALL_HEAD}{header.function}{MESSAGE}")
+                else:
+                    self._kind = "reasoning" if header.channel == "analysis" else "content"
+            elif piece.kind == "body":
+                (reasoning if self._kind == "reasoning" else content).append(piece.text)
+            elif self._kind == "call":  # the call's end, whatever ended it (<|call|>, or the output)
+                content.append(CALL_END)
+        return ReasoningDelta("".join(reasoning), "".join(content))

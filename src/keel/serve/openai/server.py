@@ -53,6 +53,11 @@ def _check_parsers(options: ServeOptions) -> None:
 
     if options.enable_auto_tool_choice and not options.tool_call_parser:
         raise KeelError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if options.tool_call_parser == "openai" and options.reasoning_parser not in (None, "openai_gptoss"):
+        raise KeelError(
+            "--tool-call-parser openai reads GPT-OSS's harmony calls as the openai_gptoss reasoning parser passes them "
+            f"on: --reasoning-parser {options.reasoning_parser} cannot run with it"
+        )
     for flag, name, lookup in (
         ("--tool-call-parser", options.tool_call_parser, get_tool_parser),
         ("--reasoning-parser", options.reasoning_parser, get_reasoning_parser),
@@ -187,7 +192,7 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
         threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
 
     engine.on_failure(on_engine_failure)
-    settings = options.settings(source.model, default_sampling)
+    settings = options.settings(source.model, default_sampling, engine.engine.model.config.architecture)
     if default_sampling:  # as vLLM logs the generation config's overrides
         auto = options.generation_config == "auto"
         where = "the model's generation_config.json" if auto else f"--generation-config {options.generation_config}"

@@ -31,8 +31,10 @@ class OpenAIServingChat(OpenAIServing):
         call.chat = ChatOutputs.of(req, self.settings, constrained)
         if call.chat.reasoning is not None and not constrained and self._prompt_opens_reasoning(call):
             call.chat.starts_in_reasoning = True  # the template opened <think> (Qwen3 thinking, DeepSeek-R1)
-        if call.chat.tool_parser is not None and call.chat.tool_parser.needs_special_tokens:
-            for job in call.jobs:  # its call marker is a special token (Mistral's [TOOL_CALLS]): keep it in the text
+        # A parser whose markers are special tokens (Mistral's [TOOL_CALLS], GPT-OSS's harmony): keep them in the text
+        parsers = (call.chat.tool_parser, call.chat.reasoning if not constrained else None)
+        if any(parser is not None and parser.needs_special_tokens for parser in parsers):
+            for job in call.jobs:
                 job.params.skip_special_tokens = False
         last = req.messages[-1]
         # vLLM's echo: the reply is prefixed with the last message when that is the assistant's own turn

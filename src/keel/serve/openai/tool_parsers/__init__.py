@@ -5,11 +5,11 @@
     ...
     update = parser.finish()
 
-Built in, by vLLM's names: hermes, llama3_json (llama4_json), qwen3_coder, mistral; add one with
+Built in, by vLLM's names: hermes, llama3_json (llama4_json), qwen3_coder, mistral, openai (GPT-OSS); add one with
 `@register_tool_parser("name")` on a ToolParser subclass.
 """
 
-from keel.serve.openai.tool_parsers import hermes, llama3_json, mistral, qwen3_coder  # noqa: F401  (registers)
+from keel.serve.openai.tool_parsers import hermes, llama3_json, mistral, openai, qwen3_coder  # noqa: F401  (registers)
 from keel.serve.openai.tool_parsers.base import (
     ExtractedToolCalls,
     StreamUpdate,
