@@ -64,7 +64,19 @@ def test_keel_align_passes(tiny_dirs, name, capsys):
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "qwen2_moe", "granite", "phi3", "stablelm", "stablelm-parallel", "gpt_neox", "olmo2", "gemma3", "gemma2"],
+    [
+        "llama",
+        "qwen2_moe",
+        "granite",
+        "phi3",
+        "stablelm",
+        "stablelm-parallel",
+        "gpt_neox",
+        "olmo2",
+        "gemma3",
+        "gemma2",
+        "gpt_oss",
+    ],
 )
 def test_align_bfloat16_passes(tiny_dirs, name, capsys):
     directory, _ = tiny_dirs[name]

@@ -173,8 +173,9 @@ class ModelConfig:
     shared_expert_gated: bool = True  # Qwen2-MoE: sigmoid-gated shared expert; DeepSeek: added as is
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
-    # Router: "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a
-    # selection-only bias for aux-loss-free balancing, group-limited top-k, scaled weights).
+    # Router: "softmax" (Mixtral, Qwen-MoE), "topk_softmax" (GPT-OSS: top-k logits, then their softmax) or
+    # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
+    # group-limited top-k, scaled weights).
     router_scoring: str = "softmax"
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
     n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
@@ -353,8 +354,8 @@ class ModelConfig:
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
             need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
             need(
-                self.router_scoring in ("softmax", "sigmoid"),
-                f"router_scoring {self.router_scoring!r} is not supported (softmax, sigmoid)",
+                self.router_scoring in ("softmax", "topk_softmax", "sigmoid"),
+                f"router_scoring {self.router_scoring!r} is not supported (softmax, topk_softmax, sigmoid)",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(

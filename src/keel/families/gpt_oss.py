@@ -48,7 +48,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "num_experts_per_tok": int(hf.get("num_experts_per_tok", hf.get("experts_per_token", 4))),
         "moe_intermediate_size": width,
         "intermediate_size": width,
-        # The router's softmax over the top-k logits is the renormalised top-k of the softmax over all.
+        "router_scoring": "topk_softmax",
         "norm_topk_prob": True,
         "router_linear_bias": True,
         "expert_bias": True,

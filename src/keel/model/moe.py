@@ -6,6 +6,8 @@ grouped matmul per projection (`keel.model.grouped`), with no loop over experts.
 
 Routers (`Router`):
 - softmax (Mixtral, Qwen-MoE): softmax over the E logits, top-k, optionally renormalised;
+- topk_softmax (GPT-OSS): top-k of the logits, then a softmax over those k (the same weights as softmax with
+  renormalisation, computed in the model's dtype as transformers does);
 - sigmoid (DeepSeek-V3): per-expert sigmoid scores; a bias (`e_score_correction_bias`) is added
   for *selecting* experts only (aux-loss-free balancing moves it, see `update_routing_bias`);
   group-limited selection (the experts form n_group groups, a token may use the topk_group groups
@@ -68,6 +70,16 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, H] -> Routing."""
+        if self.scoring == "topk_softmax":
+            # GPT-OSS: the top k of the logits in the model's dtype, then a softmax over those k in that dtype, as
+            # transformers computes it (ties of low-precision logits decide as its top-k decides them).
+            raw = F.linear(x, self.weight, self.bias)
+            top, ids = torch.topk(raw, self.top_k, dim=-1)
+            logits = raw.float()
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype).float()
+            if self.scaling != 1.0:
+                weights = weights * self.scaling
+            return Routing(ids=ids, weights=weights, logits=logits, probs=torch.softmax(logits, dim=-1))
         if self.scoring == "softmax":
             logits = F.linear(x, self.weight, self.bias).float()  # Mixtral/Qwen: the matmul in the model's dtype
             scores = torch.softmax(logits, dim=-1)
