@@ -54,22 +54,6 @@ def test_fused_tensors_read_as_their_parts(phi3):
     assert torch.equal(reader.get("model.embed_tokens.weight"), whole["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize(
-    ("change", "named"),
-    [
-        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
-        ({"rope_scaling": {"type": "su"}}, "'su'"),
-    ],
-)
-def test_what_phi3_cannot_run_is_refused_by_name(phi3, tmp_path, change, named):
-    data = json.loads((phi3 / "config.json").read_text())
-    data.pop("rope_parameters", None)
-    data.update(change)
-    with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf(data, source="phi3/config.json")
-    assert named in str(e.value) and "phi3/config.json" in str(e.value) and "\n" not in str(e.value)
-
-
 def test_phi3_rotates_part_of_each_head_as_transformers_does(tmp_path):
     """Phi-4-mini's partial_rotary_factor (0.75) without its longrope: transformers' logits, and the factor
     written back on export (keel.families.rope reads it from rope_parameters or the top level)."""
@@ -224,3 +208,44 @@ def test_gemma2_attention_softcapping_is_exercised(tmp_path, cap):
             ref, logits[name] = hf(tokens).logits, keel(tokens)
         assert ((logits[name] - ref).abs().max() / ref.abs().max()).item() <= 1e-4
     assert ((logits["cap"] - logits["tiny"]).abs().max() / logits["tiny"].abs().max()).item() > 0.1
+
+
+@pytest.mark.parametrize(("max_model_len", "prompt_len", "new_tokens"), [(64, 20, 16), (16, 8, 8)])
+def test_longrope_served_with_one_set_of_frequencies(tmp_path, max_model_len, prompt_len, new_tokens):
+    """Phi-3.5 / Phi-4-mini's LongRoPE through the engine: one set of frequencies for the whole cache, chosen by
+    max_model_len (the long set beyond the pre-training context of 16, as llama.cpp chooses by its context size).
+    Where transformers would choose the same set for every step (a prompt already past 16 positions, or a whole
+    sequence within them), its greedy tokens."""
+    from keel.serve.engine import EngineConfig
+    from keel.serve.llm import LLM
+    from keel.serve.sampling import SamplingParams
+    from tiny_models import save_byte_tokenizer
+
+    hf = save_hf_model("phi3-longrope", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    prompt = list(range(40, 40 + prompt_len))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    config = EngineConfig.of(dtype="float32", compile=False, num_blocks=32, max_model_len=max_model_len, block_size=8)
+    llm = LLM(str(tmp_path), config)
+    assert llm.engine.model.rotary.long_context == (max_model_len > 16)
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == out[0, prompt_len:].tolist()
+
+
+def test_longrope_needs_a_factor_per_frequency():
+    data = {
+        "architectures": ["Phi3ForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8},
+    }
+    with pytest.raises(ConfigError, match="one short and one long factor per rotary frequency"):
+        ModelConfig.from_hf(data, source="config.json")
+    data["rope_scaling"] = {"type": "longrope"}
+    with pytest.raises(ConfigError, match="short_factor and long_factor"):
+        ModelConfig.from_hf(data, source="config.json")

@@ -388,8 +388,12 @@ def write_gguf(
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
-    if arch in ("llama", "granite", "phi3", "smollm3"):  # LlamaModel (and its subclasses), Phi3MiniModel
+    if arch in ("llama", "granite", "smollm3"):  # LlamaModel (and its subclasses)
         w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # Phi3MiniModel: the rotated share of each head (Phi-4-mini's 0.75)
+        w.add_rope_dimension_count(
+            int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+        )
     if arch == "gemma2":  # Gemma2Model
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -409,6 +413,13 @@ def write_gguf(
     if arch == "phi3":  # Phi3MiniModel: 0 for no window
         w.add_sliding_window(cfg.sliding_window or 0)
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":  # the cos/sin factor as a key, the factors as two tensors
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings))
+            )
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -370,3 +370,18 @@ def test_gpt4o_pre_tokenizer_splits_as_o200k(tmp_path):
     tokenizer = open_gguf(tmp_path / "gpt-oss.gguf").tokenizer
     pre = tokenizer.tokenizer.pre_tokenizer.pre_tokenize_str
     assert [piece for piece, _ in pre("HelloWorld 12345 don't")] == ["Hello", "World", "Ġ", "123", "45", "Ġdon't"]
+
+
+def test_phi3_longrope_gguf_matches_hf_model(tmp_path):
+    """Phi-3.5 / Phi-4-mini's LongRoPE as Phi3MiniModel converts it (rope_factors_long / rope_factors_short
+    tensors, the pre-training context and cos/sin factor as keys): transformers' logits within the pre-training
+    context (short factors) and beyond it (long ones)."""
+    hf = build_hf_model("phi3-longrope", num_hidden_layers=2)
+    loaded = load_model(write_gguf(hf, tmp_path / "phi3.gguf"))
+    scaling = loaded.config.rope_scaling
+    assert (scaling.type, scaling.original_max_position_embeddings, scaling.factor) == ("longrope", 16, 4.0)
+    assert scaling.long_factor == tuple(hf.config.rope_parameters["long_factor"])
+    for length in (12, 40):
+        tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            assert rel_err(hf(tokens).logits, loaded.model(tokens)) <= 1e-4, length

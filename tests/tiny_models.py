@@ -111,6 +111,27 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "Phi3ForCausalLM",
         dict(intermediate_size=128, sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=0),
     ),
+    # Phi-3.5 / Phi-4-mini: LongRoPE over 3/4 of each head (6 frequencies), pre-trained on 16 positions: the tests'
+    # 40-token sequences take the long factors, their 12-token prompts the short ones until generation passes 16.
+    "phi3-longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            intermediate_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            max_position_embeddings=64,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.02, 1.1, 1.3, 1.8, 2.5],
+                "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0],
+            },
+        ),
+    ),
     # StableLM 2: LayerNorm with bias, rotary over half of each head, q/k/v bias.
     "stablelm": (
         "StableLmConfig",

@@ -100,7 +100,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # transformers' hidden_act names -> keel's (keel.model.layers runs them).
 HIDDEN_ACTS = {
     "silu": "silu",
@@ -116,7 +116,7 @@ HIDDEN_ACTS = {
 class RopeScaling:
     """Rotary-embedding frequency scaling (HF `rope_parameters` / `rope_scaling`)."""
 
-    type: str = "default"  # default | linear | llama3 | yarn
+    type: str = "default"  # default | linear | llama3 | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -131,6 +131,11 @@ class RopeScaling:
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): each rotary frequency divided by its own factor, the short set
+    # within the pre-training context (original_max_position_embeddings), the long set beyond it; cos/sin times
+    # attention_factor (None: sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass
@@ -345,6 +350,13 @@ class ModelConfig:
             not (self.parallel_residual and self.norm_placement != "pre"),
             "parallel_residual needs norm_placement 'pre'",
         )
+        for scaling in (self.rope_scaling, self.sliding_rope_scaling):
+            need(
+                scaling.type != "longrope"
+                or len(scaling.short_factor) == len(scaling.long_factor) == (self.rotary_dim + 1) // 2,
+                f"longrope needs one short and one long factor per rotary frequency ({(self.rotary_dim + 1) // 2}), "
+                f"got {len(scaling.short_factor)} and {len(scaling.long_factor)}",
+            )
         need(
             self.rope_scaling.type in ROPE_TYPES,
             f"rope scaling type {self.rope_scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
@@ -796,6 +808,8 @@ def _rope_from_hf(
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     spec = params if params.get("rope_type", "default") != "default" or not legacy else legacy
     rope_type = spec.get("rope_type", spec.get("type", "default")) or "default"
+    if rope_type == "su" or (rope_type == "yarn" and "short_factor" in spec):  # Phi-3's older names for longrope
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"{source}: rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
@@ -818,6 +832,25 @@ def _rope_from_hf(
             mscale_all_dim=float(spec.get("mscale_all_dim") or 0.0),
             attention_factor=None if attention_factor is None else float(attention_factor),
             truncate=bool(spec.get("truncate", True)),
+        )
+    if rope_type == "longrope":
+        # As transformers: the pre-training context from the spec or the config's top level (Phi-3's), the factor
+        # the ratio of the two contexts unless given.
+        original = int(
+            spec.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_positions
+        )
+        factor, attention_factor = spec.get("factor"), spec.get("attention_factor")
+        try:
+            short, long = (tuple(float(x) for x in spec[key]) for key in ("short_factor", "long_factor"))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{source}: rope scaling longrope needs short_factor and long_factor lists") from None
+        return theta, RopeScaling(
+            type="longrope",
+            factor=float(factor if factor is not None else max_positions / original),
+            original_max_position_embeddings=original,
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            short_factor=short,
+            long_factor=long,
         )
     return theta, RopeScaling(
         type=rope_type,
@@ -855,6 +888,15 @@ def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
             out["attention_factor"] = scaling.attention_factor
         if not scaling.truncate:
             out["truncate"] = False
+    if scaling.type == "longrope":
+        out.update(
+            short_factor=list(scaling.short_factor),
+            long_factor=list(scaling.long_factor),
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+            factor=scaling.factor,
+        )
+        if scaling.attention_factor is not None:
+            out["attention_factor"] = scaling.attention_factor
     if scaling.type == "llama3":
         out.update(
             low_freq_factor=scaling.low_freq_factor,

@@ -2,17 +2,16 @@
 MLP's gate and up as one `gate_up_proj` (gate first), both split into keel's projections at load
 and fused again on export. Sliding windows as Mistral's (every layer, when `sliding_window` is set).
 
-Rotary over the first `partial_rotary_factor` of each head where the file sets it (Phi-4-mini's 0.75).
-Not read: `rope_scaling` of type longrope (Phi-3 128k, Phi-3.5, Phi-4-mini: a per-frequency rescaling
-keel's rotary does not have), refused by name.
+Rotary over the first `partial_rotary_factor` of each head where the file sets it (Phi-4-mini's 0.75), with
+LongRoPE where `rope_scaling` says so (Phi-3 128k, Phi-3.5, Phi-4-mini; "su" and "yarn" are its older names,
+read by keel.config), its pre-training context at the config's top level (`original_max_position_embeddings`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
-from keel.families.rope import partial_rotary_factor, rope_settings
+from keel.families.rope import partial_rotary_factor
 
 FAMILY = "phi3"
 HF_ARCHITECTURE = "Phi3ForCausalLM"
@@ -27,12 +26,7 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """Phi-3's own config.json keys as keel fields (the rotary share, Phi-4-mini's 0.75); what keel cannot run,
-    refused."""
-    rope = rope_settings(hf)
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind in ("longrope", "su", "yarn"):  # Phi-3's "su" and "yarn" are its longrope (transformers' reading)
-        raise ConfigError(f"{source}: rope scaling {kind!r} (Phi-3's longrope) is not supported")
+    """Phi-3's own config.json keys as keel fields (the rotary share, Phi-4-mini's 0.75)."""
     return {"partial_rotary_factor": partial_rotary_factor(hf, 1.0)}
 
 
@@ -40,7 +34,9 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     """config.json keys of the family, given the common ones keel writes for every family (`hf`)."""
     return {
         "sliding_window": config.sliding_window,
-        "original_max_position_embeddings": config.max_position_embeddings,
+        "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings
+        if config.rope_scaling.type == "longrope"
+        else config.max_position_embeddings,
         "partial_rotary_factor": config.partial_rotary_factor,
     }
 

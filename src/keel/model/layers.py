@@ -67,11 +67,15 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(scaling: RopeScaling) -> float:
-    """Factor on cos/sin (so on q.k through both): YaRN's, derived as transformers does; 1 otherwise."""
-    if scaling.type != "yarn":
+    """Factor on cos/sin (so on q.k through both): YaRN's and LongRoPE's, derived as transformers does; 1 otherwise."""
+    if scaling.type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.type == "longrope":
+        if scaling.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_position_embeddings))
     if scaling.mscale and scaling.mscale_all_dim:
         return yarn_get_mscale(scaling.factor, scaling.mscale) / yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
     return yarn_get_mscale(scaling.factor)
@@ -97,11 +101,16 @@ def _yarn_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> Tensor:
     return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
-    """Inverse frequencies of rotary embeddings over `head_dim` channels, with scaling applied."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, long: bool = False) -> Tensor:
+    """Inverse frequencies of rotary embeddings over `head_dim` channels, with scaling applied (LongRoPE: its long
+    factors where `long`, else its short ones)."""
     if scaling.type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling.type == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * theta**exponents)  # transformers' _compute_longrope_parameters, same float32 ops
+    inv_freq = 1.0 / (theta**exponents)
     if scaling.type == "linear":
         return inv_freq / scaling.factor
     if scaling.type == "llama3":
@@ -139,20 +148,39 @@ class RotaryEmbedding(nn.Module):
         # the values where the model lands.
         inv_freq = torch.empty((self.head_dim + 1) // 2) if building_on_meta() else self._inv_freq()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # LongRoPE's two sets: the short one is `inv_freq`. `long_context` says which applies: None, per forward as
+        # transformers decides (the long set once a position reaches the pre-training context; one host read a
+        # forward); True / False, always that set (the serving engine's choice by its max_model_len, so that every
+        # key in its cache is rotated alike).
+        self.longrope = self.scaling.type == "longrope"
+        self.long_context: bool | None = None
+        if self.longrope:
+            long_freq = torch.empty_like(inv_freq) if building_on_meta() else self._inv_freq(long=True)
+            self.register_buffer("long_inv_freq", long_freq, persistent=False)
 
-    def _inv_freq(self, device: torch.device | None = None) -> Tensor:
-        return rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+    def _inv_freq(self, device: torch.device | None = None, long: bool = False) -> Tensor:
+        return rope_inv_freq(self.head_dim, self.theta, self.scaling, long).to(device)
 
     def reset_buffers(self, device: torch.device) -> None:
         """Recompute the frequencies (after a model built on the meta device is materialised)."""
         self.inv_freq = self._inv_freq(device)
+        if self.longrope:
+            self.long_inv_freq = self._inv_freq(device, long=True)
+
+    def _frequencies(self, positions: Tensor) -> Tensor:
+        if not self.longrope:
+            return self.inv_freq
+        long = self.long_context
+        if long is None:
+            long = int(positions.max()) + 1 > self.scaling.original_max_position_embeddings
+        return self.long_inv_freq if long else self.inv_freq
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, signed_sin), each [B, S, 1, D], for `apply_rotary`. The first half of sin is
         negated once here so that rotate_half costs one roll per use instead of four ops."""
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, S, D/2]
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self._frequencies(positions)  # [B, S, D/2]
         cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_factor != 1.0:  # YaRN; scaled in float32 before rounding, as transformers
+        if self.attention_factor != 1.0:  # YaRN, LongRoPE; scaled in float32 before rounding, as transformers
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.

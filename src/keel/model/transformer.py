@@ -98,6 +98,15 @@ class Transformer(nn.Module):
         if self.sliding_rotary is not None:
             self.sliding_rotary.reset_buffers(torch.device(device))
 
+    def fix_rope_context(self, max_model_len: int) -> None:
+        """LongRoPE: one set of frequencies for every position from now on, the long one where sequences may pass
+        the pre-training context (`max_model_len` beyond it), so that all keys a serving cache holds are rotated
+        alike (llama.cpp chooses by its context size too); without it, each forward chooses as transformers does
+        (keel.model.layers.RotaryEmbedding). Other RoPE kinds: no change."""
+        for rotary in (self.rotary, self.sliding_rotary):
+            if rotary is not None and rotary.longrope:
+                rotary.long_context = max_model_len > rotary.scaling.original_max_position_embeddings
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype

@@ -126,6 +126,9 @@ class LLMEngine:
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
         num_blocks = self._allocate_kv_cache(device)
+        for net in (self.model, self.draft_model):  # LongRoPE: one set of frequencies for the whole cache
+            if net is not None:
+                net.fix_rope_context(self.max_model_len)
         self._build_scheduler_and_runner()
         self._build_speculation(num_blocks, device)
         self.async_scheduling = self._decide_async_scheduling()

@@ -132,6 +132,8 @@ _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.SMOLLM3}
 _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
+# Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -168,7 +170,7 @@ KEYS_READ = (
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     _KR.SCALING_ORIG_CTX_LEN,
-    *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR),
+    *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
     ROPE_SCALE_LINEAR,
     *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
 )
@@ -360,9 +362,7 @@ def _family_fields(
             "logits_scaling": one("logits_scaling", _K.LOGIT_SCALE),
         }
     if family == "phi3":
-        longrope = [_tensor(k) for k in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT)]
-        if any(name in tensors for name in longrope):
-            raise ConfigError(f"{path}: rope scaling 'longrope' (Phi-3's {', '.join(longrope)}) is not supported")
+        own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
     if family in FAMILIES:
@@ -377,6 +377,30 @@ def _family_fields(
             # llama.cpp rounds it for every model).
             own["rope_scaling"] = dataclasses.replace(common["rope_scaling"], truncate=False)
     return own
+
+
+def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+    """Phi-3's LongRoPE as its converter stores it: the factors as `rope_factors_long` / `rope_factors_short`
+    tensors, the pre-training context and the cos/sin factor as rope.scaling keys; {} without the tensors."""
+    long_name, short_name = (_tensor(k) for k in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT))
+    if long_name not in tensors and short_name not in tensors:
+        return {}
+    if long_name not in tensors or short_name not in tensors:
+        raise ConfigError(f"{path}: LongRoPE needs both {long_name!r} and {short_name!r}")
+    original = int(f.require(_KR.SCALING_ORIG_CTX_LEN))
+    attention = f.key(_KR.SCALING_ATTN_FACTOR)
+    factors = {
+        name: tuple(float(x) for x in _to_numpy(tensors[name], path).reshape(-1)) for name in (long_name, short_name)
+    }
+    scaling = RopeScaling(
+        type="longrope",
+        factor=common["max_position_embeddings"] / original,
+        original_max_position_embeddings=original,
+        attention_factor=None if attention is None else _f32(attention),
+        short_factor=factors[short_name],
+        long_factor=factors[long_name],
+    )
+    return {"rope_scaling": f.read("rope_scaling", scaling, "read")}
 
 
 def _family_hf_config(
@@ -423,6 +447,11 @@ def _family_hf_config(
         hf.update(qk_layernorm=has(MODEL_TENSOR.ATTN_Q_NORM))
         if factor is not None:
             hf.update(partial_rotary_factor=factor)
+    if family == "phi3":  # Phi-4-mini rotates 3/4 of each head: Phi3MiniModel writes that width
+        rope_dims = f.key(_KR.DIMENSION_COUNT)
+        if rope_dims is not None:
+            hf.update(partial_rotary_factor=_rotary_factor(int(rope_dims), head_dim))
+            read.add("partial_rotary_factor")
     if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
         hf.update(mlp_bias=common["mlp_bias"])
     if family == "exaone4":
@@ -502,11 +531,11 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     rope_dims = f.key(_KR.DIMENSION_COUNT)
     if f.key(_KA.KEY_LENGTH) is not None:
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
-    elif rope_dims is not None and family not in _PARTIAL_ROTARY:  # llama.cpp writes the head size here for llama
+    elif rope_dims is not None and family not in _ROTARY_WIDTH_KEY:  # llama.cpp writes the head size here for llama
         head_dim = f.read("head_dim", int(rope_dims))
     else:
         head_dim = f.read("head_dim", hidden // num_heads, "inferred")
-    if rope_dims is not None and int(rope_dims) != head_dim and family not in _PARTIAL_ROTARY:
+    if rope_dims is not None and int(rope_dims) != head_dim and family not in _ROTARY_WIDTH_KEY:
         raise ConfigError(
             f"{path}: partial rotary embeddings are not supported "
             f"(rope.dimension_count={rope_dims}, head_dim={head_dim})"

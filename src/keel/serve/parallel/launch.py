@@ -76,6 +76,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
         parallel=par,
         device="cuda" if cuda else "cpu",
         dummy_step=DummyStep.of(tokens, max_model_len, sched.max_num_seqs),
+        max_model_len=max_model_len,
     )
     mc = checkpoint.config
     if tp > 1 and TensorParallelLayout(mc, tp, 0).kv_replicas > 1:

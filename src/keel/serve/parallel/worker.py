@@ -71,6 +71,8 @@ class WorkerSpec:
     device: str = "cpu"  # "cpu" | "cuda"
     # The full step every rank runs once before its KV pool is sized (the activation peak it measures on CUDA).
     dummy_step: DummyStep = DummyStep(1, 1, 1)
+    # The engine's max_model_len as asked (LongRoPE's set of frequencies: Transformer.fix_rope_context); 0: none.
+    max_model_len: int = 0
 
     @property
     def tp(self) -> int:
@@ -260,6 +262,8 @@ class Worker:
                 quant.scheme,
                 stats["kept"],
             )
+        if spec.max_model_len:
+            model.fix_rope_context(spec.max_model_len)
         # This rank's weights (a tied head counted once), before fusing and packing re-store them.
         weight_bytes = rank_weight_bytes(model)
         if spec.load.fuse_projections:
