@@ -227,6 +227,28 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # GLM-4.5: biased q/k/v, q/k norms, rotary over half of each head (of 32), DeepSeek-V3's router (sigmoid,
+    # selection bias, 2 groups of which 1 is used, scaled weights), a shared expert, the first layer dense.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            head_dim=32,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=1.5,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

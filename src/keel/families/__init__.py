@@ -23,6 +23,7 @@ from keel.families import (
     gemma2,
     gemma3,
     glm4,
+    glm4_moe,
     gpt_neox,
     gpt_oss,
     ministral3,
@@ -58,6 +59,7 @@ FAMILIES: dict[str, ModuleType] = {
         arcee,
         olmoe,
         gpt_oss,
+        glm4_moe,
     )
 }
 

@@ -71,7 +71,11 @@ def load_tensor_parallel(
         shard_model(net, layout, group)
     available = reader.names()
     state = {}
-    for name, param in net.named_parameters():
+    persistent = net.state_dict(keep_vars=True)
+    # Parameters, then persistent buffers (DeepSeek's / GLM-4.5's router selection bias: replicated, float32)
+    tensors = [*net.named_parameters(), *((n, b) for n, b in net.named_buffers() if n in persistent and b.is_meta)]
+    buffers = {n for n, _ in net.named_buffers()}
+    for name, param in tensors:
         source = hf_source(config, name, available)
         names = source.names
         if names == ("lm_head.weight",) and names[0] not in available and config.tie_word_embeddings:
@@ -92,7 +96,7 @@ def load_tensor_parallel(
             tensor = source.combine([reader.get_shard(stored, piece) for stored in names])
         # To the device as it is read: on GPUs the host never holds more than one tensor of the shard (every
         # local rank loads at once, and a whole shard per rank can exceed the host's memory).
-        tensor = tensor.to(device=device, dtype=dtype)
+        tensor = tensor.to(device=device, dtype=param.dtype if name in buffers else dtype)
         if tuple(tensor.shape) != tuple(param.shape):
             raise KeelError(
                 f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, expected {list(param.shape)}"
