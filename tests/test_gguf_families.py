@@ -385,3 +385,89 @@ def test_phi3_longrope_gguf_matches_hf_model(tmp_path):
         tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
         with torch.no_grad():
             assert rel_err(hf(tokens).logits, loaded.model(tokens)) <= 1e-4, length
+
+
+def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1) -> None:
+    """GLM-4.5 as llama.cpp's Glm4MoeModel converter writes it: TextModel's metadata plus the rotary width (half
+    of each head), the experts' count, width, shared count, leading dense layers, sigmoid gating, scale and
+    normalisation; block_count counting the multi-token-prediction layers after the last (here placeholders that
+    keel must not read); gate and up experts apart, the selection bias as `exp_probs_b.bias`; other names by
+    gguf's TensorNameMap, as the converter maps them."""
+    from test_gguf import mini_vocab
+
+    cfg = hf.config
+    layers = cfg.num_hidden_layers
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    w.add_block_count(layers + mtp_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_nextn_predict_layers(mtp_layers)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("glm4")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + mtp_layers)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
+
+    for hf_name, t in hf.state_dict().items():
+        blk = "blk." + hf_name.split(".")[2] if ".layers." in hf_name else ""
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            gate, up = t.chunk(2, dim=1)
+            add(f"{blk}.ffn_gate_exps.weight", gate)
+            add(f"{blk}.ffn_up_exps.weight", up)
+        elif hf_name.endswith("mlp.experts.down_proj"):
+            add(f"{blk}.ffn_down_exps.weight", t)
+        elif hf_name.endswith("e_score_correction_bias"):  # the converter's rename, then TensorNameMap
+            add(names.get_name(hf_name.removesuffix("_bias")) + ".bias", t)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", t)
+    for layer in range(layers, layers + mtp_layers):  # a multi-token-prediction block keel does not read
+        add(f"blk.{layer}.attn_norm.weight", torch.ones(cfg.hidden_size))
+        add(f"blk.{layer}.nextn.eh_proj.weight", torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_glm4_moe_gguf_matches_hf_model(tmp_path):
+    """GLM-4.5 as llama.cpp converts it: DeepSeek-V3's router from the expert keys and `exp_probs_b`, the shared
+    expert, the dense first layer, half of each head rotating, the multi-token-prediction layer skipped, the glm4
+    pre-tokenizer; transformers' logits."""
+    hf = build_hf_model("glm4_moe", n_group=1, topk_group=1)  # GLM-4.5's: the converter writes no group keys
+    write_glm4_moe_gguf(hf, tmp_path / "glm.gguf")
+    loaded = load_model(tmp_path / "glm.gguf")
+    c = loaded.config
+    assert (c.architecture, c.num_layers, c.num_experts, c.mlp_only_layers) == ("glm4_moe", 3, 8, [0])
+    assert (c.router_scoring, c.router_bias, c.routed_scaling_factor, c.partial_rotary_factor) == (
+        "sigmoid",
+        True,
+        1.5,
+        0.5,
+    )
+    assert c.shared_expert_intermediate_size == 32 and not c.shared_expert_gated and c.qk_norm and c.qkv_bias
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

@@ -17,7 +17,7 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
-cohere2 and gpt-oss (others are refused by name); tensor
+cohere2, gpt-oss and glm4moe (others are refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -83,6 +83,7 @@ from gguf import (
     MODEL_TENSOR,
     MODEL_TENSORS,
     TENSOR_NAMES,
+    ExpertGatingFuncType,
     GGMLQuantizationType,
     Keys,
     get_tensor_name_map,
@@ -120,6 +121,7 @@ _FAMILIES = {
     _A.COMMAND_R: "cohere",
     _A.COHERE2: "cohere2",
     _A.GPT_OSS: "gpt_oss",
+    _A.GLM4_MOE: "glm4_moe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -133,7 +135,7 @@ _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3"}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4_moe"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -165,6 +167,8 @@ KEYS_READ = (
     *(_K.VOCAB_SIZE, _K.CONTEXT_LENGTH, _K.EMBEDDING_LENGTH, _K.BLOCK_COUNT, _K.FEED_FORWARD_LENGTH),
     *(_K.EXPERT_COUNT, _K.EXPERT_USED_COUNT, _K.EXPERT_FEED_FORWARD_LENGTH, _K.EXPERT_SHARED_FEED_FORWARD_LENGTH),
     *(_K.EXPERT_WEIGHTS_NORM, _K.EMBEDDING_SCALE, _K.RESIDUAL_SCALE, _K.LOGIT_SCALE),
+    *(_K.EXPERT_SHARED_COUNT, _K.EXPERT_WEIGHTS_SCALE, _K.EXPERT_GATING_FUNC, _K.LEADING_DENSE_BLOCK_COUNT),
+    *(_K.EXPERT_GROUP_COUNT, _K.EXPERT_GROUP_USED_COUNT, _K.NEXTN_PREDICT_LAYERS),
     *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
@@ -290,7 +294,8 @@ def _config_from_metadata(
     rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
     scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
     has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
-    num_layers = int(f.require(_K.BLOCK_COUNT))
+    # GLM-4.5's files count the multi-token-prediction layers after the last in block_count; keel reads none.
+    num_layers = int(f.require(_K.BLOCK_COUNT)) - int(f.key(_K.NEXTN_PREDICT_LAYERS, 0) or 0)
     moe: dict[str, Any] = {}
     if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
         moe = _moe_fields(f, family, tensors, num_layers, num_experts, path)
@@ -365,6 +370,8 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
+    if family == "glm4_moe":
+        own.update(_glm4_moe_fields(f, common, tensors, path))
     if family in FAMILIES:
         # The family file reads its config.json keys: from GGUF, those the metadata and tensors give.
         hf, read = _family_hf_config(f, family, common, tensors)
@@ -377,6 +384,34 @@ def _family_fields(
             # llama.cpp rounds it for every model).
             own["rope_scaling"] = dataclasses.replace(common["rope_scaling"], truncate=False)
     return own
+
+
+def _glm4_moe_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+    """GLM-4.5's experts as Glm4MoeModel writes them: DeepSeek-V3's router (sigmoid gating, the selection bias as
+    `exp_probs_b`, groups where the file has the keys, else one), shared experts, the first layers dense."""
+    gating = f.key(_K.EXPERT_GATING_FUNC)
+    if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+        raise ConfigError(f"{path}: GLM-4.5 expert gating function {gating} is not supported (sigmoid only)")
+    width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
+    read, layers = f.read, range(common["num_layers"])
+    return {
+        "num_experts": read("num_experts", int(f.require(_K.EXPERT_COUNT))),
+        "num_experts_per_tok": read("num_experts_per_tok", int(f.require(_K.EXPERT_USED_COUNT))),
+        "moe_intermediate_size": read("moe_intermediate_size", width),
+        "shared_expert_intermediate_size": read(
+            "shared_expert_intermediate_size", width * int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0)
+        ),
+        "shared_expert_gated": False,
+        "mlp_only_layers": read("mlp_only_layers", list(range(int(f.key(_K.LEADING_DENSE_BLOCK_COUNT, 0) or 0)))),
+        "router_scoring": "sigmoid",
+        "router_bias": read(
+            "router_bias", any(_tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, i, "bias") in tensors for i in layers)
+        ),
+        "n_group": read("n_group", int(f.key(_K.EXPERT_GROUP_COUNT, 1) or 1)),
+        "topk_group": read("topk_group", int(f.key(_K.EXPERT_GROUP_USED_COUNT, 1) or 1)),
+        "routed_scaling_factor": read("routed_scaling_factor", _f32(f.key(_K.EXPERT_WEIGHTS_SCALE, 1.0))),
+        "norm_topk_prob": read("norm_topk_prob", bool(f.key(_K.EXPERT_WEIGHTS_NORM, True))),
+    }
 
 
 def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
@@ -478,6 +513,12 @@ def _family_hf_config(
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "glm4_moe":  # the rotary width (half of each head), q/k norms and biases by tensor
+        rope_dims = f.key(_KR.DIMENSION_COUNT)
+        if rope_dims is not None:
+            hf.update(partial_rotary_factor=_rotary_factor(int(rope_dims), head_dim))
+            read.add("partial_rotary_factor")
+        hf.update(use_qk_norm=common["qk_norm"])
     if family == "gpt_oss":  # the window (every other layer slides, as llama.cpp and transformers place them)
         window = f.key(_KA.SLIDING_WINDOW)
         read |= {"sliding_window", "layer_types"} if window is not None else set()
@@ -845,6 +886,8 @@ class GGUFTensorReader:
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
                 stacked_name = "gate_up_proj" if suffix == "weight" else "gate_up_proj_bias"
                 self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t, up), stacked, concat)
+            elif kind == MODEL_TENSOR.FFN_EXP_PROBS_B:  # the router's selection bias (DeepSeek's, GLM-4.5's)
+                self._add(f"model.layers.{layer}.{moe}.gate.e_score_correction_bias", (t,), shape, _single)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
             elif base in names:

@@ -54,6 +54,9 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((_LLAMA3_SPLIT,), False) for name in ("smaug-bpe", "dbrx")},
     **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
     **{name: ((_GPT4O_SPLIT,), False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    # GLM-4 / GLM-4.5 (llama.cpp's CHATGLM4: Llama 3's regex, merges ignored except for chatglm-bpe)
+    **{name: ((_LLAMA3_SPLIT,), True) for name in ("glm4", "glm5")},
+    "chatglm-bpe": ((_LLAMA3_SPLIT,), False),
 }
 _K = Keys.Tokenizer  # the metadata keys, as gguf names them
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
