@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.weights.shard import Shard
+from keel.weights.parts import DerivedReader
 
 # The E2M1 code points, by their 4-bit code (sign in the high bit).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -67,15 +67,14 @@ def _interleave_rows(t: Tensor) -> Tensor:
     return torch.stack([gate, up], dim=2).flatten(1, 2)
 
 
-class GptOssReader:
+class GptOssReader(DerivedReader):
     """A tensor reader serving GPT-OSS's experts in keel's layout (the module docstring)."""
 
-    def __init__(self, reader, directory: Path | str = "") -> None:  # noqa: ANN001
+    def __init__(self, reader) -> None:  # noqa: ANN001
         self.inner = reader
-        self.directory = directory
         present = reader.names()
         # keel name -> (stored names, [E, ...] experts read -> keel's tensor, keel's shape, keel's dtype)
-        self._parts: dict[str, tuple[tuple[str, ...], Callable[[list[Tensor]], Tensor], tuple[int, ...], str]] = {}
+        self._derived: dict[str, tuple[tuple[str, ...], Callable[[list[Tensor]], Tensor], tuple[int, ...], str]] = {}
         hidden = set()
         for stored in present:
             base = stored.removesuffix("_blocks")
@@ -88,14 +87,14 @@ class GptOssReader:
                 blocks = reader.shape(stored)
                 rows, cols = blocks[1], blocks[2] * 32
                 convert = _mxfp4_gate_up if kind == "gate_up_proj" else _mxfp4_down
-                self._parts[base] = (names, convert, (blocks[0], rows, cols), "BF16")
+                self._derived[base] = (names, convert, (blocks[0], rows, cols), "BF16")
                 hidden.update(names)
                 continue
-            if base in self._parts:  # the MXFP4 form of the same weight was seen first
+            if base in self._derived:  # the MXFP4 form of the same weight was seen first
                 continue
             shape = reader.shape(stored)
             if kind == "gate_up_proj_bias":
-                self._parts[base] = (
+                self._derived[base] = (
                     (stored,),
                     lambda ts: _deinterleave_rows(ts[0]),
                     tuple(shape),
@@ -103,65 +102,31 @@ class GptOssReader:
                 )
             elif kind == "gate_up_proj":  # [E, H, 2I] -> [E, 2I, H]
                 convert = lambda ts: _deinterleave_rows(ts[0].transpose(1, 2))  # noqa: E731
-                self._parts[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
+                self._derived[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
             else:  # down_proj [E, I, H] -> [E, H, I]
                 convert = lambda ts: ts[0].transpose(1, 2)  # noqa: E731
-                self._parts[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
+                self._derived[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
             hidden.add(stored)
-        self._names = (present - hidden) | set(self._parts)
-
-    def _known(self, name: str) -> None:
-        if name not in self._names:
-            raise WeightsError(f"{self.directory}: tensor {name!r} not found in the checkpoint")
-
-    def names(self) -> set[str]:
-        return set(self._names)
+        self._names = (present - hidden) | set(self._derived)
 
     def file_of(self, name: str) -> Path:
-        return self.inner.file_of(self._parts[name][0][0] if name in self._parts else name)
+        return self.inner.file_of(self._derived[name][0][0] if name in self._derived else name)
 
     def dtype(self, name: str) -> str:
         self._known(name)
-        return self._parts[name][3] if name in self._parts else self.inner.dtype(name)
+        return self._derived[name][3] if name in self._derived else self.inner.dtype(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         self._known(name)
-        return self._parts[name][2] if name in self._parts else tuple(self.inner.shape(name))
-
-    def get(self, name: str) -> Tensor:
-        self._known(name)
-        if name not in self._parts:
-            return self.inner.get(name)
-        shape = self.shape(name)
-        return self.get_box(name, (0,) * len(shape), shape)
-
-    def get_row(self, name: str, index: int) -> Tensor:
-        if name not in self._parts:
-            return self.inner.get_row(name, index)
-        shape = self.shape(name)
-        return self.get_box(name, (index, *[0] * (len(shape) - 1)), (1, *shape[1:]))[0]
-
-    def get_shard(self, name: str, shard: Shard | None) -> Tensor:
-        self._known(name)
-        if name not in self._parts:
-            return self.inner.get_shard(name, shard)
-        if shard is None:
-            return self.get(name)
-        shape = self.shape(name)
-        pieces = []
-        for a, b in shard.ranges(shape[shard.dim]):
-            offset = tuple(a if i == shard.dim else 0 for i in range(len(shape)))
-            size = tuple(b - a if i == shard.dim else n for i, n in enumerate(shape))
-            pieces.append(self.get_box(name, offset, size))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+        return self._derived[name][2] if name in self._derived else tuple(self.inner.shape(name))
 
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
         """The box of keel's tensor: the stored tensors of its experts (the first dimension) are read whole and
         converted, then cut; every expert outside the box stays unread."""
         self._known(name)
-        if name not in self._parts:
+        if name not in self._derived:
             return self.inner.get_box(name, offset, shape)
-        stored, convert, _, _ = self._parts[name]
+        stored, convert, _, _ = self._derived[name]
         first, count = offset[0], shape[0]
         tensors = []
         for n in stored:
@@ -171,9 +136,6 @@ class GptOssReader:
         for dim in range(1, len(shape)):
             out = out.narrow(dim, offset[dim], shape[dim])
         return out.contiguous()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _mxfp4_gate_up(tensors: list[Tensor]) -> Tensor:

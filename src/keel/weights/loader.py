@@ -71,7 +71,7 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
         if config.architecture == "gpt_oss":  # experts transposed, interleaved, maybe MXFP4: read as keel's
             from keel.weights.gpt_oss import GptOssReader
 
-            reader = GptOssReader(reader, path)
+            reader = GptOssReader(reader)
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:

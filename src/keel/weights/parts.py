@@ -34,19 +34,15 @@ def _pieces(rows: list[tuple[int, int]], start: int, stop: int) -> list[tuple[in
     return out
 
 
-class PartsReader:
-    """A tensor reader (keel.weights.checkpoint.TensorReader) serving `layout`'s names (the module docstring)."""
+class DerivedReader:
+    """A tensor reader over `inner` (keel.weights.checkpoint.TensorReader) that serves some names derived from
+    stored tensors: whole reads, rows and tensor-parallel shards of those are made of `get_box`, every other name
+    is read from `inner` as it is. Subclasses set `inner`, `_names` and `_derived` (the derived names) and define
+    `shape`, `dtype`, `file_of` and `get_box`."""
 
-    def __init__(self, reader, layout: Layout) -> None:  # noqa: ANN001
-        self.inner = reader
-        present = reader.names()
-        self._parts: dict[str, tuple[str, Rows]] = {
-            name: (stored, rows)
-            for stored, parts in layout.items()
-            if stored in present
-            for name, rows in parts.items()
-        }
-        self._names = (present - {stored for stored, _ in self._parts.values()}) | set(self._parts)
+    inner: object
+    _names: set[str]
+    _derived: dict
 
     def _known(self, name: str) -> None:
         if name not in self._names:
@@ -55,22 +51,9 @@ class PartsReader:
     def names(self) -> set[str]:
         return set(self._names)
 
-    def file_of(self, name: str) -> Path:
-        return self.inner.file_of(self._parts.get(name, (name, None))[0])
-
-    def dtype(self, name: str) -> str:
-        self._known(name)
-        return self.inner.dtype(self._parts.get(name, (name, None))[0])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        self._known(name)
-        stored, rows = self._parts.get(name, (name, None))
-        shape = tuple(self.inner.shape(stored))
-        return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
-
     def get(self, name: str) -> Tensor:
         self._known(name)
-        if name not in self._parts:
+        if name not in self._derived:
             return self.inner.get(name)
         shape = self.shape(name)
         return self.get_box(name, (0,) * len(shape), shape)
@@ -81,7 +64,7 @@ class PartsReader:
 
     def get_shard(self, name: str, shard: Shard | None) -> Tensor:
         self._known(name)
-        if name not in self._parts:
+        if name not in self._derived:
             return self.inner.get_shard(name, shard)
         if shard is None:
             return self.get(name)
@@ -93,9 +76,40 @@ class PartsReader:
             pieces.append(self.get_box(name, offset, size))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
+    def close(self) -> None:
+        self.inner.close()
+
+
+class PartsReader(DerivedReader):
+    """A tensor reader serving `layout`'s names (the module docstring)."""
+
+    def __init__(self, reader, layout: Layout) -> None:  # noqa: ANN001
+        self.inner = reader
+        present = reader.names()
+        self._derived: dict[str, tuple[str, Rows]] = {
+            name: (stored, rows)
+            for stored, parts in layout.items()
+            if stored in present
+            for name, rows in parts.items()
+        }
+        self._names = (present - {stored for stored, _ in self._derived.values()}) | set(self._derived)
+
+    def file_of(self, name: str) -> Path:
+        return self.inner.file_of(self._derived.get(name, (name, None))[0])
+
+    def dtype(self, name: str) -> str:
+        self._known(name)
+        return self.inner.dtype(self._derived.get(name, (name, None))[0])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._known(name)
+        stored, rows = self._derived.get(name, (name, None))
+        shape = tuple(self.inner.shape(stored))
+        return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
         self._known(name)
-        stored, rows = self._parts.get(name, (name, None))
+        stored, rows = self._derived.get(name, (name, None))
         if rows is None:
             return self.inner.get_box(stored, offset, shape)
         pieces = [
@@ -103,9 +117,6 @@ class PartsReader:
             for a, b in _pieces(rows, offset[0], offset[0] + shape[0])
         ]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
