@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from keel import kernels
 from keel.kernels import triton_paged
+from test_kernels import random_store
 
 pytestmark = pytest.mark.isa  # the C++ kernel's bodies differ by ISA: `make test` runs these again under avx2
 
@@ -64,26 +65,6 @@ def reference(q, keys, values, tables, table_of, positions, window, scale, v_dim
     return out
 
 
-def random_store(store: str, kv_heads: int, dim: int, g: torch.Generator) -> tuple:
-    """((keys, values, key scales, value scales) as keel::paged_attention takes them, dense keys, dense values)
-    for a store kind: float32, bfloat16, int8 with float16 scales, or latent (float32 keys, no values)."""
-    slots = BLOCKS * BLOCK
-    keys = torch.randn(kv_heads, slots, dim, generator=g)
-    values = None if store == "latent" else torch.randn(kv_heads, slots, dim, generator=g)
-    key_scales = value_scales = None
-    dense_k, dense_v = keys, values
-    if store == "int8":
-        key_scales = (torch.rand(kv_heads, slots, 1, generator=g) * 0.05).half()
-        value_scales = (torch.rand(kv_heads, slots, 1, generator=g) * 0.05).half()
-        keys = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        values = torch.randint(-127, 128, keys.shape, generator=g, dtype=torch.int8)
-        dense_k, dense_v = keys.float() * key_scales.float(), values.float() * value_scales.float()
-    elif store == "bfloat16":
-        keys, values = keys.bfloat16(), values.bfloat16()
-        dense_k, dense_v = keys.float(), values.float()
-    return (keys, values, key_scales, value_scales), dense_k, dense_v
-
-
 def case(layout: str, heads: int, dim: int, g: torch.Generator) -> tuple:
     """(q, tables, table_of, positions) for one of LAYOUTS."""
     rows_table, rows_position = LAYOUTS[layout]
@@ -107,7 +88,7 @@ def test_cpp_sinks_match_the_reference(store, layout, group, dim, window):
     g = torch.Generator().manual_seed(group * 100 + dim)
     kv_heads = 3
     heads = kv_heads * group
-    stored, dense_k, dense_v = random_store(store, kv_heads, dim, g)
+    stored, dense_k, dense_v = random_store(store, kv_heads, BLOCKS * BLOCK, dim, g)
     q, tables, table_of, positions = case(layout, heads, dim, g)
     sinks = sinks_for(heads)
     want = reference(q, dense_k, dense_v, tables, table_of, positions, window, 0.125, dim, sinks)
@@ -132,7 +113,7 @@ def test_cpp_sinks_of_a_latent_store_and_soft_capped_scores(level, layout, softc
     sink joins the softmax uncapped (a cap of 0.5 would bring +5 down to under 0.5)."""
     g = torch.Generator().manual_seed(5)
     kv_heads, group, dim, v_dim = 1, 8, 80, 64
-    stored, dense_k, _ = random_store("latent", kv_heads, dim, g)
+    stored, dense_k, _ = random_store("latent", kv_heads, BLOCKS * BLOCK, dim, g)
     q, tables, table_of, positions = case(layout, kv_heads * group, dim, g)
     sinks = sinks_for(kv_heads * group)
     want = reference(q, dense_k, None, tables, table_of, positions, 0, 0.125, v_dim, sinks, softcap)
@@ -149,7 +130,7 @@ def test_cpp_sinks_of_a_latent_store_and_soft_capped_scores(level, layout, softc
 def test_cpp_tiles_with_sinks_are_bit_for_bit_their_rows(level, store):
     """A chunk attended in tiles gives exactly what its rows give attended one call each, sinks and all."""
     g = torch.Generator().manual_seed(3)
-    stored, _, _ = random_store(store, 3, 64, g)
+    stored, _, _ = random_store(store, 3, BLOCKS * BLOCK, 64, g)
     tables = torch.randperm(BLOCKS, generator=g)[:6][None].int()
     positions = torch.arange(7, 90)
     table_of = torch.zeros(len(positions), dtype=torch.long)
@@ -175,7 +156,7 @@ def test_cpp_without_sinks_is_unchanged(level, store, dim, softcap):
     """sinks=None is the call without them, the plain softmax; and a sink of -inf (it weighs nothing) gives the
     same bits: the sinks' start changes no rounding of the keys' sums."""
     g = torch.Generator().manual_seed(11)
-    stored, dense_k, dense_v = random_store(store, 2, dim, g)
+    stored, dense_k, dense_v = random_store(store, 2, BLOCKS * BLOCK, dim, g)
     q, tables, table_of, positions = case("chunks", 6, dim, g)
     args = (q, *stored, tables, table_of, positions, BLOCK, 21, 0.125, dim, softcap)
     with kernels.using_level(level):
@@ -190,7 +171,7 @@ def test_cpp_without_sinks_is_unchanged(level, store, dim, softcap):
 @needs_kernels
 def test_cpp_refuses_bad_sinks():
     g = torch.Generator().manual_seed(0)
-    stored, _, _ = random_store("float32", 2, 32, g)
+    stored, _, _ = random_store("float32", 2, BLOCKS * BLOCK, 32, g)
     q, tables, table_of, positions = case("decode rows", 4, 32, g)
     args = (q, *stored, tables, table_of, positions, BLOCK, 0, 1.0, 32, 0.0)
     with pytest.raises(RuntimeError, match="sinks must be float32"):
@@ -242,7 +223,7 @@ def test_triton_sinks_match_the_reference(layout, kv_heads, group, dim, dtype, w
     context of one to four blocks; the combining kernel counts the sink once)."""
     g = torch.Generator().manual_seed(kv_heads * 10 + group)
     heads = kv_heads * group
-    (keys, values, _, _), dense_k, dense_v = random_store("float32", kv_heads, dim, g)
+    (keys, values, _, _), dense_k, dense_v = random_store("float32", kv_heads, BLOCKS * BLOCK, dim, g)
     keys, values = keys.to(dtype), values.to(dtype)
     q, tables, table_of, positions = case(layout, heads, dim, g)
     q = q.to(dtype)
@@ -263,7 +244,7 @@ def test_triton_sinks_match_the_reference(layout, kv_heads, group, dim, dtype, w
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_sinks_of_a_latent_store_and_soft_capped_scores(splits):
     g = torch.Generator().manual_seed(6)
-    (keys, _, _, _), _, _ = random_store("latent", 1, 40, g)
+    (keys, _, _, _), _, _ = random_store("latent", 1, BLOCKS * BLOCK, 40, g)
     q, tables, table_of, positions = case("chunks", 4, 40, g)
     sinks = sinks_for(4)
     got = triton_call(q, keys, None, tables, table_of, positions, 0, 0.2, 32, softcap=0.5, sinks=sinks, splits=splits)
@@ -276,7 +257,7 @@ def test_triton_sinks_of_a_latent_store_and_soft_capped_scores(splits):
 def test_triton_without_sinks_is_unchanged(splits):
     """sinks=None is the call without them; a sink of -inf gives the same bits, whole or split."""
     g = torch.Generator().manual_seed(12)
-    (keys, values, _, _), _, _ = random_store("float32", 2, 32, g)
+    (keys, values, _, _), _, _ = random_store("float32", 2, BLOCKS * BLOCK, 32, g)
     q, tables, table_of, positions = case("decode rows", 6, 32, g)
     args = (q, keys, values, tables, table_of, positions, 21, 0.2, 32)
     before = triton_call(*args, splits=splits)
@@ -289,7 +270,7 @@ def test_triton_without_sinks_is_unchanged(splits):
 @needs_triton
 def test_triton_refuses_bad_sinks():
     g = torch.Generator().manual_seed(0)
-    (keys, values, _, _), _, _ = random_store("float32", 2, 32, g)
+    (keys, values, _, _), _, _ = random_store("float32", 2, BLOCKS * BLOCK, 32, g)
     q, tables, table_of, positions = case("decode rows", 4, 32, g)
     args = (q, keys, values, tables, table_of, positions, 0, 1.0, 32)
     with pytest.raises(ValueError, match=r"sinks must be float32 \[4\]"):
