@@ -77,13 +77,14 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
 
 
-@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe"])
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
     window), Ministral 3's query temperature by position (from position 16 here), and OLMoE's experts (MoE models
     run eager). Where keel's kernels are on, the other layers run the fused layer operator and these the modules
     (the operator always rotates and does not scale queries), GLM-4.5's DeepSeek-style experts after a dense
-    layer; transformers' greedy tokens, with a prefix served from the cache."""
+    layer, Granite MoE's scalars and top-k softmax router; transformers' greedy tokens, with a prefix served
+    from the cache."""
     hf = save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
     hf.generation_config.eos_token_id = None
@@ -100,7 +101,7 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [a.rotates for a in attention] == [True, False, True]
     elif name == "ministral3":
         assert all(a.scales_queries for a in attention)
-    elif name == "olmoe":
+    elif name in ("olmoe", "granitemoe"):  # granitemoe: Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
     else:  # GLM-4.5: a dense first layer, then experts routed as DeepSeek-V3's
         moe = [llm.engine.model.config.is_moe_layer(i) for i in range(len(attention))]

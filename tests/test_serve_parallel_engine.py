@@ -60,6 +60,8 @@ def _params() -> list[SamplingParams]:
         ("gpt_oss-ep", 2, 1),
         # GLM-4.5: DeepSeek's router replicated, routed and shared experts cut by width, per-head q/k norms
         pytest.param("glm4_moe", 2, 1, marks=pytest.mark.slow),
+        # Granite MoE: experts stored stacked under their own names, each rank's cut read through the renames
+        pytest.param("granitemoe", 2, 1, marks=pytest.mark.slow),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),

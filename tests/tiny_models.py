@@ -249,6 +249,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Granite 3.x MoE: Granite's four scalars, 8 experts stacked under their own names, top-2 of the logits.
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

@@ -144,7 +144,7 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -604,7 +604,7 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe and self.architecture not in ("deepseek_v3", "glm4_moe"):
+        elif self.is_moe and self.architecture not in ("deepseek_v3", "glm4_moe", "granitemoe"):
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,

@@ -26,6 +26,7 @@ from keel.families import (
     glm4_moe,
     gpt_neox,
     gpt_oss,
+    granitemoe,
     ministral3,
     olmo2,
     olmo3,
@@ -60,6 +61,7 @@ FAMILIES: dict[str, ModuleType] = {
         olmoe,
         gpt_oss,
         glm4_moe,
+        granitemoe,
     )
 }
 

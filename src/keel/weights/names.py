@@ -35,6 +35,10 @@ class Source:
     combine: Callable[[list[Tensor]], Tensor]
 
 
+# Families whose checkpoints store each layer's experts stacked (under names their checkpoint_layout renames).
+STACKED_EXPERTS = {"granitemoe"}
+
+
 def _single(tensors: list[Tensor]) -> Tensor:
     return tensors[0]
 
@@ -99,6 +103,9 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
         match = _LAYER.match(name)
         if match and match.group(2).startswith("mlp.experts.") and config.is_moe_layer(int(match.group(1))):
             prefix = _moe_prefix(config, match.group(1))
+            if config.architecture in STACKED_EXPERTS:  # stored stacked: the family's layout renames them
+                out[f"{prefix}.{match.group(2).removeprefix('mlp.')}"] = tensor
+                continue
             if match.group(2) == "mlp.experts.gate_up_proj":
                 for e, weight in enumerate(tensor):
                     gate, up = weight.chunk(2, dim=0)
