@@ -101,6 +101,7 @@ SHAPE_INFERABLE = [
             "ernie4_5",
             "arcee",
             "gpt_oss",
+            "dots1",
         )
     )
 ]

@@ -62,6 +62,8 @@ def _params() -> list[SamplingParams]:
         pytest.param("glm4_moe", 2, 1, marks=pytest.mark.slow),
         # Granite MoE: experts stored stacked under their own names, each rank's cut read through the renames
         pytest.param("granitemoe", 2, 1, marks=pytest.mark.slow),
+        # dots.llm1: DeepSeek's experts behind Qwen3's attention, a sliding layer
+        pytest.param("dots1", 2, 1, marks=pytest.mark.slow),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),

@@ -265,6 +265,29 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # dots.llm1: Qwen3's attention with biases, DeepSeek-V3's experts (2 groups of 4, one used; 2 shared), the
+    # first layer dense, the last sliding (window 8).
+    "dots1": (
+        "Dots1Config",
+        "Dots1ForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+            attention_bias=True,
+            sliding_window=8,
+            max_window_layers=2,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

@@ -33,6 +33,9 @@ HF_ARCHITECTURES: dict[str, str] = {
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
 MLA_FAMILIES = {"deepseek_v3"}
+# Families whose experts DeepSeek-V3's reader and writer describe (sigmoid router, selection bias, groups, shared
+# experts, first k layers dense), whose checkpoints name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
+DEEPSEEK_MOE_FAMILIES = {"deepseek_v3", "glm4_moe", "dots1"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -144,7 +147,7 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe, dots1)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -604,7 +607,7 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe and self.architecture not in ("deepseek_v3", "glm4_moe", "granitemoe"):
+        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, "granitemoe"):
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -670,7 +673,7 @@ def _moe_from_hf(
     family: str, hf: dict[str, Any], defaults: dict[str, Any], num_layers: int, source: str
 ) -> dict[str, Any]:
     """The ModelConfig fields of the experts (none for a dense family)."""
-    if family in ("deepseek_v3", "glm4_moe"):  # GLM-4.5 routes and shares experts as DeepSeek-V3
+    if family in DEEPSEEK_MOE_FAMILIES:  # GLM-4.5 and dots.llm1 route and share experts as DeepSeek-V3
         return _deepseek_moe_from_hf(hf, defaults, num_layers, source)
     if family not in MOE_FAMILIES:
         return {}

@@ -18,6 +18,7 @@ from keel.families import (
     arcee,
     cohere,
     cohere2,
+    dots1,
     ernie4_5,
     exaone4,
     gemma2,
@@ -62,6 +63,7 @@ FAMILIES: dict[str, ModuleType] = {
         gpt_oss,
         glm4_moe,
         granitemoe,
+        dots1,
     )
 }
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from keel.config import ModelConfig
+from keel.config import DEEPSEEK_MOE_FAMILIES, ModelConfig
 from keel.families import checkpoint_layout
 from keel.weights.parts import fused_stream as parts_fused_stream
 
@@ -81,7 +81,7 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
             n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight")
         )
         return Source(names, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]))
-    if config.architecture in ("deepseek_v3", "glm4_moe") and rest.startswith("mlp.shared_expert."):
+    if config.architecture in DEEPSEEK_MOE_FAMILIES and rest.startswith("mlp.shared_expert."):
         return Source((f"{prefix}.shared_experts.{rest.removeprefix('mlp.shared_expert.')}",), _single)
     # Qwen2-MoE's shared expert and its gate keep their HF names.
     return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)
