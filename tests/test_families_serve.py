@@ -77,7 +77,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
 
 
-@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "dots1"])
+@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "dots1", "ernie4_5_moe"])
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
     window), Ministral 3's query temperature by position (from position 16 here), and OLMoE's experts (MoE models
@@ -103,9 +103,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(a.scales_queries for a in attention)
     elif name in ("olmoe", "granitemoe"):  # granitemoe: Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
-    else:  # GLM-4.5, dots.llm1: a dense first layer, then experts routed as DeepSeek-V3's
+    else:  # GLM-4.5, dots.llm1 (DeepSeek-V3's router), ERNIE 4.5 MoE (a biased softmax choice): a dense first layer
         moe = [llm.engine.model.config.is_moe_layer(i) for i in range(len(attention))]
-        assert moe == [False, True, True] and llm.engine.model.config.router_scoring == "sigmoid"
+        assert moe == [False, True, True] and llm.engine.model.config.router_bias
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]

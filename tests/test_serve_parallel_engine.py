@@ -64,6 +64,10 @@ def _params() -> list[SamplingParams]:
         pytest.param("granitemoe", 2, 1, marks=pytest.mark.slow),
         # dots.llm1: DeepSeek's experts behind Qwen3's attention, a sliding layer
         pytest.param("dots1", 2, 1, marks=pytest.mark.slow),
+        # ERNIE 4.5 MoE: its [1, E] selection bias read whole, interleaved rotary rows cut by head
+        pytest.param("ernie4_5_moe", 2, 1, marks=pytest.mark.slow),
+        # with biases everywhere: the shared expert's down bias, summed by the block's all-reduce, added once
+        pytest.param("ernie4_5_moe+bias", 2, 1, marks=pytest.mark.slow),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),
@@ -76,7 +80,8 @@ def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):
     with a token budget small enough that prompts are chunked and steps mix prefill and decode (and each rank's
     share of the start-up dummy step run in step with its peers)."""
     arch, expert_parallel, _ = arch.partition("-ep")
-    save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"))
+    arch, biased, _ = arch.partition("+bias")
+    save_hf_model(arch, tmp_path, tie_word_embeddings=(arch == "llama"), **({"use_bias": True} if biased else {}))
     config = dict(kv_cache_memory="8MiB", max_num_batched_tokens=16, max_model_len=256, compile=False, dtype="float32")
     if arch == "qwen3":  # n-gram speculation: drafts travel with the step, rank 0 verifies them
         config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}

@@ -288,6 +288,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # ERNIE 4.5 MoE: interleaved rotary, a dense first layer, 8 experts (2 a token) chosen with a selection bias
+    # by a float32 softmax router, one shared expert, a tied head.
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-4: sandwich norms, fused gate/up, rotary on interleaved pairs over half of each head (of 32).
     "glm4": (
         "Glm4Config",

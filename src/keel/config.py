@@ -147,7 +147,8 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe, dots1)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe, dots1,
+    # ernie4_5_moe)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -444,7 +445,8 @@ class ModelConfig:
         )
         expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
-        shared = 3 * h * self.shared_expert_intermediate_size + shared_gate
+        shared_width = self.shared_expert_intermediate_size
+        shared = 3 * h * shared_width + shared_gate + ((2 * shared_width + h) if self.mlp_bias and shared_width else 0)
         norm = h * (2 if self.norm_bias else 1)
         pre = (2 if self.post_attention_norm else 1) if self.norm_placement != "post" else 0
         block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
@@ -453,6 +455,8 @@ class ModelConfig:
             base = attn + block_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
+                if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers
+                    router += self.num_experts
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:
@@ -607,7 +611,7 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, "granitemoe"):
+        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, "granitemoe", "ernie4_5_moe"):
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,

@@ -20,6 +20,7 @@ from keel.families import (
     cohere2,
     dots1,
     ernie4_5,
+    ernie4_5_moe,
     exaone4,
     gemma2,
     gemma3,
@@ -64,6 +65,7 @@ FAMILIES: dict[str, ModuleType] = {
         glm4_moe,
         granitemoe,
         dots1,
+        ernie4_5_moe,
     )
 }
 
@@ -72,6 +74,13 @@ def checkpoint_layout(config) -> dict:  # noqa: ANN001
     """The family's stored tensors that keel reads under other names or in parts (keel.weights.parts), or {}."""
     family = FAMILIES.get(config.architecture)
     return family.checkpoint_layout(config) if family is not None and hasattr(family, "checkpoint_layout") else {}
+
+
+def stored_tensor(config, name: str, tensor):  # noqa: ANN001, ANN201
+    """`tensor`, written under HF name `name`, as the family's checkpoints store it (ERNIE 4.5 MoE keeps its
+    selection bias [1, E]); as it is for the other families."""
+    family = FAMILIES.get(config.architecture)
+    return family.stored_tensor(name, tensor) if family is not None and hasattr(family, "stored_tensor") else tensor
 
 
 def stored_names(config) -> dict[str, str] | None:  # noqa: ANN001

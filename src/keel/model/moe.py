@@ -80,7 +80,10 @@ class Router(nn.Module):
             if self.scaling != 1.0:
                 weights = weights * self.scaling
             return Routing(ids=ids, weights=weights, logits=logits, probs=torch.softmax(logits, dim=-1))
-        if self.scoring == "softmax":
+        if self.scoring == "softmax" and self.e_score_correction_bias is not None:
+            logits = F.linear(x.float(), self.weight.float())  # ERNIE 4.5: a biased choice, the router in float32
+            scores = probs = torch.softmax(logits, dim=-1)
+        elif self.scoring == "softmax":
             logits = F.linear(x, self.weight, self.bias).float()  # Mixtral/Qwen: the matmul in the model's dtype
             scores = torch.softmax(logits, dim=-1)
             probs = scores
@@ -267,7 +270,7 @@ class MoE(nn.Module):
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size)
+            self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size, bias=config.mlp_bias)
             if config.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from keel.errors import KeelError, WeightsError
 from keel.model.seeded_init import canonical_name, local_box
 from keel.weights.checkpoint import Checkpoint
+from keel.weights.loader import as_shape
 from keel.weights.names import hf_source
 
 
@@ -56,11 +57,13 @@ def load_shards(model: nn.Module, checkpoint: Checkpoint) -> None:
         local, shape, offset = local_box(tensor)
         if len(names) == 1:
             full = tuple(reader.shape(names[0]))
-            if full != tuple(tensor.shape):
+            # Stored with dimensions of size 1 of its own (ERNIE 4.5 MoE's [1, E] selection bias), whole here
+            reshaped = full != tuple(tensor.shape) and tuple(shape) == tuple(tensor.shape)
+            if full != tuple(tensor.shape) and not (reshaped and as_shape(reader.get(names[0]), shape).shape == shape):
                 raise WeightsError(
                     f"{checkpoint.path}: tensor {names[0]} has shape {list(full)}, expected {list(tensor.shape)}"
                 )
-            part = read_box(reader, names[0], offset, shape)
+            part = as_shape(reader.get(names[0]), shape) if reshaped else read_box(reader, names[0], offset, shape)
         else:  # experts stored one tensor each: this rank's experts, stacked, then cut
             per = len(names) // config.num_experts
             mine = names[offset[0] * per : (offset[0] + shape[0]) * per]

@@ -129,7 +129,7 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
                     f"; the checkpoint is quantized ({checkpoint.quantization.get('scheme')}): load it with keel itself"
                 )
             raise WeightsError(f"{checkpoint.path}: tensor {missing[0]!r} is missing (needed for {name}){hint}")
-        tensor = source.combine([reader.get(n) for n in source.names])
+        tensor = as_shape(source.combine([reader.get(n) for n in source.names]), param.shape)
         if tuple(tensor.shape) != tuple(param.shape):
             shown = source.names[0] if len(source.names) == 1 else f"{name} (from {source.names[0]}, ...)"
             raise WeightsError(
@@ -137,6 +137,14 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
                 f"expected {list(param.shape)} for this config"
             )
         yield name, tensor
+
+
+def as_shape(tensor: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """`tensor` viewed as `shape` where the two differ only by dimensions of size 1 (ERNIE 4.5 MoE stores its
+    router's selection bias as [1, E]); else as it is, for the caller's shape check to report."""
+    if tuple(tensor.shape) != tuple(shape) and [n for n in tensor.shape if n != 1] == [n for n in shape if n != 1]:
+        return tensor.reshape(shape)
+    return tensor
 
 
 def _stored_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from keel.config import DEEPSEEK_MOE_FAMILIES, ModelConfig
-from keel.families import checkpoint_layout
+from keel.families import checkpoint_layout, stored_tensor
 from keel.weights.parts import fused_stream as parts_fused_stream
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -35,6 +35,8 @@ class Source:
     combine: Callable[[list[Tensor]], Tensor]
 
 
+# Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
+_SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe"}
 # Families whose checkpoints store each layer's experts stacked (under names their checkpoint_layout renames).
 STACKED_EXPERTS = {"granitemoe"}
 
@@ -81,7 +83,7 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
             n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight")
         )
         return Source(names, lambda ts: torch.stack([torch.cat(ts[i : i + 2]) for i in range(0, len(ts), 2)]))
-    if config.architecture in DEEPSEEK_MOE_FAMILIES and rest.startswith("mlp.shared_expert."):
+    if config.architecture in _SHARED_EXPERTS and rest.startswith("mlp.shared_expert."):
         return Source((f"{prefix}.shared_experts.{rest.removeprefix('mlp.shared_expert.')}",), _single)
     # Qwen2-MoE's shared expert and its gate keep their HF names.
     return Source((f"{prefix}.{rest.removeprefix('mlp.')}",), _single)
@@ -121,5 +123,6 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
 
 
 def fused_stream(config: ModelConfig, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """HF-named tensors as the family stores them (keel.families: renamed, fused), made from keel's."""
-    return parts_fused_stream(checkpoint_layout(config), tensors)
+    """HF-named tensors as the family stores them (keel.families: renamed, fused, reshaped), made from keel's."""
+    for name, tensor in parts_fused_stream(checkpoint_layout(config), tensors):
+        yield name, stored_tensor(config, name, tensor)

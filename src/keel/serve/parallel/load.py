@@ -20,7 +20,7 @@ from keel.model.stages import split_stage
 from keel.model.transformer import Transformer
 from keel.serve.parallel.tensor import shard_model
 from keel.weights.checkpoint import LoadedModel
-from keel.weights.loader import open_checkpoint
+from keel.weights.loader import as_shape, open_checkpoint
 from keel.weights.names import hf_source
 from keel.weights.shard import Shard, TensorParallelLayout
 
@@ -96,7 +96,7 @@ def load_tensor_parallel(
             tensor = source.combine([reader.get_shard(stored, piece) for stored in names])
         # To the device as it is read: on GPUs the host never holds more than one tensor of the shard (every
         # local rank loads at once, and a whole shard per rank can exceed the host's memory).
-        tensor = tensor.to(device=device, dtype=param.dtype if name in buffers else dtype)
+        tensor = as_shape(tensor, param.shape).to(device=device, dtype=param.dtype if name in buffers else dtype)
         if tuple(tensor.shape) != tuple(param.shape):
             raise KeelError(
                 f"{checkpoint.path}: {name} gives {list(tensor.shape)} on rank {rank}, expected {list(param.shape)}"

@@ -118,6 +118,19 @@ class ExpertSliceDispatcher:
         return out
 
 
+class PartialSumLinear(nn.Module):
+    """A row-parallel linear whose partial outputs another module sums (a shared expert's down projection, summed
+    by the MoE block's one all-reduce): rank 0 alone adds the bias, so that it is counted once."""
+
+    def __init__(self, weight: Tensor, bias: Tensor, adds_bias: bool) -> None:
+        super().__init__()
+        self.weight, self.bias, self.adds_bias = weight, bias, adds_bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias if self.adds_bias else None)
+
+
 @torch.no_grad()
 def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.ProcessGroup | None = None) -> None:
     """Cut `model` (a full dense keel Transformer, not yet fused) down to `layout`'s rank, in place."""
@@ -143,6 +156,8 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
             module.weight = nn.Parameter(_cut(module.weight, weight_shard), requires_grad=False)
             if bias is not None:
                 module.bias = nn.Parameter(_cut(bias, layout.shard_of(f"{name}.bias")), requires_grad=False)
+            if weight_shard.dim == 1 and bias is not None:  # a shared expert's down projection, with a bias
+                setattr(parent, child, PartialSumLinear(module.weight, module.bias, adds_bias=layout.rank == 0))
             module.out_features, module.in_features = module.weight.shape
     for name, module in model.named_modules():
         if isinstance(module, MoE):
