@@ -5,9 +5,12 @@ first dimension, and computed grouped: token-slots are sorted by expert and all 
 grouped matmul per projection (`keel.model.grouped`), with no loop over experts.
 
 Routers (`Router`):
-- softmax (Mixtral, Qwen-MoE): softmax over the E logits, top-k, optionally renormalised;
-- topk_softmax (GPT-OSS): top-k of the logits, then a softmax over those k (the same weights as softmax with
-  renormalisation, computed in the model's dtype as transformers does);
+- softmax (Mixtral, Qwen-MoE): softmax over the E logits, top-k, optionally renormalised; with a selection
+  bias (ERNIE 4.5 MoE: `e_score_correction_bias`, as below) the router runs in float32 and chooses by the
+  biased probabilities, weighting by the unbiased ones;
+- topk_softmax (GPT-OSS, Granite MoE): top-k of the logits, then a softmax over those k (the same weights as
+  softmax with renormalisation, computed in the model's dtype as transformers does); GPT-OSS's router has a
+  bias of its linear layer (`router_linear_bias`), which moves the logits;
 - sigmoid (DeepSeek-V3): per-expert sigmoid scores; a bias (`e_score_correction_bias`) is added
   for *selecting* experts only (aux-loss-free balancing moves it, see `update_routing_bias`);
   group-limited selection (the experts form n_group groups, a token may use the topk_group groups
