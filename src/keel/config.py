@@ -598,6 +598,8 @@ class ModelConfig:
             hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
+        if self.architecture in DEEPSEEK_MOE_FAMILIES:
+            hf.update(_deepseek_moe_to_hf(self))
         if self.architecture == "deepseek_v3":
             hf.update(_deepseek_to_hf(self))
         elif self.architecture in ("mistral", "mixtral"):
@@ -773,14 +775,7 @@ def _deepseek_moe_from_hf(hf: dict[str, Any], defaults: dict[str, Any], num_laye
 
 
 def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
-    if config.mlp_only_layers != list(range(len(config.mlp_only_layers))):
-        raise ConfigError(
-            f"deepseek_v3: dense layers must be the first k (first_k_dense_replace), got {config.mlp_only_layers}"
-        )
-    moe_width = config.moe_intermediate_size
-    shared = config.shared_expert_intermediate_size
-    if config.is_moe and shared % moe_width:
-        raise ConfigError(f"deepseek_v3: shared expert width {shared} is not a multiple of {moe_width}")
+    """DeepSeek-V3's attention keys (its experts': `_deepseek_moe_to_hf`)."""
     return {
         # transformers' DeepseekV3 attention needs num_key_value_heads == num_attention_heads; its
         # `head_dim` is the rotary width.
@@ -793,6 +788,21 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "v_head_dim": config.v_head_dim,
         "rope_interleave": config.rope_interleave,
+    }
+
+
+def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The expert keys of DeepSeek-V3 and the families that route as it does (DEEPSEEK_MOE_FAMILIES)."""
+    arch = config.architecture
+    if config.mlp_only_layers != list(range(len(config.mlp_only_layers))):
+        raise ConfigError(
+            f"{arch}: dense layers must be the first k (first_k_dense_replace), got {config.mlp_only_layers}"
+        )
+    moe_width = config.moe_intermediate_size
+    shared = config.shared_expert_intermediate_size
+    if config.is_moe and shared % moe_width:
+        raise ConfigError(f"{arch}: shared expert width {shared} is not a multiple of {moe_width}")
+    return {
         "n_routed_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "moe_intermediate_size": moe_width,

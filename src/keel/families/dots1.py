@@ -49,18 +49,9 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    moe_width = config.moe_intermediate_size
+    """The attention's keys (keel.config writes the experts' as DeepSeek-V3's)."""
     return {
         "attention_bias": config.qkv_bias,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.layer_types),
-        "n_routed_experts": config.num_experts,
-        "num_experts_per_tok": config.num_experts_per_tok,
-        "moe_intermediate_size": moe_width,
-        "n_shared_experts": config.shared_expert_intermediate_size // moe_width if moe_width else 0,
-        "first_k_dense_replace": len(config.mlp_only_layers),
-        "norm_topk_prob": config.norm_topk_prob,
-        "n_group": config.n_group,
-        "topk_group": config.topk_group,
-        "routed_scaling_factor": config.routed_scaling_factor,
     }

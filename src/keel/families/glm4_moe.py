@@ -44,19 +44,9 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    moe_width = config.moe_intermediate_size
+    """The attention's keys (keel.config writes the experts' as DeepSeek-V3's)."""
     return {
         "attention_bias": config.qkv_bias,
         "use_qk_norm": config.qk_norm,
         "rope_parameters": {**hf["rope_parameters"], "partial_rotary_factor": config.partial_rotary_factor},
-        "n_routed_experts": config.num_experts,
-        "num_experts_per_tok": config.num_experts_per_tok,
-        "moe_intermediate_size": moe_width,
-        "n_shared_experts": config.shared_expert_intermediate_size // moe_width if moe_width else 0,
-        "first_k_dense_replace": len(config.mlp_only_layers),
-        "norm_topk_prob": config.norm_topk_prob,
-        "n_group": config.n_group,
-        "topk_group": config.topk_group,
-        "routed_scaling_factor": config.routed_scaling_factor,
-        "num_nextn_predict_layers": 0,  # keel neither reads nor writes multi-token-prediction layers
     }
