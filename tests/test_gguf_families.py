@@ -471,3 +471,88 @@ def test_glm4_moe_gguf_matches_hf_model(tmp_path):
     assert c.shared_expert_intermediate_size == 32 and not c.shared_expert_gated and c.qk_norm and c.qkv_bias
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def write_ernie_gguf(hf, path) -> None:
+    """ERNIE 4.5 (dense or MoE) as llama.cpp's Ernie4_5Model / Ernie4_5MoeModel converters write it: q/k rows as in
+    HF (llama.cpp rotates interleaved pairs; keel regroups them as from safetensors), TextModel's metadata, and for
+    MoE the expert count, used count, width, shared count, leading dense blocks and interleave step; the experts
+    stacked per kind, the [1, E] selection bias as `exp_probs_b.bias`; other names by gguf's TensorNameMap."""
+    from test_gguf import mini_vocab
+
+    cfg = hf.config
+    moe = cfg.model_type == "ernie4_5_moe"
+    arch = gguf.MODEL_ARCH.ERNIE4_5_MOE if moe else gguf.MODEL_ARCH.ERNIE4_5
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if moe:
+        w.add_expert_count(cfg.moe_num_experts)
+        w.add_expert_used_count(cfg.moe_k)
+        w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+        w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_count(cfg.moe_num_shared_experts)
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
+
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(path.parent / "hf")  # the converter reads the checkpoint as saved (per-expert tensors)
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in hf_name:  # one tensor each in HF: stacked per layer and kind, as the converter does
+            layer, _, _, expert, kind, _ = hf_name.removeprefix("model.layers.").split(".")
+            stacked.setdefault(f"blk.{layer}.ffn_{kind.removesuffix('_proj')}_exps.weight", {})[int(expert)] = t
+        elif hf_name.endswith("e_score_correction_bias"):
+            add(names.get_name(hf_name.removesuffix("_bias")) + ".bias", t)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", t)
+    for name, experts in stacked.items():
+        add(name, torch.stack([experts[e] for e in sorted(experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["ernie4_5", "ernie4_5_moe"])
+def test_ernie_gguf_matches_hf_model(tmp_path, name):
+    """ERNIE 4.5 dense and MoE as llama.cpp converts them: interleaved rotary rows regrouped at load, biases and the
+    tied head by tensor, and for MoE the dense first layer, the float32 softmax router with its [1, E] selection
+    bias, the shared expert; transformers' logits."""
+    hf = build_hf_model(name, **({"use_bias": True} if name == "ernie4_5" else {}))
+    write_ernie_gguf(hf, tmp_path / f"{name}.gguf")
+    loaded = load_model(tmp_path / f"{name}.gguf")
+    c = loaded.config
+    assert c.architecture == name and c.tie_word_embeddings
+    if name == "ernie4_5_moe":
+        assert (c.num_experts, c.mlp_only_layers, c.router_bias, c.shared_expert_intermediate_size) == (
+            8,
+            [0],
+            True,
+            32,
+        )
+    else:
+        assert c.qkv_bias and c.o_bias and c.mlp_bias
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

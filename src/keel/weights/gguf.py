@@ -17,7 +17,7 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
-cohere2, gpt-oss and glm4moe (others are refused by name); tensor
+cohere2, gpt-oss, glm4moe, ernie4_5 and ernie4_5-moe (others are refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -122,6 +122,8 @@ _FAMILIES = {
     _A.COHERE2: "cohere2",
     _A.GPT_OSS: "gpt_oss",
     _A.GLM4_MOE: "glm4_moe",
+    _A.ERNIE4_5: "ernie4_5",
+    _A.ERNIE4_5_MOE: "ernie4_5_moe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -168,7 +170,7 @@ KEYS_READ = (
     *(_K.EXPERT_COUNT, _K.EXPERT_USED_COUNT, _K.EXPERT_FEED_FORWARD_LENGTH, _K.EXPERT_SHARED_FEED_FORWARD_LENGTH),
     *(_K.EXPERT_WEIGHTS_NORM, _K.EMBEDDING_SCALE, _K.RESIDUAL_SCALE, _K.LOGIT_SCALE),
     *(_K.EXPERT_SHARED_COUNT, _K.EXPERT_WEIGHTS_SCALE, _K.EXPERT_GATING_FUNC, _K.LEADING_DENSE_BLOCK_COUNT),
-    *(_K.EXPERT_GROUP_COUNT, _K.EXPERT_GROUP_USED_COUNT, _K.NEXTN_PREDICT_LAYERS),
+    *(_K.EXPERT_GROUP_COUNT, _K.EXPERT_GROUP_USED_COUNT, _K.NEXTN_PREDICT_LAYERS, _K.INTERLEAVE_MOE_LAYER_STEP),
     *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
@@ -513,6 +515,18 @@ def _family_hf_config(
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
+        hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
+    if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
+        hf.update(
+            moe_num_experts=int(f.require(_K.EXPERT_COUNT)),
+            moe_k=int(f.require(_K.EXPERT_USED_COUNT)),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            moe_num_shared_experts=int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0),
+            moe_layer_start_index=int(f.key(_K.LEADING_DENSE_BLOCK_COUNT, 1) or 0),
+            moe_layer_interval=int(f.key(_K.INTERLEAVE_MOE_LAYER_STEP, 1) or 1),
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers"}
     if family == "glm4_moe":  # the rotary width (half of each head), q/k norms and biases by tensor
         rope_dims = f.key(_KR.DIMENSION_COUNT)
         if rope_dims is not None:
