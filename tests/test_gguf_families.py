@@ -387,17 +387,20 @@ def test_phi3_longrope_gguf_matches_hf_model(tmp_path):
             assert rel_err(hf(tokens).logits, loaded.model(tokens)) <= 1e-4, length
 
 
-def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1) -> None:
+def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1, arch: gguf.MODEL_ARCH = gguf.MODEL_ARCH.GLM4_MOE) -> None:
     """GLM-4.5 as llama.cpp's Glm4MoeModel converter writes it: TextModel's metadata plus the rotary width (half
     of each head), the experts' count, width, shared count, leading dense layers, sigmoid gating, scale and
     normalisation; block_count counting the multi-token-prediction layers after the last (here placeholders that
     keel must not read); gate and up experts apart, the selection bias as `exp_probs_b.bias`; other names by
-    gguf's TensorNameMap, as the converter maps them."""
+    gguf's TensorNameMap, as the converter maps them. `arch` DOTS1: Dots1Model's (Qwen2MoeModel's metadata, whole
+    heads rotating, no gating, group or MTP keys)."""
     from test_gguf import mini_vocab
 
     cfg = hf.config
     layers = cfg.num_hidden_layers
-    w = gguf.GGUFWriter(str(path), "glm4moe")
+    glm = arch == gguf.MODEL_ARCH.GLM4_MOE
+    mtp_layers = mtp_layers if glm else 0
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     w.add_block_count(layers + mtp_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -406,18 +409,23 @@ def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if glm:  # TextModel writes the key length where config.json has head_dim
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+    if glm:
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
     w.add_expert_count(cfg.n_routed_experts)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_shared_count(cfg.n_shared_experts)
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if glm:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     w.add_expert_weights_norm(cfg.norm_topk_prob)
-    w.add_nextn_predict_layers(mtp_layers)
+    if glm:
+        w.add_nextn_predict_layers(mtp_layers)
     w.add_vocab_size(cfg.vocab_size)
     tokens, types, merges = mini_vocab()
     w.add_tokenizer_model("gpt2")
@@ -426,7 +434,7 @@ def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1) -> None:
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + mtp_layers)
+    names = gguf.get_tensor_name_map(arch, layers + mtp_layers)
 
     def add(name: str, t: torch.Tensor) -> None:
         w.add_tensor(name, np.ascontiguousarray(t.detach().float().numpy()))
@@ -554,5 +562,19 @@ def test_ernie_gguf_matches_hf_model(tmp_path, name):
         )
     else:
         assert c.qkv_bias and c.o_bias and c.mlp_bias
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_dots1_gguf_matches_hf_model(tmp_path):
+    """dots.llm1 as llama.cpp's Dots1Model converts it (DeepSeek's experts from Qwen-MoE's keys plus the leading
+    dense blocks, shared count, weights scale and norm; per-head q/k norms and biases by tensor): transformers'
+    logits (groups of one, which dots.llm1 uses and the converter does not write; no sliding layer)."""
+    hf = build_hf_model("dots1", n_group=1, topk_group=1, sliding_window=None)
+    write_glm4_moe_gguf(hf, tmp_path / "dots.gguf", arch=gguf.MODEL_ARCH.DOTS1)
+    loaded = load_model(tmp_path / "dots.gguf")
+    c = loaded.config
+    assert (c.architecture, c.mlp_only_layers, c.router_scoring, c.router_bias) == ("dots1", [0], "sigmoid", True)
+    assert c.qk_norm and c.qkv_bias and c.o_bias and c.shared_expert_intermediate_size == 64
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

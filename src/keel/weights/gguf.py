@@ -17,7 +17,7 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
-cohere2, gpt-oss, glm4moe, ernie4_5 and ernie4_5-moe (others are refused by name); tensor
+cohere2, gpt-oss, glm4moe, dots1, ernie4_5 and ernie4_5-moe (others are refused by name); tensor
 types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -122,6 +122,7 @@ _FAMILIES = {
     _A.COHERE2: "cohere2",
     _A.GPT_OSS: "gpt_oss",
     _A.GLM4_MOE: "glm4_moe",
+    _A.DOTS1: "dots1",
     _A.ERNIE4_5: "ernie4_5",
     _A.ERNIE4_5_MOE: "ernie4_5_moe",
 }
@@ -372,8 +373,8 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
-    if family == "glm4_moe":
-        own.update(_glm4_moe_fields(f, common, tensors, path))
+    if family in ("glm4_moe", "dots1"):
+        own.update(_deepseek_moe_fields(f, common, tensors, path))
     if family in FAMILIES:
         # The family file reads its config.json keys: from GGUF, those the metadata and tensors give.
         hf, read = _family_hf_config(f, family, common, tensors)
@@ -388,12 +389,15 @@ def _family_fields(
     return own
 
 
-def _glm4_moe_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
-    """GLM-4.5's experts as Glm4MoeModel writes them: DeepSeek-V3's router (sigmoid gating, the selection bias as
-    `exp_probs_b`, groups where the file has the keys, else one), shared experts, the first layers dense."""
+def _deepseek_moe_fields(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path
+) -> dict[str, Any]:
+    """The experts of GLM-4.5 and dots.llm1 as their converters (Glm4MoeModel, Dots1Model) write them: DeepSeek-V3's
+    router (sigmoid gating, the selection bias as `exp_probs_b`, groups where the file has the keys, else one),
+    shared experts, the first layers dense."""
     gating = f.key(_K.EXPERT_GATING_FUNC)
     if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
-        raise ConfigError(f"{path}: GLM-4.5 expert gating function {gating} is not supported (sigmoid only)")
+        raise ConfigError(f"{path}: expert gating function {gating} is not supported here (sigmoid only)")
     width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
     read, layers = f.read, range(common["num_layers"])
     return {
