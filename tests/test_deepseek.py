@@ -28,6 +28,9 @@ VARIANTS = {
     "moe": ("deepseek_v3", {}),
     "dense": ("deepseek_v3", {"first_k_dense_replace": 3}),
     "mla-yarn": ("deepseek_v3-mla", {}),
+    # DeepSeek-V2: low-rank queries and group-limited routing; V2-Lite's shape (full-rank q_proj, greedy top-k).
+    "v2": ("deepseek_v2", {"q_lora_rank": 32}),
+    "v2-lite": ("deepseek_v2", {"topk_method": "greedy", "n_group": 1, "topk_group": 1}),
 }
 
 # The published DeepSeek-V3 config.json (deepseek-ai/DeepSeek-V3), less auto_map and the FP8
@@ -132,14 +135,96 @@ def test_published_config_reads_and_round_trips():
     assert hf_config.rope_parameters["rope_type"] == "yarn" and hf_config.rope_parameters["factor"] == 40.0
 
 
+# The published DeepSeek-V2-Lite config.json (deepseek-ai/DeepSeek-V2-Lite), less auto_map.
+PUBLISHED_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "attention_bias": False,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+}
+
+
+def test_published_v2_lite_config_reads_and_round_trips():
+    config = ModelConfig.from_hf(PUBLISHED_V2_LITE)
+    assert (config.architecture, config.is_mla, config.is_moe, config.q_lora_rank) == ("deepseek_v2", True, True, None)
+    assert (config.head_dim, config.rotary_dim, config.v_head_dim, config.rope_interleave) == (192, 64, 128, True)
+    assert (config.router_scoring, config.router_float32, config.router_bias) == ("softmax", True, False)
+    assert (config.n_group, config.norm_topk_prob, config.shared_expert_intermediate_size) == (1, False, 2816)
+    assert config.mlp_only_layers == [0]
+    # DeepSeek-V2-Lite: 15.7B parameters, 2.4B active per token (the embedding table aside).
+    counts = config.param_counts()
+    assert round(counts["total"] / 1e8) == 157 and 2.4e9 <= counts["active_matmul"] < 2.5e9
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    hf_config = transformers.DeepseekV2Config(**config.to_hf())
+    assert (hf_config.topk_method, hf_config.q_lora_rank, hf_config.num_key_value_heads) == ("greedy", None, 16)
+    # DeepSeek-V2 (236B): group-limited greedy over 8 groups, 3 of them a token.
+    grouped = ModelConfig.from_hf(
+        {
+            **PUBLISHED_V2_LITE,
+            "topk_method": "group_limited_greedy",
+            "n_group": 8,
+            "topk_group": 3,
+            "routed_scaling_factor": 16.0,
+        }
+    )
+    assert (grouped.n_group, grouped.topk_group, grouped.router_group_score) == (8, 3, "max")
+    assert ModelConfig.from_hf(grouped.to_hf()) == grouped
+    with pytest.raises(ConfigError, match="topk_method 'noaux_tc'"):
+        ModelConfig.from_hf({**PUBLISHED_V2_LITE, "topk_method": "noaux_tc"})
+    with pytest.raises(ConfigError, match="scoring_func 'sigmoid'"):
+        ModelConfig.from_hf({**PUBLISHED_V2_LITE, "scoring_func": "sigmoid"})
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tiny_config_round_trip(tiny, variant):
     directory, hf = tiny[variant]
     config = ModelConfig.from_json_file(directory / "config.json")
     assert ModelConfig.from_hf(config.to_hf()) == config
-    again = transformers.DeepseekV3Config(**config.to_hf())
+    again = type(hf.config)(**config.to_hf())
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"):
-        assert getattr(again, key) == getattr(hf.config, key), key
+        if hasattr(hf.config, key):  # DeepSeek-V2 has no rope_interleave: it always interleaves
+            assert getattr(again, key) == getattr(hf.config, key), key
     assert again.first_k_dense_replace == hf.config.first_k_dense_replace
     assert config.param_counts()["total"] == sum(p.numel() for p in hf.parameters())
 

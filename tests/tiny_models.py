@@ -377,6 +377,42 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attn_logit_softcapping=5.0,
         ),
     ),
+    # DeepSeek-V2: multi-head latent attention with DeepSeek-V2-Lite's full-rank q_proj, YaRN with mscale, a float32
+    # softmax router choosing in the best of 2 groups of 4 (group_limited_greedy), weights scaled, 2 shared experts;
+    # layer 0 dense.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            num_experts_per_tok=2,
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            max_position_embeddings=16384,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
     # Multi-head latent attention + DeepSeek's MoE (sigmoid router, selection bias, groups, ungated
     # shared expert; layer 0 dense). transformers' reference needs num_key_value_heads == heads.
     "deepseek_v3": (

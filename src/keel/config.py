@@ -26,16 +26,18 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GraniteForCausalLM": "granite",
     **{module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()},
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
-MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v3"}
-# Families whose experts DeepSeek-V3's reader and writer describe (sigmoid router, selection bias, groups, shared
-# experts, first k layers dense), whose checkpoints name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
-DEEPSEEK_MOE_FAMILIES = {"deepseek_v3", "glm4_moe", "dots1"}
+MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3"}
+# Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
+# float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
+# name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
+DEEPSEEK_MOE_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "dots1"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -77,6 +79,30 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "norm_topk_prob": False,
         "intermediate_size": 6144,
+    },
+    # transformers' DeepseekV2Config defaults (n_group/topk_group None there: no groups; num_experts_per_tok None
+    # there, which its router cannot run: DeepSeek-V2-Lite's 6).
+    "deepseek_v2": {
+        **_COMMON_DEFAULTS,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": [2],
+        "intermediate_size": 11008,
+        "num_experts": 64,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1407,
+        "norm_topk_prob": False,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,  # DeepSeek-V2 always rotates interleaved pairs (a complex product)
     },
     # transformers' DeepseekV3Config defaults (the published DeepSeek-V3 shape).
     "deepseek_v3": {
@@ -187,6 +213,10 @@ class ModelConfig:
     # group-limited top-k, scaled weights).
     router_scoring: str = "softmax"
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
+    router_float32: bool = False  # DeepSeek-V2: the router's matmul and softmax in float32 whatever the model's dtype
+    # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
+    # or "max" (DeepSeek-V2's group_limited_greedy: its best expert's).
+    router_group_score: str = "top2_sum"
     n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -375,6 +405,10 @@ class ModelConfig:
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(
+                self.router_group_score in ("top2_sum", "max"),
+                f"router_group_score {self.router_group_score!r} is not supported (top2_sum, max)",
+            )
+            need(
                 self.expert_activation in ("silu", "swiglu_clamped"),
                 f"expert_activation {self.expert_activation!r} is not supported (silu, swiglu_clamped)",
             )
@@ -386,6 +420,10 @@ class ModelConfig:
             )
 
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
+        need(
+            self.rope_interleave or self.architecture != "deepseek_v2",
+            "deepseek_v2 rotates interleaved pairs (rope_interleave must be true)",
+        )
         need(
             self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
             f"qk_rope_head_dim must be positive and even, got {self.qk_rope_head_dim}",
@@ -503,6 +541,8 @@ class ModelConfig:
         mla: dict[str, Any] = {}
         if family in MLA_FAMILIES:
             mla = _mla_from_hf(hf, defaults)
+            if family == "deepseek_v2":  # no such key: V2 always rotates interleaved pairs
+                mla["rope_interleave"] = True
             # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
             head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
         moe = _moe_from_hf(family, hf, defaults, num_layers, source)
@@ -600,7 +640,7 @@ class ModelConfig:
             hf["attention_bias"] = self.qkv_bias
         if self.architecture in DEEPSEEK_MOE_FAMILIES:
             hf.update(_deepseek_moe_to_hf(self))
-        if self.architecture == "deepseek_v3":
+        if self.architecture in MLA_FAMILIES:
             hf.update(_deepseek_to_hf(self))
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
@@ -680,7 +720,7 @@ def _moe_from_hf(
 ) -> dict[str, Any]:
     """The ModelConfig fields of the experts (none for a dense family)."""
     if family in DEEPSEEK_MOE_FAMILIES:  # GLM-4.5 and dots.llm1 route and share experts as DeepSeek-V3
-        return _deepseek_moe_from_hf(hf, defaults, num_layers, source)
+        return _deepseek_moe_from_hf(family, hf, defaults, num_layers, source)
     if family not in MOE_FAMILIES:
         return {}
 
@@ -712,7 +752,9 @@ def _biases_from_hf(family: str, hf: dict[str, Any]) -> dict[str, bool]:
         "qkv_bias": qkv_bias,
         # Llama's attention_bias covers o_proj too; Qwen's bias is on q/k/v only. DeepSeek's covers
         # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj or kv_b_proj).
-        "o_bias": attention_bias if family in ("llama", "granite", "qwen3", "qwen3_moe", "deepseek_v3") else False,
+        "o_bias": attention_bias
+        if family in ("llama", "granite", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+        else False,
         "mlp_bias": bool(_hf_get(hf, "mlp_bias", False)) if family in ("llama", "granite") else False,
     }
 
@@ -743,39 +785,71 @@ def _mla_from_hf(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _deepseek_moe_from_hf(hf: dict[str, Any], defaults: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
-    """DeepSeek-V3's MoE: sigmoid router with a selection bias and group-limited top-k, ungated shared
-    experts, and dense MLPs in the first `first_k_dense_replace` layers."""
+def _deepseek_moe_from_hf(
+    family: str, hf: dict[str, Any], defaults: dict[str, Any], num_layers: int, source: str
+) -> dict[str, Any]:
+    """DeepSeek's MoE: ungated shared experts, dense MLPs in the first `first_k_dense_replace` layers, and a router
+    that is V3's (sigmoid scores with a selection bias, groups scored by their top two, weights optionally
+    renormalised) or V2's (`_deepseek_v2_router`), the weights times routed_scaling_factor."""
 
     def get(key: str, default_key: str | None = None) -> Any:
         value = hf.get(key)
         return defaults[default_key or key] if value is None else value
 
-    # Fields of DeepSeek's own config.json that transformers fixes; anything else is another router.
-    for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-        if hf.get(key, expected) != expected:
-            raise ConfigError(f"{source}: DeepSeek-V3 {key} {hf[key]!r} is not supported (only {expected!r})")
+    router = (
+        _deepseek_v2_router(hf, source)
+        if family == "deepseek_v2"
+        else {
+            "norm_topk_prob": bool(get("norm_topk_prob")),
+            "router_scoring": "sigmoid",
+            "router_bias": True,
+            "n_group": int(get("n_group")),
+            "topk_group": int(get("topk_group")),
+        }
+    )
+    if family != "deepseek_v2":  # fields of DeepSeek-V3's own config.json that transformers fixes
+        for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if hf.get(key, expected) != expected:
+                raise ConfigError(f"{source}: DeepSeek-V3 {key} {hf[key]!r} is not supported (only {expected!r})")
     moe_width = int(get("moe_intermediate_size"))
     first_dense = min(int(get("first_k_dense_replace")), num_layers)
     return {
         "num_experts": int(get("n_routed_experts", "num_experts")),
         "num_experts_per_tok": int(get("num_experts_per_tok")),
         "moe_intermediate_size": moe_width,
-        "norm_topk_prob": bool(get("norm_topk_prob")),
         # n_shared_experts experts of moe_intermediate_size each act as one wider MLP.
         "shared_expert_intermediate_size": moe_width * int(get("n_shared_experts")),
         "shared_expert_gated": False,
         "mlp_only_layers": list(range(first_dense)),
-        "router_scoring": "sigmoid",
-        "router_bias": True,
-        "n_group": int(get("n_group")),
-        "topk_group": int(get("topk_group")),
         "routed_scaling_factor": float(get("routed_scaling_factor")),
+        **router,
+    }
+
+
+def _deepseek_v2_router(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V2's router as transformers runs it: a float32 softmax, then the top k (`greedy`) or the top k of
+    the topk_group groups whose best expert scores highest (`group_limited_greedy`); never renormalised
+    (transformers' router ignores norm_topk_prob, which DeepSeek's V2 releases set false)."""
+    method = hf.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(
+            f"{source}: DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)"
+        )
+    if hf.get("scoring_func", "softmax") != "softmax":
+        raise ConfigError(f"{source}: DeepSeek-V2 scoring_func {hf['scoring_func']!r} is not supported (softmax)")
+    grouped = method == "group_limited_greedy"
+    return {
+        "norm_topk_prob": False,
+        "router_scoring": "softmax",
+        "router_float32": True,
+        "router_group_score": "max",
+        "n_group": int(hf.get("n_group") or 1) if grouped else 1,
+        "topk_group": int(hf.get("topk_group") or 1) if grouped else 1,
     }
 
 
 def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """DeepSeek-V3's attention keys (its experts': `_deepseek_moe_to_hf`)."""
+    """DeepSeek-V2's and V3's attention keys (their experts': `_deepseek_moe_to_hf`)."""
     return {
         # transformers' DeepseekV3 attention needs num_key_value_heads == num_attention_heads; its
         # `head_dim` is the rotary width.
@@ -802,6 +876,7 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     shared = config.shared_expert_intermediate_size
     if config.is_moe and shared % moe_width:
         raise ConfigError(f"{arch}: shared expert width {shared} is not a multiple of {moe_width}")
+    v2 = {"topk_method": "group_limited_greedy" if config.n_group > 1 else "greedy"} if arch == "deepseek_v2" else {}
     return {
         "n_routed_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
@@ -814,6 +889,7 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
         "topk_group": config.topk_group,
         "routed_scaling_factor": config.routed_scaling_factor,
         "num_nextn_predict_layers": 0,  # keel neither reads nor writes multi-token-prediction layers
+        **v2,
     }
 
 

@@ -15,7 +15,9 @@ Routers (`Router`):
   for *selecting* experts only (aux-loss-free balancing moves it, see `update_routing_bias`);
   group-limited selection (the experts form n_group groups, a token may use the topk_group groups
   with the best sum of their top-2 scores); weights are the unbiased scores of the chosen experts,
-  optionally renormalised, times routed_scaling_factor.
+  optionally renormalised, times routed_scaling_factor;
+- softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
+  `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
@@ -60,6 +62,8 @@ class Router(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.n_group = config.n_group
         self.topk_group = config.topk_group
+        self.group_score = config.router_group_score
+        self.float32 = config.router_float32
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
@@ -83,8 +87,9 @@ class Router(nn.Module):
             if self.scaling != 1.0:
                 weights = weights * self.scaling
             return Routing(ids=ids, weights=weights, logits=logits, probs=torch.softmax(logits, dim=-1))
-        if self.scoring == "softmax" and self.e_score_correction_bias is not None:
-            logits = F.linear(x.float(), self.weight.float())  # ERNIE 4.5: a biased choice, the router in float32
+        if self.scoring == "softmax" and (self.float32 or self.e_score_correction_bias is not None):
+            # DeepSeek-V2; ERNIE 4.5 (a biased choice): the router in float32
+            logits = F.linear(x.float(), self.weight.float())
             scores = probs = torch.softmax(logits, dim=-1)
         elif self.scoring == "softmax":
             logits = F.linear(x, self.weight, self.bias).float()  # Mixtral/Qwen: the matmul in the model's dtype
@@ -107,10 +112,13 @@ class Router(nn.Module):
 
     def _limit_groups(self, choice: Tensor) -> Tensor:
         """Mask (-inf) the experts outside each token's topk_group best groups (group score: the sum
-        of its top-2 expert scores)."""
+        of its top-2 expert scores, or its best one's)."""
         t = choice.shape[0]
         grouped = choice.view(t, self.n_group, -1)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        if self.group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
         best = torch.topk(group_scores, self.topk_group, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, -1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from keel.config import ModelConfig
 from keel.weights.checkpoint import Checkpoint
 
 # Shown in this order; other ModelConfig fields only when they differ from "off".
@@ -40,6 +41,7 @@ _MAIN_FIELDS = [
     "router_bias",
     "n_group",
     "topk_group",
+    "router_group_score",
     "routed_scaling_factor",
     "norm_type",
     "norm_bias",
@@ -65,15 +67,20 @@ _MOE_ONLY = {
     "mlp_only_layers",
 }
 _MLA_ONLY = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"}
-# DeepSeek's router; shown for sigmoid routers only (softmax routers have none of it).
-_SIGMOID_ROUTER_ONLY = {
+# DeepSeek's router; shown for sigmoid routers and for grouped or scaled ones (DeepSeek-V2's softmax router).
+_DEEPSEEK_ROUTER_ONLY = {
     "shared_expert_gated",
     "router_scoring",
     "router_bias",
     "n_group",
     "topk_group",
+    "router_group_score",
     "routed_scaling_factor",
 }
+
+
+def _deepseek_router(config: ModelConfig) -> bool:
+    return config.router_scoring == "sigmoid" or config.n_group > 1 or config.routed_scaling_factor != 1.0
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -90,7 +97,7 @@ def describe(checkpoint: Checkpoint) -> dict[str, Any]:
     for name in _MAIN_FIELDS:
         if name in _MOE_ONLY and not config.is_moe or name in _MLA_ONLY and not config.is_mla:
             continue
-        if name in _SIGMOID_ROUTER_ONLY and not (config.is_moe and config.router_scoring == "sigmoid"):
+        if name in _DEEPSEEK_ROUTER_ONLY and not (config.is_moe and _deepseek_router(config)):
             continue
         value = getattr(config, name)
         if name == "rope_scaling":
