@@ -244,13 +244,13 @@ def test_refusals(tmp_path):
 
     from keel.weights.loader import open_checkpoint
 
-    path = tmp_path / "ds.gguf"
+    path = tmp_path / "ds.gguf"  # a deepseek2 file without its metadata: the missing key named
     writer = GGUFWriter(str(path), "deepseek2")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConfigError, match="'deepseek2'.*HF safetensors"):
+    with pytest.raises(ConfigError, match="ds.gguf: GGUF metadata key 'deepseek2.embedding_length' is missing"):
         open_checkpoint(path)
 
 

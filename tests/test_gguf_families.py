@@ -578,3 +578,192 @@ def test_dots1_gguf_matches_hf_model(tmp_path):
     assert c.qk_norm and c.qkv_bias and c.o_bias and c.shared_expert_intermediate_size == 64
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def write_deepseek2_gguf(hf, path, split_kv_b: bool = True, groups: bool = False, q8: bool = False) -> None:
+    """DeepSeek-V2 / V3 as llama.cpp's DeepseekV2Model converter writes them (`deepseek2`). `split_kv_b`: current
+    converters' MQA form (one KV head of kv_lora_rank + rope width, the widths as key_length_mla / value_length_mla,
+    kv_b_proj split into `attn_k_b` transposed and `attn_v_b`); else older files' (a KV head per query head,
+    key_length / value_length, `attn_kv_b` whole, and for V2 no gating key). YaRN as the factor, the pre-training
+    context and 0.1 x mscale_all_dim; experts stacked per kind, the selection bias as `exp_probs_b.bias`. `q8`: the
+    matrices whose rows split into blocks of 32 stored as Q8_0, the rest as float32, as llama-quantize leaves them."""
+    from safetensors.torch import load_file
+
+    from test_gguf import mini_vocab
+
+    cfg = hf.config
+    v3 = cfg.model_type == "deepseek_v3"
+    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    heads, rope, nope, v = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(1 if split_kv_b else heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if split_kv_b:
+        w.add_key_length(cfg.kv_lora_rank + rope)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+    else:
+        w.add_key_length(nope + rope)
+        w.add_value_length(v)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if v3 or split_kv_b:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if groups:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    w.add_rope_dimension_count(rope)
+    scaling = cfg.rope_parameters
+    if scaling.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("deepseek-v3" if v3 else "deepseek-llm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    hf.save_pretrained(path.parent / "hf")  # the converter reads the checkpoint as saved (per-expert tensors)
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        if ".mlp.experts." in hf_name:
+            layer, _, _, expert, kind, _ = hf_name.removeprefix("model.layers.").split(".")
+            stacked.setdefault(f"blk.{layer}.ffn_{kind.removesuffix('_proj')}_exps.weight", {})[int(expert)] = t
+        elif hf_name.endswith("e_score_correction_bias"):
+            add(names.get_name(hf_name.removesuffix("_bias")) + ".bias", t)
+        elif hf_name.endswith("kv_b_proj.weight") and split_kv_b:
+            k_b, v_b = t.view(heads, nope + v, -1).split([nope, v], dim=1)
+            blk = "blk." + hf_name.split(".")[2]
+            add(f"{blk}.attn_k_b.weight", k_b.transpose(1, 2))
+            add(f"{blk}.attn_v_b.weight", v_b)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", t)
+    for name, experts in stacked.items():
+        add(name, torch.stack([experts[e] for e in sorted(experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "split_kv_b"),
+    [("deepseek_v3", True), ("deepseek_v3", False), ("deepseek_v2", True), ("deepseek_v2", False)],
+)
+def test_deepseek2_gguf_matches_hf_model(tmp_path, name, split_kv_b):
+    """DeepSeek-V3 (sigmoid gating, selection bias, groups from the group keys, low-rank queries) and DeepSeek-V2
+    (softmax gating or none, V2-Lite's full-rank q_proj, YaRN with its mscale), in current converters' MQA form and
+    in older files' form: the latent-attention config, kv_b_proj joined again, transformers' logits, `keel convert`
+    back to the HF tensors; stored as Q8_0
+    and run as stored (keel's default), logits close to transformers' and the same greedy tokens through the engine's
+    latent cache."""
+    overrides = {"topk_method": "greedy", "n_group": 1, "topk_group": 1} if name == "deepseek_v2" else {}
+    hf = build_hf_model(name, **overrides)
+    write_deepseek2_gguf(hf, tmp_path / "ds.gguf", split_kv_b=split_kv_b, groups=name == "deepseek_v3")
+    loaded = load_model(tmp_path / "ds.gguf")
+    c, cfg = loaded.config, hf.config
+    assert c.architecture == name and (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 4, 24)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim) == (
+        cfg.q_lora_rank,
+        16,
+        8,
+        cfg.v_head_dim,
+    )
+    assert c.mlp_only_layers == [0] and c.shared_expert_intermediate_size == 32 * cfg.n_shared_experts
+    if name == "deepseek_v3":
+        assert (c.router_scoring, c.router_bias, c.n_group, c.topk_group) == ("sigmoid", True, 2, 1)
+    else:
+        assert (c.router_scoring, c.router_float32, c.router_bias, c.norm_topk_prob) == ("softmax", True, False, False)
+        assert c.rope_scaling.type == "yarn" and c.rope_scaling.mscale == c.rope_scaling.mscale_all_dim == 0.707
+    reader = loaded.checkpoint.reader
+    expected = ["blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"] if split_kv_b else ["blk.0.attn_kv_b.weight"]
+    assert reader.gguf_names("model.layers.0.self_attn.kv_b_proj.weight") == expected
+    assert torch.equal(
+        reader.get("model.layers.0.self_attn.kv_b_proj.weight"),
+        hf.state_dict()["model.layers.0.self_attn.kv_b_proj.weight"],
+    )
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    if not split_kv_b:
+        return
+    from safetensors.torch import load_file
+
+    from keel.weights.convert import convert
+
+    out = convert(tmp_path / "ds.gguf", tmp_path / "back", dtype="float32")  # the HF checkpoint again
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(written) == set(stored) and all(torch.equal(written[k], stored[k]) for k in stored)
+    write_deepseek2_gguf(hf, tmp_path / "q8.gguf", groups=name == "deepseek_v3", q8=True)
+    from keel.serve import LLM, EngineConfig, SamplingParams
+
+    prompt, greedy = TOKENS[0, :20].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for quantize in ("auto", "none"):  # run as stored (keel's default), and dequantized at load
+        options = dict(num_blocks=32, block_size=8, max_model_len=128, quantize=quantize, dtype="float32")
+        llm = LLM(str(tmp_path / "q8.gguf"), EngineConfig.of(**options))
+        experts = type(llm.engine.model.layers["1"].mlp.experts).__name__
+        assert (experts == "GroupedExperts") == (quantize == "none"), experts
+        tokens[quantize] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens["auto"] == tokens["none"]
+
+
+@pytest.mark.parametrize(
+    ("pre", "text", "pieces"),
+    [
+        # DeepSeek-V3: numbers in threes, a kana run alone, punctuation before letters kept with them
+        ("deepseek-v3", "abc 12345 ひらがな.net", ["abc", "Ġ", "123", "45", "Ġ", "ãģ²ãĤīãģĮãģª", ".net"]),
+        # DeepSeek LLM / V2: digits in one run, newlines alone, punctuation runs with one leading space
+        ("deepseek-llm", "Hello 12345\n\nworld !?", ["Hello", "Ġ", "12345", "Ċ", "Ċ", "world", "Ġ!?"]),
+    ],
+)
+def test_deepseek_pre_tokenizers(tmp_path, pre, text, pieces):
+    from test_gguf import mini_vocab
+
+    path = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from keel.weights.gguf_file import GGUFFile
+    from keel.weights.gguf_tokenizer import tokenizer_from_gguf
+
+    fields = GGUFFile(path).fields
+    tokenizer = tokenizer_from_gguf(fields.get, [2], path)
+    assert [piece for piece, _ in tokenizer.tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces

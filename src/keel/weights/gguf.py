@@ -17,9 +17,9 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
 qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
-cohere2, gpt-oss, glm4moe, dots1, ernie4_5 and ernie4_5-moe (others are refused by name); tensor
-types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
-one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
+cohere2, gpt-oss, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
+name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
+IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
 (keel.weights.gguf_tokenizer).
 
@@ -125,6 +125,7 @@ _FAMILIES = {
     _A.DOTS1: "dots1",
     _A.ERNIE4_5: "ernie4_5",
     _A.ERNIE4_5_MOE: "ernie4_5_moe",
+    _A.DEEPSEEK2: "deepseek_v3",  # or deepseek_v2, by the expert gating function (_deepseek2_family)
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -138,7 +139,7 @@ _NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4_moe"}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4_moe", "deepseek_v2", "deepseek_v3"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -174,10 +175,12 @@ KEYS_READ = (
     *(_K.EXPERT_GROUP_COUNT, _K.EXPERT_GROUP_USED_COUNT, _K.NEXTN_PREDICT_LAYERS, _K.INTERLEAVE_MOE_LAYER_STEP),
     *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
+    *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     _KR.SCALING_ORIG_CTX_LEN,
     *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
+    _KR.SCALING_YARN_LOG_MUL,
     ROPE_SCALE_LINEAR,
     *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
 )
@@ -291,6 +294,8 @@ def _config_from_metadata(
     arch = _architecture(meta, path)
     num_experts = int(meta.get(_K.EXPERT_COUNT.format(arch=arch), 0) or 0)
     family = "mixtral" if arch == MODEL_ARCH_NAMES[_A.LLAMA] and num_experts else ARCHITECTURES[arch]
+    if arch == MODEL_ARCH_NAMES[_A.DEEPSEEK2]:
+        family = _deepseek2_family(meta, arch)
     f = _Fields(meta, arch, family)
     hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
     vocab = _vocab_size(f, tensors, path, embedding_first=family == "gemma3")
@@ -344,14 +349,16 @@ def _config_from_metadata(
 def _architecture(meta: _Metadata, path: Path) -> str:
     """general.architecture, when keel reads it from GGUF."""
     arch = meta.get(Keys.General.ARCHITECTURE)
-    if arch == MODEL_ARCH_NAMES[_A.DEEPSEEK2]:  # DeepSeek-V2/V3 (multi-head latent attention)
-        raise ConfigError(
-            f"{path}: GGUF architecture {arch!r} (DeepSeek-V2/V3, multi-head latent attention) is not supported "
-            "from GGUF; use the HF safetensors checkpoint (config.json + model*.safetensors)"
-        )
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     return arch
+
+
+def _deepseek2_family(meta: _Metadata, arch: str) -> str:
+    """llama.cpp's `deepseek2` holds DeepSeek-V2 / V2.5 (softmax gating, or no gating key: their older files) and
+    DeepSeek-V3 / R1 and kin (sigmoid gating), as llama.cpp tells them apart."""
+    gating = meta.get(_K.EXPERT_GATING_FUNC.format(arch=arch))
+    return "deepseek_v3" if gating is not None and int(gating) == int(ExpertGatingFuncType.SIGMOID) else "deepseek_v2"
 
 
 def _family_fields(
@@ -373,8 +380,10 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
-    if family in ("glm4_moe", "dots1"):
-        own.update(_deepseek_moe_fields(f, common, tensors, path))
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):
+        own.update(_deepseek_moe_fields(f, family, common, tensors, path))
+    if family in ("deepseek_v2", "deepseek_v3"):
+        own.update(_mla_fields(f, common, tensors, path))
     if family in FAMILIES:
         # The family file reads its config.json keys: from GGUF, those the metadata and tensors give.
         hf, read = _family_hf_config(f, family, common, tensors)
@@ -390,16 +399,18 @@ def _family_fields(
 
 
 def _deepseek_moe_fields(
-    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path
+    f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path
 ) -> dict[str, Any]:
-    """The experts of GLM-4.5 and dots.llm1 as their converters (Glm4MoeModel, Dots1Model) write them: DeepSeek-V3's
-    router (sigmoid gating, the selection bias as `exp_probs_b`, groups where the file has the keys, else one),
-    shared experts, the first layers dense."""
+    """The experts of DeepSeek-V3, GLM-4.5 and dots.llm1 as their converters (DeepseekV2Model, Glm4MoeModel,
+    Dots1Model) write them: DeepSeek-V3's router (sigmoid gating, the selection bias as `exp_probs_b`, groups where
+    the file has the keys, else one), shared experts, the first layers dense; DeepSeek-V2's float32 softmax router
+    (keel.config's `_deepseek_v2_router`) for a `deepseek2` file with softmax gating."""
     gating = f.key(_K.EXPERT_GATING_FUNC)
-    if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+    if family != "deepseek_v2" and gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
         raise ConfigError(f"{path}: expert gating function {gating} is not supported here (sigmoid only)")
     width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
     read, layers = f.read, range(common["num_layers"])
+    v2 = {"router_scoring": "softmax", "router_float32": True, "router_group_score": "max", "norm_topk_prob": False}
     return {
         "num_experts": read("num_experts", int(f.require(_K.EXPERT_COUNT))),
         "num_experts_per_tok": read("num_experts_per_tok", int(f.require(_K.EXPERT_USED_COUNT))),
@@ -417,7 +428,38 @@ def _deepseek_moe_fields(
         "topk_group": read("topk_group", int(f.key(_K.EXPERT_GROUP_USED_COUNT, 1) or 1)),
         "routed_scaling_factor": read("routed_scaling_factor", _f32(f.key(_K.EXPERT_WEIGHTS_SCALE, 1.0))),
         "norm_topk_prob": read("norm_topk_prob", bool(f.key(_K.EXPERT_WEIGHTS_NORM, True))),
+        **(v2 if family == "deepseek_v2" else {}),
     }
+
+
+def _mla_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+    """Multi-head latent attention as llama.cpp's DeepseekV2Model writes it. Current files store it in MQA form (one
+    KV head of kv_lora_rank + rope width; the query/key and value widths as `key_length_mla` / `value_length_mla`;
+    kv_b_proj split into `attn_k_b`, transposed, and `attn_v_b`); older ones one KV head per query head, the widths
+    as `key_length` / `value_length`, and `attn_kv_b` whole. Either way keel's KV heads are the query heads. The
+    rotary width is `rope.dimension_count`, on interleaved pairs (llama.cpp stores HF's rows); the converter writes
+    0.1 x mscale_all_dim as `rope.scaling.yarn_log_multiplier`, and DeepSeek's mscale equals it (as llama.cpp
+    takes it)."""
+    read = f.read
+    rope = int(f.require(_KR.DIMENSION_COUNT))
+    value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH))
+    if value is None:
+        raise ConfigError(f"{path}: GGUF metadata key {f.name(_KA.VALUE_LENGTH)!r} is missing")
+    low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
+    out: dict[str, Any] = {
+        "num_kv_heads": read("num_kv_heads", common["num_heads"], "inferred"),
+        "q_lora_rank": read("q_lora_rank", int(f.require(_KA.Q_LORA_RANK))) if low_rank_q else None,
+        "kv_lora_rank": read("kv_lora_rank", int(f.require(_KA.KV_LORA_RANK))),
+        "qk_rope_head_dim": read("qk_rope_head_dim", rope),
+        "qk_nope_head_dim": read("qk_nope_head_dim", common["head_dim"] - rope),
+        "v_head_dim": read("v_head_dim", int(value)),
+        "rope_interleave": True,
+    }
+    log_mul = f.key(_KR.SCALING_YARN_LOG_MUL)
+    if common["rope_scaling"].type == "yarn" and log_mul is not None:
+        mscale = float(f"{_f32(log_mul) / 0.1:.6g}")  # to the digits a float32 of 0.1 x mscale keeps
+        out["rope_scaling"] = dataclasses.replace(common["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
+    return out
 
 
 def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
@@ -588,7 +630,9 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     else:
         kv_heads = f.read("num_kv_heads", _per_layer_constant(kv_heads, f.name(_KA.HEAD_COUNT_KV), path))
     rope_dims = f.key(_KR.DIMENSION_COUNT)
-    if f.key(_KA.KEY_LENGTH) is not None:
+    if f.key(_KA.KEY_LENGTH_MLA) is not None:  # DeepSeek's MQA form: the query/key width of latent attention
+        head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH_MLA)))
+    elif f.key(_KA.KEY_LENGTH) is not None:
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
     elif rope_dims is not None and family not in _ROTARY_WIDTH_KEY:  # llama.cpp writes the head size here for llama
         head_dim = f.read("head_dim", int(rope_dims))
@@ -809,6 +853,17 @@ def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
 
 
+def _kv_b_from_split(arrays: list[np.ndarray]) -> np.ndarray:
+    """HF's kv_b_proj [heads x (nope + v), rank] from llama.cpp's `attn_k_b` [heads, rank, nope] (transposed by the
+    converter) and `attn_v_b` [heads, v, rank]."""
+    k_b, v_b = arrays
+    kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return kv.reshape(-1, kv.shape[-1])
+
+
+_kv_b_from_split.moves_rows = False  # type: ignore[attr-defined]  # it transposes: no integer blocks (get_blocks)
+
+
 def _minus_one(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] - np.float32(1)
 
@@ -906,6 +961,13 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t, up), stacked, concat)
             elif kind == MODEL_TENSOR.FFN_EXP_PROBS_B:  # the router's selection bias (DeepSeek's, GLM-4.5's)
                 self._add(f"model.layers.{layer}.{moe}.gate.e_score_correction_bias", (t,), shape, _single)
+            elif kind == MODEL_TENSOR.ATTN_K_B:  # DeepSeek's kv_b_proj, split by current converters (_mla_fields)
+                v_b = tensors.get(_tensor(MODEL_TENSOR.ATTN_V_B, layer))
+                if v_b is None:
+                    raise WeightsError(f"{path}: tensor {_tensor(MODEL_TENSOR.ATTN_V_B, layer)!r} is missing")
+                heads, rank, nope = shape
+                whole = (heads * (nope + _hf_shape(v_b)[1]), rank)
+                self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
             elif base in names:
@@ -1035,7 +1097,7 @@ class GGUFTensorReader:
             raise WeightsError(f"{self.path}: the checkpoint is closed")
         entry = self._entry(name)
         specs = [BLOCK_TYPES.get(t.tensor_type) for t in entry.sources]
-        if None in specs or len({s.form for s in specs}) != 1:  # type: ignore[union-attr]
+        if not getattr(entry.combine, "moves_rows", True) or None in specs or len({s.form for s in specs}) != 1:  # type: ignore[union-attr]
             return None
         spec = specs[0]
         parts = [decode_blocks(t.tensor_type, *_raw(t, entry.rows)) for t in entry.sources]
