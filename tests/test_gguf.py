@@ -257,7 +257,8 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
-GGUF_ARCH.update(gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox", smollm3="smollm3")
+GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
+GGUF_ARCH.update(smollm3="smollm3")
 GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
@@ -371,7 +372,7 @@ def write_gguf(
     if arch == "gemma3":  # TextModel: the global layers' RoPE (and its scaling), the sliding layers' base
         rope = cfg.rope_parameters["full_attention"]
         w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
-    if arch != "gemma2":  # Gemma2Model writes no RoPE base (llama.cpp's default, 10000, is Gemma 2's)
+    if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no RoPE base (llama.cpp's default, 10000)
         w.add_rope_freq_base(rope["rope_theta"])
     if arch == "starcoder2":  # StarCoder2Model (TextModel): LayerNorms, no window key
         w.add_layer_norm_eps(cfg.norm_epsilon)
@@ -420,7 +421,7 @@ def write_gguf(
             )
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma", "gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if rope.get("rope_type") == "linear":
@@ -468,8 +469,8 @@ def write_gguf(
 
     permute = arch in ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.modify_tensors
     for hf_name, t in model.state_dict().items():
-        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
-            t = t + 1  # Gemma2Model / Gemma3Model: llama.cpp's RMSNorm scales by w, Gemma's by 1 + w
+        if arch in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            t = t + 1  # GemmaModel / Gemma2Model / Gemma3Model: llama.cpp's RMSNorm scales by w, Gemma's by 1 + w
         if hf_name in HEADS:
             if not cfg.tie_word_embeddings:
                 add("output.weight", t)

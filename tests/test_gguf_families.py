@@ -164,6 +164,7 @@ def test_phi3_gguf_without_window_matches_transformers_gguf_loader(tmp_path):
 # from the head size (no key), so the models here have query_pre_attn_scalar == head_dim; Gemma 3 has llama.cpp's
 # layer pattern (five sliding layers, then a global one: its converter writes no pattern).
 NEW_FAMILIES = {
+    "gemma": dict(num_hidden_layers=2),
     "gemma2": dict(num_hidden_layers=2, query_pre_attn_scalar=16),
     "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16),
     "stablelm": dict(num_hidden_layers=2),
@@ -182,7 +183,13 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
     loaded = load_model(write_gguf(hf, tmp_path / f"{name}.gguf"))
     c, reader = loaded.config, loaded.checkpoint.reader
     assert c.architecture == name.removesuffix("-parallel")
-    if name.startswith("gemma"):
+    if name == "gemma":  # (1 + w) norms stored plus 1 (Llama's names), the tanh GELU, the head tied
+        assert (c.norm_weight_offset, c.attention_scale, c.embedding_multiplier) == (1.0, None, 8.0)
+        assert c.tie_word_embeddings and c.hidden_act == "gelu_tanh" and c.head_dim == 16
+        norm = "model.layers.1.post_attention_layernorm.weight"
+        assert reader.gguf_names(norm) == ["blk.1.ffn_norm.weight"]
+        assert torch.allclose(reader.get(norm), hf.state_dict()[norm], atol=1e-6)
+    if name in ("gemma2", "gemma3"):
         assert (c.norm_weight_offset, c.attention_scale, c.embedding_multiplier) == (1.0, 0.25, 8.0)
         assert c.sliding_window == 8 and c.tie_word_embeddings and c.final_logit_softcapping == 30.0
         # The file's norms are HF's plus 1; keel reads HF's.
@@ -236,7 +243,7 @@ def test_keel_convert_of_the_gguf_gives_back_the_hf_tensors(tmp_path, name):
     assert all(same(written[k], expected[k]) for k in expected)
 
 
-@pytest.mark.parametrize("arch", ["gemma", "falcon", "bloom"])
+@pytest.mark.parametrize("arch", ["mpt", "falcon", "bloom"])
 def test_families_not_read_from_gguf_are_refused(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)

@@ -377,6 +377,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attn_logit_softcapping=5.0,
         ),
     ),
+    # Gemma: Llama's block with (1 + w) norms, a sqrt(hidden) embedding, the tanh GELU (the released configs' legacy
+    # "gelu"), a tied head.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=128, head_dim=16, hidden_act="gelu")),
     # DeepSeek-V2: multi-head latent attention with DeepSeek-V2-Lite's full-rank q_proj, YaRN with mscale, a float32
     # softmax router choosing in the best of 2 groups of 4 (group_limited_greedy), weights scaled, 2 shared experts;
     # layer 0 dense.

@@ -16,7 +16,7 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
+qwen3moe, granite, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
 cohere2, gpt-oss, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
 name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
@@ -32,7 +32,7 @@ keeps q/k/v fused in `attn_qkv` and gate/up in `ffn_up` (gate rows first); OLMo 
 (absent, transformers' default 1.0 is taken). Phi-3's `attention.sliding_window` (0: none) applies
 to every layer, as transformers applies the HF config's; a Phi-3 with longrope factors is refused.
 
-Gemma 2 and 3: the converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm has no 1 + w), which is
+Gemma, Gemma 2 and 3: the converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm has no 1 + w), which is
 taken off on load; the embedding is stored unscaled (keel scales it by sqrt(hidden) as transformers does)
 and the head is tied (no `output.weight`). No key holds query_pre_attn_scalar: the softmax scale is
 llama.cpp's, (hidden / heads)^-1/2 for the 27B models (46 layers for Gemma 2, 62 for Gemma 3) and
@@ -111,6 +111,7 @@ _FAMILIES = {
     _A.GRANITE: "granite",
     _A.PHI3: "phi3",
     _A.OLMO2: "olmo2",
+    _A.GEMMA: "gemma",
     _A.GEMMA2: "gemma2",
     _A.GEMMA3: "gemma3",
     _A.STABLELM: "stablelm",
@@ -135,7 +136,7 @@ _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # permutation of q's and k's rows leaves their products as they were).
 _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
-_NORM_PLUS_ONE = {_A.GEMMA2, _A.GEMMA3}
+_NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
@@ -516,6 +517,8 @@ def _family_hf_config(
         local = f.key(_KR.FREQ_BASE_SWA)
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
+    if family == "gemma":  # the tanh GELU, the head tied unless an output tensor is stored
+        hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family in _PARTIAL_ROTARY:
         rope_dims = f.key(_KR.DIMENSION_COUNT)
         factor = _rotary_factor(int(rope_dims), head_dim) if rope_dims is not None else None
