@@ -68,6 +68,11 @@ def _params() -> list[SamplingParams]:
         pytest.param("ernie4_5_moe", 2, 1, marks=pytest.mark.slow),
         # with biases everywhere: the shared expert's down bias, summed by the block's all-reduce, added once
         pytest.param("ernie4_5_moe+bias", 2, 1, marks=pytest.mark.slow),
+        # DeepSeek-V2 / V3: latent attention's heads cut by rank (its latent cached whole on each), the float32
+        # softmax router choosing by groups, V3's sigmoid one with its selection bias; a pipeline of two stages
+        ("deepseek_v2", 2, 1),
+        pytest.param("deepseek_v3", 2, 1, marks=pytest.mark.slow),
+        pytest.param("deepseek_v2", 1, 2, marks=pytest.mark.slow),
         pytest.param("llama", 2, 2, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),

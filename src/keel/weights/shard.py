@@ -7,6 +7,10 @@
   are replicated (added once, after the all-reduce).
 - Replicated: norms (including per-head q/k norms), anything unnamed here.
 
+Multi-head latent attention (DeepSeek): q_proj / q_b_proj and kv_b_proj by heads, o_proj's input by heads (of
+v_head_dim), the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms replicated; every rank caches the
+whole latent (it has no heads to split), as vLLM does.
+
 KV heads: with at least as many KV heads as ranks, each rank holds num_kv_heads / tp of them. With
 fewer (tp a multiple of num_kv_heads), each rank holds one KV head and every KV head is replicated
 tp / num_kv_heads times, the head that rank's query heads attend to (vLLM's rule). Softmax sinks (GPT-OSS)
@@ -135,8 +139,11 @@ class TensorParallelLayout:
             return None
         module, kind = match.groups()
         d = c.head_dim
-        if module == "self_attn.q_proj":
+        if module in ("self_attn.q_proj", "self_attn.q_b_proj"):  # q_b_proj: latent attention's low-rank query
             return Shard(0, self.rank * self.local_heads * d, (self.rank + 1) * self.local_heads * d)
+        if module == "self_attn.kv_b_proj":  # latent attention: each head's key and value rows, by head
+            per_head = c.qk_nope_head_dim + c.v_head_dim
+            return Shard(0, self.rank * self.local_heads * per_head, (self.rank + 1) * self.local_heads * per_head)
         if module == "self_attn" and kind == "sinks":  # GPT-OSS: one per query head
             return Shard(0, self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
         if module in ("self_attn.k_proj", "self_attn.v_proj"):
@@ -157,7 +164,8 @@ class TensorParallelLayout:
         if module == "mlp.shared_expert.down_proj" and kind == "weight":
             return Shard(1, *self._split(c.shared_expert_intermediate_size))
         if module in _ROW and kind == "weight":
-            width = c.num_heads * d if module == "self_attn.o_proj" else c.intermediate_size
+            head_width = c.v_head_dim if c.is_mla else d
+            width = c.num_heads * head_width if module == "self_attn.o_proj" else c.intermediate_size
             return Shard(1, *self._split(width))
         return None  # norms, row-parallel biases
 

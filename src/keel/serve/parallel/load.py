@@ -4,8 +4,8 @@ ever holds a full weight tensor of the model.
 
 Safetensors slices are read through safetensors' lazy slicing; GGUF slices through the memory map,
 whole rows (and whole blocks of a row) at a time (`GGUFTensorReader.get_shard`). MoE experts stored
-one tensor per expert are cut piece by piece; GGUF's stacked experts are read whole, then cut. MLA
-and pre-quantized checkpoints are refused with a message.
+one tensor per expert are cut piece by piece; GGUF's stacked experts are read whole, then cut. Pre-quantized
+checkpoints are refused with a message.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from keel.weights.shard import Shard, TensorParallelLayout
 
 def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """Refuse what parallel serving cannot shard yet, and layouts that do not divide (one line each)."""
-    if config.is_mla:
-        raise KeelError(f"{source}: tensor/pipeline-parallel serving does not handle multi-head latent attention yet")
     if pp > config.num_layers:
         raise KeelError(f"--pipeline-parallel-size {pp}: the model has only {config.num_layers} layers")
     if expert_parallel and not config.is_moe:
