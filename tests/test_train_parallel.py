@@ -58,6 +58,10 @@ MODELS = {
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
     # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
     "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
+    # latent attention (heads cut under tp, the shared rope key's gradient summed), DeepSeek-V3's experts
+    "deepseek": lambda: tiny_config("deepseek_v3", num_hidden_layers=2),
+    # V2-Lite's full-rank q_proj, YaRN
+    "deepseek_v2": lambda: tiny_config("deepseek_v2", num_hidden_layers=2),
     # DeepSeek-V3's router (sigmoid, selection bias, 2 groups) with the router z-loss, whose gradient
     # is injected inside each block: it must survive pipeline splitting and sharding.
     "moe_aux": lambda: dataclasses.replace(
@@ -141,6 +145,8 @@ LAYOUTS = [
     Layout("moe ep=2", model="moe", dp_shard=2, ep=2),
     Layout("gpt_oss ep=2", model="gpt_oss", dp_shard=2, ep=2),
     Layout("gpt_oss tp=2 sp", model="gpt_oss", tp=2),
+    Layout("deepseek tp=2 sp", model="deepseek", tp=2),
+    Layout("deepseek_v2 tp=2 no-sp", model="deepseek_v2", tp=2, sequence_parallel=False, more=True),
     Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),
     Layout("moe ep=4", model="moe", dp_shard=4, ep=4),
     Layout("moe ep=2 x dp_shard_mod_ep=2 (experts FSDP-sharded too)", model="moe", dp_shard=4, ep=2),
@@ -183,7 +189,9 @@ def fresh_model(config: ModelConfig):
         for name, p in model.named_parameters():
             # At std 0.02 attention is nearly uniform and the loss ignores q/k and the rotary
             # positions: sharpen q/k (as tiny_models does), so a wrong head split or position shows.
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(
+                ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")
+            ):
                 p.mul_(10)
             # Norm weights at exactly 1 hide a wrongly reduced norm-weight gradient less well.
             if "norm" in name:

@@ -42,6 +42,11 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | `norm`                                   | SequenceParallel (SP only)                                  |
 | `lm_head`                                | ColwiseParallel; logits vocab-sharded (loss-parallel) or gathered |
 
+Multi-head latent attention (DeepSeek): q_proj / q_b_proj and kv_b_proj Colwise (by heads), o_proj Rowwise; the
+latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms replicated, fed a plain tensor (under SP the
+gathered sequence enters the attention as a local tensor). The rope key, which every head uses, gets each rank's
+heads' share of its gradient: a hook sums it over tp (`_rope_key_gradient_summed`).
+
 Qwen2's q/k/v biases are sharded with their weights; Mistral's sliding window and Qwen3's q/k norm
 need nothing else. Requirements: `num_heads % tp == 0`, `num_kv_heads % tp == 0` (checked, ValueError),
 `intermediate_size % tp == 0`, and with SP the sequence length `% tp == 0`.
@@ -106,6 +111,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from keel.model.layers import SwiGLU
+from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 from keel.model.transformer import Transformer
 from keel.paths import use_inductor_cache_dir
@@ -216,21 +222,23 @@ def check_tp_divisible(model: Transformer, tp: int) -> None:
 def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     # With SP the residual stream is a Shard(1) DTensor; rowwise outputs stay DTensors to add to it.
     seq, out = (Shard(1), False) if sp else (Replicate(), True)
-    plan: dict[str, ParallelStyle] = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=out),
-    }
+    mla = isinstance(layer.self_attn, MLAttention)
+    plan: dict[str, ParallelStyle] = {"self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=out)}
+    if mla:  # the query and the latent's per-head expansion by heads; the latent projections replicated
+        query = "self_attn.q_proj" if layer.self_attn.q_proj is not None else "self_attn.q_b_proj"
+        plan |= {query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel()}
+    else:
+        plan |= {proj: ColwiseParallel() for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
     if sp:
         for norm in ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm"):
             if getattr(layer, norm) is not None:
                 plan[norm] = SequenceParallel()
         # Gather the sequence once per block half; the meta argument is not a tensor.
+        # Latent attention's replicated projections take plain tensors: the gathered sequence enters as one.
         plan["self_attn"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=mla
         )
-    if layer.self_attn.q_norm is not None:
+    if getattr(layer.self_attn, "q_norm", None) is not None:
         # q/k are [B, S, heads/tp, D] local tensors: shard the norm on the heads dim, so that its
         # replicated weight's gradient (a partial sum over this rank's heads) is all-reduced.
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -254,6 +262,34 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
             use_local_output=False,
         )
     return plan
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over the group (Megatron's copy to the TP region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _rope_key_gradient_summed(latent_rank: int, mesh: DeviceMesh):
+    """A forward hook on latent attention's kv_a_proj_with_mqa under TP: its rope key, which every head uses, gets
+    from each rank only its heads' share of the gradient, so that share is summed over the ranks. The latent's
+    gradient is whole already (kv_b_proj's column-parallel input sums it)."""
+    group = mesh.get_group()
+
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        latent, rope_key = output.split([latent_rank, output.shape[-1] - latent_rank], dim=-1)
+        return torch.cat((latent, _SumGradient.apply(rope_key, group)), dim=-1)
+
+    return hook
 
 
 def _seq_divisible_hook(tp: int):
@@ -288,6 +324,8 @@ def apply_tp(
         attn = layer.self_attn
         if getattr(attn, "sinks", None) is not None:  # GPT-OSS: a rank's heads' sinks, as its q rows
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+        if isinstance(attn, MLAttention):
+            attn.kv_a_proj_with_mqa.register_forward_hook(_rope_key_gradient_summed(attn.kv_lora_rank, tp_mesh))
     top: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
         top["embed_tokens"] = RowwiseParallel(
