@@ -367,6 +367,27 @@ def test_gpt_oss_gguf_matches_hf_model(tmp_path, experts):
         for name, weight in stored.items():
             hf.get_parameter(name).copy_(weight)
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    if experts != Q.MXFP4:
+        return
+    # Run as stored (keel's default on CPU): MXFP4 as int8 codes (twice each FP4 value) with power-of-two scales,
+    # exact; the same greedy tokens as the dequantized path.
+    from keel.quant.experts import QuantizedGroupedExperts
+    from keel.quant.loading import resolve_scheme
+    from keel.serve import LLM, EngineConfig, SamplingParams
+
+    assert resolve_scheme(loaded.checkpoint, "auto") == "gguf"
+    blocks = loaded.checkpoint.reader.get_blocks("model.layers.0.mlp.experts.down_proj")
+    exact = blocks.codes.float() * blocks.scales.repeat_interleave(32, dim=-1)
+    assert torch.equal(exact, loaded.checkpoint.reader.get("model.layers.0.mlp.experts.down_proj"))
+    prompt, greedy = TOKENS[0, :20].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for quantize in ("auto", "none"):
+        options = dict(num_blocks=32, block_size=8, max_model_len=128, quantize=quantize, dtype="float32")
+        llm = LLM(str(tmp_path / "gpt-oss.gguf"), EngineConfig.of(**options))
+        experts_module = llm.engine.model.layers["1"].mlp.experts
+        assert isinstance(experts_module, QuantizedGroupedExperts) == (quantize == "auto")
+        tokens[quantize] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens["auto"] == tokens["none"]
 
 
 def test_gpt4o_pre_tokenizer_splits_as_o200k(tmp_path):

@@ -18,7 +18,7 @@ from keel.model.moe import GroupedExperts, MoE, _local
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit, float_parts
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
 
-GGUF = "gguf"  # run the GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on the integer kernels (load time only)
+GGUF = "gguf"  # run a GGUF file's own Q4_0 ... Q6_K and MXFP4 blocks on the integer kernels (load time only)
 LOAD_SCHEMES = (*SCHEMES, GGUF)
 # Linear layers whose weight is also read as a matrix elsewhere, so they must stay float: multi-head
 # latent attention folds kv_b_proj.weight into the query and output when attending over the cache.

@@ -14,7 +14,7 @@ and float16 take a reference path, slower than a dense float32 matmul (docs/BENC
 
 Where keel's C++ kernels run (keel.kernels: CPUs, unless KEEL_KERNELS=0) a layer keeps its codes in
 their block layout instead (keel.quant.block_layout) and runs `torch.ops.keel.block_linear`: int8
-activations, integer dot products, any activation dtype; GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks
+activations, integer dot products, any activation dtype; GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks
 run as their integer codes (`from_blocks`), scales included. `layout` says which ("blocks" or "aten").
 
 A layer is built from float weights (`QuantizedLinear(linear, ...)`, `from_float`) or straight from

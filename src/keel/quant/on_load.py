@@ -9,7 +9,7 @@ source tensors, never the float model.
 Sources:
 - "int8" / "int4": the module's float weights (in the compute dtype, as `quantize_model` would see
   them after a float load: the same numbers bit for bit);
-- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks (`GGUFTensorReader.get_blocks`,
+- "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks (`GGUFTensorReader.get_blocks`,
   keel.weights.gguf_blocks). Where keel's kernels run (keel.kernels) every block runs as its integer
   codes: Q4_0/Q4_1/Q8_0 with their float16 scales as stored, the K-quants with float32 scales (and
   mins) per 32 values (per 16 for Q6_K), the exact products of their super-block and sub-block

@@ -5,7 +5,7 @@ vocabulary as `tokenizer.ggml.*` keys, and the tensors under llama.cpp names (`b
 with shapes in ggml order (innermost dimension first). `open_gguf` turns that into the same
 `Checkpoint` the safetensors path builds: a `ModelConfig`, a reader that serves tensors under HF
 names in HF layout (dequantized lazily with `gguf.quants.dequantize`), and a `tokenizers` tokenizer.
-Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors are also served as integer codes and group scales
+Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 tensors are also served as integer codes and group scales
 (`get_blocks`, keel.weights.gguf_blocks), which `--quantize gguf` (keel.quant.on_load) repacks for
 the integer kernels without a float copy; the other block types load as float.
 

@@ -12,6 +12,8 @@ Every type decodes, vectorised over its raw bytes, to values q [..., rows, K] wi
 - Q5_K: Q4_K's fields plus 32 bytes of fifth bits (bit i of byte l: sub-block i, value l): q 0..31.
 - Q6_K: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales, fp16 d: q - 32 in
   -32..31, scale d * sc per 16 values.
+- MXFP4 (GPT-OSS's experts): an e8m0 exponent e + 16 bytes of nibbles per 32 values, each nibble an FP4 (e2m1)
+  value: q twice that value, an integer in -12..12, scale 2^(e - 128) (float32 holds every such power).
 
 In a nibble block of 32 (Q4_0/Q4_1), byte j holds value j (low nibble) and value j + 16 (high one).
 The K-quants' scales are products of an fp16 and an integer of at most 8 bits: exact in float32.
@@ -51,7 +53,10 @@ BLOCK_TYPES = {
     _T.Q4_K: BlockType("int4", 32, True, 144),
     _T.Q5_K: BlockType("int8", 32, True, 176),
     _T.Q6_K: BlockType("int8", 16, False, 210),
+    _T.MXFP4: BlockType("int8", 32, False, 17),
 }
+# Twice each FP4 (e2m1) value, by its 4-bit code (sign in the top bit): integers, so int8 codes hold them exactly.
+_MXFP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 @dataclass
@@ -121,6 +126,10 @@ def _decode(t: _T, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray 
         values = (low | ((pairs & 3) << 4)).astype(np.int16) - 32
         scales = _f16(raw[:, 208:210]) * raw[:, 192:208].copy().view(np.int8).astype(np.float32)
         return values.reshape(len(raw), 256).astype(np.int8), scales, None
+    if t == _T.MXFP4:
+        packed = raw[:, 1:17]
+        codes = _MXFP4_DOUBLED[np.concatenate([packed & 0x0F, packed >> 4], axis=1)]
+        return codes, np.ldexp(np.float32(1), raw[:, 0:1].astype(np.int32) - 128).astype(np.float32), None
     raise ValueError(f"no integer blocks for {t.name}")
 
 
