@@ -184,6 +184,40 @@ def test_mxfp4_checkpoint_reads_as_transformers_dequantized(served, tmp_path):
             assert torch.equal(reader.get_shard(name, shard), narrow(whole, shard)), (name, shard)
 
 
+def test_mxfp4_experts_run_as_stored(served, tmp_path):
+    """By default on CPU (`--quantize auto`) an MXFP4 checkpoint's experts run as stored: int8 codes (twice each FP4
+    value) and power-of-two scales, the same weights exactly, never a bfloat16 copy of the experts; greedy tokens
+    equal the dequantized path's. `--quantize gguf` asks for it by name; a checkpoint without blocks is refused."""
+    from keel.quant.experts import QuantizedGroupedExperts
+    from keel.quant.loading import resolve_scheme
+    from keel.weights.loader import open_checkpoint
+
+    path, _, _ = served
+    dequantized = _mxfp4_checkpoint(path, tmp_path / "mxfp4")
+    reader = GptOssReader(SafetensorsReader(tmp_path / "mxfp4"))
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        blocks = reader.get_blocks(name)
+        assert blocks.codes.dtype == torch.int8 and blocks.group == 32
+        exact = blocks.codes.float() * blocks.scales.repeat_interleave(32, dim=-1)
+        assert torch.equal(exact, reader.get(name).float())
+    assert reader.get_blocks("model.layers.1.mlp.experts.gate_up_proj_bias") is None
+    checkpoint = open_checkpoint(tmp_path / "mxfp4")
+    assert resolve_scheme(checkpoint, "auto") == "gguf" and resolve_scheme(open_checkpoint(path), "auto") is None
+    loaded = load_model(tmp_path / "mxfp4", "float32", quantize="auto")
+    assert all(isinstance(layer.mlp.experts, QuantizedGroupedExperts) for layer in loaded.model.layers.values())
+    assert loaded.model.quantization["stats"]["quantized"] == len(loaded.model.layers)  # the experts only
+    with pytest.raises(KeelError, match="has none"):
+        load_model(path, "float32", quantize="gguf")
+    prompt = list(range(40, 70))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for quantize in ("auto", "none"):
+        options = dict(num_blocks=32, block_size=8, max_model_len=128, quantize=quantize, dtype="float32")
+        llm = LLM(str(tmp_path / "mxfp4"), EngineConfig.of(**options))
+        tokens[quantize] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens["auto"] == tokens["none"] and dequantized
+
+
 def test_quantized_experts_keep_biases_and_activation(served):
     """Weight-only int8 experts (keel's kernels) keep the experts' biases and clamped SwiGLU: logits near the
     float model's, where dropping either moves them far."""

@@ -11,7 +11,7 @@ from typing import Literal
 
 from keel.errors import KeelError
 
-AUTO = "auto"  # the checkpoint's own storage: a GGUF file's integer blocks as stored, other checkpoints in float
+AUTO = "auto"  # the checkpoint's own storage: integer blocks (GGUF's, GPT-OSS's MXFP4) as stored, else float
 FLOAT = "none"  # float weights (a GGUF file's blocks expanded at load)
 QUANTIZE_CHOICES = (AUTO, FLOAT, "int8", "int4", "gguf")  # --quantize, as `QuantConfig.quantize` types it
 # What keel's own int8/int4 leave in float unless told otherwise: the head, whose rounding costs the most accuracy.
@@ -26,8 +26,9 @@ class QuantConfig:
 
     quantize: Literal["auto", "none", "int8", "int4", "gguf"] = AUTO
     """weights of the linear layers and MoE experts: int8 per channel, int4 per group (quantized at load); gguf: a
-    GGUF file's own integer (Q4_0 ... Q6_K) blocks run as stored on the integer kernels; none: float; auto: gguf
-    for a GGUF file with integer blocks on CPU (as vLLM runs GGUF files), none otherwise"""
+    checkpoint's own integer blocks (a GGUF file's Q4_0 ... Q6_K and MXFP4, GPT-OSS's MXFP4 experts) run as stored
+    on the integer kernels; none: float; auto: gguf for a checkpoint with integer blocks on CPU (as vLLM runs GGUF
+    files), none otherwise"""
 
     quant_group_size: Literal[32, 64, 128, 256] = 128
     """int4 group size (input channels per scale); 32 reproduces GGUF Q4_0/Q4_1 blocks"""

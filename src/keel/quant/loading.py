@@ -16,10 +16,9 @@ from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.quant.apply import GGUF, quantize_kept, set_activations
 from keel.quant.config import AUTO, FLOAT, keep_for
-from keel.quant.on_load import quantize_while_loading
+from keel.quant.on_load import quantize_while_loading, stores_integer_blocks
 from keel.weights.checkpoint import Checkpoint, LoadedModel
 from keel.weights.compute_dtype import choose_dtype
-from keel.weights.gguf_blocks import BLOCK_TYPES
 from keel.weights.loader import load_weights, open_checkpoint
 
 
@@ -85,9 +84,3 @@ def resolve_scheme(checkpoint: Checkpoint, quantize: str | None, device: str | t
 def loaded_scheme(model: torch.nn.Module) -> str | None:
     """The scheme `load_model` quantized `model` in (what "auto" chose), None for a float model."""
     return (getattr(model, "quantization", None) or {}).get("scheme")
-
-
-def stores_integer_blocks(checkpoint: Checkpoint) -> bool:
-    """A GGUF file holding tensors in a block type that --quantize gguf runs as stored (Q4_0 ... Q6_K)."""
-    names = {t.name for t in BLOCK_TYPES}
-    return checkpoint.format == "gguf" and any(name in names for name in checkpoint.bytes_by_dtype)

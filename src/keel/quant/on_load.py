@@ -54,7 +54,7 @@ from keel.quant.linear import (
     unpack_nibbles,
 )
 from keel.weights.checkpoint import Checkpoint
-from keel.weights.gguf_blocks import QuantBlocks
+from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks
 from keel.weights.names import hf_source
 
 GGUF_GROUP = 32  # values per block of Q4_0/Q4_1/Q8_0, and per scale of Q4_K/Q5_K
@@ -88,16 +88,26 @@ def quantize_while_loading(
             raise ValueError("quantize_while_loading needs a scheme for a float checkpoint")
         check_scheme(scheme, group_size)
         if scheme == GGUF:
-            if checkpoint.format != "gguf":
+            if checkpoint.format != "gguf" and not stores_integer_blocks(checkpoint):
                 raise KeelError(
-                    f"{checkpoint.path}: --quantize gguf runs a GGUF file's own integer blocks, and this is not "
-                    "a GGUF file (use --quantize int8 or int4)"
+                    f"{checkpoint.path}: --quantize gguf runs a checkpoint's own integer blocks (a GGUF file's, "
+                    "GPT-OSS's MXFP4 experts), and this one has none (use --quantize int8 or int4)"
                 )
             group_size = GGUF_GROUP
         source = f"from {checkpoint.path.name}"
         stats = _quantize(net, checkpoint, dtype, device, scheme, group_size, keep or set())
     net.quantization = {"scheme": scheme, "group_size": group_size, "source": source, "stats": stats}
     return stats
+
+
+def stores_integer_blocks(checkpoint: Checkpoint) -> bool:
+    """A GGUF file holding tensors in a block type that --quantize gguf runs as stored (Q4_0 ... Q6_K, MXFP4), or a
+    checkpoint whose reader serves integer blocks of its own (GPT-OSS's MXFP4 experts: keel.weights.gpt_oss)."""
+    names = {t.name for t in BLOCK_TYPES}
+    if checkpoint.format == "gguf":
+        return any(name in names for name in checkpoint.bytes_by_dtype)
+    stores_blocks = getattr(checkpoint.reader, "stores_blocks", None)
+    return stores_blocks is not None and stores_blocks()
 
 
 def release_freed_memory() -> None:

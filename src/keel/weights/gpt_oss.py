@@ -9,8 +9,10 @@ matmul reads it (gate_up [2I, H] with rows alternating, down [H, I]).
 
 `GptOssReader` wraps a tensor reader (keel.weights.checkpoint.TensorReader) so that those names read as keel's
 [E, 2I, H] gate rows then up rows, [E, H, I], and [E, 2I] biases, dequantized (to bfloat16, which holds every
-MXFP4 value exactly). Every read (whole, a row, a tensor-parallel shard, an FSDP box) reads only the experts it
-needs from the stored tensor. `to_hf` turns keel's tensors back into transformers' layout for `keel convert`.
+MXFP4 value exactly), or by `get_blocks` as integer blocks (int8 codes twice each FP4 value, power-of-two scales per
+32: the same weights exactly) for `--quantize auto` / `gguf` to run as stored. Every read (whole, a row, a
+tensor-parallel shard, an FSDP box) reads only the experts it needs from the stored tensor. `to_hf` turns keel's
+tensors back into transformers' layout for `keel convert`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
+from keel.weights.gguf_blocks import QuantBlocks
 from keel.weights.parts import DerivedReader
 
 # The E2M1 code points, by their 4-bit code (sign in the high bit).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _SCALE_BIAS = 127
+# Twice each E2M1 value, by its code: integers, so int8 codes hold them exactly (scales halved to match).
+_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj|gate_up_proj_bias)$")
 
 
@@ -76,6 +81,7 @@ class GptOssReader(DerivedReader):
         # keel name -> (stored names, [E, ...] experts read -> keel's tensor, keel's shape, keel's dtype)
         self._derived: dict[str, tuple[tuple[str, ...], Callable[[list[Tensor]], Tensor], tuple[int, ...], str]] = {}
         hidden = set()
+        self._mxfp4: set[str] = set()  # keel names stored in MXFP4 (get_blocks)
         for stored in present:
             base = stored.removesuffix("_blocks")
             match = _EXPERTS.match(base)
@@ -88,6 +94,7 @@ class GptOssReader(DerivedReader):
                 rows, cols = blocks[1], blocks[2] * 32
                 convert = _mxfp4_gate_up if kind == "gate_up_proj" else _mxfp4_down
                 self._derived[base] = (names, convert, (blocks[0], rows, cols), "BF16")
+                self._mxfp4.add(base)
                 hidden.update(names)
                 continue
             if base in self._derived:  # the MXFP4 form of the same weight was seen first
@@ -108,6 +115,24 @@ class GptOssReader(DerivedReader):
                 self._derived[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
             hidden.add(stored)
         self._names = (present - hidden) | set(self._derived)
+
+    def stores_blocks(self) -> bool:
+        """Whether any experts are stored in MXFP4 (`get_blocks` serves them)."""
+        return bool(self._mxfp4)
+
+    def get_blocks(self, name: str) -> QuantBlocks | None:
+        """An MXFP4-stored experts tensor as integer blocks in keel's layout (int8 codes [E, R, K], float32 scales
+        [E, R, K / 32]), or None for every other tensor (it loads as float)."""
+        self._known(name)
+        if name not in self._mxfp4:
+            return None
+        stored, convert, _, _ = self._derived[name]
+        blocks, scales = (self.inner.get(n) for n in stored)
+        codes = _DOUBLED[torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()].flatten(-2)
+        scales = torch.exp2(scales.to(torch.float32) - _SCALE_BIAS - 1)
+        if convert is _mxfp4_gate_up:
+            codes, scales = _deinterleave_rows(codes), _deinterleave_rows(scales)
+        return QuantBlocks("int8", 32, ("MXFP4",), codes.contiguous(), scales.contiguous(), None)
 
     def file_of(self, name: str) -> Path:
         return self.inner.file_of(self._derived[name][0][0] if name in self._derived else name)

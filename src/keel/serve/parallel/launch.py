@@ -56,7 +56,7 @@ def worker_spec(model: str | Path, config: EngineConfig, device: str) -> tuple[W
     checkpoint = open_checkpoint(model)
     check_parallel_model(checkpoint.config, model, tp, pp, par.enable_expert_parallel)
     if config.quant.quantize == AUTO and stores_integer_blocks(checkpoint):
-        log.info("%s: the workers load the GGUF file's blocks as float (they run as stored in one process)", model)
+        log.info("%s: the workers load the checkpoint's integer blocks as float (run as stored in one process)", model)
     ranks = node_ranks(par.world_size, par.nnodes, par.node_rank)
     if par.nnodes > 1 and par.master_port is None:
         raise KeelError("--master-port is required with --nnodes > 1 (the same on every node)")
