@@ -46,6 +46,8 @@ SLOW = pytest.mark.slow
         pytest.param("arcee", marks=SLOW),
         pytest.param("gemma3", marks=SLOW),
         pytest.param("gemma2", marks=SLOW),
+        pytest.param("gemma", marks=SLOW),
+        pytest.param("phi", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):

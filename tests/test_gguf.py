@@ -258,7 +258,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
-GGUF_ARCH.update(smollm3="smollm3")
+GGUF_ARCH.update(smollm3="smollm3", phi="phi2")
 GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
@@ -286,6 +286,9 @@ LAYER_NAMES = {
     "mlp.dense_4h_to_h": "ffn_down",
     "mlp.c_fc": "ffn_up",  # StarCoder2's
     "mlp.c_proj": "ffn_down",
+    "self_attn.dense": "attn_output",  # Phi's
+    "mlp.fc1": "ffn_up",
+    "mlp.fc2": "ffn_down",
 }
 # Per-architecture names (gguf's TENSOR_NAMES): OLMo 2's norms sit after each sublayer.
 # Gemma's: a norm after the attention and one before and after the MLP.
@@ -309,6 +312,9 @@ GLOBAL_NAMES = {
     "gpt_neox.embed_in.weight": "token_embd.weight",
     "gpt_neox.final_layer_norm.weight": "output_norm.weight",
     "gpt_neox.final_layer_norm.bias": "output_norm.bias",
+    "model.final_layernorm.weight": "output_norm.weight",  # Phi's
+    "model.final_layernorm.bias": "output_norm.bias",
+    "lm_head.bias": "output.bias",  # Phi's head bias
 }
 HEADS = ("lm_head.weight", "embed_out.weight")  # GPT-NeoX's head is embed_out
 
@@ -372,7 +378,7 @@ def write_gguf(
     if arch == "gemma3":  # TextModel: the global layers' RoPE (and its scaling), the sliding layers' base
         rope = cfg.rope_parameters["full_attention"]
         w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
-    if arch not in ("gemma", "gemma2"):  # GemmaModel / Gemma2Model write no RoPE base (llama.cpp's default, 10000)
+    if arch not in ("gemma", "gemma2", "phi2"):  # GemmaModel / Gemma2Model / Phi2Model write no RoPE base (10000)
         w.add_rope_freq_base(rope["rope_theta"])
     if arch == "starcoder2":  # StarCoder2Model (TextModel): LayerNorms, no window key
         w.add_layer_norm_eps(cfg.norm_epsilon)
@@ -381,6 +387,9 @@ def write_gguf(
         w.add_logit_scale(cfg.logit_scale)
         if arch == "cohere2":
             w.add_sliding_window(cfg.sliding_window)
+    elif arch == "phi2":  # Phi2Model: a LayerNorm eps, the rotary width, no RoPE base (llama.cpp's 10000)
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads)
     elif arch in ("stablelm", "gptneox"):  # LayerNorms; the rotary width (rope_pct / rotary_pct of the head)
         w.add_layer_norm_eps(cfg.layer_norm_eps)
         w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * (cfg.hidden_size // cfg.num_attention_heads)))

@@ -170,6 +170,7 @@ NEW_FAMILIES = {
     "stablelm": dict(num_hidden_layers=2),
     "stablelm-parallel": dict(num_hidden_layers=2),
     "gpt_neox": dict(num_hidden_layers=2),
+    "phi": dict(num_hidden_layers=2),
 }
 
 
@@ -216,6 +217,10 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
             not parallel,
         )
         assert c.partial_rotary_factor == (0.25 if parallel else 0.5) and c.qkv_bias == (not parallel)
+    if name == "phi":  # one LayerNorm, a parallel residual, 6 of 16 channels rotating, the head's bias
+        assert (c.norm_type, c.parallel_residual, c.post_attention_norm, c.rotary_dim) == ("layer", True, False, 6)
+        assert c.lm_head_bias and reader.gguf_names("lm_head.bias") == ["output.bias"]
+        assert reader.gguf_names("model.layers.0.self_attn.o_proj.weight") == ["blk.0.attn_output.weight"]
     if name == "gpt_neox":
         assert (c.parallel_residual, c.partial_rotary_factor, c.mlp_gated, c.hidden_act) == (True, 0.25, False, "gelu")
         assert (c.num_kv_heads, c.qkv_bias, c.o_bias, c.mlp_bias, c.tie_word_embeddings) == (4, True, True, True, False)

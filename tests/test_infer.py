@@ -86,7 +86,7 @@ SHAPE_INFERABLE = [
         (
             "deepseek",
             "granite",
-            "phi3",
+            "phi",  # phi and phi3
             "stablelm",
             "gpt_neox",
             "olmo",

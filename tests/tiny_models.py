@@ -377,6 +377,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attn_logit_softcapping=5.0,
         ),
     ),
+    # Phi (phi-2's shape): one LayerNorm feeding a parallel residual, 40% of each head rotating, biases everywhere
+    # including the LM head, Phi's own names (dense, fc1/fc2, final_layernorm).
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(num_key_value_heads=4, intermediate_size=256, partial_rotary_factor=0.4),  # 4 x hidden, as released
+    ),
     # Gemma: Llama's block with (1 + w) norms, a sqrt(hidden) embedding, the tanh GELU (the released configs' legacy
     # "gelu"), a tied head.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=128, head_dim=16, hidden_act="gelu")),

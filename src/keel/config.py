@@ -195,6 +195,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    lm_head_bias: bool = False  # Phi: the LM head adds a bias per vocabulary entry
     qk_norm: bool = False
     sliding_window: int | None = None
     # Per layer: "full_attention" or "sliding_attention" (HF's `layer_types`).
@@ -501,7 +502,7 @@ class ModelConfig:
                 total += base + dense_mlp
                 active += base + dense_mlp
         embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
         total += embed + head + norm
         active += embed + head + norm
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and

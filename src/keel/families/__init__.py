@@ -34,6 +34,7 @@ from keel.families import (
     olmo2,
     olmo3,
     olmoe,
+    phi,
     phi3,
     seed_oss,
     smollm3,
@@ -45,6 +46,7 @@ FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
         phi3,
+        phi,
         stablelm,
         gpt_neox,
         olmo2,

@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: nn.Module | None = block_norm(config, config.hidden_size)
-        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -16,7 +16,7 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
+qwen3moe, granite, phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
 cohere2, gpt-oss, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
 name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
@@ -111,6 +111,7 @@ _FAMILIES = {
     _A.GRANITE: "granite",
     _A.PHI3: "phi3",
     _A.OLMO2: "olmo2",
+    _A.PHI2: "phi",
     _A.GEMMA: "gemma",
     _A.GEMMA2: "gemma2",
     _A.GEMMA3: "gemma3",
@@ -138,11 +139,11 @@ _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
 _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
-_PARTIAL_ROTARY = {"stablelm", "gpt_neox"}
+_PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4_moe", "deepseek_v2", "deepseek_v3"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -533,6 +534,8 @@ def _family_hf_config(
         hf.update(qk_layernorm=has(MODEL_TENSOR.ATTN_Q_NORM))
         if factor is not None:
             hf.update(partial_rotary_factor=factor)
+    if family == "phi" and factor is not None:  # Phi2Model writes the rotary width
+        hf.update(partial_rotary_factor=factor)
     if family == "phi3":  # Phi-4-mini rotates 3/4 of each head: Phi3MiniModel writes that width
         rope_dims = f.key(_KR.DIMENSION_COUNT)
         if rope_dims is not None:

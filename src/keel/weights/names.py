@@ -59,8 +59,8 @@ def _expert_names(config: ModelConfig) -> tuple[str, str, str]:
 
 def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
     """The HF tensors that make keel parameter `name`."""
-    if name == "lm_head.weight":
-        return Source(("lm_head.weight",), _single)
+    if name in ("lm_head.weight", "lm_head.bias"):
+        return Source((name,), _single)
     match = _LAYER.match(name)
     if match is None or not match.group(2).startswith("mlp.") or not config.is_moe_layer(int(match.group(1))):
         return Source((f"model.{name}",), _single)

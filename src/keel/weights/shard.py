@@ -132,7 +132,7 @@ class TensorParallelLayout:
     def shard_of(self, name: str) -> Shard | None:
         """This rank's slice of parameter `name` (keel's names), or None when it is replicated."""
         c = self.config
-        if name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in ("embed_tokens.weight", "lm_head.weight", "lm_head.bias"):
             return Shard(0, *self.vocab_range())
         match = _LAYER.match(name)
         if match is None:

@@ -80,16 +80,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GatheredLMHead(nn.Module):
-    def __init__(self, weight: Tensor, vocab_size: int, rows_per_rank: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        vocab_size: int,
+        rows_per_rank: int,
+        group: dist.ProcessGroup | None,
+        bias: Tensor | None = None,
+    ) -> None:
         super().__init__()
         # A tied head shares the embedding's Parameter object itself (one tensor, counted once).
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # Phi's: this rank's rows
         self.vocab_size = vocab_size
         self.rows_per_rank = rows_per_rank  # all_gather needs equal pieces: the last rank's is padded
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        local = F.linear(x, self.weight)
+        local = F.linear(x, self.weight, self.bias)
         pad = self.rows_per_rank - local.shape[-1]
         if pad:
             local = F.pad(local, (0, pad))
@@ -181,7 +189,9 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
         model.embed_tokens = VocabParallelEmbedding(weight, start, group)
     if model.lm_head is not None:
         weight = model.embed_tokens.weight if tied else _cut(model.lm_head.weight, layout.shard_of("lm_head.weight"))
-        model.lm_head = GatheredLMHead(weight, config.vocab_size, rows_per_rank, group)
+        head_bias = model.lm_head.bias
+        bias = None if head_bias is None else _cut(head_bias, layout.shard_of("lm_head.bias"))
+        model.lm_head = GatheredLMHead(weight, config.vocab_size, rows_per_rank, group, bias)
     for index, layer in model.layers.items():  # for code that reads head counts (the cache is sized by them)
         attn = layer.self_attn
         if getattr(attn, "sinks", None) is not None:  # GPT-OSS: this rank's heads' sinks
