@@ -258,7 +258,7 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
-GGUF_ARCH.update(smollm3="smollm3", phi="phi2")
+GGUF_ARCH.update(smollm3="smollm3", phi="phi2", granitemoe="granitemoe")
 GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
@@ -289,6 +289,7 @@ LAYER_NAMES = {
     "self_attn.dense": "attn_output",  # Phi's
     "mlp.fc1": "ffn_up",
     "mlp.fc2": "ffn_down",
+    "block_sparse_moe.router": "ffn_gate_inp",  # Granite MoE's router (transformers 5's name in memory)
 }
 # Per-architecture names (gguf's TENSOR_NAMES): OLMo 2's norms sit after each sublayer.
 # Gemma's: a norm after the attention and one before and after the MLP.
@@ -398,7 +399,7 @@ def write_gguf(
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
-    if arch in ("llama", "granite", "smollm3"):  # LlamaModel (and its subclasses)
+    if arch in ("llama", "granite", "granitemoe", "smollm3"):  # LlamaModel (and its subclasses)
         w.add_rope_dimension_count(head_dim)
     if arch == "phi3":  # Phi3MiniModel: the rotated share of each head (Phi-4-mini's 0.75)
         w.add_rope_dimension_count(
@@ -412,7 +413,7 @@ def write_gguf(
         if cfg.final_logit_softcapping:
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
         w.add_sliding_window(cfg.sliding_window)
-    if arch == "granite":  # GraniteModel: the four multipliers under llama.cpp's names
+    if arch in ("granite", "granitemoe"):  # GraniteModel: the four multipliers under llama.cpp's names
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_attention_scale(cfg.attention_multiplier)
@@ -436,7 +437,7 @@ def write_gguf(
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if family == "mixtral":
+    if family in ("mixtral", "granitemoe"):  # LlamaModel's expert keys
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
     elif family in ("qwen2_moe", "qwen3_moe"):
@@ -476,7 +477,7 @@ def write_gguf(
         else:
             w.add_tensor(name, np.ascontiguousarray(a))
 
-    permute = arch in ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel.modify_tensors
+    permute = arch in ("llama", "granite", "granitemoe", "smollm3")  # convert_hf_to_gguf.py's LlamaModel
     for hf_name, t in model.state_dict().items():
         if arch in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             t = t + 1  # GemmaModel / Gemma2Model / Gemma3Model: llama.cpp's RMSNorm scales by w, Gemma's by 1 + w
@@ -497,6 +498,15 @@ def write_gguf(
                         add(f"{blk}.ffn_{kind}.{e}.weight", expert)
                 else:
                     add(f"{blk}.ffn_{kind}_exps.weight", part)
+            continue
+        # GraniteMoeModel: input_linear [E, 2I, H] (in memory experts.gate_up_proj) split into gate and up
+        if rest == "block_sparse_moe.experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            add(f"{blk}.ffn_gate_exps.weight", gate)
+            add(f"{blk}.ffn_up_exps.weight", up)
+            continue
+        if rest == "block_sparse_moe.experts.down_proj":
+            add(f"{blk}.ffn_down_exps.weight", t)
             continue
         if rest == "mlp.experts.down_proj":
             if per_expert:

@@ -27,13 +27,30 @@ from tiny_models import build_hf_model
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["granite", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["granite", "granitemoe", "phi3", "olmo2"])
 def test_family_gguf_matches_hf_model(tmp_path, name):
     hf = build_hf(name)
     path = write_gguf(hf, tmp_path / f"{name}.gguf")
     loaded = load_model(path)
     c = loaded.config
     assert c.architecture == name and (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
+    if name == "granitemoe":  # Granite's scalars around experts split into gate and up, stacked again
+        assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
+            12.0,
+            0.22,
+            0.09,
+            4.0,
+        )
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.router_scoring) == (
+            8,
+            2,
+            32,
+            "topk_softmax",
+        )
+        assert loaded.checkpoint.reader.gguf_names("model.layers.1.mlp.experts.gate_up_proj") == [
+            "blk.1.ffn_gate_exps.weight",
+            "blk.1.ffn_up_exps.weight",
+        ]
     if name == "granite":
         assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
             12.0,

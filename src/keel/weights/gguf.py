@@ -15,8 +15,8 @@ forward over the HF names a checkpoint of the config holds (as llama.cpp's conve
 names them), so that a llama.cpp tensor is read as the HF tensor it was converted from; a family
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
-Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe,
-qwen3moe, granite, phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
+Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
+granitemoe, phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
 cohere2, gpt-oss, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
 name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
@@ -25,7 +25,8 @@ SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokeniz
 
 Conventions of llama.cpp's converter (convert_hf_to_gguf.py, which the gguf package does not ship;
 these are assumptions about it, shared by transformers' GGUF loader where it reads the architecture):
-q/k rows (and biases) are permuted for the llama architecture and its subclasses granite and smollm3 only; Phi-3
+q/k rows (and biases) are permuted for the llama architecture and its subclasses granite, granitemoe and smollm3 only;
+Granite MoE's experts are split into gate and up (`ffn_gate_exps`, `ffn_up_exps`) and stacked again at load; Phi-3
 keeps q/k/v fused in `attn_qkv` and gate/up in `ffn_up` (gate rows first); OLMo 2's output norms are
 `post_attention_norm` and `post_ffw_norm`; Granite's four multipliers are `embedding_scale`,
 `residual_scale`, `attention.scale` and `logit_scale`, each written only when config.json has it
@@ -109,6 +110,7 @@ _FAMILIES = {
     _A.QWEN2MOE: "qwen2_moe",
     _A.QWEN3MOE: "qwen3_moe",
     _A.GRANITE: "granite",
+    _A.GRANITE_MOE: "granitemoe",
     _A.PHI3: "phi3",
     _A.OLMO2: "olmo2",
     _A.PHI2: "phi",
@@ -135,7 +137,7 @@ _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses
 # that keep its tensor handling: llama (Mixtral included), granite and smollm3 (its NoPE layers too: the same
 # permutation of q's and k's rows leaves their products as they were).
-_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.SMOLLM3}
+_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
 _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
@@ -518,6 +520,22 @@ def _family_hf_config(
         local = f.key(_KR.FREQ_BASE_SWA)
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
+    if family == "granitemoe":  # GraniteMoeModel: Granite's four scalars (1 where absent) and LlamaModel's expert keys
+        for key, name, field in (
+            (_K.EMBEDDING_SCALE, "embedding_multiplier", "embedding_multiplier"),
+            (_K.RESIDUAL_SCALE, "residual_multiplier", "residual_multiplier"),
+            (_KA.SCALE, "attention_multiplier", "attention_scale"),
+            (_K.LOGIT_SCALE, "logits_scaling", "logits_scaling"),
+        ):
+            if f.key(key):
+                hf[name] = _f32(f.key(key))
+                read.add(field)
+        hf.update(
+            num_local_experts=int(f.require(_K.EXPERT_COUNT)),
+            num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+            intermediate_size=common["intermediate_size"],  # the experts' width (feed_forward_length)
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
     if family == "gemma":  # the tanh GELU, the head tied unless an output tensor is stored
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family in _PARTIAL_ROTARY:
