@@ -229,7 +229,14 @@ def check(api: Api, field: str, baseline: dict) -> None:  # noqa: C901, PLR0912,
     elif field == "stream_options":
         chunks = api.stream(stream_options={"include_usage": True, "continuous_usage_stats": True})
         assert chunks[-1]["usage"]["completion_tokens"] == baseline["usage"]["completion_tokens"]
-        assert all("usage" in c for c in chunks[1:])
+        assert all("usage" in c for c in chunks)
+        # every chunk: the tokens generated so far (vLLM's running count), rising to the total
+        running = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+        assert running == sorted(running) and 0 < running[-1] == chunks[-1]["usage"]["completion_tokens"]
+        assert len(set(running)) > 2
+        assert all(c["usage"]["prompt_tokens"] == baseline["usage"]["prompt_tokens"] for c in chunks)
+        # without include_usage, no usage at all (vLLM sends continuous usage only beside the final one)
+        assert not any("usage" in c for c in api.stream(stream_options={"continuous_usage_stats": True}))
     elif field == "response_format":
         ask = [{"role": "user", "content": "Give a JSON object with the key ok set to true."}]
         body = api.ok(response_format={"type": "json_object"}, max_tokens=60, **({"messages": ask} if chat else {}))

@@ -270,6 +270,30 @@ def test_echo_logprobs_of_token_id_prompts_batched_and_max_tokens_0(server, refe
     assert "max_tokens" in e.value.message and e.value.body["param"] == "max_tokens"
 
 
+def test_completion_text_offsets_index_the_text(server):
+    """`text_offset`: where each token starts in the returned text, whole or streamed (a stream's offsets run on
+    across its chunks), counting characters of the text, not of the "bytes:\\x.." names of tokens that hold part
+    of a character (this byte-level vocabulary spells each of "é" and "日本" in several such tokens)."""
+    c = client(server)
+    prompt = "Le café 日本 ok"
+    request = dict(model="tiny", prompt=prompt, max_tokens=6, echo=True, logprobs=0, temperature=0)
+    request["extra_body"] = {"ignore_eos": True}
+    whole = c.completions.create(**request).choices[0]
+    offsets, tokens = whole.logprobs.text_offset, whole.logprobs.tokens
+    assert any(t.startswith("bytes:") for t in tokens) and whole.text.startswith(prompt)
+    steps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    for token, offset, step in zip(tokens, offsets, steps, strict=False):
+        if token.startswith("bytes:"):  # part of a character: at most the one character it completes
+            assert step in (0, 1), (token, step)
+        elif offset < len(prompt):  # the echoed prompt: each whole token at its place
+            assert prompt[offset : offset + len(token)] == token and step == len(token)
+    assert offsets[-6] == len(prompt)  # the first generated token starts right after the prompt
+    streamed = [
+        o for chunk in c.completions.create(stream=True, **request) for o in chunk.choices[0].logprobs.text_offset
+    ]
+    assert streamed == offsets
+
+
 # ---------------------------------------------------------------- errors and validation
 def test_bad_requests_are_4xx_with_openai_errors(server):
     c = client(server)
@@ -293,6 +317,27 @@ def test_bad_requests_are_4xx_with_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(url, content=b"x" * (5 * 2**20))
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_logprob_and_stream_rules_as_vllm_takes_them(server):
+    """vLLM's rules: top_logprobs 0 (none) needs no logprobs and prompt_logprobs 0 streams, larger values do not;
+    stream_options needs stream; an output too long for the model names the field the client sent."""
+    chat = server.base_url + "/v1/chat/completions"
+    completions = server.base_url + "/v1/completions"
+    hi = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(chat, json={**hi, "top_logprobs": 0}).status_code == 200
+    r = httpx.post(chat, json={**hi, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    prompt = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(completions, json={**prompt, "stream": True, "prompt_logprobs": 0}).status_code == 200
+    r = httpx.post(completions, json={**prompt, "stream": True, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    for url, body in ((chat, hi), (completions, prompt)):
+        r = httpx.post(url, json={**body, "stream_options": {"include_usage": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(chat, json={"model": "tiny", "messages": hi["messages"], field: CONTEXT})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 JSON_VALUES = st.recursive(

@@ -26,6 +26,7 @@ class Job:
     sent_tokens: int = 0  # generated tokens already counted / streamed
     echoed: bool = False  # a stream has sent the echoed prompt of this choice
     writer: object | None = None  # chat: this choice's ChoiceWriter (reasoning and tool-call parsers)
+    stream_logprobs: object | None = None  # completions stream: the choice's CompletionLogprobs, sent in slices
 
 
 @dataclass
@@ -78,6 +79,13 @@ class Call:
                 cached[job.prompt_index] = max(cached.get(job.prompt_index, 0), job.final.num_cached_tokens)
         usage.cached_tokens = sum(cached.values())
         return usage
+
+    def choice_usage(self, job: Job) -> dict:
+        """A streamed chunk's usage under continuous_usage_stats, as vLLM sends it: the choice's prompt and the
+        tokens that choice has generated so far."""
+        prompt = len(self.prompts[job.prompt_index])
+        completion = 0 if self.prompt_only else job.generated
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def finish_reasons(self) -> list[str | None]:
         return [job.final.outputs[0].finish_reason if job.final else "abort" for job in self.jobs]

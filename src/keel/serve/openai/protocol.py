@@ -253,12 +253,12 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM joins text parts for string templates
         return content or ""
 
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates expect it (transformers' convention, as vLLM renders it): content
-        as one string (text parts joined); a tool call's arguments as an object, not JSON text."""
+        as one string (text parts joined by newlines); a tool call's arguments as an object, not JSON text."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
         message["content"] = self.text()
         if self.name is not None:
@@ -356,6 +356,6 @@ class ChatCompletionRequest(_SamplingFields):
         return StructuredOutputsParams.of(json=schema, source="tools")
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule: 0 asks for none, so it needs nothing
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -205,7 +205,7 @@ def _text(content: Any, where: str) -> str:
                 param="input",
             )
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat message's text parts
 
 
 def _field(item: dict[str, Any], name: str, where: str) -> str:

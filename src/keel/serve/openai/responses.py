@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,30 +42,39 @@ def _top_map(entry: TokenLogprobs, token_text: TokenText) -> dict[str, float]:
     return top
 
 
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+
+
 @dataclass
 class CompletionLogprobs:
-    """The legacy completions `logprobs` object, built incrementally (streams send slices)."""
+    """The legacy completions `logprobs` object, built incrementally (a stream keeps one per choice and sends the
+    slice each chunk adds, so offsets run on across chunks). `text_offset`: where each token starts in the text,
+    in characters of the tokens' bytes decoded in turn (a token holding part of a character adds nothing until
+    the character completes), not in characters of the "bytes:\\x.." names such tokens are shown by."""
 
+    token_bytes: Callable[[int], bytes] | None = None  # None: each token's shown text counts
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     offset: int = 0  # characters of text before the next token
+    _decoder: codecs.IncrementalDecoder = field(default_factory=lambda: _UTF8("replace"))
 
     def add_prompt(self, prompt_ids: list[int], entries: list[TokenLogprobs | None], token_text: TokenText) -> None:
         for token_id, entry in zip(prompt_ids, entries, strict=False):
-            self._append(token_text(token_id), entry, token_text)
+            self._append(token_id, entry, token_text)
 
     def add(self, entries: list[TokenLogprobs], token_text: TokenText) -> None:
         for entry in entries:
-            self._append(token_text(entry.token_id), entry, token_text)
+            self._append(entry.token_id, entry, token_text)
 
-    def _append(self, text: str, entry: TokenLogprobs | None, token_text: TokenText) -> None:
+    def _append(self, token_id: int, entry: TokenLogprobs | None, token_text: TokenText) -> None:
+        text = token_text(token_id)
         self.tokens.append(text)
         self.token_logprobs.append(None if entry is None else entry.logprob)
         self.top_logprobs.append(None if entry is None else _top_map(entry, token_text))
         self.text_offset.append(self.offset)
-        self.offset += len(text)
+        self.offset += len(text) if self.token_bytes is None else len(self._decoder.decode(self.token_bytes(token_id)))
 
     def to_dict(self, start: int = 0) -> dict:
         return {

@@ -211,7 +211,8 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         call = Call(self.kind, tenant, jobs, spec.prompts, spec.texts, req.stream, include_usage)
         call.echo, call.logprobs, call.prompt_only = spec.echo, spec.logprobs, spec.prompt_only
-        call.continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        # vLLM's: per-chunk usage only where the final usage chunk was asked for too
+        call.continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
         call.prompt_logprobs = req.prompt_logprobs
         call.priority = self._priority(req)
         call.request = req
@@ -232,14 +233,16 @@ class OpenAIServing:
         """The body as the route's request model, with a model name this server serves."""
         req = parse_body(body, self.request_model)
         req.check_unsupported()
-        if req.stream and req.prompt_logprobs is not None:
+        if req.stream and req.prompt_logprobs:  # vLLM's rule: 0 (none) streams
             raise APIError(400, "'prompt_logprobs' are not available when stream is true", param="prompt_logprobs")
+        if req.stream_options is not None and not req.stream:  # vLLM's rule
+            raise APIError(400, "'stream_options' can only be set when stream is true", param="stream_options")
         check_model_name(req.model, self.settings.served_model_names)
         return req
 
     def _params(self, req: GenerationRequest, spec: PromptSpec, prompt_len: int) -> SamplingParams:
         """One prompt's engine sampling parameters (each of its n choices gets its own seed)."""
-        max_tokens = self._max_tokens(prompt_len, spec.requested_max_tokens)
+        max_tokens = self._max_tokens(prompt_len, spec.requested_max_tokens, self._max_tokens_name(req))
         prompt_logprobs = spec.logprobs if spec.echo and spec.logprobs is not None else None
         try:
             params = req.sampling_params(max_tokens, spec.logprobs, prompt_logprobs)
@@ -260,8 +263,13 @@ class OpenAIServing:
         fill = {name: value for name, value in defaults.items() if name != "max_tokens" and getattr(req, name) is None}
         return req.model_copy(update=fill) if fill else req
 
-    def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        name, cap, model_len = self.max_tokens_param, self.settings.max_tokens_cap, self.max_model_len
+    def _max_tokens_name(self, req: GenerationRequest) -> str:
+        """The request field an error about the output length names."""
+        return self.max_tokens_param
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, name: str | None = None) -> int:
+        name = name or self.max_tokens_param
+        cap, model_len = self.settings.max_tokens_cap, self.max_model_len
         if requested is not None and cap is not None and requested > cap:
             raise APIError(400, f"{name} ({requested}) exceeds this server's cap of {cap}", param=name)
         if prompt_len >= model_len:
@@ -319,14 +327,17 @@ class OpenAIServing:
             "model": self.model_name,
         }
         for choice in self._first_choices(call):
-            yield sse({**head, "choices": [choice]})
+            chunk = {**head, "choices": [choice]}
+            if call.continuous_usage:
+                chunk["usage"] = call.choice_usage(call.jobs[choice["index"]])
+            yield sse(chunk)
         async for job, out in self.runner.outputs(call):
             delta = self._stream_delta(call, job, out)
             if delta is None:
                 continue  # text held back (a possible stop string): nothing to send yet
             chunk = {**head, "choices": [self._stream_choice(call, job, out, delta)]}
             if call.continuous_usage:
-                chunk["usage"] = call.usage().to_dict()
+                chunk["usage"] = call.choice_usage(job)
             yield sse(chunk)
         if call.include_usage:
             yield sse({**head, "choices": [], "usage": call.usage().to_dict()})

@@ -15,6 +15,13 @@ class OpenAIServingChat(OpenAIServing):
     kind = "chat"
     request_model = ChatCompletionRequest
     max_tokens_param = "max_completion_tokens"
+
+    def _max_tokens_name(self, req) -> str:  # noqa: ANN001
+        """The field the client used: the older max_tokens where it sent that one."""
+        if type(self) is OpenAIServingChat and req.max_completion_tokens is None and req.max_tokens is not None:
+            return "max_tokens"
+        return self.max_tokens_param
+
     prompt_param = "messages"
     id_prefix = "chatcmpl-"
     response_object = "chat.completion"

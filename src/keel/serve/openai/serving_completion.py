@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         text, generated = ("", []) if call.prompt_only else (out.text, out.logprobs or [])
         logprobs = None
         if call.logprobs is not None:
-            lp = CompletionLogprobs()
+            lp = CompletionLogprobs(self.tokens.token_bytes)
             if call.echo:
                 lp.add_prompt(job.prompt_ids, job.final.prompt_logprobs or [], self.tokens.token_text)
             lp.add(generated, self.tokens.token_text)
@@ -72,7 +72,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
         text, logprobs = delta.text, None
-        lp = CompletionLogprobs() if call.logprobs is not None else None
+        if call.logprobs is not None and job.stream_logprobs is None:
+            job.stream_logprobs = CompletionLogprobs(self.tokens.token_bytes)
+        lp: CompletionLogprobs | None = job.stream_logprobs
+        start = 0 if lp is None else len(lp.tokens)
         if call.echo and not job.echoed:  # the first chunk of a choice carries its prompt
             job.echoed = True
             text = self._prompt_text(call, job) + text
@@ -80,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp.add_prompt(job.prompt_ids, out.prompt_logprobs or [], self.tokens.token_text)
         if lp is not None:
             lp.add(delta.logprobs, self.tokens.token_text)
-            logprobs = lp.to_dict()
+            logprobs = lp.to_dict(start)
         return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish}
 
     def _prompt_text(self, call: Call, job: Job) -> str:
