@@ -4,7 +4,8 @@ A response's `output` is a list of items: the reasoning (when the server runs a 
 assistant's message (output_text, with logprobs when included), and one function_call item per tool call.
 A stream sends OpenAI's typed events, each with its sequence number: response.created and in_progress, then per
 item output_item.added, its part and text deltas, their done events and output_item.done, and last
-response.completed (or response.incomplete when max_output_tokens cut it). A tool call's item opens as the
+response.completed (as vLLM ends every stream; its response's status is "incomplete" when max_output_tokens cut
+it). A tool call's item opens as the
 chat route's writer finds it (a forced call as soon as its name is out, an auto call once its parser has read
 it) and its arguments follow as delta events.
 """
@@ -89,7 +90,9 @@ class OpenAIServingResponses(OpenAIServingChat):
         for event in events.finish("incomplete" if finish == "length" else "completed"):
             yield event
         final = self._response(call, events.output, finish)
-        yield events.send(f"response.{final['status']}", response=final)
+        # vLLM's last event whatever the status (OpenAI's own sends response.incomplete for a cut response, which the
+        # SDK's stream helper does not take as an end): the response it carries says "incomplete".
+        yield events.send("response.completed", response=final)
 
     # ------------------------------------------------------------ shared
     def _logprobs(self, call: Call, entries: list) -> list[dict]:
