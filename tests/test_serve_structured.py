@@ -283,3 +283,31 @@ def test_structured_request_reuses_the_prefix_cache(server, client):
     assert second.choices[0].message.content == first.choices[0].message.content
     jsonschema.validate(json.loads(second.choices[0].message.content), PERSON)
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def _raw_stream(server, body: dict, route: str = "/v1/chat/completions") -> list[dict]:
+    with httpx.stream("POST", server.base_url + route, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_chunks_are_shaped_as_vllm_sends_them(server):
+    """One tool-call entry per call index in a chunk (a call's header and its first arguments together), no chunk
+    for text a parser holds (a required call's opening bracket), and the ending chunk's stop_reason."""
+    body = {"model": MODEL, "messages": ASK, "temperature": 0.0, "stream": True, "max_tokens": 60}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        chunks = _raw_stream(server, {**body, "tools": [WEATHER, TIME], "tool_choice": choice})
+        deltas = [(ch["delta"], ch["finish_reason"]) for c in chunks for ch in c["choices"]]
+        assert any(delta.get("tool_calls") for delta, _ in deltas)
+        for delta, finish in deltas:
+            indexes = [call["index"] for call in delta.get("tool_calls") or []]
+            assert len(indexes) == len(set(indexes)), delta
+            assert finish is not None or delta not in ({}, {"content": ""}), delta
+    chunks = _raw_stream(server, {**body, "stop": [" "]})
+    (last,) = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == " "
+    prompt = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 20, "stop": ["."], "stream": True}
+    chunks = _raw_stream(server, prompt, "/v1/completions")
+    assert [ch["stop_reason"] for c in chunks for ch in c["choices"]][-1] == "."  # null before, as vLLM's

@@ -71,6 +71,7 @@ class StreamDelta(NamedTuple):
     text: str
     logprobs: list[TokenLogprobs]
     finish: str | None
+    stop_reason: str | int | None = None  # the stop string or token id that ended the choice
 
 
 class OpenAIServing:
@@ -104,7 +105,8 @@ class OpenAIServing:
         """Choices a stream sends before any output."""
         return []
 
-    def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
+    def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict | None:
+        """A chunk's choice for `delta`; None when it shows nothing (the chunk is then not sent)."""
         raise NotImplementedError
 
     def _final_choice(self, call: Call, job: Job) -> dict:
@@ -335,7 +337,10 @@ class OpenAIServing:
             delta = self._stream_delta(call, job, out)
             if delta is None:
                 continue  # text held back (a possible stop string): nothing to send yet
-            chunk = {**head, "choices": [self._stream_choice(call, job, out, delta)]}
+            choice = self._stream_choice(call, job, out, delta)
+            if choice is None:
+                continue  # nothing a client would see (text a tool-call parser holds)
+            chunk = {**head, "choices": [choice]}
             if call.continuous_usage:
                 chunk["usage"] = call.choice_usage(job)
             yield sse(chunk)
@@ -380,4 +385,5 @@ class OpenAIServing:
             finish = "length" if out.finished else None
         if not text and finish is None and not new_lps:
             return None
-        return StreamDelta(text, new_lps, finish)
+        stop_reason = completion.stop_reason if finish is not None and not call.prompt_only else None
+        return StreamDelta(text, new_lps, finish, stop_reason)

@@ -84,16 +84,41 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_logprobs"] = self._prompt_logprobs(call.jobs[0])
         return body
 
-    def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict:
+    def _stream_choice(self, call: Call, job: Job, out: RequestOutput, delta: StreamDelta) -> dict | None:
         logprobs = None
         if call.logprobs is not None:
             logprobs = chat_logprobs(delta.logprobs, self.tokens.token_text, self.tokens.token_bytes)
         writer = self._writer(call, job)
         fields = writer.delta(delta.text, final=delta.finish is not None)
         if not fields and delta.finish is None:
-            fields = {"content": ""}
-        return _chat_choice(job.index, fields, logprobs, writer.stream_finish_reason(delta.finish))
+            if logprobs is None:
+                return None  # text a parser holds: vLLM sends no chunk for it
+            fields = {"content": ""}  # the step's logprobs still go out
+        if "tool_calls" in fields:
+            fields["tool_calls"] = _one_entry_per_call(fields["tool_calls"])
+        choice = _chat_choice(job.index, fields, logprobs, writer.stream_finish_reason(delta.finish))
+        if delta.finish is not None:
+            choice["stop_reason"] = delta.stop_reason  # vLLM's: on the chunk that ends the choice
+        return choice
 
 
 def _chat_choice(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _one_entry_per_call(calls: list[dict]) -> list[dict]:
+    """A chunk's tool-call deltas with one entry per call index, as vLLM sends them: a call's header and the first
+    piece of its arguments, found in one step, become one entry."""
+    merged: list[dict] = []
+    for call in calls:
+        if not merged or merged[-1]["index"] != call["index"]:
+            merged.append({**call, "function": dict(call.get("function") or {})})
+            continue
+        entry = merged[-1]
+        for key, value in call.items():
+            if key != "function":
+                entry.setdefault(key, value)
+        function = entry["function"]
+        for key, value in (call.get("function") or {}).items():
+            function[key] = function.get(key, "") + value if key == "arguments" else function.get(key, value)
+    return merged

@@ -84,7 +84,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if lp is not None:
             lp.add(delta.logprobs, self.tokens.token_text)
             logprobs = lp.to_dict(start)
-        return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish}
+        choice = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish}
+        return {**choice, "stop_reason": delta.stop_reason}  # vLLM's: null until the choice ends
 
     def _prompt_text(self, call: Call, job: Job) -> str:
         """The prompt as echo returns it: as sent when it was text, else decoded."""
