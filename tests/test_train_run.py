@@ -669,8 +669,6 @@ def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root, cap
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(tokens), module.eval()(tokens))
-    # MLA has no tensor-parallel plan yet: a one-line refusal.
-    assert "multi-head latent attention" in refused(capsys, path, "--nproc", "2", "--set", "parallel.tp=2")
 
 
 # In make test-slow (21 s on the 2-core AVX2 machine), to keep make test within its budget.
