@@ -817,3 +817,60 @@ def test_deepseek_pre_tokenizers(tmp_path, pre, text, pieces):
     fields = GGUFFile(path).fields
     tokenizer = tokenizer_from_gguf(fields.get, [2], path)
     assert [piece for piece, _ in tokenizer.tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces
+
+
+def write_text_model_gguf(hf, path, arch, rope_dims: int | None = None, pre: str = "default") -> None:
+    """A model as llama.cpp's TextModel writes it (Glm4Model adds the rotary width): its metadata keys, the
+    tensors of the saved checkpoint under gguf's TensorNameMap names, untouched (no q/k permutation, fused tensors
+    kept fused)."""
+    from safetensors.torch import load_file
+
+    from test_gguf import mini_vocab
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "head_dim", None):  # TextModel writes the key length where config.json has head_dim
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if rope_dims is not None:
+        w.add_rope_dimension_count(rope_dims)
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    hf.save_pretrained(path.parent / "hf")
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        base, suffix = hf_name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_glm4_gguf_matches_hf_model(tmp_path):
+    """Dense GLM-4 as llama.cpp's Glm4Model converts it (refused before): sandwich norms under llama.cpp's names,
+    gate and up fused in `ffn_up`, q/k rows as in HF (rotary on interleaved pairs over half of each head, regrouped
+    at load as from safetensors), the rotary width from rope.dimension_count; transformers' logits."""
+    hf = build_hf_model("glm4")
+    write_text_model_gguf(hf, tmp_path / "glm4.gguf", gguf.MODEL_ARCH.GLM4, rope_dims=16, pre="glm4")
+    loaded = load_model(tmp_path / "glm4.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    assert (c.architecture, c.norm_placement, c.partial_rotary_factor, c.head_dim) == ("glm4", "sandwich", 0.5, 32)
+    assert c.qkv_bias and reader.gguf_names("model.layers.0.mlp.gate_proj.weight") == ["blk.0.ffn_up.weight"]
+    assert reader.gguf_names("model.layers.0.attn_output_norm.weight") == ["blk.0.post_attention_norm.weight"]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

@@ -17,7 +17,7 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe, phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
-cohere2, gpt-oss, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
+cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
 name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
 SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
@@ -125,6 +125,7 @@ _FAMILIES = {
     _A.COMMAND_R: "cohere",
     _A.COHERE2: "cohere2",
     _A.GPT_OSS: "gpt_oss",
+    _A.GLM4: "glm4",
     _A.GLM4_MOE: "glm4_moe",
     _A.DOTS1: "dots1",
     _A.ERNIE4_5: "ernie4_5",
@@ -143,7 +144,7 @@ _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4_moe", "deepseek_v2", "deepseek_v3"}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3"}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -597,11 +598,12 @@ def _family_hf_config(
             moe_layer_interval=int(f.key(_K.INTERLEAVE_MOE_LAYER_STEP, 1) or 1),
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers"}
-    if family == "glm4_moe":  # the rotary width (half of each head), q/k norms and biases by tensor
+    if family in ("glm4", "glm4_moe"):  # the rotary width (half of each head); biases by tensor
         rope_dims = f.key(_KR.DIMENSION_COUNT)
         if rope_dims is not None:
             hf.update(partial_rotary_factor=_rotary_factor(int(rope_dims), head_dim))
             read.add("partial_rotary_factor")
+    if family == "glm4_moe":  # q/k norms by tensor
         hf.update(use_qk_norm=common["qk_norm"])
     if family == "gpt_oss":  # the window (every other layer slides, as llama.cpp and transformers place them)
         window = f.key(_KA.SLIDING_WINDOW)
