@@ -114,3 +114,38 @@ def test_generate_streams_and_reports_speed(tiny):
     result = run_keel("generate", str(tiny), "--prompt", "hello", "--max-tokens", "5", "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert "generated 5 tokens" in result.stderr and "tok/s" in result.stderr
+
+
+def test_bad_options_are_one_line(tiny):
+    """argparse's errors and option values it takes but keel cannot run: one line each, not the usage block."""
+    assert_one_line_error(run_keel("generate", str(tiny), "--max-tokens", "abc"), "--max-tokens", "abc")
+    assert_one_line_error(run_keel("generate", str(tiny), "--threads", "-1"), "--threads")
+    assert_one_line_error(run_keel("plan", "train", str(tiny), "--gpus", "8xH200", "--mfu", "0"), "--mfu")
+
+
+def test_unwritable_output_and_malformed_inputs_are_one_line(tiny, tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file where a directory should be")
+    assert_one_line_error(run_keel("convert", str(tiny), str(blocker / "out")), "afile")
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))  # nothing half-written left
+    config = json.loads((tiny / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**config, "num_attention_heads": "nine"}))
+    assert_one_line_error(
+        run_keel("plan", "serve", str(bad / "config.json"), "--gpus", "1xH100", "--context", "64"),
+        "config.json",
+        "nine",
+    )
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    assert_one_line_error(run_keel("inspect", str(garbage)), "garbage.gguf")
+
+
+def test_data_prepare_does_not_write_over_its_input(tiny, tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("Some text to tokenize.\n\nAnd a second paragraph.\n")
+    before = text.read_bytes()
+    result = run_keel("data", "prepare", str(text), "--tokenizer", str(tiny), "--out", str(text))
+    assert_one_line_error(result, "corpus.txt", "--out")
+    assert text.read_bytes() == before

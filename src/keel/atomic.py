@@ -12,16 +12,25 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A temp file in `path`'s directory; where none can be made (no such directory, a file in its place, no
+    permission) the error names `path`, the file the caller asked for, not the temp name."""
+    try:
+        return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """A binary file to write `path` through: renamed over it, flushed to disk, when the block ends;
     on an error the temp file is removed and `path` is left as it was."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp_name = _temp_beside(path)
     try:
         os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; written files should be readable like any other
         with os.fdopen(fd, "wb") as f:
@@ -38,6 +47,23 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 def write_atomic(path: Path, data: bytes) -> None:
     with atomic_file(path) as f:
         f.write(data)
+
+
+def write_through(path: Path, write: Callable[[str], None]) -> None:
+    """`write(temp path)`, an exporter that takes a file name (torch's Chrome trace, a memory snapshot), published
+    atomically at `path`. An exporter that reports a failure without raising (torch's trace export logs it) leaves
+    no file: that is an OSError naming `path` here."""
+    fd, tmp = _temp_beside(path)
+    os.close(fd)
+    try:
+        os.unlink(tmp)  # the exporter creates the file; its absence afterwards means it failed
+        write(tmp)
+        if not os.path.exists(tmp):
+            raise OSError(f"could not write {path}", path)
+        write_atomic(path, Path(tmp).read_bytes())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def write_text_atomic(path: Path, text: str, encoding: str = "utf-8") -> None:

@@ -515,7 +515,16 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json", structure_only: bool = False) -> ModelConfig:
         """Build from an HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`).
         structure_only: the architecture is all that is wanted (the planner), so a quantized release's
-        config (DeepSeek-V3's FP8) is read too; loading such weights is still refused."""
+        config (DeepSeek-V3's FP8) is read too; loading such weights is still refused. A field of the wrong type
+        (a string where a number goes, an object where a list goes) is a ConfigError naming the file."""
+        try:
+            return cls._from_hf(hf, source, structure_only)
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError) as e:
+            detail = " ".join(f"{type(e).__name__}: {e}".split())
+            raise ConfigError(f"{source}: malformed config, a field of the wrong type or value ({detail})") from None
+
+    @classmethod
+    def _from_hf(cls, hf: dict[str, Any], source: str, structure_only: bool) -> ModelConfig:
         family = _family_from_hf(hf, source)
         defaults = FAMILY_DEFAULTS[family]
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
@@ -696,9 +705,11 @@ def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
 def _family_from_hf(hf: dict[str, Any], source: str) -> str:
     """The keel family of the config's `architectures`, or a ConfigError listing the supported ones."""
     archs = hf.get("architectures") or []
-    arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    if isinstance(archs, str):  # one name where transformers writes a list of them
+        archs = [archs]
+    arch = next((a for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None:
-        found = ", ".join(archs) if archs else f"model_type={hf.get('model_type')!r}"
+        found = ", ".join(map(str, archs)) if archs else f"model_type={hf.get('model_type')!r}"
         raise ConfigError(f"{source}: unsupported architecture {found}; supported: {', '.join(HF_ARCHITECTURES)}")
     return HF_ARCHITECTURES[arch]
 

@@ -1,6 +1,7 @@
 """`keel <command>`: the command-line entry point; one module per command, each with `register(subparsers)`.
 
-User errors (KeelError) print one line, `keel: error: ...`, and exit 1 without a traceback.
+User errors (KeelError, a path that cannot be read or written) print one line, `keel: error: ...`, and exit 1
+without a traceback; a bad option prints one line too and exits 2 (argparse's code).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from keel.cli import (
     align,
@@ -30,8 +32,16 @@ from keel.errors import KeelError
 COMMANDS = (generate, inspect, align, convert, upcycle, quantize, plan, profile, serve, eval, train, data, bench)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with keel's one-line errors (argparse prints its usage block first); the subcommands'
+    parsers are of this class too (add_subparsers takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"keel: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="keel", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="keel", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)
@@ -51,3 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `keel generate ... | head`
         return 0
+    except OSError as e:  # a path the command cannot read or write (a file where a directory goes, no permission)
+        if e.filename is None:
+            raise
+        print(f"keel: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from keel.dtype_names import DTYPE_ALIASES, DTYPE_CHOICES, canonical_dtype
+from keel.errors import KeelError
 from keel.quant.config import QUANTIZE_CHOICES
 
 
@@ -27,11 +28,24 @@ def add_quantize_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--quantize", default="auto", choices=list(QUANTIZE_CHOICES), help=help)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a thread count, a step count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
 
 def set_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise KeelError(f"--threads must be a positive number of threads, got {threads}")
     if threads:
         import torch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from keel.cli.common import add_dtype_arg, add_model_args, add_quantize_arg
+from keel.cli.common import add_dtype_arg, add_model_args, add_quantize_arg, positive_int
 from keel.cli.config_options import add_engine_options, engine_config_from_args
 from keel.data.text_corpus import CORPORA, corpus_text
 from keel.errors import KeelError
@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "weights as `keel serve --quantize` takes them (auto: a GGUF file's integer blocks as stored, as "
         "llama.cpp's perplexity runs them; none: float)",
     )
-    q.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    q.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON")
     q.set_defaults(func=cmd_ppl)
     _register_run(eval_sub)
@@ -88,7 +88,7 @@ def _register_run(eval_sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ppl-max-tokens", type=int, default=4096, help="score the corpus's first N tokens")
     r.add_argument("--ppl-context", type=int, default=1024)
     r.add_argument("--ppl-stride", type=int, default=512)
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    r.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     r.add_argument("--out", default=None, metavar="RESULTS.json", help="write the results and manifest here")
     add_engine_options(r)
     r.set_defaults(func=cmd_run)

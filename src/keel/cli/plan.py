@@ -6,11 +6,23 @@ import argparse
 from pathlib import Path
 
 from keel.atomic import write_json_atomic
+from keel.cli.common import positive_int
 from keel.errors import KeelError
 from keel.plan.hardware import OVERRIDES, Cluster, cluster_with_overrides
 from keel.plan.serve import KV_BYTES, WEIGHT_BYTES, as_dicts, plan_serving
 from keel.plan.source import model_config
 from keel.plan.train import plan_training
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -191,7 +203,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--nproc", type=int, default=1, help="with --config: processes (the world size)")
     t.add_argument("--seq", type=int, default=4096, help="sequence length")
     t.add_argument("--global-batch", default="4M", help="tokens per optimizer step (e.g. 16M)")
-    t.add_argument("--mfu", type=float, default=0.5, help="fraction of dense peak the matmuls reach")
+    t.add_argument("--mfu", type=_fraction, default=0.5, help="fraction of dense peak the matmuls reach")
     t.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="matmul precision (fp8: its peak)")
     t.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "sgd"], help="optimizer state kept")
     t.add_argument("--recompute", default="none,selective,full", help="activation checkpointing policies to try")
@@ -208,7 +220,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--context", type=int, required=True, help="tokens per sequence")
     s.add_argument("--weights", default="bf16", choices=list(WEIGHT_BYTES))
     s.add_argument("--kv-cache-dtype", default="bf16", choices=list(KV_BYTES))
-    s.add_argument("--batch", type=int, default=None, help="sequences per replica (default: as many as fit, <= 256)")
+    s.add_argument(
+        "--batch", type=positive_int, default=None, help="sequences per replica (default: as many as fit, <= 256)"
+    )
     s.add_argument("--request-rate", type=float, default=None, help="requests/s to sustain (sets the batch)")
     s.add_argument("--output-tokens", type=int, default=256, help="with --request-rate: tokens generated each")
     s.add_argument("--ttft", type=float, default=None, help="target time to first token, seconds")

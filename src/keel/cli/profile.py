@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel.atomic import write_json_atomic
-from keel.cli.common import add_quantize_arg
+from keel.cli.common import add_quantize_arg, positive_int
 from keel.dtype_names import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--steps", type=int, default=32, help="decode steps timed, then as many profiled")
     d.add_argument("--prompt-tokens", type=int, default=32, help="each sequence's prompt")
     d.add_argument("--prefill", type=int, default=256, help="tokens of the prefill chunk profiled (0: none)")
-    d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    d.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     d.add_argument("--trace", default=None, help="write a Chrome trace of the profiled decode steps here")
     d.add_argument("--json", default=None, help="write the profile here (JSON)")
     d.set_defaults(func=cmd_profile_decode)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from keel.cli.common import positive_int
 from keel.cli.config_options import comma_list
 from keel.data.text_corpus import corpus_text
 from keel.dtype_names import DTYPE_CHOICES
@@ -68,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--keep", type=int, default=4, help="layers the plan keeps in float")
     a.add_argument("--out", default=None, help="write the mixed-precision plan (JSON) here")
     a.add_argument("--show", type=int, default=20, help="rows printed")
-    a.add_argument("--threads", type=int, default=None)
+    a.add_argument("--threads", type=positive_int, default=None)
     a.set_defaults(func=cmd_analyze)
     _register_save(qsub)
 
@@ -119,5 +120,5 @@ def _register_save(qsub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DIR")
-    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--threads", type=positive_int, default=None)
     s.set_defaults(func=cmd_save)

@@ -29,10 +29,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch.autograd.profiler import record_function
 
+from keel.atomic import write_through
 from keel.errors import KeelError
 from keel.model.fused_layer import modules_only
 from keel.model.kv_size import kv_cache_bytes
@@ -227,7 +229,7 @@ def _profile_steps(engine, n: int, kind: str, batch: int, tokens_per_step: int, 
             prof = stack.enter_context(torch.profiler.profile(activities=activities))
             _steps(engine, n, sync)
         if trace and with_parts:
-            prof.export_chrome_trace(trace)
+            write_through(Path(trace), prof.export_chrome_trace)
         return {part: us / 1000 / n for part, us in _attribute(prof.events(), cuda).items()}
 
     step_ms = 1000 * _steps(engine, n, sync) / n

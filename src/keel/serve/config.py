@@ -75,6 +75,10 @@ class CacheConfig:
     """KV-cache storage: the model's dtype, bfloat16 (half a float32 model's bytes; attention still computes
     in the model's dtype), or int8 with a scale per token and head"""
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise KeelError(f"--block-size must be at least 1, got {self.block_size}")
+
 
 @dataclass
 class SchedulerConfig:
@@ -154,6 +158,16 @@ class ParallelConfig:
     """where the model runs (vLLM's option): mp, worker processes (the default for tp x pp > 1); uni, the engine's
     own process (the default for one rank); mp with one rank runs it in a worker too, its NCCL/gloo path
     on a single GPU"""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--nnodes", self.nnodes),
+            ("--worker-threads", 1 if self.worker_threads is None else self.worker_threads),
+        ):
+            if value < 1:
+                raise KeelError(f"{flag} must be at least 1, got {value}")
 
     @property
     def world_size(self) -> int:

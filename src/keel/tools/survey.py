@@ -83,7 +83,10 @@ def unknown_family(path: Path) -> dict[str, Any] | None:
     if path.is_file() and path.suffix == ".gguf":
         from gguf import GGUFReader
 
-        reader = GGUFReader(str(path))
+        try:
+            reader = GGUFReader(str(path))
+        except Exception:  # empty, truncated or not GGUF at all: the loader names the problem in one line
+            return None
         field = reader.fields.get("general.architecture")
         arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
         if arch in GGUF_ARCHITECTURES:

@@ -194,6 +194,10 @@ def _check_prepare_paths(inputs: list[Path], out: Path) -> None:
             raise KeelError(f"{path}: no such file")
     if out.is_dir():
         raise KeelError(f"{out}: is a directory; --out names the token file to write")
+    written = {out.resolve(), sidecar_path(out).resolve()}
+    for path in inputs:
+        if path.resolve() in written:  # the input would be replaced by its own tokens
+            raise KeelError(f"{path}: an input is also the output (--out {out}); write the token file elsewhere")
 
 
 def _prepare_tokenizer(tokenizer_ref: str) -> Any:

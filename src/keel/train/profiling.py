@@ -10,27 +10,14 @@ RUN/profile/memory-rank-R.pickle (pytorch.org/memory_viz). Files are written ato
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from keel.atomic import write_atomic
+from keel.atomic import write_through
 from keel.train.config import ProfileSection
-
-
-def _export(path: Path, write: Callable[[str], None]) -> None:
-    """`write(temp path)` (a torch exporter that takes a file name), then published atomically at `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        write_atomic(path, Path(tmp).read_bytes())
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 class StepProfiler:
@@ -58,8 +45,8 @@ class StepProfiler:
         with profile(activities=activities, record_shapes=True) as prof:
             with record_function(f"keel train step {step}"):
                 yield
-        _export(self.dir / f"trace-step-{step:08d}-rank-{self.rank}.json", prof.export_chrome_trace)
+        write_through(self.dir / f"trace-step-{step:08d}-rank-{self.rank}.json", prof.export_chrome_trace)
         if self._recording and step == self.last:
-            _export(self.dir / f"memory-rank-{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
+            write_through(self.dir / f"memory-rank-{self.rank}.pickle", torch.cuda.memory._dump_snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
             self._recording = False

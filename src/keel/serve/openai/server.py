@@ -27,6 +27,10 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
     for name in ("port", "max_queue", "max_body_bytes"):
         if getattr(options, name) < (0 if name == "port" else 1):
             raise KeelError(f"--{name.replace('_', '-')} must be positive, got {getattr(options, name)}")
+    if options.port > 65535:
+        raise KeelError(f"--port must be a TCP port (0-65535), got {options.port}")
+    if options.threads is not None and options.threads < 1:
+        raise KeelError(f"--threads must be a positive number of threads, got {options.threads}")
     if options.max_tokens_cap is not None and options.max_tokens_cap < 1:
         raise KeelError(f"--max-tokens-cap must be >= 1, got {options.max_tokens_cap}")
     if options.request_timeout < 0 or options.shutdown_timeout < 0:
