@@ -179,6 +179,18 @@ def test_exact_resume_single_process(root):
         assert resumed.losses[step] == straight.losses[step], step  # bit-identical
 
 
+def test_resuming_a_model_of_another_shape_is_one_line_and_writes_nothing(root):
+    """A run whose config now builds another model than its checkpoints hold: a one-line error naming the field,
+    before the run's config.toml is rewritten (it would describe a model its checkpoints do not hold)."""
+    path = config(root, "reshaped")
+    run(path, "training.steps=10")
+    saved = (root / "runs/reshaped/config.toml").read_text()
+    with pytest.raises(KeelError, match="hidden_size 32, the config builds 64"):
+        Trainer(load_config(path, ["training.steps=20", "model.config.hidden_size=64"]))
+    assert (root / "runs/reshaped/config.toml").read_text() == saved
+    Trainer(load_config(path, ["model.config.hidden_size=64", "checkpoint.resume=none"])).close()  # a new start
+
+
 def test_deterministic_kernels_for_the_run_only(root):
     """run.deterministic: torch's deterministic algorithms are on while the trainer lives (every training op
     has a deterministic CPU kernel: the run goes through) and off again after; a CPU run is deterministic

@@ -173,6 +173,7 @@ class Trainer:
             self.layout.grad_accum,
         )
         self.run_dir = cfg.run_dir
+        check_resumable_shape(cfg, self.model_config)  # before config.toml is rewritten for a model it cannot load
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", dump_config(cfg))
@@ -853,6 +854,42 @@ class Trainer:
 def _plain(tensor: Tensor) -> Tensor:
     """A loss as a plain tensor (loss-parallel returns a replicated DTensor)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+# The fields that decide the shapes of a model's tensors: a checkpoint of another value cannot be resumed.
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+
+
+def check_resumable_shape(cfg: TrainConfig, config: ModelConfig) -> None:
+    """A one-line error where the checkpoint the run would resume from (`checkpoint.resume`: auto's latest, or the
+    named one) holds a model of another shape than the config builds, raised before anything is written (the
+    run's config.toml would otherwise describe a model its checkpoints do not hold)."""
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return
+    path = latest_checkpoint(cfg.run_dir / "checkpoints") if resume == "auto" else Path(resume)
+    if path is None or not (path / "config.json").is_file():
+        return
+    stored = ModelConfig.from_json_file(path / "config.json")
+    for name in _SHAPE_FIELDS:
+        theirs, ours = getattr(stored, name), getattr(config, name)
+        if theirs != ours:
+            raise KeelError(
+                f"{path}: the run's checkpoint holds a model with {name} {theirs}, the config builds {ours}; "
+                "resume with the model settings it was trained with, or start another run (run.name, or "
+                'checkpoint.resume = "none")'
+            )
 
 
 def write_model_files(directory: Path, config: ModelConfig, cfg: TrainConfig, tokenizer: Any, untied: bool) -> None:
