@@ -282,6 +282,42 @@ def test_families_not_read_from_gguf_are_refused(tmp_path, arch):
     assert ", ".join(ARCHITECTURES) in message and "gemma3" in message and "gptneox" in message
 
 
+def text_model_writer(cfg, path, arch: gguf.MODEL_ARCH, blocks: int | None = None, kv_heads: int | None = None):
+    """A GGUFWriter holding the metadata llama.cpp's TextModel writes for every architecture (`blocks`: the block
+    count where it is not the layer count; `kv_heads`: the KV head count written, where not the config's)."""
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg.num_hidden_layers if blocks is None else blocks)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads if kv_heads is None else kv_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def add_mini_vocab(w, pre: str) -> None:
+    """test_gguf's byte-level BPE vocabulary, with pre-tokenizer `pre` and EOS 2."""
+    from test_gguf import mini_vocab
+
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+
+
+def finish_writer(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
     """A GPT-OSS model as llama.cpp's GptOssModel converter writes it (then `llama-quantize` for `experts`):
     metadata of TextModel plus the window and the expert width, YaRN's keys, the o200k pre-tokenizer; gate and
@@ -444,21 +480,12 @@ def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1, arch: gguf.MODEL_ARCH = g
     keel must not read); gate and up experts apart, the selection bias as `exp_probs_b.bias`; other names by
     gguf's TensorNameMap, as the converter maps them. `arch` DOTS1: Dots1Model's (Qwen2MoeModel's metadata, whole
     heads rotating, no gating, group or MTP keys)."""
-    from test_gguf import mini_vocab
 
     cfg = hf.config
     layers = cfg.num_hidden_layers
     glm = arch == gguf.MODEL_ARCH.GLM4_MOE
     mtp_layers = mtp_layers if glm else 0
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(layers + mtp_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = text_model_writer(cfg, path, arch, blocks=layers + mtp_layers)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if glm:  # TextModel writes the key length where config.json has head_dim
         w.add_key_length(head_dim)
@@ -476,14 +503,7 @@ def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1, arch: gguf.MODEL_ARCH = g
     w.add_expert_weights_norm(cfg.norm_topk_prob)
     if glm:
         w.add_nextn_predict_layers(mtp_layers)
-    w.add_vocab_size(cfg.vocab_size)
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("glm4")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_mini_vocab(w, "glm4")
     names = gguf.get_tensor_name_map(arch, layers + mtp_layers)
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -505,10 +525,7 @@ def write_glm4_moe_gguf(hf, path, mtp_layers: int = 1, arch: gguf.MODEL_ARCH = g
     for layer in range(layers, layers + mtp_layers):  # a multi-token-prediction block keel does not read
         add(f"blk.{layer}.attn_norm.weight", torch.ones(cfg.hidden_size))
         add(f"blk.{layer}.nextn.eh_proj.weight", torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
 
 
 def test_glm4_moe_gguf_matches_hf_model(tmp_path):
@@ -536,21 +553,11 @@ def write_ernie_gguf(hf, path) -> None:
     HF (llama.cpp rotates interleaved pairs; keel regroups them as from safetensors), TextModel's metadata, and for
     MoE the expert count, used count, width, shared count, leading dense blocks and interleave step; the experts
     stacked per kind, the [1, E] selection bias as `exp_probs_b.bias`; other names by gguf's TensorNameMap."""
-    from test_gguf import mini_vocab
 
     cfg = hf.config
     moe = cfg.model_type == "ernie4_5_moe"
     arch = gguf.MODEL_ARCH.ERNIE4_5_MOE if moe else gguf.MODEL_ARCH.ERNIE4_5
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    w = text_model_writer(cfg, path, arch)
     if moe:
         w.add_expert_count(cfg.moe_num_experts)
         w.add_expert_used_count(cfg.moe_k)
@@ -558,13 +565,7 @@ def write_ernie_gguf(hf, path) -> None:
         w.add_leading_dense_block_count(cfg.moe_layer_start_index)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_count(cfg.moe_num_shared_experts)
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_mini_vocab(w, "default")
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -587,10 +588,7 @@ def write_ernie_gguf(hf, path) -> None:
             add(f"{names.get_name(base)}.{suffix}", t)
     for name, experts in stacked.items():
         add(name, torch.stack([experts[e] for e in sorted(experts)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
 
 
 @pytest.mark.parametrize("name", ["ernie4_5", "ernie4_5_moe"])
@@ -639,22 +637,11 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool = True, groups: bool = False
     matrices whose rows split into blocks of 32 stored as Q8_0, the rest as float32, as llama-quantize leaves them."""
     from safetensors.torch import load_file
 
-    from test_gguf import mini_vocab
-
     cfg = hf.config
     v3 = cfg.model_type == "deepseek_v3"
     arch = gguf.MODEL_ARCH.DEEPSEEK2
     heads, rope, nope, v = cfg.num_attention_heads, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(1 if split_kv_b else heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    w = text_model_writer(cfg, path, arch, kv_heads=1 if split_kv_b else heads)
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     if cfg.q_lora_rank is not None:
         w.add_q_lora_rank(cfg.q_lora_rank)
@@ -685,13 +672,7 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool = True, groups: bool = False
         w.add_rope_scaling_factor(scaling["factor"])
         w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("deepseek-v3" if v3 else "deepseek-llm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_mini_vocab(w, "deepseek-v3" if v3 else "deepseek-llm")
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
 
     def add(name: str, t: torch.Tensor) -> None:
@@ -719,10 +700,7 @@ def write_deepseek2_gguf(hf, path, split_kv_b: bool = True, groups: bool = False
             add(f"{names.get_name(base)}.{suffix}", t)
     for name, experts in stacked.items():
         add(name, torch.stack([experts[e] for e in sorted(experts)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
 
 
 @pytest.mark.parametrize(
@@ -797,20 +775,10 @@ def test_deepseek2_gguf_matches_hf_model(tmp_path, name, split_kv_b):
     ],
 )
 def test_deepseek_pre_tokenizers(tmp_path, pre, text, pieces):
-    from test_gguf import mini_vocab
-
     path = tmp_path / "tok.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_mini_vocab(w, pre)
+    finish_writer(w)
     from keel.weights.gguf_file import GGUFFile
     from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 
@@ -825,40 +793,20 @@ def write_text_model_gguf(hf, path, arch, rope_dims: int | None = None, pre: str
     kept fused)."""
     from safetensors.torch import load_file
 
-    from test_gguf import mini_vocab
-
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    w = text_model_writer(cfg, path, arch)
     if getattr(cfg, "head_dim", None):  # TextModel writes the key length where config.json has head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if rope_dims is not None:
         w.add_rope_dimension_count(rope_dims)
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
+    add_mini_vocab(w, pre)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     hf.save_pretrained(path.parent / "hf")
     for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
         base, suffix = hf_name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(t.float().numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
 
 
 def test_glm4_gguf_matches_hf_model(tmp_path):
