@@ -149,3 +149,14 @@ def test_data_prepare_does_not_write_over_its_input(tiny, tmp_path):
     result = run_keel("data", "prepare", str(text), "--tokenizer", str(tiny), "--out", str(text))
     assert_one_line_error(result, "corpus.txt", "--out")
     assert text.read_bytes() == before
+
+
+def test_option_messages_name_the_option_given(tiny, tmp_path):
+    assert_one_line_error(run_keel("generate", str(tiny), "--prompt", "hi", "--temperature", "nan"), "temperature")
+    assert_one_line_error(run_keel("upcycle", str(tiny), str(tmp_path / "moe"), "--experts", "0"), "--experts")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a short corpus of text for a short window. " * 8)
+    # --context below the default stride: the stride follows it (no complaint about a stride never given)
+    result = run_keel("eval", "ppl", str(tiny), "--corpus", str(corpus), "--context", "16", "--max-tokens", "64")
+    assert result.returncode == 0 and "stride 16" in result.stdout, result.stderr
+    assert_one_line_error(run_keel("eval", "run", str(tiny), "--ppl-corpus", str(tmp_path / "nope")), "--ppl-corpus")

@@ -91,6 +91,8 @@ def test_sharded_round_trip(tmp_path):
         t.numel() * t.element_size() for s in shards.values() for t in s.values()
     )
     assert set(index["weight_map"]) == set(_tensors(src / "model.safetensors"))
+    # An ordinary model directory: every file readable by others (safetensors alone creates them 0600).
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in [dst, *dst.iterdir()])
 
     reference = _keel_logits(src)
     assert _rel_err(_hf_logits(dst), reference) <= 1e-4

@@ -7,7 +7,9 @@ without a traceback; a bad option prints one line too and exits 2 (argparse's co
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -48,9 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds like Ctrl-C: atomic writers remove their temp files (the default action kills the
+    # process where it stands, leaving a half-written temp file). serve and train install handlers of their own.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if _main_thread() else None
     try:
         return func(args)
     except KeelError as e:
@@ -66,3 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"keel: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

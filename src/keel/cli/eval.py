@@ -21,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("model", metavar="MODEL", help="HF directory, .gguf file, or catalog name")
     q.add_argument("--corpus", required=True, help=f"a UTF-8 text file, or one of: {', '.join(CORPORA)}")
     q.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
-    q.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    q.add_argument(
+        "--stride", type=int, default=None, help="tokens between window starts (default: 512, or --context if less)"
+    )
     q.add_argument("--max-tokens", type=int, default=None, help="score only the corpus's first N tokens")
     add_dtype_arg(q)
     add_quantize_arg(
@@ -219,7 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     suites = resolve_suites(args.suite, loaded.tokenizer, args.limit, args.needle_lengths, args.needle_depths)
     ppl_tokens, corpus = None, None
     if args.ppl_corpus != "none":
-        corpus, text = corpus_text(args.ppl_corpus)
+        corpus, text = corpus_text(args.ppl_corpus, "--ppl-corpus")
         ppl_tokens = leading_tokens(loaded.tokenizer, text, args.ppl_max_tokens)
     llm = LLM(loaded, config, adapt=True)
     check_lengths(args, suites, llm.engine.max_model_len, ppl_tokens)
@@ -261,6 +263,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_ppl(args: argparse.Namespace) -> int:
     from keel.model.perplexity import check_window_options, leading_tokens, sliding_window_perplexity
 
+    if args.stride is None:  # the default stride, within a shorter --context
+        args.stride = min(512, args.context) if args.context > 0 else 512
     check_window_options(args.context, args.stride)  # option errors before any loading
     if args.max_tokens is not None and args.max_tokens < 2:
         raise KeelError(f"--max-tokens must be >= 2, got {args.max_tokens}")

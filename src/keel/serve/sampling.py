@@ -129,7 +129,7 @@ class SamplingParams:
             fail("max_tokens", ">= 1", self.max_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             fail("temperature", ">= 0", self.temperature)
         if not 0 < self.top_p <= 1:
             fail("top_p", "in (0, 1]", self.top_p)
@@ -137,7 +137,7 @@ class SamplingParams:
             fail("top_k", "-1, 0 (off) or >= 1", self.top_k)
         if not 0 <= self.min_p <= 1:
             fail("min_p", "in [0, 1]", self.min_p)
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:  # NaN too
             fail("repetition_penalty", "> 0", self.repetition_penalty)
         if not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", "in [-2, 2]", self.presence_penalty)

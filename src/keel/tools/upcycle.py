@@ -29,6 +29,8 @@ def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int) -> ModelCo
         raise KeelError(f"upcycle: a {dense.architecture} model has no MoE counterpart here (supported: {supported})")
     if dense.mlp_bias:
         raise KeelError("upcycle: MLP biases have no place in Mixtral experts")
+    if num_experts < 2:
+        raise KeelError(f"upcycle: --experts must be at least 2, got {num_experts}")
     if not 1 <= top_k <= num_experts:
         raise KeelError(f"upcycle: --top-k must be in 1..{num_experts}, got {top_k}")
     return dataclasses.replace(

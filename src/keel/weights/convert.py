@@ -217,7 +217,9 @@ def _write_tensors(tensors: Iterator[tuple[str, Tensor]], out: Path, max_shard_b
     def flush() -> None:
         nonlocal pending, pending_bytes
         if pending:
-            save_file(pending, str(out / f"shard-{len(shards):05d}.safetensors"), metadata=_METADATA)
+            path = out / f"shard-{len(shards):05d}.safetensors"
+            save_file(pending, str(path), metadata=_METADATA)
+            os.chmod(path, 0o644)  # safetensors creates its files private (0600); a model directory is readable
             shards.append(list(pending))
             pending, pending_bytes = {}, 0
 
