@@ -519,7 +519,7 @@ class ModelConfig:
         (a string where a number goes, an object where a list goes) is a ConfigError naming the file."""
         try:
             return cls._from_hf(hf, source, structure_only)
-        except (TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError) as e:
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError, IndexError, KeyError) as e:
             detail = " ".join(f"{type(e).__name__}: {e}".split())
             raise ConfigError(f"{source}: malformed config, a field of the wrong type or value ({detail})") from None
 
