@@ -121,6 +121,8 @@ def test_bad_options_are_one_line(tiny):
     assert_one_line_error(run_keel("generate", str(tiny), "--max-tokens", "abc"), "--max-tokens", "abc")
     assert_one_line_error(run_keel("generate", str(tiny), "--threads", "-1"), "--threads")
     assert_one_line_error(run_keel("plan", "train", str(tiny), "--gpus", "8xH200", "--mfu", "0"), "--mfu")
+    serve_plan = ("plan", "serve", str(tiny), "--gpus", "1xH100", "--context", "64")
+    assert_one_line_error(run_keel(*serve_plan, "--batch", "4", "--request-rate", "2"), "--batch", "--request-rate")
 
 
 def test_unwritable_output_and_malformed_inputs_are_one_line(tiny, tmp_path):
@@ -131,6 +133,10 @@ def test_unwritable_output_and_malformed_inputs_are_one_line(tiny, tmp_path):
     config = json.loads((tiny / "config.json").read_text())
     bad = tmp_path / "bad"
     bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**config, "rms_norm_eps": -1}))
+    assert_one_line_error(
+        run_keel("plan", "serve", str(bad / "config.json"), "--gpus", "1xH100", "--context", "64"), "rms_norm_eps"
+    )
     (bad / "config.json").write_text(json.dumps({**config, "num_attention_heads": "nine"}))
     assert_one_line_error(
         run_keel("plan", "serve", str(bad / "config.json"), "--gpus", "1xH100", "--context", "64"),

@@ -326,6 +326,7 @@ class ModelConfig:
         need(self.architecture in FAMILY_TO_HF, f"architecture {self.architecture!r} is not supported")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")  # NaN too
         need(
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",

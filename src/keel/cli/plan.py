@@ -26,6 +26,8 @@ def _fraction(text: str) -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.batch is not None and args.request_rate is not None:  # the rate sets the batch: one would be dropped
+        raise KeelError("--batch and --request-rate both set the batch; give one of them")
     config = model_config(args.model)
     cluster = cluster_from_args(args)
     layouts = plan_serving(
