@@ -839,6 +839,16 @@ def _deepseek_moe_from_hf(
     }
 
 
+# DeepSeek-V2's router as ModelConfig fields, from config.json or GGUF alike: a float32 softmax, groups scored by
+# their best expert, never renormalised.
+DEEPSEEK_V2_ROUTER: dict[str, Any] = {
+    "norm_topk_prob": False,
+    "router_scoring": "softmax",
+    "router_float32": True,
+    "router_group_score": "max",
+}
+
+
 def _deepseek_v2_router(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """DeepSeek-V2's router as transformers runs it: a float32 softmax, then the top k (`greedy`) or the top k of
     the topk_group groups whose best expert scores highest (`group_limited_greedy`); never renormalised
@@ -852,10 +862,7 @@ def _deepseek_v2_router(hf: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: DeepSeek-V2 scoring_func {hf['scoring_func']!r} is not supported (softmax)")
     grouped = method == "group_limited_greedy"
     return {
-        "norm_topk_prob": False,
-        "router_scoring": "softmax",
-        "router_float32": True,
-        "router_group_score": "max",
+        **DEEPSEEK_V2_ROUTER,
         "n_group": int(hf.get("n_group") or 1) if grouped else 1,
         "topk_group": int(hf.get("topk_group") or 1) if grouped else 1,
     }

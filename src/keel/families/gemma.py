@@ -25,11 +25,16 @@ DEFAULTS: dict[str, Any] = {
 _TANH_GELU = ("gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
-def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def refuse_bidirectional(hf: dict[str, Any], source: str) -> None:
+    """Every Gemma config may ask for bidirectional attention (an encoder's), which keel does not run."""
     if hf.get("use_bidirectional_attention"):
         raise ConfigError(
             f"{source}: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is not supported"
         )
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    refuse_bidirectional(hf, source)
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")
     if activation not in _TANH_GELU:
         raise ConfigError(f"{source}: hidden_act {activation!r} is not supported (gelu_pytorch_tanh)")

@@ -18,6 +18,7 @@ from typing import Any
 
 from keel.errors import ConfigError
 from keel.families import gemma3
+from keel.families.gemma import refuse_bidirectional
 
 FAMILY = "gemma2"
 HF_ARCHITECTURE = "Gemma2ForCausalLM"
@@ -40,10 +41,7 @@ def _cap(hf: dict[str, Any], key: str, default: float) -> float | None:
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError(
-            f"{source}: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is not supported"
-        )
+    refuse_bidirectional(hf, source)
     activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if activation not in ("gelu_pytorch_tanh", "gelu_new"):
         raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.gemma import refuse_bidirectional
 from keel.families.windows import sliding_layer_types
 
 FAMILY = "gemma3"
@@ -33,10 +34,7 @@ SLIDING_WINDOW_PATTERN = 6  # every sixth layer global
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError(
-            f"{source}: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is not supported"
-        )
+    refuse_bidirectional(hf, source)
     activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
     if activation not in ("gelu_pytorch_tanh", "gelu_new"):
         raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")

@@ -92,7 +92,7 @@ from gguf import (
 from gguf.quants import dequantize
 from torch import Tensor
 
-from keel.config import FAMILY_DEFAULTS, ModelConfig, RopeScaling
+from keel.config import DEEPSEEK_V2_ROUTER, FAMILY_DEFAULTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
 from keel.families import FAMILIES, checkpoint_layout
 from keel.weights.checkpoint import Checkpoint
@@ -188,6 +188,15 @@ KEYS_READ = (
     _KR.SCALING_YARN_LOG_MUL,
     ROPE_SCALE_LINEAR,
     *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
+)
+
+
+# Granite's four scalars: (llama.cpp's key, the config.json key, keel's field); Granite and Granite MoE files alike.
+_GRANITE_SCALARS = (
+    (_K.EMBEDDING_SCALE, "embedding_multiplier", "embedding_multiplier"),
+    (_K.RESIDUAL_SCALE, "residual_multiplier", "residual_multiplier"),
+    (_KA.SCALE, "attention_multiplier", "attention_scale"),
+    (_K.LOGIT_SCALE, "logits_scaling", "logits_scaling"),
 )
 
 
@@ -374,12 +383,8 @@ def _family_fields(
     own: dict[str, Any] = {}
     if family == "granite":
         # The converter writes each only when config.json has it; absent, transformers' default 1.0 holds.
-        one = lambda field, key: f.read(field, _f32(f.key(key)), "read") if f.key(key) else 1.0  # noqa: E731
         own = {
-            "embedding_multiplier": one("embedding_multiplier", _K.EMBEDDING_SCALE),
-            "residual_multiplier": one("residual_multiplier", _K.RESIDUAL_SCALE),
-            "attention_scale": one("attention_scale", _KA.SCALE),
-            "logits_scaling": one("logits_scaling", _K.LOGIT_SCALE),
+            field: f.read(field, _f32(f.key(key)), "read") if f.key(key) else 1.0 for key, _, field in _GRANITE_SCALARS
         }
     if family == "phi3":
         own.update(_phi3_longrope(f, common, tensors, path))
@@ -415,7 +420,6 @@ def _deepseek_moe_fields(
         raise ConfigError(f"{path}: expert gating function {gating} is not supported here (sigmoid only)")
     width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
     read, layers = f.read, range(common["num_layers"])
-    v2 = {"router_scoring": "softmax", "router_float32": True, "router_group_score": "max", "norm_topk_prob": False}
     return {
         "num_experts": read("num_experts", int(f.require(_K.EXPERT_COUNT))),
         "num_experts_per_tok": read("num_experts_per_tok", int(f.require(_K.EXPERT_USED_COUNT))),
@@ -433,7 +437,7 @@ def _deepseek_moe_fields(
         "topk_group": read("topk_group", int(f.key(_K.EXPERT_GROUP_USED_COUNT, 1) or 1)),
         "routed_scaling_factor": read("routed_scaling_factor", _f32(f.key(_K.EXPERT_WEIGHTS_SCALE, 1.0))),
         "norm_topk_prob": read("norm_topk_prob", bool(f.key(_K.EXPERT_WEIGHTS_NORM, True))),
-        **(v2 if family == "deepseek_v2" else {}),
+        **(DEEPSEEK_V2_ROUTER if family == "deepseek_v2" else {}),
     }
 
 
@@ -522,12 +526,7 @@ def _family_hf_config(
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
     if family == "granitemoe":  # GraniteMoeModel: Granite's four scalars (1 where absent) and LlamaModel's expert keys
-        for key, name, field in (
-            (_K.EMBEDDING_SCALE, "embedding_multiplier", "embedding_multiplier"),
-            (_K.RESIDUAL_SCALE, "residual_multiplier", "residual_multiplier"),
-            (_KA.SCALE, "attention_multiplier", "attention_scale"),
-            (_K.LOGIT_SCALE, "logits_scaling", "logits_scaling"),
-        ):
+        for key, name, field in _GRANITE_SCALARS:
             if f.key(key):
                 hf[name] = _f32(f.key(key))
                 read.add(field)
