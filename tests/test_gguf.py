@@ -255,6 +255,17 @@ def mini_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_mini_vocab(w: gguf.GGUFWriter, pre: str) -> None:
+    """`mini_vocab` as a GGUF byte-level BPE vocabulary, with pre-tokenizer `pre` and EOS 2."""
+    tokens, types, merges = mini_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+
+
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
@@ -447,14 +458,8 @@ def write_gguf(
         if family == "qwen2_moe":
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_mini_vocab(w, pre)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     w.add_eot_token_id(0)
     if cfg.pad_token_id is not None:  # gguf's SpecialVocab takes it from config.json
         w.add_pad_token_id(cfg.pad_token_id)

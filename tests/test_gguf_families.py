@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from keel.errors import ConfigError
 from keel.quant.loading import load_model
 from keel.weights.gguf import ARCHITECTURES, open_gguf
-from test_gguf import TOKENS, build_hf, rel_err, transformers_from_gguf, write_gguf
+from test_gguf import TOKENS, add_mini_vocab, build_hf, rel_err, transformers_from_gguf, write_gguf
 from tiny_models import build_hf_model
 
 pytest.importorskip("transformers")
@@ -298,19 +298,6 @@ def text_model_writer(cfg, path, arch: gguf.MODEL_ARCH, blocks: int | None = Non
     return w
 
 
-def add_mini_vocab(w, pre: str) -> None:
-    """test_gguf's byte-level BPE vocabulary, with pre-tokenizer `pre` and EOS 2."""
-    from test_gguf import mini_vocab
-
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
-
-
 def finish_writer(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -324,7 +311,6 @@ def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
     up split from transformers' interleaved gate_up_proj (weights transposed to [E, I, H], biases [E, I]), down
     transposed, sinks as `attn_sinks.weight`, the router as `ffn_gate_inp`. Returns the experts' weights as the
     file holds them (dequantized), in transformers' layout, for the reference."""
-    from test_gguf import mini_vocab
 
     cfg = hf.config
     rope = cfg.rope_parameters
@@ -349,14 +335,8 @@ def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
     w.add_sliding_window(cfg.sliding_window)
     w.add_expert_feed_forward_length(cfg.intermediate_size)
     w.add_vocab_size(cfg.vocab_size)
-    tokens, types, merges = mini_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-4o")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_mini_vocab(w, "gpt-4o")
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     stored: dict[str, torch.Tensor] = {}
 
     def add(name: str, t: torch.Tensor, kind: Q = Q.F32) -> torch.Tensor:
