@@ -52,7 +52,7 @@ class CompletionLogprobs:
     in characters of the tokens' bytes decoded in turn (a token holding part of a character adds nothing until
     the character completes), not in characters of the "bytes:\\x.." names such tokens are shown by."""
 
-    token_bytes: Callable[[int], bytes] | None = None  # None: each token's shown text counts
+    token_bytes: Callable[[int], bytes]  # a token's raw bytes (what its characters in the text are made of)
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
@@ -74,7 +74,7 @@ class CompletionLogprobs:
         self.token_logprobs.append(None if entry is None else entry.logprob)
         self.top_logprobs.append(None if entry is None else _top_map(entry, token_text))
         self.text_offset.append(self.offset)
-        self.offset += len(text) if self.token_bytes is None else len(self._decoder.decode(self.token_bytes(token_id)))
+        self.offset += len(self._decoder.decode(self.token_bytes(token_id)))
 
     def to_dict(self, start: int = 0) -> dict:
         return {

@@ -18,7 +18,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _max_tokens_name(self, req) -> str:  # noqa: ANN001
         """The field the client used: the older max_tokens where it sent that one."""
-        if type(self) is OpenAIServingChat and req.max_completion_tokens is None and req.max_tokens is not None:
+        if req.max_completion_tokens is None and req.max_tokens is not None:
             return "max_tokens"
         return self.max_tokens_param
 

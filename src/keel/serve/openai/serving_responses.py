@@ -30,6 +30,10 @@ from keel.serve.openai.tenants import Admission, TenantState
 class OpenAIServingResponses(OpenAIServingChat):
     kind = "responses"
     max_tokens_param = "max_output_tokens"
+
+    def _max_tokens_name(self, req) -> str:  # noqa: ANN001
+        return self.max_tokens_param  # the request's one field (its chat body's is set from it)
+
     prompt_param = "input"
     id_prefix = "resp_"
 
