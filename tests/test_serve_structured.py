@@ -308,6 +308,8 @@ def test_stream_chunks_are_shaped_as_vllm_sends_them(server):
     chunks = _raw_stream(server, {**body, "stop": [" "]})
     (last,) = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
     assert last["finish_reason"] == "stop" and last["stop_reason"] == " "
-    prompt = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 20, "stop": ["."], "stream": True}
-    chunks = _raw_stream(server, prompt, "/v1/completions")
-    assert [ch["stop_reason"] for c in chunks for ch in c["choices"]][-1] == "."  # null before, as vLLM's
+    # Greedy, and a stop that any English continuation reaches: a sampled run may go 20 tokens without a full stop.
+    prompt = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0.0}
+    chunks = _raw_stream(server, {**prompt, "stop": [" ", "."], "stream": True}, "/v1/completions")
+    (last,) = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] in (" ", ".")  # null before, as vLLM's
