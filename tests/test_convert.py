@@ -126,6 +126,20 @@ def test_refuses_to_overwrite(tmp_path):
     assert _siblings(dst) == []  # no temporary or old directories left behind
 
 
+def test_refuses_the_current_directory_or_one_that_holds_it(tmp_path, monkeypatch):
+    """`keel convert SRC . --overwrite` would rename the shell's own directory away from under it."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_hf_model("llama", src)
+    (dst / "inner").mkdir(parents=True)
+    monkeypatch.chdir(dst / "inner")
+    for name in (".", "./", "..", str(dst)):
+        with pytest.raises(KeelError, match="current directory"):
+            convert(src, name, overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["inner"] and list((dst / "inner").iterdir()) == []
+    assert convert(src, "model") == dst / "inner" / "model"  # a relative name below it, made absolute
+    assert (dst / "inner" / "model" / "config.json").is_file()
+
+
 def test_failure_leaves_nothing(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     save_hf_model("llama", src)

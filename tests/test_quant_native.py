@@ -510,6 +510,32 @@ def test_saved_quantized_model_loads_to_identical_logits(tmp_path, name, scheme)
         quantize_model(saved.model, "int8" if scheme == "int4" else "int4")
 
 
+def test_a_kept_name_that_matches_no_layer_is_refused(tmp_path):
+    """A misspelt --quant-keep entry would quantize the layer it meant to keep: refused, naming it, wherever the
+    list is read (load, save, a float model quantized by the engine); a speculative draft takes its target's list
+    and may lack some of its layers."""
+    from keel.quant.save import save_quantized
+    from keel.serve import EngineConfig, LLMEngine
+
+    save_hf_model("llama", tmp_path / "hf")
+    for keep in (("lm-head",), ("model.layers.1.self_attn.o_proj",), ("lm_head", "layers.9.*")):
+        with pytest.raises(KeelError, match=f"--quant-keep {keep[-1]!r}: matches no layer") as info:
+            load_model(tmp_path / "hf", "float32", quantize="int8", quant_keep=keep)
+        assert "\n" not in str(info.value)
+        with pytest.raises(KeelError, match=f"--quant-keep {keep[-1]!r}"):
+            save_quantized(tmp_path / "hf", tmp_path / "q", "int8", 128, keep)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing written
+    loaded = load_model(tmp_path / "hf", "float32")
+    with pytest.raises(KeelError, match="--quant-keep 'lm-head'"):
+        LLMEngine(loaded, EngineConfig.of(quantize="int8", quant_keep=("lm-head",), max_model_len=64))
+    keep = ("layers.*.mlp.down_proj", "embed_tokens")
+    model = load_model(tmp_path / "hf", "float32", quantize="int8", quant_keep=keep).model
+    layer = model.layers["1"].mlp
+    assert type(layer.down_proj) is nn.Linear and isinstance(layer.up_proj, QuantizedLinear)
+    draft = load_model(tmp_path / "hf", "float32", quantize="int8", quant_keep=("layers.9.*",), check_kept=False)
+    assert isinstance(draft.model.lm_head, QuantizedLinear)
+
+
 def test_corrupted_saved_tensors_are_clear_errors(tmp_path):
     from keel.quant.save import save_quantized
 

@@ -8,10 +8,13 @@ Two entry points share the rules below (what is quantized, what is kept):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
+from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model import fused_layer
 from keel.model.moe import GroupedExperts, MoE, _local
@@ -36,6 +39,21 @@ def is_kept(name: str, keep: set[str] | tuple[str, ...] | None) -> bool:
     """Whether module `name` stays float: it matches a --quant-keep entry (a name, or a shell pattern
     such as `*.experts`) or must stay float (ALWAYS_FLOAT)."""
     return any(fnmatchcase(name, pattern) for pattern in (*(keep or ()), *ALWAYS_FLOAT))
+
+
+def check_keep(config: ModelConfig, keep: Iterable[str]) -> None:
+    """Refuse a --quant-keep entry that matches no layer of the whole model (every pipeline stage's): a
+    misspelt name would otherwise quietly quantize the layer it meant to keep."""
+    from keel.model.transformer import Transformer  # the model package does not import keel.quant
+
+    with torch.device("meta"):  # names only
+        names = [name for name, _ in quantizable(Transformer(config))] + ["embed_tokens"]
+    for pattern in keep:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            raise KeelError(
+                f"--quant-keep {pattern!r}: matches no layer of this model (keel names them as {names[0]} "
+                "and lm_head, without HF's 'model.' prefix; patterns such as 'layers.*.mlp.down_proj' match several)"
+            )
 
 
 def linear_fits(scheme: str, in_features: int, out_features: int, group_size: int) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
-from keel.quant.apply import GGUF, quantize_kept, set_activations
+from keel.quant.apply import GGUF, check_keep, quantize_kept, set_activations
 from keel.quant.config import AUTO, FLOAT, keep_for
 from keel.quant.on_load import quantize_while_loading, stores_integer_blocks
 from keel.weights.checkpoint import Checkpoint, LoadedModel
@@ -34,6 +34,7 @@ def load_model(
     quant_keep: Iterable[str] | None = None,
     quant_keep_as: str | None = None,
     quant_activations: str = "refined",
+    check_kept: bool = True,
 ) -> LoadedModel:
     """Open a checkpoint and return the keel model (eval mode) with its tokenizer.
 
@@ -47,9 +48,13 @@ def load_model(
     or in `quant_keep_as` ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head).
     A directory written by `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
     quant_activations: how keel's CPU kernels quantize activations (keel.quant.apply.set_activations).
+    check_kept: refuse a quant_keep entry that names no layer of this model (off for a speculative draft, which
+    takes its target's list).
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     quantize = resolve_scheme(checkpoint, quantize, device)
+    if check_kept and quant_keep is not None and (quantize is not None or quant_keep_as is not None):
+        check_keep(checkpoint.config, quant_keep)
     quant_keep = keep_for(quant_keep, quantize, quant_keep_as)
     if quant_keep_as is not None and quantize is None and checkpoint.quantization is None:
         raise KeelError(

@@ -31,7 +31,7 @@ from keel.dtypes import parse_dtype
 from keel.errors import KeelError
 from keel.model.moe import GroupedExperts
 from keel.model.transformer import Transformer
-from keel.quant.apply import check_scheme, is_kept, linear_fits, quantizable
+from keel.quant.apply import check_keep, check_scheme, is_kept, linear_fits, quantizable
 from keel.quant.experts import experts_fit
 from keel.quant.linear import SCHEMES, pack_nibbles, quantize_int4, quantize_int8
 from keel.quant.on_load import saved_base
@@ -69,13 +69,13 @@ def save_quantized(
     if scheme not in SCHEMES:
         raise KeelError(f"--quantize: keel quantize save writes {' or '.join(SCHEMES)}, not {scheme!r}")
     check_scheme(scheme, group_size)
-    dst = Path(dst)
-    _check_destination(dst, overwrite)
+    dst = _check_destination(Path(dst), overwrite)
     checkpoint = open_checkpoint(model)
 
     def write(tmp: Path) -> dict:
         if checkpoint.quantization is not None:
             raise KeelError(f"{checkpoint.path}: already quantized ({checkpoint.quantization['scheme']})")
+        check_keep(checkpoint.config, keep)
         written = output_dtype(checkpoint, dtype)
         return _write(checkpoint, tmp, written, scheme, group_size, set(keep), max_shard_bytes)
 

@@ -212,8 +212,11 @@ class LLMEngine:
         quant, load = self.config.quant, self.config.load
         if quant.scheme is not None:
             from keel.quant import quantize_model
+            from keel.quant.apply import check_keep
 
             keep = set(quant.kept(quant.scheme))
+            if quant.quant_keep is not None:
+                check_keep(loaded.model.config, keep)
             q = quantize_model(loaded.model, quant.scheme, quant.quant_group_size, keep)
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
@@ -403,6 +406,7 @@ class LLMEngine:
             quantize=spec.quantization or AUTO,  # unset: as the target, a GGUF draft's blocks as stored
             quant_group_size=quant.quant_group_size,
             quant_keep=quant.quant_keep,
+            check_kept=False,  # the target's names: a smaller draft may lack some of its layers
         ).model
         if draft.config.vocab_size != self.model.config.vocab_size:
             raise KeelError(

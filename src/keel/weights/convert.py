@@ -68,8 +68,7 @@ def convert(
     overwrite: bool = False,
 ) -> Path:
     """Write `model` as an HF directory at `dst` (atomically) and return its path."""
-    dst = Path(dst)
-    _check_destination(dst, overwrite)
+    dst = _check_destination(Path(dst), overwrite)
     if max_shard_bytes <= 0:
         raise KeelError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
@@ -105,11 +104,18 @@ def write_model_dir(checkpoint: Checkpoint, dst: Path, overwrite: bool, write: C
     return result
 
 
-def _check_destination(dst: Path, overwrite: bool) -> None:
+def _check_destination(dst: Path, overwrite: bool) -> Path:
+    """`dst` as an absolute path, once it is known to be one the model can be moved to."""
     if dst.is_file() or dst.is_symlink():
         raise KeelError(f"{dst}: exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise KeelError(f"{dst}: directory exists and is not empty (pass --overwrite to replace it)")
+    absolute = dst.resolve()
+    # The model is written beside dst and renamed over it: a directory that is, or holds, the current
+    # one would be renamed away under the shell that asked for it ("." or a parent of it).
+    if dst.is_dir() and (absolute == Path.cwd().resolve() or absolute in Path.cwd().resolve().parents):
+        raise KeelError(f"{dst}: is the current directory or holds it; name a directory below it instead")
+    return absolute
 
 
 def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
@@ -120,8 +126,17 @@ def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
         # Move the old directory aside first, so dst is never missing a complete model for long
         # and the old one is only deleted once the new one is in place.
         old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-        os.replace(dst, old / "model")
-        os.replace(tmp, dst)
+        try:
+            os.replace(dst, old / "model")
+        except BaseException:
+            old.rmdir()
+            raise
+        try:
+            os.replace(tmp, dst)
+        except BaseException:
+            os.replace(old / "model", dst)  # the old model back where it was
+            old.rmdir()
+            raise
         fsync_dir(dst.parent)
         shutil.rmtree(old, ignore_errors=True)
         return
@@ -153,8 +168,7 @@ def save_model(
     overwrite: bool = False,
 ) -> Path:
     """Write a model held in memory (e.g. one keel built) as an HF directory at `dst`, atomically."""
-    dst = Path(dst)
-    _check_destination(dst, overwrite)
+    dst = _check_destination(Path(dst), overwrite)
     config = dataclasses.replace(model.config, dtype=dtype)
     torch_dtype = parse_dtype(dtype)
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
 from keel.model.stages import layer_ranges
 from keel.platform import local_rank_cuda
-from keel.quant.apply import quantize_kept, set_activations
+from keel.quant.apply import check_keep, quantize_kept, set_activations
 from keel.quant.config import QuantConfig
 from keel.quant.panels import panels_pay, store_in_panels
 from keel.serve.config import CacheConfig, LoadConfig, ParallelConfig
@@ -251,6 +251,8 @@ class Worker:
         model, quant = loaded.model, spec.quant
         if quant.scheme is not None:
             keep = quant.kept(quant.scheme)
+            if quant.quant_keep is not None:  # against the whole model's names: a stage holds only some
+                check_keep(loaded.checkpoint.config, keep)
             stats = quantize_shard(model, quant.scheme, quant.quant_group_size, keep)
             if quant.quant_keep_as is not None:
                 stats["quantized"] += quantize_kept(model, keep, quant.quant_keep_as, quant.quant_group_size)
