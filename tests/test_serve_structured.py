@@ -213,6 +213,11 @@ def test_required_tool_calls(client):
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in short.message.tool_calls
     ]
+    # Cut before the first call's name is out: no calls and no content (the raw "[" came back as content before).
+    early = chat(client, max_tokens=3, tools=[WEATHER, TIME], tool_choice="required").choices[0]
+    assert early.finish_reason == "length" and early.message.content is None and not early.message.tool_calls
+    content, calls, finish, _ = streamed(client, max_tokens=3, tools=[WEATHER, TIME], tool_choice="required")
+    assert (content, calls, finish) == ("", {}, "length")
 
 
 def test_auto_tool_choice_reads_hermes_calls(client):

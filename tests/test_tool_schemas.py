@@ -181,6 +181,9 @@ def test_a_cut_off_required_output_keeps_its_calls():
     calls = parse_required_calls(text, TOOLS, id_factory=counting_ids())
     assert calls == [ToolCall("call-0", "get_weather", '{"city": "Paris"}'), ToolCall("call-1", "get_time", '{"zo')]
     assert parse_required_calls('[{"name": "get_time", "par', TOOLS)[0].arguments == ""
+    # Cut before the first call's name: no calls, and the array's opening is not content (vLLM's answer too).
+    for text in ("[", ' [{"na', '[{"name": "get_w'):
+        assert parse_required_calls(text, TOOLS) == []
 
 
 def test_forced_output_round_trip():

@@ -118,7 +118,7 @@ class ChoiceWriter:
             try:
                 return None, parse_required_calls(content, self.outputs.tools)
             except ValueError:
-                return None  # cut off (max_tokens): the text stays content
+                return None  # not the forced form: the text stays content
         return None
 
     # ------------------------------------------------------------ streamed
@@ -155,8 +155,8 @@ class ChoiceWriter:
             calls = self._required_delta(text)
             if calls:
                 delta["tool_calls"] = calls
-            if final and not self.called:  # no call came out: the text is the content, as the whole response says
-                delta["content"] = self._forced
+            if final and not self.called and self._calls(self._forced) is None:
+                delta["content"] = self._forced  # not the forced form: the text is the content, as the whole says
         elif text:
             delta["content"] = text
         return delta

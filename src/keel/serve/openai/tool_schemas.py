@@ -124,15 +124,18 @@ def tool_choice_schema(tools: object, choice: object) -> dict[str, Any] | None:
 def parse_required_calls(text: str, tools: object, *, id_factory: Callable[[], str] | None = None) -> list[ToolCall]:
     """The calls in output that tool_choice "required" constrained: the array of `{"name", "parameters"}`, each
     call's arguments the `parameters` text as generated (keel.serve.openai.required_calls). An output cut off by
-    max_tokens keeps its calls, the last one's arguments as far as they came.
+    max_tokens keeps its calls, the last one's arguments as far as they came, and one cut before the first call's
+    name has none (vLLM's answer too: no calls and no content, the array's opening is not text for the client).
 
-    Raises ValueError when the text holds no call or is not what the schema forces (a name not among the tools,
-    complete arguments that are not a JSON object): the route may then answer with the text as content."""
+    Raises ValueError when the text is not what the schema forces (no array, a name not among the tools, complete
+    arguments that are not a JSON object): the route may then answer with the text as content."""
     new_id = id_factory or random_call_id
     names = {tool["function"]["name"] for tool in validate_tools(tools)}
     reader = RequiredCalls()
     reader.feed(text)
     if not reader.names:
+        if text.lstrip().startswith("[") and not reader.closed:
+            return []
         raise ValueError("the forced tool-call output holds no call")
     complete = len(reader.names) if reader.closed else len(reader.names) - 1  # the last may be cut off
     for i, (name, arguments) in enumerate(zip(reader.names, reader.arguments, strict=True)):
