@@ -75,7 +75,7 @@ def make_app(state: FakeState) -> FastAPI:
             try:
                 if chat:  # a role-only delta before prefill, as many servers send: not a token
                     yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-                await asyncio.sleep(3.0 if "HANG" in prompt else state.ttft)
+                await asyncio.sleep(10.0 if "HANG" in prompt else state.ttft)
                 for i in range(n):
                     if i:
                         await asyncio.sleep(state.itl)
@@ -203,7 +203,7 @@ def test_failures_are_counted_not_fatal(server: FakeServer, tmp_path: Path) -> N
     ]
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    r = run(make_config(server, dataset=str(dataset), num_prompts=5, timeout=0.6))
+    r = run(make_config(server, dataset=str(dataset), num_prompts=5, timeout=2.0))
     assert (r.completed, r.failed) == (2, 3)
     assert r.errors[0] == "" and r.errors[4] == ""
     assert "HTTP 500" in r.errors[1] and "internal boom" in r.errors[1]

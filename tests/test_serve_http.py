@@ -388,7 +388,7 @@ SMALL_VALID = {
 )
 def test_fuzzed_bodies_never_500_never_hang(server, endpoint, body, base):
     payload = {**base, **body}
-    if "max_tokens" not in payload and "max_completion_tokens" not in payload:
+    if payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None:
         # The default is the rest of the 8192-token context: greedy on a random model (no EOS), 30 s here.
         payload["max_tokens"] = 8
     if isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 8:
@@ -449,7 +449,7 @@ def test_disconnected_stream_is_aborted_and_frees_blocks(server):
         assert metric(busy, "vllm:kv_cache_usage_perc") > 0 and metric(busy, "vllm:num_requests_running") == 1
     start = time.monotonic()
     after = wait_idle(server)  # the abort reached the engine and its blocks are back
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10  # the request alone would run for minutes; slack for a loaded machine
     aborted = metric(after, "vllm:request_success_total", finished_reason="abort") - metric(
         before, "vllm:request_success_total", finished_reason="abort"
     )
@@ -566,7 +566,7 @@ def test_deadline_aborts_and_frees_blocks(limited):
         timeout=30,
     )
     assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
-    assert 1.9 < time.monotonic() - start < 6
+    assert 1.9 < time.monotonic() - start < 15  # the request alone runs for minutes; slack for a loaded machine
     wait_idle(limited)
 
 
