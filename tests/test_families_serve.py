@@ -79,7 +79,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
     assert llm.engine.runner.compiled is not None and llm.engine.runner.compiled.steps > 0
 
 
-@pytest.mark.parametrize("name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "dots1", "ernie4_5_moe"])
+@pytest.mark.parametrize(
+    "name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "granitemoeshared", "dots1", "ernie4_5_moe"]
+)
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
     window), Ministral 3's query temperature by position (from position 16 here), and OLMoE's experts (MoE models
@@ -103,8 +105,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [a.rotates for a in attention] == [True, False, True]
     elif name == "ministral3":
         assert all(a.scales_queries for a in attention)
-    elif name in ("olmoe", "granitemoe"):  # granitemoe: Granite's scalars around experts in every layer
+    elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
+        shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]
+        assert all((s is not None) == (name == "granitemoeshared") for s in shared)  # and its ungated shared MLP
     else:  # GLM-4.5, dots.llm1 (DeepSeek-V3's router), ERNIE 4.5 MoE (a biased softmax choice): a dense first layer
         moe = [llm.engine.model.config.is_moe_layer(i) for i in range(len(attention))]
         assert moe == [False, True, True] and llm.engine.model.config.router_bias

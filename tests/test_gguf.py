@@ -269,7 +269,7 @@ def add_mini_vocab(w: gguf.GGUFWriter, pre: str) -> None:
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", phi3="phi3", olmo2="olmo2")
 GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
-GGUF_ARCH.update(smollm3="smollm3", phi="phi2", granitemoe="granitemoe")
+GGUF_ARCH.update(smollm3="smollm3", phi="phi2", granitemoe="granitemoe", granitemoeshared="granitemoe")
 GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
@@ -448,9 +448,11 @@ def write_gguf(
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if family in ("mixtral", "granitemoe"):  # LlamaModel's expert keys
+    if family in ("mixtral", "granitemoe", "granitemoeshared"):  # LlamaModel's expert keys
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+        if family == "granitemoeshared":  # GraniteMoeModel: the shared expert's width, where it has one
+            w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
     elif family in ("qwen2_moe", "qwen3_moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -512,6 +514,14 @@ def write_gguf(
             continue
         if rest == "block_sparse_moe.experts.down_proj":
             add(f"{blk}.ffn_down_exps.weight", t)
+            continue
+        if rest == "shared_mlp.input_linear.weight":  # GraniteMoeModel splits the shared gate and up rows too
+            gate, up = t.chunk(2, dim=0)
+            add(f"{blk}.ffn_gate_shexp.weight", gate)
+            add(f"{blk}.ffn_up_shexp.weight", up)
+            continue
+        if rest == "shared_mlp.output_linear.weight":
+            add(f"{blk}.ffn_down_shexp.weight", t)
             continue
         if rest == "mlp.experts.down_proj":
             if per_expert:

@@ -27,14 +27,19 @@ from tiny_models import build_hf_model
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["granite", "granitemoe", "phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["granite", "granitemoe", "granitemoeshared", "phi3", "olmo2"])
 def test_family_gguf_matches_hf_model(tmp_path, name):
     hf = build_hf(name)
     path = write_gguf(hf, tmp_path / f"{name}.gguf")
     loaded = load_model(path)
     c = loaded.config
     assert c.architecture == name and (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
-    if name == "granitemoe":  # Granite's scalars around experts split into gate and up, stacked again
+    if name == "granitemoeshared":  # llama.cpp's granitemoe architecture, with the shared expert's tensors
+        assert c.shared_expert_intermediate_size == 48 and not c.shared_expert_gated
+        assert loaded.checkpoint.reader.gguf_names("model.layers.1.mlp.shared_expert.down_proj.weight") == [
+            "blk.1.ffn_down_shexp.weight"
+        ]
+    if name.startswith("granitemoe"):  # Granite's scalars around experts split into gate and up, stacked again
         assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
             12.0,
             0.22,

@@ -265,6 +265,23 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Granite MoE with a shared expert: an ungated SwiGLU beside the routed experts, its gate and up rows fused.
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        dict(
+            shared_intermediate_size=48,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # dots.llm1: Qwen3's attention with biases, DeepSeek-V3's experts (2 groups of 4, one used; 2 shared), the
     # first layer dense, the last sliding (window 8).
     "dots1": (

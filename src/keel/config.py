@@ -38,6 +38,8 @@ MLA_FAMILIES = {"deepseek_v2", "deepseek_v3"}
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
 DEEPSEEK_MOE_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "dots1"}
+# Granite MoE and its shared-expert variant: their experts' keys are their own (keel.families.granitemoe).
+GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -173,8 +175,8 @@ class ModelConfig:
 
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe, dots1,
-    # ernie4_5_moe)
+    # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
+    # granitemoeshared, dots1, ernie4_5_moe)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -664,7 +666,7 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, "granitemoe", "ernie4_5_moe"):
+        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, *GRANITE_MOE_FAMILIES, "ernie4_5_moe"):
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,

@@ -30,6 +30,7 @@ from keel.families import (
     gpt_neox,
     gpt_oss,
     granitemoe,
+    granitemoeshared,
     ministral3,
     olmo2,
     olmo3,
@@ -68,6 +69,7 @@ FAMILIES: dict[str, ModuleType] = {
         gpt_oss,
         glm4_moe,
         granitemoe,
+        granitemoeshared,
         dots1,
         ernie4_5_moe,
     )

@@ -16,7 +16,8 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
-granitemoe, phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3, starcoder2, exaone4, command-r,
+granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
+starcoder2, exaone4, command-r,
 cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
 name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
@@ -310,6 +311,8 @@ def _config_from_metadata(
     family = "mixtral" if arch == MODEL_ARCH_NAMES[_A.LLAMA] and num_experts else ARCHITECTURES[arch]
     if arch == MODEL_ARCH_NAMES[_A.DEEPSEEK2]:
         family = _deepseek2_family(meta, arch)
+    if family == "granitemoe" and _tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, 0) in tensors:
+        family = "granitemoeshared"  # llama.cpp's granitemoe architecture holds both (its shared expert is optional)
     f = _Fields(meta, arch, family)
     hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
     vocab = _vocab_size(f, tensors, path, embedding_first=family == "gemma3")
@@ -525,7 +528,13 @@ def _family_hf_config(
         local = f.key(_KR.FREQ_BASE_SWA)
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
-    if family == "granitemoe":  # GraniteMoeModel: Granite's four scalars (1 where absent) and LlamaModel's expert keys
+    if family in ("granitemoe", "granitemoeshared"):  # GraniteMoeModel: Granite's four scalars (1 where absent)
+        # and LlamaModel's expert keys; the shared expert's width under the key Qwen2-MoE's files use too
+        if family == "granitemoeshared":  # absent: from the shared down projection, ggml shape [S, H]
+            width = f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+            down = tensors[_tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, 0)]
+            hf["shared_intermediate_size"] = int(width) if width is not None else int(down.shape[0])
+            read |= {"shared_expert_intermediate_size"} if width is not None else set()
         for key, name, field in _GRANITE_SCALARS:
             if f.key(key):
                 hf[name] = _f32(f.key(key))

@@ -38,7 +38,7 @@ class Source:
 # Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
 _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe"}
 # Families whose checkpoints store each layer's experts stacked (under names their checkpoint_layout renames).
-STACKED_EXPERTS = {"granitemoe"}
+STACKED_EXPERTS = {"granitemoe", "granitemoeshared"}
 
 
 def _single(tensors: list[Tensor]) -> Tensor:
