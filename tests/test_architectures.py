@@ -177,3 +177,56 @@ def test_moe_grouped_experts_equal_naive_per_token():
             acc += torch.sigmoid(moe.shared_expert_gate(flat[t])) * shared
             expected.append(acc)
     torch.testing.assert_close(got.reshape(-1, 16), torch.stack(expected), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "act"),
+    [
+        ("mixtral", "gelu_pytorch_tanh"),  # the routed experts take hidden_act too, not SiLU always
+        ("qwen2_moe", "gelu"),  # ... and the shared expert
+        ("llama", "relu"),
+        ("llama", "quick_gelu"),
+        ("llama", "gelu_fast"),
+        ("starcoder2", "gelu"),  # its own default is the tanh GELU; a named one is read
+    ],
+)
+def test_every_mlp_takes_the_configs_activation(tmp_path, name, act):
+    hf = save_hf_model(name, tmp_path, hidden_act=act)
+    loaded = load_model(tmp_path, "float32")
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+def test_a_top_level_pretraining_context_wins_over_the_rope_parameters(tmp_path, rope_type):
+    """transformers moves a config's top-level original_max_position_embeddings into its llama3 / yarn / longrope
+    parameters over theirs: keel reads the same context (16 against 64 here moves every rotated frequency)."""
+    import json
+
+    import transformers
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    if rope_type == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    save_hf_model("llama", tmp_path, max_position_embeddings=256, rope_parameters=rope)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "original_max_position_embeddings": 64}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 64
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.rope_scaling.original_max_position_embeddings == 64
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_2_and_3_read_their_gelu_as_named(tmp_path, name):
+    """hidden_activation "gelu" is the exact (erf) GELU in Gemma 2 and 3 (Gemma 1 reads it as the tanh one)."""
+    hf = save_hf_model(name, tmp_path, hidden_activation="gelu")
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.hidden_act == "gelu"
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5

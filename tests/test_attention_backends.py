@@ -29,7 +29,7 @@ def reference(queries, k_store, v_store, tables, table_of, positions, block_size
     out = torch.empty(tokens, heads, v_dim, dtype=torch.float64)
     for t in range(tokens):
         p = int(positions[t])
-        first = max(0, p - window + 1) if window else 0
+        first = max(0, p - window + 1) if window > 0 else (p - p % -window if window < 0 else 0)
         slots = [int(tables[table_of[t], j // block_size]) * block_size + j % block_size for j in range(first, p + 1)]
         for h in range(heads):
             k = k_store[h // group, slots].double()
@@ -67,7 +67,7 @@ def random_case(kv_heads, group, head_dim, v_dim, block_size, dtype, latent=Fals
         (1, 20, 32, 24, 16, True),  # a group past one tile of 16 heads (MLA's 64-128)
     ],
 )
-@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("window", [0, 20, -32])  # -32: Llama 4's chunks of 32 positions
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_kernel_matches_the_reference(kv_heads, group, head_dim, v_dim, block_size, latent, window, dtype):
     case = random_case(kv_heads, group, head_dim, v_dim, block_size, dtype, latent)
@@ -86,7 +86,7 @@ def test_triton_kernel_matches_the_reference(kv_heads, group, head_dim, v_dim, b
 
 
 @pytest.mark.parametrize("splits", [2, 5, 8])
-@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("window", [0, 20, -32])
 def test_a_context_split_across_programs_combines_to_the_reference(splits, window):
     """Flash-decoding: each token's visible blocks shared out among `splits` programs (some of them empty:
     five or eight splits of a context of at most six blocks), combined by the second kernel."""

@@ -80,7 +80,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "granitemoeshared", "dots1", "ernie4_5_moe"]
+    "name",
+    ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "granitemoeshared", "dots1", "ernie4_5_moe", "llama4"],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
@@ -105,6 +106,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [a.rotates for a in attention] == [True, False, True]
     elif name == "ministral3":
         assert all(a.scales_queries for a in attention)
+    elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries
+        assert [a.window for a in attention] == [-8, -8, -8, None]
+        assert [(a.rotates, a.scales_queries, a.qk_l2_eps is not None) for a in attention][2:] == [
+            (True, False, True),
+            (False, True, False),
+        ]
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

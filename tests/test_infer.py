@@ -102,6 +102,7 @@ SHAPE_INFERABLE = [
             "arcee",
             "gpt_oss",
             "dots1",
+            "llama4",
         )
     )
 ]

@@ -505,8 +505,10 @@ def dense_attention(q, keys, values, tables, table_of, positions, block_size, wi
         s = torch.einsum("hgd,hld->hgl", qq, k) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        if window:
+        if window > 0:
             s[..., torch.arange(pos + 1) <= pos - window] = float("-inf")
+        elif window < 0:  # Llama 4's chunks of -window positions
+            s[..., torch.arange(pos + 1) < pos - pos % -window] = float("-inf")
         out.append(torch.einsum("hgl,hld->hgd", s.softmax(-1), v).reshape(heads, -1))
     return torch.stack(out)
 
@@ -532,11 +534,12 @@ def random_store(store: str, kv_heads: int, slots: int, dim: int, g: torch.Gener
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
-@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("window", [0, 21, -24])
 @pytest.mark.parametrize("softcap", [0.0, 0.5])
 def test_paged_attention_matches_dense_softmax(level, store, window, softcap):
-    """Decodes and a short chunk over every store kind, with and without a sliding window and score
-    soft-capping (a cap of 0.5 bends most of these scores: the capped reference is far from the uncapped)."""
+    """Decodes and a short chunk over every store kind, with and without a sliding window (or Llama 4's chunks
+    of 24: -24) and score soft-capping (a cap of 0.5 bends most of these scores: the capped reference is far from
+    the uncapped)."""
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, blocks = (8, 1, 80, 16, 40) if store == "latent" else (6, 2, 64, 16, 40)
     v_dim = 64 if store == "latent" else dim
@@ -560,7 +563,7 @@ def test_paged_attention_matches_dense_softmax(level, store, window, softcap):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("store", ["float32", "bfloat16", "int8", "latent"])
-@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("window", [0, 21, -24])
 @pytest.mark.parametrize("group", [3, 20])
 def test_paged_attention_prefill_chunks_in_tiles(level, store, window, group):
     """Long prefill chunks (cut into tiles of rows that share each block's reads) beside decodes: a chunk of

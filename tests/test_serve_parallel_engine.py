@@ -78,6 +78,9 @@ def _params() -> list[SamplingParams]:
         pytest.param("phi", 2, 1, marks=pytest.mark.slow),
         # GLM-4: each rank's q/k rows are read through the family's regrouped rotary channels
         pytest.param("glm4", 2, 1, marks=pytest.mark.slow),
+        # Llama 4: transposed experts cut by width (each rank scales its own input share), chunked layers
+        pytest.param("llama4", 2, 1, marks=pytest.mark.slow),
+        pytest.param("llama4-ep", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -265,6 +265,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
+    # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
+    # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+            floor_scale=4,
+            attn_scale=0.5,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # Granite MoE with a shared expert: an ungated SwiGLU beside the routed experts, its gate and up rows fused.
     "granitemoeshared": (
         "GraniteMoeSharedConfig",

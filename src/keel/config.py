@@ -139,7 +139,10 @@ HIDDEN_ACTS = {
     "gelu": "gelu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",  # the same tanh approximation, written out
     "relu2": "relu2",
+    "relu": "relu",
+    "quick_gelu": "quick_gelu",
 }
 
 
@@ -176,7 +179,7 @@ class ModelConfig:
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
     # glm4, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
-    # granitemoeshared, dots1, ernie4_5_moe)
+    # granitemoeshared, llama4, dots1, ernie4_5_moe)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -200,8 +203,11 @@ class ModelConfig:
     lm_head_bias: bool = False  # Phi: the LM head adds a bias per vocabulary entry
     qk_norm: bool = False
     sliding_window: int | None = None
-    # Per layer: "full_attention" or "sliding_attention" (HF's `layer_types`).
+    # Per layer: "full_attention", "sliding_attention" or "chunked_attention" (HF's `layer_types`).
     layer_types: list[str] = field(default_factory=list)
+    # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
+    # of this many positions, from p - p % size to p.
+    attention_chunk_size: int | None = None
     # Mixture of experts (num_experts == 0: dense).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -215,6 +221,8 @@ class ModelConfig:
     # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
     # group-limited top-k, scaled weights).
     router_scoring: str = "softmax"
+    # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
+    router_scales_input: bool = False
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
     router_float32: bool = False  # DeepSeek-V2: the router's matmul and softmax in float32 whatever the model's dtype
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
@@ -264,10 +272,18 @@ class ModelConfig:
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
     query_scale_length: int = 8192
+    # Llama 4's own form: p + 1 in place of p, and only in the layers without position encoding (`rope_layers`).
+    query_scale_offset: int = 0
+    query_scale_nope_only: bool = False
+    # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
+    # the rotary embedding.
+    qk_l2_norm: bool = False
     # A learned logit per query head that joins every softmax of attention without a value (GPT-OSS's "sinks"):
     # probabilities exp(s_j) / (sum_i exp(s_i) + exp(sink)), so a head may attend to nothing.
     attention_sinks: bool = False
-    hidden_act: str = "silu"  # the MLP's activation: silu | gelu (erf) | gelu_tanh | relu2 (ReLU squared)
+    # The MLPs' activation, the experts' and shared experts' too: silu | gelu (erf) | gelu_tanh | relu2 (ReLU
+    # squared) | relu | quick_gelu (x sigmoid(1.702 x))
+    hidden_act: str = "silu"
     mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
     # Tokens and provenance.
     bos_token_id: int | None = None
@@ -315,9 +331,14 @@ class ModelConfig:
         return not self.rope_layers or self.rope_layers[layer]
 
     def layer_window(self, layer: int) -> int | None:
-        """Sliding-window size of `layer` in tokens (query sees keys with q_pos - k_pos < window)."""
-        if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
+        """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
+        visible`): None, all; a positive size, a sliding window (q_pos - k_pos < window); a negative one, Llama 4's
+        chunks of -window positions (k_pos at or after q_pos - q_pos % -window)."""
+        kind = self.layer_types[layer]
+        if kind == "sliding_attention" and self.sliding_window:
             return self.sliding_window
+        if kind == "chunked_attention" and self.attention_chunk_size:
+            return -self.attention_chunk_size
         return None
 
     def validate(self) -> None:
@@ -338,6 +359,14 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
+        kinds = {"full_attention", "sliding_attention", "chunked_attention"}
+        need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
+        need(
+            self.attention_chunk_size is None or self.attention_chunk_size > 0,
+            f"attention_chunk_size must be positive, got {self.attention_chunk_size}",
+        )
+        need(not self.router_scales_input or self.num_experts_per_tok == 1, "router_scales_input routes to one expert")
+        need(not (self.is_mla and self.qk_l2_norm), "qk_l2_norm is not read by MLA")
         need(
             not self.rope_layers or len(self.rope_layers) == self.num_layers,
             "rope_layers must have one entry per layer",
@@ -528,6 +557,7 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict[str, Any], source: str, structure_only: bool) -> ModelConfig:
+        hf = _text_config(hf)
         family = _family_from_hf(hf, source)
         defaults = FAMILY_DEFAULTS[family]
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
@@ -703,6 +733,22 @@ def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     """hf[key], or the default when the key is absent or null."""
     value = hf.get(key)
     return default if value is None else value
+
+
+# Multimodal checkpoints whose decoder keel runs on its own (text in, text out), by the text model's architecture:
+# their config.json nests it under `text_config` (its tensors under `language_model.`: keel.weights.loader).
+TEXT_MODEL_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text model as a config of its own (TEXT_MODEL_OF), the outer keys it lacks kept
+    (dtype, tie_word_embeddings); any other config as it is."""
+    archs = hf.get("architectures") or []
+    outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
+    if outer is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    inner = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
+    return {**inner, **hf["text_config"], "architectures": [TEXT_MODEL_OF[outer]]}
 
 
 def _family_from_hf(hf: dict[str, Any], source: str) -> str:
@@ -931,10 +977,15 @@ def _rope_from_hf(
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    # As transformers' standardize_rope_params for llama3, yarn and longrope: the pre-training context from the
+    # config's top level where it has one (Phi-3 keeps it there), else the rope parameters', else
+    # max_position_embeddings.
+    original = int(
+        hf.get("original_max_position_embeddings") or spec.get("original_max_position_embeddings") or max_positions
+    )
     if rope_type == "yarn":
-        # As transformers: the pre-training context defaults to max_position_embeddings, the factor
-        # to the ratio of the two, and a missing or zero mscale/mscale_all_dim means "not given".
-        original = int(spec.get("original_max_position_embeddings") or max_positions)
+        # As transformers: the factor defaults to the ratio of the two contexts, and a missing or zero
+        # mscale/mscale_all_dim means "not given".
         factor = spec.get("factor")
         attention_factor = spec.get("attention_factor")
         return theta, RopeScaling(
@@ -949,11 +1000,7 @@ def _rope_from_hf(
             truncate=bool(spec.get("truncate", True)),
         )
     if rope_type == "longrope":
-        # As transformers: the pre-training context from the spec or the config's top level (Phi-3's), the factor
-        # the ratio of the two contexts unless given.
-        original = int(
-            spec.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_positions
-        )
+        # As transformers: the factor the ratio of the two contexts unless given.
         factor, attention_factor = spec.get("factor"), spec.get("attention_factor")
         try:
             short, long = (tuple(float(x) for x in spec[key]) for key in ("short_factor", "long_factor"))
@@ -972,7 +1019,7 @@ def _rope_from_hf(
         factor=float(spec.get("factor", 1.0)),
         low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(spec.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
     )
 
 

@@ -31,6 +31,7 @@ from keel.families import (
     gpt_oss,
     granitemoe,
     granitemoeshared,
+    llama4,
     ministral3,
     olmo2,
     olmo3,
@@ -70,6 +71,7 @@ FAMILIES: dict[str, ModuleType] = {
         glm4_moe,
         granitemoe,
         granitemoeshared,
+        llama4,
         dots1,
         ernie4_5_moe,
     )

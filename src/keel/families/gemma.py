@@ -33,6 +33,29 @@ def refuse_bidirectional(hf: dict[str, Any], source: str) -> None:
         )
 
 
+# Gemma 2 and 3 read `hidden_activation` as transformers' ACT2FN does (Gemma 1 reads every GELU as the tanh one).
+_GEMMA2_ACTIVATIONS = {
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+def gemma2_activation(hf: dict[str, Any], source: str) -> str:
+    """Gemma 2's and 3's MLP activation under keel's name (`hidden_activation`, else `hidden_act`)."""
+    activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if activation not in _GEMMA2_ACTIVATIONS:
+        raise ConfigError(
+            f"{source}: hidden_activation {activation!r} is not supported ({', '.join(_GEMMA2_ACTIVATIONS)})"
+        )
+    return _GEMMA2_ACTIVATIONS[activation]
+
+
+def gemma2_activation_to_hf(config: Any) -> str:
+    return {"gelu_tanh": "gelu_pytorch_tanh"}.get(config.hidden_act, config.hidden_act)
+
+
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     refuse_bidirectional(hf, source)
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")

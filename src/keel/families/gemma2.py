@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
 from keel.families import gemma3
-from keel.families.gemma import refuse_bidirectional
+from keel.families.gemma import gemma2_activation, gemma2_activation_to_hf, refuse_bidirectional
 
 FAMILY = "gemma2"
 HF_ARCHITECTURE = "Gemma2ForCausalLM"
@@ -42,9 +41,6 @@ def _cap(hf: dict[str, Any], key: str, default: float) -> float | None:
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     refuse_bidirectional(hf, source)
-    activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
-    if activation not in ("gelu_pytorch_tanh", "gelu_new"):
-        raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     layers = int(hf["num_hidden_layers"])
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
@@ -55,7 +51,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "norm_weight_offset": 1.0,
         "embedding_multiplier": float(hf["hidden_size"]) ** 0.5,
         "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "hidden_act": "gelu_tanh",
+        "hidden_act": gemma2_activation(hf, source),
         "final_logit_softcapping": _cap(hf, "final_logit_softcapping", FINAL_LOGIT_SOFTCAPPING),
         "attn_logit_softcapping": _cap(hf, "attn_logit_softcapping", ATTN_LOGIT_SOFTCAPPING),
         "sliding_window": window,
@@ -69,7 +65,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_type": "gemma2",
-        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_activation": gemma2_activation_to_hf(config),
         "query_pre_attn_scalar": round(config.attention_scale**-2),  # an int in transformers
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": config.attn_logit_softcapping,

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
-from keel.families.gemma import refuse_bidirectional
+from keel.families.gemma import gemma2_activation, gemma2_activation_to_hf, refuse_bidirectional
 from keel.families.windows import sliding_layer_types
 
 FAMILY = "gemma3"
@@ -35,9 +34,6 @@ SLIDING_WINDOW_PATTERN = 6  # every sixth layer global
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     refuse_bidirectional(hf, source)
-    activation = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
-    if activation not in ("gelu_pytorch_tanh", "gelu_new"):
-        raise ConfigError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern", SLIDING_WINDOW_PATTERN))
     layer_types = sliding_layer_types(hf, pattern)
@@ -49,7 +45,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "qk_norm": True,
         "embedding_multiplier": float(hf["hidden_size"]) ** 0.5,
         "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "hidden_act": "gelu_tanh",
+        "hidden_act": gemma2_activation(hf, source),
         "final_logit_softcapping": None if cap is None else float(cap),
         "attn_logit_softcapping": None if attn_cap is None else float(attn_cap),
         "sliding_window": window,
@@ -64,7 +60,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_type": "gemma3_text",
-        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_activation": gemma2_activation_to_hf(config),
         "query_pre_attn_scalar": round(config.attention_scale**-2),  # an int in transformers
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": config.attn_logit_softcapping,

@@ -25,11 +25,13 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     eps = hf.get("norm_epsilon")
     window = hf.get("sliding_window")
     layers = int(hf["num_hidden_layers"])
+    # transformers' default activation where the file names none; a named one is read as every family's is
+    act = {} if hf.get("hidden_act") else {"hidden_act": "gelu_tanh"}
     return {
+        **act,
         "norm_type": "layer",
         "norm_bias": True,
         "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),
-        "hidden_act": "gelu_tanh",
         "mlp_gated": False,
         "qkv_bias": bias,
         "o_bias": bias,
@@ -44,7 +46,6 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "norm_epsilon": config.rms_norm_eps,
         "use_bias": config.qkv_bias,
-        "hidden_act": "gelu_pytorch_tanh",
         "sliding_window": config.sliding_window,
     }
 

@@ -2,7 +2,7 @@
 
 The same contract as keel's CPU operator `keel::paged_attention`: every query token (a decode row or a
 row of a chunk) walks its sequence's block table and reads the keys and values where they lie in the
-paged stores, with an online softmax, causal by position and within a sliding window when one is set.
+paged stores, with an online softmax, causal by position and within a sliding window or chunk when one is set.
 One program per (token, KV head, 16 of the group's query heads, split of the context): those heads share
 each K/V load and go through `tl.dot` together (a group under 16 is padded to 16, the smallest tile
 `tl.dot` takes; an MLA group of 64-128 heads in one tile would not fit in shared memory). A store without
@@ -78,6 +78,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         stride_table,
         scale,
         window,
+        chunk,
         softcap,
         splits,
         group: tl.constexpr,  # query heads per KV head
@@ -122,17 +123,18 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
             total = tl.zeros([heads_pad], tl.float32)
         acc = tl.zeros([heads_pad, v_pad], tl.float32)
 
-        # window: the host passes a span longer than any sequence when there is none (no branch here).
+        # window, chunk: the host passes a span longer than any sequence for the one not set (no branch here).
         # The visible keys' blocks [first, last] are shared out among the splits, a contiguous run each,
         # which a split reads `tile_keys` at a time (every tile starts on a block that holds a visible key).
-        first = tl.maximum(position - window + 1, 0) // block_size
+        first_position = tl.maximum(tl.maximum(position - window + 1, position - position % chunk), 0)
+        first = first_position // block_size
         last = position // block_size
         per_split = (last - first + splits) // splits
         start = (first + split * per_split) * block_size
         stop = tl.minimum(first + (split + 1) * per_split, last + 1) * block_size
         for tile_start in range(start, stop, tile_keys):
             key_positions = tile_start + offsets
-            visible = (key_positions <= position) & (key_positions > position - window) & (key_positions < stop)
+            visible = (key_positions <= position) & (key_positions >= first_position) & (key_positions < stop)
             table_entries = tables_ptr + row * stride_table + key_positions // block_size
             blocks = tl.load(table_entries, mask=visible, other=0).to(tl.int64)
             slots = blocks * block_size + key_positions % block_size
@@ -273,8 +275,9 @@ def paged_attention(
     """queries [T, H, D] over the paged stores ([H_kv, slots, D], values [H_kv, slots, Dv] or None: the
     keys' first `v_dim` channels) -> [T, H, Dv] in the queries' dtype. tables [R, W] int32, table_of [T]
     (each token's row), positions [T] (each token's position: it sees keys at positions <= its own and,
-    with window > 0, within `window` tokens). block_size must be a power of two of at least 16. softcap > 0
-    caps each score at softcap * tanh(score / softcap). splits: how many programs share one context
+    with window > 0, within `window` tokens; with window < 0, within its chunk of -window positions).
+    block_size must be a power of two of at least 16. softcap > 0 caps each score at softcap * tanh(score /
+    softcap). splits: how many programs share one context
     (default: `context_splits`; tests force it). out: where to write ([T, H, Dv], any strides but the
     last; e.g. a transposed view of the [H, T, Dv] layout the model wants, sparing a copy). tile_keys: keys
     an iteration reads (default `TILE_KEYS`); half_dot: multiply 16-bit queries and rows of one dtype on the
@@ -325,7 +328,7 @@ def paged_attention(
         values.stride(0), values.stride(1),
         target.stride(0), target.stride(1),
         tables.stride(0),
-        scale, window if window > 0 else _NO_WINDOW, softcap, splits,
+        scale, window if window > 0 else _NO_WINDOW, -window if window < 0 else _NO_WINDOW, softcap, splits,
         group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size, tile_keys=tile_keys, half_dot=half_dot,
         heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=v_pad,
         use_softcap=softcap > 0, start_at_sinks=sinks is not None and splits == 1, split_output=splits > 1,

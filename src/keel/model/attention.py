@@ -1,4 +1,4 @@
-"""Grouped-query attention with optional sliding window, q/k norm, q/k/v bias, score soft-capping and sinks.
+"""Grouped-query attention with optional sliding window or chunks, q/k norm, q/k/v bias, score soft-capping and sinks.
 
 The same module runs a full-sequence forward (training, prefill) and incremental decode: the
 caller passes an `AttentionMetadata` with the query positions and, when decoding, a KV cache.
@@ -56,9 +56,27 @@ class KVCache(Protocol):
         ...
 
 
+def visible(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Tensor:
+    """Whether each key is visible to each query (broadcast over the two position tensors): causal, and within the
+    layer's window (`ModelConfig.layer_window`): positive, the last `window` positions; negative, the query's own
+    chunk of -window positions (Llama 4's chunked attention); None, every earlier position."""
+    allowed = k_positions <= q_positions
+    if window is not None and window > 0:
+        allowed = allowed & (q_positions - k_positions < window)
+    elif window is not None and window < 0:
+        allowed = allowed & (k_positions >= q_positions - q_positions % -window)
+    return allowed
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """x divided by its root mean square over the last dimension, in float32 (Llama 4's weightless q/k norm)."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 def query_scale(positions: Tensor, beta: float, length: int, dtype: torch.dtype) -> Tensor:
     """Llama 4's attention temperature per query, [B, S, 1, 1]: 1 + beta * log(1 + floor(position / length)),
-    as transformers computes it (float32, then the activations' dtype)."""
+    as transformers computes it (float32, then the activations' dtype). Llama 4's own model passes position + 1."""
     scale = 1 + beta * torch.log1p(torch.floor(positions.float() / length))
     return scale.to(dtype)[..., None, None]
 
@@ -163,10 +181,7 @@ class AttentionMetadata:
         if window is None and q.shape[0] == 1 and q.shape[1] == 1 and self.cache is not None:
             # One decode token: every key the cache returned is at or before it.
             return None
-        allowed = k <= q
-        if window is not None:
-            allowed = allowed & (q - k < window)
-        return allowed.unsqueeze(1)
+        return visible(q, k, window).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -193,7 +208,10 @@ class Attention(nn.Module):
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
         self.rotates = config.layer_rotates(layer)  # False: no position encoding (SmolLM3's NoPE layers)
-        self.scales_queries = config.query_scale_beta != 0  # Llama 4's temperature (AttentionMetadata.query_scale)
+        # Llama 4's temperature (AttentionMetadata.query_scale): every layer's (Ministral 3) or the NoPE layers' only.
+        self.scales_queries = config.query_scale_beta != 0 and not (config.query_scale_nope_only and self.rotates)
+        # Llama 4's weightless q/k norm, in the rotating layers only.
+        self.qk_l2_eps = config.rms_norm_eps if config.qk_l2_norm and self.rotates else None
         # Serving fuses q, k and v into one projection at load (keel.model.fuse); None otherwise.
         self.qkv_proj: nn.Linear | None = None
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
@@ -220,8 +238,10 @@ class Attention(nn.Module):
         if self.rotates:
             cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        if meta.query_scale is not None:  # Llama 4's temperature by position (Ministral 3)
-            q = q * meta.query_scale
+        if self.qk_l2_eps is not None:
+            q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
+        if self.scales_queries and meta.query_scale is not None:  # Llama 4's temperature by position
+            q = (q * meta.query_scale).to(q.dtype)
         if self.q_multiplier is not None:
             q = q * self.q_multiplier
         q = q.transpose(1, 2)  # [B, H, S, D]

@@ -104,7 +104,7 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if not attn.rotates:  # a NoPE layer (SmolLM3): the operator always rotates
         return None
-    if attn.scales_queries:  # Llama 4's temperature by position (Ministral 3): the modules apply it
+    if attn.scales_queries or attn.qk_l2_eps is not None:  # Llama 4's temperature and q/k norm: the modules' own
         return None
     if layer.input_layernorm.offset:  # Gemma's (1 + w) scale
         return None

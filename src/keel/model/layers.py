@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +214,14 @@ _ACTIVATIONS = {
     "gelu": F.gelu,  # erf (GPT-NeoX's "gelu")
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # transformers' gelu_pytorch_tanh / gelu_new (Gemma)
     "relu2": lambda x: F.relu(x).square(),  # ReLU squared (Arcee's AFM)
+    "relu": F.relu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """keel's activation `name` (ModelConfig.hidden_act) as a function."""
+    return _ACTIVATIONS[name]
 
 
 class SwiGLU(nn.Module):

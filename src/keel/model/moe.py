@@ -18,6 +18,8 @@ Routers (`Router`):
   optionally renormalised, times routed_scaling_factor;
 - softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
+Llama 4 routes each token to one expert by the sigmoid of the best logit, and that weight scales the expert's
+input instead of its output (`router_scales_input`).
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
@@ -42,7 +44,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.grouped import grouped_matmul
-from keel.model.layers import SwiGLU
+from keel.model.layers import SwiGLU, activation
 
 
 @dataclass
@@ -126,8 +128,9 @@ class Router(nn.Module):
 
 @dataclass(frozen=True)
 class ExpertActivation:
-    """The experts' gated activation (ModelConfig.expert_activation): silu, act(gate) * up; swiglu_clamped
-    (GPT-OSS), gate clamped above and up on both sides at `limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
+    """The experts' gated activation: act(gate) * up with the model's `hidden_act` (silu for Mixtral and most; `kind`
+    names it); or swiglu_clamped (GPT-OSS's ModelConfig.expert_activation), gate clamped above and up on both
+    sides at `limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
 
     kind: str = "silu"
     alpha: float = 1.702
@@ -135,11 +138,14 @@ class ExpertActivation:
 
     @classmethod
     def of(cls, config: ModelConfig) -> ExpertActivation:
-        return cls(config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+        kind = config.hidden_act if config.expert_activation == "silu" else config.expert_activation
+        return cls(kind, config.swiglu_alpha, config.swiglu_limit)
 
     def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
         if self.kind == "silu":
             return F.silu(gate) * up
+        if self.kind != "swiglu_clamped":
+            return activation(self.kind)(gate) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
@@ -281,10 +287,13 @@ class MoE(nn.Module):
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = SwiGLU(h, config.shared_expert_intermediate_size, bias=config.mlp_bias)
+            self.shared_expert = SwiGLU(
+                h, config.shared_expert_intermediate_size, bias=config.mlp_bias, act=config.hidden_act
+            )
             if config.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
+        self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
         # Training knobs (see the module docstring); the trainer sets them.
         self.capacity_factor: float | None = None
         self.aux_loss_coef = 0.0
@@ -319,8 +328,13 @@ class MoE(nn.Module):
         if limit is not None:
             kept = _within_capacity(expert_ids, counts, limit)
             expert_ids, slot_weights, slot_tokens = expert_ids[kept], slot_weights[kept], slot_tokens[kept]
-        outputs = self.dispatcher(self.experts, flat, expert_ids, slot_tokens)
-        weighted = (outputs * slot_weights.unsqueeze(-1)).to(flat.dtype)
+        if self.scales_input:  # Llama 4 (one expert a token): the expert takes its input scaled by the weight
+            routed = (flat * routing.weights.to(flat.dtype)).to(flat.dtype)
+            outputs = self.dispatcher(self.experts, routed, expert_ids, slot_tokens)
+            weighted = outputs.to(flat.dtype)
+        else:
+            outputs = self.dispatcher(self.experts, flat, expert_ids, slot_tokens)
+            weighted = (outputs * slot_weights.unsqueeze(-1)).to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, slot_tokens, weighted)
         if self.track_stats and self.training:  # training steps only: not validation forwards
             self._record(counts, 0 if kept is None else kept.numel() - int(kept.sum()))

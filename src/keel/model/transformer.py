@@ -148,7 +148,8 @@ class Transformer(nn.Module):
             meta.sliding_rope = self.sliding_rotary(meta.positions, h.dtype)
         beta = self.config.query_scale_beta
         if beta:
-            meta.query_scale = query_scale(meta.positions, beta, self.config.query_scale_length, h.dtype)
+            c = self.config
+            meta.query_scale = query_scale(meta.positions + c.query_scale_offset, beta, c.query_scale_length, h.dtype)
         fused = fused_layers(self.layers, h, meta)  # serving on keel's CPU kernels: one call
         if fused is not None:
             h = fused

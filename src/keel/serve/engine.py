@@ -303,8 +303,9 @@ class LLMEngine:
             sched.max_num_seqs,
             self.max_model_len,
             sched.scheduling_policy,
-            # Blocks behind the window can be freed only when every layer slides.
-            sliding_window=next(iter(windows)) if len(windows) == 1 else None,
+            # Blocks behind the window can be freed only when every layer slides (a chunked layer's window is
+            # negative: its chunk's start, not a fixed span back, so its blocks are kept).
+            sliding_window=next(iter(windows)) if len(windows) == 1 and (next(iter(windows)) or 0) > 0 else None,
             chunked_prefill=sched.enable_chunked_prefill,
         )
         self.runner: ModelRunner | ParallelExecutor = (

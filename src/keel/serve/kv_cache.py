@@ -16,7 +16,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
-from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores
+from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores, visible
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
 
@@ -38,11 +38,7 @@ def gather_blocks(store: Tensor, tables: Tensor, block_size: int) -> Tensor:
 def decode_mask(positions: Tensor, num_keys: int, window: int | None) -> Tensor:
     """[B, L] boolean, True = attend: key slot k of a gathered table against each query position."""
     q = positions.view(-1, 1)
-    k = torch.arange(num_keys, device=q.device).view(1, -1)
-    allowed = k <= q
-    if window is not None:
-        allowed = allowed & (q - k < window)
-    return allowed
+    return visible(q, torch.arange(num_keys, device=q.device).view(1, -1), window)
 
 
 def attend_decode_rows(

@@ -72,8 +72,8 @@ def compare(name: str, ours: Tensor, ref: Tensor) -> Row:
 
 
 def alignment_input(config, batch: int = 2, seed: int = 0) -> Tensor:
-    """Fixed token ids: `batch` sequences, longer than twice any sliding window."""
-    windows = [config.layer_window(i) or 0 for i in range(config.num_layers)]
+    """Fixed token ids: `batch` sequences, longer than twice any sliding window or attention chunk."""
+    windows = [abs(config.layer_window(i) or 0) for i in range(config.num_layers)]
     length = max(64, 2 * max(windows) + 16)
     length = min(length, config.max_position_embeddings)
     generator = torch.Generator().manual_seed(seed)
@@ -123,7 +123,10 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
         ref_dir = _reference_dir(model, Path(tmp))
         options = loaded.config.transformers_attention()
         reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
-        ref_out = _layer_outputs(reference.base_model.layers, lambda: reference(tokens).logits)  # model. or gpt_neox.
+        # The decoder is `model.` or `gpt_neox.` (base_model), or `model.` where base_model names another
+        # (Llama 4's text model, whose prefix is its multimodal model's `language_model`).
+        base = reference.base_model if hasattr(reference.base_model, "layers") else reference.model
+        ref_out = _layer_outputs(base.layers, lambda: reference(tokens).logits)
     ours = _layer_outputs(list(loaded.model.layers.values()), lambda: loaded.model(tokens))
 
     min_cosine, max_rel = TOLERANCES[dtype]

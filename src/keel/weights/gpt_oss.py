@@ -66,6 +66,10 @@ def _deinterleave_rows(t: Tensor) -> Tensor:
     return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def _interleave_rows(t: Tensor) -> Tensor:
     """The inverse of `_deinterleave_rows`."""
     gate, up = t.chunk(2, dim=1)
@@ -73,10 +77,13 @@ def _interleave_rows(t: Tensor) -> Tensor:
 
 
 class GptOssReader(DerivedReader):
-    """A tensor reader serving GPT-OSS's experts in keel's layout (the module docstring)."""
+    """A tensor reader serving GPT-OSS's experts in keel's layout (the module docstring). interleaved=False: the
+    same transposed layout with gate columns first, then up (Llama 4's `feed_forward.experts`, renamed by its
+    family's layout), no MXFP4."""
 
-    def __init__(self, reader) -> None:  # noqa: ANN001
+    def __init__(self, reader, interleaved: bool = True) -> None:  # noqa: ANN001
         self.inner = reader
+        regroup = _deinterleave_rows if interleaved else _same
         present = reader.names()
         # keel name -> (stored names, [E, ...] experts read -> keel's tensor, keel's shape, keel's dtype)
         self._derived: dict[str, tuple[tuple[str, ...], Callable[[list[Tensor]], Tensor], tuple[int, ...], str]] = {}
@@ -103,12 +110,12 @@ class GptOssReader(DerivedReader):
             if kind == "gate_up_proj_bias":
                 self._derived[base] = (
                     (stored,),
-                    lambda ts: _deinterleave_rows(ts[0]),
+                    lambda ts: regroup(ts[0]),
                     tuple(shape),
                     reader.dtype(stored),
                 )
             elif kind == "gate_up_proj":  # [E, H, 2I] -> [E, 2I, H]
-                convert = lambda ts: _deinterleave_rows(ts[0].transpose(1, 2))  # noqa: E731
+                convert = lambda ts: regroup(ts[0].transpose(1, 2))  # noqa: E731
                 self._derived[base] = ((stored,), convert, (shape[0], shape[2], shape[1]), reader.dtype(stored))
             else:  # down_proj [E, I, H] -> [E, H, I]
                 convert = lambda ts: ts[0].transpose(1, 2)  # noqa: E731
@@ -171,14 +178,15 @@ def _mxfp4_down(tensors: list[Tensor]) -> Tensor:
     return dequantize_mxfp4(tensors[0], tensors[1])
 
 
-def to_hf(name: str, tensor: Tensor) -> Tensor:
-    """One of keel's tensors (keel's layout, under its HF name) in transformers' GPT-OSS layout."""
+def to_hf(name: str, tensor: Tensor, interleaved: bool = True) -> Tensor:
+    """One of keel's tensors (keel's layout, under its HF name) in transformers' GPT-OSS layout (interleaved=False:
+    Llama 4's, gate columns first)."""
     match = _EXPERTS.match(name)
     if match is None:
         return tensor
     kind = match.group(2)
     if kind == "gate_up_proj":
-        return _interleave_rows(tensor).transpose(1, 2).contiguous()
+        return (_interleave_rows(tensor) if interleaved else tensor).transpose(1, 2).contiguous()
     if kind == "down_proj":
         return tensor.transpose(1, 2).contiguous()
     return _interleave_rows(tensor).contiguous()

@@ -21,8 +21,8 @@ from keel.errors import KeelError, WeightsError
 from keel.families import checkpoint_layout
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
-from keel.weights.checkpoint import Checkpoint
-from keel.weights.names import hf_source
+from keel.weights.checkpoint import Checkpoint, TensorReader
+from keel.weights.names import TRANSPOSED_EXPERTS, hf_source
 from keel.weights.parts import PartsReader
 from keel.weights.quant_format import check_saved_quantization
 
@@ -61,17 +61,17 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             tensor = reader.get(name)
             sizes[reader.dtype(name)] = sizes.get(reader.dtype(name), 0) + tensor.numel() * tensor.element_size()
         return Checkpoint(path, "keel-dcp", config, reader, tokenizer, dict.fromkeys(_FIELDS, "read"), sizes)
-    reader = SafetensorsReader(path)
+    reader = _text_model(SafetensorsReader(path))
     quantization = None
     if config_path.exists():
         config, quantization = _read_config(config_path)
         layout = checkpoint_layout(config)
         if layout:
             reader = PartsReader(reader, layout)
-        if config.architecture == "gpt_oss":  # experts transposed, interleaved, maybe MXFP4: read as keel's
+        if config.architecture in TRANSPOSED_EXPERTS:  # experts transposed (GPT-OSS's interleaved, maybe MXFP4)
             from keel.weights.gpt_oss import GptOssReader
 
-            reader = GptOssReader(reader)
+            reader = GptOssReader(reader, interleaved=TRANSPOSED_EXPERTS[config.architecture])
         provenance = dict.fromkeys(_FIELDS, "read")
         fmt = "hf"
     else:
@@ -88,6 +88,19 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             numel *= d
         sizes[dtype] = sizes.get(dtype, 0) + numel * _SAFETENSORS_BYTES.get(dtype, 4)
     return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes, quantization)
+
+
+TEXT_MODEL_PREFIX = "language_model."
+
+
+def _text_model(reader: TensorReader) -> TensorReader:
+    """A multimodal checkpoint's decoder tensors (under `language_model.`, Llama 4's) under the text model's own
+    names (keel.config.TEXT_MODEL_OF); the vision tower's stay unread. Any other checkpoint as it is."""
+    names = reader.names()
+    if "model.embed_tokens.weight" in names or f"{TEXT_MODEL_PREFIX}model.embed_tokens.weight" not in names:
+        return reader
+    cut = len(TEXT_MODEL_PREFIX)
+    return PartsReader(reader, {n: {n[cut:]: None} for n in names if n.startswith(TEXT_MODEL_PREFIX)})
 
 
 def _read_config(path: Path) -> tuple[ModelConfig, dict | None]:

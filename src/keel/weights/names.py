@@ -39,6 +39,9 @@ class Source:
 _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe"}
 # Families whose checkpoints store each layer's experts stacked (under names their checkpoint_layout renames).
 STACKED_EXPERTS = {"granitemoe", "granitemoeshared"}
+# Families whose checkpoints store each layer's experts stacked and transposed (keel.weights.gpt_oss), by whether
+# their gate and up columns alternate.
+TRANSPOSED_EXPERTS = {"gpt_oss": True, "llama4": False}
 
 
 def _single(tensors: list[Tensor]) -> Tensor:
@@ -66,7 +69,7 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
         return Source((f"model.{name}",), _single)
     layer, rest = match.group(1), match.group(2)
     prefix = _moe_prefix(config, layer)
-    if config.architecture == "gpt_oss":  # keel's names; keel.weights.gpt_oss reads its experts in keel's layout
+    if config.architecture in TRANSPOSED_EXPERTS:  # keel's names; keel.weights.gpt_oss reads them in keel's layout
         return Source((f"model.{name}",), _single)
     if rest.startswith("mlp.router."):  # weight; DeepSeek's e_score_correction_bias
         return Source((f"{prefix}.gate.{rest.removeprefix('mlp.router.')}",), _single)
@@ -97,10 +100,11 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
     for name, tensor in state:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if config.architecture == "gpt_oss":  # stacked experts in transformers' own layout
+        if config.architecture in TRANSPOSED_EXPERTS:  # stacked experts in transformers' own layout
             from keel.weights.gpt_oss import to_hf
 
-            out[f"model.{name}" if name != "lm_head.weight" else name] = to_hf(f"model.{name}", tensor)
+            hf_name = f"model.{name}" if name != "lm_head.weight" else name
+            out[hf_name] = to_hf(hf_name, tensor, interleaved=TRANSPOSED_EXPERTS[config.architecture])
             continue
         match = _LAYER.match(name)
         if match and match.group(2).startswith("mlp.experts.") and config.is_moe_layer(int(match.group(1))):

@@ -22,8 +22,16 @@ struct PagedStore {
   int64_t block_size;
 };
 
+// The first position a query at `pos` sees: window > 0, a sliding window of that many positions; window < 0,
+// the query's own chunk of -window positions (Llama 4's chunked attention); 0, position 0.
+inline int64_t first_visible(int64_t pos, int64_t window) {
+  if (window > 0) return pos - window + 1 > 0 ? pos - window + 1 : 0;
+  if (window < 0) return pos - pos % -window;
+  return 0;
+}
+
 // Queries q [R, H, D] float32, each at positions[r] of the sequence whose block table is
-// tables[table_of[r]] ([T, table_width] int32), attend causally (within `window` tokens when > 0) over
+// tables[table_of[r]] ([T, table_width] int32), attend causally (from first_visible(positions[r], window)) over
 // the rows stored for positions 0..positions[r], scores soft-capped where softcap > 0, beside each head's
 // sink logit where there are sinks. out [R, H, v_dim] float32.
 struct PagedQuery {

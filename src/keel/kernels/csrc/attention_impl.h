@@ -113,7 +113,7 @@ inline void walk_heads(const keel::PagedStore& s, const keel::PagedQuery& q, int
   w.gn = gn;
   w.pos = q.positions[r];
   w.table = q.tables + (q.table_of ? q.table_of[r] : r) * q.table_width;
-  w.first = q.window > 0 && w.pos - q.window + 1 > 0 ? w.pos - q.window + 1 : 0;
+  w.first = keel::first_visible(w.pos, q.window);
   w.row_base = h * s.slots;
   const float* sink = q.sinks != nullptr ? q.sinks + h * group + g0 : nullptr;
   for (int64_t g = 0; g < gn; ++g) {

@@ -272,7 +272,7 @@ void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q
   int64_t lo = -1, hi = -1;
   for (int64_t t = 0; t < rows; ++t) {
     last[t] = q.positions[r0 + t];
-    first[t] = q.window > 0 && last[t] - q.window + 1 > 0 ? last[t] - q.window + 1 : 0;
+    first[t] = keel::first_visible(last[t], q.window);
     lo = lo < 0 || first[t] < lo ? first[t] : lo;
     hi = last[t] > hi ? last[t] : hi;
   }

@@ -80,7 +80,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
     TORCH_CHECK(t >= 0 && t < tables.size(0), "keel::paged_attention: row ", r, " names table ", t);
     TORCH_CHECK(pos[r] >= 0 && pos[r] / block_size < width, "keel::paged_attention: position ", pos[r],
                 " outside a table of ", width, " blocks");
-    const int64_t first = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+    const int64_t first = first_visible(pos[r], window);
     for (int64_t b = first / block_size; b <= pos[r] / block_size; ++b)
       TORCH_CHECK(tab[t * width + b] >= 0 && tab[t * width + b] < blocks, "keel::paged_attention: block ",
                   tab[t * width + b], " outside the store");
@@ -108,7 +108,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
     const int64_t t = table_index ? table_index[r] : r;
     int64_t n = 1;
     while (n < tile && r + n < rows && table_index && table_index[r + n] == t && pos[r + n] == pos[r] + n) ++n;
-    const int64_t first = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+    const int64_t first = first_visible(pos[r], window);
     for (int64_t h = 0; h < kv_heads; ++h) {
       items.push_back({r, n, h});
       cost.push_back(n * (pos[r + n - 1] - first + 1 + block_size));
