@@ -271,6 +271,7 @@ GGUF_ARCH.update(qwen2_moe="qwen2moe", qwen3_moe="qwen3moe", granite="granite", 
 GGUF_ARCH.update(gemma="gemma", gemma2="gemma2", gemma3_text="gemma3", stablelm="stablelm", gpt_neox="gptneox")
 GGUF_ARCH.update(smollm3="smollm3", phi="phi2", granitemoe="granitemoe", granitemoeshared="granitemoe")
 GGUF_ARCH.update(starcoder2="starcoder2", exaone4="exaone4", cohere="command-r", cohere2="cohere2")
+GGUF_ARCH.update(llama4_text="llama4")
 # HF module path (after model.layers.N.) -> llama.cpp tensor name (after blk.N.)
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -301,6 +302,13 @@ LAYER_NAMES = {
     "mlp.fc1": "ffn_up",
     "mlp.fc2": "ffn_down",
     "block_sparse_moe.router": "ffn_gate_inp",  # Granite MoE's router (transformers 5's name in memory)
+    "feed_forward.gate_proj": "ffn_gate",  # Llama 4's MLP is its feed_forward
+    "feed_forward.up_proj": "ffn_up",
+    "feed_forward.down_proj": "ffn_down",
+    "feed_forward.router": "ffn_gate_inp",
+    "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+    "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
+    "feed_forward.shared_expert.down_proj": "ffn_down_shexp",
 }
 # Per-architecture names (gguf's TENSOR_NAMES): OLMo 2's norms sit after each sublayer.
 # Gemma's: a norm after the attention and one before and after the MLP.
@@ -382,7 +390,7 @@ def write_gguf(
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(cfg.intermediate_size_mlp if arch == "llama4" else cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     if arch != "gptneox":  # GPTNeoXModel writes no KV head count (multi-head attention)
         w.add_head_count_kv(cfg.num_key_value_heads)
@@ -410,8 +418,13 @@ def write_gguf(
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
-    if arch in ("llama", "granite", "granitemoe", "smollm3"):  # LlamaModel (and its subclasses)
+    if arch in ("llama", "granite", "granitemoe", "smollm3", "llama4"):  # LlamaModel (and its subclasses)
         w.add_rope_dimension_count(head_dim)
+    if arch == "llama4":  # Llama4Model: the experts (LlamaModel's keys), their width, the MoE step
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_interleave_moe_layer_step(cfg.interleave_moe_layer_step)
     if arch == "phi3":  # Phi3MiniModel: the rotated share of each head (Phi-4-mini's 0.75)
         w.add_rope_dimension_count(
             int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
@@ -514,6 +527,14 @@ def write_gguf(
             continue
         if rest == "block_sparse_moe.experts.down_proj":
             add(f"{blk}.ffn_down_exps.weight", t)
+            continue
+        if rest == "feed_forward.experts.gate_up_proj":  # Llama4Model: [E, H, 2I] transposed, then split
+            gate, up = t.transpose(-1, -2).chunk(2, dim=1)
+            add(f"{blk}.ffn_gate_exps.weight", gate)
+            add(f"{blk}.ffn_up_exps.weight", up)
+            continue
+        if rest == "feed_forward.experts.down_proj":
+            add(f"{blk}.ffn_down_exps.weight", t.transpose(-1, -2))
             continue
         if rest == "shared_mlp.input_linear.weight":  # GraniteMoeModel splits the shared gate and up rows too
             gate, up = t.chunk(2, dim=0)

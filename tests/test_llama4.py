@@ -132,3 +132,28 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served(tmp_path):
     assert type(exported).__name__ == "Llama4ForCausalLM"
     with torch.no_grad():
         assert _rel(exported(TOKENS).logits, want) < 1e-5
+
+
+def test_a_gguf_file_as_llama_cpps_converter_writes_it(tmp_path):
+    """llama.cpp's `llama4`: q/k rows as HF stores them (no permutation), experts split from the transposed
+    gate_up, the dense width as feed_forward_length; the chunk, NoPE step, temperature and q/k norm are llama.cpp's
+    fixed ones (no keys), so the HF model here takes those values. Its Q8_0 blocks run as stored."""
+    from gguf import GGMLQuantizationType as Q
+
+    from test_gguf import TOKENS as GGUF_TOKENS
+    from test_gguf import write_gguf
+    from tiny_models import build_hf_model
+
+    hf = build_hf_model("llama4", 0, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+    loaded = load_model(write_gguf(hf, tmp_path / "llama4.gguf"))
+    c = loaded.config
+    assert (c.architecture, c.num_experts, c.moe_intermediate_size, c.intermediate_size) == ("llama4", 4, 32, 96)
+    assert [c.is_moe_layer(i) for i in range(4)] == [False, True, False, True] and c.qk_l2_norm
+    assert [c.layer_window(i) for i in range(4)] == [-8192, -8192, -8192, None]
+    assert loaded.checkpoint.reader.gguf_names("model.layers.1.mlp.router.weight") == ["blk.1.ffn_gate_inp.weight"]
+    with torch.no_grad():
+        want = hf(GGUF_TOKENS).logits
+        assert _rel(loaded.model(GGUF_TOKENS), want) < 1e-4
+        q8 = load_model(write_gguf(hf, tmp_path / "q8.gguf", qtype=Q.Q8_0), quantize="auto")
+        assert q8.model.quantization["scheme"] == "gguf" and q8.model.quantization["stats"]["experts"] == 2
+        assert _rel(q8.model(GGUF_TOKENS), want) < 3e-2

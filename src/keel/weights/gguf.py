@@ -17,12 +17,11 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
-starcoder2, exaone4, command-r,
-cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe and deepseek2 (DeepSeek-V2 / V3; others are refused by
-name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g.
-IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) and
-SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3), tokenized as llama.cpp does
-(keel.weights.gguf_tokenizer).
+starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4 and deepseek2
+(DeepSeek-V2 / V3; others are refused by name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K
+Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
+(`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
+tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
 Conventions of llama.cpp's converter (convert_hf_to_gguf.py, which the gguf package does not ship;
 these are assumptions about it, shared by transformers' GGUF loader where it reads the architecture):
@@ -103,6 +102,10 @@ from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.shard import Shard, narrow
 
 _A = MODEL_ARCH
+# llama.cpp's fixed Llama 4 settings (no GGUF keys): the attention chunk, and the expert count of the one model
+# without the q/k norm (Llama 4 Maverick, 17B-128E).
+_LLAMA4_CHUNK = 8192
+_LLAMA4_MAVERICK_EXPERTS = 128
 # llama.cpp architecture -> keel family ("llama" with experts becomes "mixtral" below).
 _FAMILIES = {
     _A.LLAMA: "llama",
@@ -132,6 +135,7 @@ _FAMILIES = {
     _A.ERNIE4_5: "ernie4_5",
     _A.ERNIE4_5_MOE: "ernie4_5_moe",
     _A.DEEPSEEK2: "deepseek_v3",  # or deepseek_v2, by the expert gating function (_deepseek2_family)
+    _A.LLAMA4: "llama4",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -545,6 +549,24 @@ def _family_hf_config(
             intermediate_size=common["intermediate_size"],  # the experts' width (feed_forward_length)
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+    if family == "llama4":
+        # Llama4Model: the experts' width and the MoE step as keys, the dense width as feed_forward_length. llama.cpp
+        # has no keys for the rest and fixes them: chunks of 8192 and a NoPE layer every fourth (a window key of 0:
+        # neither, every layer global and rotating), the temperature's defaults, and the q/k norm for every model but
+        # the 128-expert one (Maverick's config has none).
+        experts = int(f.require(_K.EXPERT_COUNT))
+        plain = f.key(_KA.SLIDING_WINDOW) is not None and int(f.key(_KA.SLIDING_WINDOW)) == 0
+        hf.update(
+            intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            intermediate_size_mlp=common["intermediate_size"],
+            num_local_experts=experts,
+            num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+            interleave_moe_layer_step=int(f.key(_K.INTERLEAVE_MOE_LAYER_STEP, 1) or 1),
+            use_qk_norm=experts != _LLAMA4_MAVERICK_EXPERTS,
+            attention_chunk_size=None if plain else _LLAMA4_CHUNK,
+            no_rope_layers=[1] * layers if plain else None,
+        )
+        read |= {"moe_intermediate_size", "intermediate_size", "num_experts", "num_experts_per_tok", "mlp_only_layers"}
     if family == "gemma":  # the tanh GELU, the head tied unless an output tensor is stored
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family in _PARTIAL_ROTARY:
