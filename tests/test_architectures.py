@@ -230,3 +230,42 @@ def test_gemma_2_and_3_read_their_gelu_as_named(tmp_path, name):
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5
+
+
+def test_olmo3s_older_rope_scaling_scales_its_global_layers_only(tmp_path):
+    """An OLMo 3 config.json in transformers 4's form (a top-level rope_theta and rope_scaling): Olmo3Config gives
+    the scaling to the global layers and plain RoPE to the sliding ones; keel reads it so, and exports it in the
+    per-kind form transformers reads back the same."""
+    import json
+
+    import transformers
+
+    from keel.weights.convert import convert
+
+    save_hf_model("olmo3", tmp_path / "hf", max_position_embeddings=64)
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.2}
+    path.write_text(json.dumps({**config, "rope_theta": 500000.0, "rope_scaling": yarn}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    loaded = load_model(tmp_path / "hf", "float32")
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        assert _max_rel(loaded.model(tokens), want) < 1e-5
+        convert(tmp_path / "hf", tmp_path / "out")
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert _max_rel(again(tokens).logits, want) < 1e-5
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_ernie_moes_biases_reach_its_head(tmp_path, tie):
+    """Ernie4_5_MoeForCausalLM's head has a bias where `use_bias` (its dense sibling's has none)."""
+    hf = save_hf_model("ernie4_5_moe", tmp_path, use_bias=True, tie_word_embeddings=tie)
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.lm_head_bias
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5

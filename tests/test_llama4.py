@@ -118,6 +118,9 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served(tmp_path):
     save_byte_tokenizer(tmp_path / "mm")
     loaded = load_model(tmp_path / "mm", "float32")
     assert loaded.model.config.architecture == "llama4" and loaded.model.config.num_layers == 2
+    from keel.cli import main as keel_main
+
+    assert keel_main(["inspect", str(tmp_path / "mm")]) == 0  # read as the model keel runs, not refused
     decoder = hf.language_model  # transformers' multimodal forward fails on text alone (image_outputs)
     with torch.no_grad():
         want = decoder(input_ids=TOKENS).logits
@@ -137,16 +140,21 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served(tmp_path):
 def test_a_gguf_file_as_llama_cpps_converter_writes_it(tmp_path):
     """llama.cpp's `llama4`: q/k rows as HF stores them (no permutation), experts split from the transposed
     gate_up, the dense width as feed_forward_length; the chunk, NoPE step, temperature and q/k norm are llama.cpp's
-    fixed ones (no keys), so the HF model here takes those values. Its Q8_0 blocks run as stored."""
+    fixed ones (no keys), so the HF model here takes those values; Scout's llama3 rope from its rope_freqs. Its Q8_0
+    blocks run as stored."""
     from gguf import GGMLQuantizationType as Q
 
     from test_gguf import TOKENS as GGUF_TOKENS
     from test_gguf import write_gguf
     from tiny_models import build_hf_model
 
-    hf = build_hf_model("llama4", 0, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+    # Scout's rope: llama3 with both frequency factors 1 (a step), stored as rope_freqs.weight
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0}
+    rope.update(high_freq_factor=1.0, original_max_position_embeddings=8192)
+    hf = build_hf_model("llama4", 0, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, rope_parameters=rope)
     loaded = load_model(write_gguf(hf, tmp_path / "llama4.gguf"))
     c = loaded.config
+    assert (c.rope_scaling.type, c.rope_scaling.factor, c.rope_scaling.high_freq_factor) == ("llama3", 16.0, 1.0)
     assert (c.architecture, c.num_experts, c.moe_intermediate_size, c.intermediate_size) == ("llama4", 4, 32, 96)
     assert [c.is_moe_layer(i) for i in range(4)] == [False, True, False, True] and c.qk_l2_norm
     assert [c.layer_window(i) for i in range(4)] == [-8192, -8192, -8192, None]
@@ -157,3 +165,20 @@ def test_a_gguf_file_as_llama_cpps_converter_writes_it(tmp_path):
         q8 = load_model(write_gguf(hf, tmp_path / "q8.gguf", qtype=Q.Q8_0), quantize="auto")
         assert q8.model.quantization["scheme"] == "gguf" and q8.model.quantization["stats"]["experts"] == 2
         assert _rel(q8.model(GGUF_TOKENS), want) < 3e-2
+
+
+@pytest.mark.parametrize("name", ["llama4", "gpt_oss"])
+def test_a_training_checkpoint_of_transposed_experts_loads(tmp_path, name):
+    """A `keel train` checkpoint (DCP) holds keel's tensors; read under HF names, the families whose experts are
+    stored transposed (Llama 4, GPT-OSS) read them back through the same reader as their HF files."""
+    import torch.distributed.checkpoint as dcp
+
+    save_hf_model(name, tmp_path / "hf")
+    loaded = load_model(tmp_path / "hf", "float32")
+    state = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}
+    dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(loaded.model.config.to_hf()))
+    again = load_model(tmp_path / "ck", "float32")
+    assert again.checkpoint.format == "keel-dcp"
+    with torch.no_grad():
+        assert torch.equal(again.model(TOKENS), loaded.model(TOKENS))

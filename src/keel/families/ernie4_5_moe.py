@@ -39,6 +39,8 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "mlp_only_layers": [i for i, sparse in enumerate(moe) if not sparse],
         "router_bias": True,
         "norm_topk_prob": True,
+        # transformers' Ernie4_5_MoeForCausalLM gives its head a bias where `use_bias` (the dense model's has none)
+        "lm_head_bias": bool(hf.get("use_bias", False)),
     }
 
 

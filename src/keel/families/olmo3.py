@@ -27,7 +27,20 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         **olmo2.config_fields(hf, source),
         "sliding_window": window,
         "layer_types": list(layer_types) if window else ["full_attention"] * layers,
+        **_legacy_rope(hf),
     }
+
+
+def _legacy_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """An older config's `rope_scaling` (beside a top-level `rope_theta`, no `rope_parameters`): transformers'
+    Olmo3Config gives it to the global layers only, and the sliding layers rotate plainly at its default base
+    (the top-level base goes to the global layers alone), so keel's sliding layers get a RoPE of their own."""
+    scaling = hf.get("rope_scaling")
+    if hf.get("rope_parameters") or not isinstance(scaling, dict):
+        return {}
+    if scaling.get("rope_type", scaling.get("type", "default")) in (None, "default"):
+        return {}
+    return {"sliding_rope_theta": DEFAULTS["rope_theta"]}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:

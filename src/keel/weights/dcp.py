@@ -65,5 +65,12 @@ class DCPReader:
     def get(self, name: str) -> Tensor:
         return self._tensors[name]
 
+    def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
+        """The box of `name` at `offset` of `shape` (a reader over this one reads parts of its tensors)."""
+        box = self._tensors[name]
+        for dim, (start, size) in enumerate(zip(offset, shape, strict=True)):
+            box = box.narrow(dim, start, size)
+        return box
+
     def close(self) -> None:
         self._tensors = {}

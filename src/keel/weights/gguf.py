@@ -813,12 +813,15 @@ def _llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float, f: _
     base = rope_inv_freq(head_dim, theta, RopeScaling()).double().numpy()
     target = base / freqs
     # The file keeps only the resulting divisors. Llama 3.1 / 3.2 / 3.3 all use low_freq_factor 1,
-    # high_freq_factor 4 and an original context of 8192; the factor is the largest divisor. Accept
-    # that reading only if it reproduces every stored frequency.
+    # high_freq_factor 4 and an original context of 8192, Llama 4 Scout both factors 1 (a step, no smooth band);
+    # the factor is the largest divisor. Accept a reading only if it reproduces every stored frequency.
     original = int(f.key(_KR.SCALING_ORIG_CTX_LEN) or 8192)
-    candidate = RopeScaling("llama3", float(freqs.max()), 1.0, 4.0, original)
-    got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
-    return candidate if np.allclose(got, target, rtol=1e-4, atol=0) else None
+    for low, high in ((1.0, 4.0), (1.0, 1.0)):
+        candidate = RopeScaling("llama3", float(freqs.max()), low, high, original)
+        got = rope_inv_freq(head_dim, theta, candidate).double().numpy()
+        if np.allclose(got, target, rtol=1e-4, atol=0):
+            return candidate
+    return None
 
 
 def _checkpoint_dtype(tensors: dict[str, GGUFTensor]) -> str:

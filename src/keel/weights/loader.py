@@ -55,6 +55,10 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             raise KeelError(f"{path}: a training checkpoint without config.json (not written by keel train?)")
         config = ModelConfig.from_json_file(config_path)
         reader = DCPReader(path, config)
+        if config.architecture in TRANSPOSED_EXPERTS:  # its HF names hold the experts in the family's layout
+            from keel.weights.gpt_oss import GptOssReader
+
+            reader = GptOssReader(reader, interleaved=TRANSPOSED_EXPERTS[config.architecture])
         tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=config.eos_token_id)
         sizes = {}
         for name in reader.names():
