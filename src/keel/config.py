@@ -219,7 +219,7 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
     # Router: "softmax" (Mixtral, Qwen-MoE), "topk_softmax" (GPT-OSS: top-k logits, then their softmax) or
     # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
-    # group-limited top-k, scaled weights).
+    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid).
     router_scoring: str = "softmax"
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
@@ -432,9 +432,10 @@ class ModelConfig:
             need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
             need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
+            scorings = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid")
             need(
-                self.router_scoring in ("softmax", "topk_softmax", "sigmoid"),
-                f"router_scoring {self.router_scoring!r} is not supported (softmax, topk_softmax, sigmoid)",
+                self.router_scoring in scorings,
+                f"router_scoring {self.router_scoring!r} is not supported ({', '.join(scorings)})",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(

@@ -75,7 +75,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "num_experts_per_tok": 1,
         "moe_intermediate_size": width,
         "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
-        "router_scoring": "sigmoid",
+        "router_scoring": "topk_sigmoid",
         "norm_topk_prob": False,
         "router_scales_input": True,
         "shared_expert_intermediate_size": width,

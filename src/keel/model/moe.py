@@ -18,8 +18,8 @@ Routers (`Router`):
   optionally renormalised, times routed_scaling_factor;
 - softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
-Llama 4 routes each token to one expert by the sigmoid of the best logit, and that weight scales the expert's
-input instead of its output (`router_scales_input`).
+Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the model's dtype), and that logit's
+sigmoid scales the expert's input instead of its output (`router_scales_input`).
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
@@ -89,6 +89,15 @@ class Router(nn.Module):
             if self.scaling != 1.0:
                 weights = weights * self.scaling
             return Routing(ids=ids, weights=weights, logits=logits, probs=torch.softmax(logits, dim=-1))
+        if self.scoring == "topk_sigmoid":
+            # Llama 4: the top k of the logits in the model's dtype, then their sigmoid in float32 rounded to that
+            # dtype, as transformers computes it (near ties of low-precision logits decide as its top-k does).
+            raw = F.linear(x, self.weight)
+            top, ids = torch.topk(raw, self.top_k, dim=-1)
+            logits = raw.float()
+            weights = torch.sigmoid(top.float()).to(top.dtype).float()
+            scores = torch.sigmoid(logits)
+            return Routing(ids=ids, weights=weights, logits=logits, probs=scores / scores.sum(dim=-1, keepdim=True))
         if self.scoring == "softmax" and (self.float32 or self.e_score_correction_bias is not None):
             # DeepSeek-V2; ERNIE 4.5 (a biased choice): the router in float32
             logits = F.linear(x.float(), self.weight.float())
