@@ -81,7 +81,19 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
 
 @pytest.mark.parametrize(
     "name",
-    ["smollm3", "ministral3", "olmoe", "glm4_moe", "granitemoe", "granitemoeshared", "dots1", "ernie4_5_moe", "llama4"],
+    [
+        "smollm3",
+        "ministral3",
+        "olmoe",
+        "glm4_moe",
+        "granitemoe",
+        "granitemoeshared",
+        "dots1",
+        "ernie4_5_moe",
+        "llama4",
+        "solar_open",
+        "ministral",
+    ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
     """Uncompiled, through the engine: SmolLM3's layers without position encoding (one of three here, in a sliding
@@ -106,6 +118,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [a.rotates for a in attention] == [True, False, True]
     elif name == "ministral3":
         assert all(a.scales_queries for a in attention)
+    elif name == "solar_open":  # GLM-4.5's experts (a biased sigmoid choice) in every layer, Llama's attention
+        assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
+        assert llm.engine.model.config.router_bias and attention[0].q_norm is None
+    elif name == "ministral":  # the middle layer global, the others in windows of 8
+        assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries
         assert [a.window for a in attention] == [-8, -8, -8, None]
         assert [(a.rotates, a.scales_queries, a.qk_l2_eps is not None) for a in attention][2:] == [

@@ -95,7 +95,7 @@ SHAPE_INFERABLE = [
             "exaone",
             "starcoder2",
             "glm4",
-            "ministral3",
+            "ministral",  # and ministral3
             "cohere",
             "seed_oss",
             "ernie4_5",
@@ -103,6 +103,7 @@ SHAPE_INFERABLE = [
             "gpt_oss",
             "dots1",
             "llama4",
+            "solar_open",
         )
     )
 ]

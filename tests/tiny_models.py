@@ -265,6 +265,36 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Ministral (8B): Mistral's block, a sliding window of 8 in the first and last layers, the middle one global.
+    "ministral": (
+        "MinistralConfig",
+        "MinistralForCausalLM",
+        dict(
+            intermediate_size=128,
+            head_dim=16,  # transformers' Ministral reads no default for it
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    # Solar Open: Llama's attention (biased q/k/v) with GLM-4.5's experts in every layer (2 groups of 4, one used;
+    # a shared expert).
+    "solar_open": (
+        "SolarOpenConfig",
+        "SolarOpenForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.0,
+            attention_bias=True,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
     # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
     # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.

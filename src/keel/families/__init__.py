@@ -32,6 +32,7 @@ from keel.families import (
     granitemoe,
     granitemoeshared,
     llama4,
+    ministral,
     ministral3,
     olmo2,
     olmo3,
@@ -40,6 +41,7 @@ from keel.families import (
     phi3,
     seed_oss,
     smollm3,
+    solar_open,
     stablelm,
     starcoder2,
 )
@@ -60,6 +62,7 @@ FAMILIES: dict[str, ModuleType] = {
         exaone4,
         starcoder2,
         glm4,
+        ministral,
         ministral3,
         cohere,
         cohere2,
@@ -73,6 +76,7 @@ FAMILIES: dict[str, ModuleType] = {
         granitemoeshared,
         llama4,
         dots1,
+        solar_open,
         ernie4_5_moe,
     )
 }
