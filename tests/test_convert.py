@@ -37,7 +37,11 @@ def _keel_logits(path) -> torch.Tensor:
 
 
 def _hf_logits(path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    except ValueError:  # a class the auto mapping does not list for causal LM (Mistral 4's): by its name
+        name = json.loads((path / "config.json").read_text())["architectures"][0]
+        model = getattr(transformers, name).from_pretrained(path).eval()
     with torch.no_grad():
         return model(TOKENS).logits
 

@@ -93,6 +93,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         "llama4",
         "solar_open",
         "ministral",
+        "glm4_moe_lite",
+        "mistral4",
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -121,6 +123,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "solar_open":  # GLM-4.5's experts (a biased sigmoid choice) in every layer, Llama's attention
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         assert llm.engine.model.config.router_bias and attention[0].q_norm is None
+    elif name == "glm4_moe_lite":  # latent attention; the dense layer where mlp_layer_types puts it
+        moe = [llm.engine.model.config.is_moe_layer(i) for i in range(len(attention))]
+        assert moe == [True, False, True] and llm.engine.model.config.is_mla
+    elif name == "mistral4":  # latent attention with the query temperature, a softmax router by groups
+        config = llm.engine.model.config
+        assert config.is_mla and config.query_scale_beta and config.router_scoring == "softmax" and config.n_group == 2
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

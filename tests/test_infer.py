@@ -104,6 +104,8 @@ SHAPE_INFERABLE = [
             "dots1",
             "llama4",
             "solar_open",
+            "glm4_moe_lite",
+            "mistral4",
         )
     )
 ]

@@ -81,6 +81,9 @@ def _params() -> list[SamplingParams]:
         # Llama 4: transposed experts cut by width (each rank scales its own input share), chunked layers
         pytest.param("llama4", 2, 1, marks=pytest.mark.slow),
         pytest.param("llama4-ep", 2, 1, marks=pytest.mark.slow),
+        # GLM-4.7-Flash's and Mistral 4's latent attention (Mistral 4's queries scaled by position) cut by heads
+        pytest.param("glm4_moe_lite", 2, 1, marks=pytest.mark.slow),
+        pytest.param("mistral4", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

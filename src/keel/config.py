@@ -33,11 +33,13 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
-DEEPSEEK_MOE_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "solar_open"}
+DEEPSEEK_MOE_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "solar_open", "mistral4"}
+# DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
+LAYER_KINDS_LISTED = {"glm4_moe_lite"}
 # Granite MoE and its shared-expert variant: their experts' keys are their own (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared"}
 
@@ -179,7 +181,7 @@ class ModelConfig:
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
     # glm4, ministral, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
-    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe)
+    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -374,7 +376,6 @@ class ModelConfig:
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
-        need(not (self.is_mla and self.query_scale_beta), "query_scale_beta is not read by MLA")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
         need(
@@ -678,14 +679,14 @@ class ModelConfig:
                 attention_multiplier=self.attention_scale,
                 logits_scaling=self.logits_scaling,
             )
-        if self.architecture in FAMILIES:
-            hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
         if self.architecture in ("qwen3", "qwen3_moe"):
             hf["attention_bias"] = self.qkv_bias
         if self.architecture in DEEPSEEK_MOE_FAMILIES:
             hf.update(_deepseek_moe_to_hf(self))
         if self.architecture in MLA_FAMILIES:
             hf.update(_deepseek_to_hf(self))
+        if self.architecture in FAMILIES:  # last: a family's own keys over the readers' it shares (Mistral 4's)
+            hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         elif self.architecture not in ("llama", "granite", *FAMILIES):
@@ -937,7 +938,9 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
 def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     """The expert keys of DeepSeek-V3 and the families that route as it does (DEEPSEEK_MOE_FAMILIES)."""
     arch = config.architecture
-    if config.mlp_only_layers != list(range(len(config.mlp_only_layers))):
+    # GLM-4.7-Flash's config lists each layer's kind (its family writes mlp_layer_types): any dense layers will do.
+    listed = arch in LAYER_KINDS_LISTED
+    if not listed and config.mlp_only_layers != list(range(len(config.mlp_only_layers))):
         raise ConfigError(
             f"{arch}: dense layers must be the first k (first_k_dense_replace), got {config.mlp_only_layers}"
         )
@@ -952,7 +955,11 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
         "moe_intermediate_size": moe_width,
         "n_shared_experts": shared // moe_width if config.is_moe else 0,
         # A dense-only config: every layer is among the first k.
-        "first_k_dense_replace": len(config.mlp_only_layers) if config.is_moe else config.num_layers,
+        **(
+            {}
+            if listed
+            else {"first_k_dense_replace": len(config.mlp_only_layers) if config.is_moe else config.num_layers}
+        ),
         "norm_topk_prob": config.norm_topk_prob,
         "n_group": config.n_group,
         "topk_group": config.topk_group,

@@ -87,6 +87,8 @@ class MLAttention(nn.Module):
         cos, sin = meta.rope
         q_rope = self._rotate(q_rope, cos, sin)  # [B, S, H, P]
         k_rope = self._rotate(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, P]: one rope key for all heads
+        if meta.query_scale is not None:  # Llama 4's temperature by position (Mistral 4): the whole query
+            q_nope, q_rope = q_nope * meta.query_scale, q_rope * meta.query_scale
         if meta.cache is None:
             out = self._expanded(q_nope, q_rope, latent, k_rope, meta)
         else:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from keel.config import FAMILY_TO_HF
 from keel.dtypes import parse_dtype
 from keel.errors import KeelError
 from keel.quant.loading import load_model
@@ -122,7 +123,11 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
     with tempfile.TemporaryDirectory(prefix="keel-align-") as tmp:
         ref_dir = _reference_dir(model, Path(tmp))
         options = loaded.config.transformers_attention()
-        reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
+        try:
+            reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
+        except ValueError:  # a class transformers' auto mapping does not list for causal LM (Mistral 4's)
+            cls = getattr(transformers, FAMILY_TO_HF[loaded.config.architecture])
+            reference = cls.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
         # The decoder is `model.` or `gpt_neox.` (base_model), or `model.` where base_model names another
         # (Llama 4's text model, whose prefix is its multimodal model's `language_model`).
         base = reference.base_model if hasattr(reference.base_model, "layers") else reference.model

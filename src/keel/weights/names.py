@@ -37,8 +37,9 @@ class Source:
 
 # Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
 _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe"}
-# Families whose checkpoints store each layer's experts stacked (under names their checkpoint_layout renames).
-STACKED_EXPERTS = {"granitemoe", "granitemoeshared"}
+# Families whose checkpoints store each layer's experts stacked: under names their checkpoint_layout renames
+# (Granite MoE), or as transformers 5 holds them where it has no per-expert form to save (Mistral 4).
+STACKED_EXPERTS = {"granitemoe", "granitemoeshared", "mistral4"}
 # Families whose checkpoints store each layer's experts stacked and transposed (keel.weights.gpt_oss), by whether
 # their gate and up columns alternate.
 TRANSPOSED_EXPERTS = {"gpt_oss": True, "llama4": False}
