@@ -95,6 +95,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         "ministral",
         "glm4_moe_lite",
         "mistral4",
+        "minimax_m2",
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -129,6 +130,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "mistral4":  # latent attention with the query temperature, a softmax router by groups
         config = llm.engine.model.config
         assert config.is_mla and config.query_scale_beta and config.router_scoring == "softmax" and config.n_group == 2
+    elif name == "minimax_m2":  # whole-projection q/k norms, half-rotated heads, a biased sigmoid choice
+        config = llm.engine.model.config
+        assert config.qk_norm_scope == "all" and config.rotary_dim == 8 and config.router_bias
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

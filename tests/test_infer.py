@@ -106,6 +106,7 @@ SHAPE_INFERABLE = [
             "solar_open",
             "glm4_moe_lite",
             "mistral4",
+            "minimax_m2",
         )
     )
 ]

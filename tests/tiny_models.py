@@ -358,6 +358,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # MiniMax-M2: q/k norms over the whole projections, rotary over half of each head, experts in every layer
+    # behind a sigmoid router with a selection bias, named as Mixtral's.
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            head_dim=16,
+            rotary_dim=8,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
     # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
     # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.

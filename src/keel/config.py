@@ -181,7 +181,7 @@ class ModelConfig:
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
     # glm4, ministral, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
-    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4)
+    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4, minimax_m2)
     architecture: str
     vocab_size: int
     hidden_size: int

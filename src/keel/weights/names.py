@@ -37,6 +37,8 @@ class Source:
 
 # Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
 _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe"}
+# Families whose checkpoints name their experts as Mixtral's (`block_sparse_moe.experts.E.w1/w3/w2`, its router `gate`).
+MIXTRAL_NAMED = {"mixtral", "minimax_m2"}
 # Families whose checkpoints store each layer's experts stacked: under names their checkpoint_layout renames
 # (Granite MoE), or as transformers 5 holds them where it has no per-expert form to save (Mistral 4).
 STACKED_EXPERTS = {"granitemoe", "granitemoeshared", "mistral4"}
@@ -50,13 +52,13 @@ def _single(tensors: list[Tensor]) -> Tensor:
 
 
 def _moe_prefix(config: ModelConfig, layer: str) -> str:
-    block = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
+    block = "block_sparse_moe" if config.architecture in MIXTRAL_NAMED else "mlp"
     return f"model.layers.{layer}.{block}"
 
 
 def _expert_names(config: ModelConfig) -> tuple[str, str, str]:
     """(gate, up, down) per-expert weight names in the hub format."""
-    if config.architecture == "mixtral":
+    if config.architecture in MIXTRAL_NAMED:
         return "w1", "w3", "w2"
     return "gate_proj", "up_proj", "down_proj"
 
