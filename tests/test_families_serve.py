@@ -96,6 +96,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         "glm4_moe_lite",
         "mistral4",
         "minimax_m2",
+        "exaone_moe",
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -133,6 +134,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "minimax_m2":  # whole-projection q/k norms, half-rotated heads, a biased sigmoid choice
         config = llm.engine.model.config
         assert config.qk_norm_scope == "all" and config.rotary_dim == 8 and config.router_bias
+    elif name == "exaone_moe":  # sliding layers rotate, global ones do not; experts where mlp_layer_types says
+        assert [a.rotates for a in attention] == [True, False, True, False]
+        assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

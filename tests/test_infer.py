@@ -107,6 +107,7 @@ SHAPE_INFERABLE = [
             "glm4_moe_lite",
             "mistral4",
             "minimax_m2",
+            "exaone_moe",
         )
     )
 ]

@@ -374,6 +374,29 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # K-EXAONE: EXAONE 4's attention (sliding layers rotate, the global ones do not) in a pre-norm block, DeepSeek-V3's
+    # experts (2 groups of 4, one used) with the dense layer where mlp_layer_types puts it.
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
     # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
     # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.

@@ -37,9 +37,18 @@ MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
-DEEPSEEK_MOE_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "solar_open", "mistral4"}
+DEEPSEEK_MOE_FAMILIES = {
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "dots1",
+    "solar_open",
+    "mistral4",
+    "exaone_moe",
+}
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
 # Granite MoE and its shared-expert variant: their experts' keys are their own (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared"}
 
@@ -181,7 +190,7 @@ class ModelConfig:
     # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
     # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
     # glm4, ministral, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
-    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4, minimax_m2)
+    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4, minimax_m2, exaone_moe)
     architecture: str
     vocab_size: int
     hidden_size: int
