@@ -97,6 +97,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         "mistral4",
         "minimax_m2",
         "exaone_moe",
+        "hunyuan_v1_dense",
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -137,6 +138,8 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "exaone_moe":  # sliding layers rotate, global ones do not; experts where mlp_layer_types says
         assert [a.rotates for a in attention] == [True, False, True, False]
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
+    elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
+        assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -108,6 +108,7 @@ SHAPE_INFERABLE = [
             "mistral4",
             "minimax_m2",
             "exaone_moe",
+            "hunyuan",
         )
     )
 ]

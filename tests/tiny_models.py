@@ -397,6 +397,17 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Hunyuan dense: per-head q/k norms after the rotary embedding, biased attention, NTK scaling by a fixed alpha.
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1Config",
+        "HunYuanDenseV1ForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=128,
+            attention_bias=True,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+        ),
+    ),
     # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
     # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
     # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.

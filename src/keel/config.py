@@ -187,10 +187,8 @@ class RopeScaling:
 class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
 
-    # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v3, or
-    # one of keel.families (phi3, stablelm, gpt_neox, olmo2, olmo3, gemma2, gemma3, smollm3, exaone4, starcoder2,
-    # glm4, ministral, ministral3, cohere, cohere2, seed_oss, ernie4_5, arcee, olmoe, gpt_oss, glm4_moe, granitemoe,
-    # granitemoeshared, llama4, dots1, solar_open, ernie4_5_moe, glm4_moe_lite, mistral4, minimax_m2, exaone_moe)
+    # keel family: llama | mistral | qwen2 | qwen3 | granite | mixtral | qwen2_moe | qwen3_moe | deepseek_v2 |
+    # deepseek_v3, or one of keel.families (keel.families.FAMILIES: phi3, gemma3, llama4, ...)
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -270,6 +268,7 @@ class ModelConfig:
     # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
     norm_placement: str = "pre"
     qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
+    qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms after the rotary embedding, not before
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in float32 (Gemma: 1)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Attention scores (after the softmax scale) -> cap * tanh(scores / cap), before the mask (Gemma 2).
@@ -423,6 +422,7 @@ class ModelConfig:
             f"norm_placement {self.norm_placement!r}: pre, post or sandwich",
         )
         need(self.qk_norm_scope in ("head", "all"), f"qk_norm_scope {self.qk_norm_scope!r}: head or all")
+        need(not (self.qk_norm_after_rope and self.qk_norm_scope == "all"), "qk_norm_after_rope norms each head")
         need(
             not (self.parallel_residual and self.norm_placement != "pre"),
             "parallel_residual needs norm_placement 'pre'",
@@ -988,6 +988,11 @@ def _rope_from_hf(
     rope_type = spec.get("rope_type", spec.get("type", "default")) or "default"
     if rope_type == "su" or (rope_type == "yarn" and "short_factor" in spec):  # Phi-3's older names for longrope
         rope_type = "longrope"
+    if rope_type == "dynamic" and spec.get("alpha"):
+        # HunYuan's NTK scaling by a fixed alpha only stretches the base (transformers gives it its own type,
+        # ntk_alpha, that no sequence length changes): base * alpha^(d / (d - 2)) over the head's d channels.
+        dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+        return theta * float(spec["alpha"]) ** (dim / (dim - 2)), RopeScaling()
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"{source}: rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"

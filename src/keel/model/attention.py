@@ -201,6 +201,7 @@ class Attention(nn.Module):
         # RMSNorm over each head's q and k (Qwen3), or over the whole q and k projections (OLMo 2), before the
         # rotary embedding.
         self.qk_norm_whole = config.qk_norm_scope == "all"
+        self.qk_norm_after_rope = config.qk_norm_after_rope
         q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         offset = config.norm_weight_offset
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
@@ -233,11 +234,13 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None and not self.qk_norm_whole:
+        if self.q_norm is not None and not self.qk_norm_whole and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:
             cos, sin = meta.sliding_rope if self.sliding_rope else meta.rope
             q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+        if self.q_norm is not None and self.qk_norm_after_rope:  # HunYuan's order
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_l2_eps is not None:
             q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
         if self.scales_queries and meta.query_scale is not None:  # Llama 4's temperature by position

@@ -102,6 +102,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if mlp.act != "silu" or attn.rotary_dim != attn.head_dim or attn.qk_norm_whole or attn.sliding_rope:
         return None
+    if attn.qk_norm_after_rope:  # HunYuan's q/k norms after the rotary embedding: the operator norms before it
+        return None
     if not attn.rotates:  # a NoPE layer (SmolLM3): the operator always rotates
         return None
     if attn.scales_queries or attn.qk_l2_eps is not None:  # Llama 4's temperature and q/k norm: the modules' own
