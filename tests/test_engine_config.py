@@ -117,3 +117,30 @@ def test_option_errors_come_before_any_model_loads():
     add_engine_options(parser)
     with pytest.raises(KeelError, match="--speculative-config: not valid JSON"):
         engine_config_from_args(parser.parse_args(["--speculative-config", "{"]))
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """As vLLM: the context is max_position_embeddings, stretched by a linear or YaRN factor (from YaRN's original
+    context); longer is a one-line error naming the variable that allows it."""
+    from keel.config import ModelConfig, RopeScaling
+    from keel.serve import LLM
+    from keel.serve.model_len import ALLOW_ENV, check_model_len, derived_max_model_len
+    from tiny_models import save_byte_tokenizer, save_hf_model
+
+    base = dict(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)
+    plain = ModelConfig(**base, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+    yarn = dataclasses.replace(plain, rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=1024))
+    llama3 = dataclasses.replace(plain, rope_scaling=RopeScaling("llama3", 8.0, original_max_position_embeddings=1024))
+    assert [derived_max_model_len(c) for c in (plain, yarn, llama3)] == [2048, 4096, 2048]
+    check_model_len(4096, yarn)
+    with pytest.raises(KeelError, match=f"--max-model-len 4097 .* context of 4096 tokens.*{ALLOW_ENV}=1"):
+        check_model_len(4097, yarn)
+    save_hf_model("llama", tmp_path)  # max_position_embeddings 2048
+    save_byte_tokenizer(tmp_path)
+    with pytest.raises(KeelError, match="--max-model-len 4096 is longer than the model's context of 2048"):
+        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=4096))
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    assert (
+        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=4096)).engine.max_model_len
+        == 4096
+    )

@@ -341,7 +341,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             qk_nope_head_dim=16,
             qk_rope_head_dim=8,
             v_head_dim=16,
-            max_position_embeddings=64,
+            max_position_embeddings=256,
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,

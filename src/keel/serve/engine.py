@@ -32,6 +32,7 @@ from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
 from keel.serve.launched import LaunchedStep
+from keel.serve.model_len import check_model_len
 from keel.serve.outputs import OutputTrack, RequestOutput, build_output
 from keel.serve.request import Request, Status
 from keel.serve.runner import ModelRunner
@@ -121,6 +122,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = loaded.tokenizer
         # Under --max-model-len auto the model's context until the KV cache is sized (_allocate_kv_cache).
         self.max_model_len = config.scheduler.model_len(self.model.config.max_position_embeddings)
+        check_model_len(self.max_model_len, self.model.config)
         self.spec: SpeculativeConfig | None = config.speculative
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
