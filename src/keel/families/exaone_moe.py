@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
 from keel.families import exaone4
+from keel.families.layer_kinds import dense_layers, mlp_layer_types
 
 FAMILY = "exaone_moe"
 HF_ARCHITECTURE = "ExaoneMoeForCausalLM"
@@ -37,29 +37,24 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    layers = int(hf["num_hidden_layers"])
     first_dense = int(hf.get("first_k_dense_replace", DEFAULTS["first_k_dense_replace"]))
-    kinds = hf.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
-    if len(kinds) != layers or not set(kinds) <= {"dense", "sparse"}:
-        raise ConfigError(f"{source}: mlp_layer_types must give dense or sparse for each of the {layers} layers")
     width = int(hf.get("moe_intermediate_size", DEFAULTS["moe_intermediate_size"]))
     return {
         **exaone4.config_fields(hf, source),
         "norm_placement": "pre",
         "num_experts": int(hf.get("num_experts", DEFAULTS["num_experts"])),
         "shared_expert_intermediate_size": width * int(hf.get("num_shared_experts", DEFAULTS["n_shared_experts"])),
-        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
+        "mlp_only_layers": dense_layers(hf, source, first_dense),
     }
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    dense = set(config.mlp_only_layers)
     width = config.moe_intermediate_size
     return {
         **exaone4.hf_fields(config, hf),
         "num_experts": config.num_experts,
         "num_shared_experts": config.shared_expert_intermediate_size // width if width else 0,
-        "mlp_layer_types": ["dense" if i in dense else "sparse" for i in range(config.num_layers)],
+        "mlp_layer_types": mlp_layer_types(config),
     }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
+from keel.families.layer_kinds import dense_layers, mlp_layer_types
 
 FAMILY = "glm4_moe_lite"
 HF_ARCHITECTURE = "Glm4MoeLiteForCausalLM"
@@ -40,20 +40,15 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    layers = int(hf["num_hidden_layers"])
-    kinds = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-    if len(kinds) != layers or not set(kinds) <= {"dense", "sparse"}:
-        raise ConfigError(f"{source}: mlp_layer_types must give dense or sparse for each of the {layers} layers")
     return {
-        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
+        "mlp_only_layers": dense_layers(hf, source, first_dense=1),
         # DeepSeek-V3's attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
         "o_bias": bool(hf.get("attention_bias", False)),
     }
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    dense = set(config.mlp_only_layers)
     return {
-        "mlp_layer_types": ["dense" if i in dense else "sparse" for i in range(config.num_layers)],
+        "mlp_layer_types": mlp_layer_types(config),
         "attention_bias": config.o_bias,
     }

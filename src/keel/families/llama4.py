@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.layer_kinds import rotating_layers
 from keel.families.rope import interleaved_qk_layout
 
 FAMILY = "llama4"
@@ -42,10 +43,7 @@ ATTN_SCALE = 0.1
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers = int(hf["num_hidden_layers"])
-    interval = int(hf.get("no_rope_layer_interval") or NO_ROPE_LAYER_INTERVAL)
-    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(rotates) != layers:
-        raise ConfigError(f"{source}: no_rope_layers has {len(rotates)} entries for {layers} layers")
+    rotates = rotating_layers(hf, source, NO_ROPE_LAYER_INTERVAL)
     chunk = hf.get("attention_chunk_size", CHUNK)
     layer_types = hf.get("layer_types") or [
         "chunked_attention" if rotates[i] and chunk is not None else "full_attention" for i in range(layers)
@@ -61,7 +59,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     bias = bool(hf.get("attention_bias", False))
     return {
         "intermediate_size": int(hf.get("intermediate_size_mlp", 16384)),
-        "rope_layers": [bool(r) for r in rotates],
+        "rope_layers": rotates,
         "layer_types": list(layer_types),
         "attention_chunk_size": int(chunk) if chunk is not None else None,
         "qk_l2_norm": bool(hf.get("use_qk_norm", True)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.errors import ConfigError
+from keel.families.layer_kinds import rotating_layers
 
 FAMILY = "smollm3"
 HF_ARCHITECTURE = "SmolLM3ForCausalLM"
@@ -26,17 +26,14 @@ NO_ROPE_LAYER_INTERVAL = 4
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     layers = int(hf["num_hidden_layers"])
-    interval = int(hf.get("no_rope_layer_interval") or NO_ROPE_LAYER_INTERVAL)
-    rotates = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(rotates) != layers:
-        raise ConfigError(f"{source}: no_rope_layers has {len(rotates)} entries for {layers} layers")
+    rotates = rotating_layers(hf, source, NO_ROPE_LAYER_INTERVAL)
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if window is not None and not rotates[i] else "full_attention" for i in range(layers)
     ]
     bias = bool(hf.get("attention_bias", False))
     return {
-        "rope_layers": [bool(r) for r in rotates],
+        "rope_layers": rotates,
         "sliding_window": window,
         "layer_types": list(layer_types) if window is not None else ["full_attention"] * layers,
         "qkv_bias": bias,
