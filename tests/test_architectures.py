@@ -269,3 +269,20 @@ def test_ernie_moes_biases_reach_its_head(tmp_path, tie):
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("minimax_m2", dict(sliding_window=8, attention_bias=True)),  # transformers' MiniMaxM2 reads neither
+        # a null pattern beside the file's layer_types: those decide
+        ("exaone_moe", dict(sliding_window_pattern=None, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+        ("exaone4", dict(sliding_window_pattern=None)),
+    ],
+)
+def test_config_fields_a_family_ignores_or_defers_are_read_as_transformers_reads_them(tmp_path, name, overrides):
+    hf = save_hf_model(name, tmp_path, **overrides)
+    loaded = load_model(tmp_path, "float32")
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _max_rel(loaded.model(tokens), hf(tokens).logits) < 1e-5

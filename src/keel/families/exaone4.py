@@ -36,7 +36,8 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         pattern = hf.get("sliding_window_pattern", PATTERN)
         if isinstance(pattern, str):  # "LLLG": the pattern of layers from layer 0, repeated
             pattern = len(pattern)
-        layer_types = sliding_layer_types(hf, int(pattern))
+        # A null pattern beside the file's own layer_types: those decide (transformers' config reads nothing else).
+        layer_types = sliding_layer_types(hf, int(pattern or PATTERN))
     if len(layer_types) != layers:
         raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {layers} layers")
     return {

@@ -30,7 +30,13 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if partial is None:
         partial = int(hf["rotary_dim"]) / head_dim if hf.get("rotary_dim") else 1.0
     width = int(hf.get("intermediate_size", 1536))
+    layers = int(hf["num_hidden_layers"])
     return {
+        # transformers' MiniMaxM2 has no window and no attention biases, whatever the file says of them
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * layers,
+        "qkv_bias": False,
+        "o_bias": False,
         "partial_rotary_factor": float(partial),
         "qk_norm": True,
         "qk_norm_scope": "all",
