@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -678,7 +679,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     import transformers
 
     config_cls, model_cls, extra = TINY_CONFIGS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
+    # A deep copy: some config classes (Mistral 4's, MiniMax-M2's) write into the rope dict they are given.
+    config = getattr(transformers, config_cls)(**copy.deepcopy({**COMMON, **extra, **overrides}))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
