@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
-import torch
 from torch import nn
 
-from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model import fused_layer
 from keel.model.moe import GroupedExperts, MoE, _local
@@ -41,13 +39,10 @@ def is_kept(name: str, keep: set[str] | tuple[str, ...] | None) -> bool:
     return any(fnmatchcase(name, pattern) for pattern in (*(keep or ()), *ALWAYS_FLOAT))
 
 
-def check_keep(config: ModelConfig, keep: Iterable[str]) -> None:
-    """Refuse a --quant-keep entry that matches no layer of the whole model (every pipeline stage's): a
-    misspelt name would otherwise quietly quantize the layer it meant to keep."""
-    from keel.model.transformer import Transformer  # the model package does not import keel.quant
-
-    with torch.device("meta"):  # names only
-        names = [name for name, _ in quantizable(Transformer(config))] + ["embed_tokens"]
+def check_keep(model: nn.Module, keep: Iterable[str]) -> None:
+    """Refuse a --quant-keep entry that matches no layer of `model`, the whole model (a pipeline stage checks
+    against a skeleton of all of it): a misspelt name would otherwise quietly quantize the layer it meant to keep."""
+    names = [name for name, _ in quantizable(model)] + ["embed_tokens"]
     for pattern in keep:
         if not any(fnmatchcase(name, pattern) for name in names):
             raise KeelError(

@@ -53,8 +53,7 @@ def load_model(
     """
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
     quantize = resolve_scheme(checkpoint, quantize, device)
-    if check_kept and quant_keep is not None and (quantize is not None or quant_keep_as is not None):
-        check_keep(checkpoint.config, quant_keep)
+    given_keep = check_kept and quant_keep is not None and (quantize is not None or quant_keep_as is not None)
     quant_keep = keep_for(quant_keep, quantize, quant_keep_as)
     if quant_keep_as is not None and quantize is None and checkpoint.quantization is None:
         raise KeelError(
@@ -64,6 +63,8 @@ def load_model(
     torch_dtype, dtype_reason = choose_dtype(checkpoint, dtype, device, quantize)
     with torch.device("meta"):
         net = Transformer(checkpoint.config)
+    if given_keep:
+        check_keep(net, quant_keep)
     if quantize is not None or checkpoint.quantization is not None:
         quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
     load_weights(net, checkpoint, torch_dtype)

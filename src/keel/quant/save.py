@@ -75,7 +75,6 @@ def save_quantized(
     def write(tmp: Path) -> dict:
         if checkpoint.quantization is not None:
             raise KeelError(f"{checkpoint.path}: already quantized ({checkpoint.quantization['scheme']})")
-        check_keep(checkpoint.config, keep)
         written = output_dtype(checkpoint, dtype)
         return _write(checkpoint, tmp, written, scheme, group_size, set(keep), max_shard_bytes)
 
@@ -88,6 +87,7 @@ def _write(
     config = dataclasses.replace(checkpoint.config, dtype=dtype)
     with torch.device("meta"):
         skeleton = Transformer(checkpoint.config)
+    check_keep(skeleton, keep)
     targets: dict[str, nn.Module] = {}
     not_converted = []
     for name, module in quantizable(skeleton):

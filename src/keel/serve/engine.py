@@ -218,7 +218,7 @@ class LLMEngine:
 
             keep = set(quant.kept(quant.scheme))
             if quant.quant_keep is not None:
-                check_keep(loaded.model.config, keep)
+                check_keep(loaded.model, keep)
             q = quantize_model(loaded.model, quant.scheme, quant.quant_group_size, keep)
             log.info(
                 "quantized %d linear layers to %s (%d kept): %.1f -> %.1f MiB",
@@ -298,6 +298,9 @@ class LLMEngine:
         compiled when `compile` asks or the model is worth it."""
         mc, sched = self.model.config, self.config.scheduler
         windows = {mc.layer_window(i) for i in range(mc.num_layers)}
+        # Blocks behind the window can be freed only when every layer slides (a chunked layer's window is negative:
+        # its chunk's start, not a fixed span back, so its blocks are kept).
+        window = windows.pop() if len(windows) == 1 else None
         self.max_num_batched_tokens = budget = self._step_budget()
         self.scheduler = Scheduler(
             self.kv,
@@ -305,9 +308,7 @@ class LLMEngine:
             sched.max_num_seqs,
             self.max_model_len,
             sched.scheduling_policy,
-            # Blocks behind the window can be freed only when every layer slides (a chunked layer's window is
-            # negative: its chunk's start, not a fixed span back, so its blocks are kept).
-            sliding_window=next(iter(windows)) if len(windows) == 1 and (next(iter(windows)) or 0) > 0 else None,
+            sliding_window=window if window is not None and window > 0 else None,
             chunked_prefill=sched.enable_chunked_prefill,
         )
         self.runner: ModelRunner | ParallelExecutor = (

@@ -32,6 +32,7 @@ from keel.model.fuse import fuse_projections
 from keel.model.kv_size import kv_cache_bytes
 from keel.model.prepack import prepare_bf16_linears
 from keel.model.stages import layer_ranges
+from keel.model.transformer import Transformer
 from keel.platform import local_rank_cuda
 from keel.quant.apply import check_keep, quantize_kept, set_activations
 from keel.quant.config import QuantConfig
@@ -252,7 +253,8 @@ class Worker:
         if quant.scheme is not None:
             keep = quant.kept(quant.scheme)
             if quant.quant_keep is not None:  # against the whole model's names: a stage holds only some
-                check_keep(loaded.checkpoint.config, keep)
+                with torch.device("meta"):
+                    check_keep(Transformer(loaded.checkpoint.config), keep)
             stats = quantize_shard(model, quant.scheme, quant.quant_group_size, keep)
             if quant.quant_keep_as is not None:
                 stats["quantized"] += quantize_kept(model, keep, quant.quant_keep_as, quant.quant_group_size)
