@@ -14,6 +14,7 @@ from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
 from keel.quant.loading import load_model
 from keel.tokenizer import Tokenizer
+from keel.tools.align import transformers_model
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import convert, output_dtype
 from tiny_models import TINY_CONFIGS, save_hf_model
@@ -37,11 +38,7 @@ def _keel_logits(path) -> torch.Tensor:
 
 
 def _hf_logits(path) -> torch.Tensor:
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    except ValueError:  # a class the auto mapping does not list for causal LM (Mistral 4's): by its name
-        name = json.loads((path / "config.json").read_text())["architectures"][0]
-        model = getattr(transformers, name).from_pretrained(path).eval()
+    model = transformers_model(path).eval()
     with torch.no_grad():
         return model(TOKENS).logits
 

@@ -87,19 +87,9 @@ def test_the_text_model_of_a_multimodal_checkpoint_is_served(tmp_path):
 
     from keel.serve import LLM, EngineConfig, SamplingParams
     from keel.weights.convert import convert
-    from tiny_models import COMMON, save_byte_tokenizer
+    from tiny_models import COMMON, TINY_CONFIGS, save_byte_tokenizer
 
-    text = transformers.Llama4TextConfig(
-        **{**COMMON, "num_hidden_layers": 2},
-        head_dim=16,
-        intermediate_size=32,
-        intermediate_size_mlp=96,
-        num_local_experts=4,
-        interleave_moe_layer_step=2,
-        attention_chunk_size=8,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
+    text = transformers.Llama4TextConfig(**{**COMMON, **TINY_CONFIGS["llama4"][2], "num_hidden_layers": 2})
     vision = transformers.Llama4VisionConfig(
         hidden_size=32,
         num_hidden_layers=1,

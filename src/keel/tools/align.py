@@ -10,14 +10,15 @@ final logits are compared. Definitions (all computed in float64):
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from keel.config import FAMILY_TO_HF
 from keel.dtypes import parse_dtype
 from keel.errors import KeelError
 from keel.quant.loading import load_model
@@ -81,6 +82,18 @@ def alignment_input(config, batch: int = 2, seed: int = 0) -> Tensor:
     return torch.randint(0, config.vocab_size, (batch, length), generator=generator)
 
 
+def transformers_model(path: Path, **options: Any) -> Any:
+    """transformers' model of the HF directory `path`: AutoModelForCausalLM's, or the class its config.json names
+    where the auto mapping lists none for causal LM (Mistral 4's)."""
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **options)
+    except ValueError:
+        name = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+        return getattr(transformers, name).from_pretrained(path, **options)
+
+
 def _reference_dir(model: str, tmp: Path) -> Path:
     """An HF directory transformers can load: the model itself, or an export of it."""
     path = Path(model)
@@ -112,7 +125,6 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
         raise KeelError(f"--dtype {dtype!r} is not supported for align (choose from {', '.join(TOLERANCES)})")
     try:
         import transformers
-        from transformers import AutoModelForCausalLM
     except ImportError:
         raise KeelError("keel align needs transformers: pip install 'keel[align]'") from None
     transformers.utils.logging.set_verbosity_error()
@@ -123,11 +135,7 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
     with tempfile.TemporaryDirectory(prefix="keel-align-") as tmp:
         ref_dir = _reference_dir(model, Path(tmp))
         options = loaded.config.transformers_attention()
-        try:
-            reference = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
-        except ValueError:  # a class transformers' auto mapping does not list for causal LM (Mistral 4's)
-            cls = getattr(transformers, FAMILY_TO_HF[loaded.config.architecture])
-            reference = cls.from_pretrained(ref_dir, dtype=torch_dtype, **options).eval()
+        reference = transformers_model(ref_dir, dtype=torch_dtype, **options).eval()
         # The decoder is `model.` or `gpt_neox.` (base_model), or `model.` where base_model names another
         # (Llama 4's text model, whose prefix is its multimodal model's `language_model`).
         base = reference.base_model if hasattr(reference.base_model, "layers") else reference.model
