@@ -100,6 +100,14 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("minimax_m2", marks=SLOW),
         pytest.param("exaone_moe", marks=SLOW),
         pytest.param("hunyuan_v1_dense", marks=SLOW),
+        pytest.param("glm", marks=SLOW),
+        pytest.param("cwm", marks=SLOW),
+        pytest.param("helium", marks=SLOW),
+        pytest.param("jais2", marks=SLOW),
+        pytest.param("nemotron", marks=SLOW),
+        pytest.param("vaultgemma", marks=SLOW),
+        pytest.param("hyperclovax", marks=SLOW),
+        pytest.param("youtu", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -120,7 +128,8 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         ]
     config = EngineConfig.of(dtype="float32", compile=False, num_blocks=64, max_model_len=256, block_size=8)
     llm = LLM(str(tmp_path), config)
-    attention = [layer.self_attn for layer in llm.engine.model.layers.values()]
+    layers = list(llm.engine.model.layers.values())
+    attention = [layer.self_attn for layer in layers]
     if name == "smollm3":
         assert [a.rotates for a in attention] == [True, False, True]
     elif name == "ministral3":
@@ -142,6 +151,27 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
+    elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms
+        assert all(a.rotary_dim == 16 and a.qkv_proj.bias is not None and a.o_proj.bias is None for a in attention)
+        assert all(layer.attn_output_norm is None for layer in layers)
+    elif name == "cwm":  # the first layer global, the others in windows of 8
+        assert [a.window for a in attention] == [None, 8, 8]
+    elif name == "helium":  # biased q/k/v but not o
+        assert all(a.qkv_proj.bias is not None and a.o_proj.bias is None for a in attention)
+    elif name in ("jais2", "nemotron"):  # biased LayerNorms (Nemotron's scaling by 1 + w), ungated MLPs
+        offset = 1.0 if name == "nemotron" else 0.0
+        norms = [layer.input_layernorm for layer in layers]
+        assert all(isinstance(n, torch.nn.LayerNorm) and getattr(n, "offset", 0.0) == offset for n in norms)
+        assert all(layer.mlp.gate_proj is None for layer in layers)
+    elif name == "vaultgemma":  # Gemma 2's alternating windows without its output norms
+        assert [a.window for a in attention] == [8, None, 8]
+        assert all(layer.attn_output_norm is None and layer.mlp_output_norm is None for layer in layers)
+    elif name == "hyperclovax":  # Granite's scalars with norms on the sublayers' outputs
+        assert all(layer.attn_output_norm is not None for layer in layers)
+        assert llm.engine.model.config.logits_scaling == 4.0
+    elif name == "youtu":  # latent attention, dense MLPs
+        config = llm.engine.model.config
+        assert config.is_mla and not any(config.is_moe_layer(i) for i in range(len(attention)))
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -94,7 +94,7 @@ SHAPE_INFERABLE = [
             "smollm3",
             "exaone",
             "starcoder2",
-            "glm4",
+            "glm",  # glm and glm4*
             "ministral",  # and ministral3
             "cohere",
             "seed_oss",
@@ -109,6 +109,13 @@ SHAPE_INFERABLE = [
             "minimax_m2",
             "exaone_moe",
             "hunyuan",
+            "cwm",
+            "helium",
+            "jais2",
+            "nemotron",
+            "vaultgemma",
+            "hyperclovax",
+            "youtu",
         )
     )
 ]

@@ -660,6 +660,59 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # GLM-4 (glm-4-9b): biased q/k/v, fused gate_up_proj, rotary over half of each head on interleaved pairs.
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(intermediate_size=128, head_dim=32, pad_token_id=0, eos_token_id=2)),
+    # Code World Model: layer 0 global, the others in windows of 8; its default llama3 rotary scaling.
+    "cwm": ("CwmConfig", "CwmForCausalLM", dict(intermediate_size=128, head_dim=16, sliding_window=8)),
+    # Helium: rotary on interleaved pairs over the whole head, biased q/k/v (not o), MLP biases.
+    "helium": (
+        "HeliumConfig",
+        "HeliumForCausalLM",
+        dict(intermediate_size=128, head_dim=16, attention_bias=True, mlp_bias=True),
+    ),
+    # Jais 2: biased LayerNorms, an ungated ReLU-squared MLP, biases everywhere.
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(intermediate_size=128, layer_norm_eps=1e-4)),
+    # Nemotron: LayerNorms scaling by (1 + w), half of each head rotating, an ungated ReLU-squared MLP, biases.
+    "nemotron": (
+        "NemotronConfig",
+        "NemotronForCausalLM",
+        dict(intermediate_size=128, attention_bias=True, mlp_bias=True, norm_eps=1e-4),
+    ),
+    # VaultGemma: Gemma 2 without the norms on the sublayers' outputs; windows of 8 on even layers, soft-caps.
+    "vaultgemma": (
+        "VaultGemmaConfig",
+        "VaultGemmaForCausalLM",
+        dict(intermediate_size=128, head_dim=16, sliding_window=8, query_pre_attn_scalar=24),
+    ),
+    # HyperCLOVA X: Granite's multipliers, norms on the sublayers' outputs, the logits multiplied by their scale.
+    "hyperclovax": (
+        "HyperCLOVAXConfig",
+        "HyperCLOVAXForCausalLM",
+        dict(
+            intermediate_size=128,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=0.25,
+            attention_bias=True,
+        ),
+    ),
+    # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
+    "youtu": (
+        "YoutuConfig",
+        "YoutuForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=True,
+            initializer_range=0.02,  # its default, 2 / sqrt(5 * hidden), with the sharpened q/k: chaotic logits
+        ),
+    ),
 }
 
 

@@ -33,7 +33,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
@@ -269,7 +269,8 @@ class ModelConfig:
     norm_placement: str = "pre"
     qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
     qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms after the rotary embedding, not before
-    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight), in float32 (Gemma: 1)
+    # the block norms scale by (offset + weight): RMSNorm in float32 (Gemma: 1), LayerNorm as is (Nemotron: 1)
+    norm_weight_offset: float = 0.0
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Attention scores (after the softmax scale) -> cap * tanh(scores / cap), before the mask (Gemma 2).
     attn_logit_softcapping: float | None = None
@@ -571,6 +572,11 @@ class ModelConfig:
         hf = _text_config(hf)
         family = _family_from_hf(hf, source)
         defaults = FAMILY_DEFAULTS[family]
+        default_rope = getattr(FAMILIES.get(family), "DEFAULT_ROPE", None)
+        if default_rope is not None and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+            # the family's config class sets whole rope parameters where the file has none (a top-level
+            # rope_theta then goes unread, as in transformers)
+            hf = {**hf, "rope_parameters": dict(default_rope)}
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
         hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
         if not structure_only:

@@ -6,7 +6,8 @@ A family module defines `FAMILY` (keel's name), `HF_ARCHITECTURE` (transformers'
 source)` (keel ModelConfig fields read from config.json beyond the common ones), `hf_fields(config, hf)`
 (the family's own config.json keys on export, given the common ones) and, where its checkpoints name
 or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)` (keel.weights.parts;
-docs/ARCHITECTURE.md, "Adding a family"). This package imports nothing of keel's but its errors, so
+docs/ARCHITECTURE.md, "Adding a family"); where its config class sets whole rope parameters when a file has
+none, `DEFAULT_ROPE` (those parameters). This package imports nothing of keel's but its errors, so
 that keel.config can read it.
 """
 
@@ -18,6 +19,7 @@ from keel.families import (
     arcee,
     cohere,
     cohere2,
+    cwm,
     dots1,
     ernie4_5,
     ernie4_5_moe,
@@ -26,6 +28,7 @@ from keel.families import (
     gemma,
     gemma2,
     gemma3,
+    glm,
     glm4,
     glm4_moe,
     glm4_moe_lite,
@@ -33,12 +36,16 @@ from keel.families import (
     gpt_oss,
     granitemoe,
     granitemoeshared,
+    helium,
     hunyuan_v1_dense,
+    hyperclovax,
+    jais2,
     llama4,
     minimax_m2,
     ministral,
     ministral3,
     mistral4,
+    nemotron,
     olmo2,
     olmo3,
     olmoe,
@@ -49,11 +56,21 @@ from keel.families import (
     solar_open,
     stablelm,
     starcoder2,
+    vaultgemma,
+    youtu,
 )
 
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        youtu,
+        hyperclovax,
+        vaultgemma,
+        nemotron,
+        jais2,
+        helium,
+        cwm,
+        glm,
         phi3,
         phi,
         stablelm,

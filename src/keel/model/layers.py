@@ -55,9 +55,26 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+class OffsetLayerNorm(nn.LayerNorm):
+    """LayerNorm scaling by (offset + weight) (Nemotron's LayerNorm1P: offset 1), in the input's dtype as
+    transformers computes it; the weight starts at 1 - offset, a scale of 1."""
+
+    def __init__(self, dim: int, eps: float, bias: bool, offset: float) -> None:
+        super().__init__(dim, eps=eps, bias=bias)
+        self.offset = offset
+        with torch.no_grad():
+            self.weight.fill_(1.0 - offset)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + self.offset, self.bias, self.eps)
+
+
 def block_norm(config: ModelConfig, dim: int) -> nn.Module:
-    """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias."""
+    """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias (each scaling
+    by offset + weight where the config has a `norm_weight_offset`)."""
     if config.norm_type == "layer":
+        if config.norm_weight_offset:
+            return OffsetLayerNorm(dim, config.rms_norm_eps, config.norm_bias, config.norm_weight_offset)
         return nn.LayerNorm(dim, eps=config.rms_norm_eps, bias=config.norm_bias)
     return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
 

@@ -1,0 +1,48 @@
+"""GLM-4 (`GlmForCausalLM`: THUDM/glm-4-9b, glm-4-9b-chat): Llama's pre-norm block with biased q/k/v (`attention_bias`,
+never on o_proj), gate and up stored fused in `mlp.gate_up_proj` (gate rows first), and rotary over the first half
+of each head (`partial_rotary_factor`, 0.5 by default) on interleaved pairs, read regrouped as GLM-4-0414's are
+(keel.families.glm4, the same tensors plus its sandwich norms).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.families import glm4
+from keel.families.rope import interleaved_qk_layout, partial_rotary_factor
+
+FAMILY = "glm"
+HF_ARCHITECTURE = "GlmForCausalLM"
+# transformers' GlmConfig defaults.
+DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1.5625e-07,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 131072,
+    "bos_token_id": None,
+    "eos_token_id": [151329, 151336, 151338],
+}
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    return {
+        "partial_rotary_factor": partial_rotary_factor(hf, 0.5),
+        "qkv_bias": bool(hf.get("attention_bias", True)),
+        "o_bias": False,
+        "mlp_bias": False,
+    }
+
+
+hf_fields = glm4.hf_fields
+
+
+def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """gate/up split by rows, q/k's rotary channels regrouped (keel.families.glm4)."""
+    inter = config.intermediate_size
+    layout = interleaved_qk_layout(config)
+    for layer in range(config.num_layers):
+        mlp = f"model.layers.{layer}.mlp"
+        layout[f"{mlp}.gate_up_proj.weight"] = {
+            f"{mlp}.gate_proj.weight": [(0, inter)],
+            f"{mlp}.up_proj.weight": [(inter, 2 * inter)],
+        }
+    return layout
