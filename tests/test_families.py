@@ -249,3 +249,20 @@ def test_longrope_needs_a_factor_per_frequency():
     data["rope_scaling"] = {"type": "longrope"}
     with pytest.raises(ConfigError, match="short_factor and long_factor"):
         ModelConfig.from_hf(data, source="config.json")
+
+
+@pytest.mark.parametrize("family", ["cwm", "apertus"])
+def test_a_family_default_rope_is_its_config_class_one(family):
+    """Where a file names no rope parameters, the family's config class sets whole ones (CWM: Llama 3.1's scaling
+    over theta 1e6), and a top-level rope_theta goes unread, as transformers reads it."""
+    import transformers
+
+    hf = {"architectures": [FAMILIES[family].HF_ARCHITECTURE], "hidden_size": 64, "num_attention_heads": 4}
+    hf.update(num_hidden_layers=2, vocab_size=256, rope_theta=5000.0)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.AutoConfig.for_model(family, **{k: v for k, v in hf.items() if k != "architectures"})
+    rope = reference.rope_parameters
+    assert config.rope_theta == rope["rope_theta"] and config.rope_scaling.type == rope["rope_type"] == "llama3"
+    assert config.rope_scaling.factor == rope["factor"]
+    scaled = ModelConfig.from_hf({**hf, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert scaled.rope_scaling.type == "linear"

@@ -108,6 +108,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("vaultgemma", marks=SLOW),
         pytest.param("hyperclovax", marks=SLOW),
         pytest.param("youtu", marks=SLOW),
+        pytest.param("apertus", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -172,6 +173,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "youtu":  # latent attention, dense MLPs
         config = llm.engine.model.config
         assert config.is_mla and not any(config.is_moe_layer(i) for i in range(len(attention)))
+    elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
+        alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
+        assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -116,6 +116,7 @@ SHAPE_INFERABLE = [
             "vaultgemma",
             "hyperclovax",
             "youtu",
+            "apertus",
         )
     )
 ]

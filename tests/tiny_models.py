@@ -697,6 +697,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attention_bias=True,
         ),
     ),
+    # Apertus: per-head q/k norms, an ungated MLP of xIELU with its own parameters per layer (perturbed below),
+    # llama3 rotary scaling by default.
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(intermediate_size=128, head_dim=16)),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",
@@ -742,7 +745,8 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
             if pname.endswith("norm.weight") or pname.endswith((".bias", "_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
             # GPT-OSS's sinks start near 0, where they barely move the softmax: spread them, so that they count.
-            if pname.endswith(".sinks"):
+            # xIELU's parameters all start alike (Apertus): set each layer's apart.
+            if pname.endswith((".sinks", "act_fn.alpha_p", "act_fn.alpha_n")):
                 p.add_(torch.randn_like(p) * 2)
             # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.

@@ -154,6 +154,7 @@ HIDDEN_ACTS = {
     "relu2": "relu2",
     "relu": "relu",
     "quick_gelu": "quick_gelu",
+    "xielu": "xielu",  # with parameters of its own per MLP (Apertus)
 }
 
 
@@ -401,6 +402,7 @@ class ModelConfig:
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
         need(self.hidden_act in HIDDEN_ACTS.values(), f"hidden_act {self.hidden_act!r} is not supported")
+        need(self.hidden_act != "xielu" or not self.is_moe, "hidden_act 'xielu' is supported in dense MLPs only")
         need(
             self.sliding_rope_scaling.type in ROPE_TYPES,
             f"sliding rope scaling type {self.sliding_rope_scaling.type!r} is not supported",
@@ -526,6 +528,7 @@ class ModelConfig:
         dense_mlp = mats * h * self.intermediate_size + (
             (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
         )
+        dense_mlp += 2 if self.hidden_act == "xielu" else 0  # its alpha_p and alpha_n
         expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         shared_width = self.shared_expert_intermediate_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from keel.families import (
+    apertus,
     arcee,
     cohere,
     cohere2,
@@ -63,6 +64,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        apertus,
         youtu,
         hyperclovax,
         vaultgemma,

@@ -62,8 +62,9 @@ class OffsetLayerNorm(nn.LayerNorm):
     def __init__(self, dim: int, eps: float, bias: bool, offset: float) -> None:
         super().__init__(dim, eps=eps, bias=bias)
         self.offset = offset
-        with torch.no_grad():
-            self.weight.fill_(1.0 - offset)
+        if not building_on_meta():
+            with torch.no_grad():
+                self.weight.fill_(1.0 - offset)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight + self.offset, self.bias, self.eps)
@@ -237,8 +238,44 @@ _ACTIVATIONS = {
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
-    """keel's activation `name` (ModelConfig.hidden_act) as a function."""
+    """keel's activation `name` (ModelConfig.hidden_act) as a function (xIELU, which has parameters, is `XIELU`)."""
     return _ACTIVATIONS[name]
+
+
+def _inverse_softplus(y: float) -> float:
+    return math.log(math.expm1(y))
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus): a_p x^2 + beta x where x > 0, else (expm1(min(x, eps)) - x) a_n + beta x, with
+    a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n) learned per MLP, beta and eps stored beside them
+    (transformers' XIELUActivation, its Python path; the checkpoint's `mlp.act_fn.*`)."""
+
+    # The stored values that start a = 0.8 both sides, beta 0.5, eps -1e-6: the paper's, transformers' defaults.
+    INITIAL = {"alpha_p": _inverse_softplus(0.8), "alpha_n": _inverse_softplus(0.8 - 0.5), "beta": 0.5, "eps": -1e-6}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.register_buffer("beta", torch.empty(()))
+        self.register_buffer("eps", torch.empty(()))
+        if not building_on_meta():
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for name, tensor in (*self.named_parameters(), *self.named_buffers()):
+            tensor.fill_(self.INITIAL[name])
+
+    def forward(self, x: Tensor) -> Tensor:
+        # in the parameters' dtype, as transformers keeps them all in the model's; then in x's
+        beta = self.beta.to(self.alpha_n.dtype)
+        alpha_p = F.softplus(self.alpha_p).to(x.dtype)
+        alpha_n = (beta + F.softplus(self.alpha_n)).to(x.dtype)
+        beta, eps = beta.to(x.dtype), self.eps.to(x.dtype)
+        negative = (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n
+        return torch.where(x > 0, alpha_p * x * x, negative) + beta * x
 
 
 class SwiGLU(nn.Module):
@@ -253,7 +290,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = act
-        self._act = _ACTIVATIONS[act]
+        # xIELU's parameters are the module's (`mlp.act_fn.*`, as transformers names them)
+        self.act_fn: XIELU | None = XIELU() if act == "xielu" else None
+        self._act = self.act_fn if self.act_fn is not None else _ACTIVATIONS[act]
         # Serving fuses gate and up into one projection at load (keel.model.fuse); None otherwise.
         self.gate_up_proj: nn.Linear | None = None
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from keel.model.layers import RMSNorm
+from keel.model.layers import XIELU, RMSNorm
 from keel.model.moe import GroupedExperts, Router
 
 # Elements per generator block: large enough that seeding costs nothing next to the draw, small
@@ -118,6 +118,8 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
             elif param_name == "bias" or param_name.endswith("_bias"):  # GPT-OSS's experts: gate_up_proj_bias
                 param.zero_()
+            elif isinstance(module, XIELU):  # its initial shape, the same on every layout
+                param.fill_(module.INITIAL[param_name])
             elif isinstance(module, nn.Linear | nn.Embedding | Router | GroupedExperts) or param_name == "sinks":
                 fill_normal(param, name, seed, std)
             else:
@@ -126,3 +128,5 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer_name == "e_score_correction_bias":
                 buffer.zero_()
+            elif isinstance(module, XIELU):
+                buffer.fill_(module.INITIAL[buffer_name])
