@@ -238,7 +238,8 @@ class ModelConfig:
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
-    router_float32: bool = False  # DeepSeek-V2: the router's matmul and softmax in float32 whatever the model's dtype
+    # DeepSeek-V2, Hunyuan MoE: the router's matmul and softmax in float32 whatever the model's dtype
+    router_float32: bool = False
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
     # or "max" (DeepSeek-V2's group_limited_greedy: its best expert's).
     router_group_score: str = "top2_sum"

@@ -22,7 +22,8 @@ Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the 
 sigmoid scales the expert's input instead of its output (`router_scales_input`).
 Phi-3.5-MoE's SparseMixer (sparsemixer) takes the best logit's expert, then the best of the others, each weighted by a
 softmax over the logits close to its own (`sparsemixer`), in the model's dtype. transformers samples the experts
-(Gumbel) and estimates the routing gradient its own way in training; keel routes training forwards as it serves.
+(Gumbel) and estimates the routing gradient its own way in training; keel's training forward routes as it serves,
+its gradient that of the chosen experts' softmax weights.
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
