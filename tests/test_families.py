@@ -266,3 +266,44 @@ def test_a_family_default_rope_is_its_config_class_one(family):
     assert config.rope_scaling.factor == rope["factor"]
     scaled = ModelConfig.from_hf({**hf, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
     assert scaled.rope_scaling.type == "linear"
+
+
+def test_hunyuan_moe_reads_uniform_per_layer_lists_and_refuses_what_it_cannot_run(tmp_path):
+    """Hunyuan-A13B's configs list the expert keys per layer: one value for every layer is read, a varying one (or
+    a width, shared count or attention transformers' model does not have) is refused by name."""
+    save_hf_model("hunyuan_v1_moe", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    listed = {"num_experts": [8] * 3, "moe_topk": [2] * 3, "moe_intermediate_size": [32] * 3, "num_shared_expert": [1]}
+    config = ModelConfig.from_hf({**data, **listed, "use_mixed_mlp_moe": True, "use_cla": False})
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_intermediate_size) == (8, 2, 32)
+    assert config.router_float32 and config.norm_topk_prob and not config.shared_expert_gated
+    for key, value in [
+        ("moe_topk", [2, 1, 2]),
+        ("num_experts", [8, 8, 4]),
+        ("moe_intermediate_size", 48),
+        ("num_shared_expert", [2, 2, 2]),
+        ("use_cla", True),
+        ("use_mixed_mlp_moe", False),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf({**data, key: value}, source="hunyuan/config.json")
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_phimoe_reads_its_router_and_mscale_and_refuses_what_it_cannot_run(tmp_path):
+    save_hf_model("phimoe", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    config = ModelConfig.from_hf(data)
+    assert (config.router_scoring, config.router_jitter_eps, config.rope_scaling.attention_factor) == (
+        "sparsemixer",
+        0.1,
+        1.2,
+    )
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_hf({**data, "num_experts_per_tok": 4})
+    rope = data["rope_parameters"]
+    with pytest.raises(ConfigError, match="long_mscale"):
+        ModelConfig.from_hf({**data, "rope_parameters": {**rope, "long_mscale": 1.5}})
+    with pytest.raises(ConfigError, match="short_mscale"):
+        ModelConfig.from_hf({**data, "rope_parameters": {k: v for k, v in rope.items() if k != "short_mscale"}})

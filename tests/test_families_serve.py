@@ -109,6 +109,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hyperclovax", marks=SLOW),
         pytest.param("youtu", marks=SLOW),
         pytest.param("apertus", marks=SLOW),
+        pytest.param("hunyuan_v1_moe", marks=SLOW),
+        pytest.param("phimoe", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -176,6 +178,14 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
         alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
         assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
+    elif name == "hunyuan_v1_moe":  # q/k norms after the rotary embedding; a float32 router and an ungated shared MLP
+        assert all(a.qk_norm_after_rope for a in attention) and llm.engine.model.config.router_float32
+        mlps = [layer.mlp for layer in llm.engine.model.layers.values()]
+        assert all(mlp.shared_expert is not None and mlp.shared_expert_gate is None for mlp in mlps)
+    elif name == "phimoe":  # biased LayerNorms, the SparseMixer router, a biased LM head
+        model = llm.engine.model
+        assert model.config.router_scoring == "sparsemixer" and model.lm_head.bias is not None
+        assert all(layer.input_layernorm.bias is not None for layer in model.layers.values())
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

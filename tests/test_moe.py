@@ -121,6 +121,27 @@ def test_softmax_router_matches_the_mixtral_formula(renorm):
     torch.testing.assert_close(got.weights, weights)
 
 
+@pytest.mark.parametrize("eps,dtype", [(0.01, torch.float32), (0.3, torch.float32), (0.1, torch.bfloat16)])
+def test_sparsemixer_router_matches_phimoe_in_eval(eps, dtype):
+    """transformers' PhimoeTopKRouter in eval mode: the same two experts and weights (in the model's dtype), over
+    logits spread so that each round's softmax keeps one expert for some tokens and several for others."""
+    from transformers import PhimoeConfig
+    from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
+
+    router = Router(moe_config(router_scoring="sparsemixer", router_jitter_eps=eps)).to(dtype)
+    ref = PhimoeTopKRouter(PhimoeConfig(hidden_size=32, num_local_experts=8, router_jitter_noise=eps)).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(std=0.3)
+        ref.to(dtype).weight.copy_(router.weight)
+    x = torch.randn(200, 32, dtype=dtype)
+    got = router(x)
+    logits, weights, ids = ref(x)
+    torch.testing.assert_close(got.ids, ids)
+    torch.testing.assert_close(got.weights, weights.float(), rtol=0, atol=0)
+    assert (got.weights == 1).any() and (got.weights < 0.9).any()  # lone experts and shared softmaxes both occur
+
+
 def test_grouped_matmul_equals_per_expert_matmuls_with_gradients():
     torch.manual_seed(0)
     counts = torch.tensor([3, 0, 5, 1])  # an empty expert included

@@ -409,6 +409,50 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
         ),
     ),
+    # Hunyuan MoE: Hunyuan dense's attention (biased, q/k norms after the rotary embedding, NTK alpha) with 8 experts,
+    # 2 a token (moe_topk listed per layer, as the released configs do), from a float32 router, and a shared MLP.
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_experts=8,
+            moe_topk=[2, 2, 2],
+            attention_bias=True,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0},
+        ),
+    ),
+    # Phi-3.5-MoE: LayerNorms with biases, biased attention in windows of 8, a biased LM head, 8 experts behind the
+    # SparseMixer router (a jitter of 0.1, so that some tokens' second softmax keeps a few experts and others one),
+    # LongRoPE with its mscale, pre-trained on 256 positions (the engine's max_model_len: the short factors; past it
+    # transformers' Phimoe keeps them where keel takes the long ones, keel.families.phimoe).
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            attention_bias=True,
+            lm_head_bias=True,
+            sliding_window=8,
+            router_jitter_noise=0.1,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0, 1.02, 1.1, 1.3, 1.8, 2.5, 3.0, 4.0],
+                "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 20.0, 30.0, 40.0],
+                "short_mscale": 1.2,
+                "long_mscale": 1.2,
+            },
+        ),
+    ),
     # Llama 4's text model: layer 3 of 4 without position encoding (its queries' temperature from position 3,
     # floor_scale 4), the others in chunks of 8 with the weightless q/k norm; experts in layers 1 and 3 (one a token,
     # its sigmoid weight scaling the input, a shared expert), layers 0 and 2 dense and wider; interleaved rotary.

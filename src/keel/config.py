@@ -229,12 +229,18 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
     # Router: "softmax" (Mixtral, Qwen-MoE), "topk_softmax" (GPT-OSS: top-k logits, then their softmax) or
     # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
-    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid).
+    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid) or
+    # "sparsemixer" (Phi-3.5-MoE: two experts, each weighted by a softmax over the logits near its own;
+    # keel.model.moe.sparsemixer).
     router_scoring: str = "softmax"
+    # SparseMixer: a logit more than 2 x this below the chosen one, relative to its magnitude, leaves that expert's
+    # softmax (Phi-3.5-MoE's `router_jitter_noise`).
+    router_jitter_eps: float = 0.01
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
-    router_float32: bool = False  # DeepSeek-V2: the router's matmul and softmax in float32 whatever the model's dtype
+    # DeepSeek-V2, Hunyuan MoE: the router's matmul and softmax in float32 whatever the model's dtype
+    router_float32: bool = False
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
     # or "max" (DeepSeek-V2's group_limited_greedy: its best expert's).
     router_group_score: str = "top2_sum"
@@ -445,11 +451,16 @@ class ModelConfig:
             need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive for a MoE model")
             need(self.decoder_sparse_step >= 1, "decoder_sparse_step must be >= 1")
-            scorings = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid")
+            scorings = ("softmax", "topk_softmax", "sigmoid", "topk_sigmoid", "sparsemixer")
             need(
                 self.router_scoring in scorings,
                 f"router_scoring {self.router_scoring!r} is not supported ({', '.join(scorings)})",
             )
+            need(
+                self.router_scoring != "sparsemixer" or self.num_experts_per_tok == 2,
+                f"the sparsemixer router chooses 2 experts a token, not {self.num_experts_per_tok}",
+            )
+            need(self.router_jitter_eps >= 0, f"router_jitter_eps must be >= 0, got {self.router_jitter_eps}")
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(
                 self.router_group_score in ("top2_sum", "max"),
@@ -598,7 +609,7 @@ class ModelConfig:
                 )
                 own.update(sliding_rope_theta=local_theta, sliding_rope_scaling=local_scaling)
         else:
-            rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions)
+            rope_theta, scaling = _rope_from_hf(hf, defaults["rope_theta"], source, max_positions, family)
         sliding_window, layer_types = _sliding_from_hf(family, hf, num_layers)
         eos = _hf_get(hf, "eos_token_id", [])
         mla: dict[str, Any] = {}
@@ -988,7 +999,7 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def _rope_from_hf(
-    hf: dict[str, Any], default_theta: float, source: str, max_positions: int
+    hf: dict[str, Any], default_theta: float, source: str, max_positions: int, family: str = ""
 ) -> tuple[float, RopeScaling]:
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
@@ -1033,6 +1044,8 @@ def _rope_from_hf(
     if rope_type == "longrope":
         # As transformers: the factor the ratio of the two contexts unless given.
         factor, attention_factor = spec.get("factor"), spec.get("attention_factor")
+        if family == "phimoe":
+            attention_factor = _phimoe_mscale(spec, source)
         try:
             short, long = (tuple(float(x) for x in spec[key]) for key in ("short_factor", "long_factor"))
         except (KeyError, TypeError, ValueError):
@@ -1052,6 +1065,18 @@ def _rope_from_hf(
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
     )
+
+
+def _phimoe_mscale(spec: dict[str, Any], source: str) -> float:
+    """Phi-3.5-MoE's LongRoPE factor on cos/sin (transformers' Phimoe reads no `attention_factor`): `short_mscale` for
+    a forward within the pre-training context, `long_mscale` beyond it; keel's one factor takes them equal, as the
+    released model has them."""
+    short, long = spec.get("short_mscale"), spec.get("long_mscale")
+    if not isinstance(short, int | float) or not isinstance(long, int | float):
+        raise ConfigError(f"{source}: Phimoe's longrope needs numbers short_mscale and long_mscale")
+    if short != long:
+        raise ConfigError(f"{source}: Phimoe's short_mscale {short} and long_mscale {long} differ (not supported)")
+    return float(short)
 
 
 def _rope_per_layer_kind(hf: dict[str, Any]) -> dict[str, dict[str, Any]] | None:

@@ -20,6 +20,10 @@ Routers (`Router`):
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
 Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the model's dtype), and that logit's
 sigmoid scales the expert's input instead of its output (`router_scales_input`).
+Phi-3.5-MoE's SparseMixer (sparsemixer) takes the best logit's expert, then the best of the others, each weighted by a
+softmax over the logits close to its own (`sparsemixer`), in the model's dtype. transformers samples the experts
+(Gumbel) and estimates the routing gradient its own way in training; keel's training forward routes as it serves,
+its gradient that of the chosen experts' softmax weights.
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
@@ -67,6 +71,7 @@ class Router(nn.Module):
         self.group_score = config.router_group_score
         self.float32 = config.router_float32
         self.scaling = config.routed_scaling_factor
+        self.jitter_eps = config.router_jitter_eps
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_linear_bias else None
@@ -98,6 +103,11 @@ class Router(nn.Module):
             weights = torch.sigmoid(top.float()).to(top.dtype).float()
             scores = torch.sigmoid(logits)
             return Routing(ids=ids, weights=weights, logits=logits, probs=scores / scores.sum(dim=-1, keepdim=True))
+        if self.scoring == "sparsemixer":
+            raw = F.linear(x, self.weight, self.bias)
+            weights, ids = sparsemixer(raw, self.top_k, self.jitter_eps)
+            logits = raw.float()
+            return Routing(ids=ids, weights=weights.float(), logits=logits, probs=torch.softmax(logits, dim=-1))
         if self.scoring == "softmax" and (self.float32 or self.e_score_correction_bias is not None):
             # DeepSeek-V2; ERNIE 4.5 (a biased choice): the router in float32
             logits = F.linear(x.float(), self.weight.float())
@@ -133,6 +143,24 @@ class Router(nn.Module):
         best = torch.topk(group_scores, self.topk_group, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, -1)
+
+
+def sparsemixer(logits: Tensor, top_k: int, jitter_eps: float) -> tuple[Tensor, Tensor]:
+    """Phi-3.5-MoE's SparseMixer as transformers runs it in eval mode: (weights [T, k] in the logits' dtype, ids [T,
+    k]). Each round takes the best logit among the experts not yet chosen; its weight is its softmax over those
+    experts, less any whose logit is more than 2 x jitter_eps below it relative to |logit| (at least the best one):
+    an expert far behind takes no share of it. transformers' form is for two rounds (config.validate holds k to 2)."""
+    weights, ids = [], []
+    remaining = logits
+    for _ in range(top_k):
+        best, index = remaining.max(dim=-1, keepdim=True)
+        with torch.no_grad():  # as transformers: a mask, not a path for gradients
+            far = (best - logits) / logits.abs().clamp(min=best) > 2 * jitter_eps
+        probs = torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1)
+        weights.append(probs.gather(-1, index))
+        ids.append(index)
+        remaining = remaining.scatter(-1, index, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 @dataclass(frozen=True)
