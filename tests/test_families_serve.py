@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from keel.model.layers import WeightlessNorm
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
@@ -100,6 +101,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("minimax_m2", marks=SLOW),
         pytest.param("exaone_moe", marks=SLOW),
         pytest.param("hunyuan_v1_dense", marks=SLOW),
+        pytest.param("olmo", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -142,6 +144,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
+    elif name == "olmo":  # q, k and v clamped (the fused operator does not clamp), LayerNorms without weights
+        assert all(a.clip_qkv == 0.3 for a in attention)
+        layer = llm.engine.model.layers["0"]
+        assert isinstance(layer.input_layernorm, WeightlessNorm) and layer.input_layernorm.kind == "layer"
+        assert not any("norm" in n for n, _ in llm.engine.model.named_parameters())
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -39,6 +39,7 @@ from keel.families import (
     ministral,
     ministral3,
     mistral4,
+    olmo,
     olmo2,
     olmo3,
     olmoe,
@@ -88,6 +89,7 @@ FAMILIES: dict[str, ModuleType] = {
         dots1,
         solar_open,
         ernie4_5_moe,
+        olmo,
     )
 }
 

@@ -1,14 +1,12 @@
 """OLMoE (`OlmoeForCausalLM`): Llama's pre-norm block with RMSNorms over the whole q and k projections (keel's
 `qk_norm_scope` all, as OLMo 2's) and a mixture of experts in every layer: a softmax router, the top
-`num_experts_per_tok` of `num_experts` (renormalised where `norm_topk_prob`), experts `intermediate_size` wide.
-Not read: `clip_qkv` (q/k/v clamped), refused by name.
+`num_experts_per_tok` of `num_experts` (renormalised where `norm_topk_prob`), experts `intermediate_size` wide;
+q, k and v clamped to +-`clip_qkv` after the projections and q/k norms (keel's `clip_qkv`).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from keel.errors import ConfigError
 
 FAMILY = "olmoe"
 HF_ARCHITECTURE = "OlmoeForCausalLM"
@@ -23,13 +21,13 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    if hf.get("clip_qkv") is not None:
-        raise ConfigError(f"{source}: clip_qkv {hf['clip_qkv']!r} is not supported")
+    clip = hf.get("clip_qkv")
     width = int(hf.get("intermediate_size", 2048))
     bias = bool(hf.get("attention_bias", False))
     return {
         "qk_norm": True,
         "qk_norm_scope": "all",
+        "clip_qkv": None if clip is None else float(clip),
         "qkv_bias": bias,
         "o_bias": bias,
         "num_experts": int(hf.get("num_experts", 64)),
@@ -43,6 +41,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
         "attention_bias": config.qkv_bias,
+        "clip_qkv": config.clip_qkv,
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "intermediate_size": config.moe_intermediate_size,

@@ -55,8 +55,36 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """x divided by its root mean square over the last dimension, in float32 (Llama 4's weightless q/k norm,
+    NanoChat's norms: transformers' Llama4TextL2Norm, op for op)."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class WeightlessNorm(nn.Module):
+    """A norm with no weight or bias (`ModelConfig.norm_affine` False), in float32 and rounded once as the
+    references compute it: LayerNorm (OLMo's OlmoLayerNorm) or RMSNorm (NanoChat's, `l2_norm`)."""
+
+    def __init__(self, kind: str, eps: float) -> None:
+        super().__init__()
+        self.kind = kind
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+        return l2_norm(x, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, eps={self.eps}"
+
+
 def block_norm(config: ModelConfig, dim: int) -> nn.Module:
-    """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias."""
+    """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias, or either
+    without a weight."""
+    if not config.norm_affine:
+        return WeightlessNorm(config.norm_type, config.rms_norm_eps)
     if config.norm_type == "layer":
         return nn.LayerNorm(dim, eps=config.rms_norm_eps, bias=config.norm_bias)
     return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
