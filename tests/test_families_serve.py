@@ -102,6 +102,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("exaone_moe", marks=SLOW),
         pytest.param("hunyuan_v1_dense", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
+        pytest.param("nanochat", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -149,6 +150,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         layer = llm.engine.model.layers["0"]
         assert isinstance(layer.input_layernorm, WeightlessNorm) and layer.input_layernorm.kind == "layer"
         assert not any("norm" in n for n, _ in llm.engine.model.named_parameters())
+    elif name == "nanochat":  # reversed rotation, weightless q/k norms after it, the embedding normed, relu2 MLP
+        model = llm.engine.model
+        assert model.rotary.reversed and all(a.qk_l2_eps is not None for a in attention)
+        assert isinstance(model.embedding_norm, WeightlessNorm) and model.embedding_norm.kind == "rms"
+        assert model.layers["0"].mlp.gate_proj is None and model.layers["0"].mlp.act == "relu2"
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

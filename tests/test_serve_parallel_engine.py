@@ -86,6 +86,9 @@ def _params() -> list[SamplingParams]:
         pytest.param("mistral4", 2, 1, marks=pytest.mark.slow),
         # OLMo: q, k and v clamped on each rank's heads, weightless LayerNorms (no tensors to read)
         pytest.param("olmo", 2, 1, marks=pytest.mark.slow),
+        # NanoChat: the embedding's weightless norm on the first stage of two, reversed rotation
+        pytest.param("nanochat", 1, 2, marks=pytest.mark.slow),
+        pytest.param("nanochat", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -148,7 +148,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # GPT-NeoX: its own names, q/k/v interleaved per head in one tensor, parallel residual with two
     # LayerNorms, an ungated GELU MLP with biases, a quarter of each head rotated.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
-    # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
+    # NanoChat: weightless RMSNorms (the final one on the embedding too), q/k rotated the other way then L2-normed
+    # per head, a relu2 MLP named fc1 / fc2, the logits (|l| < 1 here) soft-capped at 1, biased attention.
+    "nanochat": (
+        "NanoChatConfig",
+        "NanoChatForCausalLM",
+        dict(intermediate_size=128, final_logit_softcapping=1.0, attention_bias=True, pad_token_id=0, eos_token_id=2),
+    ),
     # OLMo: weightless LayerNorms (no norm tensors), q, k and v clamped at 0.3 (much of q and k, some of v), biased
     # attention.
     "olmo": (
@@ -156,6 +162,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "OlmoForCausalLM",
         dict(intermediate_size=128, pad_token_id=0, eos_token_id=2, clip_qkv=0.3, attention_bias=True),
     ),
+    # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
     # Ministral 3: YaRN and Llama 4's query temperature, from position 16 on (within the tests' 40 tokens).
     "ministral3": (

@@ -204,6 +204,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Each rotary pair turned by -position x frequency (NanoChat: its rotate_half is cat(x2, -x1), not cat(-x2, x1)).
+    rope_reversed: bool = False
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -266,6 +268,9 @@ class ModelConfig:
     # False: the block and final norms have no weight (nor bias), normalised in float32 and rounded once (OLMo's
     # LayerNorm, NanoChat's RMSNorm); their checkpoints hold no norm tensors.
     norm_affine: bool = True
+    # The embedding's output normed by the final norm's function before the first layer (NanoChat: its one weightless
+    # `norm`, applied twice); needs norm_affine False (a norm of the embedding's own holds no weight to share).
+    embedding_norm: bool = False
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's option)
     post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
     # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
@@ -405,6 +410,7 @@ class ModelConfig:
         need(self.norm_type in ("rms", "layer"), f"norm_type {self.norm_type!r} is not supported (rms, layer)")
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
+        need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
         need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
         need(not (self.is_mla and self.clip_qkv is not None), "clip_qkv is not read by MLA")
         need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
@@ -609,7 +615,7 @@ class ModelConfig:
             # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
             head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
         moe = _moe_from_hf(family, hf, defaults, num_layers, source)
-        act = _hf_get(hf, "hidden_act", "silu")
+        act = _hf_get(hf, "hidden_act", defaults.get("hidden_act", "silu"))  # a family's own default (relu2)
         if act not in HIDDEN_ACTS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         fields = dict(

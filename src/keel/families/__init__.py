@@ -39,6 +39,7 @@ from keel.families import (
     ministral,
     ministral3,
     mistral4,
+    nanochat,
     olmo,
     olmo2,
     olmo3,
@@ -90,6 +91,7 @@ FAMILIES: dict[str, ModuleType] = {
         solar_open,
         ernie4_5_moe,
         olmo,
+        nanochat,
     )
 }
 

@@ -173,6 +173,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.sliding_rope_theta if sliding else config.rope_theta
         self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
         self.attention_factor = rope_attention_factor(self.scaling)
+        self.reversed = config.rope_reversed  # NanoChat: every pair turned the other way
         # On meta, a placeholder of the frequencies' shape (as many as arange(0, dim, 2)): reset_buffers computes
         # the values where the model lands.
         inv_freq = torch.empty((self.head_dim + 1) // 2) if building_on_meta() else self._inv_freq()
@@ -206,12 +207,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, signed_sin), each [B, S, 1, D], for `apply_rotary`. The first half of sin is
-        negated once here so that rotate_half costs one roll per use instead of four ops."""
+        negated once here so that rotate_half costs one roll per use instead of four ops (the second half where
+        the rotation is reversed: NanoChat's rotate_half, cat(x2, -x1), bit for bit, on every path that rotates)."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self._frequencies(positions)  # [B, S, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:  # YaRN, LongRoPE; scaled in float32 before rounding, as transformers
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin) if self.reversed else (-sin, sin), -1)
         # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.
         return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)
 
