@@ -103,6 +103,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hunyuan_v1_dense", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
         pytest.param("nanochat", marks=SLOW),
+        pytest.param("flex_olmo", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -155,6 +156,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert model.rotary.reversed and all(a.qk_l2_eps is not None for a in attention)
         assert isinstance(model.embedding_norm, WeightlessNorm) and model.embedding_norm.kind == "rms"
         assert model.layers["0"].mlp.gate_proj is None and model.layers["0"].mlp.act == "relu2"
+    elif name == "flex_olmo":  # OLMo 2's norms on the sublayers' outputs and over whole q/k, experts in every layer
+        layer = llm.engine.model.layers["0"]
+        assert layer.input_layernorm is None and layer.attn_output_norm is not None and attention[0].qk_norm_whole
+        assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

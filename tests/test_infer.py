@@ -110,6 +110,7 @@ SHAPE_INFERABLE = [
             "exaone_moe",
             "hunyuan",
             "nanochat",
+            "flex_olmo",
         )
     )
 ]

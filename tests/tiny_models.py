@@ -226,6 +226,19 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "OlmoeForCausalLM",
         dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2),
     ),
+    # FlexOlmo: OLMo 2's norms after the sublayers and over the whole q/k projections, OLMoE's experts (renormalised).
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        "FlexOlmoForCausalLM",
+        dict(
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE with q, k and v clamped (after its q/k norms) at 0.3: most q/k values and a few of v's are cut.
     "olmoe-clip": (
         "OlmoeConfig",

@@ -23,6 +23,7 @@ from keel.families import (
     ernie4_5_moe,
     exaone4,
     exaone_moe,
+    flex_olmo,
     gemma,
     gemma2,
     gemma3,
@@ -92,6 +93,7 @@ FAMILIES: dict[str, ModuleType] = {
         ernie4_5_moe,
         olmo,
         nanochat,
+        flex_olmo,
     )
 }
 

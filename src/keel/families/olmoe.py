@@ -22,16 +22,21 @@ DEFAULTS: dict[str, Any] = {
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     clip = hf.get("clip_qkv")
-    width = int(hf.get("intermediate_size", 2048))
+    return {**moe_fields(hf, experts=64, per_token=8, width=2048), "clip_qkv": None if clip is None else float(clip)}
+
+
+def moe_fields(hf: dict[str, Any], experts: int, per_token: int, width: int) -> dict[str, Any]:
+    """OLMoE's whole-projection q/k norms and experts, with the config class's defaults of the expert counts and
+    width (FlexOlmo's differ)."""
+    width = int(hf.get("intermediate_size", width))
     bias = bool(hf.get("attention_bias", False))
     return {
         "qk_norm": True,
         "qk_norm_scope": "all",
-        "clip_qkv": None if clip is None else float(clip),
         "qkv_bias": bias,
         "o_bias": bias,
-        "num_experts": int(hf.get("num_experts", 64)),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 8)),
+        "num_experts": int(hf.get("num_experts", experts)),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", per_token)),
         "moe_intermediate_size": width,
         "intermediate_size": width,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
@@ -39,9 +44,12 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {**moe_hf_fields(config), "clip_qkv": config.clip_qkv}
+
+
+def moe_hf_fields(config: Any) -> dict[str, Any]:
     return {
         "attention_bias": config.qkv_bias,
-        "clip_qkv": config.clip_qkv,
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "intermediate_size": config.moe_intermediate_size,
