@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from keel.model.layers import WeightlessNorm
 from keel.serve.engine import EngineConfig
 from keel.serve.llm import LLM
 from keel.serve.sampling import SamplingParams
@@ -111,6 +112,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("apertus", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
+        pytest.param("olmo", marks=SLOW),
+        pytest.param("nanochat", marks=SLOW),
+        pytest.param("flex_olmo", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -186,6 +190,20 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         model = llm.engine.model
         assert model.config.router_scoring == "sparsemixer" and model.lm_head.bias is not None
         assert all(layer.input_layernorm.bias is not None for layer in model.layers.values())
+    elif name == "olmo":  # q, k and v clamped (the fused operator does not clamp), LayerNorms without weights
+        assert all(a.clip_qkv == 0.3 for a in attention)
+        layer = llm.engine.model.layers["0"]
+        assert isinstance(layer.input_layernorm, WeightlessNorm) and layer.input_layernorm.kind == "layer"
+        assert not any("norm" in n for n, _ in llm.engine.model.named_parameters())
+    elif name == "nanochat":  # reversed rotation, weightless q/k norms after it, the embedding normed, relu2 MLP
+        model = llm.engine.model
+        assert model.rotary.reversed and all(a.qk_l2_eps is not None for a in attention)
+        assert isinstance(model.embedding_norm, WeightlessNorm) and model.embedding_norm.kind == "rms"
+        assert model.layers["0"].mlp.gate_proj is None and model.layers["0"].mlp.act == "relu2"
+    elif name == "flex_olmo":  # OLMo 2's norms on the sublayers' outputs and over whole q/k, experts in every layer
+        layer = llm.engine.model.layers["0"]
+        assert layer.input_layernorm is None and layer.attn_output_norm is not None and attention[0].qk_norm_whole
+        assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

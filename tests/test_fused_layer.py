@@ -165,3 +165,24 @@ def test_kept_stacks_follow_changes_to_the_layers(tmp_path, fused_calls):
     # Kept stacks hold their lists on the C++ side (keel.DecoderStack), converted once.
     kept = layers.__dict__["_keel_stacks"][3]
     assert any(stack is not None and stack.held is not None for stack in kept.values())
+
+
+@pytest.mark.parametrize("options", [dict(clip_qkv=0.3), dict(norm_affine=False)])
+def test_layers_it_does_not_run_are_left_to_the_modules(options):
+    """OLMo's clamped q/k/v and weightless norms (keel::decoder_layers has neither): the layer runs its modules,
+    where the same layer without them would run fused."""
+    import torch
+
+    from keel.config import ModelConfig
+    from keel.model.fuse import fuse_projections
+    from keel.model.transformer import build_model
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+    layers = []
+    for extra in ({}, options):
+        model = build_model(ModelConfig(architecture="llama", head_dim=8, **shape, **extra))
+        with torch.no_grad():
+            fuse_projections(model)
+        layers.append(model.layers["0"])
+    assert fused_layer._layer_parts(layers[0], 1) is not None
+    assert fused_layer._layer_parts(layers[1], 1) is None

@@ -117,6 +117,8 @@ SHAPE_INFERABLE = [
             "hyperclovax",
             "youtu",
             "apertus",
+            "nanochat",
+            "flex_olmo",
         )
     )
 ]

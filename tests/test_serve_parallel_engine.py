@@ -84,6 +84,11 @@ def _params() -> list[SamplingParams]:
         # GLM-4.7-Flash's and Mistral 4's latent attention (Mistral 4's queries scaled by position) cut by heads
         pytest.param("glm4_moe_lite", 2, 1, marks=pytest.mark.slow),
         pytest.param("mistral4", 2, 1, marks=pytest.mark.slow),
+        # OLMo: q, k and v clamped on each rank's heads, weightless LayerNorms (no tensors to read)
+        pytest.param("olmo", 2, 1, marks=pytest.mark.slow),
+        # NanoChat: the embedding's weightless norm on the first stage of two, reversed rotation
+        pytest.param("nanochat", 1, 2, marks=pytest.mark.slow),
+        pytest.param("nanochat", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -55,6 +55,9 @@ MODELS = {
     "qwen3": lambda: tiny_config("qwen3", num_hidden_layers=2),  # q/k norm, head_dim != hidden/heads
     "qwen2": lambda: tiny_config("qwen2", num_hidden_layers=2),  # q/k/v biases
     "mistral": lambda: tiny_config("mistral", num_hidden_layers=2),  # sliding window 8 < SEQ: masked path
+    "olmo": lambda: tiny_config("olmo", num_hidden_layers=2),  # q/k/v clamped per rank, weightless LayerNorms
+    # the embedding's weightless norm (first stage only), reversed rotation, weightless q/k norms, relu2 MLP
+    "nanochat": lambda: tiny_config("nanochat", num_hidden_layers=2),
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
     # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
     "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
@@ -130,6 +133,9 @@ LAYOUTS = [
     Layout("tp=2 sp qwen3", model="qwen3", tp=2, more=True),
     Layout("tp=2 sp qwen2", model="qwen2", tp=2, more=True),
     Layout("tp=2 sp mistral", model="mistral", tp=2, more=True),
+    Layout("tp=2 sp olmo", model="olmo", tp=2, more=True),
+    Layout("tp=2 sp nanochat", model="nanochat", tp=2, more=True),
+    Layout("pp=2 1f1b nanochat", model="nanochat", pp=2, more=True),
     Layout("pp=2 gpipe", pp=2, schedule="gpipe", more=True),
     Layout("pp=2 1f1b", pp=2, schedule="1f1b"),
     Layout("pp=2 interleaved1f1b x2", pp=2, schedule="interleaved1f1b", stages_per_rank=2),

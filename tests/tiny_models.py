@@ -148,6 +148,20 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # GPT-NeoX: its own names, q/k/v interleaved per head in one tensor, parallel residual with two
     # LayerNorms, an ungated GELU MLP with biases, a quarter of each head rotated.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
+    # NanoChat: weightless RMSNorms (the final one on the embedding too), q/k rotated the other way then L2-normed
+    # per head, a relu2 MLP named fc1 / fc2, the logits (|l| < 1 here) soft-capped at 1, biased attention.
+    "nanochat": (
+        "NanoChatConfig",
+        "NanoChatForCausalLM",
+        dict(intermediate_size=128, final_logit_softcapping=1.0, attention_bias=True, pad_token_id=0, eos_token_id=2),
+    ),
+    # OLMo: weightless LayerNorms (no norm tensors), q, k and v clamped at 0.3 (much of q and k, some of v), biased
+    # attention.
+    "olmo": (
+        "OlmoConfig",
+        "OlmoForCausalLM",
+        dict(intermediate_size=128, pad_token_id=0, eos_token_id=2, clip_qkv=0.3, attention_bias=True),
+    ),
     # OLMo 2: norms on the sublayers' outputs, q/k RMSNorms over the whole projections.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128, pad_token_id=0, eos_token_id=2)),
     # Ministral 3: YaRN and Llama 4's query temperature, from position 16 on (within the tests' 40 tokens).
@@ -211,6 +225,25 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "OlmoeConfig",
         "OlmoeForCausalLM",
         dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2),
+    ),
+    # FlexOlmo: OLMo 2's norms after the sublayers and over the whole q/k projections, OLMoE's experts (renormalised).
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        "FlexOlmoForCausalLM",
+        dict(
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+    # OLMoE with q, k and v clamped (after its q/k norms) at 0.3: most q/k values and a few of v's are cut.
+    "olmoe-clip": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2, clip_qkv=0.3),
     ),
     # GPT-OSS: softmax sinks, biased attention, a sliding layer (window 8) between global ones, YaRN unrounded,
     # 8 biased experts with the clamped SwiGLU, 2 a token, a biased router.

@@ -205,6 +205,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Each rotary pair turned by -position x frequency (NanoChat: its rotate_half is cat(x2, -x1), not cat(-x2, x1)).
+    rope_reversed: bool = False
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -270,12 +272,21 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # rotary over the first int(head_dim * factor) channels of each head
     norm_type: str = "rms"  # rms | layer: the block and final norms (eps: rms_norm_eps); q/k norms stay RMSNorm
     norm_bias: bool = False  # LayerNorm with a bias
+    # False: the block and final norms have no weight (nor bias), normalised in float32 and rounded once (OLMo's
+    # LayerNorm, NanoChat's RMSNorm); their checkpoints hold no norm tensors.
+    norm_affine: bool = True
+    # The embedding's output normed by the final norm's function before the first layer (NanoChat: its one weightless
+    # `norm`, applied twice); needs norm_affine False (a norm of the embedding's own holds no weight to share).
+    embedding_norm: bool = False
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's option)
     post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
     # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
     norm_placement: str = "pre"
     qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
     qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms after the rotary embedding, not before
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (and after q/k norms over the whole
+    # projections: OLMoE's order), before the rotary embedding (OLMo, OLMoE); None: not clamped.
+    clip_qkv: float | None = None
     # the block norms scale by (offset + weight): RMSNorm in float32 (Gemma: 1), LayerNorm as is (Nemotron: 1)
     norm_weight_offset: float = 0.0
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
@@ -406,6 +417,10 @@ class ModelConfig:
         )
         need(self.norm_type in ("rms", "layer"), f"norm_type {self.norm_type!r} is not supported (rms, layer)")
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
+        need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
+        need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
+        need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
+        need(not (self.is_mla and self.clip_qkv is not None), "clip_qkv is not read by MLA")
         need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
         need(self.hidden_act in HIDDEN_ACTS.values(), f"hidden_act {self.hidden_act!r} is not supported")
         need(self.hidden_act != "xielu" or not self.is_moe, "hidden_act 'xielu' is supported in dense MLPs only")
@@ -544,7 +559,7 @@ class ModelConfig:
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         shared_width = self.shared_expert_intermediate_size
         shared = 3 * h * shared_width + shared_gate + ((2 * shared_width + h) if self.mlp_bias and shared_width else 0)
-        norm = h * (2 if self.norm_bias else 1)
+        norm = h * (2 if self.norm_bias else 1) if self.norm_affine else 0
         pre = (2 if self.post_attention_norm else 1) if self.norm_placement != "post" else 0
         block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
         total = active = 0
@@ -620,7 +635,7 @@ class ModelConfig:
             # HF's `head_dim` is the rotary width here; keel's is the query/key width (see the fields).
             head_dim, num_kv_heads = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], num_heads
         moe = _moe_from_hf(family, hf, defaults, num_layers, source)
-        act = _hf_get(hf, "hidden_act", "silu")
+        act = _hf_get(hf, "hidden_act", defaults.get("hidden_act", "silu"))  # a family's own default (relu2)
         if act not in HIDDEN_ACTS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported ({', '.join(HIDDEN_ACTS)})")
         fields = dict(

@@ -26,6 +26,7 @@ from keel.families import (
     ernie4_5_moe,
     exaone4,
     exaone_moe,
+    flex_olmo,
     gemma,
     gemma2,
     gemma3,
@@ -47,7 +48,9 @@ from keel.families import (
     ministral,
     ministral3,
     mistral4,
+    nanochat,
     nemotron,
+    olmo,
     olmo2,
     olmo3,
     olmoe,
@@ -111,6 +114,9 @@ FAMILIES: dict[str, ModuleType] = {
         dots1,
         solar_open,
         ernie4_5_moe,
+        olmo,
+        nanochat,
+        flex_olmo,
     )
 }
 

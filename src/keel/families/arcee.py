@@ -15,6 +15,7 @@ DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "bos_token_id": 128000,
     "eos_token_id": [128001],
+    "hidden_act": "relu2",
 }
 
 

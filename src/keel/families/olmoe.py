@@ -1,14 +1,12 @@
 """OLMoE (`OlmoeForCausalLM`): Llama's pre-norm block with RMSNorms over the whole q and k projections (keel's
 `qk_norm_scope` all, as OLMo 2's) and a mixture of experts in every layer: a softmax router, the top
-`num_experts_per_tok` of `num_experts` (renormalised where `norm_topk_prob`), experts `intermediate_size` wide.
-Not read: `clip_qkv` (q/k/v clamped), refused by name.
+`num_experts_per_tok` of `num_experts` (renormalised where `norm_topk_prob`), experts `intermediate_size` wide;
+q, k and v clamped to +-`clip_qkv` after the projections and q/k norms (keel's `clip_qkv`).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from keel.errors import ConfigError
 
 FAMILY = "olmoe"
 HF_ARCHITECTURE = "OlmoeForCausalLM"
@@ -23,17 +21,22 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    if hf.get("clip_qkv") is not None:
-        raise ConfigError(f"{source}: clip_qkv {hf['clip_qkv']!r} is not supported")
-    width = int(hf.get("intermediate_size", 2048))
+    clip = hf.get("clip_qkv")
+    return {**moe_fields(hf, experts=64, per_token=8, width=2048), "clip_qkv": None if clip is None else float(clip)}
+
+
+def moe_fields(hf: dict[str, Any], experts: int, per_token: int, width: int) -> dict[str, Any]:
+    """OLMoE's whole-projection q/k norms and experts, with the config class's defaults of the expert counts and
+    width (FlexOlmo's differ)."""
+    width = int(hf.get("intermediate_size", width))
     bias = bool(hf.get("attention_bias", False))
     return {
         "qk_norm": True,
         "qk_norm_scope": "all",
         "qkv_bias": bias,
         "o_bias": bias,
-        "num_experts": int(hf.get("num_experts", 64)),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 8)),
+        "num_experts": int(hf.get("num_experts", experts)),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", per_token)),
         "moe_intermediate_size": width,
         "intermediate_size": width,
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
@@ -41,6 +44,10 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return {**moe_hf_fields(config), "clip_qkv": config.clip_qkv}
+
+
+def moe_hf_fields(config: Any) -> dict[str, Any]:
     return {
         "attention_bias": config.qkv_bias,
         "num_experts": config.num_experts,

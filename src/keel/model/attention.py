@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.layers import RMSNorm, apply_partial_rotary
+from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm
 
 
 class KVCache(Protocol):
@@ -66,12 +66,6 @@ def visible(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Ten
     elif window is not None and window < 0:
         allowed = allowed & (k_positions >= q_positions - q_positions % -window)
     return allowed
-
-
-def l2_norm(x: Tensor, eps: float) -> Tensor:
-    """x divided by its root mean square over the last dimension, in float32 (Llama 4's weightless q/k norm)."""
-    f = x.float()
-    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 def query_scale(positions: Tensor, beta: float, length: int, dtype: torch.dtype) -> Tensor:
@@ -202,6 +196,7 @@ class Attention(nn.Module):
         # rotary embedding.
         self.qk_norm_whole = config.qk_norm_scope == "all"
         self.qk_norm_after_rope = config.qk_norm_after_rope
+        self.clip_qkv = config.clip_qkv  # OLMo's clamp of q, k and v (elementwise: a tensor-parallel shard's too)
         q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         offset = config.norm_weight_offset
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
@@ -233,6 +228,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None and not self.qk_norm_whole and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -11,11 +11,12 @@ its output is bit for bit theirs (tests/test_kernels.py compares); it is an impl
 It runs where all of these hold, else the modules do (`fused_forward` returns None):
 - keel's kernels are active, float32 activations, no autograd, not under torch.compile, not switched
   off by `modules_only` (keel profile decode times the modules);
-- a dense layer without Granite's scalars (residual and softmax multipliers) or attention-score
-  soft-capping (Gemma 2), that rotates q and k (not SmolLM3's NoPE layers) and does not scale queries by
-  position (Ministral 3): grouped-query attention with fused q/k/v (keel.model.fuse) and a SwiGLU MLP
-  with fused gate/up, every projection float32 `nn.Linear` or a block-layout QuantizedLinear that would
-  run keel::block_linear on this many rows (`kernel_args`), no tensor-parallel wrapper;
+- a dense layer without Granite's scalars (residual and softmax multipliers), attention-score
+  soft-capping (Gemma 2) or clamped q/k/v (OLMo), that rotates q and k (not SmolLM3's NoPE layers) and
+  does not scale queries by position (Ministral 3): grouped-query attention with fused q/k/v
+  (keel.model.fuse) and a SwiGLU MLP with fused gate/up, every projection float32 `nn.Linear` or a
+  block-layout QuantizedLinear that would run keel::block_linear on this many rows (`kernel_args`), no
+  tensor-parallel wrapper;
 - a cache whose layer keel's paged-attention kernel reads in place (`in_place`: the serving engine's
   float32/bf16 paged cache, or its int8 cache, whose rows the operator quantizes as
   keel.serve.kv_quant.quantize_kv does, value for value).
@@ -101,6 +102,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):
         return None
     if mlp.act != "silu" or attn.rotary_dim != attn.head_dim or attn.qk_norm_whole or attn.sliding_rope:
+        return None
+    if attn.clip_qkv is not None:  # OLMo's clamp of q, k and v: the operator has none
         return None
     if attn.qk_norm_after_rope:  # HunYuan's q/k norms after the rotary embedding: the operator norms before it
         return None

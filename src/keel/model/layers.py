@@ -70,9 +70,36 @@ class OffsetLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + self.offset, self.bias, self.eps)
 
 
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """x divided by its root mean square over the last dimension, in float32 (Llama 4's weightless q/k norm,
+    NanoChat's norms: transformers' Llama4TextL2Norm, op for op)."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class WeightlessNorm(nn.Module):
+    """A norm with no weight or bias (`ModelConfig.norm_affine` False), in float32 and rounded once as the
+    references compute it: LayerNorm (OLMo's OlmoLayerNorm) or RMSNorm (NanoChat's, `l2_norm`)."""
+
+    def __init__(self, kind: str, eps: float) -> None:
+        super().__init__()
+        self.kind = kind
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+        return l2_norm(x, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, eps={self.eps}"
+
+
 def block_norm(config: ModelConfig, dim: int) -> nn.Module:
     """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias (each scaling
-    by offset + weight where the config has a `norm_weight_offset`)."""
+    by offset + weight where the config has a `norm_weight_offset`), or either without a weight."""
+    if not config.norm_affine:
+        return WeightlessNorm(config.norm_type, config.rms_norm_eps)
     if config.norm_type == "layer":
         if config.norm_weight_offset:
             return OffsetLayerNorm(dim, config.rms_norm_eps, config.norm_bias, config.norm_weight_offset)
@@ -163,6 +190,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.sliding_rope_theta if sliding else config.rope_theta
         self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
         self.attention_factor = rope_attention_factor(self.scaling)
+        self.reversed = config.rope_reversed  # NanoChat: every pair turned the other way
         # On meta, a placeholder of the frequencies' shape (as many as arange(0, dim, 2)): reset_buffers computes
         # the values where the model lands.
         inv_freq = torch.empty((self.head_dim + 1) // 2) if building_on_meta() else self._inv_freq()
@@ -196,12 +224,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, signed_sin), each [B, S, 1, D], for `apply_rotary`. The first half of sin is
-        negated once here so that rotate_half costs one roll per use instead of four ops."""
+        negated once here so that rotate_half costs one roll per use instead of four ops (the second half where
+        the rotation is reversed: NanoChat's rotate_half, cat(x2, -x1), bit for bit, on every path that rotates)."""
         freqs = positions.to(torch.float32).unsqueeze(-1) * self._frequencies(positions)  # [B, S, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:  # YaRN, LongRoPE; scaled in float32 before rounding, as transformers
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, -sin) if self.reversed else (-sin, sin), -1)
         # [B, S, 1, D] broadcasts over heads in the [B, S, H, D] layout.
         return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)
 

@@ -79,6 +79,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens: nn.Embedding | None = _embedding(config.vocab_size, config.hidden_size)
+        # NanoChat's norm of the embedding (weightless: no parameter to share with `norm`); it goes with embed_tokens.
+        self.embedding_norm: nn.Module | None = None
+        if config.embedding_norm:
+            self.embedding_norm = block_norm(config, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
@@ -134,6 +138,8 @@ class Transformer(nn.Module):
             h = self.embed_tokens(tokens)
             if self.config.embedding_multiplier != 1.0:  # Granite
                 h = h * self.config.embedding_multiplier
+            if self.embedding_norm is not None:
+                h = self.embedding_norm(h)
         else:
             h = tokens
         b, s = h.shape[:2]
