@@ -100,6 +100,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("minimax_m2", marks=SLOW),
         pytest.param("exaone_moe", marks=SLOW),
         pytest.param("hunyuan_v1_dense", marks=SLOW),
+        pytest.param("granite_swa", marks=SLOW),
+        pytest.param("granitemoe_swa", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -142,6 +144,17 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
+    elif name == "granite_swa":  # sinks, windows of 8 in the sliding layers, layer 0 unrotated, two RoPE bases
+        assert all(a.sinks is not None for a in attention)
+        assert [(a.window, a.rotates, a.sliding_rope) for a in attention] == [
+            (None, False, False),
+            (8, True, True),
+            (None, True, False),
+            (8, True, True),
+        ]
+    elif name == "granitemoe_swa":  # sinks, layer 0 global, experts and the shared MLP in every layer
+        assert all(a.sinks is not None for a in attention) and [a.window for a in attention] == [None, 8, 8]
+        assert all(layer.mlp.shared_expert is not None for layer in llm.engine.model.layers.values())
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -446,6 +446,48 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Granite SWA: Granite's scalars and biases, softmax sinks, sliding (window 8) and global layers alternating, a
+    # RoPE base per layer: the first global layer without position encoding, the other global layer's base not the
+    # sliding layers'.
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=128,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            attention_bias=True,
+            mlp_bias=True,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            layer_rope_theta=[0, 10000.0, 500000.0, 10000.0],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # Granite MoE SWA: Granite MoE with a shared expert, softmax sinks, transformers' default layer_types (layer 0
+    # global, the others in windows of 8) and one RoPE base.
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        dict(
+            shared_intermediate_size=48,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            sliding_window=8,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # dots.llm1: Qwen3's attention with biases, DeepSeek-V3's experts (2 groups of 4, one used; 2 shared), the
     # first layer dense, the last sliding (window 8).
     "dots1": (

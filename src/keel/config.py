@@ -49,8 +49,9 @@ DEEPSEEK_MOE_FAMILIES = {
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
 LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
-# Granite MoE and its shared-expert variant: their experts' keys are their own (keel.families.granitemoe).
-GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared"}
+# Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
+# (keel.families.granitemoe).
+GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
