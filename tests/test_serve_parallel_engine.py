@@ -84,6 +84,9 @@ def _params() -> list[SamplingParams]:
         # GLM-4.7-Flash's and Mistral 4's latent attention (Mistral 4's queries scaled by position) cut by heads
         pytest.param("glm4_moe_lite", 2, 1, marks=pytest.mark.slow),
         pytest.param("mistral4", 2, 1, marks=pytest.mark.slow),
+        # Cohere 2 MoE: the shared expert averaged with the routed experts on each rank's partial output, interleaved
+        # rotary rows cut by head
+        pytest.param("cohere2_moe", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -192,6 +192,30 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Cohere 2 MoE: Command A's block with RMSNorms, a dense first layer (wider, global and rotating: the prefix
+    # pattern 1), then a sliding layer (window 8) and a global one without position encoding; 8 experts behind a
+    # sigmoid router (top 3, renormalised), 2 shared experts averaged with the routed output.
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            prefix_dense_intermediate_size=96,
+            num_experts=8,
+            num_experts_per_tok=3,
+            num_shared_experts=2,
+            expert_selection_fn="sigmoid",
+            rms_norm_eps=1e-5,
+            logit_scale=0.25,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Seed-OSS: q/k/v and o biases, no MLP bias.
     "seed_oss": (
         "SeedOssConfig",

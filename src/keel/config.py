@@ -225,11 +225,15 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE: sigmoid-gated shared expert; DeepSeek: added as is
+    # How the shared expert's output joins the routed experts': "sum" (added) or "average" (Cohere 2 MoE: the mean
+    # of the two, (routed + shared) / 2).
+    shared_expert_combination: str = "sum"
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
     # Router: "softmax" (Mixtral, Qwen-MoE), "topk_softmax" (GPT-OSS: top-k logits, then their softmax) or
     # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
-    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid).
+    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid,
+    # renormalised where norm_topk_prob: Cohere 2 MoE's sigmoid router).
     router_scoring: str = "softmax"
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
@@ -447,6 +451,10 @@ class ModelConfig:
             need(
                 self.router_scoring in scorings,
                 f"router_scoring {self.router_scoring!r} is not supported ({', '.join(scorings)})",
+            )
+            need(
+                self.shared_expert_combination in ("sum", "average"),
+                f"shared_expert_combination {self.shared_expert_combination!r} is not supported (sum, average)",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(

@@ -19,7 +19,9 @@ Routers (`Router`):
 - softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
 Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the model's dtype), and that logit's
-sigmoid scales the expert's input instead of its output (`router_scales_input`).
+sigmoid scales the expert's input instead of its output (`router_scales_input`); Cohere 2 MoE's sigmoid router is
+topk_sigmoid over k experts, their weights renormalised where norm_topk_prob. The shared expert's output is added
+to the routed experts' (`shared_expert_combination` sum) or averaged with it (average: Cohere 2 MoE).
 
 Training (all off by default, set by the trainer from its [moe] config):
 - capacity_factor: each expert takes at most ceil(cf * T * k / E) token-slots of a forward; the
@@ -96,6 +98,8 @@ class Router(nn.Module):
             top, ids = torch.topk(raw, self.top_k, dim=-1)
             logits = raw.float()
             weights = torch.sigmoid(top.float()).to(top.dtype).float()
+            if self.renormalize:  # Cohere 2 MoE's sigmoid router (Llama 4's takes one expert, as it is)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
             scores = torch.sigmoid(logits)
             return Routing(ids=ids, weights=weights, logits=logits, probs=scores / scores.sum(dim=-1, keepdim=True))
         if self.scoring == "softmax" and (self.float32 or self.e_score_correction_bias is not None):
@@ -303,6 +307,7 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
+        self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
         # Training knobs (see the module docstring); the trainer sets them.
         self.capacity_factor: float | None = None
         self.aux_loss_coef = 0.0
@@ -354,6 +359,8 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
+            if self.averages_shared:  # linear: tensor parallelism's sum of the ranks' partial outputs is unchanged
+                out = out * 0.5
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:
