@@ -103,6 +103,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("granite_swa", marks=SLOW),
         pytest.param("granitemoe_swa", marks=SLOW),
         pytest.param("cohere2_moe", marks=SLOW),
+        pytest.param("kolibri1", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -162,6 +163,14 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
         assert config.router_scoring == "topk_sigmoid" and config.norm_topk_prob
         assert all(layer.mlp.averages_shared for layer in list(llm.engine.model.layers.values())[1:])
+    elif name == "kolibri1":  # sliding layers rotate, the global one does not; sandwich norms; the bias on logits
+        assert [(a.window, a.rotates, a.q_norm is not None) for a in attention] == [
+            (8, True, True),
+            (None, False, True),
+            (8, True, True),
+        ]
+        layers = list(llm.engine.model.layers.values())
+        assert all(layer.attn_output_norm is not None and layer.mlp.router.bias_on_logits for layer in layers)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

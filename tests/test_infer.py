@@ -109,6 +109,7 @@ SHAPE_INFERABLE = [
             "minimax_m2",
             "exaone_moe",
             "hunyuan",
+            "kolibri",
         )
     )
 ]

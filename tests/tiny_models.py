@@ -422,6 +422,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Kolibri 1: EXAONE 4's attention (two sliding layers of window 8 rotate, the global one does not) in GLM-4's
+    # sandwich block, 8 experts in every layer chosen by logits + selection bias (top 3, renormalised), a shared
+    # expert.
+    "kolibri1": (
+        "Kolibri1Config",
+        "Kolibri1ForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Hunyuan dense: per-head q/k norms after the rotary embedding, biased attention, NTK scaling by a fixed alpha.
     "hunyuan_v1_dense": (
         "HunYuanDenseV1Config",

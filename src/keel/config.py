@@ -238,6 +238,9 @@ class ModelConfig:
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
+    # The sigmoid router's selection bias added to the logits, not to their sigmoid (Kolibri: top-k of logits + bias;
+    # the sigmoid is monotonic, but a bias before it moves the choice otherwise than one after it).
+    router_bias_on_logits: bool = False
     router_float32: bool = False  # DeepSeek-V2: the router's matmul and softmax in float32 whatever the model's dtype
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
     # or "max" (DeepSeek-V2's group_limited_greedy: its best expert's).
@@ -455,6 +458,10 @@ class ModelConfig:
             need(
                 self.shared_expert_combination in ("sum", "average"),
                 f"shared_expert_combination {self.shared_expert_combination!r} is not supported (sum, average)",
+            )
+            need(
+                not self.router_bias_on_logits or (self.router_scoring == "sigmoid" and self.router_bias),
+                "router_bias_on_logits needs the sigmoid router with a selection bias (router_bias)",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(

@@ -16,6 +16,7 @@ Routers (`Router`):
   group-limited selection (the experts form n_group groups, a token may use the topk_group groups
   with the best sum of their top-2 scores); weights are the unbiased scores of the chosen experts,
   optionally renormalised, times routed_scaling_factor;
+  Kolibri's adds the bias to the logits instead (`router_bias_on_logits`), its weights the same sigmoids;
 - softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
 Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the model's dtype), and that logit's
@@ -69,6 +70,7 @@ class Router(nn.Module):
         self.group_score = config.router_group_score
         self.float32 = config.router_float32
         self.scaling = config.routed_scaling_factor
+        self.bias_on_logits = config.router_bias_on_logits
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_linear_bias else None
@@ -114,7 +116,9 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float())  # DeepSeek-V3: the router in float32
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = scores
+        if self.e_score_correction_bias is not None:  # Kolibri's bias goes on the logits, DeepSeek-V3's on the scores
+            choice = (logits if self.bias_on_logits else scores) + self.e_score_correction_bias
         if self.n_group > 1:
             choice = self._limit_groups(choice)
         ids = torch.topk(choice, self.top_k, dim=-1).indices

@@ -36,7 +36,7 @@ class Source:
 
 
 # Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
-_SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe", "cohere2_moe"}
+_SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe", "cohere2_moe", "kolibri1"}
 # Families whose checkpoints name their experts as Mixtral's (`block_sparse_moe.experts.E.w1/w3/w2`, its router `gate`).
 MIXTRAL_NAMED = {"mixtral", "minimax_m2"}
 # Families whose checkpoints store each layer's experts stacked: under names their checkpoint_layout renames
