@@ -115,6 +115,10 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("olmo", marks=SLOW),
         pytest.param("nanochat", marks=SLOW),
         pytest.param("flex_olmo", marks=SLOW),
+        pytest.param("granite_swa", marks=SLOW),
+        pytest.param("granitemoe_swa", marks=SLOW),
+        pytest.param("cohere2_moe", marks=SLOW),
+        pytest.param("kolibri1", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -204,6 +208,31 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         layer = llm.engine.model.layers["0"]
         assert layer.input_layernorm is None and layer.attn_output_norm is not None and attention[0].qk_norm_whole
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
+    elif name == "granite_swa":  # sinks, windows of 8 in the sliding layers, layer 0 unrotated, two RoPE bases
+        assert all(a.sinks is not None for a in attention)
+        assert [(a.window, a.rotates, a.sliding_rope) for a in attention] == [
+            (None, False, False),
+            (8, True, True),
+            (None, True, False),
+            (8, True, True),
+        ]
+    elif name == "granitemoe_swa":  # sinks, layer 0 global, experts and the shared MLP in every layer
+        assert all(a.sinks is not None for a in attention) and [a.window for a in attention] == [None, 8, 8]
+        assert all(layer.mlp.shared_expert is not None for layer in llm.engine.model.layers.values())
+    elif name == "cohere2_moe":  # the dense layer rotates though global; a renormalised sigmoid router, averaged
+        config = llm.engine.model.config
+        assert [(a.window, a.rotates) for a in attention] == [(None, True), (8, True), (None, False)]
+        assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
+        assert config.router_scoring == "topk_sigmoid" and config.norm_topk_prob
+        assert all(layer.mlp.averages_shared for layer in list(llm.engine.model.layers.values())[1:])
+    elif name == "kolibri1":  # sliding layers rotate, the global one does not; sandwich norms; the bias on logits
+        assert [(a.window, a.rotates, a.q_norm is not None) for a in attention] == [
+            (8, True, True),
+            (None, False, True),
+            (8, True, True),
+        ]
+        layers = list(llm.engine.model.layers.values())
+        assert all(layer.attn_output_norm is not None and layer.mlp.router.bias_on_logits for layer in layers)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -119,6 +119,7 @@ SHAPE_INFERABLE = [
             "apertus",
             "nanochat",
             "flex_olmo",
+            "kolibri",
         )
     )
 ]

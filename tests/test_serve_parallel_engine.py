@@ -89,6 +89,15 @@ def _params() -> list[SamplingParams]:
         # NanoChat: the embedding's weightless norm on the first stage of two, reversed rotation
         pytest.param("nanochat", 1, 2, marks=pytest.mark.slow),
         pytest.param("nanochat", 2, 1, marks=pytest.mark.slow),
+        # Cohere 2 MoE: the shared expert averaged with the routed experts on each rank's partial output, interleaved
+        # rotary rows cut by head
+        pytest.param("cohere2_moe", 2, 1, marks=pytest.mark.slow),
+        # Granite MoE SWA: sinks cut with their heads beside sliding layers, Granite's scalars, experts stacked under
+        # transformers' names read through the renames, the shared MLP's fused rows cut per rank
+        pytest.param("granitemoe_swa", 2, 1, marks=pytest.mark.slow),
+        # Kolibri 1: the selection bias on the logits (read through its rename), sandwich norms, experts split by rank
+        pytest.param("kolibri1", 2, 1, marks=pytest.mark.slow),
+        pytest.param("kolibri1-ep", 2, 1, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

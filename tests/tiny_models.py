@@ -206,6 +206,30 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Cohere 2 MoE: Command A's block with RMSNorms, a dense first layer (wider, global and rotating: the prefix
+    # pattern 1), then a sliding layer (window 8) and a global one without position encoding; 8 experts behind a
+    # sigmoid router (top 3, renormalised), 2 shared experts averaged with the routed output.
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            prefix_dense_intermediate_size=96,
+            num_experts=8,
+            num_experts_per_tok=3,
+            num_shared_experts=2,
+            expert_selection_fn="sigmoid",
+            rms_norm_eps=1e-5,
+            logit_scale=0.25,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Seed-OSS: q/k/v and o biases, no MLP bias.
     "seed_oss": (
         "SeedOssConfig",
@@ -431,6 +455,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Kolibri 1: EXAONE 4's attention (two sliding layers of window 8 rotate, the global one does not) in GLM-4's
+    # sandwich block, 8 experts in every layer chosen by logits + selection bias (top 3, renormalised), a shared
+    # expert.
+    "kolibri1": (
+        "Kolibri1Config",
+        "Kolibri1ForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Hunyuan dense: per-head q/k norms after the rotary embedding, biased attention, NTK scaling by a fixed alpha.
     "hunyuan_v1_dense": (
         "HunYuanDenseV1Config",
@@ -519,6 +563,48 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             residual_multiplier=0.22,
             attention_multiplier=0.09,
             logits_scaling=4.0,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+    # Granite SWA: Granite's scalars and biases, softmax sinks, sliding (window 8) and global layers alternating, a
+    # RoPE base per layer: the first global layer without position encoding, the other global layer's base not the
+    # sliding layers'.
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=128,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            attention_bias=True,
+            mlp_bias=True,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            layer_rope_theta=[0, 10000.0, 500000.0, 10000.0],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # Granite MoE SWA: Granite MoE with a shared expert, softmax sinks, transformers' default layer_types (layer 0
+    # global, the others in windows of 8) and one RoPE base.
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        dict(
+            shared_intermediate_size=48,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            sliding_window=8,
             pad_token_id=0,
             eos_token_id=2,
         ),

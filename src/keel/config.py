@@ -49,8 +49,9 @@ DEEPSEEK_MOE_FAMILIES = {
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
 LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
-# Granite MoE and its shared-expert variant: their experts' keys are their own (keel.families.granitemoe).
-GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared"}
+# Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
+# (keel.families.granitemoe).
+GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -227,13 +228,16 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE: sigmoid-gated shared expert; DeepSeek: added as is
+    # How the shared expert's output joins the routed experts': "sum" (added) or "average" (Cohere 2 MoE: the mean
+    # of the two, (routed + shared) / 2).
+    shared_expert_combination: str = "sum"
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)  # dense layers (DeepSeek: the first k)
     # Router: "softmax" (Mixtral, Qwen-MoE), "topk_softmax" (GPT-OSS: top-k logits, then their softmax) or
     # "sigmoid" (DeepSeek-V3: per-expert sigmoid scores, a selection-only bias for aux-loss-free balancing,
-    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid) or
-    # "sparsemixer" (Phi-3.5-MoE: two experts, each weighted by a softmax over the logits near its own;
-    # keel.model.moe.sparsemixer).
+    # group-limited top-k, scaled weights) or "topk_sigmoid" (Llama 4: the top k of the logits, then their sigmoid,
+    # renormalised where norm_topk_prob: Cohere 2 MoE's sigmoid router) or "sparsemixer" (Phi-3.5-MoE: two experts,
+    # each weighted by a softmax over the logits near its own; keel.model.moe.sparsemixer).
     router_scoring: str = "softmax"
     # SparseMixer: a logit more than 2 x this below the chosen one, relative to its magnitude, leaves that expert's
     # softmax (Phi-3.5-MoE's `router_jitter_noise`).
@@ -241,6 +245,9 @@ class ModelConfig:
     # Llama 4: a token's routing weight scales the expert's input, not its output (one expert per token).
     router_scales_input: bool = False
     router_bias: bool = False  # e_score_correction_bias: added to scores for selection only
+    # The sigmoid router's selection bias added to the logits, not to their sigmoid (Kolibri: top-k of logits + bias;
+    # the sigmoid is monotonic, but a bias before it moves the choice otherwise than one after it).
+    router_bias_on_logits: bool = False
     # DeepSeek-V2, Hunyuan MoE: the router's matmul and softmax in float32 whatever the model's dtype
     router_float32: bool = False
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
@@ -476,6 +483,14 @@ class ModelConfig:
                 f"the sparsemixer router chooses 2 experts a token, not {self.num_experts_per_tok}",
             )
             need(self.router_jitter_eps >= 0, f"router_jitter_eps must be >= 0, got {self.router_jitter_eps}")
+            need(
+                self.shared_expert_combination in ("sum", "average"),
+                f"shared_expert_combination {self.shared_expert_combination!r} is not supported (sum, average)",
+            )
+            need(
+                not self.router_bias_on_logits or (self.router_scoring == "sigmoid" and self.router_bias),
+                "router_bias_on_logits needs the sigmoid router with a selection bias (router_bias)",
+            )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
             need(
                 self.router_group_score in ("top2_sum", "max"),

@@ -27,11 +27,13 @@ _STORED = {
 }
 
 
-def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def granite_block(hf: dict[str, Any]) -> dict[str, Any]:
+    """Granite's attention biases and four scalars (1.0 where absent, as transformers' Granite configs), shared by
+    the Granite families with a family file."""
+
     def scalar(key: str) -> float:
         return float(hf[key]) if hf.get(key) is not None else 1.0
 
-    width = int(hf.get("intermediate_size", 11008))
     bias = bool(hf.get("attention_bias", False))
     return {
         "qkv_bias": bias,
@@ -40,6 +42,23 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "residual_multiplier": scalar("residual_multiplier"),
         "attention_scale": scalar("attention_multiplier"),
         "logits_scaling": scalar("logits_scaling"),
+    }
+
+
+def granite_block_to_hf(config: Any) -> dict[str, Any]:
+    return {
+        "attention_bias": config.qkv_bias,
+        "embedding_multiplier": config.embedding_multiplier,
+        "residual_multiplier": config.residual_multiplier,
+        "attention_multiplier": config.attention_scale,
+        "logits_scaling": config.logits_scaling,
+    }
+
+
+def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    width = int(hf.get("intermediate_size", 11008))
+    return {
+        **granite_block(hf),
         "num_experts": int(hf.get("num_local_experts", 8)),
         "num_experts_per_tok": int(hf.get("num_experts_per_tok", 2)),
         "moe_intermediate_size": width,
@@ -51,21 +70,22 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return {
-        "attention_bias": config.qkv_bias,
-        "embedding_multiplier": config.embedding_multiplier,
-        "residual_multiplier": config.residual_multiplier,
-        "attention_multiplier": config.attention_scale,
-        "logits_scaling": config.logits_scaling,
+        **granite_block_to_hf(config),
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "intermediate_size": config.moe_intermediate_size,
     }
 
 
-def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    """The experts and the router under keel's names (renames only)."""
+def expert_layout(config: Any, stored_names: dict[str, str]) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """The experts and the router, stored under `block_sparse_moe.` by `stored_names`, under keel's names (renames
+    only)."""
     layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
     for layer in range(config.num_layers):
-        for stored, name in _STORED.items():
+        for stored, name in stored_names.items():
             layout[f"model.layers.{layer}.block_sparse_moe.{stored}"] = {f"model.layers.{layer}.mlp.{name}": None}
     return layout
+
+
+def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    return expert_layout(config, _STORED)

@@ -29,8 +29,13 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    """Granite MoE's renames, and the shared MLP's fused gate/up rows split into keel's two projections."""
-    layout = granitemoe.checkpoint_layout(config)
+    """Granite MoE's renames, and the shared MLP's."""
+    return {**granitemoe.checkpoint_layout(config), **shared_mlp_layout(config)}
+
+
+def shared_mlp_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """The shared MLP's fused gate/up rows split into keel's two projections, its down projection renamed."""
+    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
     width = config.shared_expert_intermediate_size
     for layer in range(config.num_layers if width else 0):
         stored, shared = f"model.layers.{layer}.shared_mlp", f"model.layers.{layer}.mlp.shared_expert"

@@ -16,10 +16,13 @@ Routers (`Router`):
   group-limited selection (the experts form n_group groups, a token may use the topk_group groups
   with the best sum of their top-2 scores); weights are the unbiased scores of the chosen experts,
   optionally renormalised, times routed_scaling_factor;
+  Kolibri's adds the bias to the logits instead (`router_bias_on_logits`), its weights the same sigmoids;
 - softmax in float32 with groups scored by their best expert (DeepSeek-V2's group_limited_greedy,
   `router_float32`, `router_group_score` max), weights times routed_scaling_factor.
 Llama 4 routes each token to one expert by its best logit (topk_sigmoid: in the model's dtype), and that logit's
-sigmoid scales the expert's input instead of its output (`router_scales_input`).
+sigmoid scales the expert's input instead of its output (`router_scales_input`); Cohere 2 MoE's sigmoid router is
+topk_sigmoid over k experts, their weights renormalised where norm_topk_prob. The shared expert's output is added
+to the routed experts' (`shared_expert_combination` sum) or averaged with it (average: Cohere 2 MoE).
 Phi-3.5-MoE's SparseMixer (sparsemixer) takes the best logit's expert, then the best of the others, each weighted by a
 softmax over the logits close to its own (`sparsemixer`), in the model's dtype. transformers samples the experts
 (Gumbel) and estimates the routing gradient its own way in training; keel's training forward routes as it serves,
@@ -72,6 +75,7 @@ class Router(nn.Module):
         self.float32 = config.router_float32
         self.scaling = config.routed_scaling_factor
         self.jitter_eps = config.router_jitter_eps
+        self.bias_on_logits = config.router_bias_on_logits
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_linear_bias else None
@@ -101,6 +105,8 @@ class Router(nn.Module):
             top, ids = torch.topk(raw, self.top_k, dim=-1)
             logits = raw.float()
             weights = torch.sigmoid(top.float()).to(top.dtype).float()
+            if self.renormalize:  # Cohere 2 MoE's sigmoid router (Llama 4's takes one expert, as it is)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
             scores = torch.sigmoid(logits)
             return Routing(ids=ids, weights=weights, logits=logits, probs=scores / scores.sum(dim=-1, keepdim=True))
         if self.scoring == "sparsemixer":
@@ -120,7 +126,9 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.weight.float())  # DeepSeek-V3: the router in float32
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        choice = scores
+        if self.e_score_correction_bias is not None:  # Kolibri's bias goes on the logits, DeepSeek-V3's on the scores
+            choice = (logits if self.bias_on_logits else scores) + self.e_score_correction_bias
         if self.n_group > 1:
             choice = self._limit_groups(choice)
         ids = torch.topk(choice, self.top_k, dim=-1).indices
@@ -331,6 +339,7 @@ class MoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
+        self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
         # Training knobs (see the module docstring); the trainer sets them.
         self.capacity_factor: float | None = None
         self.aux_loss_coef = 0.0
@@ -382,6 +391,8 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
+            if self.averages_shared:  # linear: tensor parallelism's sum of the ranks' partial outputs is unchanged
+                out = out * 0.5
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:
