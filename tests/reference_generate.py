@@ -24,6 +24,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata, explicit_attention, sdpa
+from keel.model.linear_attention import RecurrentSpans, RecurrentStates
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 
@@ -48,6 +49,8 @@ class ContiguousKVCache:
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self._key_positions = torch.arange(max_len, device=device)
+        # Gated DeltaNet layers (Qwen3.5): one state slot per row
+        self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_linear_attention else None
 
     def _prepare(self, meta: AttentionMetadata) -> tuple[int, Tensor | None]:
         """Per forward (not per layer): how many slots are visible, and how rows are addressed."""
@@ -60,6 +63,8 @@ class ContiguousKVCache:
             same_rows = positions.shape[0] == 1 or bool((positions == positions[:1]).all())
             rows = None if same_rows else torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
             meta.cache_plan = (visible, rows)
+            if self.recurrent is not None:  # rows that start their sequence start from empty states
+                self.recurrent.reset([b for b, first in enumerate(positions[:, 0].tolist()) if first == 0])
         return meta.cache_plan
 
     def _store(self, cache: Tensor, new: Tensor, meta: AttentionMetadata, rows: Tensor | None) -> None:
@@ -90,6 +95,15 @@ class ContiguousKVCache:
             keys, values = k_cache[:, :, :visible], v_cache[:, :, :visible]
             return explicit_attention(q, keys, values, mask, self.softcap, sinks=sinks)
         return sdpa(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask)
+
+    def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
+        """Row b is sequence b in slot b: a chunk of its S tokens, or one decode token of each row."""
+        self._prepare(meta)
+        batch, length = meta.positions.shape
+        if length == 1:
+            rows = torch.arange(batch, device=meta.positions.device)
+            return self.recurrent.spans(layer, [], rows, rows)
+        return self.recurrent.spans(layer, [(b * length, (b + 1) * length, b) for b in range(batch)])
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         visible, rows = self._prepare(meta)

@@ -110,6 +110,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hyperclovax", marks=SLOW),
         pytest.param("youtu", marks=SLOW),
         pytest.param("apertus", marks=SLOW),
+        pytest.param("qwen3_5", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -183,6 +184,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "youtu":  # latent attention, dense MLPs
         config = llm.engine.model.config
         assert config.is_mla and not any(config.is_moe_layer(i) for i in range(len(attention)))
+    elif name == "qwen3_5":  # Gated DeltaNet layers around a full-attention layer with its output gate
+        assert [type(a).__name__ for a in attention] == ["GatedDeltaNet"] * 2 + ["Attention", "GatedDeltaNet"]
+        assert attention[2].output_gate is not None
     elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
         alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
         assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
@@ -252,4 +256,5 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     first = llm.generate(prompts[0], greedy, use_tqdm=False)[0]
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [e.tolist() for e in expected]
-    assert second.num_cached_tokens >= 32
+    # Gated DeltaNet layers (Qwen3.5) keep a state per sequence: prefix caching is off for them
+    assert second.num_cached_tokens >= 32 or (name == "qwen3_5" and not llm.engine.kv.enable_prefix_caching)

@@ -117,6 +117,7 @@ SHAPE_INFERABLE = [
             "hyperclovax",
             "youtu",
             "apertus",
+            "qwen3_5",
             "nanochat",
             "flex_olmo",
             "kolibri",

@@ -863,6 +863,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Apertus: per-head q/k norms, an ungated MLP of xIELU with its own parameters per layer (perturbed below),
     # llama3 rotary scaling by default.
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    # Qwen3.5: Gated DeltaNet layers 0, 1 and 3 (two key heads serving four value heads), layer 2 full attention
+    # with its output gate, q/k norms and a quarter of each head rotating; (1 + w) norms.
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=128,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

@@ -216,8 +216,19 @@ class ModelConfig:
     lm_head_bias: bool = False  # Phi: the LM head adds a bias per vocabulary entry
     qk_norm: bool = False
     sliding_window: int | None = None
-    # Per layer: "full_attention", "sliding_attention" or "chunked_attention" (HF's `layer_types`).
+    # Per layer: "full_attention", "sliding_attention", "chunked_attention" or "linear_attention" (HF's
+    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention).
     layer_types: list[str] = field(default_factory=list)
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): key/query heads, value heads, their widths, the causal
+    # convolution's kernel over the projected q/k/v.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
+    # `self_attn.output_gate`).
+    attention_output_gate: bool = False
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -366,6 +377,14 @@ class ModelConfig:
         """Whether `layer` rotates q and k by RoPE (False: no position encoding, `rope_layers`)."""
         return not self.rope_layers or self.rope_layers[layer]
 
+    @property
+    def has_linear_attention(self) -> bool:
+        """Whether some layers are Gated DeltaNet layers, whose state per sequence is recurrent, not a KV cache."""
+        return "linear_attention" in self.layer_types
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
     def layer_window(self, layer: int) -> int | None:
         """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
         visible`): None, all; a positive size, a sliding window (q_pos - k_pos < window); a negative one, Llama 4's
@@ -395,8 +414,10 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention"}
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
+        if self.has_linear_attention:
+            self._validate_linear(need)
         need(
             self.attention_chunk_size is None or self.attention_chunk_size > 0,
             f"attention_chunk_size must be positive, got {self.attention_chunk_size}",
@@ -533,7 +554,27 @@ class ModelConfig:
         need(self.sliding_window is None, "multi-head latent attention has no sliding-window variant")
         need(not self.qk_norm, "multi-head latent attention has no q/k norm")
 
+    def _validate_linear(self, need: Callable[[bool, str], None]) -> None:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+            need(getattr(self, name) > 0, f"{name} must be positive with linear_attention layers")
+        need(
+            self.linear_num_value_heads % self.linear_num_key_heads == 0,
+            f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of linear_num_key_heads "
+            f"({self.linear_num_key_heads})",
+        )
+        need(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim must be at least 2")
+        need(not self.is_mla, "linear_attention layers beside multi-head latent attention are not supported")
+
     # ------------------------------------------------------------- parameters
+    def _linear_attention_params(self) -> int:
+        """A Gated DeltaNet layer's: projections of q/k/v, the output gate z, beta and the decay; the convolution;
+        the decay's A_log and dt_bias; the gated norm; the output projection."""
+        h, keys = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim
+        heads, values = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * keys + values
+        projections = h * conv + h * values + 2 * h * heads + values * h
+        return projections + conv * self.linear_conv_kernel_dim + 2 * heads + self.linear_value_head_dim
+
     def _attention_params(self) -> int:
         h = self.hidden_size
         if self.is_mla:
@@ -551,6 +592,8 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
             attn += h
+        if self.attention_output_gate:
+            attn += h * self.q_size + (self.q_size if self.qkv_bias else 0)
         if self.qk_norm:
             attn += self.q_size + self.kv_size if self.qk_norm_scope == "all" else 2 * self.head_dim
         if self.attention_sinks:
@@ -578,8 +621,9 @@ class ModelConfig:
         pre = (2 if self.post_attention_norm else 1) if self.norm_placement != "post" else 0
         block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
         total = active = 0
+        linear = self._linear_attention_params() if self.has_linear_attention else 0
         for layer in range(self.num_layers):
-            base = attn + block_norms
+            base = (linear if self.is_linear_layer(layer) else attn) + block_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers
@@ -798,7 +842,10 @@ def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
 
 # Multimodal checkpoints whose decoder keel runs on its own (text in, text out), by the text model's architecture:
 # their config.json nests it under `text_config` (its tensors under `language_model.`: keel.weights.loader).
-TEXT_MODEL_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+TEXT_MODEL_OF = {
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+}
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,7 @@ from keel.families import (
     phi,
     phi3,
     phimoe,
+    qwen3_5,
     seed_oss,
     smollm3,
     solar_open,
@@ -73,6 +74,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        qwen3_5,
         apertus,
         youtu,
         hyperclovax,

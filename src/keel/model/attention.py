@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm
+
+if TYPE_CHECKING:
+    from keel.model.linear_attention import RecurrentSpans
 
 
 class KVCache(Protocol):
@@ -44,6 +47,11 @@ class KVCache(Protocol):
         `attn_logit_softcapping` (Gemma 2), the cache, built from that config, caps every score at
         cap * tanh(score / cap) before the mask (`explicit_attention`'s arithmetic). `sinks` (float32 [H],
         GPT-OSS): each head's sink logit joins its softmax's denominator (`explicit_attention`)."""
+        ...
+
+    def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
+        """For a Gated DeltaNet layer (keel.model.linear_attention): which tokens of this forward belong to which
+        sequence, and that layer's state stores with each sequence's slot (emptied where it starts at position 0)."""
         ...
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -192,6 +200,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, h, bias=config.o_bias)
+        # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj
+        self.output_gate = nn.Linear(h, config.q_size, bias=config.qkv_bias) if config.attention_output_gate else None
         # RMSNorm over each head's q and k (Qwen3), or over the whole q and k projections (OLMo 2), before the
         # rotary embedding.
         self.qk_norm_whole = config.qk_norm_scope == "all"
@@ -258,4 +268,7 @@ class Attention(nn.Module):
         else:
             mask = meta.mask(meta.positions, self.window)
             out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(self.output_gate(x))
+        return self.o_proj(out)

@@ -111,6 +111,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if attn.scales_queries or attn.qk_l2_eps is not None:  # Llama 4's temperature and q/k norm: the modules' own
         return None
+    if attn.output_gate is not None:  # Qwen3.5's gated output: the modules'
+        return None
     if layer.input_layernorm.offset:  # Gemma's (1 + w) scale
         return None
     parts, mlp_parts = attn._modules, mlp._modules

@@ -1,7 +1,8 @@
 """KV-cache bytes per token: the one size the engine divides its memory budget by, the planner sizes
 its pool with and the profiler counts as attention's reads.
 
-Over all layers of `config` (a tensor-parallel rank passes its own share of the heads): K and V of
+Over all attention layers of `config` (not its Gated DeltaNet layers; a tensor-parallel rank passes its own share of
+the heads): K and V of
 every KV head, or for multi-head latent attention (config.is_mla) one row per layer of the latent
 and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values. Sliding-window layers
 count in full: the paged cache stores every layer's rows for every block, windowed or not.
@@ -41,12 +42,14 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    # Gated DeltaNet layers keep a state per sequence, not rows per token (keel.model.linear_attention)
+    layers = sum(not config.is_linear_layer(i) for i in range(config.num_layers))
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
-            return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+            return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+        return 2 * layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     scale = SCALE_DTYPE.itemsize
     if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
-        return config.num_layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
-    return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + scale)
+        return layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
+    return 2 * layers * config.num_kv_heads * (config.head_dim + scale)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from keel.model.layers import XIELU, RMSNorm
+from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.moe import GroupedExperts, Router
 
 # Elements per generator block: large enough that seeding costs nothing next to the draw, small
@@ -97,6 +98,13 @@ def materialize(model: nn.Module, device: torch.device | str, fill: Callable[[nn
 
 
 @torch.no_grad()
+def fill_vector(param: Tensor, values: Tensor) -> None:
+    """Fill this rank's part of the 1-D `param` from the whole vector `values`."""
+    local, shape, offset = local_box(param)
+    local.copy_(values[offset[0] : offset[0] + shape[0]].to(local))
+
+
+@torch.no_grad()
 def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Initialise every parameter of `model` (whole, a pipeline stage, sharded or not) in place.
 
@@ -120,7 +128,15 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.zero_()
             elif isinstance(module, XIELU):  # its initial shape, the same on every layout
                 param.fill_(module.INITIAL[param_name])
-            elif isinstance(module, nn.Linear | nn.Embedding | Router | GroupedExperts) or param_name == "sinks":
+            elif isinstance(module, GatedRMSNorm) or (isinstance(module, GatedDeltaNet) and param_name == "dt_bias"):
+                param.fill_(1.0)
+            elif isinstance(module, GatedDeltaNet) and param_name == "A_log":
+                # decay rates A spread over [1, 16] across heads (Mamba 2's range), the same on every layout
+                fill_vector(param, torch.linspace(1.0, 16.0, param.shape[0]).log())
+            elif (
+                isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | Router | GroupedExperts)
+                or param_name == "sinks"
+            ):
                 fill_normal(param, name, seed, std)
             else:
                 raise ValueError(f"no initialisation rule for parameter {name} of {type(module).__name__}")

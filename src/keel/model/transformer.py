@@ -15,6 +15,7 @@ from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
+from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 
@@ -26,7 +27,13 @@ class DecoderLayer(nn.Module):
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
         # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre else None
-        self.self_attn: nn.Module = MLAttention(config, layer) if config.is_mla else Attention(config, layer)
+        self.self_attn: nn.Module = (
+            GatedDeltaNet(config, layer)
+            if config.is_linear_layer(layer)
+            else MLAttention(config, layer)
+            if config.is_mla
+            else Attention(config, layer)
+        )
         self.post_attention_layernorm: nn.Module | None = (
             block_norm(config, h) if pre and config.post_attention_norm else None
         )

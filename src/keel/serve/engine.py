@@ -19,6 +19,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
+from keel.model.linear_attention import RecurrentStates
 from keel.model.transformer import Transformer
 from keel.platform import resolve_device
 from keel.quant.apply import GGUF
@@ -28,6 +29,7 @@ from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
 from keel.serve.constraints import bad_words_token_ids
+from keel.serve.hybrid import check_linear_attention, prefix_caching
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
@@ -124,6 +126,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler.model_len(self.model.config.max_position_embeddings)
         check_model_len(self.max_model_len, self.model.config)
         self.spec: SpeculativeConfig | None = config.speculative
+        check_linear_attention(self.model.config, config)
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
@@ -260,7 +263,7 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, prefix_caching(self.model.config, self.config))
         if self.executor is not None:  # each worker holds its own heads' and layers' share of the blocks
             log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, cache.block_size, tokens)
             self.cache = None
@@ -268,7 +271,13 @@ class LLMEngine:
         mib = num_blocks * self._bytes_per_block() / 2**20
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, cache.block_size, tokens, mib)
         self.cache = make_paged_kv_cache(
-            self.model.config, num_blocks, cache.block_size, self.model.dtype, device, cache.kv_cache_dtype
+            self.model.config,
+            num_blocks,
+            cache.block_size,
+            self.model.dtype,
+            device,
+            cache.kv_cache_dtype,
+            sequences=self.config.scheduler.max_num_seqs,
         )
         return num_blocks
 
@@ -435,9 +444,20 @@ class LLMEngine:
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
-        return blocks_in_budget(
-            self._bytes_per_block(), cache.kv_cache_memory, device, cache.gpu_memory_utilization, self._activation_peak
+        per_block = self._bytes_per_block()
+        blocks = blocks_in_budget(
+            per_block, cache.kv_cache_memory, device, cache.gpu_memory_utilization, self._activation_peak
         )
+        # Gated DeltaNet layers: their states for max_num_seqs sequences come out of the same budget
+        states = (
+            RecurrentStates.bytes_per_slot(self.model.config, self.model.dtype) * self.config.scheduler.max_num_seqs
+        )
+        if states and blocks - -(-states // per_block) < 1:
+            raise KeelError(
+                f"the Gated DeltaNet states of --max-num-seqs {self.config.scheduler.max_num_seqs} sequences "
+                f"({states / 2**20:.0f} MiB) leave no room for the KV cache: lower --max-num-seqs or raise the budget"
+            )
+        return blocks - -(-states // per_block) if states else blocks
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -720,7 +740,7 @@ class LLMEngine:
             "block_size": str(cache.block_size),
             "num_gpu_blocks": str(self.kv.num_blocks),  # vLLM's name; the blocks wherever the cache lives
             "cache_dtype": cache.kv_cache_dtype,
-            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "enable_prefix_caching": str(self.kv.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         }
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores, visible
+from keel.model.linear_attention import RecurrentSpans, RecurrentStates
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
 
@@ -236,6 +237,18 @@ def attend_fresh_chunks(
 
 
 @dataclass
+class RecurrentPlan:
+    """Which state slot each sequence of a packed step continues (the runner's), for the Gated DeltaNet layers:
+    multi-token chunks as (first row, end row, slot), the one-token decodes as rows and slots, and the slots of
+    sequences that start at position 0 (emptied before the forward)."""
+
+    chunks: list[tuple[int, int, int]]
+    decode_rows: Tensor | None
+    decode_slots: Tensor | None
+    fresh: list[int]
+
+
+@dataclass
 class StepPlan:
     """How the tokens of one packed step map onto the paged cache (built by the runner).
 
@@ -247,6 +260,8 @@ class StepPlan:
     slot_mapping: Tensor  # [T] flat slot (block * block_size + offset) where each token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # Gated DeltaNet layers (config.has_linear_attention): each sequence's state slot (keel.model.linear_attention)
+    recurrent: RecurrentPlan | None = None
     _masks: dict = field(default_factory=dict)
 
     def rows(self, num_tokens: int) -> PagedRows:
@@ -308,8 +323,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: str = "cpu",
         layers: range | None = None,
+        sequences: int = 1,
     ) -> None:
-        """layers: the layers this cache stores (a pipeline stage's); the others get empty stores."""
+        """layers: the layers this cache stores (a pipeline stage's); the others get empty stores. sequences: how
+        many sequences at once the Gated DeltaNet layers keep states for (the scheduler's max_num_seqs)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layers = range(config.num_layers) if layers is None else layers
@@ -322,21 +339,34 @@ class PagedKVCache:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
             self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        # Gated DeltaNet layers keep no K/V: their state per sequence, in `sequences` slots, instead
+        self.linear = {i for i in range(config.num_layers) if config.is_linear_layer(i)}
         self.keys = [
             torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
             for i in range(config.num_layers)
         ]
         self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
+        self.recurrent = RecurrentStates(config, sequences, dtype, device) if self.linear else None
         self.plan: StepPlan | None = None
 
     def attention_backend(self) -> str:
         """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
-        store = self.keys[self.layers[0]] if self.layers else self.keys[0]
-        return attention_backend(store, self.head_dim, self.block_size)
+        stored = [i for i in self.layers if i not in self.linear] or [0]
+        return attention_backend(self.keys[stored[0]], self.head_dim, self.block_size)
 
     def slots_of(self, layer: int) -> int:
-        """Token slots of a layer's store: all blocks' for the stored layers, none for the others."""
-        return self.num_blocks * self.block_size if layer in self.layers else 0
+        """Token slots of a layer's store: all blocks' for the stored attention layers, none for the others."""
+        return self.num_blocks * self.block_size if layer in self.layers and layer not in self.linear else 0
+
+    def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
+        """The step's sequences and their state slots for a Gated DeltaNet layer (`StepPlan.recurrent`)."""
+        plan = self.plan.recurrent
+        return self.recurrent.spans(layer, plan.chunks, plan.decode_rows, plan.decode_slots)
+
+    def start_sequences(self) -> None:
+        """Empty the states of the sequences this step starts (before its forward)."""
+        if self.recurrent is not None and self.plan.recurrent is not None:
+            self.recurrent.reset(self.plan.recurrent.fresh)
 
     def nbytes(self) -> int:
         """Bytes of cache storage actually allocated (all layers, all blocks)."""

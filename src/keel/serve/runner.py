@@ -18,7 +18,7 @@ from torch import Tensor
 from keel.model.transformer import Transformer
 from keel.serve.compiled_decode import CompiledDecode
 from keel.serve.kv_blocks import slot_of, visible_blocks
-from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, StepPlan, length_groups
+from keel.serve.kv_cache import DecodeGroup, PagedKVCache, PrefillChunk, RecurrentPlan, StepPlan, length_groups
 from keel.serve.launched import LaunchedStep, StepResult, TokenFill
 from keel.serve.request import Request
 from keel.serve.sampling import RowState, Sampler, prompt_logprobs
@@ -35,6 +35,7 @@ class Chunk:
     start: int
     tokens: list[int]
     logits: str = "last"  # "last" | "all" | "none"
+    state: int = -1  # the sequence's state slot for Gated DeltaNet layers (-1: the model has none)
 
 
 @dataclass
@@ -78,6 +79,7 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
         elif chunk.logits == "last":
             select.append(offset + n - 1)
         rows.append(range(first, len(select)))
+    recurrent = _recurrent_plan(chunks, device) if chunks and chunks[0].state >= 0 else None
     groups = _decode_groups(decode_index, decode_tables, decode_positions, total=len(tokens))
     host = [host_int64([tokens]), host_int64([positions]), host_int64(slots), host_int64(select)]
     for g in groups:
@@ -92,16 +94,37 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
         slot_mapping=slots_t,
         decodes=[DecodeGroup(next(moved), next(moved), next(moved), g.whole_step) for g in groups],
         prefills=[PrefillChunk(s, e, next(moved), next(moved), span[-1] + 1) for s, e, _, span in prefills],
+        recurrent=recurrent,
     )
     if fill is not None:
         fill.apply(tokens_t.view(-1), next(moved), next(moved))
     return PackedStep(tokens_t, positions_t, plan, select_t, rows)
 
 
+def _recurrent_plan(chunks: list[Chunk], device: torch.device) -> RecurrentPlan:
+    """Each chunk's rows of the packed step and its state slot, for the Gated DeltaNet layers."""
+    spans, decode_rows, decode_slots, fresh, offset = [], [], [], [], 0
+    for chunk in chunks:
+        n = len(chunk.tokens)
+        if n == 1:
+            decode_rows.append(offset)
+            decode_slots.append(chunk.state)
+        else:
+            spans.append((offset, offset + n, chunk.state))
+        if chunk.start == 0:
+            fresh.append(chunk.state)
+        offset += n
+    rows, slots = (
+        torch.tensor(x, dtype=torch.int64, device=device) if x else None for x in (decode_rows, decode_slots)
+    )
+    return RecurrentPlan(spans, rows, slots, fresh)
+
+
 @torch.inference_mode()
 def forward_step(model: Transformer, cache: PagedKVCache, step: PackedStep) -> Tensor:
     """Run the model over a packed step, writing its K/V into `cache`; the selected rows' logits."""
     cache.plan = step.plan
+    cache.start_sequences()
     try:
         return model(step.tokens, positions=step.positions, cache=cache, select=step.select)
     finally:
@@ -126,9 +149,29 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self.compiled: CompiledDecode | None = None  # set by the engine when decode steps run compiled
+        # Gated DeltaNet layers: a state slot per running request, from the cache's (max_num_seqs)
+        states = cache.recurrent.conv if cache is not None and cache.recurrent is not None else None
+        self.free_states: list[int] | None = None
+        if states:
+            self.free_states = list(range(next(iter(states.values())).shape[0]))[::-1]
+        self.state_of: dict[str, int] = {}
 
     def release(self, request_id: str) -> None:
-        """A request finished or was aborted (nothing kept here; parallel workers drop their mirror)."""
+        """A request finished or was aborted: its state slot, if any, is free again (parallel workers drop their
+        mirror)."""
+        slot = self.state_of.pop(request_id, None)
+        if slot is not None:
+            self.free_states.append(slot)
+
+    def _state_slot(self, request: Request) -> int:
+        """The request's state slot for Gated DeltaNet layers (-1 for a model without them)."""
+        if self.free_states is None:
+            return -1
+        if request.request_id not in self.state_of:
+            if not self.free_states:
+                raise RuntimeError("more running sequences than the Gated DeltaNet state slots (max_num_seqs)")
+            self.state_of[request.request_id] = self.free_states.pop()
+        return self.state_of[request.request_id]
 
     def _chunks(self, out: SchedulerOutput) -> tuple[list[Chunk], list[tuple[int, str]]]:
         """The step's chunks, and the tokens still in flight (asynchronous scheduling: drawn by the previous
@@ -150,7 +193,9 @@ class ModelRunner:
                 logits = "last"
             else:
                 logits = "none"  # a prefill chunk that does not reach the end of the prompt
-            chunks.append(Chunk(self.block_tables(request.request_id), start, tokens, logits))
+            chunks.append(
+                Chunk(self.block_tables(request.request_id), start, tokens, logits, self._state_slot(request))
+            )
         return chunks, placeholders
 
     def _forward(self, chunks: list[Chunk], fill: TokenFill | None) -> tuple[Tensor, list[range]]:
@@ -182,6 +227,8 @@ class ModelRunner:
         """Queue a step's forward and draw on the device and start reading the drawn tokens back, without
         waiting for them. Tokens still in flight from `previous` (asynchronous scheduling) are taken from
         its device tensor of drawn tokens."""
+        for request in out.preempted:  # recomputed from its first token when it runs again: its state slot is free
+            self.release(request.request_id)
         chunks, placeholders = self._chunks(out)
         fill = None
         if placeholders:

@@ -95,16 +95,24 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
 
 
 TEXT_MODEL_PREFIX = "language_model."
+# Where multimodal checkpoints keep their decoder: (the prefix of its tensors, that prefix in the text model's own
+# names). Llama 4's nests the whole text model (`language_model.model.*`, `language_model.lm_head.*`); Qwen3.5's
+# its decoder body only (`model.language_model.*`, the head as the text model's, `lm_head.*`).
+TEXT_MODEL_PREFIXES = ((TEXT_MODEL_PREFIX, ""), ("model.language_model.", "model."))
 
 
 def _text_model(reader: TensorReader) -> TensorReader:
-    """A multimodal checkpoint's decoder tensors (under `language_model.`, Llama 4's) under the text model's own
-    names (keel.config.TEXT_MODEL_OF); the vision tower's stay unread. Any other checkpoint as it is."""
+    """A multimodal checkpoint's decoder tensors under the text model's own names (keel.config.TEXT_MODEL_OF); the
+    vision tower's stay unread. Any other checkpoint as it is."""
     names = reader.names()
-    if "model.embed_tokens.weight" in names or f"{TEXT_MODEL_PREFIX}model.embed_tokens.weight" not in names:
+    if "model.embed_tokens.weight" in names:
         return reader
-    cut = len(TEXT_MODEL_PREFIX)
-    return PartsReader(reader, {n: {n[cut:]: None} for n in names if n.startswith(TEXT_MODEL_PREFIX)})
+    for prefix, own in TEXT_MODEL_PREFIXES:
+        if f"{prefix}{'model.' if not own else ''}embed_tokens.weight" in names:
+            layout = {n: {own + n[len(prefix) :]: None} for n in names if n.startswith(prefix)}
+            layout.update({n: {n: None} for n in names if n.startswith("lm_head.")})
+            return PartsReader(reader, layout)
+    return reader
 
 
 def _read_config(path: Path) -> tuple[ModelConfig, dict | None]:

@@ -1,0 +1,150 @@
+"""Gated DeltaNet layers (Qwen3.5's `linear_attention`): the delta rule against transformers' own functions, and
+serving with a recurrent state per sequence (chunked prefill, preemption, slots reused), the multimodal releases
+read on text, and what such models refuse. Logits, greedy tokens, align and export of the tiny Qwen3.5 run with
+every family in tests/test_architectures.py and tests/test_convert.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keel.errors import KeelError
+from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
+from keel.quant.loading import load_model
+from keel.serve import LLM, EngineConfig, SamplingParams
+from tiny_models import COMMON, TINY_CONFIGS, save_byte_tokenizer, save_hf_model
+
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+def _inputs(length: int, key_heads: int = 2, value_heads: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, length, key_heads, 16, generator=g)
+    k = torch.randn(2, length, key_heads, 16, generator=g)
+    v = torch.randn(2, length, value_heads, 8, generator=g)
+    decay = -torch.rand(2, length, value_heads, generator=g)
+    beta = torch.rand(2, length, value_heads, generator=g)
+    state = torch.randn(2, value_heads, 16, 8, generator=g) * 0.1
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+@pytest.mark.parametrize("heads", [(2, 4), (4, 4)])
+def test_delta_rule_matches_transformers(length, heads):
+    """Chunked and token by token, from a given state: transformers' reference functions' outputs and states."""
+    q, k, v, decay, beta, state = _inputs(length, *heads)
+    kwargs = dict(g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_state = qwen3_5.torch_chunk_gated_delta_rule(q, k, v, **kwargs)
+    qp, kp, vp = prepare(q, k, v)
+    for rule in (delta_rule_chunked, delta_rule_steps):
+        out, final = rule(qp, kp, vp, decay.transpose(1, 2), beta.transpose(1, 2), state)
+        torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_continues_from_its_state_across_chunks():
+    q, k, v, decay, beta, state = _inputs(100)
+    qp, kp, vp = prepare(q, k, v)
+    g, b = decay.transpose(1, 2), beta.transpose(1, 2)
+    whole, whole_state = delta_rule_chunked(qp, kp, vp, g, b, state)
+    first, mid = delta_rule_chunked(qp[:, :, :37], kp[:, :, :37], vp[:, :, :37], g[:, :, :37], b[:, :, :37], state)
+    rest, end = delta_rule_chunked(qp[:, :, 37:], kp[:, :, 37:], vp[:, :, 37:], g[:, :, 37:], b[:, :, 37:], mid)
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(end, whole_state, atol=1e-5, rtol=1e-5)
+
+
+def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [
+            hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)[
+                0, len(ids) :
+            ].tolist()
+            for ids in prompts
+        ]
+
+
+def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path):
+    """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
+    16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
+    Gated DeltaNet layers hold no KV blocks, and prefix caching is off."""
+    hf = save_hf_model("qwen3_5", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
+    expected = _expected(hf, prompts, 32)
+    config = EngineConfig.of(
+        dtype="float32",
+        compile=False,
+        num_blocks=24,
+        max_model_len=96,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    llm = LLM(str(tmp_path), config)
+    engine = llm.engine
+    assert not engine.kv.enable_prefix_caching
+    kinds = engine.model.config.layer_types
+    assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [k == "linear_attention" for k in kinds]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(engine.runner.free_states) == [0, 1, 2, 3] and not engine.runner.state_of
+
+
+def test_the_text_model_of_a_multimodal_release_is_served(tmp_path):
+    """Qwen3.5's releases are `Qwen3_5ForConditionalGeneration`: the decoder under `model.language_model.`, the
+    head at `lm_head`, the vision tower unread; transformers' logits and greedy tokens on text."""
+    import transformers
+
+    text = {**COMMON, **TINY_CONFIGS["qwen3_5"][2]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config)
+    hf.eval().save_pretrained(tmp_path)
+    save_byte_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, "float32")
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+        ours = loaded.model(tokens)
+        greedy = hf.generate(tokens, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+    llm = LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64))
+    out = llm.generate([tokens[0].tolist()], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == greedy[0, 20:].tolist()
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+        (dict(kv_cache_dtype="int8"), "int8"),
+    ],
+)
+def test_what_a_model_with_linear_attention_refuses(tmp_path, option, message):
+    save_hf_model("qwen3_5", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    with pytest.raises(KeelError, match=message):
+        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64, **option))
+
+
+def test_parallel_layouts_are_refused_by_name(tmp_path):
+    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet layers yet."""
+    from types import SimpleNamespace
+
+    from keel.config import ModelConfig
+    from keel.errors import ConfigError
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model("qwen3_5", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    for tp, pp in ((2, 1), (1, 2)):
+        with pytest.raises(KeelError, match="linear_attention"):
+            check_parallel_model(config, tmp_path, tp, pp)
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="linear_attention"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
