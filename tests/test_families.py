@@ -258,7 +258,7 @@ def test_a_family_default_rope_is_its_config_class_one(family):
     import transformers
 
     hf = {"architectures": [FAMILIES[family].HF_ARCHITECTURE], "hidden_size": 64, "num_attention_heads": 4}
-    hf.update(num_hidden_layers=2, vocab_size=256, rope_theta=5000.0)
+    hf.update(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, vocab_size=256, rope_theta=5000.0)
     config = ModelConfig.from_hf(hf)
     reference = transformers.AutoConfig.for_model(family, **{k: v for k, v in hf.items() if k != "architectures"})
     rope = reference.rope_parameters
@@ -307,3 +307,92 @@ def test_phimoe_reads_its_router_and_mscale_and_refuses_what_it_cannot_run(tmp_p
         ModelConfig.from_hf({**data, "rope_parameters": {**rope, "long_mscale": 1.5}})
     with pytest.raises(ConfigError, match="short_mscale"):
         ModelConfig.from_hf({**data, "rope_parameters": {k: v for k, v in rope.items() if k != "short_mscale"}})
+
+
+def _declared_defaults(cls) -> dict:
+    import dataclasses
+
+    return {
+        name: f.default
+        for name, f in getattr(cls, "__dataclass_fields__", {}).items()
+        if not isinstance(f.default, dataclasses._MISSING_TYPE)
+    }
+
+
+# The family's transformers config class, where the causal-LM class's own is a multimodal or text-only variant.
+CONFIG_CLASS = {
+    "llama4": "Llama4TextConfig",
+    "gemma3": "Gemma3TextConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+    "mistral4": "Mistral4Config",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_defaults_are_its_config_class_defaults(family):
+    """Keys a config.json may omit take what transformers' config class declares: head_dim and num_key_value_heads
+    (a fixed number in many classes, whatever hidden_size / heads gives), eps, context, bos."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = FAMILIES[family].HF_ARCHITECTURE
+    model_type = next((t for t, a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if a == arch), None)
+    name = CONFIG_CLASS.get(family) or CONFIG_MAPPING_NAMES.get(model_type)
+    declared = _declared_defaults(getattr(transformers, name))
+    ours = FAMILIES[family].DEFAULTS
+    for key in ("head_dim", "num_key_value_heads", "max_position_embeddings", "bos_token_id"):
+        if isinstance(declared.get(key), int):
+            assert ours.get(key) == declared[key], key
+        elif key in ("head_dim", "num_key_value_heads"):  # none declared, or None: computed from the shape
+            assert ours.get(key) is None, key
+    if isinstance(declared.get("rms_norm_eps"), float):
+        assert ours["rms_norm_eps"] == declared["rms_norm_eps"]
+
+
+def _rename(old: str, new: str):
+    return lambda cfg: cfg.__setitem__(new, cfg.pop(old))
+
+
+@pytest.mark.parametrize(
+    "family, edit, overrides",
+    [
+        ("hunyuan_v1_moe", _rename("moe_topk", "num_experts_per_tok"), {}),  # transformers' attribute_map alias
+        ("flex_olmo", _rename("num_experts", "num_local_experts"), {}),
+        ("cwm", lambda cfg: cfg.__setitem__("attention_bias", True), {}),  # a key its model does not read
+        ("kolibri1", lambda cfg: cfg.__setitem__("attention_bias", True), {}),
+        ("glm", lambda cfg: cfg.pop("num_key_value_heads"), {"num_key_value_heads": 2}),  # GlmConfig's default
+        (
+            "phimoe",  # its mscale replaces YaRN's factor on cos/sin too
+            None,
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 256,
+                    "short_mscale": 1.2,
+                    "long_mscale": 1.2,
+                }
+            },
+        ),
+    ],
+)
+def test_config_spellings_are_read_as_transformers_reads_them(tmp_path, family, edit, overrides):
+    import transformers
+
+    from keel.quant.loading import load_model
+
+    hf = save_hf_model(family, tmp_path, **overrides)
+    if edit is not None:
+        data = json.loads((tmp_path / "config.json").read_text())
+        edit(data)
+        (tmp_path / "config.json").write_text(json.dumps(data))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, load_model(tmp_path, "float32").model(tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert ModelConfig.from_hf(config.to_hf()) == config

@@ -111,6 +111,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("youtu", marks=SLOW),
         pytest.param("apertus", marks=SLOW),
         pytest.param("qwen3_5", marks=SLOW),
+        pytest.param("qwen3_5_moe", marks=SLOW),
+        pytest.param("qwen3_next", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -187,6 +189,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "qwen3_5":  # Gated DeltaNet layers around a full-attention layer with its output gate
         assert [type(a).__name__ for a in attention] == ["GatedDeltaNet"] * 2 + ["Attention", "GatedDeltaNet"]
         assert attention[2].output_gate is not None
+    elif name in ("qwen3_5_moe", "qwen3_next"):  # the same hybrid with gated shared experts (Qwen3-Next: layer 1 dense)
+        config = llm.engine.model.config
+        assert config.has_linear_attention and config.shared_expert_gated
+        assert [config.is_moe_layer(i) for i in range(4)] == [True, name == "qwen3_5_moe", True, True]
     elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
         alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
         assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
@@ -257,4 +263,5 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [e.tolist() for e in expected]
     # Gated DeltaNet layers (Qwen3.5) keep a state per sequence: prefix caching is off for them
-    assert second.num_cached_tokens >= 32 or (name == "qwen3_5" and not llm.engine.kv.enable_prefix_caching)
+    hybrid = llm.engine.model.config.has_linear_attention
+    assert second.num_cached_tokens >= 32 or (hybrid and not llm.engine.kv.enable_prefix_caching)

@@ -117,7 +117,8 @@ SHAPE_INFERABLE = [
             "hyperclovax",
             "youtu",
             "apertus",
-            "qwen3_5",
+            "qwen3_5",  # and qwen3_5_moe
+            "qwen3_next",
             "nanochat",
             "flex_olmo",
             "kolibri",

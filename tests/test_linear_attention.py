@@ -93,16 +93,18 @@ def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path):
     assert sorted(engine.runner.free_states) == [0, 1, 2, 3] and not engine.runner.state_of
 
 
-def test_the_text_model_of_a_multimodal_release_is_served(tmp_path):
-    """Qwen3.5's releases are `Qwen3_5ForConditionalGeneration`: the decoder under `model.language_model.`, the
-    head at `lm_head`, the vision tower unread; transformers' logits and greedy tokens on text."""
+@pytest.mark.parametrize("family, multimodal", [("qwen3_5", "Qwen3_5"), ("qwen3_5_moe", "Qwen3_5Moe")])
+def test_the_text_model_of_a_multimodal_release_is_served(tmp_path, family, multimodal):
+    """Qwen3.5's releases are `Qwen3_5ForConditionalGeneration` (`Qwen3_5MoeForConditionalGeneration`): the decoder
+    under `model.language_model.`, the head at `lm_head`, the vision tower unread; transformers' logits and greedy
+    tokens on text."""
     import transformers
 
-    text = {**COMMON, **TINY_CONFIGS["qwen3_5"][2]}
+    text = {**COMMON, **TINY_CONFIGS[family][2]}
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
     torch.manual_seed(0)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
-    hf = transformers.Qwen3_5ForConditionalGeneration(config)
+    config = getattr(transformers, f"{multimodal}Config")(text_config=text, vision_config=vision)
+    hf = getattr(transformers, f"{multimodal}ForConditionalGeneration")(config)
     hf.eval().save_pretrained(tmp_path)
     save_byte_tokenizer(tmp_path)
     loaded = load_model(tmp_path, "float32")

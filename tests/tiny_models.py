@@ -879,6 +879,45 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         ),
     ),
+    # Qwen3.5 MoE: Qwen3.5's hybrid layers with experts everywhere (softmax top 2 of 4, renormalised) and a gated
+    # shared expert.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+    ),
+    # Qwen3-Next: the same hybrid block, its Gated DeltaNet projections fused and grouped by key head (two value
+    # heads per key head here), experts with layer 1 dense.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=96,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

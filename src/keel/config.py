@@ -669,8 +669,10 @@ class ModelConfig:
         hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
         if not structure_only:
             _refuse_quantized(family, hf, source)
-        head_dim = int(_hf_get(hf, "head_dim", hidden // num_heads))
-        num_kv_heads = int(_hf_get(hf, "num_key_value_heads", num_heads))
+        # where the file has none, the family's config class's own default (a fixed number in many), else the
+        # common rule
+        head_dim = int(_hf_get(hf, "head_dim", defaults.get("head_dim") or hidden // num_heads))
+        num_kv_heads = int(_hf_get(hf, "num_key_value_heads", defaults.get("num_key_value_heads") or num_heads))
         max_positions = int(_hf_get(hf, "max_position_embeddings", defaults["max_position_embeddings"]))
         per_kind = _rope_per_layer_kind(hf)
         if per_kind is not None:  # transformers' per-kind form: {"full_attention": {...}, "sliding_attention": {...}}
@@ -845,6 +847,7 @@ def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
 TEXT_MODEL_OF = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -1096,6 +1099,8 @@ def _rope_from_hf(
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    if family == "phimoe" and rope_type not in ("yarn", "longrope"):  # its mscale replaces the cos/sin factor
+        raise ConfigError(f"{source}: Phimoe's rope_type {rope_type!r} is not supported (longrope, yarn)")
     # As transformers' standardize_rope_params for llama3, yarn and longrope: the pre-training context from the
     # config's top level where it has one (Phi-3 keeps it there), else the rope parameters', else
     # max_position_embeddings.
@@ -1106,7 +1111,7 @@ def _rope_from_hf(
         # As transformers: the factor defaults to the ratio of the two contexts, and a missing or zero
         # mscale/mscale_all_dim means "not given".
         factor = spec.get("factor")
-        attention_factor = spec.get("attention_factor")
+        attention_factor = _phimoe_mscale(spec, source) if family == "phimoe" else spec.get("attention_factor")
         return theta, RopeScaling(
             type="yarn",
             factor=float(factor if factor is not None else max_positions / original),
@@ -1145,12 +1150,12 @@ def _rope_from_hf(
 
 
 def _phimoe_mscale(spec: dict[str, Any], source: str) -> float:
-    """Phi-3.5-MoE's LongRoPE factor on cos/sin (transformers' Phimoe reads no `attention_factor`): `short_mscale` for
-    a forward within the pre-training context, `long_mscale` beyond it; keel's one factor takes them equal, as the
-    released model has them."""
+    """Phi-3.5-MoE's factor on cos/sin under LongRoPE or YaRN (transformers' Phimoe reads no `attention_factor`, and
+    replaces the type's own factor): `short_mscale` for a forward within the pre-training context, `long_mscale`
+    beyond it; keel's one factor takes them equal, as the released model has them."""
     short, long = spec.get("short_mscale"), spec.get("long_mscale")
     if not isinstance(short, int | float) or not isinstance(long, int | float):
-        raise ConfigError(f"{source}: Phimoe's longrope needs numbers short_mscale and long_mscale")
+        raise ConfigError(f"{source}: Phimoe's rope scaling needs numbers short_mscale and long_mscale")
     if short != long:
         raise ConfigError(f"{source}: Phimoe's short_mscale {short} and long_mscale {long} differ (not supported)")
     return float(short)

@@ -62,6 +62,8 @@ from keel.families import (
     phi3,
     phimoe,
     qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
     seed_oss,
     smollm3,
     solar_open,
@@ -74,6 +76,8 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        qwen3_5_moe,
+        qwen3_next,
         qwen3_5,
         apertus,
         youtu,

@@ -20,7 +20,7 @@ from keel.families.layer_kinds import dense_layers, mlp_layer_types
 FAMILY = "cohere2_moe"
 HF_ARCHITECTURE = "Cohere2MoeForCausalLM"
 # transformers' Cohere2MoeConfig defaults.
-DEFAULTS: dict[str, Any] = {**cohere.DEFAULTS, "rope_theta": 10_000.0, "num_experts_per_tok": 2}
+DEFAULTS: dict[str, Any] = {**cohere.DEFAULTS, "rope_theta": 10_000.0, "num_experts_per_tok": 2, "head_dim": 128}
 SLIDING_WINDOW = 4096
 PATTERN = 4  # the default layer_types: every fourth layer global (counted from the first sparse layer)
 ROUTERS = {"softmax": "topk_softmax", "sigmoid": "topk_sigmoid"}

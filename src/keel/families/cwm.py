@@ -11,6 +11,8 @@ FAMILY = "cwm"
 HF_ARCHITECTURE = "CwmForCausalLM"
 # transformers' CwmConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 131072,
@@ -40,6 +42,9 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "sliding_window": int(window) if window else None,
         "layer_types": list(kinds) if window else ["full_attention"] * layers,
         "mlp_bias": bool(hf.get("mlp_bias", False)),
+        # transformers' model has no attention biases, whatever an attention_bias key says
+        "qkv_bias": False,
+        "o_bias": False,
     }
 
 

@@ -12,6 +12,7 @@ FAMILY = "dots1"
 HF_ARCHITECTURE = "Dots1ForCausalLM"
 # transformers' Dots1Config defaults, and dots.llm1's own expert counts where the class leaves them None.
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 2048,

@@ -14,6 +14,8 @@ FAMILY = "ernie4_5"
 HF_ARCHITECTURE = "Ernie4_5ForCausalLM"
 # transformers' Ernie4_5Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 2,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500_000.0,
     "max_position_embeddings": 131_072,

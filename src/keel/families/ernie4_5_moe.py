@@ -15,7 +15,11 @@ from keel.families import ernie4_5
 FAMILY = "ernie4_5_moe"
 HF_ARCHITECTURE = "Ernie4_5_MoeForCausalLM"
 # transformers' Ernie4_5_MoeConfig defaults.
-DEFAULTS: dict[str, Any] = {**ernie4_5.DEFAULTS}
+DEFAULTS: dict[str, Any] = {
+    **ernie4_5.DEFAULTS,
+    "head_dim": None,
+    "num_key_value_heads": 4,
+}  # its head_dim: hidden / heads
 
 
 def _moe_layers(hf: dict[str, Any], layers: int) -> list[bool]:

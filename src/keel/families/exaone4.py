@@ -17,6 +17,7 @@ FAMILY = "exaone4"
 HF_ARCHITECTURE = "Exaone4ForCausalLM"
 # transformers' Exaone4Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 2048,

@@ -19,6 +19,7 @@ FAMILY = "exaone_moe"
 HF_ARCHITECTURE = "ExaoneMoeForCausalLM"
 # transformers' ExaoneMoeConfig defaults (the MoE ones under keel.config's DeepSeek-style names).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 2048,

@@ -16,6 +16,8 @@ FAMILY = "gemma"
 HF_ARCHITECTURE = "GemmaForCausalLM"
 # transformers' GemmaConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "num_key_value_heads": 16,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10_000.0,
     "max_position_embeddings": 8192,

@@ -23,6 +23,8 @@ FAMILY = "gemma2"
 HF_ARCHITECTURE = "Gemma2ForCausalLM"
 # transformers' Gemma2Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10_000.0,
     "max_position_embeddings": 8192,

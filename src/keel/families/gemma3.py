@@ -22,6 +22,8 @@ FAMILY = "gemma3"
 HF_ARCHITECTURE = "Gemma3ForCausalLM"
 # transformers' Gemma3TextConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 131_072,

@@ -15,6 +15,8 @@ FAMILY = "glm"
 HF_ARCHITECTURE = "GlmForCausalLM"
 # transformers' GlmConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 2,
     "rms_norm_eps": 1.5625e-07,
     "rope_theta": 10000.0,
     "max_position_embeddings": 131072,

@@ -18,6 +18,8 @@ FAMILY = "glm4"
 HF_ARCHITECTURE = "Glm4ForCausalLM"
 # transformers' Glm4Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 2,
     "rms_norm_eps": 1.5625e-07,
     "rope_theta": 10000.0,
     "max_position_embeddings": 131072,

@@ -17,6 +17,7 @@ FAMILY = "glm4_moe"
 HF_ARCHITECTURE = "Glm4MoeForCausalLM"
 # transformers' Glm4MoeConfig defaults (the MoE ones are read by keel.config's DeepSeek-style reader).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 131072,

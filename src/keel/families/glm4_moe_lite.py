@@ -15,6 +15,7 @@ FAMILY = "glm4_moe_lite"
 HF_ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 # transformers' Glm4MoeLiteConfig defaults (the MoE and MLA ones are read by keel.config's DeepSeek-style readers).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 20,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 202752,

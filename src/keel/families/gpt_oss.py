@@ -19,6 +19,8 @@ FAMILY = "gpt_oss"
 HF_ARCHITECTURE = "GptOssForCausalLM"
 # transformers' GptOssConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 64,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 150000.0,
     "max_position_embeddings": 131072,

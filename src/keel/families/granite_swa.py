@@ -21,6 +21,7 @@ FAMILY = "granite_swa"
 HF_ARCHITECTURE = "GraniteSWAForCausalLM"
 # transformers' GraniteSWAConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 8192,

@@ -13,6 +13,8 @@ FAMILY = "helium"
 HF_ARCHITECTURE = "HeliumForCausalLM"
 # transformers' HeliumConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 20,
     "rms_norm_eps": 1e-8,
     "rope_theta": 100000.0,
     "max_position_embeddings": 4096,

@@ -36,6 +36,11 @@ def _uniform(hf: dict[str, Any], key: str, default: Any, source: str) -> int:
     return int(value[0])
 
 
+def _key(hf: dict[str, Any], key: str, alias: str) -> str:
+    """`key`, or the name transformers' attribute_map also reads it under where only that one is in the file."""
+    return alias if key not in hf and alias in hf else key
+
+
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     width = int(hf.get("intermediate_size", 11008))
     if _uniform(hf, "moe_intermediate_size", width, source) != width:
@@ -55,8 +60,8 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         # transformers' model has no sliding window, whatever the file says
         "sliding_window": None,
         "layer_types": ["full_attention"] * layers,
-        "num_experts": _uniform(hf, "num_experts", DEFAULTS["num_experts"], source),
-        "num_experts_per_tok": _uniform(hf, "moe_topk", DEFAULTS["moe_topk"], source),
+        "num_experts": _uniform(hf, _key(hf, "num_experts", "num_local_experts"), DEFAULTS["num_experts"], source),
+        "num_experts_per_tok": _uniform(hf, _key(hf, "moe_topk", "num_experts_per_tok"), DEFAULTS["moe_topk"], source),
         "moe_intermediate_size": width,
         "intermediate_size": width,
         "norm_topk_prob": True,

@@ -19,6 +19,8 @@ FAMILY = "kolibri1"
 HF_ARCHITECTURE = "Kolibri1ForCausalLM"
 # transformers' Kolibri1Config defaults (Qwen3MoeConfig's where it keeps them).
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 262144,
@@ -54,6 +56,9 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "router_scoring": "sigmoid",
         "router_bias": True,
         "router_bias_on_logits": True,
+        # transformers' model has no attention biases, whatever an attention_bias key says
+        "qkv_bias": False,
+        "o_bias": False,
     }
 
 

@@ -29,6 +29,8 @@ FAMILY = "llama4"
 HF_ARCHITECTURE = "Llama4ForCausalLM"
 # transformers' Llama4TextConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
     "max_position_embeddings": 131072,

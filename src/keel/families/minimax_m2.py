@@ -16,6 +16,8 @@ FAMILY = "minimax_m2"
 HF_ARCHITECTURE = "MiniMaxM2ForCausalLM"
 # transformers' MiniMaxM2Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-6,
     "rope_theta": 5_000_000.0,
     "max_position_embeddings": 196608,

@@ -11,6 +11,7 @@ FAMILY = "ministral"
 HF_ARCHITECTURE = "MinistralForCausalLM"
 # transformers' MinistralConfig defaults (MistralConfig's).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 131072,

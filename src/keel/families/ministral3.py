@@ -15,6 +15,8 @@ FAMILY = "ministral3"
 HF_ARCHITECTURE = "Ministral3ForCausalLM"
 # transformers' Ministral3Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 262_144,

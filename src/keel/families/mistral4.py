@@ -16,6 +16,7 @@ FAMILY = "mistral4"
 HF_ARCHITECTURE = "Mistral4ForCausalLM"
 # transformers' Mistral4Config defaults (the MoE and MLA ones are read by keel.config's DeepSeek-style readers).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 1048576,

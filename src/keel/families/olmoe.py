@@ -35,7 +35,7 @@ def moe_fields(hf: dict[str, Any], experts: int, per_token: int, width: int) -> 
         "qk_norm_scope": "all",
         "qkv_bias": bias,
         "o_bias": bias,
-        "num_experts": int(hf.get("num_experts", experts)),
+        "num_experts": int(hf.get("num_experts", hf.get("num_local_experts", experts))),  # transformers' alias
         "num_experts_per_tok": int(hf.get("num_experts_per_tok", per_token)),
         "moe_intermediate_size": width,
         "intermediate_size": width,

@@ -21,6 +21,7 @@ FAMILY = "phimoe"
 HF_ARCHITECTURE = "PhimoeForCausalLM"
 # transformers' PhimoeConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 1e6,
     "max_position_embeddings": 4096 * 32,
@@ -53,7 +54,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     rope = hf["rope_parameters"]
-    if config.rope_scaling.type == "longrope":
+    if config.rope_scaling.type in ("longrope", "yarn"):
         # PhiMoE's names of LongRoPE's factor on cos/sin (keel.config reads them into attention_factor)
         rope = {**rope, "short_mscale": config.rope_scaling.attention_factor}
         rope["long_mscale"] = rope["short_mscale"]

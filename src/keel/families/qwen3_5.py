@@ -21,6 +21,8 @@ FAMILY = "qwen3_5"
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
 # transformers' Qwen3_5TextConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 32768,

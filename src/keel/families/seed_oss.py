@@ -10,6 +10,8 @@ FAMILY = "seed_oss"
 HF_ARCHITECTURE = "SeedOssForCausalLM"
 # transformers' SeedOssConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 524_288,

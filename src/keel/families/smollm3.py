@@ -15,6 +15,7 @@ FAMILY = "smollm3"
 HF_ARCHITECTURE = "SmolLM3ForCausalLM"
 # transformers' SmolLM3Config defaults.
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "rope_theta": 2_000_000.0,
     "max_position_embeddings": 32768,

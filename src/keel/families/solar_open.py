@@ -12,6 +12,8 @@ FAMILY = "solar_open"
 HF_ARCHITECTURE = "SolarOpenForCausalLM"
 # transformers' SolarOpenConfig defaults (the MoE ones are read by keel.config's DeepSeek-style reader).
 DEFAULTS: dict[str, Any] = {
+    "head_dim": 128,
+    "num_key_value_heads": 8,
     "rms_norm_eps": 1e-5,
     "rope_theta": 1_000_000.0,
     "max_position_embeddings": 131072,

@@ -16,6 +16,7 @@ FAMILY = "stablelm"
 HF_ARCHITECTURE = "StableLmForCausalLM"
 # transformers' StableLmConfig defaults (its layer_norm_eps is keel's rms_norm_eps: the norms' eps).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 4096,

@@ -12,6 +12,7 @@ FAMILY = "starcoder2"
 HF_ARCHITECTURE = "Starcoder2ForCausalLM"
 # transformers' Starcoder2Config defaults (its norm_epsilon is keel's rms_norm_eps: the norms' eps).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 2,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 4096,

@@ -12,6 +12,7 @@ FAMILY = "youtu"
 HF_ARCHITECTURE = "YoutuForCausalLM"
 # transformers' YoutuConfig defaults (the latent attention's are DeepseekV3Config's).
 DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 16,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "max_position_embeddings": 131072,
