@@ -24,7 +24,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata, explicit_attention, sdpa
-from keel.model.linear_attention import RecurrentSpans, RecurrentStates
+from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
 
@@ -49,8 +49,8 @@ class ContiguousKVCache:
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self._key_positions = torch.arange(max_len, device=device)
-        # Gated DeltaNet layers (Qwen3.5): one state slot per row
-        self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_linear_attention else None
+        # recurrent layers (Qwen3.5, LFM2): one state slot per row
+        self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_recurrent_layers else None
 
     def _prepare(self, meta: AttentionMetadata) -> tuple[int, Tensor | None]:
         """Per forward (not per layer): how many slots are visible, and how rows are addressed."""

@@ -113,6 +113,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("qwen3_5", marks=SLOW),
         pytest.param("qwen3_5_moe", marks=SLOW),
         pytest.param("qwen3_next", marks=SLOW),
+        pytest.param("lfm2", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -189,6 +190,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "qwen3_5":  # Gated DeltaNet layers around a full-attention layer with its output gate
         assert [type(a).__name__ for a in attention] == ["GatedDeltaNet"] * 2 + ["Attention", "GatedDeltaNet"]
         assert attention[2].output_gate is not None
+    elif name == "lfm2":  # gated short convolutions around an attention layer with q/k norms
+        assert [type(a).__name__ for a in attention] == ["ShortConv"] * 2 + ["Attention", "ShortConv"]
+        assert attention[2].q_norm is not None and attention[0].conv.bias is not None
     elif name in ("qwen3_5_moe", "qwen3_next"):  # the same hybrid with gated shared experts (Qwen3-Next: layer 1 dense)
         config = llm.engine.model.config
         assert config.has_linear_attention and config.shared_expert_gated
@@ -263,5 +267,5 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     second = llm.generate(prompts[1], greedy, use_tqdm=False)[0]
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [e.tolist() for e in expected]
     # Gated DeltaNet layers (Qwen3.5) keep a state per sequence: prefix caching is off for them
-    hybrid = llm.engine.model.config.has_linear_attention
+    hybrid = llm.engine.model.config.has_recurrent_layers
     assert second.num_cached_tokens >= 32 or (hybrid and not llm.engine.kv.enable_prefix_caching)

@@ -119,6 +119,7 @@ SHAPE_INFERABLE = [
             "apertus",
             "qwen3_5",  # and qwen3_5_moe
             "qwen3_next",
+            "lfm2",
             "nanochat",
             "flex_olmo",
             "kolibri",

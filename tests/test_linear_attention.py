@@ -1,7 +1,7 @@
-"""Gated DeltaNet layers (Qwen3.5's `linear_attention`): the delta rule against transformers' own functions, and
-serving with a recurrent state per sequence (chunked prefill, preemption, slots reused), the multimodal releases
-read on text, and what such models refuse. Logits, greedy tokens, align and export of the tiny Qwen3.5 run with
-every family in tests/test_architectures.py and tests/test_convert.py."""
+"""Recurrent layers: Gated DeltaNet (Qwen3.5's `linear_attention`: the delta rule against transformers' own
+functions) and LFM2's short convolutions (`conv`), served with a state per sequence (chunked prefill, preemption,
+slots reused); the multimodal releases read on text, and what such models refuse. Logits, greedy tokens, align and
+export of the tiny models run with every family in tests/test_architectures.py and tests/test_convert.py."""
 
 from __future__ import annotations
 
@@ -64,11 +64,13 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         ]
 
 
-def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
-    Gated DeltaNet layers hold no KV blocks, and prefix caching is off."""
-    hf = save_hf_model("qwen3_5", tmp_path)
+    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions) hold no KV blocks, and prefix caching
+    is off."""
+    hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
     expected = _expected(hf, prompts, 32)
@@ -85,7 +87,7 @@ def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path):
     engine = llm.engine
     assert not engine.kv.enable_prefix_caching
     kinds = engine.model.config.layer_types
-    assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [k == "linear_attention" for k in kinds]
+    assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [k != "full_attention" for k in kinds]
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

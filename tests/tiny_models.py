@@ -918,6 +918,19 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # LFM2: gated short convolutions in layers 0, 1 and 3 (biased, kernel 3), attention with q/k norms in layer 2; the
+    # MLP's width adjusted from intermediate_size (2/3, rounded up to 32).
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=192,
+            block_multiple_of=32,
+            full_attn_idxs=[2],
+            conv_bias=True,
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

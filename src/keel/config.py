@@ -229,6 +229,9 @@ class ModelConfig:
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
+    # LFM2's gated short convolutions ("conv" layers, keel.model.short_conv): the kernel's width, biases
+    short_conv_kernel: int = 3
+    short_conv_bias: bool = False
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -385,6 +388,15 @@ class ModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layers keep a state per sequence instead of keys and values (Gated DeltaNet, LFM2's short
+        convolutions: keel.model.recurrent)."""
+        return any(self.is_recurrent_layer(i) for i in range(self.num_layers))
+
+    def is_recurrent_layer(self, layer: int) -> bool:
+        return self.layer_types[layer] in ("linear_attention", "conv")
+
     def layer_window(self, layer: int) -> int | None:
         """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
         visible`): None, all; a positive size, a sliding window (q_pos - k_pos < window); a negative one, Llama 4's
@@ -414,10 +426,13 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv"}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         if self.has_linear_attention:
             self._validate_linear(need)
+        if "conv" in self.layer_types:
+            need(self.short_conv_kernel >= 2, "short_conv_kernel must be at least 2")
+            need(not self.is_mla, "conv layers beside multi-head latent attention are not supported")
         need(
             self.attention_chunk_size is None or self.attention_chunk_size > 0,
             f"attention_chunk_size must be positive, got {self.attention_chunk_size}",
@@ -622,8 +637,10 @@ class ModelConfig:
         block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
         total = active = 0
         linear = self._linear_attention_params() if self.has_linear_attention else 0
+        conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
+        mixers = {"linear_attention": linear, "conv": conv}
         for layer in range(self.num_layers):
-            base = (linear if self.is_linear_layer(layer) else attn) + block_norms
+            base = mixers.get(self.layer_types[layer], attn) + block_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers

@@ -47,6 +47,7 @@ from keel.families import (
     hyperclovax,
     jais2,
     kolibri1,
+    lfm2,
     llama4,
     minimax_m2,
     ministral,
@@ -76,6 +77,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        lfm2,
         qwen3_5_moe,
         qwen3_next,
         qwen3_5,

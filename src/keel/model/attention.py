@@ -20,7 +20,7 @@ from keel.config import ModelConfig
 from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm
 
 if TYPE_CHECKING:
-    from keel.model.linear_attention import RecurrentSpans
+    from keel.model.recurrent import RecurrentSpans
 
 
 class KVCache(Protocol):
@@ -50,8 +50,9 @@ class KVCache(Protocol):
         ...
 
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
-        """For a Gated DeltaNet layer (keel.model.linear_attention): which tokens of this forward belong to which
-        sequence, and that layer's state stores with each sequence's slot (emptied where it starts at position 0)."""
+        """For a recurrent layer (keel.model.recurrent: Gated DeltaNet, short convolution): which tokens of this
+        forward belong to which sequence, and that layer's state stores with each sequence's slot (emptied where it
+        starts at position 0)."""
         ...
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -4,17 +4,11 @@ x is projected to q/k/v (`in_proj_qkv`), an output gate z (`in_proj_z`), a write
 and a decay g = -exp(A_log) softplus(`in_proj_a` + dt_bias) per value head. q/k/v pass a causal depthwise
 convolution (`conv1d`, kernel K) and SiLU, then the gated delta rule (keel.model.gated_delta) mixes the tokens;
 each head's output is RMS-normed, scaled by SiLU(z) (`norm`), and projected back (`out_proj`). Parameter names are
-transformers' (its `linear_attn.` is keel's `self_attn.`: the family's checkpoint layout).
-
-A sequence's past lives in two states instead of a KV cache: the last K - 1 convolution inputs and the delta rule's
-[Hv, Dk, Dv] matrix. Without a cache each row of the batch is a whole sequence from an empty state. With one, the
-cache's `recurrent_spans` says which tokens belong to which sequence and hands out that sequence's states, which
-the layer continues in place (a chunk of a prefill, or one decode token of many sequences at once).
+transformers' (its `linear_attn.` is keel's `self_attn.`: the family's checkpoint layout). A sequence's past is a
+state (keel.model.recurrent): the convolution's last inputs and the delta rule's matrix.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,21 +16,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
-
-
-@dataclass
-class RecurrentSpans:
-    """The tokens of one forward by sequence, for a layer with recurrent state, and that layer's state stores.
-
-    Token indices are into the forward's tokens flattened ([B, S] -> B * S). `chunks`: (first, end, slot) of each
-    run of several tokens of one sequence; `decode_tokens` / `decode_slots`: single tokens of sequences, run as one
-    batch. A sequence starting at position 0 has had its slot emptied by the cache."""
-
-    conv: Tensor  # [slots, conv channels, K - 1] the last convolution inputs, in the model's dtype
-    state: Tensor  # [slots, Hv, Dk, Dv] float32
-    chunks: list[tuple[int, int, int]]
-    decode_tokens: Tensor | None = None  # [N] int64
-    decode_slots: Tensor | None = None  # [N] int64
+from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
 
 
 class GatedRMSNorm(nn.Module):
@@ -63,12 +43,11 @@ class GatedDeltaNet(nn.Module):
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.splits = (keys, keys, values)
         channels = 2 * keys + values
-        self.kernel = config.linear_conv_kernel_dim
         self.in_proj_qkv = nn.Linear(h, channels, bias=False)
         self.in_proj_z = nn.Linear(h, values, bias=False)
         self.in_proj_b = nn.Linear(h, self.value_heads, bias=False)
         self.in_proj_a = nn.Linear(h, self.value_heads, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, config.linear_conv_kernel_dim, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
@@ -82,10 +61,7 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         if spans is None:  # whole sequences from an empty state, the batch at once
-            weight = self.conv1d.weight
-            conv = F.silu(F.conv1d(mixed.transpose(1, 2), weight, padding=self.kernel - 1, groups=weight.shape[0]))
-            conv = conv[..., :s]
-            out, _ = self._mix(conv.transpose(1, 2), decay, beta, None)
+            out, _ = self._mix(F.silu(causal_conv(mixed, self.conv1d.weight, None)), decay, beta, None)
         else:
             out = self._continue(mixed.reshape(b * s, -1), decay.reshape(b * s, -1), beta.reshape(b * s, -1), spans)
             out = out.view(b, s, self.value_heads, self.value_dim)
@@ -108,65 +84,18 @@ class GatedDeltaNet(nn.Module):
 
     def _continue(self, mixed: Tensor, decay: Tensor, beta: Tensor, spans: RecurrentSpans) -> Tensor:
         """Each sequence's tokens continued from its states, which are updated in place."""
+        conv = F.silu(causal_conv_continued(mixed, self.conv1d.weight, None, spans))
         out = mixed.new_empty(mixed.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
-        weight, past = self.conv1d.weight, self.kernel - 1
         for first, end, slot in spans.chunks:
-            # [1, C, K-1+L]; a bfloat16 KV cache (--kv-cache-dtype) keeps the convolution's past in bfloat16 too
-            window = torch.cat([spans.conv[slot].to(mixed.dtype), mixed[first:end].t()], dim=-1).unsqueeze(0)
-            spans.conv[slot] = window[0, :, -past:]
-            conv = F.silu(F.conv1d(window, weight, groups=weight.shape[0])).transpose(1, 2)
-            piece, state = self._mix(conv, decay[first:end][None], beta[first:end][None], spans.state[slot][None])
+            piece, state = self._mix(
+                conv[first:end][None], decay[first:end][None], beta[first:end][None], spans.state[slot][None]
+            )
             spans.state[slot] = state[0]
             out[first:end] = piece[0]
         if spans.decode_tokens is not None:
             tokens, slots = spans.decode_tokens, spans.decode_slots
-            past_inputs = spans.conv.index_select(0, slots).to(mixed.dtype)
-            window = torch.cat([past_inputs, mixed.index_select(0, tokens).unsqueeze(-1)], -1)
-            spans.conv.index_copy_(0, slots, window[..., 1:].to(spans.conv.dtype))
-            conv = F.silu(F.conv1d(window, weight, groups=weight.shape[0])).transpose(1, 2)  # [N, 1, C]
             state = spans.state.index_select(0, slots)
-            piece, state = self._mix(conv, decay[tokens][:, None], beta[tokens][:, None], state)
+            piece, state = self._mix(conv[tokens][:, None], decay[tokens][:, None], beta[tokens][:, None], state)
             spans.state.index_copy_(0, slots, state)
             out[tokens] = piece[:, 0]
         return out
-
-
-class RecurrentStates:
-    """The states of a model's Gated DeltaNet layers for `slots` sequences at once: per layer the convolution's
-    last inputs [slots, C, K - 1] (in `dtype`) and the delta rule's [slots, Hv, Dk, Dv] (float32). A cache holds one
-    and says which slot each sequence of a forward uses (`spans`); a slot is emptied when its sequence starts."""
-
-    def __init__(self, config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        keys = config.linear_num_key_heads * config.linear_key_head_dim
-        values = config.linear_num_value_heads * config.linear_value_head_dim
-        conv = (slots, 2 * keys + values, config.linear_conv_kernel_dim - 1)
-        state = (slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-        layers = [i for i in range(config.num_layers) if config.is_linear_layer(i)]
-        self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in layers}
-        self.state = {i: torch.zeros(state, dtype=torch.float32, device=device) for i in layers}
-
-    @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        """What one sequence's states take over every Gated DeltaNet layer."""
-        keys = config.linear_num_key_heads * config.linear_key_head_dim
-        values = config.linear_num_value_heads * config.linear_value_head_dim
-        conv = (2 * keys + values) * (config.linear_conv_kernel_dim - 1) * dtype.itemsize
-        state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-        return (conv + state) * sum(config.is_linear_layer(i) for i in range(config.num_layers))
-
-    def reset(self, slots: list[int]) -> None:
-        """Empty these slots in every layer (their sequences start at position 0)."""
-        if not slots:
-            return
-        index = torch.tensor(slots, device=next(iter(self.state.values())).device)
-        for store in (*self.conv.values(), *self.state.values()):
-            store.index_fill_(0, index, 0)
-
-    def spans(
-        self,
-        layer: int,
-        chunks: list[tuple[int, int, int]],
-        decode_tokens: Tensor | None = None,
-        decode_slots: Tensor | None = None,
-    ) -> RecurrentSpans:
-        return RecurrentSpans(self.conv[layer], self.state[layer], chunks, decode_tokens, decode_slots)

@@ -18,6 +18,7 @@ from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, buil
 from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
+from keel.model.short_conv import ShortConv
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +31,8 @@ class DecoderLayer(nn.Module):
         self.self_attn: nn.Module = (
             GatedDeltaNet(config, layer)
             if config.is_linear_layer(layer)
+            else ShortConv(config, layer)
+            if config.layer_types[layer] == "conv"
             else MLAttention(config, layer)
             if config.is_mla
             else Attention(config, layer)

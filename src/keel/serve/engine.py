@@ -19,7 +19,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.kv_size import check_kv_cache_dtype, kv_cache_bytes
-from keel.model.linear_attention import RecurrentStates
+from keel.model.recurrent import RecurrentStates
 from keel.model.transformer import Transformer
 from keel.platform import resolve_device
 from keel.quant.apply import GGUF
@@ -29,7 +29,7 @@ from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
 from keel.serve.constraints import bad_words_token_ids
-from keel.serve.hybrid import check_linear_attention, prefix_caching
+from keel.serve.hybrid import check_recurrent_layers, prefix_caching
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
@@ -126,7 +126,7 @@ class LLMEngine:
         self.max_model_len = config.scheduler.model_len(self.model.config.max_position_embeddings)
         check_model_len(self.max_model_len, self.model.config)
         self.spec: SpeculativeConfig | None = config.speculative
-        check_linear_attention(self.model.config, config)
+        check_recurrent_layers(self.model.config, config)
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
@@ -448,13 +448,13 @@ class LLMEngine:
         blocks = blocks_in_budget(
             per_block, cache.kv_cache_memory, device, cache.gpu_memory_utilization, self._activation_peak
         )
-        # Gated DeltaNet layers: their states for max_num_seqs sequences come out of the same budget
+        # recurrent layers: their states for max_num_seqs sequences come out of the same budget
         states = (
             RecurrentStates.bytes_per_slot(self.model.config, self.model.dtype) * self.config.scheduler.max_num_seqs
         )
         if states and blocks - -(-states // per_block) < 1:
             raise KeelError(
-                f"the Gated DeltaNet states of --max-num-seqs {self.config.scheduler.max_num_seqs} sequences "
+                f"the recurrent layers' states of --max-num-seqs {self.config.scheduler.max_num_seqs} sequences "
                 f"({states / 2**20:.0f} MiB) leave no room for the KV cache: lower --max-num-seqs or raise the budget"
             )
         return blocks - -(-states // per_block) if states else blocks

@@ -1,6 +1,6 @@
-"""Serving models with Gated DeltaNet layers (Qwen3.5: config.has_linear_attention), whose per-sequence past is a
-recurrent state (keel.model.linear_attention.RecurrentStates, one slot per running sequence) beside the paged KV
-cache of their attention layers.
+"""Serving models with recurrent layers (`ModelConfig.has_recurrent_layers`: Qwen3.5's Gated DeltaNet, LFM2's short
+convolutions), whose per-sequence past is a state (keel.model.recurrent.RecurrentStates, one slot per running
+sequence) beside the paged KV cache of their attention layers.
 
 A state summarises a whole prefix and cannot be rewound or shared: prefix caching is off for such models (a cached
 prefix's blocks would skip tokens whose state no slot holds), and what needs either (speculative decoding's
@@ -19,9 +19,9 @@ from keel.serve.config import EngineConfig
 log = logging.getLogger("keel.serve")
 
 
-def check_linear_attention(model: ModelConfig, config: EngineConfig) -> None:
+def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     """A one-line KeelError for an engine option such a model cannot run with."""
-    if not model.has_linear_attention:
+    if not model.has_recurrent_layers:
         return
     refused = [
         (config.speculative is not None, "speculative decoding"),
@@ -30,12 +30,12 @@ def check_linear_attention(model: ModelConfig, config: EngineConfig) -> None:
     ]
     for asked, what in refused:
         if asked:
-            raise KeelError(f"{what} does not run with Gated DeltaNet (linear_attention) layers yet")
+            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv) layers yet")
 
 
 def prefix_caching(model: ModelConfig, config: EngineConfig) -> bool:
-    """Whether the engine caches prefixes: as asked, except for a model with Gated DeltaNet layers."""
-    if config.cache.enable_prefix_caching and model.has_linear_attention:
-        log.info("prefix caching off: Gated DeltaNet layers keep a recurrent state per sequence, not per block")
+    """Whether the engine caches prefixes: as asked, except for a model with recurrent layers."""
+    if config.cache.enable_prefix_caching and model.has_recurrent_layers:
+        log.info("prefix caching off: recurrent layers keep a state per sequence, not per block")
         return False
     return config.cache.enable_prefix_caching

@@ -17,7 +17,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores, visible
-from keel.model.linear_attention import RecurrentSpans, RecurrentStates
+from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
 
@@ -238,7 +238,7 @@ def attend_fresh_chunks(
 
 @dataclass
 class RecurrentPlan:
-    """Which state slot each sequence of a packed step continues (the runner's), for the Gated DeltaNet layers:
+    """Which state slot each sequence of a packed step continues (the runner's), for the recurrent layers:
     multi-token chunks as (first row, end row, slot), the one-token decodes as rows and slots, and the slots of
     sequences that start at position 0 (emptied before the forward)."""
 
@@ -260,7 +260,7 @@ class StepPlan:
     slot_mapping: Tensor  # [T] flat slot (block * block_size + offset) where each token's K/V goes
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    # Gated DeltaNet layers (config.has_linear_attention): each sequence's state slot (keel.model.linear_attention)
+    # recurrent layers (config.has_recurrent_layers): each sequence's state slot (keel.model.recurrent)
     recurrent: RecurrentPlan | None = None
     _masks: dict = field(default_factory=dict)
 
@@ -326,7 +326,7 @@ class PagedKVCache:
         sequences: int = 1,
     ) -> None:
         """layers: the layers this cache stores (a pipeline stage's); the others get empty stores. sequences: how
-        many sequences at once the Gated DeltaNet layers keep states for (the scheduler's max_num_seqs)."""
+        many sequences at once the recurrent layers keep states for (the scheduler's max_num_seqs)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.layers = range(config.num_layers) if layers is None else layers
@@ -339,8 +339,8 @@ class PagedKVCache:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
             self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        # Gated DeltaNet layers keep no K/V: their state per sequence, in `sequences` slots, instead
-        self.linear = {i for i in range(config.num_layers) if config.is_linear_layer(i)}
+        # recurrent layers keep no K/V: their state per sequence, in `sequences` slots, instead
+        self.linear = {i for i in range(config.num_layers) if config.is_recurrent_layer(i)}
         self.keys = [
             torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
             for i in range(config.num_layers)
@@ -359,7 +359,7 @@ class PagedKVCache:
         return self.num_blocks * self.block_size if layer in self.layers and layer not in self.linear else 0
 
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
-        """The step's sequences and their state slots for a Gated DeltaNet layer (`StepPlan.recurrent`)."""
+        """The step's sequences and their state slots for a recurrent layer (`StepPlan.recurrent`)."""
         plan = self.plan.recurrent
         return self.recurrent.spans(layer, plan.chunks, plan.decode_rows, plan.decode_slots)
 

@@ -90,11 +90,11 @@ def make_paged_kv_cache(
 ) -> PagedKVCache:
     """The engine's paged cache: `PagedKVCache` in the model's dtype ("auto") or in bfloat16 ("bfloat16"),
     or `Int8PagedKVCache` ("int8").
-    layers: a pipeline stage's layers (default: all). sequences: the Gated DeltaNet layers' state slots."""
+    layers: a pipeline stage's layers (default: all). sequences: the recurrent layers' state slots."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "int8":
-        if config.has_linear_attention:
-            raise KeelError("--kv-cache-dtype int8 does not run with Gated DeltaNet (linear_attention) layers")
+        if config.has_recurrent_layers:
+            raise KeelError("--kv-cache-dtype int8 does not run with recurrent (linear_attention, conv) layers")
         return Int8PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
     store = kv_store_dtype(dtype, kv_cache_dtype)
     return PagedKVCache(config, num_blocks, block_size, store, device, layers, sequences)

@@ -35,7 +35,7 @@ class Chunk:
     start: int
     tokens: list[int]
     logits: str = "last"  # "last" | "all" | "none"
-    state: int = -1  # the sequence's state slot for Gated DeltaNet layers (-1: the model has none)
+    state: int = -1  # the sequence's state slot for recurrent layers (-1: the model has none)
 
 
 @dataclass
@@ -102,7 +102,7 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
 
 
 def _recurrent_plan(chunks: list[Chunk], device: torch.device) -> RecurrentPlan:
-    """Each chunk's rows of the packed step and its state slot, for the Gated DeltaNet layers."""
+    """Each chunk's rows of the packed step and its state slot, for the recurrent layers."""
     spans, decode_rows, decode_slots, fresh, offset = [], [], [], [], 0
     for chunk in chunks:
         n = len(chunk.tokens)
@@ -149,7 +149,7 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self.compiled: CompiledDecode | None = None  # set by the engine when decode steps run compiled
-        # Gated DeltaNet layers: a state slot per running request, from the cache's (max_num_seqs)
+        # recurrent layers: a state slot per running request, from the cache's (max_num_seqs)
         states = cache.recurrent.conv if cache is not None and cache.recurrent is not None else None
         self.free_states: list[int] | None = None
         if states:
@@ -164,12 +164,12 @@ class ModelRunner:
             self.free_states.append(slot)
 
     def _state_slot(self, request: Request) -> int:
-        """The request's state slot for Gated DeltaNet layers (-1 for a model without them)."""
+        """The request's state slot for recurrent layers (-1 for a model without them)."""
         if self.free_states is None:
             return -1
         if request.request_id not in self.state_of:
             if not self.free_states:
-                raise RuntimeError("more running sequences than the Gated DeltaNet state slots (max_num_seqs)")
+                raise RuntimeError("more running sequences than the recurrent layers' state slots (max_num_seqs)")
             self.state_of[request.request_id] = self.free_states.pop()
         return self.state_of[request.request_id]
 
