@@ -114,6 +114,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("qwen3_5_moe", marks=SLOW),
         pytest.param("qwen3_next", marks=SLOW),
         pytest.param("lfm2", marks=SLOW),
+        pytest.param("lfm2_moe", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -193,6 +194,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "lfm2":  # gated short convolutions around an attention layer with q/k norms
         assert [type(a).__name__ for a in attention] == ["ShortConv"] * 2 + ["Attention", "ShortConv"]
         assert attention[2].q_norm is not None and attention[0].conv.bias is not None
+    elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
+        config = llm.engine.model.config
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+        assert config.router_bias and config.routed_scaling_factor == 1.5 and config.has_recurrent_layers
     elif name in ("qwen3_5_moe", "qwen3_next"):  # the same hybrid with gated shared experts (Qwen3-Next: layer 1 dense)
         config = llm.engine.model.config
         assert config.has_linear_attention and config.shared_expert_gated

@@ -931,6 +931,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             conv_bias=True,
         ),
     ),
+    # LFM2 MoE: layer 0 dense, experts after it (a sigmoid router with a selection bias, top 2 of 4, scaled by 1.5),
+    # attention in layer 2.
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_dense_layers=1,
+            routed_scaling_factor=1.5,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",
@@ -985,7 +1001,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
                 p.mul_(10)
         for bname, b in model.named_buffers():
             # DeepSeek's router selection bias starts at zero: perturb it so that it counts too.
-            if bname.endswith("e_score_correction_bias"):
+            if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # LFM2 MoE's too
                 b.add_(torch.randn_like(b) * 0.1)
     return model.eval()
 

@@ -48,6 +48,7 @@ from keel.families import (
     jais2,
     kolibri1,
     lfm2,
+    lfm2_moe,
     llama4,
     minimax_m2,
     ministral,
@@ -77,6 +78,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        lfm2_moe,
         lfm2,
         qwen3_5_moe,
         qwen3_next,
