@@ -115,6 +115,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("qwen3_next", marks=SLOW),
         pytest.param("lfm2", marks=SLOW),
         pytest.param("lfm2_moe", marks=SLOW),
+        pytest.param("granitemoehybrid-dense", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -194,6 +195,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "lfm2":  # gated short convolutions around an attention layer with q/k norms
         assert [type(a).__name__ for a in attention] == ["ShortConv"] * 2 + ["Attention", "ShortConv"]
         assert attention[2].q_norm is not None and attention[0].conv.bias is not None
+    elif name == "granitemoehybrid-dense":  # Mamba 2 mixers around a rotating attention layer, a dense MLP
+        assert [type(a).__name__ for a in attention] == ["Mamba2Mixer", "Attention", "Mamba2Mixer"]
+        assert attention[1].rotates and not llm.engine.model.config.is_moe
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -1,5 +1,6 @@
 """Recurrent layers: Gated DeltaNet (Qwen3.5's `linear_attention`: the delta rule against transformers' own
-functions) and LFM2's short convolutions (`conv`), served with a state per sequence (chunked prefill, preemption,
+functions), LFM2's short convolutions (`conv`) and Mamba 2's mixers (Granite 4.0-H: the scan against transformers'
+own function), served with a state per sequence (chunked prefill, preemption,
 slots reused); the multimodal releases read on text, and what such models refuse. Logits, greedy tokens, align and
 export of the tiny models run with every family in tests/test_architectures.py and tests/test_convert.py."""
 
@@ -10,6 +11,7 @@ import torch
 
 from keel.errors import KeelError
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
+from keel.model.ssd import ssd_chunked, ssd_steps
 from keel.quant.loading import load_model
 from keel.serve import LLM, EngineConfig, SamplingParams
 from tiny_models import COMMON, TINY_CONFIGS, save_byte_tokenizer, save_hf_model
@@ -53,6 +55,32 @@ def test_a_sequence_continues_from_its_state_across_chunks():
     torch.testing.assert_close(end, whole_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [1, 7, 150])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_scan_matches_transformers(length, groups):
+    """Chunked and token by token, from a given state, with D's skip: transformers' mamba2_chunk_scan."""
+    granite = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+    g = torch.Generator().manual_seed(0)
+    heads, dim, size = 4, 8, 16
+    x = torch.randn(2, length, heads, dim, generator=g)
+    raw, a_log, skip, dt_bias = (
+        torch.randn(*shape, generator=g) for shape in ((2, length, heads), (heads,), (heads,), (heads,))
+    )
+    b, c = (torch.randn(2, length, groups, size, generator=g) for _ in range(2))
+    state = torch.randn(2, heads, dim, size, generator=g) * 0.1
+    want, want_state = granite.mamba2_chunk_scan(
+        x, raw, -a_log.exp(), b, c, chunk_size=32, D=skip, dt_bias=dt_bias, initial_states=state, dt_softplus=True,
+        return_final_states=True,
+    )  # fmt: skip
+    step = torch.nn.functional.softplus(raw + dt_bias).transpose(1, 2)
+    per_head = [t.repeat_interleave(heads // groups, dim=2).transpose(1, 2) for t in (b, c)]
+    for scan in (ssd_chunked, ssd_steps):
+        y, final = scan(x.transpose(1, 2), step, a_log, *per_head, state)
+        y = (y + skip[:, None, None] * x.transpose(1, 2)).transpose(1, 2)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
+        torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
+
+
 def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -64,12 +92,12 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         ]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "granitemoehybrid"])
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
-    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions) hold no KV blocks, and prefix caching
-    is off."""
+    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers) hold no
+    KV blocks, and prefix caching is off."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]

@@ -947,6 +947,42 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             layer_types=["conv", "conv", "full_attention", "conv"],
         ),
     ),
+    # Granite 4.0-H: Mamba 2 mixers in layers 0, 1 and 3 (4 heads of 32 in 2 groups, state 16, biased convolution),
+    # attention without position encoding in layer 2, Granite's scalars, experts plus the shared MLP; and its dense
+    # form (the shared MLP alone) with rotary attention.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.09,
+            logits_scaling=4.0,
+            layer_types=["mamba", "mamba", "attention", "mamba"],
+        ),
+    ),
+    "granitemoehybrid-dense": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            shared_intermediate_size=96,
+            num_local_experts=0,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            position_embedding_type="rope",
+            layer_types=["mamba", "attention", "mamba"],
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

@@ -51,7 +51,7 @@ DEEPSEEK_MOE_FAMILIES = {
 LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
-GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa"}
+GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -232,6 +232,16 @@ class ModelConfig:
     # LFM2's gated short convolutions ("conv" layers, keel.model.short_conv): the kernel's width, biases
     short_conv_kernel: int = 3
     short_conv_bias: bool = False
+    # Mamba 2's mixers ("mamba" layers, keel.model.mamba): heads, their channels, B/C groups, the state's size, the
+    # convolution's kernel, biases, the step's limits after softplus
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 0
+    mamba_d_conv: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -395,7 +405,7 @@ class ModelConfig:
         return any(self.is_recurrent_layer(i) for i in range(self.num_layers))
 
     def is_recurrent_layer(self, layer: int) -> bool:
-        return self.layer_types[layer] in ("linear_attention", "conv")
+        return self.layer_types[layer] in ("linear_attention", "conv", "mamba")
 
     def layer_window(self, layer: int) -> int | None:
         """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
@@ -426,10 +436,16 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv"}
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mamba"}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         if self.has_linear_attention:
             self._validate_linear(need)
+        if "mamba" in self.layer_types:
+            for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups"):
+                need(getattr(self, name) > 0, f"{name} must be positive with mamba layers")
+            need(self.mamba_n_heads % self.mamba_n_groups == 0, "mamba_n_groups must divide mamba_n_heads")
+            need(self.mamba_d_conv >= 2, "mamba_d_conv must be at least 2")
+            need(not self.is_mla, "mamba layers beside multi-head latent attention are not supported")
         if "conv" in self.layer_types:
             need(self.short_conv_kernel >= 2, "short_conv_kernel must be at least 2")
             need(not self.is_mla, "conv layers beside multi-head latent attention are not supported")
@@ -590,6 +606,16 @@ class ModelConfig:
         projections = h * conv + h * values + 2 * h * heads + values * h
         return projections + conv * self.linear_conv_kernel_dim + 2 * heads + self.linear_value_head_dim
 
+    def _mamba_params(self) -> int:
+        """A Mamba 2 mixer's: in_proj (gate, x/B/C, steps), the convolution, dt_bias / A_log / D, the norm, out_proj."""
+        h, heads, inner = self.hidden_size, self.mamba_n_heads, self.mamba_n_heads * self.mamba_d_head
+        channels = inner + 2 * self.mamba_n_groups * self.mamba_d_state
+        projected = inner + channels + heads
+        total = h * projected + channels * self.mamba_d_conv + 3 * heads + inner + inner * h
+        if self.mamba_conv_bias:
+            total += channels
+        return total + (projected + h if self.mamba_proj_bias else 0)
+
     def _attention_params(self) -> int:
         h = self.hidden_size
         if self.is_mla:
@@ -638,7 +664,11 @@ class ModelConfig:
         total = active = 0
         linear = self._linear_attention_params() if self.has_linear_attention else 0
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
-        mixers = {"linear_attention": linear, "conv": conv}
+        mixers = {
+            "linear_attention": linear,
+            "conv": conv,
+            "mamba": self._mamba_params() if "mamba" in self.layer_types else 0,
+        }
         for layer in range(self.num_layers):
             base = mixers.get(self.layer_types[layer], attn) + block_norms
             if self.is_moe_layer(layer):

@@ -40,6 +40,7 @@ from keel.families import (
     granite_swa,
     granitemoe,
     granitemoe_swa,
+    granitemoehybrid,
     granitemoeshared,
     helium,
     hunyuan_v1_dense,
@@ -78,6 +79,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        granitemoehybrid,
         lfm2_moe,
         lfm2,
         qwen3_5_moe,

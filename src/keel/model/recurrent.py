@@ -1,7 +1,8 @@
 """Layers whose past is a state per sequence rather than keys and values (`ModelConfig.is_recurrent_layer`): Gated
-DeltaNet (keel.model.linear_attention: "linear_attention" layers, Qwen3.5) and the gated short convolution
-(keel.model.short_conv: "conv" layers, LFM2). Both run a causal depthwise convolution whose last K - 1 inputs they
-keep; Gated DeltaNet also keeps its delta rule's [Hv, Dk, Dv] matrix.
+DeltaNet (keel.model.linear_attention: "linear_attention" layers, Qwen3.5), the gated short convolution
+(keel.model.short_conv: "conv" layers, LFM2) and Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H).
+Each runs a causal depthwise convolution whose last K - 1 inputs it keeps; Gated DeltaNet also keeps its delta
+rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N] state.
 
 Without a cache each row of a batch is a whole sequence from an empty state. With one, the cache's
 `recurrent_spans` says which tokens belong to which sequence and hands out that sequence's states, which the layer
@@ -28,7 +29,7 @@ class RecurrentSpans:
     batch. A sequence starting at position 0 has had its slot emptied by the cache."""
 
     conv: Tensor  # [slots, conv channels, K - 1] the last convolution inputs
-    state: Tensor | None  # [slots, Hv, Dk, Dv] float32 (Gated DeltaNet); None for a short convolution
+    state: Tensor | None  # [slots, ...] float32 (keel.model.recurrent.state_shape); None for a short convolution
     chunks: list[tuple[int, int, int]]
     decode_tokens: Tensor | None = None  # [N] int64
     decode_slots: Tensor | None = None  # [N] int64
@@ -36,10 +37,25 @@ class RecurrentSpans:
 
 def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
     """(channels, kernel) of a recurrent layer's causal convolution."""
-    if config.layer_types[layer] == "conv":
+    kind = config.layer_types[layer]
+    if kind == "conv":
         return config.hidden_size, config.short_conv_kernel
+    if kind == "mamba":
+        inner = config.mamba_n_heads * config.mamba_d_head
+        return inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     return 2 * keys + config.linear_num_value_heads * config.linear_value_head_dim, config.linear_conv_kernel_dim
+
+
+def state_shape(config: ModelConfig, layer: int) -> tuple[int, ...] | None:
+    """A recurrent layer's float32 state beside its convolution's inputs, per sequence: Gated DeltaNet's [Hv, Dk, Dv],
+    Mamba 2's [H, P, N]; None for a short convolution."""
+    kind = config.layer_types[layer]
+    if kind == "linear_attention":
+        return (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    if kind == "mamba":
+        return (config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
+    return None
 
 
 def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -69,7 +85,7 @@ def causal_conv_continued(x: Tensor, weight: Tensor, bias: Tensor | None, spans:
 
 class RecurrentStates:
     """The states of a model's recurrent layers for `slots` sequences at once: per layer the convolution's last inputs
-    [slots, C, K - 1] (in `dtype`) and, for Gated DeltaNet, the delta rule's [slots, Hv, Dk, Dv] (float32). A cache
+    [slots, C, K - 1] (in `dtype`) and, where the layer has one, its float32 state (`state_shape`). A cache
     holds one and says which slot each sequence of a forward uses (`spans`); a slot is emptied when its sequence
     starts."""
 
@@ -79,9 +95,11 @@ class RecurrentStates:
         for i in layers:
             channels, kernel = conv_shape(config, i)
             self.conv[i] = torch.zeros(slots, channels, kernel - 1, dtype=dtype, device=device)
-        matrix = (slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        shapes = {i: state_shape(config, i) for i in layers}
         self.state = {
-            i: torch.zeros(matrix, dtype=torch.float32, device=device) for i in layers if config.is_linear_layer(i)
+            i: torch.zeros(slots, *shape, dtype=torch.float32, device=device)
+            for i, shape in shapes.items()
+            if shape is not None
         }
 
     @staticmethod
@@ -92,9 +110,9 @@ class RecurrentStates:
             if config.is_recurrent_layer(i):
                 channels, kernel = conv_shape(config, i)
                 total += channels * (kernel - 1) * dtype.itemsize
-            if config.is_linear_layer(i):
-                heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-                total += heads * dk * dv * 4
+            shape = state_shape(config, i) if config.is_recurrent_layer(i) else None
+            if shape is not None:
+                total += 4 * shape[0] * shape[1] * shape[2]
         return total
 
     def reset(self, slots: list[int]) -> None:

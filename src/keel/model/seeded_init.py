@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from keel.model.layers import XIELU, RMSNorm
 from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
+from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
 from keel.model.moe import GroupedExperts, Router
 
 # Elements per generator block: large enough that seeding costs nothing next to the draw, small
@@ -128,8 +129,12 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.zero_()
             elif isinstance(module, XIELU):  # its initial shape, the same on every layout
                 param.fill_(module.INITIAL[param_name])
-            elif isinstance(module, GatedRMSNorm) or (isinstance(module, GatedDeltaNet) and param_name == "dt_bias"):
+            elif isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm) or (
+                isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name in ("dt_bias", "D")
+            ):
                 param.fill_(1.0)
+            elif isinstance(module, Mamba2Mixer) and param_name == "A_log":  # A = 1..H, as Mamba 2 starts
+                fill_vector(param, torch.arange(1, param.shape[0] + 1, dtype=torch.float32).log())
             elif isinstance(module, GatedDeltaNet) and param_name == "A_log":
                 # decay rates A spread over [1, 16] across heads (Mamba 2's range), the same on every layout
                 fill_vector(param, torch.linspace(1.0, 16.0, param.shape[0]).log())

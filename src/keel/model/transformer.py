@@ -16,6 +16,7 @@ from keel.model.attention import Attention, AttentionMetadata, KVCache, query_sc
 from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
 from keel.model.linear_attention import GatedDeltaNet
+from keel.model.mamba import Mamba2Mixer
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 from keel.model.short_conv import ShortConv
@@ -33,6 +34,8 @@ class DecoderLayer(nn.Module):
             if config.is_linear_layer(layer)
             else ShortConv(config, layer)
             if config.layer_types[layer] == "conv"
+            else Mamba2Mixer(config, layer)
+            if config.layer_types[layer] == "mamba"
             else MLAttention(config, layer)
             if config.is_mla
             else Attention(config, layer)

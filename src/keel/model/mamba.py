@@ -1,0 +1,97 @@
+"""Mamba 2's mixer (`layer_types` "mamba": GraniteMoeHybrid, Granite 4.0-H): x is projected to an output gate z, the
+convolved channels (x, B, C) and a step per head (`in_proj`, in that order); x, B and C pass a causal depthwise
+convolution (`conv1d`) and SiLU; the state-space recurrence (keel.model.ssd) mixes the tokens, with D's skip; the
+result, gated by SiLU(z) and RMS-normed per group of channels (`norm`), is projected back (`out_proj`). Parameter
+names are transformers' (its `mamba.` is keel's `self_attn.`: the family's checkpoint layout). A sequence's past
+is a state (keel.model.recurrent): the convolution's last inputs and one [P, N] matrix per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.config import ModelConfig
+from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
+from keel.model.ssd import ssd_chunked, ssd_steps
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """x times SiLU(z), then an RMS norm over each group of channels, in float32, times the weight (transformers'
+    GraniteMoeHybridRMSNormGated: the gate before the norm)."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        gated = x.float() * F.silu(gate.float())
+        grouped = gated.unflatten(-1, (self.groups, -1))
+        normed = F.rms_norm(grouped, (grouped.shape[-1],), None, self.eps).flatten(-2)
+        return self.weight * normed.to(self.weight.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        h = config.hidden_size
+        self.heads, self.head_dim = config.mamba_n_heads, config.mamba_d_head
+        self.groups, self.state_size = config.mamba_n_groups, config.mamba_d_state
+        self.inner = self.heads * self.head_dim
+        channels = self.inner + 2 * self.groups * self.state_size
+        self.splits = (self.inner, channels, self.heads)
+        self.dt_limit = config.mamba_dt_limit
+        self.in_proj = nn.Linear(h, self.inner + channels + self.heads, bias=config.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(channels, channels, config.mamba_d_conv, groups=channels, bias=config.mamba_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GroupedGatedRMSNorm(self.inner, self.groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, h, bias=config.mamba_proj_bias)
+
+    def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
+        b, s, _ = x.shape
+        gate, mixed, step = self.in_proj(x).split(self.splits, dim=-1)
+        step = F.softplus(step.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        if spans is None:  # whole sequences from an empty state, the batch at once
+            out, _ = self._scan(F.silu(causal_conv(mixed, weight, bias)), step, None)
+        else:
+            conv = F.silu(causal_conv_continued(mixed.reshape(b * s, -1), weight, bias, spans))
+            out = self._continue(conv, step.reshape(b * s, -1), spans).view(b, s, self.heads, self.head_dim)
+        return self.out_proj(self.norm(out.flatten(-2), gate).to(x.dtype))
+
+    def _scan(self, conv: Tensor, step: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The recurrence over convolved x/B/C [B, L, C] (steps [B, L, H]) from `state` (None: empty) ->
+        (y [B, L, H, P] float32 with D's skip, the final state)."""
+        b, length, _ = conv.shape
+        xs, bs, cs = conv.float().split((self.inner, self.groups * self.state_size, self.groups * self.state_size), -1)
+        xs = xs.view(b, length, self.heads, self.head_dim).transpose(1, 2)
+        per_group = self.heads // self.groups
+        bs, cs = (
+            t.view(b, length, self.groups, -1).repeat_interleave(per_group, dim=2).transpose(1, 2) for t in (bs, cs)
+        )
+        if state is None:
+            state = xs.new_zeros(b, self.heads, self.head_dim, self.state_size)
+        scan = ssd_steps if length == 1 else ssd_chunked
+        y, state = scan(xs, step.transpose(1, 2), self.A_log, bs, cs, state)
+        y = y + self.D.float()[:, None, None] * xs
+        return y.transpose(1, 2), state
+
+    def _continue(self, conv: Tensor, step: Tensor, spans: RecurrentSpans) -> Tensor:
+        """Each sequence's tokens continued from its states, which are updated in place."""
+        out = conv.new_empty(conv.shape[0], self.heads, self.head_dim, dtype=torch.float32)
+        for first, end, slot in spans.chunks:
+            piece, state = self._scan(conv[first:end][None], step[first:end][None], spans.state[slot][None])
+            spans.state[slot] = state[0]
+            out[first:end] = piece[0]
+        if spans.decode_tokens is not None:
+            tokens, slots = spans.decode_tokens, spans.decode_slots
+            piece, state = self._scan(conv[tokens][:, None], step[tokens][:, None], spans.state.index_select(0, slots))
+            spans.state.index_copy_(0, slots, state)
+            out[tokens] = piece[:, 0]
+        return out
