@@ -1,10 +1,12 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R and Cohere 2.
+Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
+MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3 and LFM2.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
 fused attn_qkv and ffn_up kept fused, OLMo 2's output norms, Gemma's norms plus 1, GPT-NeoX's q/k/v
-regrouped from per head to all q, all k, all v), loaded by keel and compared with transformers running
+regrouped from per head to all q, all k, all v; the others by a writer of their own, e.g. LFM2's layer kinds as
+per-layer KV head counts and its conv weight squeezed), loaded by keel and compared with transformers running
 the original HF weights. Families keel does not read from GGUF are refused by name.
 """
 
@@ -298,7 +300,8 @@ def text_model_writer(cfg, path, arch: gguf.MODEL_ARCH, blocks: int | None = Non
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads if kv_heads is None else kv_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if hasattr(cfg, "rms_norm_eps"):  # (LFM2's is norm_eps, which its converter writes)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     return w
 
@@ -807,3 +810,100 @@ def test_glm4_gguf_matches_hf_model(tmp_path):
     assert reader.gguf_names("model.layers.0.attn_output_norm.weight") == ["blk.0.post_attention_norm.weight"]
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def write_lfm2_gguf(hf, path, q8: bool = False, colbert: bool = False) -> None:
+    """LFM2 as llama.cpp's LFM2Model converter writes it (`lfm2`): TextModel's metadata with the KV head count per
+    layer (0 for a convolution layer: no layer_types key), the kernel width as shortconv.l_cache, the MLP width
+    adjusted (keel.families.lfm2.mlp_width, the converter's own computation); the conv weight squeezed to [C, K],
+    q/k rows as in HF, other names by gguf's TensorNameMap (`embedding_norm`, the final norm, as
+    `token_embd_norm`). `q8`: the matrices whose rows split into blocks of 32 as Q8_0, the rest float32, as
+    llama-quantize leaves them. `colbert`: with LFM2-ColBert's `dense_2` output projection."""
+    from safetensors.torch import load_file
+
+    from keel.families.lfm2 import mlp_width
+
+    cfg = hf.config
+    arch = gguf.MODEL_ARCH.LFM2
+    kv_heads = [cfg.num_key_value_heads if kind == "full_attention" else 0 for kind in cfg.layer_types]
+    w = text_model_writer(cfg, path, arch, kv_heads=kv_heads)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_feed_forward_length(mlp_width(cfg.to_dict()))
+    add_mini_vocab(w, "default")
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    hf.save_pretrained(path.parent / "hf")
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if "conv.conv.weight" in hf_name:  # (the converter squeezes any conv.conv tensor: a bias fails there)
+            t = t.squeeze(1)
+        base, suffix = hf_name.rsplit(".", 1)
+        a = np.ascontiguousarray(t.float().numpy())
+        name = f"{names.get_name(base)}.{suffix}"
+        if q8 and a.ndim == 2 and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    if colbert:
+        w.add_tensor("dense_2.weight", np.zeros((cfg.hidden_size // 2, cfg.hidden_size), dtype=np.float32))
+    finish_writer(w)
+
+
+def test_lfm2_colbert_gguf_is_refused(tmp_path):
+    write_lfm2_gguf(build_hf_model("lfm2"), tmp_path / "colbert.gguf", colbert=True)
+    with pytest.raises(ConfigError, match="'dense_2.weight' .LFM2-ColBert. is a retrieval model"):
+        open_gguf(tmp_path / "colbert.gguf")
+
+
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_lfm2_gguf_matches_hf_model(tmp_path, conv_bias):
+    """LFM2 as llama.cpp converts it: the layer kinds from the per-layer KV head counts (0: a convolution), the conv
+    weight unsqueezed, the final norm from `token_embd_norm`, the MLP width as written (not adjusted again):
+    transformers' logits; `keel convert` back to the HF checkpoint; stored as Q8_0, run as stored through the
+    engine's state slots, the greedy tokens of transformers on the weights the file holds. The convolutions' biases
+    are read where a file has them (the releases have none, llama.cpp reads none and its converter stops at one: a
+    file written as it would, were it to keep them)."""
+    from safetensors.torch import load_file
+
+    from keel.weights.convert import convert
+
+    hf = build_hf_model("lfm2", conv_bias=conv_bias)
+    write_lfm2_gguf(hf, tmp_path / "lfm2.gguf")
+    loaded = load_model(tmp_path / "lfm2.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    assert c.architecture == "lfm2" and c.layer_types == ["conv", "conv", "full_attention", "conv"]
+    assert (c.num_kv_heads, c.short_conv_kernel, c.short_conv_bias, c.qk_norm) == (2, 3, conv_bias, True)
+    assert c.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features and c.tie_word_embeddings
+    assert loaded.checkpoint.provenance["layer_types"] == "read"
+    assert reader.gguf_names("model.norm.weight") == ["token_embd_norm.weight"]
+    conv = "model.layers.0.self_attn.conv.weight"
+    assert reader.gguf_names(conv) == ["blk.0.shortconv.conv.weight"]
+    assert torch.equal(reader.get(conv), hf.state_dict()["model.layers.0.conv.conv.weight"])
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    out = convert(tmp_path / "lfm2.gguf", tmp_path / "back", dtype="float32")  # the HF checkpoint again
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    stored.pop("lm_head.weight", None)  # tied
+    assert set(written) == set(stored) and all(torch.equal(written[k], stored[k]) for k in stored)
+    if conv_bias:
+        return
+    import transformers
+
+    from keel.serve import LLM, EngineConfig, SamplingParams
+
+    write_lfm2_gguf(hf, tmp_path / "q8.gguf", q8=True)
+    # transformers on the HF weights, and on the weights the Q8_0 file holds (keel convert dequantizes them)
+    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
+    references = {"lfm2": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
+    prompt = TOKENS[0, :10].tolist()
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for name, reference in references.items():
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        options = dict(num_blocks=32, block_size=8, max_model_len=128, dtype="float32")
+        llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
+        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
+        assert (in_proj == "Linear") == (name == "lfm2"), in_proj  # the Q8_0 file run as stored
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()

@@ -17,9 +17,9 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
-starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4 and deepseek2
-(DeepSeek-V2 / V3; others are refused by name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K
-Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
+starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
+(DeepSeek-V2 / V3) and lfm2 (others are refused by name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K
+Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
 tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -62,6 +62,10 @@ llama.cpp takes it.
 SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
 released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
 its MLP as `ffn_up` / `ffn_down`, no window key (llama.cpp attends over the whole context, and so does keel).
+LFM2 (`lfm2`): no layer_types key; `attention.head_count_kv` per layer, 0 for a short-convolution layer (the
+attention layers' one count is keel's num_kv_heads), the kernel width `shortconv.l_cache`, the MLP width written
+already adjusted, the final norm (HF's `embedding_norm`) as `token_embd_norm`, q/k rows as in HF, the conv weight
+squeezed to [C, K] (unsqueezed at load); convolution biases where the file has them (llama.cpp reads none).
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ _FAMILIES = {
     _A.ERNIE4_5_MOE: "ernie4_5_moe",
     _A.DEEPSEEK2: "deepseek_v3",  # or deepseek_v2, by the expert gating function (_deepseek2_family)
     _A.LLAMA4: "llama4",
+    _A.LFM2: "lfm2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -187,6 +192,7 @@ KEYS_READ = (
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
+    Keys.ShortConv.L_CACHE,
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     _KR.SCALING_ORIG_CTX_LEN,
     *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
@@ -616,6 +622,33 @@ def _family_hf_config(
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "lfm2":
+        # LFM2Model: no layer_types key; the KV head count per layer is 0 for a convolution layer (llama.cpp's
+        # recurrent layers). The MLP width is written adjusted, the kernel width as shortconv.l_cache; the
+        # convolutions' biases by tensor (the releases have none, and llama.cpp reads none).
+        if _tensor(MODEL_TENSOR.DENSE_2_OUT) in tensors:  # LFM2-ColBert: token embeddings for retrieval, no LM
+            raise ConfigError(
+                f"{f.meta.path}: an lfm2 file with {_tensor(MODEL_TENSOR.DENSE_2_OUT)!r} (LFM2-ColBert) "
+                "is a retrieval model, not supported"
+            )
+        kv_heads = f.key(_KA.HEAD_COUNT_KV)
+        per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+        if len(per_layer) != layers:
+            raise ConfigError(f"{f.meta.path}: {f.name(_KA.HEAD_COUNT_KV)} lists {len(per_layer)} layers, not {layers}")
+        kernel = f.key(Keys.ShortConv.L_CACHE)
+        hf.update(
+            layer_types=["full_attention" if n != 0 else "conv" for n in per_layer],
+            norm_eps=common["rms_norm_eps"],
+            intermediate_size=common["intermediate_size"],
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=common["tie_word_embeddings"],
+            conv_bias=any(_tensor(MODEL_TENSOR.SHORTCONV_INPROJ, i, "bias") in tensors for i in range(layers)),
+        )
+        read |= {"intermediate_size"} | ({"rms_norm_eps"} if f.key(_KA.LAYERNORM_RMS_EPS) is not None else set())
+        read |= {"layer_types"} if isinstance(kv_heads, list) else set()
+        if kernel is not None:
+            hf.update(conv_L_cache=int(kernel))
+            read.add("short_conv_kernel")
     if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
         hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
     if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
@@ -681,6 +714,10 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
+    if family == "lfm2" and isinstance(kv_heads, list):
+        # LFM2Model writes 0 for its convolution layers (that is how it marks them, _family_hf_config): the
+        # attention layers' count is the one keel needs (none at all: any will do).
+        kv_heads = [n for n in kv_heads if n] or [num_heads]
     if kv_heads is None:
         kv_heads = f.read("num_kv_heads", num_heads, "default")
     else:
@@ -923,6 +960,11 @@ def _kv_b_from_split(arrays: list[np.ndarray]) -> np.ndarray:
 _kv_b_from_split.moves_rows = False  # type: ignore[attr-defined]  # it transposes: no integer blocks (get_blocks)
 
 
+def _unsqueezed(arrays: list[np.ndarray]) -> np.ndarray:
+    """A depthwise convolution's [C, K] weight as torch's Conv1d holds it: [C, 1, K]."""
+    return arrays[0].reshape(arrays[0].shape[0], 1, -1)
+
+
 def _minus_one(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] - np.float32(1)
 
@@ -1034,6 +1076,10 @@ class GGUFTensorReader:
                 if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
                     row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
                     self._add(hf, (t,), (1, shape[-1]), row)
+                elif kind == MODEL_TENSOR.SHORTCONV_CONV and suffix == "weight":
+                    # LFM2Model squeezes the depthwise Conv1d's [C, 1, K] to [C, K] (llama.cpp's ssm_conv is 2-D).
+                    for part in layout.get(hf, {hf: None}):
+                        self._add(part, (t,), (shape[0], 1, shape[-1]), _unsqueezed)
                 elif hf in layout and _regrouped(layout[hf], hf):  # q/k rows regrouped (interleaved rotary pairs)
                     order = np.concatenate([np.arange(a, b) for a, b in layout[hf][hf]])
                     self._add(hf, (t,), shape, _rows_in_order(order))
