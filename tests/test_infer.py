@@ -120,6 +120,7 @@ SHAPE_INFERABLE = [
             "qwen3_5",  # and qwen3_5_moe
             "qwen3_next",
             "lfm2",
+            "bamba",
             "nanochat",
             "flex_olmo",
             "kolibri",

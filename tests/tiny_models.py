@@ -983,6 +983,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             layer_types=["mamba", "attention", "mamba"],
         ),
     ),
+    # Bamba: Mamba 2 mixers with attention in layer 1 (half of each head rotating), Llama's MLP.
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(intermediate_size=128, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

@@ -18,6 +18,7 @@ from types import ModuleType
 from keel.families import (
     apertus,
     arcee,
+    bamba,
     cohere,
     cohere2,
     cohere2_moe,
@@ -79,6 +80,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        bamba,
         granitemoehybrid,
         lfm2_moe,
         lfm2,

@@ -46,11 +46,11 @@ def _json_float(value: Any) -> float:
     return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
-def _float_json(value: float) -> Any:
+def float_json(value: float) -> Any:
     return {"__float__": "Infinity" if value > 0 else "-Infinity"} if value in (float("inf"), float("-inf")) else value
 
 
-def _mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     get = {key: int(hf.get(key) or default) for key, default in MAMBA_DEFAULTS.items()}
     inner = get["mamba_expand"] * int(hf["hidden_size"])
     head = hf.get("mamba_d_head", "auto")
@@ -84,11 +84,37 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     )
     return {
         **mlp,
-        **_mamba_fields(hf, source),
+        **mamba_fields(hf, source),
         "layer_types": kinds,
         "rope_layers": [hf.get("position_embedding_type") == "rope"] * len(kinds),
         "mlp_bias": False,
     }
+
+
+def mamba_hf_fields(config: Any) -> dict[str, Any]:
+    """The Mamba 2 keys of Granite 4.0-H's and Bamba's configs."""
+    return {
+        "mamba_n_heads": config.mamba_n_heads,
+        "mamba_d_head": config.mamba_d_head,
+        "mamba_n_groups": config.mamba_n_groups,
+        "mamba_d_state": config.mamba_d_state,
+        "mamba_d_conv": config.mamba_d_conv,
+        "mamba_expand": config.mamba_n_heads * config.mamba_d_head // config.hidden_size,
+        "mamba_conv_bias": config.mamba_conv_bias,
+        "mamba_proj_bias": config.mamba_proj_bias,
+        "time_step_limit": [float_json(x) for x in config.mamba_dt_limit],
+    }
+
+
+def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """A mamba layer's `mamba.*` tensors under keel's `self_attn.*`."""
+    p = f"model.layers.{layer}"
+    names = ["dt_bias", "A_log", "D", "norm.weight", *(f"{m}.weight" for m in MAMBA_TENSORS)]
+    if config.mamba_conv_bias:
+        names.append("conv1d.bias")
+    if config.mamba_proj_bias:
+        names += ["in_proj.bias", "out_proj.bias"]
+    return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in names}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
@@ -97,22 +123,13 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         if config.is_moe
         else {**granitemoe.granite_block_to_hf(config), "num_local_experts": 0}
     )
-    inner = config.mamba_n_heads * config.mamba_d_head
     shared = config.shared_expert_intermediate_size if config.is_moe else config.intermediate_size
     return {
         **moe,
         "shared_intermediate_size": shared,
         "layer_types": ["mamba" if kind == "mamba" else "attention" for kind in config.layer_types],
         "position_embedding_type": "rope" if all(config.rope_layers) else None,
-        "mamba_n_heads": config.mamba_n_heads,
-        "mamba_d_head": config.mamba_d_head,
-        "mamba_n_groups": config.mamba_n_groups,
-        "mamba_d_state": config.mamba_d_state,
-        "mamba_d_conv": config.mamba_d_conv,
-        "mamba_expand": inner // config.hidden_size,
-        "mamba_conv_bias": config.mamba_conv_bias,
-        "mamba_proj_bias": config.mamba_proj_bias,
-        "time_step_limit": [_float_json(x) for x in config.mamba_dt_limit],
+        **mamba_hf_fields(config),
     }
 
 
@@ -129,13 +146,6 @@ def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] 
                 f"{p}.mlp.up_proj.weight": [(width, 2 * width)],
             }
             layout[f"{p}.shared_mlp.output_linear.weight"] = {f"{p}.mlp.down_proj.weight": None}
-        if config.layer_types[layer] != "mamba":
-            continue
-        names = ["dt_bias", "A_log", "D", "norm.weight", *(f"{m}.weight" for m in MAMBA_TENSORS)]
-        if config.mamba_conv_bias:
-            names.append("conv1d.bias")
-        if config.mamba_proj_bias:
-            names += ["in_proj.bias", "out_proj.bias"]
-        for name in names:
-            layout[f"{p}.mamba.{name}"] = {f"{p}.self_attn.{name}": None}
+        if config.layer_types[layer] == "mamba":
+            layout.update(mamba_layout(config, layer))
     return layout
