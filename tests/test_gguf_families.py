@@ -1,13 +1,14 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
 Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
-MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3 and LFM2.
+MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2, Qwen3.5, Qwen3.5 MoE and Qwen3-Next.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
 fused attn_qkv and ffn_up kept fused, OLMo 2's output norms, Gemma's norms plus 1, GPT-NeoX's q/k/v
 regrouped from per head to all q, all k, all v; the others by a writer of their own, e.g. LFM2's layer kinds as
-per-layer KV head counts and its conv weight squeezed), loaded by keel and compared with transformers running
-the original HF weights. Families keel does not read from GGUF are refused by name.
+per-layer KV head counts and its conv weight squeezed, Qwen3.5's value heads tiled, A_log as -exp(A_log) and norms
+plus 1), loaded by keel and compared with transformers running the original HF weights. Families keel does not
+read from GGUF are refused by name.
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def text_model_writer(cfg, path, arch: gguf.MODEL_ARCH, blocks: int | None = Non
     w.add_block_count(cfg.num_hidden_layers if blocks is None else blocks)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None) is not None:  # written where config.json has it
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads if kv_heads is None else kv_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -326,7 +328,8 @@ def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None) is not None:  # written where config.json has it
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(rope["rope_theta"])
@@ -907,3 +910,204 @@ def test_lfm2_gguf_matches_hf_model(tmp_path, conv_bias):
         in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
         assert (in_proj == "Linear") == (name == "lfm2"), in_proj  # the Q8_0 file run as stored
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+
+
+QWEN_HYBRID_ARCH = {
+    "qwen3_5_text": gguf.MODEL_ARCH.QWEN35,
+    "qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE,
+    "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT,
+}
+
+
+def tiled(t: torch.Tensor, dim: int, key_heads: int, size: int) -> torch.Tensor:
+    """Value heads grouped by key head ([K0 v0, K0 v1, K1 v0, K1 v1]) reordered to tiled ([K0 v0, K1 v0, K0 v1, K1 v1]),
+    as Qwen3.5's converter (_LinearAttentionVReorderBase) stores them along `dim`."""
+    shape = list(t.shape)
+    grouped = t.reshape(*shape[:dim], key_heads, -1, size, *shape[dim + 1 :])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def write_qwen_hybrid_gguf(hf, path, legacy_qkvz: bool = False, q8: bool = False) -> None:
+    """Qwen3.5 (dense or MoE) and Qwen3-Next as llama.cpp's Qwen3_5TextModel / Qwen3_5MoeTextModel / Qwen3NextModel
+    write them: TextModel's and Qwen2MoeModel's metadata, the Gated DeltaNet's shape as ssm.* keys, the layer kinds as
+    full_attention_interval (config.json's, else 4), the rotary width. Tensors: for Qwen3.5 with fewer key heads than
+    value heads, the value heads tiled in in_proj_qkv's value rows, in_proj_z, in_proj_b / in_proj_a, A_log, dt_bias,
+    conv1d's value channels and out_proj's columns; then A_log as -exp(A_log), dt_bias as `ssm_dt.bias`, conv1d
+    squeezed to [C, K], 1 added to every norm but the Gated DeltaNet's; Qwen3-Next's in_proj_qkvz regrouped into
+    `attn_qkv` ([q; k; v]) and `attn_gate` (z), or, `legacy_qkvz`, kept whole as older files' `ssm_in`; q_proj (each
+    head's queries, then its gate) and in_proj_ba as in HF; experts split into gate and up; names by TensorNameMap.
+    `q8`: matrices whose rows split into blocks of 32 stored as Q8_0, as llama-quantize leaves them."""
+    cfg = hf.config
+    arch = QWEN_HYBRID_ARCH[cfg.model_type]
+    nk, nv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
+    w = text_model_writer(cfg, path, arch)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    if arch != gguf.MODEL_ARCH.QWEN35:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    w.add_full_attention_interval(cfg.to_dict().get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.25)))
+    add_mini_vocab(w, "qwen2")
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and "conv1d" not in name:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    reorder = arch != gguf.MODEL_ARCH.QWEN3NEXT and nk != nv
+    for hf_name, t in hf.state_dict().items():
+        blk = "blk." + hf_name.split(".")[2] if ".layers." in hf_name else ""
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if reorder and ".linear_attn." in hf_name:  # _LinearAttentionVReorderBase
+            if "in_proj_qkv" in hf_name:
+                t = torch.cat([t[: 2 * nk * dk], tiled(t[2 * nk * dk :], 0, nk, dv)])
+            elif "in_proj_z" in hf_name:
+                t = tiled(t, 0, nk, dv)
+            elif "in_proj_b" in hf_name or "in_proj_a" in hf_name or "A_log" in hf_name or "dt_bias" in hf_name:
+                t = tiled(t, 0, nk, 1)
+            elif "conv1d" in hf_name:
+                t = t.squeeze()
+                t = torch.cat([t[: 2 * nk * dk], tiled(t[2 * nk * dk :], 0, nk, dv)])
+            elif "out_proj" in hf_name:
+                t = tiled(t, 1, nk, dv)
+        if hf_name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors
+            t = -torch.exp(t)
+        elif hf_name.endswith(".dt_bias"):
+            hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in hf_name:
+            t = t.squeeze()
+        elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz" in hf_name and not legacy_qkvz:  # [q, k, v, z] per key head -> [q; k; v] and z
+            q, k, v, z = t.view(nk, -1, t.shape[-1]).split([dk, dk, nv // nk * dv, nv // nk * dv], dim=1)
+            add(f"{blk}.attn_qkv.weight", torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)]))
+            add(f"{blk}.attn_gate.weight", z.reshape(-1, t.shape[-1]))
+        elif hf_name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            gate, up = t.chunk(2, dim=1)
+            add(f"{blk}.ffn_gate_exps.weight", gate)
+            add(f"{blk}.ffn_up_exps.weight", up)
+        elif hf_name.endswith("mlp.experts.down_proj"):
+            add(f"{blk}.ffn_down_exps.weight", t)
+        elif hf_name.endswith(".A_log"):  # no suffix
+            add(names.get_name(hf_name), t)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", t)
+    finish_writer(w)
+
+
+QWEN_HYBRID = {  # llama.cpp reads experts in every Qwen3-Next layer, and the layer kinds by an interval
+    "qwen3_5": dict(layer_types=None),
+    "qwen3_5_moe": dict(layer_types=None),
+    "qwen3_next": dict(layer_types=None, mlp_only_layers=[]),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "legacy_qkvz"), [("qwen3_5", False), ("qwen3_5_moe", False), ("qwen3_next", False), ("qwen3_next", True)]
+)
+def test_qwen_hybrid_gguf_matches_hf_model(tmp_path, name, legacy_qkvz):
+    """Qwen3.5, Qwen3.5 MoE and Qwen3-Next as llama.cpp converts them (refused before): the layer kinds from
+    full_attention_interval, the Gated DeltaNet's shape from the ssm.* keys, its tensors back in HF's layout (value
+    heads grouped again, A_log from -exp(A_log), conv1d unsqueezed, Qwen3-Next's attn_qkv / attn_gate or older files'
+    ssm_in, in_proj_ba by rows), norms less 1 but the gated one, q_proj split into queries and gate by rows; the
+    experts, renormalised as llama.cpp does, with the gated shared expert. transformers' logits, `keel convert` back
+    to the HF tensors, and transformers' greedy tokens through keel's engine."""
+    hf = build_hf_model(name, **QWEN_HYBRID[name])
+    cfg = hf.config
+    write_qwen_hybrid_gguf(hf, tmp_path / f"{name}.gguf", legacy_qkvz=legacy_qkvz)
+    loaded = load_model(tmp_path / f"{name}.gguf")
+    c, reader, provenance = loaded.config, loaded.checkpoint.reader, loaded.checkpoint.provenance
+    assert c.architecture == name and c.layer_types == cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (
+        2,
+        4,
+        16,
+        8,
+    )
+    assert (c.partial_rotary_factor, c.norm_weight_offset, c.attention_output_gate) == (0.25, 1.0, True)
+    assert provenance["layer_types"] == provenance["linear_num_value_heads"] == "read"
+    if name != "qwen3_5":
+        assert (c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_gated, c.norm_topk_prob) == (
+            4,
+            48,
+            True,
+            True,
+        )
+    assert reader.gguf_names("model.layers.0.self_attn.A_log") == ["blk.0.ssm_a"]
+    assert reader.gguf_names("model.layers.3.self_attn.output_gate.weight") == ["blk.3.attn_q.weight"]
+    state = hf.state_dict()
+    prefix = "model.layers.0.linear_attn."
+    if name == "qwen3_next":
+        expected = ["blk.0.ssm_in.weight"] if legacy_qkvz else ["blk.0.attn_qkv.weight"]
+        assert reader.gguf_names("model.layers.0.self_attn.in_proj_qkv.weight") == expected
+        assert reader.gguf_names("model.layers.0.self_attn.in_proj_a.weight") == ["blk.0.ssm_ba.weight"]
+    else:  # the value heads in HF's order again, exactly
+        for part in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "out_proj.weight", "dt_bias"):
+            assert torch.equal(reader.get(f"model.layers.0.self_attn.{part}"), state[prefix + part]), part
+        assert torch.equal(reader.get("model.layers.0.self_attn.conv1d.weight"), state[prefix + "conv1d.weight"])
+    torch.testing.assert_close(reader.get("model.layers.0.self_attn.A_log"), state[prefix + "A_log"])
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    from safetensors.torch import load_file
+
+    from keel.serve import LLM, EngineConfig, SamplingParams
+    from keel.weights.convert import convert
+
+    # `keel convert` gives back the HF checkpoint (Qwen3-Next's in_proj_qkvz / in_proj_ba grouped again); the norms
+    # (w + 1 - 1) and A_log (log(exp)) to float32's rounding, the rest exactly
+    hf.save_pretrained(tmp_path / "hf")
+    out = convert(tmp_path / f"{name}.gguf", tmp_path / "back", dtype="float32")
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(written) == set(stored)
+    for key, tensor in stored.items():
+        if key.endswith(("A_log", "norm.weight")):
+            torch.testing.assert_close(written[key], tensor, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(written[key], tensor), key
+
+    prompt, greedy = TOKENS[0, :10].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(num_blocks=32, block_size=8, max_model_len=64))
+    ours = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+    assert list(ours) == theirs
+
+
+def test_qwen3_5_q8_0_gguf_runs_as_stored(tmp_path):
+    """A Qwen3.5 file with its matrices in Q8_0: the rows regathered (q_proj's queries and gate, the value heads of
+    in_proj_qkv / in_proj_z) run as stored, out_proj's regathered columns dequantized at load; the same greedy tokens
+    as the file dequantized at load."""
+    hf = build_hf_model("qwen3_5", layer_types=None)
+    write_qwen_hybrid_gguf(hf, tmp_path / "q8.gguf", q8=True)
+    reader = open_gguf(tmp_path / "q8.gguf").reader
+    assert reader.get_blocks("model.layers.0.self_attn.in_proj_qkv.weight") is not None
+    assert reader.get_blocks("model.layers.3.self_attn.output_gate.weight") is not None
+    assert reader.get_blocks("model.layers.0.self_attn.out_proj.weight") is None
+    from keel.serve import LLM, EngineConfig, SamplingParams
+
+    prompt, greedy = TOKENS[0, :10].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = {}
+    for quantize in ("auto", "none"):
+        options = dict(num_blocks=32, block_size=8, max_model_len=64, quantize=quantize, dtype="float32")
+        llm = LLM(str(tmp_path / "q8.gguf"), EngineConfig.of(**options))
+        tokens[quantize] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens["auto"] == tokens["none"]

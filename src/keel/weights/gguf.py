@@ -18,8 +18,9 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3) and lfm2 (others are refused by name); tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K
-Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
+(DeepSeek-V2 / V3), lfm2, qwen35, qwen35moe and qwen3next (others are refused by name); tensor types F32 F16 BF16
+Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming
+these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
 tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -66,6 +67,19 @@ LFM2 (`lfm2`): no layer_types key; `attention.head_count_kv` per layer, 0 for a 
 attention layers' one count is keel's num_kv_heads), the kernel width `shortconv.l_cache`, the MLP width written
 already adjusted, the final norm (HF's `embedding_norm`) as `token_embd_norm`, q/k rows as in HF, the conv weight
 squeezed to [C, K] (unsqueezed at load); convolution biases where the file has them (llama.cpp reads none).
+
+Qwen3.5, Qwen3.5 MoE and Qwen3-Next (`qwen35`, `qwen35moe`, `qwen3next`; Qwen3NextModel and its Qwen3.5 subclasses):
+the layer kinds from `full_attention_interval` (absent: llama.cpp's 4; a file cannot hold other patterns), the Gated
+DeltaNet's shape from `ssm.group_count` (key heads), `ssm.time_step_rank` (value heads), `ssm.state_size` (key head
+size), `ssm.inner_size` (all value heads' width) and `ssm.conv_kernel`, the rotary width from `rope.dimension_count`.
+1 is taken off every `*norm.weight` but the Gated DeltaNet's `ssm_norm`; `ssm_a` (no suffix) holds -exp(A_log) and
+`ssm_dt.bias` dt_bias; `ssm_conv1d` is HF's conv1d squeezed to [C, K]; q_proj (each head's queries, then its gate) is
+kept whole in `attn_q`. Qwen3.5's converter reorders the value heads from HF's grouping by key head to a tiled order
+([K0 v0, K1 v0, ..., K0 v1, ...]) in attn_qkv's value rows, attn_gate, ssm_beta / ssm_alpha, ssm_a, ssm_dt, the conv's
+value channels and ssm_out's columns; they are put back in HF's order here. Qwen3-Next's converter splits its
+in_proj_qkvz into `attn_qkv` (all q, all k, all v: keel's in_proj_qkv) and `attn_gate` (older files keep it whole as
+`ssm_in`) and stores in_proj_ba as `ssm_ba`, grouped as in HF. The experts' top k are renormalised (llama.cpp's, no
+key) and the shared expert gated.
 """
 
 from __future__ import annotations
@@ -141,6 +155,9 @@ _FAMILIES = {
     _A.DEEPSEEK2: "deepseek_v3",  # or deepseek_v2, by the expert gating function (_deepseek2_family)
     _A.LLAMA4: "llama4",
     _A.LFM2: "lfm2",
+    _A.QWEN35: "qwen3_5",
+    _A.QWEN35MOE: "qwen3_5_moe",
+    _A.QWEN3NEXT: "qwen3_next",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -151,10 +168,17 @@ _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
 _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
+# Qwen3.5 and Qwen3-Next (Gated DeltaNet hybrids): the converter (Qwen3NextModel) adds 1 to every `*norm.weight` but the
+# Gated DeltaNet's own (`linear_attn.norm`), stores -exp(A_log) as `ssm_a` and keeps q_proj (queries and gate per head)
+# and Qwen3-Next's in_proj_ba as HF stores them; Qwen3.5's converter also reorders the value heads (_value_order).
+_GATED_DELTANET = {_A.QWEN35, _A.QWEN35MOE, _A.QWEN3NEXT}
+_VALUE_HEADS_TILED = {_A.QWEN35, _A.QWEN35MOE}
+# The keel families of those files.
+_QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3"}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -168,6 +192,8 @@ _GEMMA3_LOCAL_THETA = 10000.0
 # What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
 _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
+# llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
+_FULL_ATTENTION_INTERVAL = 4
 
 _T = GGMLQuantizationType
 SUPPORTED_TYPES = (
@@ -191,8 +217,9 @@ KEYS_READ = (
     *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
-    *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN),
+    *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL),
     Keys.ShortConv.L_CACHE,
+    *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     _KR.SCALING_ORIG_CTX_LEN,
     *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
@@ -332,7 +359,7 @@ def _config_from_metadata(
     # GLM-4.5's files count the multi-token-prediction layers after the last in block_count; keel reads none.
     num_layers = int(f.require(_K.BLOCK_COUNT)) - int(f.key(_K.NEXTN_PREDICT_LAYERS, 0) or 0)
     moe: dict[str, Any] = {}
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next"):
         moe = _moe_fields(f, family, tensors, num_layers, num_experts, path)
     elif f.key(_K.FEED_FORWARD_LENGTH) is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_K.FEED_FORWARD_LENGTH)!r} is missing")
@@ -678,6 +705,11 @@ def _family_hf_config(
             intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+    if family in _QWEN_HYBRID:
+        hf.update(_gated_deltanet_hf_config(f, common))
+        read |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}
+        read |= {"linear_conv_kernel_dim"} | ({"layer_types"} if f.key(_K.FULL_ATTENTION_INTERVAL) else set())
+        read |= {"partial_rotary_factor"} if f.key(_KR.DIMENSION_COUNT) is not None else set()
     if family == "gpt_neox":
         parallel = f.key(_K.USE_PARALLEL_RESIDUAL)
         if parallel is not None:
@@ -687,6 +719,30 @@ def _family_hf_config(
         if factor is not None:
             hf.update(rotary_pct=factor)
     return hf, read
+
+
+def _gated_deltanet_hf_config(f: _Fields, common: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's config.json keys as Qwen3NextModel writes them: the Gated DeltaNet's shape as
+    `ssm.*` keys (key heads as the group count, value heads as the time-step rank, the key head size as the state
+    size, all value heads' width as the inner size), the layer kinds as `full_attention_interval` (absent: llama.cpp's
+    4), the rotary width; and the experts as read (_moe_fields)."""
+    value_heads = int(f.require(Keys.SSM.TIME_STEP_RANK))
+    interval = f.key(_K.FULL_ATTENTION_INTERVAL)
+    rope_dims = f.key(_KR.DIMENSION_COUNT)
+    hf: dict[str, Any] = dict(
+        linear_num_key_heads=int(f.require(Keys.SSM.GROUP_COUNT)),
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=int(f.require(Keys.SSM.STATE_SIZE)),
+        linear_value_head_dim=int(f.require(Keys.SSM.INNER_SIZE)) // value_heads,
+        linear_conv_kernel_dim=int(f.require(Keys.SSM.CONV_KERNEL)),
+        full_attention_interval=int(interval) if interval else _FULL_ATTENTION_INTERVAL,
+    )
+    if rope_dims is not None:
+        hf["partial_rotary_factor"] = _rotary_factor(int(rope_dims), common["head_dim"])
+    moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    if common.get("num_experts"):
+        hf.update({key: common[key] for key in (*moe, "norm_topk_prob", "intermediate_size", "mlp_only_layers")})
+    return hf
 
 
 def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
@@ -788,18 +844,17 @@ def _moe_fields(
         width, how = int(down.shape[0]), "inferred"
     # A layer without a router is dense (Qwen-MoE's mlp_only_layers).
     dense = [i for i in range(num_layers) if _tensor(MODEL_TENSOR.FFN_GATE_INP, i) not in tensors]
-    # llama.cpp normalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
+    # llama.cpp normalises the top-k weights for Mixtral, Qwen3-MoE, Qwen3.5 MoE and Qwen3-Next, not for Qwen2-MoE.
     norm = f.key(_K.EXPERT_WEIGHTS_NORM)
-    shared = int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0) or 0) if family == "qwen2_moe" else 0
+    gated_shared = family in ("qwen2_moe", "qwen3_5_moe", "qwen3_next")  # Qwen2-MoE's sigmoid-gated shared expert
+    shared = int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0) or 0) if gated_shared else 0
     read = f.read
     return {
         "num_experts": read("num_experts", num_experts),
         "num_experts_per_tok": read("num_experts_per_tok", int(f.require(_K.EXPERT_USED_COUNT))),
         "moe_intermediate_size": read("moe_intermediate_size", int(width), how),
         "norm_topk_prob": read("norm_topk_prob", bool(norm), "read") if norm is not None else family != "qwen2_moe",
-        "shared_expert_intermediate_size": read("shared_expert_intermediate_size", shared)
-        if family == "qwen2_moe"
-        else 0,
+        "shared_expert_intermediate_size": read("shared_expert_intermediate_size", shared) if gated_shared else 0,
         "mlp_only_layers": read("mlp_only_layers", dense, "inferred"),
     }
 
@@ -970,9 +1025,75 @@ def _minus_one(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def _norm_offset(arch: MODEL_ARCH, hf: str) -> Callable[[list[np.ndarray]], np.ndarray]:
-    """Gemma's norm weights as HF stores them: the converter added 1 to each `*norm.weight` (llama.cpp's
-    RMSNorm has no 1 + w); keel, like transformers, scales by 1 + w (norm_weight_offset)."""
-    return _minus_one if arch in _NORM_PLUS_ONE and hf.endswith("norm.weight") else _single
+    """Gemma's, Qwen3.5's and Qwen3-Next's norm weights as HF stores them: the converter added 1 to each
+    `*norm.weight` (llama.cpp's RMSNorm has no 1 + w); keel, like transformers, scales by 1 + w (norm_weight_offset).
+    The Gated DeltaNet's own norm, which scales by w and is stored as is, is read by _gated_deltanet."""
+    plus_one = arch in _NORM_PLUS_ONE or arch in _GATED_DELTANET
+    return _minus_one if plus_one and hf.endswith("norm.weight") else _single
+
+
+# A Gated DeltaNet layer's llama.cpp tensors -> keel's (and Qwen3.5's HF) names under self_attn. (Qwen3-Next's converter
+# splits its in_proj_qkvz into attn_qkv, rows [q; k; v] as keel's in_proj_qkv, and attn_gate: its z.)
+_DELTANET_TENSORS = {
+    MODEL_TENSOR.ATTN_QKV: "in_proj_qkv.weight",
+    MODEL_TENSOR.ATTN_GATE: "in_proj_z.weight",
+    MODEL_TENSOR.SSM_BETA: "in_proj_b.weight",
+    MODEL_TENSOR.SSM_ALPHA: "in_proj_a.weight",
+    MODEL_TENSOR.SSM_CONV1D: "conv1d.weight",
+    MODEL_TENSOR.SSM_DT: "dt_bias",  # stored as `ssm_dt.bias` (the converter's dt_proj.bias)
+    MODEL_TENSOR.SSM_A: "A_log",  # stored as -exp(A_log), without a suffix
+    MODEL_TENSOR.SSM_NORM: "norm.weight",
+    MODEL_TENSOR.SSM_OUT: "out_proj.weight",
+}
+
+
+def _value_order(config: ModelConfig, arch: MODEL_ARCH, size: int) -> np.ndarray:
+    """The stored rows (or columns) of the value heads, `size` each, in HF's order. HF groups the value heads by the
+    key head they share ([K0 v0, K0 v1, ..., K1 v0, ...]); Qwen3.5's converter stores them tiled ([K0 v0, K1 v0, ...,
+    K0 v1, ...], as llama.cpp broadcasts the key heads) where the counts differ, Qwen3-Next's as HF does."""
+    keys, values = config.linear_num_key_heads, config.linear_num_value_heads
+    heads = np.arange(values)
+    if arch in _VALUE_HEADS_TILED:
+        heads = np.array([j * keys + g for g in range(keys) for j in range(values // keys)], dtype=np.int64)
+    return (heads[:, None] * size + np.arange(size)).reshape(-1)
+
+
+def _linear_layer(config: ModelConfig, layer: int | None) -> bool:
+    return layer is not None and config.layer_types[layer] == "linear_attention"
+
+
+def _gathered(order: np.ndarray) -> Callable[[list[np.ndarray]], np.ndarray]:
+    return _single if np.array_equal(order, np.arange(len(order))) else _rows_in_order(order)
+
+
+def _gated_deltanet(
+    config: ModelConfig, arch: MODEL_ARCH, kind: MODEL_TENSOR, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A Gated DeltaNet tensor's HF shape and how to make it from the stored one: value heads back in HF's order
+    (_value_order), A_log from -exp(A_log), conv1d's [C, K] unsqueezed to HF's [C, 1, K]."""
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    if kind == MODEL_TENSOR.ATTN_QKV:  # queries and keys as stored, the values after them
+        keys = 2 * config.linear_num_key_heads * dk
+        return shape, _gathered(np.concatenate([np.arange(keys), keys + _value_order(config, arch, dv)]))
+    if kind == MODEL_TENSOR.ATTN_GATE:
+        return shape, _gathered(_value_order(config, arch, dv))
+    if kind in (MODEL_TENSOR.SSM_BETA, MODEL_TENSOR.SSM_ALPHA, MODEL_TENSOR.SSM_DT):
+        return shape, _gathered(_value_order(config, arch, 1))
+    if kind == MODEL_TENSOR.SSM_A:
+        order = _value_order(config, arch, 1)
+        return shape, lambda arrays: np.log(-arrays[0])[order]
+    if kind == MODEL_TENSOR.SSM_CONV1D:  # channels [q; k; v], like attn_qkv's rows
+        keys = 2 * config.linear_num_key_heads * dk
+        order = np.concatenate([np.arange(keys), keys + _value_order(config, arch, dv)])
+        conv = lambda arrays: arrays[0][order].reshape(shape[0], 1, shape[1])  # noqa: E731
+        conv.moves_rows = False  # type: ignore[attr-defined]  # reshaped: no integer blocks (get_blocks)
+        return (shape[0], 1, shape[1]), conv
+    if kind == MODEL_TENSOR.SSM_OUT:  # the value heads are its input columns
+        order = _value_order(config, arch, dv)
+        columns = lambda arrays: arrays[0][:, order]  # noqa: E731
+        columns.moves_rows = False  # type: ignore[attr-defined]  # columns: no integer blocks, sharded whole
+        return shape, _single if np.array_equal(order, np.arange(len(order))) else columns
+    return shape, _single  # the gated norm (no 1 + w)
 
 
 def hf_names_by_gguf(config: ModelConfig, arch: MODEL_ARCH) -> dict[str, str]:
@@ -1044,6 +1165,8 @@ class GGUFTensorReader:
         tensors = {t.name: t for t in reader.tensors}
         for name, t in tensors.items():
             base, _, suffix = name.rpartition(".")
+            if name in kinds:  # a tensor named without a suffix (Qwen3.5's and Qwen3-Next's ssm_a)
+                base, suffix = name, ""
             kind, layer = kinds.get(base, (None, None))
             shape = _hf_shape(t)
             if kind is None:
@@ -1071,6 +1194,9 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
+            elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
+                hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
+                self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
             elif base in names:
                 hf = f"{names[base]}.{suffix}"
                 if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
@@ -1086,6 +1212,12 @@ class GGUFTensorReader:
                 elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
                     start = 0
                     for part, rows in layout[hf].items():
+                        if rows is not None and len(rows) != 1 and arch in _GATED_DELTANET:
+                            # stored as HF stores it: each head's queries then gate in q_proj, Qwen3-Next's
+                            # in_proj_ba (and in_proj_qkvz, older files' ssm_in) grouped by key head
+                            order = np.concatenate([np.arange(a, b) for a, b in rows])
+                            self._add(part, (t,), (len(order), *shape[1:]), _rows_in_order(order))
+                            continue
                         if rows is not None and len(rows) != 1 and arch != _A.GPTNEOX:
                             raise WeightsError(f"{path}: tensor {name!r} holds interleaved parts; not read from GGUF")
                         if rows is not None and len(rows) != 1:
@@ -1159,8 +1291,8 @@ class GGUFTensorReader:
         entry = self._entry(name)
         if shard is None:
             return self.get(name)
-        if len(entry.sources) != 1 or len(entry.shape) != 2:  # stacked experts: read whole, then cut
-            return narrow(self.get(name), shard)
+        if len(entry.sources) != 1 or len(entry.shape) != 2 or not getattr(entry.combine, "moves_rows", True):
+            return narrow(self.get(name), shard)  # stacked experts, columns reordered: read whole, then cut
         t = entry.sources[0]
         _check_type(t, self.path)
         rows, cols = entry.shape
