@@ -180,3 +180,41 @@ def test_parallel_layouts_are_refused_by_name(tmp_path):
     cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
     with pytest.raises(ConfigError, match="linear_attention"):
         train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
+    """Training from scratch: dt_bias and D start at 1 and A_log at each layer's spread of decay rates (not at the
+    generic zero of biases), on the meta-device start as on a model built directly."""
+    from keel.config import ModelConfig
+    from keel.model.seeded_init import init_weights_seeded, materialize
+    from keel.model.transformer import Transformer
+
+    save_hf_model(family, tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with torch.device("meta"):
+        model = Transformer(config)
+    materialize(model, "cpu", lambda m: init_weights_seeded(m, 0))
+    direct = Transformer(config)
+    mixer, built = model.layers["0"].self_attn, direct.layers["0"].self_attn
+    assert torch.equal(mixer.dt_bias, torch.ones_like(mixer.dt_bias))
+    assert torch.equal(mixer.A_log, built.A_log) and len(set(mixer.A_log.tolist())) == mixer.A_log.numel()
+    if hasattr(mixer, "D"):
+        assert torch.equal(mixer.D, torch.ones_like(mixer.D))
+
+
+def test_a_model_without_attention_layers_and_other_conv_activations_are_refused(tmp_path):
+    """Every layer recurrent (no KV cache to size a budget by) is refused by the engine by name; an activation other
+    than SiLU, which Gated DeltaNet and Mamba 2 apply to their convolutions, by the config."""
+    import json
+
+    from keel.config import ModelConfig
+    from keel.errors import ConfigError
+
+    save_hf_model("granitemoehybrid", tmp_path, layer_types=["mamba"] * 4)
+    save_byte_tokenizer(tmp_path)
+    with pytest.raises(KeelError, match="every layer is recurrent"):
+        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64))
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf({**data, "hidden_act": "gelu"})

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         config,
         load=dataclasses.replace(config.load, compile=bool(config.load.compile)),
         cache=CacheConfig(num_blocks=-(-length // 16), block_size=16),
-        scheduler=SchedulerConfig(max_model_len=length),
+        scheduler=SchedulerConfig(max_model_len=length, max_num_seqs=1),  # and one state slot (recurrent layers)
     )
     engine = LLMEngine(loaded, config, adapt=True)
     print(f"[keel] backends: {engine.backends}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.families import granitemoehybrid
+from keel.families.layer_kinds import refuse_other_conv_activation
 
 FAMILY = "bamba"
 HF_ARCHITECTURE = "BambaForCausalLM"
@@ -24,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    refuse_other_conv_activation(hf, source)
     attention = set(hf.get("attn_layer_indices") or [])
     layers = int(hf["num_hidden_layers"])
     return {

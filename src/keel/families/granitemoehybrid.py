@@ -12,6 +12,7 @@ from typing import Any
 
 from keel.errors import ConfigError
 from keel.families import granitemoe, granitemoeshared
+from keel.families.layer_kinds import refuse_other_conv_activation
 
 FAMILY = "granitemoehybrid"
 HF_ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -74,6 +75,7 @@ def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    refuse_other_conv_activation(hf, source)
     kinds = _layer_types(hf, source)
     shared = int(hf.get("shared_intermediate_size") or 1024)
     experts = int(hf.get("num_local_experts", 8) or 0)

@@ -1,5 +1,6 @@
 """Per-layer kinds that families' config.json files list: which layers rotate (`no_rope_layers`: SmolLM3, Llama 4)
-and which MLPs are dense (`mlp_layer_types`: GLM-4.7-Flash, K-EXAONE), read as keel's fields and written back."""
+and which MLPs are dense (`mlp_layer_types`: GLM-4.7-Flash, K-EXAONE), read as keel's fields and written back; what
+recurrent layers' families cannot run (`refuse_other_conv_activation`)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def mlp_layer_types(config: Any) -> list[str]:
     """`mlp_layer_types` as the config's dense layers give them."""
     dense = set(config.mlp_only_layers)
     return ["dense" if i in dense else "sparse" for i in range(config.num_layers)]
+
+
+def refuse_other_conv_activation(hf: dict[str, Any], source: str) -> None:
+    """Gated DeltaNet and Mamba 2 layers apply `hidden_act` to their convolution too; keel's run SiLU there (every
+    release's): another activation is refused by name."""
+    act = hf.get("hidden_act") or "silu"
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{source}: hidden_act {act!r} with recurrent layers is not supported (silu)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.layer_kinds import refuse_other_conv_activation
 from keel.families.rope import partial_rotary_factor
 
 FAMILY = "qwen3_5"
@@ -65,6 +66,7 @@ def layer_types(hf: dict[str, Any], source: str) -> list[str]:
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    refuse_other_conv_activation(hf, source)
     bias = bool(hf.get("attention_bias", False))
     return {
         "layer_types": layer_types(hf, source),

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
+from keel.model.layers import building_on_meta
 from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
 
 
@@ -49,9 +50,14 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(h, self.value_heads, bias=False)
         self.conv1d = nn.Conv1d(channels, channels, config.linear_conv_kernel_dim, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.A_log = nn.Parameter(torch.empty(self.value_heads) if building_on_meta() else self.initial_a_log())
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(values, h, bias=False)
+
+    def initial_a_log(self) -> Tensor:
+        """Decay rates A spread over [1, 16] across the value heads (Mamba 2's range; transformers draws them at
+        random there), the same on every layout."""
+        return torch.linspace(1.0, 16.0, self.value_heads).log()
 
     def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
         b, s, _ = x.shape

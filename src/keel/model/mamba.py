@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
+from keel.model.layers import building_on_meta
 from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
 from keel.model.ssd import ssd_chunked, ssd_steps
 
@@ -47,10 +48,14 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = nn.Linear(h, self.inner + channels + self.heads, bias=config.mamba_proj_bias)
         self.conv1d = nn.Conv1d(channels, channels, config.mamba_d_conv, groups=channels, bias=config.mamba_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
-        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.A_log = nn.Parameter(torch.empty(self.heads) if building_on_meta() else self.initial_a_log())
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm = GroupedGatedRMSNorm(self.inner, self.groups, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.inner, h, bias=config.mamba_proj_bias)
+
+    def initial_a_log(self) -> Tensor:
+        """A = 1, 2, ..., H across the heads, as Mamba 2 starts."""
+        return torch.arange(1, self.heads + 1, dtype=torch.float32).log()
 
     def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
         b, s, _ = x.shape

@@ -123,21 +123,18 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             name = f"{prefix}.{param_name}" if prefix else param_name
             if name == "lm_head.weight" and tied:
                 name = "embed_tokens.weight"  # a stage's untied head starts as the tied model's
-            if isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
+            if isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm) or (
+                isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name in ("dt_bias", "D")
+            ):
+                param.fill_(1.0)  # before the generic bias rule: dt_bias starts at 1, as transformers starts it
+            elif isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name == "A_log":
+                fill_vector(param, module.initial_a_log())
+            elif isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
             elif param_name == "bias" or param_name.endswith("_bias"):  # GPT-OSS's experts: gate_up_proj_bias
                 param.zero_()
             elif isinstance(module, XIELU):  # its initial shape, the same on every layout
                 param.fill_(module.INITIAL[param_name])
-            elif isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm) or (
-                isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name in ("dt_bias", "D")
-            ):
-                param.fill_(1.0)
-            elif isinstance(module, Mamba2Mixer) and param_name == "A_log":  # A = 1..H, as Mamba 2 starts
-                fill_vector(param, torch.arange(1, param.shape[0] + 1, dtype=torch.float32).log())
-            elif isinstance(module, GatedDeltaNet) and param_name == "A_log":
-                # decay rates A spread over [1, 16] across heads (Mamba 2's range), the same on every layout
-                fill_vector(param, torch.linspace(1.0, 16.0, param.shape[0]).log())
             elif (
                 isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | Router | GroupedExperts)
                 or param_name == "sinks"

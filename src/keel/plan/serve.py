@@ -88,7 +88,12 @@ def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: 
     else:
         heads = max(1, config.num_kv_heads // tp) if config.num_kv_heads >= tp else 1
         per_layer = 2 * heads * config.head_dim * per_value
-    return per_layer * config.num_layers / pp
+    return per_layer * _attention_layers(config) / pp
+
+
+def _attention_layers(config: ModelConfig) -> int:
+    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead)."""
+    return sum(not config.is_recurrent_layer(i) for i in range(config.num_layers))
 
 
 def _attention_flops_per_token(config: ModelConfig, context: int) -> float:
@@ -97,7 +102,7 @@ def _attention_flops_per_token(config: ModelConfig, context: int) -> float:
         width = 2 * config.kv_lora_rank + config.qk_rope_head_dim
     else:
         width = 2 * config.head_dim
-    return 2 * config.num_layers * config.num_heads * width * context
+    return 2 * _attention_layers(config) * config.num_heads * width * context
 
 
 @dataclass
