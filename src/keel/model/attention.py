@@ -50,9 +50,9 @@ class KVCache(Protocol):
         ...
 
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
-        """For a recurrent layer (keel.model.recurrent: Gated DeltaNet, short convolution): which tokens of this
-        forward belong to which sequence, and that layer's state stores with each sequence's slot (emptied where it
-        starts at position 0)."""
+        """For a recurrent layer (keel.model.recurrent: Gated DeltaNet, short convolution, Mamba 2): which tokens of
+        this forward belong to which sequence, and that layer's state stores with each sequence's slot (emptied where
+        it starts at position 0)."""
         ...
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

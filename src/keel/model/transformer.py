@@ -21,6 +21,22 @@ from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 from keel.model.short_conv import ShortConv
 
+# Recurrent layers by their `layer_types` kind (keel.model.recurrent): a state per sequence instead of K/V.
+RECURRENT_MIXERS: dict[str, type[nn.Module]] = {
+    "linear_attention": GatedDeltaNet,
+    "conv": ShortConv,
+    "mamba": Mamba2Mixer,
+}
+
+
+def token_mixer(config: ModelConfig, layer: int) -> nn.Module:
+    """A layer's token mixer (keel's `self_attn`): its recurrent kind's module, else attention (multi-head latent
+    attention where the config has it)."""
+    recurrent = RECURRENT_MIXERS.get(config.layer_types[layer])
+    if recurrent is not None:
+        return recurrent(config, layer)
+    return MLAttention(config, layer) if config.is_mla else Attention(config, layer)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -29,17 +45,7 @@ class DecoderLayer(nn.Module):
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
         # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre else None
-        self.self_attn: nn.Module = (
-            GatedDeltaNet(config, layer)
-            if config.is_linear_layer(layer)
-            else ShortConv(config, layer)
-            if config.layer_types[layer] == "conv"
-            else Mamba2Mixer(config, layer)
-            if config.layer_types[layer] == "mamba"
-            else MLAttention(config, layer)
-            if config.is_mla
-            else Attention(config, layer)
-        )
+        self.self_attn: nn.Module = token_mixer(config, layer)
         self.post_attention_layernorm: nn.Module | None = (
             block_norm(config, h) if pre and config.post_attention_norm else None
         )
