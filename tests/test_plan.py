@@ -429,3 +429,22 @@ def test_decode_roofline_is_the_serving_plans():
     assert ms == pytest.approx(layout.decode_ms_batch1) and not compute_bound
     _, compute_bound = decode_roofline(config, cluster.gpu, 4096, 16, weights="fp8", tp=8)
     assert compute_bound
+
+
+def test_serving_plan_of_a_hybrid_model_reserves_states_and_one_process(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers: K/V for its attention layers only, each sequence's recurrent state beside its
+    blocks, and only one-process layouts fit (keel serves recurrent layers in one process)."""
+    from keel.model.recurrent import RecurrentStates
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.serve import plan_serving
+    from tiny_models import save_hf_model
+
+    save_hf_model("qwen3_5", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    layouts = plan_serving(config, parse_cluster("2xH100"), context=4096)
+    one = next(layout for layout in layouts if layout.tp * layout.pp == 1)
+    attention = config.layer_types.count("full_attention")
+    assert one.kv_bytes_per_token == attention * 2 * config.num_kv_heads * config.head_dim * 2
+    state = RecurrentStates.bytes_per_slot(config, torch.bfloat16)
+    assert one.sequences == int(one.kv_gb * 1e9 // (one.kv_bytes_per_token * 4096 + state))
+    assert one.fits and not any(layout.fits for layout in layouts if layout.tp * layout.pp > 1)

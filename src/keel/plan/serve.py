@@ -39,8 +39,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from keel.config import ModelConfig
 from keel.errors import KeelError
+from keel.model.recurrent import RecurrentStates
 from keel.plan.hardware import GPU, Cluster
 from keel.plan.params import ParamSplit, split_params
 
@@ -278,10 +281,15 @@ def _serve_layout(
         share = max(0.0, min(1.0, room / (routed / ep * wbytes / pp)))
     kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
     kv_free = max(free, 0.0)
-    blocks = int(kv_free // (kv_token * block_size)) if kv_token else 0
+    # Recurrent layers: each sequence's state beside its blocks (the engine sizes its slots the same way)
+    state = RecurrentStates.bytes_per_slot(config, torch.bfloat16) / pp if config.has_recurrent_layers else 0.0
+    per_sequence = kv_token * block_size * -(-context // block_size) + state
+    sequences = int(kv_free // per_sequence) if per_sequence else 0
+    blocks = int((kv_free - sequences * state) // (kv_token * block_size)) if kv_token else 0
     tokens = blocks * block_size
-    sequences = blocks // -(-context // block_size)
     b = batch or max(1, min(sequences, 256))
+    # keel serves recurrent layers in one process only (keel.serve.hybrid)
+    servable = not config.has_recurrent_layers or tp * pp == 1
 
     shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu)
     decode1, *_ = shape.step(1)
@@ -300,7 +308,7 @@ def _serve_layout(
         kv_bytes_per_token=kv_token,
         tokens=tokens,
         sequences=sequences,
-        fits=fits and sequences > 0,
+        fits=fits and sequences > 0 and servable,
         resident_expert_share=share if not fits else 1.0,
         decode_ms_batch1=decode1,
         decode_ms=decode_b,
