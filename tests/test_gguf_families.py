@@ -1,6 +1,6 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
 Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
-MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2, Qwen3.5, Qwen3.5 MoE and Qwen3-Next.
+MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE and Qwen3-Next.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -910,6 +910,115 @@ def test_lfm2_gguf_matches_hf_model(tmp_path, conv_bias):
         in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
         assert (in_proj == "Linear") == (name == "lfm2"), in_proj  # the Q8_0 file run as stored
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+
+
+def write_lfm2_moe_gguf(hf, path, q8: bool = False, gating=gguf.ExpertGatingFuncType.SIGMOID) -> None:
+    """LFM2 MoE as llama.cpp's LFM2MoeModel converter writes it (`lfm2moe`): TextModel's metadata (the KV head count
+    per layer, 0 for a convolution layer; the dense width unadjusted; the expert counts), the experts' width, the
+    leading dense count, sigmoid gating, shortconv.l_cache; no key for norm_topk_prob or routed_scaling_factor. The
+    conv weight squeezed to [C, K], each layer's experts stacked as `layers.{bid}.feed_forward.experts.{w1,w2,w3}`
+    before TensorNameMap names them, the selection bias renamed `.expert_bias.bias` (`exp_probs_b.bias`). `q8`: the
+    matrices and stacked experts whose rows split into blocks of 32 as Q8_0, the rest float32; `gating`: the gating
+    function written (the converter's is sigmoid)."""
+    from safetensors.torch import load_file
+
+    cfg = hf.config
+    arch = gguf.MODEL_ARCH.LFM2MOE
+    kv_heads = [cfg.num_key_value_heads if kind == "full_attention" else 0 for kind in cfg.layer_types]
+    w = text_model_writer(cfg, path, arch, kv_heads=kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    w.add_expert_gating_func(gating)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    add_mini_vocab(w, "default")
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    hf.save_pretrained(path.parent / "hf")
+    stored = load_file(path.parent / "hf" / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for hf_name, t in stored.items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".experts." in hf_name:
+            layer, expert, which = re.match(
+                r"model\.layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w\d)", hf_name
+            ).groups()
+            if expert != "0":
+                continue
+            experts = [
+                stored[f"model.layers.{layer}.feed_forward.experts.{e}.{which}.weight"] for e in range(cfg.num_experts)
+            ]
+            hf_name, t = f"layers.{layer}.feed_forward.experts.{which}.weight", torch.stack(experts)
+        if "conv.conv" in hf_name:
+            t = t.squeeze(1)
+        if hf_name.endswith(".expert_bias"):
+            hf_name += ".bias"
+        base, suffix = hf_name.rsplit(".", 1)
+        out[f"{names.get_name(base)}.{suffix}"] = t
+    for name, t in out.items():
+        a = np.ascontiguousarray(t.float().numpy())
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    finish_writer(w)
+
+
+def test_lfm2_moe_gguf_matches_hf_model(tmp_path):
+    """LFM2 MoE as llama.cpp converts it: LFM2's layer kinds and conv weight, the dense layer's width as written, the
+    stacked experts, the sigmoid router's selection bias from `exp_probs_b.bias`, the chosen scores renormalised and
+    unscaled (llama.cpp's fixed choice: the file has no key for either; the tiny model is built with the releases'
+    routed_scaling_factor 1): transformers' logits; `keel convert` back to the HF checkpoint; greedy tokens through the
+    engine from float32 and from Q8_0 run as stored (transformers on the dequantized weights)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from keel.serve import LLM, EngineConfig, SamplingParams
+    from keel.weights.convert import convert
+
+    hf = build_hf_model("lfm2_moe", routed_scaling_factor=1.0)
+    write_lfm2_moe_gguf(hf, tmp_path / "lfm2_moe.gguf")
+    loaded = load_model(tmp_path / "lfm2_moe.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    assert c.architecture == "lfm2_moe" and c.layer_types == ["conv", "conv", "full_attention", "conv"]
+    assert (c.num_kv_heads, c.short_conv_kernel, c.intermediate_size, c.mlp_only_layers) == (2, 3, 96, [0])
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 32)
+    assert (c.router_scoring, c.router_bias, c.norm_topk_prob, c.routed_scaling_factor) == ("sigmoid", True, True, 1.0)
+    assert reader.gguf_names("model.layers.1.mlp.gate.e_score_correction_bias") == ["blk.1.exp_probs_b.bias"]
+    assert reader.gguf_names("model.layers.1.mlp.experts.gate_up_proj") == [
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.ffn_up_exps.weight",
+    ]
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    out = convert(tmp_path / "lfm2_moe.gguf", tmp_path / "back", dtype="float32")  # the HF checkpoint again
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    stored.pop("lm_head.weight", None)  # tied
+    assert set(written) == set(stored) and all(torch.equal(written[k], stored[k]) for k in stored)
+
+    write_lfm2_moe_gguf(hf, tmp_path / "q8.gguf", q8=True)
+    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
+    references = {"lfm2_moe": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
+    prompt = TOKENS[0, :10].tolist()
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for name, reference in references.items():
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        options = dict(num_blocks=32, block_size=8, max_model_len=128, dtype="float32")
+        llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
+        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
+        assert (in_proj == "Linear") == (name == "lfm2_moe"), in_proj  # the Q8_0 file run as stored
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+
+
+def test_lfm2_moe_gguf_with_softmax_gating_is_refused(tmp_path):
+    hf = build_hf_model("lfm2_moe", routed_scaling_factor=1.0)
+    write_lfm2_moe_gguf(hf, tmp_path / "softmax.gguf", gating=gguf.ExpertGatingFuncType.SOFTMAX)
+    with pytest.raises(ConfigError, match="expert_gating_func 1 is not supported for lfm2moe .sigmoid only."):
+        open_gguf(tmp_path / "softmax.gguf")
 
 
 QWEN_HYBRID_ARCH = {

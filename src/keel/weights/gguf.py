@@ -18,9 +18,9 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3), lfm2, qwen35, qwen35moe and qwen3next (others are refused by name); tensor types F32 F16 BF16
-Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error naming
-these); byte-level BPE vocabularies
+(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe and qwen3next (others are refused by name); tensor types F32
+F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error
+naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
 tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -67,6 +67,12 @@ LFM2 (`lfm2`): no layer_types key; `attention.head_count_kv` per layer, 0 for a 
 attention layers' one count is keel's num_kv_heads), the kernel width `shortconv.l_cache`, the MLP width written
 already adjusted, the final norm (HF's `embedding_norm`) as `token_embd_norm`, q/k rows as in HF, the conv weight
 squeezed to [C, K] (unsqueezed at load); convolution biases where the file has them (llama.cpp reads none).
+LFM2 MoE (`lfm2moe`): LFM2's layer kinds, kernel width, norms and conv weight; the dense layers' width
+`feed_forward_length` (unadjusted), the experts' `expert_feed_forward_length`, the dense layers' count
+`leading_dense_block_count` (absent: llama.cpp's 0), sigmoid gating (others refused by name), the experts stacked
+(`ffn_gate_exps` ...) and the selection bias as `exp_probs_b.bias`. The file has no key for norm_topk_prob or
+routed_scaling_factor: llama.cpp always renormalises the chosen scores and never scales them (the releases' true
+and 1), and so does keel.
 
 Qwen3.5, Qwen3.5 MoE and Qwen3-Next (`qwen35`, `qwen35moe`, `qwen3next`; Qwen3NextModel and its Qwen3.5 subclasses):
 the layer kinds from `full_attention_interval` (absent: llama.cpp's 4; a file cannot hold other patterns), the Gated
@@ -155,6 +161,7 @@ _FAMILIES = {
     _A.DEEPSEEK2: "deepseek_v3",  # or deepseek_v2, by the expert gating function (_deepseek2_family)
     _A.LLAMA4: "llama4",
     _A.LFM2: "lfm2",
+    _A.LFM2MOE: "lfm2_moe",
     _A.QWEN35: "qwen3_5",
     _A.QWEN35MOE: "qwen3_5_moe",
     _A.QWEN3NEXT: "qwen3_next",
@@ -649,11 +656,12 @@ def _family_hf_config(
         hf.update(use_bias=common["qkv_bias"], norm_epsilon=common["rms_norm_eps"])
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
-    if family == "lfm2":
-        # LFM2Model: no layer_types key; the KV head count per layer is 0 for a convolution layer (llama.cpp's
-        # recurrent layers). The MLP width is written adjusted, the kernel width as shortconv.l_cache; the
-        # convolutions' biases by tensor (the releases have none, and llama.cpp reads none).
-        if _tensor(MODEL_TENSOR.DENSE_2_OUT) in tensors:  # LFM2-ColBert: token embeddings for retrieval, no LM
+    if family in ("lfm2", "lfm2_moe"):
+        # LFM2Model and LFM2MoeModel: no layer_types key; the KV head count per layer is 0 for a convolution layer
+        # (llama.cpp's recurrent layers). The MLP width as written (LFM2's adjusted, LFM2 MoE's dense one never is),
+        # the kernel width as shortconv.l_cache; the convolutions' biases by tensor (the releases have none, and
+        # llama.cpp reads none).
+        if family == "lfm2" and _tensor(MODEL_TENSOR.DENSE_2_OUT) in tensors:  # LFM2-ColBert: for retrieval, no LM
             raise ConfigError(
                 f"{f.meta.path}: an lfm2 file with {_tensor(MODEL_TENSOR.DENSE_2_OUT)!r} (LFM2-ColBert) "
                 "is a retrieval model, not supported"
@@ -676,6 +684,28 @@ def _family_hf_config(
         if kernel is not None:
             hf.update(conv_L_cache=int(kernel))
             read.add("short_conv_kernel")
+    if family == "lfm2_moe":
+        # LFM2MoeModel: the dense layers' width unadjusted (feed_forward_length), the experts' and the leading dense
+        # count as keys (absent: llama.cpp's 0), the selection bias by tensor. No key for norm_topk_prob or
+        # routed_scaling_factor: llama.cpp always renormalises the chosen scores and never scales them (the
+        # releases' values), and so does keel.
+        gating = f.key(_K.EXPERT_GATING_FUNC)
+        if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+            raise ConfigError(
+                f"{f.meta.path}: {f.name(_K.EXPERT_GATING_FUNC)} {gating} is not supported for lfm2moe (sigmoid only)"
+            )
+        dense = f.key(_K.LEADING_DENSE_BLOCK_COUNT)
+        hf.update(
+            num_experts=int(f.require(_K.EXPERT_COUNT)),
+            num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            num_dense_layers=int(dense or 0),
+            use_expert_bias=any(_tensor(MODEL_TENSOR.FFN_EXP_PROBS_B, i, "bias") in tensors for i in range(layers)),
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size"}
+        read |= {"mlp_only_layers"} if dense is not None else set()
     if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
         hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
     if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
@@ -770,7 +800,7 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family == "lfm2" and isinstance(kv_heads, list):
+    if family in ("lfm2", "lfm2_moe") and isinstance(kv_heads, list):
         # LFM2Model writes 0 for its convolution layers (that is how it marks them, _family_hf_config): the
         # attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
