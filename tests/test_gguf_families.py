@@ -1,6 +1,7 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
 Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
-MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE and Qwen3-Next.
+MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next and
+Granite 4.0-H.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -1220,3 +1221,167 @@ def test_qwen3_5_q8_0_gguf_runs_as_stored(tmp_path):
         llm = LLM(str(tmp_path / "q8.gguf"), EngineConfig.of(**options))
         tokens[quantize] = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens["auto"] == tokens["none"]
+
+
+def write_granite_hybrid_gguf(hf, path, q8: bool = False, rope: bool = False) -> None:
+    """Granite 4.0-H as llama.cpp's GraniteHybridModel (on Mamba2Model and GraniteMoeModel) writes it
+    (`granitehybrid`): TextModel's and GraniteModel's metadata (the four scalars, the rotary width as hidden / heads),
+    the KV head count per layer (0 for a mamba layer), the context length 2**20 and rope.scaling.finetuned false (no
+    position encoding), the experts' and shared MLP's widths, the mixer's shape as ssm.* keys. Tensors: q/k rows
+    permuted as Llama's; the experts' input_linear split into gate and up; shared_mlp.input_linear into gate and up
+    (ffn_*_shexp with experts, else ffn_gate / ffn_up, and output_linear as ffn_down); A_log as -exp(A_log) and D,
+    both [n, 1]; dt_bias as `ssm_dt.bias`; conv1d squeezed to [C, K]; the gated norm as [groups, inner / groups];
+    other names by TensorNameMap. `q8`: matrices whose rows split into blocks of 32 as Q8_0, as llama-quantize
+    leaves them (not conv1d). `rope`: rope.scaling.finetuned true, as the converter writes BambaForCausalLM's."""
+    from safetensors.torch import load_file
+
+    from test_gguf import llama_cpp_permute
+
+    cfg = hf.config
+    arch = gguf.MODEL_ARCH.GRANITE_HYBRID
+    experts, inner = cfg.num_local_experts, cfg.mamba_expand * cfg.hidden_size
+    attention = [kind in ("attention", "full_attention") for kind in cfg.layer_types]  # (transformers' names too)
+    kv_heads = [cfg.num_key_value_heads if attn else 0 for attn in attention]
+    w = text_model_writer(cfg, path, arch, kv_heads=kv_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_attention_scale(cfg.attention_multiplier)
+    w.add_embedding_scale(cfg.embedding_multiplier)
+    w.add_residual_scale(cfg.residual_multiplier)
+    w.add_logit_scale(cfg.logits_scaling)
+    w.add_expert_count(experts)
+    if experts:
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    w.add_rope_scaling_finetuned(rope)
+    w.add_context_length(2**20)  # (overwrites TextModel's)
+    add_mini_vocab(w, "default")
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    hf.save_pretrained(path.parent / "hf")
+
+    def add(name: str, t: torch.Tensor) -> None:
+        a = np.ascontiguousarray(t.float().numpy())
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and "conv1d" not in name and "norm" not in name:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        blk = "blk." + hf_name.split(".")[2] if ".layers." in hf_name else ""
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            t = torch.from_numpy(llama_cpp_permute(t.numpy(), heads))
+        if hf_name.endswith(".A_log"):
+            t = -torch.exp(t)
+        if hf_name.endswith((".A_log", ".D")):  # no suffix
+            add(names.get_name(hf_name), t.reshape(-1, 1))
+            continue
+        if hf_name.endswith(".dt_bias"):
+            hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif hf_name.endswith("mamba.conv1d.weight"):
+            t = t.squeeze()
+        elif hf_name.endswith("mamba.norm.weight"):
+            t = t.reshape(cfg.mamba_n_groups, inner // cfg.mamba_n_groups)
+        if hf_name.endswith("input_linear.weight"):  # gate rows, then up rows
+            gate, up = t.chunk(2, dim=-2)
+            kind = "exps" if "block_sparse_moe" in hf_name else "shexp" if experts else ""
+            add(f"{blk}.ffn_gate{'_' + kind if kind else ''}.weight", gate)
+            add(f"{blk}.ffn_up{'_' + kind if kind else ''}.weight", up)
+        elif hf_name.endswith("shared_mlp.output_linear.weight") and not experts:
+            add(f"{blk}.ffn_down.weight", t)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            add(f"{names.get_name(base)}.{suffix}", t)
+    finish_writer(w)
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "granitemoehybrid-dense"])
+def test_granite_hybrid_gguf_matches_hf_model(tmp_path, name):
+    """Granite 4.0-H as llama.cpp converts it (refused before): the layer kinds from the per-layer KV head counts (0: a
+    mamba layer), the mixer's shape from the ssm.* keys, its tensors back in HF's layout (A_log from -exp(A_log), A
+    and D and the gated norm flattened, conv1d unsqueezed, dt_bias from ssm_dt.bias), q/k rows un-permuted, Granite's
+    scalars, the experts stacked again with the shared MLP, or the shared MLP alone as the dense one. No position
+    encoding (the converter writes none for a hybrid: the dense model is built without). transformers' logits, `keel
+    convert` back to the HF tensors, transformers' greedy tokens through keel's engine from float32 and from Q8_0
+    run as stored (transformers on the weights the file holds)."""
+    from safetensors.torch import load_file
+
+    from keel.serve import LLM, EngineConfig, SamplingParams
+    from keel.weights.convert import convert
+
+    hf = build_hf_model(name, position_embedding_type=None)
+    cfg = hf.config
+    write_granite_hybrid_gguf(hf, tmp_path / "f32.gguf")
+    loaded = load_model(tmp_path / "f32.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    kinds = ["full_attention" if kind in ("attention", "full_attention") else "mamba" for kind in cfg.layer_types]
+    assert c.architecture == "granitemoehybrid" and c.layer_types == kinds and not any(c.rope_layers)
+    assert (c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state) == (
+        cfg.mamba_n_heads,
+        cfg.mamba_d_head,
+        cfg.mamba_n_groups,
+        cfg.mamba_d_state,
+    )
+    assert (c.embedding_multiplier, c.residual_multiplier, c.attention_scale, c.logits_scaling) == (
+        cfg.embedding_multiplier,
+        cfg.residual_multiplier,
+        cfg.attention_multiplier,
+        cfg.logits_scaling,
+    )
+    assert loaded.checkpoint.provenance["layer_types"] == "read"
+    if cfg.num_local_experts:
+        assert (c.num_experts, c.shared_expert_intermediate_size) == (4, 48)
+        assert reader.gguf_names("model.layers.0.mlp.shared_expert.gate_proj.weight") == ["blk.0.ffn_gate_shexp.weight"]
+    else:
+        assert (c.num_experts, c.intermediate_size) == (0, 96)
+        assert reader.gguf_names("model.layers.0.mlp.down_proj.weight") == ["blk.0.ffn_down.weight"]
+    assert reader.gguf_names("model.layers.0.self_attn.A_log") == ["blk.0.ssm_a"]
+    assert reader.gguf_names("model.layers.0.self_attn.dt_bias") == ["blk.0.ssm_dt.bias"]
+    state = hf.state_dict()
+    for part in ("D", "dt_bias", "norm.weight", "conv1d.weight", "conv1d.bias", "in_proj.weight"):
+        assert torch.equal(reader.get(f"model.layers.0.self_attn.{part}"), state[f"model.layers.0.mamba.{part}"]), part
+    torch.testing.assert_close(reader.get("model.layers.0.self_attn.A_log"), state["model.layers.0.mamba.A_log"])
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+    # `keel convert` gives back the HF checkpoint: A_log (log(exp)) to float32's rounding, the rest exactly
+    out = convert(tmp_path / "f32.gguf", tmp_path / "back", dtype="float32")
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    if cfg.tie_word_embeddings:
+        stored.pop("lm_head.weight", None)
+    assert set(written) == set(stored)
+    for key, tensor in stored.items():
+        if key.endswith("A_log"):
+            torch.testing.assert_close(written[key], tensor, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(written[key], tensor), key
+
+    import transformers
+
+    write_granite_hybrid_gguf(hf, tmp_path / "q8.gguf", q8=True)
+    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
+    references = {"f32": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
+    prompt, greedy = TOKENS[0, :10].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for file, reference in references.items():
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        options = dict(num_blocks=32, block_size=8, max_model_len=64, dtype="float32")
+        llm = LLM(str(tmp_path / f"{file}.gguf"), EngineConfig.of(**options))
+        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
+        assert (in_proj == "Linear") == (file == "f32"), in_proj  # the Q8_0 file run as stored
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+
+
+def test_bamba_gguf_is_refused(tmp_path):
+    """BambaForCausalLM converts to granitehybrid too, with rope.scaling.finetuned true (its rotary attention)."""
+    hf = build_hf_model("granitemoehybrid-dense", position_embedding_type=None)
+    write_granite_hybrid_gguf(hf, tmp_path / "bamba.gguf", rope=True)
+    with pytest.raises(ConfigError, match="rope.scaling.finetuned true .*BambaForCausalLM"):
+        open_gguf(tmp_path / "bamba.gguf")

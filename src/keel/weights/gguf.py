@@ -18,9 +18,9 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe and qwen3next (others are refused by name); tensor types F32
-F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a one-line error
-naming these); byte-level BPE vocabularies
+(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next and granitehybrid (others are refused by name);
+tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
+one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
 tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -86,6 +86,16 @@ value channels and ssm_out's columns; they are put back in HF's order here. Qwen
 in_proj_qkvz into `attn_qkv` (all q, all k, all v: keel's in_proj_qkv) and `attn_gate` (older files keep it whole as
 `ssm_in`) and stores in_proj_ba as `ssm_ba`, grouped as in HF. The experts' top k are renormalised (llama.cpp's, no
 key) and the shared expert gated.
+
+Granite 4.0-H (`granitehybrid`; GraniteHybridModel, on Mamba2Model and GraniteMoeModel): the layer kinds from the KV
+head count per layer (0 for a mamba layer), the Mamba 2 mixer's shape from `ssm.time_step_rank` (heads),
+`ssm.inner_size` (all heads' width), `ssm.group_count`, `ssm.state_size` and `ssm.conv_kernel`, Granite's scalars as
+above, experts as Granite MoE's (expert_count 0 or absent: the shared MLP stored as the dense `ffn_*`) with the shared
+MLP as `ffn_*_shexp`; q/k rows permuted as Llama's. `ssm_a` (no suffix, [n, 1]) holds -exp(A_log), `ssm_d` D as
+[n, 1], `ssm_dt.bias` dt_bias, `ssm_norm` the gated norm as [groups, inner / groups], `ssm_conv1d` conv1d squeezed to
+[C, K]; biases by tensor. The converter writes `rope.scaling.finetuned` false for every hybrid (no position encoding,
+as llama.cpp runs it, whatever position_embedding_type was) and true for BambaForCausalLM's files, which are refused;
+the vocabulary from the embedding's rows (the token list is padded to a multiple of 8).
 """
 
 from __future__ import annotations
@@ -165,14 +175,15 @@ _FAMILIES = {
     _A.QWEN35: "qwen3_5",
     _A.QWEN35MOE: "qwen3_5_moe",
     _A.QWEN3NEXT: "qwen3_next",
+    _A.GRANITE_HYBRID: "granitemoehybrid",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
 _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses
-# that keep its tensor handling: llama (Mixtral included), granite and smollm3 (its NoPE layers too: the same
-# permutation of q's and k's rows leaves their products as they were).
-_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.SMOLLM3}
+# that keep its tensor handling: llama (Mixtral included), granite, granitehybrid (its attention layers: undo_permute)
+# and smollm3 (their NoPE layers too: the same permutation of q's and k's rows leaves their products as they were).
+_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.GRANITE_HYBRID, _A.SMOLLM3}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
 _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
 # Qwen3.5 and Qwen3-Next (Gated DeltaNet hybrids): the converter (Qwen3NextModel) adds 1 to every `*norm.weight` but the
@@ -228,7 +239,7 @@ KEYS_READ = (
     Keys.ShortConv.L_CACHE,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
-    _KR.SCALING_ORIG_CTX_LEN,
+    *(_KR.SCALING_ORIG_CTX_LEN, _KR.SCALING_FINETUNED),
     *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
     _KR.SCALING_YARN_LOG_MUL,
     ROPE_SCALE_LINEAR,
@@ -359,7 +370,8 @@ def _config_from_metadata(
         family = "granitemoeshared"  # llama.cpp's granitemoe architecture holds both (its shared expert is optional)
     f = _Fields(meta, arch, family)
     hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
-    vocab = _vocab_size(f, tensors, path, embedding_first=family == "gemma3")
+    # (GraniteHybridModel pads the token list, and vocab_size with it, to a multiple of 8; not the embedding.)
+    vocab = _vocab_size(f, tensors, path, embedding_first=family in ("gemma3", "granitemoehybrid"))
     rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
     scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
     has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
@@ -572,17 +584,19 @@ def _family_hf_config(
         local = f.key(_KR.FREQ_BASE_SWA)
         hf.update(rope_local_base_freq=_f32(local) if local is not None else _GEMMA3_LOCAL_THETA)
         read |= {"sliding_rope_theta"} if local is not None else set()
-    if family in ("granitemoe", "granitemoeshared"):  # GraniteMoeModel: Granite's four scalars (1 where absent)
-        # and LlamaModel's expert keys; the shared expert's width under the key Qwen2-MoE's files use too
+    if family in ("granitemoe", "granitemoeshared", "granitemoehybrid"):
+        # GraniteModel's four scalars, each written only where config.json has it (1 where absent)
+        for key, name, field in _GRANITE_SCALARS:
+            if f.key(key):
+                hf[name] = _f32(f.key(key))
+                read.add(field)
+    if family in ("granitemoe", "granitemoeshared"):  # GraniteMoeModel: LlamaModel's expert keys; the shared
+        # expert's width under the key Qwen2-MoE's files use too
         if family == "granitemoeshared":  # absent: from the shared down projection, ggml shape [S, H]
             width = f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)
             down = tensors[_tensor(MODEL_TENSOR.FFN_DOWN_SHEXP, 0)]
             hf["shared_intermediate_size"] = int(width) if width is not None else int(down.shape[0])
             read |= {"shared_expert_intermediate_size"} if width is not None else set()
-        for key, name, field in _GRANITE_SCALARS:
-            if f.key(key):
-                hf[name] = _f32(f.key(key))
-                read.add(field)
         hf.update(
             num_local_experts=int(f.require(_K.EXPERT_COUNT)),
             num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
@@ -735,6 +749,10 @@ def _family_hf_config(
             intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+    if family == "granitemoehybrid":
+        own, own_read = _granite_hybrid_hf_config(f, common, tensors)
+        hf.update(own)
+        read |= own_read
     if family in _QWEN_HYBRID:
         hf.update(_gated_deltanet_hf_config(f, common))
         read |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}
@@ -775,6 +793,59 @@ def _gated_deltanet_hf_config(f: _Fields, common: dict[str, Any]) -> dict[str, A
     return hf
 
 
+def _granite_hybrid_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Granite 4.0-H's config.json keys as GraniteHybridModel (on Mamba2Model and GraniteMoeModel) writes them: the
+    layer kinds as the KV head count per layer (0 for a mamba layer); the mixer's shape as ssm.* keys (its heads as
+    the time-step rank, all heads' width as the inner size); the experts as Granite MoE's (none: expert_count 0 or
+    absent, the shared MLP then stored as the dense ffn_*), the shared MLP's width as expert_shared_feed_forward_length
+    (absent: from its down projection); biases by tensor. No position encoding: the converter writes
+    rope.scaling.finetuned false for every hybrid (llama.cpp then rotates nothing, whatever position_embedding_type
+    was); true marks Bamba's files, refused here."""
+    path, layers = f.meta.path, common["num_layers"]
+    if f.key(_KR.SCALING_FINETUNED):
+        raise ConfigError(
+            f"{path}: a granitehybrid file with {f.name(_KR.SCALING_FINETUNED)} true (rotary attention: "
+            "BambaForCausalLM's) is not supported"
+        )
+    kv_heads = f.require(_KA.HEAD_COUNT_KV)
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(per_layer) != layers:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)} lists {len(per_layer)} layers, not {layers}")
+    experts = int(f.key(_K.EXPERT_COUNT, 0) or 0)
+    width = f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+    if width is None:  # ggml shape [S, H]
+        down = tensors.get(_tensor(MODEL_TENSOR.FFN_DOWN_SHEXP if experts else MODEL_TENSOR.FFN_DOWN, 0))
+        if down is None:
+            raise ConfigError(
+                f"{path}: cannot tell the shared MLP's width (no {f.name(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)})"
+            )
+        width = down.shape[0]
+    heads, inner = int(f.require(Keys.SSM.TIME_STEP_RANK)), int(f.require(Keys.SSM.INNER_SIZE))
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
+    hf: dict[str, Any] = dict(
+        layer_types=["attention" if n else "mamba" for n in per_layer],
+        position_embedding_type=None,
+        num_local_experts=experts,
+        intermediate_size=common["intermediate_size"],  # the experts' width (feed_forward_length)
+        shared_intermediate_size=int(width),
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_expand=inner // common["hidden_size"],
+        mamba_n_groups=int(f.require(Keys.SSM.GROUP_COUNT)),
+        mamba_d_state=int(f.require(Keys.SSM.STATE_SIZE)),
+        mamba_d_conv=int(f.require(Keys.SSM.CONV_KERNEL)),
+        mamba_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
+        mamba_proj_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
+    )
+    read = {"layer_types", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
+    if experts:
+        hf["num_experts_per_tok"] = int(f.require(_K.EXPERT_USED_COUNT))
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+    return hf, read
+
+
 def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
     """`attention.sliding_window_pattern` as the config.json keys a family reads: a list (per layer, true where it
     slides) as `layer_types`, a number (one global layer in that many) or else `default` as
@@ -800,8 +871,8 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family in ("lfm2", "lfm2_moe") and isinstance(kv_heads, list):
-        # LFM2Model writes 0 for its convolution layers (that is how it marks them, _family_hf_config): the
+    if family in ("lfm2", "lfm2_moe", "granitemoehybrid") and isinstance(kv_heads, list):
+        # LFM2Model and GraniteHybridModel write 0 for their recurrent layers (how they mark them): the
         # attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
     if kv_heads is None:
@@ -1077,6 +1148,47 @@ _DELTANET_TENSORS = {
 }
 
 
+# A Mamba 2 layer's llama.cpp tensors -> keel's names under self_attn (Granite 4.0-H's `mamba.*`).
+_MAMBA2_TENSORS = {
+    MODEL_TENSOR.SSM_IN: "in_proj",
+    MODEL_TENSOR.SSM_CONV1D: "conv1d",
+    MODEL_TENSOR.SSM_DT: "dt_bias",  # stored as `ssm_dt.bias` (the converter's dt_proj.bias)
+    MODEL_TENSOR.SSM_A: "A_log",  # stored as -exp(A_log), [n, 1], without a suffix
+    MODEL_TENSOR.SSM_D: "D",  # stored as [n, 1], without a suffix
+    MODEL_TENSOR.SSM_NORM: "norm",  # stored as [groups, inner / groups]
+    MODEL_TENSOR.SSM_OUT: "out_proj",
+}
+
+
+def _flattened(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0].reshape(-1)
+
+
+def _a_log(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.log(-arrays[0]).reshape(-1)
+
+
+_flattened.moves_rows = _a_log.moves_rows = False  # type: ignore[attr-defined]  # reshaped: no integer blocks
+
+
+def _mamba2(
+    kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A Mamba 2 tensor's keel name (under self_attn), HF shape and how to make it from the stored one, undoing
+    Mamba2Model.modify_tensors: A_log from -exp(A_log), A and D flattened from [n, 1], the gated norm from
+    [groups, inner / groups], conv1d's [C, K] unsqueezed to HF's [C, 1, K]."""
+    if kind == MODEL_TENSOR.SSM_A:
+        return "A_log", (math.prod(shape),), _a_log
+    if kind in (MODEL_TENSOR.SSM_D, MODEL_TENSOR.SSM_DT):
+        return _MAMBA2_TENSORS[kind], (math.prod(shape),), _flattened
+    name = f"{_MAMBA2_TENSORS[kind]}.{suffix}"
+    if kind == MODEL_TENSOR.SSM_NORM:
+        return name, (math.prod(shape),), _flattened
+    if kind == MODEL_TENSOR.SSM_CONV1D and suffix == "weight":
+        return name, (shape[0], 1, shape[-1]), _unsqueezed
+    return name, shape, _single
+
+
 def _value_order(config: ModelConfig, arch: MODEL_ARCH, size: int) -> np.ndarray:
     """The stored rows (or columns) of the value heads, `size` each, in HF's order. HF groups the value heads by the
     key head they share ([K0 v0, K0 v1, ..., K1 v0, ...]); Qwen3.5's converter stores them tiled ([K0 v0, K1 v0, ...,
@@ -1224,6 +1336,9 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
+            elif kind in _MAMBA2_TENSORS and arch == _A.GRANITE_HYBRID:
+                keel_name, hf_shape, combine = _mamba2(kind, suffix, shape)
+                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
