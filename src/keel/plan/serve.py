@@ -39,11 +39,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.recurrent import RecurrentStates
 from keel.plan.hardware import GPU, Cluster
 from keel.plan.params import ParamSplit, split_params
 
@@ -92,6 +89,16 @@ def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: 
         heads = max(1, config.num_kv_heads // tp) if config.num_kv_heads >= tp else 1
         per_layer = 2 * heads * config.head_dim * per_value
     return per_layer * _attention_layers(config) / pp
+
+
+def _state_bytes(config: ModelConfig) -> int:
+    """One sequence's recurrent states (bfloat16 convolution inputs, float32 matrices), as the engine sizes them.
+    Imported here only: the training launcher checks a run through keel.plan without importing torch."""
+    import torch
+
+    from keel.model.recurrent import RecurrentStates
+
+    return RecurrentStates.bytes_per_slot(config, torch.bfloat16)
 
 
 def _attention_layers(config: ModelConfig) -> int:
@@ -282,7 +289,7 @@ def _serve_layout(
     kv_token = kv_bytes_per_token_per_gpu(config, tp, pp, kv_dtype)
     kv_free = max(free, 0.0)
     # Recurrent layers: each sequence's state beside its blocks (the engine sizes its slots the same way)
-    state = RecurrentStates.bytes_per_slot(config, torch.bfloat16) / pp if config.has_recurrent_layers else 0.0
+    state = _state_bytes(config) / pp if config.has_recurrent_layers else 0.0
     per_sequence = kv_token * block_size * -(-context // block_size) + state
     sequences = int(kv_free // per_sequence) if per_sequence else 0
     blocks = int((kv_free - sequences * state) // (kv_token * block_size)) if kv_token else 0
