@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
 from keel.model.layers import building_on_meta
-from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
+from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued, continue_sequences
 
 
 class GatedRMSNorm(nn.Module):
@@ -92,16 +92,4 @@ class GatedDeltaNet(nn.Module):
         """Each sequence's tokens continued from its states, which are updated in place."""
         conv = F.silu(causal_conv_continued(mixed, self.conv1d.weight, None, spans))
         out = mixed.new_empty(mixed.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
-        for first, end, slot in spans.chunks:
-            piece, state = self._mix(
-                conv[first:end][None], decay[first:end][None], beta[first:end][None], spans.state[slot][None]
-            )
-            spans.state[slot] = state[0]
-            out[first:end] = piece[0]
-        if spans.decode_tokens is not None:
-            tokens, slots = spans.decode_tokens, spans.decode_slots
-            state = spans.state.index_select(0, slots)
-            piece, state = self._mix(conv[tokens][:, None], decay[tokens][:, None], beta[tokens][:, None], state)
-            spans.state.index_copy_(0, slots, state)
-            out[tokens] = piece[:, 0]
-        return out
+        return continue_sequences(self._mix, spans, (conv, decay, beta), out)

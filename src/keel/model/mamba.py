@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.layers import building_on_meta
-from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued
+from keel.model.recurrent import RecurrentSpans, causal_conv, causal_conv_continued, continue_sequences
 from keel.model.ssd import ssd_chunked, ssd_steps
 
 
@@ -90,13 +90,4 @@ class Mamba2Mixer(nn.Module):
     def _continue(self, conv: Tensor, step: Tensor, spans: RecurrentSpans) -> Tensor:
         """Each sequence's tokens continued from its states, which are updated in place."""
         out = conv.new_empty(conv.shape[0], self.heads, self.head_dim, dtype=torch.float32)
-        for first, end, slot in spans.chunks:
-            piece, state = self._scan(conv[first:end][None], step[first:end][None], spans.state[slot][None])
-            spans.state[slot] = state[0]
-            out[first:end] = piece[0]
-        if spans.decode_tokens is not None:
-            tokens, slots = spans.decode_tokens, spans.decode_slots
-            piece, state = self._scan(conv[tokens][:, None], step[tokens][:, None], spans.state.index_select(0, slots))
-            spans.state.index_copy_(0, slots, state)
-            out[tokens] = piece[:, 0]
-        return out
+        return continue_sequences(self._scan, spans, (conv, step), out)

@@ -11,6 +11,7 @@ continues in place: a chunk of a prefill, or one decode token of many sequences 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,24 @@ def causal_conv_continued(x: Tensor, weight: Tensor, bias: Tensor | None, spans:
         window = torch.cat([spans.conv.index_select(0, slots).to(x.dtype), x.index_select(0, tokens).unsqueeze(-1)], -1)
         spans.conv.index_copy_(0, slots, window[..., 1:].to(spans.conv.dtype))
         out[tokens] = F.conv1d(window, weight, bias, groups=groups)[..., 0]
+    return out
+
+
+def continue_sequences(
+    run: Callable[..., tuple[Tensor, Tensor]], spans: RecurrentSpans, inputs: tuple[Tensor, ...], out: Tensor
+) -> Tensor:
+    """A recurrence (`run(*inputs batched [B, L, ...], state [B, ...]) -> (outputs [B, L, ...], final state)`) over
+    each sequence's tokens of `inputs` ([T, ...] each), continued from its state, which is updated in place; the
+    outputs written into `out` ([T, ...]): each chunk on its own, the one-token decodes as one batch."""
+    for first, end, slot in spans.chunks:
+        piece, state = run(*(t[first:end][None] for t in inputs), spans.state[slot][None])
+        spans.state[slot] = state[0]
+        out[first:end] = piece[0]
+    if spans.decode_tokens is not None:
+        tokens, slots = spans.decode_tokens, spans.decode_slots
+        piece, state = run(*(t[tokens][:, None] for t in inputs), spans.state.index_select(0, slots))
+        spans.state.index_copy_(0, slots, state)
+        out[tokens] = piece[:, 0]
     return out
 
 
