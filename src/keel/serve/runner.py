@@ -57,6 +57,10 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
     slots: list[int] = []
     decode_index, decode_tables, decode_positions = [], [], []
     prefills = []
+    # recurrent layers' state slots (Chunk.state): of the decodes, of the prefill chunks, of the sequences starting
+    decode_states: list[int] = []
+    prefill_states: list[int] = []
+    fresh: list[int] = []
     select: list[int] = []
     rows: list[range] = []
     for chunk in chunks:
@@ -71,21 +75,27 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
             decode_index.append(offset)
             decode_tables.append(blocks)
             decode_positions.append(start)
+            decode_states.append(chunk.state)
         else:
             prefills.append((offset, offset + n, blocks, list(span)))
+            prefill_states.append(chunk.state)
+        if start == 0:
+            fresh.append(chunk.state)
         first = len(select)
         if chunk.logits == "all":
             select += range(offset, offset + n)
         elif chunk.logits == "last":
             select.append(offset + n - 1)
         rows.append(range(first, len(select)))
-    recurrent = _recurrent_plan(chunks, device) if chunks and chunks[0].state >= 0 else None
+    stateful = bool(chunks) and chunks[0].state >= 0
     groups = _decode_groups(decode_index, decode_tables, decode_positions, total=len(tokens))
     host = [host_int64([tokens]), host_int64([positions]), host_int64(slots), host_int64(select)]
     for g in groups:
         host += [g.index, g.tables, g.positions]
     for _, _, blocks, span in prefills:
         host += [host_int64(blocks), host_int64(span)]
+    if stateful and decode_index:
+        host += [host_int64(decode_index), host_int64(decode_states)]
     if fill is not None:
         host += fill.host()
     moved = iter(staging_for(torch.device(device)).move(host))
@@ -94,30 +104,14 @@ def pack_step(chunks: list[Chunk], block_size: int, device: torch.device, fill: 
         slot_mapping=slots_t,
         decodes=[DecodeGroup(next(moved), next(moved), next(moved), g.whole_step) for g in groups],
         prefills=[PrefillChunk(s, e, next(moved), next(moved), span[-1] + 1) for s, e, _, span in prefills],
-        recurrent=recurrent,
     )
+    if stateful:
+        decode_rows, decode_slots = (next(moved), next(moved)) if decode_index else (None, None)
+        spans = [(s, e, state) for (s, e, _, _), state in zip(prefills, prefill_states, strict=True)]
+        plan.recurrent = RecurrentPlan(spans, decode_rows, decode_slots, fresh)
     if fill is not None:
         fill.apply(tokens_t.view(-1), next(moved), next(moved))
     return PackedStep(tokens_t, positions_t, plan, select_t, rows)
-
-
-def _recurrent_plan(chunks: list[Chunk], device: torch.device) -> RecurrentPlan:
-    """Each chunk's rows of the packed step and its state slot, for the recurrent layers."""
-    spans, decode_rows, decode_slots, fresh, offset = [], [], [], [], 0
-    for chunk in chunks:
-        n = len(chunk.tokens)
-        if n == 1:
-            decode_rows.append(offset)
-            decode_slots.append(chunk.state)
-        else:
-            spans.append((offset, offset + n, chunk.state))
-        if chunk.start == 0:
-            fresh.append(chunk.state)
-        offset += n
-    rows, slots = (
-        torch.tensor(x, dtype=torch.int64, device=device) if x else None for x in (decode_rows, decode_slots)
-    )
-    return RecurrentPlan(spans, rows, slots, fresh)
 
 
 @torch.inference_mode()
