@@ -4,8 +4,9 @@ sequence) beside the paged KV cache of their attention layers.
 
 A state summarises a whole prefix and cannot be rewound or shared: prefix caching is off for such models (a cached
 prefix's blocks would skip tokens whose state no slot holds), and what needs either (speculative decoding's
-rejected drafts), or that keel has not built for them (tensor/pipeline-parallel workers, an int8 KV cache), is refused
-here by name; the compiled decode step steps aside (keel.serve.compiled_decode.compile_unsupported).
+rejected drafts), or that keel has not built for them (tensor/pipeline-parallel workers), is refused here by name; the
+int8 KV cache refuses them where it is made (keel.serve.kv_quant.make_paged_kv_cache) and the compiled decode step
+steps aside (keel.serve.compiled_decode.compile_unsupported).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     refused = [
         (config.speculative is not None, "speculative decoding"),
         (config.parallel.uses_workers, "tensor/pipeline-parallel workers"),
-        (config.cache.kv_cache_dtype == "int8", "--kv-cache-dtype int8"),
     ]
     for asked, what in refused:
         if asked:
