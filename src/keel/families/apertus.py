@@ -13,6 +13,7 @@ FAMILY = "apertus"
 HF_ARCHITECTURE = "ApertusForCausalLM"
 # transformers' ApertusConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    "hidden_act": "xielu",
     "rms_norm_eps": 1e-5,
     "rope_theta": 12_000_000.0,
     "max_position_embeddings": 65536,
@@ -32,8 +33,7 @@ DEFAULT_ROPE: dict[str, Any] = {
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     bias = bool(hf.get("attention_bias", False))
-    act = {} if hf.get("hidden_act") else {"hidden_act": "xielu"}  # a named one is read as every family's is
-    return {**act, "qk_norm": True, "mlp_gated": False, "qkv_bias": bias, "o_bias": bias, "mlp_bias": False}
+    return {"qk_norm": True, "mlp_gated": False, "qkv_bias": bias, "o_bias": bias, "mlp_bias": False}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ FAMILY = "jais2"
 HF_ARCHITECTURE = "Jais2ForCausalLM"
 # transformers' Jais2Config defaults (its layer_norm_eps is keel's rms_norm_eps: the norms' eps).
 DEFAULTS: dict[str, Any] = {
+    "hidden_act": "relu2",
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 8192,
@@ -22,9 +23,7 @@ DEFAULTS: dict[str, Any] = {
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     bias = bool(hf.get("attention_bias", True))
     eps = hf.get("layer_norm_eps")
-    act = {} if hf.get("hidden_act") else {"hidden_act": "relu2"}  # a named one is read as every family's is
     return {
-        **act,
         "norm_type": "layer",
         "norm_bias": True,
         "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),

@@ -15,6 +15,7 @@ FAMILY = "nemotron"
 HF_ARCHITECTURE = "NemotronForCausalLM"
 # transformers' NemotronConfig defaults (its norm_eps is keel's rms_norm_eps: the norms' eps).
 DEFAULTS: dict[str, Any] = {
+    "hidden_act": "relu2",
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "max_position_embeddings": 4096,
@@ -26,9 +27,7 @@ DEFAULTS: dict[str, Any] = {
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     bias = bool(hf.get("attention_bias", False))
     eps = hf.get("norm_eps")
-    act = {} if hf.get("hidden_act") else {"hidden_act": "relu2"}  # a named one is read as every family's is
     return {
-        **act,
         "norm_type": "layer",
         "norm_bias": True,
         "norm_weight_offset": 1.0,
