@@ -816,6 +816,29 @@ def test_glm4_gguf_matches_hf_model(tmp_path):
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 
 
+def assert_served_as_transformers(tmp_path, hf, float_file: str, write_q8, max_model_len: int = 128) -> None:
+    """Greedy tokens through keel's engine: from the float file `float_file` as transformers gives them on the HF
+    weights, and from the Q8_0 file `write_q8(path)` writes, run as stored (its first mixer's in_proj no plain
+    Linear), as transformers gives them on the weights that file holds (keel convert dequantizes them)."""
+    import transformers
+
+    from keel.serve import LLM, EngineConfig, SamplingParams
+    from keel.weights.convert import convert
+
+    write_q8(tmp_path / "q8.gguf")
+    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
+    references = {float_file: hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
+    prompt, greedy = TOKENS[0, :10].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for name, reference in references.items():
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        options = dict(num_blocks=32, block_size=8, max_model_len=max_model_len, dtype="float32")
+        llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
+        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
+        assert (in_proj == "Linear") == (name == float_file), in_proj  # the Q8_0 file run as stored
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+
+
 def write_lfm2_gguf(hf, path, q8: bool = False, colbert: bool = False) -> None:
     """LFM2 as llama.cpp's LFM2Model converter writes it (`lfm2`): TextModel's metadata with the KV head count per
     layer (0 for a convolution layer: no layer_types key), the kernel width as shortconv.l_cache, the MLP width
@@ -891,26 +914,8 @@ def test_lfm2_gguf_matches_hf_model(tmp_path, conv_bias):
     stored = load_file(tmp_path / "hf" / "model.safetensors")
     stored.pop("lm_head.weight", None)  # tied
     assert set(written) == set(stored) and all(torch.equal(written[k], stored[k]) for k in stored)
-    if conv_bias:
-        return
-    import transformers
-
-    from keel.serve import LLM, EngineConfig, SamplingParams
-
-    write_lfm2_gguf(hf, tmp_path / "q8.gguf", q8=True)
-    # transformers on the HF weights, and on the weights the Q8_0 file holds (keel convert dequantizes them)
-    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
-    references = {"lfm2": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
-    prompt = TOKENS[0, :10].tolist()
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for name, reference in references.items():
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
-        options = dict(num_blocks=32, block_size=8, max_model_len=128, dtype="float32")
-        llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
-        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
-        assert (in_proj == "Linear") == (name == "lfm2"), in_proj  # the Q8_0 file run as stored
-        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+    if not conv_bias:
+        assert_served_as_transformers(tmp_path, hf, "lfm2", lambda path: write_lfm2_gguf(hf, path, q8=True))
 
 
 def write_lfm2_moe_gguf(hf, path, q8: bool = False, gating=gguf.ExpertGatingFuncType.SIGMOID) -> None:
@@ -973,10 +978,8 @@ def test_lfm2_moe_gguf_matches_hf_model(tmp_path):
     unscaled (llama.cpp's fixed choice: the file has no key for either; the tiny model is built with the releases'
     routed_scaling_factor 1): transformers' logits; `keel convert` back to the HF checkpoint; greedy tokens through the
     engine from float32 and from Q8_0 run as stored (transformers on the dequantized weights)."""
-    import transformers
     from safetensors.torch import load_file
 
-    from keel.serve import LLM, EngineConfig, SamplingParams
     from keel.weights.convert import convert
 
     hf = build_hf_model("lfm2_moe", routed_scaling_factor=1.0)
@@ -1000,19 +1003,7 @@ def test_lfm2_moe_gguf_matches_hf_model(tmp_path):
     stored.pop("lm_head.weight", None)  # tied
     assert set(written) == set(stored) and all(torch.equal(written[k], stored[k]) for k in stored)
 
-    write_lfm2_moe_gguf(hf, tmp_path / "q8.gguf", q8=True)
-    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
-    references = {"lfm2_moe": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
-    prompt = TOKENS[0, :10].tolist()
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for name, reference in references.items():
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
-        options = dict(num_blocks=32, block_size=8, max_model_len=128, dtype="float32")
-        llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
-        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
-        assert (in_proj == "Linear") == (name == "lfm2_moe"), in_proj  # the Q8_0 file run as stored
-        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+    assert_served_as_transformers(tmp_path, hf, "lfm2_moe", lambda path: write_lfm2_moe_gguf(hf, path, q8=True))
 
 
 def test_lfm2_moe_gguf_with_softmax_gating_is_refused(tmp_path):
@@ -1312,7 +1303,6 @@ def test_granite_hybrid_gguf_matches_hf_model(tmp_path, name):
     run as stored (transformers on the weights the file holds)."""
     from safetensors.torch import load_file
 
-    from keel.serve import LLM, EngineConfig, SamplingParams
     from keel.weights.convert import convert
 
     hf = build_hf_model(name, position_embedding_type=None)
@@ -1363,20 +1353,8 @@ def test_granite_hybrid_gguf_matches_hf_model(tmp_path, name):
         else:
             assert torch.equal(written[key], tensor), key
 
-    import transformers
-
-    write_granite_hybrid_gguf(hf, tmp_path / "q8.gguf", q8=True)
-    q8_hf = convert(tmp_path / "q8.gguf", tmp_path / "q8_hf", dtype="float32")
-    references = {"f32": hf, "q8": transformers.AutoModelForCausalLM.from_pretrained(q8_hf, dtype=torch.float32)}
-    prompt, greedy = TOKENS[0, :10].tolist(), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    for file, reference in references.items():
-        with torch.no_grad():
-            expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
-        options = dict(num_blocks=32, block_size=8, max_model_len=64, dtype="float32")
-        llm = LLM(str(tmp_path / f"{file}.gguf"), EngineConfig.of(**options))
-        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
-        assert (in_proj == "Linear") == (file == "f32"), in_proj  # the Q8_0 file run as stored
-        assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
+    write_q8 = lambda path: write_granite_hybrid_gguf(hf, path, q8=True)  # noqa: E731
+    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64)
 
 
 def test_bamba_gguf_is_refused(tmp_path):
