@@ -1146,8 +1146,9 @@ def _rope_from_hf(
         )
     if rope_type == "default":
         return theta, RopeScaling()
-    if family == "phimoe" and rope_type not in ("yarn", "longrope"):  # its mscale replaces the cos/sin factor
-        raise ConfigError(f"{source}: Phimoe's rope_type {rope_type!r} is not supported (longrope, yarn)")
+    # A family whose model puts its own factor on cos/sin in place of the type's (Phi-3.5-MoE's mscale)
+    family_factor = getattr(FAMILIES.get(family), "rope_attention_factor", None)
+    own_factor = family_factor(rope_type, spec, source) if family_factor is not None else None
     # As transformers' standardize_rope_params for llama3, yarn and longrope: the pre-training context from the
     # config's top level where it has one (Phi-3 keeps it there), else the rope parameters', else
     # max_position_embeddings.
@@ -1158,7 +1159,7 @@ def _rope_from_hf(
         # As transformers: the factor defaults to the ratio of the two contexts, and a missing or zero
         # mscale/mscale_all_dim means "not given".
         factor = spec.get("factor")
-        attention_factor = _phimoe_mscale(spec, source) if family == "phimoe" else spec.get("attention_factor")
+        attention_factor = spec.get("attention_factor") if own_factor is None else own_factor
         return theta, RopeScaling(
             type="yarn",
             factor=float(factor if factor is not None else max_positions / original),
@@ -1172,9 +1173,8 @@ def _rope_from_hf(
         )
     if rope_type == "longrope":
         # As transformers: the factor the ratio of the two contexts unless given.
-        factor, attention_factor = spec.get("factor"), spec.get("attention_factor")
-        if family == "phimoe":
-            attention_factor = _phimoe_mscale(spec, source)
+        factor = spec.get("factor")
+        attention_factor = spec.get("attention_factor") if own_factor is None else own_factor
         try:
             short, long = (tuple(float(x) for x in spec[key]) for key in ("short_factor", "long_factor"))
         except (KeyError, TypeError, ValueError):
@@ -1194,18 +1194,6 @@ def _rope_from_hf(
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
     )
-
-
-def _phimoe_mscale(spec: dict[str, Any], source: str) -> float:
-    """Phi-3.5-MoE's factor on cos/sin under LongRoPE or YaRN (transformers' Phimoe reads no `attention_factor`, and
-    replaces the type's own factor): `short_mscale` for a forward within the pre-training context, `long_mscale`
-    beyond it; keel's one factor takes them equal, as the released model has them."""
-    short, long = spec.get("short_mscale"), spec.get("long_mscale")
-    if not isinstance(short, int | float) or not isinstance(long, int | float):
-        raise ConfigError(f"{source}: Phimoe's rope scaling needs numbers short_mscale and long_mscale")
-    if short != long:
-        raise ConfigError(f"{source}: Phimoe's short_mscale {short} and long_mscale {long} differ (not supported)")
-    return float(short)
 
 
 def _rope_per_layer_kind(hf: dict[str, Any]) -> dict[str, dict[str, Any]] | None:

@@ -7,8 +7,9 @@ source)` (keel ModelConfig fields read from config.json beyond the common ones),
 (the family's own config.json keys on export, given the common ones) and, where its checkpoints name
 or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)` (keel.weights.parts;
 docs/ARCHITECTURE.md, "Adding a family"); where its config class sets whole rope parameters when a file has
-none, `DEFAULT_ROPE` (those parameters). This package imports nothing of keel's but its errors, so
-that keel.config can read it.
+none, `DEFAULT_ROPE` (those parameters); where its model puts a factor of its own on cos/sin in place of the rope
+type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale). This package imports nothing of
+keel's but its errors, so that keel.config can read it.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ router (keel's `router_scoring` sparsemixer, keel.model.moe.sparsemixer: two exp
 softmax over the logits within `router_jitter_noise` of its own). `input_jitter_noise` scales the experts' input
 by noise in transformers' training only: keel's training routes as it serves.
 
-LongRoPE with PhiMoE's factor on cos/sin (`short_mscale` / `long_mscale`, which must agree: keel.config). Past the
-pre-training context keel takes the long factors, as Microsoft's reference code does (and transformers' other
-LongRoPE models); transformers 5's Phimoe keeps the short ones there (its rotary recomputes the frequencies without
-the sequence length), so the two agree within `original_max_position_embeddings` only.
+LongRoPE with PhiMoE's factor on cos/sin (`short_mscale` / `long_mscale`, which must agree:
+`rope_attention_factor`). Past the pre-training context keel takes the long factors, as Microsoft's reference code
+does (and transformers' other LongRoPE models); transformers 5's Phimoe keeps the short ones there (its rotary
+recomputes the frequencies without the sequence length), so the two agree within `original_max_position_embeddings`
+only.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "router_scoring": "sparsemixer",
         "router_jitter_eps": 0.01 if jitter is None else float(jitter),
     }
+
+
+def rope_attention_factor(rope_type: str, spec: dict[str, Any], source: str) -> float:
+    """The factor on cos/sin under LongRoPE or YaRN (keel.config reads it in place of the type's own: transformers'
+    Phimoe reads no `attention_factor` and replaces the type's): `short_mscale` for a forward within the
+    pre-training context, `long_mscale` beyond it; keel's one factor takes them equal, as the released model has
+    them. Other rope types are refused."""
+    if rope_type not in ("yarn", "longrope"):
+        raise ConfigError(f"{source}: Phimoe's rope_type {rope_type!r} is not supported (longrope, yarn)")
+    short, long = spec.get("short_mscale"), spec.get("long_mscale")
+    if not isinstance(short, int | float) or not isinstance(long, int | float):
+        raise ConfigError(f"{source}: Phimoe's rope scaling needs numbers short_mscale and long_mscale")
+    if short != long:
+        raise ConfigError(f"{source}: Phimoe's short_mscale {short} and long_mscale {long} differ (not supported)")
+    return float(short)
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
