@@ -338,7 +338,8 @@ def test_family_defaults_are_its_config_class_defaults(family):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     arch = FAMILIES[family].HF_ARCHITECTURE
-    model_type = next((t for t, a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if a == arch), None)
+    model_type = getattr(FAMILIES[family], "MODEL_TYPE", None)  # a family transformers runs on another's class
+    model_type = model_type or next((t for t, a in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if a == arch), None)
     name = CONFIG_CLASS.get(family) or CONFIG_MAPPING_NAMES.get(model_type)
     declared = _declared_defaults(getattr(transformers, name))
     ours = FAMILIES[family].DEFAULTS
@@ -355,10 +356,67 @@ def _rename(old: str, new: str):
     return lambda cfg: cfg.__setitem__(new, cfg.pop(old))
 
 
+def _as_released(architecture: str, written: dict | None = None, **renamed: str):
+    """A config as the family's releases write it: their `architectures` (transformers saves the class it ran the
+    model on), keys under the names of their `attribute_map`, keys of their own format (`written`; None: removed)."""
+
+    def edit(cfg: dict) -> None:
+        cfg["architectures"] = [architecture]
+        for old, new in renamed.items():
+            _rename(old, new)(cfg)
+        for key, value in (written or {}).items():
+            cfg.pop(key) if value is None else cfg.__setitem__(key, value)
+
+    return edit
+
+
+# sarvam-105b's own format: derived head sizes, DeepSeek's YaRN under its remote code's name.
+_SARVAM_MLA_RELEASED = {
+    "head_dim": 24,  # kv_lora_rank + qk_rope_head_dim, for vLLM
+    "q_head_dim": 24,
+    "rope_parameters": None,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "deepseek_yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+}
+
+
 @pytest.mark.parametrize(
     "family, edit, overrides",
     [
         ("hunyuan_v1_moe", _rename("moe_topk", "num_experts_per_tok"), {}),  # transformers' attribute_map alias
+        (
+            "exaone",
+            _as_released(
+                "ExaoneForCausalLM",
+                num_hidden_layers="num_layers",
+                rms_norm_eps="layer_norm_epsilon",
+                hidden_act="activation_function",
+            ),
+            {"rms_norm_eps": 0.1},  # far from the default, so that reading it counts
+        ),
+        (
+            "sarvam_moe",
+            _as_released(
+                "SarvamMoEForCausalLM",
+                n_routed_experts="num_experts",
+                n_shared_experts="num_shared_experts",
+                attention_bias="use_qkv_bias",
+            ),
+            {"n_shared_experts": 2, "attention_bias": False},  # apart from the defaults and the tiny model's
+        ),
+        (
+            "sarvam_mla",
+            _as_released("SarvamMLAForCausalLM", _SARVAM_MLA_RELEASED, n_routed_experts="num_experts"),
+            {"n_routed_experts": 4},
+        ),
         ("flex_olmo", _rename("num_experts", "num_local_experts"), {}),
         ("cwm", lambda cfg: cfg.__setitem__("attention_bias", True), {}),  # a key its model does not read
         ("kolibri1", lambda cfg: cfg.__setitem__("attention_bias", True), {}),

@@ -126,6 +126,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("granitemoe_swa", marks=SLOW),
         pytest.param("cohere2_moe", marks=SLOW),
         pytest.param("kolibri1", marks=SLOW),
+        pytest.param("exaone", marks=SLOW),
+        pytest.param("sarvam_moe", marks=SLOW),
+        pytest.param("sarvam_mla", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -187,6 +190,15 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "hyperclovax":  # Granite's scalars with norms on the sublayers' outputs
         assert all(layer.attn_output_norm is not None for layer in layers)
         assert llm.engine.model.config.logits_scaling == 4.0
+    elif name == "exaone":  # Llama's model read from EXAONE's names, llama3 rope scaling
+        config = llm.engine.model.config
+        assert config.architecture == "exaone" and config.rope_scaling.type == "llama3"
+    elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
+        assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
+        assert llm.engine.model.config.router_bias
+    elif name == "sarvam_mla":  # latent attention without the low-rank query, experts after a dense layer
+        config = llm.engine.model.config
+        assert config.is_mla and config.q_lora_rank is None and not config.is_moe_layer(0) and config.is_moe_layer(1)
     elif name == "youtu":  # latent attention, dense MLPs
         config = llm.engine.model.config
         assert config.is_mla and not any(config.is_moe_layer(i) for i in range(len(attention)))

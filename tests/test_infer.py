@@ -124,6 +124,8 @@ SHAPE_INFERABLE = [
             "nanochat",
             "flex_olmo",
             "kolibri",
+            "iquestcoder",
+            "sarvam",
         )
     )
 ]

@@ -244,6 +244,30 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "ArceeForCausalLM",
         dict(intermediate_size=128, head_dim=16, bos_token_id=1, eos_token_id=2),
     ),
+    # EXAONE 3.5: Llama's model under its own tensor and config names, llama3 rope scaling.
+    "exaone": (
+        "ExaoneConfig",
+        "LlamaForCausalLM",
+        dict(
+            intermediate_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=1_000_000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    # IQuest-Coder: Llama's model, a head_dim apart from hidden / heads, biases.
+    "iquestcoder": (
+        "IQuestCoderConfig",
+        "LlamaForCausalLM",
+        dict(intermediate_size=128, head_dim=24, attention_bias=True, bos_token_id=1, eos_token_id=2),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",
@@ -304,6 +328,25 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attention_bias=True,
             routed_scaling_factor=1.5,
             pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
+    # Sarvam MoE: GLM-4.5's model under its own names (fused q/k/v rows), every channel rotating.
+    "sarvam_moe": (
+        "SarvamMoEConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            routed_scaling_factor=1.5,
             eos_token_id=2,
         ),
     ),
@@ -788,6 +831,24 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             first_k_dense_replace=1,
             moe_intermediate_size=32,
             rope_interleave=True,
+        ),
+    ),
+    # Sarvam MLA: DeepSeek-V3's model, queries without the low-rank path by default, one expert group.
+    "sarvam_mla": (
+        "SarvamMLAConfig",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.5,
+            eos_token_id=2,
         ),
     ),
     # MLA without the low-rank query (q_proj), rotary pairs not interleaved, YaRN with DeepSeek's

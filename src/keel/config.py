@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import ConfigError
-from keel.families import FAMILIES
+from keel.families import BY_MODEL_TYPE, FAMILIES, as_current_config
 
 # HF `architectures` value -> keel family. The family decides HF defaults and name maps.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -33,7 +33,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
@@ -46,6 +46,8 @@ DEEPSEEK_MOE_FAMILIES = {
     "solar_open",
     "mistral4",
     "exaone_moe",
+    "sarvam_moe",
+    "sarvam_mla",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
 LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
@@ -706,6 +708,7 @@ class ModelConfig:
     def _from_hf(cls, hf: dict[str, Any], source: str, structure_only: bool) -> ModelConfig:
         hf = _text_config(hf)
         family = _family_from_hf(hf, source)
+        hf = as_current_config(family, hf)
         defaults = FAMILY_DEFAULTS[family]
         default_rope = getattr(FAMILIES.get(family), "DEFAULT_ROPE", None)
         if default_rope is not None and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
@@ -910,7 +913,10 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _family_from_hf(hf: dict[str, Any], source: str) -> str:
-    """The keel family of the config's `architectures`, or a ConfigError listing the supported ones."""
+    """The keel family of the config's `model_type` where a family is known by it (keel.families.BY_MODEL_TYPE), else
+    of its `architectures`, or a ConfigError listing the supported ones."""
+    if hf.get("model_type") in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[hf["model_type"]]
     archs = hf.get("architectures") or []
     if isinstance(archs, str):  # one name where transformers writes a list of them
         archs = [archs]

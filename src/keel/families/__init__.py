@@ -8,8 +8,12 @@ source)` (keel ModelConfig fields read from config.json beyond the common ones),
 or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)` (keel.weights.parts;
 docs/ARCHITECTURE.md, "Adding a family"); where its config class sets whole rope parameters when a file has
 none, `DEFAULT_ROPE` (those parameters); where its model puts a factor of its own on cos/sin in place of the rope
-type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale). This package imports nothing of
-keel's but its errors, so that keel.config can read it.
+type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale). A family that transformers runs
+on another family's model class (EXAONE 3 on Llama's) defines `MODEL_TYPE`: transformers saves such a model's config
+with the class it ran on in `architectures`, so the family is known by its `model_type` first. Where its config class
+reads keys under other names (its `attribute_map`), `ATTRIBUTE_MAP` (alias -> the key keel reads); where it rewrites
+an older format of its files, `upgrade_config(hf)` (the file in today's format: Sarvam MLA's). This package imports
+nothing of keel's but its errors, so that keel.config can read it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from keel.families import (
     dots1,
     ernie4_5,
     ernie4_5_moe,
+    exaone,
     exaone4,
     exaone_moe,
     flex_olmo,
@@ -48,6 +53,7 @@ from keel.families import (
     hunyuan_v1_dense,
     hunyuan_v1_moe,
     hyperclovax,
+    iquestcoder,
     jais2,
     kolibri1,
     lfm2,
@@ -69,6 +75,8 @@ from keel.families import (
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
+    sarvam_mla,
+    sarvam_moe,
     seed_oss,
     smollm3,
     solar_open,
@@ -140,8 +148,27 @@ FAMILIES: dict[str, ModuleType] = {
         olmo,
         nanochat,
         flex_olmo,
+        exaone,
+        iquestcoder,
+        sarvam_moe,
+        sarvam_mla,
     )
 }
+
+
+# model_type -> family, for the families known by their model_type first (`MODEL_TYPE`, the module docstring).
+BY_MODEL_TYPE: dict[str, str] = {
+    module.MODEL_TYPE: family for family, module in FAMILIES.items() if hasattr(module, "MODEL_TYPE")
+}
+
+
+def as_current_config(family: str, hf: dict) -> dict:
+    """`hf` as the family's config class reads it: its aliased keys (`ATTRIBUTE_MAP`) also under the names keel reads
+    where those are absent, an older format rewritten (`upgrade_config`)."""
+    module = FAMILIES.get(family)
+    aliases = getattr(module, "ATTRIBUTE_MAP", {})
+    hf = {**{key: hf[alias] for alias, key in aliases.items() if alias in hf and key not in hf}, **hf}
+    return module.upgrade_config(hf) if hasattr(module, "upgrade_config") else hf
 
 
 def checkpoint_layout(config) -> dict:  # noqa: ANN001
