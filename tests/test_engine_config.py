@@ -121,7 +121,7 @@ def test_option_errors_come_before_any_model_loads():
 
 def test_a_max_model_len_past_the_models_context_is_refused_unless_allowed(tmp_path, monkeypatch):
     """As vLLM: the context is max_position_embeddings, stretched by a linear or YaRN factor (from YaRN's original
-    context); longer is a one-line error naming the variable that allows it."""
+    context; not by dynamic NTK's, unlike vLLM); longer is a one-line error naming the variable that allows it."""
     from keel.config import ModelConfig, RopeScaling
     from keel.serve import LLM
     from keel.serve.model_len import ALLOW_ENV, check_model_len, derived_max_model_len
@@ -131,7 +131,8 @@ def test_a_max_model_len_past_the_models_context_is_refused_unless_allowed(tmp_p
     plain = ModelConfig(**base, num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
     yarn = dataclasses.replace(plain, rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=1024))
     llama3 = dataclasses.replace(plain, rope_scaling=RopeScaling("llama3", 8.0, original_max_position_embeddings=1024))
-    assert [derived_max_model_len(c) for c in (plain, yarn, llama3)] == [2048, 4096, 2048]
+    dynamic = dataclasses.replace(plain, rope_scaling=RopeScaling("dynamic", 4.0))  # not stretched (keel.config)
+    assert [derived_max_model_len(c) for c in (plain, yarn, llama3, dynamic)] == [2048, 4096, 2048, 2048]
     check_model_len(4096, yarn)
     with pytest.raises(KeelError, match=f"--max-model-len 4097 .* context of 4096 tokens.*{ALLOW_ENV}=1"):
         check_model_len(4097, yarn)

@@ -413,6 +413,16 @@ _SARVAM_MLA_RELEASED = {
             {"n_shared_experts": 2, "attention_bias": False},  # apart from the defaults and the tiny model's
         ),
         (
+            "internlm3",  # its releases' bias names and their legacy dynamic rope scaling
+            _as_released(
+                "InternLM3ForCausalLM",
+                {"rope_parameters": None, "rope_theta": 50000.0, "rope_scaling": {"type": "dynamic", "factor": 6.0}},
+                attention_bias="qkv_bias",
+                mlp_bias="bias",
+            ),
+            {"attention_bias": False, "mlp_bias": False},
+        ),
+        (
             "sarvam_mla",
             _as_released("SarvamMLAForCausalLM", _SARVAM_MLA_RELEASED, n_routed_experts="num_experts"),
             {"n_routed_experts": 4},

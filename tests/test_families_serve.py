@@ -129,6 +129,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("exaone", marks=SLOW),
         pytest.param("sarvam_moe", marks=SLOW),
         pytest.param("sarvam_mla", marks=SLOW),
+        pytest.param("internlm3", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -193,6 +194,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "exaone":  # Llama's model read from EXAONE's names, llama3 rope scaling
         config = llm.engine.model.config
         assert config.architecture == "exaone" and config.rope_scaling.type == "llama3"
+    elif name == "internlm3":  # dynamic NTK rope: the default frequencies within max_position_embeddings
+        assert llm.engine.model.config.rope_scaling.type == "dynamic" and all(
+            a.o_proj.bias is not None for a in attention
+        )
     elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
         assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
         assert llm.engine.model.config.router_bias

@@ -125,6 +125,7 @@ SHAPE_INFERABLE = [
             "flex_olmo",
             "kolibri",
             "iquestcoder",
+            "internlm3",
             "sarvam",
         )
     )

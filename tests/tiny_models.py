@@ -268,6 +268,21 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "LlamaForCausalLM",
         dict(intermediate_size=128, head_dim=24, attention_bias=True, bos_token_id=1, eos_token_id=2),
     ),
+    # InternLM3: Llama's model, biases everywhere, dynamic NTK rope (within max_position_embeddings).
+    "internlm3": (
+        "InternLM3Config",
+        "LlamaForCausalLM",
+        dict(
+            intermediate_size=128,
+            head_dim=16,
+            attention_bias=True,
+            mlp_bias=True,
+            max_position_embeddings=256,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=50000.0, factor=6.0),
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",

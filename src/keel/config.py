@@ -145,7 +145,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # transformers' hidden_act names -> keel's (keel.model.layers runs them).
 HIDDEN_ACTS = {
     "silu": "silu",
@@ -165,7 +165,9 @@ HIDDEN_ACTS = {
 class RopeScaling:
     """Rotary-embedding frequency scaling (HF `rope_parameters` / `rope_scaling`)."""
 
-    type: str = "default"  # default | linear | llama3 | yarn | longrope
+    # dynamic: NTK scaling by the sequence's length past max_position_embeddings; within it, the default frequencies
+    # (what transformers computes there), and keel serves no longer context (keel.serve.model_len)
+    type: str = "default"  # default | linear | llama3 | yarn | longrope | dynamic
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -1213,7 +1215,7 @@ def _rope_per_layer_kind(hf: dict[str, Any]) -> dict[str, dict[str, Any]] | None
 
 def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": scaling.type, "rope_theta": theta}
-    if scaling.type in ("linear", "llama3", "yarn"):
+    if scaling.type in ("linear", "llama3", "yarn", "dynamic"):
         out["factor"] = scaling.factor
     if scaling.type == "yarn":
         out.update(

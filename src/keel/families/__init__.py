@@ -53,6 +53,7 @@ from keel.families import (
     hunyuan_v1_dense,
     hunyuan_v1_moe,
     hyperclovax,
+    internlm3,
     iquestcoder,
     jais2,
     kolibri1,
@@ -152,6 +153,7 @@ FAMILIES: dict[str, ModuleType] = {
         iquestcoder,
         sarvam_moe,
         sarvam_mla,
+        internlm3,
     )
 }
 

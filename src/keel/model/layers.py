@@ -157,6 +157,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, long: bool 
         factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
         return 1.0 / (factors * theta**exponents)  # transformers' _compute_longrope_parameters, same float32 ops
     inv_freq = 1.0 / (theta**exponents)
+    # "dynamic" (NTK by length) rescales only for sequences longer than max_position_embeddings, which keel does not
+    # serve (keel.serve.model_len): within it, these default frequencies are what transformers computes
     if scaling.type == "linear":
         return inv_freq / scaling.factor
     if scaling.type == "llama3":

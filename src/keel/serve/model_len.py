@@ -1,7 +1,9 @@
 """The longest context a model may be served at, as vLLM derives it: `max_position_embeddings`, stretched by a
 linear or YaRN rope scaling's factor (YaRN's from its original context); llama3 and LongRoPE configs already give
-the stretched length. A `--max-model-len` beyond it is refused unless KEEL_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
-VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past what the model was trained on give output, just not good output.
+the stretched length. Dynamic NTK scaling is not stretched (vLLM stretches it by its factor): it changes the
+frequencies by each step's sequence length past max_position_embeddings, which keel's cache does not follow. A
+`--max-model-len` beyond it is refused unless KEEL_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN):
+positions past what the model was trained on give output, just not good output.
 """
 
 from __future__ import annotations
