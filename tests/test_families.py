@@ -422,6 +422,7 @@ _SARVAM_MLA_RELEASED = {
             ),
             {"attention_bias": False, "mlp_bias": False},
         ),
+        ("mellum", _rename("num_local_experts", "num_experts"), {}),
         (
             "sarvam_mla",
             _as_released("SarvamMLAForCausalLM", _SARVAM_MLA_RELEASED, n_routed_experts="num_experts"),
@@ -464,3 +465,13 @@ def test_config_spellings_are_read_as_transformers_reads_them(tmp_path, family, 
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
     config = ModelConfig.from_json_file(tmp_path / "config.json")
     assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_mellum_refuses_a_rotary_share_per_layer_kind(tmp_path):
+    save_hf_model("mellum", tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 0.5  # Laguna's, which keel runs for all
+    with pytest.raises(ConfigError, match="partial_rotary_factor per layer kind"):
+        ModelConfig.from_hf(hf)
+    hf["rope_parameters"]["sliding_attention"]["partial_rotary_factor"] = 0.5
+    assert ModelConfig.from_hf(hf).partial_rotary_factor == 0.5

@@ -130,6 +130,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("sarvam_moe", marks=SLOW),
         pytest.param("sarvam_mla", marks=SLOW),
         pytest.param("internlm3", marks=SLOW),
+        pytest.param("mellum", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -198,6 +199,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert llm.engine.model.config.rope_scaling.type == "dynamic" and all(
             a.o_proj.bias is not None for a in attention
         )
+    elif name == "mellum":  # sliding and global layers, each kind with its own rope base; a dense first layer
+        config = llm.engine.model.config
+        assert [a.window for a in attention] == [8, None, 8] and config.sliding_rope_theta == 100.0
+        assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
     elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
         assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
         assert llm.engine.model.config.router_bias

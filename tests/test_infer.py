@@ -126,6 +126,7 @@ SHAPE_INFERABLE = [
             "kolibri",
             "iquestcoder",
             "internlm3",
+            "mellum",
             "sarvam",
         )
     )

@@ -283,6 +283,29 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Mellum 2: Qwen3-MoE's attention in sliding and global layers (a rope base of each kind's), experts where
+    # mlp_layer_types says sparse.
+    "mellum": (
+        "MellumConfig",
+        "MellumForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",

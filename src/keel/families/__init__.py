@@ -60,6 +60,7 @@ from keel.families import (
     lfm2,
     lfm2_moe,
     llama4,
+    mellum,
     minimax_m2,
     ministral,
     ministral3,
@@ -154,6 +155,7 @@ FAMILIES: dict[str, ModuleType] = {
         sarvam_moe,
         sarvam_mla,
         internlm3,
+        mellum,
     )
 }
 
