@@ -131,6 +131,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("sarvam_mla", marks=SLOW),
         pytest.param("internlm3", marks=SLOW),
         pytest.param("mellum", marks=SLOW),
+        pytest.param("hy_v3", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -203,6 +204,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert [a.window for a in attention] == [8, None, 8] and config.sliding_rope_theta == 100.0
         assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    elif name == "hy_v3":  # a biased sigmoid choice, scaled, with two shared experts as one MLP; a dense first layer
+        config = llm.engine.model.config
+        assert config.router_bias and config.routed_scaling_factor == 1.5 and not config.is_moe_layer(0)
+        assert config.shared_expert_intermediate_size == 2 * config.moe_intermediate_size
     elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
         assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
         assert llm.engine.model.config.router_bias

@@ -127,6 +127,7 @@ SHAPE_INFERABLE = [
             "iquestcoder",
             "internlm3",
             "mellum",
+            "hy_v3",
             "sarvam",
         )
     )

@@ -306,6 +306,23 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Hy3: per-head q/k norms, DeepSeek-V3's kind of experts (biased sigmoid choice, scaled) after a dense layer,
+    # two shared experts.
+    "hy_v3": (
+        "HYV3Config",
+        "HYV3ForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=2,
+            router_scaling_factor=1.5,
+            attention_bias=True,
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",

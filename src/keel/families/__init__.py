@@ -52,6 +52,7 @@ from keel.families import (
     helium,
     hunyuan_v1_dense,
     hunyuan_v1_moe,
+    hy_v3,
     hyperclovax,
     internlm3,
     iquestcoder,
@@ -156,6 +157,7 @@ FAMILIES: dict[str, ModuleType] = {
         sarvam_mla,
         internlm3,
         mellum,
+        hy_v3,
     )
 }
 
