@@ -424,6 +424,20 @@ _SARVAM_MLA_RELEASED = {
         ),
         ("mellum", _rename("num_local_experts", "num_experts"), {}),
         (
+            "minicpm3",  # its releases' LongRoPE over the rope channels (past the original context: the long set)
+            None,
+            {
+                "max_position_embeddings": 64,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0, 1.5, 2.0, 3.0],
+                    "long_factor": [2.0, 3.0, 4.0, 5.0],
+                    "original_max_position_embeddings": 16,
+                },
+            },
+        ),
+        (
             "sarvam_mla",
             _as_released("SarvamMLAForCausalLM", _SARVAM_MLA_RELEASED, n_routed_experts="num_experts"),
             {"n_routed_experts": 4},

@@ -132,6 +132,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("internlm3", marks=SLOW),
         pytest.param("mellum", marks=SLOW),
         pytest.param("hy_v3", marks=SLOW),
+        pytest.param("minicpm3", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -208,6 +209,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert config.router_bias and config.routed_scaling_factor == 1.5 and not config.is_moe_layer(0)
         assert config.shared_expert_intermediate_size == 2 * config.moe_intermediate_size
+    elif name == "minicpm3":  # latent attention rotating halves, muP's scalars
+        config = llm.engine.model.config
+        assert config.is_mla and not config.rope_interleave and config.embedding_multiplier == 3.0
+        assert config.logits_scaling == 4.0 and layers[0].residual_multiplier == 2.0 / 3**0.5
     elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
         assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
         assert llm.engine.model.config.router_bias

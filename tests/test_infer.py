@@ -128,6 +128,7 @@ SHAPE_INFERABLE = [
             "internlm3",
             "mellum",
             "hy_v3",
+            "minicpm3",
             "sarvam",
         )
     )

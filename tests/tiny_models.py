@@ -323,6 +323,25 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # MiniCPM3: latent attention with low-rank queries, rotate-half rope channels, muP's three scalars.
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=128,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            scale_emb=3.0,
+            scale_depth=2.0,
+            dim_model_base=16,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",

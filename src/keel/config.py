@@ -33,7 +33,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.

@@ -62,6 +62,7 @@ from keel.families import (
     lfm2_moe,
     llama4,
     mellum,
+    minicpm3,
     minimax_m2,
     ministral,
     ministral3,
@@ -158,6 +159,7 @@ FAMILIES: dict[str, ModuleType] = {
         internlm3,
         mellum,
         hy_v3,
+        minicpm3,
     )
 }
 
