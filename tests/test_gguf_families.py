@@ -816,9 +816,11 @@ def test_glm4_gguf_matches_hf_model(tmp_path):
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 
 
-def assert_served_as_transformers(tmp_path, hf, float_file: str, write_q8, max_model_len: int = 128) -> None:
+def assert_served_as_transformers(
+    tmp_path, hf, float_file: str, write_q8, max_model_len: int = 128, probe: str = "in_proj"
+) -> None:
     """Greedy tokens through keel's engine: from the float file `float_file` as transformers gives them on the HF
-    weights, and from the Q8_0 file `write_q8(path)` writes, run as stored (its first mixer's in_proj no plain
+    weights, and from the Q8_0 file `write_q8(path)` writes, run as stored (layer 0's self_attn.`probe` no plain
     Linear), as transformers gives them on the weights that file holds (keel convert dequantizes them)."""
     import transformers
 
@@ -834,8 +836,8 @@ def assert_served_as_transformers(tmp_path, hf, float_file: str, write_q8, max_m
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
         options = dict(num_blocks=32, block_size=8, max_model_len=max_model_len, dtype="float32")
         llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
-        in_proj = type(llm.engine.model.layers["0"].self_attn.in_proj).__name__
-        assert (in_proj == "Linear") == (name == float_file), in_proj  # the Q8_0 file run as stored
+        kind = type(getattr(llm.engine.model.layers["0"].self_attn, probe)).__name__
+        assert (kind == "Linear") == (name == float_file), kind  # the Q8_0 file run as stored
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
 
 

@@ -132,11 +132,15 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        # A model with every weight quantized (OLMo's, which has no norm weights) has no float parameter: its
+        # quantized embedding's compute dtype is the model's.
+        param = next(self.parameters(), None)
+        return param.dtype if param is not None else self.embed_tokens.compute_dtype
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        param = next(self.parameters(), None)
+        return param.device if param is not None else next(self.buffers()).device
 
     def forward(
         self,

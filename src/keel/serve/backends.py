@@ -30,7 +30,7 @@ def describe_backends(model: nn.Module, dtype_reason: str, kv_cache: str, decode
     """One line: platform; compute dtype (why); linear backends; KV cache; decode step. With `workers`
     the weights live in worker processes (the model here is on the meta device): they name their own."""
     p = host()
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.")  # Transformer.dtype (a fully quantized model has no parameter)
     linear = "in the worker processes" if workers else linear_backends(model, p)
     return (
         f"platform {p.describe()}; compute {dtype} ({dtype_reason}); linear: {linear}; KV cache {kv_cache}; "

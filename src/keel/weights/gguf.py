@@ -18,7 +18,8 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next and granitehybrid (others are refused by name);
+(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
+apertus, nemotron, minimax-m2 and mistral3 (Ministral 3; others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -96,6 +97,23 @@ MLP as `ffn_*_shexp`; q/k rows permuted as Llama's. `ssm_a` (no suffix, [n, 1]) 
 [C, K]; biases by tensor. The converter writes `rope.scaling.finetuned` false for every hybrid (no position encoding,
 as llama.cpp runs it, whatever position_embedding_type was) and true for BambaForCausalLM's files, which are refused;
 the vocabulary from the embedding's rows (the token list is padded to a multiple of 8).
+
+Families whose converters write TextModel's keys and little more (_table_hf_config): OLMoE (`olmoe`: experts stacked
+as Qwen-MoE's, their width as feed_forward_length; no key for norm_topk_prob or clip_qkv, and llama.cpp neither
+renormalises nor clamps: false and none, OLMoE-1B-7B's), OLMo (`olmo`: weightless LayerNorms, eps fixed at 1e-5,
+clip_qkv as `attention.clamp_kqv`; OlmoModel permutes the q/k weights, not their biases), Phi-3.5-MoE (`phimoe`:
+Phi-3's keys and LongRoPE; the file's factor on cos/sin is llama.cpp's sqrt(1 + ln(s) / ln(original)), not the
+config's mscale; no key for the router's jitter: transformers' 0.01, the release's; llama.cpp routes by a plain
+softmax over the top two), Seed-OSS (`seed_oss`), Arcee (`arcee`: q/k permuted; ReLU squared, as llama.cpp runs
+it), Apertus (`apertus`: q/k as in HF; xIELU's alpha_p, alpha_n, beta and eps per layer in the `xielu.*` keys, served
+as HF's `mlp.act_fn.*` tensors) and Nemotron (`nemotron`: LayerNorm1P's weights stored plus 1, taken off on load;
+the eps as `attention.layer_norm_epsilon`; the rotary width), MiniMax-M2 (`minimax-m2`: the experts' width and the
+rotary width as keys, sigmoid gating (others refused), the selection bias as `exp_probs_b.bias`; no key for
+norm_topk_prob: llama.cpp renormalises, as the family does) and Ministral 3 (`mistral3`, Ministral3Model on
+LlamaModel: q/k permuted; YaRN's keys with mscale_all_dim itself as `rope.scaling.yarn_log_multiplier` (not 0.1 x it,
+as DeepSeek's) and mscale, which no key holds, taken equal to it, as the releases have them; Llama 4's temperature as
+`attention.temperature_scale` over YaRN's pre-training context). Biases come from the tensors; the activation, which no
+key names, is the family's default (llama.cpp's per architecture).
 """
 
 from __future__ import annotations
@@ -126,13 +144,14 @@ from gguf import (
 from gguf.quants import dequantize
 from torch import Tensor
 
-from keel.config import DEEPSEEK_V2_ROUTER, FAMILY_DEFAULTS, ModelConfig, RopeScaling
+from keel.config import DEEPSEEK_V2_ROUTER, FAMILY_DEFAULTS, HIDDEN_ACTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
 from keel.families import FAMILIES, checkpoint_layout
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
+from keel.weights.names import MIXTRAL_NAMED
 from keel.weights.shard import Shard, narrow
 
 _A = MODEL_ARCH
@@ -176,16 +195,29 @@ _FAMILIES = {
     _A.QWEN35MOE: "qwen3_5_moe",
     _A.QWEN3NEXT: "qwen3_next",
     _A.GRANITE_HYBRID: "granitemoehybrid",
+    _A.OLMOE: "olmoe",
+    _A.OLMO: "olmo",
+    _A.PHIMOE: "phimoe",
+    _A.SEED_OSS: "seed_oss",
+    _A.ARCEE: "arcee",
+    _A.APERTUS: "apertus",
+    _A.NEMOTRON: "nemotron",
+    _A.MINIMAXM2: "minimax_m2",
+    _A.MISTRAL3: "ministral3",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
 _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
-# llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses
-# that keep its tensor handling: llama (Mixtral included), granite, granitehybrid (its attention layers: undo_permute)
-# and smollm3 (their NoPE layers too: the same permutation of q's and k's rows leaves their products as they were).
-_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.GRANITE_HYBRID, _A.SMOLLM3}
-# Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w).
-_NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3}
+# llama.cpp's converter permutes q/k rows (rotary pairs adjacent) for LlamaModel and its subclasses that keep its
+# tensor handling: llama (Mixtral included), granite, granitehybrid (its attention layers: undo_permute), arcee,
+# mistral3 (Ministral3Model) and smollm3 (their NoPE layers too: the same permutation of q's and k's rows leaves
+# their products as they were); OlmoModel permutes the weights only (its biases as in HF). Apertus (undo_permute
+# False) keeps HF's rows.
+_PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.GRANITE_HYBRID, _A.SMOLLM3, _A.ARCEE, _A.OLMO, _A.MISTRAL3}
+_PERMUTED_WEIGHTS_ONLY = {_A.OLMO}
+# Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w), and so does
+# Nemotron's (its LayerNorm1P scales by 1 + w; llama.cpp's LayerNorm by w).
+_NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3, _A.NEMOTRON}
 # Qwen3.5 and Qwen3-Next (Gated DeltaNet hybrids): the converter (Qwen3NextModel) adds 1 to every `*norm.weight` but the
 # Gated DeltaNet's own (`linear_attn.norm`), stores -exp(A_log) as `ssm_a` and keeps q_proj (queries and gate per head)
 # and Qwen3-Next's in_proj_ba as HF stores them; Qwen3.5's converter also reorders the value heads (_value_order).
@@ -194,11 +226,12 @@ _VALUE_HEADS_TILED = {_A.QWEN35, _A.QWEN35MOE}
 # The keel families of those files.
 _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
-_PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi"}
+_PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", *_QWEN_HYBRID}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
+_ROTARY_WIDTH_KEY |= set(_QWEN_HYBRID)
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -235,7 +268,8 @@ KEYS_READ = (
     *(_K.ATTN_LOGIT_SOFTCAPPING, _K.FINAL_LOGIT_SOFTCAPPING, _K.USE_PARALLEL_RESIDUAL),
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
-    *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL),
+    *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
+    *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
@@ -399,6 +433,8 @@ def _config_from_metadata(
         rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=f.pick("max_position_embeddings", f.key(_K.CONTEXT_LENGTH), int),
+        # No activation key: llama.cpp's per architecture, the family's default (Arcee's relu2, Apertus's xielu)
+        hidden_act=HIDDEN_ACTS[FAMILY_DEFAULTS[family].get("hidden_act", "silu")],
         # llama.cpp writes output.weight only when the head is not the embedding matrix.
         tie_word_embeddings=f.read("tie_word_embeddings", _OUTPUT not in tensors, "inferred"),
         qkv_bias=f.read("qkv_bias", has(MODEL_TENSOR.ATTN_Q, "bias") or has(MODEL_TENSOR.ATTN_QKV, "bias"), "inferred"),
@@ -445,7 +481,7 @@ def _family_fields(
         own = {
             field: f.read(field, _f32(f.key(key)), "read") if f.key(key) else 1.0 for key, _, field in _GRANITE_SCALARS
         }
-    if family == "phi3":
+    if family in ("phi3", "phimoe"):  # Phi3MiniModel's and its subclass PhiMoeModel's
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
@@ -453,6 +489,12 @@ def _family_fields(
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
     if family in ("deepseek_v2", "deepseek_v3"):
         own.update(_mla_fields(f, common, tensors, path))
+    log_mul = f.key(_KR.SCALING_YARN_LOG_MUL)
+    if family == "ministral3" and common["rope_scaling"].type == "yarn" and log_mul is not None:
+        # Ministral3Model writes mscale_all_dim itself; mscale is taken equal to it (no key), as the releases have
+        # them (their YaRN then puts no factor on cos/sin)
+        mscale = _f32(log_mul)
+        own["rope_scaling"] = dataclasses.replace(common["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
     if family in FAMILIES:
         # The family file reads its config.json keys: from GGUF, those the metadata and tensors give.
         hf, read = _family_hf_config(f, family, common, tensors)
@@ -637,7 +679,7 @@ def _family_hf_config(
         hf.update(qk_layernorm=has(MODEL_TENSOR.ATTN_Q_NORM))
         if factor is not None:
             hf.update(partial_rotary_factor=factor)
-    if family == "phi" and factor is not None:  # Phi2Model writes the rotary width
+    if family in ("phi", "nemotron") and factor is not None:  # Phi2Model and NemotronModel write the rotary width
         hf.update(partial_rotary_factor=factor)
     if family == "phi3":  # Phi-4-mini rotates 3/4 of each head: Phi3MiniModel writes that width
         rope_dims = f.key(_KR.DIMENSION_COUNT)
@@ -720,6 +762,8 @@ def _family_hf_config(
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size"}
         read |= {"mlp_only_layers"} if dense is not None else set()
+    hf.update(_table_hf_config(f, family, common, tensors))
+    read |= _TABLE_READ.get(family, set()) | ({"clip_qkv"} if family == "olmo" and f.key(_KA.CLAMP_KQV) else set())
     if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
         hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
     if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
@@ -767,6 +811,72 @@ def _family_hf_config(
         if factor is not None:
             hf.update(rotary_pct=factor)
     return hf, read
+
+
+# The config fields whose metadata keys _table_hf_config reads (provenance "read").
+_TABLE_READ = {
+    "olmoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
+    "phimoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
+    "minimax_m2": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
+}
+
+
+def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """The config.json keys of the families whose converters write TextModel's keys and little more: biases by
+    tensor, the experts' counts as TextModel writes them (their width as feed_forward_length), and what llama.cpp
+    fixes where the file has no key."""
+    bias = dict(attention_bias=common["qkv_bias"], mlp_bias=common["mlp_bias"])
+    experts = lambda key: dict(  # noqa: E731
+        **{key: int(f.require(_K.EXPERT_COUNT))},
+        num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+        intermediate_size=common["intermediate_size"],
+    )
+    if family == "olmo":  # OlmoModel: clip_qkv as clamp_kqv where config.json has it
+        clamp = f.key(_KA.CLAMP_KQV)
+        return dict(attention_bias=common["qkv_bias"], clip_qkv=None if clamp is None else _f32(clamp))
+    if family == "olmoe":
+        # OlmoeModel writes neither clip_qkv nor norm_topk_prob: llama.cpp clamps nothing and never renormalises the
+        # chosen scores (OLMoE-1B-7B's null and false), and so does keel.
+        return dict(**experts("num_experts"), attention_bias=common["qkv_bias"], norm_topk_prob=False, clip_qkv=None)
+    if family == "phimoe":
+        # PhiMoeModel (Phi3MiniModel's keys). No key for the router's jitter: the family default, the released
+        # model's 0.01 (llama.cpp routes by a plain softmax over the top two instead of SparseMixer).
+        head_bias = _tensor(MODEL_TENSOR.OUTPUT, None, "bias") in tensors
+        return dict(**experts("num_local_experts"), attention_bias=common["qkv_bias"], lm_head_bias=head_bias)
+    if family == "seed_oss":  # SeedOssModel: TextModel's keys only
+        return dict(**bias, attention_out_bias=common["o_bias"])
+    if family == "apertus":  # ApertusModel: xIELU's parameters as metadata lists, one value per layer
+        for key in _XIELU:
+            values = f.meta.get(key)
+            if not isinstance(values, list) or len(values) != common["num_layers"]:
+                raise ConfigError(f"{f.meta.path}: GGUF metadata key {key!r} must list one value per layer")
+        return bias
+    if family == "arcee":
+        return bias
+    if family == "minimax_m2":
+        # MiniMaxM2Model: the experts' width and the rotary width as keys, sigmoid gating; llama.cpp always
+        # renormalises the chosen scores (the family's norm_topk_prob)
+        gating = f.key(_K.EXPERT_GATING_FUNC)
+        if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+            raise ConfigError(
+                f"{f.meta.path}: {f.name(_K.EXPERT_GATING_FUNC)} {gating} is not supported (sigmoid only)"
+            )
+        width = int(f.key(_K.EXPERT_FEED_FORWARD_LENGTH, common["intermediate_size"]))
+        return dict(
+            **{**experts("num_local_experts"), "intermediate_size": width},
+            head_dim=common["head_dim"],
+            rotary_dim=int(f.key(_KR.DIMENSION_COUNT, common["head_dim"])),
+        )
+    if family == "ministral3":
+        # Ministral3Model (LlamaModel): YaRN's keys, with mscale_all_dim as yarn_log_multiplier (not 0.1 x it, as
+        # DeepSeek's) and Llama 4's temperature as attention.temperature_scale over the YaRN's pre-training context
+        beta = f.key(_KA.TEMPERATURE_SCALE)
+        original = f.key(_KR.SCALING_ORIG_CTX_LEN)
+        rope = {} if beta is None else dict(llama_4_scaling_beta=_f32(beta), original_max_position_embeddings=original)
+        return dict(rope_parameters=rope)
+    if family == "nemotron":  # NemotronModel: the norms written plus 1 (taken off on load), their eps as layer_norm_eps
+        return dict(**bias, norm_eps=common["rms_norm_eps"])
+    return {}
 
 
 def _gated_deltanet_hf_config(f: _Fields, common: dict[str, Any]) -> dict[str, Any]:
@@ -1105,6 +1215,15 @@ def _single(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0]
 
 
+# Apertus's xIELU parameters: llama.cpp's metadata key (one value per layer, as stored in HF) -> HF's mlp.act_fn name.
+_XIELU = {Keys.xIELU.ALPHA_P: "alpha_p", Keys.xIELU.ALPHA_N: "alpha_n", Keys.xIELU.BETA: "beta", Keys.xIELU.EPS: "eps"}
+
+
+def _constant(value: float, shape: tuple[int, ...]) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """A tensor made from a metadata value (no GGUF tensor behind it)."""
+    return lambda arrays: np.full(shape, value, dtype=np.float32)
+
+
 def _kv_b_from_split(arrays: list[np.ndarray]) -> np.ndarray:
     """HF's kv_b_proj [heads x (nope + v), rank] from llama.cpp's `attn_k_b` [heads, rank, nope] (transposed by the
     converter) and `attn_v_b` [heads, v, rank]."""
@@ -1300,7 +1419,7 @@ class GGUFTensorReader:
         self._reader: GGUFFile | None = reader
         self._entries: dict[str, _Entry] = {}
         arch = _ARCH_BY_NAME[reader.fields[Keys.General.ARCHITECTURE]]
-        moe = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
+        moe = "block_sparse_moe" if config.architecture in MIXTRAL_NAMED else "mlp"
         names = hf_names_by_gguf(config, arch)
         kinds = _kinds(arch, config.num_layers)
         layout = checkpoint_layout(config)
@@ -1375,12 +1494,18 @@ class GGUFTensorReader:
                         self._add(part, (t,), part_shape, _norm_offset(arch, hf), span)
                 else:
                     combine: Callable[[list[np.ndarray]], np.ndarray] = _norm_offset(arch, hf)
-                    if arch in _PERMUTED and kind == MODEL_TENSOR.ATTN_Q:
+                    permuted = arch in _PERMUTED and (suffix == "weight" or arch not in _PERMUTED_WEIGHTS_ONLY)
+                    if permuted and kind == MODEL_TENSOR.ATTN_Q:
                         combine = _unpermute(config.num_heads)
-                    elif arch in _PERMUTED and kind == MODEL_TENSOR.ATTN_K:
+                    elif permuted and kind == MODEL_TENSOR.ATTN_K:
                         combine = _unpermute(config.num_kv_heads)
                     self._add(hf, (t,), shape, combine)
             # else: rope_freqs (read into the config), up experts (with the gate's) and tensors keel has no use for
+        if arch == _A.APERTUS:  # xIELU's parameters, per layer in metadata (ApertusModel): tensors of their own in HF
+            for key, param in _XIELU.items():
+                for layer, value in enumerate(reader.fields[key]):
+                    shape = (1,) if param.startswith("alpha") else ()
+                    self._add(f"model.layers.{layer}.mlp.act_fn.{param}", (), shape, _constant(value, shape))
 
     def _add_old_expert(self, name: str, t: GGUFTensor) -> None:
         for kind, pattern in _OLD_EXPERT.items():
@@ -1407,8 +1532,9 @@ class GGUFTensorReader:
         return self._entry(name).shape
 
     def dtype(self, name: str) -> str:
-        """The ggml storage type (F32, Q4_K, ...) of the tensor's first GGUF source."""
-        return self._entry(name).sources[0].tensor_type.name
+        """The ggml storage type (F32, Q4_K, ...) of the tensor's first GGUF source (F32 for one from metadata)."""
+        sources = self._entry(name).sources
+        return sources[0].tensor_type.name if sources else _T.F32.name
 
     def gguf_names(self, name: str) -> list[str]:
         """The llama.cpp tensor names behind an HF name."""

@@ -1,0 +1,365 @@
+"""GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
+OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2 and Ministral 3.
+
+Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
+TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
+layer's experts stacked per kind, q/k rows permuted for LlamaModel's subclasses, names by gguf's TensorNameMap), loaded
+by keel and compared with transformers running the original HF weights; `keel convert` gives the HF tensors back; and
+transformers' greedy tokens come through keel's engine from float32 and from Q8_0 run as stored (slow).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from keel.errors import ConfigError
+from keel.quant.loading import load_model
+from keel.weights.gguf import open_gguf
+from test_gguf import TOKENS, add_mini_vocab, llama3_rope_factors, llama_cpp_permute, rel_err
+from test_gguf_families import assert_served_as_transformers, finish_writer
+from tiny_models import build_hf_model
+
+pytest.importorskip("transformers")
+SLOW = pytest.mark.slow
+
+
+def text_model_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """The keys llama.cpp's TextModel.set_gguf_parameters writes from config.json (`hp`, as AutoConfig.to_dict()
+    gives it), each where the config has its value."""
+    first = lambda *keys: next((hp[k] for k in keys if hp.get(k) is not None), None)  # noqa: E731
+    w.add_block_count(hp["num_hidden_layers"])
+    for value, add in (
+        (first("max_position_embeddings"), w.add_context_length),
+        (first("hidden_size"), w.add_embedding_length),
+        (first("intermediate_size"), w.add_feed_forward_length),
+        (first("num_attention_heads"), w.add_head_count),
+        (first("num_key_value_heads"), w.add_head_count_kv),
+        (first("rms_norm_eps", "norm_eps"), w.add_layer_norm_rms_eps),
+        (first("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"), w.add_layer_norm_eps),
+        (first("num_local_experts", "num_experts"), w.add_expert_count),
+        (first("num_experts_per_tok"), w.add_expert_used_count),
+        (first("head_dim"), w.add_key_length),
+        (first("head_dim"), w.add_value_length),
+    ):
+        if value is not None:
+            add(value)
+    rope = hp.get("rope_parameters") or {}
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (
+            ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", w.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(key) is not None:
+                add(rope[key])
+    if rope.get("rope_theta") is not None:
+        w.add_rope_freq_base(rope["rope_theta"])
+
+
+def llama_model_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """LlamaModel's keys beyond TextModel's: the vocabulary size and the rotary width (the head size)."""
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+
+
+def phi3_mini_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Phi3MiniModel's keys (in place of TextModel's): the pre-training context, the rotary width, the window (0:
+    none), and for LongRoPE llama.cpp's factor on cos/sin, sqrt(1 + ln(scale) / ln(original)), whatever the config's
+    own; PhiMoeModel adds the expert counts."""
+    rope = hp["rope_parameters"]
+    original = rope.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_rope_dimension_count(
+        int(rope.get("partial_rotary_factor", 1.0) * hp["hidden_size"]) // hp["num_attention_heads"]
+    )
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(hp.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = hp["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    w.add_expert_count(hp["num_local_experts"])
+
+
+def llama_cpp_attn_factor(hp: dict[str, Any]) -> float:
+    """Phi3MiniModel's LongRoPE factor on cos/sin (the tiny Phi-3.5-MoE is built with it as its mscale)."""
+    rope = hp["rope_parameters"]
+    original = rope["original_max_position_embeddings"]
+    return math.sqrt(1 + math.log(hp["max_position_embeddings"] / original) / math.log(original))
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How llama.cpp's converter class writes a family: its architecture, whether it writes TextModel's keys, its
+    own keys, which q/k tensors LlamaModel.permute reorders ('weight' and 'bias' suffixes), the HF tensors it turns
+    into keys instead (`consumed`), and what it does to a tensor by HF name."""
+
+    arch: gguf.MODEL_ARCH
+    keys: Callable[[gguf.GGUFWriter, dict[str, Any]], None] = lambda w, hp: None
+    text_model: bool = True
+    permute: tuple[str, ...] = ()
+    consumed: tuple[str, ...] = ()
+    tensor: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t
+    build: dict[str, Any] = field(default_factory=dict)
+
+
+def _olmo_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_layer_norm_eps(1e-5)
+    if hp.get("clip_qkv") is not None:
+        w.add_clamp_kqv(hp["clip_qkv"])
+
+
+def _apertus_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    llama_model_keys(w, hp)
+    state = _SAVED[id(w)]
+    layers = range(hp["num_hidden_layers"])
+    values = lambda param: [float(state[f"model.layers.{i}.mlp.act_fn.{param}"]) for i in layers]  # noqa: E731
+    w.add_xielu_alpha_p(values("alpha_p"))
+    w.add_xielu_alpha_n(values("alpha_n"))
+    w.add_xielu_beta(values("beta"))
+    w.add_xielu_eps(values("eps"))
+
+
+def _nemotron_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_layer_norm_eps(hp["norm_eps"])
+    rotary = hp["rope_parameters"].get("partial_rotary_factor", hp.get("partial_rotary_factor", 0.5))
+    w.add_rope_dimension_count(int(rotary * hp["hidden_size"]) // hp["num_attention_heads"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _minimax_m2_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_rope_dimension_count(hp["rotary_dim"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # TextModel's, from scoring_func
+
+
+def _ministral3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    llama_model_keys(w, hp)
+    rope = hp["rope_parameters"]
+    w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+    w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+
+
+def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
+    return t + 1 if name.endswith("norm.weight") else t
+
+
+# The checkpoint being written, by writer (the converter's keys read some of its tensors: Apertus's xIELU).
+_SAVED: dict[int, dict[str, torch.Tensor]] = {}
+
+CONVERTERS = {
+    # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
+    "olmoe": Converter(gguf.MODEL_ARCH.OLMOE, keys=lambda w, hp: w.add_layer_norm_rms_eps(1e-5)),
+    # OlmoModel: LayerNorm eps 1e-5, clamp_kqv; q/k weights permuted (not their biases)
+    "olmo": Converter(gguf.MODEL_ARCH.OLMO, keys=_olmo_keys, permute=("weight",)),
+    # PhiMoeModel (Phi3MiniModel's keys); the mscale llama.cpp computes, and transformers' default router jitter
+    "phimoe": Converter(
+        gguf.MODEL_ARCH.PHIMOE, keys=phi3_mini_keys, text_model=False, build={"router_jitter_noise": 0.01}
+    ),
+    "seed_oss": Converter(gguf.MODEL_ARCH.SEED_OSS),
+    # ArceeModel (LlamaModel): q/k rows and biases permuted; here with YaRN
+    "arcee": Converter(
+        gguf.MODEL_ARCH.ARCEE,
+        keys=llama_model_keys,
+        permute=("weight", "bias"),
+        build={
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            "max_position_embeddings": 64,
+        },
+    ),
+    # ApertusModel (LlamaModel, undo_permute False): xIELU's parameters as keys, Llama 3's rope_freqs
+    # (pad_token_id 0: ApertusConfig's 3 is in the prompt, which transformers' generate would mask as padding)
+    "apertus": Converter(
+        gguf.MODEL_ARCH.APERTUS,
+        build={"pad_token_id": 0},
+        keys=_apertus_keys,
+        consumed=(".act_fn.alpha_p", ".act_fn.alpha_n", ".act_fn.beta", ".act_fn.eps"),
+    ),
+    # MiniMaxM2Model: the experts' and the rotary width, sigmoid gating, the selection bias renamed
+    "minimax_m2": Converter(gguf.MODEL_ARCH.MINIMAXM2, keys=_minimax_m2_keys),
+    # Ministral3Model (LlamaModel): YaRN's keys, mscale_all_dim as yarn_log_multiplier, Llama 4's temperature
+    "ministral3": Converter(gguf.MODEL_ARCH.MISTRAL3, keys=_ministral3_keys, permute=("weight", "bias")),
+    # NemotronModel: LayerNorm1P's weights plus 1, the eps as layer_norm_eps, the rotary width, no rope scaling
+    "nemotron": Converter(gguf.MODEL_ARCH.NEMOTRON, keys=_nemotron_keys, tensor=_plus_one),
+}
+
+
+def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
+    """`hf` as llama.cpp's converter writes it (`converter`): metadata, then the checkpoint as saved (each layer's
+    experts stacked per kind, as the converters merge them), q/k permuted as LlamaModel.permute, named by
+    TensorNameMap. `q8`: matrices whose rows split into blocks of 32 as Q8_0 (not routers), as llama-quantize."""
+    from safetensors.torch import load_file
+
+    cfg = hf.config
+    hp = cfg.to_dict()
+    hf.save_pretrained(path.parent / "hf")
+    state = load_file(path.parent / "hf" / "model.safetensors")
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[converter.arch])
+    _SAVED[id(w)] = state
+    if converter.text_model:
+        text_model_keys(w, hp)
+    converter.keys(w, hp)
+    del _SAVED[id(w)]
+    add_mini_vocab(w, "default")
+    rope = hp.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3" and converter.arch in (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE):
+        head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
+    names = gguf.get_tensor_name_map(converter.arch, cfg.num_hidden_layers)
+    tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        if name.endswith(converter.consumed):
+            continue
+        if match := re.match(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$", name):
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = t
+        else:
+            tensors[name] = t
+    tensors.update({name: torch.stack([e[i] for i in sorted(e)]) for name, e in experts.items()})
+    for name, t in tensors.items():
+        # (the converters' rename of the router's selection bias, which TensorNameMap then names exp_probs_b)
+        base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
+        if suffix in converter.permute and base.endswith(("q_proj", "k_proj")):
+            heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
+            t = torch.from_numpy(llama_cpp_permute(t.numpy(), heads))
+        a = np.ascontiguousarray(converter.tensor(name, t).float().numpy())
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name:
+            w.add_tensor(gguf_name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(gguf_name, a)
+    finish_writer(w)
+
+
+def build(name: str):
+    overrides = dict(CONVERTERS[name].build)
+    if name == "phimoe":  # the factor on cos/sin llama.cpp computes (the file's), as the model's mscale
+        hp = build_hf_model(name).config.to_dict()
+        factor = llama_cpp_attn_factor(hp)
+        overrides["rope_parameters"] = {**hp["rope_parameters"], "short_mscale": factor, "long_mscale": factor}
+    return build_hf_model(name, **overrides)
+
+
+def assert_family_features(name: str, loaded, hf) -> None:
+    """What distinguishes the family, as read from its file."""
+    c, reader, cfg = loaded.config, loaded.checkpoint.reader, hf.config
+    if name == "olmoe":  # whole-projection q/k norms, softmax experts not renormalised (llama.cpp's fixed choice)
+        assert (c.qk_norm_scope, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == ("all", 8, 2, False)
+        assert c.moe_intermediate_size == 32 and c.clip_qkv is None
+        assert reader.gguf_names("model.layers.0.mlp.experts.gate_up_proj") == [
+            "blk.0.ffn_gate_exps.weight",
+            "blk.0.ffn_up_exps.weight",
+        ]
+    if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
+        assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
+        assert loaded.checkpoint.provenance["clip_qkv"] == "read"
+        q = "model.layers.0.self_attn.q_proj."
+        assert torch.equal(reader.get(q + "weight"), hf.state_dict()[q + "weight"])
+        assert torch.equal(reader.get(q + "bias"), hf.state_dict()[q + "bias"])
+    if name == "phimoe":  # LayerNorms, the SparseMixer router, the window, LongRoPE with the file's factor
+        assert (c.norm_type, c.router_scoring, c.sliding_window, c.lm_head_bias) == ("layer", "sparsemixer", 8, True)
+        assert c.rope_scaling.type == "longrope" and c.rope_scaling.attention_factor == pytest.approx(
+            llama_cpp_attn_factor(cfg.to_dict()), rel=1e-6
+        )
+        assert reader.gguf_names("model.layers.1.block_sparse_moe.experts.down_proj") == ["blk.1.ffn_down_exps.weight"]
+    if name == "seed_oss":
+        assert (c.qkv_bias, c.o_bias, c.mlp_bias, c.head_dim) == (True, True, False, 16)
+    if name == "arcee":  # the ungated ReLU-squared MLP, YaRN, q/k rows and biases un-permuted
+        assert (c.mlp_gated, c.hidden_act, c.rope_scaling.type, c.qkv_bias) == (False, "relu2", "yarn", True)
+        for part in ("weight", "bias"):
+            k = f"model.layers.0.self_attn.k_proj.{part}"
+            assert torch.equal(reader.get(k), hf.state_dict()[k])
+    if name == "apertus":  # xIELU's parameters from metadata, per-head q/k norms, Llama 3's rope from rope_freqs
+        assert (c.hidden_act, c.qk_norm, c.rope_scaling.type) == ("xielu", True, "llama3")
+        for param in ("alpha_p", "alpha_n", "beta", "eps"):
+            key = f"model.layers.2.mlp.act_fn.{param}"
+            assert reader.gguf_names(key) == [] and torch.equal(reader.get(key), hf.state_dict()[key]), param
+    if name == "minimax_m2":  # the sigmoid router's selection bias, whole-projection q/k norms, 8 of 16 rotating
+        assert (c.router_scoring, c.router_bias, c.norm_topk_prob, c.qk_norm_scope) == ("sigmoid", True, True, "all")
+        assert (c.rotary_dim, c.head_dim, c.num_experts, c.moe_intermediate_size) == (8, 16, 8, 32)
+        bias = "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+        assert reader.gguf_names(bias) == ["blk.1.exp_probs_b.bias"]
+    if name == "ministral3":  # YaRN with its mscales, Llama 4's temperature by position
+        assert (c.rope_scaling.type, c.rope_scaling.mscale, c.rope_scaling.mscale_all_dim) == ("yarn", 1.0, 1.0)
+        assert (c.query_scale_beta, c.query_scale_length) == (0.5, 16)
+    if name == "nemotron":  # LayerNorm1P (the file's weights less 1), half of each head rotating, biases
+        assert (c.norm_type, c.norm_weight_offset, c.partial_rotary_factor, c.mlp_gated) == ("layer", 1.0, 0.5, False)
+        assert c.rms_norm_eps == pytest.approx(1e-4) and c.qkv_bias and c.mlp_bias
+        norm = "model.layers.1.input_layernorm.weight"
+        torch.testing.assert_close(reader.get(norm), hf.state_dict()[norm])
+
+
+@pytest.mark.parametrize("name", list(CONVERTERS))
+def test_converted_gguf_matches_hf_model(tmp_path, name):
+    """The file read as the converter wrote it: the family's config and tensors, transformers' logits, and `keel
+    convert` back to the HF checkpoint (norms written plus 1 to float32's rounding, the rest exactly)."""
+    from safetensors.torch import load_file
+
+    from keel.weights.convert import convert
+
+    hf = build(name)
+    write_converted(hf, tmp_path / f"{name}.gguf", CONVERTERS[name])
+    loaded = load_model(tmp_path / f"{name}.gguf")
+    assert loaded.config.architecture == name
+    assert_family_features(name, loaded, hf)
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    out = convert(tmp_path / f"{name}.gguf", tmp_path / "back", dtype="float32")
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(written) == set(stored)
+    for key, tensor in stored.items():
+        torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6 if key.endswith("norm.weight") else 0)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=SLOW) for name in CONVERTERS])
+def test_converted_gguf_is_served_as_transformers(tmp_path, name):
+    """Greedy tokens through keel's engine from float32 and from Q8_0 run as stored (transformers on the weights
+    the Q8_0 file holds)."""
+    hf = build(name)
+    write_converted(hf, tmp_path / "f32.gguf", CONVERTERS[name])
+    write_q8 = lambda path: write_converted(hf, path, CONVERTERS[name], q8=True)  # noqa: E731
+    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64, probe="o_proj")
+
+
+def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):
+    hf = build("apertus")
+    converter = CONVERTERS["apertus"]
+    write_converted(
+        hf, tmp_path / "apertus.gguf", Converter(converter.arch, llama_model_keys, consumed=converter.consumed)
+    )
+    with pytest.raises(ConfigError, match="'xielu.alpha_p' must list one value per layer"):
+        open_gguf(tmp_path / "apertus.gguf")
