@@ -117,6 +117,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("lfm2_moe", marks=SLOW),
         pytest.param("granitemoehybrid-dense", marks=SLOW),
         pytest.param("bamba", marks=SLOW),
+        pytest.param("nemotron_h", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -231,6 +232,17 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "granitemoehybrid-dense":  # Mamba 2 mixers around a rotating attention layer, a dense MLP
         assert [type(a).__name__ for a in attention] == ["Mamba2Mixer", "Attention", "Mamba2Mixer"]
         assert attention[1].rotates and not llm.engine.model.config.is_moe
+    elif name == "nemotron_h":  # one sublayer a layer: Mamba 2, unrotated attention, an ungated MLP, ungated experts
+        kinds = [(type(layer.self_attn).__name__, type(layer.mlp).__name__) for layer in layers]
+        none = "NoneType"
+        assert kinds == [("Mamba2Mixer", none), ("Attention", none), (none, "SwiGLU"), (none, "MoE")] + [
+            ("Mamba2Mixer", none),
+            (none, "MoE"),
+        ]
+        assert not attention[1].rotates and layers[3].mlp.experts.gate_up_proj.shape[1] == 32  # up rows alone
+        cache = llm.engine.cache  # K/V rows for the attention layer only, state slots for the Mamba layers
+        assert [cache.slots_of(i) > 0 for i in range(6)] == [False, True, False, False, False, False]
+        assert sorted(cache.recurrent.state) == [0, 4]
     elif name == "bamba":  # Mamba 2 mixers around an attention layer rotating half of each head
         assert [type(a).__name__ for a in attention] == ["Mamba2Mixer", "Attention", "Mamba2Mixer"]
         assert attention[1].rotary_dim == 8

@@ -112,7 +112,7 @@ SHAPE_INFERABLE = [
             "cwm",
             "helium",
             "jais2",
-            "nemotron",
+            "nemotron",  # and nemotron_h
             "vaultgemma",
             "hyperclovax",
             "youtu",

@@ -1124,6 +1124,47 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "BambaForCausalLM",
         dict(intermediate_size=128, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16),
     ),
+    # Nemotron-H: one sublayer a layer, each kind once or more (Mamba 2, attention without position encoding, an ungated
+    # relu2 MLP, ungated relu2 experts routed by groups with a selection bias plus a shared expert), biases on.
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            layers_block_type=["linear_attention", "full_attention", "mlp", "moe", "linear_attention", "moe"],
+            head_dim=16,
+            intermediate_size=96,
+            mlp_bias=True,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            use_bias=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    # Nemotron Nano 2 / Nemotron-H dense: M, * and - layers from the older hybrid_override_pattern, no conv bias.
+    "nemotron_h-dense": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            hybrid_override_pattern="M-*-M-",
+            num_hidden_layers=6,
+            head_dim=16,
+            intermediate_size=96,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=1,
+            ssm_state_size=16,
+            use_conv_bias=False,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

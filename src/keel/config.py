@@ -221,8 +221,12 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     # Per layer: "full_attention", "sliding_attention", "chunked_attention" or "linear_attention" (HF's
-    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention).
+    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "conv", "mamba", or "mlp": a
+    # layer without a token mixer, its MLP (dense or MoE) alone (Nemotron-H's "-" and "E" layers).
     layer_types: list[str] = field(default_factory=list)
+    # Per layer: whether it has its MLP (dense or MoE) after the token mixer; False: the mixer alone (Nemotron-H's
+    # attention and Mamba layers). Empty: every layer has one.
+    mlp_layers: list[bool] = field(default_factory=list)
     # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): key/query heads, value heads, their widths, the causal
     # convolution's kernel over the projected q/k/v.
     linear_num_key_heads: int = 0
@@ -348,7 +352,8 @@ class ModelConfig:
     # The MLPs' activation, the experts' and shared experts' too: silu | gelu (erf) | gelu_tanh | relu2 (ReLU
     # squared) | relu | quick_gelu (x sigmoid(1.702 x))
     hidden_act: str = "silu"
-    mlp_gated: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX)
+    # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX), the experts and shared experts too (Nemotron-H)
+    mlp_gated: bool = True
     # Tokens and provenance.
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -386,7 +391,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` has a sparse MoE block (HF's decoder_sparse_step / mlp_only_layers rule)."""
-        if not self.is_moe or layer in self.mlp_only_layers:
+        if not self.is_moe or layer in self.mlp_only_layers or not self.has_mlp(layer):
             return False
         return (layer + 1) % self.decoder_sparse_step == 0
 
@@ -410,6 +415,25 @@ class ModelConfig:
 
     def is_recurrent_layer(self, layer: int) -> bool:
         return self.layer_types[layer] in ("linear_attention", "conv", "mamba")
+
+    def has_mixer(self, layer: int) -> bool:
+        """Whether `layer` has a token mixer (attention or a recurrent one); an "mlp" layer has its MLP alone."""
+        return self.layer_types[layer] != "mlp"
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether `layer` has its MLP (dense or MoE) sublayer (`mlp_layers`)."""
+        return not self.mlp_layers or self.mlp_layers[layer]
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether `layer` attends, so keeps K/V rows per token (not a recurrent layer's state, nor an "mlp"
+        layer's nothing)."""
+        return self.has_mixer(layer) and not self.is_recurrent_layer(layer)
+
+    @property
+    def has_partial_layers(self) -> bool:
+        """Whether some layers lack a token mixer or an MLP (the fused CPU layer and tensor parallelism skip or
+        refuse them)."""
+        return "mlp" in self.layer_types or not all(self.has_mlp(i) for i in range(self.num_layers))
 
     def layer_window(self, layer: int) -> int | None:
         """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
@@ -440,8 +464,17 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mamba"}
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mamba", "mlp"}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
+        need(not self.mlp_layers or len(self.mlp_layers) == self.num_layers, "mlp_layers must have one entry per layer")
+        need(
+            all(self.has_mixer(i) or self.has_mlp(i) for i in range(self.num_layers)),
+            "a layer needs a token mixer or an MLP (an mlp layer with mlp_layers False has neither)",
+        )
+        need(
+            not (self.has_partial_layers and self.parallel_residual),
+            "parallel_residual needs both sublayers in every layer",
+        )
         if self.has_linear_attention:
             self._validate_linear(need)
         if "mamba" in self.layer_types:
@@ -557,6 +590,10 @@ class ModelConfig:
                 f"expert_activation {self.expert_activation!r} is not supported (silu, swiglu_clamped)",
             )
             need(self.swiglu_limit > 0, f"swiglu_limit must be positive, got {self.swiglu_limit}")
+            need(
+                self.mlp_gated or self.expert_activation == "silu",
+                f"expert_activation {self.expert_activation!r} is gated (mlp_gated False: ungated experts)",
+            )
             need(1 <= self.topk_group <= self.n_group, "topk_group must be in 1..n_group")
             need(
                 self.num_experts_per_tok <= self.topk_group * (self.num_experts // self.n_group),
@@ -658,13 +695,16 @@ class ModelConfig:
             (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
         )
         dense_mlp += 2 if self.hidden_act == "xielu" else 0  # its alpha_p and alpha_n
-        expert = 3 * h * self.moe_intermediate_size + (2 * self.moe_intermediate_size + h if self.expert_bias else 0)
+        width = self.moe_intermediate_size
+        expert = mats * h * width + ((mats - 1) * width + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
         shared_width = self.shared_expert_intermediate_size
-        shared = 3 * h * shared_width + shared_gate + ((2 * shared_width + h) if self.mlp_bias and shared_width else 0)
+        shared = mats * h * shared_width + shared_gate
+        shared += ((mats - 1) * shared_width + h) if self.mlp_bias and shared_width else 0
         norm = h * (2 if self.norm_bias else 1) if self.norm_affine else 0
-        pre = (2 if self.post_attention_norm else 1) if self.norm_placement != "post" else 0
-        block_norms = norm * (pre + (2 if self.norm_placement != "pre" else 0))
+        pre, post = self.norm_placement != "post", self.norm_placement != "pre"
+        mixer_norms = norm * (pre + post)  # before the mixer and/or on its output
+        mlp_norms = norm * (pre * self.post_attention_norm + post)
         total = active = 0
         linear = self._linear_attention_params() if self.has_linear_attention else 0
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
@@ -674,7 +714,12 @@ class ModelConfig:
             "mamba": self._mamba_params() if "mamba" in self.layer_types else 0,
         }
         for layer in range(self.num_layers):
-            base = mixers.get(self.layer_types[layer], attn) + block_norms
+            base = mixers.get(self.layer_types[layer], attn) + mixer_norms if self.has_mixer(layer) else 0
+            if not self.has_mlp(layer):
+                total += base
+                active += base
+                continue
+            base += mlp_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers
@@ -931,6 +976,10 @@ def _family_from_hf(hf: dict[str, Any], source: str) -> str:
 
 def _required_from_hf(hf: dict[str, Any], source: str) -> tuple[int, int, int, int]:
     """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default."""
+    # transformers 5 writes no num_hidden_layers where it is its layer list's length (Nemotron-H's layers_block_type)
+    listed = hf.get("layer_types") or hf.get("layers_block_type")
+    if "num_hidden_layers" not in hf and isinstance(listed, list):
+        hf = {**hf, "num_hidden_layers": len(listed)}
     try:
         return (
             int(hf["hidden_size"]),

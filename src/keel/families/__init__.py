@@ -69,6 +69,7 @@ from keel.families import (
     mistral4,
     nanochat,
     nemotron,
+    nemotron_h,
     olmo,
     olmo2,
     olmo3,
@@ -93,6 +94,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        nemotron_h,
         bamba,
         granitemoehybrid,
         lfm2_moe,

@@ -90,8 +90,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     """(attention, its submodules, the projections' kernel arguments) of a layer whose block the operator runs on
     `tokens` rows, or None."""
     children = layer._modules
-    attn, mlp = children["self_attn"], children["mlp"]
-    if type(attn) is not Attention or type(mlp) is not SwiGLU:
+    attn, mlp = children.get("self_attn"), children.get("mlp")  # None where a layer lacks one (not a child)
+    if type(attn) is not Attention or type(mlp) is not SwiGLU:  # a layer without one of the two (None) too
         return None
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
         return None  # Granite's scalars: the modules run them

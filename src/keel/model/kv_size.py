@@ -1,11 +1,10 @@
 """KV-cache bytes per token: the one size the engine divides its memory budget by, the planner sizes
 its pool with and the profiler counts as attention's reads.
 
-Over all attention layers of `config` (not its Gated DeltaNet layers; a tensor-parallel rank passes its own share of
-the heads): K and V of
-every KV head, or for multi-head latent attention (config.is_mla) one row per layer of the latent
-and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values. Sliding-window layers
-count in full: the paged cache stores every layer's rows for every block, windowed or not.
+Over all attention layers of `config` (not its recurrent layers nor those without a token mixer; a tensor-parallel
+rank passes its own share of the heads): K and V of every KV head, or for multi-head latent attention (config.is_mla)
+one row per layer of the latent and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values.
+Sliding-window layers count in full: the paged cache stores every layer's rows for every block, windowed or not.
 
 kv_cache_dtype "auto" stores rows in the model's `dtype`; "bfloat16" in bfloat16 whatever the compute
 dtype (vLLM's option: half a float32 model's cache bytes, which decode attention streams every step);
@@ -42,8 +41,8 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent)
-    layers = sum(not config.is_recurrent_layer(i) for i in range(config.num_layers))
+    # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent); "mlp" layers nothing
+    layers = sum(config.is_attention_layer(i) for i in range(config.num_layers))
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:

@@ -173,20 +173,26 @@ def sparsemixer(logits: Tensor, top_k: int, jitter_eps: float) -> tuple[Tensor, 
 
 @dataclass(frozen=True)
 class ExpertActivation:
-    """The experts' gated activation: act(gate) * up with the model's `hidden_act` (silu for Mixtral and most; `kind`
-    names it); or swiglu_clamped (GPT-OSS's ModelConfig.expert_activation), gate clamped above and up on both
-    sides at `limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
+    """The experts' activation of their first projection's output (gate rows, then up rows): act(gate) * up with the
+    model's `hidden_act` (silu for Mixtral and most; `kind` names it); or swiglu_clamped (GPT-OSS's
+    ModelConfig.expert_activation), gate clamped above and up on both sides at `limit`, then
+    gate * sigmoid(alpha * gate) * (up + 1); or, not `gated` (ModelConfig.mlp_gated False: Nemotron-H), act(up) of
+    the up rows alone."""
 
     kind: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
+    gated: bool = True
 
     @classmethod
     def of(cls, config: ModelConfig) -> ExpertActivation:
         kind = config.hidden_act if config.expert_activation == "silu" else config.expert_activation
-        return cls(kind, config.swiglu_alpha, config.swiglu_limit)
+        return cls(kind, config.swiglu_alpha, config.swiglu_limit, config.mlp_gated)
 
-    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+    def __call__(self, hidden: Tensor) -> Tensor:
+        if not self.gated:
+            return activation(self.kind)(hidden)
+        gate, up = hidden.chunk(2, dim=-1)
         if self.kind == "silu":
             return F.silu(gate) * up
         if self.kind != "swiglu_clamped":
@@ -205,8 +211,9 @@ def row_experts(offsets: Tensor, rows: int) -> Tensor:
 
 class GroupedExperts(nn.Module):
     """E gated experts with stacked weights: gate_up_proj [E, 2I, H], down_proj [E, H, I] (HF layout), and
-    with `bias` (GPT-OSS) gate_up_proj_bias [E, 2I], down_proj_bias [E, H]. Under expert parallelism a rank
-    holds a contiguous slice of the experts."""
+    with `bias` (GPT-OSS) gate_up_proj_bias [E, 2I], down_proj_bias [E, H]; ungated experts (the activation's
+    `gated` False) hold the up rows alone in gate_up_proj [E, I, H] (and its bias [E, I]). Under expert parallelism a
+    rank holds a contiguous slice of the experts."""
 
     def __init__(
         self,
@@ -218,11 +225,12 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.activation = activation or ExpertActivation()
+        rows = (2 if self.activation.gated else 1) * intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, rows)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         # Tensor parallelism without expert parallelism: each rank holds every expert cut by width, their partial
         # outputs are summed, so only one rank adds down's bias (keel.serve.parallel.tensor).
         self.adds_down_bias = True
@@ -253,8 +261,7 @@ class GroupedExperts(nn.Module):
         experts = None if gate_up_bias is None else row_experts(offsets, x.shape[0])
         if gate_up_bias is not None:
             hidden = hidden + gate_up_bias.index_select(0, experts).to(hidden.dtype)
-        gate, up = hidden.chunk(2, dim=-1)
-        out = grouped_matmul(self.activation(gate, up), down.transpose(1, 2), offsets)
+        out = grouped_matmul(self.activation(hidden), down.transpose(1, 2), offsets)
         if down_bias is not None and self.adds_down_bias:
             out = out + down_bias.index_select(0, experts).to(out.dtype)
         return out
@@ -333,7 +340,7 @@ class MoE(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(
-                h, config.shared_expert_intermediate_size, bias=config.mlp_bias, act=config.hidden_act
+                h, config.shared_expert_intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
             )
             if config.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)

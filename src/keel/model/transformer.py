@@ -39,51 +39,58 @@ def token_mixer(config: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    """A token mixer and an MLP, each in its residual branch with its norms; a layer may have one of the two alone
+    (`ModelConfig.has_mixer` / `has_mlp`: Nemotron-H), whose absent sublayer and its norms are None."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         h, pre, post = config.hidden_size, config.norm_placement != "post", config.norm_placement != "pre"
+        mixer, mlp = config.has_mixer(layer), config.has_mlp(layer)
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
         # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
-        self.input_layernorm: nn.Module | None = block_norm(config, h) if pre else None
-        self.self_attn: nn.Module = token_mixer(config, layer)
+        self.input_layernorm: nn.Module | None = block_norm(config, h) if pre and mixer else None
+        self.self_attn: nn.Module | None = token_mixer(config, layer) if mixer else None
         self.post_attention_layernorm: nn.Module | None = (
-            block_norm(config, h) if pre and config.post_attention_norm else None
+            block_norm(config, h) if pre and mlp and config.post_attention_norm else None
         )
-        self.attn_output_norm: nn.Module | None = block_norm(config, h) if post else None
-        self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post else None
+        self.attn_output_norm: nn.Module | None = block_norm(config, h) if post and mixer else None
+        self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post and mlp else None
         self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
         self.parallel_residual = config.parallel_residual
-        self.mlp: nn.Module = (
-            MoE(config)
-            if config.is_moe_layer(layer)
-            else SwiGLU(
-                config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+        self.mlp: nn.Module | None = None
+        if mlp:
+            self.mlp = (
+                MoE(config)
+                if config.is_moe_layer(layer)
+                else SwiGLU(
+                    config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+                )
             )
-        )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
         m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
-        if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
-            h = x if self.input_layernorm is None else self.input_layernorm(x)
-            out = self.attn_output_norm(self.self_attn(h, meta))
-            x = x + (out if m == 1.0 else out * m)
-            h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
-            out = self.mlp_output_norm(self.mlp(h))
-            return x + (out if m == 1.0 else out * m)
         if self.parallel_residual:  # both sublayers read the block's input (GPT-NeoX, StableLM's option)
             normed = self.input_layernorm(x)
             mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
             if m != 1.0:
                 return x + self.self_attn(normed, meta) * m + self.mlp(mlp_in) * m
             return x + self.self_attn(normed, meta) + self.mlp(mlp_in)
-        if self.residual_multiplier != 1.0:
-            x = x + self.self_attn(self.input_layernorm(x), meta) * self.residual_multiplier
-            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
-        x = x + self.self_attn(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.self_attn is not None:
+            h = x if self.input_layernorm is None else self.input_layernorm(x)
+            out = self.self_attn(h, meta)
+            if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
+                out = self.attn_output_norm(out)
+            x = x + (out if m == 1.0 else out * m)
+        if self.mlp is not None:
+            h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+            out = self.mlp(h)
+            if self.mlp_output_norm is not None:
+                out = self.mlp_output_norm(out)
+            x = x + (out if m == 1.0 else out * m)
+        return x
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:

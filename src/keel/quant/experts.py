@@ -88,7 +88,7 @@ class QuantizedGroupedExperts(nn.Module):
                 hidden = self.gate_up[e](x[start:end])
                 if self.gate_up_proj_bias is not None:
                     hidden = hidden + self.gate_up_proj_bias[e].to(hidden.dtype)
-                projected = self.down[e](self.activation(*hidden.chunk(2, dim=-1)))
+                projected = self.down[e](self.activation(hidden))
                 if self.down_proj_bias is not None:
                     projected = projected + self.down_proj_bias[e].to(projected.dtype)
                 out[start:end] = projected.to(out.dtype)

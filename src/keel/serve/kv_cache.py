@@ -339,8 +339,10 @@ class PagedKVCache:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
             self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        # recurrent layers keep no K/V: their state per sequence, in `sequences` slots, instead
+        # recurrent layers keep no K/V: their state per sequence, in `sequences` slots, instead; layers without a
+        # token mixer ("mlp") keep neither
         self.linear = {i for i in range(config.num_layers) if config.is_recurrent_layer(i)}
+        self.attention = {i for i in range(config.num_layers) if config.is_attention_layer(i)}
         self.keys = [
             torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
             for i in range(config.num_layers)
@@ -351,12 +353,12 @@ class PagedKVCache:
 
     def attention_backend(self) -> str:
         """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
-        stored = [i for i in self.layers if i not in self.linear] or [0]
+        stored = [i for i in self.layers if i in self.attention] or [0]
         return attention_backend(self.keys[stored[0]], self.head_dim, self.block_size)
 
     def slots_of(self, layer: int) -> int:
         """Token slots of a layer's store: all blocks' for the stored attention layers, none for the others."""
-        return self.num_blocks * self.block_size if layer in self.layers and layer not in self.linear else 0
+        return self.num_blocks * self.block_size if layer in self.layers and layer in self.attention else 0
 
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
         """The step's sequences and their state slots for a recurrent layer (`StepPlan.recurrent`)."""

@@ -651,6 +651,8 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for q/k norms over the whole projection (OLMo 2) yet")
     if par.tp > 1 and model.has_recurrent_layers:
         raise fail("parallel: tp > 1 is not supported for recurrent (linear_attention, conv, mamba) layers yet")
+    if par.tp > 1 and model.has_partial_layers:
+        raise fail("parallel: tp > 1 is not supported for layers without a token mixer or an MLP yet")
     if par.ep > 1 and not model.is_moe:
         raise fail(f"parallel: ep = {par.ep} needs a mixture-of-experts model")
     if par.ep > 1 and model.num_experts % par.ep:

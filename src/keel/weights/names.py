@@ -85,6 +85,8 @@ def hf_source(config: ModelConfig, name: str, available: set[str]) -> Source:
         if rest.endswith("down_proj"):
             names = tuple(f"{prefix}.experts.{e}.{down}.weight" for e in experts)
             return Source(names, torch.stack)
+        if not config.mlp_gated:  # ungated experts (Nemotron-H): their up rows alone
+            return Source(tuple(f"{prefix}.experts.{e}.{up}.weight" for e in experts), torch.stack)
         names = tuple(
             n for e in experts for n in (f"{prefix}.experts.{e}.{gate}.weight", f"{prefix}.experts.{e}.{up}.weight")
         )
@@ -115,7 +117,10 @@ def keel_to_hf(config: ModelConfig, state: Iterable[tuple[str, Tensor]], fuse: b
             if config.architecture in STACKED_EXPERTS:  # stored stacked: the family's layout renames them
                 out[f"{prefix}.{match.group(2).removeprefix('mlp.')}"] = tensor
                 continue
-            if match.group(2) == "mlp.experts.gate_up_proj":
+            if match.group(2) == "mlp.experts.gate_up_proj" and not config.mlp_gated:
+                for e, weight in enumerate(tensor):
+                    out[f"{prefix}.experts.{e}.{up_name}.weight"] = weight.contiguous()
+            elif match.group(2) == "mlp.experts.gate_up_proj":
                 for e, weight in enumerate(tensor):
                     gate, up = weight.chunk(2, dim=0)
                     out[f"{prefix}.experts.{e}.{gate_name}.weight"] = gate.contiguous()

@@ -153,12 +153,10 @@ class TensorParallelLayout:
             return Shard(0, *self._split(c.intermediate_size))
         if module == "mlp.experts" and self.expert_parallel:
             return Shard(0, *self._split(c.num_experts))
-        if module == "mlp.experts" and kind == "gate_up_proj":
-            return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
+        if module == "mlp.experts" and kind in ("gate_up_proj", "gate_up_proj_bias"):  # bias: GPT-OSS's, as its rows
+            return Shard(1, *self._split(c.moe_intermediate_size), parts=2 if c.mlp_gated else 1)
         if module == "mlp.experts" and kind == "down_proj":
             return Shard(2, *self._split(c.moe_intermediate_size))
-        if module == "mlp.experts" and kind == "gate_up_proj_bias":  # GPT-OSS: follows gate_up's rows
-            return Shard(1, *self._split(c.moe_intermediate_size), parts=2)
         if module in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"):
             return Shard(0, *self._split(c.shared_expert_intermediate_size))
         if module == "mlp.shared_expert.down_proj" and kind == "weight":

@@ -76,8 +76,10 @@ class DiskExpertStore:
         read = self.reader
         if len(gate_up_names) == 1:  # stacked [E, 2I, H]
             gate_up.copy_(read.get_row(gate_up_names[0], expert))
-        else:  # per expert: gate then up, stacked on rows as keel's gate_up_proj
-            half = gate_up.shape[0] // 2
-            gate_up[:half].copy_(read.get(gate_up_names[2 * expert]))
-            gate_up[half:].copy_(read.get(gate_up_names[2 * expert + 1]))
+        else:  # per expert: gate then up (up alone: ungated experts), stacked on rows as keel's gate_up_proj
+            per_expert, row = len(gate_up_names) // len(down_names), 0
+            for name in gate_up_names[per_expert * expert : per_expert * (expert + 1)]:
+                part = read.get(name)
+                gate_up[row : row + part.shape[0]].copy_(part)
+                row += part.shape[0]
         down.copy_(read.get_row(down_names[0], expert) if len(down_names) == 1 else read.get(down_names[expert]))
