@@ -29,6 +29,7 @@ from keel.families import (
     ernie4_5_moe,
     exaone4,
     exaone_moe,
+    falcon_h1,
     flex_olmo,
     gemma,
     gemma2,
@@ -81,6 +82,7 @@ from keel.families import (
 FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
+        falcon_h1,
         bamba,
         granitemoehybrid,
         lfm2_moe,

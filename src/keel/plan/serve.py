@@ -102,8 +102,8 @@ def _state_bytes(config: ModelConfig) -> int:
 
 
 def _attention_layers(config: ModelConfig) -> int:
-    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead)."""
-    return sum(not config.is_recurrent_layer(i) for i in range(config.num_layers))
+    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead; hybrid ones both)."""
+    return sum(config.is_attention_layer(i) for i in range(config.num_layers))
 
 
 def _attention_flops_per_token(config: ModelConfig, context: int) -> float:

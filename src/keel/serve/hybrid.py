@@ -24,7 +24,7 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     """A one-line KeelError for an engine option such a model cannot run with."""
     if not model.has_recurrent_layers:
         return
-    if all(model.is_recurrent_layer(i) for i in range(model.num_layers)):
+    if not any(model.is_attention_layer(i) for i in range(model.num_layers)):
         raise KeelError("a model whose every layer is recurrent (no attention layer, no KV cache) is not served yet")
     refused = [
         (config.speculative is not None, "speculative decoding"),
@@ -32,7 +32,7 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     ]
     for asked, what in refused:
         if asked:
-            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba) layers yet")
+            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba, hybrid) layers yet")
 
 
 def prefix_caching(model: ModelConfig, config: EngineConfig) -> bool:
