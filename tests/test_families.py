@@ -489,3 +489,24 @@ def test_mellum_refuses_a_rotary_share_per_layer_kind(tmp_path):
         ModelConfig.from_hf(hf)
     hf["rope_parameters"]["sliding_attention"]["partial_rotary_factor"] = 0.5
     assert ModelConfig.from_hf(hf).partial_rotary_factor == 0.5
+
+
+def test_falcon_h1_mixer_options_are_read_and_layers_without_mlp_refused():
+    """Falcon-H1's gated norm: none (mamba_rms_norm false), before or after the gate; mamba_d_ssm absent is the
+    config class's 1024 channels, null mamba_expand x hidden_size; `mamba_use_mlp` false refused by name."""
+    import transformers
+
+    from tiny_models import COMMON
+
+    data = transformers.FalconH1Config(**COMMON, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=8).to_dict()
+    data["architectures"] = ["FalconH1ForCausalLM"]
+    assert ModelConfig.from_hf(data).mamba_norm == "gate"
+    for before, norm in ((True, "norm_gate"), (False, "gate_norm")):
+        config = ModelConfig.from_hf({**data, "mamba_rms_norm": True, "mamba_norm_before_gate": before})
+        assert config.mamba_norm == norm and config.mamba_n_heads * config.mamba_d_head == 64
+    widths = {key: ModelConfig.from_hf({**data, "mamba_d_ssm": key, "mamba_d_head": "auto"}) for key in (None, 256)}
+    assert [c.mamba_n_heads * c.mamba_d_head for c in widths.values()] == [2 * 64, 256]
+    absent = {k: v for k, v in data.items() if k not in ("mamba_d_ssm", "mamba_d_head", "mamba_n_heads")}
+    assert ModelConfig.from_hf(absent).mamba_n_heads * ModelConfig.from_hf(absent).mamba_d_head == 1024
+    with pytest.raises(ConfigError, match="mamba_use_mlp"):
+        ModelConfig.from_hf({**data, "mamba_use_mlp": False})

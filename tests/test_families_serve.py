@@ -118,6 +118,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("granitemoehybrid-dense", marks=SLOW),
         pytest.param("bamba", marks=SLOW),
         pytest.param("nemotron_h", marks=SLOW),
+        pytest.param("falcon_h1", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -246,6 +247,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "bamba":  # Mamba 2 mixers around an attention layer rotating half of each head
         assert [type(a).__name__ for a in attention] == ["Mamba2Mixer", "Attention", "Mamba2Mixer"]
         assert attention[1].rotary_dim == 8
+    elif name == "falcon_h1":  # a Mamba 2 mixer beside the attention of every layer: KV rows and a state slot each
+        config = llm.engine.model.config
+        assert all(type(layer.mamba).__name__ == "Mamba2Mixer" for layer in layers)
+        assert all(llm.engine.cache.keys[i].numel() > 0 for i in range(len(layers)))
+        assert set(llm.engine.cache.recurrent.state) == set(range(len(layers)))
+        assert attention[0].q_multiplier is not None and layers[0].mlp.gate_multiplier != 1.0
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -1,7 +1,7 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
 Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
-MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next and
-Granite 4.0-H.
+MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next,
+Granite 4.0-H and Falcon-H1.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -836,7 +836,9 @@ def assert_served_as_transformers(
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
         options = dict(num_blocks=32, block_size=8, max_model_len=max_model_len, dtype="float32")
         llm = LLM(str(tmp_path / f"{name}.gguf"), EngineConfig.of(**options))
-        kind = type(getattr(llm.engine.model.layers["0"].self_attn, probe)).__name__
+        layer = llm.engine.model.layers["0"]
+        mixer = layer.mamba or layer.self_attn  # (Falcon-H1's Mamba 2 mixer beside its attention)
+        kind = type(getattr(mixer, probe)).__name__
         assert (kind == "Linear") == (name == float_file), kind  # the Q8_0 file run as stored
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected.tolist()
 
@@ -1365,3 +1367,127 @@ def test_bamba_gguf_is_refused(tmp_path):
     write_granite_hybrid_gguf(hf, tmp_path / "bamba.gguf", rope=True)
     with pytest.raises(ConfigError, match="rope.scaling.finetuned true .*BambaForCausalLM"):
         open_gguf(tmp_path / "bamba.gguf")
+
+
+def write_falcon_h1_gguf(hf, path, q8: bool = False) -> None:
+    """Falcon-H1 as llama.cpp's FalconH1Model (on Mamba2Model) writes it (`falcon-h1`): TextModel's metadata with the
+    head size as key_length and the mixer's shape as ssm.* keys. Tensors: every muP multiplier folded into the weights
+    (q/k/v times attention_in, k times key_multiplier too, o_proj times attention_out, out_proj times ssm_out,
+    in_proj times ssm_in and by segment, gate and down times mlp_multipliers, the embedding and LM head times
+    theirs); A_log as -exp(A_log) and D, both [n, 1]; dt_bias as `ssm_dt.bias`; conv1d squeezed to [C, K]; the gated
+    norm as [groups, inner / groups]; q/k as stored; names by TensorNameMap with the converter's suffixes (so the MLP
+    norm is `ffn_norm`, no `.weight`). `q8`: matrices whose rows split into blocks of 32 as Q8_0."""
+    from safetensors.torch import load_file
+
+    cfg = hf.config
+    arch = gguf.MODEL_ARCH.FALCON_H1
+    inner, groups = cfg.mamba_d_ssm, cfg.mamba_n_groups * cfg.mamba_d_state
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # (as the converter's)
+    w = text_model_writer(cfg, path, arch)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(inner // cfg.mamba_d_head)
+    add_mini_vocab(w, "default")
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    hf.save_pretrained(path.parent / "hf")
+    segments = [inner, inner, groups, groups, cfg.mamba_n_heads]
+    multipliers = {
+        "down_proj": cfg.mlp_multipliers[1],
+        "gate_proj": cfg.mlp_multipliers[0],
+        "k_proj": cfg.key_multiplier * cfg.attention_in_multiplier,
+        "q_proj": cfg.attention_in_multiplier,
+        "v_proj": cfg.attention_in_multiplier,
+        "o_proj": cfg.attention_out_multiplier,
+        "out_proj": cfg.ssm_out_multiplier,
+        "lm_head": cfg.lm_head_multiplier,
+        "embed_tokens": cfg.embedding_multiplier,
+    }
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        scale = next((m for key, m in multipliers.items() if key in hf_name), None)
+        if scale is not None:
+            t = t * scale
+        elif "in_proj" in hf_name:
+            per_row = torch.cat([torch.full((n,), m) for n, m in zip(segments, cfg.ssm_multipliers, strict=True)])
+            t = t * cfg.ssm_in_multiplier * per_row[:, None]
+        if hf_name.endswith(".A_log"):
+            t = -torch.exp(t)
+        if hf_name.endswith((".A_log", ".D")):
+            t = t.reshape(-1, 1)
+        elif hf_name.endswith(".dt_bias"):
+            hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif hf_name.endswith("mamba.conv1d.weight"):
+            t = t.squeeze()
+        elif hf_name.endswith("mamba.norm.weight"):
+            t = t.reshape(cfg.mamba_n_groups, inner // cfg.mamba_n_groups)
+        a = np.ascontiguousarray(t.float().numpy())
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and "conv1d" not in hf_name and "norm" not in hf_name:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    finish_writer(w)
+
+
+# Without attention biases: the converter scales q/k/v's biases by attention_in_multiplier too, which transformers
+# does not (the releases have none). A tied head with the embedding's and head's multipliers at 1, as the releases
+# that tie it have them: the converter folds the embedding's into the one matrix both use.
+FALCON_H1_GGUF = {
+    "falcon_h1": dict(attention_bias=False),
+    "falcon_h1-gated": dict(mamba_d_ssm=128, embedding_multiplier=1.0, lm_head_multiplier=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(FALCON_H1_GGUF))
+def test_falcon_h1_gguf_matches_hf_model(tmp_path, name):
+    """Falcon-H1 as llama.cpp converts it (refused before): every layer hybrid, the mixer's shape from the ssm.* keys
+    and its tensors back in HF's layout under `mamba.`, the multipliers folded into the weights (read as 1), the
+    gated norm where ssm_norm is stored (after the gate, as llama.cpp runs it), the suffix-less ffn_norm as the MLP's
+    norm. transformers' logits on the original weights; `keel convert` writes an HF checkpoint of the folded weights
+    that transformers runs to the same logits."""
+    import transformers
+
+    from keel.weights.convert import convert
+
+    hf = build_hf_model(name, **FALCON_H1_GGUF[name])
+    cfg = hf.config
+    write_falcon_h1_gguf(hf, tmp_path / "f32.gguf")
+    loaded = load_model(tmp_path / "f32.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    assert c.architecture == "falcon_h1" and c.layer_types == ["hybrid"] * cfg.num_hidden_layers
+    assert (c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state, c.head_dim) == (
+        cfg.mamba_n_heads,
+        cfg.mamba_d_head,
+        cfg.mamba_n_groups,
+        cfg.mamba_d_state,
+        cfg.hidden_size // cfg.num_attention_heads,
+    )
+    assert c.mamba_norm == ("gate_norm" if cfg.mamba_rms_norm else "gate") and c.mamba_out_bias == cfg.projectors_bias
+    folded = (c.embedding_multiplier, c.logits_scaling, c.attention_scale, c.mamba_in_multiplier, c.mlp_gate_multiplier)
+    assert folded == (1.0, 1.0, None, 1.0, 1.0) and c.mamba_proj_multipliers == ()
+    assert reader.gguf_names("model.layers.0.post_attention_layernorm.weight") == ["blk.0.ffn_norm"]
+    assert reader.gguf_names("model.layers.0.mamba.A_log") == ["blk.0.ssm_a"]
+    state = hf.state_dict()
+    for part in ("D", "dt_bias", "conv1d.weight", "conv1d.bias"):
+        assert torch.equal(reader.get(f"model.layers.0.mamba.{part}"), state[f"model.layers.0.mamba.{part}"]), part
+    with torch.no_grad():
+        reference = hf(TOKENS).logits
+        assert rel_err(reference, loaded.model(TOKENS)) <= 1e-4
+    out = convert(tmp_path / "f32.gguf", tmp_path / "back", dtype="float32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_err(reference, back(TOKENS).logits) <= 1e-4
+
+
+@pytest.mark.slow
+def test_falcon_h1_gguf_is_served_as_transformers(tmp_path):
+    """transformers' greedy tokens through keel's engine from the float32 file and the Q8_0 one run as stored."""
+    hf = build_hf_model("falcon_h1", attention_bias=False)
+    write_falcon_h1_gguf(hf, tmp_path / "f32.gguf")
+    write_q8 = lambda path: write_falcon_h1_gguf(hf, path, q8=True)  # noqa: E731
+    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64)

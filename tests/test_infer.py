@@ -121,6 +121,7 @@ SHAPE_INFERABLE = [
             "qwen3_next",
             "lfm2",
             "bamba",
+            "falcon_h1",
             "nanochat",
             "flex_olmo",
             "kolibri",

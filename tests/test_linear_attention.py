@@ -92,12 +92,14 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         ]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5", "lfm2", "granitemoehybrid", pytest.param("falcon_h1", marks=pytest.mark.slow)]
+)
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
     recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers) hold no
-    KV blocks, and prefix caching is off."""
+    KV blocks, Falcon-H1's hybrid layers both blocks and a state, and prefix caching is off."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
@@ -115,7 +117,9 @@ def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, f
     engine = llm.engine
     assert not engine.kv.enable_prefix_caching
     kinds = engine.model.config.layer_types
-    assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [k != "full_attention" for k in kinds]
+    assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [
+        k not in ("full_attention", "hybrid") for k in kinds
+    ]
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -1165,6 +1165,52 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Falcon-H1: attention and a Mamba 2 mixer (6 heads of 16 in mamba_d_ssm 96, 2 groups) side by side in every
+    # layer, every muP multiplier away from 1, the gated norm after the gate (Falcon-H1R's), biased q/k/v/o and
+    # out_proj (projectors_bias) but not in_proj.
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            intermediate_size=96,
+            mamba_d_ssm=96,
+            mamba_n_heads=6,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            projectors_bias=True,
+            attention_bias=True,
+            embedding_multiplier=5.656854249492381,
+            lm_head_multiplier=0.0390625,
+            key_multiplier=0.390625,
+            attention_in_multiplier=1.5,
+            attention_out_multiplier=0.9375,
+            ssm_in_multiplier=1.25,
+            ssm_out_multiplier=0.23570226039551587,
+            ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+            mlp_multipliers=[0.8838834764831844, 0.5859375],
+        ),
+    ),
+    # Falcon-H1's other forms: the mixer's output gated without a norm (the 0.5B's), mamba_expand x hidden_size
+    # channels (mamba_d_ssm null), a tied LM head, no biases.
+    "falcon_h1-gated": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            intermediate_size=96,
+            tie_word_embeddings=True,
+            mamba_d_ssm=None,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.75,
+            key_multiplier=0.5,
+            ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 0.8],
+            mlp_multipliers=[1.2, 0.7],
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

@@ -248,8 +248,25 @@ class ModelConfig:
     mamba_d_state: int = 0
     mamba_d_conv: int = 4
     mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
+    mamba_proj_bias: bool = False  # in_proj's bias
+    mamba_out_bias: bool = False  # out_proj's bias (Falcon-H1's projectors_bias; Granite's mamba_proj_bias too)
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # How the scan's output y meets its gate z before out_proj: "gate_norm" (an RMS norm per group of y * SiLU(z):
+    # Granite 4.0-H, Bamba), "norm_gate" (the norm of y, then times SiLU(z): Falcon-H1's mamba_norm_before_gate) or
+    # "gate" (y * SiLU(z), no norm: Falcon-H1 without mamba_rms_norm).
+    mamba_norm: str = "gate_norm"
+    # The norm's weight applied in float32 and rounded once with the rest (Falcon-H1); False: the weight times the
+    # norm rounded to the model's dtype (Granite 4.0-H's).
+    mamba_norm_float32: bool = False
+    # in_proj's output times one multiplier per segment (z, x, B, C, the steps: Falcon-H1's ssm_multipliers);
+    # empty: none.
+    mamba_proj_multipliers: tuple[float, ...] = ()
+    # Falcon-H1's "hybrid" layers: attention and a Mamba 2 mixer (`mamba`) side by side on the same normed input,
+    # their outputs summed; each branch's input and output times these (its muP multipliers).
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    mamba_in_multiplier: float = 1.0
+    mamba_out_multiplier: float = 1.0
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -354,6 +371,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-NeoX), the experts and shared experts too (Nemotron-H)
     mlp_gated: bool = True
+    # The dense MLPs' gate projection and output times these (Falcon-H1's mlp_multipliers).
+    mlp_gate_multiplier: float = 1.0
+    mlp_down_multiplier: float = 1.0
     # Tokens and provenance.
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -414,7 +434,18 @@ class ModelConfig:
         return any(self.is_recurrent_layer(i) for i in range(self.num_layers))
 
     def is_recurrent_layer(self, layer: int) -> bool:
-        return self.layer_types[layer] in ("linear_attention", "conv", "mamba")
+        """Whether `layer` keeps a state per sequence (keel.model.recurrent): a recurrent kind's, or the Mamba 2
+        mixer of a "hybrid" layer (which keeps keys and values too)."""
+        return self.layer_types[layer] in ("linear_attention", "conv", "mamba", "hybrid")
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether `layer` attends over keys and values it keeps (a KV cache's rows): every kind but the recurrent
+        ones ("hybrid" included) and an "mlp" layer, which keeps nothing."""
+        return self.layer_types[layer] not in ("linear_attention", "conv", "mamba", "mlp")
+
+    def has_mamba(self, layer: int) -> bool:
+        """Whether `layer` runs a Mamba 2 mixer: as its token mixer ("mamba") or beside its attention ("hybrid")."""
+        return self.layer_types[layer] in ("mamba", "hybrid")
 
     def has_mixer(self, layer: int) -> bool:
         """Whether `layer` has a token mixer (attention or a recurrent one); an "mlp" layer has its MLP alone."""
@@ -423,11 +454,6 @@ class ModelConfig:
     def has_mlp(self, layer: int) -> bool:
         """Whether `layer` has its MLP (dense or MoE) sublayer (`mlp_layers`)."""
         return not self.mlp_layers or self.mlp_layers[layer]
-
-    def is_attention_layer(self, layer: int) -> bool:
-        """Whether `layer` attends, so keeps K/V rows per token (not a recurrent layer's state, nor an "mlp"
-        layer's nothing)."""
-        return self.has_mixer(layer) and not self.is_recurrent_layer(layer)
 
     @property
     def has_partial_layers(self) -> bool:
@@ -464,7 +490,16 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mamba", "mlp"}
+        kinds = {
+            "full_attention",
+            "sliding_attention",
+            "chunked_attention",
+            "linear_attention",
+            "conv",
+            "mamba",
+            "hybrid",
+            "mlp",
+        }
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         need(not self.mlp_layers or len(self.mlp_layers) == self.num_layers, "mlp_layers must have one entry per layer")
         need(
@@ -477,12 +512,18 @@ class ModelConfig:
         )
         if self.has_linear_attention:
             self._validate_linear(need)
-        if "mamba" in self.layer_types:
+        need(self.mamba_norm in ("gate_norm", "norm_gate", "gate"), f"mamba_norm {self.mamba_norm!r} is not known")
+        need(len(self.mamba_proj_multipliers) in (0, 5), "mamba_proj_multipliers: none or one for each of 5 segments")
+        if any(self.has_mamba(i) for i in range(self.num_layers)):
             for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups"):
                 need(getattr(self, name) > 0, f"{name} must be positive with mamba layers")
             need(self.mamba_n_heads % self.mamba_n_groups == 0, "mamba_n_groups must divide mamba_n_heads")
             need(self.mamba_d_conv >= 2, "mamba_d_conv must be at least 2")
             need(not self.is_mla, "mamba layers beside multi-head latent attention are not supported")
+        need(
+            not self.is_moe or (self.mlp_gate_multiplier, self.mlp_down_multiplier) == (1.0, 1.0),
+            "mlp_gate_multiplier and mlp_down_multiplier are read by dense MLPs only",
+        )
         if "conv" in self.layer_types:
             need(self.short_conv_kernel >= 2, "short_conv_kernel must be at least 2")
             need(not self.is_mla, "conv layers beside multi-head latent attention are not supported")
@@ -652,10 +693,11 @@ class ModelConfig:
         h, heads, inner = self.hidden_size, self.mamba_n_heads, self.mamba_n_heads * self.mamba_d_head
         channels = inner + 2 * self.mamba_n_groups * self.mamba_d_state
         projected = inner + channels + heads
-        total = h * projected + channels * self.mamba_d_conv + 3 * heads + inner + inner * h
+        norm = 0 if self.mamba_norm == "gate" else inner
+        total = h * projected + channels * self.mamba_d_conv + 3 * heads + norm + inner * h
         if self.mamba_conv_bias:
             total += channels
-        return total + (projected + h if self.mamba_proj_bias else 0)
+        return total + (projected if self.mamba_proj_bias else 0) + (h if self.mamba_out_bias else 0)
 
     def _attention_params(self) -> int:
         h = self.hidden_size
@@ -708,11 +750,8 @@ class ModelConfig:
         total = active = 0
         linear = self._linear_attention_params() if self.has_linear_attention else 0
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
-        mixers = {
-            "linear_attention": linear,
-            "conv": conv,
-            "mamba": self._mamba_params() if "mamba" in self.layer_types else 0,
-        }
+        mamba = self._mamba_params() if any(self.has_mamba(i) for i in range(self.num_layers)) else 0
+        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "hybrid": attn + mamba}
         for layer in range(self.num_layers):
             base = mixers.get(self.layer_types[layer], attn) + mixer_norms if self.has_mixer(layer) else 0
             if not self.has_mlp(layer):

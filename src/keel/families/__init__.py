@@ -34,6 +34,7 @@ from keel.families import (
     exaone,
     exaone4,
     exaone_moe,
+    falcon_h1,
     flex_olmo,
     gemma,
     gemma2,
@@ -95,6 +96,7 @@ FAMILIES: dict[str, ModuleType] = {
     module.FAMILY: module
     for module in (
         nemotron_h,
+        falcon_h1,
         bamba,
         granitemoehybrid,
         lfm2_moe,

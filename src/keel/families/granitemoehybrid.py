@@ -51,15 +51,16 @@ def float_json(value: float) -> Any:
     return {"__float__": "Infinity" if value > 0 else "-Infinity"} if value in (float("inf"), float("-inf")) else value
 
 
-def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+def mamba_fields(hf: dict[str, Any], source: str, inner: int | None = None) -> dict[str, Any]:
+    """The Mamba 2 mixers' fields; `inner` (Falcon-H1's mamba_d_ssm) in place of mamba_expand x hidden_size."""
     get = {key: int(hf.get(key) or default) for key, default in MAMBA_DEFAULTS.items()}
-    inner = get["mamba_expand"] * int(hf["hidden_size"])
+    widths = "mamba_expand x hidden_size" if inner is None else "mamba_d_ssm"
+    inner = get["mamba_expand"] * int(hf["hidden_size"]) if inner is None else inner
     head = hf.get("mamba_d_head", "auto")
     head = inner // get["mamba_n_heads"] if head in (None, "auto") else int(head)
     if head * get["mamba_n_heads"] != inner:
         raise ConfigError(
-            f"{source}: mamba_n_heads x mamba_d_head ({get['mamba_n_heads']} x {head}) must be mamba_expand x "
-            f"hidden_size ({inner})"
+            f"{source}: mamba_n_heads x mamba_d_head ({get['mamba_n_heads']} x {head}) must be {widths} ({inner})"
         )
     limit = [_json_float(x) for x in hf.get("time_step_limit") or (0.0, float("inf"))]
     return {
@@ -70,6 +71,7 @@ def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "mamba_d_conv": get["mamba_d_conv"],
         "mamba_conv_bias": bool(hf.get("mamba_conv_bias", True)),
         "mamba_proj_bias": bool(hf.get("mamba_proj_bias", False)),
+        "mamba_out_bias": bool(hf.get("mamba_proj_bias", False)),
         "mamba_dt_limit": (float(limit[0]), float(limit[1])),
     }
 
@@ -115,7 +117,9 @@ def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int,
     if config.mamba_conv_bias:
         names.append("conv1d.bias")
     if config.mamba_proj_bias:
-        names += ["in_proj.bias", "out_proj.bias"]
+        names.append("in_proj.bias")
+    if config.mamba_out_bias:
+        names.append("out_proj.bias")
     return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in names}
 
 

@@ -126,6 +126,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "mamba_d_conv": int(_mamba(hf, "conv_kernel")),
         "mamba_conv_bias": bool(_mamba(hf, "use_conv_bias")),
         "mamba_proj_bias": bool(hf.get("use_bias", False)),
+        "mamba_out_bias": bool(hf.get("use_bias", False)),  # use_bias covers both projections
         "mamba_dt_limit": (float(_mamba(hf, "time_step_min")), float("inf")),
     }
 
@@ -184,7 +185,8 @@ def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] 
         if char == "M":
             mamba = ["dt_bias", "A_log", "D", "norm.weight", "in_proj.weight", "conv1d.weight", "out_proj.weight"]
             mamba += ["conv1d.bias"] if config.mamba_conv_bias else []
-            mamba += ["in_proj.bias", "out_proj.bias"] if config.mamba_proj_bias else []
+            mamba += ["in_proj.bias"] if config.mamba_proj_bias else []
+            mamba += ["out_proj.bias"] if config.mamba_out_bias else []
             names |= {f"mixer.{n}": f"self_attn.{n}" for n in mamba}
         elif char == "*":
             names |= {f"mixer.{p}.weight": f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}

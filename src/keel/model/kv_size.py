@@ -41,7 +41,8 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent); "mlp" layers nothing
+    # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent), hybrid ones both; "mlp"
+    # layers nothing
     layers = sum(config.is_attention_layer(i) for i in range(config.num_layers))
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)

@@ -314,9 +314,18 @@ class SwiGLU(nn.Module):
     GeGLU with GELU), or ungated, down(act(up(x))) (GPT-NeoX's dense_h_to_4h / dense_4h_to_h)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu", gated: bool = True
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        act: str = "silu",
+        gated: bool = True,
+        gate_multiplier: float = 1.0,
+        down_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
+        # Falcon-H1's mlp_multipliers: the gate projection's output and the MLP's output times these
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -328,12 +337,18 @@ class SwiGLU(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        out = self._forward(x)
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+
+    def _forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         elif self.gate_proj is None:
             return self.down_proj(self._act(self.up_proj(x)))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
         if self.act == "silu" and kernels.fused_ops(gate):  # one call; the same in fused and separate projections
             return self.down_proj(torch.ops.keel.fused_silu_mul(gate, up))
         return self.down_proj(self._act(gate) * up)

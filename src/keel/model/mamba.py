@@ -20,18 +20,24 @@ from keel.model.ssd import ssd_chunked, ssd_steps
 
 class GroupedGatedRMSNorm(nn.Module):
     """x times SiLU(z), then an RMS norm over each group of channels, in float32, times the weight (transformers'
-    GraniteMoeHybridRMSNormGated: the gate before the norm)."""
+    GraniteMoeHybridRMSNormGated: the gate before the norm); `before_gate`: the norm of x, then the gate (Falcon-H1's
+    mamba_norm_before_gate). `float32_weight`: the weight applied in float32 and the result rounded once
+    (FalconH1RMSNormGated), not to the rounded norm (Granite's)."""
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, before_gate: bool = False, float32_weight: bool = False):
         super().__init__()
         self.groups, self.eps = groups, eps
+        self.before_gate, self.float32_weight = before_gate, float32_weight
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        gated = x.float() * F.silu(gate.float())
-        grouped = gated.unflatten(-1, (self.groups, -1))
+        z = F.silu(gate.float())
+        grouped = (x.float() if self.before_gate else x.float() * z).unflatten(-1, (self.groups, -1))
         normed = F.rms_norm(grouped, (grouped.shape[-1],), None, self.eps).flatten(-2)
-        return self.weight * normed.to(self.weight.dtype)
+        if not self.float32_weight:
+            return self.weight * normed.to(self.weight.dtype)
+        out = self.weight.float() * normed
+        return (out * z if self.before_gate else out).to(self.weight.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -46,12 +52,27 @@ class Mamba2Mixer(nn.Module):
         self.splits = (self.inner, channels, self.heads)
         self.dt_limit = config.mamba_dt_limit
         self.in_proj = nn.Linear(h, self.inner + channels + self.heads, bias=config.mamba_proj_bias)
+        # Falcon-H1's ssm_multipliers: in_proj's output times one multiplier per segment (z, x, B, C, the steps)
+        group_width = self.groups * self.state_size
+        self.proj_segments = (self.inner, self.inner, group_width, group_width, self.heads)
+        self.proj_multipliers = config.mamba_proj_multipliers
         self.conv1d = nn.Conv1d(channels, channels, config.mamba_d_conv, groups=channels, bias=config.mamba_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads) if building_on_meta() else self.initial_a_log())
         self.D = nn.Parameter(torch.ones(self.heads))
-        self.norm = GroupedGatedRMSNorm(self.inner, self.groups, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.inner, h, bias=config.mamba_proj_bias)
+        # None: the output gated by SiLU(z) alone (Falcon-H1 without mamba_rms_norm)
+        self.norm = (
+            None
+            if config.mamba_norm == "gate"
+            else GroupedGatedRMSNorm(
+                self.inner,
+                self.groups,
+                config.rms_norm_eps,
+                before_gate=config.mamba_norm == "norm_gate",
+                float32_weight=config.mamba_norm_float32,
+            )
+        )
+        self.out_proj = nn.Linear(self.inner, h, bias=config.mamba_out_bias)
 
     def initial_a_log(self) -> Tensor:
         """A = 1, 2, ..., H across the heads, as Mamba 2 starts."""
@@ -59,7 +80,11 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
         b, s, _ = x.shape
-        gate, mixed, step = self.in_proj(x).split(self.splits, dim=-1)
+        projected = self.in_proj(x)
+        if self.proj_multipliers:
+            per_channel = torch.tensor(self.proj_multipliers, dtype=projected.dtype, device=projected.device)
+            projected = projected * per_channel.repeat_interleave(torch.tensor(self.proj_segments, device=x.device))
+        gate, mixed, step = projected.split(self.splits, dim=-1)
         step = F.softplus(step.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         weight, bias = self.conv1d.weight, self.conv1d.bias
@@ -68,7 +93,9 @@ class Mamba2Mixer(nn.Module):
         else:
             conv = F.silu(causal_conv_continued(mixed.reshape(b * s, -1), weight, bias, spans))
             out = self._continue(conv, step.reshape(b * s, -1), spans).view(b, s, self.heads, self.head_dim)
-        return self.out_proj(self.norm(out.flatten(-2), gate).to(x.dtype))
+        out = out.flatten(-2)
+        out = out * F.silu(gate) if self.norm is None else self.norm(out, gate)  # Falcon-H1: SiLU in gate's dtype
+        return self.out_proj(out.to(x.dtype))
 
     def _scan(self, conv: Tensor, step: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
         """The recurrence over convolved x/B/C [B, L, C] (steps [B, L, H]) from `state` (None: empty) ->

@@ -1,6 +1,7 @@
 """Layers whose past is a state per sequence rather than keys and values (`ModelConfig.is_recurrent_layer`): Gated
 DeltaNet (keel.model.linear_attention: "linear_attention" layers, Qwen3.5), the gated short convolution
-(keel.model.short_conv: "conv" layers, LFM2) and Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H).
+(keel.model.short_conv: "conv" layers, LFM2) and Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H;
+beside the attention of Falcon-H1's "hybrid" layers, which keep keys and values too).
 Each runs a causal depthwise convolution whose last K - 1 inputs it keeps; Gated DeltaNet also keeps its delta
 rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N] state.
 
@@ -41,7 +42,7 @@ def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
     kind = config.layer_types[layer]
     if kind == "conv":
         return config.hidden_size, config.short_conv_kernel
-    if kind == "mamba":
+    if config.has_mamba(layer):
         inner = config.mamba_n_heads * config.mamba_d_head
         return inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv
     keys = config.linear_num_key_heads * config.linear_key_head_dim
@@ -54,7 +55,7 @@ def state_shape(config: ModelConfig, layer: int) -> tuple[int, ...] | None:
     kind = config.layer_types[layer]
     if kind == "linear_attention":
         return (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-    if kind == "mamba":
+    if config.has_mamba(layer):
         return (config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
     return None
 

@@ -55,6 +55,14 @@ class DecoderLayer(nn.Module):
         )
         self.attn_output_norm: nn.Module | None = block_norm(config, h) if post and mixer else None
         self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post and mlp else None
+        # Falcon-H1's "hybrid" layers: a Mamba 2 mixer beside the attention, on the same normed input
+        self.mamba: Mamba2Mixer | None = Mamba2Mixer(config, layer) if config.layer_types[layer] == "hybrid" else None
+        self.branch_multipliers = (
+            config.attention_in_multiplier,
+            config.attention_out_multiplier,
+            config.mamba_in_multiplier,
+            config.mamba_out_multiplier,
+        )
         self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
         self.parallel_residual = config.parallel_residual
         self.mlp: nn.Module | None = None
@@ -63,7 +71,13 @@ class DecoderLayer(nn.Module):
                 MoE(config)
                 if config.is_moe_layer(layer)
                 else SwiGLU(
-                    config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+                    config.hidden_size,
+                    config.intermediate_size,
+                    config.mlp_bias,
+                    config.hidden_act,
+                    config.mlp_gated,
+                    config.mlp_gate_multiplier,
+                    config.mlp_down_multiplier,
                 )
             )
 
@@ -71,6 +85,12 @@ class DecoderLayer(nn.Module):
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        if self.mamba is not None:  # Falcon-H1: attention and the mixer side by side, each with its multipliers
+            h = self.input_layernorm(x)
+            attn_in, attn_out, mamba_in, mamba_out = self.branch_multipliers
+            mixed = self.self_attn(h * attn_in, meta) * attn_out + self.mamba(h * mamba_in, meta) * mamba_out
+            x = x + mixed
+            return x + self.mlp(self.post_attention_layernorm(x))
         m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
         if self.parallel_residual:  # both sublayers read the block's input (GPT-NeoX, StableLM's option)
             normed = self.input_layernorm(x)

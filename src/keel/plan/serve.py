@@ -102,8 +102,8 @@ def _state_bytes(config: ModelConfig) -> int:
 
 
 def _attention_layers(config: ModelConfig) -> int:
-    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead, "mlp" layers
-    nothing)."""
+    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead, hybrid ones both,
+    "mlp" layers nothing)."""
     return sum(config.is_attention_layer(i) for i in range(config.num_layers))
 
 

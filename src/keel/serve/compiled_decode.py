@@ -204,7 +204,7 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
     if config.is_mla:
         return "multi-head latent attention"
     if config.has_recurrent_layers:
-        return "recurrent (linear_attention, conv, mamba) layers"
+        return "recurrent (linear_attention, conv, mamba, hybrid) layers"
     if any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "mixture-of-experts layers"
     if type(cache) is not PagedKVCache:

@@ -32,7 +32,7 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     ]
     for asked, what in refused:
         if asked:
-            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba) layers yet")
+            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba, hybrid) layers yet")
 
 
 def prefix_caching(model: ModelConfig, config: EngineConfig) -> bool:

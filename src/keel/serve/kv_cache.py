@@ -339,16 +339,15 @@ class PagedKVCache:
             self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
         else:
             self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        # recurrent layers keep no K/V: their state per sequence, in `sequences` slots, instead; layers without a
-        # token mixer ("mlp") keep neither
-        self.linear = {i for i in range(config.num_layers) if config.is_recurrent_layer(i)}
+        # the layers that keep K/V: not the recurrent ones, which keep a state per sequence in `sequences` slots
+        # instead (hybrid layers keep both), nor those without a token mixer ("mlp"), which keep neither
         self.attention = {i for i in range(config.num_layers) if config.is_attention_layer(i)}
         self.keys = [
             torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
             for i in range(config.num_layers)
         ]
         self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
-        self.recurrent = RecurrentStates(config, sequences, dtype, device) if self.linear else None
+        self.recurrent = RecurrentStates(config, sequences, dtype, device) if config.has_recurrent_layers else None
         self.plan: StepPlan | None = None
 
     def attention_backend(self) -> str:

@@ -94,7 +94,9 @@ def make_paged_kv_cache(
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "int8":
         if config.has_recurrent_layers:
-            raise KeelError("--kv-cache-dtype int8 does not run with recurrent (linear_attention, conv, mamba) layers")
+            raise KeelError(
+                "--kv-cache-dtype int8 does not run with recurrent (linear_attention, conv, mamba, hybrid) layers"
+            )
         return Int8PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
     store = kv_store_dtype(dtype, kv_cache_dtype)
     return PagedKVCache(config, num_blocks, block_size, store, device, layers, sequences)

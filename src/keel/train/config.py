@@ -650,7 +650,7 @@ def _check_model_fits(
     if par.tp > 1 and model.qk_norm and model.qk_norm_scope == "all":
         raise fail("parallel: tp > 1 is not supported for q/k norms over the whole projection (OLMo 2) yet")
     if par.tp > 1 and model.has_recurrent_layers:
-        raise fail("parallel: tp > 1 is not supported for recurrent (linear_attention, conv, mamba) layers yet")
+        raise fail("parallel: tp > 1 is not supported for recurrent (linear_attention, conv, mamba, hybrid) layers yet")
     if par.tp > 1 and model.has_partial_layers:
         raise fail("parallel: tp > 1 is not supported for layers without a token mixer or an MLP yet")
     if par.ep > 1 and not model.is_moe:

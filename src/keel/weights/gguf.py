@@ -18,8 +18,8 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
-apertus, nemotron, minimax-m2 and mistral3 (Ministral 3; others are refused by name);
+(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
+seed_oss, arcee, apertus, nemotron, minimax-m2 and mistral3 (Ministral 3; others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -114,6 +114,12 @@ LlamaModel: q/k permuted; YaRN's keys with mscale_all_dim itself as `rope.scalin
 as DeepSeek's) and mscale, which no key holds, taken equal to it, as the releases have them; Llama 4's temperature as
 `attention.temperature_scale` over YaRN's pre-training context). Biases come from the tensors; the activation, which no
 key names, is the family's default (llama.cpp's per architecture).
+
+Falcon-H1 (`falcon-h1`; FalconH1Model, on Mamba2Model): every layer hybrid, its mixer's shape and tensors as Granite
+4.0-H's (under `mamba.`), q/k as HF stores them, the head size as `attention.key_length`. The converter folds every
+muP multiplier into the weights (ssm_in by segment, the embedding and the LM head too), so all read as 1; it writes
+no key for the gated norm: where `ssm_norm` is stored, it follows the gate (llama.cpp's order), else the output is
+gated alone. The MLP's norm is stored without a suffix (`ffn_norm`: a TensorNameMap entry that holds `.weight`).
 """
 
 from __future__ import annotations
@@ -204,6 +210,7 @@ _FAMILIES = {
     _A.NEMOTRON: "nemotron",
     _A.MINIMAXM2: "minimax_m2",
     _A.MISTRAL3: "ministral3",
+    _A.FALCON_H1: "falcon_h1",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -797,6 +804,19 @@ def _family_hf_config(
         own, own_read = _granite_hybrid_hf_config(f, common, tensors)
         hf.update(own)
         read |= own_read
+    if family == "falcon_h1":  # the multipliers folded into the weights (absent: 1); biases and the norm by tensor
+        has_any = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
+        hf.update(
+            _mamba2_hf_config(f, common, tensors),
+            mamba_d_ssm=int(f.require(Keys.SSM.INNER_SIZE)),
+            projectors_bias=has_any(MODEL_TENSOR.SSM_OUT, "bias"),
+            mamba_rms_norm=has_any(MODEL_TENSOR.SSM_NORM, "weight"),
+            mamba_norm_before_gate=False,  # llama.cpp gates, then norms
+            mlp_bias=common["mlp_bias"],
+            num_attention_heads=heads,
+            head_dim=head_dim,
+        )
+        read |= {"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
     if family in _QWEN_HYBRID:
         hf.update(_gated_deltanet_hf_config(f, common))
         read |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}
@@ -932,14 +952,28 @@ def _granite_hybrid_hf_config(
                 f"{path}: cannot tell the shared MLP's width (no {f.name(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)})"
             )
         width = down.shape[0]
-    heads, inner = int(f.require(Keys.SSM.TIME_STEP_RANK)), int(f.require(Keys.SSM.INNER_SIZE))
-    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
     hf: dict[str, Any] = dict(
+        _mamba2_hf_config(f, common, tensors),
         layer_types=["attention" if n else "mamba" for n in per_layer],
         position_embedding_type=None,
         num_local_experts=experts,
         intermediate_size=common["intermediate_size"],  # the experts' width (feed_forward_length)
         shared_intermediate_size=int(width),
+    )
+    read = {"layer_types", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
+    if experts:
+        hf["num_experts_per_tok"] = int(f.require(_K.EXPERT_USED_COUNT))
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+    return hf, read
+
+
+def _mamba2_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """A Mamba 2 mixer's config.json keys as Mamba2Model writes them: its heads as the time-step rank, all heads'
+    width as the inner size, the groups, state size and kernel as ssm.* keys; its biases by tensor."""
+    heads, inner = int(f.require(Keys.SSM.TIME_STEP_RANK)), int(f.require(Keys.SSM.INNER_SIZE))
+    layers = range(common["num_layers"])
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in layers)  # noqa: E731
+    return dict(
         mamba_n_heads=heads,
         mamba_d_head=inner // heads,
         mamba_expand=inner // common["hidden_size"],
@@ -949,11 +983,6 @@ def _granite_hybrid_hf_config(
         mamba_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
         mamba_proj_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
     )
-    read = {"layer_types", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
-    if experts:
-        hf["num_experts_per_tok"] = int(f.require(_K.EXPERT_USED_COUNT))
-        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
-    return hf, read
 
 
 def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
@@ -1267,7 +1296,7 @@ _DELTANET_TENSORS = {
 }
 
 
-# A Mamba 2 layer's llama.cpp tensors -> keel's names under self_attn (Granite 4.0-H's `mamba.*`).
+# A Mamba 2 layer's llama.cpp tensors -> keel's names under the mixer's module (`_MAMBA2_MIXER`).
 _MAMBA2_TENSORS = {
     MODEL_TENSOR.SSM_IN: "in_proj",
     MODEL_TENSOR.SSM_CONV1D: "conv1d",
@@ -1277,6 +1306,10 @@ _MAMBA2_TENSORS = {
     MODEL_TENSOR.SSM_NORM: "norm",  # stored as [groups, inner / groups]
     MODEL_TENSOR.SSM_OUT: "out_proj",
 }
+
+
+# Where keel holds the Mamba 2 mixer: Granite 4.0-H's is the layer's token mixer, Falcon-H1's beside its attention.
+_MAMBA2_MIXER = {_A.GRANITE_HYBRID: "self_attn", _A.FALCON_H1: "mamba"}
 
 
 def _flattened(arrays: list[np.ndarray]) -> np.ndarray:
@@ -1293,7 +1326,7 @@ _flattened.moves_rows = _a_log.moves_rows = False  # type: ignore[attr-defined] 
 def _mamba2(
     kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
 ) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
-    """A Mamba 2 tensor's keel name (under self_attn), HF shape and how to make it from the stored one, undoing
+    """A Mamba 2 tensor's keel name (under its mixer), HF shape and how to make it from the stored one, undoing
     Mamba2Model.modify_tensors: A_log from -exp(A_log), A and D flattened from [n, 1], the gated norm from
     [groups, inner / groups], conv1d's [C, K] unsqueezed to HF's [C, 1, K]."""
     if kind == MODEL_TENSOR.SSM_A:
@@ -1455,14 +1488,15 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
-            elif kind in _MAMBA2_TENSORS and arch == _A.GRANITE_HYBRID:
+            elif kind in _MAMBA2_TENSORS and arch in _MAMBA2_MIXER:
                 keel_name, hf_shape, combine = _mamba2(kind, suffix, shape)
-                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
+                self._add(f"model.layers.{layer}.{_MAMBA2_MIXER[arch]}.{keel_name}", (t,), hf_shape, combine)
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
             elif base in names:
-                hf = f"{names[base]}.{suffix}"
+                # (Falcon-H1's converter names its MLP norm `ffn_norm`, without `.weight`)
+                hf = f"{names[base]}.{suffix or 'weight'}"
                 if kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP:  # stored as [H]; HF's shared_expert_gate is Linear(H, 1)
                     row = lambda arrays: arrays[0].reshape(1, -1)  # noqa: E731
                     self._add(hf, (t,), (1, shape[-1]), row)

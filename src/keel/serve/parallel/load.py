@@ -36,7 +36,9 @@ def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_pa
             f"{source}: tensor-parallel serving does not handle q/k norms over the whole projection (OLMo 2)"
         )
     if (tp > 1 or pp > 1) and config.has_recurrent_layers:
-        raise KeelError(f"{source}: parallel serving does not run recurrent (linear_attention, conv, mamba) layers yet")
+        raise KeelError(
+            f"{source}: parallel serving does not run recurrent (linear_attention, conv, mamba, hybrid) layers yet"
+        )
     if tp > 1 and config.has_partial_layers:
         raise KeelError(f"{source}: tensor-parallel serving does not run layers without a token mixer or an MLP yet")
     if tp > 1:
