@@ -135,6 +135,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("mellum", marks=SLOW),
         pytest.param("hy_v3", marks=SLOW),
         pytest.param("minicpm3", marks=SLOW),
+        pytest.param("afmoe", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -215,6 +216,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert config.is_mla and not config.rope_interleave and config.embedding_multiplier == 3.0
         assert config.logits_scaling == 4.0 and layers[0].residual_multiplier == 2.0 / 3**0.5
+    elif name == "afmoe":  # gated output, sliding layers rotating and a global one not, sandwich norms, experts
+        assert [a.rotates for a in attention] == [True, False, True] and all(
+            a.output_gate is not None for a in attention
+        )
+        assert all(layer.attn_output_norm is not None for layer in layers) and llm.engine.model.config.is_moe_layer(1)
     elif name == "sarvam_moe":  # q/k/v read from one stored tensor, every channel rotating, q/k norms
         assert all(a.rotary_dim == a.head_dim and a.q_norm is not None for a in attention)
         assert llm.engine.model.config.router_bias

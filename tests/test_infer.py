@@ -130,6 +130,7 @@ SHAPE_INFERABLE = [
             "mellum",
             "hy_v3",
             "minicpm3",
+            "afmoe",
             "sarvam",
         )
     )

@@ -342,6 +342,25 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # AFMoE (Trinity): sandwich norms, gated attention output, sliding layers rotating and a global one without
+    # position encoding, DeepSeek-V3's kind of experts after a dense layer with two shared experts, muP's embedding.
+    "afmoe": (
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=2,
+            route_scale=2.0,
+            sliding_window=8,
+            global_attn_every_n_layers=2,
+            mup_enabled=True,
+            eos_token_id=2,
+        ),
+    ),
     # OLMoE: whole-projection q/k norms and 8 experts, top 2 (not renormalised).
     "olmoe": (
         "OlmoeConfig",

@@ -761,7 +761,10 @@ class ModelConfig:
             base += mlp_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
-                if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers
+                if self.architecture in (
+                    "ernie4_5_moe",
+                    "afmoe",
+                ):  # their selection bias is a parameter in transformers
                     router += self.num_experts
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert

@@ -21,6 +21,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from keel.families import (
+    afmoe,
     apertus,
     arcee,
     bamba,
@@ -164,6 +165,7 @@ FAMILIES: dict[str, ModuleType] = {
         mellum,
         hy_v3,
         minicpm3,
+        afmoe,
     )
 }
 
