@@ -54,6 +54,8 @@ LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
+# Families whose router's selection bias transformers holds as a parameter (a buffer in keel): their parameter counts.
+SELECTION_BIAS_PARAMETER = {"ernie4_5_moe", "afmoe"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -761,10 +763,7 @@ class ModelConfig:
             base += mlp_norms
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
-                if self.architecture in (
-                    "ernie4_5_moe",
-                    "afmoe",
-                ):  # their selection bias is a parameter in transformers
+                if self.architecture in SELECTION_BIAS_PARAMETER:
                     router += self.num_experts
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
