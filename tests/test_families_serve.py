@@ -117,6 +117,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("lfm2_moe", marks=SLOW),
         pytest.param("granitemoehybrid-dense", marks=SLOW),
         pytest.param("bamba", marks=SLOW),
+        pytest.param("mamba2", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -202,6 +203,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "bamba":  # Mamba 2 mixers around an attention layer rotating half of each head
         assert [type(a).__name__ for a in attention] == ["Mamba2Mixer", "Attention", "Mamba2Mixer"]
         assert attention[1].rotary_dim == 8
+    elif name == "mamba2":  # Mamba 2 mixers alone: no feed-forward sublayer, no KV cache, a block a sequence
+        assert all(type(a).__name__ == "Mamba2Mixer" for a in attention)
+        assert all(layer.mlp is None and layer.post_attention_layernorm is None for layer in layers)
+        assert llm.engine.cache.nbytes() == 0 and llm.engine.kv.block_size == 256
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -121,6 +121,7 @@ SHAPE_INFERABLE = [
             "qwen3_next",
             "lfm2",
             "bamba",
+            "mamba",  # mamba2, mamba, falcon_mamba
             "nanochat",
             "flex_olmo",
             "kolibri",

@@ -203,18 +203,73 @@ def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
         assert torch.equal(mixer.D, torch.ones_like(mixer.D))
 
 
-def test_a_model_without_attention_layers_and_other_conv_activations_are_refused(tmp_path):
-    """Every layer recurrent (no KV cache to size a budget by) is refused by the engine by name; an activation other
-    than SiLU, which Gated DeltaNet and Mamba 2 apply to their convolutions, by the config."""
+def test_a_model_without_attention_layers_is_served_with_a_state_slot_per_sequence(tmp_path):
+    """Every layer recurrent (Mamba 2): no KV rows at all, so each sequence's one block spans max_model_len and the
+    budget holds states only: as many sequences at once as slots fit it (here three, under --max-num-seqs 8), the
+    rest wait, prompts in chunks of a 24-token step; transformers' greedy tokens."""
+    from keel.model.recurrent import RecurrentStates
+
+    hf = save_hf_model("mamba2", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    prompts = [list(range(30 + i, 50 + 3 * i)) for i in range(3)] + [[7]]
+    expected = _expected(hf, prompts, 8)
+    loaded = load_model(tmp_path, "float32")
+    per_slot = RecurrentStates.bytes_per_slot(loaded.model.config, torch.float32)
+    config = EngineConfig.of(
+        dtype="float32", compile=False, max_model_len=64, max_num_seqs=8, kv_cache_memory=3 * per_slot + 1,
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    llm = LLM(str(tmp_path), config)
+    engine = llm.engine
+    assert (engine.kv.num_blocks, engine.kv.block_size) == (3, 64)
+    assert engine.cache.nbytes() == 0 and engine.cache.recurrent.conv[0].shape[0] == 3
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sorted(engine.runner.free_states) == [0, 1, 2] and not engine.runner.state_of
+
+
+@pytest.mark.slow
+def test_a_model_without_attention_layers_is_served_over_http(tmp_path):
+    """`keel serve` of Mamba 2 (no KV cache), with the openai client: the texts of transformers' greedy tokens (as
+    the engine in-process makes them) for prompts sent as token ids at once, streamed or not."""
+    import concurrent.futures
+
+    from keel.serve.openai.child import ServerProcess
+    from test_serve_http import client
+
+    hf = save_hf_model("mamba2", tmp_path / "m")
+    save_byte_tokenizer(tmp_path / "m")
+    prompts = [list(range(60 + i, 90 + 2 * i)) for i in range(4)]
+    llm = LLM(str(tmp_path / "m"), EngineConfig.of(dtype="float32", compile=False, max_model_len=128))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _expected(hf, prompts, 10)
+    expected = [o.outputs[0].text for o in outs]
+    args = ("--served-model-name", "tiny", "--threads", "1", "--max-model-len", "128", "--dtype", "float32")
+    server = ServerProcess(tmp_path / "m", *args, log_path=tmp_path / "server.log").wait_ready()
+    try:
+        c = client(server)
+
+        def complete(ids: list[int], stream: bool) -> str:
+            kw = dict(model="tiny", prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+            if stream:
+                return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
+            return c.completions.create(**kw).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(complete, prompts + prompts, [False] * 4 + [True] * 4))
+        assert got == expected + expected
+    finally:
+        assert server.terminate() == 0, server.tail(40)
+
+
+def test_a_conv_activation_other_than_silu_is_refused(tmp_path):
+    """Gated DeltaNet and Mamba 2 apply SiLU to their convolutions: another activation is refused by the config."""
     import json
 
     from keel.config import ModelConfig
     from keel.errors import ConfigError
 
-    save_hf_model("granitemoehybrid", tmp_path, layer_types=["mamba"] * 4)
-    save_byte_tokenizer(tmp_path)
-    with pytest.raises(KeelError, match="every layer is recurrent"):
-        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64))
+    save_hf_model("granitemoehybrid", tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**data, "hidden_act": "gelu"})

@@ -989,6 +989,21 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "BambaForCausalLM",
         dict(intermediate_size=128, attn_layer_indices=[1], mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16),
     ),
+    # Mamba 2: every layer a Mamba 2 mixer without a feed-forward sublayer (8 heads of 16 in 2 groups, state 16,
+    # biased projections, the step clamped above; transformers' scan in chunks of 16: its reference pads to them).
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            use_bias=True,
+            time_step_limit=(0.0, 4.0),
+            chunk_size=16,
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

@@ -328,6 +328,9 @@ class ModelConfig:
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
     rope_layers: list[bool] = field(default_factory=list)
+    # Per layer: whether a feed-forward sublayer (its MLP or MoE, and the norm before it) follows the token mixer
+    # (False: the mixer alone, Mamba's blocks); empty: all have one.
+    feed_forward_layers: list[bool] = field(default_factory=list)
     # Llama 4's attention temperature (Ministral 3's `llama_4_scaling_beta`): queries at position p are scaled by
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
@@ -385,6 +388,10 @@ class ModelConfig:
         if not self.is_moe or layer in self.mlp_only_layers:
             return False
         return (layer + 1) % self.decoder_sparse_step == 0
+
+    def has_feed_forward(self, layer: int) -> bool:
+        """Whether `layer` has a feed-forward sublayer after its token mixer (`feed_forward_layers`)."""
+        return not self.feed_forward_layers or self.feed_forward_layers[layer]
 
     def layer_rotates(self, layer: int) -> bool:
         """Whether `layer` rotates q and k by RoPE (False: no position encoding, `rope_layers`)."""
@@ -460,6 +467,14 @@ class ModelConfig:
             "rope_layers must have one entry per layer",
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
+        need(
+            not self.feed_forward_layers or len(self.feed_forward_layers) == self.num_layers,
+            "feed_forward_layers must have one entry per layer",
+        )
+        need(
+            all(self.feed_forward_layers) or not self.parallel_residual,
+            "layers without a feed-forward sublayer (feed_forward_layers) have no parallel residual",
+        )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
@@ -671,7 +686,11 @@ class ModelConfig:
         }
         for layer in range(self.num_layers):
             base = mixers.get(self.layer_types[layer], attn) + block_norms
-            if self.is_moe_layer(layer):
+            if not self.has_feed_forward(layer):  # the mixer alone: no norm before, nor after, a feed-forward
+                base -= norm * ((self.norm_placement != "pre") + (self.norm_placement != "post"))
+                total += base
+                active += base
+            elif self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture == "ernie4_5_moe":  # its selection bias is a parameter in transformers
                     router += self.num_experts
@@ -713,7 +732,7 @@ class ModelConfig:
             # rope_theta then goes unread, as in transformers)
             hf = {**hf, "rope_parameters": dict(default_rope)}
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
-        hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
+        hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source, defaults)
         if not structure_only:
             _refuse_quantized(family, hf, source)
         # where the file has none, the family's config class's own default (a fixed number in many), else the
@@ -921,12 +940,13 @@ def _family_from_hf(hf: dict[str, Any], source: str) -> str:
     return HF_ARCHITECTURES[arch]
 
 
-def _required_from_hf(hf: dict[str, Any], source: str) -> tuple[int, int, int, int]:
-    """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default."""
+def _required_from_hf(hf: dict[str, Any], source: str, defaults: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default (the heads have
+    one in a family without attention layers, Mamba's: keel's attention fields are placeholders there)."""
     try:
         return (
             int(hf["hidden_size"]),
-            int(hf["num_attention_heads"]),
+            int(hf["num_attention_heads"] if "num_attention_heads" in hf else defaults["num_attention_heads"]),
             int(hf["num_hidden_layers"]),
             int(hf["vocab_size"]),
         )

@@ -53,6 +53,7 @@ from keel.families import (
     lfm2,
     lfm2_moe,
     llama4,
+    mamba2,
     minimax_m2,
     ministral,
     ministral3,
@@ -83,6 +84,7 @@ FAMILIES: dict[str, ModuleType] = {
     for module in (
         bamba,
         granitemoehybrid,
+        mamba2,
         lfm2_moe,
         lfm2,
         qwen3_5_moe,

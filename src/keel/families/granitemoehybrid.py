@@ -61,7 +61,6 @@ def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
             f"{source}: mamba_n_heads x mamba_d_head ({get['mamba_n_heads']} x {head}) must be mamba_expand x "
             f"hidden_size ({inner})"
         )
-    limit = [_json_float(x) for x in hf.get("time_step_limit") or (0.0, float("inf"))]
     return {
         "mamba_n_heads": get["mamba_n_heads"],
         "mamba_d_head": head,
@@ -70,8 +69,14 @@ def mamba_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "mamba_d_conv": get["mamba_d_conv"],
         "mamba_conv_bias": bool(hf.get("mamba_conv_bias", True)),
         "mamba_proj_bias": bool(hf.get("mamba_proj_bias", False)),
-        "mamba_dt_limit": (float(limit[0]), float(limit[1])),
+        "mamba_dt_limit": mamba_time_step_limit(hf),
     }
+
+
+def mamba_time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
+    """`time_step_limit`: the (min, max) a step is clamped to after softplus."""
+    low, high = (_json_float(x) for x in hf.get("time_step_limit") or (0.0, float("inf")))
+    return low, high
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:

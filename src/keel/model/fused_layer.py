@@ -90,7 +90,7 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     """(attention, its submodules, the projections' kernel arguments) of a layer whose block the operator runs on
     `tokens` rows, or None."""
     children = layer._modules
-    attn, mlp = children["self_attn"], children["mlp"]
+    attn, mlp = children["self_attn"], children.get("mlp")  # no MLP (Mamba's blocks): not Llama's block
     if type(attn) is not Attention or type(mlp) is not SwiGLU:
         return None
     if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:

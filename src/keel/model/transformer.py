@@ -42,24 +42,27 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         h, pre, post = config.hidden_size, config.norm_placement != "post", config.norm_placement != "pre"
+        ffn = config.has_feed_forward(layer)  # False: the token mixer alone (Mamba's blocks)
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
         # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre else None
         self.self_attn: nn.Module = token_mixer(config, layer)
         self.post_attention_layernorm: nn.Module | None = (
-            block_norm(config, h) if pre and config.post_attention_norm else None
+            block_norm(config, h) if pre and config.post_attention_norm and ffn else None
         )
         self.attn_output_norm: nn.Module | None = block_norm(config, h) if post else None
-        self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post else None
+        self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post and ffn else None
         self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
         self.parallel_residual = config.parallel_residual
-        self.mlp: nn.Module = (
-            MoE(config)
-            if config.is_moe_layer(layer)
-            else SwiGLU(
-                config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+        self.mlp: nn.Module | None = None
+        if ffn:
+            self.mlp = (
+                MoE(config)
+                if config.is_moe_layer(layer)
+                else SwiGLU(
+                    config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
+                )
             )
-        )
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
@@ -70,6 +73,8 @@ class DecoderLayer(nn.Module):
             h = x if self.input_layernorm is None else self.input_layernorm(x)
             out = self.attn_output_norm(self.self_attn(h, meta))
             x = x + (out if m == 1.0 else out * m)
+            if self.mlp is None:
+                return x
             h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
             out = self.mlp_output_norm(self.mlp(h))
             return x + (out if m == 1.0 else out * m)
@@ -81,9 +86,9 @@ class DecoderLayer(nn.Module):
             return x + self.self_attn(normed, meta) + self.mlp(mlp_in)
         if self.residual_multiplier != 1.0:
             x = x + self.self_attn(self.input_layernorm(x), meta) * self.residual_multiplier
-            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+            return x if self.mlp is None else x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
         x = x + self.self_attn(self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x if self.mlp is None else x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
