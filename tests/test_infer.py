@@ -121,7 +121,8 @@ SHAPE_INFERABLE = [
             "qwen3_next",
             "lfm2",
             "bamba",
-            "mamba",  # mamba2, mamba, falcon_mamba
+            "mamba",  # and mamba2
+            "falcon_mamba",
             "nanochat",
             "flex_olmo",
             "kolibri",

@@ -11,6 +11,7 @@ import torch
 
 from keel.errors import KeelError
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
+from keel.model.selective_scan import selective_scan
 from keel.model.ssd import ssd_chunked, ssd_steps
 from keel.quant.loading import load_model
 from keel.serve import LLM, EngineConfig, SamplingParams
@@ -79,6 +80,35 @@ def test_mamba2_scan_matches_transformers(length, groups):
         y = (y + skip[:, None, None] * x.transpose(1, 2)).transpose(1, 2)
         assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
         torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 7, 150])
+def test_mamba1_selective_scan_matches_transformers(length):
+    """From an empty state, with D's skip and the gate: transformers' mamba_selective_scan (its torch reference); and
+    continued across a split at any point from the state the first part leaves, as serving continues a sequence."""
+    mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    g = torch.Generator().manual_seed(0)
+    channels, size = 12, 8
+    x, raw, gate = (torch.randn(2, length, channels, generator=g) for _ in range(3))
+    b, c = (torch.randn(2, length, size, generator=g) for _ in range(2))
+    a = -torch.rand(channels, size, generator=g) * 4
+    skip, bias = torch.randn(channels, generator=g), torch.randn(channels, generator=g)
+    want = mamba.mamba_selective_scan(
+        x.transpose(1, 2), raw.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2), D=skip,
+        z=gate.transpose(1, 2), delta_bias=bias, delta_softplus=True,
+    ).transpose(1, 2)  # fmt: skip
+    step = torch.nn.functional.softplus(raw + bias)
+    empty = torch.zeros(2, channels, size)
+    y, final = selective_scan(x, step, a, b, c, empty)
+    got = (y + skip * x) * torch.nn.functional.silu(gate)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    if length == 1:
+        return
+    cut = length // 3
+    first, mid = selective_scan(x[:, :cut], step[:, :cut], a, b[:, :cut], c[:, :cut], empty)
+    rest, end = selective_scan(x[:, cut:], step[:, cut:], a, b[:, cut:], c[:, cut:], mid)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(end, final, atol=1e-5, rtol=1e-5)
 
 
 def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -182,7 +212,7 @@ def test_parallel_layouts_are_refused_by_name(tmp_path):
         train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid", "mamba"])
 def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
     """Training from scratch: dt_bias and D start at 1 and A_log at each layer's spread of decay rates (not at the
     generic zero of biases), on the meta-device start as on a model built directly."""
@@ -197,8 +227,9 @@ def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
     materialize(model, "cpu", lambda m: init_weights_seeded(m, 0))
     direct = Transformer(config)
     mixer, built = model.layers["0"].self_attn, direct.layers["0"].self_attn
-    assert torch.equal(mixer.dt_bias, torch.ones_like(mixer.dt_bias))
-    assert torch.equal(mixer.A_log, built.A_log) and len(set(mixer.A_log.tolist())) == mixer.A_log.numel()
+    if hasattr(mixer, "dt_bias"):  # Mamba 1's step bias is dt_proj's, zero as every bias
+        assert torch.equal(mixer.dt_bias, torch.ones_like(mixer.dt_bias))
+    assert torch.equal(mixer.A_log, built.A_log) and len(set(mixer.A_log[0].tolist())) == mixer.A_log.shape[-1]
     if hasattr(mixer, "D"):
         assert torch.equal(mixer.D, torch.ones_like(mixer.D))
 

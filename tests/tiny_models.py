@@ -1004,6 +1004,14 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             chunk_size=16,
         ),
     ),
+    # Mamba: every layer a Mamba 1 mixer without a feed-forward sublayer (128 channels, state 8, a step of rank 6,
+    # biased projections, kernel 3), untied head. Falcon Mamba: its step, B and C RMS-normed without weights.
+    "mamba": (
+        "MambaConfig",
+        "MambaForCausalLM",
+        dict(state_size=8, time_step_rank=6, conv_kernel=3, use_bias=True, tie_word_embeddings=False),
+    ),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(state_size=8, mixer_rms_eps=1e-3)),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

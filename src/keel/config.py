@@ -185,6 +185,10 @@ class RopeScaling:
     long_factor: tuple[float, ...] = ()
 
 
+# The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
+RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1")
+
+
 @dataclass
 class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
@@ -242,6 +246,13 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Mamba 1's mixers ("mamba1" layers, keel.model.mamba1; with mamba_d_state, mamba_d_conv and the biases above): its
+    # channels (expand x hidden), the rank of its step projection, and RMS norms of the step, B and C after x_proj:
+    # "none" (Mamba), "weightless" (Falcon Mamba, eps mamba_dt_bc_norm_eps) or "rms" (Jamba: with weights).
+    mamba_d_inner: int = 0
+    mamba_dt_rank: int = 0
+    mamba_dt_bc_norm: str = "none"
+    mamba_dt_bc_norm_eps: float = 1e-6
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -412,7 +423,7 @@ class ModelConfig:
         return any(self.is_recurrent_layer(i) for i in range(self.num_layers))
 
     def is_recurrent_layer(self, layer: int) -> bool:
-        return self.layer_types[layer] in ("linear_attention", "conv", "mamba")
+        return self.layer_types[layer] in RECURRENT_KINDS
 
     def layer_window(self, layer: int) -> int | None:
         """The keys `layer`'s queries see besides causality, as every attention path takes it (`keel.model.attention.
@@ -443,7 +454,7 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention", "conv", "mamba"}
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", *RECURRENT_KINDS}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         if self.has_linear_attention:
             self._validate_linear(need)
@@ -453,6 +464,13 @@ class ModelConfig:
             need(self.mamba_n_heads % self.mamba_n_groups == 0, "mamba_n_groups must divide mamba_n_heads")
             need(self.mamba_d_conv >= 2, "mamba_d_conv must be at least 2")
             need(not self.is_mla, "mamba layers beside multi-head latent attention are not supported")
+        if "mamba1" in self.layer_types:
+            for name in ("mamba_d_inner", "mamba_dt_rank", "mamba_d_state"):
+                need(getattr(self, name) > 0, f"{name} must be positive with mamba1 layers")
+            need(self.mamba_d_conv >= 2, "mamba_d_conv must be at least 2")
+            norms = ("none", "weightless", "rms")
+            need(self.mamba_dt_bc_norm in norms, f"mamba_dt_bc_norm {self.mamba_dt_bc_norm!r}: one of {norms}")
+            need(not self.is_mla, "mamba1 layers beside multi-head latent attention are not supported")
         if "conv" in self.layer_types:
             need(self.short_conv_kernel >= 2, "short_conv_kernel must be at least 2")
             need(not self.is_mla, "conv layers beside multi-head latent attention are not supported")
@@ -631,6 +649,18 @@ class ModelConfig:
             total += channels
         return total + (projected + h if self.mamba_proj_bias else 0)
 
+    def _mamba1_params(self) -> int:
+        """A Mamba 1 mixer's: in_proj (x, gate), the convolution, x_proj (step, B, C), dt_proj, A_log [inner, N], D,
+        out_proj, and the step/B/C norms' weights where they have them."""
+        h, inner, n, rank = self.hidden_size, self.mamba_d_inner, self.mamba_d_state, self.mamba_dt_rank
+        total = h * 2 * inner + inner * self.mamba_d_conv + inner * (rank + 2 * n) + (rank + 1) * inner
+        total += inner * n + inner + inner * h
+        if self.mamba_conv_bias:
+            total += inner
+        if self.mamba_proj_bias:
+            total += 2 * inner + h
+        return total + (rank + 2 * n if self.mamba_dt_bc_norm == "rms" else 0)
+
     def _attention_params(self) -> int:
         h = self.hidden_size
         if self.is_mla:
@@ -683,6 +713,7 @@ class ModelConfig:
             "linear_attention": linear,
             "conv": conv,
             "mamba": self._mamba_params() if "mamba" in self.layer_types else 0,
+            "mamba1": self._mamba1_params() if "mamba1" in self.layer_types else 0,
         }
         for layer in range(self.num_layers):
             base = mixers.get(self.layer_types[layer], attn) + block_norms

@@ -113,15 +113,20 @@ def mamba_hf_fields(config: Any) -> dict[str, Any]:
     }
 
 
-def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    """A mamba layer's `mamba.*` tensors under keel's `self_attn.*`."""
-    p = f"model.layers.{layer}"
+def mamba2_tensors(config: Any) -> list[str]:
+    """A Mamba 2 mixer's tensor names (Mamba 2's own models' too: keel.families.mamba2)."""
     names = ["dt_bias", "A_log", "D", "norm.weight", *(f"{m}.weight" for m in MAMBA_TENSORS)]
     if config.mamba_conv_bias:
         names.append("conv1d.bias")
     if config.mamba_proj_bias:
         names += ["in_proj.bias", "out_proj.bias"]
-    return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in names}
+    return names
+
+
+def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """A mamba layer's `mamba.*` tensors under keel's `self_attn.*`."""
+    p = f"model.layers.{layer}"
+    return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in mamba2_tensors(config)}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:

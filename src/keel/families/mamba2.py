@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
-from keel.families.granitemoehybrid import float_json, mamba_layout, mamba_time_step_limit
+from keel.families.granitemoehybrid import float_json, mamba2_tensors, mamba_time_step_limit
 from keel.families.layer_kinds import refuse_other_conv_activation
+from keel.families.mamba import attention_free, backbone_layout
 
 FAMILY = "mamba2"
 HF_ARCHITECTURE = "Mamba2ForCausalLM"
@@ -36,12 +37,9 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     get = {key: int(hf.get(key) or default) for key, default in MAMBA2_DEFAULTS.items()}
     if get["num_heads"] * get["head_dim"] != get["expand"] * int(hf["hidden_size"]):
         raise ConfigError(f"{source}: num_heads x head_dim must be expand x hidden_size")
-    layers = int(hf["num_hidden_layers"])
-    eps = hf.get("layer_norm_epsilon")
     return {
-        "layer_types": ["mamba"] * layers,
-        "feed_forward_layers": [False] * layers,
-        "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),
+        **attention_free(hf),
+        "layer_types": ["mamba"] * int(hf["num_hidden_layers"]),
         "mamba_n_heads": get["num_heads"],
         "mamba_d_head": get["head_dim"],
         "mamba_n_groups": get["n_groups"],
@@ -50,10 +48,6 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "mamba_conv_bias": bool(hf.get("use_conv_bias", True)),
         "mamba_proj_bias": bool(hf.get("use_bias", False)),
         "mamba_dt_limit": mamba_time_step_limit(hf),
-        "head_dim": 2,  # no attention: a placeholder (Mamba 2's own head_dim is mamba_d_head)
-        "num_heads": 1,
-        "num_kv_heads": 1,
-        "intermediate_size": 0,
     }
 
 
@@ -73,14 +67,5 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    """Mamba 2's names under keel's (module doc)."""
-    layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {
-        "backbone.embeddings.weight": {"model.embed_tokens.weight": None},
-        "backbone.norm_f.weight": {"model.norm.weight": None},
-    }
-    for layer in range(config.num_layers):
-        p, ours = f"backbone.layers.{layer}", f"model.layers.{layer}"
-        layout[f"{p}.norm.weight"] = {f"{ours}.input_layernorm.weight": None}
-        for name, parts in mamba_layout(config, layer).items():
-            layout[name.replace(f"{ours}.mamba.", f"{p}.mixer.")] = parts
-    return layout
+    """Mamba 2's names under keel's (module doc): Granite 4.0-H's mixer tensors under `mixer.`."""
+    return backbone_layout(config, {layer: mamba2_tensors(config) for layer in range(config.num_layers)})
