@@ -120,6 +120,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("mamba2", marks=SLOW),
         pytest.param("mamba", marks=SLOW),
         pytest.param("falcon_mamba", marks=SLOW),
+        pytest.param("jamba", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -213,6 +214,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(type(a).__name__ == "Mamba1Mixer" for a in attention) and all(x.mlp is None for x in layers)
         assert all((a.dt_layernorm is not None) == (name == "falcon_mamba") for a in attention)
         assert llm.engine.cache.nbytes() == 0 and llm.engine.kv.block_size == 256
+    elif name == "jamba":  # Mamba 1 mixers with weighted step/B/C norms around unrotated attention; experts in 1, 3
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == ["Mamba1Mixer", "Attention", "Mamba1Mixer", "Mamba1Mixer"]
+        assert not attention[1].rotates and attention[0].dt_layernorm.weight is not None
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -123,6 +123,7 @@ SHAPE_INFERABLE = [
             "bamba",
             "mamba",  # and mamba2
             "falcon_mamba",
+            "jamba",
             "nanochat",
             "flex_olmo",
             "kolibri",

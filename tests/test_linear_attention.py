@@ -122,12 +122,14 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         ]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5", "lfm2", "granitemoehybrid", pytest.param("jamba", marks=pytest.mark.slow)]
+)
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
-    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers) hold no
-    KV blocks, and prefix caching is off."""
+    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers, Jamba's
+    Mamba 1 mixers) hold no KV blocks, and prefix caching is off."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
