@@ -119,6 +119,10 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("bamba", marks=SLOW),
         pytest.param("nemotron_h", marks=SLOW),
         pytest.param("falcon_h1", marks=SLOW),
+        pytest.param("mamba2", marks=SLOW),
+        pytest.param("mamba", marks=SLOW),
+        pytest.param("falcon_mamba", marks=SLOW),
+        pytest.param("jamba", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -259,6 +263,19 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(llm.engine.cache.keys[i].numel() > 0 for i in range(len(layers)))
         assert set(llm.engine.cache.recurrent.state) == set(range(len(layers)))
         assert attention[0].q_multiplier is not None and layers[0].mlp.gate_multiplier != 1.0
+    elif name == "mamba2":  # Mamba 2 mixers alone: no feed-forward sublayer, no KV cache, a block a sequence
+        assert all(type(a).__name__ == "Mamba2Mixer" for a in attention)
+        assert all(layer.mlp is None and layer.post_attention_layernorm is None for layer in layers)
+        assert llm.engine.cache.nbytes() == 0 and llm.engine.kv.block_size == 256
+    elif name in ("mamba", "falcon_mamba"):  # Mamba 1 mixers alone; Falcon Mamba's weightless step/B/C norms
+        assert all(type(a).__name__ == "Mamba1Mixer" for a in attention) and all(x.mlp is None for x in layers)
+        assert all((a.dt_layernorm is not None) == (name == "falcon_mamba") for a in attention)
+        assert llm.engine.cache.nbytes() == 0 and llm.engine.kv.block_size == 256
+    elif name == "jamba":  # Mamba 1 mixers with weighted step/B/C norms around unrotated attention; experts in 1, 3
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == ["Mamba1Mixer", "Attention", "Mamba1Mixer", "Mamba1Mixer"]
+        assert not attention[1].rotates and attention[0].dt_layernorm.weight is not None
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -122,6 +122,9 @@ SHAPE_INFERABLE = [
             "lfm2",
             "bamba",
             "falcon_h1",
+            "mamba",  # and mamba2
+            "falcon_mamba",
+            "jamba",
             "nanochat",
             "flex_olmo",
             "kolibri",

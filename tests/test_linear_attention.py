@@ -11,6 +11,7 @@ import torch
 
 from keel.errors import KeelError
 from keel.model.gated_delta import delta_rule_chunked, delta_rule_steps, prepare
+from keel.model.selective_scan import selective_scan
 from keel.model.ssd import ssd_chunked, ssd_steps
 from keel.quant.loading import load_model
 from keel.serve import LLM, EngineConfig, SamplingParams
@@ -81,6 +82,35 @@ def test_mamba2_scan_matches_transformers(length, groups):
         torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [1, 7, 150])
+def test_mamba1_selective_scan_matches_transformers(length):
+    """From an empty state, with D's skip and the gate: transformers' mamba_selective_scan (its torch reference); and
+    continued across a split at any point from the state the first part leaves, as serving continues a sequence."""
+    mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+    g = torch.Generator().manual_seed(0)
+    channels, size = 12, 8
+    x, raw, gate = (torch.randn(2, length, channels, generator=g) for _ in range(3))
+    b, c = (torch.randn(2, length, size, generator=g) for _ in range(2))
+    a = -torch.rand(channels, size, generator=g) * 4
+    skip, bias = torch.randn(channels, generator=g), torch.randn(channels, generator=g)
+    want = mamba.mamba_selective_scan(
+        x.transpose(1, 2), raw.transpose(1, 2), a, b.transpose(1, 2), c.transpose(1, 2), D=skip,
+        z=gate.transpose(1, 2), delta_bias=bias, delta_softplus=True,
+    ).transpose(1, 2)  # fmt: skip
+    step = torch.nn.functional.softplus(raw + bias)
+    empty = torch.zeros(2, channels, size)
+    y, final = selective_scan(x, step, a, b, c, empty)
+    got = (y + skip * x) * torch.nn.functional.silu(gate)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    if length == 1:
+        return
+    cut = length // 3
+    first, mid = selective_scan(x[:, :cut], step[:, :cut], a, b[:, :cut], c[:, :cut], empty)
+    rest, end = selective_scan(x[:, cut:], step[:, cut:], a, b[:, cut:], c[:, cut:], mid)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(end, final, atol=1e-5, rtol=1e-5)
+
+
 def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -93,13 +123,20 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_5", "lfm2", "granitemoehybrid", pytest.param("falcon_h1", marks=pytest.mark.slow)]
+    "family",
+    [
+        "qwen3_5",
+        "lfm2",
+        "granitemoehybrid",
+        pytest.param("falcon_h1", marks=pytest.mark.slow),
+        pytest.param("jamba", marks=pytest.mark.slow),
+    ],
 )
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
-    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers) hold no
-    KV blocks, Falcon-H1's hybrid layers both blocks and a state, and prefix caching is off."""
+    recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers, Jamba's
+    Mamba 1 mixers) hold no KV blocks, Falcon-H1's hybrid layers both blocks and a state, and prefix caching is off."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
@@ -186,7 +223,7 @@ def test_parallel_layouts_are_refused_by_name(tmp_path):
         train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid", "mamba"])
 def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
     """Training from scratch: dt_bias and D start at 1 and A_log at each layer's spread of decay rates (not at the
     generic zero of biases), on the meta-device start as on a model built directly."""
@@ -201,24 +238,80 @@ def test_seeded_initialisation_of_the_recurrent_parameters(tmp_path, family):
     materialize(model, "cpu", lambda m: init_weights_seeded(m, 0))
     direct = Transformer(config)
     mixer, built = model.layers["0"].self_attn, direct.layers["0"].self_attn
-    assert torch.equal(mixer.dt_bias, torch.ones_like(mixer.dt_bias))
-    assert torch.equal(mixer.A_log, built.A_log) and len(set(mixer.A_log.tolist())) == mixer.A_log.numel()
+    if hasattr(mixer, "dt_bias"):  # Mamba 1's step bias is dt_proj's, zero as every bias
+        assert torch.equal(mixer.dt_bias, torch.ones_like(mixer.dt_bias))
+    assert torch.equal(mixer.A_log, built.A_log) and len(set(mixer.A_log.flatten().tolist())) == mixer.A_log.shape[-1]
     if hasattr(mixer, "D"):
         assert torch.equal(mixer.D, torch.ones_like(mixer.D))
 
 
-def test_a_model_without_attention_layers_and_other_conv_activations_are_refused(tmp_path):
-    """Every layer recurrent (no KV cache to size a budget by) is refused by the engine by name; an activation other
-    than SiLU, which Gated DeltaNet and Mamba 2 apply to their convolutions, by the config."""
+def test_a_model_without_attention_layers_is_served_with_a_state_slot_per_sequence(tmp_path):
+    """Every layer recurrent (Mamba 2): no KV rows at all, so each sequence's one block spans max_model_len and the
+    budget holds states only: as many sequences at once as slots fit it (here three, under --max-num-seqs 8), the
+    rest wait, prompts in chunks of a 24-token step; transformers' greedy tokens."""
+    from keel.model.recurrent import RecurrentStates
+
+    hf = save_hf_model("mamba2", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    prompts = [list(range(30 + i, 50 + 3 * i)) for i in range(3)] + [[7]]
+    expected = _expected(hf, prompts, 8)
+    loaded = load_model(tmp_path, "float32")
+    per_slot = RecurrentStates.bytes_per_slot(loaded.model.config, torch.float32)
+    config = EngineConfig.of(
+        dtype="float32", compile=False, max_model_len=64, max_num_seqs=8, kv_cache_memory=3 * per_slot + 1,
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    llm = LLM(str(tmp_path), config)
+    engine = llm.engine
+    assert (engine.kv.num_blocks, engine.kv.block_size) == (3, 64)
+    assert engine.cache.nbytes() == 0 and engine.cache.recurrent.conv[0].shape[0] == 3
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sorted(engine.runner.free_states) == [0, 1, 2] and not engine.runner.state_of
+
+
+@pytest.mark.slow
+def test_a_model_without_attention_layers_is_served_over_http(tmp_path):
+    """`keel serve` of Mamba 2 (no KV cache), with the openai client: the texts of transformers' greedy tokens (as
+    the engine in-process makes them) for prompts sent as token ids at once, streamed or not."""
+    import concurrent.futures
+
+    from keel.serve.openai.child import ServerProcess
+    from test_serve_http import client
+
+    hf = save_hf_model("mamba2", tmp_path / "m")
+    save_byte_tokenizer(tmp_path / "m")
+    prompts = [list(range(60 + i, 90 + 2 * i)) for i in range(4)]
+    llm = LLM(str(tmp_path / "m"), EngineConfig.of(dtype="float32", compile=False, max_model_len=128))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _expected(hf, prompts, 10)
+    expected = [o.outputs[0].text for o in outs]
+    args = ("--served-model-name", "tiny", "--threads", "1", "--max-model-len", "128", "--dtype", "float32")
+    server = ServerProcess(tmp_path / "m", *args, log_path=tmp_path / "server.log").wait_ready()
+    try:
+        c = client(server)
+
+        def complete(ids: list[int], stream: bool) -> str:
+            kw = dict(model="tiny", prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+            if stream:
+                return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
+            return c.completions.create(**kw).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(complete, prompts + prompts, [False] * 4 + [True] * 4))
+        assert got == expected + expected
+    finally:
+        assert server.terminate() == 0, server.tail(40)
+
+
+def test_a_conv_activation_other_than_silu_is_refused(tmp_path):
+    """Gated DeltaNet and Mamba 2 apply SiLU to their convolutions: another activation is refused by the config."""
     import json
 
     from keel.config import ModelConfig
     from keel.errors import ConfigError
 
-    save_hf_model("granitemoehybrid", tmp_path, layer_types=["mamba"] * 4)
-    save_byte_tokenizer(tmp_path)
-    with pytest.raises(KeelError, match="every layer is recurrent"):
-        LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64))
+    save_hf_model("granitemoehybrid", tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**data, "hidden_act": "gelu"})

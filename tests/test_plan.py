@@ -448,3 +448,33 @@ def test_serving_plan_of_a_hybrid_model_reserves_states_and_one_process(tmp_path
     state = RecurrentStates.bytes_per_slot(config, torch.bfloat16)
     assert one.sequences == int(one.kv_gb * 1e9 // (one.kv_bytes_per_token * 4096 + state))
     assert one.fits and not any(layout.fits for layout in layouts if layout.tp * layout.pp > 1)
+
+
+def test_a_model_without_attention_layers_plans_states_only(tmp_path):
+    """Mamba 2: no KV bytes per token; as many sequences as their states fit, in the planner's layouts (every token
+    of theirs held, one-process layouts only) and in the engine's capacity (kv_capacity: the engine's slots for the
+    same budget), and each decode step reads and writes the batch's states."""
+    from keel.model.recurrent import RecurrentStates
+    from keel.plan.hardware import parse_cluster
+    from keel.plan.kv import kv_capacity
+    from keel.plan.serve import decode_roofline, plan_serving
+    from keel.quant.loading import load_model
+    from keel.serve import EngineConfig, LLMEngine
+    from tiny_models import save_hf_model
+
+    save_hf_model("mamba2", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    state = RecurrentStates.bytes_per_slot(config, torch.bfloat16)
+    layouts = plan_serving(config, parse_cluster("2xH100"), context=4096)
+    one = next(layout for layout in layouts if layout.tp * layout.pp == 1)
+    assert one.kv_bytes_per_token == 0 and one.sequences == int(one.kv_gb * 1e9 // state)
+    assert one.tokens == one.sequences * 4096
+    assert one.fits and not any(layout.fits for layout in layouts if layout.tp * layout.pp > 1)
+    gpu = parse_cluster("1xH100").gpu
+    assert decode_roofline(config, gpu, 64, 4096)[0] > decode_roofline(config, gpu, 1, 4096)[0]
+    loaded = load_model(tmp_path, "float32")
+    budget = 5 * RecurrentStates.bytes_per_slot(config, torch.float32) + 7
+    engine = LLMEngine(loaded, EngineConfig.of(kv_cache_memory=budget, max_model_len=256, compile=False))
+    plan = kv_capacity(loaded.config, budget, torch.float32, context=256)
+    assert plan["blocks"] == plan["sequences"] == engine.kv.num_blocks == 5
+    assert plan["bytes_per_token"] == 0 and plan["tokens"] == 5 * 256

@@ -1230,6 +1230,48 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_multipliers=[1.2, 0.7],
         ),
     ),
+    # Mamba 2: every layer a Mamba 2 mixer without a feed-forward sublayer (8 heads of 16 in 2 groups, state 16,
+    # biased projections, the step clamped above; transformers' scan in chunks of 16: its reference pads to them).
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            use_bias=True,
+            time_step_limit=(0.0, 4.0),
+            chunk_size=16,
+        ),
+    ),
+    # Mamba: every layer a Mamba 1 mixer without a feed-forward sublayer (128 channels, state 8, a step of rank 6,
+    # biased projections, kernel 3), untied head. Falcon Mamba: its step, B and C RMS-normed without weights.
+    "mamba": (
+        "MambaConfig",
+        "MambaForCausalLM",
+        dict(state_size=8, time_step_rank=6, conv_kernel=3, use_bias=True, tie_word_embeddings=False),
+    ),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(state_size=8, mixer_rms_eps=1e-3)),
+    # Jamba: attention (no position encoding) in layer 1 of 4, Mamba 1 mixers with step/B/C norms elsewhere (state 8,
+    # a step of rank 6, biased projections), experts in layers 1 and 3 (the top 2 of 4, not renormalised), Llama's
+    # MLP in layers 0 and 2.
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            intermediate_size=64,
+            attn_layer_period=4,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            mamba_d_state=8,
+            mamba_dt_rank=6,
+            mamba_proj_bias=True,
+        ),
+    ),
     # Youtu-LLM: DeepSeek-V3's latent attention (low-rank q, interleaved rotary) with a dense MLP in every layer.
     "youtu": (
         "YoutuConfig",

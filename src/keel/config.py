@@ -191,6 +191,10 @@ class RopeScaling:
     long_factor: tuple[float, ...] = ()
 
 
+# The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
+RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1")
+
+
 @dataclass
 class ModelConfig:
     """Everything needed to build a dense or mixture-of-experts decoder."""
@@ -223,11 +227,12 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     # Per layer: "full_attention", "sliding_attention", "chunked_attention" or "linear_attention" (HF's
-    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "conv", "mamba", or "mlp": a
-    # layer without a token mixer, its MLP (dense or MoE) alone (Nemotron-H's "-" and "E" layers).
+    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "conv", "mamba", "mamba1",
+    # "hybrid" (attention and a Mamba 2 mixer side by side: Falcon-H1), or "mlp": a layer without a token mixer, its
+    # MLP (dense or MoE) alone (Nemotron-H's "-" and "E" layers).
     layer_types: list[str] = field(default_factory=list)
     # Per layer: whether it has its MLP (dense or MoE) after the token mixer; False: the mixer alone (Nemotron-H's
-    # attention and Mamba layers). Empty: every layer has one.
+    # attention and Mamba layers, Mamba's blocks). Empty: every layer has one.
     mlp_layers: list[bool] = field(default_factory=list)
     # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): key/query heads, value heads, their widths, the causal
     # convolution's kernel over the projected q/k/v.
@@ -269,6 +274,13 @@ class ModelConfig:
     attention_out_multiplier: float = 1.0
     mamba_in_multiplier: float = 1.0
     mamba_out_multiplier: float = 1.0
+    # Mamba 1's mixers ("mamba1" layers, keel.model.mamba1; with mamba_d_state, mamba_d_conv and the biases above): its
+    # channels (expand x hidden), the rank of its step projection, and RMS norms of the step, B and C after x_proj:
+    # "none" (Mamba), "weightless" (Falcon Mamba, eps mamba_dt_bc_norm_eps) or "rms" (Jamba: with weights).
+    mamba_d_inner: int = 0
+    mamba_dt_rank: int = 0
+    mamba_dt_bc_norm: str = "none"
+    mamba_dt_bc_norm_eps: float = 1e-6
     # Llama 4's chunked attention: a "chunked_attention" layer's query at position p sees the keys of its own chunk
     # of this many positions, from p - p % size to p.
     attention_chunk_size: int | None = None
@@ -438,12 +450,12 @@ class ModelConfig:
     def is_recurrent_layer(self, layer: int) -> bool:
         """Whether `layer` keeps a state per sequence (keel.model.recurrent): a recurrent kind's, or the Mamba 2
         mixer of a "hybrid" layer (which keeps keys and values too)."""
-        return self.layer_types[layer] in ("linear_attention", "conv", "mamba", "hybrid")
+        return self.layer_types[layer] in RECURRENT_KINDS or self.layer_types[layer] == "hybrid"
 
     def is_attention_layer(self, layer: int) -> bool:
         """Whether `layer` attends over keys and values it keeps (a KV cache's rows): every kind but the recurrent
         ones ("hybrid" included) and an "mlp" layer, which keeps nothing."""
-        return self.layer_types[layer] not in ("linear_attention", "conv", "mamba", "mlp")
+        return self.layer_types[layer] not in (*RECURRENT_KINDS, "mlp")
 
     def has_mamba(self, layer: int) -> bool:
         """Whether `layer` runs a Mamba 2 mixer: as its token mixer ("mamba") or beside its attention ("hybrid")."""
@@ -492,16 +504,7 @@ class ModelConfig:
         else:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
-        kinds = {
-            "full_attention",
-            "sliding_attention",
-            "chunked_attention",
-            "linear_attention",
-            "conv",
-            "mamba",
-            "hybrid",
-            "mlp",
-        }
+        kinds = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "mlp", *RECURRENT_KINDS}
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         need(not self.mlp_layers or len(self.mlp_layers) == self.num_layers, "mlp_layers must have one entry per layer")
         need(
@@ -526,6 +529,13 @@ class ModelConfig:
             not self.is_moe or (self.mlp_gate_multiplier, self.mlp_down_multiplier) == (1.0, 1.0),
             "mlp_gate_multiplier and mlp_down_multiplier are read by dense MLPs only",
         )
+        if "mamba1" in self.layer_types:
+            for name in ("mamba_d_inner", "mamba_dt_rank", "mamba_d_state"):
+                need(getattr(self, name) > 0, f"{name} must be positive with mamba1 layers")
+            need(self.mamba_d_conv >= 2, "mamba_d_conv must be at least 2")
+            norms = ("none", "weightless", "rms")
+            need(self.mamba_dt_bc_norm in norms, f"mamba_dt_bc_norm {self.mamba_dt_bc_norm!r}: one of {norms}")
+            need(not self.is_mla, "mamba1 layers beside multi-head latent attention are not supported")
         if "conv" in self.layer_types:
             need(self.short_conv_kernel >= 2, "short_conv_kernel must be at least 2")
             need(not self.is_mla, "conv layers beside multi-head latent attention are not supported")
@@ -701,6 +711,17 @@ class ModelConfig:
             total += channels
         return total + (projected if self.mamba_proj_bias else 0) + (h if self.mamba_out_bias else 0)
 
+    def _mamba1_params(self) -> int:
+        """A Mamba 1 mixer's: in_proj (x, gate), the convolution, x_proj (step, B, C), dt_proj, A_log [inner, N], D,
+        out_proj, and the step/B/C norms' weights where they have them."""
+        h, inner, n, rank = self.hidden_size, self.mamba_d_inner, self.mamba_d_state, self.mamba_dt_rank
+        total = h * 2 * inner + inner * self.mamba_d_conv + inner * (rank + 2 * n) + (rank + 1) * inner
+        total += inner * n + inner + inner * h
+        if self.mamba_conv_bias:
+            total += inner
+        total += (2 * inner if self.mamba_proj_bias else 0) + (h if self.mamba_out_bias else 0)
+        return total + (rank + 2 * n if self.mamba_dt_bc_norm == "rms" else 0)
+
     def _attention_params(self) -> int:
         h = self.hidden_size
         if self.is_mla:
@@ -753,7 +774,8 @@ class ModelConfig:
         linear = self._linear_attention_params() if self.has_linear_attention else 0
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
         mamba = self._mamba_params() if any(self.has_mamba(i) for i in range(self.num_layers)) else 0
-        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "hybrid": attn + mamba}
+        mamba1 = self._mamba1_params() if "mamba1" in self.layer_types else 0
+        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1, "hybrid": attn + mamba}
         for layer in range(self.num_layers):
             base = mixers.get(self.layer_types[layer], attn) + mixer_norms if self.has_mixer(layer) else 0
             if not self.has_mlp(layer):
@@ -804,7 +826,7 @@ class ModelConfig:
             # rope_theta then goes unread, as in transformers)
             hf = {**hf, "rope_parameters": dict(default_rope)}
         own = FAMILIES[family].config_fields(hf, source) if family in FAMILIES else {}
-        hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source)
+        hidden, num_heads, num_layers, vocab = _required_from_hf(hf, source, defaults)
         if not structure_only:
             _refuse_quantized(family, hf, source)
         # where the file has none, the family's config class's own default (a fixed number in many), else the
@@ -1015,8 +1037,9 @@ def _family_from_hf(hf: dict[str, Any], source: str) -> str:
     return HF_ARCHITECTURES[arch]
 
 
-def _required_from_hf(hf: dict[str, Any], source: str) -> tuple[int, int, int, int]:
-    """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default."""
+def _required_from_hf(hf: dict[str, Any], source: str, defaults: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_hidden_layers, vocab_size): the fields with no default (the heads have
+    one in a family without attention layers, Mamba's: keel's attention fields are placeholders there)."""
     # transformers 5 writes no num_hidden_layers where it is its layer list's length (Nemotron-H's layers_block_type)
     listed = hf.get("layer_types") or hf.get("layers_block_type")
     if "num_hidden_layers" not in hf and isinstance(listed, list):
@@ -1024,7 +1047,7 @@ def _required_from_hf(hf: dict[str, Any], source: str) -> tuple[int, int, int, i
     try:
         return (
             int(hf["hidden_size"]),
-            int(hf["num_attention_heads"]),
+            int(hf["num_attention_heads"] if "num_attention_heads" in hf else defaults["num_attention_heads"]),
             int(hf["num_hidden_layers"]),
             int(hf["vocab_size"]),
         )

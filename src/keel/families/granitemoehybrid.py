@@ -62,7 +62,6 @@ def mamba_fields(hf: dict[str, Any], source: str, inner: int | None = None) -> d
         raise ConfigError(
             f"{source}: mamba_n_heads x mamba_d_head ({get['mamba_n_heads']} x {head}) must be {widths} ({inner})"
         )
-    limit = [_json_float(x) for x in hf.get("time_step_limit") or (0.0, float("inf"))]
     return {
         "mamba_n_heads": get["mamba_n_heads"],
         "mamba_d_head": head,
@@ -72,8 +71,14 @@ def mamba_fields(hf: dict[str, Any], source: str, inner: int | None = None) -> d
         "mamba_conv_bias": bool(hf.get("mamba_conv_bias", True)),
         "mamba_proj_bias": bool(hf.get("mamba_proj_bias", False)),
         "mamba_out_bias": bool(hf.get("mamba_proj_bias", False)),
-        "mamba_dt_limit": (float(limit[0]), float(limit[1])),
+        "mamba_dt_limit": mamba_time_step_limit(hf),
     }
+
+
+def mamba_time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
+    """`time_step_limit`: the (min, max) a step is clamped to after softplus."""
+    low, high = (_json_float(x) for x in hf.get("time_step_limit") or (0.0, float("inf")))
+    return low, high
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -110,9 +115,8 @@ def mamba_hf_fields(config: Any) -> dict[str, Any]:
     }
 
 
-def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    """A mamba layer's `mamba.*` tensors under keel's `self_attn.*`."""
-    p = f"model.layers.{layer}"
+def mamba2_tensors(config: Any) -> list[str]:
+    """A Mamba 2 mixer's tensor names (Mamba 2's own models' too: keel.families.mamba2)."""
     names = ["dt_bias", "A_log", "D", "norm.weight", *(f"{m}.weight" for m in MAMBA_TENSORS)]
     if config.mamba_conv_bias:
         names.append("conv1d.bias")
@@ -120,7 +124,13 @@ def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int,
         names.append("in_proj.bias")
     if config.mamba_out_bias:
         names.append("out_proj.bias")
-    return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in names}
+    return names
+
+
+def mamba_layout(config: Any, layer: int) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
+    """A mamba layer's `mamba.*` tensors under keel's `self_attn.*`."""
+    p = f"model.layers.{layer}"
+    return {f"{p}.mamba.{name}": {f"{p}.self_attn.{name}": None} for name in mamba2_tensors(config)}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Layers whose past is a state per sequence rather than keys and values (`ModelConfig.is_recurrent_layer`): Gated
 DeltaNet (keel.model.linear_attention: "linear_attention" layers, Qwen3.5), the gated short convolution
-(keel.model.short_conv: "conv" layers, LFM2) and Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H;
-beside the attention of Falcon-H1's "hybrid" layers, which keep keys and values too).
-Each runs a causal depthwise convolution whose last K - 1 inputs it keeps; Gated DeltaNet also keeps its delta
-rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N] state.
+(keel.model.short_conv: "conv" layers, LFM2), Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H;
+beside the attention of Falcon-H1's "hybrid" layers, which keep keys and values too) and Mamba 1's
+(keel.model.mamba1: "mamba1" layers, Mamba, Falcon Mamba, Jamba). Each runs a causal depthwise convolution whose
+last K - 1 inputs it keeps; Gated DeltaNet also keeps its delta rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N]
+state, Mamba 1 its [channels, N] state.
 
 Without a cache each row of a batch is a whole sequence from an empty state. With one, the cache's
 `recurrent_spans` says which tokens belong to which sequence and hands out that sequence's states, which the layer
@@ -12,6 +13,7 @@ continues in place: a chunk of a prefill, or one decode token of many sequences 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,18 +47,22 @@ def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
     if config.has_mamba(layer):
         inner = config.mamba_n_heads * config.mamba_d_head
         return inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv
+    if kind == "mamba1":
+        return config.mamba_d_inner, config.mamba_d_conv
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     return 2 * keys + config.linear_num_value_heads * config.linear_value_head_dim, config.linear_conv_kernel_dim
 
 
 def state_shape(config: ModelConfig, layer: int) -> tuple[int, ...] | None:
     """A recurrent layer's float32 state beside its convolution's inputs, per sequence: Gated DeltaNet's [Hv, Dk, Dv],
-    Mamba 2's [H, P, N]; None for a short convolution."""
+    Mamba 2's [H, P, N], Mamba 1's [channels, N]; None for a short convolution."""
     kind = config.layer_types[layer]
     if kind == "linear_attention":
         return (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
     if config.has_mamba(layer):
         return (config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
+    if kind == "mamba1":
+        return (config.mamba_d_inner, config.mamba_d_state)
     return None
 
 
@@ -132,7 +138,7 @@ class RecurrentStates:
                 total += channels * (kernel - 1) * dtype.itemsize
             shape = state_shape(config, i) if config.is_recurrent_layer(i) else None
             if shape is not None:
-                total += 4 * shape[0] * shape[1] * shape[2]
+                total += 4 * math.prod(shape)
         return total
 
     def reset(self, slots: list[int]) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from keel.model.layers import XIELU, RMSNorm
 from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
+from keel.model.mamba1 import Mamba1Mixer
 from keel.model.moe import GroupedExperts, Router
 
 # Elements per generator block: large enough that seeding costs nothing next to the draw, small
@@ -100,9 +101,9 @@ def materialize(model: nn.Module, device: torch.device | str, fill: Callable[[nn
 
 @torch.no_grad()
 def fill_vector(param: Tensor, values: Tensor) -> None:
-    """Fill this rank's part of the 1-D `param` from the whole vector `values`."""
+    """Fill this rank's part of `param` from the whole tensor `values` (a vector, or Mamba 1's [channels, N])."""
     local, shape, offset = local_box(param)
-    local.copy_(values[offset[0] : offset[0] + shape[0]].to(local))
+    local.copy_(values[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))].to(local))
 
 
 @torch.no_grad()
@@ -124,10 +125,10 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             if name == "lm_head.weight" and tied:
                 name = "embed_tokens.weight"  # a stage's untied head starts as the tied model's
             if isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm) or (
-                isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name in ("dt_bias", "D")
+                isinstance(module, GatedDeltaNet | Mamba2Mixer | Mamba1Mixer) and param_name in ("dt_bias", "D")
             ):
                 param.fill_(1.0)  # before the generic bias rule: dt_bias starts at 1, as transformers starts it
-            elif isinstance(module, GatedDeltaNet | Mamba2Mixer) and param_name == "A_log":
+            elif isinstance(module, GatedDeltaNet | Mamba2Mixer | Mamba1Mixer) and param_name == "A_log":
                 fill_vector(param, module.initial_a_log())
             elif isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)

@@ -17,6 +17,7 @@ from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
 from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mamba import Mamba2Mixer
+from keel.model.mamba1 import Mamba1Mixer
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
 from keel.model.short_conv import ShortConv
@@ -26,6 +27,7 @@ RECURRENT_MIXERS: dict[str, type[nn.Module]] = {
     "linear_attention": GatedDeltaNet,
     "conv": ShortConv,
     "mamba": Mamba2Mixer,
+    "mamba1": Mamba1Mixer,
 }
 
 

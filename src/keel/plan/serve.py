@@ -11,8 +11,9 @@ replicas, with experts spread over every GPU of a replica (ep = tp; vLLM's exper
   `context` tokens that fit (whole blocks);
 - decode step at batch B (every sequence at `context` tokens): the larger of the memory time
   (weights read once per step - for MoE the experts the batch touches, E (1 - (1 - k/E)^B) per
-  layer - plus every sequence's KV) over HBM bandwidth and the compute time (2 x active parameters
-  x B, plus attention) over peak FLOP/s x `mfu`; plus tp all-reduces (2 per layer of B x hidden
+  layer - plus every sequence's KV, and its recurrent layers' state read and written) over HBM
+  bandwidth and the compute time (2 x active parameters x B, plus attention) over peak FLOP/s x
+  `mfu`; plus tp all-reduces (2 per layer of B x hidden
   activations, ring: 2 (tp - 1)/tp of the bytes over the scale-up link), not overlapped; with pp a
   token passes every stage in turn (latency is the sum of the stages) and throughput assumes no
   pipelining of micro-batches across stages (conservative for pp);
@@ -132,6 +133,7 @@ class _Shape:
     kv_token: float
     context: int
     mfu: float
+    state: float = 0.0  # recurrent layers' state bytes per sequence on this stage, read and written every step
 
     def _times(self, n: int, with_kv: bool = True) -> tuple[float, float, float]:
         """(memory s, compute s, communication s) of one stage for a batch of n sequences."""
@@ -141,7 +143,7 @@ class _Shape:
         # The input embedding is a lookup: a step reads n of its rows, not the table.
         lookup = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
         weight_read = ((self.sharded - lookup) / self.tp + expert_read / self.ep) * self.wbytes / self.pp
-        kv_read = n * self.context * self.kv_token if with_kv else 0.0
+        kv_read = n * (self.context * self.kv_token + 2 * self.state) if with_kv else 0.0
         memory_s = (weight_read + kv_read) / self.gpu.hbm_bandwidth
         attention = _attention_flops_per_token(c, self.context) if with_kv else 0.0
         flops = n * (2 * self.active + attention) / (self.tp * self.pp)
@@ -191,6 +193,7 @@ def decode_roofline(
         kv_token,
         context,
         mfu,
+        _state_bytes(config) / pp if config.has_recurrent_layers else 0.0,
     )
     ms, memory_s, compute_s = shape.step(batch)
     return ms, compute_s >= memory_s
@@ -294,12 +297,13 @@ def _serve_layout(
     per_sequence = kv_token * block_size * -(-context // block_size) + state
     sequences = int(kv_free // per_sequence) if per_sequence else 0
     blocks = int((kv_free - sequences * state) // (kv_token * block_size)) if kv_token else 0
-    tokens = blocks * block_size
+    # without attention layers (Mamba) nothing is kept per token: the sequences' own tokens are all they hold
+    tokens = blocks * block_size if kv_token else sequences * context
     b = batch or max(1, min(sequences, 256))
     # keel serves recurrent layers in one process only (keel.serve.hybrid)
     servable = not config.has_recurrent_layers or tp * pp == 1
 
-    shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu)
+    shape = _Shape(config, gpu, sharded, routed, active, wbytes, tp, pp, ep, kv_token, context, mfu, state)
     decode1, *_ = shape.step(1)
     decode_b, *_ = shape.step(b)
     bound = 1  # weights only: the KV reads grow with the batch as the compute does

@@ -29,7 +29,7 @@ from keel.serve.backends import describe_backends
 from keel.serve.compiled_decode import CompiledDecode, decide_compile
 from keel.serve.config import EngineConfig
 from keel.serve.constraints import bad_words_token_ids
-from keel.serve.hybrid import check_recurrent_layers, prefix_caching
+from keel.serve.hybrid import check_recurrent_layers, prefix_caching, states_only
 from keel.serve.kv_blocks import KVCacheManager
 from keel.serve.kv_budget import DummyStep, blocks_in_budget, measured_peak
 from keel.serve.kv_quant import make_paged_kv_cache
@@ -250,7 +250,9 @@ class LLMEngine:
         cache = self.config.cache
         check_kv_cache_dtype(cache.kv_cache_dtype)  # before sizing: --num-blocks skips the byte count
         num_blocks = self.executor.num_blocks if self.executor is not None else self._num_blocks(device)
-        tokens = num_blocks * cache.block_size
+        # without attention layers a block holds nothing: one a sequence, over all of max_model_len (keel.serve.hybrid)
+        block_size = self.max_model_len if states_only(self.model.config) else cache.block_size
+        tokens = num_blocks * block_size
         if tokens < self.max_model_len and self.config.scheduler.max_model_len == AUTO_LENGTH:
             log.warning(
                 "--max-model-len auto: %d tokens, what the KV cache holds (the model's context is %d)",
@@ -260,24 +262,28 @@ class LLMEngine:
             self.max_model_len = tokens
         elif tokens < self.max_model_len:
             raise KeelError(
-                f"KV cache of {num_blocks} blocks x {cache.block_size} tokens cannot hold one sequence of "
+                f"KV cache of {num_blocks} blocks x {block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len"
             )
-        self.kv = KVCacheManager(num_blocks, cache.block_size, prefix_caching(self.model.config, self.config))
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching(self.model.config, self.config))
         if self.executor is not None:  # each worker holds its own heads' and layers' share of the blocks
-            log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, cache.block_size, tokens)
+            log.info("KV cache: %d blocks of %d tokens (%d tokens) on every rank", num_blocks, block_size, tokens)
             self.cache = None
             return num_blocks
-        mib = num_blocks * self._bytes_per_block() / 2**20
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, cache.block_size, tokens, mib)
+        if states_only(self.model.config):
+            log.info("no attention layers: recurrent states for %d sequences at once", num_blocks)
+        else:
+            mib = num_blocks * self._bytes_per_block() / 2**20
+            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks, block_size, tokens, mib)
         self.cache = make_paged_kv_cache(
             self.model.config,
             num_blocks,
-            cache.block_size,
+            block_size,
             self.model.dtype,
             device,
             cache.kv_cache_dtype,
-            sequences=self.config.scheduler.max_num_seqs,
+            # a running sequence holds a block at least: never more of them than blocks
+            sequences=min(self.config.scheduler.max_num_seqs, num_blocks),
         )
         return num_blocks
 
@@ -441,20 +447,29 @@ class LLMEngine:
         return sum(kv_cache_bytes(m.config, m.dtype, cache.kv_cache_dtype, tokens=cache.block_size) for m in models)
 
     def _num_blocks(self, device: str) -> int:
-        cache = self.config.cache
+        """Blocks the budget holds beside the recurrent layers' states of max_num_seqs sequences; for a model
+        without attention layers, the sequences whose states it holds (at most max_num_seqs: one block each)."""
+        cache, seqs = self.config.cache, self.config.scheduler.max_num_seqs
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = self._bytes_per_block()
-        blocks = blocks_in_budget(
-            per_block, cache.kv_cache_memory, device, cache.gpu_memory_utilization, self._activation_peak
-        )
+        per_slot = RecurrentStates.bytes_per_slot(self.model.config, self.model.dtype)
+        unit = per_slot if states_only(self.model.config) else per_block  # what the budget is counted in
+        peak = self._activation_peak
+        blocks = blocks_in_budget(unit, cache.kv_cache_memory, device, cache.gpu_memory_utilization, peak)
+        if states_only(self.model.config):
+            if blocks < 1:
+                raise KeelError(
+                    f"the recurrent layers' states of one sequence ({per_slot / 2**20:.0f} MiB) do not fit the budget"
+                )
+            if blocks < seqs:
+                log.info("recurrent states for %d sequences fit the budget: fewer than --max-num-seqs %d", blocks, seqs)
+            return min(blocks, seqs)
         # recurrent layers: their states for max_num_seqs sequences come out of the same budget
-        states = (
-            RecurrentStates.bytes_per_slot(self.model.config, self.model.dtype) * self.config.scheduler.max_num_seqs
-        )
+        states = per_slot * seqs
         if states and blocks - -(-states // per_block) < 1:
             raise KeelError(
-                f"the recurrent layers' states of --max-num-seqs {self.config.scheduler.max_num_seqs} sequences "
+                f"the recurrent layers' states of --max-num-seqs {seqs} sequences "
                 f"({states / 2**20:.0f} MiB) leave no room for the KV cache: lower --max-num-seqs or raise the budget"
             )
         return blocks - -(-states // per_block) if states else blocks
@@ -737,7 +752,7 @@ class LLMEngine:
         """The KV cache's configuration as label values (vLLM's `vllm:cache_config_info` gauge, set to 1)."""
         cache = self.config.cache
         return {
-            "block_size": str(cache.block_size),
+            "block_size": str(self.kv.block_size),
             "num_gpu_blocks": str(self.kv.num_blocks),  # vLLM's name; the blocks wherever the cache lives
             "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": str(self.kv.enable_prefix_caching),

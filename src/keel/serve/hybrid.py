@@ -7,6 +7,10 @@ prefix's blocks would skip tokens whose state no slot holds), and what needs eit
 rejected drafts), or that keel has not built for them (tensor/pipeline-parallel workers), is refused here by name; the
 int8 KV cache refuses them where it is made (keel.serve.kv_quant.make_paged_kv_cache) and the compiled decode step
 steps aside (keel.serve.compiled_decode.compile_unsupported).
+
+A model without attention layers (Mamba 2, Mamba) keeps nothing per token: its budget holds states only, one slot
+a sequence, so the engine gives each sequence one block that spans the whole `max_model_len` and has as many
+blocks as slots (`states_only`): the scheduler's block admission is then its state-slot admission.
 """
 
 from __future__ import annotations
@@ -24,8 +28,6 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     """A one-line KeelError for an engine option such a model cannot run with."""
     if not model.has_recurrent_layers:
         return
-    if not any(model.is_attention_layer(i) for i in range(model.num_layers)):
-        raise KeelError("a model whose every layer is recurrent (no attention layer, no KV cache) is not served yet")
     refused = [
         (config.speculative is not None, "speculative decoding"),
         (config.parallel.uses_workers, "tensor/pipeline-parallel workers"),
@@ -33,6 +35,12 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     for asked, what in refused:
         if asked:
             raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba, hybrid) layers yet")
+
+
+def states_only(model: ModelConfig) -> bool:
+    """Whether no layer attends (each recurrent, or an MLP alone): no KV cache rows at all, a state slot per sequence
+    only."""
+    return not any(model.is_attention_layer(i) for i in range(model.num_layers))
 
 
 def prefix_caching(model: ModelConfig, config: EngineConfig) -> bool:
