@@ -10,6 +10,7 @@ transformers' greedy tokens come through keel's engine from float32 and from Q8_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -165,9 +166,16 @@ def _ministral3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
+def _exaone_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+
+
 def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
 
+
+# The converters that write Llama 3's rope scaling as rope_freqs.
+_LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
 # The checkpoint being written, by writer (the converter's keys read some of its tensors: Apertus's xIELU).
 _SAVED: dict[int, dict[str, torch.Tensor]] = {}
@@ -214,6 +222,24 @@ CONVERTERS = {
     "ministral3": Converter(gguf.MODEL_ARCH.MISTRAL3, keys=_ministral3_keys, permute=("weight", "bias")),
     # NemotronModel: LayerNorm1P's weights plus 1, the eps as layer_norm_eps, the rotary width, no rope scaling
     "nemotron": Converter(gguf.MODEL_ARCH.NEMOTRON, keys=_nemotron_keys, tensor=_plus_one),
+    # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
+    # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
+    "exaone": Converter(
+        gguf.MODEL_ARCH.EXAONE,
+        keys=_exaone_keys,
+        build={
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 1_000_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
 }
 
 
@@ -235,7 +261,7 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     del _SAVED[id(w)]
     add_mini_vocab(w, "default")
     rope = hp.get("rope_parameters") or {}
-    if rope.get("rope_type") == "llama3" and converter.arch in (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE):
+    if rope.get("rope_type") == "llama3" and converter.arch in _LLAMA3_FREQS:
         head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
     names = gguf.get_tensor_name_map(converter.arch, cfg.num_hidden_layers)
@@ -264,8 +290,8 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     finish_writer(w)
 
 
-def build(name: str):
-    overrides = dict(CONVERTERS[name].build)
+def build(name: str, **extra: Any):
+    overrides = {**CONVERTERS[name].build, **extra}
     if name == "phimoe":  # the factor on cos/sin llama.cpp computes (the file's), as the model's mscale
         hp = build_hf_model(name).config.to_dict()
         factor = llama_cpp_attn_factor(hp)
@@ -315,6 +341,16 @@ def assert_family_features(name: str, loaded, hf) -> None:
     if name == "ministral3":  # YaRN with its mscales, Llama 4's temperature by position
         assert (c.rope_scaling.type, c.rope_scaling.mscale, c.rope_scaling.mscale_all_dim) == ("yarn", 1.0, 1.0)
         assert (c.query_scale_beta, c.query_scale_length) == (0.5, 16)
+    if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
+        assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
+            "exaone",
+            "llama3",
+            8.0,
+            True,
+            True,
+        )
+        q = "model.layers.1.self_attn.q_proj.weight"
+        assert torch.equal(reader.get(q), hf.state_dict()[q])
     if name == "nemotron":  # LayerNorm1P (the file's weights less 1), half of each head rotating, biases
         assert (c.norm_type, c.norm_weight_offset, c.partial_rotary_factor, c.mlp_gated) == ("layer", 1.0, 0.5, False)
         assert c.rms_norm_eps == pytest.approx(1e-4) and c.qkv_bias and c.mlp_bias
@@ -363,3 +399,17 @@ def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="'xielu.alpha_p' must list one value per layer"):
         open_gguf(tmp_path / "apertus.gguf")
+
+
+def test_exaone_gguf_with_the_eps_as_text_models_layer_norm_key(tmp_path):
+    """EXAONE's config.json names its RMSNorm eps layer_norm_epsilon, which TextModel's keys write as the LayerNorm
+    key (the older converter wrote it as the RMS key, which llama.cpp reads): read from either."""
+    hf = build("exaone", rms_norm_eps=1e-3)
+    hp = {k: v for k, v in hf.config.to_dict().items() if k != "rms_norm_eps"} | {"layer_norm_epsilon": 1e-3}
+    keys = lambda w, _: (text_model_keys(w, hp), _exaone_keys(w, hp))  # noqa: E731
+    converter = dataclasses.replace(CONVERTERS["exaone"], keys=keys, text_model=False)
+    write_converted(hf, tmp_path / "exaone.gguf", converter)
+    loaded = load_model(tmp_path / "exaone.gguf")
+    assert loaded.config.rms_norm_eps == pytest.approx(1e-3) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

@@ -19,7 +19,7 @@ Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qw
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
-apertus, nemotron, minimax-m2 and mistral3 (Ministral 3; others are refused by name);
+apertus, nemotron, minimax-m2, mistral3 (Ministral 3) and exaone (EXAONE 3.0 / 3.5; others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -109,11 +109,13 @@ it), Apertus (`apertus`: q/k as in HF; xIELU's alpha_p, alpha_n, beta and eps pe
 as HF's `mlp.act_fn.*` tensors) and Nemotron (`nemotron`: LayerNorm1P's weights stored plus 1, taken off on load;
 the eps as `attention.layer_norm_epsilon`; the rotary width), MiniMax-M2 (`minimax-m2`: the experts' width and the
 rotary width as keys, sigmoid gating (others refused), the selection bias as `exp_probs_b.bias`; no key for
-norm_topk_prob: llama.cpp renormalises, as the family does) and Ministral 3 (`mistral3`, Ministral3Model on
+norm_topk_prob: llama.cpp renormalises, as the family does), Ministral 3 (`mistral3`, Ministral3Model on
 LlamaModel: q/k permuted; YaRN's keys with mscale_all_dim itself as `rope.scaling.yarn_log_multiplier` (not 0.1 x it,
 as DeepSeek's) and mscale, which no key holds, taken equal to it, as the releases have them; Llama 4's temperature as
-`attention.temperature_scale` over YaRN's pre-training context). Biases come from the tensors; the activation, which no
-key names, is the family's default (llama.cpp's per architecture).
+`attention.temperature_scale` over YaRN's pre-training context) and EXAONE 3 (`exaone`: q/k as in HF, Llama 3's rope
+scaling as `rope_freqs`, the eps as the RMS key or, written as TextModel's from config.json's layer_norm_epsilon, the
+LayerNorm key). Biases come from the tensors; the activation, which no key names, is the family's default (llama.cpp's
+per architecture).
 """
 
 from __future__ import annotations
@@ -204,6 +206,7 @@ _FAMILIES = {
     _A.NEMOTRON: "nemotron",
     _A.MINIMAXM2: "minimax_m2",
     _A.MISTRAL3: "ministral3",
+    _A.EXAONE: "exaone",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -427,9 +430,7 @@ def _config_from_metadata(
         num_heads=num_heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=f.pick(
-            "rms_norm_eps", f.key(_KA.LAYERNORM_EPS if family in _LAYER_NORM else _KA.LAYERNORM_RMS_EPS), _f32
-        ),
+        rms_norm_eps=f.pick("rms_norm_eps", _norm_eps(f, family), _f32),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=f.pick("max_position_embeddings", f.key(_K.CONTEXT_LENGTH), int),
@@ -453,6 +454,16 @@ def _config_from_metadata(
     except ConfigError as e:  # ModelConfig.validate does not know the file
         raise ConfigError(f"{path}: {e}") from None
     return config, f.provenance
+
+
+def _norm_eps(f: _Fields, family: str) -> Any:
+    """The norms' eps: `attention.layer_norm_epsilon` for LayerNorm families, else `layer_norm_rms_epsilon`. EXAONE 3's
+    converter wrote its layer_norm_epsilon as the RMS key (which llama.cpp reads); written as TextModel's from
+    config.json, it lands under the LayerNorm key instead."""
+    if family in _LAYER_NORM:
+        return f.key(_KA.LAYERNORM_EPS)
+    eps = f.key(_KA.LAYERNORM_RMS_EPS)
+    return f.key(_KA.LAYERNORM_EPS) if eps is None and family == "exaone" else eps
 
 
 def _architecture(meta: _Metadata, path: Path) -> str:
@@ -851,7 +862,7 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
             if not isinstance(values, list) or len(values) != common["num_layers"]:
                 raise ConfigError(f"{f.meta.path}: GGUF metadata key {key!r} must list one value per layer")
         return bias
-    if family == "arcee":
+    if family in ("arcee", "exaone"):  # ExaoneModel: TextModel's keys and the rotary width (the head size)
         return bias
     if family == "minimax_m2":
         # MiniMaxM2Model: the experts' width and the rotary width as keys, sigmoid gating; llama.cpp always
