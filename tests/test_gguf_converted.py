@@ -170,6 +170,27 @@ def _exaone_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
 
 
+def _minicpm3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MiniCPM3Model's keys (none of TextModel's, none of muP's scalars, no value width) and LongRoPE's factors."""
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_key_length(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    rope = hp["rope_parameters"]
+    if rope.get("long_factor") or rope.get("short_factor"):
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
 
@@ -222,6 +243,28 @@ CONVERTERS = {
     "ministral3": Converter(gguf.MODEL_ARCH.MISTRAL3, keys=_ministral3_keys, permute=("weight", "bias")),
     # NemotronModel: LayerNorm1P's weights plus 1, the eps as layer_norm_eps, the rotary width, no rope scaling
     "nemotron": Converter(gguf.MODEL_ARCH.NEMOTRON, keys=_nemotron_keys, tensor=_plus_one),
+    # MiniCPM3Model: its own keys, the latent attention's tensors as in HF, LongRoPE's factors as tensors; built with
+    # the scalars llama.cpp fixes (the release's), a value width of hidden / heads, and LongRoPE pre-trained on the
+    # whole context (MiniCPM3-4B's)
+    "minicpm3": Converter(
+        gguf.MODEL_ARCH.MINICPM3,
+        keys=_minicpm3_keys,
+        text_model=False,
+        build={
+            "scale_emb": 12.0,
+            "scale_depth": 1.4,
+            "dim_model_base": 256,
+            "v_head_dim": 16,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.25, 2.5, 3.5],
+                "long_factor": [1.5, 2.0, 4.5, 9.0],
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
     # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
     "exaone": Converter(
@@ -341,6 +384,18 @@ def assert_family_features(name: str, loaded, hf) -> None:
     if name == "ministral3":  # YaRN with its mscales, Llama 4's temperature by position
         assert (c.rope_scaling.type, c.rope_scaling.mscale, c.rope_scaling.mscale_all_dim) == ("yarn", 1.0, 1.0)
         assert (c.query_scale_beta, c.query_scale_length) == (0.5, 16)
+    if name == "minicpm3":  # latent attention rotating halves, llama.cpp's scalars, LongRoPE's short factors
+        assert (c.q_lora_rank, c.kv_lora_rank, c.v_head_dim, c.qk_rope_head_dim, c.rope_interleave) == (
+            32,
+            16,
+            16,
+            8,
+            False,
+        )
+        assert (c.embedding_multiplier, c.logits_scaling) == (12.0, 0.25)
+        assert c.residual_multiplier == pytest.approx(1.4 / math.sqrt(3))
+        assert c.rope_scaling.type == "longrope" and c.rope_scaling.short_factor == (1.0, 1.25, 2.5, 3.5)
+        assert reader.gguf_names("model.layers.0.self_attn.kv_b_proj.weight") == ["blk.0.attn_kv_b.weight"]
     if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
         assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
             "exaone",

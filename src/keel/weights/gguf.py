@@ -19,7 +19,8 @@ Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qw
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
-apertus, nemotron, minimax-m2, mistral3 (Ministral 3) and exaone (EXAONE 3.0 / 3.5; others are refused by name);
+apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5) and minicpm3 (others are refused by
+name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -114,8 +115,11 @@ LlamaModel: q/k permuted; YaRN's keys with mscale_all_dim itself as `rope.scalin
 as DeepSeek's) and mscale, which no key holds, taken equal to it, as the releases have them; Llama 4's temperature as
 `attention.temperature_scale` over YaRN's pre-training context) and EXAONE 3 (`exaone`: q/k as in HF, Llama 3's rope
 scaling as `rope_freqs`, the eps as the RMS key or, written as TextModel's from config.json's layer_norm_epsilon, the
-LayerNorm key). Biases come from the tensors; the activation, which no key names, is the family's default (llama.cpp's
-per architecture).
+LayerNorm key). MiniCPM3 (`minicpm3`): its own keys, DeepSeek-V2's latent attention as the older files store it
+(`attn_kv_b` whole), no value width (llama.cpp's hidden / heads), LongRoPE's factors as Phi-3's tensors without its
+keys (pre-trained on the whole context: the short factors, no factor on cos/sin), and none of muP's scalars: the
+release's 12, 1.4 and 256, which llama.cpp's graph fixes. Biases come from the tensors; the activation, which no key
+names, is the family's default (llama.cpp's per architecture).
 """
 
 from __future__ import annotations
@@ -207,6 +211,7 @@ _FAMILIES = {
     _A.MINIMAXM2: "minimax_m2",
     _A.MISTRAL3: "ministral3",
     _A.EXAONE: "exaone",
+    _A.MINICPM3: "minicpm3",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -232,7 +237,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= set(_QWEN_HYBRID)
+_ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
@@ -500,6 +505,10 @@ def _family_fields(
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
     if family in ("deepseek_v2", "deepseek_v3"):
         own.update(_mla_fields(f, common, tensors, path))
+    if family == "minicpm3":
+        # latent attention as DeepSeek-V2's older files (kv_b_proj whole); LongRoPE's factors as Phi-3's tensors
+        own.update(_mla_fields(f, common, tensors, path, value=_minicpm3_value_width(f, common)))
+        own.update(_phi3_longrope(f, common, tensors, path))
     log_mul = f.key(_KR.SCALING_YARN_LOG_MUL)
     if family == "ministral3" and common["rope_scaling"].type == "yarn" and log_mul is not None:
         # Ministral3Model writes mscale_all_dim itself; mscale is taken equal to it (no key), as the releases have
@@ -553,17 +562,19 @@ def _deepseek_moe_fields(
     }
 
 
-def _mla_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+def _mla_fields(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path, value: int | None = None
+) -> dict[str, Any]:
     """Multi-head latent attention as llama.cpp's DeepseekV2Model writes it. Current files store it in MQA form (one
     KV head of kv_lora_rank + rope width; the query/key and value widths as `key_length_mla` / `value_length_mla`;
     kv_b_proj split into `attn_k_b`, transposed, and `attn_v_b`); older ones one KV head per query head, the widths
     as `key_length` / `value_length`, and `attn_kv_b` whole. Either way keel's KV heads are the query heads. The
     rotary width is `rope.dimension_count`, on interleaved pairs (llama.cpp stores HF's rows); the converter writes
     0.1 x mscale_all_dim as `rope.scaling.yarn_log_multiplier`, and DeepSeek's mscale equals it (as llama.cpp
-    takes it)."""
+    takes it). `value`: the value width where the file has no key for it."""
     read = f.read
     rope = int(f.require(_KR.DIMENSION_COUNT))
-    value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH))
+    value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH, value))
     if value is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_KA.VALUE_LENGTH)!r} is missing")
     low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
@@ -585,13 +596,15 @@ def _mla_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTenso
 
 def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
     """Phi-3's LongRoPE as its converter stores it: the factors as `rope_factors_long` / `rope_factors_short`
-    tensors, the pre-training context and the cos/sin factor as rope.scaling keys; {} without the tensors."""
+    tensors, the pre-training context and the cos/sin factor as rope.scaling keys (MiniCPM3's converter writes
+    neither: llama.cpp's pre-training context is then the context length, switching to the long factors never, and
+    its cos/sin factor 1, as transformers' for a factor of 1); {} without the tensors."""
     long_name, short_name = (_tensor(k) for k in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT))
     if long_name not in tensors and short_name not in tensors:
         return {}
     if long_name not in tensors or short_name not in tensors:
         raise ConfigError(f"{path}: LongRoPE needs both {long_name!r} and {short_name!r}")
-    original = int(f.require(_KR.SCALING_ORIG_CTX_LEN))
+    original = int(f.key(_KR.SCALING_ORIG_CTX_LEN) or common["max_position_embeddings"])
     attention = f.key(_KR.SCALING_ATTN_FACTOR)
     factors = {
         name: tuple(float(x) for x in _to_numpy(tensors[name], path).reshape(-1)) for name in (long_name, short_name)
@@ -824,12 +837,20 @@ def _family_hf_config(
     return hf, read
 
 
+# llama.cpp's MiniCPM3 graph: muP's scalars as MiniCPM3-4B has them (its files hold none).
+_MINICPM3_SCALARS = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
 # The config fields whose metadata keys _table_hf_config reads (provenance "read").
 _TABLE_READ = {
     "olmoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "phimoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "minimax_m2": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
 }
+
+
+def _minicpm3_value_width(f: _Fields, common: dict[str, Any]) -> int:
+    """MiniCPM3's value width: MiniCPM3Model writes no key for it; llama.cpp's default, hidden / heads, as the config
+    class's where config.json has none (MiniCPM3-4B's)."""
+    return int(f.key(_KA.VALUE_LENGTH, common["hidden_size"] // common["num_heads"]))
 
 
 def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -862,6 +883,16 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
             if not isinstance(values, list) or len(values) != common["num_layers"]:
                 raise ConfigError(f"{f.meta.path}: GGUF metadata key {key!r} must list one value per layer")
         return bias
+    if family == "minicpm3":
+        # MiniCPM3Model writes none of muP's scalars: llama.cpp's graph fixes them at the release's (scale_emb 12,
+        # scale_depth 1.4, dim_model_base 256), and so does keel
+        heads = common["num_heads"]
+        return dict(
+            num_attention_heads=heads,
+            v_head_dim=_minicpm3_value_width(f, common),
+            tie_word_embeddings=common["tie_word_embeddings"],
+            **_MINICPM3_SCALARS,
+        )
     if family in ("arcee", "exaone"):  # ExaoneModel: TextModel's keys and the rotary width (the head size)
         return bias
     if family == "minimax_m2":
