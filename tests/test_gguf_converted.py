@@ -191,6 +191,25 @@ def _minicpm3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
+def _hunyuan_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """HunYuanModel's and HunYuanMoEModel's keys: NTK's alpha folded into the base (hidden / heads wide; no scaling
+    left), the context llama.cpp takes; HunYuanMoEModel's the experts' widths and counts (its lists' first values)."""
+    rope = hp["rope_parameters"]
+    if rope.get("rope_type") == "dynamic":
+        dim = hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+        w.add_context_length(256 * 1024)
+    if "moe_topk" in hp:
+        first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
+        w.add_expert_shared_feed_forward_length(hp["intermediate_size"])
+        w.add_expert_feed_forward_length(first(hp.get("moe_intermediate_size") or hp["intermediate_size"]))
+        w.add_expert_used_count(first(hp["moe_topk"]))
+        w.add_expert_shared_count(first(hp.get("num_shared_expert") or 1))
+
+
 def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
 
@@ -265,6 +284,9 @@ CONVERTERS = {
             },
         },
     ),
+    # HunYuanModel and HunYuanMoEModel (TextModel): NTK's alpha folded into the base; q/k as in HF
+    "hunyuan_v1_dense": Converter(gguf.MODEL_ARCH.HUNYUAN_DENSE, keys=_hunyuan_keys),
+    "hunyuan_v1_moe": Converter(gguf.MODEL_ARCH.HUNYUAN_MOE, keys=_hunyuan_keys),
     # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
     # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
     "exaone": Converter(
@@ -396,6 +418,16 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert c.residual_multiplier == pytest.approx(1.4 / math.sqrt(3))
         assert c.rope_scaling.type == "longrope" and c.rope_scaling.short_factor == (1.0, 1.25, 2.5, 3.5)
         assert reader.gguf_names("model.layers.0.self_attn.kv_b_proj.weight") == ["blk.0.attn_kv_b.weight"]
+    if name.startswith("hunyuan"):  # q/k norms after the rotary embedding, NTK's alpha as the base
+        dim = cfg.hidden_size // cfg.num_attention_heads
+        base = 10000.0 * 1000.0 ** (dim / (dim - 2))
+        assert (c.qk_norm, c.qk_norm_after_rope, c.qkv_bias, c.rope_scaling.type) == (True, True, True, "default")
+        assert c.rope_theta == pytest.approx(base, rel=1e-6) and c.max_position_embeddings == 256 * 1024
+        assert reader.gguf_names("model.layers.0.self_attn.q_norm.weight") == ["blk.0.attn_q_norm.weight"]
+    if name == "hunyuan_v1_moe":  # the float32 router (gate.wg), the ungated shared MLP, the top 2 renormalised
+        assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.router_float32) == (8, 2, True, True)
+        assert (c.shared_expert_intermediate_size, c.shared_expert_gated) == (32, False)
+        assert reader.gguf_names("model.layers.2.mlp.gate.weight") == ["blk.2.ffn_gate_inp.weight"]
     if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
         assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
             "exaone",
@@ -468,3 +500,13 @@ def test_exaone_gguf_with_the_eps_as_text_models_layer_norm_key(tmp_path):
     assert loaded.config.rms_norm_eps == pytest.approx(1e-3) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_hunyuan_moe_gguf_with_experts_narrower_than_the_shared_mlp_is_refused(tmp_path):
+    """transformers' Hunyuan MoE runs experts as wide as the shared MLP: a file whose widths differ is refused by name,
+    as a config.json would be."""
+    keys = lambda w, hp: (_hunyuan_keys(w, hp), w.add_expert_feed_forward_length(16))  # noqa: E731
+    converter = dataclasses.replace(CONVERTERS["hunyuan_v1_moe"], keys=keys)
+    write_converted(build("hunyuan_v1_moe"), tmp_path / "moe.gguf", converter)
+    with pytest.raises(ConfigError, match="moe_intermediate_size 16 differs from intermediate_size 32"):
+        open_gguf(tmp_path / "moe.gguf")

@@ -19,8 +19,8 @@ Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qw
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
-apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5) and minicpm3 (others are refused by
-name);
+apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3, hunyuan-dense and
+hunyuan-moe (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -118,7 +118,11 @@ scaling as `rope_freqs`, the eps as the RMS key or, written as TextModel's from 
 LayerNorm key). MiniCPM3 (`minicpm3`): its own keys, DeepSeek-V2's latent attention as the older files store it
 (`attn_kv_b` whole), no value width (llama.cpp's hidden / heads), LongRoPE's factors as Phi-3's tensors without its
 keys (pre-trained on the whole context: the short factors, no factor on cos/sin), and none of muP's scalars: the
-release's 12, 1.4 and 256, which llama.cpp's graph fixes. Biases come from the tensors; the activation, which no key
+release's 12, 1.4 and 256, which llama.cpp's graph fixes. Hunyuan dense and MoE (`hunyuan-dense`, `hunyuan-moe`):
+TextModel's keys, q/k as in HF, NTK's alpha folded into `rope.freq_base` (no scaling left; the context 256k, as
+the converter writes it); the MoE's expert width, top k, shared count and shared width as keys, which the family
+checks as it checks config.json's (transformers' experts are as wide as the one shared MLP). Biases come from the
+tensors; the activation, which no key
 names, is the family's default (llama.cpp's per architecture).
 """
 
@@ -212,6 +216,8 @@ _FAMILIES = {
     _A.MISTRAL3: "ministral3",
     _A.EXAONE: "exaone",
     _A.MINICPM3: "minicpm3",
+    _A.HUNYUAN_DENSE: "hunyuan_v1_dense",
+    _A.HUNYUAN_MOE: "hunyuan_v1_moe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -844,6 +850,12 @@ _TABLE_READ = {
     "olmoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "phimoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "minimax_m2": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
+    "hunyuan_v1_moe": {
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    },
 }
 
 
@@ -892,6 +904,16 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
             v_head_dim=_minicpm3_value_width(f, common),
             tie_word_embeddings=common["tie_word_embeddings"],
             **_MINICPM3_SCALARS,
+        )
+    if family == "hunyuan_v1_moe":
+        # HunYuanMoEModel: the experts' counts and widths as keys (the config's per-layer lists, uniform, as their first
+        # value; the shared MLP's width is intermediate_size), which the family checks as it checks config.json's
+        return dict(
+            num_experts=int(f.require(_K.EXPERT_COUNT)),
+            moe_topk=int(f.require(_K.EXPERT_USED_COUNT)),
+            intermediate_size=int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, common["intermediate_size"])),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            num_shared_expert=int(f.key(_K.EXPERT_SHARED_COUNT, 1)),
         )
     if family in ("arcee", "exaone"):  # ExaoneModel: TextModel's keys and the rotary width (the head size)
         return bias
