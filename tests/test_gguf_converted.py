@@ -210,6 +210,24 @@ def _hunyuan_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_expert_shared_count(first(hp.get("num_shared_expert") or 1))
 
 
+def _exaone_moe_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Exaone4Model's keys (the vocabulary, the window and which layers slide) and ExaoneMoEModel's (the experts'
+    width, shared count and width, scaling and renormalisation, the leading dense layers, no rope scaling)."""
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("sliding_window") is not None:
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+    width, shared = hp["moe_intermediate_size"], hp["num_shared_experts"]
+    w.add_expert_feed_forward_length(width)
+    w.add_expert_shared_count(shared)
+    w.add_expert_shared_feed_forward_length(width * shared)
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_leading_dense_block_count(hp.get("first_k_dense_replace", 0))
+    w.add_nextn_predict_layers(hp.get("num_nextn_predict_layers", 0))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
 
@@ -287,6 +305,9 @@ CONVERTERS = {
     # HunYuanModel and HunYuanMoEModel (TextModel): NTK's alpha folded into the base; q/k as in HF
     "hunyuan_v1_dense": Converter(gguf.MODEL_ARCH.HUNYUAN_DENSE, keys=_hunyuan_keys),
     "hunyuan_v1_moe": Converter(gguf.MODEL_ARCH.HUNYUAN_MOE, keys=_hunyuan_keys),
+    # ExaoneMoEModel (Exaone4Model): q/k as in HF, the experts stacked, the selection bias as exp_probs_b; the dense
+    # layers first and last (leading_dense_block_count counts one); no key for groups: one (K-EXAONE's)
+    "exaone_moe": Converter(gguf.MODEL_ARCH.EXAONE_MOE, keys=_exaone_moe_keys, build={"n_group": 1, "topk_group": 1}),
     # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
     # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
     "exaone": Converter(
@@ -295,6 +316,7 @@ CONVERTERS = {
         build={
             "attention_bias": True,
             "mlp_bias": True,
+            "max_position_embeddings": 16384,
             "rope_parameters": {
                 "rope_type": "llama3",
                 "rope_theta": 1_000_000.0,
@@ -428,6 +450,17 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.router_float32) == (8, 2, True, True)
         assert (c.shared_expert_intermediate_size, c.shared_expert_gated) == (32, False)
         assert reader.gguf_names("model.layers.2.mlp.gate.weight") == ["blk.2.ffn_gate_inp.weight"]
+    if name == "exaone_moe":  # sliding layers rotate, global ones not; sigmoid experts with the selection bias
+        rotating = [True, False, True, False]
+        assert (c.sliding_window, c.layer_types[:2], c.rope_layers) == (
+            8,
+            ["sliding_attention", "full_attention"],
+            rotating,
+        )
+        assert (c.router_scoring, c.router_bias, c.norm_topk_prob, c.mlp_only_layers) == ("sigmoid", True, True, [0, 3])
+        assert (c.routed_scaling_factor, c.shared_expert_intermediate_size) == (cfg.routed_scaling_factor, 32)
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert reader.gguf_names(bias) == ["blk.1.exp_probs_b.bias"]
     if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
         assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
             "exaone",

@@ -19,8 +19,8 @@ Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qw
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
-apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3, hunyuan-dense and
-hunyuan-moe (others are refused by name);
+apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3, hunyuan-dense,
+hunyuan-moe and exaone-moe (K-EXAONE; others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -121,9 +121,12 @@ keys (pre-trained on the whole context: the short factors, no factor on cos/sin)
 release's 12, 1.4 and 256, which llama.cpp's graph fixes. Hunyuan dense and MoE (`hunyuan-dense`, `hunyuan-moe`):
 TextModel's keys, q/k as in HF, NTK's alpha folded into `rope.freq_base` (no scaling left; the context 256k, as
 the converter writes it); the MoE's expert width, top k, shared count and shared width as keys, which the family
-checks as it checks config.json's (transformers' experts are as wide as the one shared MLP). Biases come from the
-tensors; the activation, which no key
-names, is the family's default (llama.cpp's per architecture).
+checks as it checks config.json's (transformers' experts are as wide as the one shared MLP). K-EXAONE (`exaone-moe`,
+ExaoneMoEModel on Exaone4Model): EXAONE 4's window and pattern keys, DeepSeek-V3's experts as _deepseek_moe_fields
+reads them (sigmoid gating, which no key names: llama.cpp's), the dense layers by tensor (no router: the file's
+leading_dense_block_count counts the first ones only), the multi-token-prediction layers past block_count less
+nextn_predict_layers not read. Biases come from the tensors; the activation, which no key names, is the family's
+default (llama.cpp's per architecture).
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ _FAMILIES = {
     _A.MINICPM3: "minicpm3",
     _A.HUNYUAN_DENSE: "hunyuan_v1_dense",
     _A.HUNYUAN_MOE: "hunyuan_v1_moe",
+    _A.EXAONE_MOE: "exaone_moe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -507,7 +511,7 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
-    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
     if family in ("deepseek_v2", "deepseek_v3"):
         own.update(_mla_fields(f, common, tensors, path))
@@ -718,12 +722,12 @@ def _family_hf_config(
             read.add("partial_rotary_factor")
     if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
         hf.update(mlp_bias=common["mlp_bias"])
-    if family == "exaone4":
+    if family in ("exaone4", "exaone_moe"):  # Exaone4Model's keys, and its subclass ExaoneMoEModel's
         # The converter writes the window and the per-layer pattern where config.json has them; llama.cpp
-        # hard-codes both for the 64-layer (32B) model, whose files may lack them.
+        # hard-codes both for EXAONE 4's 64-layer (32B) model, whose files may lack them.
         window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
         read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
-        if window is None and layers == _EXAONE4_SWA_LAYERS:
+        if window is None and layers == _EXAONE4_SWA_LAYERS and family == "exaone4":
             window = _EXAONE4_WINDOW
         hf.update(sliding_window=int(window) if window else None, **_sliding_pattern(pattern))
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
@@ -914,6 +918,17 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
             intermediate_size=int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, common["intermediate_size"])),
             moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
             num_shared_expert=int(f.key(_K.EXPERT_SHARED_COUNT, 1)),
+        )
+    if family == "exaone_moe":
+        # ExaoneMoEModel: DeepSeek-V3's expert keys (_deepseek_moe_fields); the dense layers by tensor (no router),
+        # as leading_dense_block_count counts the first only (the family's mlp_layer_types may name others)
+        width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
+        routed = [_tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors for i in range(common["num_layers"])]
+        return dict(
+            num_experts=int(f.require(_K.EXPERT_COUNT)),
+            moe_intermediate_size=width,
+            num_shared_experts=int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0),
+            mlp_layer_types=["sparse" if r else "dense" for r in routed],
         )
     if family in ("arcee", "exaone"):  # ExaoneModel: TextModel's keys and the rotary width (the head size)
         return bias
