@@ -166,8 +166,9 @@ def _ministral3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
-def _exaone_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
-    w.add_rope_dimension_count(hp["hidden_size"] // hp["num_attention_heads"])
+def _rotary_width_key(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """ExaoneModel's and Jais2Model's key beyond TextModel's: the rotary width, the whole head."""
+    w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
 
 
 def _minicpm3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
@@ -308,11 +309,13 @@ CONVERTERS = {
     # ExaoneMoEModel (Exaone4Model): q/k as in HF, the experts stacked, the selection bias as exp_probs_b; the dense
     # layers first and last (leading_dense_block_count counts one); no key for groups: one (K-EXAONE's)
     "exaone_moe": Converter(gguf.MODEL_ARCH.EXAONE_MOE, keys=_exaone_moe_keys, build={"n_group": 1, "topk_group": 1}),
+    # Jais2Model (TextModel): the rotary width; LayerNorms with biases, the ungated ReLU-squared MLP, q/k as in HF
+    "jais2": Converter(gguf.MODEL_ARCH.JAIS2, keys=_rotary_width_key),
     # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
     # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
     "exaone": Converter(
         gguf.MODEL_ARCH.EXAONE,
-        keys=_exaone_keys,
+        keys=_rotary_width_key,
         build={
             "attention_bias": True,
             "mlp_bias": True,
@@ -461,6 +464,16 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert (c.routed_scaling_factor, c.shared_expert_intermediate_size) == (cfg.routed_scaling_factor, 32)
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
         assert reader.gguf_names(bias) == ["blk.1.exp_probs_b.bias"]
+    if name == "jais2":  # LayerNorms with biases (their eps as layer_norm_eps), ReLU squared ungated, biases
+        assert (c.norm_type, c.norm_bias, c.mlp_gated, c.hidden_act, c.qkv_bias, c.mlp_bias) == (
+            "layer",
+            True,
+            False,
+            "relu2",
+            True,
+            True,
+        )
+        assert c.rms_norm_eps == pytest.approx(1e-4) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
     if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
         assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
             "exaone",
@@ -526,7 +539,7 @@ def test_exaone_gguf_with_the_eps_as_text_models_layer_norm_key(tmp_path):
     key (the older converter wrote it as the RMS key, which llama.cpp reads): read from either."""
     hf = build("exaone", rms_norm_eps=1e-3)
     hp = {k: v for k, v in hf.config.to_dict().items() if k != "rms_norm_eps"} | {"layer_norm_epsilon": 1e-3}
-    keys = lambda w, _: (text_model_keys(w, hp), _exaone_keys(w, hp))  # noqa: E731
+    keys = lambda w, _: (text_model_keys(w, hp), _rotary_width_key(w, hp))  # noqa: E731
     converter = dataclasses.replace(CONVERTERS["exaone"], keys=keys, text_model=False)
     write_converted(hf, tmp_path / "exaone.gguf", converter)
     loaded = load_model(tmp_path / "exaone.gguf")

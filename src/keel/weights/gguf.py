@@ -20,7 +20,7 @@ granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemm
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, olmoe, olmo, phimoe, seed_oss, arcee,
 apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3, hunyuan-dense,
-hunyuan-moe and exaone-moe (K-EXAONE; others are refused by name);
+hunyuan-moe, exaone-moe (K-EXAONE) and jais2 (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -125,7 +125,8 @@ checks as it checks config.json's (transformers' experts are as wide as the one 
 ExaoneMoEModel on Exaone4Model): EXAONE 4's window and pattern keys, DeepSeek-V3's experts as _deepseek_moe_fields
 reads them (sigmoid gating, which no key names: llama.cpp's), the dense layers by tensor (no router: the file's
 leading_dense_block_count counts the first ones only), the multi-token-prediction layers past block_count less
-nextn_predict_layers not read. Biases come from the tensors; the activation, which no key names, is the family's
+nextn_predict_layers not read. Jais 2 (`jais2`): TextModel's keys, LayerNorms' eps as `attention.layer_norm_epsilon`,
+q/k as in HF. Biases come from the tensors; the activation, which no key names, is the family's
 default (llama.cpp's per architecture).
 """
 
@@ -222,6 +223,7 @@ _FAMILIES = {
     _A.HUNYUAN_DENSE: "hunyuan_v1_dense",
     _A.HUNYUAN_MOE: "hunyuan_v1_moe",
     _A.EXAONE_MOE: "exaone_moe",
+    _A.JAIS2: "jais2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -249,7 +251,7 @@ _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -798,6 +800,7 @@ def _family_hf_config(
         read |= {"mlp_only_layers"} if dense is not None else set()
     hf.update(_table_hf_config(f, family, common, tensors))
     read |= _TABLE_READ.get(family, set()) | ({"clip_qkv"} if family == "olmo" and f.key(_KA.CLAMP_KQV) else set())
+    read |= {"rms_norm_eps"} if family == "jais2" and f.key(_KA.LAYERNORM_EPS) is not None else set()
     if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
         hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
     if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
@@ -953,6 +956,8 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
         original = f.key(_KR.SCALING_ORIG_CTX_LEN)
         rope = {} if beta is None else dict(llama_4_scaling_beta=_f32(beta), original_max_position_embeddings=original)
         return dict(rope_parameters=rope)
+    if family == "jais2":  # Jais2Model: TextModel's keys (the eps as layer_norm_eps) and the rotary width
+        return dict(**bias, layer_norm_eps=common["rms_norm_eps"])
     if family == "nemotron":  # NemotronModel: the norms written plus 1 (taken off on load), their eps as layer_norm_eps
         return dict(**bias, norm_eps=common["rms_norm_eps"])
     return {}
