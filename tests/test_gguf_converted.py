@@ -1,5 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
-OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2 and Ministral 3.
+OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
+and MoE, K-EXAONE, Jais 2 and EXAONE 3.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -10,6 +11,7 @@ transformers' greedy tokens come through keel's engine from float32 and from Q8_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -165,9 +167,75 @@ def _ministral3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
 
+def _rotary_width_key(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """ExaoneModel's and Jais2Model's key beyond TextModel's: the rotary width, the whole head."""
+    w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+
+
+def _minicpm3_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MiniCPM3Model's keys (none of TextModel's, none of muP's scalars, no value width) and LongRoPE's factors."""
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(hp["kv_lora_rank"])
+    w.add_key_length(hp["qk_nope_head_dim"] + hp["qk_rope_head_dim"])
+    w.add_rope_dimension_count(hp["qk_rope_head_dim"])
+    rope = hp["rope_parameters"]
+    if rope.get("long_factor") or rope.get("short_factor"):
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def _hunyuan_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """HunYuanModel's and HunYuanMoEModel's keys: NTK's alpha folded into the base (hidden / heads wide; no scaling
+    left), the context llama.cpp takes; HunYuanMoEModel's the experts' widths and counts (its lists' first values)."""
+    rope = hp["rope_parameters"]
+    if rope.get("rope_type") == "dynamic":
+        dim = hp["hidden_size"] // hp["num_attention_heads"]
+        w.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+        w.add_context_length(256 * 1024)
+    if "moe_topk" in hp:
+        first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731
+        w.add_expert_shared_feed_forward_length(hp["intermediate_size"])
+        w.add_expert_feed_forward_length(first(hp.get("moe_intermediate_size") or hp["intermediate_size"]))
+        w.add_expert_used_count(first(hp["moe_topk"]))
+        w.add_expert_shared_count(first(hp.get("num_shared_expert") or 1))
+
+
+def _exaone_moe_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Exaone4Model's keys (the vocabulary, the window and which layers slide) and ExaoneMoEModel's (the experts'
+    width, shared count and width, scaling and renormalisation, the leading dense layers, no rope scaling)."""
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("sliding_window") is not None:
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+    width, shared = hp["moe_intermediate_size"], hp["num_shared_experts"]
+    w.add_expert_feed_forward_length(width)
+    w.add_expert_shared_count(shared)
+    w.add_expert_shared_feed_forward_length(width * shared)
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    w.add_expert_weights_norm(hp["norm_topk_prob"])
+    w.add_leading_dense_block_count(hp.get("first_k_dense_replace", 0))
+    w.add_nextn_predict_layers(hp.get("num_nextn_predict_layers", 0))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
 def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
 
+
+# The converters that write Llama 3's rope scaling as rope_freqs.
+_LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
 # The checkpoint being written, by writer (the converter's keys read some of its tensors: Apertus's xIELU).
 _SAVED: dict[int, dict[str, torch.Tensor]] = {}
@@ -214,6 +282,55 @@ CONVERTERS = {
     "ministral3": Converter(gguf.MODEL_ARCH.MISTRAL3, keys=_ministral3_keys, permute=("weight", "bias")),
     # NemotronModel: LayerNorm1P's weights plus 1, the eps as layer_norm_eps, the rotary width, no rope scaling
     "nemotron": Converter(gguf.MODEL_ARCH.NEMOTRON, keys=_nemotron_keys, tensor=_plus_one),
+    # MiniCPM3Model: its own keys, the latent attention's tensors as in HF, LongRoPE's factors as tensors; built with
+    # the scalars llama.cpp fixes (the release's), a value width of hidden / heads, and LongRoPE pre-trained on the
+    # whole context (MiniCPM3-4B's)
+    "minicpm3": Converter(
+        gguf.MODEL_ARCH.MINICPM3,
+        keys=_minicpm3_keys,
+        text_model=False,
+        build={
+            "scale_emb": 12.0,
+            "scale_depth": 1.4,
+            "dim_model_base": 256,
+            "v_head_dim": 16,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.25, 2.5, 3.5],
+                "long_factor": [1.5, 2.0, 4.5, 9.0],
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    # HunYuanModel and HunYuanMoEModel (TextModel): NTK's alpha folded into the base; q/k as in HF
+    "hunyuan_v1_dense": Converter(gguf.MODEL_ARCH.HUNYUAN_DENSE, keys=_hunyuan_keys),
+    "hunyuan_v1_moe": Converter(gguf.MODEL_ARCH.HUNYUAN_MOE, keys=_hunyuan_keys),
+    # ExaoneMoEModel (Exaone4Model): q/k as in HF, the experts stacked, the selection bias as exp_probs_b; the dense
+    # layers first and last (leading_dense_block_count counts one); no key for groups: one (K-EXAONE's)
+    "exaone_moe": Converter(gguf.MODEL_ARCH.EXAONE_MOE, keys=_exaone_moe_keys, build={"n_group": 1, "topk_group": 1}),
+    # Jais2Model (TextModel): the rotary width; LayerNorms with biases, the ungated ReLU-squared MLP, q/k as in HF
+    "jais2": Converter(gguf.MODEL_ARCH.JAIS2, keys=_rotary_width_key),
+    # ExaoneModel (TextModel): the rotary width, Llama 3's rope_freqs (over the 8192 positions it takes where the
+    # config has none, as EXAONE 3.5's has), q/k as in HF; biases here
+    "exaone": Converter(
+        gguf.MODEL_ARCH.EXAONE,
+        keys=_rotary_width_key,
+        build={
+            "attention_bias": True,
+            "mlp_bias": True,
+            "max_position_embeddings": 16384,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 1_000_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
+    ),
 }
 
 
@@ -235,7 +352,7 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     del _SAVED[id(w)]
     add_mini_vocab(w, "default")
     rope = hp.get("rope_parameters") or {}
-    if rope.get("rope_type") == "llama3" and converter.arch in (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE):
+    if rope.get("rope_type") == "llama3" and converter.arch in _LLAMA3_FREQS:
         head_dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, rope))
     names = gguf.get_tensor_name_map(converter.arch, cfg.num_hidden_layers)
@@ -264,8 +381,8 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     finish_writer(w)
 
 
-def build(name: str):
-    overrides = dict(CONVERTERS[name].build)
+def build(name: str, **extra: Any):
+    overrides = {**CONVERTERS[name].build, **extra}
     if name == "phimoe":  # the factor on cos/sin llama.cpp computes (the file's), as the model's mscale
         hp = build_hf_model(name).config.to_dict()
         factor = llama_cpp_attn_factor(hp)
@@ -315,6 +432,59 @@ def assert_family_features(name: str, loaded, hf) -> None:
     if name == "ministral3":  # YaRN with its mscales, Llama 4's temperature by position
         assert (c.rope_scaling.type, c.rope_scaling.mscale, c.rope_scaling.mscale_all_dim) == ("yarn", 1.0, 1.0)
         assert (c.query_scale_beta, c.query_scale_length) == (0.5, 16)
+    if name == "minicpm3":  # latent attention rotating halves, llama.cpp's scalars, LongRoPE's short factors
+        assert (c.q_lora_rank, c.kv_lora_rank, c.v_head_dim, c.qk_rope_head_dim, c.rope_interleave) == (
+            32,
+            16,
+            16,
+            8,
+            False,
+        )
+        assert (c.embedding_multiplier, c.logits_scaling) == (12.0, 0.25)
+        assert c.residual_multiplier == pytest.approx(1.4 / math.sqrt(3))
+        assert c.rope_scaling.type == "longrope" and c.rope_scaling.short_factor == (1.0, 1.25, 2.5, 3.5)
+        assert reader.gguf_names("model.layers.0.self_attn.kv_b_proj.weight") == ["blk.0.attn_kv_b.weight"]
+    if name.startswith("hunyuan"):  # q/k norms after the rotary embedding, NTK's alpha as the base
+        dim = cfg.hidden_size // cfg.num_attention_heads
+        base = 10000.0 * 1000.0 ** (dim / (dim - 2))
+        assert (c.qk_norm, c.qk_norm_after_rope, c.qkv_bias, c.rope_scaling.type) == (True, True, True, "default")
+        assert c.rope_theta == pytest.approx(base, rel=1e-6) and c.max_position_embeddings == 256 * 1024
+        assert reader.gguf_names("model.layers.0.self_attn.q_norm.weight") == ["blk.0.attn_q_norm.weight"]
+    if name == "hunyuan_v1_moe":  # the float32 router (gate.wg), the ungated shared MLP, the top 2 renormalised
+        assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.router_float32) == (8, 2, True, True)
+        assert (c.shared_expert_intermediate_size, c.shared_expert_gated) == (32, False)
+        assert reader.gguf_names("model.layers.2.mlp.gate.weight") == ["blk.2.ffn_gate_inp.weight"]
+    if name == "exaone_moe":  # sliding layers rotate, global ones not; sigmoid experts with the selection bias
+        rotating = [True, False, True, False]
+        assert (c.sliding_window, c.layer_types[:2], c.rope_layers) == (
+            8,
+            ["sliding_attention", "full_attention"],
+            rotating,
+        )
+        assert (c.router_scoring, c.router_bias, c.norm_topk_prob, c.mlp_only_layers) == ("sigmoid", True, True, [0, 3])
+        assert (c.routed_scaling_factor, c.shared_expert_intermediate_size) == (cfg.routed_scaling_factor, 32)
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert reader.gguf_names(bias) == ["blk.1.exp_probs_b.bias"]
+    if name == "jais2":  # LayerNorms with biases (their eps as layer_norm_eps), ReLU squared ungated, biases
+        assert (c.norm_type, c.norm_bias, c.mlp_gated, c.hidden_act, c.qkv_bias, c.mlp_bias) == (
+            "layer",
+            True,
+            False,
+            "relu2",
+            True,
+            True,
+        )
+        assert c.rms_norm_eps == pytest.approx(1e-4) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
+    if name == "exaone":  # Llama 3's rope from rope_freqs, biases, q/k rows as in HF
+        assert (c.architecture, c.rope_scaling.type, c.rope_scaling.factor, c.qkv_bias, c.mlp_bias) == (
+            "exaone",
+            "llama3",
+            8.0,
+            True,
+            True,
+        )
+        q = "model.layers.1.self_attn.q_proj.weight"
+        assert torch.equal(reader.get(q), hf.state_dict()[q])
     if name == "nemotron":  # LayerNorm1P (the file's weights less 1), half of each head rotating, biases
         assert (c.norm_type, c.norm_weight_offset, c.partial_rotary_factor, c.mlp_gated) == ("layer", 1.0, 0.5, False)
         assert c.rms_norm_eps == pytest.approx(1e-4) and c.qkv_bias and c.mlp_bias
@@ -363,3 +533,27 @@ def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="'xielu.alpha_p' must list one value per layer"):
         open_gguf(tmp_path / "apertus.gguf")
+
+
+def test_exaone_gguf_with_the_eps_as_text_models_layer_norm_key(tmp_path):
+    """EXAONE's config.json names its RMSNorm eps layer_norm_epsilon, which TextModel's keys write as the LayerNorm
+    key (the older converter wrote it as the RMS key, which llama.cpp reads): read from either."""
+    hf = build("exaone", rms_norm_eps=1e-3)
+    hp = {k: v for k, v in hf.config.to_dict().items() if k != "rms_norm_eps"} | {"layer_norm_epsilon": 1e-3}
+    keys = lambda w, _: (text_model_keys(w, hp), _rotary_width_key(w, hp))  # noqa: E731
+    converter = dataclasses.replace(CONVERTERS["exaone"], keys=keys, text_model=False)
+    write_converted(hf, tmp_path / "exaone.gguf", converter)
+    loaded = load_model(tmp_path / "exaone.gguf")
+    assert loaded.config.rms_norm_eps == pytest.approx(1e-3) and loaded.checkpoint.provenance["rms_norm_eps"] == "read"
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+def test_hunyuan_moe_gguf_with_experts_narrower_than_the_shared_mlp_is_refused(tmp_path):
+    """transformers' Hunyuan MoE runs experts as wide as the shared MLP: a file whose widths differ is refused by name,
+    as a config.json would be."""
+    keys = lambda w, hp: (_hunyuan_keys(w, hp), w.add_expert_feed_forward_length(16))  # noqa: E731
+    converter = dataclasses.replace(CONVERTERS["hunyuan_v1_moe"], keys=keys)
+    write_converted(build("hunyuan_v1_moe"), tmp_path / "moe.gguf", converter)
+    with pytest.raises(ConfigError, match="moe_intermediate_size 16 differs from intermediate_size 32"):
+        open_gguf(tmp_path / "moe.gguf")

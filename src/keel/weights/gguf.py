@@ -19,7 +19,8 @@ Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qw
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
-seed_oss, arcee, apertus, nemotron, minimax-m2 and mistral3 (Ministral 3; others are refused by name);
+seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
+hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE) and jais2 (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -109,11 +110,24 @@ it), Apertus (`apertus`: q/k as in HF; xIELU's alpha_p, alpha_n, beta and eps pe
 as HF's `mlp.act_fn.*` tensors) and Nemotron (`nemotron`: LayerNorm1P's weights stored plus 1, taken off on load;
 the eps as `attention.layer_norm_epsilon`; the rotary width), MiniMax-M2 (`minimax-m2`: the experts' width and the
 rotary width as keys, sigmoid gating (others refused), the selection bias as `exp_probs_b.bias`; no key for
-norm_topk_prob: llama.cpp renormalises, as the family does) and Ministral 3 (`mistral3`, Ministral3Model on
+norm_topk_prob: llama.cpp renormalises, as the family does), Ministral 3 (`mistral3`, Ministral3Model on
 LlamaModel: q/k permuted; YaRN's keys with mscale_all_dim itself as `rope.scaling.yarn_log_multiplier` (not 0.1 x it,
 as DeepSeek's) and mscale, which no key holds, taken equal to it, as the releases have them; Llama 4's temperature as
-`attention.temperature_scale` over YaRN's pre-training context). Biases come from the tensors; the activation, which no
-key names, is the family's default (llama.cpp's per architecture).
+`attention.temperature_scale` over YaRN's pre-training context) and EXAONE 3 (`exaone`: q/k as in HF, Llama 3's rope
+scaling as `rope_freqs`, the eps as the RMS key or, written as TextModel's from config.json's layer_norm_epsilon, the
+LayerNorm key). MiniCPM3 (`minicpm3`): its own keys, DeepSeek-V2's latent attention as the older files store it
+(`attn_kv_b` whole), no value width (llama.cpp's hidden / heads), LongRoPE's factors as Phi-3's tensors without its
+keys (pre-trained on the whole context: the short factors, no factor on cos/sin), and none of muP's scalars: the
+release's 12, 1.4 and 256, which llama.cpp's graph fixes. Hunyuan dense and MoE (`hunyuan-dense`, `hunyuan-moe`):
+TextModel's keys, q/k as in HF, NTK's alpha folded into `rope.freq_base` (no scaling left; the context 256k, as
+the converter writes it); the MoE's expert width, top k, shared count and shared width as keys, which the family
+checks as it checks config.json's (transformers' experts are as wide as the one shared MLP). K-EXAONE (`exaone-moe`,
+ExaoneMoEModel on Exaone4Model): EXAONE 4's window and pattern keys, DeepSeek-V3's experts as _deepseek_moe_fields
+reads them (sigmoid gating, which no key names: llama.cpp's), the dense layers by tensor (no router: the file's
+leading_dense_block_count counts the first ones only), the multi-token-prediction layers past block_count less
+nextn_predict_layers not read. Jais 2 (`jais2`): TextModel's keys, LayerNorms' eps as `attention.layer_norm_epsilon`,
+q/k as in HF. Biases come from the tensors; the activation, which no key names, is the family's
+default (llama.cpp's per architecture).
 
 Falcon-H1 (`falcon-h1`; FalconH1Model, on Mamba2Model): every layer hybrid, its mixer's shape and tensors as Granite
 4.0-H's (under `mamba.`), q/k as HF stores them, the head size as `attention.key_length`. The converter folds every
@@ -211,6 +225,12 @@ _FAMILIES = {
     _A.MINIMAXM2: "minimax_m2",
     _A.MISTRAL3: "ministral3",
     _A.FALCON_H1: "falcon_h1",
+    _A.EXAONE: "exaone",
+    _A.MINICPM3: "minicpm3",
+    _A.HUNYUAN_DENSE: "hunyuan_v1_dense",
+    _A.HUNYUAN_MOE: "hunyuan_v1_moe",
+    _A.EXAONE_MOE: "exaone_moe",
+    _A.JAIS2: "jais2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -236,9 +256,9 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= set(_QWEN_HYBRID)
+_ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
-_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron"}
+_LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -434,9 +454,7 @@ def _config_from_metadata(
         num_heads=num_heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=f.pick(
-            "rms_norm_eps", f.key(_KA.LAYERNORM_EPS if family in _LAYER_NORM else _KA.LAYERNORM_RMS_EPS), _f32
-        ),
+        rms_norm_eps=f.pick("rms_norm_eps", _norm_eps(f, family), _f32),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         max_position_embeddings=f.pick("max_position_embeddings", f.key(_K.CONTEXT_LENGTH), int),
@@ -460,6 +478,16 @@ def _config_from_metadata(
     except ConfigError as e:  # ModelConfig.validate does not know the file
         raise ConfigError(f"{path}: {e}") from None
     return config, f.provenance
+
+
+def _norm_eps(f: _Fields, family: str) -> Any:
+    """The norms' eps: `attention.layer_norm_epsilon` for LayerNorm families, else `layer_norm_rms_epsilon`. EXAONE 3's
+    converter wrote its layer_norm_epsilon as the RMS key (which llama.cpp reads); written as TextModel's from
+    config.json, it lands under the LayerNorm key instead."""
+    if family in _LAYER_NORM:
+        return f.key(_KA.LAYERNORM_EPS)
+    eps = f.key(_KA.LAYERNORM_RMS_EPS)
+    return f.key(_KA.LAYERNORM_EPS) if eps is None and family == "exaone" else eps
 
 
 def _architecture(meta: _Metadata, path: Path) -> str:
@@ -492,10 +520,14 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
-    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3"):
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
     if family in ("deepseek_v2", "deepseek_v3"):
         own.update(_mla_fields(f, common, tensors, path))
+    if family == "minicpm3":
+        # latent attention as DeepSeek-V2's older files (kv_b_proj whole); LongRoPE's factors as Phi-3's tensors
+        own.update(_mla_fields(f, common, tensors, path, value=_minicpm3_value_width(f, common)))
+        own.update(_phi3_longrope(f, common, tensors, path))
     log_mul = f.key(_KR.SCALING_YARN_LOG_MUL)
     if family == "ministral3" and common["rope_scaling"].type == "yarn" and log_mul is not None:
         # Ministral3Model writes mscale_all_dim itself; mscale is taken equal to it (no key), as the releases have
@@ -549,17 +581,19 @@ def _deepseek_moe_fields(
     }
 
 
-def _mla_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+def _mla_fields(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path, value: int | None = None
+) -> dict[str, Any]:
     """Multi-head latent attention as llama.cpp's DeepseekV2Model writes it. Current files store it in MQA form (one
     KV head of kv_lora_rank + rope width; the query/key and value widths as `key_length_mla` / `value_length_mla`;
     kv_b_proj split into `attn_k_b`, transposed, and `attn_v_b`); older ones one KV head per query head, the widths
     as `key_length` / `value_length`, and `attn_kv_b` whole. Either way keel's KV heads are the query heads. The
     rotary width is `rope.dimension_count`, on interleaved pairs (llama.cpp stores HF's rows); the converter writes
     0.1 x mscale_all_dim as `rope.scaling.yarn_log_multiplier`, and DeepSeek's mscale equals it (as llama.cpp
-    takes it)."""
+    takes it). `value`: the value width where the file has no key for it."""
     read = f.read
     rope = int(f.require(_KR.DIMENSION_COUNT))
-    value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH))
+    value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH, value))
     if value is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_KA.VALUE_LENGTH)!r} is missing")
     low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
@@ -581,13 +615,15 @@ def _mla_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTenso
 
 def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
     """Phi-3's LongRoPE as its converter stores it: the factors as `rope_factors_long` / `rope_factors_short`
-    tensors, the pre-training context and the cos/sin factor as rope.scaling keys; {} without the tensors."""
+    tensors, the pre-training context and the cos/sin factor as rope.scaling keys (MiniCPM3's converter writes
+    neither: llama.cpp's pre-training context is then the context length, switching to the long factors never, and
+    its cos/sin factor 1, as transformers' for a factor of 1); {} without the tensors."""
     long_name, short_name = (_tensor(k) for k in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT))
     if long_name not in tensors and short_name not in tensors:
         return {}
     if long_name not in tensors or short_name not in tensors:
         raise ConfigError(f"{path}: LongRoPE needs both {long_name!r} and {short_name!r}")
-    original = int(f.require(_KR.SCALING_ORIG_CTX_LEN))
+    original = int(f.key(_KR.SCALING_ORIG_CTX_LEN) or common["max_position_embeddings"])
     attention = f.key(_KR.SCALING_ATTN_FACTOR)
     factors = {
         name: tuple(float(x) for x in _to_numpy(tensors[name], path).reshape(-1)) for name in (long_name, short_name)
@@ -695,12 +731,12 @@ def _family_hf_config(
             read.add("partial_rotary_factor")
     if family == "smollm3":  # llama.cpp: a NoPE layer every fourth (no key), no sliding window; biases by tensor
         hf.update(mlp_bias=common["mlp_bias"])
-    if family == "exaone4":
+    if family in ("exaone4", "exaone_moe"):  # Exaone4Model's keys, and its subclass ExaoneMoEModel's
         # The converter writes the window and the per-layer pattern where config.json has them; llama.cpp
-        # hard-codes both for the 64-layer (32B) model, whose files may lack them.
+        # hard-codes both for EXAONE 4's 64-layer (32B) model, whose files may lack them.
         window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
         read |= {"sliding_window", "layer_types", "rope_layers"} if window is not None else set()
-        if window is None and layers == _EXAONE4_SWA_LAYERS:
+        if window is None and layers == _EXAONE4_SWA_LAYERS and family == "exaone4":
             window = _EXAONE4_WINDOW
         hf.update(sliding_window=int(window) if window else None, **_sliding_pattern(pattern))
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
@@ -771,6 +807,7 @@ def _family_hf_config(
         read |= {"mlp_only_layers"} if dense is not None else set()
     hf.update(_table_hf_config(f, family, common, tensors))
     read |= _TABLE_READ.get(family, set()) | ({"clip_qkv"} if family == "olmo" and f.key(_KA.CLAMP_KQV) else set())
+    read |= {"rms_norm_eps"} if family == "jais2" and f.key(_KA.LAYERNORM_EPS) is not None else set()
     if family in ("ernie4_5", "ernie4_5_moe"):  # biases by tensor; the head tied where no output tensor
         hf.update(use_bias=common["qkv_bias"], tie_word_embeddings=common["tie_word_embeddings"])
     if family == "ernie4_5_moe":  # Ernie4_5MoeModel's keys (no end index: experts to the last layer)
@@ -833,12 +870,26 @@ def _family_hf_config(
     return hf, read
 
 
+# llama.cpp's MiniCPM3 graph: muP's scalars as MiniCPM3-4B has them (its files hold none).
+_MINICPM3_SCALARS = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
 # The config fields whose metadata keys _table_hf_config reads (provenance "read").
 _TABLE_READ = {
     "olmoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "phimoe": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
     "minimax_m2": {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"},
+    "hunyuan_v1_moe": {
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    },
 }
+
+
+def _minicpm3_value_width(f: _Fields, common: dict[str, Any]) -> int:
+    """MiniCPM3's value width: MiniCPM3Model writes no key for it; llama.cpp's default, hidden / heads, as the config
+    class's where config.json has none (MiniCPM3-4B's)."""
+    return int(f.key(_KA.VALUE_LENGTH, common["hidden_size"] // common["num_heads"]))
 
 
 def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -871,7 +922,38 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
             if not isinstance(values, list) or len(values) != common["num_layers"]:
                 raise ConfigError(f"{f.meta.path}: GGUF metadata key {key!r} must list one value per layer")
         return bias
-    if family == "arcee":
+    if family == "minicpm3":
+        # MiniCPM3Model writes none of muP's scalars: llama.cpp's graph fixes them at the release's (scale_emb 12,
+        # scale_depth 1.4, dim_model_base 256), and so does keel
+        heads = common["num_heads"]
+        return dict(
+            num_attention_heads=heads,
+            v_head_dim=_minicpm3_value_width(f, common),
+            tie_word_embeddings=common["tie_word_embeddings"],
+            **_MINICPM3_SCALARS,
+        )
+    if family == "hunyuan_v1_moe":
+        # HunYuanMoEModel: the experts' counts and widths as keys (the config's per-layer lists, uniform, as their first
+        # value; the shared MLP's width is intermediate_size), which the family checks as it checks config.json's
+        return dict(
+            num_experts=int(f.require(_K.EXPERT_COUNT)),
+            moe_topk=int(f.require(_K.EXPERT_USED_COUNT)),
+            intermediate_size=int(f.key(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH, common["intermediate_size"])),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            num_shared_expert=int(f.key(_K.EXPERT_SHARED_COUNT, 1)),
+        )
+    if family == "exaone_moe":
+        # ExaoneMoEModel: DeepSeek-V3's expert keys (_deepseek_moe_fields); the dense layers by tensor (no router),
+        # as leading_dense_block_count counts the first only (the family's mlp_layer_types may name others)
+        width = int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH))
+        routed = [_tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors for i in range(common["num_layers"])]
+        return dict(
+            num_experts=int(f.require(_K.EXPERT_COUNT)),
+            moe_intermediate_size=width,
+            num_shared_experts=int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0),
+            mlp_layer_types=["sparse" if r else "dense" for r in routed],
+        )
+    if family in ("arcee", "exaone"):  # ExaoneModel: TextModel's keys and the rotary width (the head size)
         return bias
     if family == "minimax_m2":
         # MiniMaxM2Model: the experts' width and the rotary width as keys, sigmoid gating; llama.cpp always
@@ -894,6 +976,8 @@ def _table_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
         original = f.key(_KR.SCALING_ORIG_CTX_LEN)
         rope = {} if beta is None else dict(llama_4_scaling_beta=_f32(beta), original_max_position_embeddings=original)
         return dict(rope_parameters=rope)
+    if family == "jais2":  # Jais2Model: TextModel's keys (the eps as layer_norm_eps) and the rotary width
+        return dict(**bias, layer_norm_eps=common["rms_norm_eps"])
     if family == "nemotron":  # NemotronModel: the norms written plus 1 (taken off on load), their eps as layer_norm_eps
         return dict(**bias, norm_eps=common["rms_norm_eps"])
     return {}
