@@ -323,6 +323,7 @@ def _declared_defaults(cls) -> dict:
 CONFIG_CLASS = {
     "llama4": "Llama4TextConfig",
     "gemma3": "Gemma3TextConfig",
+    "gemma4": "Gemma4TextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig",
     "mistral4": "Mistral4Config",
@@ -363,6 +364,12 @@ def _rename(old: str, new: str):
         ("cwm", lambda cfg: cfg.__setitem__("attention_bias", True), {}),  # a key its model does not read
         ("kolibri1", lambda cfg: cfg.__setitem__("attention_bias", True), {}),
         ("glm", lambda cfg: cfg.pop("num_key_value_heads"), {"num_key_value_heads": 2}),  # GlmConfig's default
+        # Google's spelling of the full-attention layers' geometry (transformers saves per_layer_config instead)
+        (
+            "gemma4",
+            lambda cfg: cfg.update(global_head_dim=32, num_global_key_value_heads=1) or cfg.pop("per_layer_config"),
+            {},
+        ),
         (
             "phimoe",  # its mscale replaces YaRN's factor on cos/sin too
             None,

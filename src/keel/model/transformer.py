@@ -60,11 +60,24 @@ class DecoderLayer(nn.Module):
                 config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act, config.mlp_gated
             )
         )
+        if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:
+            self.post_attention_layernorm = None  # Gemma 4: the MoE block norms its branches' inputs itself
+        # Gemma 4: the layer's output, residual stream included, times a stored scalar
+        self.layer_scalar: Tensor | None
+        if config.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        out = self._block(x, meta)
+        # in the activations' dtype, as transformers holds the buffer in the model's (keel's loads keep float32)
+        return out if self.layer_scalar is None else out * self.layer_scalar.to(out.dtype)
+
+    def _block(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
         if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
             h = x if self.input_layernorm is None else self.input_layernorm(x)
@@ -222,8 +235,13 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, DecoderLayer) and module.layer_scalar is not None:
+            module.layer_scalar.fill_(1.0)
         elif isinstance(module, MoE):
             nn.init.normal_(module.router.weight, std=std)
+            for scale in (module.router.input_scale, module.router.expert_scale):
+                if scale is not None:
+                    nn.init.ones_(scale)
             nn.init.normal_(module.experts.gate_up_proj, std=std)
             nn.init.normal_(module.experts.down_proj, std=std)
             for bias in (module.router.bias, module.experts.gate_up_proj_bias, module.experts.down_proj_bias):
