@@ -3,7 +3,8 @@ its pool with and the profiler counts as attention's reads.
 
 Over all attention layers of `config` (not its Gated DeltaNet layers; a tensor-parallel rank passes its own share of
 the heads): K and V of
-every KV head, or for multi-head latent attention (config.is_mla) one row per layer of the latent
+every KV head, at each layer's own head width (Gemma 4's full-attention layers: `ModelConfig.layer_head_dim`),
+or for multi-head latent attention (config.is_mla) one row per layer of the latent
 and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values. Sliding-window layers
 count in full: the paged cache stores every layer's rows for every block, windowed or not.
 
@@ -43,13 +44,13 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
     # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent)
-    layers = sum(not config.is_recurrent_layer(i) for i in range(config.num_layers))
+    layers = config.attention_layers()
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
-            return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-        return 2 * layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+            return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+        return sum(2 * config.layer_kv_size(i) * dtype.itemsize for i in layers)  # each layer's own geometry
     scale = SCALE_DTYPE.itemsize
     if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
-        return layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
-    return 2 * layers * config.num_kv_heads * (config.head_dim + scale)
+        return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
+    return sum(2 * config.layer_num_kv_heads(i) * (config.layer_head_dim(i) + scale) for i in layers)
