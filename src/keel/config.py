@@ -165,10 +165,6 @@ class RopeScaling:
 
     type: str = "default"  # default | linear | llama3 | yarn | longrope | proportional
     factor: float = 1.0
-    # Proportional (Gemma 4's full-attention layers): the first int(share x D // 2) of the head's D / 2 frequencies
-    # turn, at the default rope's frequencies over all D channels (divided by `factor`), the rest are 0 (those
-    # channel pairs pass unturned), so the rotation spans the whole head.
-    rotated_share: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192  # llama3, yarn (the pre-training context)
@@ -187,6 +183,10 @@ class RopeScaling:
     # attention_factor (None: sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Proportional (Gemma 4's full-attention layers): the first int(share x D // 2) of the head's D / 2 frequencies
+    # turn, at the default rope's frequencies over all D channels (divided by `factor`), the rest are 0 (those
+    # channel pairs pass unturned), so the rotation spans the whole head.
+    rotated_share: float = 1.0
 
 
 @dataclass
@@ -434,6 +434,10 @@ class ModelConfig:
             self.layer_head_dim(i) == self.head_dim and self.layer_num_kv_heads(i) == self.num_kv_heads
             for i in range(self.num_layers)
         )
+
+    def layer_rotary_dim(self, layer: int) -> int:
+        """`rotary_dim` at `layer`'s own head width."""
+        return self.rotary_dim if self.is_mla else int(self.layer_head_dim(layer) * self.partial_rotary_factor)
 
     @property
     def full_rotary_dim(self) -> int:

@@ -195,7 +195,7 @@ class Attention(nn.Module):
         # the layer's own geometry: Gemma 4's full-attention layers have wider heads and fewer KV heads
         self.num_kv_heads = config.layer_num_kv_heads(layer)
         self.head_dim = config.layer_head_dim(layer)
-        self.rotary_dim = config.full_rotary_dim if self.head_dim != config.head_dim else config.rotary_dim
+        self.rotary_dim = config.layer_rotary_dim(layer)
         self.window = config.layer_window(layer)
         h, q_size, kv_size = config.hidden_size, config.layer_q_size(layer), config.layer_kv_size(layer)
         self.q_proj = nn.Linear(h, q_size, bias=config.qkv_bias)

@@ -336,14 +336,12 @@ class PagedKVCache:
         # GPT-OSS's softmax sinks: the model passes each layer's to `attend`; keel::decoder_layers has none.
         self.has_sinks = config.attention_sinks
         # Each layer's KV heads and row width (Gemma 4's full-attention layers have their own): one store a layer
-        if config.is_mla:
-            self.kv_heads, self.head_dims = (
-                [1] * config.num_layers,
-                [config.kv_lora_rank + config.qk_rope_head_dim] * config.num_layers,
-            )
+        n = config.num_layers
+        if config.is_mla:  # one row a token: the latent and the rope key
+            self.kv_heads, self.head_dims = [1] * n, [config.kv_lora_rank + config.qk_rope_head_dim] * n
         else:
-            self.kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
-            self.head_dims = [config.layer_head_dim(i) for i in range(config.num_layers)]
+            self.kv_heads = [config.layer_num_kv_heads(i) for i in range(n)]
+            self.head_dims = [config.layer_head_dim(i) for i in range(n)]
         # recurrent layers keep no K/V: their state per sequence, in `sequences` slots, instead
         self.linear = {i for i in range(config.num_layers) if config.is_recurrent_layer(i)}
         self.keys = [
