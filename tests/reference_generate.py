@@ -42,12 +42,14 @@ class ContiguousKVCache:
         self.latent_rank = config.kv_lora_rank
         self.softcap = config.attn_logit_softcapping  # Gemma 2's attention-score soft-capping
         if config.is_mla:  # one shared row per token: [latent, rope key]
-            shape = (batch, 1, max_len, config.kv_lora_rank + config.qk_rope_head_dim)
-            self.values: list[Tensor] = []
-        else:
-            shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+            shapes = [(batch, 1, max_len, config.kv_lora_rank + config.qk_rope_head_dim)] * config.num_layers
+        else:  # each layer's own KV heads and head width (Gemma 4's full-attention layers)
+            shapes = [
+                (batch, config.layer_num_kv_heads(i), max_len, config.layer_head_dim(i))
+                for i in range(config.num_layers)
+            ]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.values: list[Tensor] = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
         self._key_positions = torch.arange(max_len, device=device)
         # recurrent layers (Qwen3.5, LFM2): one state slot per row
         self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_recurrent_layers else None

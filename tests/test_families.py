@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -323,6 +324,7 @@ def _declared_defaults(cls) -> dict:
 CONFIG_CLASS = {
     "llama4": "Llama4TextConfig",
     "gemma3": "Gemma3TextConfig",
+    "gemma4": "Gemma4TextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig",
     "mistral4": "Mistral4Config",
@@ -446,6 +448,12 @@ _SARVAM_MLA_RELEASED = {
         ("cwm", lambda cfg: cfg.__setitem__("attention_bias", True), {}),  # a key its model does not read
         ("kolibri1", lambda cfg: cfg.__setitem__("attention_bias", True), {}),
         ("glm", lambda cfg: cfg.pop("num_key_value_heads"), {"num_key_value_heads": 2}),  # GlmConfig's default
+        # Google's spelling of the full-attention layers' geometry (transformers saves per_layer_config instead)
+        (
+            "gemma4",
+            lambda cfg: cfg.update(global_head_dim=32, num_global_key_value_heads=1) or cfg.pop("per_layer_config"),
+            {},
+        ),
         (
             "phimoe",  # its mscale replaces YaRN's factor on cos/sin too
             None,
@@ -510,3 +518,65 @@ def test_falcon_h1_mixer_options_are_read_and_layers_without_mlp_refused():
     assert ModelConfig.from_hf(absent).mamba_n_heads * ModelConfig.from_hf(absent).mamba_d_head == 1024
     with pytest.raises(ConfigError, match="mamba_use_mlp"):
         ModelConfig.from_hf({**data, "mamba_use_mlp": False})
+
+
+def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
+    """Gemma 4's releases are `Gemma4ForConditionalGeneration`: the text config under `text_config`, the decoder under
+    `model.language_model.`, the vision tower unread; transformers' logits on text."""
+    import transformers
+
+    from keel.quant.loading import load_model
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    text = {**COMMON, **TINY_CONFIGS["gemma4-moe"][2]}
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, ours = hf(input_ids=tokens).logits, load_model(tmp_path, "float32").model(tokens)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input: per-layer input embeddings"),
+        ("num_kv_shared_layers", 1, "num_kv_shared_layers"),
+        ("use_bidirectional_attention", "vision", "use_bidirectional_attention"),
+        ("per_layer_config", {"2": {"head_dim": 32, "intermediate_size": 8}}, "per_layer_config"),
+        ("per_layer_config", {"0": {"head_dim": 32}, "2": {"head_dim": 32}}, "per_layer_config"),
+    ],
+)
+def test_gemma4_refuses_what_it_cannot_run_by_name(tmp_path, key, value, message):
+    save_hf_model("gemma4", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, key: value}, source="config.json")
+    data.pop("hidden_size_per_layer_input")  # transformers' default is 256: per-layer input embeddings
+    with pytest.raises(ConfigError, match="hidden_size_per_layer_input"):
+        ModelConfig.from_hf(data, source="config.json")
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-moe"])
+def test_gemma4_refuses_tensor_parallelism(tmp_path, name):
+    """The full-attention layers' own head width (and the MoE block's branch norms, over a branch's whole output):
+    neither serving nor training cuts them over tensor-parallel ranks; pipeline stages cut whole layers."""
+    from keel.errors import KeelError
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model(name, tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(KeelError, match="global_head_dim"):
+        check_parallel_model(config, tmp_path, 2, 1)
+    check_parallel_model(config, tmp_path, 1, 2)
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="own geometry"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+    if name == "gemma4-moe":  # a uniform geometry still leaves the branch norms
+        uniform = dataclasses.replace(config, global_head_dim=0)
+        with pytest.raises(KeelError, match="branch norms"):
+            check_parallel_model(uniform, tmp_path, 2, 1)

@@ -140,6 +140,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hy_v3", marks=SLOW),
         pytest.param("minicpm3", marks=SLOW),
         pytest.param("afmoe", marks=SLOW),
+        pytest.param("gemma4", marks=SLOW),
+        pytest.param("gemma4-moe", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -334,6 +336,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         ]
         layers = list(llm.engine.model.layers.values())
         assert all(layer.attn_output_norm is not None and layer.mlp.router.bias_on_logits for layer in layers)
+    elif name in ("gemma4", "gemma4-moe"):  # the global layers' own head width and KV heads, in their own KV stores
+        sliding, full = (8, 16, 2, False), (None, 32, 1, True) if name == "gemma4" else (None, 32, 2, False)
+        kinds = [sliding, sliding, full] if name == "gemma4" else [sliding, full, full]
+        assert [(a.window, a.head_dim, a.num_kv_heads, a.k_eq_v) for a in attention] == kinds
+        stores = [tuple(k.shape[::2]) for k in llm.engine.cache.keys]
+        assert stores == [(a.num_kv_heads, a.head_dim) for a in attention]
+        assert all(a.v_norm_eps is not None for a in attention) and all(la.layer_scalar is not None for la in layers)
+        if name == "gemma4-moe":  # the dense MLP beside the experts, each branch normed, the router's own scales
+            mlps = [layer.mlp for layer in layers]
+            assert all(m.expert_output_norm is not None and m.router.expert_scale is not None for m in mlps)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -841,6 +841,46 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Gemma 4 (text): Gemma 3's block with plain norm scales, softmax scale 1 and v norms; full-attention layers with
+    # heads twice as wide, one KV head and values equal to the keys' projection (attention_k_eq_v), rotating by
+    # proportional RoPE (half the frequencies turning); two sliding layers with their own RoPE, a final soft-cap.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            intermediate_size=128,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+        ),
+    ),
+    # Gemma 4 MoE (26B-A4B's shape): every layer's GeGLU MLP beside 4 experts (top 2), each branch with its norms, the
+    # router's own scales; the full-attention layer's heads wider with v_proj (no k = v), transformers' default RoPE.
+    "gemma4-moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            intermediate_size=96,
+            head_dim=16,
+            global_head_dim=32,
+            hidden_size_per_layer_input=0,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "full_attention"],
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     # Gemma 2: Gemma 3's block without q/k norms, one RoPE, sliding and global layers alternating by transformers'
     # default rule, and attention-score soft-capping (a cap low enough here to bend the sharpened scores). Eager
     # attention: some transformers releases (5.17) run Gemma 2 under SDPA, which drops the cap.
@@ -1320,13 +1360,17 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
             # xIELU's parameters all start alike (Apertus): set each layer's apart.
             if pname.endswith((".sinks", "act_fn.alpha_p", "act_fn.alpha_n")):
                 p.add_(torch.randn_like(p) * 2)
+            # Gemma 4's router scales start at 1: perturb them, so that they count.
+            if pname.endswith(("router.scale", "router.per_expert_scale")):
+                p.add_(torch.randn_like(p) * 0.1)
             # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
             if pname.endswith(SHARPENED):
                 p.mul_(10)
         for bname, b in model.named_buffers():
             # DeepSeek's router selection bias starts at zero: perturb it so that it counts too.
-            if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):  # LFM2 MoE's too
+            # Gemma 4's layer scalars start at 1 too.
+            if bname.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "layer_scalar")):
                 b.add_(torch.randn_like(b) * 0.1)
     return model.eval()
 

@@ -147,7 +147,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
 # transformers' hidden_act names -> keel's (keel.model.layers runs them).
 HIDDEN_ACTS = {
     "silu": "silu",
@@ -169,7 +169,7 @@ class RopeScaling:
 
     # dynamic: NTK scaling by the sequence's length past max_position_embeddings; within it, the default frequencies
     # (what transformers computes there), and keel serves no longer context (keel.serve.model_len)
-    type: str = "default"  # default | linear | llama3 | yarn | longrope | dynamic
+    type: str = "default"  # default | linear | llama3 | yarn | longrope | dynamic | proportional
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -189,6 +189,10 @@ class RopeScaling:
     # attention_factor (None: sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # Proportional (Gemma 4's full-attention layers): the first int(share x D // 2) of the head's D / 2 frequencies
+    # turn, at the default rope's frequencies over all D channels (divided by `factor`), the rest are 0 (those
+    # channel pairs pass unturned), so the rotation spans the whole head.
+    rotated_share: float = 1.0
 
 
 # The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
@@ -213,6 +217,10 @@ class ModelConfig:
     # is the rotary width, which keel calls `rotary_dim`). Values are v_head_dim wide.
     num_kv_heads: int
     head_dim: int
+    # The full-attention layers' own geometry (Gemma 4's global_head_dim and num_global_key_value_heads); 0: the
+    # same as every layer's (head_dim, num_kv_heads). Read per layer: layer_head_dim, layer_num_kv_heads.
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -319,6 +327,14 @@ class ModelConfig:
     n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Gemma 4's router: its input normed (no weight), times a learned scale per channel (`router.input_scale`) and
+    # hidden_size^-1/2; each chosen expert's weight, after the renormalisation, times its learned `expert_scale`.
+    router_input_norm: bool = False
+    router_expert_scale: bool = False
+    # Gemma 4's MoE block: the shared expert (its dense MLP, ungated) and the routed experts each with a norm before and
+    # after them (the layer's norm before the MLP is the shared expert's: the block reads the un-normed residual,
+    # which its router takes as it is).
+    moe_branch_norms: bool = False
     router_linear_bias: bool = False  # GPT-OSS: the router's linear layer has a bias (it moves the logits)
     expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down projections have biases
     # The experts' gated activation: "silu" (act(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped above
@@ -374,6 +390,13 @@ class ModelConfig:
     # Llama 4's own form: p + 1 in place of p, and only in the layers without position encoding (`rope_layers`).
     query_scale_offset: int = 0
     query_scale_nope_only: bool = False
+    # Gemma 4: the full-attention layers have no v_proj, their values are the keys' projection (before k's norm and
+    # rotary): `layer_k_eq_v`.
+    attention_k_eq_v: bool = False
+    # Gemma 4: values divided by their root mean square over each head (no weight), as stored and attended.
+    v_norm: bool = False
+    # Gemma 4: each layer's output (residual stream included) multiplied by a stored scalar (the `layer_scalar` buffer).
+    layer_scalar: bool = False
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -422,6 +445,55 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def _has_global_geometry(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    def layer_head_dim(self, layer: int) -> int:
+        """`layer`'s head width: global_head_dim in the full-attention layers where the config has one, else
+        head_dim."""
+        return self.global_head_dim if self.global_head_dim and self._has_global_geometry(layer) else self.head_dim
+
+    def layer_num_kv_heads(self, layer: int) -> int:
+        """`layer`'s KV heads: global_num_kv_heads in the full-attention layers where set, else num_kv_heads."""
+        global_heads = self.global_num_kv_heads and self._has_global_geometry(layer)
+        return self.global_num_kv_heads if global_heads else self.num_kv_heads
+
+    def layer_q_size(self, layer: int) -> int:
+        return self.num_heads * self.layer_head_dim(layer)
+
+    def layer_kv_size(self, layer: int) -> int:
+        return self.layer_num_kv_heads(layer) * self.layer_head_dim(layer)
+
+    def layer_k_eq_v(self, layer: int) -> bool:
+        """Whether `layer`'s values are its keys' projection (no v_proj: attention_k_eq_v's full-attention layers)."""
+        return self.attention_k_eq_v and self._has_global_geometry(layer)
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Whether every attention layer has the same head width and KV heads (no full-attention geometry of its
+        own); what tensor parallelism's one cut of the heads needs."""
+        return all(
+            self.layer_head_dim(i) == self.head_dim and self.layer_num_kv_heads(i) == self.num_kv_heads
+            for i in range(self.num_layers)
+        )
+
+    def layer_rotary_dim(self, layer: int) -> int:
+        """`rotary_dim` at `layer`'s own head width."""
+        return self.rotary_dim if self.is_mla else int(self.layer_head_dim(layer) * self.partial_rotary_factor)
+
+    @property
+    def full_rotary_dim(self) -> int:
+        """`rotary_dim` of the layers that rotate by `rope_theta` / `rope_scaling` (the full-attention layers' head
+        width where they have their own; the sliding layers' own RoPE, where there is one, is `rotary_dim` wide)."""
+        if self.is_mla or not self.global_head_dim:
+            return self.rotary_dim
+        return int(self.global_head_dim * self.partial_rotary_factor)
+
+    def attention_layers(self) -> list[int]:
+        """The layers that keep K/V and attend (`is_attention_layer`: not the recurrent ones, which keep a state per
+        sequence instead, hybrid ones both, nor "mlp" layers, which keep nothing)."""
+        return [i for i in range(self.num_layers) if self.is_attention_layer(i)]
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` has a sparse MoE block (HF's decoder_sparse_step / mlp_only_layers rule)."""
@@ -499,6 +571,7 @@ class ModelConfig:
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
         )
+        self._validate_layer_geometry(need)
         if self.is_mla:
             self._validate_mla(need)
         else:
@@ -600,13 +673,17 @@ class ModelConfig:
             not (self.parallel_residual and self.norm_placement != "pre"),
             "parallel_residual needs norm_placement 'pre'",
         )
-        for scaling in (self.rope_scaling, self.sliding_rope_scaling):
+        for scaling, rotary in (
+            (self.rope_scaling, self.full_rotary_dim),
+            (self.sliding_rope_scaling, self.rotary_dim),
+        ):
             need(
                 scaling.type != "longrope"
-                or len(scaling.short_factor) == len(scaling.long_factor) == (self.rotary_dim + 1) // 2,
-                f"longrope needs one short and one long factor per rotary frequency ({(self.rotary_dim + 1) // 2}), "
+                or len(scaling.short_factor) == len(scaling.long_factor) == (rotary + 1) // 2,
+                f"longrope needs one short and one long factor per rotary frequency ({(rotary + 1) // 2}), "
                 f"got {len(scaling.short_factor)} and {len(scaling.long_factor)}",
             )
+            need(0 < scaling.rotated_share <= 1, f"rotated_share must be in (0, 1], got {scaling.rotated_share}")
         need(
             self.rope_scaling.type in ROPE_TYPES,
             f"rope scaling type {self.rope_scaling.type!r} is not supported (supported: {', '.join(ROPE_TYPES)})",
@@ -647,11 +724,31 @@ class ModelConfig:
                 self.mlp_gated or self.expert_activation == "silu",
                 f"expert_activation {self.expert_activation!r} is gated (mlp_gated False: ungated experts)",
             )
+            need(
+                not self.moe_branch_norms
+                or (self.shared_expert_intermediate_size > 0 and not self.shared_expert_gated),
+                "moe_branch_norms needs an ungated shared expert (the block's dense MLP)",
+            )
             need(1 <= self.topk_group <= self.n_group, "topk_group must be in 1..n_group")
             need(
                 self.num_experts_per_tok <= self.topk_group * (self.num_experts // self.n_group),
                 "num_experts_per_tok exceeds the experts of topk_group groups",
             )
+
+    def _validate_layer_geometry(self, need: Callable[[bool, str], None]) -> None:
+        """The full-attention layers' own head width and KV heads, k = v, v norms (Gemma 4)."""
+        need(self.global_head_dim >= 0 and self.global_head_dim % 2 == 0, "global_head_dim must be even and >= 0")
+        need(self.global_num_kv_heads >= 0, "global_num_kv_heads must be >= 0")
+        need(
+            not self.global_num_kv_heads or self.num_heads % self.global_num_kv_heads == 0,
+            f"num_heads ({self.num_heads}) must be a multiple of global_num_kv_heads ({self.global_num_kv_heads})",
+        )
+        own = bool(self.global_head_dim or self.global_num_kv_heads or self.attention_k_eq_v or self.v_norm)
+        need(not (self.is_mla and own), "multi-head latent attention has no per-layer geometry, k = v or v norms")
+        if self.full_rotary_dim != self.rotary_dim:
+            # the sliding layers then rotate by a table of their own width (AttentionMetadata.sliding_rope)
+            need(self.sliding_rope_theta is not None, "global_head_dim needs the sliding layers' own RoPE")
+            need("chunked_attention" not in self.layer_types, "global_head_dim beside chunked attention")
 
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
         need(
@@ -722,7 +819,7 @@ class ModelConfig:
         total += (2 * inner if self.mamba_proj_bias else 0) + (h if self.mamba_out_bias else 0)
         return total + (rank + 2 * n if self.mamba_dt_bc_norm == "rms" else 0)
 
-    def _attention_params(self) -> int:
+    def _attention_params(self, layer: int) -> int:
         h = self.hidden_size
         if self.is_mla:
             heads, rank, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
@@ -734,15 +831,17 @@ class ModelConfig:
             attn += h * (rank + rope) + ((rank + rope) if self.qkv_bias else 0)  # kv_a_proj_with_mqa
             attn += rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_layernorm, kv_b_proj
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
-        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
+        kv_projections = 1 if self.layer_k_eq_v(layer) else 2  # k = v: no v_proj
+        attn = h * q_size + kv_projections * h * kv_size + q_size * h
         if self.qkv_bias:
-            attn += self.q_size + 2 * self.kv_size
+            attn += q_size + kv_projections * kv_size
         if self.o_bias:
             attn += h
         if self.attention_output_gate:
-            attn += h * self.q_size + (self.q_size if self.qkv_bias else 0)
+            attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
-            attn += self.q_size + self.kv_size if self.qk_norm_scope == "all" else 2 * self.head_dim
+            attn += q_size + kv_size if self.qk_norm_scope == "all" else 2 * head_dim
         if self.attention_sinks:
             attn += self.num_heads
         return attn
@@ -754,7 +853,6 @@ class ModelConfig:
         DeepSeek's e_score_correction_bias is a buffer (adjusted by load statistics, not by
         gradients), as in transformers, so it is not counted."""
         h = self.hidden_size
-        attn = self._attention_params()
         mats = 3 if self.mlp_gated else 2
         dense_mlp = mats * h * self.intermediate_size + (
             (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
@@ -775,9 +873,15 @@ class ModelConfig:
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
         mamba = self._mamba_params() if any(self.has_mamba(i) for i in range(self.num_layers)) else 0
         mamba1 = self._mamba1_params() if "mamba1" in self.layer_types else 0
-        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1, "hybrid": attn + mamba}
+        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1}
         for layer in range(self.num_layers):
-            base = mixers.get(self.layer_types[layer], attn) + mixer_norms if self.has_mixer(layer) else 0
+            kind = self.layer_types[layer]
+            if not self.has_mixer(layer):
+                base = 0
+            elif kind in mixers:
+                base = mixers[kind] + mixer_norms
+            else:  # attention at the layer's own geometry; a hybrid layer's Mamba 2 mixer beside it
+                base = self._attention_params(layer) + (mamba if kind == "hybrid" else 0) + mixer_norms
             if not self.has_mlp(layer):
                 total += base
                 active += base
@@ -787,6 +891,9 @@ class ModelConfig:
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture in SELECTION_BIAS_PARAMETER:
                     router += self.num_experts
+                router += (h if self.router_input_norm else 0) + (self.num_experts if self.router_expert_scale else 0)
+                if self.moe_branch_norms:  # four norms, one of them the layer's own norm before the MLP
+                    router += 3 * norm
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:
@@ -963,7 +1070,12 @@ class ModelConfig:
             hf["num_local_experts"] = self.num_experts
             hf["num_experts_per_tok"] = self.num_experts_per_tok
             hf["intermediate_size"] = self.moe_intermediate_size
-        elif self.is_moe and self.architecture not in (*DEEPSEEK_MOE_FAMILIES, *GRANITE_MOE_FAMILIES, "ernie4_5_moe"):
+        elif self.is_moe and self.architecture not in (
+            *DEEPSEEK_MOE_FAMILIES,
+            *GRANITE_MOE_FAMILIES,
+            "ernie4_5_moe",
+            "gemma4",
+        ):
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -1008,6 +1120,7 @@ TEXT_MODEL_OF = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
 }
 
 
@@ -1018,7 +1131,11 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
     if outer is None or not isinstance(hf.get("text_config"), dict):
         return hf
-    inner = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config", "architectures", "model_type")}
+    inner = {
+        k: v
+        for k, v in hf.items()
+        if k not in ("text_config", "vision_config", "audio_config", "architectures", "model_type")
+    }
     return {**inner, **hf["text_config"], "architectures": [TEXT_MODEL_OF[outer]]}
 
 
@@ -1267,6 +1384,9 @@ def _rope_from_hf(
         )
     if rope_type == "default":
         return theta, RopeScaling()
+    if rope_type == "proportional":  # transformers' default of both: 1.0
+        share = float(spec.get("partial_rotary_factor", 1.0))
+        return theta, RopeScaling(type="proportional", factor=float(spec.get("factor", 1.0)), rotated_share=share)
     # A family whose model puts its own factor on cos/sin in place of the type's (Phi-3.5-MoE's mscale)
     family_factor = getattr(FAMILIES.get(family), "rope_attention_factor", None)
     own_factor = family_factor(rope_type, spec, source) if family_factor is not None else None
@@ -1328,8 +1448,12 @@ def _rope_per_layer_kind(hf: dict[str, Any]) -> dict[str, dict[str, Any]] | None
 
 def _rope_to_hf(theta: float, scaling: RopeScaling) -> dict[str, Any]:
     out: dict[str, Any] = {"rope_type": scaling.type, "rope_theta": theta}
-    if scaling.type in ("linear", "llama3", "yarn", "dynamic"):
+    if scaling.type in ("linear", "llama3", "yarn", "dynamic") or (
+        scaling.type == "proportional" and scaling.factor != 1.0
+    ):
         out["factor"] = scaling.factor
+    if scaling.type == "proportional":
+        out["partial_rotary_factor"] = scaling.rotated_share
     if scaling.type == "yarn":
         out.update(
             original_max_position_embeddings=scaling.original_max_position_embeddings,

@@ -192,23 +192,28 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.rotary_dim = config.rotary_dim
+        # the layer's own geometry: Gemma 4's full-attention layers have wider heads and fewer KV heads
+        self.num_kv_heads = config.layer_num_kv_heads(layer)
+        self.head_dim = config.layer_head_dim(layer)
+        self.rotary_dim = config.layer_rotary_dim(layer)
         self.window = config.layer_window(layer)
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, config.q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_bias)
+        h, q_size, kv_size = config.hidden_size, config.layer_q_size(layer), config.layer_kv_size(layer)
+        self.q_proj = nn.Linear(h, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, kv_size, bias=config.qkv_bias)
+        # Gemma 4's attention_k_eq_v: the keys' projection is the values' too (before k's norm and rotary)
+        self.k_eq_v = config.layer_k_eq_v(layer)
+        self.v_proj = None if self.k_eq_v else nn.Linear(h, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, h, bias=config.o_bias)
         # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj
-        self.output_gate = nn.Linear(h, config.q_size, bias=config.qkv_bias) if config.attention_output_gate else None
+        self.output_gate = nn.Linear(h, q_size, bias=config.qkv_bias) if config.attention_output_gate else None
         # RMSNorm over each head's q and k (Qwen3), or over the whole q and k projections (OLMo 2), before the
         # rotary embedding.
         self.qk_norm_whole = config.qk_norm_scope == "all"
         self.qk_norm_after_rope = config.qk_norm_after_rope
         self.clip_qkv = config.clip_qkv  # OLMo's clamp of q, k and v (elementwise: a tensor-parallel shard's too)
-        q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        # Gemma 4: each head's values divided by their root mean square (no weight)
+        self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
+        q_width, k_width = (q_size, kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         offset = config.norm_weight_offset
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm else None
@@ -233,15 +238,18 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism q/k/v hold this rank's heads only, not num_heads.
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        if self.qkv_proj is not None:  # q and k only where k = v
+            q, k, *v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, *v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None)
+        v = k if self.k_eq_v else v[0]
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.v_norm_eps is not None:
+            v = l2_norm(v, self.v_norm_eps)
         if self.q_norm is not None and not self.qk_norm_whole and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotates:

@@ -44,7 +44,7 @@ def fuse_projections(model: nn.Module) -> int:
     fused = 0
     for module in model.modules():
         if isinstance(module, Attention) and module.qkv_proj is None:
-            parts = [module.q_proj, module.k_proj, module.v_proj]
+            parts = [p for p in (module.q_proj, module.k_proj, module.v_proj) if p is not None]  # k = v: no v_proj
             qkv = _concat(parts)
             if qkv is not None:
                 module.qkv_sizes = [p.out_features for p in parts]

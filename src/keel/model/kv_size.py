@@ -1,10 +1,12 @@
 """KV-cache bytes per token: the one size the engine divides its memory budget by, the planner sizes
 its pool with and the profiler counts as attention's reads.
 
-Over all attention layers of `config` (not its recurrent layers nor those without a token mixer; a tensor-parallel
-rank passes its own share of the heads): K and V of every KV head, or for multi-head latent attention (config.is_mla)
-one row per layer of the latent and the rope key (kv_lora_rank + qk_rope_head_dim values) and no values.
-Sliding-window layers count in full: the paged cache stores every layer's rows for every block, windowed or not.
+Over all attention layers of `config` (`ModelConfig.attention_layers`: not its recurrent layers nor those without a
+token mixer; a tensor-parallel rank passes its own share of the heads): K and V of every KV head, at each layer's own
+head width (Gemma 4's full-attention layers: `ModelConfig.layer_head_dim`), or for multi-head latent attention
+(config.is_mla) one row per layer of the latent and the rope key (kv_lora_rank + qk_rope_head_dim values) and no
+values. Sliding-window layers count in full: the paged cache stores every layer's rows for every block, windowed or
+not.
 
 kv_cache_dtype "auto" stores rows in the model's `dtype`; "bfloat16" in bfloat16 whatever the compute
 dtype (vLLM's option: half a float32 model's cache bytes, which decode attention streams every step);
@@ -43,13 +45,13 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
     # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent), hybrid ones both; "mlp"
     # layers nothing
-    layers = sum(config.is_attention_layer(i) for i in range(config.num_layers))
+    layers = config.attention_layers()
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
-            return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-        return 2 * layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+            return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+        return sum(2 * config.layer_kv_size(i) * dtype.itemsize for i in layers)  # each layer's own geometry
     scale = SCALE_DTYPE.itemsize
     if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
-        return layers * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
-    return 2 * layers * config.num_kv_heads * (config.head_dim + scale)
+        return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
+    return sum(2 * config.layer_num_kv_heads(i) * (config.layer_head_dim(i) + scale) for i in layers)

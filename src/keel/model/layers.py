@@ -153,6 +153,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, long: bool 
     if scaling.type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling.type == "proportional":
+        # transformers' _compute_proportional_rope_parameters: the turning frequencies over all head_dim channels
+        turning = int(scaling.rotated_share * head_dim // 2)
+        inv_freq = 1.0 / theta ** (torch.arange(0, 2 * turning, 2, dtype=torch.int64).float() / head_dim)
+        return torch.cat((inv_freq, torch.zeros(head_dim // 2 - turning))) / scaling.factor
     if scaling.type == "longrope":
         factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
         return 1.0 / (factors * theta**exponents)  # transformers' _compute_longrope_parameters, same float32 ops
@@ -188,7 +193,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, sliding: bool = False) -> None:
         """`sliding`: the frequencies of the sliding-window layers' own RoPE (config.sliding_rope_theta)."""
         super().__init__()
-        self.head_dim = config.rotary_dim  # MLA rotates only the qk_rope part of each head
+        # MLA rotates only the qk_rope part of each head; the full-attention layers may have a head width of their own
+        self.head_dim = config.rotary_dim if sliding else config.full_rotary_dim
         self.theta = config.sliding_rope_theta if sliding else config.rope_theta
         self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
         self.attention_factor = rope_attention_factor(self.scaling)

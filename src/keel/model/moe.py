@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.grouped import grouped_matmul
-from keel.model.layers import SwiGLU, activation
+from keel.model.layers import SwiGLU, activation, block_norm, l2_norm
 
 
 @dataclass
@@ -77,6 +77,11 @@ class Router(nn.Module):
         self.jitter_eps = config.router_jitter_eps
         self.bias_on_logits = config.router_bias_on_logits
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # Gemma 4: the input normed (no weight), times a learned scale per channel and hidden_size^-1/2; each chosen
+        # expert's weight times its learned scale.
+        self.eps, self.input_multiplier = config.rms_norm_eps, config.hidden_size**-0.5
+        self.input_scale = nn.Parameter(torch.empty(config.hidden_size)) if config.router_input_norm else None
+        self.expert_scale = nn.Parameter(torch.empty(config.num_experts)) if config.router_expert_scale else None
         # GPT-OSS: a bias of the router's linear layer, which moves the logits (not DeepSeek's selection bias).
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_linear_bias else None
         self.e_score_correction_bias: Tensor | None
@@ -88,6 +93,14 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:
         """x [T, H] -> Routing."""
+        if self.input_scale is not None:  # Gemma 4's order: the norm rounded to x's dtype, then the two scales
+            x = l2_norm(x, self.eps) * self.input_scale * self.input_multiplier
+        routing = self._route(x)
+        if self.expert_scale is not None:
+            routing.weights = routing.weights * self.expert_scale[routing.ids].float()
+        return routing
+
+    def _route(self, x: Tensor) -> Routing:
         if self.scoring == "topk_softmax":
             # GPT-OSS: the top k of the logits in the model's dtype, then a softmax over those k in that dtype, as
             # transformers computes it (ties of low-precision logits decide as its top-k decides them).
@@ -344,6 +357,11 @@ class MoE(nn.Module):
             )
             if config.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        # Gemma 4: a norm before and after the shared expert (its dense MLP) and the routed experts each; the block
+        # then reads the layer's un-normed residual, as its router does.
+        branch_norm = (lambda: block_norm(config, h)) if config.moe_branch_norms else (lambda: None)
+        self.shared_input_norm, self.shared_output_norm = branch_norm(), branch_norm()
+        self.expert_input_norm, self.expert_output_norm = branch_norm(), branch_norm()
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
         self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
@@ -381,20 +399,25 @@ class MoE(nn.Module):
         if limit is not None:
             kept = _within_capacity(expert_ids, counts, limit)
             expert_ids, slot_weights, slot_tokens = expert_ids[kept], slot_weights[kept], slot_tokens[kept]
+        expert_in = flat if self.expert_input_norm is None else self.expert_input_norm(flat)
         if self.scales_input:  # Llama 4 (one expert a token): the expert takes its input scaled by the weight
-            routed = (flat * routing.weights.to(flat.dtype)).to(flat.dtype)
+            routed = (expert_in * routing.weights.to(flat.dtype)).to(flat.dtype)
             outputs = self.dispatcher(self.experts, routed, expert_ids, slot_tokens)
             weighted = outputs.to(flat.dtype)
         else:
-            outputs = self.dispatcher(self.experts, flat, expert_ids, slot_tokens)
+            outputs = self.dispatcher(self.experts, expert_in, expert_ids, slot_tokens)
             weighted = (outputs * slot_weights.unsqueeze(-1)).to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, slot_tokens, weighted)
+        if self.expert_output_norm is not None:
+            out = self.expert_output_norm(out)
         if self.track_stats and self.training:  # training steps only: not validation forwards
             self._record(counts, 0 if kept is None else kept.numel() - int(kept.sum()))
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             out = _AddAuxLoss.apply(out, self._aux_loss(routing, counts, t), self.aux_grad_scale)
         if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+            shared = self.shared_expert(flat if self.shared_input_norm is None else self.shared_input_norm(flat))
+            if self.shared_output_norm is not None:
+                shared = self.shared_output_norm(shared)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared

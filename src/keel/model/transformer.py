@@ -82,11 +82,24 @@ class DecoderLayer(nn.Module):
                     config.mlp_down_multiplier,
                 )
             )
+        if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:
+            self.post_attention_layernorm = None  # Gemma 4: the MoE block norms its branches' inputs itself
+        # Gemma 4: the layer's output, residual stream included, times a stored scalar
+        self.layer_scalar: Tensor | None
+        if config.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
+        else:
+            self.layer_scalar = None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        out = self._block(x, meta)
+        # in the activations' dtype, as transformers holds the buffer in the model's (keel's loads keep float32)
+        return out if self.layer_scalar is None else out * self.layer_scalar.to(out.dtype)
+
+    def _block(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.mamba is not None:  # Falcon-H1: attention and the mixer side by side, each with its multipliers
             h = self.input_layernorm(x)
             attn_in, attn_out, mamba_in, mamba_out = self.branch_multipliers
@@ -255,8 +268,13 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, DecoderLayer) and module.layer_scalar is not None:
+            module.layer_scalar.fill_(1.0)
         elif isinstance(module, MoE):
             nn.init.normal_(module.router.weight, std=std)
+            for scale in (module.router.input_scale, module.router.expert_scale):
+                if scale is not None:
+                    nn.init.ones_(scale)
             nn.init.normal_(module.experts.gate_up_proj, std=std)
             nn.init.normal_(module.experts.down_proj, std=std)
             for bias in (module.router.bias, module.experts.gate_up_proj_bias, module.experts.down_proj_bias):

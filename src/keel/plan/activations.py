@@ -75,7 +75,10 @@ def layer_activation_bytes(
     if recompute != "none":
         raise ValueError(f"recompute must be 'none' or 'full', got {recompute!r}")
     h, a = config.hidden_size, precision.compute
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    # the layer's attention geometry; by default the widest (Gemma 4's full-attention layers have their own)
+    shapes = [layer] if layer is not None else config.attention_layers() or [0]
+    d = max(config.layer_head_dim(i) for i in shapes)
+    q, kv = max(config.layer_q_size(i) for i in shapes), max(config.layer_kv_size(i) for i in shapes)
     moe = config.num_experts > 0 if layer is None else config.is_moe_layer(layer)
     # The normed inputs of attention and MLP: one tensor shared by their projections, or under
     # autocast one cast copy per projection (q, k, v; MLA's two down-projections; gate and up).
@@ -84,7 +87,7 @@ def layer_activation_bytes(
     values = 2 * norm_bytes(h, precision) + a * h * (attention_inputs + mlp_inputs)
     # q, k, v after rotary and the attention output (SDPA's saved tensors, the output being o_proj's
     # input), the float32 logsumexp per head, the rotary cos/sin the products keep.
-    values += a * (2 * q + 2 * kv + 2 * config.head_dim) + 4 * config.num_heads
+    values += a * (2 * q + 2 * kv + 2 * d) + 4 * config.num_heads
     if moe:
         k, i = config.num_experts_per_tok, config.moe_intermediate_size
         # Per routed slot: its gathered input, the fused gate/up output, SiLU(gate), the product (down's

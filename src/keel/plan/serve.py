@@ -84,12 +84,13 @@ class ServeLayout:
 
 def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
     per_value = KV_BYTES[kv_dtype]
+    layers = config.attention_layers()
     if config.is_mla:  # one latent + rope key per token, replicated on every tp rank
-        per_layer = (config.kv_lora_rank + config.qk_rope_head_dim) * per_value
-    else:
-        heads = max(1, config.num_kv_heads // tp) if config.num_kv_heads >= tp else 1
-        per_layer = 2 * heads * config.head_dim * per_value
-    return per_layer * _attention_layers(config) / pp
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * per_value * len(layers) / pp
+    # each layer's KV heads (a rank's share, at least one) at its head width
+    return (
+        sum(2 * max(1, config.layer_num_kv_heads(i) // tp) * config.layer_head_dim(i) for i in layers) * per_value / pp
+    )
 
 
 def _state_bytes(config: ModelConfig) -> int:
@@ -102,19 +103,14 @@ def _state_bytes(config: ModelConfig) -> int:
     return RecurrentStates.bytes_per_slot(config, torch.bfloat16)
 
 
-def _attention_layers(config: ModelConfig) -> int:
-    """The layers that keep K/V and attend (recurrent layers keep a state per sequence instead, hybrid ones both,
-    "mlp" layers nothing)."""
-    return sum(config.is_attention_layer(i) for i in range(config.num_layers))
-
-
 def _attention_flops_per_token(config: ModelConfig, context: int) -> float:
     """Score and value matmuls of one query over `context` keys, all layers."""
+    layers = config.attention_layers()
     if config.is_mla:  # absorbed: every head attends over the latent (R + P) and reads R values
-        width = 2 * config.kv_lora_rank + config.qk_rope_head_dim
+        widths = len(layers) * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
     else:
-        width = 2 * config.head_dim
-    return 2 * _attention_layers(config) * config.num_heads * width * context
+        widths = sum(2 * config.layer_head_dim(i) for i in layers)
+    return 2 * config.num_heads * widths * context
 
 
 @dataclass

@@ -289,7 +289,8 @@ def _step_time(
     """Roofline compute stretched by the pipeline bubble, plus the communication it does not hide."""
     gpu, tp, pp, ep, seq, layers = cluster.gpu, shape.tp, shape.pp, shape.ep, shape.seq, memory.layers
     tokens_gpu = global_batch_tokens / cluster.count
-    attention = 6 * config.num_layers * seq * config.num_heads * config.head_dim  # causal QK and PV, fwd + bwd
+    # causal QK and PV, fwd + bwd, at each layer's head width
+    attention = 6 * seq * sum(config.layer_q_size(i) for i in range(config.num_layers))
     peak = gpu.fp8_flops if precision == "fp8" else gpu.bf16_flops
     active = split.active_matmul
     compute = tokens_gpu * (6 * active / peak + attention / gpu.bf16_flops) / mfu * RECOMPUTE_COST[shape.recompute]

@@ -192,7 +192,7 @@ class _StepCache:
             self.positions,
             window or 0,
             paged.block_size,
-            paged.head_dim**-0.5,
+            paged.head_dims[layer] ** -0.5,
             paged.softcap or 0.0,
             sinks,
         )

@@ -335,15 +335,18 @@ class PagedKVCache:
         self.softcap = config.attn_logit_softcapping
         # GPT-OSS's softmax sinks: the model passes each layer's to `attend`; keel::decoder_layers has none.
         self.has_sinks = config.attention_sinks
-        if config.is_mla:
-            self.num_kv_heads, self.head_dim = 1, config.kv_lora_rank + config.qk_rope_head_dim
+        # Each layer's KV heads and row width (Gemma 4's full-attention layers have their own): one store a layer
+        n = config.num_layers
+        if config.is_mla:  # one row a token: the latent and the rope key
+            self.kv_heads, self.head_dims = [1] * n, [config.kv_lora_rank + config.qk_rope_head_dim] * n
         else:
-            self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+            self.kv_heads = [config.layer_num_kv_heads(i) for i in range(n)]
+            self.head_dims = [config.layer_head_dim(i) for i in range(n)]
         # the layers that keep K/V: not the recurrent ones, which keep a state per sequence in `sequences` slots
         # instead (hybrid layers keep both), nor those without a token mixer ("mlp"), which keep neither
-        self.attention = {i for i in range(config.num_layers) if config.is_attention_layer(i)}
+        self.attention = set(config.attention_layers())
         self.keys = [
-            torch.zeros(self.num_kv_heads, self.slots_of(i), self.head_dim, dtype=dtype, device=device)
+            torch.zeros(self.kv_heads[i], self.slots_of(i), self.head_dims[i], dtype=dtype, device=device)
             for i in range(config.num_layers)
         ]
         self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
@@ -353,7 +356,7 @@ class PagedKVCache:
     def attention_backend(self) -> str:
         """The backend that attends over this cache's stores (keel.serve.attention_backends)."""
         stored = [i for i in self.layers if i in self.attention] or [0]
-        return attention_backend(self.keys[stored[0]], self.head_dim, self.block_size)
+        return attention_backend(self.keys[stored[0]], self.head_dims[stored[0]], self.block_size)
 
     def slots_of(self, layer: int) -> int:
         """Token slots of a layer's store: all blocks' for the stored attention layers, none for the others."""
@@ -406,7 +409,7 @@ class PagedKVCache:
         # MLA has no values; keel::decoder_layers's attention neither soft-caps scores nor counts sinks
         if not self.values or self.softcap or self.has_sinks:
             return False
-        return kernel_attends(self.keys[layer], self.head_dim, self.block_size)
+        return kernel_attends(self.keys[layer], self.head_dims[layer], self.block_size)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         store = self.keys[layer]
@@ -432,7 +435,8 @@ class PagedKVCache:
         head's softmax sink (GPT-OSS)."""
         plan = self.plan
         softcap = self.softcap
-        backend = attention_backend(k_store, self.head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
+        head_dim = q.shape[-1]  # the layer's (MLA: the latent and rope key's)
+        backend = attention_backend(k_store, head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
         if backend == "kernels":
             return self._attend_in_place(q, k_store, v_store, None, None, window, scale, sinks)
 
@@ -442,10 +446,10 @@ class PagedKVCache:
 
         queries = q[0]  # [H, T, D]
         heads = queries.shape[0]
-        v_dim = self.head_dim if v_store is not None else self.latent_rank
+        v_dim = head_dim if v_store is not None else self.latent_rank
         whole = len(plan.decodes) == 1 and plan.decodes[0].whole_step
         out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
-        decode_scale = scale if scale is not None else self.head_dim**-0.5
+        decode_scale = scale if scale is not None else head_dim**-0.5
         if backend == "triton" and plan.decodes:
             # Each row walks its own table: every decode row of the step in one call, whatever its length.
             index, tables, positions = plan.all_decodes()
@@ -514,8 +518,8 @@ class PagedKVCache:
             rows.positions,
             self.block_size,
             window or 0,
-            scale if scale is not None else self.head_dim**-0.5,
-            self.head_dim if v_store is not None else self.latent_rank,
+            scale if scale is not None else queries.shape[-1] ** -0.5,
+            queries.shape[-1] if v_store is not None else self.latent_rank,
             self.softcap or 0.0,
             sinks,
         )  # [T, H, Dv]

@@ -47,10 +47,11 @@ QMAX = 127  # symmetric: -127..127, so that -absmax and +absmax both map exactly
 
 
 class QuantStore(NamedTuple):
-    """One layer's int8 rows [H_kv, slots, D] and their scales [H_kv, slots, S] (S parts per row)."""
+    """One layer's int8 rows [H_kv, slots, D] and their scales [H_kv, slots, S] (S parts per row, their widths)."""
 
     data: Tensor
     scales: Tensor
+    parts: tuple[int, ...]
 
 
 def quantize_kv(x: Tensor, parts: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor]:
@@ -123,9 +124,9 @@ class Int8PagedKVCache(PagedKVCache):
         super().__init__(config, num_blocks, block_size, torch.int8, device, layers)
         self.dtype = dtype
         # Parts of a row with a scale each: the whole head dimension, or MLA's latent and rope key.
-        self.parts = (config.kv_lora_rank, config.qk_rope_head_dim) if config.is_mla else (self.head_dim,)
+        self.parts = [(config.kv_lora_rank, config.qk_rope_head_dim) if config.is_mla else (d,) for d in self.head_dims]
         self.key_scales = [
-            torch.zeros(self.num_kv_heads, self.slots_of(i), len(self.parts), dtype=SCALE_DTYPE, device=device)
+            torch.zeros(self.kv_heads[i], self.slots_of(i), len(self.parts[i]), dtype=SCALE_DTYPE, device=device)
             for i in range(len(self.keys))
         ]
         self.value_scales = [torch.zeros_like(s) for s in self.key_scales] if self.values else []
@@ -135,12 +136,12 @@ class Int8PagedKVCache(PagedKVCache):
         return super().nbytes() + scales
 
     # ---------------------------------------------------------------- write
-    def _write(self, store: Tensor, rows: Tensor, scales: Tensor) -> QuantStore:  # type: ignore[override]
+    def _write(self, store: Tensor, rows: Tensor, scales: Tensor, layer: int) -> QuantStore:  # type: ignore[override]
         """Quantize the step's rows [1, T, H_kv, D] into their slots of one layer's store."""
-        q, s = quantize_kv(rows[0].transpose(0, 1), self.parts)  # [H_kv, T, D], [H_kv, T, S]
+        q, s = quantize_kv(rows[0].transpose(0, 1), self.parts[layer])  # [H_kv, T, D], [H_kv, T, S]
         store.index_copy_(1, self.plan.slot_mapping, q)
         scales.index_copy_(1, self.plan.slot_mapping, s)
-        return QuantStore(store, scales)
+        return QuantStore(store, scales, self.parts[layer])
 
     def attend(
         self,
@@ -152,17 +153,17 @@ class Int8PagedKVCache(PagedKVCache):
         window: int | None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        keys = self._write(self.keys[layer], k, self.key_scales[layer])
-        values = self._write(self.values[layer], v, self.value_scales[layer])
+        keys = self._write(self.keys[layer], k, self.key_scales[layer], layer)
+        values = self._write(self.values[layer], v, self.value_scales[layer], layer)
         return self._attend(q, keys, values, window, None, sinks)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer]), None, None, scale)
+        return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer], layer), None, None, scale)
 
     def attends_in_place(self, layer: int) -> bool:
         """The base class's, for rows of one scale (keel::decoder_layers quantizes each row as `quantize_kv`
         does; not MLA's two-part rows, which have no values anyway)."""
-        return len(self.parts) == 1 and super().attends_in_place(layer)
+        return len(self.parts[layer]) == 1 and super().attends_in_place(layer)
 
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
         """The base class's, with the layer's scales."""
@@ -174,15 +175,15 @@ class Int8PagedKVCache(PagedKVCache):
     # ----------------------------------------------------------------- read
     def _gather_int8(self, store: QuantStore, tables: Tensor) -> tuple[Tensor, Tensor]:
         """Block ids [B, nb] -> int8 rows [H_kv, B, L, D] and their scales [H_kv, B, L, S]."""
-        flat, heads, batch = tables.flatten(), self.num_kv_heads, tables.shape[0]
+        flat, heads, batch = tables.flatten(), store.data.shape[0], tables.shape[0]
         rows = store.data.view(heads, self.num_blocks, -1).index_select(1, flat)
         scales = store.scales.view(heads, self.num_blocks, -1).index_select(1, flat)
-        return rows.view(heads, batch, -1, self.head_dim), scales.view(heads, batch, -1, len(self.parts))
+        return rows.view(heads, batch, -1, store.data.shape[-1]), scales.view(heads, batch, -1, len(store.parts))
 
     def _gather(self, store: QuantStore, tables: Tensor) -> Tensor:  # type: ignore[override]
         """The base class's gather, dequantized into the compute dtype (prefill chunks, MLA)."""
         rows, scales = self._gather_int8(store, tables)
-        return dequantize_kv(rows, scales, self.dtype, self.parts)
+        return dequantize_kv(rows, scales, self.dtype, store.parts)
 
     def _attend(  # type: ignore[override]
         self,
@@ -194,7 +195,7 @@ class Int8PagedKVCache(PagedKVCache):
         sinks: Tensor | None = None,
     ) -> Tensor:
         plan = self.plan
-        if v_store is not None and kernel_attends(k_store.data, self.head_dim, self.block_size):
+        if v_store is not None and kernel_attends(k_store.data, k_store.data.shape[-1], self.block_size):
             data = (k_store.data, v_store.data, k_store.scales, v_store.scales)
             return self._attend_in_place(q, *data, window, scale, sinks)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
@@ -225,10 +226,11 @@ class Int8PagedKVCache(PagedKVCache):
         """One decode group as in `PagedKVCache._attend`, with the scales folded: q.(s_k k) = s_k (q.k),
         and sum p (s_v v) = sum (p s_v) v. int8 values convert exactly to bfloat16 / float32."""
         plan: StepPlan = self.plan
-        heads, group, dim = queries.shape[0], queries.shape[0] // self.num_kv_heads, self.head_dim
+        kv_heads, dim = k_store.data.shape[0], k_store.data.shape[-1]
+        heads, group = queries.shape[0], queries.shape[0] // kv_heads
         keys, k_scales = self._gather_int8(k_store, dec.tables)
         values, v_scales = self._gather_int8(v_store, dec.tables)
-        qd = queries.index_select(1, dec.index).view(self.num_kv_heads, group, -1, dim).transpose(1, 2)
+        qd = queries.index_select(1, dec.index).view(kv_heads, group, -1, dim).transpose(1, 2)
         scores = torch.matmul(qd, keys.to(queries.dtype).transpose(-1, -2)).float()  # [Hkv, B, G, L]
         # [Hkv, B, L, 1] -> [Hkv, B, 1, L]: one scale per key, the same for the group's G queries.
         scores.mul_(k_scales.float().transpose(-1, -2) * (scale if scale is not None else dim**-0.5))
@@ -236,7 +238,7 @@ class Int8PagedKVCache(PagedKVCache):
             scores = softcap_scores(scores, self.softcap)
         mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
         scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-        column = None if sinks is None else sinks.view(self.num_kv_heads, 1, group, 1)  # GPT-OSS's sinks
+        column = None if sinks is None else sinks.view(kv_heads, 1, group, 1)  # GPT-OSS's sinks
         probs = sink_softmax(scores, column).mul_(v_scales.float().transpose(-1, -2))
         od = torch.matmul(probs.to(queries.dtype), values.to(queries.dtype))  # [Hkv, B, G, D]
         out.index_copy_(1, dec.index, od.transpose(1, 2).reshape(heads, -1, dim))

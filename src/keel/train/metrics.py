@@ -40,7 +40,7 @@ GPU_PEAK_FLOPS = {
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token."""
     dense = config.param_counts()["active_matmul"]  # the input embedding is a lookup, no FLOPs
-    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    attention = 12 * sum(config.layer_q_size(i) for i in range(config.num_layers)) * seq_len  # each layer's width
     return 6.0 * dense + attention
 
 

@@ -82,6 +82,16 @@ class TensorParallelLayout:
         c, tp = self.config, self.tp
         if not 0 <= self.rank < tp:
             raise KeelError(f"tensor-parallel rank {self.rank} outside [0, {tp})")
+        if not c.uniform_attention:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: full-attention layers of their own head width or KV heads "
+                "(global_head_dim, global_num_kv_heads: Gemma 4) are not cut by tensor parallelism yet"
+            )
+        if c.moe_branch_norms:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
+                "which tensor parallelism splits over the ranks"
+            )
         if c.num_heads % tp:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the model's {c.num_heads} attention heads do not divide into {tp} ranks"
