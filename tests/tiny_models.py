@@ -1140,6 +1140,36 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             initializer_range=0.02,  # its default, 2 / sqrt(5 * hidden), with the sharpened q/k: chaotic logits
         ),
     ),
+    # GPT-BigCode: learned positions (256 of them: the engine's tests serve 256), one key/value head (multi_query),
+    # biased LayerNorms, an ungated gelu_pytorch_tanh MLP, the head tied.
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_inner=128, n_positions=256)),
+    # Without multi_query: each head's q, k, v interleaved in c_attn; no softmax scale, erf GELU, an untied head.
+    "gpt_bigcode-mha": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(
+            n_inner=96,
+            n_positions=256,
+            multi_query=False,
+            scale_attn_weights=False,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+        ),
+    ),
+    # GPT-2: learned positions, multi-head attention in c_attn's thirds, every weight a Conv1D stored [in, out].
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=128, n_positions=256)),
+    # Layer i's softmax scale divided by i + 1, the reordered eager softmax, ReLU 4 x hidden wide, an untied head.
+    "gpt2-scaled": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            n_positions=256,
+            scale_attn_by_inverse_layer_idx=True,
+            reorder_and_upcast_attn=True,
+            activation_function="relu",
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -1151,6 +1181,7 @@ SHARPENED = (
     "q_b_proj.weight",
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
+    "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
 )
 
 

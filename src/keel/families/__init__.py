@@ -42,6 +42,8 @@ from keel.families import (
     glm4,
     glm4_moe,
     glm4_moe_lite,
+    gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     granite_swa,
@@ -160,6 +162,8 @@ FAMILIES: dict[str, ModuleType] = {
         mellum,
         hy_v3,
         minicpm3,
+        gpt_bigcode,
+        gpt2,
     )
 }
 
