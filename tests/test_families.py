@@ -165,6 +165,22 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         check_model_len(257, config)
 
 
+@pytest.mark.parametrize(
+    ("arch", "fields", "named"),
+    [
+        ("FalconForCausalLM", {"alibi": True}, "alibi"),
+        ("FalconForCausalLM", {"new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn"),
+        ("FalconForCausalLM", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn"),
+        ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
+        ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
+    ],
+)
+def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, named):
+    hf = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf({**hf, "vocab_size": 256, **fields}, source="config.json")
+
+
 def test_a_checkpoint_whose_tensors_the_inferred_block_cannot_place_is_refused(tmp_path):
     """Without config.json, StableLM's tensors look like Qwen2's but for the LayerNorms' biases: keel refuses
     to infer the structure rather than serve a Qwen2 without them."""

@@ -50,6 +50,7 @@ SLOW = pytest.mark.slow
         pytest.param("gemma", marks=SLOW),
         pytest.param("phi", marks=SLOW),
         pytest.param("gpt_bigcode-mha", marks=SLOW),  # learned positions through the compiled decode step
+        pytest.param("falcon", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -136,6 +137,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("minicpm3", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
+        pytest.param("falcon-40b", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -184,6 +186,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "gpt2-scaled":  # learned positions; layer i's softmax scale divided by i + 1 (folded into q)
         assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
         assert [a.q_multiplier for a in attention] == [1.0, 0.5, 1 / 3]
+    elif name == "falcon-40b":  # parallel attention and MLP, each from a norm of its own; 2 KV heads of 4
+        assert all(layer.parallel_residual and layer.post_attention_layernorm is not None for layer in layers)
+        assert all(a.num_kv_heads == 2 and a.rotates for a in attention)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -1170,6 +1170,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Falcon-7B's block: attention and MLP in parallel from one LayerNorm, one key/value head (multi_query), no biases.
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=128)),
+    # Falcon-40B's: two LayerNorms (ln_attn, ln_mlp) feeding the parallel branches, q/k/v grouped by 2 KV heads,
+    # biases, the tanh GELU, an untied head.
+    "falcon-40b": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            ffn_hidden_size=96,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            bias=True,
+            activation="gelu_pytorch_tanh",
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -1182,6 +1198,7 @@ SHARPENED = (
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
+    "self_attention.query_key_value.weight",  # Falcon's
 )
 
 

@@ -868,7 +868,10 @@ class ModelConfig:
         if self.architecture in MLA_FAMILIES:
             hf.update(_deepseek_to_hf(self))
         if self.architecture in FAMILIES:  # last: a family's own keys over the readers' it shares (Mistral 4's)
-            hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
+            family = FAMILIES[self.architecture]
+            hf.update(family.hf_fields(self, hf))
+            for key in getattr(family, "COMPUTED_KEYS", ()):  # its config class's properties: not to be set
+                hf.pop(key, None)
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         elif self.architecture not in ("llama", "granite", *FAMILIES):
