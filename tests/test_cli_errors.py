@@ -61,10 +61,10 @@ def test_truncated_safetensors(tiny, tmp_path):
 def test_unknown_architecture(tiny, tmp_path):
     model = copy_of(tiny, tmp_path)
     config = json.loads((model / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["BloomForCausalLM"]
     (model / "config.json").write_text(json.dumps(config))
     result = run_keel("inspect", str(model))
-    assert_one_line_error(result, "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+    assert_one_line_error(result, "BloomForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def test_tensor_of_wrong_shape(tiny, tmp_path):

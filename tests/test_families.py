@@ -116,6 +116,72 @@ def test_gpt_neox_reads_interleaved_heads_and_its_own_names(tmp_path):
     )
 
 
+def test_gpt2_conv1d_weights_are_read_through_their_transpose_shard_by_shard(tmp_path):
+    """GPT-2's Conv1D weights are stored [in, out]: keel's q/k/v are c_attn's column thirds, transposed; a
+    tensor-parallel rank's rows (column-parallel) or columns (row-parallel) come from that box of the stored tensor,
+    and the bare names of GPT2Model's files read as the `transformer.` ones."""
+    save_hf_model("gpt2", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    stored = SafetensorsReader(tmp_path)
+    reader = PartsReader(SafetensorsReader(tmp_path), FAMILIES["gpt2"].checkpoint_layout(config))
+    assert not any(n.startswith("transformer.") for n in reader.names())
+    h = config.hidden_size
+    c_attn = stored.get("transformer.h.1.attn.c_attn.weight")  # [h, 3h]
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        want = c_attn[:, i * h : (i + 1) * h].T
+        assert torch.equal(reader.get(f"model.layers.1.self_attn.{name}.weight"), want)
+        shard = reader.get_shard(f"model.layers.1.self_attn.{name}.weight", Shard(0, 16, 48))
+        assert torch.equal(shard, want[16:48]) and shard.is_contiguous()
+        bias = stored.get("transformer.h.1.attn.c_attn.bias")[i * h : (i + 1) * h]
+        assert torch.equal(reader.get(f"model.layers.1.self_attn.{name}.bias"), bias)
+    down = stored.get("transformer.h.0.mlp.c_proj.weight")  # [4h, h]: keel's down_proj is [h, 4h]
+    assert torch.equal(reader.get_shard("model.layers.0.mlp.down_proj.weight", Shard(1, 32, 96)), down[32:96].T)
+    assert reader.shape("model.layers.0.mlp.down_proj.weight") == tuple(down.T.shape)
+    assert torch.equal(reader.get("model.embed_positions.weight"), stored.get("transformer.wpe.weight"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({n.removeprefix("transformer."): stored.get(n) for n in stored.names()}, str(bare / "model.safetensors"))
+    unprefixed = PartsReader(SafetensorsReader(bare), FAMILIES["gpt2"].checkpoint_layout(config))
+    assert torch.equal(unprefixed.get("model.layers.1.self_attn.k_proj.weight"), c_attn[:, h : 2 * h].T)
+
+
+def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
+    """A pipeline's first stage holds the position table; serving past its rows is refused whatever the
+    environment allows (there is no row to read)."""
+    from keel.errors import KeelError
+    from keel.model.stages import split_stage
+    from keel.model.transformer import build_model
+    from keel.serve.model_len import check_model_len
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    _, arch, extra = TINY_CONFIGS["gpt_bigcode"]
+    config = ModelConfig.from_hf({**COMMON, **extra, "architectures": [arch]})
+    assert config.learned_positions == 256 and not any(config.layer_rotates(i) for i in range(config.num_layers))
+    first, last = split_stage(build_model(config), 0, 2), split_stage(build_model(config), 1, 2)
+    assert first.embed_positions is not None and last.embed_positions is None
+    check_model_len(256, config)
+    with pytest.raises(KeelError, match="256 learned positions"):
+        check_model_len(257, config)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "named"),
+    [
+        ("FalconForCausalLM", {"alibi": True}, "alibi"),
+        ("FalconForCausalLM", {"new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn"),
+        ("FalconForCausalLM", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn"),
+        ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
+        ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
+    ],
+)
+def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, named):
+    hf = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf({**hf, "vocab_size": 256, **fields}, source="config.json")
+
+
 def test_a_checkpoint_whose_tensors_the_inferred_block_cannot_place_is_refused(tmp_path):
     """Without config.json, StableLM's tensors look like Qwen2's but for the LayerNorms' biases: keel refuses
     to infer the structure rather than serve a Qwen2 without them."""

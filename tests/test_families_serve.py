@@ -49,6 +49,8 @@ SLOW = pytest.mark.slow
         pytest.param("gemma2", marks=SLOW),
         pytest.param("gemma", marks=SLOW),
         pytest.param("phi", marks=SLOW),
+        pytest.param("gpt_bigcode-mha", marks=SLOW),  # learned positions through the compiled decode step
+        pytest.param("falcon", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -142,6 +144,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("afmoe", marks=SLOW),
         pytest.param("gemma4", marks=SLOW),
         pytest.param("gemma4-moe", marks=SLOW),
+        pytest.param("gpt_bigcode", marks=SLOW),
+        pytest.param("gpt2-scaled", marks=SLOW),
+        pytest.param("falcon-40b", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -183,6 +188,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "exaone_moe":  # sliding layers rotate, global ones do not; experts where mlp_layer_types says
         assert [a.rotates for a in attention] == [True, False, True, False]
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
+    elif name == "gpt_bigcode":  # learned positions added to the embedding, no layer rotating; one KV head
+        model = llm.engine.model
+        assert model.embed_positions is not None and not any(a.rotates for a in attention)
+        assert all(a.num_kv_heads == 1 for a in attention)
+    elif name == "gpt2-scaled":  # learned positions; layer i's softmax scale divided by i + 1 (folded into q)
+        assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
+        assert [a.q_multiplier for a in attention] == [1.0, 0.5, 1 / 3]
+    elif name == "falcon-40b":  # parallel attention and MLP, each from a norm of its own; 2 KV heads of 4
+        assert all(layer.parallel_residual and layer.post_attention_layernorm is not None for layer in layers)
+        assert all(a.num_kv_heads == 2 and a.rotates for a in attention)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -89,6 +89,9 @@ SHAPE_INFERABLE = [
             "phi",  # phi and phi3
             "stablelm",
             "gpt_neox",
+            "gpt_bigcode",  # and gpt2: learned positions and fused, Conv1D tensors under their own names
+            "gpt2",
+            "falcon",
             "olmo",
             "gemma",
             "smollm3",

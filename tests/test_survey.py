@@ -18,20 +18,28 @@ def inspect(capsys, path, *extra):
 
 
 def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
-    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    config = transformers.OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=64,
+        max_position_embeddings=32,
+        word_embed_proj_dim=16,
+    )
+    transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
     capsys.readouterr()  # transformers' own progress bar
     code, out, err = inspect(capsys, tmp_path)
     assert code == 1
-    assert err.count("\n") == 1 and "unsupported HF architecture GPT2LMHeadModel" in err
+    assert err.count("\n") == 1 and "unsupported HF architecture OPTForCausalLM" in err
     lines = out.splitlines()
-    assert "  attention  transformer.h.N.attn.c_attn.weight  x2  new" in lines
-    assert "  norm       transformer.h.N.ln_1.weight  x2  new" in lines
-    assert "  embedding  transformer.wte.weight  new" in lines
+    assert "  attention  model.decoder.layers.N.self_attn.out_proj.weight  x2  new" in lines
+    assert "  norm       model.decoder.layers.N.self_attn_layer_norm.weight  x2  new" in lines
+    assert "  embedding  model.decoder.embed_tokens.weight  new" in lines
     unplaced = lines[lines.index("tensors keel could not place:") + 1 :]
-    assert "  transformer.wpe.weight" in unplaced  # learned positions: no role in keel's block
+    assert "  model.decoder.project_in.weight" in unplaced  # a projection of the embedding: no role in keel's block
     keys = out.split("metadata keys keel does not read:")[1]
-    assert "n_embd" in keys and "n_layer" in keys and "vocab_size" not in keys and "resid_pdrop" not in keys
+    assert "ffn_dim" in keys and "do_layer_norm_before" in keys and "vocab_size" not in keys
 
 
 def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
@@ -39,7 +47,7 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(1)
     writer.add_context_length(32)
-    writer.add_clamp_kqv(8.0)
+    writer.add_max_alibi_bias(8.0)
     for name in ("token_embd.weight", "position_embd.weight", "blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"):
         writer.add_tensor(name, np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -54,7 +62,7 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
     assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
     assert survey["unplaced"] == {"position_embd.weight": 1}
-    assert survey["unread_keys"] == ["gpt2.attention.clamp_kqv"]  # context_length and block_count are read
+    assert survey["unread_keys"] == ["gpt2.attention.max_alibi_bias"]  # context_length and block_count are read
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox"])

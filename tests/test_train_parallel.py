@@ -59,6 +59,8 @@ MODELS = {
     # the embedding's weightless norm (first stage only), reversed rotation, weightless q/k norms, relu2 MLP
     "nanochat": lambda: tiny_config("nanochat", num_hidden_layers=2),
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
+    # learned positions: the first stage's table under pp; under tp replicated, its output cut by the sequence (sp)
+    "gpt_bigcode": lambda: tiny_config("gpt_bigcode-mha", num_hidden_layers=2, scale_attn_weights=True),
     # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
     "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
     # latent attention (heads cut under tp, the shared rope key's gradient summed), DeepSeek-V3's experts
@@ -136,6 +138,9 @@ LAYOUTS = [
     Layout("tp=2 sp olmo", model="olmo", tp=2, more=True),
     Layout("tp=2 sp nanochat", model="nanochat", tp=2, more=True),
     Layout("pp=2 1f1b nanochat", model="nanochat", pp=2, more=True),
+    Layout("tp=2 sp gpt_bigcode", model="gpt_bigcode", tp=2, more=True),
+    Layout("tp=2 no-sp gpt_bigcode", model="gpt_bigcode", tp=2, sequence_parallel=False, more=True),
+    Layout("pp=2 1f1b gpt_bigcode", model="gpt_bigcode", pp=2, more=True),
     Layout("pp=2 gpipe", pp=2, schedule="gpipe", more=True),
     Layout("pp=2 1f1b", pp=2, schedule="1f1b"),
     Layout("pp=2 interleaved1f1b x2", pp=2, schedule="interleaved1f1b", stages_per_rank=2),

@@ -1328,6 +1328,52 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             initializer_range=0.02,  # its default, 2 / sqrt(5 * hidden), with the sharpened q/k: chaotic logits
         ),
     ),
+    # GPT-BigCode: learned positions (256 of them: the engine's tests serve 256), one key/value head (multi_query),
+    # biased LayerNorms, an ungated gelu_pytorch_tanh MLP, the head tied.
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_inner=128, n_positions=256)),
+    # Without multi_query: each head's q, k, v interleaved in c_attn; no softmax scale, erf GELU, an untied head.
+    "gpt_bigcode-mha": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(
+            n_inner=96,
+            n_positions=256,
+            multi_query=False,
+            scale_attn_weights=False,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+        ),
+    ),
+    # GPT-2: learned positions, multi-head attention in c_attn's thirds, every weight a Conv1D stored [in, out].
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=128, n_positions=256)),
+    # Layer i's softmax scale divided by i + 1, the reordered eager softmax, ReLU 4 x hidden wide, an untied head.
+    "gpt2-scaled": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            n_positions=256,
+            scale_attn_by_inverse_layer_idx=True,
+            reorder_and_upcast_attn=True,
+            activation_function="relu",
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Falcon-7B's block: attention and MLP in parallel from one LayerNorm, one key/value head (multi_query), no biases.
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=128)),
+    # Falcon-40B's: two LayerNorms (ln_attn, ln_mlp) feeding the parallel branches, q/k/v grouped by 2 KV heads,
+    # biases, the tanh GELU, an untied head.
+    "falcon-40b": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            ffn_hidden_size=96,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            bias=True,
+            activation="gelu_pytorch_tanh",
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -1339,6 +1385,8 @@ SHARPENED = (
     "q_b_proj.weight",
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
+    "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
+    "self_attention.query_key_value.weight",  # Falcon's
 )
 
 

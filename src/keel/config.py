@@ -353,6 +353,8 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # the embedding's output is multiplied by this
     residual_multiplier: float = 1.0  # each sublayer's output is multiplied by this before the residual add
     attention_scale: float | None = None  # the softmax scale of q.k; None: 1/sqrt(head_dim)
+    # GPT-2's scale_attn_by_inverse_layer_idx: layer i's softmax scale (above) further divided by i + 1.
+    attention_scale_by_layer: bool = False
     logits_scaling: float = 1.0  # the logits are divided by this
     # Block options of issue 25, each aligned against a transformers family that has it.
     partial_rotary_factor: float = 1.0  # rotary over the first int(head_dim * factor) channels of each head
@@ -383,6 +385,11 @@ class ModelConfig:
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
     rope_layers: list[bool] = field(default_factory=list)
+    # How positions are encoded: "rope" (rotary, in the attention layers) or "learned" (GPT-2, GPT-BigCode, OPT: a
+    # table of max_position_embeddings + position_offset rows, `embed_positions`, added to the token embedding,
+    # h = embed(tokens) + embed_positions(positions + position_offset); no layer rotates).
+    position_embedding: str = "rope"
+    position_offset: int = 0  # OPT's table starts at row 2
     # Llama 4's attention temperature (Ministral 3's `llama_4_scaling_beta`): queries at position p are scaled by
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
@@ -502,8 +509,14 @@ class ModelConfig:
         return (layer + 1) % self.decoder_sparse_step == 0
 
     def layer_rotates(self, layer: int) -> bool:
-        """Whether `layer` rotates q and k by RoPE (False: no position encoding, `rope_layers`)."""
-        return not self.rope_layers or self.rope_layers[layer]
+        """Whether `layer` rotates q and k by RoPE (False: no position encoding in the layer, `rope_layers`, or
+        learned positions added to the embedding, `position_embedding`)."""
+        return self.position_embedding == "rope" and (not self.rope_layers or self.rope_layers[layer])
+
+    @property
+    def learned_positions(self) -> int:
+        """Rows of the learned position table (`position_embedding` "learned"), 0 without one."""
+        return self.max_position_embeddings + self.position_offset if self.position_embedding == "learned" else 0
 
     @property
     def has_linear_attention(self) -> bool:
@@ -623,9 +636,20 @@ class ModelConfig:
             "rope_layers must have one entry per layer",
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
+        need(
+            self.position_embedding in ("rope", "learned"),
+            f"position_embedding {self.position_embedding!r} is not supported (rope, learned)",
+        )
+        need(not (self.is_mla and self.position_embedding != "rope"), "MLA layers always rotate their rope key")
+        need(self.position_offset >= 0, f"position_offset must be >= 0, got {self.position_offset}")
+        need(
+            self.position_embedding == "learned" or self.position_offset == 0,
+            "position_offset needs position_embedding 'learned'",
+        )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
+        need(not (self.is_mla and self.attention_scale_by_layer), "attention_scale_by_layer is not read by MLA")
         need(self.logits_scaling != 0, "logits_scaling must not be 0 (logits are divided by it)")
         need(
             0 < self.partial_rotary_factor <= 1,
@@ -900,13 +924,14 @@ class ModelConfig:
                 total += base + dense_mlp
                 active += base + dense_mlp
         embed = self.vocab_size * h
+        positions = self.learned_positions * h  # GPT-2's learned position table: a row lookup too
         head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
-        total += embed + head + norm
-        active += embed + head + norm
+        total += embed + positions + head + norm
+        active += embed + positions + head + norm
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and
         # the "activated parameters" model cards publish count the rest (a tied table, as the head, counts).
-        matmul = active - (0 if self.tie_word_embeddings else embed)
-        return {"total": total, "active": active, "active_matmul": matmul, "embedding": embed + head}
+        matmul = active - positions - (0 if self.tie_word_embeddings else embed)
+        return {"total": total, "active": active, "active_matmul": matmul, "embedding": embed + positions + head}
 
     # ---------------------------------------------------------------- HF I/O
     @classmethod
@@ -1058,7 +1083,10 @@ class ModelConfig:
         if self.architecture in MLA_FAMILIES:
             hf.update(_deepseek_to_hf(self))
         if self.architecture in FAMILIES:  # last: a family's own keys over the readers' it shares (Mistral 4's)
-            hf.update(FAMILIES[self.architecture].hf_fields(self, hf))
+            family = FAMILIES[self.architecture]
+            hf.update(family.hf_fields(self, hf))
+            for key in getattr(family, "COMPUTED_KEYS", ()):  # its config class's properties: not to be set
+                hf.pop(key, None)
         elif self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         elif self.architecture not in ("llama", "granite", *FAMILIES):

@@ -12,8 +12,9 @@ type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale).
 on another family's model class (EXAONE 3 on Llama's) defines `MODEL_TYPE`: transformers saves such a model's config
 with the class it ran on in `architectures`, so the family is known by its `model_type` first. Where its config class
 reads keys under other names (its `attribute_map`), `ATTRIBUTE_MAP` (alias -> the key keel reads); where it rewrites
-an older format of its files, `upgrade_config(hf)` (the file in today's format: Sarvam MLA's). This package imports
-nothing of keel's but its errors, so that keel.config can read it.
+an older format of its files, `upgrade_config(hf)` (the file in today's format: Sarvam MLA's); where its config class
+computes a key keel writes for others (Falcon's head_dim, a property), `COMPUTED_KEYS` (left out on export). This
+package imports nothing of keel's but its errors, so that keel.config can read it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from keel.families import (
     exaone,
     exaone4,
     exaone_moe,
+    falcon,
     falcon_h1,
     falcon_mamba,
     flex_olmo,
@@ -46,6 +48,8 @@ from keel.families import (
     glm4,
     glm4_moe,
     glm4_moe_lite,
+    gpt2,
+    gpt_bigcode,
     gpt_neox,
     gpt_oss,
     granite_swa,
@@ -176,6 +180,9 @@ FAMILIES: dict[str, ModuleType] = {
         hy_v3,
         minicpm3,
         afmoe,
+        gpt_bigcode,
+        gpt2,
+        falcon,
     )
 }
 

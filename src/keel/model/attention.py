@@ -229,6 +229,8 @@ class Attention(nn.Module):
         # A softmax scale other than 1/sqrt(head_dim) (Granite's attention_multiplier) is folded into q, so
         # that every attention backend (SDPA, the paged caches' kernels) keeps its default scale.
         scale = config.attention_scale
+        if config.attention_scale_by_layer:  # GPT-2's scale_attn_by_inverse_layer_idx
+            scale = (self.head_dim**-0.5 if scale is None else scale) / (layer + 1)
         self.q_multiplier = None if scale is None else scale * math.sqrt(self.head_dim)
         # Gemma 2's attention-score soft-capping; with a cache, the cache applies it (KVCache.attend).
         self.softcap = config.attn_logit_softcapping

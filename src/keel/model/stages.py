@@ -30,6 +30,7 @@ def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
         del model.layers[name]
     if stage > 0:
         model.embed_tokens = None
+        model.embed_positions = None  # learned positions go with the embedding
     if stage < num_stages - 1:
         model.norm = None
         model.lm_head = None

@@ -140,6 +140,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens: nn.Embedding | None = _embedding(config.vocab_size, config.hidden_size)
+        # GPT-2's learned absolute positions (config.position_embedding): a table added to the token embedding, held
+        # with embed_tokens (a pipeline's first stage); its layers do not rotate.
+        self.embed_positions: nn.Embedding | None = None
+        if config.learned_positions:
+            self.embed_positions = _embedding(config.learned_positions, config.hidden_size)
         # NanoChat's norm of the embedding (weightless: no parameter to share with `norm`); it goes with embed_tokens.
         self.embedding_norm: nn.Module | None = None
         if config.embedding_norm:
@@ -199,21 +204,23 @@ class Transformer(nn.Module):
         decoding. last_only: compute logits only for the last position (generation). select: indices
         into the flattened B*S tokens whose logits are wanted (a packed serving batch) -> [N, V].
         """
-        if self.embed_tokens is not None:
-            h = self.embed_tokens(tokens)
-            if self.config.embedding_multiplier != 1.0:  # Granite
-                h = h * self.config.embedding_multiplier
-            if self.embedding_norm is not None:
-                h = self.embedding_norm(h)
-        else:
-            h = tokens
-        b, s = h.shape[:2]
+        b, s = tokens.shape[:2]  # token ids [B, S], or a later stage's hidden states [B, S, H]
         if positions is None and cache is None:
-            meta = AttentionMetadata.for_sequence(b, s, device=h.device)
+            meta = AttentionMetadata.for_sequence(b, s, device=tokens.device)
         else:
             if positions is None:
                 raise ValueError("positions are required with a KV cache")
             meta = AttentionMetadata(positions=positions, cache=cache)
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(tokens)
+            if self.config.embedding_multiplier != 1.0:  # Granite
+                h = h * self.config.embedding_multiplier
+            if self.embed_positions is not None:  # learned absolute positions (GPT-2)
+                h = h + self.embed_positions(meta.positions + self.config.position_offset)
+            if self.embedding_norm is not None:
+                h = self.embedding_norm(h)
+        else:
+            h = tokens
         meta.rope = self.rotary(meta.positions, h.dtype)
         if self.sliding_rotary is not None:
             meta.sliding_rope = self.sliding_rotary(meta.positions, h.dtype)

@@ -29,6 +29,12 @@ def derived_max_model_len(config: ModelConfig) -> int:
 def check_model_len(max_model_len: int, config: ModelConfig) -> None:
     """Refuse a `max_model_len` longer than the model's context, unless the environment allows it."""
     derived = derived_max_model_len(config)
+    if config.position_embedding == "learned" and max_model_len > config.max_position_embeddings:
+        # no environment allows this: a learned position table has no row past its last
+        raise KeelError(
+            f"--max-model-len {max_model_len} is longer than the model's {config.max_position_embeddings} learned "
+            "positions (position_embedding learned: there is no embedding for a later position)"
+        )
     if max_model_len > derived and os.environ.get(ALLOW_ENV, "0") not in ("1", "true", "True"):
         raise KeelError(
             f"--max-model-len {max_model_len} is longer than the model's context of {derived} tokens "

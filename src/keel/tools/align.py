@@ -136,10 +136,12 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
         ref_dir = _reference_dir(model, Path(tmp))
         options = loaded.config.transformers_attention()
         reference = transformers_model(ref_dir, dtype=torch_dtype, **options).eval()
-        # The decoder is `model.` or `gpt_neox.` (base_model), or `model.` where base_model names another
-        # (Llama 4's text model, whose prefix is its multimodal model's `language_model`).
-        base = reference.base_model if hasattr(reference.base_model, "layers") else reference.model
-        ref_out = _layer_outputs(base.layers, lambda: reference(tokens).logits)
+        # The decoder is `model.`, `gpt_neox.` or `transformer.` (base_model), or `model.` where base_model names
+        # another (Llama 4's text model, whose prefix is its multimodal model's `language_model`); its blocks are
+        # `layers`, or `h` (GPT-2's names).
+        own = reference.base_model
+        base = own if hasattr(own, "layers") or hasattr(own, "h") else reference.model
+        ref_out = _layer_outputs(getattr(base, "layers", None) or base.h, lambda: reference(tokens).logits)
     ours = _layer_outputs(list(loaded.model.layers.values()), lambda: loaded.model(tokens))
 
     min_cosine, max_rel = TOLERANCES[dtype]

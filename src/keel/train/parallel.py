@@ -32,6 +32,7 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | module                                   | style                                                       |
 |------------------------------------------|-------------------------------------------------------------|
 | `embed_tokens`                           | RowwiseParallel (vocab-parallel), output Shard(1) with SP   |
+| `embed_positions` (learned positions)    | replicated, output Shard(1) with SP                         |
 | `layers.N.input_layernorm`, `post_...`   | SequenceParallel (SP only): activations Shard(1) on seq     |
 | `layers.N.self_attn`                     | PrepareModuleInput Shard(1) -> Replicate (SP all-gather)    |
 | `self_attn.q_proj/k_proj/v_proj`         | ColwiseParallel: each rank owns num_heads/tp heads          |
@@ -330,6 +331,12 @@ def apply_tp(
     if model.embed_tokens is not None:
         top["embed_tokens"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp
+        )
+    if model.embed_positions is not None and sp:
+        # GPT-2's learned positions: a replicated table whose output joins the sequence-sharded token embedding as
+        # this rank's shard (its gradient gathered over the sequence, whole on every rank, as a norm's without SP).
+        top["embed_positions"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
         )
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()

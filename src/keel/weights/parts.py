@@ -6,6 +6,11 @@ names it serves: each with the stored rows it takes, in order ([(start, stop), .
 whole tensor under another name. Every read (whole, one row, a tensor-parallel shard, an FSDP box)
 takes only the rows it needs from the stored tensor's bytes; the stored names are no longer listed.
 `fused_stream` puts the stored tensors together again from keel's, for writing HF checkpoints.
+
+A 2-D tensor stored transposed (GPT-2's Conv1D weights, [in, out] where keel's Linear holds [out, in]) names its
+parts `Transposed(rows)`: the rows are the transpose's (the stored columns), every read takes the stored box of
+those columns and transposes it (so a tensor-parallel shard still reads only its bytes), and `fused_stream` writes
+the tensor back transposed.
 """
 
 from __future__ import annotations
@@ -17,10 +22,16 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
+from keel.families.parts import Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | None
+Rows = list[tuple[int, int]] | Transposed | None
 Layout = dict[str, dict[str, Rows]]
+
+
+def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
+    """(the part's row ranges or None, whether the stored tensor is transposed)."""
+    return (part.rows, True) if isinstance(part, Transposed) else (part, False)
 
 
 def _pieces(rows: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -86,36 +97,42 @@ class PartsReader(DerivedReader):
     def __init__(self, reader, layout: Layout) -> None:  # noqa: ANN001
         self.inner = reader
         present = reader.names()
-        self._derived: dict[str, tuple[str, Rows]] = {
-            name: (stored, rows)
+        # name -> (stored name, its rows or None, whether stored transposed)
+        self._derived: dict[str, tuple[str, list[tuple[int, int]] | None, bool]] = {
+            name: (stored, *_rows(part))
             for stored, parts in layout.items()
             if stored in present
-            for name, rows in parts.items()
+            for name, part in parts.items()
         }
-        self._names = (present - {stored for stored, _ in self._derived.values()}) | set(self._derived)
+        self._names = (present - {stored for stored, *_ in self._derived.values()}) | set(self._derived)
+
+    def _part(self, name: str) -> tuple[str, list[tuple[int, int]] | None, bool]:
+        self._known(name)
+        return self._derived.get(name, (name, None, False))
 
     def file_of(self, name: str) -> Path:
-        return self.inner.file_of(self._derived.get(name, (name, None))[0])
+        return self.inner.file_of(self._derived.get(name, (name,))[0])
 
     def dtype(self, name: str) -> str:
-        self._known(name)
-        return self.inner.dtype(self._derived.get(name, (name, None))[0])
+        return self.inner.dtype(self._part(name)[0])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        self._known(name)
-        stored, rows = self._derived.get(name, (name, None))
+        stored, rows, flipped = self._part(name)
         shape = tuple(self.inner.shape(stored))
+        shape = shape[::-1] if flipped else shape
         return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
 
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
-        self._known(name)
-        stored, rows = self._derived.get(name, (name, None))
+        stored, rows, flipped = self._part(name)
+
+        def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:  # of the stored tensor, as keel reads it
+            if not flipped:
+                return self.inner.get_box(stored, offset, shape)
+            return self.inner.get_box(stored, offset[::-1], shape[::-1]).T.contiguous()
+
         if rows is None:
-            return self.inner.get_box(stored, offset, shape)
-        pieces = [
-            self.inner.get_box(stored, (a, *offset[1:]), (b - a, *shape[1:]))
-            for a, b in _pieces(rows, offset[0], offset[0] + shape[0])
-        ]
+            return box(offset, shape)
+        pieces = [box((a, *offset[1:]), (b - a, *shape[1:])) for a, b in _pieces(rows, offset[0], offset[0] + shape[0])]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -133,16 +150,18 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
         if len(held[stored]) < len(layout[stored]):
             continue
         parts = held.pop(stored)
-        if len(parts) == 1 and layout[stored][name] is None:  # renamed
-            yield stored, tensor
+        ranges_of = {part: _rows(rows) for part, rows in layout[stored].items()}
+        flipped = ranges_of[name][1]
+        if len(parts) == 1 and ranges_of[name][0] is None:  # renamed
+            yield stored, tensor.T.contiguous() if flipped else tensor
             continue
-        rows = max(b for ranges in layout[stored].values() for _, b in ranges)
+        rows = max(b for ranges, _ in ranges_of.values() for _, b in ranges)
         out = tensor.new_empty((rows, *tensor.shape[1:]))
-        for part, ranges in layout[stored].items():
+        for part, (ranges, _) in ranges_of.items():
             offset = 0
             for a, b in ranges:
                 out[a:b] = parts[part][offset : offset + b - a]
                 offset += b - a
-        yield stored, out
+        yield stored, out.T.contiguous() if flipped else out
     for parts in held.values():  # a stored tensor whose parts did not all come (a pipeline stage's share)
         yield from parts.items()

@@ -1,0 +1,13 @@
+"""Markers of checkpoint layouts (keel.weights.parts reads them), here so that family files can name them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A part of a 2-D tensor stored transposed (GPT-2's Conv1D weights, [in, out]): `rows` of its transpose (the
+    stored columns), None for all of it."""
+
+    rows: list[tuple[int, int]] | None = None
