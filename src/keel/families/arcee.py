@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from keel.families.llama_biases import bias_fields, bias_keys
+
 FAMILY = "arcee"
 HF_ARCHITECTURE = "ArceeForCausalLM"
 # transformers' ArceeConfig defaults.
@@ -20,13 +22,8 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    return {
-        "mlp_gated": False,
-        "qkv_bias": bool(hf.get("attention_bias", False)),
-        "o_bias": bool(hf.get("attention_bias", False)),
-        "mlp_bias": bool(hf.get("mlp_bias", False)),
-    }
+    return {"mlp_gated": False, **bias_fields(hf)}
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    return bias_keys(config)

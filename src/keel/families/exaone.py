@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from keel.families.llama_biases import bias_fields, bias_keys
+
 FAMILY = "exaone"
 HF_ARCHITECTURE = "ExaoneForCausalLM"
 MODEL_TYPE = "exaone"
@@ -41,15 +43,11 @@ _LAYER_NAMES = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    return {
-        "qkv_bias": bool(hf.get("attention_bias", False)),
-        "o_bias": bool(hf.get("attention_bias", False)),
-        "mlp_bias": bool(hf.get("mlp_bias", False)),
-    }
+    return bias_fields(hf)
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    return bias_keys(config)
 
 
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:

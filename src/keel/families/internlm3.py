@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.llama_biases import bias_fields, bias_keys
 
 FAMILY = "internlm3"
 HF_ARCHITECTURE = "InternLM3ForCausalLM"
@@ -29,11 +30,13 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attention_bias != mlp_bias:
-        raise ConfigError(f"{source}: qkv_bias {attention_bias} with bias {mlp_bias} is not supported (InternLM3)")
-    return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": mlp_bias}
+    biases = bias_fields(hf)
+    if biases["qkv_bias"] != biases["mlp_bias"]:
+        raise ConfigError(
+            f"{source}: qkv_bias {biases['qkv_bias']} with bias {biases['mlp_bias']} is not supported (InternLM3)"
+        )
+    return biases
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    return bias_keys(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.llama_biases import bias_fields, bias_keys
 
 FAMILY = "iquestcoder"
 HF_ARCHITECTURE = "IQuestCoderForCausalLM"
@@ -30,12 +31,8 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: clip_qkv {hf['clip_qkv']!r} is not supported (IQuest-Coder)")
     if hf.get("use_sliding_window"):
         raise ConfigError(f"{source}: use_sliding_window {hf['use_sliding_window']!r} is not supported (IQuest-Coder)")
-    return {
-        "qkv_bias": bool(hf.get("attention_bias", False)),
-        "o_bias": bool(hf.get("attention_bias", False)),
-        "mlp_bias": bool(hf.get("mlp_bias", False)),
-    }
+    return bias_fields(hf)
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    return bias_keys(config)
