@@ -142,12 +142,11 @@ class RecurrentStates:
         return total
 
     def reset(self, slots: list[int]) -> None:
-        """Empty these slots in every layer (their sequences start at position 0)."""
-        if not slots:
-            return
-        index = torch.tensor(slots, device=next(iter(self.conv.values())).device)
-        for store in (*self.conv.values(), *self.state.values()):
-            store.index_fill_(0, index, 0)
+        """Empty these slots in every layer (their sequences start at position 0). Slot by slot: an index tensor
+        built from the list would be a host-to-device copy, which on CUDA waits for the stream (a step starts few)."""
+        for slot in slots:
+            for store in (*self.conv.values(), *self.state.values()):
+                store[slot].zero_()
 
     def spans(
         self,
