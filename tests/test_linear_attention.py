@@ -315,3 +315,23 @@ def test_a_conv_activation_other_than_silu_is_refused(tmp_path):
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**data, "hidden_act": "gelu"})
+
+
+def test_mamba2_steps_are_clamped_in_the_chunked_scan_only(tmp_path):
+    """`time_step_limit` binds the chunked scan (prefill) and not a one-token step continuing a state (decode), as
+    transformers' recurrent form runs it: with a limit that binds, each decode step's logprob is transformers'."""
+    hf = save_hf_model("mamba2", tmp_path, time_step_limit=(0.0, 0.3))
+    save_byte_tokenizer(tmp_path)
+    prompt = list(range(30, 50))
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    want = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+    llm = LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64, max_num_seqs=2))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == tokens
+    assert max(abs(lp.logprob - w) for lp, w in zip(got.logprobs, want, strict=True)) < 1e-4

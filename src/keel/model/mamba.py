@@ -85,7 +85,7 @@ class Mamba2Mixer(nn.Module):
             per_channel = torch.tensor(self.proj_multipliers, dtype=projected.dtype, device=projected.device)
             projected = projected * per_channel.repeat_interleave(torch.tensor(self.proj_segments, device=x.device))
         gate, mixed, step = projected.split(self.splits, dim=-1)
-        step = F.softplus(step.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        step = F.softplus(step.float() + self.dt_bias.float())
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         weight, bias = self.conv1d.weight, self.conv1d.bias
         if spans is None:  # whole sequences from an empty state, the batch at once
@@ -101,6 +101,10 @@ class Mamba2Mixer(nn.Module):
         """The recurrence over convolved x/B/C [B, L, C] (steps [B, L, H]) from `state` (None: empty) ->
         (y [B, L, H, P] float32 with D's skip, the final state)."""
         b, length, _ = conv.shape
+        if length > 1 or state is None:
+            # the steps' limits bind the chunked scan only: a one-token step continuing a state is not clamped, as
+            # transformers' recurrent form, mamba_ssm's step and vLLM's decode leave it
+            step = step.clamp(*self.dt_limit)
         xs, bs, cs = conv.float().split((self.inner, self.groups * self.state_size, self.groups * self.state_size), -1)
         xs = xs.view(b, length, self.heads, self.head_dim).transpose(1, 2)
         per_group = self.heads // self.groups
