@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "bos_token_id": 0,
     "eos_token_id": [2],
+    "hidden_act": "gelu",
 }
 
 

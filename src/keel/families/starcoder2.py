@@ -18,6 +18,7 @@ DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "bos_token_id": 50256,
     "eos_token_id": [50256],
+    "hidden_act": "gelu_pytorch_tanh",
 }
 
 
@@ -26,10 +27,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     eps = hf.get("norm_epsilon")
     window = hf.get("sliding_window")
     layers = int(hf["num_hidden_layers"])
-    # transformers' default activation where the file names none; a named one is read as every family's is
-    act = {} if hf.get("hidden_act") else {"hidden_act": "gelu_tanh"}
     return {
-        **act,
         "norm_type": "layer",
         "norm_bias": True,
         "rms_norm_eps": float(DEFAULTS["rms_norm_eps"] if eps is None else eps),

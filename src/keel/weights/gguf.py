@@ -539,8 +539,6 @@ def _family_fields(
         hf, read = _family_hf_config(f, family, common, tensors)
         for field, value in FAMILIES[family].config_fields(hf, str(path)).items():
             own[field] = f.read(field, value, "read" if field in read else "inferred")
-        if family == "gpt_neox":  # no activation key: transformers' GPTNeoXConfig default (erf GELU)
-            own["hidden_act"] = "gelu"
         if family == "gpt_oss" and common["rope_scaling"].type == "yarn":
             # GPT-OSS's YaRN leaves the correction range unrounded (transformers' truncate false, the model's own;
             # llama.cpp rounds it for every model).
