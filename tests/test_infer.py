@@ -92,6 +92,7 @@ SHAPE_INFERABLE = [
             "gpt_bigcode",  # and gpt2: learned positions and fused, Conv1D tensors under their own names
             "gpt2",
             "falcon",
+            "gptj",  # its own names, the rotary width from rotary_dim
             "olmo",
             "gemma",
             "smollm3",

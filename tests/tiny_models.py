@@ -1374,6 +1374,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # GPT-J: one LayerNorm feeding attention and MLP in parallel, rotary on interleaved pairs over the first 8 of each
+    # head's 16 channels, unbiased attention, a biased tanh-GELU MLP and LM head.
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=96, rotary_dim=8)),
 }
 
 

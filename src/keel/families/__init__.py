@@ -52,6 +52,7 @@ from keel.families import (
     gpt_bigcode,
     gpt_neox,
     gpt_oss,
+    gptj,
     granite_swa,
     granitemoe,
     granitemoe_swa,
@@ -183,6 +184,7 @@ FAMILIES: dict[str, ModuleType] = {
         gpt_bigcode,
         gpt2,
         falcon,
+        gptj,
     )
 }
 
