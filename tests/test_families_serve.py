@@ -148,6 +148,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
         pytest.param("gptj", marks=SLOW),
+        pytest.param("opt-plain", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -203,6 +204,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(layer.parallel_residual and layer.post_attention_layernorm is None for layer in layers)
         assert all(a.rotary_dim == 8 and a.o_proj.bias is None for a in attention)
         assert llm.engine.model.lm_head.bias is not None
+    elif name == "opt-plain":  # learned positions from row 2 of the table; weightless norms, no biases
+        model = llm.engine.model
+        assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
+        assert not any(a.rotates or a.qkv_proj.bias is not None for a in attention)
+        assert not any(list(layer.input_layernorm.parameters()) for layer in layers)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -93,6 +93,7 @@ SHAPE_INFERABLE = [
             "gpt2",
             "falcon",
             "gptj",  # its own names, the rotary width from rotary_dim
+            "opt",  # learned positions under its own names
             "olmo",
             "gemma",
             "smollm3",

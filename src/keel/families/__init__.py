@@ -86,6 +86,7 @@ from keel.families import (
     olmo2,
     olmo3,
     olmoe,
+    opt,
     phi,
     phi3,
     phimoe,
@@ -185,6 +186,7 @@ FAMILIES: dict[str, ModuleType] = {
         gpt2,
         falcon,
         gptj,
+        opt,
     )
 }
 
