@@ -178,6 +178,7 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         ("OPTForCausalLM", {"do_layer_norm_before": False}, "do_layer_norm_before"),
         ("OPTForCausalLM", {"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
         ("OPTForCausalLM", {"_remove_final_layer_norm": True}, "_remove_final_layer_norm"),
+        ("GPTNeoForCausalLM", {"attention_types": [[["global", "sparse"], 1]]}, "attention_types"),
     ],
 )
 def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, named):

@@ -149,6 +149,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("falcon-40b", marks=SLOW),
         pytest.param("gptj", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
+        pytest.param("gpt_neo", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -209,6 +210,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
         assert not any(a.rotates or a.qkv_proj.bias is not None for a in attention)
         assert not any(list(layer.input_layernorm.parameters()) for layer in layers)
+    elif name == "gpt_neo":  # learned positions; a global layer, then local ones in windows of 8; q.k unscaled
+        assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
+        assert [a.window for a in attention] == [None, 8, 8] and all(a.o_proj.bias is not None for a in attention)
+        assert llm.engine.model.config.attention_scale == 1.0
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

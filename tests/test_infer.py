@@ -94,6 +94,7 @@ SHAPE_INFERABLE = [
             "falcon",
             "gptj",  # its own names, the rotary width from rotary_dim
             "opt",  # learned positions under its own names
+            "gpt_neo",  # and its global / local layers from attention_types
             "olmo",
             "gemma",
             "smollm3",

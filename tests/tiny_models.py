@@ -1392,6 +1392,17 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        dict(
+            intermediate_size=96,
+            max_position_embeddings=256,
+            attention_types=[[["global", "local"], 1], [["local"], 1]],
+            window_size=8,
+        ),
+    ),
 }
 
 

@@ -50,6 +50,7 @@ from keel.families import (
     glm4_moe_lite,
     gpt2,
     gpt_bigcode,
+    gpt_neo,
     gpt_neox,
     gpt_oss,
     gptj,
@@ -187,6 +188,7 @@ FAMILIES: dict[str, ModuleType] = {
         falcon,
         gptj,
         opt,
+        gpt_neo,
     )
 }
 
