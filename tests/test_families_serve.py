@@ -51,6 +51,9 @@ SLOW = pytest.mark.slow
         pytest.param("phi", marks=SLOW),
         pytest.param("gpt_bigcode-mha", marks=SLOW),  # learned positions through the compiled decode step
         pytest.param("falcon", marks=SLOW),
+        pytest.param("gptj", marks=SLOW),
+        pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("opt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
