@@ -174,6 +174,11 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         ("FalconForCausalLM", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn"),
         ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
         ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
+        ("GPTJForCausalLM", {"rotary_dim": 32}, "rotary_dim"),
+        ("OPTForCausalLM", {"do_layer_norm_before": False}, "do_layer_norm_before"),
+        ("OPTForCausalLM", {"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
+        ("OPTForCausalLM", {"_remove_final_layer_norm": True}, "_remove_final_layer_norm"),
+        ("GPTNeoForCausalLM", {"attention_types": [[["global", "sparse"], 1]]}, "attention_types"),
     ],
 )
 def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, named):

@@ -51,6 +51,9 @@ SLOW = pytest.mark.slow
         pytest.param("phi", marks=SLOW),
         pytest.param("gpt_bigcode-mha", marks=SLOW),  # learned positions through the compiled decode step
         pytest.param("falcon", marks=SLOW),
+        pytest.param("gptj", marks=SLOW),
+        pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("opt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -147,6 +150,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
+        pytest.param("gptj", marks=SLOW),
+        pytest.param("opt-plain", marks=SLOW),
+        pytest.param("gpt_neo", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -198,6 +204,19 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "falcon-40b":  # parallel attention and MLP, each from a norm of its own; 2 KV heads of 4
         assert all(layer.parallel_residual and layer.post_attention_layernorm is not None for layer in layers)
         assert all(a.num_kv_heads == 2 and a.rotates for a in attention)
+    elif name == "gptj":  # one norm for both parallel branches, half of each head rotating, a biased head
+        assert all(layer.parallel_residual and layer.post_attention_layernorm is None for layer in layers)
+        assert all(a.rotary_dim == 8 and a.o_proj.bias is None for a in attention)
+        assert llm.engine.model.lm_head.bias is not None
+    elif name == "opt-plain":  # learned positions from row 2 of the table; weightless norms, no biases
+        model = llm.engine.model
+        assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
+        assert not any(a.rotates or a.qkv_proj.bias is not None for a in attention)
+        assert not any(list(layer.input_layernorm.parameters()) for layer in layers)
+    elif name == "gpt_neo":  # learned positions; a global layer, then local ones in windows of 8; q.k unscaled
+        assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
+        assert [a.window for a in attention] == [None, 8, 8] and all(a.o_proj.bias is not None for a in attention)
+        assert llm.engine.model.config.attention_scale == 1.0
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -92,6 +92,9 @@ SHAPE_INFERABLE = [
             "gpt_bigcode",  # and gpt2: learned positions and fused, Conv1D tensors under their own names
             "gpt2",
             "falcon",
+            "gptj",  # its own names, the rotary width from rotary_dim
+            "opt",  # learned positions under its own names
+            "gpt_neo",  # and its global / local layers from attention_types
             "olmo",
             "gemma",
             "smollm3",

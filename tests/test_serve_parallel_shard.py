@@ -150,6 +150,9 @@ def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         pytest.param("llama", 4, marks=pytest.mark.slow),
         # GPT-2: its ranks' slices of Conv1D weights stored transposed, the learned positions replicated
         pytest.param("gpt2", 2, marks=pytest.mark.slow),
+        # OPT: the learned table's offset rows replicated; GPT-J: q/k rows regrouped per head, each rank its heads'
+        pytest.param("opt", 2, marks=pytest.mark.slow),
+        pytest.param("gptj", 2, marks=pytest.mark.slow),
     ],
 )
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp, request):

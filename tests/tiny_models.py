@@ -1374,6 +1374,35 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # GPT-J: one LayerNorm feeding attention and MLP in parallel, rotary on interleaved pairs over the first 8 of each
+    # head's 16 channels, unbiased attention, a biased tanh-GELU MLP and LM head.
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=96, rotary_dim=8)),
+    # OPT: learned positions from row 2 of their table, biased LayerNorms, a biased ReLU MLP, a tied head.
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, max_position_embeddings=256)),
+    # Without biases (enable_bias), LayerNorms without weights (layer_norm_elementwise_affine), GELU, an untied head.
+    "opt-plain": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(
+            ffn_dim=96,
+            max_position_embeddings=256,
+            enable_bias=False,
+            layer_norm_elementwise_affine=False,
+            activation_function="gelu",
+            tie_word_embeddings=False,
+        ),
+    ),
+    # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
+    "gpt_neo": (
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        dict(
+            intermediate_size=96,
+            max_position_embeddings=256,
+            attention_types=[[["global", "local"], 1], [["local"], 1]],
+            window_size=8,
+        ),
+    ),
 }
 
 

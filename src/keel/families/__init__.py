@@ -50,8 +50,10 @@ from keel.families import (
     glm4_moe_lite,
     gpt2,
     gpt_bigcode,
+    gpt_neo,
     gpt_neox,
     gpt_oss,
+    gptj,
     granite_swa,
     granitemoe,
     granitemoe_swa,
@@ -85,6 +87,7 @@ from keel.families import (
     olmo2,
     olmo3,
     olmoe,
+    opt,
     phi,
     phi3,
     phimoe,
@@ -183,6 +186,9 @@ FAMILIES: dict[str, ModuleType] = {
         gpt_bigcode,
         gpt2,
         falcon,
+        gptj,
+        opt,
+        gpt_neo,
     )
 }
 
