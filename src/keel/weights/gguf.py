@@ -20,7 +20,7 @@ granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemm
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
-hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE) and jais2 (others are refused by name);
+hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba and mamba2 (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -134,6 +134,13 @@ Falcon-H1 (`falcon-h1`; FalconH1Model, on Mamba2Model): every layer hybrid, its 
 muP multiplier into the weights (ssm_in by segment, the embedding and the LM head too), so all read as 1; it writes
 no key for the gated norm: where `ssm_norm` is stored, it follows the gate (llama.cpp's order), else the output is
 gated alone. The MLP's norm is stored without a suffix (`ffn_norm`: a TensorNameMap entry that holds `.weight`).
+
+Mamba and Mamba 2 (`mamba`, `mamba2`; MambaModel, Mamba2Model): no attention (`head_count` 0: keel's placeholders), the
+mixer's width as `ssm.inner_size`, Mamba's step rank and Mamba 2's heads (inner / head size) as `ssm.time_step_rank`,
+the state, kernel and Mamba 2's groups as ssm.* keys, the norms' eps as the RMS key, biases by tensor; the vocabulary
+from the embedding's rows (the token list is padded). Tensors as Granite 4.0-H's mixer's (Mamba 1: `ssm_a` as
+-exp(A_log) [inner, state], `ssm_d`, `ssm_x`, `ssm_dt` weight and bias). No key for Mamba 2's time_step_limit (llama.cpp
+clamps no step: none); Falcon Mamba's files (`ssm.dt_b_c_rms` true) are refused.
 """
 
 from __future__ import annotations
@@ -231,6 +238,8 @@ _FAMILIES = {
     _A.HUNYUAN_MOE: "hunyuan_v1_moe",
     _A.EXAONE_MOE: "exaone_moe",
     _A.JAIS2: "jais2",
+    _A.MAMBA: "mamba",
+    _A.MAMBA2: "mamba2",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -270,6 +279,9 @@ _GEMMA3_LOCAL_THETA = 10000.0
 # What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
 _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
+# Families whose vocabulary is the embedding's rows: Gemma 3's converter drops rows past the tokenizer's; Granite
+# 4.0-H's, Mamba's and Mamba 2's pad the token list (to a multiple of 8, 8 and 16), not the embedding.
+_EMBEDDING_ROWS = ("gemma3", "granitemoehybrid", "mamba", "mamba2")
 # llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
 _FULL_ATTENTION_INTERVAL = 4
 
@@ -298,6 +310,7 @@ KEYS_READ = (
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
+    Keys.SSM.DT_B_C_RMS,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     *(_KR.SCALING_ORIG_CTX_LEN, _KR.SCALING_FINETUNED),
@@ -432,7 +445,7 @@ def _config_from_metadata(
     f = _Fields(meta, arch, family)
     hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
     # (GraniteHybridModel pads the token list, and vocab_size with it, to a multiple of 8; not the embedding.)
-    vocab = _vocab_size(f, tensors, path, embedding_first=family in ("gemma3", "granitemoehybrid"))
+    vocab = _vocab_size(f, tensors, path, embedding_first=family in _EMBEDDING_ROWS)
     rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
     scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
     has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
@@ -854,6 +867,11 @@ def _family_hf_config(
             head_dim=head_dim,
         )
         read |= {"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
+    if family in ("mamba", "mamba2"):
+        hf.update(_mamba_hf_config(f, family, common, tensors))
+        read |= {"mamba_d_state", "mamba_d_conv", "rms_norm_eps"}
+        read |= {"mamba_d_inner", "mamba_dt_rank"} if family == "mamba" else {"mamba_n_heads", "mamba_d_head"}
+        read |= {"mamba_n_groups"} if family == "mamba2" else set()
     if family in _QWEN_HYBRID:
         hf.update(_gated_deltanet_hf_config(f, common))
         read |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}
@@ -1069,6 +1087,41 @@ def _mamba2_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGU
     )
 
 
+def _mamba_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Mamba's and Mamba 2's config.json keys as MambaModel and Mamba2Model write them (no attention: head_count 0):
+    the mixer's width as ssm.inner_size, its state, kernel (and Mamba 2's groups) as ssm.* keys, Mamba's step rank and
+    Mamba 2's heads as ssm.time_step_rank (inner / head_dim), the norms' eps as the RMS key; the biases by tensor (one
+    key for both projections: the input one's). No key for Mamba 2's time_step_limit: llama.cpp clamps no step, as
+    Mamba2Config's default (0, inf). A Mamba file with ssm.dt_b_c_rms true (Falcon Mamba's: its step, B and C
+    normed with the norms' eps, which transformers takes from mixer_rms_eps) is refused."""
+    path, hidden = f.meta.path, common["hidden_size"]
+    inner = int(f.require(Keys.SSM.INNER_SIZE))
+    layers = range(common["num_layers"])
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in layers)  # noqa: E731
+    hf: dict[str, Any] = dict(
+        state_size=int(f.require(Keys.SSM.STATE_SIZE)),
+        conv_kernel=int(f.require(Keys.SSM.CONV_KERNEL)),
+        use_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
+        use_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
+        layer_norm_epsilon=common["rms_norm_eps"],
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )
+    if family == "mamba":
+        if f.key(Keys.SSM.DT_B_C_RMS):
+            raise ConfigError(
+                f"{path}: a mamba file with {f.name(Keys.SSM.DT_B_C_RMS)} true (Falcon Mamba's) is not supported"
+            )
+        return dict(hf, expand=inner / hidden, time_step_rank=int(f.require(Keys.SSM.TIME_STEP_RANK)))
+    heads = int(f.require(Keys.SSM.TIME_STEP_RANK))
+    return dict(
+        hf,
+        num_heads=heads,
+        head_dim=inner // heads,
+        expand=inner / hidden,
+        n_groups=int(f.require(Keys.SSM.GROUP_COUNT)),
+    )
+
+
 def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
     """`attention.sliding_window_pattern` as the config.json keys a family reads: a list (per layer, true where it
     slides) as `layer_types`, a number (one global layer in that many) or else `default` as
@@ -1109,8 +1162,10 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
     elif rope_dims is not None and family not in _ROTARY_WIDTH_KEY:  # llama.cpp writes the head size here for llama
         head_dim = f.read("head_dim", int(rope_dims))
-    else:
+    elif num_heads:
         head_dim = f.read("head_dim", hidden // num_heads, "inferred")
+    else:  # Mamba's and Mamba 2's head_count 0 (no attention): the family's placeholders (keel.families.mamba)
+        head_dim = 0
     if rope_dims is not None and int(rope_dims) != head_dim and family not in _ROTARY_WIDTH_KEY:
         raise ConfigError(
             f"{path}: partial rotary embeddings are not supported "
@@ -1392,8 +1447,19 @@ _MAMBA2_TENSORS = {
 }
 
 
-# Where keel holds the Mamba 2 mixer: Granite 4.0-H's is the layer's token mixer, Falcon-H1's beside its attention.
-_MAMBA2_MIXER = {_A.GRANITE_HYBRID: "self_attn", _A.FALCON_H1: "mamba"}
+# Where keel holds the Mamba 2 mixer: Granite 4.0-H's and Mamba 2's is the layer's token mixer, Falcon-H1's beside its
+# attention.
+_MAMBA2_MIXER = {_A.GRANITE_HYBRID: "self_attn", _A.MAMBA2: "self_attn", _A.FALCON_H1: "mamba"}
+# A Mamba 1 layer's llama.cpp tensors -> keel's names under self_attn (MambaModel: `ssm_a`, `ssm_d` without a suffix).
+_MAMBA1_TENSORS = {
+    MODEL_TENSOR.SSM_IN: "in_proj",
+    MODEL_TENSOR.SSM_CONV1D: "conv1d",
+    MODEL_TENSOR.SSM_X: "x_proj",
+    MODEL_TENSOR.SSM_DT: "dt_proj",
+    MODEL_TENSOR.SSM_A: "A_log",  # stored as -exp(A_log), [inner, state]
+    MODEL_TENSOR.SSM_D: "D",
+    MODEL_TENSOR.SSM_OUT: "out_proj",
+}
 
 
 def _flattened(arrays: list[np.ndarray]) -> np.ndarray:
@@ -1423,6 +1489,23 @@ def _mamba2(
     if kind == MODEL_TENSOR.SSM_CONV1D and suffix == "weight":
         return name, (shape[0], 1, shape[-1]), _unsqueezed
     return name, shape, _single
+
+
+def _mamba1(
+    kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A Mamba 1 tensor's keel name (under self_attn), HF shape and how to make it from the stored one, undoing
+    MambaModel.modify_tensors: A_log from -exp(A_log), conv1d's [C, K] unsqueezed to HF's [C, 1, K]."""
+    name = _MAMBA1_TENSORS[kind] + (f".{suffix}" if suffix else "")
+    if kind == MODEL_TENSOR.SSM_A:
+        return name, shape, _log_of_negated
+    if kind == MODEL_TENSOR.SSM_CONV1D and suffix == "weight":
+        return name, (shape[0], 1, shape[-1]), _unsqueezed
+    return name, shape, _single
+
+
+def _log_of_negated(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.log(-arrays[0])
 
 
 def _value_order(config: ModelConfig, arch: MODEL_ARCH, size: int) -> np.ndarray:
@@ -1572,6 +1655,9 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
+            elif kind in _MAMBA1_TENSORS and arch == _A.MAMBA:
+                keel_name, hf_shape, combine = _mamba1(kind, suffix, shape)
+                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
             elif kind in _MAMBA2_TENSORS and arch in _MAMBA2_MIXER:
                 keel_name, hf_shape, combine = _mamba2(kind, suffix, shape)
                 self._add(f"model.layers.{layer}.{_MAMBA2_MIXER[arch]}.{keel_name}", (t,), hf_shape, combine)
