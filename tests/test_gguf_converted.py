@@ -1,6 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba and Mamba 2.
+and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2 and Falcon.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -257,6 +257,39 @@ def _mamba_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_ssm_dt_b_c_rms(hp["model_type"] == "falcon_mamba")  # its step, B and C normed
 
 
+def _classic_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """StarCoderModel's, GPT2Model's and FalconModel's keys (none of TextModel's): the feed-forward length 4 x hidden
+    whatever the model's; StarCoder's one KV head; Falcon's context 2048, its KV heads as its released config.json
+    give them (num_kv_heads with the new architecture, else one: multi_query's) and its qkv layout's name."""
+    falcon = hp["model_type"] == "falcon"
+    hidden = hp.get("hidden_size") or hp["n_embd"]
+    w.add_block_count(hp.get("num_hidden_layers") or hp["n_layer"])
+    w.add_context_length(2048 if falcon else hp.get("n_ctx") or hp["n_positions"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(hp.get("num_attention_heads") or hp["n_head"])
+    if hp["model_type"] == "gpt_bigcode":
+        w.add_head_count_kv(1)
+    if falcon:
+        w.add_tensor_data_layout("jploski")
+        w.add_head_count_kv(hp["num_kv_heads"] if hp["new_decoder_architecture"] else 1)
+    w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+
+
+def _classic_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """GPT2Model's Conv1D weights transposed to Linear's; FalconModel's query_key_value regrouped from one group per
+    KV head (its queries, key, value) to all queries, then all keys, then all values."""
+    if hp["model_type"] == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+        return t.transpose(1, 0)
+    if hp["model_type"] == "falcon" and "query_key_value" in name:
+        heads, hidden = hp["num_attention_heads"], hp["hidden_size"]
+        kv, d = hp["num_kv_heads"] if hp["new_decoder_architecture"] else 1, hidden // heads
+        qkv = t.view(kv, heads // kv + 2, d, hidden)
+        parts = (qkv[:, :-2], qkv[:, [-2]], qkv[:, [-1]])
+        return torch.cat([p.reshape(-1, hidden) for p in parts]).reshape_as(t)
+    return t
+
+
 def _mamba_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
     """MambaModel.modify_tensors and Mamba2Model's: A_log as -exp(A_log), conv1d squeezed to [C, K]; Mamba 2's A and
     D as [n, 1] and its gated norm as [groups, inner / groups]."""
@@ -368,6 +401,14 @@ CONVERTERS = {
                 "original_max_position_embeddings": 8192,
             },
         },
+    ),
+    # StarCoderModel, GPT2Model and FalconModel: their own keys; GPT-2's Conv1D weights transposed, Falcon's qkv
+    # regrouped; the 7B's multi-query block and the 40B's (without biases: the converter's regrouping takes no bias)
+    "gpt_bigcode": Converter(gguf.MODEL_ARCH.STARCODER, keys=_classic_keys, text_model=False),
+    "gpt2": Converter(gguf.MODEL_ARCH.GPT2, keys=_classic_keys, text_model=False, tensor=_classic_tensor),
+    "falcon": Converter(gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor),
+    "falcon-40b": Converter(
+        gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor, build={"bias": False}
     ),
     # MambaModel: its own keys; A_log as -exp(A_log) and D without a suffix, conv1d squeezed
     "mamba": Converter(
@@ -541,6 +582,16 @@ def assert_family_features(name: str, loaded, hf) -> None:
         )
         q = "model.layers.1.self_attn.q_proj.weight"
         assert torch.equal(reader.get(q), hf.state_dict()[q])
+    if name in ("gpt_bigcode", "gpt2"):  # learned positions, LayerNorms, the MLP's width from ffn_up, q/k/v split
+        assert (c.position_embedding, c.norm_type, c.intermediate_size, c.mlp_gated) == ("learned", "layer", 128, False)
+        assert c.num_kv_heads == (1 if name == "gpt_bigcode" else 4) and c.tie_word_embeddings
+        assert reader.gguf_names("model.embed_positions.weight") == ["position_embd.weight"]
+        for part in ("q_proj", "k_proj", "v_proj"):
+            assert reader.gguf_names(f"model.layers.0.self_attn.{part}.weight") == ["blk.0.attn_qkv.weight"]
+    if name.startswith("falcon"):  # the parallel block, one or two norms, the MLP's width from ffn_up
+        two = name == "falcon-40b"
+        assert (c.parallel_residual, c.post_attention_norm, c.num_kv_heads) == (True, two, 2 if two else 1)
+        assert c.intermediate_size == cfg.ffn_hidden_size and c.qkv_bias == cfg.bias
     if name in ("mamba", "mamba2"):  # every layer the mixer alone (no attention, no MLP), its tensors back in HF's form
         kind = "mamba1" if name == "mamba" else "mamba"
         assert c.layer_types == [kind] * 3 and not any(c.mlp_layers) and c.mamba_d_state == cfg.state_size
@@ -572,7 +623,7 @@ def test_converted_gguf_matches_hf_model(tmp_path, name):
     hf = build(name)
     write_converted(hf, tmp_path / f"{name}.gguf", CONVERTERS[name])
     loaded = load_model(tmp_path / f"{name}.gguf")
-    assert loaded.config.architecture == name
+    assert loaded.config.architecture == name.split("-")[0]
     assert_family_features(name, loaded, hf)
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
@@ -635,3 +686,11 @@ def test_falcon_mamba_gguf_is_refused(tmp_path):
     write_converted(build_hf_model("falcon_mamba"), tmp_path / "fm.gguf", CONVERTERS["mamba"])
     with pytest.raises(ConfigError, match=r"mamba.ssm.dt_b_c_rms true \(Falcon Mamba's\) is not supported"):
         open_gguf(tmp_path / "fm.gguf")
+
+
+def test_gpt_bigcode_gguf_without_multi_query_is_refused(tmp_path):
+    """StarCoderModel writes one KV head whatever multi_query says: a model without it (each head's own key and value,
+    interleaved in c_attn) is refused by name rather than read as multi-query."""
+    write_converted(build_hf_model("gpt_bigcode-mha"), tmp_path / "mha.gguf", CONVERTERS["gpt_bigcode"])
+    with pytest.raises(ConfigError, match="GPT-BigCode without multi_query, as StarCoderModel writes it"):
+        open_gguf(tmp_path / "mha.gguf")
