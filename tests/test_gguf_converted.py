@@ -1,6 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2 and Falcon.
+and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon and Jamba.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -290,6 +290,27 @@ def _classic_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Ten
     return t
 
 
+def _jamba_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """JambaModel's keys (none of TextModel's): the KV head count per layer (0 for a Mamba layer), the mixer's width,
+    state, kernel and step rank as ssm.* keys, the experts' counts (nothing of which layers hold them)."""
+    layers, offset, period = hp["num_hidden_layers"], hp["attn_layer_offset"], hp["attn_layer_period"]
+    w.add_block_count(layers)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(
+        [hp["num_key_value_heads"] if i >= offset and (i - offset) % period == 0 else 0 for i in range(layers)]
+    )
+    w.add_ssm_conv_kernel(hp["mamba_d_conv"])
+    w.add_ssm_inner_size(hp["mamba_expand"] * hp["hidden_size"])
+    w.add_ssm_state_size(hp["mamba_d_state"])
+    w.add_ssm_time_step_rank(hp["mamba_dt_rank"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(hp["num_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+
+
 def _mamba_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
     """MambaModel.modify_tensors and Mamba2Model's: A_log as -exp(A_log), conv1d squeezed to [C, K]; Mamba 2's A and
     D as [n, 1] and its gated norm as [groups, inner / groups]."""
@@ -409,6 +430,16 @@ CONVERTERS = {
     "falcon": Converter(gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor),
     "falcon-40b": Converter(
         gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor, build={"bias": False}
+    ),
+    # JambaModel: its own keys; the experts stacked under Qwen2-MoE's merged names, A_log as -exp(A_log), conv1d
+    # squeezed
+    "jamba": Converter(
+        gguf.MODEL_ARCH.JAMBA,
+        keys=_jamba_keys,
+        text_model=False,
+        tensor=_mamba_tensor,
+        rename=lambda name: name.replace(".feed_forward.experts.", ".mlp.experts."),
+        probe="in_proj",
     ),
     # MambaModel: its own keys; A_log as -exp(A_log) and D without a suffix, conv1d squeezed
     "mamba": Converter(
@@ -592,6 +623,14 @@ def assert_family_features(name: str, loaded, hf) -> None:
         two = name == "falcon-40b"
         assert (c.parallel_residual, c.post_attention_norm, c.num_kv_heads) == (True, two, 2 if two else 1)
         assert c.intermediate_size == cfg.ffn_hidden_size and c.qkv_bias == cfg.bias
+    if name == "jamba":  # attention in layer 1 of 4, Mamba 1 mixers with step/B/C norms, experts in layers 1 and 3
+        assert c.layer_types == ["mamba1", "full_attention", "mamba1", "mamba1"] and not any(c.rope_layers)
+        assert (c.mlp_only_layers, c.num_experts, c.mamba_dt_bc_norm, c.mamba_dt_rank) == ([0, 2], 4, "rms", 6)
+        assert reader.gguf_names("model.layers.1.mlp.experts.gate_up_proj") == [
+            "blk.1.ffn_gate_exps.weight",
+            "blk.1.ffn_up_exps.weight",
+        ]
+        assert reader.gguf_names("model.layers.0.self_attn.dt_layernorm.weight") == ["blk.0.ssm_dt_norm.weight"]
     if name in ("mamba", "mamba2"):  # every layer the mixer alone (no attention, no MLP), its tensors back in HF's form
         kind = "mamba1" if name == "mamba" else "mamba"
         assert c.layer_types == [kind] * 3 and not any(c.mlp_layers) and c.mamba_d_state == cfg.state_size

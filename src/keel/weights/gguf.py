@@ -21,7 +21,7 @@ starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2 and falcon (others are refused by name);
+(GPT-BigCode), gpt2, falcon and jamba (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -158,6 +158,11 @@ GPT-BigCode, GPT-2 and Falcon (`starcoder`, `gpt2`, `falcon`; StarCoderModel, GP
 GPT-BigCode's scale_attn_weights (llama.cpp's 1/sqrt(head size)); StarCoderModel writes one KV head whatever
 multi_query says, so a file whose attn_qkv holds more is refused. Falcon: the parallel block (llama.cpp runs no other),
 two norms where `attn_norm_2` is stored (new_decoder_architecture), rotary (FalconModel writes nothing of ALiBi).
+
+Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
+layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
+(other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
+`ssm_c_norm`), the experts stacked as Qwen2-MoE's (softmax top k, not renormalised: the family's, as llama.cpp's).
 """
 
 from __future__ import annotations
@@ -263,6 +268,7 @@ _FAMILIES = {
     _A.STARCODER: "gpt_bigcode",
     _A.GPT2: "gpt2",
     _A.FALCON: "falcon",
+    _A.JAMBA: "jamba",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -895,6 +901,10 @@ def _family_hf_config(
             head_dim=head_dim,
         )
         read |= {"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
+    if family == "jamba":
+        hf.update(_jamba_hf_config(f, common, tensors))
+        read |= {"layer_types", "mamba_d_inner", "mamba_dt_rank", "mamba_d_state", "mamba_d_conv", "num_experts"}
+        read |= {"num_experts_per_tok"}
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
@@ -1122,6 +1132,44 @@ def _mamba2_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGU
     )
 
 
+def _jamba_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Jamba's config.json keys as JambaModel writes them: the attention layers as the per-layer KV head count (0 for
+    a Mamba layer), the expert layers by tensor (no key: those with a router), each as every k-th layer from an offset
+    (as the family's keys give them; other patterns refused), the Mamba 1 mixer's width, state, kernel and step rank
+    as ssm.* keys, the experts' counts; the biases by tensor."""
+    from keel.families.jamba import _period
+
+    path, layers, hidden = f.meta.path, common["num_layers"], common["hidden_size"]
+    kv_heads = f.require(_KA.HEAD_COUNT_KV)
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(per_layer) != layers:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)} lists {len(per_layer)} layers, not {layers}")
+    routed = [_tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors for i in range(layers)]
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
+    try:
+        attn_period, attn_offset = _period([bool(n) for n in per_layer])
+        expert_period, expert_offset = _period(routed) if any(routed) else (2, 1)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return dict(
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        expert_layer_period=expert_period,
+        expert_layer_offset=expert_offset,
+        num_experts=int(f.key(_K.EXPERT_COUNT, 1) or 1) if any(routed) else 1,
+        num_experts_per_tok=int(f.key(_K.EXPERT_USED_COUNT, 2) or 2),
+        intermediate_size=common["intermediate_size"],
+        num_key_value_heads=common["num_kv_heads"],
+        mamba_expand=int(f.require(Keys.SSM.INNER_SIZE)) // hidden,
+        mamba_dt_rank=int(f.require(Keys.SSM.TIME_STEP_RANK)),
+        mamba_d_state=int(f.require(Keys.SSM.STATE_SIZE)),
+        mamba_d_conv=int(f.require(Keys.SSM.CONV_KERNEL)),
+        mamba_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
+        mamba_proj_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
+        rms_norm_eps=common["rms_norm_eps"],
+    )
+
+
 def _classic_hf_config(
     f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]
 ) -> dict[str, Any]:
@@ -1301,7 +1349,7 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h") and isinstance(kv_heads, list):
+    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba") and isinstance(kv_heads, list):
         # LFM2Model and GraniteHybridModel (NemotronHModel on it too) write 0 for their other layers (how they mark
         # them): the attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
@@ -1626,6 +1674,9 @@ _MAMBA1_TENSORS = {
     MODEL_TENSOR.SSM_A: "A_log",  # stored as -exp(A_log), [inner, state]
     MODEL_TENSOR.SSM_D: "D",
     MODEL_TENSOR.SSM_OUT: "out_proj",
+    MODEL_TENSOR.SSM_DT_NORM: "dt_layernorm",  # Jamba's RMS norms of the step, B and C
+    MODEL_TENSOR.SSM_B_NORM: "b_layernorm",
+    MODEL_TENSOR.SSM_C_NORM: "c_layernorm",
 }
 
 
@@ -1825,7 +1876,7 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
-            elif kind in _MAMBA1_TENSORS and arch == _A.MAMBA:
+            elif kind in _MAMBA1_TENSORS and arch in (_A.MAMBA, _A.JAMBA):
                 keel_name, hf_shape, combine = _mamba1(kind, suffix, shape)
                 self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
             elif kind in _MAMBA2_TENSORS and arch in _MAMBA2_MIXER:
