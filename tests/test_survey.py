@@ -44,7 +44,7 @@ def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
 
 def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer = gguf.GGUFWriter(str(path), "mpt")
     writer.add_block_count(1)
     writer.add_context_length(32)
     writer.add_max_alibi_bias(8.0)
@@ -55,14 +55,14 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     writer.write_tensors_to_file()
     writer.close()
     code, out, err = inspect(capsys, path, "--json")
-    assert code == 1 and "unsupported GGUF architecture 'gpt2'" in err
+    assert code == 1 and "unsupported GGUF architecture 'mpt'" in err
     import json
 
     survey = json.loads(out)
     assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
     assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
     assert survey["unplaced"] == {"position_embd.weight": 1}
-    assert survey["unread_keys"] == ["gpt2.attention.max_alibi_bias"]  # context_length and block_count are read
+    assert survey["unread_keys"] == ["mpt.attention.max_alibi_bias"]  # context_length and block_count are read
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox"])
