@@ -80,15 +80,15 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     import gguf
     import numpy as np
 
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+    path = tmp_path / "mpt.gguf"
+    writer = gguf.GGUFWriter(str(path), "mpt")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_one_line_error(run_keel("inspect", str(path)), "gpt2.gguf", "gpt2")
+    assert_one_line_error(run_keel("inspect", str(path)), "mpt.gguf", "unsupported GGUF architecture 'mpt'")
 
 
 def test_prompt_longer_than_context(tiny, tmp_path):

@@ -798,7 +798,7 @@ def one_line(excinfo) -> str:
     return message
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "falcon"])
+@pytest.mark.parametrize("arch", ["refact", "baichuan"])
 def test_unsupported_architecture(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)

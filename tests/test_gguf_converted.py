@@ -1,6 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2 and EXAONE 3.
+and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon and Jamba.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -125,8 +125,10 @@ class Converter:
     text_model: bool = True
     permute: tuple[str, ...] = ()
     consumed: tuple[str, ...] = ()
-    tensor: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t
+    tensor: Callable[[str, torch.Tensor, dict[str, Any]], torch.Tensor] = lambda name, t, hp: t
     build: dict[str, Any] = field(default_factory=dict)
+    rename: Callable[[str], str] = lambda name: name  # the HF name the converter maps (Mamba 2's dt_bias)
+    probe: str = "o_proj"  # layer 0's self_attn Linear that a Q8_0 file runs as stored
 
 
 def _olmo_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
@@ -230,8 +232,98 @@ def _exaone_moe_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
 
 
-def _plus_one(name: str, t: torch.Tensor) -> torch.Tensor:
+def _plus_one(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
     return t + 1 if name.endswith("norm.weight") else t
+
+
+def _mamba_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MambaModel's and Mamba2Model's keys (none of TextModel's): no attention (head_count and feed_forward_length 0),
+    the mixer's shape as ssm.* keys, Mamba's step rank or Mamba 2's heads as the time-step rank."""
+    inner = hp.get("intermediate_size") or hp["expand"] * hp["hidden_size"]
+    w.add_context_length(2**20)
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_ssm_conv_kernel(hp["conv_kernel"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(hp["state_size"])
+    w.add_layer_norm_rms_eps(hp["layer_norm_epsilon"])
+    if "n_groups" in hp:  # Mamba2Model
+        w.add_ssm_time_step_rank(inner // hp["head_dim"])
+        w.add_ssm_group_count(hp["n_groups"])
+    else:
+        w.add_ssm_time_step_rank(hp["time_step_rank"])
+        w.add_ssm_dt_b_c_rms(hp["model_type"] == "falcon_mamba")  # its step, B and C normed
+
+
+def _classic_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """StarCoderModel's, GPT2Model's and FalconModel's keys (none of TextModel's): the feed-forward length 4 x hidden
+    whatever the model's; StarCoder's one KV head; Falcon's context 2048, its KV heads as its released config.json
+    give them (num_kv_heads with the new architecture, else one: multi_query's) and its qkv layout's name."""
+    falcon = hp["model_type"] == "falcon"
+    hidden = hp.get("hidden_size") or hp["n_embd"]
+    w.add_block_count(hp.get("num_hidden_layers") or hp["n_layer"])
+    w.add_context_length(2048 if falcon else hp.get("n_ctx") or hp["n_positions"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(hp.get("num_attention_heads") or hp["n_head"])
+    if hp["model_type"] == "gpt_bigcode":
+        w.add_head_count_kv(1)
+    if falcon:
+        w.add_tensor_data_layout("jploski")
+        w.add_head_count_kv(hp["num_kv_heads"] if hp["new_decoder_architecture"] else 1)
+    w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+
+
+def _classic_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """GPT2Model's Conv1D weights transposed to Linear's; FalconModel's query_key_value regrouped from one group per
+    KV head (its queries, key, value) to all queries, then all keys, then all values."""
+    if hp["model_type"] == "gpt2" and name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+        return t.transpose(1, 0)
+    if hp["model_type"] == "falcon" and "query_key_value" in name:
+        heads, hidden = hp["num_attention_heads"], hp["hidden_size"]
+        kv, d = hp["num_kv_heads"] if hp["new_decoder_architecture"] else 1, hidden // heads
+        qkv = t.view(kv, heads // kv + 2, d, hidden)
+        parts = (qkv[:, :-2], qkv[:, [-2]], qkv[:, [-1]])
+        return torch.cat([p.reshape(-1, hidden) for p in parts]).reshape_as(t)
+    return t
+
+
+def _jamba_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """JambaModel's keys (none of TextModel's): the KV head count per layer (0 for a Mamba layer), the mixer's width,
+    state, kernel and step rank as ssm.* keys, the experts' counts (nothing of which layers hold them)."""
+    layers, offset, period = hp["num_hidden_layers"], hp["attn_layer_offset"], hp["attn_layer_period"]
+    w.add_block_count(layers)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(
+        [hp["num_key_value_heads"] if i >= offset and (i - offset) % period == 0 else 0 for i in range(layers)]
+    )
+    w.add_ssm_conv_kernel(hp["mamba_d_conv"])
+    w.add_ssm_inner_size(hp["mamba_expand"] * hp["hidden_size"])
+    w.add_ssm_state_size(hp["mamba_d_state"])
+    w.add_ssm_time_step_rank(hp["mamba_dt_rank"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_expert_count(hp["num_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+
+
+def _mamba_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """MambaModel.modify_tensors and Mamba2Model's: A_log as -exp(A_log), conv1d squeezed to [C, K]; Mamba 2's A and
+    D as [n, 1] and its gated norm as [groups, inner / groups]."""
+    mamba2 = "n_groups" in hp
+    if name.endswith("conv1d.weight"):
+        return t.squeeze()
+    if name.endswith(".A_log"):
+        t = -torch.exp(t)
+    if mamba2 and name.endswith((".A_log", ".D")):
+        return t.reshape(-1, 1)
+    if mamba2 and name.endswith("mixer.norm.weight"):
+        return t.reshape(hp["n_groups"], -1)
+    return t
 
 
 # The converters that write Llama 3's rope scaling as rope_freqs.
@@ -331,6 +423,39 @@ CONVERTERS = {
             },
         },
     ),
+    # StarCoderModel, GPT2Model and FalconModel: their own keys; GPT-2's Conv1D weights transposed, Falcon's qkv
+    # regrouped; the 7B's multi-query block and the 40B's (without biases: the converter's regrouping takes no bias)
+    "gpt_bigcode": Converter(gguf.MODEL_ARCH.STARCODER, keys=_classic_keys, text_model=False),
+    "gpt2": Converter(gguf.MODEL_ARCH.GPT2, keys=_classic_keys, text_model=False, tensor=_classic_tensor),
+    "falcon": Converter(gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor),
+    "falcon-40b": Converter(
+        gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor, build={"bias": False}
+    ),
+    # JambaModel: its own keys; the experts stacked under Qwen2-MoE's merged names, A_log as -exp(A_log), conv1d
+    # squeezed
+    "jamba": Converter(
+        gguf.MODEL_ARCH.JAMBA,
+        keys=_jamba_keys,
+        text_model=False,
+        tensor=_mamba_tensor,
+        rename=lambda name: name.replace(".feed_forward.experts.", ".mlp.experts."),
+        probe="in_proj",
+    ),
+    # MambaModel: its own keys; A_log as -exp(A_log) and D without a suffix, conv1d squeezed
+    "mamba": Converter(
+        gguf.MODEL_ARCH.MAMBA, keys=_mamba_keys, text_model=False, tensor=_mamba_tensor, probe="in_proj"
+    ),
+    # Mamba2Model: Mamba's and the groups; dt_bias as dt_proj.bias, A and D as [n, 1], the norm by group. No key for
+    # time_step_limit: built without one (llama.cpp clamps no step)
+    "mamba2": Converter(
+        gguf.MODEL_ARCH.MAMBA2,
+        keys=_mamba_keys,
+        text_model=False,
+        tensor=_mamba_tensor,
+        rename=lambda name: re.sub(r"\.dt_bias$", ".dt_proj.bias", name),
+        build={"time_step_limit": (0.0, float("inf"))},
+        probe="in_proj",
+    ),
 }
 
 
@@ -368,13 +493,16 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     tensors.update({name: torch.stack([e[i] for i in sorted(e)]) for name, e in experts.items()})
     for name, t in tensors.items():
         # (the converters' rename of the router's selection bias, which TensorNameMap then names exp_probs_b)
-        base, suffix = name.replace("e_score_correction_bias", "e_score_correction.bias").rsplit(".", 1)
+        base, suffix = converter.rename(name.replace("e_score_correction_bias", "e_score_correction.bias")).rsplit(
+            ".", 1
+        )
         if suffix in converter.permute and base.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             t = torch.from_numpy(llama_cpp_permute(t.numpy(), heads))
-        a = np.ascontiguousarray(converter.tensor(name, t).float().numpy())
-        gguf_name = f"{names.get_name(base)}.{suffix}"
-        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gguf_name:
+        a = np.ascontiguousarray(converter.tensor(name, t, hp).float().numpy())
+        # (a tensor TensorNameMap names whole, e.g. Mamba's A_log, has no suffix)
+        gguf_name = names.get_name(name) or f"{names.get_name(base)}.{suffix}"
+        if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and not any(s in gguf_name for s in ("ffn_gate_inp", "norm")):
             w.add_tensor(gguf_name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
         else:
             w.add_tensor(gguf_name, a)
@@ -485,6 +613,37 @@ def assert_family_features(name: str, loaded, hf) -> None:
         )
         q = "model.layers.1.self_attn.q_proj.weight"
         assert torch.equal(reader.get(q), hf.state_dict()[q])
+    if name in ("gpt_bigcode", "gpt2"):  # learned positions, LayerNorms, the MLP's width from ffn_up, q/k/v split
+        assert (c.position_embedding, c.norm_type, c.intermediate_size, c.mlp_gated) == ("learned", "layer", 128, False)
+        assert c.num_kv_heads == (1 if name == "gpt_bigcode" else 4) and c.tie_word_embeddings
+        assert reader.gguf_names("model.embed_positions.weight") == ["position_embd.weight"]
+        for part in ("q_proj", "k_proj", "v_proj"):
+            assert reader.gguf_names(f"model.layers.0.self_attn.{part}.weight") == ["blk.0.attn_qkv.weight"]
+    if name.startswith("falcon"):  # the parallel block, one or two norms, the MLP's width from ffn_up
+        two = name == "falcon-40b"
+        assert (c.parallel_residual, c.post_attention_norm, c.num_kv_heads) == (True, two, 2 if two else 1)
+        assert c.intermediate_size == cfg.ffn_hidden_size and c.qkv_bias == cfg.bias
+    if name == "jamba":  # attention in layer 1 of 4, Mamba 1 mixers with step/B/C norms, experts in layers 1 and 3
+        assert c.layer_types == ["mamba1", "full_attention", "mamba1", "mamba1"] and not any(c.rope_layers)
+        assert (c.mlp_only_layers, c.num_experts, c.mamba_dt_bc_norm, c.mamba_dt_rank) == ([0, 2], 4, "rms", 6)
+        assert reader.gguf_names("model.layers.1.mlp.experts.gate_up_proj") == [
+            "blk.1.ffn_gate_exps.weight",
+            "blk.1.ffn_up_exps.weight",
+        ]
+        assert reader.gguf_names("model.layers.0.self_attn.dt_layernorm.weight") == ["blk.0.ssm_dt_norm.weight"]
+    if name in ("mamba", "mamba2"):  # every layer the mixer alone (no attention, no MLP), its tensors back in HF's form
+        kind = "mamba1" if name == "mamba" else "mamba"
+        assert c.layer_types == [kind] * 3 and not any(c.mlp_layers) and c.mamba_d_state == cfg.state_size
+        assert c.tie_word_embeddings == cfg.tie_word_embeddings and c.mamba_proj_bias and c.mamba_out_bias
+        assert reader.gguf_names("model.layers.0.self_attn.A_log") == ["blk.0.ssm_a"]
+        for part in ("D", "conv1d.weight", "in_proj.weight", "out_proj.bias"):
+            assert torch.equal(
+                reader.get(f"model.layers.0.self_attn.{part}"), hf.state_dict()[f"backbone.layers.0.mixer.{part}"]
+            )
+    if name == "mamba":
+        assert (c.mamba_dt_rank, c.mamba_d_conv, c.mamba_d_inner) == (6, 3, 128)
+    if name == "mamba2":
+        assert (c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_dt_limit) == (8, 16, 2, (0.0, float("inf")))
     if name == "nemotron":  # LayerNorm1P (the file's weights less 1), half of each head rotating, biases
         assert (c.norm_type, c.norm_weight_offset, c.partial_rotary_factor, c.mlp_gated) == ("layer", 1.0, 0.5, False)
         assert c.rms_norm_eps == pytest.approx(1e-4) and c.qkv_bias and c.mlp_bias
@@ -503,7 +662,7 @@ def test_converted_gguf_matches_hf_model(tmp_path, name):
     hf = build(name)
     write_converted(hf, tmp_path / f"{name}.gguf", CONVERTERS[name])
     loaded = load_model(tmp_path / f"{name}.gguf")
-    assert loaded.config.architecture == name
+    assert loaded.config.architecture == name.split("-")[0]
     assert_family_features(name, loaded, hf)
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
@@ -512,7 +671,9 @@ def test_converted_gguf_matches_hf_model(tmp_path, name):
     stored = load_file(tmp_path / "hf" / "model.safetensors")
     assert set(written) == set(stored)
     for key, tensor in stored.items():
-        torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6 if key.endswith("norm.weight") else 0)
+        # (norms written plus 1 and A_log through -exp to float32's rounding)
+        close = key.endswith(("norm.weight", "A_log"))
+        torch.testing.assert_close(written[key], tensor, rtol=1e-6 if close else 0, atol=1e-6 if close else 0)
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=SLOW) for name in CONVERTERS])
@@ -522,7 +683,7 @@ def test_converted_gguf_is_served_as_transformers(tmp_path, name):
     hf = build(name)
     write_converted(hf, tmp_path / "f32.gguf", CONVERTERS[name])
     write_q8 = lambda path: write_converted(hf, path, CONVERTERS[name], q8=True)  # noqa: E731
-    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64, probe="o_proj")
+    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64, probe=CONVERTERS[name].probe)
 
 
 def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):
@@ -557,3 +718,18 @@ def test_hunyuan_moe_gguf_with_experts_narrower_than_the_shared_mlp_is_refused(t
     write_converted(build("hunyuan_v1_moe"), tmp_path / "moe.gguf", converter)
     with pytest.raises(ConfigError, match="moe_intermediate_size 16 differs from intermediate_size 32"):
         open_gguf(tmp_path / "moe.gguf")
+
+
+def test_falcon_mamba_gguf_is_refused(tmp_path):
+    """MambaModel converts Falcon Mamba too, with ssm.dt_b_c_rms true (its normed step, B and C): refused by name."""
+    write_converted(build_hf_model("falcon_mamba"), tmp_path / "fm.gguf", CONVERTERS["mamba"])
+    with pytest.raises(ConfigError, match=r"mamba.ssm.dt_b_c_rms true \(Falcon Mamba's\) is not supported"):
+        open_gguf(tmp_path / "fm.gguf")
+
+
+def test_gpt_bigcode_gguf_without_multi_query_is_refused(tmp_path):
+    """StarCoderModel writes one KV head whatever multi_query says: a model without it (each head's own key and value,
+    interleaved in c_attn) is refused by name rather than read as multi-query."""
+    write_converted(build_hf_model("gpt_bigcode-mha"), tmp_path / "mha.gguf", CONVERTERS["gpt_bigcode"])
+    with pytest.raises(ConfigError, match="GPT-BigCode without multi_query, as StarCoderModel writes it"):
+        open_gguf(tmp_path / "mha.gguf")

@@ -1,7 +1,7 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
 Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
 MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next,
-Granite 4.0-H and Falcon-H1.
+Granite 4.0-H, Falcon-H1 and Nemotron-H.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -274,7 +274,7 @@ def test_keel_convert_of_the_gguf_gives_back_the_hf_tensors(tmp_path, name):
     assert all(same(written[k], expected[k]) for k in expected)
 
 
-@pytest.mark.parametrize("arch", ["mpt", "falcon", "bloom"])
+@pytest.mark.parametrize("arch", ["mpt", "baichuan", "bloom"])
 def test_families_not_read_from_gguf_are_refused(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
@@ -1491,3 +1491,180 @@ def test_falcon_h1_gguf_is_served_as_transformers(tmp_path):
     write_falcon_h1_gguf(hf, tmp_path / "f32.gguf")
     write_q8 = lambda path: write_falcon_h1_gguf(hf, path, q8=True)  # noqa: E731
     assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64)
+
+
+def write_nemotron_h_gguf(hf, path, q8: bool = False) -> None:
+    """Nemotron-H as llama.cpp's NemotronHModel (on GraniteHybridModel) writes it: `nemotron_h_moe` where the config has
+    experts, else `nemotron_h`; TextModel's and LlamaModel's metadata (the eps as the LayerNorm key, from
+    layer_norm_epsilon), the head size as key_length, the KV head count per layer (0 but in attention layers), the
+    feed-forward length per layer (the MLP's width in a dense file's MLP layers, the experts' in a MoE file's expert
+    layers, else 0), the context 2**20 and rope.scaling.finetuned false, the mixer's shape as ssm.* keys (its heads as
+    the time-step rank), the experts' keys. Tensors: q/k rows permuted as Llama's; each layer's experts stacked
+    (`ffn_up_exps`, `ffn_down_exps`), the selection bias as `exp_probs_b.bias`; A_log as -exp(A_log) and D, both
+    [n, 1]; dt_bias as `ssm_dt.bias`; conv1d squeezed; the gated norm as [groups, inner / groups]; other names by
+    TensorNameMap. `q8`: matrices whose rows split into blocks of 32 as Q8_0 (not routers or norms)."""
+    from safetensors.torch import load_file
+
+    from keel.families.nemotron_h import pattern
+    from test_gguf import llama_cpp_permute
+
+    cfg = hf.config
+    chars = pattern(cfg.to_dict(), "")
+    moe = "E" in chars
+    arch = gguf.MODEL_ARCH.NEMOTRON_H_MOE if moe else gguf.MODEL_ARCH.NEMOTRON_H
+    inner = cfg.mamba_num_heads * cfg.mamba_head_dim
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(len(chars))
+    w.add_context_length(2**20)
+    w.add_embedding_length(cfg.hidden_size)
+    width = cfg.moe_intermediate_size if moe else cfg.intermediate_size
+    w.add_feed_forward_length([width if c == ("E" if moe else "-") else 0 for c in chars])
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if c == "*" else 0 for c in chars])
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_scaling_finetuned(False)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    if moe:
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_group_count(cfg.n_group)
+    add_mini_vocab(w, "default")
+    names = gguf.get_tensor_name_map(arch, len(chars))
+    hf.save_pretrained(path.parent / "hf")
+
+    def add(name: str, t: torch.Tensor) -> None:
+        a = np.ascontiguousarray(t.float().numpy())
+        quantize = a.shape[-1] % 32 == 0 and not any(s in name for s in ("conv1d", "norm", "ffn_gate_inp"))
+        if q8 and a.ndim >= 2 and quantize:
+            w.add_tensor(name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for hf_name, t in load_file(path.parent / "hf" / "model.safetensors").items():
+        if match := re.match(r"backbone\.layers\.(\d+)\.mixer\.experts\.(\d+)\.(\w+)\.weight$", hf_name):
+            experts.setdefault(f"blk.{match[1]}.ffn_{match[3].removesuffix('_proj')}_exps.weight", {})[
+                int(match[2])
+            ] = t
+            continue
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            t = torch.from_numpy(llama_cpp_permute(t.numpy(), heads))
+        if hf_name.endswith(".A_log"):
+            t = -torch.exp(t)
+        if hf_name.endswith((".A_log", ".D")):
+            t = t.reshape(-1, 1)
+        elif hf_name.endswith(".dt_bias"):
+            hf_name = hf_name.removesuffix(".dt_bias") + ".dt.bias"
+        elif hf_name.endswith("mixer.conv1d.weight"):
+            t = t.squeeze()
+        elif hf_name.endswith("mixer.norm.weight"):
+            t = t.reshape(cfg.n_groups, -1)
+        hf_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
+        add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), t)
+    for name, stacked in experts.items():
+        add(name, torch.stack([stacked[e] for e in sorted(stacked)]))
+    finish_writer(w)
+
+
+# A Nemotron 3 Nano-like MoE (Mamba, attention and expert layers only: its converter writes no dense MLP layer; one
+# group of experts: no key holds the groups' top k) and the
+# dense Nemotron-H / Nano 2 (M, *, - layers from hybrid_override_pattern).
+NEMOTRON_H_GGUF = {
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "full_attention", "moe", "linear_attention", "moe"],
+        n_group=1,
+        topk_group=1,
+    ),
+    "nemotron_h-dense": {},
+}
+
+
+@pytest.mark.parametrize("name", list(NEMOTRON_H_GGUF))
+def test_nemotron_h_gguf_matches_hf_model(tmp_path, name):
+    """Nemotron-H as llama.cpp converts it (refused before): the layer kinds from the per-layer KV head counts and
+    feed-forward lengths, the mixer's shape from the ssm.* keys and its tensors back in HF's layout, q/k un-permuted,
+    the ungated experts stacked as keel's gate_up_proj, the selection bias, the eps from the LayerNorm key.
+    transformers' logits, `keel convert` back to the HF tensors, and (slow) transformers' greedy tokens through keel's
+    engine from float32 and from Q8_0 run as stored."""
+    from safetensors.torch import load_file
+
+    from keel.weights.convert import convert
+
+    hf = build_hf_model(name, **NEMOTRON_H_GGUF[name])
+    cfg = hf.config
+    write_nemotron_h_gguf(hf, tmp_path / "f32.gguf")
+    loaded = load_model(tmp_path / "f32.gguf")
+    c, reader = loaded.config, loaded.checkpoint.reader
+    from keel.families.nemotron_h import LAYERS, pattern
+
+    chars = pattern(cfg.to_dict(), "")
+    assert c.architecture == "nemotron_h" and c.layer_types == [LAYERS[ch][0] for ch in chars]
+    assert c.mlp_layers == [LAYERS[ch][1] for ch in chars] and not any(c.rope_layers)
+    assert loaded.checkpoint.provenance["layer_types"] == "read" and c.rms_norm_eps == cfg.layer_norm_epsilon
+    assert (c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state) == (
+        cfg.mamba_num_heads,
+        cfg.mamba_head_dim,
+        cfg.n_groups,
+        cfg.ssm_state_size,
+    )
+    if "E" in chars:
+        assert (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (8, 32, 48)
+        assert (c.router_scoring, c.router_bias, c.n_group, c.topk_group) == ("sigmoid", True, 1, 1)
+        assert c.routed_scaling_factor == pytest.approx(cfg.routed_scaling_factor)
+        assert reader.gguf_names("model.layers.2.mlp.experts.gate_up_proj") == ["blk.2.ffn_up_exps.weight"]
+        bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+        assert reader.gguf_names(bias) == ["blk.2.exp_probs_b.bias"]
+    state = hf.state_dict()
+    for part in ("D", "dt_bias", "norm.weight", "conv1d.weight", "in_proj.weight"):
+        assert torch.equal(reader.get(f"model.layers.0.self_attn.{part}"), state[f"model.layers.0.mixer.{part}"]), part
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+    out = convert(tmp_path / "f32.gguf", tmp_path / "back", dtype="float32")
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(written) == set(stored)
+    for key, tensor in stored.items():  # A_log (log(exp)) to float32's rounding, the rest exactly
+        tolerance = 1e-6 if key.endswith("A_log") else 0
+        torch.testing.assert_close(written[key], tensor, rtol=tolerance, atol=tolerance, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(NEMOTRON_H_GGUF))
+def test_nemotron_h_gguf_is_served_as_transformers(tmp_path, name):
+    """transformers' greedy tokens through keel's engine from the float32 file and the Q8_0 one run as stored."""
+    hf = build_hf_model(name, **NEMOTRON_H_GGUF[name])
+    write_nemotron_h_gguf(hf, tmp_path / "f32.gguf")
+    write_q8 = lambda path: write_nemotron_h_gguf(hf, path, q8=True)  # noqa: E731
+    assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64)
+
+
+def test_nemotron_h_moe_gguf_with_a_dense_layer_is_refused(tmp_path):
+    """NemotronHModel writes a MoE model's dense (`-`) layers with feed-forward length 0, as a Mamba layer, which they
+    are not (llama.cpp cannot load them either): refused by name."""
+    write_nemotron_h_gguf(build_hf_model("nemotron_h", n_group=1), tmp_path / "moe.gguf")
+    with pytest.raises(ConfigError, match="layer 2 .*a Mamba layer. has no ssm_in"):
+        open_gguf(tmp_path / "moe.gguf")
+
+
+def test_nemotron_h_moe_gguf_with_expert_groups_is_refused(tmp_path):
+    """NemotronHModel writes the group count but not the groups' top k (topk_group): more than one group is refused."""
+    write_nemotron_h_gguf(
+        build_hf_model("nemotron_h", **NEMOTRON_H_GGUF["nemotron_h"] | {"n_group": 2}), tmp_path / "g.gguf"
+    )
+    with pytest.raises(ConfigError, match="expert_group_count 2 without nemotron_h_moe.expert_group_used_count"):
+        open_gguf(tmp_path / "g.gguf")

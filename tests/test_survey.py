@@ -6,6 +6,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 import transformers
 
 from keel.cli import main
@@ -18,33 +19,31 @@ def inspect(capsys, path, *extra):
 
 
 def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
-    config = transformers.OPTConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        ffn_dim=64,
-        max_position_embeddings=32,
-        word_embed_proj_dim=16,
-    )
-    transformers.OPTForCausalLM(config).save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.MptConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+    transformers.MptForCausalLM(config).save_pretrained(tmp_path)
     capsys.readouterr()  # transformers' own progress bar
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["transformer.alibi_slopes"] = torch.zeros(2)  # a tensor of no role in keel's block
+    save_file(tensors, weights, metadata={"format": "pt"})
     code, out, err = inspect(capsys, tmp_path)
     assert code == 1
-    assert err.count("\n") == 1 and "unsupported HF architecture OPTForCausalLM" in err
+    assert err.count("\n") == 1 and "unsupported HF architecture MptForCausalLM" in err
     lines = out.splitlines()
-    assert "  attention  model.decoder.layers.N.self_attn.out_proj.weight  x2  new" in lines
-    assert "  norm       model.decoder.layers.N.self_attn_layer_norm.weight  x2  new" in lines
-    assert "  embedding  model.decoder.embed_tokens.weight  new" in lines
+    assert "  attention  transformer.blocks.N.attn.Wqkv.weight  x2  new" in lines
+    assert "  norm       transformer.blocks.N.norm_1.weight  x2  new" in lines
+    assert "  embedding  transformer.wte.weight  new" in lines
     unplaced = lines[lines.index("tensors keel could not place:") + 1 :]
-    assert "  model.decoder.project_in.weight" in unplaced  # a projection of the embedding: no role in keel's block
+    assert "  transformer.alibi_slopes" in unplaced
     keys = out.split("metadata keys keel does not read:")[1]
-    assert "ffn_dim" in keys and "do_layer_norm_before" in keys and "vocab_size" not in keys
+    assert "d_model" in keys and "attn_config" in keys and "vocab_size" not in keys
 
 
 def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer = gguf.GGUFWriter(str(path), "mpt")
     writer.add_block_count(1)
     writer.add_context_length(32)
     writer.add_max_alibi_bias(8.0)
@@ -55,14 +54,14 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     writer.write_tensors_to_file()
     writer.close()
     code, out, err = inspect(capsys, path, "--json")
-    assert code == 1 and "unsupported GGUF architecture 'gpt2'" in err
+    assert code == 1 and "unsupported GGUF architecture 'mpt'" in err
     import json
 
     survey = json.loads(out)
     assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
     assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
     assert survey["unplaced"] == {"position_embd.weight": 1}
-    assert survey["unread_keys"] == ["gpt2.attention.max_alibi_bias"]  # context_length and block_count are read
+    assert survey["unread_keys"] == ["mpt.attention.max_alibi_bias"]  # context_length and block_count are read
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox"])

@@ -20,7 +20,8 @@ granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemm
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
-hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE) and jais2 (others are refused by name);
+hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
+(GPT-BigCode), gpt2, falcon and jamba (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -134,6 +135,34 @@ Falcon-H1 (`falcon-h1`; FalconH1Model, on Mamba2Model): every layer hybrid, its 
 muP multiplier into the weights (ssm_in by segment, the embedding and the LM head too), so all read as 1; it writes
 no key for the gated norm: where `ssm_norm` is stored, it follows the gate (llama.cpp's order), else the output is
 gated alone. The MLP's norm is stored without a suffix (`ffn_norm`: a TensorNameMap entry that holds `.weight`).
+
+Mamba and Mamba 2 (`mamba`, `mamba2`; MambaModel, Mamba2Model): no attention (`head_count` 0: keel's placeholders), the
+mixer's width as `ssm.inner_size`, Mamba's step rank and Mamba 2's heads (inner / head size) as `ssm.time_step_rank`,
+the state, kernel and Mamba 2's groups as ssm.* keys, the norms' eps as the RMS key, biases by tensor; the vocabulary
+from the embedding's rows (the token list is padded). Tensors as Granite 4.0-H's mixer's (Mamba 1: `ssm_a` as
+-exp(A_log) [inner, state], `ssm_d`, `ssm_x`, `ssm_dt` weight and bias). No key for Mamba 2's time_step_limit (llama.cpp
+clamps no step: none); Falcon Mamba's files (`ssm.dt_b_c_rms` true) are refused.
+
+Nemotron-H (`nemotron_h`, `nemotron_h_moe`; NemotronHModel on GraniteHybridModel): one sublayer a layer, its kind from
+the per-layer KV head count (attention where not 0) and feed-forward length (where not 0: the ungated MLP, or in a
+`nemotron_h_moe` file the experts; the converter writes a MoE model's dense layers as 0, which llama.cpp reads as a
+Mamba layer: refused), else Granite 4.0-H's Mamba 2 mixer; no position encoding, q/k permuted as Llama's, the head size
+as key_length, the eps as either key; DeepSeek-V3's sigmoid experts (ungated, `ffn_up_exps` alone: keel's
+gate_up_proj) with the selection bias and shared expert, their counts, widths, renormalisation and scale as keys; no
+key for the groups' top k (a file with more than one group is refused) or time_step_min (the releases' 0.001).
+
+GPT-BigCode, GPT-2 and Falcon (`starcoder`, `gpt2`, `falcon`; StarCoderModel, GPT2Model, FalconModel): their own keys
+(LayerNorms' eps, heads; feed_forward_length always 4 x hidden, so the MLP's width comes from `ffn_up`), q/k/v fused in
+`attn_qkv` as all q, all k, all v (GPT-2's Conv1D weights stored transposed, as Linear's; Falcon's KV groups regrouped,
+"jploski"), learned positions as `position_embd`, biases by tensor. No key for GPT-2's per-layer softmax scale or
+GPT-BigCode's scale_attn_weights (llama.cpp's 1/sqrt(head size)); StarCoderModel writes one KV head whatever
+multi_query says, so a file whose attn_qkv holds more is refused. Falcon: the parallel block (llama.cpp runs no other),
+two norms where `attn_norm_2` is stored (new_decoder_architecture), rotary (FalconModel writes nothing of ALiBi).
+
+Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
+layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
+(other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
+`ssm_c_norm`), the experts stacked as Qwen2-MoE's (softmax top k, not renormalised: the family's, as llama.cpp's).
 """
 
 from __future__ import annotations
@@ -167,6 +196,7 @@ from torch import Tensor
 from keel.config import DEEPSEEK_V2_ROUTER, FAMILY_DEFAULTS, HIDDEN_ACTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
 from keel.families import FAMILIES, checkpoint_layout
+from keel.families.parts import Transposed
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
@@ -231,6 +261,14 @@ _FAMILIES = {
     _A.HUNYUAN_MOE: "hunyuan_v1_moe",
     _A.EXAONE_MOE: "exaone_moe",
     _A.JAIS2: "jais2",
+    _A.MAMBA: "mamba",
+    _A.MAMBA2: "mamba2",
+    _A.NEMOTRON_H: "nemotron_h",
+    _A.NEMOTRON_H_MOE: "nemotron_h",
+    _A.STARCODER: "gpt_bigcode",
+    _A.GPT2: "gpt2",
+    _A.FALCON: "falcon",
+    _A.JAMBA: "jamba",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -241,6 +279,7 @@ _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # their products as they were); OlmoModel permutes the weights only (its biases as in HF). Apertus (undo_permute
 # False) keeps HF's rows.
 _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.GRANITE_HYBRID, _A.SMOLLM3, _A.ARCEE, _A.OLMO, _A.MISTRAL3}
+_PERMUTED |= {_A.NEMOTRON_H, _A.NEMOTRON_H_MOE}  # (NemotronHModel, on GraniteHybridModel: no position encoding)
 _PERMUTED_WEIGHTS_ONLY = {_A.OLMO}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w), and so does
 # Nemotron's (its LayerNorm1P scales by 1 + w; llama.cpp's LayerNorm by w).
@@ -259,6 +298,7 @@ _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2"
 _ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
+_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -270,6 +310,9 @@ _GEMMA3_LOCAL_THETA = 10000.0
 # What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
 _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
+# Families whose vocabulary is the embedding's rows: Gemma 3's converter drops rows past the tokenizer's; Granite
+# 4.0-H's, Mamba's, Mamba 2's and Nemotron-H's pad the token list (to a multiple of 8, 8, 16 and 8), not the embedding.
+_EMBEDDING_ROWS = ("gemma3", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
 # llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
 _FULL_ATTENTION_INTERVAL = 4
 
@@ -298,6 +341,7 @@ KEYS_READ = (
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
+    Keys.SSM.DT_B_C_RMS,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
     *(_KR.SCALING_ORIG_CTX_LEN, _KR.SCALING_FINETUNED),
@@ -432,16 +476,19 @@ def _config_from_metadata(
     f = _Fields(meta, arch, family)
     hidden, num_heads, kv_heads, head_dim = _attention_shape(f, family, path)
     # (GraniteHybridModel pads the token list, and vocab_size with it, to a multiple of 8; not the embedding.)
-    vocab = _vocab_size(f, tensors, path, embedding_first=family in ("gemma3", "granitemoehybrid"))
+    vocab = _vocab_size(f, tensors, path, embedding_first=family in _EMBEDDING_ROWS)
     rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
     scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
     has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
     # GLM-4.5's files count the multi-token-prediction layers after the last in block_count; keel reads none.
     num_layers = int(f.require(_K.BLOCK_COUNT)) - int(f.key(_K.NEXTN_PREDICT_LAYERS, 0) or 0)
+    feed_forward = f.key(_K.FEED_FORWARD_LENGTH)
+    if isinstance(feed_forward, list):  # per layer (Nemotron-H's: 0 but in its MLP layers): the family reads it
+        feed_forward = max(feed_forward)
     moe: dict[str, Any] = {}
     if family in ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next"):
         moe = _moe_fields(f, family, tensors, num_layers, num_experts, path)
-    elif f.key(_K.FEED_FORWARD_LENGTH) is None:
+    elif feed_forward is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_K.FEED_FORWARD_LENGTH)!r} is missing")
     eos_ids = _eos_ids(meta)
     fields = dict(
@@ -449,7 +496,7 @@ def _config_from_metadata(
         vocab_size=vocab,
         hidden_size=hidden,
         # All-sparse MoE files have no dense width; the family default is then unused.
-        intermediate_size=f.pick("intermediate_size", f.key(_K.FEED_FORWARD_LENGTH), int),
+        intermediate_size=f.pick("intermediate_size", feed_forward, int),
         num_layers=f.read("num_layers", num_layers),
         num_heads=num_heads,
         num_kv_heads=kv_heads,
@@ -852,6 +899,22 @@ def _family_hf_config(
             head_dim=head_dim,
         )
         read |= {"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"}
+    if family == "jamba":
+        hf.update(_jamba_hf_config(f, common, tensors))
+        read |= {"layer_types", "mamba_d_inner", "mamba_dt_rank", "mamba_d_state", "mamba_d_conv", "num_experts"}
+        read |= {"num_experts_per_tok"}
+    if family in ("gpt_bigcode", "gpt2", "falcon"):
+        hf.update(_classic_hf_config(f, family, common, tensors))
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "nemotron_h":
+        own, own_read = _nemotron_h_hf_config(f, common, tensors)
+        hf.update(own)
+        read |= own_read
+    if family in ("mamba", "mamba2"):
+        hf.update(_mamba_hf_config(f, family, common, tensors))
+        read |= {"mamba_d_state", "mamba_d_conv", "rms_norm_eps"}
+        read |= {"mamba_d_inner", "mamba_dt_rank"} if family == "mamba" else {"mamba_n_heads", "mamba_d_head"}
+        read |= {"mamba_n_groups"} if family == "mamba2" else set()
     if family in _QWEN_HYBRID:
         hf.update(_gated_deltanet_hf_config(f, common))
         read |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"}
@@ -1067,6 +1130,198 @@ def _mamba2_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGU
     )
 
 
+def _jamba_hf_config(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Jamba's config.json keys as JambaModel writes them: the attention layers as the per-layer KV head count (0 for
+    a Mamba layer), the expert layers by tensor (no key: those with a router), each as every k-th layer from an offset
+    (as the family's keys give them; other patterns refused), the Mamba 1 mixer's width, state, kernel and step rank
+    as ssm.* keys, the experts' counts; the biases by tensor."""
+    from keel.families.jamba import _period
+
+    path, layers, hidden = f.meta.path, common["num_layers"], common["hidden_size"]
+    kv_heads = f.require(_KA.HEAD_COUNT_KV)
+    per_layer = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    if len(per_layer) != layers:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)} lists {len(per_layer)} layers, not {layers}")
+    routed = [_tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors for i in range(layers)]
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
+    try:
+        attn_period, attn_offset = _period([bool(n) for n in per_layer])
+        expert_period, expert_offset = _period(routed) if any(routed) else (2, 1)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return dict(
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        expert_layer_period=expert_period,
+        expert_layer_offset=expert_offset,
+        num_experts=int(f.key(_K.EXPERT_COUNT, 1) or 1) if any(routed) else 1,
+        num_experts_per_tok=int(f.key(_K.EXPERT_USED_COUNT, 2) or 2),
+        intermediate_size=common["intermediate_size"],
+        num_key_value_heads=common["num_kv_heads"],
+        mamba_expand=int(f.require(Keys.SSM.INNER_SIZE)) // hidden,
+        mamba_dt_rank=int(f.require(Keys.SSM.TIME_STEP_RANK)),
+        mamba_d_state=int(f.require(Keys.SSM.STATE_SIZE)),
+        mamba_d_conv=int(f.require(Keys.SSM.CONV_KERNEL)),
+        mamba_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
+        mamba_proj_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
+        rms_norm_eps=common["rms_norm_eps"],
+    )
+
+
+def _classic_hf_config(
+    f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> dict[str, Any]:
+    """GPT-BigCode's, GPT-2's and Falcon's config.json keys as StarCoderModel, GPT2Model and FalconModel write them:
+    the LayerNorms' eps, the heads (StarCoderModel's KV head count always 1; GPT-2 none: all), q/k/v fused in
+    `attn_qkv` as all q, then k, then v (GPT2Model's Conv1D weights transposed to Linear's, FalconModel's groups
+    regrouped), learned positions as `position_embd` (GPT-2, GPT-BigCode). Each writes feed_forward_length as
+    4 x hidden whatever the model's: the MLP's width from `ffn_up`; biases by tensor; nothing of the softmax scale
+    (GPT-2's per-layer one, GPT-BigCode's scale_attn_weights: llama.cpp's 1/sqrt(head size)). Falcon: its block
+    parallel (llama.cpp runs no other), with two norms where `attn_norm_2` is stored (new_decoder_architecture),
+    rotary (FalconModel writes nothing of ALiBi: llama.cpp rotates every Falcon). A GPT-BigCode file whose `attn_qkv`
+    holds as many keys as queries (multi_query false: StarCoderModel still writes one KV head, and llama.cpp reads
+    the rows as one) is refused."""
+    path, heads, head_dim = f.meta.path, common["num_heads"], common["head_dim"]
+    qkv, up = tensors.get(_tensor(MODEL_TENSOR.ATTN_QKV, 0)), tensors.get(_tensor(MODEL_TENSOR.FFN_UP, 0))
+    if qkv is None or up is None:
+        raise ConfigError(
+            f"{path}: {_tensor(MODEL_TENSOR.ATTN_QKV, 0)!r} and {_tensor(MODEL_TENSOR.FFN_UP, 0)!r} needed"
+        )
+    rows, kv_heads = int(qkv.shape[1]), common["num_kv_heads"]  # ggml shape [H, rows]
+    if rows != (heads + 2 * kv_heads) * head_dim:
+        raise ConfigError(
+            f"{path}: {_tensor(MODEL_TENSOR.ATTN_QKV, 0)!r} has {rows} rows, not {heads} query and {kv_heads} "
+            f"key/value heads of {head_dim} (KV heads other than {f.name(_KA.HEAD_COUNT_KV)} says: GPT-BigCode without "
+            "multi_query, as StarCoderModel writes it, is not supported)"
+        )
+    hf: dict[str, Any] = dict(
+        layer_norm_epsilon=common["rms_norm_eps"],
+        tie_word_embeddings=common["tie_word_embeddings"],
+        num_attention_heads=heads,
+    )
+    width = int(up.shape[1])
+    if family == "falcon":
+        two_norms = _tensor(MODEL_TENSOR.ATTN_NORM_2, 0) in tensors
+        return dict(
+            hf,
+            new_decoder_architecture=two_norms or kv_heads not in (1, heads),
+            num_kv_heads=kv_heads,
+            multi_query=kv_heads == 1,
+            parallel_attn=True,
+            num_ln_in_parallel_attn=2 if two_norms else 1,
+            bias=common["qkv_bias"],
+            ffn_hidden_size=width,
+            alibi=False,
+        )
+    return dict(hf, n_inner=width, multi_query=kv_heads == 1)
+
+
+def _nemotron_h_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Nemotron-H's config.json keys as NemotronHModel (on GraniteHybridModel) writes them: the layer kinds from the
+    per-layer KV head counts (attention where not 0) and feed-forward lengths (an MLP where not 0: Llama's ungated one
+    in a `nemotron_h` file, experts in a `nemotron_h_moe` one, whose converter writes 0 for any dense layer: such a
+    file, which llama.cpp reads as a Mamba layer, is refused), the rest Mamba 2 mixers (as Granite 4.0-H's: the heads
+    as the time-step rank); the head size as key_length, the norms' eps as either eps key (TextModel writes
+    config.json's layer_norm_epsilon as the LayerNorm one); the experts' keys (DeepSeek-V3's sigmoid router with the
+    selection bias by tensor; the groups' top k, which no key holds where the file has one group). No key for
+    time_step_min: the family default, the releases' 0.001. The multi-token-prediction block past block_count less
+    nextn_predict_layers is not read."""
+    path, layers, moe = f.meta.path, common["num_layers"], f.arch == MODEL_ARCH_NAMES[_A.NEMOTRON_H_MOE]
+    per_layer = {}
+    for key in (_KA.HEAD_COUNT_KV, _K.FEED_FORWARD_LENGTH):
+        value = f.require(key)
+        per_layer[key] = (value if isinstance(value, list) else [value] * layers)[:layers]
+        if len(per_layer[key]) != layers:
+            raise ConfigError(f"{path}: {f.name(key)} lists {len(per_layer[key])} layers, not {layers}")
+    kinds = []
+    for i, (kv, ff) in enumerate(zip(per_layer[_KA.HEAD_COUNT_KV], per_layer[_K.FEED_FORWARD_LENGTH], strict=True)):
+        kind = "full_attention" if kv else ("moe" if moe else "mlp") if ff else "linear_attention"
+        if kind == "linear_attention" and _tensor(MODEL_TENSOR.SSM_IN, i) not in tensors:
+            raise ConfigError(f"{path}: layer {i} (no attention, no feed-forward length: a Mamba layer) has no ssm_in")
+        kinds.append(kind)
+    widths = {int(n) for n in per_layer[_K.FEED_FORWARD_LENGTH] if n}
+    if len(widths) > 1:
+        raise ConfigError(f"{path}: per-layer {f.name(_K.FEED_FORWARD_LENGTH)} {sorted(widths)} is not supported")
+    mamba = _mamba2_hf_config(f, common, tensors)
+    eps = f.key(_KA.LAYERNORM_RMS_EPS, f.key(_KA.LAYERNORM_EPS))
+    layer_any = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in range(layers))  # noqa: E731
+    hf: dict[str, Any] = dict(
+        layers_block_type=kinds,
+        head_dim=common["head_dim"],
+        num_attention_heads=common["num_heads"],
+        num_key_value_heads=common["num_kv_heads"],
+        intermediate_size=min(widths, default=0) or None,
+        mlp_bias=layer_any(MODEL_TENSOR.FFN_UP, "bias") or layer_any(MODEL_TENSOR.FFN_UP_SHEXP, "bias"),
+        layer_norm_epsilon=None if eps is None else _f32(eps),
+        mamba_num_heads=mamba["mamba_n_heads"],
+        mamba_head_dim=mamba["mamba_d_head"],
+        n_groups=mamba["mamba_n_groups"],
+        ssm_state_size=mamba["mamba_d_state"],
+        conv_kernel=mamba["mamba_d_conv"],
+        use_conv_bias=mamba["mamba_conv_bias"],
+        use_bias=mamba["mamba_proj_bias"],
+    )
+    read = {"layer_types", "mlp_layers", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state"}
+    read |= {"mamba_d_conv", "intermediate_size"} | ({"rms_norm_eps"} if eps is not None else set())
+    if moe:
+        groups, used = int(f.key(_K.EXPERT_GROUP_COUNT, 1) or 1), f.key(_K.EXPERT_GROUP_USED_COUNT)
+        if groups > 1 and used is None:
+            raise ConfigError(
+                f"{path}: {f.name(_K.EXPERT_GROUP_COUNT)} {groups} without {f.name(_K.EXPERT_GROUP_USED_COUNT)} "
+                "is not supported (the groups' top k)"
+            )
+        hf.update(
+            n_routed_experts=int(f.require(_K.EXPERT_COUNT)),
+            num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+            moe_shared_expert_intermediate_size=int(f.require(_K.EXPERT_SHARED_FEED_FORWARD_LENGTH)),
+            norm_topk_prob=bool(f.require(_K.EXPERT_WEIGHTS_NORM)),
+            routed_scaling_factor=_f32(f.require(_K.EXPERT_WEIGHTS_SCALE)),
+            n_group=groups,
+            topk_group=int(used or 1),
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
+        read |= {"norm_topk_prob", "routed_scaling_factor", "n_group"}
+    return hf, read
+
+
+def _mamba_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """Mamba's and Mamba 2's config.json keys as MambaModel and Mamba2Model write them (no attention: head_count 0):
+    the mixer's width as ssm.inner_size, its state, kernel (and Mamba 2's groups) as ssm.* keys, Mamba's step rank and
+    Mamba 2's heads as ssm.time_step_rank (inner / head_dim), the norms' eps as the RMS key; the biases by tensor (one
+    key for both projections: the input one's). No key for Mamba 2's time_step_limit: llama.cpp clamps no step, as
+    Mamba2Config's default (0, inf). A Mamba file with ssm.dt_b_c_rms true (Falcon Mamba's: its step, B and C
+    normed with the norms' eps, which transformers takes from mixer_rms_eps) is refused."""
+    path, hidden = f.meta.path, common["hidden_size"]
+    inner = int(f.require(Keys.SSM.INNER_SIZE))
+    layers = range(common["num_layers"])
+    any_layer = lambda kind, suffix: any(_tensor(kind, i, suffix) in tensors for i in layers)  # noqa: E731
+    hf: dict[str, Any] = dict(
+        state_size=int(f.require(Keys.SSM.STATE_SIZE)),
+        conv_kernel=int(f.require(Keys.SSM.CONV_KERNEL)),
+        use_conv_bias=any_layer(MODEL_TENSOR.SSM_CONV1D, "bias"),
+        use_bias=any_layer(MODEL_TENSOR.SSM_IN, "bias"),
+        layer_norm_epsilon=common["rms_norm_eps"],
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )
+    if family == "mamba":
+        if f.key(Keys.SSM.DT_B_C_RMS):
+            raise ConfigError(
+                f"{path}: a mamba file with {f.name(Keys.SSM.DT_B_C_RMS)} true (Falcon Mamba's) is not supported"
+            )
+        return dict(hf, expand=inner / hidden, time_step_rank=int(f.require(Keys.SSM.TIME_STEP_RANK)))
+    heads = int(f.require(Keys.SSM.TIME_STEP_RANK))
+    return dict(
+        hf,
+        num_heads=heads,
+        head_dim=inner // heads,
+        expand=inner / hidden,
+        n_groups=int(f.require(Keys.SSM.GROUP_COUNT)),
+    )
+
+
 def _sliding_pattern(pattern: Any, default: int | None = None) -> dict[str, Any]:
     """`attention.sliding_window_pattern` as the config.json keys a family reads: a list (per layer, true where it
     slides) as `layer_types`, a number (one global layer in that many) or else `default` as
@@ -1092,9 +1347,9 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family in ("lfm2", "lfm2_moe", "granitemoehybrid") and isinstance(kv_heads, list):
-        # LFM2Model and GraniteHybridModel write 0 for their recurrent layers (how they mark them): the
-        # attention layers' count is the one keel needs (none at all: any will do).
+    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba") and isinstance(kv_heads, list):
+        # LFM2Model and GraniteHybridModel (NemotronHModel on it too) write 0 for their other layers (how they mark
+        # them): the attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
     if kv_heads is None:
         kv_heads = f.read("num_kv_heads", num_heads, "default")
@@ -1107,8 +1362,10 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
     elif rope_dims is not None and family not in _ROTARY_WIDTH_KEY:  # llama.cpp writes the head size here for llama
         head_dim = f.read("head_dim", int(rope_dims))
-    else:
+    elif num_heads:
         head_dim = f.read("head_dim", hidden // num_heads, "inferred")
+    else:  # Mamba's and Mamba 2's head_count 0 (no attention): the family's placeholders (keel.families.mamba)
+        head_dim = 0
     if rope_dims is not None and int(rope_dims) != head_dim and family not in _ROTARY_WIDTH_KEY:
         raise ConfigError(
             f"{path}: partial rotary embeddings are not supported "
@@ -1363,6 +1620,18 @@ def _norm_offset(arch: MODEL_ARCH, hf: str) -> Callable[[list[np.ndarray]], np.n
     return _minus_one if plus_one and hf.endswith("norm.weight") else _single
 
 
+def _stored(
+    config: ModelConfig, arch: MODEL_ARCH, hf: str, kind: MODEL_TENSOR, suffix: str
+) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """How a whole stored tensor becomes HF's: q/k rows un-permuted (LlamaModel's subclasses), norms less 1."""
+    permuted = arch in _PERMUTED and (suffix == "weight" or arch not in _PERMUTED_WEIGHTS_ONLY)
+    if permuted and kind == MODEL_TENSOR.ATTN_Q:
+        return _unpermute(config.num_heads)
+    if permuted and kind == MODEL_TENSOR.ATTN_K:
+        return _unpermute(config.num_kv_heads)
+    return _norm_offset(arch, hf)
+
+
 # A Gated DeltaNet layer's llama.cpp tensors -> keel's (and Qwen3.5's HF) names under self_attn. (Qwen3-Next's converter
 # splits its in_proj_qkvz into attn_qkv, rows [q; k; v] as keel's in_proj_qkv, and attn_gate: its z.)
 _DELTANET_TENSORS = {
@@ -1390,8 +1659,23 @@ _MAMBA2_TENSORS = {
 }
 
 
-# Where keel holds the Mamba 2 mixer: Granite 4.0-H's is the layer's token mixer, Falcon-H1's beside its attention.
-_MAMBA2_MIXER = {_A.GRANITE_HYBRID: "self_attn", _A.FALCON_H1: "mamba"}
+# Where keel holds the Mamba 2 mixer: Granite 4.0-H's and Mamba 2's is the layer's token mixer, Falcon-H1's beside its
+# attention.
+_MAMBA2_MIXER = {_A.GRANITE_HYBRID: "self_attn", _A.MAMBA2: "self_attn", _A.FALCON_H1: "mamba"}
+_MAMBA2_MIXER |= {_A.NEMOTRON_H: "self_attn", _A.NEMOTRON_H_MOE: "self_attn"}
+# A Mamba 1 layer's llama.cpp tensors -> keel's names under self_attn (MambaModel: `ssm_a`, `ssm_d` without a suffix).
+_MAMBA1_TENSORS = {
+    MODEL_TENSOR.SSM_IN: "in_proj",
+    MODEL_TENSOR.SSM_CONV1D: "conv1d",
+    MODEL_TENSOR.SSM_X: "x_proj",
+    MODEL_TENSOR.SSM_DT: "dt_proj",
+    MODEL_TENSOR.SSM_A: "A_log",  # stored as -exp(A_log), [inner, state]
+    MODEL_TENSOR.SSM_D: "D",
+    MODEL_TENSOR.SSM_OUT: "out_proj",
+    MODEL_TENSOR.SSM_DT_NORM: "dt_layernorm",  # Jamba's RMS norms of the step, B and C
+    MODEL_TENSOR.SSM_B_NORM: "b_layernorm",
+    MODEL_TENSOR.SSM_C_NORM: "c_layernorm",
+}
 
 
 def _flattened(arrays: list[np.ndarray]) -> np.ndarray:
@@ -1421,6 +1705,23 @@ def _mamba2(
     if kind == MODEL_TENSOR.SSM_CONV1D and suffix == "weight":
         return name, (shape[0], 1, shape[-1]), _unsqueezed
     return name, shape, _single
+
+
+def _mamba1(
+    kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A Mamba 1 tensor's keel name (under self_attn), HF shape and how to make it from the stored one, undoing
+    MambaModel.modify_tensors: A_log from -exp(A_log), conv1d's [C, K] unsqueezed to HF's [C, 1, K]."""
+    name = _MAMBA1_TENSORS[kind] + (f".{suffix}" if suffix else "")
+    if kind == MODEL_TENSOR.SSM_A:
+        return name, shape, _log_of_negated
+    if kind == MODEL_TENSOR.SSM_CONV1D and suffix == "weight":
+        return name, (shape[0], 1, shape[-1]), _unsqueezed
+    return name, shape, _single
+
+
+def _log_of_negated(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.log(-arrays[0])
 
 
 def _value_order(config: ModelConfig, arch: MODEL_ARCH, size: int) -> np.ndarray:
@@ -1559,6 +1860,9 @@ class GGUFTensorReader:
                 concat = lambda arrays: np.concatenate(arrays, axis=1)  # noqa: E731
                 stacked_name = "gate_up_proj" if suffix == "weight" else "gate_up_proj_bias"
                 self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t, up), stacked, concat)
+            elif kind == MODEL_TENSOR.FFN_UP_EXP and _tensor(MODEL_TENSOR.FFN_GATE_EXP, layer, suffix) not in tensors:
+                # ungated experts (Nemotron-H's): keel's stacked gate_up_proj holds their up rows alone
+                self._add(f"model.layers.{layer}.{moe}.experts.gate_up_proj", (t,), shape, _single)
             elif kind == MODEL_TENSOR.FFN_EXP_PROBS_B:  # the router's selection bias (DeepSeek's, GLM-4.5's)
                 self._add(f"model.layers.{layer}.{moe}.gate.e_score_correction_bias", (t,), shape, _single)
             elif kind == MODEL_TENSOR.ATTN_K_B:  # DeepSeek's kv_b_proj, split by current converters (_mla_fields)
@@ -1570,6 +1874,9 @@ class GGUFTensorReader:
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
+            elif kind in _MAMBA1_TENSORS and arch in (_A.MAMBA, _A.JAMBA):
+                keel_name, hf_shape, combine = _mamba1(kind, suffix, shape)
+                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
             elif kind in _MAMBA2_TENSORS and arch in _MAMBA2_MIXER:
                 keel_name, hf_shape, combine = _mamba2(kind, suffix, shape)
                 self._add(f"model.layers.{layer}.{_MAMBA2_MIXER[arch]}.{keel_name}", (t,), hf_shape, combine)
@@ -1592,30 +1899,29 @@ class GGUFTensorReader:
                 elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
                     start = 0
                     for part, rows in layout[hf].items():
+                        if isinstance(rows, Transposed):  # GPT2Model stores HF's Conv1D weights transposed: Linear's
+                            rows = rows.rows
                         if rows is not None and len(rows) != 1 and arch in _GATED_DELTANET:
                             # stored as HF stores it: each head's queries then gate in q_proj, Qwen3-Next's
                             # in_proj_ba (and in_proj_qkvz, older files' ssm_in) grouped by key head
                             order = np.concatenate([np.arange(a, b) for a, b in rows])
                             self._add(part, (t,), (len(order), *shape[1:]), _rows_in_order(order))
                             continue
-                        if rows is not None and len(rows) != 1 and arch != _A.GPTNEOX:
+                        if rows is not None and len(rows) != 1 and arch not in (_A.GPTNEOX, _A.FALCON):
                             raise WeightsError(f"{path}: tensor {name!r} holds interleaved parts; not read from GGUF")
                         if rows is not None and len(rows) != 1:
-                            # GPT-NeoX's q/k/v, interleaved per head in HF's query_key_value: the converter
-                            # stores all of q, then k, then v, so each part is one run of rows.
+                            # GPT-NeoX's q/k/v, interleaved per head in HF's query_key_value, and Falcon's, grouped
+                            # by KV head: the converters store all of q, then k, then v (FalconModel's "jploski"
+                            # layout), so each part is one run of rows.
                             rows = [(start, start + sum(stop - first for first, stop in rows))]
                         span = None if rows is None else rows[0]
                         start = start if span is None else span[1]
                         part_shape = shape if span is None else (span[1] - span[0], *shape[1:])
-                        self._add(part, (t,), part_shape, _norm_offset(arch, hf), span)
+                        # (a renamed q/k, Nemotron-H's, un-permuted as its own)
+                        combine = _stored(config, arch, hf, kind, suffix) if span is None else _norm_offset(arch, hf)
+                        self._add(part, (t,), part_shape, combine, span)
                 else:
-                    combine: Callable[[list[np.ndarray]], np.ndarray] = _norm_offset(arch, hf)
-                    permuted = arch in _PERMUTED and (suffix == "weight" or arch not in _PERMUTED_WEIGHTS_ONLY)
-                    if permuted and kind == MODEL_TENSOR.ATTN_Q:
-                        combine = _unpermute(config.num_heads)
-                    elif permuted and kind == MODEL_TENSOR.ATTN_K:
-                        combine = _unpermute(config.num_kv_heads)
-                    self._add(hf, (t,), shape, combine)
+                    self._add(hf, (t,), shape, _stored(config, arch, hf, kind, suffix))
             # else: rope_freqs (read into the config), up experts (with the gate's) and tensors keel has no use for
         if arch == _A.APERTUS:  # xIELU's parameters, per layer in metadata (ApertusModel): tensors of their own in HF
             for key, param in _XIELU.items():
