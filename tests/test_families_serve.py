@@ -144,6 +144,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("afmoe", marks=SLOW),
         pytest.param("gemma4", marks=SLOW),
         pytest.param("gemma4-moe", marks=SLOW),
+        pytest.param("gemma4-e", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
@@ -361,6 +362,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         if name == "gemma4-moe":  # the dense MLP beside the experts, each branch normed, the router's own scales
             mlps = [layer.mlp for layer in layers]
             assert all(m.expert_output_norm is not None and m.router.expert_scale is not None for m in mlps)
+    elif name == "gemma4-e":  # every layer's per-layer input branch, from the model's own table
+        assert llm.engine.model.embed_tokens_per_layer.weight.shape == (320, 5 * 8)
+        assert all(layer.per_layer_input_gate is not None for layer in layers)
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

@@ -404,6 +404,12 @@ class ModelConfig:
     v_norm: bool = False
     # Gemma 4: each layer's output (residual stream included) multiplied by a stored scalar (the `layer_scalar` buffer).
     layer_scalar: bool = False
+    # Gemma 4 E2B/E4B's per-layer input embeddings: a table of per_layer_input_size channels per layer and token
+    # (`embed_tokens_per_layer`, per_layer_input_vocab_size rows, 0: vocab_size), plus the embedding's projection
+    # to the same (`per_layer_model_projection`, normed), feed each layer a residual branch after its MLP: its output
+    # through `per_layer_input_gate`, the activation, times its per-layer input, `per_layer_projection` and a norm.
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -452,6 +458,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def ple_vocab_size(self) -> int:
+        """Rows of the per-layer input table (per_layer_input_size): per_layer_input_vocab_size, or vocab_size."""
+        return self.per_layer_input_vocab_size or self.vocab_size
 
     def _has_global_geometry(self, layer: int) -> bool:
         return self.layer_types[layer] == "full_attention"
@@ -665,6 +676,7 @@ class ModelConfig:
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
         need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
+        need(self.per_layer_input_size >= 0 and self.per_layer_input_vocab_size >= 0, "per-layer inputs: sizes >= 0")
         need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
         need(not (self.is_mla and self.clip_qkv is not None), "clip_qkv is not read by MLA")
         need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
@@ -923,9 +935,17 @@ class ModelConfig:
             else:
                 total += base + dense_mlp
                 active += base + dense_mlp
+        # per-layer inputs: each layer's gate, projection and norm; the model's projection and its norm, the table
+        per_layer, ple_embed = self.per_layer_input_size, 0
+        if per_layer:
+            ple = self.num_layers * (2 * h * per_layer + norm) + h * self.num_layers * per_layer + per_layer
+            total += ple
+            active += ple
+            ple_embed = self.ple_vocab_size * self.num_layers * per_layer
         embed = self.vocab_size * h
         positions = self.learned_positions * h  # GPT-2's learned position table: a row lookup too
         head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
+        positions += ple_embed  # the per-layer input table: a row lookup too
         total += embed + positions + head + norm
         active += embed + positions + head + norm
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and

@@ -162,6 +162,7 @@ class AttentionMetadata:
     rope: tuple[Tensor, Tensor] | None = None  # (cos, sin), filled by the model once per forward
     sliding_rope: tuple[Tensor, Tensor] | None = None  # the sliding layers' own (cos, sin), where they have one
     query_scale: Tensor | None = None  # [B, S, 1, 1]: each query's temperature (config.query_scale_beta), or None
+    per_layer_inputs: Tensor | None = None  # [B, S, layers, P]: Gemma 4's per-layer inputs (per_layer_input_size)
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
     cache_plan: object | None = None
     _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)
