@@ -882,7 +882,8 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     # Gemma 4 E2B/E4B's shape: per-layer input embeddings (8 channels a layer, from a table of its own vocabulary
-    # size), the full-attention layers' heads wider, five layers.
+    # size), the full-attention layers' heads wider, the last two layers (one of each kind) attending over the K/V of
+    # layers 1 and 2.
     "gemma4-e": (
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",
@@ -893,6 +894,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             global_head_dim=32,
             hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=320,
+            num_kv_shared_layers=2,
             sliding_window=8,
             layer_types=[
                 "sliding_attention",

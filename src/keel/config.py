@@ -410,6 +410,9 @@ class ModelConfig:
     # through `per_layer_input_gate`, the activation, times its per-layer input, `per_layer_projection` and a norm.
     per_layer_input_size: int = 0
     per_layer_input_vocab_size: int = 0
+    # Gemma 4 E2B/E4B: the last kv_shared_layers layers compute no keys or values (no k_proj, v_proj, k_norm) and
+    # attend over those of the last earlier layer of their own layer type (`kv_source`), which alone keeps a store.
+    kv_shared_layers: int = 0
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -552,6 +555,19 @@ class ModelConfig:
         """Whether `layer` attends over keys and values it keeps (a KV cache's rows): every kind but the recurrent
         ones ("hybrid" included) and an "mlp" layer, which keeps nothing."""
         return self.layer_types[layer] not in (*RECURRENT_KINDS, "mlp")
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for the last kv_shared_layers layers
+        the last layer before them of the same layer type."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_types[layer]
+        return max(i for i in range(first_shared) if self.layer_types[i] == kind)
+
+    def kv_layers(self) -> list[int]:
+        """The attention layers that keep keys and values (a KV cache's stores): not those reusing another's."""
+        return [i for i in self.attention_layers() if self.kv_source(i) == i]
 
     def has_mamba(self, layer: int) -> bool:
         """Whether `layer` runs a Mamba 2 mixer: as its token mixer ("mamba") or beside its attention ("hybrid")."""
@@ -785,6 +801,21 @@ class ModelConfig:
             # the sliding layers then rotate by a table of their own width (AttentionMetadata.sliding_rope)
             need(self.sliding_rope_theta is not None, "global_head_dim needs the sliding layers' own RoPE")
             need("chunked_attention" not in self.layer_types, "global_head_dim beside chunked attention")
+        if self.kv_shared_layers:
+            first_shared = self.num_layers - self.kv_shared_layers
+            need(0 < first_shared, f"kv_shared_layers ({self.kv_shared_layers}) must leave a layer of its own K/V")
+            shared = self.layer_types[first_shared:]
+            need(
+                all(self.is_attention_layer(i) for i in range(self.num_layers)) and not self.is_mla,
+                "kv_shared_layers needs attention layers only (no MLA, recurrent or mlp layers)",
+            )
+            need(
+                set(shared) <= set(self.layer_types[:first_shared]),
+                "kv_shared_layers: every shared layer's type needs an earlier layer of that type",
+            )
+            # a shared layer's queries are normed per head before the rotary embedding, or not at all
+            others = self.qk_norm_scope == "all" or self.qk_norm_after_rope or self.clip_qkv or self.qk_l2_norm
+            need(not others, "kv_shared_layers beside whole-projection, after-rope or L2 q/k norms or clip_qkv")
 
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
         need(
@@ -869,6 +900,8 @@ class ModelConfig:
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
         kv_projections = 1 if self.layer_k_eq_v(layer) else 2  # k = v: no v_proj
+        if self.kv_source(layer) != layer:  # attends over another layer's K/V: q and o only (and q's norm)
+            kv_projections, kv_size = 0, 0
         attn = h * q_size + kv_projections * h * kv_size + q_size * h
         if self.qkv_bias:
             attn += q_size + kv_projections * kv_size
@@ -877,7 +910,8 @@ class ModelConfig:
         if self.attention_output_gate:
             attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
-            attn += q_size + kv_size if self.qk_norm_scope == "all" else 2 * head_dim
+            k_norm = kv_size if self.qk_norm_scope == "all" else head_dim if kv_size else 0
+            attn += q_size + k_norm if self.qk_norm_scope == "all" else head_dim + k_norm
         if self.attention_sinks:
             attn += self.num_heads
         return attn

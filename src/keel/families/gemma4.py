@@ -19,10 +19,13 @@ RoPE of their own, a final soft-cap) with:
 E2B/E4B's per-layer input embeddings (`hidden_size_per_layer_input`: `embed_tokens_per_layer` and
 `per_layer_model_projection`, and in each layer a gated branch after the MLP) are keel's per_layer_input_size.
 
-Refused by name: E2B/E4B's KV sharing (`num_kv_shared_layers`), bidirectional attention
-(`use_bidirectional_attention`), and a `per_layer_config` other than transformers' own (one head width and KV-head
-count for the full-attention layers). `use_double_wide_mlp` widens the KV-sharing layers' MLPs only, so it changes
-nothing here.
+Their KV sharing (`num_kv_shared_layers`: the last layers attend over the keys and values of the last earlier layer
+of their type, computing none) is keel's kv_shared_layers; a shared layer's k_proj, v_proj and k_norm, which
+transformers ignores where a checkpoint holds them, are not read.
+
+Refused by name: `use_double_wide_mlp` beside KV sharing (the shared layers' MLPs twice as wide), bidirectional
+attention (`use_bidirectional_attention`), and a `per_layer_config` other than transformers' own (one head width and
+KV-head count for the full-attention layers).
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ PLE_VOCAB = 262_144  # vocab_size_per_layer_input's default
 
 def _refuse(hf: dict[str, Any], source: str) -> None:
     refuse_bidirectional(hf, source)
-    if hf.get("num_kv_shared_layers"):
-        raise ConfigError(f"{source}: num_kv_shared_layers: KV sharing across layers is not supported")
+    if hf.get("num_kv_shared_layers") and hf.get("use_double_wide_mlp"):
+        raise ConfigError(f"{source}: use_double_wide_mlp: the KV-sharing layers' wider MLPs are not supported")
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
@@ -137,6 +140,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
         "per_layer_input_size": int(hf.get("hidden_size_per_layer_input", PLE_WIDTH) or 0),
         "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input", PLE_VOCAB)),
+        "kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
         **_moe_fields(hf),
     }
 
@@ -156,7 +160,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "per_layer_config": {str(i): dict(geometry) for i in full},
         "hidden_size_per_layer_input": config.per_layer_input_size,
         "vocab_size_per_layer_input": config.ple_vocab_size,
-        "num_kv_shared_layers": 0,
+        "num_kv_shared_layers": config.kv_shared_layers,
         "enable_moe_block": config.is_moe,
     }
     if config.attention_k_eq_v:
