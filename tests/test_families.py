@@ -609,14 +609,14 @@ def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("use_double_wide_mlp", True, "use_double_wide_mlp"),
         ("use_bidirectional_attention", "vision", "use_bidirectional_attention"),
+        ("enable_moe_block", True, "use_double_wide_mlp"),  # the MoE block's MLP doubled in the shared layers
         ("per_layer_config", {"2": {"head_dim": 32, "intermediate_size": 8}}, "per_layer_config"),
         ("per_layer_config", {"0": {"head_dim": 32}, "2": {"head_dim": 32}}, "per_layer_config"),
     ],
 )
 def test_gemma4_refuses_what_it_cannot_run_by_name(tmp_path, key, value, message):
-    save_hf_model("gemma4-e", tmp_path)  # KV sharing: what use_double_wide_mlp widens
+    save_hf_model("gemma4-e", tmp_path)  # KV sharing with use_double_wide_mlp
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**data, key: value}, source="config.json")

@@ -883,7 +883,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # Gemma 4 E2B/E4B's shape: per-layer input embeddings (8 channels a layer, from a table of its own vocabulary
     # size), the full-attention layers' heads wider, the last two layers (one of each kind) attending over the K/V of
-    # layers 1 and 2.
+    # layers 1 and 2, their MLPs twice as wide (use_double_wide_mlp).
     "gemma4-e": (
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",
@@ -895,6 +895,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=320,
             num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
             sliding_window=8,
             layer_types=[
                 "sliding_attention",

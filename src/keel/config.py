@@ -413,6 +413,9 @@ class ModelConfig:
     # Gemma 4 E2B/E4B: the last kv_shared_layers layers compute no keys or values (no k_proj, v_proj, k_norm) and
     # attend over those of the last earlier layer of their own layer type (`kv_source`), which alone keeps a store.
     kv_shared_layers: int = 0
+    # Gemma 4's use_double_wide_mlp: the KV-sharing layers' dense MLPs this many times intermediate_size wide
+    # (`layer_intermediate_size`).
+    kv_shared_mlp_factor: int = 1
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -565,6 +568,15 @@ class ModelConfig:
         kind = self.layer_types[layer]
         return max(i for i in range(first_shared) if self.layer_types[i] == kind)
 
+    def layer_intermediate_size(self, layer: int) -> int:
+        """`layer`'s dense MLP width: intermediate_size, times kv_shared_mlp_factor in the KV-sharing layers."""
+        return self.intermediate_size * (self.kv_shared_mlp_factor if self.kv_source(layer) != layer else 1)
+
+    @property
+    def widest_intermediate_size(self) -> int:
+        """The widest dense MLP's width (activation estimates)."""
+        return max(self.layer_intermediate_size(i) for i in range(self.num_layers))
+
     def kv_layers(self) -> list[int]:
         """The attention layers that keep keys and values (a KV cache's stores): not those reusing another's."""
         return [i for i in self.attention_layers() if self.kv_source(i) == i]
@@ -692,6 +704,7 @@ class ModelConfig:
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
         need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
+        need(self.kv_shared_mlp_factor >= 1, "kv_shared_mlp_factor must be >= 1")
         need(self.per_layer_input_size >= 0 and self.per_layer_input_vocab_size >= 0, "per-layer inputs: sizes >= 0")
         need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
         need(not (self.is_mla and self.clip_qkv is not None), "clip_qkv is not read by MLA")
@@ -924,10 +937,11 @@ class ModelConfig:
         gradients), as in transformers, so it is not counted."""
         h = self.hidden_size
         mats = 3 if self.mlp_gated else 2
-        dense_mlp = mats * h * self.intermediate_size + (
-            (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
-        )
-        dense_mlp += 2 if self.hidden_act == "xielu" else 0  # its alpha_p and alpha_n
+
+        def dense_mlp(width: int) -> int:
+            params = mats * h * width + ((mats - 1) * width + h if self.mlp_bias else 0)
+            return params + (2 if self.hidden_act == "xielu" else 0)  # xIELU's alpha_p and alpha_n
+
         width = self.moe_intermediate_size
         expert = mats * h * width + ((mats - 1) * width + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
@@ -967,8 +981,8 @@ class ModelConfig:
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:
-                total += base + dense_mlp
-                active += base + dense_mlp
+                total += base + dense_mlp(self.layer_intermediate_size(layer))
+                active += base + dense_mlp(self.layer_intermediate_size(layer))
         # per-layer inputs: each layer's gate, projection and norm; the model's projection and its norm, the table
         per_layer, ple_embed = self.per_layer_input_size, 0
         if per_layer:

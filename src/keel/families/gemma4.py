@@ -23,9 +23,11 @@ Their KV sharing (`num_kv_shared_layers`: the last layers attend over the keys a
 of their type, computing none) is keel's kv_shared_layers; a shared layer's k_proj, v_proj and k_norm, which
 transformers ignores where a checkpoint holds them, are not read.
 
-Refused by name: `use_double_wide_mlp` beside KV sharing (the shared layers' MLPs twice as wide), bidirectional
-attention (`use_bidirectional_attention`), and a `per_layer_config` other than transformers' own (one head width and
-KV-head count for the full-attention layers).
+`use_double_wide_mlp` makes the shared layers' MLPs twice as wide (keel's kv_shared_mlp_factor 2).
+
+Refused by name: `use_double_wide_mlp` in an MoE model's shared layers, bidirectional attention
+(`use_bidirectional_attention`), and a `per_layer_config` other than transformers' own (one head width and KV-head
+count for the full-attention layers).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ PLE_VOCAB = 262_144  # vocab_size_per_layer_input's default
 
 def _refuse(hf: dict[str, Any], source: str) -> None:
     refuse_bidirectional(hf, source)
-    if hf.get("num_kv_shared_layers") and hf.get("use_double_wide_mlp"):
-        raise ConfigError(f"{source}: use_double_wide_mlp: the KV-sharing layers' wider MLPs are not supported")
+    if hf.get("enable_moe_block") and hf.get("num_kv_shared_layers") and hf.get("use_double_wide_mlp"):
+        raise ConfigError(
+            f"{source}: use_double_wide_mlp: wider MoE-block MLPs in the KV-sharing layers are not supported"
+        )
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
@@ -141,6 +145,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "per_layer_input_size": int(hf.get("hidden_size_per_layer_input", PLE_WIDTH) or 0),
         "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input", PLE_VOCAB)),
         "kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
+        "kv_shared_mlp_factor": 2 if hf.get("use_double_wide_mlp") else 1,
         **_moe_fields(hf),
     }
 
@@ -161,6 +166,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "hidden_size_per_layer_input": config.per_layer_input_size,
         "vocab_size_per_layer_input": config.ple_vocab_size,
         "num_kv_shared_layers": config.kv_shared_layers,
+        "use_double_wide_mlp": config.kv_shared_mlp_factor == 2,
         "enable_moe_block": config.is_moe,
     }
     if config.attention_k_eq_v:

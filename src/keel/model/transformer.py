@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
                 if config.is_moe_layer(layer)
                 else SwiGLU(
                     config.hidden_size,
-                    config.intermediate_size,
+                    config.layer_intermediate_size(layer),
                     config.mlp_bias,
                     config.hidden_act,
                     config.mlp_gated,
