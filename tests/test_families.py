@@ -586,7 +586,8 @@ def test_falcon_h1_mixer_options_are_read_and_layers_without_mlp_refused():
         ModelConfig.from_hf({**data, "mamba_use_mlp": False})
 
 
-def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4-moe", "gemma4-e"])
+def test_gemma4_multimodal_release_is_read_on_text(tmp_path, name):
     """Gemma 4's releases are `Gemma4ForConditionalGeneration`: the text config under `text_config`, the decoder under
     `model.language_model.`, the vision tower unread; transformers' logits on text."""
     import transformers
@@ -594,7 +595,7 @@ def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
     from keel.quant.loading import load_model
     from tiny_models import COMMON, TINY_CONFIGS
 
-    text = {**COMMON, **TINY_CONFIGS["gemma4-moe"][2]}
+    text = {**COMMON, **TINY_CONFIGS[name][2]}
     vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
     torch.manual_seed(0)
     config = transformers.Gemma4Config(text_config=text, vision_config=vision)
