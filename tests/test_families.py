@@ -646,19 +646,23 @@ def test_gemma4_refuses_tensor_parallelism(tmp_path, name):
 
 
 def test_gemma4_e_refuses_tensor_parallelism_and_split_kv_sharing(tmp_path):
-    """E2B/E4B: tensor parallelism cuts neither the per-layer inputs nor the shared layers' wider MLPs; a pipeline
+    """E2B/E4B: tensor parallelism cuts neither the per-layer inputs nor the layers sharing K/V; a pipeline
     stage cannot hold a layer without the one whose keys and values it attends over, nor the per-layer inputs."""
     from keel.errors import KeelError
     from keel.model.stages import split_stage
     from keel.model.transformer import build_model
     from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
 
     save_hf_model("gemma4-e", tmp_path)
     config = dataclasses.replace(ModelConfig.from_json_file(tmp_path / "config.json"), global_head_dim=0)
-    with pytest.raises(KeelError, match="kv_shared_mlp_factor"):
+    with pytest.raises(KeelError, match="kv_shared_layers"):
         check_parallel_model(config, tmp_path, 2, 1)
     with pytest.raises(KeelError, match="per_layer_input_size"):
-        check_parallel_model(dataclasses.replace(config, kv_shared_mlp_factor=1), tmp_path, 2, 1)
+        check_parallel_model(dataclasses.replace(config, kv_shared_layers=0, kv_shared_mlp_factor=1), tmp_path, 2, 1)
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="kv_shared_layers"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
     with pytest.raises(ValueError, match="per-layer inputs"):
         split_stage(build_model(config), 0, 2)
     with pytest.raises(ValueError, match="kv_shared_layers"):  # layers 3 and 4 without 1 and 2

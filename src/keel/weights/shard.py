@@ -87,9 +87,9 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: full-attention layers of their own head width or KV heads "
                 "(global_head_dim, global_num_kv_heads: Gemma 4) are not cut by tensor parallelism yet"
             )
-        if c.kv_shared_mlp_factor != 1:
+        if c.kv_shared_layers:
             raise KeelError(
-                f"--tensor-parallel-size {tp}: the KV-sharing layers' wider MLPs (kv_shared_mlp_factor: Gemma 4) are "
+                f"--tensor-parallel-size {tp}: layers attending over another's K/V (kv_shared_layers: Gemma 4) are "
                 "not cut by tensor parallelism yet"
             )
         if c.per_layer_input_size:
