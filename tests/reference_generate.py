@@ -87,10 +87,16 @@ class ContiguousKVCache:
         window: int | None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        visible, rows = self._prepare(meta)
+        _, rows = self._prepare(meta)
+        self._store(self.keys[layer], k, meta, rows)
+        self._store(self.values[layer], v, meta, rows)
+        return self.attend_stored(layer, q, meta, window, sinks)
+
+    def attend_stored(
+        self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
+    ) -> Tensor:
+        visible, _ = self._prepare(meta)
         k_cache, v_cache = self.keys[layer], self.values[layer]
-        self._store(k_cache, k, meta, rows)
-        self._store(v_cache, v, meta, rows)
         # Slot i holds position i; slots past a row's own tokens are masked as "after the query".
         mask = meta.mask(self._key_positions[:visible], window)
         if self.softcap is not None or sinks is not None:

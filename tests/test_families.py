@@ -591,7 +591,8 @@ def test_falcon_h1_mixer_options_are_read_and_layers_without_mlp_refused():
         ModelConfig.from_hf({**data, "mamba_use_mlp": False})
 
 
-def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4-moe", "gemma4-e"])
+def test_gemma4_multimodal_release_is_read_on_text(tmp_path, name):
     """Gemma 4's releases are `Gemma4ForConditionalGeneration`: the text config under `text_config`, the decoder under
     `model.language_model.`, the vision tower unread; transformers' logits on text."""
     import transformers
@@ -599,7 +600,7 @@ def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
     from keel.quant.loading import load_model
     from tiny_models import COMMON, TINY_CONFIGS
 
-    text = {**COMMON, **TINY_CONFIGS["gemma4-moe"][2]}
+    text = {**COMMON, **TINY_CONFIGS[name][2]}
     vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
     torch.manual_seed(0)
     config = transformers.Gemma4Config(text_config=text, vision_config=vision)
@@ -614,21 +615,17 @@ def test_gemma4_multimodal_release_is_read_on_text(tmp_path):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input: per-layer input embeddings"),
-        ("num_kv_shared_layers", 1, "num_kv_shared_layers"),
         ("use_bidirectional_attention", "vision", "use_bidirectional_attention"),
+        ("enable_moe_block", True, "use_double_wide_mlp"),  # the MoE block's MLP doubled in the shared layers
         ("per_layer_config", {"2": {"head_dim": 32, "intermediate_size": 8}}, "per_layer_config"),
         ("per_layer_config", {"0": {"head_dim": 32}, "2": {"head_dim": 32}}, "per_layer_config"),
     ],
 )
 def test_gemma4_refuses_what_it_cannot_run_by_name(tmp_path, key, value, message):
-    save_hf_model("gemma4", tmp_path)
+    save_hf_model("gemma4-e", tmp_path)  # KV sharing with use_double_wide_mlp
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**data, key: value}, source="config.json")
-    data.pop("hidden_size_per_layer_input")  # transformers' default is 256: per-layer input embeddings
-    with pytest.raises(ConfigError, match="hidden_size_per_layer_input"):
-        ModelConfig.from_hf(data, source="config.json")
 
 
 @pytest.mark.parametrize("name", ["gemma4", "gemma4-moe"])
@@ -651,3 +648,27 @@ def test_gemma4_refuses_tensor_parallelism(tmp_path, name):
         uniform = dataclasses.replace(config, global_head_dim=0)
         with pytest.raises(KeelError, match="branch norms"):
             check_parallel_model(uniform, tmp_path, 2, 1)
+
+
+def test_gemma4_e_refuses_tensor_parallelism_and_split_kv_sharing(tmp_path):
+    """E2B/E4B: tensor parallelism cuts neither the per-layer inputs nor the layers sharing K/V; a pipeline
+    stage cannot hold a layer without the one whose keys and values it attends over, nor the per-layer inputs."""
+    from keel.errors import KeelError
+    from keel.model.stages import split_stage
+    from keel.model.transformer import build_model
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model("gemma4-e", tmp_path)
+    config = dataclasses.replace(ModelConfig.from_json_file(tmp_path / "config.json"), global_head_dim=0)
+    with pytest.raises(KeelError, match="kv_shared_layers"):
+        check_parallel_model(config, tmp_path, 2, 1)
+    with pytest.raises(KeelError, match="per_layer_input_size"):
+        check_parallel_model(dataclasses.replace(config, kv_shared_layers=0, kv_shared_mlp_factor=1), tmp_path, 2, 1)
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="kv_shared_layers"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+    with pytest.raises(ValueError, match="per-layer inputs"):
+        split_stage(build_model(config), 0, 2)
+    with pytest.raises(ValueError, match="kv_shared_layers"):  # layers 3 and 4 without 1 and 2
+        split_stage(build_model(dataclasses.replace(config, per_layer_input_size=0)), 1, 2)

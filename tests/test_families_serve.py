@@ -147,6 +147,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("afmoe", marks=SLOW),
         pytest.param("gemma4", marks=SLOW),
         pytest.param("gemma4-moe", marks=SLOW),
+        pytest.param("gemma4-e", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
@@ -380,6 +381,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         if name == "gemma4-moe":  # the dense MLP beside the experts, each branch normed, the router's own scales
             mlps = [layer.mlp for layer in layers]
             assert all(m.expert_output_norm is not None and m.router.expert_scale is not None for m in mlps)
+    elif name == "gemma4-e":  # every layer's per-layer input branch; the last two attend over layers 1 and 2's stores
+        assert llm.engine.model.embed_tokens_per_layer.weight.shape == (320, 5 * 8)
+        assert all(layer.per_layer_input_gate is not None for layer in layers)
+        assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
+        assert [k.shape[1] > 0 for k in llm.engine.cache.keys] == [True, True, True, False, False]
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

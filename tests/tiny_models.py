@@ -881,6 +881,31 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             moe_intermediate_size=32,
         ),
     ),
+    # Gemma 4 E2B/E4B's shape: per-layer input embeddings (8 channels a layer, from a table of its own vocabulary
+    # size), the full-attention layers' heads wider, the last two layers (one of each kind) attending over the K/V of
+    # layers 1 and 2, their MLPs twice as wide (use_double_wide_mlp).
+    "gemma4-e": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            intermediate_size=96,
+            head_dim=16,
+            global_head_dim=32,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=320,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+        ),
+    ),
     # Gemma 2: Gemma 3's block without q/k norms, one RoPE, sliding and global layers alternating by transformers'
     # default rule, and attention-score soft-capping (a cap low enough here to bend the sharpened scores). Eager
     # attention: some transformers releases (5.17) run Gemma 2 under SDPA, which drops the cap.

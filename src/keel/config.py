@@ -404,6 +404,18 @@ class ModelConfig:
     v_norm: bool = False
     # Gemma 4: each layer's output (residual stream included) multiplied by a stored scalar (the `layer_scalar` buffer).
     layer_scalar: bool = False
+    # Gemma 4 E2B/E4B's per-layer input embeddings: a table of per_layer_input_size channels per layer and token
+    # (`embed_tokens_per_layer`, per_layer_input_vocab_size rows, 0: vocab_size), plus the embedding's projection
+    # to the same (`per_layer_model_projection`, normed), feed each layer a residual branch after its MLP: its output
+    # through `per_layer_input_gate`, the activation, times its per-layer input, `per_layer_projection` and a norm.
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
+    # Gemma 4 E2B/E4B: the last kv_shared_layers layers compute no keys or values (no k_proj, v_proj, k_norm) and
+    # attend over those of the last earlier layer of their own layer type (`kv_source`), which alone keeps a store.
+    kv_shared_layers: int = 0
+    # Gemma 4's use_double_wide_mlp: the KV-sharing layers' dense MLPs this many times intermediate_size wide
+    # (`layer_intermediate_size`).
+    kv_shared_mlp_factor: int = 1
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -452,6 +464,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def ple_vocab_size(self) -> int:
+        """Rows of the per-layer input table (per_layer_input_size): per_layer_input_vocab_size, or vocab_size."""
+        return self.per_layer_input_vocab_size or self.vocab_size
 
     def _has_global_geometry(self, layer: int) -> bool:
         return self.layer_types[layer] == "full_attention"
@@ -541,6 +558,28 @@ class ModelConfig:
         """Whether `layer` attends over keys and values it keeps (a KV cache's rows): every kind but the recurrent
         ones ("hybrid" included) and an "mlp" layer, which keeps nothing."""
         return self.layer_types[layer] not in (*RECURRENT_KINDS, "mlp")
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for the last kv_shared_layers layers
+        the last layer before them of the same layer type."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if layer < first_shared:
+            return layer
+        kind = self.layer_types[layer]
+        return max(i for i in range(first_shared) if self.layer_types[i] == kind)
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """`layer`'s dense MLP width: intermediate_size, times kv_shared_mlp_factor in the KV-sharing layers."""
+        return self.intermediate_size * (self.kv_shared_mlp_factor if self.kv_source(layer) != layer else 1)
+
+    @property
+    def widest_intermediate_size(self) -> int:
+        """The widest dense MLP's width (activation estimates)."""
+        return max(self.layer_intermediate_size(i) for i in range(self.num_layers))
+
+    def kv_layers(self) -> list[int]:
+        """The attention layers that keep keys and values (a KV cache's stores): not those reusing another's."""
+        return [i for i in self.attention_layers() if self.kv_source(i) == i]
 
     def has_mamba(self, layer: int) -> bool:
         """Whether `layer` runs a Mamba 2 mixer: as its token mixer ("mamba") or beside its attention ("hybrid")."""
@@ -665,6 +704,8 @@ class ModelConfig:
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
         need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
+        need(self.kv_shared_mlp_factor >= 1, "kv_shared_mlp_factor must be >= 1")
+        need(self.per_layer_input_size >= 0 and self.per_layer_input_vocab_size >= 0, "per-layer inputs: sizes >= 0")
         need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
         need(not (self.is_mla and self.clip_qkv is not None), "clip_qkv is not read by MLA")
         need(self.post_attention_norm or self.parallel_residual, "post_attention_norm=False needs parallel_residual")
@@ -773,6 +814,21 @@ class ModelConfig:
             # the sliding layers then rotate by a table of their own width (AttentionMetadata.sliding_rope)
             need(self.sliding_rope_theta is not None, "global_head_dim needs the sliding layers' own RoPE")
             need("chunked_attention" not in self.layer_types, "global_head_dim beside chunked attention")
+        if self.kv_shared_layers:
+            first_shared = self.num_layers - self.kv_shared_layers
+            need(0 < first_shared, f"kv_shared_layers ({self.kv_shared_layers}) must leave a layer of its own K/V")
+            shared = self.layer_types[first_shared:]
+            need(
+                all(self.is_attention_layer(i) for i in range(self.num_layers)) and not self.is_mla,
+                "kv_shared_layers needs attention layers only (no MLA, recurrent or mlp layers)",
+            )
+            need(
+                set(shared) <= set(self.layer_types[:first_shared]),
+                "kv_shared_layers: every shared layer's type needs an earlier layer of that type",
+            )
+            # a shared layer's queries are normed per head before the rotary embedding, or not at all
+            others = self.qk_norm_scope == "all" or self.qk_norm_after_rope or self.clip_qkv or self.qk_l2_norm
+            need(not others, "kv_shared_layers beside whole-projection, after-rope or L2 q/k norms or clip_qkv")
 
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
         need(
@@ -857,6 +913,8 @@ class ModelConfig:
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
         kv_projections = 1 if self.layer_k_eq_v(layer) else 2  # k = v: no v_proj
+        if self.kv_source(layer) != layer:  # attends over another layer's K/V: q and o only (and q's norm)
+            kv_projections, kv_size = 0, 0
         attn = h * q_size + kv_projections * h * kv_size + q_size * h
         if self.qkv_bias:
             attn += q_size + kv_projections * kv_size
@@ -865,7 +923,8 @@ class ModelConfig:
         if self.attention_output_gate:
             attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
-            attn += q_size + kv_size if self.qk_norm_scope == "all" else 2 * head_dim
+            k_norm = kv_size if self.qk_norm_scope == "all" else head_dim if kv_size else 0
+            attn += q_size + k_norm if self.qk_norm_scope == "all" else head_dim + k_norm
         if self.attention_sinks:
             attn += self.num_heads
         return attn
@@ -878,10 +937,11 @@ class ModelConfig:
         gradients), as in transformers, so it is not counted."""
         h = self.hidden_size
         mats = 3 if self.mlp_gated else 2
-        dense_mlp = mats * h * self.intermediate_size + (
-            (mats - 1) * self.intermediate_size + h if self.mlp_bias else 0
-        )
-        dense_mlp += 2 if self.hidden_act == "xielu" else 0  # its alpha_p and alpha_n
+
+        def dense_mlp(width: int) -> int:
+            params = mats * h * width + ((mats - 1) * width + h if self.mlp_bias else 0)
+            return params + (2 if self.hidden_act == "xielu" else 0)  # xIELU's alpha_p and alpha_n
+
         width = self.moe_intermediate_size
         expert = mats * h * width + ((mats - 1) * width + h if self.expert_bias else 0)
         shared_gate = h if self.shared_expert_intermediate_size and self.shared_expert_gated else 0
@@ -921,11 +981,19 @@ class ModelConfig:
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:
-                total += base + dense_mlp
-                active += base + dense_mlp
+                total += base + dense_mlp(self.layer_intermediate_size(layer))
+                active += base + dense_mlp(self.layer_intermediate_size(layer))
+        # per-layer inputs: each layer's gate, projection and norm; the model's projection and its norm, the table
+        per_layer, ple_embed = self.per_layer_input_size, 0
+        if per_layer:
+            ple = self.num_layers * (2 * h * per_layer + norm) + h * self.num_layers * per_layer + per_layer
+            total += ple
+            active += ple
+            ple_embed = self.ple_vocab_size * self.num_layers * per_layer
         embed = self.vocab_size * h
         positions = self.learned_positions * h  # GPT-2's learned position table: a row lookup too
         head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
+        positions += ple_embed  # the per-layer input table: a row lookup too
         total += embed + positions + head + norm
         active += embed + positions + head + norm
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and

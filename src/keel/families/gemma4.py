@@ -16,10 +16,18 @@ RoPE of their own, a final soft-cap) with:
   residual through a weightless RMSNorm times `router.scale` and hidden_size^-1/2, a float32 softmax whose top k are
   renormalised and multiplied by `router.per_expert_scale`; experts stored stacked (`experts.gate_up_proj`).
 
-Refused by name: the per-layer input embeddings of E2B/E4B (`hidden_size_per_layer_input`), their KV sharing
-(`num_kv_shared_layers`), bidirectional attention (`use_bidirectional_attention`), and a `per_layer_config` other
-than transformers' own (one head width and KV-head count for the full-attention layers). `use_double_wide_mlp`
-widens the KV-sharing layers' MLPs only, so it changes nothing here.
+E2B/E4B's per-layer input embeddings (`hidden_size_per_layer_input`: `embed_tokens_per_layer` and
+`per_layer_model_projection`, and in each layer a gated branch after the MLP) are keel's per_layer_input_size.
+
+Their KV sharing (`num_kv_shared_layers`: the last layers attend over the keys and values of the last earlier layer
+of their type, computing none) is keel's kv_shared_layers; a shared layer's k_proj, v_proj and k_norm, which
+transformers ignores where a checkpoint holds them, are not read.
+
+`use_double_wide_mlp` makes the shared layers' MLPs twice as wide (keel's kv_shared_mlp_factor 2).
+
+Refused by name: `use_double_wide_mlp` in an MoE model's shared layers, bidirectional attention
+(`use_bidirectional_attention`), and a `per_layer_config` other than transformers' own (one head width and KV-head
+count for the full-attention layers).
 """
 
 from __future__ import annotations
@@ -50,14 +58,15 @@ DEFAULT_ROPE: dict[str, Any] = {
 SLIDING_WINDOW_PATTERN = 6  # every sixth layer global
 GLOBAL_HEAD_DIM = 512
 PLE_WIDTH = 256  # hidden_size_per_layer_input's default: per-layer input embeddings unless a config says 0
+PLE_VOCAB = 262_144  # vocab_size_per_layer_input's default
 
 
 def _refuse(hf: dict[str, Any], source: str) -> None:
     refuse_bidirectional(hf, source)
-    if hf.get("hidden_size_per_layer_input", PLE_WIDTH):
-        raise ConfigError(f"{source}: hidden_size_per_layer_input: per-layer input embeddings are not supported")
-    if hf.get("num_kv_shared_layers"):
-        raise ConfigError(f"{source}: num_kv_shared_layers: KV sharing across layers is not supported")
+    if hf.get("enable_moe_block") and hf.get("num_kv_shared_layers") and hf.get("use_double_wide_mlp"):
+        raise ConfigError(
+            f"{source}: use_double_wide_mlp: wider MoE-block MLPs in the KV-sharing layers are not supported"
+        )
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:
@@ -133,6 +142,10 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "qkv_bias": bool(hf.get("attention_bias", False)),
         "o_bias": bool(hf.get("attention_bias", False)),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "per_layer_input_size": int(hf.get("hidden_size_per_layer_input", PLE_WIDTH) or 0),
+        "per_layer_input_vocab_size": int(hf.get("vocab_size_per_layer_input", PLE_VOCAB)),
+        "kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
+        "kv_shared_mlp_factor": 2 if hf.get("use_double_wide_mlp") else 1,
         **_moe_fields(hf),
     }
 
@@ -150,8 +163,10 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "attention_k_eq_v": config.attention_k_eq_v,
         "global_head_dim": geometry["head_dim"],  # Google's form; transformers reads per_layer_config first
         "per_layer_config": {str(i): dict(geometry) for i in full},
-        "hidden_size_per_layer_input": 0,
-        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": config.per_layer_input_size,
+        "vocab_size_per_layer_input": config.ple_vocab_size,
+        "num_kv_shared_layers": config.kv_shared_layers,
+        "use_double_wide_mlp": config.kv_shared_mlp_factor == 2,
         "enable_moe_block": config.is_moe,
     }
     if config.attention_k_eq_v:

@@ -49,6 +49,13 @@ class KVCache(Protocol):
         GPT-OSS): each head's sink logit joins its softmax's denominator (`explicit_attention`)."""
         ...
 
+    def attend_stored(
+        self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
+    ) -> Tensor:
+        """`attend` over what `layer` has stored (this step's rows included: it ran earlier in the forward), storing
+        nothing: a layer attending over another's keys and values (ModelConfig.kv_shared_layers)."""
+        ...
+
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:
         """For a recurrent layer (keel.model.recurrent: Gated DeltaNet, short convolution, Mamba 2): which tokens of
         this forward belong to which sequence, and that layer's state stores with each sequence's slot (emptied where
@@ -162,6 +169,9 @@ class AttentionMetadata:
     rope: tuple[Tensor, Tensor] | None = None  # (cos, sin), filled by the model once per forward
     sliding_rope: tuple[Tensor, Tensor] | None = None  # the sliding layers' own (cos, sin), where they have one
     query_scale: Tensor | None = None  # [B, S, 1, 1]: each query's temperature (config.query_scale_beta), or None
+    per_layer_inputs: Tensor | None = None  # [B, S, layers, P]: Gemma 4's per-layer inputs (per_layer_input_size)
+    # Without a cache: the keys and values [B, S, H_kv, D] of the layers others attend over (kv_shared_layers)
+    shared_kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
     cache_plan: object | None = None
     _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)
@@ -199,10 +209,15 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer)
         h, q_size, kv_size = config.hidden_size, config.layer_q_size(layer), config.layer_kv_size(layer)
         self.q_proj = nn.Linear(h, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, kv_size, bias=config.qkv_bias)
+        # Gemma 4's KV sharing: a layer attending over an earlier layer's keys and values has no k/v projections
+        # or k norm; the layers others attend over hand theirs on (AttentionMetadata.shared_kv, without a cache).
+        self.kv_source = config.kv_source(layer)
+        self.shares_kv = any(config.kv_source(i) == layer != i for i in range(config.num_layers))
+        own_kv = self.kv_source == layer
+        self.k_proj = nn.Linear(h, kv_size, bias=config.qkv_bias) if own_kv else None
         # Gemma 4's attention_k_eq_v: the keys' projection is the values' too (before k's norm and rotary)
         self.k_eq_v = config.layer_k_eq_v(layer)
-        self.v_proj = None if self.k_eq_v else nn.Linear(h, kv_size, bias=config.qkv_bias)
+        self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=config.o_bias)
         # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj
         self.output_gate = nn.Linear(h, q_size, bias=config.qkv_bias) if config.attention_output_gate else None
@@ -216,7 +231,7 @@ class Attention(nn.Module):
         q_width, k_width = (q_size, kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         offset = config.norm_weight_offset
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm and own_kv else None
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
         self.rotates = config.layer_rotates(layer)  # False: no position encoding (SmolLM3's NoPE layers)
@@ -238,6 +253,43 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self.kv_source != self.layer:  # attends over an earlier layer's keys and values (kv_shared_layers)
+            q, k, v = self._queries(x, meta), None, None
+        else:
+            q, k, v = self._projections(x, meta)
+        if self.scales_queries and meta.query_scale is not None:  # Llama 4's temperature by position
+            q = (q * meta.query_scale).to(q.dtype)
+        if self.q_multiplier is not None:
+            q = q * self.q_multiplier
+        q = q.transpose(1, 2)  # [B, H, S, D]
+        if self.shares_kv and meta.cache is None:
+            meta.shared_kv[self.layer] = k, v
+        sinks = self.sinks
+        if sinks is not None and hasattr(sinks, "to_local"):  # training's tensor parallelism: this rank's heads'
+            sinks = sinks.to_local()
+        if meta.cache is not None:
+            cache_sinks = None if sinks is None else sinks.float()
+            if k is None:  # the source's store holds this step's rows already: it ran earlier in the forward
+                out = meta.cache.attend_stored(self.kv_source, q, meta, self.window, cache_sinks)
+            else:
+                out = meta.cache.attend(self.layer, q, k, v, meta, self.window, cache_sinks)
+        else:
+            k, v = meta.shared_kv[self.kv_source] if k is None else (k, v)
+            if self.softcap is not None or sinks is not None:  # SDPA can do neither: explicit scores
+                mask = meta.mask(meta.positions, self.window)
+                out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=sinks)
+            elif meta.plain_causal and self.window is None:
+                out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
+            else:
+                mask = meta.mask(meta.positions, self.window)
+                out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(self.output_gate(x))
+        return self.o_proj(out)
+
+    def _projections(self, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [B, S, heads, D]: projected, clamped, normed and rotated as the config says."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism q/k/v hold this rank's heads only, not num_heads.
         if self.qkv_proj is not None:  # q and k only where k = v
@@ -261,25 +313,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_l2_eps is not None:
             q, k = l2_norm(q, self.qk_l2_eps), l2_norm(k, self.qk_l2_eps)
-        if self.scales_queries and meta.query_scale is not None:  # Llama 4's temperature by position
-            q = (q * meta.query_scale).to(q.dtype)
-        if self.q_multiplier is not None:
-            q = q * self.q_multiplier
-        q = q.transpose(1, 2)  # [B, H, S, D]
-        sinks = self.sinks
-        if sinks is not None and hasattr(sinks, "to_local"):  # training's tensor parallelism: this rank's heads'
-            sinks = sinks.to_local()
-        if meta.cache is not None:
-            out = meta.cache.attend(self.layer, q, k, v, meta, self.window, None if sinks is None else sinks.float())
-        elif self.softcap is not None or sinks is not None:  # SDPA can do neither: explicit scores
-            mask = meta.mask(meta.positions, self.window)
-            out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=sinks)
-        elif meta.plain_causal and self.window is None:
-            out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
-        else:
-            mask = meta.mask(meta.positions, self.window)
-            out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        out = out.transpose(1, 2).reshape(b, s, -1)
-        if self.output_gate is not None:
-            out = out * torch.sigmoid(self.output_gate(x))
-        return self.o_proj(out)
+        return q, k, v
+
+    def _queries(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        """q [B, S, heads, D] of a layer without keys and values of its own (kv_shared_layers): normed per head and
+        rotated (ModelConfig refuses the other q/k treatments beside KV sharing)."""
+        q = self.q_proj(x).view(*x.shape[:2], -1, self.head_dim)  # never fused (keel.model.fuse)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.rotates:
+            q = apply_partial_rotary(q, *(meta.sliding_rope if self.sliding_rope else meta.rope))
+        return q

@@ -45,7 +45,7 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str 
 def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
     # recurrent layers keep a state per sequence, not rows per token (keel.model.recurrent), hybrid ones both; "mlp"
     # layers nothing
-    layers = config.attention_layers()
+    layers = config.kv_layers()  # not the layers attending over another's K/V (kv_shared_layers)
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:

@@ -28,6 +28,12 @@ def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
     keep = {str(i) for i in layer_ranges(len(model.layers), num_stages)[stage]}
     for name in [n for n in model.layers.keys() if n not in keep]:
         del model.layers[name]
+    if num_stages > 1 and model.embed_tokens_per_layer is not None:
+        # every layer reads the per-layer inputs, which are made from the token ids the first stage alone has
+        raise ValueError("pipeline stages: per-layer inputs (per_layer_input_size: Gemma 4) are not supported")
+    config = model.config
+    if any(config.kv_source(i) != i and str(config.kv_source(i)) not in keep for i in map(int, keep)):
+        raise ValueError("pipeline stages: a layer sharing KV (kv_shared_layers) needs its source in its stage")
     if stage > 0:
         model.embed_tokens = None
         model.embed_positions = None  # learned positions go with the embedding

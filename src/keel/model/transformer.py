@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
-from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, block_norm, building_on_meta
+from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, activation, block_norm, building_on_meta
 from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mamba import Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
                 if config.is_moe_layer(layer)
                 else SwiGLU(
                     config.hidden_size,
-                    config.intermediate_size,
+                    config.layer_intermediate_size(layer),
                     config.mlp_bias,
                     config.hidden_act,
                     config.mlp_gated,
@@ -84,6 +84,14 @@ class DecoderLayer(nn.Module):
             )
         if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:
             self.post_attention_layernorm = None  # Gemma 4: the MoE block norms its branches' inputs itself
+        # Gemma 4 E2B/E4B: a residual branch after the MLP that gates the layer's per-layer input
+        self.layer = layer
+        self.per_layer_input_gate: nn.Linear | None = None
+        if config.per_layer_input_size:
+            self.per_layer_input_gate = nn.Linear(h, config.per_layer_input_size, bias=False)
+            self.per_layer_projection = nn.Linear(config.per_layer_input_size, h, bias=False)
+            self.post_per_layer_input_norm = block_norm(config, h)
+            self.per_layer_act = activation(config.hidden_act)
         # Gemma 4: the layer's output, residual stream included, times a stored scalar
         self.layer_scalar: Tensor | None
         if config.layer_scalar:
@@ -96,6 +104,9 @@ class DecoderLayer(nn.Module):
         if fused is not None:
             return fused
         out = self._block(x, meta)
+        if self.per_layer_input_gate is not None:
+            gated = self.per_layer_act(self.per_layer_input_gate(out)) * meta.per_layer_inputs[:, :, self.layer]
+            out = out + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         # in the activations' dtype, as transformers holds the buffer in the model's (keel's loads keep float32)
         return out if self.layer_scalar is None else out * self.layer_scalar.to(out.dtype)
 
@@ -149,6 +160,13 @@ class Transformer(nn.Module):
         self.embedding_norm: nn.Module | None = None
         if config.embedding_norm:
             self.embedding_norm = block_norm(config, config.hidden_size)
+        # Gemma 4 E2B/E4B's per-layer inputs (config.per_layer_input_size), held with embed_tokens
+        self.embed_tokens_per_layer: nn.Embedding | None = None
+        if config.per_layer_input_size:
+            width = config.num_layers * config.per_layer_input_size
+            self.embed_tokens_per_layer = _embedding(config.ple_vocab_size, width)
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = block_norm(config, config.per_layer_input_size)
         self.rotary = RotaryEmbedding(config)
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
@@ -176,6 +194,17 @@ class Transformer(nn.Module):
         for rotary in (self.rotary, self.sliding_rotary):
             if rotary is not None and rotary.longrope:
                 rotary.long_context = max_model_len > rotary.scaling.original_max_position_embeddings
+
+    def _per_layer_inputs(self, tokens: Tensor, embedded: Tensor) -> Tensor:
+        """[B, S, layers, P]: the tokens' rows of the per-layer table (times P^1/2) and the embedding's projection
+        (times hidden_size^-1/2, normed per layer), summed and times 2^-1/2 (transformers' get_per_layer_inputs and
+        project_per_layer_inputs)."""
+        c = self.config
+        shape = (*tokens.shape, c.num_layers, c.per_layer_input_size)
+        table = (self.embed_tokens_per_layer(tokens) * c.per_layer_input_size**0.5).reshape(shape)
+        projected = self.per_layer_model_projection(embedded) * c.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        return (projected + table) * 2**-0.5
 
     @property
     def dtype(self) -> torch.dtype:
@@ -219,6 +248,8 @@ class Transformer(nn.Module):
                 h = h + self.embed_positions(meta.positions + self.config.position_offset)
             if self.embedding_norm is not None:
                 h = self.embedding_norm(h)
+            if self.embed_tokens_per_layer is not None:
+                meta.per_layer_inputs = self._per_layer_inputs(tokens, h)
         else:
             h = tokens
         meta.rope = self.rotary(meta.positions, h.dtype)

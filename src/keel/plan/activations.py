@@ -97,5 +97,5 @@ def layer_activation_bytes(
         if config.shared_expert_intermediate_size:
             values += a * 4 * config.shared_expert_intermediate_size
     else:
-        values += a * 4 * config.intermediate_size  # gate and up outputs, SiLU(gate), the product (down's input)
+        values += a * 4 * config.widest_intermediate_size  # gate and up outputs, SiLU(gate), the product (down's input)
     return seq * micro_batch * values / tp

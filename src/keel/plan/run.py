@@ -222,7 +222,7 @@ def _moments(cfg: RunSettings, config: ModelConfig, layout: RunLayout, sizes: _R
     grads_during = (sizes.params * compute if fsdp else grads_all) if accumulating else 0.0
     # A block's backward: the gradients flowing in and out (h wide) and of its widest tensors (the
     # MLP's gate, up, SiLU and product); under FSDP its unsharded gradients before the reduce-scatter.
-    width = config.intermediate_size
+    width = config.widest_intermediate_size
     if config.num_experts:
         width = config.num_experts_per_tok * config.moe_intermediate_size + config.shared_expert_intermediate_size
     # FSDP2's reduce-scatter of a unit's gradients: the unsharded gradients (compute dtype), their

@@ -84,7 +84,7 @@ class ServeLayout:
 
 def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
     per_value = KV_BYTES[kv_dtype]
-    layers = config.attention_layers()
+    layers = config.kv_layers()  # the layers with stores of their own (kv_shared_layers reuse another's)
     if config.is_mla:  # one latent + rope key per token, replicated on every tp rank
         return (config.kv_lora_rank + config.qk_rope_head_dim) * per_value * len(layers) / pp
     # each layer's KV heads (a rank's share, at least one) at its head width

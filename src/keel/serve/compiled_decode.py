@@ -207,6 +207,8 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
         return "recurrent (linear_attention, conv, mamba, hybrid) layers"
     if any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "mixture-of-experts layers"
+    if config.kv_shared_layers:  # the compiled step writes and attends in one operator, every layer
+        return "KV sharing across layers"
     if type(cache) is not PagedKVCache:
         return "a quantized KV cache"
     if model.device.type not in ("cpu", "cuda"):

@@ -343,8 +343,9 @@ class PagedKVCache:
             self.kv_heads = [config.layer_num_kv_heads(i) for i in range(n)]
             self.head_dims = [config.layer_head_dim(i) for i in range(n)]
         # the layers that keep K/V: not the recurrent ones, which keep a state per sequence in `sequences` slots
-        # instead (hybrid layers keep both), nor those without a token mixer ("mlp"), which keep neither
-        self.attention = set(config.attention_layers())
+        # instead (hybrid layers keep both), nor those without a token mixer ("mlp"), which keep neither, nor those
+        # attending over another layer's (kv_shared_layers: `attend_stored`)
+        self.attention = set(config.kv_layers())
         self.keys = [
             torch.zeros(self.kv_heads[i], self.slots_of(i), self.head_dims[i], dtype=dtype, device=device)
             for i in range(config.num_layers)
@@ -393,6 +394,11 @@ class PagedKVCache:
         self._write(k_store, k)
         self._write(v_store, v)
         return self._attend(q, k_store, v_store, window, None, sinks)
+
+    def attend_stored(
+        self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
+    ) -> Tensor:
+        return self._attend(q, self.keys[layer], self.values[layer], window, None, sinks)
 
     def in_place(self, layer: int, num_tokens: int) -> InPlaceLayer | None:
         """One layer's stores and this step's slots and rows, for an operator that writes the step's K/V and

@@ -157,6 +157,13 @@ class Int8PagedKVCache(PagedKVCache):
         values = self._write(self.values[layer], v, self.value_scales[layer], layer)
         return self._attend(q, keys, values, window, None, sinks)
 
+    def attend_stored(
+        self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
+    ) -> Tensor:
+        keys = QuantStore(self.keys[layer], self.key_scales[layer], self.parts[layer])
+        values = QuantStore(self.values[layer], self.value_scales[layer], self.parts[layer])
+        return self._attend(q, keys, values, window, None, sinks)
+
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         return self._attend(q, self._write(self.keys[layer], kv, self.key_scales[layer], layer), None, None, scale)
 

@@ -651,6 +651,10 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for q/k norms over the whole projection (OLMo 2) yet")
     if par.tp > 1 and not model.uniform_attention:
         raise fail("parallel: tp > 1 is not supported for full-attention layers of their own geometry (Gemma 4) yet")
+    if par.tp > 1 and model.kv_shared_layers:
+        raise fail("parallel: tp > 1 is not supported for layers sharing K/V (kv_shared_layers: Gemma 4) yet")
+    if par.tp > 1 and model.per_layer_input_size:
+        raise fail("parallel: tp > 1 is not supported for per-layer inputs (Gemma 4) yet")
     if par.tp > 1 and model.moe_branch_norms:
         raise fail("parallel: tp > 1 is not supported for the MoE block's branch norms (Gemma 4) yet")
     if par.tp > 1 and model.has_recurrent_layers:

@@ -87,6 +87,16 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: full-attention layers of their own head width or KV heads "
                 "(global_head_dim, global_num_kv_heads: Gemma 4) are not cut by tensor parallelism yet"
             )
+        if c.kv_shared_layers:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: layers attending over another's K/V (kv_shared_layers: Gemma 4) are "
+                "not cut by tensor parallelism yet"
+            )
+        if c.per_layer_input_size:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: per-layer inputs (per_layer_input_size: Gemma 4) are not cut by tensor "
+                "parallelism yet"
+            )
         if c.moe_branch_norms:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
