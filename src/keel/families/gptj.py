@@ -13,19 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.gpt_bigcode import ATTRIBUTE_MAP as ATTRIBUTE_MAP  # GPTJConfig's is GPT-2's
 from keel.families.rope import interleaved_qk_layout
 
 FAMILY = "gptj"
 HF_ARCHITECTURE = "GPTJForCausalLM"
-# GPTJConfig's attribute_map, and its keys for the common ones keel reads.
-ATTRIBUTE_MAP = {
-    "n_embd": "hidden_size",
-    "n_positions": "max_position_embeddings",
-    "n_head": "num_attention_heads",
-    "n_layer": "num_hidden_layers",
-    "activation_function": "hidden_act",
-    "layer_norm_epsilon": "rms_norm_eps",
-}
 # transformers' GPTJConfig defaults (its layer_norm_epsilon is keel's rms_norm_eps: the norms' eps).
 DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
