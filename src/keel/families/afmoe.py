@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.experts import sigmoid_experts
 from keel.families.windows import sliding_layer_types
 
 FAMILY = "afmoe"
@@ -49,15 +50,13 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "layer_types": kinds,
         "rope_layers": [kind == "sliding_attention" for kind in kinds],
         "embedding_multiplier": float(hf["hidden_size"]) ** 0.5 if hf.get("mup_enabled") else 1.0,
-        "num_experts": int(hf.get("num_experts", 64)),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 6)),
-        "moe_intermediate_size": width,
-        "shared_expert_intermediate_size": width * int(hf.get("num_shared_experts", 2)),
-        "shared_expert_gated": False,
-        "router_scoring": "sigmoid",
-        "router_bias": True,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": float(hf.get("route_scale", 1.0)),
+        **sigmoid_experts(
+            int(hf.get("num_experts", 64)),
+            int(hf.get("num_experts_per_tok", 6)),
+            width,
+            width * int(hf.get("num_shared_experts", 2)),
+            float(hf.get("route_scale", 1.0)),
+        ),
         "mlp_only_layers": list(range(min(int(hf.get("num_dense_layers", 1)), layers))),
     }
 

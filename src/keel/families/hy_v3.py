@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.experts import sigmoid_experts
 from keel.families.layer_kinds import dense_layers, mlp_layer_types
 
 FAMILY = "hy_v3"
@@ -39,15 +40,13 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "qk_norm": True,
         "qkv_bias": bias,
         "o_bias": bias,
-        "num_experts": int(hf.get("num_experts", 192)),
-        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 8)),
-        "moe_intermediate_size": width,
-        "shared_expert_intermediate_size": width * int(hf.get("num_shared_experts", 1)),
-        "shared_expert_gated": False,
-        "router_scoring": "sigmoid",
-        "router_bias": True,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": float(hf.get("router_scaling_factor", 2.826)),
+        **sigmoid_experts(
+            int(hf.get("num_experts", 192)),
+            int(hf.get("num_experts_per_tok", 8)),
+            width,
+            width * int(hf.get("num_shared_experts", 1)),
+            float(hf.get("router_scaling_factor", 2.826)),
+        ),
         "mlp_only_layers": dense_layers(hf, source, 1),
     }
 

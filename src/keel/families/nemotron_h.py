@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.experts import sigmoid_experts
 from keel.families.granitemoehybrid import float_json
 
 FAMILY = "nemotron_h"
@@ -91,17 +92,16 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     moe: dict[str, Any] = {"num_experts": 0}
     if "E" in chars:
         moe = {
-            "num_experts": int(hf.get("n_routed_experts") or 8),
-            "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 2),
-            "moe_intermediate_size": int(hf.get("moe_intermediate_size") or 7688),
-            "shared_expert_intermediate_size": int(hf.get("moe_shared_expert_intermediate_size") or 7688),
-            "shared_expert_gated": False,
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            "router_scoring": "sigmoid",
-            "router_bias": True,
+            **sigmoid_experts(
+                int(hf.get("n_routed_experts") or 8),
+                int(hf.get("num_experts_per_tok") or 2),
+                int(hf.get("moe_intermediate_size") or 7688),
+                int(hf.get("moe_shared_expert_intermediate_size") or 7688),
+                float(hf.get("routed_scaling_factor") or 1.0),
+                bool(hf.get("norm_topk_prob", True)),
+            ),
             "n_group": int(hf.get("n_group") or 1),
             "topk_group": int(hf.get("topk_group") or 1),
-            "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
             "mlp_only_layers": [i for i, c in enumerate(chars) if c == "-"],
         }
     return {
