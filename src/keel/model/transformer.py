@@ -168,6 +168,8 @@ class Transformer(nn.Module):
             self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.per_layer_projection_norm = block_norm(config, config.per_layer_input_size)
         self.rotary = RotaryEmbedding(config)
+        # no layer rotating (learned positions: GPT-2, OPT): no rotary table to compute each forward
+        self.rotates = any(config.layer_rotates(i) for i in range(config.num_layers))
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: nn.Module | None = block_norm(config, config.hidden_size)
@@ -252,7 +254,8 @@ class Transformer(nn.Module):
                 meta.per_layer_inputs = self._per_layer_inputs(tokens, h)
         else:
             h = tokens
-        meta.rope = self.rotary(meta.positions, h.dtype)
+        if self.rotates:
+            meta.rope = self.rotary(meta.positions, h.dtype)
         if self.sliding_rotary is not None:
             meta.sliding_rope = self.sliding_rotary(meta.positions, h.dtype)
         beta = self.config.query_scale_beta
