@@ -12,6 +12,7 @@ import torch
 from keel.config import ModelConfig
 from keel.errors import ConfigError
 from keel.families import FAMILIES
+from keel.quant.loading import load_model
 from keel.weights.parts import PartsReader
 from keel.weights.safetensors import SafetensorsReader
 from keel.weights.shard import Shard, narrow
@@ -81,15 +82,67 @@ def test_the_exported_config_is_phi3s(phi3):
     assert ModelConfig.from_hf(hf) == config
 
 
-def test_stablelm_per_head_layernorm_is_refused_by_name(tmp_path):
+def test_stablelm_reads_its_config_and_its_per_head_layernorms(tmp_path):
     save_hf_model("stablelm", tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
-    with pytest.raises(ConfigError, match="qk_layernorm"):
-        ModelConfig.from_hf({**data, "qk_layernorm": True}, source="stablelm/config.json")
     config = ModelConfig.from_hf(data)
     assert (config.norm_type, config.norm_bias, config.rotary_dim, config.head_dim) == ("layer", True, 8, 16)
+    assert not config.qk_norm
     hf = config.to_hf()
     assert hf["rope_parameters"]["partial_rotary_factor"] == 0.5 and ModelConfig.from_hf(hf) == config
+    # StableLM 2 12B's qk_layernorm: a bias-free LayerNorm per head, a weight of its own each
+    per_head = ModelConfig.from_hf({**data, "qk_layernorm": True})
+    assert (per_head.qk_norm, per_head.qk_norm_scope, per_head.qk_norm_type, per_head.qk_norm_bias) == (
+        True,
+        "each_head",
+        "layer",
+        False,
+    )
+    assert per_head.to_hf()["qk_layernorm"] is True and ModelConfig.from_hf(per_head.to_hf()) == per_head
+
+
+@pytest.mark.parametrize("name", ["cohere-qk-norm", "stablelm-qk-norm", "phi-qk-norm"])
+def test_qk_norms_read_as_the_families_store_them(tmp_path, name):
+    """Cohere's [heads, head_dim] weights (regrouped with the rotary pairs), StableLM's list of LayerNorms stacked,
+    Phi's one LayerNorm (with a bias) for all heads: keel's q/k norm parameters hold transformers' values."""
+    hf = save_hf_model(name, tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    config = model.config
+    attn, ref = model.model.layers["1"].self_attn, hf.model.layers[1].self_attn
+    if name == "phi-qk-norm":
+        assert (config.qk_norm_scope, config.qk_norm_type, config.qk_norm_bias) == ("head", "layer", True)
+        assert torch.equal(attn.k_norm.bias, ref.k_layernorm.bias)
+        assert torch.equal(attn.q_norm.weight, ref.q_layernorm.weight)
+        return
+    assert (config.qk_norm_scope, config.qk_norm_type, config.qk_norm_bias) == ("each_head", "layer", False)
+    assert attn.q_norm.weight.shape == (config.num_heads, config.head_dim)
+    assert attn.k_norm.weight.shape == (config.num_kv_heads, config.head_dim)
+    if name == "stablelm-qk-norm":
+        stacked = torch.stack([norm.weight for norm in ref.k_layernorm.norms])
+        assert torch.equal(attn.k_norm.weight, stacked)
+    else:  # each head's channels in keel's rotary order: the even ones, then the odd ones
+        order = [*range(0, config.head_dim, 2), *range(1, config.head_dim, 2)]
+        assert torch.equal(attn.q_norm.weight, ref.q_norm.weight[:, order])
+
+
+def test_qk_norm_fields_are_checked_by_name():
+    base = dict(architecture="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2)
+    base.update(head_dim=16)
+    base.update(intermediate_size=64, qk_norm=True)
+    with pytest.raises(ConfigError, match="qk_norm_scope"):
+        ModelConfig(**base, qk_norm_scope="every")
+    with pytest.raises(ConfigError, match="qk_norm_type"):
+        ModelConfig(**base, qk_norm_type="group")
+    with pytest.raises(ConfigError, match="qk_norm_bias"):
+        ModelConfig(**base, qk_norm_bias=True)
+    with pytest.raises(ConfigError, match="qk_norm_after_rope"):
+        ModelConfig(**base, qk_norm_scope="each_head", qk_norm_after_rope=True)
+    with pytest.raises(ConfigError, match="norm_weight_offset"):
+        ModelConfig(**base, qk_norm_scope="each_head", norm_weight_offset=1.0)
+    # a weight (and bias) per head of q and of k: 2 x (2 + 2) x 16
+    plain = ModelConfig(**base).param_counts()["total"]
+    each = ModelConfig(**base, qk_norm_scope="each_head", qk_norm_type="layer", qk_norm_bias=True)
+    assert each.param_counts()["total"] - plain == 2 * (2 + 2) * 16 - 2 * 16
 
 
 def test_gpt_neox_reads_interleaved_heads_and_its_own_names(tmp_path):

@@ -33,6 +33,7 @@ SLOW = pytest.mark.slow
         "phi3",
         pytest.param("stablelm", marks=SLOW),
         pytest.param("stablelm-parallel", marks=SLOW),
+        pytest.param("stablelm-qk-norm", marks=SLOW),
         "gpt_neox",
         "olmo2",
         pytest.param("olmo3", marks=SLOW),
@@ -41,6 +42,7 @@ SLOW = pytest.mark.slow
         pytest.param("glm4", marks=SLOW),
         pytest.param("ministral3", marks=SLOW),
         pytest.param("cohere", marks=SLOW),
+        pytest.param("cohere-qk-norm", marks=SLOW),
         pytest.param("cohere2", marks=SLOW),
         pytest.param("seed_oss", marks=SLOW),
         pytest.param("ernie4_5", marks=SLOW),
@@ -49,6 +51,7 @@ SLOW = pytest.mark.slow
         pytest.param("gemma2", marks=SLOW),
         pytest.param("gemma", marks=SLOW),
         pytest.param("phi", marks=SLOW),
+        pytest.param("phi-qk-norm", marks=SLOW),
         pytest.param("gpt_bigcode-mha", marks=SLOW),  # learned positions through the compiled decode step
         pytest.param("falcon", marks=SLOW),
         pytest.param("gptj", marks=SLOW),

@@ -139,6 +139,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "StableLmForCausalLM",
         dict(intermediate_size=128, use_qkv_bias=True, partial_rotary_factor=0.5),
     ),
+    # StableLM 2 12B's q/k LayerNorms, one per head (q_layernorm.norms.{i}), stacked at load, grouped KV heads.
+    "stablelm-qk-norm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(intermediate_size=128, qk_layernorm=True, partial_rotary_factor=0.5),
+    ),
     # ... and its parallel residual (one LayerNorm for both sublayers), a quarter of each head rotated.
     "stablelm-parallel": (
         "StableLmConfig",
@@ -191,6 +197,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "CohereConfig",
         "CohereForCausalLM",
         dict(intermediate_size=128, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    ),
+    # Command R+: q/k LayerNorms with a weight per head ([heads, head_dim]), channels regrouped with the rotary pairs.
+    "cohere-qk-norm": (
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(intermediate_size=128, use_qk_norm=True, logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     ),
     # Command R7B / A: two rotating sliding layers (window 8) and a global one without position encoding.
     "cohere2": (
@@ -929,6 +941,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "PhiForCausalLM",
         dict(num_key_value_heads=4, intermediate_size=256, partial_rotary_factor=0.4),  # 4 x hidden, as released
     ),
+    # ... with q/k LayerNorms (with biases) over each head, one weight for all heads, grouped KV heads.
+    "phi-qk-norm": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(intermediate_size=128, partial_rotary_factor=0.5, qk_layernorm=True),
+    ),
     # Gemma: Llama's block with (1 + w) norms, a sqrt(hidden) embedding, the tanh GELU (the released configs' legacy
     # "gelu"), a tied head.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=128, head_dim=16, hidden_act="gelu")),
@@ -1458,6 +1476,10 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
             # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
             if pname.endswith("norm.weight") or pname.endswith((".bias", "_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
+            # Per-head q/k norms (StableLM's list of LayerNorms; Cohere's [heads, head_dim]): each head its own
+            # scale, far enough apart that a head read in another's place shows in the logits.
+            if ".norms." in pname or (pname.endswith(("q_norm.weight", "k_norm.weight")) and p.dim() == 2):
+                p.add_(torch.randn_like(p) * 0.5)
             # GPT-OSS's sinks start near 0, where they barely move the softmax: spread them, so that they count.
             # xIELU's parameters all start alike (Apertus): set each layer's apart.
             if pname.endswith((".sinks", "act_fn.alpha_p", "act_fn.alpha_n")):

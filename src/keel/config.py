@@ -370,7 +370,12 @@ class ModelConfig:
     post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
     # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
     norm_placement: str = "pre"
-    qk_norm_scope: str = "head"  # head: q/k norms over each head (Qwen3); all: over the whole projection (OLMo 2)
+    # head: q/k norms over each head, one weight [head_dim] shared by the heads (Qwen3); all: over the whole
+    # projection (OLMo 2); each_head: over each head, a weight of its own per head ([heads, head_dim]: Cohere's
+    # Command R+, StableLM 2 12B)
+    qk_norm_scope: str = "head"
+    qk_norm_type: str = "rms"  # the q/k norms' kind: rms (RMSNorm) or layer (LayerNorm: Cohere, StableLM, Phi)
+    qk_norm_bias: bool = False  # the q/k LayerNorms add a bias (Phi's)
     qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms after the rotary embedding, not before
     # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (and after q/k norms over the whole
     # projections: OLMoE's order), before the rotary embedding (OLMo, OLMoE); None: not clamped.
@@ -732,8 +737,21 @@ class ModelConfig:
             self.norm_placement in ("pre", "post", "sandwich"),
             f"norm_placement {self.norm_placement!r}: pre, post or sandwich",
         )
-        need(self.qk_norm_scope in ("head", "all"), f"qk_norm_scope {self.qk_norm_scope!r}: head or all")
-        need(not (self.qk_norm_after_rope and self.qk_norm_scope == "all"), "qk_norm_after_rope norms each head")
+        need(
+            self.qk_norm_scope in ("head", "all", "each_head"),
+            f"qk_norm_scope {self.qk_norm_scope!r}: head, all or each_head",
+        )
+        need(
+            not (self.qk_norm_after_rope and self.qk_norm_scope != "head"),
+            "qk_norm_after_rope needs qk_norm_scope head",
+        )
+        need(self.qk_norm_type in ("rms", "layer"), f"qk_norm_type {self.qk_norm_type!r}: rms or layer")
+        need(not (self.qk_norm_bias and self.qk_norm_type != "layer"), "qk_norm_bias needs qk_norm_type 'layer'")
+        plain_qk_norm = self.qk_norm_type == "rms" and self.qk_norm_scope != "each_head"
+        need(
+            not (self.qk_norm and self.norm_weight_offset and not plain_qk_norm),
+            "norm_weight_offset needs RMSNorm q/k norms (qk_norm_type rms) without qk_norm_scope each_head",
+        )
         need(
             not (self.parallel_residual and self.norm_placement != "pre"),
             "parallel_residual needs norm_placement 'pre'",
@@ -923,8 +941,10 @@ class ModelConfig:
         if self.attention_output_gate:
             attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
-            k_norm = kv_size if self.qk_norm_scope == "all" else head_dim if kv_size else 0
-            attn += q_size + k_norm if self.qk_norm_scope == "all" else head_dim + k_norm
+            whole = self.qk_norm_scope in ("all", "each_head")  # a weight per channel of the projections
+            k_norm = kv_size if whole else head_dim if kv_size else 0
+            norms = (q_size if whole else head_dim) + k_norm
+            attn += 2 * norms if self.qk_norm_bias else norms
         if self.attention_sinks:
             attn += self.num_heads
         return attn

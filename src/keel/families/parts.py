@@ -11,3 +11,21 @@ class Transposed:
     stored columns), None for all of it."""
 
     rows: list[tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """A stored tensor that is one row, `index`, of a tensor keel reads whole (StableLM's LayerNorm per head,
+    `q_layernorm.norms.{i}.weight`, stacked into keel's [heads, head_dim] q norm weight); several stored names map
+    to the same name of keel's, one per row, and export splits it again."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Columns:
+    """A 2-D stored tensor whose columns keel reads in another order: keel's column j is the stored column
+    `order[j]` (Cohere's per-head q/k norm weights [heads, head_dim], each head's channels regrouped as its q/k
+    rows are for keel's rotary, keel.families.rope.interleaved_rotary_rows)."""
+
+    order: tuple[int, ...]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm
+from keel.model.layers import apply_partial_rotary, l2_norm, qk_norm
 
 if TYPE_CHECKING:
     from keel.model.recurrent import RecurrentSpans
@@ -221,17 +221,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, h, bias=config.o_bias)
         # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj
         self.output_gate = nn.Linear(h, q_size, bias=config.qkv_bias) if config.attention_output_gate else None
-        # RMSNorm over each head's q and k (Qwen3), or over the whole q and k projections (OLMo 2), before the
-        # rotary embedding.
+        # q/k norms before the rotary embedding (after it: HunYuan's); over the whole projections: OLMo 2's
         self.qk_norm_whole = config.qk_norm_scope == "all"
         self.qk_norm_after_rope = config.qk_norm_after_rope
         self.clip_qkv = config.clip_qkv  # OLMo's clamp of q, k and v (elementwise: a tensor-parallel shard's too)
         # Gemma 4: each head's values divided by their root mean square (no weight)
         self.v_norm_eps = config.rms_norm_eps if config.v_norm else None
-        q_width, k_width = (q_size, kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
-        offset = config.norm_weight_offset
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, offset) if config.qk_norm and own_kv else None
+        # RMSNorms (or LayerNorms: `qk_norm_type`) over each head with one weight for all (Qwen3), over the whole
+        # projections, or over each head with a weight per head (`qk_norm_scope` each_head: Cohere's Command R+)
+        self.q_norm = qk_norm(config, self.num_heads, self.head_dim, q_size) if config.qk_norm else None
+        kv_heads = self.num_kv_heads
+        self.k_norm = qk_norm(config, kv_heads, self.head_dim, kv_size) if config.qk_norm and own_kv else None
+        # the norm keel::decoder_layers (keel.model.fused_layer) runs: RMSNorm, one weight for all heads
+        self.qk_norm_plain = config.qk_norm_type == "rms" and config.qk_norm_scope == "head"
         # Gemma 3: the sliding-window layers rotate by RoPE of their own (AttentionMetadata.sliding_rope).
         self.sliding_rope = config.sliding_rope_theta is not None and config.layer_types[layer] == "sliding_attention"
         self.rotates = config.layer_rotates(layer)  # False: no position encoding (SmolLM3's NoPE layers)

@@ -107,6 +107,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if attn.clip_qkv is not None:  # OLMo's clamp of q, k and v: the operator has none
         return None
+    if attn.q_norm is not None and not attn.qk_norm_plain:  # LayerNorms, or a weight per head: the modules'
+        return None
     if attn.qk_norm_after_rope:  # HunYuan's q/k norms after the rotary embedding: the operator norms before it
         return None
     if not attn.rotates:  # a NoPE layer (SmolLM3): the operator always rotates

@@ -107,6 +107,46 @@ def block_norm(config: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
 
 
+class HeadNorm(nn.Module):
+    """A q or k norm over each head's channels with a weight of its own per head ([heads, head_dim]: Cohere's
+    CohereLayerNorm of Command R+, StableLM 2's LayerNorm per head), LayerNorm (the mean subtracted) or RMSNorm,
+    with an optional bias; in float32 and rounded once, as those references compute it. Reads x [..., heads,
+    head_dim]."""
+
+    def __init__(self, kind: str, heads: int, dim: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.kind = kind
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+        self.bias = nn.Parameter(torch.zeros(heads, dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = x.float()
+        if self.kind == "layer":
+            normed = F.layer_norm(f, (f.shape[-1],), None, None, self.eps)
+        else:
+            normed = rms_norm(f, None, self.eps)
+        out = normed * self.weight.float()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, {tuple(self.weight.shape)}, eps={self.eps}, bias={self.bias is not None}"
+
+
+def qk_norm(config: ModelConfig, heads: int, head_dim: int, width: int) -> nn.Module:
+    """A q or k norm as the config says (`qk_norm_scope`, `qk_norm_type`, `qk_norm_bias`): over each head with one
+    weight for all heads, over the whole projection (`width` channels), or over each head with a weight per head."""
+    eps, offset = config.rms_norm_eps, config.norm_weight_offset
+    if config.qk_norm_scope == "each_head":
+        return HeadNorm(config.qk_norm_type, heads, head_dim, eps, config.qk_norm_bias)
+    dim = width if config.qk_norm_scope == "all" else head_dim
+    if config.qk_norm_type == "layer":
+        return nn.LayerNorm(dim, eps=eps, bias=config.qk_norm_bias)
+    return RMSNorm(dim, eps, offset)
+
+
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction for a context stretched `scale` times (1 when not stretched)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

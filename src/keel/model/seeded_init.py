@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from keel.model.layers import XIELU, RMSNorm
+from keel.model.layers import XIELU, HeadNorm, RMSNorm
 from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
@@ -130,7 +130,7 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.fill_(1.0)  # before the generic bias rule: dt_bias starts at 1, as transformers starts it
             elif isinstance(module, GatedDeltaNet | Mamba2Mixer | Mamba1Mixer) and param_name == "A_log":
                 fill_vector(param, module.initial_a_log())
-            elif isinstance(module, RMSNorm | nn.LayerNorm) and param_name == "weight":
+            elif isinstance(module, RMSNorm | nn.LayerNorm | HeadNorm) and param_name == "weight":
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
             elif param_name == "bias" or param_name.endswith("_bias"):  # GPT-OSS's experts: gate_up_proj_bias
                 param.zero_()

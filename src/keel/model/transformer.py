@@ -14,7 +14,15 @@ from torch import Tensor, nn
 from keel.config import ModelConfig
 from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
-from keel.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, activation, block_norm, building_on_meta
+from keel.model.layers import (
+    HeadNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    activation,
+    block_norm,
+    building_on_meta,
+)
 from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mamba import Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
@@ -305,7 +313,7 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm | nn.LayerNorm):
+        elif isinstance(module, RMSNorm | nn.LayerNorm | HeadNorm):
             nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

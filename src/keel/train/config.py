@@ -649,6 +649,10 @@ def _check_model_fits(
             raise fail(f"parallel: tp = {par.tp} does not divide the model's {name} = {count}")
     if par.tp > 1 and model.qk_norm and model.qk_norm_scope == "all":
         raise fail("parallel: tp > 1 is not supported for q/k norms over the whole projection (OLMo 2) yet")
+    if par.tp > 1 and model.qk_norm and model.qk_norm_scope == "each_head":
+        raise fail(
+            "parallel: tp > 1 is not supported for q/k norms with a weight per head (qk_norm_scope each_head) yet"
+        )
     if par.tp > 1 and not model.uniform_attention:
         raise fail("parallel: tp > 1 is not supported for full-attention layers of their own geometry (Gemma 4) yet")
     if par.tp > 1 and model.kv_shared_layers:

@@ -11,6 +11,10 @@ A 2-D tensor stored transposed (GPT-2's Conv1D weights, [in, out] where keel's L
 parts `Transposed(rows)`: the rows are the transpose's (the stored columns), every read takes the stored box of
 those columns and transposes it (so a tensor-parallel shard still reads only its bytes), and `fused_stream` writes
 the tensor back transposed.
+
+`Stacked(index)`: the stored tensor is one row of keel's (several stored names serve one name of keel's, StableLM's
+LayerNorm per head); `Columns(order)`: keel reads a 2-D stored tensor's columns in another order (Cohere's per-head
+q/k norm weights, regrouped as its q/k rows are). `fused_stream` splits and reorders them back.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.families.parts import Transposed
+from keel.families.parts import Columns, Stacked, Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | Transposed | None
+Rows = list[tuple[int, int]] | Transposed | Stacked | Columns | None
 Layout = dict[str, dict[str, Rows]]
 
 
 def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
     """(the part's row ranges or None, whether the stored tensor is transposed)."""
+    if isinstance(part, Stacked | Columns):  # whole stored tensors (PartsReader reads them apart)
+        return None, False
     return (part.rows, True) if isinstance(part, Transposed) else (part, False)
 
 
@@ -97,14 +103,30 @@ class PartsReader(DerivedReader):
     def __init__(self, reader, layout: Layout) -> None:  # noqa: ANN001
         self.inner = reader
         present = reader.names()
-        # name -> (stored name, its rows or None, whether stored transposed)
-        self._derived: dict[str, tuple[str, list[tuple[int, int]] | None, bool]] = {
-            name: (stored, *_rows(part))
-            for stored, parts in layout.items()
-            if stored in present
-            for name, part in parts.items()
+        # name -> (stored name, its rows or None, whether stored transposed); a stacked name: its row 0's
+        self._derived: dict[str, tuple[str, list[tuple[int, int]] | None, bool]] = {}
+        self._columns: dict[str, tuple[int, ...]] = {}  # name -> the stored columns in keel's order
+        stacks: dict[str, dict[int, str]] = {}  # name -> {row: the stored tensor holding it}
+        for stored, parts in layout.items():
+            if stored not in present:
+                continue
+            for name, part in parts.items():
+                if isinstance(part, Stacked):
+                    stacks.setdefault(name, {})[part.index] = stored
+                    continue
+                if isinstance(part, Columns):
+                    self._columns[name] = part.order
+                self._derived[name] = (stored, *_rows(part))
+        self._stacks: dict[str, list[str]] = {}
+        for name, rows in stacks.items():
+            if sorted(rows) != list(range(len(rows))):
+                raise WeightsError(f"{name}: its stacked rows {sorted(rows)} are not all in the checkpoint")
+            self._stacks[name] = [rows[i] for i in range(len(rows))]
+            self._derived[name] = (self._stacks[name][0], None, False)
+        used = {stored for stored, *_ in self._derived.values()} | {
+            s for rows in stacks.values() for s in rows.values()
         }
-        self._names = (present - {stored for stored, *_ in self._derived.values()}) | set(self._derived)
+        self._names = (present - used) | set(self._derived)
 
     def _part(self, name: str) -> tuple[str, list[tuple[int, int]] | None, bool]:
         self._known(name)
@@ -119,11 +141,20 @@ class PartsReader(DerivedReader):
     def shape(self, name: str) -> tuple[int, ...]:
         stored, rows, flipped = self._part(name)
         shape = tuple(self.inner.shape(stored))
+        if name in self._stacks:
+            return (len(self._stacks[name]), *shape)
         shape = shape[::-1] if flipped else shape
         return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
 
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
         stored, rows, flipped = self._part(name)
+        if name in self._stacks:  # one stored tensor per row
+            rows_read = self._stacks[name][offset[0] : offset[0] + shape[0]]
+            return torch.stack([self.inner.get_box(row, offset[1:], shape[1:]) for row in rows_read])
+        if name in self._columns:  # the rows' every stored column, then keel's in its order
+            order = list(self._columns[name][offset[1] : offset[1] + shape[1]])
+            width = self.inner.shape(stored)[1]
+            return self.inner.get_box(stored, (offset[0], 0), (shape[0], width))[:, order].contiguous()
 
         def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:  # of the stored tensor, as keel reads it
             if not flipped:
@@ -139,9 +170,27 @@ class PartsReader(DerivedReader):
 def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
     """HF-named tensors with `layout`'s stored tensors made again from keel's, each as soon as its last
     part arrives; every other tensor passes as it comes."""
+    stacks: dict[str, dict[int, str]] = {}  # keel's name -> {row: the stored tensor}
+    columns: dict[str, tuple[str, tuple[int, ...]]] = {}  # keel's name -> (the stored tensor, its column order)
+    for stored, parts in layout.items():
+        for name, part in parts.items():
+            if isinstance(part, Stacked):
+                stacks.setdefault(name, {})[part.index] = stored
+            elif isinstance(part, Columns):
+                columns[name] = stored, part.order
     owner = {name: stored for stored, parts in layout.items() for name in parts}
     held: dict[str, dict[str, Tensor]] = {}
     for name, tensor in tensors:
+        if name in stacks:  # split into its rows, one stored tensor each
+            for index, stored in sorted(stacks[name].items()):
+                yield stored, tensor[index].clone()
+            continue
+        if name in columns:
+            stored, order = columns[name]
+            out = torch.empty_like(tensor)
+            out[:, list(order)] = tensor
+            yield stored, out
+            continue
         stored = owner.get(name)
         if stored is None:
             yield name, tensor

@@ -35,6 +35,8 @@ def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_pa
         raise KeelError(
             f"{source}: tensor-parallel serving does not handle q/k norms over the whole projection (OLMo 2)"
         )
+    if tp > 1 and config.qk_norm and config.qk_norm_scope == "each_head":
+        raise KeelError(f"{source}: tensor-parallel serving does not shard q/k norms with a weight per head yet")
     if (tp > 1 or pp > 1) and config.has_recurrent_layers:
         raise KeelError(
             f"{source}: parallel serving does not run recurrent (linear_attention, conv, mamba, hybrid) layers yet"
