@@ -551,6 +551,13 @@ def write_gguf(
             else:
                 add(f"{blk}.ffn_down_exps.weight", t)
             continue
+        per_head = re.fullmatch(r"self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", rest)
+        if per_head:  # StableLMModel._stack_qk_norm: the heads' LayerNorm weights as one [heads, head_dim] tensor
+            if per_head[2] == "0":
+                prefix = f"model.layers.{layer}.self_attn.{per_head[1]}_layernorm.norms."
+                heads = [v for n, v in model.state_dict().items() if n.startswith(prefix)]
+                add(f"{blk}.attn_{per_head[1]}_norm.weight", torch.stack(heads))
+            continue
         module, suffix = rest.rsplit(".", 1)
         name = f"{blk}.{ {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}[module] }.{suffix}"
         if permute and module == "self_attn.q_proj":

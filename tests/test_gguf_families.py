@@ -1,5 +1,6 @@
 """GGUF files of the families keel serves beyond Llama/Qwen (keel.weights.gguf): Granite, Phi-3, OLMo 2,
-Gemma 2, Gemma 3, StableLM, GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R, Cohere 2, GPT-OSS, GLM-4 (dense and
+Gemma 2, Gemma 3, StableLM (2 12B's per-head q/k norms too), GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R
+(R+'s per-head q/k norms too), Cohere 2, GPT-OSS, GLM-4 (dense and
 MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next,
 Granite 4.0-H, Falcon-H1 and Nemotron-H.
 
@@ -132,7 +133,7 @@ def test_exaone4_gguf_matches_hf_model(tmp_path, window):
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["cohere", "cohere2"])
+@pytest.mark.parametrize("name", ["cohere", "cohere-qk-norm", "cohere2"])
 def test_command_r_gguf_matches_hf_model(tmp_path, name):
     """Command R and Cohere 2 as llama.cpp converts them (TextModel: q/k rows as in HF, interleaved pairs regrouped
     by keel as for safetensors; LayerNorm eps and logit_scale keys; Cohere 2's window key, one global layer in
@@ -141,7 +142,13 @@ def test_command_r_gguf_matches_hf_model(tmp_path, name):
     hf = build_hf_model(name, **layers)
     loaded = load_model(write_gguf(hf, tmp_path / f"{name}.gguf"))
     c = loaded.config
-    assert c.architecture == name and c.norm_type == "layer" and c.parallel_residual
+    assert c.architecture == name.removesuffix("-qk-norm") and c.norm_type == "layer" and c.parallel_residual
+    if name == "cohere-qk-norm":  # Command R+'s q/k LayerNorms, a weight per head ([head_dim, heads] in ggml order)
+        assert (c.qk_norm, c.qk_norm_scope, c.qk_norm_type) == (True, "each_head", "layer")
+        k_norm = "model.layers.1.self_attn.k_norm.weight"
+        assert loaded.checkpoint.reader.gguf_names(k_norm) == ["blk.1.attn_k_norm.weight"]
+        order = [*range(0, 16, 2), *range(1, 16, 2)]  # keel's rotary order of each head's channels
+        assert torch.equal(loaded.checkpoint.reader.get(k_norm), hf.state_dict()[k_norm][:, order])
     assert c.logits_scaling == pytest.approx(4.0) and loaded.checkpoint.provenance["logits_scaling"] == "read"
     if name == "cohere2":
         assert c.sliding_window == 8 and c.rope_layers == [True, True, True, False]
@@ -195,6 +202,7 @@ NEW_FAMILIES = {
     "gemma3": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16),
     "stablelm": dict(num_hidden_layers=2),
     "stablelm-parallel": dict(num_hidden_layers=2),
+    "stablelm-qk-norm": dict(num_hidden_layers=2),
     "gpt_neox": dict(num_hidden_layers=2),
     "phi": dict(num_hidden_layers=2),
 }
@@ -209,7 +217,7 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
     hf = build_new(name)
     loaded = load_model(write_gguf(hf, tmp_path / f"{name}.gguf"))
     c, reader = loaded.config, loaded.checkpoint.reader
-    assert c.architecture == name.removesuffix("-parallel")
+    assert c.architecture == name.removesuffix("-parallel").removesuffix("-qk-norm")
     if name == "gemma":  # (1 + w) norms stored plus 1 (Llama's names), the tanh GELU, the head tied
         assert (c.norm_weight_offset, c.attention_scale, c.embedding_multiplier) == (1.0, None, 8.0)
         assert c.tie_word_embeddings and c.hidden_act == "gelu_tanh" and c.head_dim == 16
@@ -234,6 +242,11 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
             2.0,
             5000.0,
         )
+    if name == "stablelm-qk-norm":  # StableLM 2 12B's LayerNorm per head, stacked by the converter as by keel
+        assert (c.qk_norm, c.qk_norm_scope, c.qk_norm_type, c.num_kv_heads) == (True, "each_head", "layer", 2)
+        assert reader.gguf_names("model.layers.1.self_attn.q_norm.weight") == ["blk.1.attn_q_norm.weight"]
+        heads = [hf.state_dict()[f"model.layers.1.self_attn.q_layernorm.norms.{i}.weight"] for i in range(4)]
+        assert torch.equal(reader.get("model.layers.1.self_attn.q_norm.weight"), torch.stack(heads))
     if name.startswith("stablelm"):
         parallel = name == "stablelm-parallel"
         assert (c.norm_type, c.norm_bias, c.parallel_residual, c.post_attention_norm) == (
@@ -242,7 +255,7 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
             parallel,
             not parallel,
         )
-        assert c.partial_rotary_factor == (0.25 if parallel else 0.5) and c.qkv_bias == (not parallel)
+        assert c.partial_rotary_factor == (0.25 if parallel else 0.5) and c.qkv_bias == (name == "stablelm")
     if name == "phi":  # one LayerNorm, a parallel residual, 6 of 16 channels rotating, the head's bias
         assert (c.norm_type, c.parallel_residual, c.post_attention_norm, c.rotary_dim) == ("layer", True, False, 6)
         assert c.lm_head_bias and reader.gguf_names("lm_head.bias") == ["output.bias"]
@@ -255,10 +268,11 @@ def test_gemma_stablelm_gptneox_gguf_matches_hf_model(tmp_path, name):
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["phi3", "olmo2", "gpt_neox", "gemma2"])
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "gpt_neox", "gemma2", "stablelm-qk-norm"])
 def test_keel_convert_of_the_gguf_gives_back_the_hf_tensors(tmp_path, name):
     """GGUF -> HF safetensors (`keel convert`): the family's fused and renamed tensors as HF stores them
-    (GPT-NeoX's q/k/v interleaved per head again; Gemma's norms less the converter's 1, to float32 rounding)."""
+    (GPT-NeoX's q/k/v interleaved per head again; Gemma's norms less the converter's 1, to float32 rounding;
+    StableLM 2 12B's per-head q/k norms as a LayerNorm per head again)."""
     from safetensors.torch import load_file
 
     from keel.weights.convert import convert

@@ -51,7 +51,8 @@ layers' base in `rope.freq_base_swa` (absent: llama.cpp's hard-coded 10000, unsc
 from the embedding's rows (the converter drops rows past the tokenizer's). StableLM and GPT-NeoX:
 LayerNorms with biases (eps `attention.layer_norm_epsilon`), rotary over the first `rope.dimension_count`
 channels of each head (the head size is hidden / heads); StableLM's parallel residual is read from the
-tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), GPT-NeoX's from
+tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), and StableLM 2 12B's LayerNorms per head from
+`attn_q_norm` / `attn_k_norm` (the converter stacks them as keel does: [head_dim, heads] in ggml order); GPT-NeoX's from
 `use_parallel_residual`. GPT-NeoX's converter regroups HF's per-head interleaved query_key_value into
 `attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
 names no activation; llama.cpp runs ggml's tanh-approximated GELU).
@@ -61,7 +62,8 @@ EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_
 layers without position encoding; llama.cpp's window of 4096 for a 64-layer file without the keys.
 Command R (`command-r`) and Cohere 2: LayerNorms without biases (eps `attention.layer_norm_epsilon`), `logit_scale`,
 q/k rows as in the HF checkpoint (no permutation: llama.cpp rotates their interleaved pairs, keel regroups them as
-for safetensors); Cohere 2's `attention.sliding_window` with one global layer (no position encoding) in four, as
+for safetensors), Command R+'s per-head q/k norms (`attn_q_norm` [head_dim, heads] in ggml order) with each head's
+channels regrouped the same way; Cohere 2's `attention.sliding_window` with one global layer (no position encoding) in four, as
 llama.cpp takes it.
 SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
 released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
@@ -196,7 +198,7 @@ from torch import Tensor
 from keel.config import DEEPSEEK_V2_ROUTER, FAMILY_DEFAULTS, HIDDEN_ACTS, ModelConfig, RopeScaling
 from keel.errors import ConfigError, WeightsError
 from keel.families import FAMILIES, checkpoint_layout
-from keel.families.parts import Transposed
+from keel.families.parts import Columns, Transposed
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
 from keel.weights.gguf_file import GGUFFile, GGUFTensor
@@ -786,7 +788,7 @@ def _family_hf_config(
         hf.update(sliding_window=int(window) if window else None, **_sliding_pattern(pattern))
         hf.update(tie_word_embeddings=common["tie_word_embeddings"])
     if family in ("cohere", "cohere2"):
-        # logit_scale (llama.cpp's default 1 where absent); q/k norms where the tensors are (Command R+, refused)
+        # logit_scale (llama.cpp's default 1 where absent); q/k norms per head where the tensors are (Command R+)
         scale = f.key(_K.LOGIT_SCALE)
         read |= {"logits_scaling"} if scale is not None else set()
         hf.update(logit_scale=_f32(scale) if scale is not None else 1.0, use_qk_norm=has(MODEL_TENSOR.ATTN_Q_NORM))
@@ -1555,7 +1557,18 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
 def _regrouped(parts: dict[str, Rows], name: str) -> bool:
     """Whether a family's layout reads this tensor as itself with its rows in another order (GLM-4's and Cohere's
     q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file stores as the HF checkpoint does."""
-    return list(parts) == [name] and parts[name] is not None and len(parts[name]) > 1
+    return list(parts) == [name] and isinstance(parts[name], list) and len(parts[name]) > 1
+
+
+def _columns_in_order(order: tuple[int, ...]) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """The tensor's columns in `order` (Command R+'s per-head q/k norm weights [heads, head_dim], each head's channels
+    regrouped as its q/k rows are: keel.families.parts.Columns)."""
+
+    def apply(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0][:, list(order)]
+
+    apply.moves_rows = False  # type: ignore[attr-defined]  # columns: no integer blocks, sharded whole
+    return apply
 
 
 def _rows_in_order(order: np.ndarray) -> Callable[[list[np.ndarray]], np.ndarray]:
@@ -1893,6 +1906,8 @@ class GGUFTensorReader:
                     # LFM2Model squeezes the depthwise Conv1d's [C, 1, K] to [C, K] (llama.cpp's ssm_conv is 2-D).
                     for part in layout.get(hf, {hf: None}):
                         self._add(part, (t,), (shape[0], 1, shape[-1]), _unsqueezed)
+                elif hf in layout and isinstance(layout[hf].get(hf), Columns):  # per-head q/k norms (Command R+)
+                    self._add(hf, (t,), shape, _columns_in_order(layout[hf][hf].order))
                 elif hf in layout and _regrouped(layout[hf], hf):  # q/k rows regrouped (interleaved rotary pairs)
                     order = np.concatenate([np.arange(a, b) for a, b in layout[hf][hf]])
                     self._add(hf, (t,), shape, _rows_in_order(order))
