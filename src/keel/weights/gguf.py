@@ -63,8 +63,8 @@ layers without position encoding; llama.cpp's window of 4096 for a 64-layer file
 Command R (`command-r`) and Cohere 2: LayerNorms without biases (eps `attention.layer_norm_epsilon`), `logit_scale`,
 q/k rows as in the HF checkpoint (no permutation: llama.cpp rotates their interleaved pairs, keel regroups them as
 for safetensors), Command R+'s per-head q/k norms (`attn_q_norm` [head_dim, heads] in ggml order) with each head's
-channels regrouped the same way; Cohere 2's `attention.sliding_window` with one global layer (no position encoding) in four, as
-llama.cpp takes it.
+channels regrouped the same way; Cohere 2's `attention.sliding_window` with one global layer (no position encoding)
+in four, as llama.cpp takes it.
 SmolLM3: no key for its layers without position encoding; llama.cpp places one every fourth layer, as the
 released models do, and so does keel. StarCoder2: LayerNorms with biases (eps `attention.layer_norm_epsilon`),
 its MLP as `ffn_up` / `ffn_down`, no window key (llama.cpp attends over the whole context, and so does keel).
