@@ -237,6 +237,13 @@ def test_hint_contradicting_q_norm(tmp_path):
     assert open_checkpoint(tmp_path, head_dim=32).config.num_heads == 4  # an agreeing hint is fine
 
 
+def test_q_norm_with_a_weight_per_head_is_refused_by_name(tmp_path):
+    save_hf_model("cohere-qk-norm", tmp_path)  # q_norm [heads, head_dim]: LayerNorm or RMSNorm, unknown from shapes
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"q_norm weight \[4, 16\] \(a weight per head\)"):
+        open_checkpoint(tmp_path)
+
+
 def test_not_a_decoder(tmp_path):
     save_file({"encoder.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="do not look like a decoder") as info:

@@ -304,7 +304,10 @@ def _heads(
         if value is not None and value <= 0:
             raise fail(f"{flag} must be positive, got {value}")
     if qk_norm:
-        norm_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
+        norm_shape = shape("model.layers.0.self_attn.q_norm.weight")
+        if len(norm_shape) != 1:  # Command R+'s [heads, head_dim]: LayerNorm or RMSNorm, the shapes cannot tell
+            raise fail(f"q_norm weight {list(norm_shape)} (a weight per head) is not inferred from shapes")
+        norm_dim = norm_shape[0]
         if head_dim is not None and head_dim != norm_dim:
             raise fail(f"--head-dim {head_dim} contradicts q_norm, whose length gives head_dim {norm_dim}")
         if num_heads is not None and num_heads * norm_dim != q_width:
