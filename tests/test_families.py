@@ -271,6 +271,23 @@ def test_whole_projection_qk_norms_refuse_tensor_parallelism(tmp_path):
         train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
 
 
+def test_per_head_qk_norm_weights_refuse_tensor_parallelism(tmp_path):
+    """Command R+'s q/k norm weights, one per head: a rank's heads would need their rows of them, which neither
+    serving nor training slices yet, so both refuse tp > 1 by name."""
+    from keel.errors import KeelError
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model("cohere-qk-norm", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(KeelError, match="a weight per head"):
+        check_parallel_model(config, tmp_path, 2, 1)
+    check_parallel_model(config, tmp_path, 1, 2)  # pipeline stages cut whole layers
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="each_head"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+
 def test_gemma3_reads_both_rope_forms_and_attention_softcapping(tmp_path):
     """Gemma 3's per-kind RoPE as transformers 5 writes it (rope_parameters by layer kind) and as older
     configs do (rope_theta, rope_local_base_freq, rope_scaling) give the same model; attention-score
