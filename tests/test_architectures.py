@@ -71,6 +71,8 @@ def test_keel_align_passes(tiny_dirs, name, capsys):
         "phi3",
         "stablelm",
         "stablelm-parallel",
+        "stablelm-qk-norm",
+        "cohere-qk-norm",
         "gpt_neox",
         "olmo2",
         "gemma3",
