@@ -1417,6 +1417,20 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # DBRX: unbiased LayerNorms, fused Wqkv clamped to +-clip_qkv, its RoPE base under attn_config (and the top-level
+    # one transformers 5 reads, equal), 4 experts of 2 per token from a softmax router, the top-k weights divided by
+    # their sum, the experts' weights fused by rows (w2 holding each expert's down projection transposed).
+    "dbrx": (
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(
+            d_model=64,  # by its own name: DbrxConfig gives ffn_config the width before the alias is set
+            max_seq_len=256,
+            attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 5000.0},
+            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",
@@ -1441,6 +1455,7 @@ SHARPENED = (
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
     "self_attention.query_key_value.weight",  # Falcon's
+    "attn.Wqkv.weight",  # DBRX's
 )
 
 
@@ -1456,7 +1471,7 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
-            if pname.endswith("norm.weight") or pname.endswith((".bias", "_bias")):
+            if pname.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "norm_f.weight", ".bias", "_bias")):
                 p.add_(torch.randn_like(p) * 0.1)
             # GPT-OSS's sinks start near 0, where they barely move the softmax: spread them, so that they count.
             # xIELU's parameters all start alike (Apertus): set each layer's apart.

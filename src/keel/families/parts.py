@@ -11,3 +11,12 @@ class Transposed:
     stored columns), None for all of it."""
 
     rows: list[tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class RowsTransposed:
+    """A part made of stored `rows`, read transposed (DBRX's fused experts `w2` [E * I, H]: expert e's down
+    projection [H, I] is the transpose of its I rows), where `Transposed` takes columns of a whole transposed
+    tensor."""
+
+    rows: list[tuple[int, int]]

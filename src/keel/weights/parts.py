@@ -10,7 +10,9 @@ takes only the rows it needs from the stored tensor's bytes; the stored names ar
 A 2-D tensor stored transposed (GPT-2's Conv1D weights, [in, out] where keel's Linear holds [out, in]) names its
 parts `Transposed(rows)`: the rows are the transpose's (the stored columns), every read takes the stored box of
 those columns and transposes it (so a tensor-parallel shard still reads only its bytes), and `fused_stream` writes
-the tensor back transposed.
+the tensor back transposed. A part `RowsTransposed(rows)` is the transpose of the stored rows it takes (DBRX's
+experts `w2`, one expert's rows each): reads take those rows' box and transpose it, `fused_stream` writes each part
+back transposed into its rows.
 """
 
 from __future__ import annotations
@@ -22,16 +24,20 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.families.parts import Transposed
+from keel.families.parts import RowsTransposed, Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | Transposed | None
+Rows = list[tuple[int, int]] | Transposed | RowsTransposed | None
 Layout = dict[str, dict[str, Rows]]
 
 
 def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
     """(the part's row ranges or None, whether the stored tensor is transposed)."""
-    return (part.rows, True) if isinstance(part, Transposed) else (part, False)
+    return (part.rows, True) if isinstance(part, Transposed) else (_ranges(part), False)
+
+
+def _ranges(part: Rows) -> list[tuple[int, int]] | None:
+    return part.rows if isinstance(part, RowsTransposed) else part
 
 
 def _pieces(rows: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -104,6 +110,14 @@ class PartsReader(DerivedReader):
             if stored in present
             for name, part in parts.items()
         }
+        # the parts read as the transpose of their stored rows
+        self._part_flipped = {
+            name
+            for stored, parts in layout.items()
+            if stored in present
+            for name, part in parts.items()
+            if isinstance(part, RowsTransposed)
+        }
         self._names = (present - {stored for stored, *_ in self._derived.values()}) | set(self._derived)
 
     def _part(self, name: str) -> tuple[str, list[tuple[int, int]] | None, bool]:
@@ -120,10 +134,23 @@ class PartsReader(DerivedReader):
         stored, rows, flipped = self._part(name)
         shape = tuple(self.inner.shape(stored))
         shape = shape[::-1] if flipped else shape
-        return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+        shape = shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+        return shape[::-1] if name in self._part_flipped else shape
 
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
         stored, rows, flipped = self._part(name)
+        if name in self._part_flipped:  # the box of the stored rows' part, transposed
+            return self._rows_box(stored, rows, offset[::-1], shape[::-1], False).T.contiguous()
+        return self._rows_box(stored, rows, offset, shape, flipped)
+
+    def _rows_box(
+        self,
+        stored: str,
+        rows: list[tuple[int, int]] | None,
+        offset: tuple[int, ...],
+        shape: tuple[int, ...],
+        flipped: bool,
+    ) -> Tensor:
 
         def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:  # of the stored tensor, as keel reads it
             if not flipped:
@@ -152,11 +179,14 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
         parts = held.pop(stored)
         ranges_of = {part: _rows(rows) for part, rows in layout[stored].items()}
         flipped = ranges_of[name][1]
+        for part, rows in layout[stored].items():  # back to the stored rows' orientation
+            if isinstance(rows, RowsTransposed):
+                parts[part] = parts[part].T
         if len(parts) == 1 and ranges_of[name][0] is None:  # renamed
             yield stored, tensor.T.contiguous() if flipped else tensor
             continue
         rows = max(b for ranges, _ in ranges_of.values() for _, b in ranges)
-        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        out = tensor.new_empty((rows, *parts[name].shape[1:]))
         for part, (ranges, _) in ranges_of.items():
             offset = 0
             for a, b in ranges:
