@@ -1471,7 +1471,11 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
-            if pname.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "norm_f.weight", ".bias", "_bias")):
+            # (DBRX's norms: norm_attn_norm.norm_1 / norm_2, transformer.norm_f)
+            dbrx_norm = pname.endswith(
+                ("attn_norm.norm_1.weight", "attn_norm.norm_2.weight", "transformer.norm_f.weight")
+            )
+            if pname.endswith(("norm.weight", ".bias", "_bias")) or dbrx_norm:
                 p.add_(torch.randn_like(p) * 0.1)
             # GPT-OSS's sinks start near 0, where they barely move the softmax: spread them, so that they count.
             # xIELU's parameters all start alike (Apertus): set each layer's apart.
