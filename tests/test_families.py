@@ -237,9 +237,6 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
         ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
         ("GPTJForCausalLM", {"rotary_dim": 32}, "rotary_dim"),
-        ("OPTForCausalLM", {"do_layer_norm_before": False}, "do_layer_norm_before"),
-        ("OPTForCausalLM", {"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
-        ("OPTForCausalLM", {"_remove_final_layer_norm": True}, "_remove_final_layer_norm"),
         ("GPTNeoForCausalLM", {"attention_types": [[["global", "sparse"], 1]]}, "attention_types"),
     ],
 )

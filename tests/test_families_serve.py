@@ -54,6 +54,7 @@ SLOW = pytest.mark.slow
         pytest.param("gptj", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("opt", marks=SLOW),
+        pytest.param("opt-350m", marks=SLOW),  # norms after the residual adds, the projected embedding
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):

@@ -1431,6 +1431,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
         ),
     ),
+    # OPT-350m's block: each LayerNorm after its residual add, no final norm, a narrower embedding (and tied head)
+    # with project_in / project_out between it and the model.
+    "opt-350m": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(ffn_dim=96, max_position_embeddings=256, do_layer_norm_before=False, word_embed_proj_dim=32),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",
