@@ -209,6 +209,30 @@ def test_dbrx_config_reads_its_nested_keys_and_refuses_what_it_cannot_run():
             ModelConfig.from_hf({**hf, **bad})
 
 
+def test_opt_350m_projections_go_with_the_embedding_and_the_head(tmp_path):
+    """OPT-350m's project_in goes with the embedding (a pipeline's first stage), project_out with the head (its last);
+    the two stages give the whole model's logits, and its norms sit after the residual adds with no final norm."""
+    import copy
+
+    from keel.model.stages import split_stage
+    from keel.quant.loading import load_model
+
+    save_hf_model("opt-350m", tmp_path)
+    full = load_model(tmp_path, "float32").model
+    assert (full.config.norm_placement, full.config.final_norm, full.config.embedding_size) == (
+        "post_residual",
+        False,
+        32,
+    )
+    assert full.embed_tokens.weight.shape == (256, 32) and full.lm_head.weight is full.embed_tokens.weight
+    first, last = split_stage(copy.deepcopy(full), 0, 2), split_stage(copy.deepcopy(full), 1, 2)
+    assert first.project_in is not None and first.project_out is None and first.norm is None
+    assert last.project_in is None and last.project_out is not None and last.embed_tokens is None
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(last(first(tokens)), full(tokens))
+
+
 def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
     """A pipeline's first stage holds the position table; serving past its rows is refused whatever the
     environment allows (there is no row to read)."""
