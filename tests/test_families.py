@@ -200,6 +200,92 @@ def test_gpt2_conv1d_weights_are_read_through_their_transpose_shard_by_shard(tmp
     assert torch.equal(unprefixed.get("model.layers.1.self_attn.k_proj.weight"), c_attn[:, h : 2 * h].T)
 
 
+def test_dbrx_fused_experts_are_read_by_expert_shard_by_shard_and_written_back(tmp_path):
+    """DBRX stores each layer's experts fused by rows ([E * I, H]: w1 gate, v1 up, w2 whose rows are each expert's
+    down projection transposed): keel's per-expert weights are their rows (w2's transposed), a tensor-parallel rank's
+    shard reads its box of them, and keel's weights fuse back into the stored tensors as they were."""
+    from keel.weights.parts import fused_stream
+
+    save_hf_model("dbrx", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    stored = SafetensorsReader(tmp_path)
+    layout = FAMILIES["dbrx"].checkpoint_layout(config)
+    reader = PartsReader(SafetensorsReader(tmp_path), layout)
+    assert not any(n.startswith("transformer.") for n in reader.names())
+    width, hidden = config.moe_intermediate_size, config.hidden_size
+    experts = "transformer.blocks.1.ffn.experts.mlp"
+    w1, v1, w2 = (stored.get(f"{experts}.{n}") for n in ("w1", "v1", "w2"))
+    for e in range(config.num_experts):
+        rows = slice(e * width, (e + 1) * width)
+        keel = f"model.layers.1.mlp.experts.{e}"
+        assert torch.equal(reader.get(f"{keel}.gate_proj.weight"), w1[rows])
+        assert torch.equal(reader.get(f"{keel}.up_proj.weight"), v1[rows])
+        assert reader.shape(f"{keel}.down_proj.weight") == (hidden, width)
+        assert torch.equal(reader.get(f"{keel}.down_proj.weight"), w2[rows].T)
+        shard = reader.get_shard(f"{keel}.down_proj.weight", Shard(1, 8, 40))  # row-parallel: columns 8..40
+        assert torch.equal(shard, w2[rows].T[:, 8:40]) and shard.is_contiguous()
+        assert torch.equal(reader.get_row(f"{keel}.down_proj.weight", 5), w2[rows][:, 5])
+    q = config.num_heads * config.head_dim
+    wqkv = stored.get("transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight")
+    assert torch.equal(reader.get("model.layers.0.self_attn.k_proj.weight"), wqkv[q : q + 2 * config.head_dim])
+    assert torch.equal(
+        reader.get("model.layers.2.mlp.gate.weight"), stored.get("transformer.blocks.2.ffn.router.layer.weight")
+    )
+    keel_named = ((n, reader.get(n)) for n in sorted(reader.names()))
+    back = dict(fused_stream({k: v for k, v in layout.items() if k.startswith("transformer.")}, keel_named))
+    assert sorted(back) == sorted(stored.names())
+    assert all(torch.equal(back[n], stored.get(n)) for n in stored.names())
+
+
+def test_dbrx_config_reads_its_nested_keys_and_refuses_what_it_cannot_run():
+    """attn_config / ffn_config hold DBRX's own options; its RoPE base is attn_config's (the released files' key)
+    over transformers 5's default top-level one; a p-norm other than the sum (p = 1) is refused by name."""
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    _, arch, extra = TINY_CONFIGS["dbrx"]
+    hf = {**COMMON, **extra, "architectures": [arch]}
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    hf["attn_config"] = {"kv_n_heads": 1, "clip_qkv": 8, "rope_theta": 500000.0}
+    config = ModelConfig.from_hf(hf)
+    assert (config.rope_theta, config.num_kv_heads, config.clip_qkv) == (500000.0, 1, 8.0)
+    assert config.to_hf()["attn_config"]["rope_theta"] == 500000.0
+    ffn = {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": None}
+    config = ModelConfig.from_hf({**hf, "ffn_config": ffn})
+    assert not config.norm_topk_prob and config.intermediate_size == config.moe_intermediate_size == 32
+    assert config.to_hf()["ffn_config"]["moe_normalize_expert_weights"] is None
+    for bad, field in [
+        ({"ffn_config": {**ffn, "moe_normalize_expert_weights": 2.0}}, "moe_normalize_expert_weights"),
+        ({"ffn_config": {**ffn, "ffn_act_fn": {"name": "silu", "inplace": True}}}, "ffn_act_fn"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            ModelConfig.from_hf({**hf, **bad})
+
+
+def test_opt_350m_projections_go_with_the_embedding_and_the_head(tmp_path):
+    """OPT-350m's project_in goes with the embedding (a pipeline's first stage), project_out with the head (its last);
+    the two stages give the whole model's logits, and its norms sit after the residual adds with no final norm."""
+    import copy
+
+    from keel.model.stages import split_stage
+    from keel.quant.loading import load_model
+
+    save_hf_model("opt-350m", tmp_path)
+    full = load_model(tmp_path, "float32").model
+    assert (full.config.norm_placement, full.config.final_norm, full.config.embedding_size) == (
+        "post_residual",
+        False,
+        32,
+    )
+    assert full.embed_tokens.weight.shape == (256, 32) and full.lm_head.weight is full.embed_tokens.weight
+    first, last = split_stage(copy.deepcopy(full), 0, 2), split_stage(copy.deepcopy(full), 1, 2)
+    assert first.project_in is not None and first.project_out is None and first.norm is None
+    assert last.project_in is None and last.project_out is not None and last.embed_tokens is None
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(last(first(tokens)), full(tokens))
+
+
 def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
     """A pipeline's first stage holds the position table; serving past its rows is refused whatever the
     environment allows (there is no row to read)."""
@@ -228,9 +314,6 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
         ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
         ("GPTJForCausalLM", {"rotary_dim": 32}, "rotary_dim"),
-        ("OPTForCausalLM", {"do_layer_norm_before": False}, "do_layer_norm_before"),
-        ("OPTForCausalLM", {"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
-        ("OPTForCausalLM", {"_remove_final_layer_norm": True}, "_remove_final_layer_norm"),
         ("GPTNeoForCausalLM", {"attention_types": [[["global", "sparse"], 1]]}, "attention_types"),
     ],
 )

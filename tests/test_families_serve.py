@@ -57,6 +57,7 @@ SLOW = pytest.mark.slow
         pytest.param("gptj", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("opt", marks=SLOW),
+        pytest.param("opt-350m", marks=SLOW),  # norms after the residual adds, the projected embedding
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -157,6 +158,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gptj", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("dbrx", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -397,6 +399,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
             (True, False, True),
             (False, True, False),
         ]
+    elif name == "dbrx":  # experts in every layer from a softmax router, q/k/v clamped, unbiased LayerNorms
+        config = llm.engine.model.config
+        assert all(config.is_moe_layer(i) for i in range(len(attention)))
+        assert config.clip_qkv == 0.5 and config.norm_type == "layer" and not config.norm_bias
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

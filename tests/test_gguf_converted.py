@@ -1,6 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon and Jamba.
+and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba and DBRX.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -326,6 +326,32 @@ def _mamba_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tenso
     return t
 
 
+def _dbrx_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """DbrxModel's keys (none of TextModel's), from its nested attn_config and ffn_config; the eps fixed at 1e-5."""
+    attn, ffn = hp["attn_config"], hp["ffn_config"]
+    w.add_block_count(hp["n_layers"])
+    w.add_context_length(hp["max_seq_len"])
+    w.add_embedding_length(hp["d_model"])
+    w.add_feed_forward_length(ffn["ffn_hidden_size"])
+    w.add_head_count(hp["n_heads"])
+    w.add_head_count_kv(attn["kv_n_heads"])
+    w.add_rope_freq_base(attn["rope_theta"])
+    w.add_clamp_kqv(attn["clip_qkv"])
+    w.add_expert_count(ffn["moe_num_experts"])
+    w.add_expert_used_count(ffn["moe_top_k"])
+    w.add_layer_norm_eps(1e-5)
+
+
+def _dbrx_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """DbrxModel.modify_tensors: the fused experts viewed as [E, I, H], w2 (each expert's down projection transposed)
+    permuted to [E, H, I]."""
+    if ".ffn.experts.mlp." not in name:
+        return t
+    ffn = hp["ffn_config"]
+    t = t.view(ffn["moe_num_experts"], ffn["ffn_hidden_size"], hp["d_model"])
+    return t.permute(0, 2, 1) if name.endswith(".w2") else t
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -441,6 +467,14 @@ CONVERTERS = {
         rename=lambda name: name.replace(".feed_forward.experts.", ".mlp.experts."),
         probe="in_proj",
     ),
+    # DbrxModel: its own keys; the experts (named without `.weight`, which the converter adds) stacked by expert
+    "dbrx": Converter(
+        gguf.MODEL_ARCH.DBRX,
+        keys=_dbrx_keys,
+        text_model=False,
+        tensor=_dbrx_tensor,
+        rename=lambda name: f"{name}.weight" if ".ffn.experts.mlp." in name else name,
+    ),
     # MambaModel: its own keys; A_log as -exp(A_log) and D without a suffix, conv1d squeezed
     "mamba": Converter(
         gguf.MODEL_ARCH.MAMBA, keys=_mamba_keys, text_model=False, tensor=_mamba_tensor, probe="in_proj"
@@ -493,15 +527,14 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     tensors.update({name: torch.stack([e[i] for i in sorted(e)]) for name, e in experts.items()})
     for name, t in tensors.items():
         # (the converters' rename of the router's selection bias, which TensorNameMap then names exp_probs_b)
-        base, suffix = converter.rename(name.replace("e_score_correction_bias", "e_score_correction.bias")).rsplit(
-            ".", 1
-        )
+        renamed = converter.rename(name.replace("e_score_correction_bias", "e_score_correction.bias"))
+        base, suffix = renamed.rsplit(".", 1)
         if suffix in converter.permute and base.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
             t = torch.from_numpy(llama_cpp_permute(t.numpy(), heads))
         a = np.ascontiguousarray(converter.tensor(name, t, hp).float().numpy())
         # (a tensor TensorNameMap names whole, e.g. Mamba's A_log, has no suffix)
-        gguf_name = names.get_name(name) or f"{names.get_name(base)}.{suffix}"
+        gguf_name = names.get_name(renamed) or f"{names.get_name(base)}.{suffix}"
         if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0 and not any(s in gguf_name for s in ("ffn_gate_inp", "norm")):
             w.add_tensor(gguf_name, gguf.quants.quantize(a, Q.Q8_0), raw_dtype=Q.Q8_0)
         else:
@@ -528,6 +561,14 @@ def assert_family_features(name: str, loaded, hf) -> None:
             "blk.0.ffn_gate_exps.weight",
             "blk.0.ffn_up_exps.weight",
         ]
+    if name == "dbrx":  # unbiased LayerNorms, the clamp, experts of its fused rows stacked, renormalised
+        assert (c.norm_type, c.norm_bias, c.clip_qkv, c.num_kv_heads) == ("layer", False, 0.5, 2)
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (4, 2, 48, True)
+        assert c.rope_theta == 5000.0 and loaded.checkpoint.provenance["clip_qkv"] == "read"
+        assert reader.gguf_names("model.layers.1.mlp.experts.down_proj") == ["blk.1.ffn_down_exps.weight"]
+        assert reader.gguf_names("model.layers.0.post_attention_layernorm.weight") == ["blk.0.attn_output_norm.weight"]
+        down = hf.state_dict()["transformer.blocks.1.ffn.experts.mlp.w2"].view(4, 48, 64).transpose(1, 2)
+        assert torch.equal(reader.get("model.layers.1.mlp.experts.down_proj"), down)
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"

@@ -152,6 +152,10 @@ def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         pytest.param("gpt2", 2, marks=pytest.mark.slow),
         # OPT: the learned table's offset rows replicated; GPT-J: q/k rows regrouped per head, each rank its heads'
         pytest.param("opt", 2, marks=pytest.mark.slow),
+        # OPT-350m: the norms after the residual adds, project_in / project_out replicated
+        pytest.param("opt-350m", 2, marks=pytest.mark.slow),
+        # DBRX: Wqkv's q/k/v and each expert's rows of the fused w1 / v1 / w2 (w2's transposed) read by rank
+        pytest.param("dbrx", 2, marks=pytest.mark.slow),
         pytest.param("gptj", 2, marks=pytest.mark.slow),
     ],
 )

@@ -1435,6 +1435,27 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # DBRX: unbiased LayerNorms, fused Wqkv clamped to +-clip_qkv, its RoPE base under attn_config (and the top-level
+    # one transformers 5 reads, equal), 4 experts of 2 per token from a softmax router, the top-k weights divided by
+    # their sum, the experts' weights fused by rows (w2 holding each expert's down projection transposed).
+    "dbrx": (
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(
+            d_model=64,  # by its own name: DbrxConfig gives ffn_config the width before the alias is set
+            max_seq_len=256,
+            attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 5000.0},
+            ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
+    # OPT-350m's block: each LayerNorm after its residual add, no final norm, a narrower embedding (and tied head)
+    # with project_in / project_out between it and the model.
+    "opt-350m": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(ffn_dim=96, max_position_embeddings=256, do_layer_norm_before=False, word_embed_proj_dim=32),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",
@@ -1459,6 +1480,7 @@ SHARPENED = (
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
     "self_attention.query_key_value.weight",  # Falcon's
+    "attn.Wqkv.weight",  # DBRX's
 )
 
 
@@ -1474,7 +1496,11 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for pname, p in model.named_parameters():
             # Random init leaves norms at 1 and biases at 0: perturb them, so those paths count.
-            if pname.endswith("norm.weight") or pname.endswith((".bias", "_bias")):
+            # (DBRX's norms: norm_attn_norm.norm_1 / norm_2, transformer.norm_f)
+            dbrx_norm = pname.endswith(
+                ("attn_norm.norm_1.weight", "attn_norm.norm_2.weight", "transformer.norm_f.weight")
+            )
+            if pname.endswith(("norm.weight", ".bias", "_bias")) or dbrx_norm:
                 p.add_(torch.randn_like(p) * 0.1)
             # Per-head q/k norms (StableLM's list of LayerNorms; Cohere's [heads, head_dim]): each head its own
             # scale, far enough apart that a head read in another's place shows in the logits.

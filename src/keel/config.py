@@ -368,8 +368,17 @@ class ModelConfig:
     embedding_norm: bool = False
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's option)
     post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
-    # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2)
+    # pre: a norm before each sublayer (Llama); post: after each, on its output (OLMo 2); sandwich: both (Gemma 2);
+    # post_residual: after each residual add, x = norm(x + sublayer(x)) (OPT-350m, the original Transformer's), with
+    # the pre-norm block's two norms (input_layernorm after the attention's add, post_attention_layernorm after the
+    # MLP's)
     norm_placement: str = "pre"
+    # False: no norm after the last layer (OPT-350m's post_residual block ends normed; OPT's _remove_final_layer_norm)
+    final_norm: bool = True
+    # The token embedding's (and the LM head's) width where other than hidden_size (OPT-350m's word_embed_proj_dim):
+    # `project_in` [hidden, E] maps the embedding to the model's width and `project_out` [E, hidden] the last hidden
+    # state (after the final norm) to the head's, Linear without bias; 0: hidden_size, no projections.
+    embedding_size: int = 0
     # head: q/k norms over each head, one weight [head_dim] shared by the heads (Qwen3); all: over the whole
     # projection (OLMo 2); each_head: over each head, a weight of its own per head ([heads, head_dim]: Cohere's
     # Command R+, StableLM 2 12B)
@@ -734,8 +743,18 @@ class ModelConfig:
         )
         need(not (self.is_mla and self.sliding_rope_theta is not None), "MLA has no sliding layers")
         need(
-            self.norm_placement in ("pre", "post", "sandwich"),
-            f"norm_placement {self.norm_placement!r}: pre, post or sandwich",
+            self.norm_placement in ("pre", "post", "sandwich", "post_residual"),
+            f"norm_placement {self.norm_placement!r}: pre, post, sandwich or post_residual",
+        )
+        if self.norm_placement == "post_residual":  # each layer's two norms after its two residual adds
+            need(
+                not self.has_partial_layers and self.post_attention_norm and "hybrid" not in self.layer_types,
+                "norm_placement 'post_residual' needs every layer to hold attention and an MLP, each normed",
+            )
+        need(self.embedding_size >= 0, f"embedding_size must be >= 0, got {self.embedding_size}")
+        need(
+            not (self.embedding_size and (self.per_layer_input_size or self.embedding_norm)),
+            "embedding_size (project_in / project_out) beside per-layer inputs or embedding_norm",
         )
         need(
             self.qk_norm_scope in ("head", "all", "each_head"),
@@ -969,7 +988,7 @@ class ModelConfig:
         shared = mats * h * shared_width + shared_gate
         shared += ((mats - 1) * shared_width + h) if self.mlp_bias and shared_width else 0
         norm = h * (2 if self.norm_bias else 1) if self.norm_affine else 0
-        pre, post = self.norm_placement != "post", self.norm_placement != "pre"
+        pre, post = self.norm_placement != "post", self.norm_placement in ("post", "sandwich")
         mixer_norms = norm * (pre + post)  # before the mixer and/or on its output
         mlp_norms = norm * (pre * self.post_attention_norm + post)
         total = active = 0
@@ -1010,12 +1029,15 @@ class ModelConfig:
             total += ple
             active += ple
             ple_embed = self.ple_vocab_size * self.num_layers * per_layer
-        embed = self.vocab_size * h
+        width = self.embedding_size or h  # the embedding's and the head's (OPT-350m's projections between)
+        embed = self.vocab_size * width
         positions = self.learned_positions * h  # GPT-2's learned position table: a row lookup too
-        head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * width
+        head += self.vocab_size if self.lm_head_bias else 0
         positions += ple_embed  # the per-layer input table: a row lookup too
-        total += embed + positions + head + norm
-        active += embed + positions + head + norm
+        final = (norm if self.final_norm else 0) + (2 * h * width if self.embedding_size else 0)
+        total += embed + positions + head + final
+        active += embed + positions + head + final
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and
         # the "activated parameters" model cards publish count the rest (a tied table, as the head, counts).
         matmul = active - positions - (0 if self.tie_word_embeddings else embed)

@@ -4,10 +4,12 @@ table starts at row 2 (`embed_positions` of max_position_embeddings + 2 rows: ke
 `layer_norm_elementwise_affine` is false (keel's norm_affine off), a ReLU MLP `fc1` / `fc2`, biases on q/k/v,
 `out_proj`, fc1 and fc2 where `enable_bias`, and an unbiased LM head tied by default.
 
-Refused by name: `do_layer_norm_before` false (OPT-350m's post-norm block, x = norm(x + sublayer(x)), and no final
-norm; keel's `post` placement norms the sublayer's output instead), `word_embed_proj_dim` other than hidden_size
-(OPT-350m's project_in / project_out) and `_remove_final_layer_norm` (no final norm). Hub checkpoints saved from
-OPTModel name their tensors without the `model.` prefix (`decoder.layers.0...`); both are read.
+OPT-350m's block: `do_layer_norm_before` false puts each norm after its residual add, x = norm(x + sublayer(x))
+(keel's norm_placement post_residual, not its `post`, which norms the sublayer's output before the add), and leaves
+no final norm (keel's final_norm off, as `_remove_final_layer_norm` does for the pre-norm block); a
+`word_embed_proj_dim` other than hidden_size gives the embedding and the tied head that width, with `project_in` /
+`project_out` (unbiased) between them and the model (keel's embedding_size). Hub checkpoints saved from OPTModel name
+their tensors without the `model.` prefix (`decoder.layers.0...`); both are read.
 """
 
 from __future__ import annotations
@@ -35,15 +37,8 @@ _LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which OPT's norms keep
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    if not hf.get("do_layer_norm_before", True):
-        raise ConfigError(f"{source}: do_layer_norm_before false (OPT-350m's post-norm block) is not supported")
-    if hf.get("word_embed_proj_dim") not in (None, hidden):
-        raise ConfigError(
-            f"{source}: word_embed_proj_dim {hf['word_embed_proj_dim']} other than hidden_size {hidden} "
-            "(project_in / project_out) is not supported"
-        )
-    if hf.get("_remove_final_layer_norm", False):
-        raise ConfigError(f"{source}: _remove_final_layer_norm (no final norm) is not supported")
+    pre_norm = bool(hf.get("do_layer_norm_before", True))
+    embedding = int(hf.get("word_embed_proj_dim") or hidden)
     bias = bool(hf.get("enable_bias", True))
     affine = bool(hf.get("layer_norm_elementwise_affine", True))
     return {
@@ -52,6 +47,10 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "position_embedding": "learned",
         "position_offset": _POSITION_OFFSET,
         "norm_type": "layer",
+        "norm_placement": "pre" if pre_norm else "post_residual",
+        # OPTDecoder's final norm: the pre-norm block's, unless removed
+        "final_norm": pre_norm and not bool(hf.get("_remove_final_layer_norm", False)),
+        "embedding_size": 0 if embedding == hidden else embedding,
         "norm_affine": affine,
         "norm_bias": affine,
         "rms_norm_eps": _LAYER_NORM_EPS,
@@ -70,12 +69,15 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{config.architecture}: OPT's enable_bias covers every projection, its norms' affine both")
     if config.rms_norm_eps != _LAYER_NORM_EPS or config.position_offset != _POSITION_OFFSET:
         raise ConfigError(f"{config.architecture}: OPT's norms have eps 1e-5 and its position table offset 2")
+    pre_norm = config.norm_placement == "pre"
+    if config.norm_placement not in ("pre", "post_residual") or (not pre_norm and config.final_norm):
+        raise ConfigError(f"{config.architecture}: OPT's norms come before each sublayer, or after each residual add")
     return {
         "ffn_dim": config.intermediate_size,
         "activation_function": {"gelu_tanh": "gelu_new"}.get(config.hidden_act, config.hidden_act),
-        "do_layer_norm_before": True,
-        "_remove_final_layer_norm": False,
-        "word_embed_proj_dim": config.hidden_size,
+        "do_layer_norm_before": pre_norm,
+        "_remove_final_layer_norm": pre_norm and not config.final_norm,
+        "word_embed_proj_dim": config.embedding_size or config.hidden_size,
         "enable_bias": config.qkv_bias,
         "layer_norm_elementwise_affine": config.norm_affine,
     }
@@ -98,6 +100,8 @@ def _layout(config: Any, prefix: str) -> dict[str, dict[str, None]]:
     layout: dict[str, dict[str, None]] = {
         f"{prefix}decoder.embed_tokens.weight": {"model.embed_tokens.weight": None},
         f"{prefix}decoder.embed_positions.weight": {"model.embed_positions.weight": None},
+        f"{prefix}decoder.project_in.weight": {"model.project_in.weight": None},
+        f"{prefix}decoder.project_out.weight": {"model.project_out.weight": None},
     }
     for kind in ("weight", "bias"):
         layout[f"{prefix}decoder.final_layer_norm.{kind}"] = {f"model.norm.{kind}": None}

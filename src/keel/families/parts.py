@@ -29,3 +29,12 @@ class Columns:
     rows are for keel's rotary, keel.families.rope.interleaved_rotary_rows)."""
 
     order: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RowsTransposed:
+    """A part made of stored `rows`, read transposed (DBRX's fused experts `w2` [E * I, H]: expert e's down
+    projection [H, I] is the transpose of its I rows), where `Transposed` takes columns of a whole transposed
+    tensor."""
+
+    rows: list[tuple[int, int]]

@@ -103,6 +103,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):
         return None
+    if layer.norm_after_residual:  # OPT-350m's norms after the residual adds
+        return None
     if mlp.act != "silu" or attn.rotary_dim != attn.head_dim or attn.qk_norm_whole or attn.sliding_rope:
         return None
     if attn.clip_qkv is not None:  # OLMo's clamp of q, k and v: the operator has none

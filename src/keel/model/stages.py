@@ -37,7 +37,9 @@ def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
     if stage > 0:
         model.embed_tokens = None
         model.embed_positions = None  # learned positions go with the embedding
+        model.project_in = None  # as OPT-350m's projection of it
     if stage < num_stages - 1:
         model.norm = None
         model.lm_head = None
+        model.project_out = None
     return model

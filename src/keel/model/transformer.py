@@ -54,10 +54,13 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        h, pre, post = config.hidden_size, config.norm_placement != "post", config.norm_placement != "pre"
+        h, placement = config.hidden_size, config.norm_placement
+        pre, post = placement != "post", placement in ("post", "sandwich")
         mixer, mlp = config.has_mixer(layer), config.has_mlp(layer)
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
-        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
+        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement. OPT-350m's post_residual: the
+        # same two norms, each after its sublayer's residual add.
+        self.norm_after_residual = placement == "post_residual"
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre and mixer else None
         self.self_attn: nn.Module | None = token_mixer(config, layer) if mixer else None
         self.post_attention_layernorm: nn.Module | None = (
@@ -126,6 +129,11 @@ class DecoderLayer(nn.Module):
             x = x + mixed
             return x + self.mlp(self.post_attention_layernorm(x))
         m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
+        if self.norm_after_residual:  # OPT-350m: x = norm(x + sublayer(x)), attention then the MLP
+            out = self.self_attn(x, meta)
+            x = self.input_layernorm(x + (out if m == 1.0 else out * m))
+            out = self.mlp(x)
+            return self.post_attention_layernorm(x + (out if m == 1.0 else out * m))
         if self.parallel_residual:  # both sublayers read the block's input (GPT-NeoX, StableLM's option)
             normed = self.input_layernorm(x)
             mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
@@ -158,7 +166,15 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Embedding | None = _embedding(config.vocab_size, config.hidden_size)
+        width = config.embedding_size or config.hidden_size  # the embedding's and the head's
+        self.embed_tokens: nn.Embedding | None = _embedding(config.vocab_size, width)
+        # OPT-350m's projections between a narrower embedding and the model (config.embedding_size): project_in goes
+        # with embed_tokens, project_out with the head
+        self.project_in: nn.Linear | None = None
+        self.project_out: nn.Linear | None = None
+        if config.embedding_size:
+            self.project_in = nn.Linear(width, config.hidden_size, bias=False)
+            self.project_out = nn.Linear(config.hidden_size, width, bias=False)
         # GPT-2's learned absolute positions (config.position_embedding): a table added to the token embedding, held
         # with embed_tokens (a pipeline's first stage); its layers do not rotate.
         self.embed_positions: nn.Embedding | None = None
@@ -180,8 +196,9 @@ class Transformer(nn.Module):
         self.rotates = any(config.layer_rotates(i) for i in range(config.num_layers))
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
-        self.norm: nn.Module | None = block_norm(config, config.hidden_size)
-        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        # (without a final norm, an identity: None marks a pipeline stage without the head)
+        self.norm: nn.Module | None = block_norm(config, config.hidden_size) if config.final_norm else nn.Identity()
+        self.lm_head: nn.Linear | None = nn.Linear(width, config.vocab_size, bias=config.lm_head_bias)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -254,6 +271,8 @@ class Transformer(nn.Module):
             h = self.embed_tokens(tokens)
             if self.config.embedding_multiplier != 1.0:  # Granite
                 h = h * self.config.embedding_multiplier
+            if self.project_in is not None:  # OPT-350m: to the model's width, before the positions join
+                h = self.project_in(h)
             if self.embed_positions is not None:  # learned absolute positions (GPT-2)
                 h = h + self.embed_positions(meta.positions + self.config.position_offset)
             if self.embedding_norm is not None:
@@ -285,6 +304,8 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if self.lm_head is None:
             return h
+        if self.project_out is not None:  # OPT-350m: to the head's width
+            h = self.project_out(h)
         logits = self.lm_head(h)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling

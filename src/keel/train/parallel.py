@@ -320,6 +320,12 @@ def apply_tp(
     tp = tp_mesh.size()
     check_tp_divisible(model, tp)
     sp = sequence_parallel
+    c = model.config
+    if sp and (c.embedding_size or c.norm_placement == "post_residual" or not c.final_norm):
+        # plain modules between the sequence-sharded residual and the parallel styles
+        raise ValueError(
+            "sequence parallel: embedding_size, norm_placement 'post_residual' or no final norm (OPT-350m)"
+        )
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sp))
         attn = layer.self_attn

@@ -21,7 +21,7 @@ starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon and jamba (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba and dbrx (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -165,6 +165,11 @@ Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head cou
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
 (other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
 `ssm_c_norm`), the experts stacked as Qwen2-MoE's (softmax top k, not renormalised: the family's, as llama.cpp's).
+DBRX (`dbrx`; DbrxModel): its own keys (the RoPE base, `attention.clamp_kqv`, the expert counts, the experts' width as
+feed_forward_length, the LayerNorms' eps), q/k/v fused in `attn_qkv` as in HF, `norm_2` as `attn_output_norm`, the
+experts stacked from HF's fused rows as [E, I, H] (gate, up) and [E, H, I] (down), read as keel's stacked experts. No
+key for moe_normalize_expert_weights or the activation: llama.cpp always divides the top-k weights by their sum and
+runs SiLU (the releases' 1 and silu), and so does keel.
 """
 
 from __future__ import annotations
@@ -271,6 +276,7 @@ _FAMILIES = {
     _A.GPT2: "gpt2",
     _A.FALCON: "falcon",
     _A.JAMBA: "jamba",
+    _A.DBRX: "dbrx",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -300,7 +306,7 @@ _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2"
 _ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
-_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon"}
+_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -905,6 +911,24 @@ def _family_hf_config(
         hf.update(_jamba_hf_config(f, common, tensors))
         read |= {"layer_types", "mamba_d_inner", "mamba_dt_rank", "mamba_d_state", "mamba_d_conv", "num_experts"}
         read |= {"num_experts_per_tok"}
+    if family == "dbrx":
+        # DbrxModel: the nested keys of its config.json from its own (clamp_kqv always written: the releases' 8)
+        clamp = f.key(_KA.CLAMP_KQV)
+        hf.update(
+            attn_config={
+                "kv_n_heads": common["num_kv_heads"],
+                "clip_qkv": None if clamp is None else _f32(clamp),
+                "rope_theta": common["rope_theta"],
+            },
+            ffn_config={
+                "ffn_hidden_size": common["intermediate_size"],
+                "moe_num_experts": int(f.require(_K.EXPERT_COUNT)),
+                "moe_top_k": int(f.require(_K.EXPERT_USED_COUNT)),
+            },
+            tie_word_embeddings=common["tie_word_embeddings"],  # (refused: DBRX has a head of its own)
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"}
+        read |= {"clip_qkv"} if clamp is not None else set()
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()

@@ -10,7 +10,9 @@ takes only the rows it needs from the stored tensor's bytes; the stored names ar
 A 2-D tensor stored transposed (GPT-2's Conv1D weights, [in, out] where keel's Linear holds [out, in]) names its
 parts `Transposed(rows)`: the rows are the transpose's (the stored columns), every read takes the stored box of
 those columns and transposes it (so a tensor-parallel shard still reads only its bytes), and `fused_stream` writes
-the tensor back transposed.
+the tensor back transposed. A part `RowsTransposed(rows)` is the transpose of the stored rows it takes (DBRX's
+experts `w2`, one expert's rows each): reads take those rows' box and transpose it, `fused_stream` writes each part
+back transposed into its rows.
 
 `Stacked(index)`: the stored tensor is one row of keel's (several stored names serve one name of keel's, StableLM's
 LayerNorm per head); `Columns(order)`: keel reads a 2-D stored tensor's columns in another order (Cohere's per-head
@@ -26,10 +28,10 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.families.parts import Columns, Stacked, Transposed
+from keel.families.parts import Columns, RowsTransposed, Stacked, Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | Transposed | Stacked | Columns | None
+Rows = list[tuple[int, int]] | Transposed | RowsTransposed | Stacked | Columns | None
 Layout = dict[str, dict[str, Rows]]
 
 
@@ -37,7 +39,11 @@ def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
     """(the part's row ranges or None, whether the stored tensor is transposed)."""
     if isinstance(part, Stacked | Columns):  # whole stored tensors (PartsReader reads them apart)
         return None, False
-    return (part.rows, True) if isinstance(part, Transposed) else (part, False)
+    return (part.rows, True) if isinstance(part, Transposed) else (_ranges(part), False)
+
+
+def _ranges(part: Rows) -> list[tuple[int, int]] | None:
+    return part.rows if isinstance(part, RowsTransposed) else part
 
 
 def _pieces(rows: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -126,6 +132,14 @@ class PartsReader(DerivedReader):
         used = {stored for stored, *_ in self._derived.values()} | {
             s for rows in stacks.values() for s in rows.values()
         }
+        # the parts read as the transpose of their stored rows
+        self._part_flipped = {
+            name
+            for stored, parts in layout.items()
+            if stored in present
+            for name, part in parts.items()
+            if isinstance(part, RowsTransposed)
+        }
         self._names = (present - used) | set(self._derived)
 
     def _part(self, name: str) -> tuple[str, list[tuple[int, int]] | None, bool]:
@@ -144,7 +158,8 @@ class PartsReader(DerivedReader):
         if name in self._stacks:
             return (len(self._stacks[name]), *shape)
         shape = shape[::-1] if flipped else shape
-        return shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+        shape = shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
+        return shape[::-1] if name in self._part_flipped else shape
 
     def get_box(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:
         stored, rows, flipped = self._part(name)
@@ -155,6 +170,18 @@ class PartsReader(DerivedReader):
             order = list(self._columns[name][offset[1] : offset[1] + shape[1]])
             width = self.inner.shape(stored)[1]
             return self.inner.get_box(stored, (offset[0], 0), (shape[0], width))[:, order].contiguous()
+        if name in self._part_flipped:  # the box of the stored rows' part, transposed
+            return self._rows_box(stored, rows, offset[::-1], shape[::-1], False).T.contiguous()
+        return self._rows_box(stored, rows, offset, shape, flipped)
+
+    def _rows_box(
+        self,
+        stored: str,
+        rows: list[tuple[int, int]] | None,
+        offset: tuple[int, ...],
+        shape: tuple[int, ...],
+        flipped: bool,
+    ) -> Tensor:
 
         def box(offset: tuple[int, ...], shape: tuple[int, ...]) -> Tensor:  # of the stored tensor, as keel reads it
             if not flipped:
@@ -201,11 +228,14 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
         parts = held.pop(stored)
         ranges_of = {part: _rows(rows) for part, rows in layout[stored].items()}
         flipped = ranges_of[name][1]
+        for part, rows in layout[stored].items():  # back to the stored rows' orientation
+            if isinstance(rows, RowsTransposed):
+                parts[part] = parts[part].T
         if len(parts) == 1 and ranges_of[name][0] is None:  # renamed
             yield stored, tensor.T.contiguous() if flipped else tensor
             continue
         rows = max(b for ranges, _ in ranges_of.values() for _, b in ranges)
-        out = tensor.new_empty((rows, *tensor.shape[1:]))
+        out = tensor.new_empty((rows, *parts[name].shape[1:]))
         for part, (ranges, _) in ranges_of.items():
             offset = 0
             for a, b in ranges:
