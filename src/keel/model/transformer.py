@@ -303,14 +303,15 @@ class Transformer(nn.Module):
         else:
             for layer in self.layers.values():
                 h = layer(h, meta)
-        if self.altup_unembed_projections is not None:
-            h = merge(h, self.altup_unembed_projections)
         if self.norm is None:
             return h
+        # the positions wanted, before AltUp's merge (per token: the copies [n, B, S, H] of those positions alone)
         if last_only:
-            h = h[:, -1:]
+            h = h[..., -1:, :]
         elif select is not None:
-            h = h.reshape(-1, h.shape[-1]).index_select(0, select)
+            h = h.reshape(*h.shape[:-3], -1, h.shape[-1]).index_select(-2, select)
+        if self.altup_unembed_projections is not None:
+            h = merge(h, self.altup_unembed_projections)
         h = self.norm(h)
         if self.lm_head is None:
             return h
