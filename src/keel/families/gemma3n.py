@@ -18,10 +18,11 @@ weight (`v_norm`), and:
 
 `intermediate_size` may be a list, one width per layer: read where every layer's is the same.
 
-Refused by name: `intermediate_size` of different widths per layer, tensor and pipeline parallelism (the per-layer
-inputs and KV sharing, which every release has), the fused CPU layer and the compiled decode step (which step
-aside for the modules), and training an AltUp model (transformers clips its coefficients in training,
-`altup_coef_clip`; keel's training does not).
+Refused by name: `intermediate_size` of different widths per layer, an `activation_sparsity_pattern` not one value
+per layer, tensor parallelism (AltUp, LAuReL, the per-layer inputs, KV sharing), pipeline stages (AltUp's copies of
+the stream, the per-layer inputs), and training an AltUp model (transformers clips its coefficients while training,
+`altup_coef_clip`; keel's training does not). The fused CPU layer and the compiled decode step step aside for the
+modules. GGUF files (llama.cpp's `gemma3n`) are not read.
 """
 
 from __future__ import annotations
