@@ -549,6 +549,7 @@ CONFIG_CLASS = {
     "llama4": "Llama4TextConfig",
     "gemma3": "Gemma3TextConfig",
     "gemma4": "Gemma4TextConfig",
+    "gemma3n": "Gemma3nTextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "qwen3_5_moe": "Qwen3_5MoeTextConfig",
     "mistral4": "Mistral4Config",
@@ -678,6 +679,17 @@ _SARVAM_MLA_RELEASED = {
             lambda cfg: cfg.update(global_head_dim=32, num_global_key_value_heads=1) or cfg.pop("per_layer_config"),
             {},
         ),
+        # Gemma 3n's releases: RoPE bases as rope_theta and rope_local_base_freq, one MLP width per layer
+        (
+            "gemma3n",
+            lambda cfg: (
+                cfg.pop("rope_parameters")
+                and cfg.update(
+                    rope_theta=100000.0, rope_local_base_freq=5000.0, rope_scaling=None, intermediate_size=[96] * 5
+                )
+            ),
+            {},
+        ),
         (
             "phimoe",  # its mscale replaces YaRN's factor on cos/sin too
             None,
@@ -763,6 +775,79 @@ def test_gemma4_multimodal_release_is_read_on_text(tmp_path, name):
     with torch.no_grad():
         want, ours = hf(input_ids=tokens).logits, load_model(tmp_path, "float32").model(tokens)
     assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_gemma3n_multimodal_release_is_read_on_text(tmp_path):
+    """Gemma 3n's releases are `Gemma3nForConditionalGeneration`: the text config under `text_config`, the decoder
+    under `model.language_model.`, the vision and audio towers and their embedders unread; the text model's logits.
+    (The checkpoint is written by hand in that layout: transformers builds the vision tower with timm, which the
+    test environment lacks.)"""
+    import transformers
+    from safetensors.torch import save_file
+
+    from keel.quant.loading import load_model
+    from tiny_models import COMMON, TINY_CONFIGS, build_hf_model
+
+    hf = build_hf_model("gemma3n")
+    config = transformers.Gemma3nConfig(text_config={**COMMON, **TINY_CONFIGS["gemma3n"][2]}).to_dict()
+    config["architectures"] = ["Gemma3nForConditionalGeneration"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {
+        f"model.language_model.{n[len('model.') :]}": t for n, t in hf.state_dict().items() if n != "lm_head.weight"
+    }
+    tensors["model.embed_audio.embedding.weight"] = torch.randn(8, 64)
+    tensors["model.vision_tower.timm_model.conv_stem.conv.weight"] = torch.randn(4, 3, 3, 3)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp_path / "model.safetensors"))
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, ours = hf(tokens).logits, load_model(tmp_path, "float32").model(tokens)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "intermediate_size",
+            [96, 96, 96, 96, 128],
+            "intermediate_size: MLPs of different widths per layer",
+        ),
+        ("activation_sparsity_pattern", [0.5, 0.5], "activation_sparsity_pattern"),
+        ("altup_active_idx", 3, "altup_active_idx"),
+    ],
+)
+def test_gemma3n_refuses_what_it_cannot_run_by_name(tmp_path, key, value, message):
+    save_hf_model("gemma3n", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, key: value}, source="config.json")
+
+
+def test_gemma3n_refuses_training_parallelism_and_the_compiled_step(tmp_path):
+    """AltUp's model is not trained (transformers clips its coefficients in training), its stream's copies cross no
+    pipeline stage, AltUp and LAuReL are not cut by tensor parallelism, and the compiled decode step steps aside."""
+    from keel.errors import KeelError
+    from keel.model.stages import split_stage
+    from keel.model.transformer import build_model
+    from keel.serve.compiled_decode import compile_unsupported
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    save_hf_model("gemma3n", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="altup_coef_clip"):
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+    plain = dataclasses.replace(config, per_layer_input_size=0, kv_shared_layers=0)
+    with pytest.raises(ValueError, match="AltUp"):
+        split_stage(build_model(plain), 0, 2)
+    with pytest.raises(KeelError, match="altup_num_inputs, laurel_rank"):
+        check_parallel_model(plain, tmp_path, 2, 1)
+    laurel_only = dataclasses.replace(plain, altup_num_inputs=0)
+    cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
+    with pytest.raises(ConfigError, match="laurel_rank"):
+        train_config._check_model_fits(cfg, laurel_only, 1, lambda message: ConfigError(message))
+    assert compile_unsupported(build_model(plain), SimpleNamespace()) == "AltUp (altup_num_inputs)"
 
 
 @pytest.mark.parametrize(

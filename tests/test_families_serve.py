@@ -152,6 +152,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gemma4", marks=SLOW),
         pytest.param("gemma4-moe", marks=SLOW),
         pytest.param("gemma4-e", marks=SLOW),
+        pytest.param("gemma3n", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
@@ -391,6 +392,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(layer.per_layer_input_gate is not None for layer in layers)
         assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
         assert [k.shape[1] > 0 for k in llm.engine.cache.keys] == [True, True, True, False, False]
+    elif name == "gemma3n":  # AltUp's three copies and LAuReL in every layer, sparse gates in the first two
+        model = llm.engine.model
+        assert len(model.altup_projections) == 2 and all(layer.altup.n == 3 for layer in layers)
+        assert all(layer.laurel is not None for layer in layers)
+        assert [layer.mlp.sparsity_std is not None for layer in layers] == [True, True, False, False, False]
+        assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

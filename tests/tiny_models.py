@@ -918,6 +918,37 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             ],
         ),
     ),
+    # Gemma 3n's shape: AltUp over three copies of the stream, LAuReL of rank 8, sparse MLP gates in the first two
+    # layers, per-layer input embeddings (a table shorter than the vocabulary: ids past it read row 0), the last two
+    # layers attending over the K/V of layers 1 and 2; the sliding and global layers with RoPE bases of their own.
+    "gemma3n": (
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            intermediate_size=96,
+            head_dim=16,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=200,
+            num_kv_shared_layers=2,
+            altup_num_inputs=3,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.95, 0.5, 0.0, 0.0, 0.0],
+            sliding_window=8,
+            final_logit_softcapping=20.0,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            },
+        ),
+    ),
     # Gemma 2: Gemma 3's block without q/k norms, one RoPE, sliding and global layers alternating by transformers'
     # default rule, and attention-score soft-capping (a cap low enough here to bend the sharpened scores). Eager
     # attention: some transformers releases (5.17) run Gemma 2 under SDPA, which drops the cap.
@@ -1513,6 +1544,12 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
             # Gemma 4's router scales start at 1: perturb them, so that they count.
             if pname.endswith(("router.scale", "router.per_expert_scale")):
                 p.add_(torch.randn_like(p) * 0.1)
+            # Gemma 3n's AltUp: the output scale starts at 0 (the per-layer input branch unread), the coefficients
+            # near 0: move them, so that they count.
+            if pname.endswith("altup.correct_output_scale"):
+                p.add_(1.0 + torch.randn_like(p) * 0.3)
+            if pname.endswith(("altup.prediction_coefs.weight", "altup.correction_coefs.weight")):
+                p.mul_(10)
             # At std 0.02 attention is nearly uniform and logits ignore q/k: sharpen it, so that
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
             if pname.endswith(SHARPENED):

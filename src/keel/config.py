@@ -430,6 +430,22 @@ class ModelConfig:
     # Gemma 4's use_double_wide_mlp: the KV-sharing layers' dense MLPs this many times intermediate_size wide
     # (`layer_intermediate_size`).
     kv_shared_mlp_factor: int = 1
+    # Gemma 3n's AltUp: the residual stream held as altup_num_inputs copies ([n, B, S, H]; 0: one stream), made from
+    # the embedding by `altup_projections` (each renormalised to its magnitude) and merged back after the last layer
+    # by `altup_unembed_projections` (the same renormalisation, then their mean). Each layer predicts every copy from
+    # all of them (`altup.prediction_coefs`, mixed per token by `altup.modality_router`), runs its sublayers on copy
+    # altup_active_idx and corrects every copy by the innovation (`altup.correction_coefs`); the per-layer input
+    # branch reads the corrected active copy (times `altup.correct_output_scale` where altup_correct_scale) and is
+    # added to the copies after the first.
+    altup_num_inputs: int = 0
+    altup_active_idx: int = 0
+    altup_correct_scale: bool = False
+    # Gemma 3n's LAuReL: a low-rank branch on the attention's normed input (`laurel.linear_left`, `linear_right`,
+    # `post_laurel_norm`, plus that input), joining the attention's residual sum as (x + attn + laurel) / sqrt(2).
+    laurel_rank: int = 0
+    # Gemma 3n: per layer, the target sparsity s of its MLP's gate (0: dense): activations below the gate's
+    # mean + std x Phi^-1(s) over the channels are cut to 0 before the activation (a Gaussian top-k). Empty: none.
+    activation_sparsity: list[float] = field(default_factory=list)
     # Llama 4: q and k of the rotating layers divided by their root mean square over each head (no weight), after
     # the rotary embedding.
     qk_l2_norm: bool = False
@@ -851,6 +867,7 @@ class ModelConfig:
             # the sliding layers then rotate by a table of their own width (AttentionMetadata.sliding_rope)
             need(self.sliding_rope_theta is not None, "global_head_dim needs the sliding layers' own RoPE")
             need("chunked_attention" not in self.layer_types, "global_head_dim beside chunked attention")
+        self._validate_gemma3n(need)
         if self.kv_shared_layers:
             first_shared = self.num_layers - self.kv_shared_layers
             need(0 < first_shared, f"kv_shared_layers ({self.kv_shared_layers}) must leave a layer of its own K/V")
@@ -866,6 +883,34 @@ class ModelConfig:
             # a shared layer's queries are normed per head before the rotary embedding, or not at all
             others = self.qk_norm_scope == "all" or self.qk_norm_after_rope or self.clip_qkv or self.qk_l2_norm
             need(not others, "kv_shared_layers beside whole-projection, after-rope or L2 q/k norms or clip_qkv")
+
+    def _validate_gemma3n(self, need: Callable[[bool, str], None]) -> None:
+        """AltUp, LAuReL and the MLPs' activation sparsity (Gemma 3n's) on the blocks they are defined on."""
+        need(self.altup_num_inputs >= 0 and self.laurel_rank >= 0, "altup_num_inputs and laurel_rank must be >= 0")
+        if self.altup_num_inputs:
+            need(0 <= self.altup_active_idx < self.altup_num_inputs, "altup_active_idx outside the AltUp copies")
+            need(not self.layer_scalar, "altup_num_inputs beside layer_scalar")
+        if self.altup_num_inputs or self.laurel_rank:
+            need(
+                not self.parallel_residual and "hybrid" not in self.layer_types and self.residual_multiplier == 1.0,
+                "altup_num_inputs / laurel_rank need sequential residuals (no parallel_residual, hybrid layers or "
+                "residual_multiplier)",
+            )
+            need(
+                all(self.has_mixer(i) for i in range(self.num_layers)),
+                "altup_num_inputs / laurel_rank need a token mixer in every layer",
+            )
+        if self.activation_sparsity:
+            need(
+                len(self.activation_sparsity) == self.num_layers,
+                f"activation_sparsity needs one value per layer ({self.num_layers})",
+            )
+            need(all(0.0 <= s < 1.0 for s in self.activation_sparsity), "activation_sparsity values must be in [0, 1)")
+            need(self.mlp_gated, "activation_sparsity needs a gated MLP")
+
+    def layer_activation_sparsity(self, layer: int) -> float:
+        """`layer`'s MLP gate target sparsity (`activation_sparsity`; 0: dense)."""
+        return self.activation_sparsity[layer] if self.activation_sparsity else 0.0
 
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
         need(
@@ -1023,6 +1068,14 @@ class ModelConfig:
                 total += base + dense_mlp(self.layer_intermediate_size(layer))
                 active += base + dense_mlp(self.layer_intermediate_size(layer))
         # per-layer inputs: each layer's gate, projection and norm; the model's projection and its norm, the table
+        if self.altup_num_inputs:  # per layer: the correct scale, both coefficient maps, the router and its norm
+            n = self.altup_num_inputs
+            altup = h + n * n + n * n * n + h * n + h
+            total += self.num_layers * altup + 2 * (n - 1) * h * h  # and the model's projections in and out
+            active += self.num_layers * altup + 2 * (n - 1) * h * h
+        if self.laurel_rank:  # per layer: the low-rank pair and its norm
+            total += self.num_layers * (2 * h * self.laurel_rank + h)
+            active += self.num_layers * (2 * h * self.laurel_rank + h)
         per_layer, ple_embed = self.per_layer_input_size, 0
         if per_layer:
             ple = self.num_layers * (2 * h * per_layer + norm) + h * self.num_layers * per_layer + per_layer
@@ -1259,6 +1312,7 @@ TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Gemma3nForConditionalGeneration": "Gemma3nForCausalLM",
 }
 
 

@@ -123,6 +123,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if layer.per_layer_input_gate is not None or attn.kv_source != attn.layer:  # Gemma 4's PLE, KV sharing
         return None
+    if layer.altup is not None or layer.laurel is not None or mlp.sparsity_std is not None:  # Gemma 3n's: the modules'
+        return None
     if layer.input_layernorm.offset:  # Gemma's (1 + w) scale
         return None
     parts, mlp_parts = attn._modules, mlp._modules

@@ -368,10 +368,17 @@ class SwiGLU(nn.Module):
         gated: bool = True,
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
+        sparsity: float = 0.0,
     ) -> None:
         super().__init__()
         # Falcon-H1's mlp_multipliers: the gate projection's output and the MLP's output times these
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
+        # Gemma 3n's activation sparsity: the gate's cut-off lies this many standard deviations above its mean
+        # (Phi^-1 of the target sparsity, in float32 as transformers takes it); None: dense
+        self.sparsity_std: float | None = None
+        if sparsity:
+            target = torch.tensor(sparsity, device="cpu")  # not on the meta device a model may be built on
+            self.sparsity_std = (torch.erfinv(2 * target - 1) * math.sqrt(2)).item()  # Normal(0, 1).icdf
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias) if gated else None
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -395,6 +402,9 @@ class SwiGLU(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
+        if self.sparsity_std is not None:  # keep what exceeds mean + std x Phi^-1(s), less the cut-off
+            mean, std = gate.mean(-1, keepdim=True), gate.std(-1, keepdim=True, unbiased=False)
+            gate = torch.relu(gate - (mean + std * self.sparsity_std))
         if self.act == "silu" and kernels.fused_ops(gate):  # one call; the same in fused and separate projections
             return self.down_proj(torch.ops.keel.fused_silu_mul(gate, up))
         return self.down_proj(self._act(gate) * up)

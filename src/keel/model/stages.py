@@ -31,6 +31,9 @@ def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
     if num_stages > 1 and model.embed_tokens_per_layer is not None:
         # every layer reads the per-layer inputs, which are made from the token ids the first stage alone has
         raise ValueError("pipeline stages: per-layer inputs (per_layer_input_size: Gemma 4) are not supported")
+    if num_stages > 1 and model.altup_projections is not None:
+        # the stream's copies [n, B, S, H] would cross the stages, which pass one [B, S, H]
+        raise ValueError("pipeline stages: AltUp (altup_num_inputs: Gemma 3n) is not supported")
     config = model.config
     if any(config.kv_source(i) != i and str(config.kv_source(i)) not in keep for i in map(int, keep)):
         raise ValueError("pipeline stages: a layer sharing KV (kv_shared_layers) needs its source in its stage")

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
+from keel.model.altup import SQRT2, AltUp, Laurel, merge, spread
 from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.layers import (
@@ -91,6 +92,7 @@ class DecoderLayer(nn.Module):
                     config.mlp_gated,
                     config.mlp_gate_multiplier,
                     config.mlp_down_multiplier,
+                    config.layer_activation_sparsity(layer),
                 )
             )
         if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:
@@ -103,6 +105,9 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(config.per_layer_input_size, h, bias=False)
             self.post_per_layer_input_norm = block_norm(config, h)
             self.per_layer_act = activation(config.hidden_act)
+        # Gemma 3n: LAuReL's branch beside the attention; AltUp's prediction and correction of the stream's copies
+        self.laurel: Laurel | None = Laurel(config) if config.laurel_rank else None
+        self.altup: AltUp | None = AltUp(config) if config.altup_num_inputs else None
         # Gemma 4: the layer's output, residual stream included, times a stored scalar
         self.layer_scalar: Tensor | None
         if config.layer_scalar:
@@ -114,12 +119,29 @@ class DecoderLayer(nn.Module):
         fused = fused_forward(self, x, meta)  # serving on keel's CPU kernels: the layer in one call
         if fused is not None:
             return fused
+        if self.altup is not None:
+            return self._altup_forward(x, meta)
         out = self._block(x, meta)
         if self.per_layer_input_gate is not None:
-            gated = self.per_layer_act(self.per_layer_input_gate(out)) * meta.per_layer_inputs[:, :, self.layer]
-            out = out + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            out = out + self._per_layer_branch(out, meta)
         # in the activations' dtype, as transformers holds the buffer in the model's (keel's loads keep float32)
         return out if self.layer_scalar is None else out * self.layer_scalar.to(out.dtype)
+
+    def _per_layer_branch(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The per-layer input branch (per_layer_input_size): x gated, times the layer's input, projected, normed."""
+        gated = self.per_layer_act(self.per_layer_input_gate(x)) * meta.per_layer_inputs[:, :, self.layer]
+        return self.post_per_layer_input_norm(self.per_layer_projection(gated))
+
+    def _altup_forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        """x [n, B, S, H]: the copies predicted, the sublayers on the active one, all corrected; the per-layer input
+        branch reads the corrected active copy and joins the copies after the first (transformers' order)."""
+        altup = self.altup
+        predictions = altup.predict(x)
+        corrected = altup.correct(predictions, self._block(predictions[altup.active], meta))
+        if self.per_layer_input_gate is None:
+            return corrected
+        branch = self._per_layer_branch(altup.scale_output(corrected[altup.active]), meta)
+        return torch.cat([corrected[:1], corrected[1:] + branch])
 
     def _block(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.mamba is not None:  # Falcon-H1: attention and the mixer side by side, each with its multipliers
@@ -146,6 +168,8 @@ class DecoderLayer(nn.Module):
             if self.attn_output_norm is not None:  # norms on the sublayers' outputs (OLMo 2; Gemma's sandwich)
                 out = self.attn_output_norm(out)
             x = x + (out if m == 1.0 else out * m)
+            if self.laurel is not None:  # Gemma 3n: LAuReL's branch on the attention's normed input
+                x = (x + self.laurel(h)) / SQRT2
         if self.mlp is not None:
             h = x if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
             out = self.mlp(h)
@@ -191,6 +215,13 @@ class Transformer(nn.Module):
             self.embed_tokens_per_layer = _embedding(config.ple_vocab_size, width)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
             self.per_layer_projection_norm = block_norm(config, config.per_layer_input_size)
+        # Gemma 3n's AltUp: the projections making the stream's copies from the embedding and merging them back
+        self.altup_projections: nn.ModuleList | None = None
+        self.altup_unembed_projections: nn.ModuleList | None = None
+        if config.altup_num_inputs:
+            h, copies = config.hidden_size, range(config.altup_num_inputs - 1)
+            self.altup_projections = nn.ModuleList(nn.Linear(h, h, bias=False) for _ in copies)
+            self.altup_unembed_projections = nn.ModuleList(nn.Linear(h, h, bias=False) for _ in copies)
         self.rotary = RotaryEmbedding(config)
         # no layer rotating (learned positions: GPT-2, OPT): no rotary table to compute each forward
         self.rotates = any(config.layer_rotates(i) for i in range(config.num_layers))
@@ -228,6 +259,8 @@ class Transformer(nn.Module):
         project_per_layer_inputs)."""
         c = self.config
         shape = (*tokens.shape, c.num_layers, c.per_layer_input_size)
+        # ids past the table (Gemma 3n's image and audio tokens) read its row 0, as transformers' Gemma 3n does
+        tokens = torch.where(tokens < c.ple_vocab_size, tokens, 0)
         table = (self.embed_tokens_per_layer(tokens) * c.per_layer_input_size**0.5).reshape(shape)
         projected = self.per_layer_model_projection(embedded) * c.hidden_size**-0.5
         projected = self.per_layer_projection_norm(projected.reshape(shape))
@@ -281,6 +314,8 @@ class Transformer(nn.Module):
                 meta.per_layer_inputs = self._per_layer_inputs(tokens, h)
         else:
             h = tokens
+        if self.altup_projections is not None:  # Gemma 3n: the stream's copies [n, B, S, H] through the layers
+            h = spread(h, self.altup_projections)
         if self.rotates:
             meta.rope = self.rotary(meta.positions, h.dtype)
         if self.sliding_rotary is not None:
@@ -297,10 +332,13 @@ class Transformer(nn.Module):
                 h = layer(h, meta)
         if self.norm is None:
             return h
+        # the positions wanted, before AltUp's merge (per token: the copies [n, B, S, H] of those positions alone)
         if last_only:
-            h = h[:, -1:]
+            h = h[..., -1:, :]
         elif select is not None:
-            h = h.reshape(-1, h.shape[-1]).index_select(0, select)
+            h = h.reshape(*h.shape[:-3], -1, h.shape[-1]).index_select(-2, select)
+        if self.altup_unembed_projections is not None:
+            h = merge(h, self.altup_unembed_projections)
         h = self.norm(h)
         if self.lm_head is None:
             return h
@@ -338,6 +376,8 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, AltUp):
+            nn.init.zeros_(module.correct_output_scale)  # transformers' start: the per-layer branch reads nothing
         elif isinstance(module, DecoderLayer) and module.layer_scalar is not None:
             module.layer_scalar.fill_(1.0)
         elif isinstance(module, MoE):

@@ -209,6 +209,8 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
         return "mixture-of-experts layers"
     if config.kv_shared_layers:  # the compiled step writes and attends in one operator, every layer
         return "KV sharing across layers"
+    if config.altup_num_inputs:  # the compiled step carries one residual stream, not AltUp's copies
+        return "AltUp (altup_num_inputs)"
     if type(cache) is not PagedKVCache:
         return "a quantized KV cache"
     if model.device.type not in ("cpu", "cuda"):

@@ -640,6 +640,11 @@ def _check_model_fits(
     cfg: TrainConfig, model: ModelConfig, stages_per_rank: int, fail: Callable[[str], ConfigError]
 ) -> None:
     """The checks that need the model's shape: layers per pipeline stage, heads over tp, experts over ep."""
+    if model.altup_num_inputs:
+        raise fail(
+            "model: training with AltUp (altup_num_inputs: Gemma 3n) is not supported: transformers clips its "
+            "coefficients while training (altup_coef_clip), which keel does not"
+        )
     par = cfg.parallel
     stages = par.pp * stages_per_rank
     if model.num_layers < stages:
@@ -659,6 +664,8 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for layers sharing K/V (kv_shared_layers: Gemma 4) yet")
     if par.tp > 1 and model.per_layer_input_size:
         raise fail("parallel: tp > 1 is not supported for per-layer inputs (Gemma 4) yet")
+    if par.tp > 1 and model.laurel_rank:
+        raise fail("parallel: tp > 1 is not supported for LAuReL (laurel_rank: Gemma 3n) yet")
     if par.tp > 1 and model.moe_branch_norms:
         raise fail("parallel: tp > 1 is not supported for the MoE block's branch norms (Gemma 4) yet")
     if par.tp > 1 and model.has_recurrent_layers:

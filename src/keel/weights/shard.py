@@ -97,6 +97,11 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: per-layer inputs (per_layer_input_size: Gemma 4) are not cut by tensor "
                 "parallelism yet"
             )
+        if c.altup_num_inputs or c.laurel_rank:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: AltUp and LAuReL (altup_num_inputs, laurel_rank: Gemma 3n) are not cut "
+                "by tensor parallelism yet"
+            )
         if c.moe_branch_norms:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
