@@ -54,6 +54,7 @@ SLOW = pytest.mark.slow
         pytest.param("gptj", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("opt", marks=SLOW),
+        pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -154,6 +155,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gptj", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("bloom", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -218,6 +220,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
         assert [a.window for a in attention] == [None, 8, 8] and all(a.o_proj.bias is not None for a in attention)
         assert llm.engine.model.config.attention_scale == 1.0
+    elif name == "bloom":  # ALiBi (no layer rotating), the embedding's own biased LayerNorm, per-head q/k/v
+        model = llm.engine.model
+        assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)
+        assert model.embedding_norm is not None and model.embedding_norm.bias is not None
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

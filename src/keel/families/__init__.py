@@ -26,6 +26,7 @@ from keel.families import (
     apertus,
     arcee,
     bamba,
+    bloom,
     cohere,
     cohere2,
     cohere2_moe,
@@ -189,6 +190,7 @@ FAMILIES: dict[str, ModuleType] = {
         gptj,
         opt,
         gpt_neo,
+        bloom,
     )
 }
 

@@ -325,6 +325,9 @@ def apply_tp(
         attn = layer.self_attn
         if getattr(attn, "sinks", None) is not None:  # GPT-OSS: a rank's heads' sinks, as its q rows
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+        if getattr(attn, "alibi", None) is not None:  # ALiBi: a rank's heads' slopes, as its q rows (Shard(0))
+            per_rank = attn.alibi.shape[0] // tp_mesh.size()
+            attn.alibi = attn.alibi[tp_mesh.get_local_rank() * per_rank :][:per_rank].clone()
         if isinstance(attn, MLAttention):
             attn.kv_a_proj_with_mqa.register_forward_hook(_rope_key_gradient_summed(attn.kv_lora_rank, tp_mesh))
     top: dict[str, ParallelStyle] = {}
