@@ -55,6 +55,7 @@ SLOW = pytest.mark.slow
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("opt", marks=SLOW),
         pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
+        pytest.param("falcon-rw", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -156,6 +157,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("bloom", marks=SLOW),
+        pytest.param("falcon-rw", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -224,6 +226,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         model = llm.engine.model
         assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)
         assert model.embedding_norm is not None and model.embedding_norm.bias is not None
+    elif name == "falcon-rw":  # ALiBi scaled by 1/sqrt(head_dim), Llama's sequential block
+        assert not any(a.rotates for a in attention) and not any(layer.parallel_residual for layer in layers)
+        assert torch.equal(attention[0].alibi, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]) / 4)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -1386,6 +1386,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # BLOOM: ALiBi over 6 heads (not a power of two: the interleaved slopes too), a biased LayerNorm after the
     # embedding, q/k/v per head in one query_key_value, biased LayerNorms and projections, a tanh-GELU MLP.
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=96, num_attention_heads=6)),
+    # Falcon-RW: ALiBi (before the softmax scale) in place of rotary, Llama's sequential block with LayerNorms, q/k/v
+    # per head (neither multi_query nor the new architecture), biases.
+    "falcon-rw": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(ffn_hidden_size=128, alibi=True, multi_query=False, parallel_attn=False, bias=True),
+    ),
     # Falcon-7B's block: attention and MLP in parallel from one LayerNorm, one key/value head (multi_query), no biases.
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=128)),
     # Falcon-40B's: two LayerNorms (ln_attn, ln_mlp) feeding the parallel branches, q/k/v grouped by 2 KV heads,
