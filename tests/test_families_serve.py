@@ -56,6 +56,7 @@ SLOW = pytest.mark.slow
         pytest.param("opt", marks=SLOW),
         pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
         pytest.param("falcon-rw", marks=SLOW),
+        pytest.param("mpt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -158,6 +159,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("bloom", marks=SLOW),
         pytest.param("falcon-rw", marks=SLOW),
+        pytest.param("mpt", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -229,6 +231,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "falcon-rw":  # ALiBi scaled by 1/sqrt(head_dim), Llama's sequential block
         assert not any(a.rotates for a in attention) and not any(layer.parallel_residual for layer in layers)
         assert torch.equal(attention[0].alibi, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]) / 4)
+    elif name == "mpt":  # ALiBi, q/k/v clamped, another softmax scale (folded into q), no biases
+        assert not any(a.rotates for a in attention) and all(a.clip_qkv == 0.6 for a in attention)
+        assert all(a.q_multiplier is not None and a.qkv_proj.bias is None for a in attention)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -96,6 +96,7 @@ SHAPE_INFERABLE = [
             "opt",  # learned positions under its own names
             "gpt_neo",  # and its global / local layers from attention_types
             "bloom",  # ALiBi and the embedding's norm under its own names
+            "mpt",  # ALiBi, fused q/k/v under its own names
             "olmo",
             "gemma",
             "smollm3",

@@ -1386,6 +1386,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # BLOOM: ALiBi over 6 heads (not a power of two: the interleaved slopes too), a biased LayerNorm after the
     # embedding, q/k/v per head in one query_key_value, biased LayerNorms and projections, a tanh-GELU MLP.
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=96, num_attention_heads=6)),
+    # MPT: ALiBi over 6 heads (interleaved slopes), q/k/v clamped (clip_qkv) at another softmax scale, weight-only
+    # LayerNorms, no biases, an exact-GELU MLP, a tied head.
+    "mpt": (
+        "MptConfig",
+        "MptForCausalLM",
+        dict(hidden_size=96, num_attention_heads=6, attn_config=dict(clip_qkv=0.6, softmax_scale=0.4)),
+    ),
     # Falcon-RW: ALiBi (before the softmax scale) in place of rotary, Llama's sequential block with LayerNorms, q/k/v
     # per head (neither multi_query nor the new architecture), biases.
     "falcon-rw": (
@@ -1450,7 +1457,8 @@ SHARPENED = (
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
-    "self_attention.query_key_value.weight",  # Falcon's
+    "self_attention.query_key_value.weight",  # Falcon's and Bloom's
+    "attn.Wqkv.weight",  # MPT's
 )
 
 

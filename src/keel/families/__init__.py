@@ -81,6 +81,7 @@ from keel.families import (
     ministral,
     ministral3,
     mistral4,
+    mpt,
     nanochat,
     nemotron,
     nemotron_h,
@@ -191,6 +192,7 @@ FAMILIES: dict[str, ModuleType] = {
         opt,
         gpt_neo,
         bloom,
+        mpt,
     )
 }
 
