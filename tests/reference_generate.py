@@ -23,7 +23,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata, explicit_attention, sdpa
+from keel.model.attention import AttentionMetadata, alibi_bias, explicit_attention, sdpa
 from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
@@ -86,22 +86,33 @@ class ContiguousKVCache:
         meta: AttentionMetadata,
         window: int | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         _, rows = self._prepare(meta)
         self._store(self.keys[layer], k, meta, rows)
         self._store(self.values[layer], v, meta, rows)
-        return self.attend_stored(layer, q, meta, window, sinks)
+        return self.attend_stored(layer, q, meta, window, sinks, alibi)
 
     def attend_stored(
-        self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
+        self,
+        layer: int,
+        q: Tensor,
+        meta: AttentionMetadata,
+        window: int | None,
+        sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         visible, _ = self._prepare(meta)
         k_cache, v_cache = self.keys[layer], self.values[layer]
         # Slot i holds position i; slots past a row's own tokens are masked as "after the query".
         mask = meta.mask(self._key_positions[:visible], window)
-        if self.softcap is not None or sinks is not None:
+        if self.softcap is not None or sinks is not None or alibi is not None:
             keys, values = k_cache[:, :, :visible], v_cache[:, :, :visible]
-            return explicit_attention(q, keys, values, mask, self.softcap, sinks=sinks)
+            bias = None
+            if alibi is not None:  # ALiBi: each head's slope times the distance from the query (slot i: position i)
+                q_at = meta.positions[:, None, :, None]
+                bias = alibi_bias(alibi.view(1, -1, 1, 1), q_at, self._key_positions[:visible].view(1, 1, 1, -1))
+            return explicit_attention(q, keys, values, mask, self.softcap, sinks=sinks, bias=bias)
         return sdpa(q, k_cache[:, :, :visible], v_cache[:, :, :visible], mask)
 
     def recurrent_spans(self, layer: int, meta: AttentionMetadata) -> RecurrentSpans:

@@ -308,7 +308,14 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
 @pytest.mark.parametrize(
     ("arch", "fields", "named"),
     [
-        ("FalconForCausalLM", {"alibi": True}, "alibi"),
+        ("BloomForCausalLM", {"apply_residual_connection_post_layernorm": True}, "apply_residual_connection"),
+        ("MptForCausalLM", {"attn_config": {"alibi": False}}, "attn_config.alibi"),
+        ("MptForCausalLM", {"attn_config": {"qk_ln": True}}, "qk_ln"),
+        ("MptForCausalLM", {"attn_config": {"prefix_lm": True}}, "prefix_lm"),
+        ("MptForCausalLM", {"attn_config": {"attn_uses_sequence_id": True}}, "attn_uses_sequence_id"),
+        ("MptForCausalLM", {"attn_config": {"attn_type": "multiquery_attention"}}, "attn_type"),
+        ("MptForCausalLM", {"no_bias": False}, "no_bias"),
+        ("MptForCausalLM", {"logit_scale": 0.5}, "logit_scale"),
         ("FalconForCausalLM", {"new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn"),
         ("FalconForCausalLM", {"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn"),
         ("GPT2LMHeadModel", {"add_cross_attention": True}, "add_cross_attention"),
@@ -321,6 +328,27 @@ def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, name
     hf = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf({**hf, "vocab_size": 256, **fields}, source="config.json")
+
+
+def test_alibi_families_read_their_slopes_and_the_embedding_norm_goes_with_the_first_stage():
+    """Bloom: ALiBi at Bloom's slopes, its embedding's own biased LayerNorm (counted, held by a pipeline's first
+    stage); Falcon-RW: the slopes over sqrt(head_dim); MPT: its alibi_bias_max and expansion_ratio read."""
+    from keel.model.stages import split_stage
+    from keel.model.transformer import build_model
+
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}
+    bloom = ModelConfig.from_hf({**hf, "architectures": ["BloomForCausalLM"]})
+    assert bloom.position_embedding == "alibi" and bloom.embedding_norm and bloom.norm_affine
+    assert not any(bloom.layer_rotates(i) for i in range(2)) and bloom.to_hf()["n_head"] == 4
+    first, last = split_stage(build_model(bloom), 0, 2), split_stage(build_model(bloom), 1, 2)
+    assert first.embedding_norm.bias is not None and last.embedding_norm is None
+    assert torch.equal(first.layers["0"].self_attn.alibi, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]))
+    falcon = ModelConfig.from_hf({**hf, "architectures": ["FalconForCausalLM"], "alibi": True})
+    assert falcon.position_embedding == "alibi" and falcon.alibi_scale == 16**-0.5 and falcon.to_hf()["alibi"]
+    mpt = {**hf, "architectures": ["MptForCausalLM"], "expansion_ratio": 3, "attn_config": {"alibi_bias_max": 16}}
+    config = ModelConfig.from_hf(mpt)
+    assert (config.alibi_bias_max, config.intermediate_size) == (16.0, 192)
+    assert ModelConfig.from_hf(config.to_hf()) == config
 
 
 def test_a_checkpoint_whose_tensors_the_inferred_block_cannot_place_is_refused(tmp_path):

@@ -58,6 +58,9 @@ SLOW = pytest.mark.slow
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("opt", marks=SLOW),
         pytest.param("opt-350m", marks=SLOW),  # norms after the residual adds, the projected embedding
+        pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
+        pytest.param("falcon-rw", marks=SLOW),
+        pytest.param("mpt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -160,6 +163,9 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("dbrx", marks=SLOW),
+        pytest.param("bloom", marks=SLOW),
+        pytest.param("falcon-rw", marks=SLOW),
+        pytest.param("mpt", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -224,6 +230,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
         assert [a.window for a in attention] == [None, 8, 8] and all(a.o_proj.bias is not None for a in attention)
         assert llm.engine.model.config.attention_scale == 1.0
+    elif name == "bloom":  # ALiBi (no layer rotating), the embedding's own biased LayerNorm, per-head q/k/v
+        model = llm.engine.model
+        assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)
+        assert model.embedding_norm is not None and model.embedding_norm.bias is not None
+    elif name == "falcon-rw":  # ALiBi scaled by 1/sqrt(head_dim), Llama's sequential block
+        assert not any(a.rotates for a in attention) and not any(layer.parallel_residual for layer in layers)
+        assert torch.equal(attention[0].alibi, torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]) / 4)
+    elif name == "mpt":  # ALiBi, q/k/v clamped, another softmax scale (folded into q), no biases
+        assert not any(a.rotates for a in attention) and all(a.clip_qkv == 0.6 for a in attention)
+        assert all(a.q_multiplier is not None and a.qkv_proj.bias is None for a in attention)
     elif name == "hunyuan_v1_dense":  # q/k norms after the rotary embedding (the fused operator norms before it)
         assert all(a.qk_norm_after_rope and a.q_norm is not None for a in attention)
     elif name == "glm":  # half of each head rotating, biased q/k/v, no output norms

@@ -1,6 +1,6 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba and DBRX.
+and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba, DBRX, BLOOM and MPT.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -290,6 +290,43 @@ def _classic_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Ten
     return t
 
 
+def _bloom_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """BloomModel's keys (none of TextModel's): its context as seq_length or else the width, the MLP 4 x hidden, as
+    many KV heads as heads, the LayerNorms' eps."""
+    hidden, heads = hp.get("hidden_size") or hp["n_embed"], hp.get("n_head") or hp["num_attention_heads"]
+    w.add_context_length(hp.get("seq_length", hidden))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_block_count(hp.get("n_layer") or hp["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+
+
+def _bloom_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor:
+    """BloomModel's query_key_value (weight and bias) regrouped from each head's q, k, v to all q, all k, all v."""
+    if "query_key_value" not in name:
+        return t
+    heads = hp.get("n_head") or hp["num_attention_heads"]
+    per_head = t.reshape(heads, 3, -1, *t.shape[1:])
+    return torch.cat([per_head[:, i].reshape(-1, *t.shape[1:]) for i in range(3)])
+
+
+def _mpt_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MPTModel's keys (none of TextModel's): the MLP 4 x d_model whatever expansion_ratio says, eps 1e-5 whatever
+    the config's, clip_qkv as clamp_kqv where set, alibi_bias_max (0 without ALiBi); nothing of softmax_scale."""
+    attn = hp["attn_config"]
+    w.add_context_length(hp["max_seq_len"])
+    w.add_embedding_length(hp["d_model"])
+    w.add_block_count(hp["n_layers"])
+    w.add_feed_forward_length(4 * hp["d_model"])
+    w.add_head_count(hp["n_heads"])
+    w.add_layer_norm_eps(1e-5)
+    if attn.get("clip_qkv") is not None:
+        w.add_clamp_kqv(attn["clip_qkv"])
+    w.add_max_alibi_bias(attn["alibi_bias_max"] if attn.get("alibi", True) else 0.0)
+
+
 def _jamba_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     """JambaModel's keys (none of TextModel's): the KV head count per layer (0 for a Mamba layer), the mixer's width,
     state, kernel and step rank as ssm.* keys, the experts' counts (nothing of which layers hold them)."""
@@ -457,6 +494,17 @@ CONVERTERS = {
     "falcon-40b": Converter(
         gguf.MODEL_ARCH.FALCON, keys=_classic_keys, text_model=False, tensor=_classic_tensor, build={"bias": False}
     ),
+    # BloomModel: its own keys, the `transformer.` prefix dropped, query_key_value regrouped (all q, k, v)
+    "bloom": Converter(
+        gguf.MODEL_ARCH.BLOOM,
+        keys=_bloom_keys,
+        text_model=False,
+        tensor=_bloom_tensor,
+        rename=lambda name: name.removeprefix("transformer."),
+        probe="o_proj",
+    ),
+    # MPTModel: its own keys, the tensors as stored (Wqkv already all q, k, v); no softmax_scale key: built without
+    "mpt": Converter(gguf.MODEL_ARCH.MPT, keys=_mpt_keys, text_model=False, build={"attn_config": {"clip_qkv": 0.6}}),
     # JambaModel: its own keys; the experts stacked under Qwen2-MoE's merged names, A_log as -exp(A_log), conv1d
     # squeezed
     "jamba": Converter(
@@ -664,6 +712,17 @@ def assert_family_features(name: str, loaded, hf) -> None:
         two = name == "falcon-40b"
         assert (c.parallel_residual, c.post_attention_norm, c.num_kv_heads) == (True, two, 2 if two else 1)
         assert c.intermediate_size == cfg.ffn_hidden_size and c.qkv_bias == cfg.bias
+    if name in ("bloom", "mpt"):  # ALiBi, LayerNorms (BLOOM's embedding norm), q/k/v from one attn_qkv
+        assert (c.position_embedding, c.norm_type, c.num_kv_heads) == ("alibi", "layer", 6)
+        for part in ("q_proj", "k_proj", "v_proj"):
+            q = f"model.layers.0.self_attn.{part}.weight"
+            assert reader.gguf_names(q) == ["blk.0.attn_qkv.weight"]
+        if name == "bloom":
+            assert c.embedding_norm and c.norm_bias and c.qkv_bias
+            assert reader.gguf_names("model.embedding_norm.bias") == ["token_embd_norm.bias"]
+        else:
+            assert (c.clip_qkv, c.alibi_bias_max, c.norm_bias, c.qkv_bias) == (pytest.approx(0.6), 8.0, False, False)
+            assert loaded.checkpoint.provenance["alibi_bias_max"] == "read"
     if name == "jamba":  # attention in layer 1 of 4, Mamba 1 mixers with step/B/C norms, experts in layers 1 and 3
         assert c.layer_types == ["mamba1", "full_attention", "mamba1", "mamba1"] and not any(c.rope_layers)
         assert (c.mlp_only_layers, c.num_experts, c.mamba_dt_bc_norm, c.mamba_dt_rank) == ([0, 2], 4, "rms", 6)

@@ -95,6 +95,8 @@ SHAPE_INFERABLE = [
             "gptj",  # its own names, the rotary width from rotary_dim
             "opt",  # learned positions under its own names
             "gpt_neo",  # and its global / local layers from attention_types
+            "bloom",  # ALiBi and the embedding's norm under its own names
+            "mpt",  # ALiBi, fused q/k/v under its own names
             "olmo",
             "gemma",
             "smollm3",

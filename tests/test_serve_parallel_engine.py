@@ -98,6 +98,10 @@ def _params() -> list[SamplingParams]:
         # Kolibri 1: the selection bias on the logits (read through its rename), sandwich norms, experts split by rank
         pytest.param("kolibri1", 2, 1, marks=pytest.mark.slow),
         pytest.param("kolibri1-ep", 2, 1, marks=pytest.mark.slow),
+        # BLOOM: each rank's heads take their ALiBi slopes (3 of 6), per-head q/k/v rows cut by head; the
+        # embedding's own LayerNorm on the first stage of two
+        pytest.param("bloom", 2, 1, marks=pytest.mark.slow),
+        pytest.param("bloom", 1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_parallel_engine_matches_one_process(tmp_path, arch, tp, pp):

@@ -21,32 +21,39 @@ def inspect(capsys, path, *extra):
 def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    config = transformers.MptConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
-    transformers.MptForCausalLM(config).save_pretrained(tmp_path)
+    config = transformers.PersimmonConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    transformers.PersimmonForCausalLM(config).save_pretrained(tmp_path)
     capsys.readouterr()  # transformers' own progress bar
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
-    tensors["transformer.alibi_slopes"] = torch.zeros(2)  # a tensor of no role in keel's block
+    tensors["model.rotary_slopes"] = torch.zeros(2)  # a tensor of no role in keel's block
     save_file(tensors, weights, metadata={"format": "pt"})
     code, out, err = inspect(capsys, tmp_path)
     assert code == 1
-    assert err.count("\n") == 1 and "unsupported HF architecture MptForCausalLM" in err
+    assert err.count("\n") == 1 and "unsupported HF architecture PersimmonForCausalLM" in err
     lines = out.splitlines()
-    assert "  attention  transformer.blocks.N.attn.Wqkv.weight  x2  new" in lines
-    assert "  norm       transformer.blocks.N.norm_1.weight  x2  new" in lines
-    assert "  embedding  transformer.wte.weight  new" in lines
+    assert "  attention  model.layers.N.self_attn.query_key_value.weight  x2  new" in lines
+    assert "  norm       model.layers.N.self_attn.q_layernorm.weight  x2  new" in lines
+    assert "  embedding  model.embed_tokens.weight" in lines
     unplaced = lines[lines.index("tensors keel could not place:") + 1 :]
-    assert "  transformer.alibi_slopes" in unplaced
+    assert "  model.rotary_slopes" in unplaced
     keys = out.split("metadata keys keel does not read:")[1]
-    assert "d_model" in keys and "attn_config" in keys and "vocab_size" not in keys
+    assert "qk_layernorm" in keys and "layer_norm_eps" in keys and "vocab_size" not in keys
 
 
 def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     path = tmp_path / "m.gguf"
-    writer = gguf.GGUFWriter(str(path), "mpt")
+    writer = gguf.GGUFWriter(str(path), "refact")
     writer.add_block_count(1)
     writer.add_context_length(32)
-    writer.add_max_alibi_bias(8.0)
+    writer.add_causal_attention(True)
     for name in ("token_embd.weight", "position_embd.weight", "blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"):
         writer.add_tensor(name, np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file()
@@ -54,14 +61,14 @@ def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):
     writer.write_tensors_to_file()
     writer.close()
     code, out, err = inspect(capsys, path, "--json")
-    assert code == 1 and "unsupported GGUF architecture 'mpt'" in err
+    assert code == 1 and "unsupported GGUF architecture 'refact'" in err
     import json
 
     survey = json.loads(out)
     assert survey["placed"]["attention"] == {"blk.N.attn_qkv.weight": 1}
     assert survey["placed"]["mlp"] == {"blk.N.ffn_up.weight": 1}
     assert survey["unplaced"] == {"position_embd.weight": 1}
-    assert survey["unread_keys"] == ["mpt.attention.max_alibi_bias"]  # context_length and block_count are read
+    assert survey["unread_keys"] == ["refact.attention.causal"]  # context_length and block_count are read
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox"])

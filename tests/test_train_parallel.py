@@ -61,6 +61,8 @@ MODELS = {
     "moe": lambda: tiny_config("qwen3_moe", num_hidden_layers=2),
     # learned positions: the first stage's table under pp; under tp replicated, its output cut by the sequence (sp)
     "gpt_bigcode": lambda: tiny_config("gpt_bigcode-mha", num_hidden_layers=2, scale_attn_weights=True),
+    # ALiBi (each tp rank's heads take their slopes), the embedding's own biased LayerNorm (first stage only)
+    "bloom": lambda: tiny_config("bloom", num_hidden_layers=2, tie_word_embeddings=False),
     # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
     "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
     # latent attention (heads cut under tp, the shared rope key's gradient summed), DeepSeek-V3's experts
@@ -138,6 +140,8 @@ LAYOUTS = [
     Layout("tp=2 sp olmo", model="olmo", tp=2, more=True),
     Layout("tp=2 sp nanochat", model="nanochat", tp=2, more=True),
     Layout("pp=2 1f1b nanochat", model="nanochat", pp=2, more=True),
+    Layout("tp=2 sp bloom", model="bloom", tp=2, more=True),
+    Layout("pp=2 1f1b bloom", model="bloom", pp=2, more=True),
     Layout("tp=2 sp gpt_bigcode", model="gpt_bigcode", tp=2, more=True),
     Layout("tp=2 no-sp gpt_bigcode", model="gpt_bigcode", tp=2, sequence_parallel=False, more=True),
     Layout("pp=2 1f1b gpt_bigcode", model="gpt_bigcode", pp=2, more=True),

@@ -1432,6 +1432,23 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # BLOOM: ALiBi over 6 heads (not a power of two: the interleaved slopes too), a biased LayerNorm after the
+    # embedding, q/k/v per head in one query_key_value, biased LayerNorms and projections, a tanh-GELU MLP.
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=96, num_attention_heads=6)),
+    # MPT: ALiBi over 6 heads (interleaved slopes), q/k/v clamped (clip_qkv) at another softmax scale, weight-only
+    # LayerNorms, no biases, an exact-GELU MLP, a tied head.
+    "mpt": (
+        "MptConfig",
+        "MptForCausalLM",
+        dict(hidden_size=96, num_attention_heads=6, attn_config=dict(clip_qkv=0.6, softmax_scale=0.4)),
+    ),
+    # Falcon-RW: ALiBi (before the softmax scale) in place of rotary, Llama's sequential block with LayerNorms, q/k/v
+    # per head (neither multi_query nor the new architecture), biases.
+    "falcon-rw": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(ffn_hidden_size=128, alibi=True, multi_query=False, parallel_attn=False, bias=True),
+    ),
     # Falcon-7B's block: attention and MLP in parallel from one LayerNorm, one key/value head (multi_query), no biases.
     "falcon": ("FalconConfig", "FalconForCausalLM", dict(ffn_hidden_size=128)),
     # Falcon-40B's: two LayerNorms (ln_attn, ln_mlp) feeding the parallel branches, q/k/v grouped by 2 KV heads,
@@ -1510,8 +1527,8 @@ SHARPENED = (
     "kv_a_proj_with_mqa.weight",
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
-    "self_attention.query_key_value.weight",  # Falcon's
-    "attn.Wqkv.weight",  # DBRX's
+    "self_attention.query_key_value.weight",  # Falcon's and Bloom's
+    "attn.Wqkv.weight",  # DBRX's and MPT's
 )
 
 

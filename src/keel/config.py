@@ -363,8 +363,9 @@ class ModelConfig:
     # False: the block and final norms have no weight (nor bias), normalised in float32 and rounded once (OLMo's
     # LayerNorm, NanoChat's RMSNorm); their checkpoints hold no norm tensors.
     norm_affine: bool = True
-    # The embedding's output normed by the final norm's function before the first layer (NanoChat: its one weightless
-    # `norm`, applied twice); needs norm_affine False (a norm of the embedding's own holds no weight to share).
+    # The embedding's output normed before the first layer by a block norm of its own: weightless under norm_affine
+    # False (NanoChat: its one weightless `norm`, applied twice), else with its weight (and bias under norm_bias),
+    # `embedding_norm.*` (Bloom's word_embeddings_layernorm).
     embedding_norm: bool = False
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX; StableLM's option)
     post_attention_norm: bool = True  # False: under parallel_residual the MLP reads norm1(x) (StableLM)
@@ -399,10 +400,17 @@ class ModelConfig:
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
     rope_layers: list[bool] = field(default_factory=list)
-    # How positions are encoded: "rope" (rotary, in the attention layers) or "learned" (GPT-2, GPT-BigCode, OPT: a
+    # How positions are encoded: "rope" (rotary, in the attention layers), "learned" (GPT-2, GPT-BigCode, OPT: a
     # table of max_position_embeddings + position_offset rows, `embed_positions`, added to the token embedding,
-    # h = embed(tokens) + embed_positions(positions + position_offset); no layer rotates).
+    # h = embed(tokens) + embed_positions(positions + position_offset); no layer rotates) or "alibi" (Bloom, MPT,
+    # Falcon-RW: no layer rotates; each query head h's scaled scores gain alibi_scale * slope_h * (key position -
+    # query position), slopes as `keel.model.attention.alibi_slopes` gives them for alibi_bias_max).
     position_embedding: str = "rope"
+    # ALiBi's slopes: 2^(-alibi_bias_max * i / n) for heads i = 1..n (n the power of two at or below the heads; the
+    # rest interleaved from 2n), MPT's `alibi_bias_max` (Bloom's and Falcon's are 8).
+    alibi_bias_max: float = 8.0
+    # A factor on every slope: Falcon-RW adds the bias before its softmax scale (1/sqrt(head_dim)), Bloom and MPT after.
+    alibi_scale: float = 1.0
     position_offset: int = 0  # OPT's table starts at row 2
     # Llama 4's attention temperature (Ministral 3's `llama_4_scaling_beta`): queries at position p are scaled by
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
@@ -706,8 +714,8 @@ class ModelConfig:
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(
-            self.position_embedding in ("rope", "learned"),
-            f"position_embedding {self.position_embedding!r} is not supported (rope, learned)",
+            self.position_embedding in ("rope", "learned", "alibi"),
+            f"position_embedding {self.position_embedding!r} is not supported (rope, learned, alibi)",
         )
         need(not (self.is_mla and self.position_embedding != "rope"), "MLA layers always rotate their rope key")
         need(self.position_offset >= 0, f"position_offset must be >= 0, got {self.position_offset}")
@@ -716,6 +724,11 @@ class ModelConfig:
             "position_offset needs position_embedding 'learned'",
         )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
+        need(self.alibi_bias_max > 0, f"alibi_bias_max must be positive, got {self.alibi_bias_max}")
+        need(
+            not self.kv_shared_layers or self.position_embedding != "alibi",
+            "position_embedding 'alibi' with kv_shared_layers is not supported",
+        )
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(not (self.is_mla and self.attention_scale_by_layer), "attention_scale_by_layer is not read by MLA")
@@ -733,7 +746,6 @@ class ModelConfig:
         need(self.norm_type in ("rms", "layer"), f"norm_type {self.norm_type!r} is not supported (rms, layer)")
         need(not self.norm_bias or self.norm_type == "layer", "norm_bias needs norm_type 'layer'")
         need(self.norm_affine or not self.norm_bias, "norm_bias needs norm_affine (a weightless norm has no bias)")
-        need(not self.embedding_norm or not self.norm_affine, "embedding_norm needs norm_affine False")
         need(self.kv_shared_mlp_factor >= 1, "kv_shared_mlp_factor must be >= 1")
         need(self.per_layer_input_size >= 0 and self.per_layer_input_vocab_size >= 0, "per-layer inputs: sizes >= 0")
         need(self.clip_qkv is None or self.clip_qkv > 0, f"clip_qkv must be positive, got {self.clip_qkv}")
@@ -1088,7 +1100,9 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * width
         head += self.vocab_size if self.lm_head_bias else 0
         positions += ple_embed  # the per-layer input table: a row lookup too
-        final = (norm if self.final_norm else 0) + (2 * h * width if self.embedding_size else 0)
+        norm_count = norm if self.final_norm else 0
+        norm_count += norm if self.embedding_norm else 0  # the embedding's own norm (Bloom's; NanoChat's has no weight)
+        final = norm_count + (2 * h * width if self.embedding_size else 0)
         total += embed + positions + head + final
         active += embed + positions + head + final
         # The input embedding is a row lookup, not a matmul: the FLOPs (6 x N per trained token) and

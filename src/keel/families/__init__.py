@@ -26,6 +26,7 @@ from keel.families import (
     apertus,
     arcee,
     bamba,
+    bloom,
     cohere,
     cohere2,
     cohere2_moe,
@@ -82,6 +83,7 @@ from keel.families import (
     ministral,
     ministral3,
     mistral4,
+    mpt,
     nanochat,
     nemotron,
     nemotron_h,
@@ -193,6 +195,8 @@ FAMILIES: dict[str, ModuleType] = {
         gptj,
         opt,
         gpt_neo,
+        bloom,
+        mpt,
     )
 }
 

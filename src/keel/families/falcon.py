@@ -8,8 +8,12 @@ tied, and q, k and v in one `query_key_value`. Its blocks:
 - neither: Llama's sequential block with LayerNorms.
 `query_key_value`'s rows are grouped by key/value head: each group's query heads, then its key, then its value
 (transformers' _split_heads). `multi_query` (7B) is one group, so all queries, then the key, then the value; without
-it (nor the new architecture) every head is a group of its own (q, k, v per head). ALiBi (Falcon-RW's `alibi`) is
-refused by name, as are the block combinations transformers itself cannot run.
+it (nor the new architecture) every head is a group of its own (q, k, v per head). Falcon-RW's `alibi` replaces the
+rotary embedding with ALiBi (keel's position_embedding "alibi", Bloom's slopes): transformers adds the bias before
+the softmax scale, so each slope is scaled by 1/sqrt(head_dim) too (alibi_scale). Its bias is of each key's absolute
+position rounded to bfloat16, keel's of the distance in float32: the same wherever the slopes are powers of two
+(1, 2, 4 or 8 heads) and positions below 256, within bfloat16's rounding
+elsewhere. The block combinations transformers itself cannot run are refused by name.
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ DEFAULTS: dict[str, Any] = {
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    if hf.get("alibi"):
-        raise ConfigError(f"{source}: Falcon's alibi (attention biases by distance, Falcon-RW) is not supported")
     heads = int(hf["num_attention_heads"])
     new = bool(hf.get("new_decoder_architecture", False))
     parallel = bool(hf.get("parallel_attn", True))
@@ -58,7 +60,12 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     else:
         kv_heads = 1 if hf.get("multi_query", True) else heads
     bias = bool(hf.get("bias", False))
+    alibi = {}
+    if hf.get("alibi"):  # Falcon-RW: the bias before the softmax scale (FalconModel divides it by sqrt(head_dim))
+        head_dim = int(hf["hidden_size"]) // heads
+        alibi = {"position_embedding": "alibi", "alibi_scale": head_dim**-0.5}
     return {
+        **alibi,
         "norm_type": "layer",
         "norm_bias": True,
         "num_kv_heads": kv_heads,
@@ -85,6 +92,9 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     new = _new_architecture(config)
     if new and not config.parallel_residual:
         raise ConfigError(f"{config.architecture}: a sequential block has {config.num_kv_heads} KV heads (1 or all)")
+    alibi = config.position_embedding == "alibi"
+    if alibi and (config.alibi_bias_max != 8 or config.alibi_scale != config.head_dim**-0.5):
+        raise ConfigError(f"{config.architecture}: Falcon's ALiBi has slopes of alibi_bias_max 8 over sqrt(head_dim)")
     if config.rotary_dim != config.head_dim or config.attention_scale is not None:
         raise ConfigError(f"{config.architecture}: Falcon rotates whole heads at the default softmax scale")
     if not (config.qkv_bias == config.o_bias == config.mlp_bias):
@@ -95,7 +105,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": config.num_kv_heads,
         "parallel_attn": config.parallel_residual,
         "num_ln_in_parallel_attn": (2 if config.post_attention_norm else 1) if new else None,
-        "alibi": False,
+        "alibi": alibi,
         "bias": config.qkv_bias,
         "ffn_hidden_size": config.intermediate_size,
         "activation": {"gelu_tanh": "gelu_pytorch_tanh"}.get(config.hidden_act, config.hidden_act),

@@ -50,6 +50,7 @@ def register() -> None:
         v_dim: int,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_dim)
 

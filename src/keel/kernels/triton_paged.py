@@ -26,6 +26,8 @@ the float32 path (tests/test_cuda.py checks the tensor-core path on a device). W
 each score becomes softcap * tanh(score / softcap) before the mask (Gemma 2's attention soft-capping).
 With `sinks`, each query head's sink logit joins its softmax's denominator (GPT-OSS): a split context
 counts it in the combining kernel, an unsplit one starts its online softmax from it.
+With `alibi` (ALiBi's slopes, Bloom, MPT, Falcon-RW), each score then gains its head's slope times the key's
+distance back from the query.
 
 Under `TRITON_INTERPRET=1` the kernels run on CPU tensors through Triton's interpreter: that is how
 `make test` checks them on machines without a GPU (tests/test_attention_backends.py).
@@ -67,6 +69,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         table_of_ptr,  # [T] int64: each token's row of `tables` (unless rows_are_tokens)
         positions_ptr,  # [T] int64
         sinks_ptr,  # [H] float32 (read with start_at_sinks only)
+        alibi_ptr,  # [H] float32 ALiBi slopes (read with use_alibi only)
         stride_qt,
         stride_qh,
         stride_kh,
@@ -91,6 +94,7 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
         v_pad: tl.constexpr,
         use_softcap: tl.constexpr,
         start_at_sinks: tl.constexpr,  # sinks and no splits (split parts leave them to the combining kernel)
+        use_alibi: tl.constexpr,
         split_output: tl.constexpr,
         rows_are_tokens: tl.constexpr,  # token t reads table row t (table_of_ptr is not read)
         half_dot: tl.constexpr,  # queries and rows of one 16-bit dtype, multiplied as such
@@ -122,6 +126,8 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
             maximum = tl.full([heads_pad], float("-inf"), tl.float32)
             total = tl.zeros([heads_pad], tl.float32)
         acc = tl.zeros([heads_pad, v_pad], tl.float32)
+        if use_alibi:
+            slopes = tl.load(alibi_ptr + kv_head * group + heads, mask=head_ok, other=0.0)
 
         # window, chunk: the host passes a span longer than any sequence for the one not set (no branch here).
         # The visible keys' blocks [first, last] are shared out among the splits, a contiguous run each,
@@ -154,6 +160,8 @@ def _kernels():  # noqa: ANN202 - triton.JITFunctions, typed only once triton is
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
             if use_softcap:  # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends in float32
                 scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+            if use_alibi:  # each head's slope times each key's distance back from the query
+                scores = scores + slopes[:, None] * (key_positions - position).to(tl.float32)[None, :]
             scores = tl.where(visible[None, :], scores, float("-inf"))
             new_maximum = tl.maximum(maximum, tl.max(scores, 1))
             # a split's first tile starts from -inf: exp(-inf - finite) = 0 (every tile has a visible key)
@@ -271,6 +279,7 @@ def paged_attention(
     tile_keys: int | None = None,
     half_dot: bool | None = None,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
 ) -> Tensor:
     """queries [T, H, D] over the paged stores ([H_kv, slots, D], values [H_kv, slots, Dv] or None: the
     keys' first `v_dim` channels) -> [T, H, Dv] in the queries' dtype. tables [R, W] int32, table_of [T]
@@ -284,18 +293,13 @@ def paged_attention(
     tensor cores with float32 sums (default `HALF_DOT`; float32 at IEEE precision otherwise). The last two
     are for bench/triton_decode.py's comparison. sinks: None or float32 [H] on the queries' device, one
     logit per query head that joins its softmax (unscaled, uncapped, never masked) and weighs no value
-    (GPT-OSS's attention sinks); as `keel::paged_attention`'s."""
+    (GPT-OSS's attention sinks); as `keel::paged_attention`'s. alibi: None or float32 [H] on the queries' device,
+    ALiBi's slope of each query head: each (capped) score gains slope * (key position - query position)."""
     refusal = block_size_refusal(block_size)
     if refusal is not None:
         raise ValueError(refusal)
     tokens, heads, head_dim = queries.shape
-    if sinks is not None:
-        if sinks.dtype != torch.float32 or sinks.shape != (heads,) or sinks.device != queries.device:
-            raise ValueError(
-                f"sinks must be float32 [{heads}] (one per query head) on {queries.device}, "
-                f"got {sinks.dtype} {list(sinks.shape)} on {sinks.device}"
-            )
-        sinks = sinks.contiguous()
+    sinks, alibi = _per_head(sinks, "sinks", queries), _per_head(alibi, "alibi", queries)
     kv_heads = k_store.shape[0]
     values = k_store if v_store is None else v_store
     if queries.stride(-1) != 1:
@@ -323,6 +327,7 @@ def paged_attention(
         queries, k_store, values, target, maxima, totals,
         tables, positions if table_of is None else table_of, positions,
         queries if sinks is None else sinks,  # a pointer never read without sinks
+        queries if alibi is None else alibi,  # nor this one without slopes
         queries.stride(0), queries.stride(1),
         k_store.stride(0), k_store.stride(1),
         values.stride(0), values.stride(1),
@@ -331,7 +336,8 @@ def paged_attention(
         scale, window if window > 0 else _NO_WINDOW, -window if window < 0 else _NO_WINDOW, softcap, splits,
         group=group, head_dim=head_dim, v_dim=v_dim, block_size=block_size, tile_keys=tile_keys, half_dot=half_dot,
         heads_pad=_HEAD_TILE, dim_pad=_pad(head_dim, 16), v_pad=v_pad,
-        use_softcap=softcap > 0, start_at_sinks=sinks is not None and splits == 1, split_output=splits > 1,
+        use_softcap=softcap > 0, start_at_sinks=sinks is not None and splits == 1, use_alibi=alibi is not None,
+        split_output=splits > 1,
         rows_are_tokens=table_of is None,
     )  # fmt: skip
     if splits > 1:
@@ -341,3 +347,16 @@ def paged_attention(
             use_sinks=sinks is not None,
         )  # fmt: skip
     return out
+
+
+def _per_head(values: Tensor | None, name: str, queries: Tensor) -> Tensor | None:
+    """`values` (sinks, slopes) checked to be float32 [H] on the queries' device, contiguous; None stays None."""
+    if values is None:
+        return None
+    heads = queries.shape[1]
+    if values.dtype != torch.float32 or values.shape != (heads,) or values.device != queries.device:
+        raise ValueError(
+            f"{name} must be float32 [{heads}] (one per query head) on {queries.device}, "
+            f"got {values.dtype} {list(values.shape)} on {values.device}"
+        )
+    return values.contiguous()

@@ -1,4 +1,5 @@
-"""Grouped-query attention with optional sliding window or chunks, q/k norm, q/k/v bias, score soft-capping and sinks.
+"""Grouped-query attention with optional sliding window or chunks, q/k norm, q/k/v bias, score soft-capping, sinks and
+ALiBi.
 
 The same module runs a full-sequence forward (training, prefill) and incremental decode: the
 caller passes an `AttentionMetadata` with the query positions and, when decoding, a KV cache.
@@ -40,13 +41,16 @@ class KVCache(Protocol):
         meta: AttentionMetadata,
         window: int | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         """Store `k`, `v` ([B, S, H_kv, D]) of the tokens at `meta.positions`, and return the
         attention output [B, H, S, D] of queries `q` ([B, H, S, D]) over every key they may see
         (causal by position, within `window` tokens when set). Where the model's config sets
         `attn_logit_softcapping` (Gemma 2), the cache, built from that config, caps every score at
         cap * tanh(score / cap) before the mask (`explicit_attention`'s arithmetic). `sinks` (float32 [H],
-        GPT-OSS): each head's sink logit joins its softmax's denominator (`explicit_attention`)."""
+        GPT-OSS): each head's sink logit joins its softmax's denominator (`explicit_attention`). `alibi` (float32 [H],
+        Bloom, MPT, Falcon-RW): each head's slope; its scores (after any cap) gain slope * (key position - query
+        position) (`alibi_bias`)."""
         ...
 
     def attend_stored(
@@ -120,6 +124,28 @@ def softcap_scores(scores: Tensor, cap: float) -> Tensor:
     return torch.tanh(scores / cap) * cap
 
 
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> Tensor:
+    """ALiBi's slope of each head, float32 [num_heads] on the CPU, as transformers' Bloom computes them
+    (`_get_alibi_slopes`, whose bias_max is 8): for n the power of two at or below num_heads, 2^(-bias_max * i / n)
+    for i = 1..n, then the odd ones of 2n's (2^(-bias_max * i / 2n), i = 1, 3, ..) for the heads beyond n. MPT's
+    `gen_slopes` (any alibi_bias_max) and Falcon's `build_alibi_tensor` give the same slopes."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    base = torch.full((), 2 ** (-bias_max / n), dtype=torch.float32, device="cpu")
+    slopes = torch.pow(base, torch.arange(1, 1 + n, dtype=torch.int32, device="cpu"))
+    if n != num_heads:
+        extra = torch.full((), 2 ** (-bias_max / (2 * n)), dtype=torch.float32, device="cpu")
+        odd = torch.arange(1, 1 + 2 * min(n, num_heads - n), 2, dtype=torch.int32, device="cpu")
+        slopes = torch.cat([slopes, torch.pow(extra, odd)])
+    return slopes
+
+
+def alibi_bias(slopes: Tensor, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """ALiBi's float32 bias of each score: slopes * (key position - query position), all three broadcast against
+    one another (slopes shaped to the scores' head dimension). Distances, not absolute key positions as
+    transformers' Bloom adds: the softmax is the same, and the bias stays small however long the sequence."""
+    return slopes.float() * (k_positions - q_positions).float()
+
+
 def sink_softmax(scores: Tensor, sinks: Tensor | None) -> Tensor:
     """Softmax over the last dimension of float32 `scores`, where a sink logit (GPT-OSS) joins each row's
     denominator and takes no value: exp(s_j) / (sum_i exp(s_i) + exp(sink)), as transformers computes it (a sink
@@ -139,12 +165,13 @@ def explicit_attention(
     cap: float | None = None,
     scale: float | None = None,
     sinks: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """Attention with what SDPA cannot do: scaled scores soft-capped before the mask (Gemma 2's
-    `attn_logit_softcapping`) and softmax sinks (GPT-OSS, `sink_softmax`). The scores are computed explicitly
-    (float32, [B, H, S, L] of them) and softmaxed in float32. q [B, H, S, D], k [B, H_kv, L, D],
-    v [B, H_kv, L, Dv], mask broadcastable to [B, H, S, L] (True = attend) or None; `scale` defaults to
-    1/sqrt(D); `sinks` [H] or None."""
+    `attn_logit_softcapping`), then biased (ALiBi, `alibi_bias`), and softmax sinks (GPT-OSS, `sink_softmax`). The
+    scores are computed explicitly (float32, [B, H, S, L] of them) and softmaxed in float32. q [B, H, S, D],
+    k [B, H_kv, L, D], v [B, H_kv, L, Dv], mask broadcastable to [B, H, S, L] (True = attend) or None; `scale`
+    defaults to 1/sqrt(D); `sinks` [H] or None; `bias` float32 broadcastable to [B, H, S, L] or None."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -152,6 +179,8 @@ def explicit_attention(
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if cap:
         scores = softcap_scores(scores, cap)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     column = None if sinks is None else sinks.view(1, -1, 1, 1)
@@ -253,6 +282,25 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcapping
         # GPT-OSS's softmax sinks, one logit per query head (under tensor parallelism, this rank's heads').
         self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
+        # ALiBi's slopes (position_embedding "alibi"), float32 [H] on the CPU (under tensor parallelism, this rank's
+        # heads'): a plain attribute, not a buffer, so that building on the meta device and loading leave it be;
+        # `alibi_on` keeps a copy on the queries' device.
+        self.alibi: Tensor | None = None
+        if config.position_embedding == "alibi":
+            self.alibi = alibi_slopes(config.num_heads, config.alibi_bias_max) * config.alibi_scale
+        self._alibi_device: Tensor | None = None
+
+    def alibi_on(self, device: torch.device) -> Tensor | None:
+        """The ALiBi slopes on `device` (None without ALiBi), copied there once."""
+        if self.alibi is None:
+            return None
+        if (
+            self._alibi_device is None
+            or self._alibi_device.device != device
+            or len(self._alibi_device) != len(self.alibi)
+        ):
+            self._alibi_device = self.alibi.to(device)
+        return self._alibi_device
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.kv_source != self.layer:  # attends over an earlier layer's keys and values (kv_shared_layers)
@@ -269,17 +317,26 @@ class Attention(nn.Module):
         sinks = self.sinks
         if sinks is not None and hasattr(sinks, "to_local"):  # training's tensor parallelism: this rank's heads'
             sinks = sinks.to_local()
+        alibi = self.alibi_on(q.device)
         if meta.cache is not None:
             cache_sinks = None if sinks is None else sinks.float()
             if k is None:  # the source's store holds this step's rows already: it ran earlier in the forward
                 out = meta.cache.attend_stored(self.kv_source, q, meta, self.window, cache_sinks)
+            elif alibi is not None:
+                out = meta.cache.attend(self.layer, q, k, v, meta, self.window, cache_sinks, alibi)
             else:
                 out = meta.cache.attend(self.layer, q, k, v, meta, self.window, cache_sinks)
         else:
             k, v = meta.shared_kv[self.kv_source] if k is None else (k, v)
-            if self.softcap is not None or sinks is not None:  # SDPA can do neither: explicit scores
+            if self.softcap is not None or sinks is not None or alibi is not None:  # SDPA can't: explicit scores
                 mask = meta.mask(meta.positions, self.window)
-                out = explicit_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=sinks)
+                bias = None
+                if alibi is not None:  # [B, H, S, S] in float32, like the scores
+                    positions = meta.positions[:, None]
+                    bias = alibi_bias(alibi.view(1, -1, 1, 1), positions[..., None], positions[..., None, :])
+                out = explicit_attention(
+                    q, k.transpose(1, 2), v.transpose(1, 2), mask, self.softcap, sinks=sinks, bias=bias
+                )
             elif meta.plain_causal and self.window is None:
                 out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)  # SDPA's fused causal kernel
             else:

@@ -97,8 +97,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None  # Granite's scalars: the modules run them
     if children.get("mamba") is not None or (mlp.gate_multiplier, mlp.down_multiplier) != (1.0, 1.0):
         return None  # Falcon-H1's mixer beside the attention and its MLP multipliers: the modules'
-    if attn.softcap is not None or attn.sinks is not None:
-        return None  # Gemma 2's score soft-capping, GPT-OSS's sinks: keel::decoder_layers does neither
+    if attn.softcap is not None or attn.sinks is not None or attn.alibi is not None:
+        return None  # Gemma 2's score soft-capping, GPT-OSS's sinks, ALiBi: keel::decoder_layers does none
     # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):

@@ -41,6 +41,7 @@ def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
         model.embed_tokens = None
         model.embed_positions = None  # learned positions go with the embedding
         model.project_in = None  # as OPT-350m's projection of it
+        model.embedding_norm = None  # and so does the embedding's norm (Bloom's holds weights)
     if stage < num_stages - 1:
         model.norm = None
         model.lm_head = None

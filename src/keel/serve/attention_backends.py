@@ -6,13 +6,14 @@ The model never changes: its attention layers call the cache (`KVCache.attend`),
 - `kernels`: keel's C++ paged-attention operator (keel.kernels) on CPU stores of float32, bfloat16 or
   int8 rows: every query, decodes and prefill chunks alike, reads K/V where they lie, the scores
   soft-capped where the model caps them (Gemma 2's `attn_logit_softcapping`), with each head's softmax sink
-  where the model has them (GPT-OSS).
+  where the model has them (GPT-OSS), biased by each head's ALiBi slope times the distance where the model
+  has ALiBi (Bloom, MPT, Falcon-RW: its `alibi`).
 - `triton`: on CUDA, one-token decodes through a Triton kernel that walks each row's block table
   (keel.kernels.triton_paged); prefill chunks through `scaled_dot_product_attention` with a causal
   mask aligned to the chunk's end (`causal_lower_right`: torch's fused flash / memory-efficient
   kernels, no mask tensor), where no sliding window applies. With score soft-capping or softmax sinks
-  (GPT-OSS) the decode kernel caps the scores (its `softcap`) or counts the sinks (its `sinks`), and chunks take
-  `attend_chunk`'s explicit scores.
+  (GPT-OSS) or ALiBi the decode kernel caps the scores (its `softcap`), counts the sinks (its `sinks`) or adds the
+  biases (its `alibi`), and chunks take `attend_chunk`'s explicit scores.
 - `torch`: the portable path everywhere else (and the reference): each group of decodes gathers its
   blocks once per layer and attends with batched matmuls; chunks as under `triton`.
 
@@ -32,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from keel import kernels
 from keel.errors import KeelError
 from keel.kernels import triton_paged
-from keel.model.attention import explicit_attention, sdpa_kv_heads
+from keel.model.attention import alibi_bias, explicit_attention, sdpa_kv_heads
 
 ENV = "KEEL_ATTENTION_BACKEND"
 BACKENDS = ("kernels", "triton", "torch")
@@ -106,21 +107,28 @@ def attend_chunk(
     scale: float | None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """One prefill chunk's queries [1, H, C, D] over its sequence's gathered keys [1, H_kv, L, D] (the last C
     of which are the chunk's own) -> [1, H, C, Dv]. Without a mask (no sliding window) the causal mask is
     aligned to the chunk's end and passed as torch's `causal_lower_right` bias, which SDPA runs in its
     fused kernels without building an [C, L] tensor; with one, the mask as given. With `softcap` (Gemma 2's
-    score soft-capping) or `sinks` (GPT-OSS's softmax sinks, [H]), which SDPA cannot do, the scores are computed
-    explicitly (`explicit_attention`)."""
+    score soft-capping), `sinks` (GPT-OSS's softmax sinks, [H]) or `alibi` (ALiBi's slopes [H], with the queries'
+    `positions` [C]; key l is position l), which SDPA cannot do, the scores are computed explicitly
+    (`explicit_attention`)."""
     from torch.nn.attention.bias import causal_lower_right
 
     keys, values = keys.to(queries.dtype), values.to(queries.dtype)  # a bfloat16 cache of a float32 model
-    if softcap or sinks is not None:
+    if softcap or sinks is not None or alibi is not None:
+        bias = None
+        if alibi is not None:
+            keys_at = torch.arange(keys.shape[2], device=queries.device)
+            bias = alibi_bias(alibi.view(1, -1, 1, 1), positions.view(1, 1, -1, 1), keys_at.view(1, 1, 1, -1))
         if mask is None:  # causal, aligned to the chunk's end: query i sees keys up to L - C + i
             chunk, length = queries.shape[2], keys.shape[2]
             mask = torch.ones(chunk, length, dtype=torch.bool, device=queries.device).tril(length - chunk)
-        return explicit_attention(queries, keys, values, mask, softcap, scale, sinks)
+        return explicit_attention(queries, keys, values, mask, softcap, scale, sinks, bias)
     bias = causal_lower_right(queries.shape[2], keys.shape[2]) if mask is None else mask
     return _fused_attention(queries, keys, values, bias, scale)
 

@@ -66,7 +66,7 @@ _lib = torch.library.Library("keel", "FRAGMENT")
 _lib.define(
     "paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_store, Tensor(b!) v_store, Tensor slots, "
     "Tensor tables, Tensor widths, Tensor mask, Tensor positions, int window, int block_size, float scale, "
-    "float softcap=0.0, Tensor? sinks=None) -> Tensor"
+    "float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor"
 )
 
 
@@ -86,11 +86,13 @@ def paged_decode_attention(
     scale: float,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
 ) -> Tensor:
     """Write the step's k, v ([1, B, H_kv, D]) into their slots, then attend the one-token queries
     q ([1, H, B, D]) over each sequence's blocks (tables [B, nb], the first widths[b] of row b in use)
     -> [1, H, B, D], the scores soft-capped at `softcap` when > 0 (Gemma 2), each head's softmax sink counted
-    where `sinks` [H] is given (GPT-OSS). Rows are attended in groups
+    where `sinks` [H] is given (GPT-OSS), each score biased by ALiBi where `alibi` [H] (slopes) is given. Rows are
+    attended in groups
     of similar width (`length_groups`, as the eager cache does), so a batch of short and long sequences
     does not gather every row at the longest width."""
     write_rows(k_store, slots, k)
@@ -102,14 +104,14 @@ def paged_decode_attention(
         if backend == "kernels":
             out = torch.ops.keel.paged_attention(
                 q[0].transpose(0, 1), k_store, v_store, None, None, tables.int(), None, positions, block_size,
-                window, scale, v_store.shape[-1], softcap, sinks,
+                window, scale, v_store.shape[-1], softcap, sinks, alibi,
             )  # fmt: skip
         else:
             # written straight into the [1, H, B, Dv] layout the graph was traced with; row b reads table row b
             out = q.new_empty(1, q.shape[1], q.shape[2], v_store.shape[-1])
             triton_paged.paged_attention(
                 q[0].transpose(0, 1), k_store, v_store, tables, None, positions, block_size, window, scale,
-                v_store.shape[-1], softcap=softcap, sinks=sinks, out=out[0].transpose(0, 1),
+                v_store.shape[-1], softcap=softcap, sinks=sinks, alibi=alibi, out=out[0].transpose(0, 1),
             )  # fmt: skip
             return out
         return out.transpose(0, 1).contiguous().unsqueeze(0)  # the layout the graph was traced with
@@ -118,7 +120,7 @@ def paged_decode_attention(
     groups = length_groups(lengths) if lengths is not None else [None]
     if len(groups) == 1:
         keys, values = gather_blocks(k_store, tables, block_size), gather_blocks(v_store, tables, block_size)
-        return attend_decode_rows(q[0], keys, values, mask, scale, softcap, sinks).unsqueeze(0)
+        return attend_decode_rows(q[0], keys, values, mask, scale, softcap, sinks, alibi, positions).unsqueeze(0)
     out = q.new_empty(q.shape[1], q.shape[2], v_store.shape[-1])
     for rows in groups:
         index = torch.tensor(rows, device=q.device)
@@ -130,7 +132,8 @@ def paged_decode_attention(
         )
         group_mask = mask.index_select(0, index)[:, : width * block_size]
         rows_q = q[0].index_select(1, index)
-        attended = attend_decode_rows(rows_q, keys, values, group_mask, scale, softcap, sinks)
+        group_positions = positions.index_select(0, index)
+        attended = attend_decode_rows(rows_q, keys, values, group_mask, scale, softcap, sinks, alibi, group_positions)
         out.index_copy_(1, index, attended)
     return out.unsqueeze(0)
 
@@ -155,6 +158,7 @@ def _(
     scale,
     softcap=0.0,
     sinks=None,
+    alibi=None,
 ):  # noqa: ANN001, ANN202, E501
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v_store.shape[-1])
 
@@ -175,6 +179,7 @@ class _StepCache:
         meta: AttentionMetadata,
         window: int | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         paged = self.paged
         if window not in self.masks:
@@ -195,6 +200,7 @@ class _StepCache:
             paged.head_dims[layer] ** -0.5,
             paged.softcap or 0.0,
             sinks,
+            alibi,
         )
 
 

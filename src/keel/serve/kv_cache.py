@@ -16,7 +16,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
-from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores, visible
+from keel.model.attention import AttentionMetadata, alibi_bias, sink_softmax, softcap_scores, visible
 from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
@@ -50,10 +50,14 @@ def attend_decode_rows(
     scale: float,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    alibi: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Attention of one-token queries rows [H, B, D] over their gathered keys [H_kv, B, L, D] and
     values [H_kv, B, L, Dv] where mask [B, L] allows -> [H, B, Dv], the scaled scores soft-capped at
-    `softcap` when set (Gemma 2), each head's softmax sink counted where `sinks` [H] is given (GPT-OSS).
+    `softcap` when set (Gemma 2), each head's softmax sink counted where `sinks` [H] is given (GPT-OSS), each
+    score biased by ALiBi where `alibi` [H] (slopes) is given with the rows' `positions` [B] (gathered key slot l
+    is position l).
     Shared by the eager paged cache and the compiled decode step (keel.serve.compiled_decode), so both
     compute the same numbers.
 
@@ -66,6 +70,10 @@ def attend_decode_rows(
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]
     if softcap:
         scores = softcap_scores(scores, softcap)
+    if alibi is not None:
+        keys_at = torch.arange(keys.shape[2], device=rows.device)
+        slopes = alibi.view(kv_heads, 1, heads // kv_heads, 1)
+        scores = scores + alibi_bias(slopes, positions.view(1, -1, 1, 1), keys_at.view(1, 1, 1, -1))
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     column = None if sinks is None else sinks.view(kv_heads, 1, heads // kv_heads, 1)
     probs = sink_softmax(scores, column).to(values.dtype)
@@ -335,6 +343,8 @@ class PagedKVCache:
         self.softcap = config.attn_logit_softcapping
         # GPT-OSS's softmax sinks: the model passes each layer's to `attend`; keel::decoder_layers has none.
         self.has_sinks = config.attention_sinks
+        # ALiBi's slopes: the model passes each layer's to `attend`; keel::decoder_layers has none either.
+        self.has_alibi = config.position_embedding == "alibi"
         # Each layer's KV heads and row width (Gemma 4's full-attention layers have their own): one store a layer
         n = config.num_layers
         if config.is_mla:  # one row a token: the latent and the rope key
@@ -389,11 +399,12 @@ class PagedKVCache:
         meta: AttentionMetadata,
         window: int | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         k_store, v_store = self.keys[layer], self.values[layer]
         self._write(k_store, k)
         self._write(v_store, v)
-        return self._attend(q, k_store, v_store, window, None, sinks)
+        return self._attend(q, k_store, v_store, window, None, sinks, alibi)
 
     def attend_stored(
         self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
@@ -412,8 +423,8 @@ class PagedKVCache:
 
     def attends_in_place(self, layer: int) -> bool:
         """Whether `in_place` serves this layer: keel's paged-attention kernel reads its stores where they lie."""
-        # MLA has no values; keel::decoder_layers's attention neither soft-caps scores nor counts sinks
-        if not self.values or self.softcap or self.has_sinks:
+        # MLA has no values; keel::decoder_layers's attention neither soft-caps scores nor counts sinks nor biases
+        if not self.values or self.softcap or self.has_sinks or self.has_alibi:
             return False
         return kernel_attends(self.keys[layer], self.head_dims[layer], self.block_size)
 
@@ -435,16 +446,17 @@ class PagedKVCache:
         window: int | None,
         scale: float | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         """Attention of the step's queries q [1, H, T, D] over the stored rows -> [1, H, T, Dv]. Without
         a value store (MLA), a row's value is its first `latent_rank` channels (its latent). `sinks` [H]: each
-        head's softmax sink (GPT-OSS)."""
+        head's softmax sink (GPT-OSS). `alibi` [H]: each head's ALiBi slope (Bloom, MPT, Falcon-RW)."""
         plan = self.plan
         softcap = self.softcap
         head_dim = q.shape[-1]  # the layer's (MLA: the latent and rope key's)
         backend = attention_backend(k_store, head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
         if backend == "kernels":
-            return self._attend_in_place(q, k_store, v_store, None, None, window, scale, sinks)
+            return self._attend_in_place(q, k_store, v_store, None, None, window, scale, sinks, alibi)
 
         def gather(tables: Tensor) -> tuple[Tensor, Tensor]:
             keys = self._gather(k_store, tables)  # [Hkv, B, L, D]
@@ -462,7 +474,7 @@ class PagedKVCache:
             rows = queries if index is None else queries.index_select(1, index)
             od = triton_paged.paged_attention(
                 rows.transpose(0, 1), k_store, v_store, tables, None, positions,
-                self.block_size, window or 0, decode_scale, v_dim, softcap=softcap or 0.0, sinks=sinks,
+                self.block_size, window or 0, decode_scale, v_dim, softcap=softcap or 0.0, sinks=sinks, alibi=alibi,
             ).transpose(0, 1)  # fmt: skip
             if index is None:
                 return od.unsqueeze(0)
@@ -473,12 +485,12 @@ class PagedKVCache:
             rows = queries if dec.whole_step else queries.index_select(1, dec.index)
             keys, values = gather(dec.tables)
             mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
-            od = attend_decode_rows(rows, keys, values, mask, decode_scale, softcap, sinks)
+            od = attend_decode_rows(rows, keys, values, mask, decode_scale, softcap, sinks, alibi, dec.positions)
             if dec.whole_step:
                 return od.unsqueeze(0)
             out.index_copy_(1, dec.index, od)
         batched: set[int] = set()
-        if window is None and not softcap and sinks is None and isinstance(k_store, Tensor):
+        if window is None and not softcap and sinks is None and alibi is None and isinstance(k_store, Tensor):
             # Chunks that start their sequence (a prompt's first chunk) see only their own rows: those of
             # similar lengths go through one causal call instead of a gather and a call each.
             for fresh in plan.fresh_prefills():
@@ -493,7 +505,15 @@ class PagedKVCache:
             keys, values = keys.transpose(0, 1)[:, :, : chunk.keys], values.transpose(0, 1)[:, :, : chunk.keys]
             mask = None if window is None else plan.mask(i, chunk.positions, chunk.keys, window)[None, None]
             out[:, chunk.start : chunk.end] = attend_chunk(
-                queries[None, :, chunk.start : chunk.end], keys, values, mask, scale, softcap, sinks
+                queries[None, :, chunk.start : chunk.end],
+                keys,
+                values,
+                mask,
+                scale,
+                softcap,
+                sinks,
+                alibi,
+                chunk.positions,
             )[0]
         return out.unsqueeze(0)
 
@@ -507,6 +527,7 @@ class PagedKVCache:
         window: int | None,
         scale: float | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         """Every query of the step, decodes and prefill chunks alike, in one call of keel's paged-attention
         kernel (keel.kernels): each (token, KV head) walks its sequence's block table and reads K/V where
@@ -528,5 +549,6 @@ class PagedKVCache:
             queries.shape[-1] if v_store is not None else self.latent_rank,
             self.softcap or 0.0,
             sinks,
+            alibi,
         )  # [T, H, Dv]
         return out.transpose(0, 1).unsqueeze(0)

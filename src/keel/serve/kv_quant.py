@@ -39,7 +39,7 @@ from torch import Tensor
 
 from keel.config import ModelConfig
 from keel.errors import KeelError
-from keel.model.attention import AttentionMetadata, sink_softmax, softcap_scores
+from keel.model.attention import AttentionMetadata, alibi_bias, sink_softmax, softcap_scores
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
 from keel.serve.kv_cache import DecodeGroup, InPlaceLayer, PagedKVCache, PrefillChunk, StepPlan, kernel_attends
 
@@ -152,10 +152,11 @@ class Int8PagedKVCache(PagedKVCache):
         meta: AttentionMetadata,
         window: int | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         keys = self._write(self.keys[layer], k, self.key_scales[layer], layer)
         values = self._write(self.values[layer], v, self.value_scales[layer], layer)
-        return self._attend(q, keys, values, window, None, sinks)
+        return self._attend(q, keys, values, window, None, sinks, alibi)
 
     def attend_stored(
         self, layer: int, q: Tensor, meta: AttentionMetadata, window: int | None, sinks: Tensor | None = None
@@ -200,22 +201,23 @@ class Int8PagedKVCache(PagedKVCache):
         window: int | None,
         scale: float | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> Tensor:
         plan = self.plan
         if v_store is not None and kernel_attends(k_store.data, k_store.data.shape[-1], self.block_size):
             data = (k_store.data, v_store.data, k_store.scales, v_store.scales)
-            return self._attend_in_place(q, *data, window, scale, sinks)
+            return self._attend_in_place(q, *data, window, scale, sinks, alibi)
         if not plan.decodes or v_store is None:  # MLA: two scales per row, no single one to fold
-            return super()._attend(q, k_store, v_store, window, scale, sinks)
+            return super()._attend(q, k_store, v_store, window, scale, sinks, alibi)
         # Prefill chunks: the base class, with the decodes taken out of its plan (its masks memo is
         # shared, so they are still built once per step). Then the decode rows of its output.
         self.plan = replace(plan, decodes=[])
         try:
-            out = super()._attend(q, k_store, v_store, window, scale, sinks)
+            out = super()._attend(q, k_store, v_store, window, scale, sinks, alibi)
         finally:
             self.plan = plan
         for g, dec in enumerate(plan.decodes):
-            self._attend_decode(out[0], q[0], g, dec, k_store, v_store, window, scale, sinks)
+            self._attend_decode(out[0], q[0], g, dec, k_store, v_store, window, scale, sinks, alibi)
         return out
 
     def _attend_decode(
@@ -229,6 +231,7 @@ class Int8PagedKVCache(PagedKVCache):
         window: int | None,
         scale: float | None,
         sinks: Tensor | None = None,
+        alibi: Tensor | None = None,
     ) -> None:
         """One decode group as in `PagedKVCache._attend`, with the scales folded: q.(s_k k) = s_k (q.k),
         and sum p (s_v v) = sum (p s_v) v. int8 values convert exactly to bfloat16 / float32."""
@@ -243,6 +246,9 @@ class Int8PagedKVCache(PagedKVCache):
         scores.mul_(k_scales.float().transpose(-1, -2) * (scale if scale is not None else dim**-0.5))
         if self.softcap:  # Gemma 2's attention-score soft-capping, on the scaled scores
             scores = softcap_scores(scores, self.softcap)
+        if alibi is not None:  # ALiBi: each head's slope times the distance (gathered key slot l is position l)
+            keys_at = torch.arange(keys.shape[2], device=scores.device).view(1, 1, 1, -1)
+            scores = scores + alibi_bias(alibi.view(kv_heads, 1, group, 1), dec.positions.view(1, -1, 1, 1), keys_at)
         mask = plan.mask(("decode", g), dec.positions, keys.shape[2], window)  # [B, L]
         scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
         column = None if sinks is None else sinks.view(kv_heads, 1, group, 1)  # GPT-OSS's sinks

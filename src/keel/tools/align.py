@@ -138,10 +138,11 @@ def align(model: str, dtype: str = "float32", head_dim: int | None = None, num_h
         reference = transformers_model(ref_dir, dtype=torch_dtype, **options).eval()
         # The decoder is `model.`, `gpt_neox.` or `transformer.` (base_model), or `model.` where base_model names
         # another (Llama 4's text model, whose prefix is its multimodal model's `language_model`); its blocks are
-        # `layers`, or `h` (GPT-2's names), or `blocks` (DBRX's), or its `decoder`'s `layers` (OPT's).
+        # `layers`, or `h` (GPT-2's names), or `blocks` (MPT's, DBRX's), or its `decoder`'s `layers` (OPT's).
         own = getattr(reference.base_model, "decoder", reference.base_model)
-        base = own if any(hasattr(own, n) for n in ("layers", "h", "blocks")) else reference.model
-        blocks = getattr(base, "layers", None) or getattr(base, "h", None) or base.blocks
+        found = [name for name in ("layers", "h", "blocks") if hasattr(own, name)]
+        base = own if found else reference.model
+        blocks = getattr(base, found[0] if found else "layers")
         ref_out = _layer_outputs(blocks, lambda: reference(tokens).logits)
     ours = _layer_outputs(list(loaded.model.layers.values()), lambda: loaded.model(tokens))
 

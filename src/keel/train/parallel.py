@@ -40,7 +40,7 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | `self_attn.o_proj`                       | RowwiseParallel, output reduce-scattered to Shard(1) (SP)   |
 | `layers.N.mlp` (dense SwiGLU)            | gate_proj/up_proj Colwise, down_proj Rowwise                |
 | `layers.N.mlp` (MoE)                     | replicated: gathered in, computed on every tp rank, re-split|
-| `norm`                                   | SequenceParallel (SP only)                                  |
+| `norm`, `embedding_norm` with weights    | SequenceParallel (SP only)                                  |
 | `lm_head`                                | ColwiseParallel; logits vocab-sharded (loss-parallel) or gathered |
 
 Multi-head latent attention (DeepSeek): q_proj / q_b_proj and kv_b_proj Colwise (by heads), o_proj Rowwise; the
@@ -331,6 +331,9 @@ def apply_tp(
         attn = layer.self_attn
         if getattr(attn, "sinks", None) is not None:  # GPT-OSS: a rank's heads' sinks, as its q rows
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+        if getattr(attn, "alibi", None) is not None:  # ALiBi: a rank's heads' slopes, as its q rows (Shard(0))
+            per_rank = attn.alibi.shape[0] // tp_mesh.size()
+            attn.alibi = attn.alibi[tp_mesh.get_local_rank() * per_rank :][:per_rank].clone()
         if isinstance(attn, MLAttention):
             attn.kv_a_proj_with_mqa.register_forward_hook(_rope_key_gradient_summed(attn.kv_lora_rank, tp_mesh))
     top: dict[str, ParallelStyle] = {}
@@ -344,6 +347,9 @@ def apply_tp(
         top["embed_positions"] = PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
         )
+    if model.embedding_norm is not None and sp and list(model.embedding_norm.parameters()):
+        # BLOOM's embedding LayerNorm (weights of its own) on the sequence-sharded embedding, as `norm`
+        top["embedding_norm"] = SequenceParallel()
     if model.norm is not None and sp:
         top["norm"] = SequenceParallel()
     if model.lm_head is not None:

@@ -21,7 +21,7 @@ starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba and dbrx (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom and mpt (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
@@ -161,6 +161,11 @@ GPT-BigCode's scale_attn_weights (llama.cpp's 1/sqrt(head size)); StarCoderModel
 multi_query says, so a file whose attn_qkv holds more is refused. Falcon: the parallel block (llama.cpp runs no other),
 two norms where `attn_norm_2` is stored (new_decoder_architecture), rotary (FalconModel writes nothing of ALiBi).
 
+BLOOM and MPT (`bloom`, `mpt`; BloomModel, MPTModel): ALiBi (keel's position_embedding "alibi"), LayerNorms with their
+eps, q/k/v fused in `attn_qkv` as all q, all k, all v (BloomModel regroups its per-head rows), the embedding's own
+norm as `token_embd_norm` (BLOOM). MPT: its `max_alibi_bias` (0, learned positions, refused) and `clamp_kqv`; no key
+for softmax_scale (llama.cpp's 1/sqrt(head size)); the MLP's width from `ffn_up`.
+
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
 (other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
@@ -277,6 +282,8 @@ _FAMILIES = {
     _A.FALCON: "falcon",
     _A.JAMBA: "jamba",
     _A.DBRX: "dbrx",
+    _A.BLOOM: "bloom",
+    _A.MPT: "mpt",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -306,7 +313,7 @@ _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2"
 _ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
-_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx"}
+_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx", "bloom", "mpt"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -347,6 +354,7 @@ KEYS_READ = (
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
+    _KA.MAX_ALIBI_BIAS,
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
     Keys.SSM.DT_B_C_RMS,
@@ -932,6 +940,11 @@ def _family_hf_config(
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family in ("bloom", "mpt"):
+        hf.update(_alibi_hf_config(f, family, common, tensors))
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+        read |= {"alibi_bias_max"} if family == "mpt" else set()
+        read |= {"clip_qkv"} if family == "mpt" and f.key(_KA.CLAMP_KQV) is not None else set()
     if family == "nemotron_h":
         own, own_read = _nemotron_h_hf_config(f, common, tensors)
         hf.update(own)
@@ -1240,6 +1253,38 @@ def _classic_hf_config(
             alibi=False,
         )
     return dict(hf, n_inner=width, multi_query=kv_heads == 1)
+
+
+def _alibi_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
+    """BLOOM's and MPT's config.json keys as BloomModel and MPTModel write them: the LayerNorms' eps, the heads, q/k/v
+    fused in `attn_qkv` as all q, then k, then v (BloomModel regroups its per-head rows; MPT's Wqkv is stored so).
+    BLOOM: its MLP 4 x hidden, the head as stored (BloomModel writes the embedding again as `output` where there is
+    no head: the same logits). MPT: `max_alibi_bias` (0: no ALiBi, refused by the family), `clamp_kqv` where set,
+    nothing of softmax_scale (llama.cpp's 1/sqrt(head size)) and feed_forward_length 4 x d_model whatever the
+    model's (the MLP's width from `ffn_up`); a file whose norms have biases, or q/k norms (qk_ln), or fewer KV heads
+    than heads, is refused by the family's names."""
+    heads = common["num_heads"]
+    hf: dict[str, Any] = dict(num_attention_heads=heads, layer_norm_epsilon=common["rms_norm_eps"])
+    if family == "bloom":
+        return dict(hf, tie_word_embeddings=common["tie_word_embeddings"])
+    up = tensors.get(_tensor(MODEL_TENSOR.FFN_UP, 0))
+    if up is None:
+        raise ConfigError(f"{f.meta.path}: {_tensor(MODEL_TENSOR.FFN_UP, 0)!r} needed")
+    clamp = f.key(_KA.CLAMP_KQV)
+    alibi_max = _f32(f.require(_KA.MAX_ALIBI_BIAS))
+    attn_config = {
+        "alibi": alibi_max > 0,
+        "alibi_bias_max": alibi_max,
+        "clip_qkv": None if clamp is None else _f32(clamp),
+        "qk_ln": _tensor(MODEL_TENSOR.ATTN_Q_NORM, 0) in tensors,
+        "attn_type": "multihead_attention" if common["num_kv_heads"] == heads else "grouped_query_attention",
+    }
+    return dict(
+        hf,
+        attn_config=attn_config,
+        expansion_ratio=int(up.shape[1]) // common["hidden_size"],
+        no_bias=_tensor(MODEL_TENSOR.ATTN_NORM, 0, "bias") not in tensors and not common["qkv_bias"],
+    )
 
 
 def _nemotron_h_hf_config(
@@ -1946,12 +1991,12 @@ class GGUFTensorReader:
                             order = np.concatenate([np.arange(a, b) for a, b in rows])
                             self._add(part, (t,), (len(order), *shape[1:]), _rows_in_order(order))
                             continue
-                        if rows is not None and len(rows) != 1 and arch not in (_A.GPTNEOX, _A.FALCON):
+                        if rows is not None and len(rows) != 1 and arch not in (_A.GPTNEOX, _A.FALCON, _A.BLOOM):
                             raise WeightsError(f"{path}: tensor {name!r} holds interleaved parts; not read from GGUF")
                         if rows is not None and len(rows) != 1:
-                            # GPT-NeoX's q/k/v, interleaved per head in HF's query_key_value, and Falcon's, grouped
-                            # by KV head: the converters store all of q, then k, then v (FalconModel's "jploski"
-                            # layout), so each part is one run of rows.
+                            # GPT-NeoX's and BLOOM's q/k/v, interleaved per head in HF's query_key_value, and
+                            # Falcon's, grouped by KV head: the converters store all of q, then k, then v
+                            # (FalconModel's "jploski" layout), so each part is one run of rows.
                             rows = [(start, start + sum(stop - first for first, stop in rows))]
                         span = None if rows is None else rows[0]
                         start = start if span is None else span[1]

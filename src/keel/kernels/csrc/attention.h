@@ -33,7 +33,8 @@ inline int64_t first_visible(int64_t pos, int64_t window) {
 // Queries q [R, H, D] float32, each at positions[r] of the sequence whose block table is
 // tables[table_of[r]] ([T, table_width] int32), attend causally (from first_visible(positions[r], window)) over
 // the rows stored for positions 0..positions[r], scores soft-capped where softcap > 0, beside each head's
-// sink logit where there are sinks. out [R, H, v_dim] float32.
+// sink logit where there are sinks, each score biased by its head's ALiBi slope times the distance where there
+// are slopes. out [R, H, v_dim] float32.
 struct PagedQuery {
   const float* q;
   int64_t heads;
@@ -48,6 +49,9 @@ struct PagedQuery {
   // head's softmax (unscaled, uncapped, never masked) and weigh no value: its online softmax starts from the
   // sink (running maximum s, total exp(s - s) = 1) instead of from nothing.
   const float* sinks;
+  // May be null: else [heads] float32 ALiBi slopes (Bloom, MPT, Falcon-RW), one per query head: each scaled (and
+  // capped) score gains slope * (key position - query position) before the softmax.
+  const float* alibi;
   float* out;
 };
 

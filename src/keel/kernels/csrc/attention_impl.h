@@ -145,13 +145,17 @@ inline void attend_heads(const keel::PagedStore& s, const keel::PagedQuery& q, i
   alignas(64) float val[kMaxDim];
   const float* key[kMaxBlock];
   float scores[kMaxGroup][kMaxBlock];
-  walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t, int64_t slot0, int64_t n) {
+  const int64_t group = q.heads / s.kv_heads;
+  walk_heads(s, q, r, h, g0, gn, [&](HeadsWalk& w, int64_t start, int64_t slot0, int64_t n) {
     for (int64_t j = 0; j < n; ++j) key[j] = row_at<Dtype>(s.keys, s.key_scales, slot0 + j, dim, dim, key_buf[j]);
+    const int64_t lo = start < w.first ? w.first : start;  // the block's first visible key's position
     for (int64_t g = 0; g < gn; ++g) {
       float block_max = w.running_max[g];
+      const float slope = q.alibi != nullptr ? q.alibi[h * group + g0 + g] : 0.f;
       for (int64_t j = 0; j < n; ++j) {
         float dot = dot_product(w.qs[g], key[j], dim);
         if (q.softcap > 0.f) dot = q.softcap * std::tanh(dot / q.softcap);
+        if (q.alibi != nullptr) dot += slope * static_cast<float>(lo + j - w.pos);
         scores[g][j] = dot;
         block_max = dot > block_max ? dot : block_max;
       }

@@ -224,6 +224,11 @@ void attend_heads_vectorised(const keel::PagedStore& s, const keel::PagedQuery& 
       if constexpr (Dtype == 2)
         for (int64_t j = 0; j < n; ++j) p[j] *= key_scale[j];
       if (q.softcap > 0.f) cap_scores<V>(p, n, q.softcap);
+      if (q.alibi != nullptr) {  // the head's slope times each key's distance back from the query
+        const float slope = q.alibi[h * (q.heads / s.kv_heads) + g0 + g];
+        const int64_t lo = start < w.first ? w.first : start;
+        for (int64_t j = 0; j < n; ++j) p[j] += slope * static_cast<float>(lo + j - w.pos);
+      }
       const float block_max = max_of<V>(p, n, w.running_max[g]);
       // Online softmax: what was summed under the old maximum is rescaled to the new one.
       correction[g] = exp_nonpositive(w.running_max[g] - block_max);
@@ -308,6 +313,10 @@ void attend_tile_vectorised(const keel::PagedStore& s, const keel::PagedQuery& q
         float* p = scores + m * kMaxBlock;
         block_scores<V>(qs + m * dim, key + j0, seen, dim, p);
         if (q.softcap > 0.f) cap_scores<V>(p, seen, q.softcap);
+        if (q.alibi != nullptr) {  // as the row body: the head's slope times each key's distance
+          const float slope = q.alibi[h * group + g0 + m % gn];
+          for (int64_t j = 0; j < seen; ++j) p[j] += slope * static_cast<float>(start + j0 + j - last[t]);
+        }
         const float block_max = max_of<V>(p, seen, running_max[m]);
         // Online softmax: what was summed under the old maximum is rescaled to the new one.
         correction[m] = exp_nonpositive(running_max[m] - block_max);

@@ -24,16 +24,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
                            const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
                            const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
-                           int64_t v_dim, double softcap, const c10::optional<at::Tensor>& sinks);
+                           int64_t v_dim, double softcap, const c10::optional<at::Tensor>& sinks,
+                           const c10::optional<at::Tensor>& alibi);
 
-// paged_attention on q [rows, heads, dim] float32 into out [rows, heads, v_dim] (no tensor allocated); sinks:
-// null or [heads] float32 (the caller checks them).
+// paged_attention on q [rows, heads, dim] float32 into out [rows, heads, v_dim] (no tensor allocated); sinks and
+// alibi (slopes): null or [heads] float32 (the caller checks them).
 void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t dim, const at::Tensor& keys,
                           const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& key_scales,
                           const c10::optional<at::Tensor>& value_scales, const at::Tensor& tables,
                           const c10::optional<at::Tensor>& table_of, const at::Tensor& positions, int64_t block_size,
                           int64_t window, double scale, int64_t v_dim, double softcap, const float* sinks,
-                          float* out);
+                          float* out, const float* alibi = nullptr);
 
 // Row loops of the fused small operators (ops_small.cpp), float32, parallel over rows.
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);

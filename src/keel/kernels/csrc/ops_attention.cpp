@@ -44,7 +44,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                           const c10::optional<at::Tensor>& value_scales, const at::Tensor& tables,
                           const c10::optional<at::Tensor>& table_of, const at::Tensor& positions, int64_t block_size,
                           int64_t window, double scale, int64_t v_dim, double softcap, const float* sinks,
-                          float* out) {
+                          float* out, const float* alibi) {
   TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous(), "keel::paged_attention: keys must be a contiguous [H_kv, slots, D]");
   const int64_t kv_heads = keys.size(0);
   TORCH_CHECK(keys.size(2) == dim, "keel::paged_attention: q has ", dim, " channels, the keys ", keys.size(2));
@@ -96,7 +96,7 @@ void paged_attention_into(const float* q, int64_t rows, int64_t heads, int64_t d
                          v_dim,
                          block_size};
   const PagedQuery query{q, heads, tab, width, table_index, pos, window, static_cast<float>(scale),
-                         static_cast<float>(softcap), sinks, out};
+                         static_cast<float>(softcap), sinks, alibi, out};
   // Runs of rows of one table at consecutive positions (a prefill chunk's) cut into tiles; each tile or
   // lone row is an item per KV head, costed by the rows times the keys they walk.
   const int64_t tile = tile_rows(heads / kv_heads);
@@ -151,24 +151,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& keys, const c1
                            const c10::optional<at::Tensor>& key_scales, const c10::optional<at::Tensor>& value_scales,
                            const at::Tensor& tables, const c10::optional<at::Tensor>& table_of,
                            const at::Tensor& positions, int64_t block_size, int64_t window, double scale,
-                           int64_t v_dim, double softcap, const c10::optional<at::Tensor>& sinks) {
+                           int64_t v_dim, double softcap, const c10::optional<at::Tensor>& sinks,
+                           const c10::optional<at::Tensor>& alibi) {
   TORCH_CHECK(q.dim() == 3, "keel::paged_attention: q must be [R, H, D]");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const float* sink_logits = nullptr;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat, "keel::paged_attention: sinks must be float32, got ",
-                sinks->scalar_type());
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == heads, "keel::paged_attention: sinks must be [H] = [",
-                heads, "] (one per query head), got ", sinks->sizes());
-    TORCH_CHECK(sinks->device().is_cpu(), "keel::paged_attention: sinks must be on the CPU, got ", sinks->device());
-    TORCH_CHECK(sinks->is_contiguous(), "keel::paged_attention: sinks must be contiguous");
-    sink_logits = sinks->data_ptr<float>();
-  }
+  // sinks and alibi: each None or float32 [H] on the CPU, one per query head
+  auto per_head = [heads](const c10::optional<at::Tensor>& t, const char* name) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "keel::paged_attention: ", name, " must be float32, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == heads, "keel::paged_attention: ", name, " must be [H] = [", heads,
+                "] (one per query head), got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu(), "keel::paged_attention: ", name, " must be on the CPU, got ", t->device());
+    TORCH_CHECK(t->is_contiguous(), "keel::paged_attention: ", name, " must be contiguous");
+    return t->data_ptr<float>();
+  };
+  const float* sink_logits = per_head(sinks, "sinks");
+  const float* slopes = per_head(alibi, "alibi");
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, heads, v_dim}, qf.options());
   paged_attention_into(qf.data_ptr<float>(), rows, heads, dim, keys, values, key_scales, value_scales, tables,
                        table_of, positions, block_size, window, scale, v_dim, softcap, sink_logits,
-                       out.data_ptr<float>());
+                       out.data_ptr<float>(), slopes);
   return out.to(q.scalar_type());
 }
 
@@ -179,7 +183,7 @@ TORCH_LIBRARY_FRAGMENT(keel, m) {
   m.def(
       "paged_attention(Tensor q, Tensor keys, Tensor? values, Tensor? key_scales, Tensor? value_scales, "
       "Tensor tables, Tensor? table_of, Tensor positions, int block_size, int window, float scale, int v_dim, "
-      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "float softcap=0.0, Tensor? sinks=None, Tensor? alibi=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(keel, CPU, m) { m.impl("paged_attention", &keel::paged_attention); }

@@ -196,6 +196,8 @@ def shard_model(model: Transformer, layout: TensorParallelLayout, group: dist.Pr
         attn = layer.self_attn
         if getattr(attn, "sinks", None) is not None:  # GPT-OSS: this rank's heads' sinks
             attn.sinks = nn.Parameter(_cut(attn.sinks, layout.shard_of(f"layers.{index}.self_attn.sinks")), False)
+        if getattr(attn, "alibi", None) is not None:  # ALiBi: this rank's heads' slopes (the sinks' rows)
+            attn.alibi = _cut(attn.alibi, layout.shard_of(f"layers.{index}.self_attn.sinks"))
         layer.self_attn.num_heads = layout.local_heads
         first, last = layout.kv_head_range()
         layer.self_attn.num_kv_heads = last - first
