@@ -672,3 +672,20 @@ def test_gemma4_e_refuses_tensor_parallelism_and_split_kv_sharing(tmp_path):
         split_stage(build_model(config), 0, 2)
     with pytest.raises(ValueError, match="kv_shared_layers"):  # layers 3 and 4 without 1 and 2
         split_stage(build_model(dataclasses.replace(config, per_layer_input_size=0)), 1, 2)
+
+
+def test_flint_takes_its_config_classs_layer_rules_where_a_file_has_none():
+    """Flint's config class makes the first two layers, every fourth from layer 1 and the last full attention (those
+    without position encoding) and the first two dense; a file without layer_types or mlp_only_layers reads them so."""
+    import transformers
+
+    hf = {"architectures": ["FlintForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=11, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.FlintConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.mlp_only_layers == reference.mlp_only_layers == [0, 1]
+    assert config.rope_layers == [kind == "sliding_attention" for kind in reference.layer_types]
+    assert config.sliding_window == reference.sliding_window and not config.shared_expert_gated
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf({**hf, "layer_types": ["chunked_attention"] * 11})

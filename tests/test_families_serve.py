@@ -154,6 +154,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gptj", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("flint", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -394,6 +395,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
             (True, False, True),
             (False, True, False),
         ]
+    elif name == "flint":  # sinks, sliding layers rotating and the full one not; a dense layer 1; the shared expert
+        config = llm.engine.model.config
+        assert all(a.sinks is not None for a in attention)
+        assert [(a.window, a.rotates) for a in attention] == [(8, True), (None, False), (8, True)]
+        assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True] and not config.router_bias
+        assert layers[0].mlp.shared_expert is not None and layers[0].mlp.shared_expert_gate is None
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

@@ -141,6 +141,7 @@ SHAPE_INFERABLE = [
             "minicpm3",
             "afmoe",
             "sarvam",
+            "flint",
         )
     )
 ]

@@ -1417,6 +1417,27 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Flint: Qwen3-MoE's q/k norms, biased attention, softmax sinks, sliding layers (window 8) rotating around a full
+    # one without position encoding, a dense layer 1 (not the default first two) between layers of 8 experts routed
+    # by an unbiased sigmoid, 2 a token, not renormalised, and an ungated shared expert.
+    "flint": (
+        "FlintConfig",
+        "FlintForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_only_layers=[1],
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

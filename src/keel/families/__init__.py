@@ -40,6 +40,7 @@ from keel.families import (
     falcon_h1,
     falcon_mamba,
     flex_olmo,
+    flint,
     gemma,
     gemma2,
     gemma3,
@@ -189,6 +190,7 @@ FAMILIES: dict[str, ModuleType] = {
         gptj,
         opt,
         gpt_neo,
+        flint,
     )
 }
 
