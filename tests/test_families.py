@@ -689,3 +689,27 @@ def test_flint_takes_its_config_classs_layer_rules_where_a_file_has_none():
     assert ModelConfig.from_hf(config.to_hf()) == config
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_hf({**hf, "layer_types": ["chunked_attention"] * 11})
+
+
+def test_lfm3_takes_its_config_classs_layers_and_ropes_where_a_file_has_none():
+    """LFM3's config class makes layer 2 of every four full attention, layer 0 of every four after the first sliding
+    and the rest convolutions, with a rope per attention kind; a file without them reads them so, and a per-head gate
+    without the gate itself is refused."""
+    import transformers
+
+    hf = {"architectures": ["Lfm3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=9, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.Lfm3Config(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.sliding_window == reference.sliding_window
+    full, sliding = reference.rope_parameters["full_attention"], reference.rope_parameters["sliding_attention"]
+    assert (config.rope_theta, config.rope_scaling.type, config.rope_scaling.rotated_share) == (
+        full["rope_theta"],
+        full["rope_type"],
+        full["partial_rotary_factor"],
+    )
+    assert (config.sliding_rope_theta, config.sliding_rope_scaling.type) == (sliding["rope_theta"], "default")
+    assert config.attention_gate_per_head and config.norm_placement == "sandwich"
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="attention_gate_per_head"):
+        dataclasses.replace(config, attention_output_gate=False)

@@ -155,6 +155,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("flint", marks=SLOW),
+        pytest.param("lfm3", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -401,6 +402,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [(a.window, a.rotates) for a in attention] == [(8, True), (None, False), (8, True)]
         assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True] and not config.router_bias
         assert layers[0].mlp.shared_expert is not None and layers[0].mlp.shared_expert_gate is None
+    elif name == "lfm3":  # convolutions around a sliding and a full layer, each head's output gated, sandwich norms
+        assert [type(a).__name__ for a in attention] == ["ShortConv", "Attention", "Attention", "ShortConv"]
+        assert [(a.window, a.sliding_rope) for a in attention[1:3]] == [(8, True), (None, False)]
+        assert attention[1].output_gate.weight.shape[0] == 4 and all(
+            layer.mlp_output_norm is not None for layer in layers
+        )
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

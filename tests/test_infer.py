@@ -142,6 +142,7 @@ SHAPE_INFERABLE = [
             "afmoe",
             "sarvam",
             "flint",
+            "lfm3",
         )
     )
 ]

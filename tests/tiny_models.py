@@ -1438,6 +1438,31 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # LFM3: short convolutions (kernel 4, biased) around a sliding layer (window 8, plain RoPE at its own theta) and a
+    # full one (proportional RoPE turning a quarter of the frequencies), Qwen3's biased attention with q/k norms and
+    # the output gated per head, sandwich norms, an untied head.
+    "lfm3": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            sliding_window=8,
+            attention_bias=True,
+            conv_bias=True,
+            conv_L_cache=4,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            },
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

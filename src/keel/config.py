@@ -252,6 +252,9 @@ class ModelConfig:
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
+    # The output gate one unit per query head (LFM3's `g_proj`), each head's output times its sigmoid; without a
+    # bias whatever qkv_bias says. False: one unit per query channel (Qwen3.5, AFMoE).
+    attention_gate_per_head: bool = False
     # LFM2's gated short convolutions ("conv" layers, keel.model.short_conv): the kernel's width, biases
     short_conv_kernel: int = 3
     short_conv_bias: bool = False
@@ -686,6 +689,10 @@ class ModelConfig:
             "position_offset needs position_embedding 'learned'",
         )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
+        need(
+            self.attention_output_gate or not self.attention_gate_per_head,
+            "attention_gate_per_head needs attention_output_gate",
+        )
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(not (self.is_mla and self.attention_scale_by_layer), "attention_scale_by_layer is not read by MLA")
@@ -920,7 +927,9 @@ class ModelConfig:
             attn += q_size + kv_projections * kv_size
         if self.o_bias:
             attn += h
-        if self.attention_output_gate:
+        if self.attention_output_gate and self.attention_gate_per_head:
+            attn += h * self.num_heads
+        elif self.attention_output_gate:
             attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
             k_norm = kv_size if self.qk_norm_scope == "all" else head_dim if kv_size else 0

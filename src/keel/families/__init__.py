@@ -72,6 +72,7 @@ from keel.families import (
     kolibri1,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama4,
     mamba,
     mamba2,
@@ -191,6 +192,7 @@ FAMILIES: dict[str, ModuleType] = {
         opt,
         gpt_neo,
         flint,
+        lfm3,
     )
 }
 
