@@ -713,3 +713,37 @@ def test_lfm3_takes_its_config_classs_layers_and_ropes_where_a_file_has_none():
     assert ModelConfig.from_hf(config.to_hf()) == config
     with pytest.raises(ConfigError, match="attention_gate_per_head"):
         dataclasses.replace(config, attention_output_gate=False)
+
+
+def test_axk1_reads_its_releases_without_the_selection_bias_and_its_legacy_layer_keys(tmp_path):
+    """A.X-K1's releases store no router selection bias (transformers leaves it at zero) and an unused output norm in
+    the dense layers; their configs give DeepSeek's first_k_dense_replace / moe_layer_freq, not mlp_layer_types."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from keel.quant.loading import load_model
+
+    save_hf_model("axk1", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if not k.endswith("e_score_correction_bias")}
+    tensors["model.layers.0.post_mlp_layernorm.weight"] = torch.full((64,), 3.0)  # a dense layer's: unread
+    save_file(tensors, path, metadata={"format": "pt"})
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data["mlp_layer_types"]
+    data.update(first_k_dense_replace=1, moe_layer_freq=2)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.mlp_layer_types == ["dense", "dense", "sparse", "dense"]
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.mlp_only_layers == [0, 1, 3]
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, loaded.model(tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        ModelConfig.from_hf({**data, "q_lora_rank": None})
+    from keel.errors import KeelError
+    from keel.weights.shard import TensorParallelLayout
+
+    with pytest.raises(KeelError, match="moe_output_norm"):  # a rank holds a partial sum of the normed output
+        TensorParallelLayout(loaded.model.config, tp=2, rank=0)

@@ -156,6 +156,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("flint", marks=SLOW),
         pytest.param("lfm3", marks=SLOW),
+        pytest.param("axk1", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -408,6 +409,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert attention[1].output_gate.weight.shape[0] == 4 and all(
             layer.mlp_output_norm is not None for layer in layers
         )
+    elif name == "axk1":  # latent attention; the one sparse layer's output normed, the dense ones' not
+        config = llm.engine.model.config
+        assert config.is_mla and [config.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+        assert layers[2].mlp.output_norm is not None and config.router_bias
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

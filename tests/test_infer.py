@@ -143,6 +143,7 @@ SHAPE_INFERABLE = [
             "sarvam",
             "flint",
             "lfm3",
+            "axk1",
         )
     )
 ]

@@ -1463,6 +1463,37 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # A.X-K1: DeepSeek-V3's latent attention (biased, rotary on halves, not the default interleaved pairs) and experts
+    # (2 groups, 1 used; two shared experts; scaled), the MoE output normed; layer 2 of 4 alone sparse from DeepSeek's
+    # first_k_dense_replace and moe_layer_freq.
+    "axk1": (
+        "AXK1Config",
+        "AXK1ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=False,
+            attention_bias=True,
+            first_k_dense_replace=1,
+            moe_layer_freq=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

@@ -33,7 +33,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3", "axk1"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
@@ -48,9 +48,10 @@ DEEPSEEK_MOE_FAMILIES = {
     "exaone_moe",
     "sarvam_moe",
     "sarvam_mla",
+    "axk1",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
@@ -338,6 +339,9 @@ class ModelConfig:
     # after them (the layer's norm before the MLP is the shared expert's: the block reads the un-normed residual,
     # which its router takes as it is).
     moe_branch_norms: bool = False
+    # A.X-K1: the MoE block's output (routed plus shared experts) normed by a norm of its own (`mlp.output_norm`),
+    # in the sparse layers only, before the residual add.
+    moe_output_norm: bool = False
     router_linear_bias: bool = False  # GPT-OSS: the router's linear layer has a bias (it moves the logits)
     expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down projections have biases
     # The experts' gated activation: "silu" (act(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped above
@@ -987,6 +991,8 @@ class ModelConfig:
                 router += (h if self.router_input_norm else 0) + (self.num_experts if self.router_expert_scale else 0)
                 if self.moe_branch_norms:  # four norms, one of them the layer's own norm before the MLP
                     router += 3 * norm
+                if self.moe_output_norm:
+                    router += norm
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:

@@ -362,6 +362,8 @@ class MoE(nn.Module):
         branch_norm = (lambda: block_norm(config, h)) if config.moe_branch_norms else (lambda: None)
         self.shared_input_norm, self.shared_output_norm = branch_norm(), branch_norm()
         self.expert_input_norm, self.expert_output_norm = branch_norm(), branch_norm()
+        # A.X-K1: a norm of the block's whole output (routed plus shared experts)
+        self.output_norm = block_norm(config, h) if config.moe_output_norm else None
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
         self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
@@ -423,6 +425,8 @@ class MoE(nn.Module):
             out = out + shared
             if self.averages_shared:  # linear: tensor parallelism's sum of the ranks' partial outputs is unchanged
                 out = out * 0.5
+        if self.output_norm is not None:
+            out = self.output_norm(out)
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:

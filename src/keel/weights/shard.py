@@ -102,6 +102,11 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
                 "which tensor parallelism splits over the ranks"
             )
+        if c.moe_output_norm:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: the MoE block's output norm (moe_output_norm: A.X-K1) needs its whole "
+                "output, which tensor parallelism splits over the ranks"
+            )
         if c.num_heads % tp:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the model's {c.num_heads} attention heads do not divide into {tp} ranks"
