@@ -747,3 +747,25 @@ def test_axk1_reads_its_releases_without_the_selection_bias_and_its_legacy_layer
 
     with pytest.raises(KeelError, match="moe_output_norm"):  # a rank holds a partial sum of the normed output
         TensorParallelLayout(loaded.model.config, tp=2, rank=0)
+
+
+def test_laguna_reads_its_config_classs_defaults_and_refuses_what_it_cannot_run(tmp_path):
+    """Laguna's config class makes every layer full attention rotating half of each head, the first layer dense;
+    a head count per layer and router weights on the experts' input are refused by name."""
+    import transformers
+
+    hf = {"architectures": ["LagunaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.LagunaConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.rotary_dim == 8
+    assert config.rope_theta == reference.rope_parameters["full_attention"]["rope_theta"]
+    assert config.mlp_only_layers == [0] and reference.mlp_layer_types[0] == "dense"
+    assert config.attention_gate_per_head and config.attention_gate_activation == "softplus"
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    for key, value in (("num_attention_heads_per_layer", [4, 2, 4]), ("moe_apply_router_weight_on_input", True)):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf({**hf, key: value})
+    assert ModelConfig.from_hf({**hf, "num_attention_heads_per_layer": [4, 4, 4]}) == config
+    with pytest.raises(ConfigError, match="sliding_partial_rotary_factor"):  # a share without the sliding RoPE
+        dataclasses.replace(config, sliding_rope_theta=None, sliding_partial_rotary_factor=0.5)

@@ -157,6 +157,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("flint", marks=SLOW),
         pytest.param("lfm3", marks=SLOW),
         pytest.param("axk1", marks=SLOW),
+        pytest.param("laguna", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -413,6 +414,13 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert config.is_mla and [config.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
         assert layers[2].mlp.output_norm is not None and config.router_bias
+    elif name == "laguna":  # sliding layers rotating whole heads by their own RoPE, the full one a quarter; softplus
+        config = llm.engine.model.config
+        assert [(a.window, a.rotary_dim, a.sliding_rope) for a in attention] == [(8, 16, True), (None, 4, False)] + [
+            (8, 16, True)
+        ]
+        assert all(a.gate_softplus and a.gate_per_head for a in attention)
+        assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True] and config.router_logit_softcapping
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

@@ -144,6 +144,7 @@ SHAPE_INFERABLE = [
             "flint",
             "lfm3",
             "axk1",
+            "laguna",
         )
     )
 ]

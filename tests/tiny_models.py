@@ -1494,6 +1494,32 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Laguna: sliding layers (window 8) rotating whole heads at their own base around a full one rotating a quarter,
+    # biased attention with q/k norms, the output gated by a softplus per head, experts after a dense first layer
+    # (a biased sigmoid choice, capped logits, renormalised, scaled) with an ungated shared expert.
+    "laguna": (
+        "LagunaConfig",
+        "LagunaForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0},
+            },
+            moe_routed_scaling_factor=1.5,
+            moe_router_logit_softcapping=2.0,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

@@ -71,6 +71,7 @@ from keel.families import (
     jais2,
     jamba,
     kolibri1,
+    laguna,
     lfm2,
     lfm2_moe,
     lfm3,
@@ -195,6 +196,7 @@ FAMILIES: dict[str, ModuleType] = {
         flint,
         lfm3,
         axk1,
+        laguna,
     )
 }
 

@@ -76,6 +76,7 @@ class Router(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.jitter_eps = config.router_jitter_eps
         self.bias_on_logits = config.router_bias_on_logits
+        self.logit_cap = config.router_logit_softcapping  # Laguna: the logits capped before their sigmoid
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # Gemma 4: the input normed (no weight), times a learned scale per channel and hidden_size^-1/2; each chosen
         # expert's weight times its learned scale.
@@ -137,6 +138,8 @@ class Router(nn.Module):
             probs = scores
         else:
             logits = F.linear(x.float(), self.weight.float())  # DeepSeek-V3: the router in float32
+            if self.logit_cap is not None:
+                logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         choice = scores
