@@ -153,6 +153,9 @@ def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         # OPT: the learned table's offset rows replicated; GPT-J: q/k rows regrouped per head, each rank its heads'
         pytest.param("opt", 2, marks=pytest.mark.slow),
         pytest.param("gptj", 2, marks=pytest.mark.slow),
+        # Laguna, AFMoE: each rank the output gate of its own heads (one row a head; one a channel)
+        pytest.param("laguna", 2, marks=pytest.mark.slow),
+        pytest.param("afmoe", 2, marks=pytest.mark.slow),
     ],
 )
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp, request):
