@@ -938,3 +938,100 @@ def test_gemma4_e_refuses_tensor_parallelism_and_split_kv_sharing(tmp_path):
         split_stage(build_model(config), 0, 2)
     with pytest.raises(ValueError, match="kv_shared_layers"):  # layers 3 and 4 without 1 and 2
         split_stage(build_model(dataclasses.replace(config, per_layer_input_size=0)), 1, 2)
+
+
+def test_flint_takes_its_config_classs_layer_rules_where_a_file_has_none():
+    """Flint's config class makes the first two layers, every fourth from layer 1 and the last full attention (those
+    without position encoding) and the first two dense; a file without layer_types or mlp_only_layers reads them so."""
+    import transformers
+
+    hf = {"architectures": ["FlintForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=11, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.FlintConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.mlp_only_layers == reference.mlp_only_layers == [0, 1]
+    assert config.rope_layers == [kind == "sliding_attention" for kind in reference.layer_types]
+    assert config.sliding_window == reference.sliding_window and not config.shared_expert_gated
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf({**hf, "layer_types": ["chunked_attention"] * 11})
+
+
+def test_lfm3_takes_its_config_classs_layers_and_ropes_where_a_file_has_none():
+    """LFM3's config class makes layer 2 of every four full attention, layer 0 of every four after the first sliding
+    and the rest convolutions, with a rope per attention kind; a file without them reads them so, and a per-head gate
+    without the gate itself is refused."""
+    import transformers
+
+    hf = {"architectures": ["Lfm3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=9, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.Lfm3Config(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.sliding_window == reference.sliding_window
+    full, sliding = reference.rope_parameters["full_attention"], reference.rope_parameters["sliding_attention"]
+    assert (config.rope_theta, config.rope_scaling.type, config.rope_scaling.rotated_share) == (
+        full["rope_theta"],
+        full["rope_type"],
+        full["partial_rotary_factor"],
+    )
+    assert (config.sliding_rope_theta, config.sliding_rope_scaling.type) == (sliding["rope_theta"], "default")
+    assert config.attention_gate_per_head and config.norm_placement == "sandwich"
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="attention_gate_per_head"):
+        dataclasses.replace(config, attention_output_gate=False)
+
+
+def test_axk1_reads_its_releases_without_the_selection_bias_and_its_legacy_layer_keys(tmp_path):
+    """A.X-K1's releases store no router selection bias (transformers leaves it at zero) and an unused output norm in
+    the dense layers; their configs give DeepSeek's first_k_dense_replace / moe_layer_freq, not mlp_layer_types."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from keel.quant.loading import load_model
+
+    save_hf_model("axk1", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if not k.endswith("e_score_correction_bias")}
+    tensors["model.layers.0.post_mlp_layernorm.weight"] = torch.full((64,), 3.0)  # a dense layer's: unread
+    save_file(tensors, path, metadata={"format": "pt"})
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data["mlp_layer_types"]
+    data.update(first_k_dense_replace=1, moe_layer_freq=2)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.mlp_layer_types == ["dense", "dense", "sparse", "dense"]
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.model.config.mlp_only_layers == [0, 1, 3]
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, loaded.model(tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        ModelConfig.from_hf({**data, "q_lora_rank": None})
+    from keel.errors import KeelError
+    from keel.weights.shard import TensorParallelLayout
+
+    with pytest.raises(KeelError, match="moe_output_norm"):  # a rank holds a partial sum of the normed output
+        TensorParallelLayout(loaded.model.config, tp=2, rank=0)
+
+
+def test_laguna_reads_its_config_classs_defaults_and_refuses_what_it_cannot_run(tmp_path):
+    """Laguna's config class makes every layer full attention rotating half of each head, the first layer dense;
+    a head count per layer and router weights on the experts' input are refused by name."""
+    import transformers
+
+    hf = {"architectures": ["LagunaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.LagunaConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.rotary_dim == 8
+    assert config.rope_theta == reference.rope_parameters["full_attention"]["rope_theta"]
+    assert config.mlp_only_layers == [0] and reference.mlp_layer_types[0] == "dense"
+    assert config.attention_gate_per_head and config.attention_gate_activation == "softplus"
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    for key, value in (("num_attention_heads_per_layer", [4, 2, 4]), ("moe_apply_router_weight_on_input", True)):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf({**hf, key: value})
+    assert ModelConfig.from_hf({**hf, "num_attention_heads_per_layer": [4, 4, 4]}) == config
+    with pytest.raises(ConfigError, match="sliding_partial_rotary_factor"):  # a share without the sliding RoPE
+        dataclasses.replace(config, sliding_rope_theta=None, sliding_partial_rotary_factor=0.5)

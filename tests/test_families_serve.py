@@ -166,6 +166,10 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("bloom", marks=SLOW),
         pytest.param("falcon-rw", marks=SLOW),
         pytest.param("mpt", marks=SLOW),
+        pytest.param("flint", marks=SLOW),
+        pytest.param("lfm3", marks=SLOW),
+        pytest.param("axk1", marks=SLOW),
+        pytest.param("laguna", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -426,6 +430,29 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert all(config.is_moe_layer(i) for i in range(len(attention)))
         assert config.clip_qkv == 0.5 and config.norm_type == "layer" and not config.norm_bias
+    elif name == "flint":  # sinks, sliding layers rotating and the full one not; a dense layer 1; the shared expert
+        config = llm.engine.model.config
+        assert all(a.sinks is not None for a in attention)
+        assert [(a.window, a.rotates) for a in attention] == [(8, True), (None, False), (8, True)]
+        assert [config.is_moe_layer(i) for i in range(3)] == [True, False, True] and not config.router_bias
+        assert layers[0].mlp.shared_expert is not None and layers[0].mlp.shared_expert_gate is None
+    elif name == "lfm3":  # convolutions around a sliding and a full layer, each head's output gated, sandwich norms
+        assert [type(a).__name__ for a in attention] == ["ShortConv", "Attention", "Attention", "ShortConv"]
+        assert [(a.window, a.sliding_rope) for a in attention[1:3]] == [(8, True), (None, False)]
+        assert attention[1].output_gate.weight.shape[0] == 4 and all(
+            layer.mlp_output_norm is not None for layer in layers
+        )
+    elif name == "axk1":  # latent attention; the one sparse layer's output normed, the dense ones' not
+        config = llm.engine.model.config
+        assert config.is_mla and [config.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+        assert layers[2].mlp.output_norm is not None and config.router_bias
+    elif name == "laguna":  # sliding layers rotating whole heads by their own RoPE, the full one a quarter; softplus
+        config = llm.engine.model.config
+        assert [(a.window, a.rotary_dim, a.sliding_rope) for a in attention] == [(8, 16, True), (None, 4, False)] + [
+            (8, 16, True)
+        ]
+        assert all(a.gate_softplus and a.gate_per_head for a in attention)
+        assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True] and config.router_logit_softcapping
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

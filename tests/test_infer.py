@@ -144,6 +144,10 @@ SHAPE_INFERABLE = [
             "afmoe",
             "sarvam",
             "dbrx",  # its own names, experts fused by rows
+            "flint",
+            "lfm3",
+            "axk1",
+            "laguna",
         )
     )
 ]

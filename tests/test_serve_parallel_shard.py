@@ -157,6 +157,9 @@ def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         # DBRX: Wqkv's q/k/v and each expert's rows of the fused w1 / v1 / w2 (w2's transposed) read by rank
         pytest.param("dbrx", 2, marks=pytest.mark.slow),
         pytest.param("gptj", 2, marks=pytest.mark.slow),
+        # Laguna, AFMoE: each rank the output gate of its own heads (one row a head; one a channel)
+        pytest.param("laguna", 2, marks=pytest.mark.slow),
+        pytest.param("afmoe", 2, marks=pytest.mark.slow),
     ],
 )
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp, request):

@@ -1504,6 +1504,109 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "OPTForCausalLM",
         dict(ffn_dim=96, max_position_embeddings=256, do_layer_norm_before=False, word_embed_proj_dim=32),
     ),
+    # Flint: Qwen3-MoE's q/k norms, biased attention, softmax sinks, sliding layers (window 8) rotating around a full
+    # one without position encoding, a dense layer 1 (not the default first two) between layers of 8 experts routed
+    # by an unbiased sigmoid, 2 a token, not renormalised, and an ungated shared expert.
+    "flint": (
+        "FlintConfig",
+        "FlintForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_only_layers=[1],
+            eos_token_id=2,
+        ),
+    ),
+    # LFM3: short convolutions (kernel 4, biased) around a sliding layer (window 8, plain RoPE at its own theta) and a
+    # full one (proportional RoPE turning a quarter of the frequencies), Qwen3's biased attention with q/k norms and
+    # the output gated per head, sandwich norms, an untied head.
+    "lfm3": (
+        "Lfm3Config",
+        "Lfm3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=96,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            sliding_window=8,
+            attention_bias=True,
+            conv_bias=True,
+            conv_L_cache=4,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            },
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # A.X-K1: DeepSeek-V3's latent attention (biased, rotary on halves, not the default interleaved pairs) and experts
+    # (2 groups, 1 used; two shared experts; scaled), the MoE output normed; layer 2 of 4 alone sparse from DeepSeek's
+    # first_k_dense_replace and moe_layer_freq.
+    "axk1": (
+        "AXK1Config",
+        "AXK1ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=False,
+            attention_bias=True,
+            first_k_dense_replace=1,
+            moe_layer_freq=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # Laguna: sliding layers (window 8) rotating whole heads at their own base around a full one rotating a quarter,
+    # biased attention with q/k norms, the output gated by a softplus per head, experts after a dense first layer
+    # (a biased sigmoid choice, capped logits, renormalised, scaled) with an ungated shared expert.
+    "laguna": (
+        "LagunaConfig",
+        "LagunaForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.0},
+            },
+            moe_routed_scaling_factor=1.5,
+            moe_router_logit_softcapping=2.0,
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

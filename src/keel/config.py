@@ -33,7 +33,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3"}
+MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3", "axk1"}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
@@ -48,14 +48,15 @@ DEEPSEEK_MOE_FAMILIES = {
     "exaone_moe",
     "sarvam_moe",
     "sarvam_mla",
+    "axk1",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
 # Families whose router's selection bias transformers holds as a parameter (a buffer in keel): their parameter counts.
-SELECTION_BIAS_PARAMETER = {"ernie4_5_moe", "afmoe"}
+SELECTION_BIAS_PARAMETER = {"ernie4_5_moe", "afmoe", "laguna"}
 
 # Defaults of the transformers config classes, for fields a config.json may omit and for
 # fields that neither GGUF metadata nor tensor shapes can tell.
@@ -252,6 +253,12 @@ class ModelConfig:
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
+    # The output gate one unit per query head (LFM3's `g_proj`), each head's output times its sigmoid; without a
+    # bias whatever qkv_bias says. False: one unit per query channel (Qwen3.5, AFMoE).
+    attention_gate_per_head: bool = False
+    # The output gate's function: "sigmoid" (Qwen3.5, AFMoE, LFM3) or "softplus" (Laguna: in float32, rounded to the
+    # activations' dtype).
+    attention_gate_activation: str = "sigmoid"
     # LFM2's gated short convolutions ("conv" layers, keel.model.short_conv): the kernel's width, biases
     short_conv_kernel: int = 3
     short_conv_bias: bool = False
@@ -319,6 +326,9 @@ class ModelConfig:
     # The sigmoid router's selection bias added to the logits, not to their sigmoid (Kolibri: top-k of logits + bias;
     # the sigmoid is monotonic, but a bias before it moves the choice otherwise than one after it).
     router_bias_on_logits: bool = False
+    # The sigmoid router's logits -> cap * tanh(logits / cap) before their sigmoid (Laguna's
+    # moe_router_logit_softcapping); None: not capped.
+    router_logit_softcapping: float | None = None
     # DeepSeek-V2, Hunyuan MoE: the router's matmul and softmax in float32 whatever the model's dtype
     router_float32: bool = False
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
@@ -335,6 +345,9 @@ class ModelConfig:
     # after them (the layer's norm before the MLP is the shared expert's: the block reads the un-normed residual,
     # which its router takes as it is).
     moe_branch_norms: bool = False
+    # A.X-K1: the MoE block's output (routed plus shared experts) normed by a norm of its own (`mlp.output_norm`),
+    # in the sparse layers only, before the residual add.
+    moe_output_norm: bool = False
     router_linear_bias: bool = False  # GPT-OSS: the router's linear layer has a bias (it moves the logits)
     expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down projections have biases
     # The experts' gated activation: "silu" (act(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped above
@@ -398,6 +411,9 @@ class ModelConfig:
     # Sliding-window layers' own RoPE (Gemma 3's local layers); None: every layer takes rope_theta/rope_scaling.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # The sliding layers' own rotary share (Laguna: the full layers rotate half of each head, the sliding ones all of
+    # it), with their own RoPE (sliding_rope_theta); None: partial_rotary_factor.
+    sliding_partial_rotary_factor: float | None = None
     # Per layer: whether it rotates q and k (False: no position encoding, SmolLM3's NoPE layers); empty: all do.
     rope_layers: list[bool] = field(default_factory=list)
     # How positions are encoded: "rope" (rotary, in the attention layers), "learned" (GPT-2, GPT-BigCode, OPT: a
@@ -541,8 +557,20 @@ class ModelConfig:
         )
 
     def layer_rotary_dim(self, layer: int) -> int:
-        """`rotary_dim` at `layer`'s own head width."""
-        return self.rotary_dim if self.is_mla else int(self.layer_head_dim(layer) * self.partial_rotary_factor)
+        """`rotary_dim` at `layer`'s own head width (and the sliding layers' own share, where they have one)."""
+        if self.is_mla:
+            return self.rotary_dim
+        factor = self.partial_rotary_factor
+        if self.sliding_partial_rotary_factor is not None and self.layer_types[layer] == "sliding_attention":
+            factor = self.sliding_partial_rotary_factor
+        return int(self.layer_head_dim(layer) * factor)
+
+    @property
+    def sliding_rotary_dim(self) -> int:
+        """The width of the sliding layers' own RoPE table (sliding_rope_theta): their rotary share of head_dim."""
+        if self.is_mla or self.sliding_partial_rotary_factor is None:
+            return self.rotary_dim
+        return int(self.head_dim * self.sliding_partial_rotary_factor)
 
     @property
     def full_rotary_dim(self) -> int:
@@ -729,6 +757,30 @@ class ModelConfig:
             not self.kv_shared_layers or self.position_embedding != "alibi",
             "position_embedding 'alibi' with kv_shared_layers is not supported",
         )
+        need(
+            self.attention_output_gate or not self.attention_gate_per_head,
+            "attention_gate_per_head needs attention_output_gate",
+        )
+        need(
+            self.attention_gate_activation in ("sigmoid", "softplus"),
+            f"attention_gate_activation {self.attention_gate_activation!r}: sigmoid or softplus",
+        )
+        if self.sliding_partial_rotary_factor is not None:
+            factor = self.sliding_partial_rotary_factor
+            need(0 < factor <= 1, f"sliding_partial_rotary_factor must be in (0, 1], got {factor}")
+            need(not self.is_mla, "sliding_partial_rotary_factor is not read by MLA")
+            need(
+                self.sliding_rope_theta is not None, "sliding_partial_rotary_factor needs the sliding layers' own RoPE"
+            )
+            need(
+                self.sliding_rotary_dim > 0 and self.sliding_rotary_dim % 2 == 0,
+                f"the sliding layers' rotary width must be even and positive, got {self.sliding_rotary_dim}",
+            )
+        need(
+            self.router_logit_softcapping is None
+            or (self.router_logit_softcapping > 0 and self.router_scoring == "sigmoid"),
+            "router_logit_softcapping must be positive and needs router_scoring 'sigmoid'",
+        )
         need(self.query_scale_length > 0, f"query_scale_length must be positive, got {self.query_scale_length}")
         need(not (self.is_mla and self.attention_scale is not None), "attention_scale is not read by MLA")
         need(not (self.is_mla and self.attention_scale_by_layer), "attention_scale_by_layer is not read by MLA")
@@ -805,7 +857,7 @@ class ModelConfig:
         )
         for scaling, rotary in (
             (self.rope_scaling, self.full_rotary_dim),
-            (self.sliding_rope_scaling, self.rotary_dim),
+            (self.sliding_rope_scaling, self.sliding_rotary_dim),
         ):
             need(
                 scaling.type != "longrope"
@@ -1014,7 +1066,9 @@ class ModelConfig:
             attn += q_size + kv_projections * kv_size
         if self.o_bias:
             attn += h
-        if self.attention_output_gate:
+        if self.attention_output_gate and self.attention_gate_per_head:
+            attn += h * self.num_heads
+        elif self.attention_output_gate:
             attn += h * q_size + (q_size if self.qkv_bias else 0)
         if self.qk_norm:
             whole = self.qk_norm_scope in ("all", "each_head")  # a weight per channel of the projections
@@ -1074,6 +1128,8 @@ class ModelConfig:
                 router += (h if self.router_input_norm else 0) + (self.num_experts if self.router_expert_scale else 0)
                 if self.moe_branch_norms:  # four norms, one of them the layer's own norm before the MLP
                     router += 3 * norm
+                if self.moe_output_norm:
+                    router += norm
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:

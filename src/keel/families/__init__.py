@@ -1,20 +1,20 @@
 """Model families described in one file each: what their HF config.json and checkpoint tensors mean in
 keel's one model (config translation, defaults, name layout), with no model code of their own.
 
-A family module defines `FAMILY` (keel's name), `HF_ARCHITECTURE` (transformers' class name),
-`DEFAULTS` (transformers' config defaults for fields a config.json may omit), `config_fields(hf,
-source)` (keel ModelConfig fields read from config.json beyond the common ones), `hf_fields(config, hf)`
-(the family's own config.json keys on export, given the common ones) and, where its checkpoints name
-or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)` (keel.weights.parts;
-docs/ARCHITECTURE.md, "Adding a family"); where its config class sets whole rope parameters when a file has
-none, `DEFAULT_ROPE` (those parameters); where its model puts a factor of its own on cos/sin in place of the rope
-type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale). A family that transformers runs
-on another family's model class (EXAONE 3 on Llama's) defines `MODEL_TYPE`: transformers saves such a model's config
-with the class it ran on in `architectures`, so the family is known by its `model_type` first. Where its config class
-reads keys under other names (its `attribute_map`), `ATTRIBUTE_MAP` (alias -> the key keel reads); where it rewrites
-an older format of its files, `upgrade_config(hf)` (the file in today's format: Sarvam MLA's); where its config class
-computes a key keel writes for others (Falcon's head_dim, a property), `COMPUTED_KEYS` (left out on export). This
-package imports nothing of keel's but its errors, so that keel.config can read it.
+A family module defines `FAMILY` (keel's name), `HF_ARCHITECTURE` (transformers' class name), `DEFAULTS` (transformers'
+config defaults for fields a config.json may omit), `config_fields(hf, source)` (keel ModelConfig fields read from
+config.json beyond the common ones), `hf_fields(config, hf)` (the family's own config.json keys on export, given the
+common ones) and, where its checkpoints name or fuse tensors otherwise than keel reads them, `checkpoint_layout(config)`
+(keel.weights.parts; docs/ARCHITECTURE.md, "Adding a family"); where its config class sets whole rope parameters when a
+file has none, `DEFAULT_ROPE` (those parameters); where its model puts a factor of its own on cos/sin in place of the
+rope type's, `rope_attention_factor(rope_type, spec, source)` (Phi-3.5-MoE's mscale); where its releases omit tensors
+that transformers leaves at zero, `ZERO_WHEN_ABSENT` (their keel names' endings, read as zeros when absent). A family
+that transformers runs on another family's model class (EXAONE 3 on Llama's) defines `MODEL_TYPE`: transformers saves
+such a model's config with the class it ran on in `architectures`, so the family is known by its `model_type` first.
+Where its config class reads keys under other names (its `attribute_map`), `ATTRIBUTE_MAP` (alias -> the key keel
+reads); where it rewrites an older format of its files, `upgrade_config(hf)` (the file in today's format: Sarvam MLA's);
+where its config class computes a key keel writes for others (Falcon's head_dim, a property), `COMPUTED_KEYS` (left out
+on export). This package imports nothing of keel's but its errors, so that keel.config can read it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from keel.families import (
     afmoe,
     apertus,
     arcee,
+    axk1,
     bamba,
     bloom,
     cohere,
@@ -42,6 +43,7 @@ from keel.families import (
     falcon_h1,
     falcon_mamba,
     flex_olmo,
+    flint,
     gemma,
     gemma2,
     gemma3,
@@ -72,8 +74,10 @@ from keel.families import (
     jais2,
     jamba,
     kolibri1,
+    laguna,
     lfm2,
     lfm2_moe,
+    lfm3,
     llama4,
     mamba,
     mamba2,
@@ -197,6 +201,10 @@ FAMILIES: dict[str, ModuleType] = {
         gpt_neo,
         bloom,
         mpt,
+        flint,
+        lfm3,
+        axk1,
+        laguna,
     )
 }
 
@@ -227,6 +235,13 @@ def stored_tensor(config, name: str, tensor):  # noqa: ANN001, ANN201
     selection bias [1, E]); as it is for the other families."""
     family = FAMILIES.get(config.architecture)
     return family.stored_tensor(name, tensor) if family is not None and hasattr(family, "stored_tensor") else tensor
+
+
+def zero_when_absent(config, name: str) -> bool:  # noqa: ANN001
+    """Whether keel tensor `name` may be absent from the family's checkpoints, read as zeros then (`ZERO_WHEN_ABSENT`:
+    name endings; A.X-K1's releases route without the selection bias that transformers leaves at zero)."""
+    family = FAMILIES.get(config.architecture)
+    return name.endswith(tuple(getattr(family, "ZERO_WHEN_ABSENT", ())))
 
 
 def stored_names(config) -> dict[str, str] | None:  # noqa: ANN001

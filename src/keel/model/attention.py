@@ -248,8 +248,11 @@ class Attention(nn.Module):
         self.k_eq_v = config.layer_k_eq_v(layer)
         self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, h, bias=config.o_bias)
-        # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj
-        self.output_gate = nn.Linear(h, q_size, bias=config.qkv_bias) if config.attention_output_gate else None
+        # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj; LFM3: one per query head
+        self.gate_per_head = config.attention_gate_per_head
+        self.gate_softplus = config.attention_gate_activation == "softplus"  # Laguna's
+        gate_width, gate_bias = (config.num_heads, False) if self.gate_per_head else (q_size, config.qkv_bias)
+        self.output_gate = nn.Linear(h, gate_width, bias=gate_bias) if config.attention_output_gate else None
         # q/k norms before the rotary embedding (after it: HunYuan's); over the whole projections: OLMo 2's
         self.qk_norm_whole = config.qk_norm_scope == "all"
         self.qk_norm_after_rope = config.qk_norm_after_rope
@@ -344,7 +347,12 @@ class Attention(nn.Module):
                 out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2).reshape(*x.shape[:2], -1)
         if self.output_gate is not None:
-            out = out * torch.sigmoid(self.output_gate(x))
+            raw = self.output_gate(x)
+            gate = F.softplus(raw.float()).to(raw.dtype) if self.gate_softplus else torch.sigmoid(raw)
+            if self.gate_per_head:  # each head's channels times its one gate
+                out = (out.unflatten(-1, (gate.shape[-1], -1)) * gate.unsqueeze(-1)).flatten(-2)
+            else:
+                out = out * gate
         return self.o_proj(out)
 
     def _projections(self, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:

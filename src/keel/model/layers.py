@@ -234,7 +234,7 @@ class RotaryEmbedding(nn.Module):
         """`sliding`: the frequencies of the sliding-window layers' own RoPE (config.sliding_rope_theta)."""
         super().__init__()
         # MLA rotates only the qk_rope part of each head; the full-attention layers may have a head width of their own
-        self.head_dim = config.rotary_dim if sliding else config.full_rotary_dim
+        self.head_dim = config.sliding_rotary_dim if sliding else config.full_rotary_dim
         self.theta = config.sliding_rope_theta if sliding else config.rope_theta
         self.scaling = config.sliding_rope_scaling if sliding else config.rope_scaling
         self.attention_factor = rope_attention_factor(self.scaling)

@@ -76,6 +76,7 @@ class Router(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.jitter_eps = config.router_jitter_eps
         self.bias_on_logits = config.router_bias_on_logits
+        self.logit_cap = config.router_logit_softcapping  # Laguna: the logits capped before their sigmoid
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         # Gemma 4: the input normed (no weight), times a learned scale per channel and hidden_size^-1/2; each chosen
         # expert's weight times its learned scale.
@@ -137,6 +138,8 @@ class Router(nn.Module):
             probs = scores
         else:
             logits = F.linear(x.float(), self.weight.float())  # DeepSeek-V3: the router in float32
+            if self.logit_cap is not None:
+                logits = torch.tanh(logits / self.logit_cap) * self.logit_cap
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         choice = scores
@@ -362,6 +365,8 @@ class MoE(nn.Module):
         branch_norm = (lambda: block_norm(config, h)) if config.moe_branch_norms else (lambda: None)
         self.shared_input_norm, self.shared_output_norm = branch_norm(), branch_norm()
         self.expert_input_norm, self.expert_output_norm = branch_norm(), branch_norm()
+        # A.X-K1: a norm of the block's whole output (routed plus shared experts)
+        self.output_norm = block_norm(config, h) if config.moe_output_norm else None
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
         self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
@@ -423,6 +428,8 @@ class MoE(nn.Module):
             out = out + shared
             if self.averages_shared:  # linear: tensor parallelism's sum of the ranks' partial outputs is unchanged
                 out = out * 0.5
+        if self.output_norm is not None:
+            out = self.output_norm(out)
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:

@@ -668,6 +668,8 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for LAuReL (laurel_rank: Gemma 3n) yet")
     if par.tp > 1 and model.moe_branch_norms:
         raise fail("parallel: tp > 1 is not supported for the MoE block's branch norms (Gemma 4) yet")
+    if par.tp > 1 and model.moe_output_norm:
+        raise fail("parallel: tp > 1 is not supported for the MoE block's output norm (A.X-K1) yet")
     if par.tp > 1 and model.has_recurrent_layers:
         raise fail("parallel: tp > 1 is not supported for recurrent (linear_attention, conv, mamba, hybrid) layers yet")
     if par.tp > 1 and model.has_partial_layers:

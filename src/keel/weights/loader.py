@@ -18,7 +18,7 @@ from torch import Tensor
 from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
-from keel.families import checkpoint_layout
+from keel.families import checkpoint_layout, zero_when_absent
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import Checkpoint, TensorReader
@@ -147,6 +147,9 @@ def checked_tensors(model: Transformer, checkpoint: Checkpoint) -> Iterator[tupl
     for name, param in _stored_tensors(model):
         source = hf_source(config, name, available)
         missing = [n for n in source.names if n not in available]
+        if missing and zero_when_absent(config, name):  # the family's releases omit it, transformers zeroes it
+            yield name, torch.zeros(param.shape, dtype=torch.float32)
+            continue
         if missing:
             hint = ""
             if checkpoint.quantization is not None:  # e.g. `keel convert` of a `keel quantize save` directory

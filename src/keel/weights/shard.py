@@ -1,6 +1,7 @@
 """Which slice of every dense-model parameter a tensor-parallel rank holds, as vLLM shards them.
 
-- Column-parallel (output features split): q/k/v by attention heads, gate/up by the MLP width, the
+- Column-parallel (output features split): q/k/v and the attention output gate (Qwen3.5's, AFMoE's, Laguna's: a row
+  per channel, or per head) by attention heads, gate/up by the MLP width, the
   LM head and the embedding by vocabulary rows (vocab-parallel; the last rank may hold fewer rows
   when the vocabulary does not divide). Their biases follow their rows.
 - Row-parallel (input features split): o_proj by heads, down_proj by the MLP width. Their biases
@@ -107,6 +108,11 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
                 "which tensor parallelism splits over the ranks"
             )
+        if c.moe_output_norm:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: the MoE block's output norm (moe_output_norm: A.X-K1) needs its whole "
+                "output, which tensor parallelism splits over the ranks"
+            )
         if c.num_heads % tp:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the model's {c.num_heads} attention heads do not divide into {tp} ranks"
@@ -169,6 +175,9 @@ class TensorParallelLayout:
         if module == "self_attn.kv_b_proj":  # latent attention: each head's key and value rows, by head
             per_head = c.qk_nope_head_dim + c.v_head_dim
             return Shard(0, self.rank * self.local_heads * per_head, (self.rank + 1) * self.local_heads * per_head)
+        if module == "self_attn.output_gate":  # the gate of this rank's heads: a row per channel, or per head
+            width = 1 if c.attention_gate_per_head else d
+            return Shard(0, self.rank * self.local_heads * width, (self.rank + 1) * self.local_heads * width)
         if module == "self_attn" and kind == "sinks":  # GPT-OSS: one per query head
             return Shard(0, self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
         if module in ("self_attn.k_proj", "self_attn.v_proj"):
