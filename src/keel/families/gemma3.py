@@ -22,6 +22,9 @@ FAMILY = "gemma3"
 HF_ARCHITECTURE = "Gemma3ForCausalLM"
 # transformers' Gemma3TextConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    # the multimodal releases' text_config leaves these out (keel.config.TEXT_MODEL_OF)
+    "vocab_size": 262_208,
+    "num_attention_heads": 8,
     "head_dim": 256,
     "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
