@@ -1,8 +1,8 @@
 """The text model of multimodal releases (keel.config.TEXT_MODEL_OF): Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
-GLM-4V, Mistral 3, LLaVA, Idefics3 and SmolVLM read as the text families they pair with a vision tower (the tower left
-unread); transformers' multimodal model's logits on text alone, the older file layouts transformers still loads,
-`keel convert` to the text model, and the engine's greedy tokens. M-RoPE is the plain rotary on text (its three
-position components are the same there), which the Qwen-VL and GLM-4V comparisons check."""
+GLM-4V, GLM-4.5V, Mistral 3, LLaVA, Idefics3 and SmolVLM read as the text families they pair with a vision tower
+(the tower left unread); transformers' multimodal model's logits on text alone, the older file layouts transformers
+still loads, `keel convert` to the text model, and the engine's greedy tokens. M-RoPE is the plain rotary on text
+(its three position components are the same there), which the Qwen-VL and GLM-4V comparisons check."""
 
 from __future__ import annotations
 
@@ -85,6 +85,27 @@ RELEASES = {
         _TOWER,
         {},
         "glm4",
+    ),
+    # GLM-4.5V: GLM-4.5's MoE block with M-RoPE over half of each head
+    "glm4v_moe": (
+        "Glm4vMoeConfig",
+        "Glm4vMoeForConditionalGeneration",
+        {
+            **COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 48,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "attention_bias": True,
+            "head_dim": 32,
+            **_mrope([2, 3, 3], partial_rotary_factor=0.5),
+        },
+        _TOWER,
+        {},
+        "glm4_moe",
     ),
     "mistral3": (
         "Mistral3Config",
@@ -284,3 +305,29 @@ def test_the_engine_serves_the_text_model(tmp_path, name):
     llm = LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64))
     out = llm.generate([prompt[0].tolist()], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == greedy[0, 12:].tolist()
+
+
+def test_gemma3_config_as_its_releases_write_it(tmp_path):
+    """Gemma 3's releases (transformers 4.50): the text config without layer_types, rope_parameters or the default
+    keys, the global layers' `rope_scaling` (linear, factor 8), the sliding ones' `rope_local_base_freq`, the layer
+    kinds by `sliding_window_pattern`, no outer tie_word_embeddings; read as transformers 5 reads it."""
+    import transformers
+
+    _release("gemma3", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    text = data["text_config"]
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern", "tie_word_embeddings"):
+        text.pop(key, None)
+    data.pop("tie_word_embeddings")
+    text.update(
+        rope_scaling={"factor": 8.0, "rope_type": "linear"},
+        rope_theta=100_000.0,
+        rope_local_base_freq=5000.0,
+        sliding_window_pattern=3,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.config.layer_types == hf.config.text_config.layer_types
+    with torch.no_grad():
+        assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5

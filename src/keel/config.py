@@ -1322,6 +1322,7 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
+    "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
     "Mistral3ForConditionalGeneration": None,
     "LlavaForConditionalGeneration": None,
     "Idefics3ForConditionalGeneration": None,
