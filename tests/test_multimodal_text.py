@@ -331,3 +331,17 @@ def test_gemma3_config_as_its_releases_write_it(tmp_path):
     assert loaded.config.layer_types == hf.config.text_config.layer_types
     with torch.no_grad():
         assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
+
+
+def test_llava_release_config_leaves_the_text_defaults_out():
+    """llava-1.5-7b-hf's text_config names five keys of its Vicuna; the rest are LlamaConfig's defaults."""
+    import transformers
+
+    text = dict(max_position_embeddings=4096, model_type="llama", rms_norm_eps=1e-5, vocab_size=32064)
+    data = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "text_config": text}
+    config = ModelConfig.from_hf({**data, "vision_config": {}})
+    want = transformers.LlavaConfig(text_config=text).text_config
+    assert config.architecture == "llama"
+    got = (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads)
+    assert got == (want.vocab_size, want.hidden_size, want.intermediate_size, want.num_hidden_layers, 32)
+    assert config.num_kv_heads == want.num_key_value_heads and config.max_position_embeddings == 4096

@@ -1329,6 +1329,17 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "SmolVLMForConditionalGeneration": None,
 }
 
+# The text config class's defaults of the keys keel requires, by the text config's `model_type`, where releases leave
+# them out of `text_config` (LLaVA 1.5's names five keys of its Vicuna: LlamaConfig's 7B shape for the rest).
+TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+    },
+}
 # What a multimodal release's text model does whatever its text config says (given the text config): Qwen3-VL-MoE's
 # router always renormalises its top k (transformers' Qwen3VLMoeTextTopKRouter; Qwen3-MoE's own follows
 # norm_topk_prob); GLM-4V's attention always has q/k/v biases and heads of hidden_size / num_attention_heads
@@ -1367,6 +1378,7 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
         if "vision_config" not in hf or TEXT_MODEL_OF[outer] is None:
             return hf
         text = {}  # Qwen2-VL's files before transformers 4.52: the text model's keys at the top level
+    text = {**TEXT_CONFIG_DEFAULTS.get(str(text.get("model_type")), {}), **text}
     arch = _text_architecture(outer, text)
     if arch is None:
         raise ConfigError(f"{outer}: its text model (model_type {text.get('model_type')!r}) is no family keel runs")

@@ -9,6 +9,11 @@ approximation), and sliding-window layers (five in six by default) whose RoPE ha
 `attn_logit_softcapping` (Gemma 2's attention-score soft-capping; None in Gemma 3) is read where set.
 
 Not read: the bidirectional attention of `use_bidirectional_attention`, refused by name.
+
+The releases are `Gemma3ForConditionalGeneration` (4B / 12B / 27B), read on text (keel.config.TEXT_MODEL_OF): their
+sparse `text_config` completed by Gemma3TextConfig's defaults (DEFAULTS), the decoder under `language_model.model.`
+(or `model.language_model.`), the SigLIP tower and projector unread. transformers' multimodal class applies no
+`final_logit_softcapping`; the releases set none, and where one is set keel caps as the text model (and vLLM) do.
 """
 
 from __future__ import annotations
