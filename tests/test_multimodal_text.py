@@ -345,3 +345,17 @@ def test_llava_release_config_leaves_the_text_defaults_out():
     got = (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads)
     assert got == (want.vocab_size, want.hidden_size, want.intermediate_size, want.num_hidden_layers, 32)
     assert config.num_kv_heads == want.num_key_value_heads and config.max_position_embeddings == 4096
+
+
+def test_the_processor_chat_template_of_a_release_is_read(tmp_path):
+    """Multimodal releases keep their chat template in the processor's `chat_template.json`; read where there is no
+    `chat_template.jinja` (transformers 5's), before the tokenizer config's."""
+    from keel.tokenizer import Tokenizer
+
+    save_byte_tokenizer(tmp_path)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == template
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}"

@@ -1111,7 +1111,7 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict[str, Any], source: str, structure_only: bool) -> ModelConfig:
-        hf = _text_config(hf)
+        hf = _text_config(hf, source)
         family = _family_from_hf(hf, source)
         hf = as_current_config(family, hf)
         defaults = FAMILY_DEFAULTS[family]
@@ -1365,10 +1365,11 @@ def _text_architecture(outer: str, text: dict[str, Any]) -> str | None:
     return None
 
 
-def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+def _text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """A multimodal config's text model as a config of its own (TEXT_MODEL_OF), the outer keys it lacks kept
     (dtype, tie_word_embeddings: the outer one where both have it, as transformers ties the head by the outer
-    config's); any other config as it is."""
+    config's), the keys its release leaves out (TEXT_CONFIG_DEFAULTS) and those its class fixes (TEXT_MODEL_FIXED);
+    any other config as it is."""
     archs = hf.get("architectures") or []
     outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
     if outer is None:
@@ -1381,7 +1382,8 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     text = {**TEXT_CONFIG_DEFAULTS.get(str(text.get("model_type")), {}), **text}
     arch = _text_architecture(outer, text)
     if arch is None:
-        raise ConfigError(f"{outer}: its text model (model_type {text.get('model_type')!r}) is no family keel runs")
+        kind = text.get("model_type")
+        raise ConfigError(f"{source}: {outer}'s text model (text_config model_type {kind!r}) is no family keel runs")
     inner = {
         k: v
         for k, v in hf.items()
