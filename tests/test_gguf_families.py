@@ -2,7 +2,7 @@
 Gemma 2, Gemma 3, StableLM (2 12B's per-head q/k norms too), GPT-NeoX, SmolLM3, StarCoder2, EXAONE 4, Command R
 (R+'s per-head q/k norms too), Cohere 2, GPT-OSS, GLM-4 (dense and
 MoE), dots.llm1, ERNIE 4.5 (dense and MoE), DeepSeek-V2 / V3, LFM2 (dense and MoE), Qwen3.5, Qwen3.5 MoE, Qwen3-Next,
-Granite 4.0-H, Falcon-H1 and Nemotron-H.
+Granite 4.0-H, Falcon-H1 and Nemotron-H; the text models of Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture
 (tests/test_gguf.py's `write_gguf`: llama.cpp names, Granite's q/k rows permuted as Llama's, Phi-3's
@@ -1682,3 +1682,42 @@ def test_nemotron_h_moe_gguf_with_expert_groups_is_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match="expert_group_count 2 without nemotron_h_moe.expert_group_used_count"):
         open_gguf(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize(
+    "name, arch, sections",
+    [
+        ("qwen2_5_vl", "qwen2vl", [2, 3, 3, 0]),
+        pytest.param("qwen3_vl", "qwen3vl", [6, 5, 5, 0], marks=pytest.mark.slow),
+        pytest.param("qwen3_vl_moe", "qwen3vlmoe", [3, 3, 2, 0], marks=pytest.mark.slow),
+    ],
+)
+def test_the_text_model_of_a_qwen_vl_gguf(tmp_path, monkeypatch, name, arch, sections):
+    """llama.cpp writes the text model of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE as `qwen2vl`, `qwen3vl` and
+    `qwen3vlmoe` (Qwen2's, Qwen3's and Qwen3-MoE's tensors and keys, M-RoPE's `rope.dimension_sections`; the vision
+    tower in an mmproj file of its own): read as qwen2 / qwen3 / qwen3_moe, the multimodal model's logits on text."""
+    import transformers
+
+    import test_gguf
+    from keel.weights.convert import convert
+    from test_multimodal_text import RELEASES, _release
+    from test_multimodal_text import TOKENS as TEXT
+
+    hf = _release(name, tmp_path / "mm")
+    convert(tmp_path / "mm", tmp_path / "text")  # the text model, as llama.cpp's converter reads it
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
+
+    class Writer(gguf.GGUFWriter):  # Qwen2VLModel / Qwen3VLTextModel: the M-RoPE sections as a key
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.add_rope_dimension_sections(sections)
+
+    monkeypatch.setitem(test_gguf.GGUF_ARCH, text.config.model_type, arch)
+    monkeypatch.setattr(gguf, "GGUFWriter", Writer)
+    path = write_gguf(text, tmp_path / f"{arch}.gguf")
+    monkeypatch.undo()
+    assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == arch
+    loaded = load_model(path, "float32")
+    assert loaded.config.architecture == RELEASES[name][5]
+    with torch.no_grad():
+        assert rel_err(loaded.model(TEXT), hf(input_ids=TEXT).logits) < 1e-5

@@ -1181,7 +1181,7 @@ class ModelConfig:
 
     @classmethod
     def _from_hf(cls, hf: dict[str, Any], source: str, structure_only: bool) -> ModelConfig:
-        hf = _text_config(hf)
+        hf = _text_config(hf, source)
         family = _family_from_hf(hf, source)
         hf = as_current_config(family, hf)
         defaults = FAMILY_DEFAULTS[family]
@@ -1375,30 +1375,93 @@ def _hf_get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-# Multimodal checkpoints whose decoder keel runs on its own (text in, text out), by the text model's architecture:
-# their config.json nests it under `text_config` (its tensors under `language_model.`: keel.weights.loader).
-TEXT_MODEL_OF = {
+# Multimodal checkpoints whose decoder keel runs on its own (text in, text out), by the text model's architecture,
+# or None where that is the text config's own `model_type`'s (LLaVA's decoder is whatever model its release pairs
+# with a vision tower): their config.json nests it under `text_config` (Qwen2-VL's older files keep it at the top
+# level), its tensors under `language_model.` (keel.weights.loader). The vision (and audio) towers are not read.
+TEXT_MODEL_OF: dict[str, str | None] = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Gemma3nForConditionalGeneration": "Gemma3nForCausalLM",
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    # M-RoPE decoders (_rope_from_hf: on text alone, the plain rotary)
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
+    "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
+    "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
+    "Mistral3ForConditionalGeneration": None,
+    "LlavaForConditionalGeneration": None,
+    "Idefics3ForConditionalGeneration": None,
+    "SmolVLMForConditionalGeneration": None,
+}
+
+# The text config class's defaults of the keys keel requires, by the text config's `model_type`, where releases leave
+# them out of `text_config` (LLaVA 1.5's names five keys of its Vicuna: LlamaConfig's 7B shape for the rest).
+TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+    },
+}
+# What a multimodal release's text model does whatever its text config says (given the text config): Qwen3-VL-MoE's
+# router always renormalises its top k (transformers' Qwen3VLMoeTextTopKRouter; Qwen3-MoE's own follows
+# norm_topk_prob); GLM-4V's attention always has q/k/v biases and heads of hidden_size / num_attention_heads
+# (GLM-4's take `attention_bias` and `head_dim`).
+TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "Qwen3VLMoeForConditionalGeneration": lambda text: {"norm_topk_prob": True},
+    "Glm4vForConditionalGeneration": lambda text: {
+        "attention_bias": True,
+        "head_dim": int(text["hidden_size"]) // int(text["num_attention_heads"]),
+    },
 }
 
 
-def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+def _text_architecture(outer: str, text: dict[str, Any]) -> str | None:
+    """The text model's architecture (TEXT_MODEL_OF), by its config's `model_type` where the release names none:
+    transformers' model_type is keel's family name for most families (`gemma3_text` is Gemma 3's text model)."""
+    if TEXT_MODEL_OF[outer] is not None:
+        return TEXT_MODEL_OF[outer]
+    model_type = str(text.get("model_type", ""))
+    for family in (BY_MODEL_TYPE.get(model_type), model_type, model_type.removesuffix("_text")):
+        if family in FAMILY_TO_HF:
+            return FAMILY_TO_HF[family]
+    return None
+
+
+def _text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """A multimodal config's text model as a config of its own (TEXT_MODEL_OF), the outer keys it lacks kept
-    (dtype, tie_word_embeddings); any other config as it is."""
+    (dtype, tie_word_embeddings: the outer one where both have it, as transformers ties the head by the outer
+    config's), the keys its release leaves out (TEXT_CONFIG_DEFAULTS) and those its class fixes (TEXT_MODEL_FIXED);
+    any other config as it is."""
     archs = hf.get("architectures") or []
     outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
-    if outer is None or not isinstance(hf.get("text_config"), dict):
+    if outer is None:
         return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        if "vision_config" not in hf or TEXT_MODEL_OF[outer] is None:
+            return hf
+        text = {}  # Qwen2-VL's files before transformers 4.52: the text model's keys at the top level
+    text = {**TEXT_CONFIG_DEFAULTS.get(str(text.get("model_type")), {}), **text}
+    arch = _text_architecture(outer, text)
+    if arch is None:
+        kind = text.get("model_type")
+        raise ConfigError(f"{source}: {outer}'s text model (text_config model_type {kind!r}) is no family keel runs")
     inner = {
         k: v
         for k, v in hf.items()
         if k not in ("text_config", "vision_config", "audio_config", "architectures", "model_type")
     }
-    return {**inner, **hf["text_config"], "architectures": [TEXT_MODEL_OF[outer]]}
+    tie = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf and text else {}
+    fixed = TEXT_MODEL_FIXED[outer]({**inner, **text}) if outer in TEXT_MODEL_FIXED else {}
+    return {**inner, **text, **tie, **fixed, "architectures": [arch]}
 
 
 def _family_from_hf(hf: dict[str, Any], source: str) -> str:
@@ -1428,7 +1491,7 @@ def _required_from_hf(hf: dict[str, Any], source: str, defaults: dict[str, Any])
             int(hf["hidden_size"]),
             int(hf["num_attention_heads"] if "num_attention_heads" in hf else defaults["num_attention_heads"]),
             int(hf["num_hidden_layers"]),
-            int(hf["vocab_size"]),
+            int(hf["vocab_size"] if "vocab_size" in hf else defaults["vocab_size"]),
         )
     except KeyError as e:
         raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -1633,6 +1696,12 @@ def _rope_from_hf(
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     spec = params if params.get("rope_type", "default") != "default" or not legacy else legacy
     rope_type = spec.get("rope_type", spec.get("type", "default")) or "default"
+    if rope_type == "mrope":
+        # M-RoPE (Qwen2-VL's older files name it as a type; transformers 5 reads it as the default rotary with
+        # `mrope_section`, and `mrope_interleaved` in Qwen3-VL): each section of the frequencies turns by one of three
+        # position components (time, height, width), which are the same position on text alone, so there it is the
+        # plain rotary with the same frequencies. keel serves text only; the sections are not read.
+        rope_type = "default"
     if rope_type == "su" or (rope_type == "yarn" and "short_factor" in spec):  # Phi-3's older names for longrope
         rope_type = "longrope"
     if rope_type == "dynamic" and spec.get("alpha"):

@@ -21,6 +21,8 @@ from keel.errors import KeelError
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
+# where multimodal releases' processors keep theirs ({"chat_template": ...}; transformers before 4.50 saved it there)
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte tokens
 _SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -88,6 +90,14 @@ class Tokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        processor = directory / PROCESSOR_TEMPLATE_FILE
+        if processor.exists() and not (directory / CHAT_TEMPLATE_FILE).exists():
+            # the processor's template first, as vLLM resolves a multimodal model's: it renders text messages as the
+            # tokenizer's does where both exist, and some releases (Qwen3-VL) ship it alone
+            try:
+                template = json.loads(processor.read_text()).get("chat_template") or template
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise KeelError(f"{processor}: not a chat template file ({e})") from None
         if (directory / CHAT_TEMPLATE_FILE).exists():
             template = (directory / CHAT_TEMPLATE_FILE).read_text()
         return cls(

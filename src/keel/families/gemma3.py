@@ -9,6 +9,11 @@ approximation), and sliding-window layers (five in six by default) whose RoPE ha
 `attn_logit_softcapping` (Gemma 2's attention-score soft-capping; None in Gemma 3) is read where set.
 
 Not read: the bidirectional attention of `use_bidirectional_attention`, refused by name.
+
+The releases are `Gemma3ForConditionalGeneration` (4B / 12B / 27B), read on text (keel.config.TEXT_MODEL_OF): their
+sparse `text_config` completed by Gemma3TextConfig's defaults (DEFAULTS), the decoder under `language_model.model.`
+(or `model.language_model.`), the SigLIP tower and projector unread. transformers' multimodal class applies no
+`final_logit_softcapping`; the releases set none, and where one is set keel caps as the text model (and vLLM) do.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ FAMILY = "gemma3"
 HF_ARCHITECTURE = "Gemma3ForCausalLM"
 # transformers' Gemma3TextConfig defaults.
 DEFAULTS: dict[str, Any] = {
+    # the multimodal releases' text_config leaves these out (keel.config.TEXT_MODEL_OF)
+    "vocab_size": 262_208,
+    "num_attention_heads": 8,
     "head_dim": 256,
     "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,

@@ -15,7 +15,8 @@ forward over the HF names a checkpoint of the config holds (as llama.cpp's conve
 names them), so that a llama.cpp tensor is read as the HF tensor it was converted from; a family
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
-Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
+Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl,
+qwen3vl, qwen3vlmoe (the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE), granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
@@ -228,6 +229,12 @@ _FAMILIES = {
     _A.QWEN3: "qwen3",
     _A.QWEN2MOE: "qwen2_moe",
     _A.QWEN3MOE: "qwen3_moe",
+    # the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (the vision tower in a separate mmproj
+    # file): Qwen2's, Qwen3's and Qwen3-MoE's tensors and keys, M-RoPE by `rope.dimension_sections`, which on text
+    # (one position for all sections) is the plain rotary (keel.config._rope_from_hf), so the sections go unread
+    _A.QWEN2VL: "qwen2",
+    _A.QWEN3VL: "qwen3",
+    _A.QWEN3VLMOE: "qwen3_moe",
     _A.GRANITE: "granite",
     _A.GRANITE_MOE: "granitemoe",
     _A.PHI3: "phi3",

@@ -81,7 +81,8 @@ class GptOssReader(DerivedReader):
     same transposed layout with gate columns first, then up (Llama 4's `feed_forward.experts`, renamed by its
     family's layout), no MXFP4."""
 
-    def __init__(self, reader, interleaved: bool = True) -> None:  # noqa: ANN001
+    def __init__(self, reader, interleaved: bool = True, only: set[str] | None = None) -> None:  # noqa: ANN001
+        """only: the stored names read so (the others as they are), where a checkpoint holds some in keel's layout."""
         self.inner = reader
         regroup = _deinterleave_rows if interleaved else _same
         present = reader.names()
@@ -92,7 +93,7 @@ class GptOssReader(DerivedReader):
         for stored in present:
             base = stored.removesuffix("_blocks")
             match = _EXPERTS.match(base)
-            if match is None or (base != stored and f"{base}_scales" not in present):
+            if match is None or (base != stored and f"{base}_scales" not in present) or (only and stored not in only):
                 continue
             kind = match.group(2)
             if base != stored:  # MXFP4

@@ -69,6 +69,8 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
     quantization = None
     if config_path.exists():
         config, quantization = _read_config(config_path)
+        if _outer_architectures(config_path) & TRANSPOSED_TEXT_EXPERTS:
+            reader = _transposed_experts(reader, config)
         layout = checkpoint_layout(config)
         if layout:
             reader = PartsReader(reader, layout)
@@ -96,9 +98,20 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
 
 TEXT_MODEL_PREFIX = "language_model."
 # Where multimodal checkpoints keep their decoder: (the prefix of its tensors, that prefix in the text model's own
-# names). Llama 4's nests the whole text model (`language_model.model.*`, `language_model.lm_head.*`); Qwen3.5's
-# its decoder body only (`model.language_model.*`, the head as the text model's, `lm_head.*`).
-TEXT_MODEL_PREFIXES = ((TEXT_MODEL_PREFIX, ""), ("model.language_model.", "model."))
+# names). Llama 4's nests the whole text model (`language_model.model.*`, `language_model.lm_head.*`: also LLaVA's,
+# Gemma 3's and Mistral 3's files as transformers before 4.52 wrote them, and as transformers 5 still saves them);
+# Qwen3.5's its decoder body only (`model.language_model.*`, the head as the text model's, `lm_head.*`), as do
+# Qwen3-VL's and the others' files since 4.52; Idefics3's and SmolVLM's under `model.text_model.*`. (Qwen2-VL's and
+# Qwen2.5-VL's files keep the text model's own names, `model.*`, the vision tower under `visual.*`.)
+TEXT_MODEL_PREFIXES = (
+    (TEXT_MODEL_PREFIX, ""),
+    ("model.language_model.", "model."),
+    ("model.text_model.", "model."),
+)
+# Multimodal releases whose decoder's experts are stored stacked and transposed ([E, H, 2I] gate columns then up,
+# [E, I, H]: keel.weights.gpt_oss's layout without interleaving), by the config's `architectures`. transformers 5
+# saves them in its own (keel's) layout, so, as transformers when loading, a tensor of keel's shape is read as it is.
+TRANSPOSED_TEXT_EXPERTS = {"Qwen3VLMoeForConditionalGeneration"}
 
 
 def _text_model(reader: TensorReader) -> TensorReader:
@@ -113,6 +126,35 @@ def _text_model(reader: TensorReader) -> TensorReader:
             layout.update({n: {n: None} for n in names if n.startswith("lm_head.")})
             return PartsReader(reader, layout)
     return reader
+
+
+def _transposed_experts(reader: TensorReader, config: ModelConfig) -> TensorReader:
+    """`reader` with the stacked experts stored transposed (TRANSPOSED_TEXT_EXPERTS) read in keel's layout; those of
+    keel's shape as they are."""
+    from keel.weights.gpt_oss import GptOssReader
+
+    expected = {
+        "gate_up_proj": (config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size),
+        "down_proj": (config.num_experts, config.hidden_size, config.moe_intermediate_size),
+    }
+    flipped = {
+        name
+        for name in reader.names()
+        if name.startswith("model.layers.")
+        and name.rsplit(".", 1)[-1] in expected
+        and ".mlp.experts." in name
+        and tuple(reader.shape(name)) != expected[name.rsplit(".", 1)[-1]]
+    }
+    return GptOssReader(reader, interleaved=False, only=flipped) if flipped else reader
+
+
+def _outer_architectures(path: Path) -> set[str]:
+    """config.json's `architectures` as written (a multimodal release's, before keel.config reads its text model)."""
+    try:
+        archs = json.loads(path.read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {a for a in archs if isinstance(a, str)} if isinstance(archs, list) else set()
 
 
 def _read_config(path: Path) -> tuple[ModelConfig, dict | None]:
