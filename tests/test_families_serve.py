@@ -121,6 +121,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("qwen3_5", marks=SLOW),
         pytest.param("qwen3_5_moe", marks=SLOW),
         pytest.param("qwen3_next", marks=SLOW),
+        pytest.param("olmo_hybrid", marks=SLOW),
         pytest.param("lfm2", marks=SLOW),
         pytest.param("lfm2_moe", marks=SLOW),
         pytest.param("granitemoehybrid-dense", marks=SLOW),
@@ -277,6 +278,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "qwen3_5":  # Gated DeltaNet layers around a full-attention layer with its output gate
         assert [type(a).__name__ for a in attention] == ["GatedDeltaNet"] * 2 + ["Attention", "GatedDeltaNet"]
         assert attention[2].output_gate is not None
+    elif name == "olmo_hybrid":  # pre-normed Gated DeltaNet layers beside post-normed, unrotated attention layers
+        assert [type(a).__name__ for a in attention] == ["GatedDeltaNet", "Attention"] * 2
+        assert attention[0].beta_scale == 2.0 and not attention[1].rotates
+        assert layers[0].attn_output_norm is None and layers[1].input_layernorm is None
     elif name == "lfm2":  # gated short convolutions around an attention layer with q/k norms
         assert [type(a).__name__ for a in attention] == ["ShortConv"] * 2 + ["Attention", "ShortConv"]
         assert attention[2].q_norm is not None and attention[0].conv.bias is not None

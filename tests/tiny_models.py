@@ -835,6 +835,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # OLMo Hybrid: Gated DeltaNet layers 0 and 2 (two key heads serving four value heads, beta in [0, 2], normed
+    # before each sublayer) beside OLMo 3's post-normed, biased full-attention layers; no position encoding (the
+    # releases' null rope_theta).
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            pad_token_id=0,
+            eos_token_id=2,
+            intermediate_size=128,
+            attention_bias=True,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": None},
+        ),
+    ),
     # Gemma 3 (text): sandwich norms with (1 + w), GeGLU, sqrt(hidden) embedding, query_pre_attn_scalar, sliding
     # layers (two in three here) with their own RoPE base and linear-scaled global layers, a final soft-cap.
     "gemma3": (

@@ -54,10 +54,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        h, pre, post = config.hidden_size, config.norm_placement != "post", config.norm_placement != "pre"
+        placement = config.layer_norm_placement(layer)
+        h, pre, post = config.hidden_size, placement != "post", placement != "pre"
         mixer, mlp = config.has_mixer(layer), config.has_mlp(layer)
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
-        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement.
+        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement (the layer's own:
+        # layer_norm_placement).
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre and mixer else None
         self.self_attn: nn.Module | None = token_mixer(config, layer) if mixer else None
         self.post_attention_layernorm: nn.Module | None = (
