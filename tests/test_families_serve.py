@@ -118,6 +118,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hyperclovax", marks=SLOW),
         pytest.param("youtu", marks=SLOW),
         pytest.param("apertus", marks=SLOW),
+        pytest.param("apertus1p5", marks=SLOW),
         pytest.param("qwen3_5", marks=SLOW),
         pytest.param("qwen3_5_moe", marks=SLOW),
         pytest.param("qwen3_next", marks=SLOW),
@@ -329,7 +330,7 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert config.has_linear_attention and config.shared_expert_gated
         assert [config.is_moe_layer(i) for i in range(4)] == [True, name == "qwen3_5_moe", True, True]
-    elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
+    elif name in ("apertus", "apertus1p5"):  # per-head q/k norms, xIELU with each layer's own parameters
         alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
         assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
     elif name == "hunyuan_v1_moe":  # q/k norms after the rotary embedding; a float32 router and an ungated shared MLP

@@ -1120,6 +1120,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Apertus: per-head q/k norms, an ungated MLP of xIELU with its own parameters per layer (perturbed below),
     # llama3 rotary scaling by default.
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    # Apertus 1.5 (text): Apertus's block with biased attention; its head unpruned here (a pruned one leaves rows of
+    # the embedding unread, which `keel convert` cannot write back: tests/test_families.py).
+    "apertus1p5": (
+        "Apertus1p5TextConfig",
+        "Apertus1p5TextForCausalLM",
+        dict(intermediate_size=128, head_dim=16, attention_bias=True),
+    ),
     # Qwen3.5: Gated DeltaNet layers 0, 1 and 3 (two key heads serving four value heads), layer 2 full attention
     # with its output gate, q/k norms and a quarter of each head rotating; (1 + w) norms.
     "qwen3_5": (

@@ -1265,6 +1265,7 @@ TEXT_MODEL_OF = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+    "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
 }
 
 

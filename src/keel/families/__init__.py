@@ -24,6 +24,7 @@ from types import ModuleType
 from keel.families import (
     afmoe,
     apertus,
+    apertus1p5,
     arcee,
     bamba,
     cohere,
@@ -123,6 +124,7 @@ FAMILIES: dict[str, ModuleType] = {
         qwen3_next,
         qwen3_5,
         apertus,
+        apertus1p5,
         youtu,
         hyperclovax,
         vaultgemma,
