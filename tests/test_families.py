@@ -817,3 +817,34 @@ def test_apertus1p5_refuses_what_it_cannot_run_by_name(tmp_path, extra, message)
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**data, **extra}, source="config.json")
+
+
+def test_gemma4_unified_release_is_read_on_text(tmp_path):
+    """Gemma 4 unified's releases are `Gemma4UnifiedForConditionalGeneration`: the decoder under
+    `model.language_model.`, the vision embedder unread; causal on text (its default use_bidirectional_attention
+    "vision" only opens image tokens both ways); transformers' logits."""
+    import transformers
+
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    text = {**COMMON, **TINY_CONFIGS["gemma4_unified"][2]}
+    vision = dict(mm_embed_dim=32, output_proj_dims=64, mm_posemb_size=8, patch_size=4, pooling_kernel_size=1)
+    torch.manual_seed(0)
+    config = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=None)
+    assert config.text_config.use_bidirectional_attention == "vision"
+    hf = transformers.Gemma4UnifiedForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    keel = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert keel.architecture == "gemma4_unified" and keel.per_layer_input_size == 0 and keel.kv_shared_layers == 2
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, ours = hf(input_ids=tokens).logits, load_model(tmp_path, "float32").model(tokens)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_gemma4_unified_refuses_bidirectional_text_by_name(tmp_path):
+    save_hf_model("gemma4_unified", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_hf({**data, "use_bidirectional_attention": None}) == ModelConfig.from_hf(data)
+    with pytest.raises(ConfigError, match="use_bidirectional_attention 'all'"):
+        ModelConfig.from_hf({**data, "use_bidirectional_attention": "all"}, source="config.json")

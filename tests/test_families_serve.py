@@ -153,6 +153,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gemma4", marks=SLOW),
         pytest.param("gemma4-moe", marks=SLOW),
         pytest.param("gemma4-e", marks=SLOW),
+        pytest.param("gemma4_unified", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
@@ -393,6 +394,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "gemma4-e":  # every layer's per-layer input branch; the last two attend over layers 1 and 2's stores
         assert llm.engine.model.embed_tokens_per_layer.weight.shape == (320, 5 * 8)
         assert all(layer.per_layer_input_gate is not None for layer in layers)
+        assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
+        assert [k.shape[1] > 0 for k in llm.engine.cache.keys] == [True, True, True, False, False]
+    elif name == "gemma4_unified":  # no per-layer inputs; the last two layers attend over layers 1 and 2's stores
+        assert llm.engine.model.embed_tokens_per_layer is None
         assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
         assert [k.shape[1] > 0 for k in llm.engine.cache.keys] == [True, True, True, False, False]
     elif name == "ministral":  # the middle layer global, the others in windows of 8

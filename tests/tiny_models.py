@@ -895,6 +895,31 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Gemma 4 unified: Gemma 4's decoder without per-layer inputs or experts (its config has neither key), KV sharing
+    # (the last two layers over layers 1 and 2's stores) with double-wide MLPs, the full-attention layers' k = v.
+    "gemma4_unified": (
+        "Gemma4UnifiedTextConfig",
+        "Gemma4UnifiedForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            intermediate_size=96,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            final_logit_softcapping=30.0,
+        ),
+    ),
     # Gemma 4 MoE (26B-A4B's shape): every layer's GeGLU MLP beside 4 experts (top 2), each branch with its norms, the
     # router's own scales; the full-attention layer's heads wider with v_proj (no k = v), transformers' default RoPE.
     "gemma4-moe": (

@@ -1266,6 +1266,7 @@ TEXT_MODEL_OF = {
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
     "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
     "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
+    "Gemma4UnifiedForConditionalGeneration": "Gemma4UnifiedForCausalLM",
 }
 
 
