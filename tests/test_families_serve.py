@@ -160,6 +160,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gptj", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("persimmon", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -215,6 +216,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(layer.parallel_residual and layer.post_attention_layernorm is None for layer in layers)
         assert all(a.rotary_dim == 8 and a.o_proj.bias is None for a in attention)
         assert llm.engine.model.lm_head.bias is not None
+    elif name == "persimmon":  # biased q/k LayerNorms over each head, a quarter of each head rotating, biased q/k/v
+        assert all(isinstance(a.q_norm, torch.nn.LayerNorm) and a.k_norm.bias is not None for a in attention)
+        assert all(a.rotary_dim == 4 and a.qkv_proj.bias is not None for a in attention)
     elif name == "opt-plain":  # learned positions from row 2 of the table; weightless norms, no biases
         model = llm.engine.model
         assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2

@@ -89,6 +89,7 @@ SHAPE_INFERABLE = [
             "phi",  # phi and phi3
             "stablelm",
             "gpt_neox",
+            "persimmon",  # GPT-NeoX's fused q/k/v under its own names
             "gpt_bigcode",  # and gpt2: learned positions and fused, Conv1D tensors under their own names
             "gpt2",
             "falcon",

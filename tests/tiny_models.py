@@ -1472,6 +1472,18 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # GPT-J: one LayerNorm feeding attention and MLP in parallel, rotary on interleaved pairs over the first 8 of each
     # head's 16 channels, unbiased attention, a biased tanh-GELU MLP and LM head.
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=96, rotary_dim=8)),
+    # Persimmon: biased LayerNorms, q/k/v interleaved per head in one biased tensor, biased q/k LayerNorms per head
+    # (one weight for all heads), rotary over a quarter of each head, an ungated biased ReLU-squared MLP, untied.
+    "persimmon": (
+        "PersimmonConfig",
+        "PersimmonForCausalLM",
+        dict(
+            intermediate_size=96,
+            num_key_value_heads=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 2000.0, "partial_rotary_factor": 0.25},
+            layer_norm_eps=1e-4,
+        ),
+    ),
     # OPT: learned positions from row 2 of their table, biased LayerNorms, a biased ReLU MLP, a tied head.
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, max_position_embeddings=256)),
     # Without biases (enable_bias), LayerNorms without weights (layer_norm_elementwise_affine), GELU, an untied head.
