@@ -848,3 +848,13 @@ def test_gemma4_unified_refuses_bidirectional_text_by_name(tmp_path):
     assert ModelConfig.from_hf({**data, "use_bidirectional_attention": None}) == ModelConfig.from_hf(data)
     with pytest.raises(ConfigError, match="use_bidirectional_attention 'all'"):
         ModelConfig.from_hf({**data, "use_bidirectional_attention": "all"}, source="config.json")
+
+
+@pytest.mark.parametrize(
+    "extra, message", [(dict(rotary_dim=None), "rotary_dim"), (dict(n_embd=66, n_head=6), "hidden_size 66")]
+)
+def test_codegen_refuses_what_it_cannot_run_by_name(tmp_path, extra, message):
+    save_hf_model("codegen", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, **extra}, source="config.json")

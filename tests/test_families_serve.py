@@ -158,6 +158,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
         pytest.param("gptj", marks=SLOW),
+        pytest.param("codegen", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("persimmon", marks=SLOW),
@@ -212,9 +213,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "falcon-40b":  # parallel attention and MLP, each from a norm of its own; 2 KV heads of 4
         assert all(layer.parallel_residual and layer.post_attention_layernorm is not None for layer in layers)
         assert all(a.num_kv_heads == 2 and a.rotates for a in attention)
-    elif name == "gptj":  # one norm for both parallel branches, half of each head rotating, a biased head
+    elif name in ("gptj", "codegen"):  # one norm for both parallel branches, part of each head rotating, a biased head
         assert all(layer.parallel_residual and layer.post_attention_layernorm is None for layer in layers)
-        assert all(a.rotary_dim == 8 and a.o_proj.bias is None for a in attention)
+        assert all(a.rotary_dim == (8 if name == "gptj" else 4) and a.o_proj.bias is None for a in attention)
         assert llm.engine.model.lm_head.bias is not None
     elif name == "persimmon":  # biased q/k LayerNorms over each head, a quarter of each head rotating, biased q/k/v
         assert all(isinstance(a.q_norm, torch.nn.LayerNorm) and a.k_norm.bias is not None for a in attention)

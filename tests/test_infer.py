@@ -94,6 +94,7 @@ SHAPE_INFERABLE = [
             "gpt2",
             "falcon",
             "gptj",  # its own names, the rotary width from rotary_dim
+            "codegen",  # and its q/v/k fused in 4 shards
             "opt",  # learned positions under its own names
             "gpt_neo",  # and its global / local layers from attention_types
             "olmo",

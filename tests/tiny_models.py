@@ -1484,6 +1484,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             layer_norm_eps=1e-4,
         ),
     ),
+    # CodeGen: GPT-J's block with q/v/k fused in 4 model-parallel shards (two of its 8 heads in each), rotary on
+    # interleaved pairs over the first 4 of each head's 8 channels.
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_inner=96, num_attention_heads=8, rotary_dim=4)),
     # OPT: learned positions from row 2 of their table, biased LayerNorms, a biased ReLU MLP, a tied head.
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, max_position_embeddings=256)),
     # Without biases (enable_bias), LayerNorms without weights (layer_norm_elementwise_affine), GELU, an untied head.
@@ -1523,6 +1526,7 @@ SHARPENED = (
     "kv_b_proj.weight",
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
     "self_attention.query_key_value.weight",  # Falcon's
+    ".attn.qkv_proj.weight",  # CodeGen's (not Phi-3's self_attn.qkv_proj)
 )
 
 

@@ -27,6 +27,7 @@ from keel.families import (
     apertus1p5,
     arcee,
     bamba,
+    codegen,
     cohere,
     cohere2,
     cohere2_moe,
@@ -195,6 +196,7 @@ FAMILIES: dict[str, ModuleType] = {
         gpt2,
         falcon,
         gptj,
+        codegen,
         opt,
         gpt_neo,
     )
