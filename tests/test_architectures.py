@@ -281,6 +281,7 @@ def test_ernie_moes_biases_reach_its_head(tmp_path, tie):
         ("exaone_moe", dict(sliding_window_pattern=None, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
         ("exaone4", dict(sliding_window_pattern=None)),
         ("gptj", dict(rope_theta=500.0, rope_parameters={"rope_type": "linear", "factor": 4.0})),  # fixed sinusoids
+        ("codegen", dict(rope_theta=500.0, rope_parameters={"rope_type": "linear", "factor": 4.0})),
         ("opt", dict(rms_norm_eps=0.5)),  # torch's LayerNorm eps, which OPT never sets
         ("opt", dict(_remove_final_layer_norm=True)),  # the pre-norm block without its final norm
         ("opt-350m", dict(_remove_final_layer_norm=True)),  # which OPT-350m's post-norm block has none of anyway

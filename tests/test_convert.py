@@ -204,3 +204,21 @@ def test_output_dtype():
     assert output_dtype(_checkpoint("gguf", {"F16": 10, "F32": 2}, "float16"), None) == "float16"
     with pytest.raises(KeelError, match="--dtype"):
         output_dtype(_checkpoint("hf", {}), "fp8")
+
+
+def test_olmo_hybrid_convolutions_saved_in_thirds_are_read_and_written_by_width(tmp_path):
+    """transformers saves OLMo Hybrid's fused q/k/v convolution cut into equal thirds whatever the widths (values
+    twice as wide as keys here, as in the releases): keel reads each stored block at its own width, and `keel
+    convert` writes q_conv1d / k_conv1d / v_conv1d at q's, k's and v's widths, which transformers concatenates into
+    the same model."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_hf_model("olmo_hybrid", src, linear_value_head_dim=16)  # keys 2 x 16, values 4 x 16: 128 channels
+    reference = _hf_logits(src)
+    assert _rel_err(_keel_logits(src), reference) <= 1e-4
+    convert(src, dst)
+    before, after = _tensors(src / "model.safetensors"), _tensors(dst / "model.safetensors")
+    widths = [before[f"model.layers.0.linear_attn.{p}_conv1d.weight"].shape[0] for p in "qkv"]
+    assert widths == [43, 43, 42]  # torch.chunk's thirds
+    assert [after[f"model.layers.0.linear_attn.{p}_conv1d.weight"].shape[0] for p in "qkv"] == [32, 32, 64]
+    assert sorted(after) == sorted(before)
+    assert _rel_err(_hf_logits(dst), reference) <= 1e-4

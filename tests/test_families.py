@@ -1035,3 +1035,119 @@ def test_laguna_reads_its_config_classs_defaults_and_refuses_what_it_cannot_run(
     assert ModelConfig.from_hf({**hf, "num_attention_heads_per_layer": [4, 4, 4]}) == config
     with pytest.raises(ConfigError, match="sliding_partial_rotary_factor"):  # a share without the sliding RoPE
         dataclasses.replace(config, sliding_rope_theta=None, sliding_partial_rotary_factor=0.5)
+
+
+def _apertus1p5_release(path):
+    """A tiny `Apertus1p5ForConditionalGeneration` as released: its head pruned to the first 200 of 256 ids (the
+    image and audio codes' rows of the embedding beyond), untied, with small vision and audio tokenizers."""
+    import transformers
+
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    text = {**COMMON, **TINY_CONFIGS["apertus1p5"][2], "output_vocab_size": 200, "tie_word_embeddings": False}
+    vision = dict(
+        codebook_size=16,
+        embed_dim=32,
+        latent_channels=32,
+        base_channels=32,
+        channel_multiplier=[1, 2],
+        num_res_blocks=1,
+        attn_resolutions=[],
+    )
+    audio = dict(model_type="wavtokenizer_encoder", codebook_size=16, codebook_dim=8, hidden_size=8, num_filters=4)
+    config = transformers.Apertus1p5Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config={**audio, "num_lstm_layers": 1, "upsampling_ratios": [2, 2]},
+        image_token_offset=200,
+        audio_token_offset=216,
+        image_token_id=3,
+        audio_token_id=4,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Apertus1p5ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms and biases off their initial values, so that they count
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", ".bias")) and "language_model" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_apertus1p5_release_is_read_on_text_with_its_pruned_head(tmp_path):
+    """Apertus 1.5's releases are `Apertus1p5ForConditionalGeneration` with the LM head pruned to `output_vocab_size`
+    ids: keel reads the decoder on text, its vocabulary the head's (the embedding's rows beyond unread), and gives
+    transformers' logits; `keel convert` writes that text model, which transformers loads to the same logits."""
+    from keel.weights.convert import convert
+
+    hf = _apertus1p5_release(tmp_path / "src")
+    config = ModelConfig.from_json_file(tmp_path / "src" / "config.json")
+    assert config.architecture == "apertus1p5" and config.vocab_size == 200
+    tokens = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, ours = hf(input_ids=tokens).logits, load_model(tmp_path / "src", "float32").model(tokens)
+    assert ours.shape == want.shape == (2, 20, 200)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+    import transformers
+
+    convert(tmp_path / "src", tmp_path / "dst")
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert type(text).__name__ == "Apertus1p5TextForCausalLM" and text.config.vocab_size == 200
+    with torch.no_grad():
+        assert ((text(tokens).logits - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (dict(output_vocab_size=200, tie_word_embeddings=True), "tie_word_embeddings"),
+        (dict(output_vocab_size=300), "output_vocab_size"),
+    ],
+)
+def test_apertus1p5_refuses_what_it_cannot_run_by_name(tmp_path, extra, message):
+    save_hf_model("apertus1p5", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, **extra}, source="config.json")
+
+
+def test_gemma4_unified_release_is_read_on_text(tmp_path):
+    """Gemma 4 unified's releases are `Gemma4UnifiedForConditionalGeneration`: the decoder under
+    `model.language_model.`, the vision embedder unread; causal on text (its default use_bidirectional_attention
+    "vision" only opens image tokens both ways); transformers' logits."""
+    import transformers
+
+    from tiny_models import COMMON, TINY_CONFIGS
+
+    text = {**COMMON, **TINY_CONFIGS["gemma4_unified"][2]}
+    vision = dict(mm_embed_dim=32, output_proj_dims=64, mm_posemb_size=8, patch_size=4, pooling_kernel_size=1)
+    torch.manual_seed(0)
+    config = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=None)
+    assert config.text_config.use_bidirectional_attention == "vision"
+    hf = transformers.Gemma4UnifiedForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    keel = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert keel.architecture == "gemma4_unified" and keel.per_layer_input_size == 0 and keel.kv_shared_layers == 2
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, ours = hf(input_ids=tokens).logits, load_model(tmp_path, "float32").model(tokens)
+    assert ((ours - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_gemma4_unified_refuses_bidirectional_text_by_name(tmp_path):
+    save_hf_model("gemma4_unified", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_hf({**data, "use_bidirectional_attention": None}) == ModelConfig.from_hf(data)
+    with pytest.raises(ConfigError, match="use_bidirectional_attention 'all'"):
+        ModelConfig.from_hf({**data, "use_bidirectional_attention": "all"}, source="config.json")
+
+
+@pytest.mark.parametrize(
+    "extra, message", [(dict(rotary_dim=None), "rotary_dim"), (dict(n_embd=66, n_head=6), "hidden_size 66")]
+)
+def test_codegen_refuses_what_it_cannot_run_by_name(tmp_path, extra, message):
+    save_hf_model("codegen", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, **extra}, source="config.json")

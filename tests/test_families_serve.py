@@ -122,9 +122,11 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("hyperclovax", marks=SLOW),
         pytest.param("youtu", marks=SLOW),
         pytest.param("apertus", marks=SLOW),
+        pytest.param("apertus1p5", marks=SLOW),
         pytest.param("qwen3_5", marks=SLOW),
         pytest.param("qwen3_5_moe", marks=SLOW),
         pytest.param("qwen3_next", marks=SLOW),
+        pytest.param("olmo_hybrid", marks=SLOW),
         pytest.param("lfm2", marks=SLOW),
         pytest.param("lfm2_moe", marks=SLOW),
         pytest.param("granitemoehybrid-dense", marks=SLOW),
@@ -156,10 +158,12 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("gemma4-moe", marks=SLOW),
         pytest.param("gemma4-e", marks=SLOW),
         pytest.param("gemma3n", marks=SLOW),
+        pytest.param("gemma4_unified", marks=SLOW),
         pytest.param("gpt_bigcode", marks=SLOW),
         pytest.param("gpt2-scaled", marks=SLOW),
         pytest.param("falcon-40b", marks=SLOW),
         pytest.param("gptj", marks=SLOW),
+        pytest.param("codegen", marks=SLOW),
         pytest.param("opt-plain", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
         pytest.param("dbrx", marks=SLOW),
@@ -170,6 +174,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("lfm3", marks=SLOW),
         pytest.param("axk1", marks=SLOW),
         pytest.param("laguna", marks=SLOW),
+        pytest.param("persimmon", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -221,10 +226,13 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "falcon-40b":  # parallel attention and MLP, each from a norm of its own; 2 KV heads of 4
         assert all(layer.parallel_residual and layer.post_attention_layernorm is not None for layer in layers)
         assert all(a.num_kv_heads == 2 and a.rotates for a in attention)
-    elif name == "gptj":  # one norm for both parallel branches, half of each head rotating, a biased head
+    elif name in ("gptj", "codegen"):  # one norm for both parallel branches, part of each head rotating, a biased head
         assert all(layer.parallel_residual and layer.post_attention_layernorm is None for layer in layers)
-        assert all(a.rotary_dim == 8 and a.o_proj.bias is None for a in attention)
+        assert all(a.rotary_dim == (8 if name == "gptj" else 4) and a.o_proj.bias is None for a in attention)
         assert llm.engine.model.lm_head.bias is not None
+    elif name == "persimmon":  # biased q/k LayerNorms over each head, a quarter of each head rotating, biased q/k/v
+        assert all(isinstance(a.q_norm, torch.nn.LayerNorm) and a.k_norm.bias is not None for a in attention)
+        assert all(a.rotary_dim == 4 and a.qkv_proj.bias is not None for a in attention)
     elif name == "opt-plain":  # learned positions from row 2 of the table; weightless norms, no biases
         model = llm.engine.model
         assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
@@ -300,6 +308,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     elif name == "qwen3_5":  # Gated DeltaNet layers around a full-attention layer with its output gate
         assert [type(a).__name__ for a in attention] == ["GatedDeltaNet"] * 2 + ["Attention", "GatedDeltaNet"]
         assert attention[2].output_gate is not None
+    elif name == "olmo_hybrid":  # pre-normed Gated DeltaNet layers beside post-normed, unrotated attention layers
+        assert [type(a).__name__ for a in attention] == ["GatedDeltaNet", "Attention"] * 2
+        assert attention[0].beta_scale == 2.0 and not attention[1].rotates
+        assert layers[0].attn_output_norm is None and layers[1].input_layernorm is None
     elif name == "lfm2":  # gated short convolutions around an attention layer with q/k norms
         assert [type(a).__name__ for a in attention] == ["ShortConv"] * 2 + ["Attention", "ShortConv"]
         assert attention[2].q_norm is not None and attention[0].conv.bias is not None
@@ -347,7 +359,7 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert config.has_linear_attention and config.shared_expert_gated
         assert [config.is_moe_layer(i) for i in range(4)] == [True, name == "qwen3_5_moe", True, True]
-    elif name == "apertus":  # per-head q/k norms, xIELU with each layer's own parameters
+    elif name in ("apertus", "apertus1p5"):  # per-head q/k norms, xIELU with each layer's own parameters
         alphas = [layer.mlp.act_fn.alpha_p.item() for layer in layers]
         assert all(a.q_norm is not None for a in attention) and len(set(alphas)) == len(layers)
     elif name == "hunyuan_v1_moe":  # q/k norms after the rotary embedding; a float32 router and an ungated shared MLP
@@ -418,6 +430,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(layer.laurel is not None for layer in layers)
         assert [layer.mlp.sparsity_std is not None for layer in layers] == [True, True, False, False, False]
         assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
+    elif name == "gemma4_unified":  # no per-layer inputs; the last two layers attend over layers 1 and 2's stores
+        assert llm.engine.model.embed_tokens_per_layer is None
+        assert [a.kv_source for a in attention] == [0, 1, 2, 1, 2]
+        assert [k.shape[1] > 0 for k in llm.engine.cache.keys] == [True, True, True, False, False]
     elif name == "ministral":  # the middle layer global, the others in windows of 8
         assert [a.window for a in attention] == [8, None, 8]
     elif name == "llama4":  # chunks of 8 in the rotating layers, the fourth global, unrotated and scaling queries

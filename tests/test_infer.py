@@ -89,10 +89,12 @@ SHAPE_INFERABLE = [
             "phi",  # phi and phi3
             "stablelm",
             "gpt_neox",
+            "persimmon",  # GPT-NeoX's fused q/k/v under its own names
             "gpt_bigcode",  # and gpt2: learned positions and fused, Conv1D tensors under their own names
             "gpt2",
             "falcon",
             "gptj",  # its own names, the rotary width from rotary_dim
+            "codegen",  # and its q/v/k fused in 4 shards
             "opt",  # learned positions under its own names
             "gpt_neo",  # and its global / local layers from attention_types
             "bloom",  # ALiBi and the embedding's norm under its own names

@@ -160,6 +160,10 @@ def tp2_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         # Laguna, AFMoE: each rank the output gate of its own heads (one row a head; one a channel)
         pytest.param("laguna", 2, marks=pytest.mark.slow),
         pytest.param("afmoe", 2, marks=pytest.mark.slow),
+        # CodeGen: each rank's heads gathered from the 4 shards of the fused q/v/k; Persimmon: GPT-NeoX's per-head
+        # q/k/v rows, its q/k LayerNorms (one weight and bias for all heads) replicated
+        pytest.param("codegen", 2, marks=pytest.mark.slow),
+        pytest.param("persimmon", 2, marks=pytest.mark.slow),
     ],
 )
 def test_sharded_forward_equals_the_full_model(tmp_path, arch, tp, request):

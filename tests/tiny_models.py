@@ -835,6 +835,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # OLMo Hybrid: Gated DeltaNet layers 0 and 2 (two key heads serving four value heads, beta in [0, 2], normed
+    # before each sublayer) beside OLMo 3's post-normed, biased full-attention layers; no position encoding (the
+    # releases' null rope_theta).
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            pad_token_id=0,
+            eos_token_id=2,
+            intermediate_size=128,
+            attention_bias=True,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": None},
+        ),
+    ),
     # Gemma 3 (text): sandwich norms with (1 + w), GeGLU, sqrt(hidden) embedding, query_pre_attn_scalar, sliding
     # layers (two in three here) with their own RoPE base and linear-scaled global layers, a final soft-cap.
     "gemma3": (
@@ -873,6 +893,31 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
             },
+        ),
+    ),
+    # Gemma 4 unified: Gemma 4's decoder without per-layer inputs or experts (its config has neither key), KV sharing
+    # (the last two layers over layers 1 and 2's stores) with double-wide MLPs, the full-attention layers' k = v.
+    "gemma4_unified": (
+        "Gemma4UnifiedTextConfig",
+        "Gemma4UnifiedForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            intermediate_size=96,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            final_logit_softcapping=30.0,
         ),
     ),
     # Gemma 4 MoE (26B-A4B's shape): every layer's GeGLU MLP beside 4 experts (top 2), each branch with its norms, the
@@ -1131,6 +1176,13 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Apertus: per-head q/k norms, an ungated MLP of xIELU with its own parameters per layer (perturbed below),
     # llama3 rotary scaling by default.
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(intermediate_size=128, head_dim=16)),
+    # Apertus 1.5 (text): Apertus's block with biased attention; its head unpruned here (a pruned one leaves rows of
+    # the embedding unread, which `keel convert` cannot write back: tests/test_families.py).
+    "apertus1p5": (
+        "Apertus1p5TextConfig",
+        "Apertus1p5TextForCausalLM",
+        dict(intermediate_size=128, head_dim=16, attention_bias=True),
+    ),
     # Qwen3.5: Gated DeltaNet layers 0, 1 and 3 (two key heads serving four value heads), layer 2 full attention
     # with its output gate, q/k norms and a quarter of each head rotating; (1 + w) norms.
     "qwen3_5": (
@@ -1468,6 +1520,21 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # GPT-J: one LayerNorm feeding attention and MLP in parallel, rotary on interleaved pairs over the first 8 of each
     # head's 16 channels, unbiased attention, a biased tanh-GELU MLP and LM head.
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=96, rotary_dim=8)),
+    # Persimmon: biased LayerNorms, q/k/v interleaved per head in one biased tensor, biased q/k LayerNorms per head
+    # (one weight for all heads), rotary over a quarter of each head, an ungated biased ReLU-squared MLP, untied.
+    "persimmon": (
+        "PersimmonConfig",
+        "PersimmonForCausalLM",
+        dict(
+            intermediate_size=96,
+            num_key_value_heads=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 2000.0, "partial_rotary_factor": 0.25},
+            layer_norm_eps=1e-4,
+        ),
+    ),
+    # CodeGen: GPT-J's block with q/v/k fused in 4 model-parallel shards (two of its 8 heads in each), rotary on
+    # interleaved pairs over the first 4 of each head's 8 channels.
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_inner=96, num_attention_heads=8, rotary_dim=4)),
     # OPT: learned positions from row 2 of their table, biased LayerNorms, a biased ReLU MLP, a tied head.
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, max_position_embeddings=256)),
     # Without biases (enable_bias), LayerNorms without weights (layer_norm_elementwise_affine), GELU, an untied head.
@@ -1632,6 +1699,7 @@ SHARPENED = (
     "attn.c_attn.weight",  # GPT-2's and GPT-BigCode's fused q/k/v (v sharpened too: no matter)
     "self_attention.query_key_value.weight",  # Falcon's and Bloom's
     "attn.Wqkv.weight",  # DBRX's and MPT's
+    ".attn.qkv_proj.weight",  # CodeGen's (not Phi-3's self_attn.qkv_proj)
 )
 
 

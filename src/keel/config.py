@@ -250,6 +250,12 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # OLMo Hybrid's Gated DeltaNet: beta times this (its linear_allow_neg_eigval: 2, a write strength in [0, 2]), the
+    # eps of the gated output norm (None: rms_norm_eps), and the layers' own norm placement ("": norm_placement;
+    # OLMo Hybrid's are "pre" beside post-normed attention layers: `layer_norm_placement`).
+    linear_beta_scale: float = 1.0
+    linear_norm_eps: float | None = None
+    linear_norm_placement: str = ""
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
@@ -609,6 +615,13 @@ class ModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
+    def layer_norm_placement(self, layer: int) -> str:
+        """`layer`'s norm placement: `linear_norm_placement` in the Gated DeltaNet layers where set, else
+        `norm_placement`."""
+        if self.linear_norm_placement and self.is_linear_layer(layer):
+            return self.linear_norm_placement
+        return self.norm_placement
+
     @property
     def has_recurrent_layers(self) -> bool:
         """Whether some layers keep a state per sequence instead of keys and values (Gated DeltaNet, LFM2's short
@@ -837,6 +850,10 @@ class ModelConfig:
             "embedding_size (project_in / project_out) beside per-layer inputs or embedding_norm",
         )
         need(
+            self.linear_norm_placement in ("", "pre", "post", "sandwich"),
+            f"linear_norm_placement {self.linear_norm_placement!r}: pre, post or sandwich",
+        )
+        need(
             self.qk_norm_scope in ("head", "all", "each_head"),
             f"qk_norm_scope {self.qk_norm_scope!r}: head, all or each_head",
         )
@@ -852,8 +869,10 @@ class ModelConfig:
             "norm_weight_offset needs RMSNorm q/k norms (qk_norm_type rms) without qk_norm_scope each_head",
         )
         need(
-            not (self.parallel_residual and self.norm_placement != "pre"),
-            "parallel_residual needs norm_placement 'pre'",
+            not (
+                self.parallel_residual and (self.norm_placement, self.linear_norm_placement or "pre") != ("pre", "pre")
+            ),
+            "parallel_residual needs norm_placement 'pre' (and linear_norm_placement)",
         )
         for scaling, rotary in (
             (self.rope_scaling, self.full_rotary_dim),
@@ -1011,6 +1030,11 @@ class ModelConfig:
             f"({self.linear_num_key_heads})",
         )
         need(self.linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim must be at least 2")
+        need(self.linear_beta_scale > 0, f"linear_beta_scale must be positive, got {self.linear_beta_scale}")
+        need(
+            self.linear_norm_eps is None or self.linear_norm_eps > 0,
+            f"linear_norm_eps must be positive or None, got {self.linear_norm_eps}",
+        )
         need(not self.is_mla, "linear_attention layers beside multi-head latent attention are not supported")
 
     # ------------------------------------------------------------- parameters
@@ -1099,9 +1123,12 @@ class ModelConfig:
         shared = mats * h * shared_width + shared_gate
         shared += ((mats - 1) * shared_width + h) if self.mlp_bias and shared_width else 0
         norm = h * (2 if self.norm_bias else 1) if self.norm_affine else 0
-        pre, post = self.norm_placement != "post", self.norm_placement in ("post", "sandwich")
-        mixer_norms = norm * (pre + post)  # before the mixer and/or on its output
-        mlp_norms = norm * (pre * self.post_attention_norm + post)
+
+        def sublayer_norms(layer: int) -> tuple[int, int]:  # the mixer's and the MLP's, by the layer's placement
+            placement = self.layer_norm_placement(layer)
+            pre, post = placement != "post", placement in ("post", "sandwich")  # post_residual: the pre norms' two
+            return norm * (pre + post), norm * (pre * self.post_attention_norm + post)
+
         total = active = 0
         linear = self._linear_attention_params() if self.has_linear_attention else 0
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
@@ -1110,6 +1137,7 @@ class ModelConfig:
         mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1}
         for layer in range(self.num_layers):
             kind = self.layer_types[layer]
+            mixer_norms, mlp_norms = sublayer_norms(layer)
             if not self.has_mixer(layer):
                 base = 0
             elif kind in mixers:
@@ -1397,6 +1425,8 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "LlavaForConditionalGeneration": None,
     "Idefics3ForConditionalGeneration": None,
     "SmolVLMForConditionalGeneration": None,
+    "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
+    "Gemma4UnifiedForConditionalGeneration": "Gemma4UnifiedForCausalLM",
 }
 
 # The text config class's defaults of the keys keel requires, by the text config's `model_type`, where releases leave
@@ -1693,7 +1723,9 @@ def _rope_from_hf(
 ) -> tuple[float, RopeScaling]:
     params = hf.get("rope_parameters") or {}
     legacy = hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    # null as absent: a model without position encoding says so by a null base (OLMo Hybrid's, its `rope_layers`)
+    theta = float(default_theta if theta is None else theta)
     spec = params if params.get("rope_type", "default") != "default" or not legacy else legacy
     rope_type = spec.get("rope_type", spec.get("type", "default")) or "default"
     if rope_type == "mrope":

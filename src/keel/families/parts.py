@@ -23,6 +23,18 @@ class Stacked:
 
 
 @dataclass(frozen=True)
+class Block:
+    """A stored tensor that is the `index`-th of the blocks of rows that make a tensor keel reads whole, one after
+    another (OLMo Hybrid's separate q_proj, k_proj and v_proj of its Gated DeltaNet layers, keel's one
+    in_proj_qkv); several stored names map to the same name of keel's. Reads take each block's rows from its stored
+    shape (transformers saves OLMo Hybrid's q/k/v convolutions cut into equal thirds, whatever their widths); export
+    splits keel's tensor into blocks of `rows` rows."""
+
+    index: int
+    rows: int
+
+
+@dataclass(frozen=True)
 class Columns:
     """A 2-D stored tensor whose columns keel reads in another order: keel's column j is the stored column
     `order[j]` (Cohere's per-head q/k norm weights [heads, head_dim], each head's channels regrouped as its q/k

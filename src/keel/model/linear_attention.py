@@ -4,7 +4,8 @@ x is projected to q/k/v (`in_proj_qkv`), an output gate z (`in_proj_z`), a write
 and a decay g = -exp(A_log) softplus(`in_proj_a` + dt_bias) per value head. q/k/v pass a causal depthwise
 convolution (`conv1d`, kernel K) and SiLU, then the gated delta rule (keel.model.gated_delta) mixes the tokens;
 each head's output is RMS-normed, scaled by SiLU(z) (`norm`), and projected back (`out_proj`). Parameter names are
-transformers' (its `linear_attn.` is keel's `self_attn.`: the family's checkpoint layout). A sequence's past is a
+transformers' (its `linear_attn.` is keel's `self_attn.`: the family's checkpoint layout). OLMo Hybrid's beta is
+scaled (`linear_beta_scale`: 2) and its norm has an eps of its own (`linear_norm_eps`). A sequence's past is a
 state (keel.model.recurrent): the convolution's last inputs and the delta rule's matrix.
 """
 
@@ -51,7 +52,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(channels, channels, config.linear_conv_kernel_dim, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.A_log = nn.Parameter(torch.empty(self.value_heads) if building_on_meta() else self.initial_a_log())
-        self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.value_dim, config.linear_norm_eps or config.rms_norm_eps)
+        self.beta_scale = config.linear_beta_scale  # OLMo Hybrid's negative eigenvalues: beta in [0, 2]
         self.out_proj = nn.Linear(values, h, bias=False)
 
     def initial_a_log(self) -> Tensor:
@@ -64,6 +66,8 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         beta = self.in_proj_b(x).sigmoid().float()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         if spans is None:  # whole sequences from an empty state, the batch at once

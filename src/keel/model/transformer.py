@@ -55,12 +55,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        h, placement = config.hidden_size, config.norm_placement
+        h, placement = config.hidden_size, config.layer_norm_placement(layer)
         pre, post = placement != "post", placement in ("post", "sandwich")
         mixer, mlp = config.has_mixer(layer), config.has_mlp(layer)
         # Before each sublayer (input_layernorm, post_attention_layernorm: HF's Llama names), after each on its
-        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement. OPT-350m's post_residual: the
-        # same two norms, each after its sublayer's residual add.
+        # output (attn_output_norm, mlp_output_norm), or both: config.norm_placement (the layer's own:
+        # layer_norm_placement). OPT-350m's post_residual: the same two norms, each after its sublayer's residual add.
         self.norm_after_residual = placement == "post_residual"
         self.input_layernorm: nn.Module | None = block_norm(config, h) if pre and mixer else None
         self.self_attn: nn.Module | None = token_mixer(config, layer) if mixer else None

@@ -15,8 +15,10 @@ experts `w2`, one expert's rows each): reads take those rows' box and transpose 
 back transposed into its rows.
 
 `Stacked(index)`: the stored tensor is one row of keel's (several stored names serve one name of keel's, StableLM's
-LayerNorm per head); `Columns(order)`: keel reads a 2-D stored tensor's columns in another order (Cohere's per-head
-q/k norm weights, regrouped as its q/k rows are). `fused_stream` splits and reorders them back.
+LayerNorm per head); `Block(index, rows)`: the stored tensor is the index-th block of rows of keel's, read at its
+stored width (several stored names, one block each: OLMo Hybrid's q/k/v projections of keel's in_proj_qkv);
+`Columns(order)`: keel reads a 2-D stored tensor's columns in another order (Cohere's per-head q/k norm weights,
+regrouped as its q/k rows are). `fused_stream` splits and reorders them back.
 """
 
 from __future__ import annotations
@@ -28,16 +30,16 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.families.parts import Columns, RowsTransposed, Stacked, Transposed
+from keel.families.parts import Block, Columns, RowsTransposed, Stacked, Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | Transposed | RowsTransposed | Stacked | Columns | None
+Rows = list[tuple[int, int]] | Transposed | RowsTransposed | Stacked | Block | Columns | None
 Layout = dict[str, dict[str, Rows]]
 
 
 def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
     """(the part's row ranges or None, whether the stored tensor is transposed)."""
-    if isinstance(part, Stacked | Columns):  # whole stored tensors (PartsReader reads them apart)
+    if isinstance(part, Stacked | Block | Columns):  # whole stored tensors (PartsReader reads them apart)
         return None, False
     return (part.rows, True) if isinstance(part, Transposed) else (_ranges(part), False)
 
@@ -113,12 +115,18 @@ class PartsReader(DerivedReader):
         self._derived: dict[str, tuple[str, list[tuple[int, int]] | None, bool]] = {}
         self._columns: dict[str, tuple[int, ...]] = {}  # name -> the stored columns in keel's order
         stacks: dict[str, dict[int, str]] = {}  # name -> {row: the stored tensor holding it}
+        # name -> [(start, stop, the stored tensor holding those rows)], in row order
+        self._blocks: dict[str, list[tuple[int, int, str]]] = {}
+        indexed: dict[str, dict[int, str]] = {}  # name -> {block index: the stored tensor}
         for stored, parts in layout.items():
             if stored not in present:
                 continue
             for name, part in parts.items():
                 if isinstance(part, Stacked):
                     stacks.setdefault(name, {})[part.index] = stored
+                    continue
+                if isinstance(part, Block):
+                    indexed.setdefault(name, {})[part.index] = stored
                     continue
                 if isinstance(part, Columns):
                     self._columns[name] = part.order
@@ -129,9 +137,21 @@ class PartsReader(DerivedReader):
                 raise WeightsError(f"{name}: its stacked rows {sorted(rows)} are not all in the checkpoint")
             self._stacks[name] = [rows[i] for i in range(len(rows))]
             self._derived[name] = (self._stacks[name][0], None, False)
-        used = {stored for stored, *_ in self._derived.values()} | {
-            s for rows in stacks.values() for s in rows.values()
-        }
+        for name, parts_of in indexed.items():
+            if sorted(parts_of) != list(range(len(parts_of))):
+                raise WeightsError(f"{name}: its blocks of rows {sorted(parts_of)} are not all in the checkpoint")
+            start, blocks = 0, []
+            for i in range(len(parts_of)):  # each block as wide as its stored tensor
+                stop = start + reader.shape(parts_of[i])[0]
+                blocks.append((start, stop, parts_of[i]))
+                start = stop
+            self._blocks[name] = blocks
+            self._derived[name] = (blocks[0][2], None, False)
+        used = (
+            {stored for stored, *_ in self._derived.values()}
+            | {s for rows in stacks.values() for s in rows.values()}
+            | {s for blocks in self._blocks.values() for _, _, s in blocks}
+        )
         # the parts read as the transpose of their stored rows
         self._part_flipped = {
             name
@@ -157,6 +177,8 @@ class PartsReader(DerivedReader):
         shape = tuple(self.inner.shape(stored))
         if name in self._stacks:
             return (len(self._stacks[name]), *shape)
+        if name in self._blocks:
+            return (self._blocks[name][-1][1], *shape[1:])
         shape = shape[::-1] if flipped else shape
         shape = shape if rows is None else (sum(b - a for a, b in rows), *shape[1:])
         return shape[::-1] if name in self._part_flipped else shape
@@ -166,6 +188,14 @@ class PartsReader(DerivedReader):
         if name in self._stacks:  # one stored tensor per row
             rows_read = self._stacks[name][offset[0] : offset[0] + shape[0]]
             return torch.stack([self.inner.get_box(row, offset[1:], shape[1:]) for row in rows_read])
+        if name in self._blocks:  # the stored tensors that hold the rows asked for, each its share
+            lo, hi = offset[0], offset[0] + shape[0]
+            pieces = [
+                self.inner.get_box(part, (max(lo, a) - a, *offset[1:]), (min(hi, b) - max(lo, a), *shape[1:]))
+                for a, b, part in self._blocks[name]
+                if max(lo, a) < min(hi, b)
+            ]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if name in self._columns:  # the rows' every stored column, then keel's in its order
             order = list(self._columns[name][offset[1] : offset[1] + shape[1]])
             width = self.inner.shape(stored)[1]
@@ -199,10 +229,13 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
     part arrives; every other tensor passes as it comes."""
     stacks: dict[str, dict[int, str]] = {}  # keel's name -> {row: the stored tensor}
     columns: dict[str, tuple[str, tuple[int, ...]]] = {}  # keel's name -> (the stored tensor, its column order)
+    blocks: dict[str, list[tuple[str, Block]]] = {}  # keel's name -> the stored tensors of its blocks of rows
     for stored, parts in layout.items():
         for name, part in parts.items():
             if isinstance(part, Stacked):
                 stacks.setdefault(name, {})[part.index] = stored
+            elif isinstance(part, Block):
+                blocks.setdefault(name, []).append((stored, part))
             elif isinstance(part, Columns):
                 columns[name] = stored, part.order
     owner = {name: stored for stored, parts in layout.items() for name in parts}
@@ -211,6 +244,12 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
         if name in stacks:  # split into its rows, one stored tensor each
             for index, stored in sorted(stacks[name].items()):
                 yield stored, tensor[index].clone()
+            continue
+        if name in blocks:  # split into its blocks of rows, one stored tensor each
+            start = 0
+            for stored, part in sorted(blocks[name], key=lambda block: block[1].index):
+                yield stored, tensor[start : start + part.rows].clone()
+                start += part.rows
             continue
         if name in columns:
             stored, order = columns[name]
