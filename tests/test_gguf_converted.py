@@ -1,6 +1,7 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
-OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba and DBRX.
+Gemma 3n, OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3,
+Hunyuan dense and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba and
+DBRX.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -129,6 +130,8 @@ class Converter:
     build: dict[str, Any] = field(default_factory=dict)
     rename: Callable[[str], str] = lambda name: name  # the HF name the converter maps (Mamba 2's dt_bias)
     probe: str = "o_proj"  # layer 0's self_attn Linear that a Q8_0 file runs as stored
+    # the checkpoint as the converter holds it before naming (Gemma 3n's stacked and padded tensors)
+    prepare: Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]] = lambda state, hp: state
 
 
 def _olmo_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
@@ -352,6 +355,43 @@ def _dbrx_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor
     return t.permute(0, 2, 1) if name.endswith(".w2") else t
 
 
+def _gemma3n_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Gemma3Model's keys over TextModel's (the global layers' RoPE base, the sliding layers' from TextModel, the
+    final soft-cap, the window) and Gemma3NModel's: AltUp's, the per-layer inputs' width, the KV-sharing layers, each
+    layer's sparsity as its standard normal quantile and which layers slide."""
+    rope = hp["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_altup_active_idx(hp["altup_active_idx"])
+    w.add_altup_num_inputs(hp["altup_num_inputs"])
+    w.add_embedding_length_per_layer_input(hp["hidden_size_per_layer_input"])
+    w.add_shared_kv_layers(hp["num_kv_shared_layers"])
+    normal = torch.distributions.normal.Normal(0, 1)
+    w.add_activation_sparsity_scale(
+        [normal.icdf(torch.tensor(s, dtype=torch.float32)).item() for s in hp["activation_sparsity_pattern"]]
+    )
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+
+
+def _gemma3n_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Gemma3NModel.modify_tensors: the embedding and the per-layer table padded with zero rows to vocab_size, AltUp's
+    projections stacked (`model.altup_projections.weight`), the `*_scale` parameters named with `.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        if match := re.match(r"(model\.altup_(?:unembed_)?projections)\.(\d+)\.weight$", name):
+            stacks.setdefault(f"{match[1]}.weight", {})[int(match[2])] = t
+            continue
+        if name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")) and len(t) < hp["vocab_size"]:
+            t = torch.cat([t, t.new_zeros(hp["vocab_size"] - len(t), t.shape[1])])
+        out[f"{name}.weight" if name.endswith("_scale") else name] = t
+    out.update({name: torch.stack([s[i] for i in sorted(s)]) for name, s in stacks.items()})
+    return out
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -359,6 +399,14 @@ _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH
 _SAVED: dict[int, dict[str, torch.Tensor]] = {}
 
 CONVERTERS = {
+    # Gemma3NModel (Gemma3Model): no norm shift (Gemma 3n's norms scale by w); the four copies llama.cpp's converter
+    # takes, a per-layer table as long as the vocabulary (a shorter one: test_gemma3n_gguf_pads_the_per_layer_table)
+    "gemma3n": Converter(
+        gguf.MODEL_ARCH.GEMMA3N,
+        keys=_gemma3n_keys,
+        prepare=_gemma3n_prepare,
+        build={"altup_num_inputs": 4, "vocab_size_per_layer_input": 256},
+    ),
     # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
     "olmoe": Converter(gguf.MODEL_ARCH.OLMOE, keys=lambda w, hp: w.add_layer_norm_rms_eps(1e-5)),
     # OlmoModel: LayerNorm eps 1e-5, clamp_kqv; q/k weights permuted (not their biases)
@@ -517,7 +565,7 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     names = gguf.get_tensor_name_map(converter.arch, cfg.num_hidden_layers)
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in state.items():
+    for name, t in converter.prepare(state, hp).items():
         if name.endswith(converter.consumed):
             continue
         if match := re.match(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$", name):
@@ -569,6 +617,16 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert reader.gguf_names("model.layers.0.post_attention_layernorm.weight") == ["blk.0.attn_output_norm.weight"]
         down = hf.state_dict()["transformer.blocks.1.ffn.experts.mlp.w2"].view(4, 48, 64).transpose(1, 2)
         assert torch.equal(reader.get("model.layers.1.mlp.experts.down_proj"), down)
+    if name == "gemma3n":  # AltUp, LAuReL, the sparse gates, per-layer inputs, KV sharing, the RoPE bases, no shift
+        assert (c.altup_num_inputs, c.altup_active_idx, c.altup_correct_scale, c.laurel_rank) == (4, 0, True, 8)
+        assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.norm_weight_offset) == (8, 256, 2, 0.0)
+        assert c.activation_sparsity == [pytest.approx(0.95), pytest.approx(0.5), 0.0, 0.0, 0.0]
+        rope = (c.rope_theta, c.sliding_rope_theta, c.sliding_window, c.final_logit_softcapping)
+        assert rope == (1e5, 5000.0, 8, 20.0)
+        assert c.layer_types == cfg.layer_types and loaded.checkpoint.provenance["activation_sparsity"] == "read"
+        assert reader.gguf_names("model.altup_unembed_projections.2.weight") == ["altup_unembd_proj.weight"]
+        for key in ("model.altup_projections.1.weight", "model.layers.3.altup.correct_output_scale"):
+            assert torch.equal(reader.get(key), hf.state_dict()[key])
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"
@@ -725,6 +783,27 @@ def test_converted_gguf_is_served_as_transformers(tmp_path, name):
     write_converted(hf, tmp_path / "f32.gguf", CONVERTERS[name])
     write_q8 = lambda path: write_converted(hf, path, CONVERTERS[name], q8=True)  # noqa: E731
     assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64, probe=CONVERTERS[name].probe)
+
+
+def test_gemma3n_gguf_pads_the_per_layer_table(tmp_path):
+    """Gemma3NModel pads a per-layer table shorter than the vocabulary with zero rows: read as llama.cpp runs it (ids
+    past HF's table read zeros, where transformers reads its row 0), the same logits for the ids within it."""
+    hf = build_hf_model("gemma3n", altup_num_inputs=4)
+    write_converted(hf, tmp_path / "g.gguf", CONVERTERS["gemma3n"])
+    loaded = load_model(tmp_path / "g.gguf")
+    table = loaded.checkpoint.reader.get("model.embed_tokens_per_layer.weight")
+    assert loaded.config.ple_vocab_size == 256 and not table[200:].any()
+    assert torch.equal(table[:200], hf.state_dict()["model.embed_tokens_per_layer.weight"])
+    tokens = TOKENS % 200
+    with torch.no_grad():
+        assert rel_err(hf(tokens).logits, loaded.model(tokens)) <= 1e-4
+
+
+def test_gemma3n_gguf_with_mlps_of_different_widths_is_refused(tmp_path):
+    hf = build("gemma3n", intermediate_size=[96, 96, 64, 96, 96])
+    write_converted(hf, tmp_path / "g.gguf", CONVERTERS["gemma3n"])
+    with pytest.raises(ConfigError, match="feed_forward_length: MLPs of different widths per layer are not supported"):
+        open_gguf(tmp_path / "g.gguf")
 
 
 def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):

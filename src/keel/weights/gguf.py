@@ -16,7 +16,7 @@ names them), so that a llama.cpp tensor is read as the HF tensor it was converte
 that stores fused or renamed tensors (keel.families) then splits or renames them as for safetensors.
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, granite,
-granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
+granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, gemma3n, stablelm, gptneox, smollm3,
 starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
 seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
@@ -56,6 +56,14 @@ tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), and StableL
 `use_parallel_residual`. GPT-NeoX's converter regroups HF's per-head interleaved query_key_value into
 `attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
 names no activation; llama.cpp runs ggml's tanh-approximated GELU).
+
+Gemma 3n (`gemma3n`; Gemma3NModel on Gemma3Model): norms stored as HF's (no shift: they scale by w), the embedding
+and the per-layer table (`per_layer_token_embd`) padded with zero rows to the vocabulary (the table's rows are keel's
+per-layer vocabulary: ids past HF's shorter table read zeros, as llama.cpp runs them), AltUp's projections stacked
+(`altup_proj`, `altup_unembd_proj`: [copies - 1, H, H], split here), its copies, active copy and the per-layer width
+as keys, the KV-sharing layers as `attention.shared_kv_layers`, each layer's sparsity as its normal quantile
+(`activation_sparsity_scale`, its CDF taken back), the pattern as a list, the sliding layers' RoPE base as
+`rope.freq_base_swa` (absent: 10000); LAuReL's rank and AltUp's output scale by tensor.
 
 EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
 `attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
@@ -231,6 +239,7 @@ _FAMILIES = {
     _A.GEMMA: "gemma",
     _A.GEMMA2: "gemma2",
     _A.GEMMA3: "gemma3",
+    _A.GEMMA3N: "gemma3n",
     _A.STABLELM: "stablelm",
     _A.GPTNEOX: "gpt_neox",
     _A.SMOLLM3: "smollm3",
@@ -320,7 +329,8 @@ _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
 # Families whose vocabulary is the embedding's rows: Gemma 3's converter drops rows past the tokenizer's; Granite
 # 4.0-H's, Mamba's, Mamba 2's and Nemotron-H's pad the token list (to a multiple of 8, 8, 16 and 8), not the embedding.
-_EMBEDDING_ROWS = ("gemma3", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
+# Gemma 3n's pads the embedding (and the per-layer table) with zero rows to the vocabulary's size.
+_EMBEDDING_ROWS = ("gemma3", "gemma3n", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
 # llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
 _FULL_ATTENTION_INTERVAL = 4
 
@@ -347,6 +357,8 @@ KEYS_READ = (
     *(_KA.HEAD_COUNT, _KA.HEAD_COUNT_KV, _KA.KEY_LENGTH, _KA.LAYERNORM_RMS_EPS, _KA.LAYERNORM_EPS, _KA.SCALE),
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
+    *(_K.ALTUP_ACTIVE_IDX, _K.ALTUP_NUM_INPUTS, _K.EMBD_LENGTH_PER_LAYER_INP, _K.ACTIVATION_SPARSITY_SCALE),
+    _KA.SHARED_KV_LAYERS,
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
     Keys.SSM.DT_B_C_RMS,
@@ -594,6 +606,9 @@ def _family_fields(
         hf, read = _family_hf_config(f, family, common, tensors)
         for field, value in FAMILIES[family].config_fields(hf, str(path)).items():
             own[field] = f.read(field, value, "read" if field in read else "inferred")
+        if family == "gemma3n":  # the sliding layers' RoPE base (absent: llama.cpp's 10000, unscaled)
+            local = f.key(_KR.FREQ_BASE_SWA)
+            own["sliding_rope_theta"] = f.read("sliding_rope_theta", _f32(local)) if local else _GEMMA3_LOCAL_THETA
         if family == "gpt_oss" and common["rope_scaling"].type == "yarn":
             # GPT-OSS's YaRN leaves the correction range unrounded (transformers' truncate false, the model's own;
             # llama.cpp rounds it for every model).
@@ -932,6 +947,10 @@ def _family_hf_config(
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "gemma3n":
+        own, own_read = _gemma3n_hf_config(f, common, tensors)
+        hf.update(own)
+        read |= own_read
     if family == "nemotron_h":
         own, own_read = _nemotron_h_hf_config(f, common, tensors)
         hf.update(own)
@@ -1240,6 +1259,58 @@ def _classic_hf_config(
             alibi=False,
         )
     return dict(hf, n_inner=width, multi_query=kv_heads == 1)
+
+
+def _gemma3n_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Gemma 3n's config.json keys as Gemma3NModel (on Gemma3Model) writes them: the MLP widths per layer (the family
+    refuses different ones), the window and the per-layer pattern (absent: llama.cpp's one global layer in five, the
+    family's default), the final soft-cap where written, AltUp's copies and active one, the per-layer inputs' width,
+    the KV-sharing layers, and the sparsity as the normal quantile of each layer's target (its CDF taken back here;
+    -inf: a dense layer). By tensor: LAuReL's rank (`laurel_l`), AltUp's output scale (`altup_correct_scale`) and the
+    per-layer table's rows (the converter pads HF's table with zero rows to the vocabulary: ids past HF's table read
+    zeros, as llama.cpp runs them, where transformers reads its row 0)."""
+    layers = common["num_layers"]
+    window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
+    cap, scales = f.key(_K.FINAL_LOGIT_SOFTCAPPING), f.key(_K.ACTIVATION_SPARSITY_SCALE)
+    table = tensors.get(_tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD))
+    laurel = tensors.get(_tensor(MODEL_TENSOR.LAUREL_L, 0))
+    if scales is not None and not isinstance(scales, list):
+        scales = [scales] * layers
+    widths = f.require(_K.FEED_FORWARD_LENGTH)
+    if isinstance(widths, list) and len(set(widths)) != 1:
+        raise ConfigError(
+            f"{f.meta.path}: {f.name(_K.FEED_FORWARD_LENGTH)}: MLPs of different widths per layer are not supported"
+        )
+    hf: dict[str, Any] = dict(
+        tie_word_embeddings=common["tie_word_embeddings"],
+        hidden_size_per_layer_input=int(f.require(_K.EMBD_LENGTH_PER_LAYER_INP)),
+        vocab_size_per_layer_input=int(table.shape[-1]) if table is not None else 0,
+        num_kv_shared_layers=int(f.require(_KA.SHARED_KV_LAYERS)),
+        altup_num_inputs=int(f.require(_K.ALTUP_NUM_INPUTS)),
+        altup_active_idx=int(f.require(_K.ALTUP_ACTIVE_IDX)),
+        altup_correct_scale=_tensor(MODEL_TENSOR.ALTUP_CORRECT_SCALE, 0) in tensors,
+        laurel_rank=int(laurel.shape[-1]) if laurel is not None else 0,
+        activation_sparsity_pattern=[0.0] * layers if scales is None else [_normal_cdf(s) for s in scales],
+    )
+    read = {"per_layer_input_size", "kv_shared_layers", "altup_num_inputs", "altup_active_idx", "intermediate_size"}
+    read |= {"activation_sparsity"} if scales is not None else set()
+    if window is not None:
+        hf["sliding_window"] = int(window)
+        read.add("sliding_window")
+    if isinstance(pattern, list):
+        hf["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        read.add("layer_types")
+    if cap is not None:
+        hf["final_logit_softcapping"] = _f32(cap)
+        read.add("final_logit_softcapping")
+    return hf, read
+
+
+def _normal_cdf(quantile: float) -> float:
+    """The target sparsity whose standard normal quantile Gemma3NModel wrote (its float32 rounding undone)."""
+    return _f32(0.5 * math.erfc(-float(quantile) / math.sqrt(2.0)))
 
 
 def _nemotron_h_hf_config(
@@ -1640,6 +1711,20 @@ def _kv_b_from_split(arrays: list[np.ndarray]) -> np.ndarray:
 _kv_b_from_split.moves_rows = False  # type: ignore[attr-defined]  # it transposes: no integer blocks (get_blocks)
 
 
+def _index(i: int) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """One matrix of a stack (Gemma 3n's AltUp projections)."""
+    apply = lambda arrays: arrays[0][i]  # noqa: E731
+    apply.moves_rows = False  # type: ignore[attr-defined]  # (read whole, then indexed: no integer blocks)
+    return apply
+
+
+# Gemma 3n's stacked AltUp projections -> HF's ModuleList under model. (`altup_projections.{i}.weight`).
+_ALTUP_STACKED = {
+    MODEL_TENSOR.ALTUP_PROJ: "altup_projections",
+    MODEL_TENSOR.ALTUP_UNEMBD_PROJ: "altup_unembed_projections",
+}
+
+
 def _unsqueezed(arrays: list[np.ndarray]) -> np.ndarray:
     """A depthwise convolution's [C, K] weight as torch's Conv1d holds it: [C, 1, K]."""
     return arrays[0].reshape(arrays[0].shape[0], 1, -1)
@@ -1909,6 +1994,11 @@ class GGUFTensorReader:
                 heads, rank, nope = shape
                 whole = (heads * (nope + _hf_shape(v_b)[1]), rank)
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
+            elif kind in _ALTUP_STACKED:  # Gemma 3n: the converter stacks AltUp's projections, one per other copy
+                for i in range(shape[0]):
+                    self._add(f"model.{_ALTUP_STACKED[kind]}.{i}.weight", (t,), shape[1:], _index(i))
+            elif kind == MODEL_TENSOR.ALTUP_CORRECT_SCALE:  # (HF's parameter has no `.weight`; the file's has)
+                self._add(f"model.layers.{layer}.altup.correct_output_scale", (t,), shape, _single)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
             elif kind in _MAMBA1_TENSORS and arch in (_A.MAMBA, _A.JAMBA):
