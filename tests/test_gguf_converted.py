@@ -392,6 +392,66 @@ def _gemma3n_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict
     return out
 
 
+def _gemma4_geometry(hp: dict[str, Any]) -> tuple[int, int | None]:
+    """The full-attention layers' head width and KV head count (None: the sliding layers') as Google's config.json
+    holds them (global_head_dim, num_global_key_value_heads), from transformers' saved per_layer_config."""
+    full = next(iter(hp["per_layer_config"].values()), {}) if hp.get("per_layer_config") else {}
+    return full.get("head_dim", hp.get("global_head_dim") or hp["head_dim"]), full.get("num_key_value_heads")
+
+
+def _gemma4_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Gemma4Model's keys as they end up over TextModel's and Gemma3Model's: both RoPE bases, the full-attention
+    layers' head width as key_length and the sliding layers' as key_length_swa, the KV heads per layer where the
+    config names the full-attention layers' own, the MLP widths per layer with use_double_wide_mlp, the experts',
+    the window, the pattern, the per-layer inputs' width, the KV-sharing layers; and rope_freqs, the full-attention
+    layers' proportional RoPE (1 for each turning frequency, 1e30 for the rest)."""
+    rope, layers = hp["rope_parameters"], hp["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in hp["layer_types"]]
+    width, full_kv = _gemma4_geometry(hp)
+    n_ff, shared = hp["intermediate_size"], hp["num_kv_shared_layers"]
+    w.add_block_count(layers)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    double = [n_ff if i < layers - shared else 2 * n_ff for i in range(layers)]
+    w.add_feed_forward_length(double if hp.get("use_double_wide_mlp") else n_ff)
+    w.add_head_count(hp["num_attention_heads"])
+    kv = hp["num_key_value_heads"]
+    w.add_head_count_kv([kv if s else full_kv for s in swa] if full_kv is not None else kv)
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("enable_moe_block"):
+        w.add_expert_count(hp["num_experts"])
+        w.add_expert_used_count(hp["top_k_experts"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(width)
+    w.add_value_length(width)
+    w.add_key_length_swa(hp["head_dim"])
+    w.add_value_length_swa(hp["head_dim"])
+    w.add_rope_dimension_count(width)
+    w.add_rope_dimension_count_swa(int(hp["head_dim"] * hp.get("partial_rotary_factor", 1.0)))
+    turning = int(width * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (width // 2 - turning), dtype=np.float32))
+
+
+def _gemma4_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Gemma4Model.filter_tensors and modify_tensors: `.weight` after layer_scalar and the stacked experts, the
+    router's scale and per_expert_scale as `.scale` of the router and of the down experts."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            name = f"{name}.weight"
+        name = name.replace(".router.scale", ".router.proj.scale")
+        out[name.replace(".router.per_expert_scale", ".experts.down_proj.scale")] = t
+    return out
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -399,6 +459,12 @@ _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH
 _SAVED: dict[int, dict[str, torch.Tensor]] = {}
 
 CONVERTERS = {
+    # Gemma4Model (Gemma3Model): no norm shift; the dense model with values equal to the keys' projection, the MoE
+    # model, and E2B/E4B's shape (per-layer inputs, KV sharing, the double-wide MLPs)
+    **{
+        name: Converter(gguf.MODEL_ARCH.GEMMA4, keys=_gemma4_keys, text_model=False, prepare=_gemma4_prepare)
+        for name in ("gemma4", "gemma4-moe", "gemma4-e")
+    },
     # Gemma3NModel (Gemma3Model): no norm shift (Gemma 3n's norms scale by w); the four copies llama.cpp's converter
     # takes, a per-layer table as long as the vocabulary (a shorter one: test_gemma3n_gguf_pads_the_per_layer_table)
     "gemma3n": Converter(
@@ -627,6 +693,41 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert reader.gguf_names("model.altup_unembed_projections.2.weight") == ["altup_unembd_proj.weight"]
         for key in ("model.altup_projections.1.weight", "model.layers.3.altup.correct_output_scale"):
             assert torch.equal(reader.get(key), hf.state_dict()[key])
+    if name.startswith("gemma4"):  # the full-attention layers' geometry and proportional RoPE, the sliding layers' base
+        share, local = (0.5, 5000.0) if name == "gemma4" else (0.25, 10000.0)
+        assert (c.head_dim, c.global_head_dim, c.layer_scalar, c.norm_weight_offset) == (16, 32, True, 0.0)
+        assert (c.rope_scaling.type, c.rope_scaling.rotated_share, c.sliding_rope_theta) == (
+            "proportional",
+            share,
+            local,
+        )
+        assert c.layer_types == cfg.layer_types and reader.gguf_names("model.layers.1.layer_scalar") == [
+            "blk.1.layer_output_scale.weight"
+        ]
+    if name == "gemma4":  # one KV head and values equal to the keys' projection in the full-attention layer
+        assert (c.attention_k_eq_v, c.global_num_kv_heads, c.num_kv_heads, c.final_logit_softcapping) == (
+            True,
+            1,
+            2,
+            30,
+        )
+    if name == "gemma4-moe":  # the dense MLP beside the experts, the router's scales
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (
+            4,
+            2,
+            32,
+            96,
+        )
+        assert not c.attention_k_eq_v and c.final_logit_softcapping is None
+        for keel, hf_name in (
+            ("mlp.gate.expert_scale", "router.per_expert_scale"),
+            ("mlp.gate.input_scale", "router.scale"),
+        ):
+            assert torch.equal(reader.get(f"model.layers.1.{keel}"), hf.state_dict()[f"model.layers.1.{hf_name}"])
+        assert reader.gguf_names("model.layers.1.mlp.gate.expert_scale") == ["blk.1.ffn_down_exps.scale"]
+    if name == "gemma4-e":  # per-layer inputs, the last two layers sharing K/V with MLPs twice as wide
+        assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.kv_shared_mlp_factor) == (8, 320, 2, 2)
+        assert c.intermediate_size == 96
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"
@@ -853,3 +954,21 @@ def test_gpt_bigcode_gguf_without_multi_query_is_refused(tmp_path):
     write_converted(build_hf_model("gpt_bigcode-mha"), tmp_path / "mha.gguf", CONVERTERS["gpt_bigcode"])
     with pytest.raises(ConfigError, match="GPT-BigCode without multi_query, as StarCoderModel writes it"):
         open_gguf(tmp_path / "mha.gguf")
+
+
+def test_gemma4_gguf_with_other_mlp_widths_per_layer_or_partial_sliding_rotary_is_refused(tmp_path):
+    """Only use_double_wide_mlp's widths per layer (the KV-sharing layers' twice the others') and sliding layers
+    rotating the whole head are read; a file saying otherwise is refused by name."""
+    for key, value, message in (
+        ("feed_forward_length", [96, 96, 96, 128, 192], "MLP widths per layer other than use_double_wide_mlp's"),
+        ("rope.dimension_count_swa", 8, "rope.dimension_count_swa 8: partial rotary in the sliding layers"),
+    ):
+
+        def keys(w: gguf.GGUFWriter, hp: dict[str, Any], key=key, value=value) -> None:
+            _gemma4_keys(w, hp)
+            w.kv_data[0][f"gemma4.{key}"].value = value
+
+        converter = dataclasses.replace(CONVERTERS["gemma4-e"], keys=keys)
+        write_converted(build("gemma4-e"), tmp_path / "g.gguf", converter)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            open_gguf(tmp_path / "g.gguf")
