@@ -452,6 +452,20 @@ def _gemma4_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[
     return out
 
 
+def _gptj_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """GPTJModel's keys (none of TextModel's): the feed-forward length 4 x hidden whatever the model's, the rotary
+    width only where it is part of the head."""
+    hidden, heads = hp["n_embd"], hp["n_head"]
+    w.add_block_count(hp["n_layer"])
+    w.add_context_length(hp.get("n_positions", 2048))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+    if (hp.get("rotary_dim") or hidden // heads) < hidden // heads:
+        w.add_rope_dimension_count(hp["rotary_dim"])
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -473,6 +487,8 @@ CONVERTERS = {
         prepare=_gemma3n_prepare,
         build={"altup_num_inputs": 4, "vocab_size_per_layer_input": 256},
     ),
+    # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
+    "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
     # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
     "olmoe": Converter(gguf.MODEL_ARCH.OLMOE, keys=lambda w, hp: w.add_layer_norm_rms_eps(1e-5)),
     # OlmoModel: LayerNorm eps 1e-5, clamp_kqv; q/k weights permuted (not their biases)
@@ -728,6 +744,21 @@ def assert_family_features(name: str, loaded, hf) -> None:
     if name == "gemma4-e":  # per-layer inputs, the last two layers sharing K/V with MLPs twice as wide
         assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.kv_shared_mlp_factor) == (8, 320, 2, 2)
         assert c.intermediate_size == 96
+    if name == "gptj":  # the parallel block, one biased LayerNorm, partial rotary, the MLP's width from ffn_up
+        assert (c.parallel_residual, c.norm_type, c.norm_bias, c.lm_head_bias, c.mlp_gated) == (
+            True,
+            "layer",
+            True,
+            True,
+            False,
+        )
+        assert (c.rotary_dim, c.head_dim, c.intermediate_size, c.tie_word_embeddings) == (
+            cfg.rotary_dim,
+            16,
+            cfg.n_inner,
+            False,
+        )
+        assert reader.gguf_names("model.layers.1.self_attn.q_proj.weight") == ["blk.1.attn_q.weight"]
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"

@@ -21,7 +21,7 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1,
 deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo,
 phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba and dbrx (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx and gptj (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -179,6 +179,11 @@ GPT-BigCode's scale_attn_weights (llama.cpp's 1/sqrt(head size)); StarCoderModel
 multi_query says, so a file whose attn_qkv holds more is refused. Falcon: the parallel block (llama.cpp runs no other),
 two norms where `attn_norm_2` is stored (new_decoder_architecture), rotary (FalconModel writes nothing of ALiBi).
 
+GPT-J (`gptj`; GPTJModel): its own keys (the LayerNorm's eps, heads, the context; feed_forward_length always 4 x hidden:
+the MLP's width from `ffn_up`; the rotary width only where it is part of the head), q/k rows as in HF (llama.cpp rotates
+their interleaved pairs; keel regroups them as for safetensors), the head's bias as `output.bias`, the vocabulary
+from the embedding's rows (GPT-J-6B's 50400 for 50257 tokens).
+
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
 (other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
@@ -297,6 +302,7 @@ _FAMILIES = {
     _A.FALCON: "falcon",
     _A.JAMBA: "jamba",
     _A.DBRX: "dbrx",
+    _A.GPTJ: "gptj",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -323,10 +329,10 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", *_QWEN_HYBRID}
+_ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
-_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx"}
+_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx", "gptj"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -340,8 +346,9 @@ _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
 # Families whose vocabulary is the embedding's rows: Gemma 3's converter drops rows past the tokenizer's; Granite
 # 4.0-H's, Mamba's, Mamba 2's and Nemotron-H's pad the token list (to a multiple of 8, 8, 16 and 8), not the embedding.
-# Gemma 3n's pads the embedding (and the per-layer table) with zero rows to the vocabulary's size.
-_EMBEDDING_ROWS = ("gemma3", "gemma3n", "gemma4", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
+# Gemma 3n's pads the embedding (and the per-layer table) with zero rows to the vocabulary's size; GPT-J's embedding
+# has rows past its tokenizer's (50400 for 50257 tokens).
+_EMBEDDING_ROWS = ("gemma3", "gemma3n", "gemma4", "gptj", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
 # llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
 _FULL_ATTENTION_INTERVAL = 4
 
@@ -963,6 +970,17 @@ def _family_hf_config(
         read |= {"clip_qkv"} if clamp is not None else set()
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "gptj":
+        # GPTJModel: feed_forward_length always 4 x hidden (the MLP's width from `ffn_up`), the rotary width only where
+        # partial, q/k rows as in HF (llama.cpp rotates their interleaved pairs, keel regroups them as for safetensors)
+        rope_dims, up = f.key(_KR.DIMENSION_COUNT), tensors.get(_tensor(MODEL_TENSOR.FFN_UP, 0))
+        hf.update(
+            num_attention_heads=heads,
+            rotary_dim=int(rope_dims) if rope_dims is not None else None,
+            n_inner=int(up.shape[-1]) if up is not None else common["intermediate_size"],
+        )
+        read |= {"partial_rotary_factor"} if rope_dims is not None else set()
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
     if family == "gemma4":
         own, own_read = _gemma4_hf_config(f, common, tensors)
@@ -1767,10 +1785,14 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
     return apply
 
 
-def _regrouped(parts: dict[str, Rows], name: str) -> bool:
-    """Whether a family's layout reads this tensor as itself with its rows in another order (GLM-4's and Cohere's
-    q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file stores as the HF checkpoint does."""
-    return list(parts) == [name] and isinstance(parts[name], list) and len(parts[name]) > 1
+def _regrouped(parts: dict[str, Rows], rows: int) -> bool:
+    """Whether a family's layout reads this tensor as one tensor (itself, or renamed: GPT-J's) with all its rows in
+    another order (GLM-4's, Cohere's and GPT-J's q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file
+    stores as the HF checkpoint does."""
+    if len(parts) != 1:
+        return False
+    spans = next(iter(parts.values()))
+    return isinstance(spans, list) and len(spans) > 1 and sum(stop - start for start, stop in spans) == rows
 
 
 def _columns_in_order(order: tuple[int, ...]) -> Callable[[list[np.ndarray]], np.ndarray]:
@@ -2153,9 +2175,10 @@ class GGUFTensorReader:
                         self._add(part, (t,), (shape[0], 1, shape[-1]), _unsqueezed)
                 elif hf in layout and isinstance(layout[hf].get(hf), Columns):  # per-head q/k norms (Command R+)
                     self._add(hf, (t,), shape, _columns_in_order(layout[hf][hf].order))
-                elif hf in layout and _regrouped(layout[hf], hf):  # q/k rows regrouped (interleaved rotary pairs)
-                    order = np.concatenate([np.arange(a, b) for a, b in layout[hf][hf]])
-                    self._add(hf, (t,), shape, _rows_in_order(order))
+                elif hf in layout and _regrouped(layout[hf], shape[0]):  # q/k rows regrouped (interleaved pairs)
+                    ((part, spans),) = layout[hf].items()
+                    order = np.concatenate([np.arange(a, b) for a, b in spans])
+                    self._add(part, (t,), shape, _rows_in_order(order))
                 elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
                     start = 0
                     for part, rows in layout[hf].items():
