@@ -452,6 +452,35 @@ def _gemma4_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[
     return out
 
 
+def _afmoe_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """AfmoeModel's keys over LlamaModel's: the shared experts, the experts' width, the dense layers, route_norm (where
+    config.json has it) and route_scale, the window."""
+    llama_model_keys(w, hp)
+    w.add_expert_shared_count(hp["num_shared_experts"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_leading_dense_block_count(hp["num_dense_layers"])
+    if hp.get("route_norm") is not None:
+        w.add_expert_weights_norm(hp["route_norm"])
+    w.add_expert_weights_scale(hp["route_scale"])
+    w.add_sliding_window(hp["sliding_window"])
+
+
+def _afmoe_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """AfmoeModel: the selection bias as `expert_bias.bias`, the experts stacked per kind (gate, up, down; transformers
+    holds gate and up fused, gate rows first)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = t
+        else:
+            out[name.replace(".expert_bias", ".expert_bias.bias")] = t
+    return out
+
+
 def _gptj_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     """GPTJModel's keys (none of TextModel's): the feed-forward length 4 x hidden whatever the model's, the rotary
     width only where it is part of the head."""
@@ -486,6 +515,13 @@ CONVERTERS = {
         keys=_gemma3n_keys,
         prepare=_gemma3n_prepare,
         build={"altup_num_inputs": 4, "vocab_size_per_layer_input": 256},
+    ),
+    # AfmoeModel (LlamaModel, q/k as in HF): one global layer in four and the embedding scaled, as llama.cpp fixes them
+    "afmoe": Converter(
+        gguf.MODEL_ARCH.AFMOE,
+        keys=_afmoe_keys,
+        prepare=_afmoe_prepare,
+        build={"num_hidden_layers": 4, "global_attn_every_n_layers": 4, "layer_types": None},
     ),
     # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
     "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
@@ -744,6 +780,17 @@ def assert_family_features(name: str, loaded, hf) -> None:
     if name == "gemma4-e":  # per-layer inputs, the last two layers sharing K/V with MLPs twice as wide
         assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.kv_shared_mlp_factor) == (8, 320, 2, 2)
         assert c.intermediate_size == 96
+    if name == "afmoe":  # sliding layers rotating, the fourth global without; the output gate, sigmoid experts
+        assert c.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and c.rope_layers == [True] * 3 + [False]
+        assert (c.attention_output_gate, c.router_scoring, c.router_bias, c.routed_scaling_factor) == (
+            True,
+            "sigmoid",
+            True,
+            2.0,
+        )
+        assert (c.mlp_only_layers, c.shared_expert_intermediate_size, c.embedding_multiplier) == ([0], 64, 8.0)
+        assert reader.gguf_names("model.layers.1.self_attn.output_gate.weight") == ["blk.1.attn_gate.weight"]
+        assert reader.gguf_names("model.layers.2.mlp.gate.e_score_correction_bias") == ["blk.2.exp_probs_b.bias"]
     if name == "gptj":  # the parallel block, one biased LayerNorm, partial rotary, the MLP's width from ffn_up
         assert (c.parallel_residual, c.norm_type, c.norm_bias, c.lm_head_bias, c.mlp_gated) == (
             True,
@@ -1003,3 +1050,18 @@ def test_gemma4_gguf_with_other_mlp_widths_per_layer_or_partial_sliding_rotary_i
         write_converted(build("gemma4-e"), tmp_path / "g.gguf", converter)
         with pytest.raises(ConfigError, match=re.escape(message)):
             open_gguf(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (lambda w: w.add_expert_weights_norm(False), "afmoe.expert_weights_norm false (route_norm) is not supported"),
+        (lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX), "afmoe.expert_gating_func 1 is not"),
+    ],
+)
+def test_afmoe_gguf_without_renormalised_sigmoid_experts_is_refused(tmp_path, extra, message):
+    """transformers' AFMoE renormalises its sigmoid router's top k: a file saying otherwise is refused by name."""
+    keys = lambda w, hp: (_afmoe_keys(w, hp), extra(w))  # noqa: E731
+    write_converted(build("afmoe"), tmp_path / "a.gguf", dataclasses.replace(CONVERTERS["afmoe"], keys=keys))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_gguf(tmp_path / "a.gguf")

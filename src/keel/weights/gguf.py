@@ -21,7 +21,7 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1,
 deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo,
 phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx and gptj (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, gptj and afmoe (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -184,6 +184,12 @@ the MLP's width from `ffn_up`; the rotary width only where it is part of the hea
 their interleaved pairs; keel regroups them as for safetensors), the head's bias as `output.bias`, the vocabulary
 from the embedding's rows (GPT-J-6B's 50400 for 50257 tokens).
 
+AFMoE (`afmoe`; AfmoeModel on LlamaModel): q/k as in HF, LlamaModel's keys and the experts' (counts, width, shared
+count, route_scale as `expert_weights_scale`, the dense layers as `leading_dense_block_count`), the window, the
+selection bias as `exp_probs_b.bias`, the experts stacked per kind, the output gate as `attn_gate`. llama.cpp fixes one
+global layer (no position encoding) in four and the embedding times sqrt(hidden) (mup_enabled), which keel takes; a file
+without a window, with other gating than sigmoid, or with `expert_weights_norm` false is refused.
+
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
 (other patterns refused); Mamba 1 mixers as Mamba's with their step, B and C norms (`ssm_dt_norm`, `ssm_b_norm`,
@@ -303,6 +309,7 @@ _FAMILIES = {
     _A.JAMBA: "jamba",
     _A.DBRX: "dbrx",
     _A.GPTJ: "gptj",
+    _A.AFMOE: "afmoe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -971,6 +978,10 @@ def _family_hf_config(
     if family in ("gpt_bigcode", "gpt2", "falcon"):
         hf.update(_classic_hf_config(f, family, common, tensors))
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "afmoe":
+        own, own_read = _afmoe_hf_config(f, common)
+        hf.update(own)
+        read |= own_read
     if family == "gptj":
         # GPTJModel: feed_forward_length always 4 x hidden (the MLP's width from `ffn_up`), the rotary width only where
         # partial, q/k rows as in HF (llama.cpp rotates their interleaved pairs, keel regroups them as for safetensors)
@@ -1344,6 +1355,43 @@ def _gemma3n_hf_config(
     if cap is not None:
         hf["final_logit_softcapping"] = _f32(cap)
         read.add("final_logit_softcapping")
+    return hf, read
+
+
+# llama.cpp's AFMoE: one global layer (no position encoding) in four, whatever config.json said (no key).
+_AFMOE_GLOBAL_EVERY = 4
+
+
+def _afmoe_hf_config(f: _Fields, common: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """AFMoE's config.json keys as AfmoeModel (on LlamaModel, q/k as in HF) writes them: the experts' counts and width,
+    the shared experts' count, route_scale as `expert_weights_scale`, the dense layers as `leading_dense_block_count`,
+    the window. llama.cpp fixes the rest: one global layer in four (no key; a file without a window, every layer
+    global and 3 in 4 still rotating, is refused), the embedding times sqrt(hidden) (mup_enabled, the releases'),
+    sigmoid gating where no key names another (others refused) and the top k renormalised where
+    `expert_weights_norm` is true or absent (transformers' AFMoE always renormalises; false is refused)."""
+    path = f.meta.path
+    window, gating, norm = f.key(_KA.SLIDING_WINDOW), f.key(_K.EXPERT_GATING_FUNC), f.key(_K.EXPERT_WEIGHTS_NORM)
+    if not window:
+        raise ConfigError(f"{path}: an afmoe file without {f.name(_KA.SLIDING_WINDOW)} is not supported")
+    if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_GATING_FUNC)} {gating} is not supported for afmoe (sigmoid only)")
+    if norm is not None and not norm:
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_WEIGHTS_NORM)} false (route_norm) is not supported for afmoe")
+    scale = f.key(_K.EXPERT_WEIGHTS_SCALE)
+    hf = dict(
+        num_experts=int(f.require(_K.EXPERT_COUNT)),
+        num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+        moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+        num_shared_experts=int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0),
+        route_scale=_f32(scale) if scale is not None else 1.0,
+        num_dense_layers=int(f.require(_K.LEADING_DENSE_BLOCK_COUNT)),
+        sliding_window=int(window),
+        global_attn_every_n_layers=_AFMOE_GLOBAL_EVERY,
+        mup_enabled=True,
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )
+    read = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
+    read |= {"mlp_only_layers", "sliding_window"} | ({"routed_scaling_factor"} if scale is not None else set())
     return hf, read
 
 
