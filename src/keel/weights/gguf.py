@@ -1318,7 +1318,8 @@ def _gemma3n_hf_config(
     refuses different ones), the window and the per-layer pattern (absent: llama.cpp's one global layer in five, the
     family's default), the final soft-cap where written, AltUp's copies and active one, the per-layer inputs' width,
     the KV-sharing layers, and the sparsity as the normal quantile of each layer's target (its CDF taken back here;
-    -inf: a dense layer). By tensor: LAuReL's rank (`laurel_l`), AltUp's output scale (`altup_correct_scale`) and the
+    -inf: a dense layer). By tensor: LAuReL's rank (`laurel_l`), AltUp's output scale (`altup_correct_scale`: HF stores
+    the parameter whatever altup_correct_scale says, and llama.cpp always applies it, the releases' true) and the
     per-layer table's rows (the converter pads HF's table with zero rows to the vocabulary: ids past HF's table read
     zeros, as llama.cpp runs them, where transformers reads its row 0)."""
     layers = common["num_layers"]
