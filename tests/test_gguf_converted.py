@@ -504,8 +504,15 @@ _SAVED: dict[int, dict[str, torch.Tensor]] = {}
 CONVERTERS = {
     # Gemma4Model (Gemma3Model): no norm shift; the dense model with values equal to the keys' projection, the MoE
     # model, and E2B/E4B's shape (per-layer inputs, KV sharing, the double-wide MLPs)
+    # (built with a final soft-cap: llama.cpp caps at 30 where a file has none)
     **{
-        name: Converter(gguf.MODEL_ARCH.GEMMA4, keys=_gemma4_keys, text_model=False, prepare=_gemma4_prepare)
+        name: Converter(
+            gguf.MODEL_ARCH.GEMMA4,
+            keys=_gemma4_keys,
+            text_model=False,
+            prepare=_gemma4_prepare,
+            build={"final_logit_softcapping": 20.0} if name != "gemma4" else {},
+        )
         for name in ("gemma4", "gemma4-moe", "gemma4-e")
     },
     # Gemma3NModel (Gemma3Model): no norm shift (Gemma 3n's norms scale by w); the four copies llama.cpp's converter
@@ -770,7 +777,7 @@ def assert_family_features(name: str, loaded, hf) -> None:
             32,
             96,
         )
-        assert not c.attention_k_eq_v and c.final_logit_softcapping is None
+        assert not c.attention_k_eq_v and c.final_logit_softcapping == 20.0
         for keel, hf_name in (
             ("mlp.gate.expert_scale", "router.per_expert_scale"),
             ("mlp.gate.input_scale", "router.scale"),

@@ -70,10 +70,10 @@ Gemma 4 (`gemma4`; Gemma4Model on Gemma3Model): norms as HF's, the sliding layer
 full-attention layer without `attn_v` has), the pattern as a list, the MLP widths per layer (the KV-sharing layers'
 twice as wide: use_double_wide_mlp; other differences refused), the full-attention layers' proportional RoPE as
 `rope_freqs` (1 for each turning frequency, 1e30 for the rest), the sliding layers' base as `rope.freq_base_swa` over
-the whole head (a partial `rope.dimension_count_swa` refused), `layer_output_scale` (HF's layer_scalar), the
-per-layer inputs and KV sharing as Gemma 3n's (the table unpadded), and the MoE model's experts stacked as HF's
-(`ffn_gate_up_exps`, `ffn_down_exps`), the router's scale as `ffn_gate_inp.scale`, per_expert_scale as
-`ffn_down_exps.scale`, its counts and width as keys.
+the whole head (a partial `rope.dimension_count_swa` refused), the final cap (absent: llama.cpp's 30),
+`layer_output_scale` (HF's layer_scalar), the per-layer inputs and KV sharing as Gemma 3n's (the table unpadded), and
+the MoE model's experts stacked as HF's (`ffn_gate_up_exps`, or gate and up apart, and `ffn_down_exps`), the router's
+scale as `ffn_gate_inp.scale`, per_expert_scale as `ffn_down_exps.scale`, its counts and width as keys.
 
 EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
 `attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
@@ -348,6 +348,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA2_WINDOW = 4096
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA_FINAL_CAP = 30.0  # llama.cpp's final_logit_softcapping where a Gemma 3n / 4 file has none
 # What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
 _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
@@ -1400,7 +1401,8 @@ def _gemma4_hf_config(
     f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
 ) -> tuple[dict[str, Any], set[str]]:
     """Gemma 4's config.json keys as Gemma4Model (on Gemma3Model) writes them: the window and the per-layer pattern,
-    the final soft-cap where written, the full-attention layers' head width (`attention.key_length`; the sliding
+    the final soft-cap where written (absent: llama.cpp's 30, though the converter writes none for a model without
+    one: such a model is not told apart), the full-attention layers' head width (`attention.key_length`; the sliding
     layers' is `key_length_swa`) and KV heads (`attention.head_count_kv` per layer), the per-layer inputs' width and
     the KV-sharing layers, the MLP widths per layer (the KV-sharing layers' twice as wide: use_double_wide_mlp), and
     the experts' counts and width. By tensor: values equal to the keys' projection where a full-attention layer has no
@@ -1436,7 +1438,8 @@ def _gemma4_hf_config(
         num_kv_shared_layers=shared,
         use_double_wide_mlp=double,
         intermediate_size=int(widths[0]),
-        final_logit_softcapping=_f32(f.key(_K.FINAL_LOGIT_SOFTCAPPING)) if f.key(_K.FINAL_LOGIT_SOFTCAPPING) else None,
+        # (absent: llama.cpp's default cap, 30; the converter writes none for a model without one)
+        final_logit_softcapping=_f32(f.key(_K.FINAL_LOGIT_SOFTCAPPING, _GEMMA_FINAL_CAP)),
     )
     if k_eq_v:
         hf["num_global_key_value_heads"] = full_kv.pop()
