@@ -63,7 +63,9 @@ per-layer vocabulary: ids past HF's shorter table read zeros, as llama.cpp runs 
 (`altup_proj`, `altup_unembd_proj`: [copies - 1, H, H], split here), its copies, active copy and the per-layer width
 as keys, the KV-sharing layers as `attention.shared_kv_layers`, each layer's sparsity as its normal quantile
 (`activation_sparsity_scale`, its CDF taken back), the pattern as a list, the sliding layers' RoPE base as
-`rope.freq_base_swa` (absent: 10000); LAuReL's rank and AltUp's output scale by tensor.
+`rope.freq_base_swa` (absent: 10000); LAuReL's rank and AltUp's output scale by tensor. (llama.cpp itself fixes the KV
+layers at the first 20 and the sparse ones at the first ten, the releases' values, which the converter's keys also
+say; keel reads the keys.)
 Gemma 4 (`gemma4`; Gemma4Model on Gemma3Model): norms as HF's, the sliding layers' head width as
 `attention.key_length_swa` and the full-attention layers' as `attention.key_length`, the KV heads per layer
 (`head_count_kv` a list: the full-attention layers' own count, with values equal to the keys' projection, which a
