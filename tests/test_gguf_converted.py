@@ -1,6 +1,7 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
-OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3, Hunyuan dense
-and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba, DBRX, BLOOM and MPT.
+Gemma 3n, OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3,
+Hunyuan dense and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba,
+DBRX, BLOOM and MPT.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -129,6 +130,8 @@ class Converter:
     build: dict[str, Any] = field(default_factory=dict)
     rename: Callable[[str], str] = lambda name: name  # the HF name the converter maps (Mamba 2's dt_bias)
     probe: str = "o_proj"  # layer 0's self_attn Linear that a Q8_0 file runs as stored
+    # the checkpoint as the converter holds it before naming (Gemma 3n's stacked and padded tensors)
+    prepare: Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]] = lambda state, hp: state
 
 
 def _olmo_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
@@ -389,6 +392,146 @@ def _dbrx_tensor(name: str, t: torch.Tensor, hp: dict[str, Any]) -> torch.Tensor
     return t.permute(0, 2, 1) if name.endswith(".w2") else t
 
 
+def _gemma3n_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Gemma3Model's keys over TextModel's (the global layers' RoPE base, the sliding layers' from TextModel, the
+    final soft-cap, the window) and Gemma3NModel's: AltUp's, the per-layer inputs' width, the KV-sharing layers, each
+    layer's sparsity as its standard normal quantile and which layers slide."""
+    rope = hp["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_altup_active_idx(hp["altup_active_idx"])
+    w.add_altup_num_inputs(hp["altup_num_inputs"])
+    w.add_embedding_length_per_layer_input(hp["hidden_size_per_layer_input"])
+    w.add_shared_kv_layers(hp["num_kv_shared_layers"])
+    normal = torch.distributions.normal.Normal(0, 1)
+    w.add_activation_sparsity_scale(
+        [normal.icdf(torch.tensor(s, dtype=torch.float32)).item() for s in hp["activation_sparsity_pattern"]]
+    )
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+
+
+def _gemma3n_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Gemma3NModel.modify_tensors: the embedding and the per-layer table padded with zero rows to vocab_size, AltUp's
+    projections stacked (`model.altup_projections.weight`), the `*_scale` parameters named with `.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        if match := re.match(r"(model\.altup_(?:unembed_)?projections)\.(\d+)\.weight$", name):
+            stacks.setdefault(f"{match[1]}.weight", {})[int(match[2])] = t
+            continue
+        if name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")) and len(t) < hp["vocab_size"]:
+            t = torch.cat([t, t.new_zeros(hp["vocab_size"] - len(t), t.shape[1])])
+        out[f"{name}.weight" if name.endswith("_scale") else name] = t
+    out.update({name: torch.stack([s[i] for i in sorted(s)]) for name, s in stacks.items()})
+    return out
+
+
+def _gemma4_geometry(hp: dict[str, Any]) -> tuple[int, int | None]:
+    """The full-attention layers' head width and KV head count (None: the sliding layers') as Google's config.json
+    holds them (global_head_dim, num_global_key_value_heads), from transformers' saved per_layer_config."""
+    full = next(iter(hp["per_layer_config"].values()), {}) if hp.get("per_layer_config") else {}
+    return full.get("head_dim", hp.get("global_head_dim") or hp["head_dim"]), full.get("num_key_value_heads")
+
+
+def _gemma4_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """Gemma4Model's keys as they end up over TextModel's and Gemma3Model's: both RoPE bases, the full-attention
+    layers' head width as key_length and the sliding layers' as key_length_swa, the KV heads per layer where the
+    config names the full-attention layers' own, the MLP widths per layer with use_double_wide_mlp, the experts',
+    the window, the pattern, the per-layer inputs' width, the KV-sharing layers; and rope_freqs, the full-attention
+    layers' proportional RoPE (1 for each turning frequency, 1e30 for the rest)."""
+    rope, layers = hp["rope_parameters"], hp["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in hp["layer_types"]]
+    width, full_kv = _gemma4_geometry(hp)
+    n_ff, shared = hp["intermediate_size"], hp["num_kv_shared_layers"]
+    w.add_block_count(layers)
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    double = [n_ff if i < layers - shared else 2 * n_ff for i in range(layers)]
+    w.add_feed_forward_length(double if hp.get("use_double_wide_mlp") else n_ff)
+    w.add_head_count(hp["num_attention_heads"])
+    kv = hp["num_key_value_heads"]
+    w.add_head_count_kv([kv if s else full_kv for s in swa] if full_kv is not None else kv)
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("enable_moe_block"):
+        w.add_expert_count(hp["num_experts"])
+        w.add_expert_used_count(hp["top_k_experts"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(hp.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(width)
+    w.add_value_length(width)
+    w.add_key_length_swa(hp["head_dim"])
+    w.add_value_length_swa(hp["head_dim"])
+    w.add_rope_dimension_count(width)
+    w.add_rope_dimension_count_swa(int(hp["head_dim"] * hp.get("partial_rotary_factor", 1.0)))
+    turning = int(width * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (width // 2 - turning), dtype=np.float32))
+
+
+def _gemma4_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Gemma4Model.filter_tensors and modify_tensors: `.weight` after layer_scalar and the stacked experts, the
+    router's scale and per_expert_scale as `.scale` of the router and of the down experts."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            name = f"{name}.weight"
+        name = name.replace(".router.scale", ".router.proj.scale")
+        out[name.replace(".router.per_expert_scale", ".experts.down_proj.scale")] = t
+    return out
+
+
+def _afmoe_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """AfmoeModel's keys over LlamaModel's: the shared experts, the experts' width, the dense layers, route_norm (where
+    config.json has it) and route_scale, the window."""
+    llama_model_keys(w, hp)
+    w.add_expert_shared_count(hp["num_shared_experts"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_leading_dense_block_count(hp["num_dense_layers"])
+    if hp.get("route_norm") is not None:
+        w.add_expert_weights_norm(hp["route_norm"])
+    w.add_expert_weights_scale(hp["route_scale"])
+    w.add_sliding_window(hp["sliding_window"])
+
+
+def _afmoe_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """AfmoeModel: the selection bias as `expert_bias.bias`, the experts stacked per kind (gate, up, down; transformers
+    holds gate and up fused, gate rows first)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = t
+        else:
+            out[name.replace(".expert_bias", ".expert_bias.bias")] = t
+    return out
+
+
+def _gptj_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """GPTJModel's keys (none of TextModel's): the feed-forward length 4 x hidden whatever the model's, the rotary
+    width only where it is part of the head."""
+    hidden, heads = hp["n_embd"], hp["n_head"]
+    w.add_block_count(hp["n_layer"])
+    w.add_context_length(hp.get("n_positions", 2048))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(hp["layer_norm_epsilon"])
+    if (hp.get("rotary_dim") or hidden // heads) < hidden // heads:
+        w.add_rope_dimension_count(hp["rotary_dim"])
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -396,6 +539,36 @@ _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH
 _SAVED: dict[int, dict[str, torch.Tensor]] = {}
 
 CONVERTERS = {
+    # Gemma4Model (Gemma3Model): no norm shift; the dense model with values equal to the keys' projection, the MoE
+    # model, and E2B/E4B's shape (per-layer inputs, KV sharing, the double-wide MLPs)
+    # (built with a final soft-cap: llama.cpp caps at 30 where a file has none)
+    **{
+        name: Converter(
+            gguf.MODEL_ARCH.GEMMA4,
+            keys=_gemma4_keys,
+            text_model=False,
+            prepare=_gemma4_prepare,
+            build={"final_logit_softcapping": 20.0} if name != "gemma4" else {},
+        )
+        for name in ("gemma4", "gemma4-moe", "gemma4-e")
+    },
+    # Gemma3NModel (Gemma3Model): no norm shift (Gemma 3n's norms scale by w); the four copies llama.cpp's converter
+    # takes, a per-layer table as long as the vocabulary (a shorter one: test_gemma3n_gguf_pads_the_per_layer_table)
+    "gemma3n": Converter(
+        gguf.MODEL_ARCH.GEMMA3N,
+        keys=_gemma3n_keys,
+        prepare=_gemma3n_prepare,
+        build={"altup_num_inputs": 4, "vocab_size_per_layer_input": 256},
+    ),
+    # AfmoeModel (LlamaModel, q/k as in HF): one global layer in four and the embedding scaled, as llama.cpp fixes them
+    "afmoe": Converter(
+        gguf.MODEL_ARCH.AFMOE,
+        keys=_afmoe_keys,
+        prepare=_afmoe_prepare,
+        build={"num_hidden_layers": 4, "global_attn_every_n_layers": 4, "layer_types": None},
+    ),
+    # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
+    "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
     # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
     "olmoe": Converter(gguf.MODEL_ARCH.OLMOE, keys=lambda w, hp: w.add_layer_norm_rms_eps(1e-5)),
     # OlmoModel: LayerNorm eps 1e-5, clamp_kqv; q/k weights permuted (not their biases)
@@ -565,7 +738,7 @@ def write_converted(hf, path, converter: Converter, q8: bool = False) -> None:
     names = gguf.get_tensor_name_map(converter.arch, cfg.num_hidden_layers)
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in state.items():
+    for name, t in converter.prepare(state, hp).items():
         if name.endswith(converter.consumed):
             continue
         if match := re.match(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$", name):
@@ -617,6 +790,77 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert reader.gguf_names("model.layers.0.post_attention_layernorm.weight") == ["blk.0.attn_output_norm.weight"]
         down = hf.state_dict()["transformer.blocks.1.ffn.experts.mlp.w2"].view(4, 48, 64).transpose(1, 2)
         assert torch.equal(reader.get("model.layers.1.mlp.experts.down_proj"), down)
+    if name == "gemma3n":  # AltUp, LAuReL, the sparse gates, per-layer inputs, KV sharing, the RoPE bases, no shift
+        assert (c.altup_num_inputs, c.altup_active_idx, c.altup_correct_scale, c.laurel_rank) == (4, 0, True, 8)
+        assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.norm_weight_offset) == (8, 256, 2, 0.0)
+        assert c.activation_sparsity == [pytest.approx(0.95), pytest.approx(0.5), 0.0, 0.0, 0.0]
+        rope = (c.rope_theta, c.sliding_rope_theta, c.sliding_window, c.final_logit_softcapping)
+        assert rope == (1e5, 5000.0, 8, 20.0)
+        assert c.layer_types == cfg.layer_types and loaded.checkpoint.provenance["activation_sparsity"] == "read"
+        assert reader.gguf_names("model.altup_unembed_projections.2.weight") == ["altup_unembd_proj.weight"]
+        for key in ("model.altup_projections.1.weight", "model.layers.3.altup.correct_output_scale"):
+            assert torch.equal(reader.get(key), hf.state_dict()[key])
+    if name.startswith("gemma4"):  # the full-attention layers' geometry and proportional RoPE, the sliding layers' base
+        share, local = (0.5, 5000.0) if name == "gemma4" else (0.25, 10000.0)
+        assert (c.head_dim, c.global_head_dim, c.layer_scalar, c.norm_weight_offset) == (16, 32, True, 0.0)
+        assert (c.rope_scaling.type, c.rope_scaling.rotated_share, c.sliding_rope_theta) == (
+            "proportional",
+            share,
+            local,
+        )
+        assert c.layer_types == cfg.layer_types and reader.gguf_names("model.layers.1.layer_scalar") == [
+            "blk.1.layer_output_scale.weight"
+        ]
+    if name == "gemma4":  # one KV head and values equal to the keys' projection in the full-attention layer
+        assert (c.attention_k_eq_v, c.global_num_kv_heads, c.num_kv_heads, c.final_logit_softcapping) == (
+            True,
+            1,
+            2,
+            30,
+        )
+    if name == "gemma4-moe":  # the dense MLP beside the experts, the router's scales
+        assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (
+            4,
+            2,
+            32,
+            96,
+        )
+        assert not c.attention_k_eq_v and c.final_logit_softcapping == 20.0
+        for keel, hf_name in (
+            ("mlp.gate.expert_scale", "router.per_expert_scale"),
+            ("mlp.gate.input_scale", "router.scale"),
+        ):
+            assert torch.equal(reader.get(f"model.layers.1.{keel}"), hf.state_dict()[f"model.layers.1.{hf_name}"])
+        assert reader.gguf_names("model.layers.1.mlp.gate.expert_scale") == ["blk.1.ffn_down_exps.scale"]
+    if name == "gemma4-e":  # per-layer inputs, the last two layers sharing K/V with MLPs twice as wide
+        assert (c.per_layer_input_size, c.ple_vocab_size, c.kv_shared_layers, c.kv_shared_mlp_factor) == (8, 320, 2, 2)
+        assert c.intermediate_size == 96
+    if name == "afmoe":  # sliding layers rotating, the fourth global without; the output gate, sigmoid experts
+        assert c.layer_types == ["sliding_attention"] * 3 + ["full_attention"] and c.rope_layers == [True] * 3 + [False]
+        assert (c.attention_output_gate, c.router_scoring, c.router_bias, c.routed_scaling_factor) == (
+            True,
+            "sigmoid",
+            True,
+            2.0,
+        )
+        assert (c.mlp_only_layers, c.shared_expert_intermediate_size, c.embedding_multiplier) == ([0], 64, 8.0)
+        assert reader.gguf_names("model.layers.1.self_attn.output_gate.weight") == ["blk.1.attn_gate.weight"]
+        assert reader.gguf_names("model.layers.2.mlp.gate.e_score_correction_bias") == ["blk.2.exp_probs_b.bias"]
+    if name == "gptj":  # the parallel block, one biased LayerNorm, partial rotary, the MLP's width from ffn_up
+        assert (c.parallel_residual, c.norm_type, c.norm_bias, c.lm_head_bias, c.mlp_gated) == (
+            True,
+            "layer",
+            True,
+            True,
+            False,
+        )
+        assert (c.rotary_dim, c.head_dim, c.intermediate_size, c.tie_word_embeddings) == (
+            cfg.rotary_dim,
+            16,
+            cfg.n_inner,
+            False,
+        )
+        assert reader.gguf_names("model.layers.1.self_attn.q_proj.weight") == ["blk.1.attn_q.weight"]
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"
@@ -786,6 +1030,27 @@ def test_converted_gguf_is_served_as_transformers(tmp_path, name):
     assert_served_as_transformers(tmp_path, hf, "f32", write_q8, max_model_len=64, probe=CONVERTERS[name].probe)
 
 
+def test_gemma3n_gguf_pads_the_per_layer_table(tmp_path):
+    """Gemma3NModel pads a per-layer table shorter than the vocabulary with zero rows: read as llama.cpp runs it (ids
+    past HF's table read zeros, where transformers reads its row 0), the same logits for the ids within it."""
+    hf = build_hf_model("gemma3n", altup_num_inputs=4)
+    write_converted(hf, tmp_path / "g.gguf", CONVERTERS["gemma3n"])
+    loaded = load_model(tmp_path / "g.gguf")
+    table = loaded.checkpoint.reader.get("model.embed_tokens_per_layer.weight")
+    assert loaded.config.ple_vocab_size == 256 and not table[200:].any()
+    assert torch.equal(table[:200], hf.state_dict()["model.embed_tokens_per_layer.weight"])
+    tokens = TOKENS % 200
+    with torch.no_grad():
+        assert rel_err(hf(tokens).logits, loaded.model(tokens)) <= 1e-4
+
+
+def test_gemma3n_gguf_with_mlps_of_different_widths_is_refused(tmp_path):
+    hf = build("gemma3n", intermediate_size=[96, 96, 64, 96, 96])
+    write_converted(hf, tmp_path / "g.gguf", CONVERTERS["gemma3n"])
+    with pytest.raises(ConfigError, match="feed_forward_length: MLPs of different widths per layer are not supported"):
+        open_gguf(tmp_path / "g.gguf")
+
+
 def test_apertus_gguf_without_xielu_keys_is_refused(tmp_path):
     hf = build("apertus")
     converter = CONVERTERS["apertus"]
@@ -833,3 +1098,36 @@ def test_gpt_bigcode_gguf_without_multi_query_is_refused(tmp_path):
     write_converted(build_hf_model("gpt_bigcode-mha"), tmp_path / "mha.gguf", CONVERTERS["gpt_bigcode"])
     with pytest.raises(ConfigError, match="GPT-BigCode without multi_query, as StarCoderModel writes it"):
         open_gguf(tmp_path / "mha.gguf")
+
+
+def test_gemma4_gguf_with_other_mlp_widths_per_layer_or_partial_sliding_rotary_is_refused(tmp_path):
+    """Only use_double_wide_mlp's widths per layer (the KV-sharing layers' twice the others') and sliding layers
+    rotating the whole head are read; a file saying otherwise is refused by name."""
+    for key, value, message in (
+        ("feed_forward_length", [96, 96, 96, 128, 192], "MLP widths per layer other than use_double_wide_mlp's"),
+        ("rope.dimension_count_swa", 8, "rope.dimension_count_swa 8: partial rotary in the sliding layers"),
+    ):
+
+        def keys(w: gguf.GGUFWriter, hp: dict[str, Any], key=key, value=value) -> None:
+            _gemma4_keys(w, hp)
+            w.kv_data[0][f"gemma4.{key}"].value = value
+
+        converter = dataclasses.replace(CONVERTERS["gemma4-e"], keys=keys)
+        write_converted(build("gemma4-e"), tmp_path / "g.gguf", converter)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            open_gguf(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (lambda w: w.add_expert_weights_norm(False), "afmoe.expert_weights_norm false (route_norm) is not supported"),
+        (lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX), "afmoe.expert_gating_func 1 is not"),
+    ],
+)
+def test_afmoe_gguf_without_renormalised_sigmoid_experts_is_refused(tmp_path, extra, message):
+    """transformers' AFMoE renormalises its sigmoid router's top k: a file saying otherwise is refused by name."""
+    keys = lambda w, hp: (_afmoe_keys(w, hp), extra(w))  # noqa: E731
+    write_converted(build("afmoe"), tmp_path / "a.gguf", dataclasses.replace(CONVERTERS["afmoe"], keys=keys))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_gguf(tmp_path / "a.gguf")

@@ -464,3 +464,42 @@ def test_checkpoint_and_refusals(vocab, gguf_path, tmp_path):
         with pytest.raises(KeelError, match=expected) as e:
             tokenizer_from_gguf(lambda key, default=None, f=fields: f.get(key, default), [], tmp_path / "x.gguf")
         assert "\n" not in str(e.value)
+
+
+def write_gemma4_vocab(path) -> list[str]:
+    """A Gemma 4 vocabulary as Gemma4Model writes it (`tokenizer.ggml.model` gemma4): control tokens, the 256 byte
+    tokens, characters and merged pieces spelled with U+2581 for spaces, the merges in rank order, add_bos false
+    (which llama.cpp overrides for this vocabulary)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "\n", "he", "ll", "hell", "hello", "▁w", "▁wo", "or", "\n\n"]
+    tokens += pieces
+    types = [3, 3, 3, 2, 4] + [6] * 256 + [1] * len(pieces)
+    merges = ["h e", "l l", "he ll", "hell o", "▁ w", "▁w o", "o r", "\n \n"]
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_gemma4_vocabulary_is_bpe_over_characters_with_spaces_as_u2581(tmp_path):
+    """llama.cpp's Gemma 4 tokenizer: BOS forced, spaces as U+2581 without a prefix, merges in the file's rank order
+    over whole characters (`▁w` + `o` ranks before `o` + `r`), runs of newlines split off whole, a character without a
+    token as its UTF-8 byte tokens, special tokens matched whole; decoding undoes it all."""
+    path = tmp_path / "g4.gguf"
+    tokens = write_gemma4_vocab(path)
+    tokenizer = tokenizer_from_gguf(GGUFFile(path).fields.get, [1], path)
+    text = "hello world\n\nhé<turn>"
+    ids = tokenizer.encode(text)
+    pieces = ["<bos>", "hello", "▁wo", "r", "l", "d", "\n\n", "h", "<0xC3>", "<0xA9>", "<turn>"]
+    assert [tokens[i] for i in ids] == pieces
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<bos>" + text

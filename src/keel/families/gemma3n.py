@@ -22,7 +22,7 @@ Refused by name: `intermediate_size` of different widths per layer, an `activati
 per layer, tensor parallelism (AltUp, LAuReL, the per-layer inputs, KV sharing), pipeline stages (AltUp's copies of
 the stream, the per-layer inputs), and training an AltUp model (transformers clips its coefficients while training,
 `altup_coef_clip`; keel's training does not). The fused CPU layer and the compiled decode step step aside for the
-modules. GGUF files (llama.cpp's `gemma3n`) are not read.
+modules. GGUF files (llama.cpp's `gemma3n`) are read by keel.weights.gguf.
 """
 
 from __future__ import annotations

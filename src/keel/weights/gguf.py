@@ -17,16 +17,16 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl,
 qwen3vl, qwen3vlmoe (the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE), granite,
-granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, stablelm, gptneox, smollm3,
-starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4, deepseek2
-(DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo, phimoe,
-seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
+granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, gemma3n, gemma4, stablelm, gptneox,
+smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4,
+deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo,
+phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
 hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom and mpt (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj and afmoe (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
-(`tokenizer.ggml.model == "gpt2"`) and SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3),
-tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
+(`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
+Gemma 4's (`"gemma4"`), tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
 Conventions of llama.cpp's converter (convert_hf_to_gguf.py, which the gguf package does not ship;
 these are assumptions about it, shared by transformers' GGUF loader where it reads the architecture):
@@ -57,6 +57,26 @@ tensors, as llama.cpp and transformers do (no `ffn_norm`: parallel), and StableL
 `use_parallel_residual`. GPT-NeoX's converter regroups HF's per-head interleaved query_key_value into
 `attn_qkv` rows [all q; all k; all v], split here by rows; its MLP is transformers' erf GELU (the file
 names no activation; llama.cpp runs ggml's tanh-approximated GELU).
+
+Gemma 3n (`gemma3n`; Gemma3NModel on Gemma3Model): norms stored as HF's (no shift: they scale by w), the embedding
+and the per-layer table (`per_layer_token_embd`) padded with zero rows to the vocabulary (the table's rows are keel's
+per-layer vocabulary: ids past HF's shorter table read zeros, as llama.cpp runs them), AltUp's projections stacked
+(`altup_proj`, `altup_unembd_proj`: [copies - 1, H, H], split here), its copies, active copy and the per-layer width
+as keys, the KV-sharing layers as `attention.shared_kv_layers`, each layer's sparsity as its normal quantile
+(`activation_sparsity_scale`, its CDF taken back), the pattern as a list, the sliding layers' RoPE base as
+`rope.freq_base_swa` (absent: 10000); LAuReL's rank and AltUp's output scale by tensor. (llama.cpp itself fixes the KV
+layers at the first 20 and the sparse ones at the first ten, the releases' values, which the converter's keys also
+say; keel reads the keys.)
+Gemma 4 (`gemma4`; Gemma4Model on Gemma3Model): norms as HF's, the sliding layers' head width as
+`attention.key_length_swa` and the full-attention layers' as `attention.key_length`, the KV heads per layer
+(`head_count_kv` a list: the full-attention layers' own count, with values equal to the keys' projection, which a
+full-attention layer without `attn_v` has), the pattern as a list, the MLP widths per layer (the KV-sharing layers'
+twice as wide: use_double_wide_mlp; other differences refused), the full-attention layers' proportional RoPE as
+`rope_freqs` (1 for each turning frequency, 1e30 for the rest), the sliding layers' base as `rope.freq_base_swa` over
+the whole head (a partial `rope.dimension_count_swa` refused), the final cap (absent: llama.cpp's 30),
+`layer_output_scale` (HF's layer_scalar), the per-layer inputs and KV sharing as Gemma 3n's (the table unpadded), and
+the MoE model's experts stacked as HF's (`ffn_gate_up_exps`, or gate and up apart, and `ffn_down_exps`), the router's
+scale as `ffn_gate_inp.scale`, per_expert_scale as `ffn_down_exps.scale`, its counts and width as keys.
 
 EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
 `attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
@@ -166,6 +186,16 @@ BLOOM and MPT (`bloom`, `mpt`; BloomModel, MPTModel): ALiBi (keel's position_emb
 eps, q/k/v fused in `attn_qkv` as all q, all k, all v (BloomModel regroups its per-head rows), the embedding's own
 norm as `token_embd_norm` (BLOOM). MPT: its `max_alibi_bias` (0, learned positions, refused) and `clamp_kqv`; no key
 for softmax_scale (llama.cpp's 1/sqrt(head size)); the MLP's width from `ffn_up`.
+GPT-J (`gptj`; GPTJModel): its own keys (the LayerNorm's eps, heads, the context; feed_forward_length always 4 x hidden:
+the MLP's width from `ffn_up`; the rotary width only where it is part of the head), q/k rows as in HF (llama.cpp rotates
+their interleaved pairs; keel regroups them as for safetensors), the head's bias as `output.bias`, the vocabulary
+from the embedding's rows (GPT-J-6B's 50400 for 50257 tokens).
+
+AFMoE (`afmoe`; AfmoeModel on LlamaModel): q/k as in HF, LlamaModel's keys and the experts' (counts, width, shared
+count, route_scale as `expert_weights_scale`, the dense layers as `leading_dense_block_count`), the window, the
+selection bias as `exp_probs_b.bias`, the experts stacked per kind, the output gate as `attn_gate`. llama.cpp fixes one
+global layer (no position encoding) in four and the embedding times sqrt(hidden) (mup_enabled), which keel takes; a file
+without a window, with other gating than sigmoid, or with `expert_weights_norm` false is refused.
 
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
@@ -243,6 +273,8 @@ _FAMILIES = {
     _A.GEMMA: "gemma",
     _A.GEMMA2: "gemma2",
     _A.GEMMA3: "gemma3",
+    _A.GEMMA3N: "gemma3n",
+    _A.GEMMA4: "gemma4",
     _A.STABLELM: "stablelm",
     _A.GPTNEOX: "gpt_neox",
     _A.SMOLLM3: "smollm3",
@@ -291,6 +323,8 @@ _FAMILIES = {
     _A.DBRX: "dbrx",
     _A.BLOOM: "bloom",
     _A.MPT: "mpt",
+    _A.GPTJ: "gptj",
+    _A.AFMOE: "afmoe",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -317,10 +351,10 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= {"minicpm3", *_QWEN_HYBRID}
+_ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
-_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx", "bloom", "mpt"}
+_LAYER_NORM |= {"gpt_bigcode", "gpt2", "falcon", "dbrx", "bloom", "mpt", "gptj"}
 # llama.cpp's Gemma: the layer count it takes for the 27B model, whose softmax scale is
 # (hidden / heads)^-1/2 instead of head_dim^-1/2 (llama-model.cpp, after gemma_pytorch's config).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -329,12 +363,15 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA2_WINDOW = 4096
 _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA_FINAL_CAP = 30.0  # llama.cpp's final_logit_softcapping where a Gemma 3n / 4 file has none
 # What llama.cpp hard-codes for EXAONE 4's 64-layer (32B) model: a window of 4096 (one global layer in four).
 _EXAONE4_SWA_LAYERS = 64
 _EXAONE4_WINDOW = 4096
 # Families whose vocabulary is the embedding's rows: Gemma 3's converter drops rows past the tokenizer's; Granite
 # 4.0-H's, Mamba's, Mamba 2's and Nemotron-H's pad the token list (to a multiple of 8, 8, 16 and 8), not the embedding.
-_EMBEDDING_ROWS = ("gemma3", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
+# Gemma 3n's pads the embedding (and the per-layer table) with zero rows to the vocabulary's size; GPT-J's embedding
+# has rows past its tokenizer's (50400 for 50257 tokens).
+_EMBEDDING_ROWS = ("gemma3", "gemma3n", "gemma4", "gptj", "granitemoehybrid", "mamba", "mamba2", "nemotron_h")
 # llama.cpp's Qwen3.5 / Qwen3-Next layer kinds without the key: every fourth layer full attention.
 _FULL_ATTENTION_INTERVAL = 4
 
@@ -362,6 +399,8 @@ KEYS_READ = (
     *(_KA.KEY_LENGTH_MLA, _KA.VALUE_LENGTH, _KA.VALUE_LENGTH_MLA, _KA.Q_LORA_RANK, _KA.KV_LORA_RANK),
     *(_KA.SLIDING_WINDOW, _KA.SLIDING_WINDOW_PATTERN, _K.FULL_ATTENTION_INTERVAL, _KA.CLAMP_KQV, _KA.TEMPERATURE_SCALE),
     _KA.MAX_ALIBI_BIAS,
+    *(_K.ALTUP_ACTIVE_IDX, _K.ALTUP_NUM_INPUTS, _K.EMBD_LENGTH_PER_LAYER_INP, _K.ACTIVATION_SPARSITY_SCALE),
+    *(_KA.SHARED_KV_LAYERS, _KA.KEY_LENGTH_SWA, _KR.DIMENSION_COUNT_SWA),
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
     Keys.SSM.DT_B_C_RMS,
@@ -501,11 +540,15 @@ def _config_from_metadata(
     # (GraniteHybridModel pads the token list, and vocab_size with it, to a multiple of 8; not the embedding.)
     vocab = _vocab_size(f, tensors, path, embedding_first=family in _EMBEDDING_ROWS)
     rope_theta = f.pick("rope_theta", f.key(_KR.FREQ_BASE), _f32)
-    scaling = _rope_scaling(f, tensors, head_dim, rope_theta, path)
+    # (Gemma 4's rope_freqs hold its full-attention layers' proportional RoPE: _gemma4_fields)
+    rope_tensors = {k: v for k, v in tensors.items() if k != _ROPE_FREQS} if family == "gemma4" else tensors
+    scaling = _rope_scaling(f, rope_tensors, head_dim, rope_theta, path)
     has = lambda kind, suffix="weight": _tensor(kind, 0, suffix) in tensors  # noqa: E731
     # GLM-4.5's files count the multi-token-prediction layers after the last in block_count; keel reads none.
     num_layers = int(f.require(_K.BLOCK_COUNT)) - int(f.key(_K.NEXTN_PREDICT_LAYERS, 0) or 0)
     feed_forward = f.key(_K.FEED_FORWARD_LENGTH)
+    if isinstance(feed_forward, list) and family == "gemma4":  # the KV-sharing layers' twice as wide: the first's
+        feed_forward = feed_forward[0]
     if isinstance(feed_forward, list):  # per layer (Nemotron-H's: 0 but in its MLP layers): the family reads it
         feed_forward = max(feed_forward)
     moe: dict[str, Any] = {}
@@ -609,6 +652,11 @@ def _family_fields(
         hf, read = _family_hf_config(f, family, common, tensors)
         for field, value in FAMILIES[family].config_fields(hf, str(path)).items():
             own[field] = f.read(field, value, "read" if field in read else "inferred")
+        if family == "gemma4":
+            own.update(_gemma4_rope(f, common, own, tensors, path))
+        if family == "gemma3n":  # the sliding layers' RoPE base (absent: llama.cpp's 10000, unscaled)
+            local = f.key(_KR.FREQ_BASE_SWA)
+            own["sliding_rope_theta"] = f.read("sliding_rope_theta", _f32(local)) if local else _GEMMA3_LOCAL_THETA
         if family == "gpt_oss" and common["rope_scaling"].type == "yarn":
             # GPT-OSS's YaRN leaves the correction range unrounded (transformers' truncate false, the model's own;
             # llama.cpp rounds it for every model).
@@ -952,6 +1000,29 @@ def _family_hf_config(
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
         read |= {"alibi_bias_max"} if family == "mpt" else set()
         read |= {"clip_qkv"} if family == "mpt" and f.key(_KA.CLAMP_KQV) is not None else set()
+    if family == "afmoe":
+        own, own_read = _afmoe_hf_config(f, common)
+        hf.update(own)
+        read |= own_read
+    if family == "gptj":
+        # GPTJModel: feed_forward_length always 4 x hidden (the MLP's width from `ffn_up`), the rotary width only where
+        # partial, q/k rows as in HF (llama.cpp rotates their interleaved pairs, keel regroups them as for safetensors)
+        rope_dims, up = f.key(_KR.DIMENSION_COUNT), tensors.get(_tensor(MODEL_TENSOR.FFN_UP, 0))
+        hf.update(
+            num_attention_heads=heads,
+            rotary_dim=int(rope_dims) if rope_dims is not None else None,
+            n_inner=int(up.shape[-1]) if up is not None else common["intermediate_size"],
+        )
+        read |= {"partial_rotary_factor"} if rope_dims is not None else set()
+        read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
+    if family == "gemma4":
+        own, own_read = _gemma4_hf_config(f, common, tensors)
+        hf.update(own)
+        read |= own_read
+    if family == "gemma3n":
+        own, own_read = _gemma3n_hf_config(f, common, tensors)
+        hf.update(own)
+        read |= own_read
     if family == "nemotron_h":
         own, own_read = _nemotron_h_hf_config(f, common, tensors)
         hf.update(own)
@@ -1294,6 +1365,189 @@ def _alibi_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: d
     )
 
 
+def _gemma3n_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Gemma 3n's config.json keys as Gemma3NModel (on Gemma3Model) writes them: the MLP widths per layer (the family
+    refuses different ones), the window and the per-layer pattern (absent: llama.cpp's one global layer in five, the
+    family's default), the final soft-cap where written, AltUp's copies and active one, the per-layer inputs' width,
+    the KV-sharing layers, and the sparsity as the normal quantile of each layer's target (its CDF taken back here;
+    -inf: a dense layer). By tensor: LAuReL's rank (`laurel_l`), AltUp's output scale (`altup_correct_scale`: HF stores
+    the parameter whatever altup_correct_scale says, and llama.cpp always applies it, the releases' true) and the
+    per-layer table's rows (the converter pads HF's table with zero rows to the vocabulary: ids past HF's table read
+    zeros, as llama.cpp runs them, where transformers reads its row 0)."""
+    layers = common["num_layers"]
+    window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
+    cap, scales = f.key(_K.FINAL_LOGIT_SOFTCAPPING), f.key(_K.ACTIVATION_SPARSITY_SCALE)
+    table = tensors.get(_tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD))
+    laurel = tensors.get(_tensor(MODEL_TENSOR.LAUREL_L, 0))
+    if scales is not None and not isinstance(scales, list):
+        scales = [scales] * layers
+    widths = f.require(_K.FEED_FORWARD_LENGTH)
+    if isinstance(widths, list) and len(set(widths)) != 1:
+        raise ConfigError(
+            f"{f.meta.path}: {f.name(_K.FEED_FORWARD_LENGTH)}: MLPs of different widths per layer are not supported"
+        )
+    hf: dict[str, Any] = dict(
+        tie_word_embeddings=common["tie_word_embeddings"],
+        hidden_size_per_layer_input=int(f.require(_K.EMBD_LENGTH_PER_LAYER_INP)),
+        vocab_size_per_layer_input=int(table.shape[-1]) if table is not None else 0,
+        num_kv_shared_layers=int(f.require(_KA.SHARED_KV_LAYERS)),
+        altup_num_inputs=int(f.require(_K.ALTUP_NUM_INPUTS)),
+        altup_active_idx=int(f.require(_K.ALTUP_ACTIVE_IDX)),
+        altup_correct_scale=_tensor(MODEL_TENSOR.ALTUP_CORRECT_SCALE, 0) in tensors,
+        laurel_rank=int(laurel.shape[-1]) if laurel is not None else 0,
+        activation_sparsity_pattern=[0.0] * layers if scales is None else [_normal_cdf(s) for s in scales],
+    )
+    read = {"per_layer_input_size", "kv_shared_layers", "altup_num_inputs", "altup_active_idx", "intermediate_size"}
+    read |= {"activation_sparsity"} if scales is not None else set()
+    if window is not None:
+        hf["sliding_window"] = int(window)
+        read.add("sliding_window")
+    if isinstance(pattern, list):
+        hf["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        read.add("layer_types")
+    if cap is not None:
+        hf["final_logit_softcapping"] = _f32(cap)
+        read.add("final_logit_softcapping")
+    return hf, read
+
+
+# llama.cpp's AFMoE: one global layer (no position encoding) in four, whatever config.json said (no key).
+_AFMOE_GLOBAL_EVERY = 4
+
+
+def _afmoe_hf_config(f: _Fields, common: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """AFMoE's config.json keys as AfmoeModel (on LlamaModel, q/k as in HF) writes them: the experts' counts and width,
+    the shared experts' count, route_scale as `expert_weights_scale`, the dense layers as `leading_dense_block_count`,
+    the window. llama.cpp fixes the rest: one global layer in four (no key; a file without a window, every layer
+    global and 3 in 4 still rotating, is refused), the embedding times sqrt(hidden) (mup_enabled, the releases'),
+    sigmoid gating where no key names another (others refused) and the top k renormalised where
+    `expert_weights_norm` is true or absent (transformers' AFMoE always renormalises; false is refused)."""
+    path = f.meta.path
+    window, gating, norm = f.key(_KA.SLIDING_WINDOW), f.key(_K.EXPERT_GATING_FUNC), f.key(_K.EXPERT_WEIGHTS_NORM)
+    if not window:
+        raise ConfigError(f"{path}: an afmoe file without {f.name(_KA.SLIDING_WINDOW)} is not supported")
+    if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_GATING_FUNC)} {gating} is not supported for afmoe (sigmoid only)")
+    if norm is not None and not norm:
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_WEIGHTS_NORM)} false (route_norm) is not supported for afmoe")
+    scale = f.key(_K.EXPERT_WEIGHTS_SCALE)
+    hf = dict(
+        num_experts=int(f.require(_K.EXPERT_COUNT)),
+        num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+        moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+        num_shared_experts=int(f.key(_K.EXPERT_SHARED_COUNT, 0) or 0),
+        route_scale=_f32(scale) if scale is not None else 1.0,
+        num_dense_layers=int(f.require(_K.LEADING_DENSE_BLOCK_COUNT)),
+        sliding_window=int(window),
+        global_attn_every_n_layers=_AFMOE_GLOBAL_EVERY,
+        mup_enabled=True,
+        tie_word_embeddings=common["tie_word_embeddings"],
+    )
+    read = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
+    read |= {"mlp_only_layers", "sliding_window"} | ({"routed_scaling_factor"} if scale is not None else set())
+    return hf, read
+
+
+def _gemma4_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Gemma 4's config.json keys as Gemma4Model (on Gemma3Model) writes them: the window and the per-layer pattern,
+    the final soft-cap where written (absent: llama.cpp's 30, though the converter writes none for a model without
+    one: such a model is not told apart), the full-attention layers' head width (`attention.key_length`; the sliding
+    layers' is `key_length_swa`) and KV heads (`attention.head_count_kv` per layer), the per-layer inputs' width and
+    the KV-sharing layers, the MLP widths per layer (the KV-sharing layers' twice as wide: use_double_wide_mlp), and
+    the experts' counts and width. By tensor: values equal to the keys' projection where a full-attention layer has no
+    `attn_v` (attention_k_eq_v) and the per-layer table's rows."""
+    path, layers = f.meta.path, common["num_layers"]
+    window, pattern = f.key(_KA.SLIDING_WINDOW), f.key(_KA.SLIDING_WINDOW_PATTERN)
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ConfigError(f"{path}: {f.name(_KA.SLIDING_WINDOW_PATTERN)} must list one value per layer ({layers})")
+    full = [i for i, slides in enumerate(pattern) if not slides]
+    kv_heads = f.key(_KA.HEAD_COUNT_KV)
+    full_kv = {int(kv_heads[i]) for i in full} if isinstance(kv_heads, list) else {common["num_kv_heads"]}
+    if len(full_kv) > 1:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)}: full-attention layers of different KV head counts")
+    widths = f.require(_K.FEED_FORWARD_LENGTH)
+    widths = widths if isinstance(widths, list) else [widths] * layers
+    shared = int(f.key(_KA.SHARED_KV_LAYERS, 0) or 0)
+    double = widths != [widths[0]] * layers
+    if double and widths != [widths[0]] * (layers - shared) + [2 * widths[0]] * shared:
+        raise ConfigError(
+            f"{path}: {f.name(_K.FEED_FORWARD_LENGTH)}: MLP widths per layer other than use_double_wide_mlp's "
+            "(the KV-sharing layers' twice as wide) are not supported"
+        )
+    table = tensors.get(_tensor(MODEL_TENSOR.PER_LAYER_TOKEN_EMBD))
+    k_eq_v = bool(full) and all(_tensor(MODEL_TENSOR.ATTN_V, i) not in tensors for i in full)
+    hf: dict[str, Any] = dict(
+        tie_word_embeddings=common["tie_word_embeddings"],
+        layer_types=["sliding_attention" if slides else "full_attention" for slides in pattern],
+        sliding_window=int(window) if window else None,
+        global_head_dim=int(f.key(_KA.KEY_LENGTH, common["head_dim"])),
+        attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=int(f.key(_K.EMBD_LENGTH_PER_LAYER_INP, 0) or 0),
+        vocab_size_per_layer_input=int(table.shape[-1]) if table is not None else common["vocab_size"],
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=double,
+        intermediate_size=int(widths[0]),
+        # (absent: llama.cpp's default cap, 30; the converter writes none for a model without one)
+        final_logit_softcapping=_f32(f.key(_K.FINAL_LOGIT_SOFTCAPPING, _GEMMA_FINAL_CAP)),
+    )
+    if k_eq_v:
+        hf["num_global_key_value_heads"] = full_kv.pop()
+    elif full_kv and full_kv != {common["num_kv_heads"]}:
+        raise ConfigError(
+            f"{path}: full-attention layers with their own KV head count and their own values (attn_v) are not "
+            "supported (transformers' Gemma 4 gives them their own count with attention_k_eq_v only)"
+        )
+    read = {"layer_types", "sliding_window", "global_head_dim", "global_num_kv_heads", "kv_shared_layers"}
+    read |= {"per_layer_input_size", "kv_shared_mlp_factor", "intermediate_size"}
+    read |= {"final_logit_softcapping"} if f.key(_K.FINAL_LOGIT_SOFTCAPPING) else set()
+    experts = f.key(_K.EXPERT_COUNT)
+    if experts:
+        hf.update(
+            enable_moe_block=True,
+            num_experts=int(experts),
+            top_k_experts=int(f.require(_K.EXPERT_USED_COUNT)),
+            moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+        )
+        read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
+    return hf, read
+
+
+def _gemma4_rope(
+    f: _Fields, common: dict[str, Any], own: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path
+) -> dict[str, Any]:
+    """Gemma 4's RoPE as Gemma4Model writes it: the full-attention layers' proportional RoPE as `rope_freqs` (1 for
+    each turning frequency, 1e30, i.e. none, for the rest: the turning share is theirs over the half head) on
+    `rope.freq_base`; the sliding layers' base as `rope.freq_base_swa` (absent: llama.cpp's 10000) over the whole
+    head (`rope.dimension_count_swa` less than the head: refused)."""
+    head_dim = common["head_dim"]
+    rotary = f.key(_KR.DIMENSION_COUNT_SWA)
+    if rotary is not None and int(rotary) != head_dim:
+        raise ConfigError(
+            f"{path}: {f.name(_KR.DIMENSION_COUNT_SWA)} {rotary}: partial rotary in the sliding layers is not supported"
+        )
+    out: dict[str, Any] = {}
+    freqs = tensors.get(_ROPE_FREQS)
+    if freqs is not None:
+        factors = _to_numpy(freqs, path).reshape(-1)
+        turning = int(np.sum(factors == 1.0))
+        if not np.all(factors[:turning] == 1.0) or not np.all(factors[turning:] >= 1e29):
+            raise ConfigError(f"{path}: {_ROPE_FREQS} is not proportional RoPE's (ones, then 1e30): not supported")
+        share = turning / len(factors)
+        out["rope_scaling"] = f.read("rope_scaling", RopeScaling(type="proportional", rotated_share=share), "inferred")
+    local = f.key(_KR.FREQ_BASE_SWA)
+    out["sliding_rope_theta"] = f.read("sliding_rope_theta", _f32(local)) if local else _GEMMA3_LOCAL_THETA
+    return out
+
+
+def _normal_cdf(quantile: float) -> float:
+    """The target sparsity whose standard normal quantile Gemma3NModel wrote (its float32 rounding undone)."""
+    return _f32(0.5 * math.erfc(-float(quantile) / math.sqrt(2.0)))
+
+
 def _nemotron_h_hf_config(
     f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
 ) -> tuple[dict[str, Any], set[str]]:
@@ -1429,6 +1683,10 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
         # LFM2Model and GraniteHybridModel (NemotronHModel on it too) write 0 for their other layers (how they mark
         # them): the attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
+    if family == "gemma4" and isinstance(kv_heads, list):  # Gemma4Model: per layer, the full-attention layers' own
+        sliding = f.key(_KA.SLIDING_WINDOW_PATTERN)
+        if isinstance(sliding, list) and len(sliding) == len(kv_heads):
+            kv_heads = [n for n, slides in zip(kv_heads, sliding, strict=True) if slides] or kv_heads
     if kv_heads is None:
         kv_heads = f.read("num_kv_heads", num_heads, "default")
     else:
@@ -1436,6 +1694,8 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     rope_dims = f.key(_KR.DIMENSION_COUNT)
     if f.key(_KA.KEY_LENGTH_MLA) is not None:  # DeepSeek's MQA form: the query/key width of latent attention
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH_MLA)))
+    elif family == "gemma4" and f.key(_KA.KEY_LENGTH_SWA) is not None:  # the sliding layers' (key_length: global)
+        head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH_SWA)))
     elif f.key(_KA.KEY_LENGTH) is not None:
         head_dim = f.read("head_dim", int(f.key(_KA.KEY_LENGTH)))
     elif rope_dims is not None and family not in _ROTARY_WIDTH_KEY:  # llama.cpp writes the head size here for llama
@@ -1630,10 +1890,14 @@ def _unpermute(heads: int) -> Callable[[list[np.ndarray]], np.ndarray]:
     return apply
 
 
-def _regrouped(parts: dict[str, Rows], name: str) -> bool:
-    """Whether a family's layout reads this tensor as itself with its rows in another order (GLM-4's and Cohere's
-    q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file stores as the HF checkpoint does."""
-    return list(parts) == [name] and isinstance(parts[name], list) and len(parts[name]) > 1
+def _regrouped(parts: dict[str, Rows], rows: int) -> bool:
+    """Whether a family's layout reads this tensor as one tensor (itself, or renamed: GPT-J's) with all its rows in
+    another order (GLM-4's, Cohere's and GPT-J's q/k, keel.families.rope.interleaved_qk_layout), which a GGUF file
+    stores as the HF checkpoint does."""
+    if len(parts) != 1:
+        return False
+    spans = next(iter(parts.values()))
+    return isinstance(spans, list) and len(spans) > 1 and sum(stop - start for start, stop in spans) == rows
 
 
 def _columns_in_order(order: tuple[int, ...]) -> Callable[[list[np.ndarray]], np.ndarray]:
@@ -1690,6 +1954,31 @@ def _kv_b_from_split(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 _kv_b_from_split.moves_rows = False  # type: ignore[attr-defined]  # it transposes: no integer blocks (get_blocks)
+
+
+def _index(i: int) -> Callable[[list[np.ndarray]], np.ndarray]:
+    """One matrix of a stack (Gemma 3n's AltUp projections)."""
+    apply = lambda arrays: arrays[0][i]  # noqa: E731
+    apply.moves_rows = False  # type: ignore[attr-defined]  # (read whole, then indexed: no integer blocks)
+    return apply
+
+
+# Gemma 3n's stacked AltUp projections -> HF's ModuleList under model. (`altup_projections.{i}.weight`).
+_ALTUP_STACKED = {
+    MODEL_TENSOR.ALTUP_PROJ: "altup_projections",
+    MODEL_TENSOR.ALTUP_UNEMBD_PROJ: "altup_unembed_projections",
+}
+
+
+# Gemma 4's tensors that Gemma4Model names apart from TensorNameMap's `.weight`/`.bias` (router.scale and
+# router.per_expert_scale as `.scale` of the router and of the down experts), under keel's names.
+_GEMMA4_TENSORS = {
+    (MODEL_TENSOR.LAYER_OUT_SCALE, "weight"): "layer_scalar",
+    (MODEL_TENSOR.FFN_GATE_UP_EXP, "weight"): "mlp.experts.gate_up_proj",
+    (MODEL_TENSOR.FFN_DOWN_EXP, "weight"): "mlp.experts.down_proj",
+    (MODEL_TENSOR.FFN_DOWN_EXP, "scale"): "mlp.gate.expert_scale",
+    (MODEL_TENSOR.FFN_GATE_INP, "scale"): "mlp.gate.input_scale",
+}
 
 
 def _unsqueezed(arrays: list[np.ndarray]) -> np.ndarray:
@@ -1937,6 +2226,8 @@ class GGUFTensorReader:
             shape = _hf_shape(t)
             if kind is None:
                 self._add_old_expert(name, t)
+            elif arch == _A.GEMMA4 and (kind, suffix) in _GEMMA4_TENSORS:  # HF names without `.weight`, the router's
+                self._add(f"model.layers.{layer}.{_GEMMA4_TENSORS[kind, suffix]}", (t,), shape, _single)
             elif kind == MODEL_TENSOR.FFN_DOWN_EXP:  # GPT-OSS's experts have biases: [E, H]
                 stacked_name = "down_proj" if suffix == "weight" else "down_proj_bias"
                 self._add(f"model.layers.{layer}.{moe}.experts.{stacked_name}", (t,), shape, _single)
@@ -1961,6 +2252,11 @@ class GGUFTensorReader:
                 heads, rank, nope = shape
                 whole = (heads * (nope + _hf_shape(v_b)[1]), rank)
                 self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (t, v_b), whole, _kv_b_from_split)
+            elif kind in _ALTUP_STACKED:  # Gemma 3n: the converter stacks AltUp's projections, one per other copy
+                for i in range(shape[0]):
+                    self._add(f"model.{_ALTUP_STACKED[kind]}.{i}.weight", (t,), shape[1:], _index(i))
+            elif kind == MODEL_TENSOR.ALTUP_CORRECT_SCALE:  # (HF's parameter has no `.weight`; the file's has)
+                self._add(f"model.layers.{layer}.altup.correct_output_scale", (t,), shape, _single)
             elif kind == MODEL_TENSOR.ATTN_SINKS:  # GPT-OSS: HF's `self_attn.sinks` has no `.weight`
                 self._add(f"model.layers.{layer}.self_attn.sinks", (t,), shape, _single)
             elif kind in _MAMBA1_TENSORS and arch in (_A.MAMBA, _A.JAMBA):
@@ -1984,9 +2280,10 @@ class GGUFTensorReader:
                         self._add(part, (t,), (shape[0], 1, shape[-1]), _unsqueezed)
                 elif hf in layout and isinstance(layout[hf].get(hf), Columns):  # per-head q/k norms (Command R+)
                     self._add(hf, (t,), shape, _columns_in_order(layout[hf][hf].order))
-                elif hf in layout and _regrouped(layout[hf], hf):  # q/k rows regrouped (interleaved rotary pairs)
-                    order = np.concatenate([np.arange(a, b) for a, b in layout[hf][hf]])
-                    self._add(hf, (t,), shape, _rows_in_order(order))
+                elif hf in layout and _regrouped(layout[hf], shape[0]):  # q/k rows regrouped (interleaved pairs)
+                    ((part, spans),) = layout[hf].items()
+                    order = np.concatenate([np.arange(a, b) for a, b in spans])
+                    self._add(part, (t,), shape, _rows_in_order(order))
                 elif hf in layout:  # the family's fused or renamed tensor: the parts keel reads
                     start = 0
                     for part, rows in layout[hf].items():

@@ -13,6 +13,11 @@ concatenation is the best-scored token, the leftmost on a tie, and spells a char
 covers as byte tokens `<0xXX>`. That is BPE with the merges ranked by the score of the token they
 make, which `tokenizers`' BPE model runs with the same leftmost tie-break (as transformers' GGUF
 loader derives them); the file's scores, not any `merges` key, define the order, as in llama.cpp.
+
+Gemma 4's vocabularies (`"gemma4"`, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4) are SentencePiece-style BPE with merges:
+spaces written as U+2581 (no prefix), the text split only into runs of newlines and runs of anything else, the file's
+merges over whole UTF-8 characters (no byte-level alphabet), `<0xXX>` byte tokens for a character no token spells, BOS
+always added (llama.cpp forces it for this vocabulary, whatever the file's flag).
 """
 
 from __future__ import annotations
@@ -121,10 +126,12 @@ def tokenizer_from_gguf(get: Callable[[str], Any], eos_token_ids: list[int], pat
         return None  # a weights-only GGUF
     if model == "llama":
         return _sentencepiece_tokenizer(get, tokens, eos_token_ids, path)
+    if model == "gemma4":
+        return _gemma4_tokenizer(get, tokens, eos_token_ids)
     if model != "gpt2":
         raise KeelError(
             f"{path}: GGUF tokenizer model {model!r} is not supported "
-            "(keel reads byte-level BPE, 'gpt2', and SentencePiece, 'llama')"
+            "(keel reads byte-level BPE, 'gpt2', SentencePiece, 'llama', and Gemma 4's, 'gemma4')"
         )
     pre = get(_K.PRE) or "default"
     if pre not in _PRE_TOKENIZERS:
@@ -186,6 +193,29 @@ def _sentencepiece_tokenizer(
 
     bos, eos = token_at(get(_K.BOS_ID, _SPM_BOS_ID)), token_at(get(_K.EOS_ID, _SPM_EOS_ID))
     return _wrapped(tok, get, bos, eos, True, eos_token_ids)  # llama.cpp adds BOS to SentencePiece text by default
+
+
+def _gemma4_tokenizer(get: Callable[..., Any], tokens: list[str], eos_token_ids: list[int]) -> Tokenizer:
+    """A Gemma 4 (`"gemma4"`) vocabulary tokenized as llama.cpp's BPE session does for LLAMA_VOCAB_PRE_TYPE_GEMMA4
+    (the module docstring)."""
+    types = get(_K.TOKEN_TYPE) or [1] * len(tokens)
+    vocab = {token: i for i, token in enumerate(tokens)}  # a token spelled twice: its last id, as llama.cpp's map
+    merges = [tuple(m.split(" ", 1)) for m in get(_K.MERGES) or []]
+    tok = HFTokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    special = [
+        AddedToken(t, special=kind != _USER_DEFINED, normalized=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+    ]
+    tok.add_special_tokens([t for t in special if t.special])
+    tok.add_tokens([t for t in special if not t.special])
+    token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
+    forced = lambda key, default=None: True if key == _K.ADD_BOS else get(key, default)  # noqa: E731
+    bos, eos = token_at(get(_K.BOS_ID)), token_at(get(_K.EOS_ID))
+    return _wrapped(tok, forced, bos, eos, True, eos_token_ids)
 
 
 def _merges_by_score(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
