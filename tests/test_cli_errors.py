@@ -61,10 +61,10 @@ def test_truncated_safetensors(tiny, tmp_path):
 def test_unknown_architecture(tiny, tmp_path):
     model = copy_of(tiny, tmp_path)
     config = json.loads((model / "config.json").read_text())
-    config["architectures"] = ["BloomForCausalLM"]
+    config["architectures"] = ["DiffLlamaForCausalLM"]
     (model / "config.json").write_text(json.dumps(config))
     result = run_keel("inspect", str(model))
-    assert_one_line_error(result, "BloomForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+    assert_one_line_error(result, "DiffLlamaForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def test_tensor_of_wrong_shape(tiny, tmp_path):
@@ -80,15 +80,15 @@ def test_gguf_of_unsupported_architecture(tmp_path):
     import gguf
     import numpy as np
 
-    path = tmp_path / "mpt.gguf"
-    writer = gguf.GGUFWriter(str(path), "mpt")
+    path = tmp_path / "t5.gguf"
+    writer = gguf.GGUFWriter(str(path), "t5")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert_one_line_error(run_keel("inspect", str(path)), "mpt.gguf", "unsupported GGUF architecture 'mpt'")
+    assert_one_line_error(run_keel("inspect", str(path)), "t5.gguf", "unsupported GGUF architecture 't5'")
 
 
 def test_prompt_longer_than_context(tiny, tmp_path):

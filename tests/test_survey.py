@@ -21,7 +21,7 @@ def inspect(capsys, path, *extra):
 def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    config = transformers.PersimmonConfig(
+    config = transformers.DiffLlamaConfig(
         vocab_size=64,
         hidden_size=32,
         num_hidden_layers=2,
@@ -29,7 +29,7 @@ def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
         intermediate_size=64,
         max_position_embeddings=32,
     )
-    transformers.PersimmonForCausalLM(config).save_pretrained(tmp_path)
+    transformers.DiffLlamaForCausalLM(config).save_pretrained(tmp_path)
     capsys.readouterr()  # transformers' own progress bar
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
@@ -37,15 +37,15 @@ def test_an_unknown_hf_family_is_surveyed(tmp_path, capsys):
     save_file(tensors, weights, metadata={"format": "pt"})
     code, out, err = inspect(capsys, tmp_path)
     assert code == 1
-    assert err.count("\n") == 1 and "unsupported HF architecture PersimmonForCausalLM" in err
+    assert err.count("\n") == 1 and "unsupported HF architecture DiffLlamaForCausalLM" in err
     lines = out.splitlines()
-    assert "  attention  model.layers.N.self_attn.query_key_value.weight  x2  new" in lines
-    assert "  norm       model.layers.N.self_attn.q_layernorm.weight  x2  new" in lines
+    assert "  attention  model.layers.N.self_attn.lambda_q1  x2  new" in lines  # differential attention's
+    assert "  attention  model.layers.N.self_attn.q_proj.weight  x2" in lines  # keel's own name: not new
     assert "  embedding  model.embed_tokens.weight" in lines
     unplaced = lines[lines.index("tensors keel could not place:") + 1 :]
     assert "  model.rotary_slopes" in unplaced
     keys = out.split("metadata keys keel does not read:")[1]
-    assert "qk_layernorm" in keys and "layer_norm_eps" in keys and "vocab_size" not in keys
+    assert "lambda_std_dev" in keys and "vocab_size" not in keys
 
 
 def test_an_unknown_gguf_architecture_is_surveyed(tmp_path, capsys):

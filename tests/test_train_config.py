@@ -114,7 +114,7 @@ def test_unknown_key_lists_every_valid_key(tmp_path: Path) -> None:
         (BASE + '\n[run]\ndir = "runs/{nme}"\n', "run.dir: only the placeholder {name} is allowed"),
         (BASE.replace('tokenizer = "smollm2-135m-instruct"', 'source = "x"'), "model.source: set exactly one"),
         (BASE.replace('tokenizer = "smollm2-135m-instruct"', ""), "model.tokenizer: required with model.config"),
-        (BASE.replace("LlamaForCausalLM", "BloomForCausalLM"), "model.config: unsupported architecture Bloom"),
+        (BASE.replace("LlamaForCausalLM", "DiffLlamaForCausalLM"), "model.config: unsupported architecture DiffLlama"),
         (BASE.replace("hidden_size = 64, ", ""), "model.config: missing required field 'hidden_size'"),
         (BASE.replace("[model]", '[model]\ndtype = "bfloat16"'), 'training.precision: "fp32" with bfloat16'),
         (BASE.replace("[model]", '[model]\ndtype = "float16"'), 'model.dtype: "float16" parameters cannot be'),
