@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import heapq
 import io
+import json
 import random
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 from keel.errors import KeelError
 from keel.tokenizer import Tokenizer
@@ -466,24 +469,27 @@ def test_checkpoint_and_refusals(vocab, gguf_path, tmp_path):
         assert "\n" not in str(e.value)
 
 
-def write_gemma4_vocab(path) -> list[str]:
-    """A Gemma 4 vocabulary as Gemma4Model writes it (`tokenizer.ggml.model` gemma4): control tokens, the 256 byte
-    tokens, characters and merged pieces spelled with U+2581 for spaces, the merges in rank order, add_bos false
-    (which llama.cpp overrides for this vocabulary)."""
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<turn>"] + [f"<0x{b:02X}>" for b in range(256)]
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "\n", "he", "ll", "hell", "hello", "▁w", "▁wo", "or", "\n\n"]
-    tokens += pieces
-    types = [3, 3, 3, 2, 4] + [6] * 256 + [1] * len(pieces)
-    merges = ["h e", "l l", "he ll", "hell o", "▁ w", "▁w o", "o r", "\n \n"]
+GEMMA4_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+GEMMA4_NEWLINES = ["\n", "\n\n", "\n\n\n"]  # normal tokens without merges, as in Gemma 4's vocabulary
+
+
+def write_gemma4_vocab(path, pieces: list[str], merges: list[str], add_bos: bool = True) -> list[str]:
+    """A Gemma 4 vocabulary as Gemma4Model writes it (`tokenizer.ggml.model` gemma4, from gguf's LlamaHfVocab):
+    control tokens, the 256 byte tokens, runs of newlines and the pieces (spaces spelled U+2581) as normal tokens,
+    `<|channel>` user-defined (visible), every score -1000, the merges in rank order, add_bos as given (the
+    converter writes true; llama.cpp turns false into true for this vocabulary)."""
+    tokens = GEMMA4_CONTROL + [f"<0x{b:02X}>" for b in range(256)] + GEMMA4_NEWLINES + pieces + ["<|channel>"]
+    types = [3] * len(GEMMA4_CONTROL) + [6] * 256 + [1] * (len(GEMMA4_NEWLINES) + len(pieces)) + [4]
     w = gguf.GGUFWriter(str(path), "gemma4")
     w.add_tokenizer_model("gemma4")
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_scores([-1000.0] * len(tokens))
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
-    w.add_add_bos_token(False)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(add_bos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -491,15 +497,77 @@ def write_gemma4_vocab(path) -> list[str]:
     return tokens
 
 
+def gemma_tokenizer_reference(tokens: list[str], merges: list[str], added: list[str]) -> HFTokenizer:
+    """transformers' GemmaTokenizer (models/gemma/tokenization_gemma.py), the class Gemma 4's tokenizer_config names,
+    over the same vocabulary and merges: BPE with byte fallback and `<unk>`, spaces replaced by U+2581, its
+    split on spaces (a no-op after that), U+2581/byte-fallback decoder; the control tokens special added tokens and
+    the newline runs and `<|channel>` plain added tokens, as tokenizer.json lists them."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab, [tuple(m.split(" ")) for m in merges], fuse_unk=True, unk_token="<unk>", byte_fallback=True)
+    ref = HFTokenizer(bpe)
+    ref.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    ref.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    ref.normalizer = normalizers.Replace(" ", "\u2581")
+    ref.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA4_CONTROL])
+    ref.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return ref
+
+
+def train_gemma_like_bpe(text: str) -> tuple[list[str], list[str]]:
+    """A BPE vocabulary (pieces in id order, merges in rank order) learned from `text` with spaces as U+2581 and no
+    merge across a newline; the rarest characters left out of its alphabet (they take the byte fallback)."""
+    learner = HFTokenizer(models.BPE())
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    lines = text.splitlines(keepends=True)
+    learner.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=800, limit_alphabet=70, show_progress=False))
+    model = json.loads(learner.to_str())["model"]
+    pieces = [t for t in sorted(model["vocab"], key=model["vocab"].get) if t.strip("\n")]
+    return pieces, [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+
+
 def test_gemma4_vocabulary_is_bpe_over_characters_with_spaces_as_u2581(tmp_path):
     """llama.cpp's Gemma 4 tokenizer: BOS forced, spaces as U+2581 without a prefix, merges in the file's rank order
-    over whole characters (`▁w` + `o` ranks before `o` + `r`), runs of newlines split off whole, a character without a
-    token as its UTF-8 byte tokens, special tokens matched whole; decoding undoes it all."""
+    over whole characters (`▁w` + `o` ranks before `o` + `r`), a run of newlines that is a token whole (no merges
+    make it) and a longer one cut longest first, a character without a token as its UTF-8 byte tokens, special and
+    user-defined tokens matched whole; decoding undoes it all."""
     path = tmp_path / "g4.gguf"
-    tokens = write_gemma4_vocab(path)
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁w", "▁wo", "or"]
+    merges = ["h e", "l l", "he ll", "hell o", "▁ w", "▁w o", "o r"]
+    tokens = write_gemma4_vocab(path, pieces, merges, add_bos=False)
     tokenizer = tokenizer_from_gguf(GGUFFile(path).fields.get, [1], path)
-    text = "hello world\n\nhé<turn>"
+    text = "hello world\n\n\nhé<|turn>\n\n\n\n\n<|channel>"
     ids = tokenizer.encode(text)
-    pieces = ["<bos>", "hello", "▁wo", "r", "l", "d", "\n\n", "h", "<0xC3>", "<0xA9>", "<turn>"]
-    assert [tokens[i] for i in ids] == pieces
+    expected = ["<bos>", "hello", "▁wo", "r", "l", "d", "\n\n\n", "h", "<0xC3>", "<0xA9>", "<|turn>"]
+    assert [tokens[i] for i in ids] == expected + ["\n\n\n", "\n\n", "<|channel>"]
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<bos>" + text
+    assert tokenizer.decode(ids) == text.replace("<|turn>", "")  # user-defined tokens are text
+
+
+def test_gemma4_vocabulary_matches_transformers_gemma_tokenizer(tmp_path):
+    """A BPE vocabulary learned over characters with spaces as U+2581 (as Gemma's), newline runs as tokens without
+    merges: keel's ids and decoding equal transformers' GemmaTokenizer pipeline on the same vocabulary, over text
+    with runs of spaces and newlines, tabs, CRLF, digits, foreign and unknown characters, special tokens; the
+    tokenizer.json keel writes for it reads back the same."""
+    text = mixed_text(6000, seed=3)
+    pieces, merges = train_gemma_like_bpe(text)
+    path = tmp_path / "g4.gguf"
+    tokens = write_gemma4_vocab(path, pieces, merges)
+    tokenizer = tokenizer_from_gguf(GGUFFile(path).fields.get, [1], path)
+    reference = gemma_tokenizer_reference(tokens, merges, GEMMA4_NEWLINES + ["<|channel>"])
+    rng = random.Random(5)
+    inserts = ["\n" * k for k in range(1, 8)] + ["<|turn>", "<turn|>", "<|channel>", "<eos>", "\t\t", "\U0001f600", "é"]
+    for start in range(0, len(text), 97):
+        chunk = text[start : start + rng.randint(1, 300)]
+        cut = rng.randint(0, len(chunk))
+        chunk = chunk[:cut] + rng.choice(inserts) + chunk[cut:]
+        ids = tokenizer.encode(chunk)
+        assert ids == [2, *reference.encode(chunk, add_special_tokens=False).ids], chunk
+        assert tokenizer.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False)
+        assert tokenizer.decode(ids) == reference.decode(ids)
+    # `keel convert` writes it as tokenizer.json, which reads back the same (newline runs included).
+    (tmp_path / "hf").mkdir()
+    tokenizer.save_hf(tmp_path / "hf")
+    saved = Tokenizer.from_hf_dir(tmp_path / "hf")
+    sample = text[:2000] + "\n\n\n\n\n<|channel>\U0001f600"
+    assert saved.encode(sample) == tokenizer.encode(sample)

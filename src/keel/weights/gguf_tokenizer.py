@@ -14,10 +14,8 @@ covers as byte tokens `<0xXX>`. That is BPE with the merges ranked by the score 
 make, which `tokenizers`' BPE model runs with the same leftmost tie-break (as transformers' GGUF
 loader derives them); the file's scores, not any `merges` key, define the order, as in llama.cpp.
 
-Gemma 4's vocabularies (`"gemma4"`, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4) are SentencePiece-style BPE with merges:
-spaces written as U+2581 (no prefix), the text split only into runs of newlines and runs of anything else, the file's
-merges over whole UTF-8 characters (no byte-level alphabet), `<0xXX>` byte tokens for a character no token spells, BOS
-always added (llama.cpp forces it for this vocabulary, whatever the file's flag).
+Gemma 4's vocabularies (`"gemma4"`, llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4) are SentencePiece-style BPE with merges,
+as transformers' GemmaTokenizer and llama.cpp both run them (`_gemma4_tokenizer` has the details).
 """
 
 from __future__ import annotations
@@ -196,11 +194,34 @@ def _sentencepiece_tokenizer(
 
 
 def _gemma4_tokenizer(get: Callable[..., Any], tokens: list[str], eos_token_ids: list[int]) -> Tokenizer:
-    """A Gemma 4 (`"gemma4"`) vocabulary tokenized as llama.cpp's BPE session does for LLAMA_VOCAB_PRE_TYPE_GEMMA4
-    (the module docstring)."""
+    """A Gemma 4 (`"gemma4"`) vocabulary, tokenized as llama.cpp does (llm_tokenizer_bpe_session with
+    LLAMA_VOCAB_PRE_TYPE_GEMMA4) and transformers' GemmaTokenizer does for the tokenizer.json it came from:
+
+    - every ASCII space is written U+2581 (`escape_whitespaces`), with no prefix space (`add_space_prefix` false);
+      tabs, other whitespace, digits and other characters are left as they are (no digit or word splitting);
+    - the text is split into runs of newlines and runs of anything else (llama.cpp's `[^\n]+|[\n]+`; transformers
+      does not split, which merges the same since Gemma 4's merges never join a newline to anything);
+    - a run of newlines that is itself a token is that token, not merged (llama.cpp's Gemma 4 rule, PR 21343:
+      Gemma's newline runs are SentencePiece user-defined pieces, added tokens in tokenizer.json that transformers
+      matches before BPE, but the converter types them normal and writes no merges making them). They are added
+      tokens here, so a run longer than the longest such token is cut greedily, longest first, as transformers
+      does; llama.cpp merges such a run by rank instead (with no merges for newlines: one token per newline);
+    - the rest is BPE over whole UTF-8 characters (no GPT-2 byte alphabet), the file's merges in rank order, the
+      leftmost pair first among equal ranks, as both do;
+    - a character no token spells becomes its UTF-8 bytes' `<0xXX>` tokens (byte fallback);
+    - control and unknown tokens are special, user-defined ones (Gemma4Model's `<|channel>`, `<|tool_call>`, ...)
+      are not; both are matched whole in the text, longest first;
+    - BOS is always added: llama.cpp turns `add_bos_token` on for this vocabulary whatever the file says (as
+      GemmaTokenizer's default); EOS only where the file's `add_eos_token` says so.
+
+    Decoding turns U+2581 back into spaces and byte tokens into their bytes (invalid UTF-8 as U+FFFD), as
+    GemmaTokenizer's decoder does; llama.cpp's detokenizer also drops a space before `?!.,` (clean_spaces),
+    which transformers does not, and neither does keel.
+    """
     types = get(_K.TOKEN_TYPE) or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}  # a token spelled twice: its last id, as llama.cpp's map
-    merges = [tuple(m.split(" ", 1)) for m in get(_K.MERGES) or []]
+    # llama.cpp cuts a merge at its first space after the first character (a merge of a literal space keeps it).
+    merges = [(m[: m.index(" ", 1)], m[m.index(" ", 1) + 1 :]) for m in get(_K.MERGES) or [] if " " in m[1:]]
     tok = HFTokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", _SPM_SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
@@ -212,6 +233,8 @@ def _gemma4_tokenizer(get: Callable[..., Any], tokens: list[str], eos_token_ids:
     ]
     tok.add_special_tokens([t for t in special if t.special])
     tok.add_tokens([t for t in special if not t.special])
+    # Newline runs that are (normal) tokens: whole, ahead of BPE.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in vocab if t and not t.strip("\n")])
     token_at = lambda i: tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None  # noqa: E731
     forced = lambda key, default=None: True if key == _K.ADD_BOS else get(key, default)  # noqa: E731
     bos, eos = token_at(get(_K.BOS_ID)), token_at(get(_K.EOS_ID))
