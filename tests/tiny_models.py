@@ -1685,6 +1685,19 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             window_size=8,
         ),
     ),
+    # XGLM: sinusoidal positions from row 2 whose row 3 (pad_token_id, fairseq's padding_idx) is zeros, so that
+    # position 1 has none; the embedding times sqrt(d_model); ReLU in place of GELU; an untied head.
+    "xglm": (
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        dict(
+            ffn_dim=96,
+            max_position_embeddings=256,
+            activation_function="relu",
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

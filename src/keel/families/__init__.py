@@ -115,6 +115,7 @@ from keel.families import (
     stablelm,
     starcoder2,
     vaultgemma,
+    xglm,
     youtu,
 )
 
@@ -215,6 +216,7 @@ FAMILIES: dict[str, ModuleType] = {
         lfm3,
         axk1,
         laguna,
+        xglm,
     )
 }
 
