@@ -62,6 +62,7 @@ SLOW = pytest.mark.slow
         pytest.param("falcon-rw", marks=SLOW),
         pytest.param("mpt", marks=SLOW),
         pytest.param("xglm", marks=SLOW),  # sinusoidal positions computed in the compiled decode step
+        pytest.param("biogpt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -177,6 +178,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("laguna", marks=SLOW),
         pytest.param("persimmon", marks=SLOW),
         pytest.param("xglm", marks=SLOW),
+        pytest.param("biogpt", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -248,6 +250,10 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         model = llm.engine.model
         assert model.embed_positions.padding_idx == 3 and not list(model.embed_positions.parameters())
         assert not any(a.rotates for a in attention) and model.config.embedding_multiplier == 8.0
+    elif name == "biogpt":  # learned positions from row 2; the embedding times sqrt(64); its own untied head
+        model = llm.engine.model
+        assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
+        assert model.config.embedding_multiplier == 8.0 and model.lm_head.weight is not model.embed_tokens.weight
     elif name == "bloom":  # ALiBi (no layer rotating), the embedding's own biased LayerNorm, per-head q/k/v
         model = llm.engine.model
         assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)

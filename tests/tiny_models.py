@@ -1698,6 +1698,18 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # BioGPT: learned positions from row 2, the embedding times sqrt(hidden_size), ReLU in place of GELU, an untied
+    # head `output_projection`; its layer_norm_eps is never read by its model (torch's 1e-5: see test_architectures).
+    "biogpt": (
+        "BioGptConfig",
+        "BioGptForCausalLM",
+        dict(
+            intermediate_size=96,
+            max_position_embeddings=256,
+            hidden_act="relu",
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -28,6 +28,7 @@ from keel.families import (
     arcee,
     axk1,
     bamba,
+    biogpt,
     bloom,
     codegen,
     cohere,
@@ -217,6 +218,7 @@ FAMILIES: dict[str, ModuleType] = {
         axk1,
         laguna,
         xglm,
+        biogpt,
     )
 }
 
