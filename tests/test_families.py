@@ -346,6 +346,9 @@ def test_sinusoidal_positions_are_transformers_xglm_table_bit_for_bit(width, pad
     config = ModelConfig.from_hf({**hf, "architectures": ["XGLMForCausalLM"], "pad_token_id": padding_idx})
     assert (config.position_offset, config.position_padding_idx, config.learned_positions) == (2, padding_idx, 0)
     assert ModelConfig.from_hf(config.to_hf()) == config
+    if padding_idx is not None:  # a padding row belongs to the sinusoidal table alone
+        with pytest.raises(ConfigError, match="position_padding_idx"):
+            dataclasses.replace(config, position_embedding="learned")
 
 
 def test_alibi_families_read_their_slopes_and_the_embedding_norm_goes_with_the_first_stage():
