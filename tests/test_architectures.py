@@ -287,6 +287,7 @@ def test_ernie_moes_biases_reach_its_head(tmp_path, tie):
         ("opt-350m", dict(_remove_final_layer_norm=True)),  # which OPT-350m's post-norm block has none of anyway
         # attention_types and window_size decide, not a sliding_window or layer_types beside them
         ("gpt_neo", dict(sliding_window=3, layer_types=["sliding_attention"] * 3)),
+        ("biogpt", dict(layer_norm_eps=0.5)),  # a key BioGPT's model never reads (its norms keep torch's 1e-5)
     ],
 )
 def test_config_fields_a_family_ignores_or_defers_are_read_as_transformers_reads_them(tmp_path, name, overrides):

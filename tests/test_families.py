@@ -322,12 +322,33 @@ def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
         ("GPTBigCodeForCausalLM", {"activation_function": "tanh"}, "hidden_act"),
         ("GPTJForCausalLM", {"rotary_dim": 32}, "rotary_dim"),
         ("GPTNeoForCausalLM", {"attention_types": [[["global", "sparse"], 1]]}, "attention_types"),
+        ("XGLMForCausalLM", {"add_cross_attention": True}, "add_cross_attention"),
     ],
 )
 def test_classic_families_refuse_what_keel_cannot_run_by_name(arch, fields, named):
     hf = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2}
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf({**hf, "vocab_size": 256, **fields}, source="config.json")
+
+
+@pytest.mark.parametrize(("width", "padding_idx"), [(64, 1), (54, 5), (64, None)])
+def test_sinusoidal_positions_are_transformers_xglm_table_bit_for_bit(width, padding_idx):
+    """keel computes XGLM's table from the positions each forward: the same float32 values as transformers' stored
+    table, its padding row zeros, and positions far past max_position_embeddings (no table to run out of)."""
+    from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbedding
+
+    from keel.model.layers import SinusoidalPositions
+
+    rows = torch.arange(3000).reshape(3, 1000)
+    table = XGLMSinusoidalPositionalEmbedding.get_embedding(3000, width, padding_idx)
+    assert torch.equal(SinusoidalPositions(width, padding_idx)(rows), table[rows])
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}
+    config = ModelConfig.from_hf({**hf, "architectures": ["XGLMForCausalLM"], "pad_token_id": padding_idx})
+    assert (config.position_offset, config.position_padding_idx, config.learned_positions) == (2, padding_idx, 0)
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    if padding_idx is not None:  # a padding row belongs to the sinusoidal table alone
+        with pytest.raises(ConfigError, match="position_padding_idx"):
+            dataclasses.replace(config, position_embedding="learned")
 
 
 def test_alibi_families_read_their_slopes_and_the_embedding_norm_goes_with_the_first_stage():

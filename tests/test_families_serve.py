@@ -61,6 +61,8 @@ SLOW = pytest.mark.slow
         pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
         pytest.param("falcon-rw", marks=SLOW),
         pytest.param("mpt", marks=SLOW),
+        pytest.param("xglm", marks=SLOW),  # sinusoidal positions computed in the compiled decode step
+        pytest.param("biogpt", marks=SLOW),
     ],
 )
 def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
@@ -175,6 +177,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("axk1", marks=SLOW),
         pytest.param("laguna", marks=SLOW),
         pytest.param("persimmon", marks=SLOW),
+        pytest.param("xglm", marks=SLOW),
+        pytest.param("biogpt", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -242,6 +246,14 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert llm.engine.model.embed_positions is not None and not any(a.rotates for a in attention)
         assert [a.window for a in attention] == [None, 8, 8] and all(a.o_proj.bias is not None for a in attention)
         assert llm.engine.model.config.attention_scale == 1.0
+    elif name == "xglm":  # sinusoidal positions from row 2, no weights for them; the embedding times sqrt(64)
+        model = llm.engine.model
+        assert model.embed_positions.padding_idx == 3 and not list(model.embed_positions.parameters())
+        assert not any(a.rotates for a in attention) and model.config.embedding_multiplier == 8.0
+    elif name == "biogpt":  # learned positions from row 2; the embedding times sqrt(64); its own untied head
+        model = llm.engine.model
+        assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
+        assert model.config.embedding_multiplier == 8.0 and model.lm_head.weight is not model.embed_tokens.weight
     elif name == "bloom":  # ALiBi (no layer rotating), the embedding's own biased LayerNorm, per-head q/k/v
         model = llm.engine.model
         assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)

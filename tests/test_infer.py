@@ -99,6 +99,8 @@ SHAPE_INFERABLE = [
             "gpt_neo",  # and its global / local layers from attention_types
             "bloom",  # ALiBi and the embedding's norm under its own names
             "mpt",  # ALiBi, fused q/k/v under its own names
+            "xglm",  # sinusoidal positions, fc1 / fc2 under its own names
+            "biogpt",  # learned positions, its own names
             "olmo",
             "gemma",
             "smollm3",

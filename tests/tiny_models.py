@@ -1685,6 +1685,31 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             window_size=8,
         ),
     ),
+    # XGLM: sinusoidal positions from row 2 whose row 3 (pad_token_id, fairseq's padding_idx) is zeros, so that
+    # position 1 has none; the embedding times sqrt(d_model); ReLU in place of GELU; an untied head.
+    "xglm": (
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        dict(
+            ffn_dim=96,
+            max_position_embeddings=256,
+            activation_function="relu",
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # BioGPT: learned positions from row 2, the embedding times sqrt(hidden_size), ReLU in place of GELU, an untied
+    # head `output_projection`; its layer_norm_eps is never read by its model (torch's 1e-5: see test_architectures).
+    "biogpt": (
+        "BioGptConfig",
+        "BioGptForCausalLM",
+        dict(
+            intermediate_size=96,
+            max_position_embeddings=256,
+            hidden_act="relu",
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

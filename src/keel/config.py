@@ -426,14 +426,20 @@ class ModelConfig:
     # table of max_position_embeddings + position_offset rows, `embed_positions`, added to the token embedding,
     # h = embed(tokens) + embed_positions(positions + position_offset); no layer rotates) or "alibi" (Bloom, MPT,
     # Falcon-RW: no layer rotates; each query head h's scaled scores gain alibi_scale * slope_h * (key position -
-    # query position), slopes as `keel.model.attention.alibi_slopes` gives them for alibi_bias_max).
+    # query position), slopes as `keel.model.attention.alibi_slopes` gives them for alibi_bias_max) or "sinusoidal"
+    # (XGLM: fairseq's fixed table, computed and never stored, added to the embedding as a learned one is: row
+    # r = position + position_offset holds sin(r * f_i) for i < d/2, then cos(r * f_i), f_i = 10000^(-i / (d/2 - 1)),
+    # a zero column for an odd width; keel.model.layers.SinusoidalPositions).
     position_embedding: str = "rope"
+    # The sinusoidal table's row read as zeros (fairseq's padding_idx, XGLM's pad_token_id: a position whose row
+    # it is, position + position_offset, gets no position signal); None: none.
+    position_padding_idx: int | None = None
     # ALiBi's slopes: 2^(-alibi_bias_max * i / n) for heads i = 1..n (n the power of two at or below the heads; the
     # rest interleaved from 2n), MPT's `alibi_bias_max` (Bloom's and Falcon's are 8).
     alibi_bias_max: float = 8.0
     # A factor on every slope: Falcon-RW adds the bias before its softmax scale (1/sqrt(head_dim)), Bloom and MPT after.
     alibi_scale: float = 1.0
-    position_offset: int = 0  # OPT's table starts at row 2
+    position_offset: int = 0  # OPT's table starts at row 2 (XGLM's sinusoidal one too)
     # Llama 4's attention temperature (Ministral 3's `llama_4_scaling_beta`): queries at position p are scaled by
     # 1 + beta * log(1 + floor(p / query_scale_length)); 0: off.
     query_scale_beta: float = 0.0
@@ -599,7 +605,7 @@ class ModelConfig:
 
     def layer_rotates(self, layer: int) -> bool:
         """Whether `layer` rotates q and k by RoPE (False: no position encoding in the layer, `rope_layers`, or
-        learned positions added to the embedding, `position_embedding`)."""
+        positions added to the embedding, `position_embedding`)."""
         return self.position_embedding == "rope" and (not self.rope_layers or self.rope_layers[layer])
 
     @property
@@ -755,14 +761,22 @@ class ModelConfig:
         )
         need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(
-            self.position_embedding in ("rope", "learned", "alibi"),
-            f"position_embedding {self.position_embedding!r} is not supported (rope, learned, alibi)",
+            self.position_embedding in ("rope", "learned", "alibi", "sinusoidal"),
+            f"position_embedding {self.position_embedding!r} is not supported (rope, learned, alibi, sinusoidal)",
         )
         need(not (self.is_mla and self.position_embedding != "rope"), "MLA layers always rotate their rope key")
         need(self.position_offset >= 0, f"position_offset must be >= 0, got {self.position_offset}")
         need(
-            self.position_embedding == "learned" or self.position_offset == 0,
-            "position_offset needs position_embedding 'learned'",
+            self.position_embedding in ("learned", "sinusoidal") or self.position_offset == 0,
+            "position_offset needs position_embedding 'learned' or 'sinusoidal'",
+        )
+        need(
+            self.position_padding_idx is None or self.position_embedding == "sinusoidal",
+            "position_padding_idx needs position_embedding 'sinusoidal'",
+        )
+        need(
+            self.position_embedding != "sinusoidal" or self.hidden_size >= 4,
+            "position_embedding 'sinusoidal' needs hidden_size >= 4 (fairseq's frequencies divide by d/2 - 1)",
         )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
         need(self.alibi_bias_max > 0, f"alibi_bias_max must be positive, got {self.alibi_bias_max}")

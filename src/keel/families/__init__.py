@@ -28,6 +28,7 @@ from keel.families import (
     arcee,
     axk1,
     bamba,
+    biogpt,
     bloom,
     codegen,
     cohere,
@@ -115,6 +116,7 @@ from keel.families import (
     stablelm,
     starcoder2,
     vaultgemma,
+    xglm,
     youtu,
 )
 
@@ -215,6 +217,8 @@ FAMILIES: dict[str, ModuleType] = {
         lfm3,
         axk1,
         laguna,
+        xglm,
+        biogpt,
     )
 }
 

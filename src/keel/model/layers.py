@@ -283,6 +283,33 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype).unsqueeze(2), signed_sin.to(dtype).unsqueeze(2)
 
 
+class SinusoidalPositions(nn.Module):
+    """fairseq's fixed sinusoidal positions (XGLM; `position_embedding` "sinusoidal"): positions [B, S] (each plus
+    position_offset already) -> [B, S, width] float32, computed from the positions each call (no table is stored,
+    so none limits the context): sin(p * f_i) for i < width / 2, then cos(p * f_i), f_i = 10000^(-i / (width/2 - 1)),
+    and a zero column for an odd width; row `padding_idx` is zeros. Float32 as transformers builds its table, which a
+    model cast to bf16 holds (and adds) in bf16: the caller casts to the embedding's dtype."""
+
+    def __init__(self, width: int, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.width = width
+        self.padding_idx = padding_idx
+
+    def forward(self, positions: Tensor) -> Tensor:
+        half = self.width // 2
+        # the same float32 operations as transformers' get_embedding, so that the values are the same bits
+        freqs = torch.exp(
+            torch.arange(half, dtype=torch.int64, device=positions.device).float() * -(math.log(10000) / (half - 1))
+        )
+        angles = positions.float().unsqueeze(-1) * freqs
+        table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+        if self.width % 2:
+            table = F.pad(table, (0, 1))
+        if self.padding_idx is not None:
+            table = table.masked_fill((positions == self.padding_idx).unsqueeze(-1), 0.0)
+        return table
+
+
 def apply_partial_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotary over the first cos.shape[-1] channels of each head, the rest passed as they are
     (partial_rotary_factor: GPT-NeoX, StableLM, Phi-4-mini); the whole head when they are as wide."""

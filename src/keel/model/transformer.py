@@ -19,6 +19,7 @@ from keel.model.layers import (
     HeadNorm,
     RMSNorm,
     RotaryEmbedding,
+    SinusoidalPositions,
     SwiGLU,
     activation,
     block_norm,
@@ -201,9 +202,12 @@ class Transformer(nn.Module):
             self.project_out = nn.Linear(config.hidden_size, width, bias=False)
         # GPT-2's learned absolute positions (config.position_embedding): a table added to the token embedding, held
         # with embed_tokens (a pipeline's first stage); its layers do not rotate.
-        self.embed_positions: nn.Embedding | None = None
+        # XGLM's fixed sinusoidal ones take its place, computed each forward (no weights).
+        self.embed_positions: nn.Embedding | SinusoidalPositions | None = None
         if config.learned_positions:
             self.embed_positions = _embedding(config.learned_positions, config.hidden_size)
+        elif config.position_embedding == "sinusoidal":
+            self.embed_positions = SinusoidalPositions(config.hidden_size, config.position_padding_idx)
         # NanoChat's norm of the embedding (weightless: no parameter to share with `norm`); it goes with embed_tokens.
         self.embedding_norm: nn.Module | None = None
         if config.embedding_norm:
@@ -306,8 +310,8 @@ class Transformer(nn.Module):
                 h = h * self.config.embedding_multiplier
             if self.project_in is not None:  # OPT-350m: to the model's width, before the positions join
                 h = self.project_in(h)
-            if self.embed_positions is not None:  # learned absolute positions (GPT-2)
-                h = h + self.embed_positions(meta.positions + self.config.position_offset)
+            if self.embed_positions is not None:  # learned absolute positions (GPT-2), or sinusoidal ones (XGLM)
+                h = h + self.embed_positions(meta.positions + self.config.position_offset).to(h.dtype)
             if self.embedding_norm is not None:
                 h = self.embedding_norm(h)
             if self.embed_tokens_per_layer is not None:
