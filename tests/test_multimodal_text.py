@@ -1,10 +1,10 @@
 """The text model of multimodal releases (keel.config.TEXT_MODEL_OF): Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
-GLM-4V, GLM-4.5V, HunYuan-VL, Mistral 3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, FastVLM, InternVL3(.5), Aya Vision,
-LFM2-VL, LFM3-VL, Idefics3 and SmolVLM read as the text families they pair with a vision tower (the tower left
-unread; PaliGemma, a prefix LM, refused); transformers' multimodal model's logits on text alone, the older file
-layouts transformers still loads, `keel convert` to the text model, and the engine's greedy tokens. M-RoPE is the
-plain rotary on text (its position components are the same there), which the Qwen-VL, GLM-4V and HunYuan-VL
-comparisons check."""
+GLM-4V, GLM-4.5V, ERNIE-4.5-VL, HunYuan-VL, Mistral 3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, FastVLM, InternVL3(.5),
+Aya Vision, LFM2-VL, LFM3-VL, Idefics3 and SmolVLM read as the text families they pair with a vision tower (the
+tower, and ERNIE-4.5-VL's vision experts, left unread; PaliGemma, a prefix LM, refused); transformers' multimodal
+model's logits on text alone, the older file layouts transformers still loads, `keel convert` to the text model, and
+the engine's greedy tokens. M-RoPE is the plain rotary on text (its position components are the same there), which
+the Qwen-VL, GLM-4V, ERNIE-4.5-VL and HunYuan-VL comparisons check."""
 
 from __future__ import annotations
 
@@ -127,6 +127,23 @@ RELEASES = {
         dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, out_hidden_size=64),
         {},
         "hunyuan_v1_dense",
+    ),
+    # ERNIE-4.5-VL: ERNIE 4.5 MoE's block with a second set of experts (and router) for vision tokens, unread on text
+    "ernie4_5_vl_moe": (
+        "Ernie4_5_VLMoeConfig",
+        "Ernie4_5_VLMoeForConditionalGeneration",
+        {
+            **COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": [32, 16],
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_num_shared_experts": 1,
+            **_mrope([2, 2, 4]),
+        },
+        dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+        {},
+        "ernie4_5_moe",
     ),
     "mistral3": (
         "Mistral3Config",
@@ -318,6 +335,27 @@ def test_qwen3_vl_moe_experts_in_the_release_layout(tmp_path):
         assert _rel(load_model(tmp_path, "float32").model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
 
 
+def test_ernie_vl_reads_the_text_experts(tmp_path):
+    """ERNIE-4.5-VL's checkpoints (transformers 5 saves its release layout) hold the text experts then the vision
+    ones, the routers transposed and both selection biases in one [2, E] tensor: text reads the text experts by the
+    text row, which here picks other experts than the vision row would."""
+    import transformers
+
+    name = "ernie4_5_vl_moe"
+    config_class, model_class, text, vision, outer, _ = RELEASES[name]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_class)(getattr(transformers, config_class)(text_config=text, vision_config=vision))
+    for layer in hf.model.language_model.layers[1:]:
+        layer.mlp.text_moe.gate.moe_statics.e_score_correction_bias.data[0, :4] = 1.0
+        layer.mlp.vision_moe.gate.moe_statics.e_score_correction_bias.data[0, 4:] = 1.0
+    hf.eval().save_pretrained(tmp_path)
+    save_byte_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.config.architecture == "ernie4_5_moe" and loaded.config.num_experts == 8
+    with torch.no_grad():
+        assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
+
+
 def test_hunyuan_vl_in_its_release_config(tmp_path):
     """HunyuanOCR's release names its rotary `xdrope` (NTK alpha, `xdrope_section` over four position components) in
     `rope_scaling`; transformers reads it as the `dynamic` rotary with `alpha` and M-RoPE sections, one position on
@@ -392,7 +430,16 @@ def test_m_rope_with_a_scaling_keel_lacks_is_refused_by_name():
         "gemma3",
         *[
             pytest.param(n, marks=SLOW)
-            for n in ("qwen2_5_vl", "qwen3_vl_moe", "glm4v", "smolvlm", "aya_vision", "lfm2_vl", "internvl-qwen3")
+            for n in (
+                "qwen2_5_vl",
+                "qwen3_vl_moe",
+                "glm4v",
+                "smolvlm",
+                "aya_vision",
+                "lfm2_vl",
+                "internvl-qwen3",
+                "ernie4_5_vl_moe",
+            )
         ],
     ],
 )

@@ -1421,6 +1421,8 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
     "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
+    "Ernie4_5_VLMoeForConditionalGeneration": "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_VL_MoeForConditionalGeneration": "Ernie4_5_MoeForCausalLM",
     "HunYuanVLForConditionalGeneration": "HunYuanDenseV1ForCausalLM",
     "Mistral3ForConditionalGeneration": None,
     "LlavaForConditionalGeneration": None,
@@ -1465,11 +1467,38 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Qwen3VLMoeForConditionalGeneration": lambda text: {"norm_topk_prob": True},
     "AyaVisionForConditionalGeneration": lambda text: {"logit_scale": 1.0},
+    "Ernie4_5_VLMoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
+    "Ernie4_5_VL_MoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
     "Glm4vForConditionalGeneration": lambda text: {
         "attention_bias": True,
         "head_dim": int(text["hidden_size"]) // int(text["num_attention_heads"]),
     },
 }
+
+
+def _ernie_vl_text(text: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE-4.5-VL's text model as ERNIE 4.5 MoE's: the text experts' width and count (the first of each pair, text
+    then vision), its expert layers (`mlp_layer_types`, by default all but the first) as one run; a head without
+    bias whatever `use_bias` says, which keel's ERNIE 4.5 MoE would give one (refused)."""
+    if text.get("use_bias"):
+        raise ConfigError("ERNIE-4.5-VL: use_bias is not supported (its head has no bias, ERNIE 4.5 MoE's has)")
+
+    def first(key: str, default: int) -> int:
+        value = text.get(key, default)
+        return int(value[0] if isinstance(value, list) else value)
+
+    layers = int(text["num_hidden_layers"])
+    kinds = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    if not sparse or sparse != list(range(sparse[0], sparse[-1] + 1)):
+        raise ConfigError(f"ERNIE-4.5-VL: mlp_layer_types {kinds} are not one run of expert layers")
+    return {
+        "moe_intermediate_size": first("moe_intermediate_size", 1536),
+        "moe_num_experts": first("moe_num_experts", 64),
+        "moe_layer_start_index": sparse[0],
+        "moe_layer_end_index": sparse[-1],
+        "moe_layer_interval": 1,
+    }
 
 
 # Multimodal releases whose text-only computation is not their text model's, by the config's `architectures`: why.
