@@ -356,6 +356,19 @@ def test_ernie_vl_reads_the_text_experts(tmp_path):
         assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types"), ({"use_bias": True}, "use_bias")],
+)
+def test_ernie_vl_text_models_keel_does_not_run_are_refused_by_name(change, field):
+    """Expert layers that are not one run (ERNIE 4.5 MoE's start/end indices), and biases (the VL head has none,
+    ERNIE 4.5 MoE's would), are refused."""
+    text = {**RELEASES["ernie4_5_vl_moe"][2], "model_type": "ernie4_5_vl_moe_text", **change}
+    data = {"architectures": ["Ernie4_5_VLMoeForConditionalGeneration"], "text_config": text, "vision_config": {}}
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(data)
+
+
 def test_hunyuan_vl_in_its_release_config(tmp_path):
     """HunyuanOCR's release names its rotary `xdrope` (NTK alpha, `xdrope_section` over four position components) in
     `rope_scaling`; transformers reads it as the `dynamic` rotary with `alpha` and M-RoPE sections, one position on
