@@ -1,8 +1,10 @@
 """The text model of multimodal releases (keel.config.TEXT_MODEL_OF): Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
-GLM-4V, GLM-4.5V, Mistral 3, LLaVA, Idefics3 and SmolVLM read as the text families they pair with a vision tower
-(the tower left unread); transformers' multimodal model's logits on text alone, the older file layouts transformers
-still loads, `keel convert` to the text model, and the engine's greedy tokens. M-RoPE is the plain rotary on text
-(its three position components are the same there), which the Qwen-VL and GLM-4V comparisons check."""
+GLM-4V, GLM-4.5V, ERNIE-4.5-VL, HunYuan-VL, Mistral 3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, FastVLM, InternVL3(.5),
+Aya Vision, LFM2-VL, LFM3-VL, Idefics3 and SmolVLM read as the text families they pair with a vision tower (the
+tower, and ERNIE-4.5-VL's vision experts, left unread; PaliGemma, a prefix LM, refused); transformers' multimodal
+model's logits on text alone, the older file layouts transformers still loads, `keel convert` to the text model, and
+the engine's greedy tokens. M-RoPE is the plain rotary on text (its position components are the same there), which
+the Qwen-VL, GLM-4V, ERNIE-4.5-VL and HunYuan-VL comparisons check."""
 
 from __future__ import annotations
 
@@ -107,6 +109,42 @@ RELEASES = {
         {},
         "glm4_moe",
     ),
+    # HunyuanOCR: Hunyuan dense's block (NTK alpha) with four-axis M-RoPE (xdrope_section), one position on text
+    "hunyuan_vl": (
+        "HunYuanVLConfig",
+        "HunYuanVLForConditionalGeneration",
+        {
+            **COMMON,
+            **TINY_CONFIGS["hunyuan_v1_dense"][2],
+            "rope_parameters": {
+                "rope_type": "xdrope",
+                "rope_theta": 10000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+                "xdrope_section": [2, 2, 2, 2],
+            },
+        },
+        dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, out_hidden_size=64),
+        {},
+        "hunyuan_v1_dense",
+    ),
+    # ERNIE-4.5-VL: ERNIE 4.5 MoE's block with a second set of experts (and router) for vision tokens, unread on text
+    "ernie4_5_vl_moe": (
+        "Ernie4_5_VLMoeConfig",
+        "Ernie4_5_VLMoeForConditionalGeneration",
+        {
+            **COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": [32, 16],
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_num_shared_experts": 1,
+            **_mrope([2, 2, 4]),
+        },
+        dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+        {},
+        "ernie4_5_moe",
+    ),
     "mistral3": (
         "Mistral3Config",
         "Mistral3ForConditionalGeneration",
@@ -147,6 +185,73 @@ RELEASES = {
         dict(tie_word_embeddings=False),
         "llama",
     ),
+    # LLaVA-NeXT / OneVision / FastVLM: LLaVA's layout, their decoders by the text config's model_type
+    "llava_next": (
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["mistral"][2], "model_type": "mistral"},
+        dict(_SIGLIP, patch_size=14, model_type="clip_vision_model"),
+        dict(tie_word_embeddings=False),
+        "mistral",
+    ),
+    "llava_onevision": (
+        "LlavaOnevisionConfig",
+        "LlavaOnevisionForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["qwen2"][2], "model_type": "qwen2"},
+        dict(_SIGLIP, patch_size=14, model_type="siglip_vision_model"),
+        dict(tie_word_embeddings=True),
+        "qwen2",
+    ),
+    "fast_vlm": (
+        "FastVlmConfig",
+        "FastVlmForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["qwen2"][2], "model_type": "qwen2"},
+        dict(_SIGLIP, patch_size=14, model_type="siglip_vision_model"),
+        dict(tie_word_embeddings=True),
+        "qwen2",
+    ),
+    # InternVL3 (Qwen2.5 / Llama 3 decoders) and InternVL3.5 (Qwen3's, q/k norms)
+    "internvl-qwen3": (
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["qwen3"][2], "model_type": "qwen3"},
+        dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28),
+        dict(tie_word_embeddings=False),
+        "qwen3",
+    ),
+    "internvl-qwen2": (
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["qwen2"][2], "model_type": "qwen2"},
+        dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28),
+        dict(tie_word_embeddings=False),
+        "qwen2",
+    ),
+    # Aya Vision: Command R7B's decoder; transformers' head applies no logit_scale (TEXT_MODEL_FIXED)
+    "aya_vision": (
+        "AyaVisionConfig",
+        "AyaVisionForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["cohere2"][2], "model_type": "cohere2"},
+        dict(_SIGLIP, patch_size=14, model_type="siglip_vision_model"),
+        dict(tie_word_embeddings=True),
+        "cohere2",
+    ),
+    "lfm2_vl": (
+        "Lfm2VlConfig",
+        "Lfm2VlForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["lfm2"][2], "model_type": "lfm2"},
+        dict(_SIGLIP, patch_size=14, model_type="siglip2_vision_model", num_patches=16),
+        dict(tie_word_embeddings=True, projector_hidden_size=32),
+        "lfm2",
+    ),
+    "lfm3_vl": (
+        "Lfm3VlConfig",
+        "Lfm3VlForConditionalGeneration",
+        {**COMMON, **TINY_CONFIGS["lfm3"][2], "model_type": "lfm3"},
+        dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2),
+        dict(tie_word_embeddings=False, projector_hidden_size=32),
+        "lfm3",
+    ),
 }
 
 
@@ -168,7 +273,7 @@ def _rel(ours: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # by default the releases whose reading has a part of its own (sparse defaults, M-RoPE, interleaved M-RoPE, experts)
-_DEFAULT = ("gemma3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+_DEFAULT = ("gemma3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "internvl-qwen3", "lfm2_vl", "aya_vision")
 
 
 @pytest.mark.parametrize("name", [n if n in _DEFAULT else pytest.param(n, marks=SLOW) for n in RELEASES])
@@ -230,6 +335,62 @@ def test_qwen3_vl_moe_experts_in_the_release_layout(tmp_path):
         assert _rel(load_model(tmp_path, "float32").model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
 
 
+def test_ernie_vl_reads_the_text_experts(tmp_path):
+    """ERNIE-4.5-VL's checkpoints (transformers 5 saves its release layout) hold the text experts then the vision
+    ones, the routers transposed and both selection biases in one [2, E] tensor: text reads the text experts by the
+    text row, which here picks other experts than the vision row would."""
+    import transformers
+
+    name = "ernie4_5_vl_moe"
+    config_class, model_class, text, vision, outer, _ = RELEASES[name]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_class)(getattr(transformers, config_class)(text_config=text, vision_config=vision))
+    for layer in hf.model.language_model.layers[1:]:
+        layer.mlp.text_moe.gate.moe_statics.e_score_correction_bias.data[0, :4] = 1.0
+        layer.mlp.vision_moe.gate.moe_statics.e_score_correction_bias.data[0, 4:] = 1.0
+    hf.eval().save_pretrained(tmp_path)
+    save_byte_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.config.architecture == "ernie4_5_moe" and loaded.config.num_experts == 8
+    with torch.no_grad():
+        assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types"), ({"use_bias": True}, "use_bias")],
+)
+def test_ernie_vl_text_models_keel_does_not_run_are_refused_by_name(change, field):
+    """Expert layers that are not one run (ERNIE 4.5 MoE's start/end indices), and biases (the VL head has none,
+    ERNIE 4.5 MoE's would), are refused."""
+    text = {**RELEASES["ernie4_5_vl_moe"][2], "model_type": "ernie4_5_vl_moe_text", **change}
+    data = {"architectures": ["Ernie4_5_VLMoeForConditionalGeneration"], "text_config": text, "vision_config": {}}
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf(data)
+
+
+def test_hunyuan_vl_in_its_release_config(tmp_path):
+    """HunyuanOCR's release names its rotary `xdrope` (NTK alpha, `xdrope_section` over four position components) in
+    `rope_scaling`; transformers reads it as the `dynamic` rotary with `alpha` and M-RoPE sections, one position on
+    text: Hunyuan dense's rotary."""
+    import transformers
+
+    hf = _release("hunyuan_vl", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    text = data["text_config"]
+    text.pop("rope_parameters")
+    text.update(
+        rope_theta=10000.0,
+        rope_scaling={"type": "xdrope", "alpha": 1000.0, "factor": 1.0, "xdrope_section": [2, 2, 2, 2]},
+    )
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    reloaded = transformers.HunYuanVLForConditionalGeneration.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = reloaded(input_ids=TOKENS).logits
+        assert _rel(want, hf(input_ids=TOKENS).logits) < 1e-6  # transformers reads the release's names as its own
+        assert _rel(load_model(tmp_path, "float32").model(TOKENS), want) < 1e-5
+
+
 def test_gemma3_release_config_leaves_the_text_defaults_out():
     """gemma-3-4b-it's text_config names six keys; the rest are Gemma3TextConfig's defaults (vocab_size 262208,
     8 heads of 256, 4 KV heads), as transformers reads them."""
@@ -277,7 +438,23 @@ def test_m_rope_with_a_scaling_keel_lacks_is_refused_by_name():
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma3", *[pytest.param(n, marks=SLOW) for n in ("qwen2_5_vl", "qwen3_vl_moe", "glm4v", "smolvlm")]]
+    "name",
+    [
+        "gemma3",
+        *[
+            pytest.param(n, marks=SLOW)
+            for n in (
+                "qwen2_5_vl",
+                "qwen3_vl_moe",
+                "glm4v",
+                "smolvlm",
+                "aya_vision",
+                "lfm2_vl",
+                "internvl-qwen3",
+                "ernie4_5_vl_moe",
+            )
+        ],
+    ],
 )
 def test_convert_writes_the_text_model(tmp_path, name):
     """`keel convert` of a multimodal release writes the text model, which transformers runs as its causal LM."""
@@ -345,6 +522,48 @@ def test_llava_release_config_leaves_the_text_defaults_out():
     got = (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads)
     assert got == (want.vocab_size, want.hidden_size, want.intermediate_size, want.num_hidden_layers, 32)
     assert config.num_kv_heads == want.num_key_value_heads and config.max_position_embeddings == 4096
+
+
+def test_llava_next_release_config_leaves_the_text_defaults_out():
+    """llava-v1.6-mistral-7b-hf's text_config names its Mistral's MLP width and KV heads; the rest are
+    MistralConfig's defaults."""
+    import transformers
+
+    text = dict(
+        intermediate_size=14336,
+        max_position_embeddings=32768,
+        model_type="mistral",
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        sliding_window=None,
+        vocab_size=32064,
+    )
+    data = {"architectures": ["LlavaNextForConditionalGeneration"], "model_type": "llava_next", "text_config": text}
+    config = ModelConfig.from_hf({**data, "vision_config": {}})
+    want = transformers.LlavaNextConfig(text_config=text).text_config
+    assert config.architecture == "mistral"
+    got = (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads)
+    assert got == (want.vocab_size, want.hidden_size, want.num_hidden_layers, 32, want.num_key_value_heads)
+    assert config.head_dim == want.head_dim == 128
+
+
+def test_paligemma_is_refused_by_name(tmp_path):
+    """PaliGemma is a prefix LM: its processor marks the prompt token_type_ids 0, over which transformers' model
+    attends bidirectionally (so its logits on a text prompt are not the causal decoder's), its positions from 1."""
+    import transformers
+
+    text = {**COMMON, "intermediate_size": 128, "head_dim": 16, "model_type": "gemma"}
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=dict(_SIGLIP, patch_size=14))
+    torch.manual_seed(0)
+    hf = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        prefix = hf(input_ids=TOKENS, token_type_ids=torch.zeros_like(TOKENS)).logits
+        causal = hf(input_ids=TOKENS, token_type_ids=torch.ones_like(TOKENS)).logits
+    assert _rel(prefix, causal) > 1e-2  # the prompt's tokens see the later ones
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="PaliGemmaForConditionalGeneration.*bidirectionally"):
+        load_model(tmp_path, "float32")
 
 
 def test_the_processor_chat_template_of_a_release_is_read(tmp_path):

@@ -1435,16 +1435,27 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
     "Glm4vForConditionalGeneration": "Glm4ForCausalLM",
     "Glm4vMoeForConditionalGeneration": "Glm4MoeForCausalLM",
+    "Ernie4_5_VLMoeForConditionalGeneration": "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_VL_MoeForConditionalGeneration": "Ernie4_5_MoeForCausalLM",
+    "HunYuanVLForConditionalGeneration": "HunYuanDenseV1ForCausalLM",
     "Mistral3ForConditionalGeneration": None,
     "LlavaForConditionalGeneration": None,
     "Idefics3ForConditionalGeneration": None,
     "SmolVLMForConditionalGeneration": None,
+    "LlavaNextForConditionalGeneration": None,
+    "LlavaOnevisionForConditionalGeneration": None,
+    "FastVlmForConditionalGeneration": None,
+    "InternVLForConditionalGeneration": None,
+    "AyaVisionForConditionalGeneration": None,
+    "Lfm2VlForConditionalGeneration": None,
+    "Lfm3VlForConditionalGeneration": None,
     "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
     "Gemma4UnifiedForConditionalGeneration": "Gemma4UnifiedForCausalLM",
 }
 
 # The text config class's defaults of the keys keel requires, by the text config's `model_type`, where releases leave
-# them out of `text_config` (LLaVA 1.5's names five keys of its Vicuna: LlamaConfig's 7B shape for the rest).
+# them out of `text_config` (LLaVA 1.5's names five keys of its Vicuna: LlamaConfig's 7B shape for the rest;
+# LLaVA-NeXT's Mistral names its MLP width and KV heads: MistralConfig's 7B shape for the rest).
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "vocab_size": 32000,
@@ -1453,17 +1464,63 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
     },
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
 }
 # What a multimodal release's text model does whatever its text config says (given the text config): Qwen3-VL-MoE's
 # router always renormalises its top k (transformers' Qwen3VLMoeTextTopKRouter; Qwen3-MoE's own follows
 # norm_topk_prob); GLM-4V's attention always has q/k/v biases and heads of hidden_size / num_attention_heads
-# (GLM-4's take `attention_bias` and `head_dim`).
+# (GLM-4's take `attention_bias` and `head_dim`); Aya Vision's head is a plain linear, without Command R7B's
+# `logit_scale` (transformers' AyaVisionForConditionalGeneration; vLLM's applies it: the same greedy tokens).
 TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Qwen3VLMoeForConditionalGeneration": lambda text: {"norm_topk_prob": True},
+    "AyaVisionForConditionalGeneration": lambda text: {"logit_scale": 1.0},
+    "Ernie4_5_VLMoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
+    "Ernie4_5_VL_MoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
     "Glm4vForConditionalGeneration": lambda text: {
         "attention_bias": True,
         "head_dim": int(text["hidden_size"]) // int(text["num_attention_heads"]),
     },
+}
+
+
+def _ernie_vl_text(text: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE-4.5-VL's text model as ERNIE 4.5 MoE's: the text experts' width and count (the first of each pair, text
+    then vision), its expert layers (`mlp_layer_types`, by default all but the first) as one run; a head without
+    bias whatever `use_bias` says, which keel's ERNIE 4.5 MoE would give one (refused)."""
+    if text.get("use_bias"):
+        raise ConfigError("ERNIE-4.5-VL: use_bias is not supported (its head has no bias, ERNIE 4.5 MoE's has)")
+
+    def first(key: str, default: int) -> int:
+        value = text.get(key, default)
+        return int(value[0] if isinstance(value, list) else value)
+
+    layers = int(text["num_hidden_layers"])
+    kinds = text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    if not sparse or sparse != list(range(sparse[0], sparse[-1] + 1)):
+        raise ConfigError(f"ERNIE-4.5-VL: mlp_layer_types {kinds} are not one run of expert layers")
+    return {
+        "moe_intermediate_size": first("moe_intermediate_size", 1536),
+        "moe_num_experts": first("moe_num_experts", 64),
+        "moe_layer_start_index": sparse[0],
+        "moe_layer_end_index": sparse[-1],
+        "moe_layer_interval": 1,
+    }
+
+
+# Multimodal releases whose text-only computation is not their text model's, by the config's `architectures`: why.
+TEXT_MODEL_REFUSED: dict[str, str] = {
+    "PaliGemmaForConditionalGeneration": (
+        "its prompt (the prefix, token_type_ids 0 from its processor) attends bidirectionally and its positions "
+        "start at 1, which Gemma's causal decoder does not compute"
+    ),
 }
 
 
@@ -1485,6 +1542,9 @@ def _text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     config's), the keys its release leaves out (TEXT_CONFIG_DEFAULTS) and those its class fixes (TEXT_MODEL_FIXED);
     any other config as it is."""
     archs = hf.get("architectures") or []
+    refused = next((a for a in archs if a in TEXT_MODEL_REFUSED), None) if isinstance(archs, list) else None
+    if refused is not None:
+        raise ConfigError(f"{source}: {refused} is not supported: {TEXT_MODEL_REFUSED[refused]}")
     outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
     if outer is None:
         return hf
@@ -1748,6 +1808,10 @@ def _rope_from_hf(
         # position components (time, height, width), which are the same position on text alone, so there it is the
         # plain rotary with the same frequencies. keel serves text only; the sections are not read.
         rope_type = "default"
+    if rope_type == "xdrope":
+        # HunYuan-VL's releases: the NTK-alpha rotary ("dynamic" with `alpha`, as transformers reads it) turned by four
+        # position components (`xdrope_section`), one position on text: M-RoPE's case above
+        rope_type = "dynamic"
     if rope_type == "su" or (rope_type == "yarn" and "short_factor" in spec):  # Phi-3's older names for longrope
         rope_type = "longrope"
     if rope_type == "dynamic" and spec.get("alpha"):

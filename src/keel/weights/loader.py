@@ -19,6 +19,7 @@ from keel.catalog import CATALOG, resolve_catalog
 from keel.config import ModelConfig
 from keel.errors import KeelError, WeightsError
 from keel.families import checkpoint_layout, zero_when_absent
+from keel.families.parts import Transposed
 from keel.model.transformer import Transformer
 from keel.tokenizer import Tokenizer
 from keel.weights.checkpoint import Checkpoint, TensorReader
@@ -71,6 +72,8 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
         config, quantization = _read_config(config_path)
         if _outer_architectures(config_path) & TRANSPOSED_TEXT_EXPERTS:
             reader = _transposed_experts(reader, config)
+        if _outer_architectures(config_path) & ERNIE_VL:
+            reader = _ernie_vl_text_experts(reader)
         layout = checkpoint_layout(config)
         if layout:
             reader = PartsReader(reader, layout)
@@ -126,6 +129,25 @@ def _text_model(reader: TensorReader) -> TensorReader:
             layout.update({n: {n: None} for n in names if n.startswith("lm_head.")})
             return PartsReader(reader, layout)
     return reader
+
+
+# ERNIE-4.5-VL's releases (as transformers 5 saves them too) keep the text model under its own names beside a second
+# set of experts for image and video tokens: each router stored transposed ([H, E]; `gate.weight_1` the vision
+# experts'), both routers' selection biases in one [2, E] tensor (the text experts' first), the experts numbered text
+# then vision. Text reads the text experts alone (keel.config._ernie_vl_text: their count and width).
+ERNIE_VL = {"Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"}
+
+
+def _ernie_vl_text_experts(reader: TensorReader) -> TensorReader:
+    """`reader` with ERNIE-4.5-VL's text routers read untransposed and their biases alone (ERNIE_VL); the vision
+    experts' tensors stay unread (keel reads experts 0 .. E - 1)."""
+    layout = {}
+    for name in reader.names():
+        if name.endswith(".mlp.gate.weight"):
+            layout[name] = {name: Transposed()}
+        elif name.endswith(".mlp.moe_statics.e_score_correction_bias") and tuple(reader.shape(name))[0] == 2:
+            layout[name] = {name: [(0, 1)]}
+    return PartsReader(reader, layout)
 
 
 def _transposed_experts(reader: TensorReader, config: ModelConfig) -> TensorReader:
