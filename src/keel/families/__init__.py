@@ -85,6 +85,7 @@ from keel.families import (
     mamba,
     mamba2,
     mellum,
+    mimo_v2_flash,
     minicpm3,
     minimax_m2,
     ministral,
@@ -215,6 +216,7 @@ FAMILIES: dict[str, ModuleType] = {
         lfm3,
         axk1,
         laguna,
+        mimo_v2_flash,
     )
 }
 
