@@ -49,7 +49,12 @@ class ContiguousKVCache:
                 for i in range(config.num_layers)
             ]
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        self.values: list[Tensor] = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
+        # values at each layer's own width (MiMo-V2-Flash's are narrower than its keys)
+        self.values: list[Tensor] = (
+            [k.new_zeros(*k.shape[:-1], config.layer_v_head_dim(i)) for i, k in enumerate(self.keys)]
+            if not config.is_mla
+            else []
+        )
         self._key_positions = torch.arange(max_len, device=device)
         # recurrent layers (Qwen3.5, LFM2): one state slot per row
         self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_recurrent_layers else None

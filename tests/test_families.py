@@ -1058,6 +1058,30 @@ def test_laguna_reads_its_config_classs_defaults_and_refuses_what_it_cannot_run(
         dataclasses.replace(config, sliding_rope_theta=None, sliding_partial_rotary_factor=0.5)
 
 
+def test_mimo_v2_flash_reads_its_config_classs_defaults_and_refuses_what_it_cannot_run():
+    """MiMo-V2-Flash's config class makes the first and every sixth layer full attention (the others sliding, with
+    twice the KV heads and sinks), rotating a third of each head (0.334) at 5e6 / 1e4, values 128 wide beside 192-wide
+    heads times 0.707, the first layer dense; layer kinds other than sliding / full are refused by name."""
+    import transformers
+
+    hf = {"architectures": ["MiMoV2FlashForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.update(num_hidden_layers=7, num_key_value_heads=1, n_routed_experts=8, num_experts_per_tok=2)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.MiMoV2FlashConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert config.layer_types == reference.layer_types and config.layer_types[0] == config.layer_types[5]
+    assert [config.layer_num_kv_heads(i) for i in (0, 1, 5)] == [1, 2, 1]
+    assert [config.layer_has_sinks(i) for i in (0, 1, 5)] == [False, True, False]
+    assert (config.head_dim, config.layer_v_head_dim(1), config.attention_value_scale) == (192, 128, 0.707)
+    assert config.rotary_dim == config.sliding_rotary_dim == 64  # int(192 x 0.334)
+    assert (config.rope_theta, config.sliding_rope_theta) == (5e6, 1e4)
+    assert config.mlp_only_layers == [0] and config.shared_expert_intermediate_size == 0
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf({**hf, "layer_types": ["chunked_attention"] * 7})
+    with pytest.raises(ConfigError, match="attention_sinks_sliding_only"):
+        dataclasses.replace(config, attention_sinks=False)
+
+
 def _apertus1p5_release(path):
     """A tiny `Apertus1p5ForConditionalGeneration` as released: its head pruned to the first 200 of 256 ids (the
     image and audio codes' rows of the embedding beyond), untied, with small vision and audio tokenizers."""

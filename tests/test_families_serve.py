@@ -179,6 +179,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("persimmon", marks=SLOW),
         pytest.param("xglm", marks=SLOW),
         pytest.param("biogpt", marks=SLOW),
+        pytest.param("mimo_v2_flash", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -481,6 +482,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         ]
         assert all(a.gate_softplus and a.gate_per_head for a in attention)
         assert [config.is_moe_layer(i) for i in range(3)] == [False, True, True] and config.router_logit_softcapping
+    elif name == "mimo_v2_flash":  # narrower values (the paged cache's value rows too), sinks in the sliding layers
+        stores = llm.engine.cache.values
+        assert [(a.window, a.num_kv_heads, a.v_head_dim, a.sinks is not None) for a in attention] == [
+            (None, 1, 12, False),
+            (8, 2, 12, True),
+            (8, 2, 12, True),
+            (None, 1, 12, False),
+        ]
+        assert all(s.shape[-1] == 12 for s in stores)
+        assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

@@ -152,6 +152,7 @@ SHAPE_INFERABLE = [
             "lfm3",
             "axk1",
             "laguna",
+            "mimo",  # the sliding layers' KV heads and sinks, values narrower than keys
         )
     )
 ]

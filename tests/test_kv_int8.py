@@ -224,6 +224,33 @@ def test_bytes_are_about_half_of_bfloat16():
         kv_cache_bytes(ModelConfig(**LLAMA), torch.bfloat16, "fp8")
 
 
+def test_values_narrower_than_keys_are_stored_and_counted_at_their_own_width():
+    """MiMo-V2-Flash's values (v_head_dim 12 beside head_dim 16), the sliding layers with twice the KV heads: the
+    float cache's value rows are 12 wide and the bytes per token count them so; the int8 cache refuses them."""
+    mimo = ModelConfig(
+        architecture="mimo_v2_flash",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        global_num_kv_heads=1,
+        head_dim=16,
+        v_head_dim=12,
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    assert kv_cache_bytes(mimo, torch.float32) == 4 * (1 * (16 + 12) + 2 * (16 + 12))
+    cache = make_paged_kv_cache(mimo, 5, 4, torch.float32)
+    assert [v.shape for v in cache.values] == [(1, 20, 12), (2, 20, 12)]
+    assert [k.shape for k in cache.keys] == [(1, 20, 16), (2, 20, 16)]
+    assert cache.nbytes() == kv_cache_bytes(mimo, torch.float32) * 20
+    assert not cache.attends_in_place(0)  # keel's kernel reads values as wide as the keys
+    with pytest.raises(KeelError, match="v_head_dim"):
+        make_paged_kv_cache(mimo, 5, 4, torch.float32, "cpu", "int8")
+
+
 def budget_engine(loaded, kind: str, adapt: bool = False) -> LLMEngine:
     """An engine of a 4 MiB KV budget (its block count shows the bytes per token), 32-token steps."""
     config = EngineConfig.of(

@@ -1674,6 +1674,37 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # MiMo-V2-Flash: values narrower than q/k (12 against 16) and scaled, sliding layers (window 8) with twice the
+    # KV heads and sinks around full ones, each kind rotating its own share at its own base, a dense first layer,
+    # then DeepSeek-V3's sigmoid experts (two groups, one chosen; scaled) without shared experts.
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            v_head_dim=12,
+            attention_value_scale=0.8,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            attention_bias=True,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.25},
+            },
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # GPT-Neo: learned positions, global and local layers (windows of 8), no softmax scaling, unbiased q/k/v.
     "gpt_neo": (
         "GPTNeoConfig",

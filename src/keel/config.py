@@ -366,7 +366,10 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
+    # MLA's value width; without MLA, a value width other than head_dim where > 0 (MiMo-V2-Flash's narrower values)
     v_head_dim: int = 0
+    # The values times this as projected (MiMo-V2-Flash's attention_value_scale), before the cache keeps them.
+    attention_value_scale: float = 1.0
     rope_interleave: bool = False  # DeepSeek's checkpoints store rotary pairs interleaved
     # Scalars of the block (Granite's four; 1.0 / None: not there).
     embedding_multiplier: float = 1.0  # the embedding's output is multiplied by this
@@ -488,6 +491,8 @@ class ModelConfig:
     # A learned logit per query head that joins every softmax of attention without a value (GPT-OSS's "sinks"):
     # probabilities exp(s_j) / (sum_i exp(s_i) + exp(sink)), so a head may attend to nothing.
     attention_sinks: bool = False
+    # The sinks in the sliding-window layers only (MiMo-V2-Flash's); the full-attention layers have none.
+    attention_sinks_sliding_only: bool = False
     # The MLPs' activation, the experts' and shared experts' too: silu | gelu (erf) | gelu_tanh | relu2 (ReLU
     # squared) | relu | quick_gelu (x sigmoid(1.702 x))
     hidden_act: str = "silu"
@@ -549,6 +554,20 @@ class ModelConfig:
         global_heads = self.global_num_kv_heads and self._has_global_geometry(layer)
         return self.global_num_kv_heads if global_heads else self.num_kv_heads
 
+    def layer_v_head_dim(self, layer: int) -> int:
+        """`layer`'s value width: v_head_dim where set without MLA (MiMo-V2-Flash's), else its head width."""
+        return self.v_head_dim if self.v_head_dim and not self.is_mla else self.layer_head_dim(layer)
+
+    def layer_v_size(self, layer: int) -> int:
+        return self.layer_num_kv_heads(layer) * self.layer_v_head_dim(layer)
+
+    def layer_has_sinks(self, layer: int) -> bool:
+        """Whether `layer` has softmax sinks: attention_sinks, in the sliding layers only where
+        attention_sinks_sliding_only."""
+        if not self.attention_sinks:
+            return False
+        return not self.attention_sinks_sliding_only or self.layer_types[layer] == "sliding_attention"
+
     def layer_q_size(self, layer: int) -> int:
         return self.num_heads * self.layer_head_dim(layer)
 
@@ -564,7 +583,9 @@ class ModelConfig:
         """Whether every attention layer has the same head width and KV heads (no full-attention geometry of its
         own); what tensor parallelism's one cut of the heads needs."""
         return all(
-            self.layer_head_dim(i) == self.head_dim and self.layer_num_kv_heads(i) == self.num_kv_heads
+            self.layer_head_dim(i) == self.head_dim
+            and self.layer_num_kv_heads(i) == self.num_kv_heads
+            and self.layer_v_head_dim(i) == self.head_dim
             for i in range(self.num_layers)
         )
 
@@ -959,6 +980,23 @@ class ModelConfig:
             f"num_heads ({self.num_heads}) must be a multiple of global_num_kv_heads ({self.global_num_kv_heads})",
         )
         own = bool(self.global_head_dim or self.global_num_kv_heads or self.attention_k_eq_v or self.v_norm)
+        need(
+            self.attention_value_scale > 0, f"attention_value_scale must be positive, got {self.attention_value_scale}"
+        )
+        need(
+            not self.attention_sinks_sliding_only or self.attention_sinks,
+            "attention_sinks_sliding_only needs attention_sinks",
+        )
+        if not self.is_mla:
+            need(self.v_head_dim >= 0, f"v_head_dim must be >= 0, got {self.v_head_dim}")
+            need(
+                not self.v_head_dim or not (self.global_head_dim or self.attention_k_eq_v),
+                "v_head_dim beside global_head_dim or attention_k_eq_v",
+            )
+            need(
+                not self.v_head_dim or self.v_head_dim == self.head_dim or not self.attention_output_gate,
+                "v_head_dim other than head_dim beside attention_output_gate",
+            )
         need(not (self.is_mla and own), "multi-head latent attention has no per-layer geometry, k = v or v norms")
         if self.full_rotary_dim != self.rotary_dim:
             # the sliding layers then rotate by a table of their own width (AttentionMetadata.sliding_rope)
@@ -1096,12 +1134,13 @@ class ModelConfig:
             attn += rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_layernorm, kv_b_proj
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
-        kv_projections = 1 if self.layer_k_eq_v(layer) else 2  # k = v: no v_proj
+        v_size = 0 if self.layer_k_eq_v(layer) else self.layer_v_size(layer)  # k = v: no v_proj
+        o_size = self.num_heads * self.layer_v_head_dim(layer)
         if self.kv_source(layer) != layer:  # attends over another layer's K/V: q and o only (and q's norm)
-            kv_projections, kv_size = 0, 0
-        attn = h * q_size + kv_projections * h * kv_size + q_size * h
+            v_size, kv_size = 0, 0
+        attn = h * q_size + h * (kv_size + v_size) + o_size * h
         if self.qkv_bias:
-            attn += q_size + kv_projections * kv_size
+            attn += q_size + kv_size + v_size
         if self.o_bias:
             attn += h
         if self.attention_output_gate and self.attention_gate_per_head:
@@ -1113,7 +1152,7 @@ class ModelConfig:
             k_norm = kv_size if whole else head_dim if kv_size else 0
             norms = (q_size if whole else head_dim) + k_norm
             attn += 2 * norms if self.qk_norm_bias else norms
-        if self.attention_sinks:
+        if self.layer_has_sinks(layer):
             attn += self.num_heads
         return attn
 

@@ -86,6 +86,7 @@ from keel.families import (
     mamba,
     mamba2,
     mellum,
+    mimo_v2_flash,
     minicpm3,
     minimax_m2,
     ministral,
@@ -219,6 +220,7 @@ FAMILIES: dict[str, ModuleType] = {
         laguna,
         xglm,
         biogpt,
+        mimo_v2_flash,
     )
 }
 

@@ -234,6 +234,9 @@ class Attention(nn.Module):
         # the layer's own geometry: Gemma 4's full-attention layers have wider heads and fewer KV heads
         self.num_kv_heads = config.layer_num_kv_heads(layer)
         self.head_dim = config.layer_head_dim(layer)
+        self.v_head_dim = config.layer_v_head_dim(layer)  # MiMo-V2-Flash's values are narrower than q and k
+        # MiMo-V2-Flash's attention_value_scale on the values as projected (before the cache keeps them)
+        self.value_scale = config.attention_value_scale
         self.rotary_dim = config.layer_rotary_dim(layer)
         self.window = config.layer_window(layer)
         h, q_size, kv_size = config.hidden_size, config.layer_q_size(layer), config.layer_kv_size(layer)
@@ -246,8 +249,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_size, bias=config.qkv_bias) if own_kv else None
         # Gemma 4's attention_k_eq_v: the keys' projection is the values' too (before k's norm and rotary)
         self.k_eq_v = config.layer_k_eq_v(layer)
-        self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, h, bias=config.o_bias)
+        v_size = config.layer_v_size(layer)
+        self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, v_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.o_bias)
         # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj; LFM3: one per query head
         self.gate_per_head = config.attention_gate_per_head
         self.gate_softplus = config.attention_gate_activation == "softplus"  # Laguna's
@@ -283,8 +287,9 @@ class Attention(nn.Module):
         self.q_multiplier = None if scale is None else scale * math.sqrt(self.head_dim)
         # Gemma 2's attention-score soft-capping; with a cache, the cache applies it (KVCache.attend).
         self.softcap = config.attn_logit_softcapping
-        # GPT-OSS's softmax sinks, one logit per query head (under tensor parallelism, this rank's heads').
-        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
+        # GPT-OSS's softmax sinks, one logit per query head (under tensor parallelism, this rank's heads'); MiMo-V2-
+        # Flash's in its sliding-window layers only.
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.layer_has_sinks(layer) else None
         # ALiBi's slopes (position_embedding "alibi"), float32 [H] on the CPU (under tensor parallelism, this rank's
         # heads'): a plain attribute, not a buffer, so that building on the meta device and loading leave it be;
         # `alibi_on` keeps a copy on the queries' device.
@@ -368,7 +373,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        q, k, v = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.v_head_dim)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         if self.v_norm_eps is not None:
             v = l2_norm(v, self.v_norm_eps)
         if self.q_norm is not None and not self.qk_norm_whole and not self.qk_norm_after_rope:

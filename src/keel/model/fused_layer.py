@@ -99,6 +99,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None  # Falcon-H1's mixer beside the attention and its MLP multipliers: the modules'
     if attn.softcap is not None or attn.sinks is not None or attn.alibi is not None:
         return None  # Gemma 2's score soft-capping, GPT-OSS's sinks, ALiBi: keel::decoder_layers does none
+    if attn.v_head_dim != attn.head_dim or attn.value_scale != 1.0:
+        return None  # MiMo-V2-Flash's narrower, scaled values: the operator's are as wide as the keys
     # The kernel's block is Llama's: RMSNorms before the sublayers, sequential residuals, SwiGLU, rotary over
     # whole heads, q/k norms per head; the modules run the other blocks.
     if layer.parallel_residual or layer.attn_output_norm is not None or not isinstance(layer.input_layernorm, RMSNorm):

@@ -50,8 +50,12 @@ def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: st
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
             return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-        return sum(2 * config.layer_kv_size(i) * dtype.itemsize for i in layers)  # each layer's own geometry
+        # each layer's own geometry, its values at their own width (MiMo-V2-Flash's are narrower than its keys)
+        return sum((config.layer_kv_size(i) + config.layer_v_size(i)) * dtype.itemsize for i in layers)
     scale = SCALE_DTYPE.itemsize
     if config.is_mla:  # one latent + rope-key row per layer, a scale for each of its two parts
         return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim + 2 * scale)
-    return sum(2 * config.layer_num_kv_heads(i) * (config.layer_head_dim(i) + scale) for i in layers)
+    return sum(
+        config.layer_num_kv_heads(i) * (config.layer_head_dim(i) + config.layer_v_head_dim(i) + 2 * scale)
+        for i in layers
+    )

@@ -217,6 +217,8 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
         return "KV sharing across layers"
     if config.altup_num_inputs:  # the compiled step carries one residual stream, not AltUp's copies
         return "AltUp (altup_num_inputs)"
+    if any(config.layer_v_head_dim(i) != config.layer_head_dim(i) for i in config.kv_layers()):
+        return "values of another width than the keys (v_head_dim)"  # keel's paged kernels read them as wide
     if type(cache) is not PagedKVCache:
         return "a quantized KV cache"
     if model.device.type not in ("cpu", "cuda"):

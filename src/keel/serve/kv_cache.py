@@ -360,7 +360,15 @@ class PagedKVCache:
             torch.zeros(self.kv_heads[i], self.slots_of(i), self.head_dims[i], dtype=dtype, device=device)
             for i in range(config.num_layers)
         ]
-        self.values = [] if config.is_mla else [torch.zeros_like(k) for k in self.keys]
+        # values at each layer's own width (MiMo-V2-Flash's are narrower than its keys)
+        self.values = (
+            []
+            if config.is_mla
+            else [
+                torch.zeros(self.kv_heads[i], self.slots_of(i), config.layer_v_head_dim(i), dtype=dtype, device=device)
+                for i in range(config.num_layers)
+            ]
+        )
         self.recurrent = RecurrentStates(config, sequences, dtype, device) if config.has_recurrent_layers else None
         self.plan: StepPlan | None = None
 
@@ -426,6 +434,8 @@ class PagedKVCache:
         # MLA has no values; keel::decoder_layers's attention neither soft-caps scores nor counts sinks nor biases
         if not self.values or self.softcap or self.has_sinks or self.has_alibi:
             return False
+        if self.values[layer].shape[-1] != self.head_dims[layer]:  # the kernel's values are as wide as its keys
+            return False
         return kernel_attends(self.keys[layer], self.head_dims[layer], self.block_size)
 
     def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -455,6 +465,14 @@ class PagedKVCache:
         softcap = self.softcap
         head_dim = q.shape[-1]  # the layer's (MLA: the latent and rope key's)
         backend = attention_backend(k_store, head_dim, self.block_size) if isinstance(k_store, Tensor) else "torch"
+        # the int8 cache's stores (QuantStore) hold values as wide as keys (it refuses v_head_dim)
+        v_dim = (
+            self.latent_rank
+            if v_store is None
+            else (v_store if isinstance(v_store, Tensor) else v_store.data).shape[-1]
+        )
+        if v_dim != head_dim and v_store is not None:
+            backend = "torch"  # keel's kernels and the Triton kernel read values as wide as the keys
         if backend == "kernels":
             return self._attend_in_place(q, k_store, v_store, None, None, window, scale, sinks, alibi)
 
@@ -464,7 +482,6 @@ class PagedKVCache:
 
         queries = q[0]  # [H, T, D]
         heads = queries.shape[0]
-        v_dim = head_dim if v_store is not None else self.latent_rank
         whole = len(plan.decodes) == 1 and plan.decodes[0].whole_step
         out = None if whole else queries.new_empty(heads, queries.shape[1], v_dim)
         decode_scale = scale if scale is not None else head_dim**-0.5

@@ -98,6 +98,10 @@ def make_paged_kv_cache(
             raise KeelError(
                 "--kv-cache-dtype int8 does not run with recurrent (linear_attention, conv, mamba, hybrid) layers"
             )
+        if not config.is_mla and any(
+            config.layer_v_head_dim(i) != config.layer_head_dim(i) for i in config.kv_layers()
+        ):
+            raise KeelError("--kv-cache-dtype int8 does not run with values narrower than keys (v_head_dim)")
         return Int8PagedKVCache(config, num_blocks, block_size, dtype, device, layers)
     store = kv_store_dtype(dtype, kv_cache_dtype)
     return PagedKVCache(config, num_blocks, block_size, store, device, layers, sequences)
