@@ -18,6 +18,7 @@ from typing import Any
 
 from keel.errors import ConfigError
 from keel.families.layer_kinds import dense_layers, mlp_layer_types
+from keel.families.rope import rope_per_kind
 
 FAMILY = "laguna"
 HF_ARCHITECTURE = "LagunaForCausalLM"
@@ -92,13 +93,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    rope = hf["rope_parameters"]
-    if config.sliding_rope_theta is None:  # every layer full: one kind, written per kind as the config class does
-        rope = {"full_attention": rope}
-    rope = {kind: dict(spec) for kind, spec in rope.items()}
-    rope["full_attention"]["partial_rotary_factor"] = config.partial_rotary_factor
-    if "sliding_attention" in rope:
-        rope["sliding_attention"]["partial_rotary_factor"] = config.sliding_partial_rotary_factor
+    rope = rope_per_kind(config, hf)
     return {
         "attention_bias": config.qkv_bias,
         "gating": True if config.attention_gate_per_head else "per-element",

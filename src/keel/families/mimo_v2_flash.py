@@ -19,6 +19,7 @@ from typing import Any
 
 from keel.errors import ConfigError
 from keel.families.layer_kinds import dense_layers, mlp_layer_types
+from keel.families.rope import rope_per_kind
 
 FAMILY = "mimo_v2_flash"
 HF_ARCHITECTURE = "MiMoV2FlashForCausalLM"
@@ -94,13 +95,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
-    rope = hf["rope_parameters"]
-    if config.sliding_rope_theta is None:  # every layer full: one kind, written per kind as the config class does
-        rope = {"full_attention": rope}
-    rope = {kind: dict(spec) for kind, spec in rope.items()}
-    rope["full_attention"]["partial_rotary_factor"] = config.partial_rotary_factor
-    if "sliding_attention" in rope:
-        rope["sliding_attention"]["partial_rotary_factor"] = config.sliding_partial_rotary_factor
+    rope = rope_per_kind(config, hf)
     sliding = "sliding_attention" in config.layer_types
     return {
         "attention_bias": config.qkv_bias,

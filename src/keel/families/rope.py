@@ -52,3 +52,17 @@ def interleaved_qk_layout(config: Any) -> dict[str, dict[str, list[tuple[int, in
             layout[f"{attn}.q_proj.{kind}"] = {f"{attn}.q_proj.{kind}": q_rows}
             layout[f"{attn}.k_proj.{kind}"] = {f"{attn}.k_proj.{kind}": k_rows}
     return layout
+
+
+def rope_per_kind(config: Any, hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The `rope_parameters` keyed by layer kind as Laguna's and MiMo-V2-Flash's config classes write them, each kind
+    with its rotary share (`partial_rotary_factor`; the sliding layers' `sliding_partial_rotary_factor`), given the
+    common export's `hf`."""
+    rope = hf["rope_parameters"]
+    if config.sliding_rope_theta is None:  # every layer full: one kind, written per kind as the config class does
+        rope = {"full_attention": rope}
+    rope = {kind: dict(spec) for kind, spec in rope.items()}
+    rope["full_attention"]["partial_rotary_factor"] = config.partial_rotary_factor
+    if "sliding_attention" in rope:
+        rope["sliding_attention"]["partial_rotary_factor"] = config.sliding_partial_rotary_factor
+    return rope
