@@ -1,7 +1,7 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 Gemma 3n, OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3,
 Hunyuan dense and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba,
-DBRX, BLOOM and MPT.
+DBRX, BLOOM, MPT and ChatGLM (GLM-4-9B).
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -532,6 +532,53 @@ def _gptj_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
         w.add_rope_dimension_count(hp["rotary_dim"])
 
 
+def _chatglm_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """ChatGLMModel's keys (none of TextModel's), from ChatGLM's config.json names where it has them, else
+    GlmForCausalLM's: the context as `seq_length` (absent: the hidden size), half of hidden / heads rotating
+    (GlmConfig's head_dim unread), the eps as `layernorm_epsilon` (absent: 1e-5) and the base as 10000 x rope_ratio,
+    both over GlmConfig's own; no BOS."""
+    hidden, heads = hp["hidden_size"], hp["num_attention_heads"]
+    w.add_context_length(hp.get("seq_length", hidden))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(hp.get("ffn_hidden_size", hp.get("intermediate_size", 4 * hidden)))
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(hp.get("multi_query_group_num", hp.get("num_key_value_heads", heads)))
+    w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", 1e-5))
+    w.add_rope_dimension_count(int(hp.get("attention_dim", hidden // heads) * hp.get("partial_rotary_factor", 0.5)))
+    w.add_add_bos_token(False)
+    w.add_rope_freq_base(10000 * hp.get("rope_ratio", 1))
+
+
+# A GLM checkpoint under ChatGLM's own names (THUDM/glm-4-9b-chat, chatglm3-6b; the converter drops `transformer.`):
+# q, k and v fused in query_key_value, rows [all q; all k; all v], as are their biases.
+_CHATGLM_NAMES = (
+    (r"^model\.embed_tokens\.", "embedding.word_embeddings."),
+    (r"^model\.norm\.", "encoder.final_layernorm."),
+    (r"^lm_head\.", "output_layer."),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"encoder.layers.\1.self_attention.dense."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate_up_proj\.", r"encoder.layers.\1.mlp.dense_h_to_4h."),
+    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"encoder.layers.\1.mlp.dense_4h_to_h."),
+    (r"^model\.layers\.(\d+)\.", r"encoder.layers.\1."),
+)
+
+
+def _chatglm_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if match := re.match(r"model\.layers\.(\d+)\.self_attn\.q_proj\.(\w+)$", name):
+            layer, suffix = match.groups()
+            parts = [state[f"model.layers.{layer}.self_attn.{p}_proj.{suffix}"] for p in "qkv"]
+            out[f"encoder.layers.{layer}.self_attention.query_key_value.{suffix}"] = torch.cat(parts)
+        elif not re.match(r"model\.layers\.\d+\.self_attn\.[kv]_proj\.", name):
+            for pattern, repl in _CHATGLM_NAMES:
+                name, n = re.subn(pattern, repl, name)
+                if n:
+                    break
+            out[name] = t
+    return out
+
+
 # The converters that write Llama 3's rope scaling as rope_freqs.
 _LLAMA3_FREQS = (gguf.MODEL_ARCH.APERTUS, gguf.MODEL_ARCH.ARCEE, gguf.MODEL_ARCH.EXAONE)
 
@@ -567,6 +614,19 @@ CONVERTERS = {
         prepare=_afmoe_prepare,
         build={"num_hidden_layers": 4, "global_attn_every_n_layers": 4, "layer_types": None},
     ),
+    # ChatGLMModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs), gate and up fused in
+    # ffn_up. A GlmForCausalLM checkpoint keeps q/k/v apart, ChatGLM's own fuses them (`glm-qkv`: attn_qkv). Built with
+    # what the converter writes in place of GlmConfig's: the head hidden / heads, eps 1e-5, base 10000
+    **{
+        name: Converter(
+            gguf.MODEL_ARCH.CHATGLM,
+            keys=_chatglm_keys,
+            text_model=False,
+            prepare=prepare,
+            build={"head_dim": 16, "rms_norm_eps": 1e-5},
+        )
+        for name, prepare in (("glm", lambda state, hp: state), ("glm-qkv", _chatglm_prepare))
+    },
     # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
     "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
     # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
@@ -769,7 +829,7 @@ def build(name: str, **extra: Any):
         hp = build_hf_model(name).config.to_dict()
         factor = llama_cpp_attn_factor(hp)
         overrides["rope_parameters"] = {**hp["rope_parameters"], "short_mscale": factor, "long_mscale": factor}
-    return build_hf_model(name, **overrides)
+    return build_hf_model("glm" if name == "glm-qkv" else name, **overrides)  # (the same model, stored fused)
 
 
 def assert_family_features(name: str, loaded, hf) -> None:
@@ -861,6 +921,14 @@ def assert_family_features(name: str, loaded, hf) -> None:
             False,
         )
         assert reader.gguf_names("model.layers.1.self_attn.q_proj.weight") == ["blk.1.attn_q.weight"]
+    if name.startswith("glm"):  # half of each head rotating, biased q/k/v (fused or apart), gate and up fused
+        assert (c.partial_rotary_factor, c.rotary_dim, c.num_kv_heads, c.qkv_bias, c.o_bias) == (0.5, 8, 2, True, False)
+        assert c.rope_theta == 10000.0 and c.max_position_embeddings == 64 and c.rms_norm_eps == pytest.approx(1e-5)
+        qkv = "blk.1.attn_qkv" if name == "glm-qkv" else "blk.1.attn_k"
+        assert reader.gguf_names("model.layers.1.self_attn.k_proj.bias") == [f"{qkv}.bias"]
+        assert reader.gguf_names("model.layers.1.mlp.gate_proj.weight") == ["blk.1.ffn_up.weight"]
+        v = "model.layers.1.self_attn.v_proj.weight"
+        assert torch.equal(reader.get(v), hf.state_dict()[v])
     if name == "olmo":  # weightless LayerNorms, the clamp, q/k weights un-permuted and their biases as stored
         assert (c.norm_type, c.norm_affine, c.clip_qkv, c.qkv_bias) == ("layer", False, pytest.approx(0.3), True)
         assert loaded.checkpoint.provenance["clip_qkv"] == "read"
@@ -1131,3 +1199,32 @@ def test_afmoe_gguf_without_renormalised_sigmoid_experts_is_refused(tmp_path, ex
     write_converted(build("afmoe"), tmp_path / "a.gguf", dataclasses.replace(CONVERTERS["afmoe"], keys=keys))
     with pytest.raises(ConfigError, match=re.escape(message)):
         open_gguf(tmp_path / "a.gguf")
+
+
+def _gate_and_up_apart(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in state.items():
+        if name.endswith("gate_up_proj.weight"):
+            gate, up = t.chunk(2)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("what", ["output bias", "gate apart"])
+def test_chatglm_gguf_with_what_llama_cpp_does_not_load_is_refused(tmp_path, monkeypatch, what):
+    """ChatGLM's block has no output or MLP biases and keeps gate and up fused (llama.cpp's `chatglm` loads nothing
+    else): a file holding an output bias or `ffn_gate` apart is refused by name, not read with them dropped."""
+    if what == "output bias":
+        bias = lambda state, hp: {**state, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}  # noqa: E731
+        converter = dataclasses.replace(CONVERTERS["glm"], prepare=bias)
+        message = r"o_bias \(blk\.0\.attn_output\.bias\) is not supported for chatglm"
+    else:  # (ChatGLMModel cannot name ffn_gate: named by llama's table, as a hand-made file would)
+        names = gguf.get_tensor_name_map
+        monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, n: names(gguf.MODEL_ARCH.LLAMA, n))
+        converter = dataclasses.replace(CONVERTERS["glm"], prepare=_gate_and_up_apart)
+        message = r"a separate blk\.0\.ffn_gate\.weight is not supported for chatglm"
+    write_converted(build("glm"), tmp_path / "glm.gguf", converter)
+    with pytest.raises(ConfigError, match=message):
+        open_gguf(tmp_path / "glm.gguf")

@@ -18,10 +18,10 @@ that stores fused or renamed tensors (keel.families) then splits or renames them
 Supported: architectures llama (and llama with experts, i.e. Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, qwen2vl,
 qwen3vl, qwen3vlmoe (the text models of Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE), granite,
 granitemoe (with a shared expert or not), phi2, phi3, olmo2, gemma, gemma2, gemma3, gemma3n, gemma4, stablelm, gptneox,
-smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe, llama4,
-deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe, olmo,
-phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5), minicpm3,
-hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
+smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4moe, dots1, ernie4_5, ernie4_5-moe,
+llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
+olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
+minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
 (GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj and afmoe (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
@@ -77,6 +77,15 @@ the whole head (a partial `rope.dimension_count_swa` refused), the final cap (ab
 `layer_output_scale` (HF's layer_scalar), the per-layer inputs and KV sharing as Gemma 3n's (the table unpadded), and
 the MoE model's experts stacked as HF's (`ffn_gate_up_exps`, or gate and up apart, and `ffn_down_exps`), the router's
 scale as `ffn_gate_inp.scale`, per_expert_scale as `ffn_down_exps.scale`, its counts and width as keys.
+
+ChatGLM (`chatglm`; ChatGLMModel, for ChatGLM2/3, GLM-4-9B(-chat) and transformers' GlmForCausalLM alike) is read as
+keel's `glm` (transformers' GLM, the same computation): RMS norms, biased q/k/v, gate and up fused in `ffn_up` (gate
+rows first), rotary over `rope.dimension_count` channels of each head (the converter writes half of hidden / heads; no
+key_length: the head size is hidden / heads) on interleaved pairs (llama.cpp's NORM rope), the base 10000 x rope_ratio
+(a GlmForCausalLM's rope_theta and rms_norm_eps are not read by the converter: the file's 10000 and eps are what
+llama.cpp runs, and keel reads them). ChatGLM's own checkpoints keep q/k/v fused (`attn_qkv`, rows [all q; all k; all
+v]: split here), GlmForCausalLM's apart; ChatGLM2/3's multi-query groups are the KV head count. Output or MLP biases
+and a separate `ffn_gate` (none of which llama.cpp loads) are refused by name.
 
 EXAONE 4: q/k norms per head and output norms (`post_attention_norm`, `post_ffw_norm`), the window in
 `attention.sliding_window` and the sliding layers in `attention.sliding_window_pattern` (a list), the global
@@ -283,6 +292,8 @@ _FAMILIES = {
     _A.COMMAND_R: "cohere",
     _A.COHERE2: "cohere2",
     _A.GPT_OSS: "gpt_oss",
+    # ChatGLM2/3 and GLM-4-9B (ChatGLMModel, which converts GlmForCausalLM too): transformers' GLM block (module doc)
+    _A.CHATGLM: "glm",
     _A.GLM4: "glm4",
     _A.GLM4_MOE: "glm4_moe",
     _A.DOTS1: "dots1",
@@ -350,7 +361,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Families whose rotary covers the first rope.dimension_count channels of each head (partial rotary).
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
-_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
+_ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
@@ -633,6 +644,8 @@ def _family_fields(
         own.update(_phi3_longrope(f, common, tensors, path))
         window = int(f.key(_KA.SLIDING_WINDOW, 0) or 0)  # 0: none (Phi-4's files)
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
+    if family == "glm":
+        _check_chatglm(common, tensors, path)
     if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
     if family in ("deepseek_v2", "deepseek_v3"):
@@ -662,6 +675,16 @@ def _family_fields(
             # llama.cpp rounds it for every model).
             own["rope_scaling"] = dataclasses.replace(common["rope_scaling"], truncate=False)
     return own
+
+
+def _check_chatglm(common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> None:
+    """What a `chatglm` file could hold beyond the block llama.cpp runs (and GLM's): output or MLP biases (ChatGLM's
+    add_bias_linear false; llama.cpp loads none) and gate and up apart (llama.cpp reads them fused in `ffn_up`)."""
+    for field, kind in (("o_bias", MODEL_TENSOR.ATTN_OUT), ("mlp_bias", MODEL_TENSOR.FFN_UP)):
+        if common[field]:
+            raise ConfigError(f"{path}: {field} ({_tensor(kind, 0, 'bias')}) is not supported for chatglm")
+    if _tensor(MODEL_TENSOR.FFN_GATE, 0) in tensors:
+        raise ConfigError(f"{path}: a separate {_tensor(MODEL_TENSOR.FFN_GATE, 0)} is not supported for chatglm")
 
 
 def _deepseek_moe_fields(
@@ -936,7 +959,7 @@ def _family_hf_config(
             moe_layer_interval=int(f.key(_K.INTERLEAVE_MOE_LAYER_STEP, 1) or 1),
         )
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers"}
-    if family in ("glm4", "glm4_moe"):  # the rotary width (half of each head); biases by tensor
+    if family in ("glm", "glm4", "glm4_moe"):  # the rotary width (half of each head); biases by tensor
         rope_dims = f.key(_KR.DIMENSION_COUNT)
         if rope_dims is not None:
             hf.update(partial_rotary_factor=_rotary_factor(int(rope_dims), head_dim))
@@ -2268,6 +2291,8 @@ class GGUFTensorReader:
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
+            elif kind == MODEL_TENSOR.ATTN_QKV and arch == _A.CHATGLM:
+                self._add_chatglm_qkv(config, layout, layer, suffix, t, shape)
             elif base in names:
                 # (Falcon-H1's converter names its MLP norm `ffn_norm`, without `.weight`)
                 hf = f"{names[base]}.{suffix or 'weight'}"
@@ -2316,6 +2341,27 @@ class GGUFTensorReader:
                 for layer, value in enumerate(reader.fields[key]):
                     shape = (1,) if param.startswith("alpha") else ()
                     self._add(f"model.layers.{layer}.mlp.act_fn.{param}", (), shape, _constant(value, shape))
+
+    def _add_chatglm_qkv(
+        self, config: ModelConfig, layout: dict[str, Any], layer: int | None, suffix: str, t: GGUFTensor, shape
+    ) -> None:
+        """ChatGLM's query_key_value (`attn_qkv`, rows [all q; all k; all v], as llama.cpp views them) read as GLM's
+        q_proj, k_proj and v_proj: each its run of rows, q's and k's in the family's regrouped order."""
+        widths = {"q_proj": config.num_heads * config.head_dim, "k_proj": config.num_kv_heads * config.head_dim}
+        widths["v_proj"] = widths["k_proj"]
+        if sum(widths.values()) != shape[0]:
+            raise WeightsError(f"{self.path}: tensor {t.name!r} has {shape[0]} rows, not q, k and v's {widths}")
+        start = 0
+        for part, width in widths.items():
+            hf = f"model.layers.{layer}.self_attn.{part}.{suffix}"
+            span = (start, start + width)
+            spans = layout.get(hf, {}).get(hf)
+            if spans:  # q/k rows regrouped (interleaved pairs), within the part's own rows
+                order = np.concatenate([np.arange(a, b) for a, b in spans])
+                self._add(hf, (t,), (width, *shape[1:]), _rows_in_order(order), span)
+            else:
+                self._add(hf, (t,), (width, *shape[1:]), _single, span)
+            start += width
 
     def _add_old_expert(self, name: str, t: GGUFTensor) -> None:
         for kind, pattern in _OLD_EXPERT.items():
