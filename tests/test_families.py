@@ -286,6 +286,22 @@ def test_opt_350m_projections_go_with_the_embedding_and_the_head(tmp_path):
         assert torch.equal(last(first(tokens)), full(tokens))
 
 
+@pytest.mark.parametrize(
+    "name, options, field",
+    [
+        ("opt-350m", dict(laurel_rank=4), "laurel_rank"),
+        ("gemma4-moe", dict(norm_placement="post_residual"), "moe_branch_norms"),
+    ],
+)
+def test_post_residual_norms_refuse_what_their_block_does_not_run(tmp_path, name, options, field):
+    """The post_residual block adds no LAuReL branch and norms the MLP's input with the layer's own norm (which the
+    MoE block's branch norms take the place of): refused by name, not dropped (LAuReL) or failing in forward."""
+    save_hf_model(name, tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=field):
+        dataclasses.replace(config, **options)
+
+
 def test_learned_positions_go_with_the_embedding_and_bound_the_served_length():
     """A pipeline's first stage holds the position table; serving past its rows is refused whatever the
     environment allows (there is no row to read)."""
@@ -896,6 +912,13 @@ def test_gemma3n_refuses_training_parallelism_and_the_compiled_step(tmp_path):
     cfg = SimpleNamespace(parallel=train_config.ParallelSection(tp=2), moe=train_config.MoESection())
     with pytest.raises(ConfigError, match="laurel_rank"):
         train_config._check_model_fits(cfg, laurel_only, 1, lambda message: ConfigError(message))
+    # the sparse gates' cut-off reads the mean and spread of the gate's whole width, which a rank holds a share of
+    sparse_only = dataclasses.replace(laurel_only, laurel_rank=0)
+    assert any(sparse_only.activation_sparsity)
+    with pytest.raises(KeelError, match="activation_sparsity"):
+        check_parallel_model(sparse_only, tmp_path, 2, 1)
+    with pytest.raises(ConfigError, match="activation sparsity"):
+        train_config._check_model_fits(cfg, sparse_only, 1, lambda message: ConfigError(message))
     assert compile_unsupported(build_model(plain), SimpleNamespace()) == "AltUp (altup_num_inputs)"
 
 

@@ -65,6 +65,8 @@ MODELS = {
     "bloom": lambda: tiny_config("bloom", num_hidden_layers=2, tie_word_embeddings=False),
     # softmax sinks (cut with the heads under tp), biased router and experts (split with them under ep)
     "gpt_oss": lambda: tiny_config("gpt_oss", num_hidden_layers=2),
+    # the attention's output gated per head (cut with the heads under tp), a softplus gate; experts replicated
+    "laguna": lambda: tiny_config("laguna", num_hidden_layers=3),
     # latent attention (heads cut under tp, the shared rope key's gradient summed), DeepSeek-V3's experts
     "deepseek": lambda: tiny_config("deepseek_v3", num_hidden_layers=2),
     # V2-Lite's full-rank q_proj, YaRN
@@ -160,6 +162,7 @@ LAYOUTS = [
     Layout("moe ep=2", model="moe", dp_shard=2, ep=2),
     Layout("gpt_oss ep=2", model="gpt_oss", dp_shard=2, ep=2),
     Layout("gpt_oss tp=2 sp", model="gpt_oss", tp=2),
+    Layout("tp=2 sp laguna", model="laguna", tp=2, more=True),
     Layout("deepseek tp=2 sp", model="deepseek", tp=2),
     Layout("deepseek_v2 tp=2 no-sp", model="deepseek_v2", tp=2, sequence_parallel=False, more=True),
     Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),

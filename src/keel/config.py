@@ -879,6 +879,11 @@ class ModelConfig:
                 not self.has_partial_layers and self.post_attention_norm and "hybrid" not in self.layer_types,
                 "norm_placement 'post_residual' needs every layer to hold attention and an MLP, each normed",
             )
+            # its block adds no LAuReL branch, and the MLP's input norm is the layer's own (not the MoE block's)
+            need(
+                not self.laurel_rank and not self.moe_branch_norms,
+                "norm_placement 'post_residual' beside laurel_rank or moe_branch_norms is not supported",
+            )
         need(self.embedding_size >= 0, f"embedding_size must be >= 0, got {self.embedding_size}")
         need(
             not (self.embedding_size and (self.per_layer_input_size or self.embedding_norm)),

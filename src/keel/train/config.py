@@ -666,6 +666,8 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for per-layer inputs (Gemma 4) yet")
     if par.tp > 1 and model.laurel_rank:
         raise fail("parallel: tp > 1 is not supported for LAuReL (laurel_rank: Gemma 3n) yet")
+    if par.tp > 1 and any(model.activation_sparsity):  # the gate's mean and spread over its whole width
+        raise fail("parallel: tp > 1 is not supported for the MLP gate's activation sparsity (Gemma 3n) yet")
     if par.tp > 1 and model.moe_branch_norms:
         raise fail("parallel: tp > 1 is not supported for the MoE block's branch norms (Gemma 4) yet")
     if par.tp > 1 and model.moe_output_norm:

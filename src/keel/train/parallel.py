@@ -36,6 +36,7 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | `layers.N.input_layernorm`, `post_...`   | SequenceParallel (SP only): activations Shard(1) on seq     |
 | `layers.N.self_attn`                     | PrepareModuleInput Shard(1) -> Replicate (SP all-gather)    |
 | `self_attn.q_proj/k_proj/v_proj`         | ColwiseParallel: each rank owns num_heads/tp heads          |
+| `self_attn.output_gate` (Laguna)         | ColwiseParallel: the gates of the rank's heads              |
 | `self_attn.q_norm/k_norm` (Qwen3)        | SequenceParallel on the heads dim (weight grads all-reduced)|
 | `self_attn.o_proj`                       | RowwiseParallel, output reduce-scattered to Shard(1) (SP)   |
 | `layers.N.mlp` (dense SwiGLU)            | gate_proj/up_proj Colwise, down_proj Rowwise                |
@@ -230,6 +231,9 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
         plan |= {query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel()}
     else:
         plan |= {proj: ColwiseParallel() for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+        if getattr(layer.self_attn, "output_gate", None) is not None:
+            # the gate of this rank's heads (a row per channel, or one per head: Laguna), as its q rows
+            plan["self_attn.output_gate"] = ColwiseParallel()
     if sp:
         for norm in ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm"):
             if getattr(layer, norm) is not None:

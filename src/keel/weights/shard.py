@@ -103,6 +103,11 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: AltUp and LAuReL (altup_num_inputs, laurel_rank: Gemma 3n) are not cut "
                 "by tensor parallelism yet"
             )
+        if any(c.activation_sparsity):
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: the MLP gate's activation sparsity (activation_sparsity: Gemma 3n)"
+                " needs the mean and spread of the gate's whole width, which tensor parallelism splits over the ranks"
+            )
         if c.moe_branch_norms:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the MoE block's branch norms (Gemma 4) need a branch's whole output, "
