@@ -29,6 +29,7 @@ from keel.families import (
     axk1,
     bamba,
     biogpt,
+    bitnet,
     bloom,
     codegen,
     cohere,
@@ -219,6 +220,7 @@ FAMILIES: dict[str, ModuleType] = {
         laguna,
         xglm,
         biogpt,
+        bitnet,
     )
 }
 
