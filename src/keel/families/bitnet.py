@@ -5,8 +5,9 @@ act(gate) * up before down_proj (`ffn_sub_norm`), and a gated ReLU-squared MLP (
 The -bf16 release (no `quantization_config`) holds plain float weights, which transformers runs as they are.
 The 1.58-bit release's `quantization_config` (quant_method bitnet: ternary weights, 4 to a byte, times a
 `weight_scale`; activations quantized per token to int8 inside every linear layer) is read by keel.quant.bitnet:
-this module checks its options, and refuses by name what keel does not run (`use_rms_norm`, online weight
-quantization in `bitlinear` layers, which transformers does not have).
+this module checks its options and refuses by name what keel does not run (`use_rms_norm`: an RMSNorm inside each
+layer, with weights of its own, which the releases do not use). Its GGUF files (llama.cpp's `bitnet`, ternary
+TQ1_0 / TQ2_0 / I2_S blocks) are not read.
 """
 
 from __future__ import annotations
