@@ -43,14 +43,14 @@ def _eager_transformers(monkeypatch):
         monkeypatch.setattr(cls, "forward", staticmethod(eager(cls.__dict__["forward"].__func__)))
 
 
-def _save_quantized(directory, quant: dict, seed: int = 0, packed: bool = True):
+def _save_quantized(directory, quant: dict, seed: int = 0, packed: bool = True, **overrides):
     """A tiny BitNet checkpoint in its released form, and transformers' model of it (BitLinear / AutoBitLinear layers
     holding the same tensors). Offline: each linear weight ternarized by its mean |w| and packed with transformers'
     pack_weights, its weight_scale the factor that undoes the ternarization; online: the float master weights."""
     from transformers import BitNetQuantConfig
     from transformers.integrations.bitnet import pack_weights, replace_with_bitnet_linear, unpack_weights
 
-    hf = build_hf_model("bitnet", seed)
+    hf = build_hf_model("bitnet", seed, **overrides)
     hf.config.quantization_config = {"quant_method": "bitnet", **quant}
     hf.save_pretrained(directory)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -138,6 +138,16 @@ def test_every_bitnet_layer_equals_transformers_on_keels_activations(tmp_path, q
         assert len(inputs) == 21
         for name, (x, ours) in inputs.items():
             assert torch.equal(ours, hf.model.get_submodule(name)(x)), name
+
+
+def test_the_releases_form_autobitlinear_offline_with_a_tied_head(tmp_path):
+    """microsoft/bitnet-b1.58-2B-4T's: packed AutoBitLinear layers, the head the embedding (left in float)."""
+    hf = _save_quantized(tmp_path, MODES[1], seed=1, tie_word_embeddings=True)
+    model = load_model(tmp_path, "float32").model
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.embed_tokens.weight
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _max_rel(model(tokens), hf(tokens).logits) <= 1e-4
 
 
 def test_activation_quantization_is_not_dropped(tmp_path):
