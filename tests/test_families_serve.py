@@ -56,6 +56,7 @@ SLOW = pytest.mark.slow
         pytest.param("falcon", marks=SLOW),
         pytest.param("gptj", marks=SLOW),
         pytest.param("gpt_neo", marks=SLOW),
+        pytest.param("bitnet", marks=SLOW),  # its sub-norms through the compiled decode step
         pytest.param("opt", marks=SLOW),
         pytest.param("opt-350m", marks=SLOW),  # norms after the residual adds, the projected embedding
         pytest.param("bloom", marks=SLOW),  # ALiBi through the compiled decode step
@@ -255,6 +256,9 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         model = llm.engine.model
         assert model.embed_positions.num_embeddings == model.config.max_position_embeddings + 2
         assert model.config.embedding_multiplier == 8.0 and model.lm_head.weight is not model.embed_tokens.weight
+    elif name == "bitnet":  # RMSNorms before o_proj and down_proj, a gated ReLU-squared MLP
+        assert all(a.attn_sub_norm is not None for a in attention)
+        assert all(layer.mlp.ffn_sub_norm is not None and layer.mlp.act == "relu2" for layer in layers)
     elif name == "bloom":  # ALiBi (no layer rotating), the embedding's own biased LayerNorm, per-head q/k/v
         model = llm.engine.model
         assert not any(a.rotates for a in attention) and all(a.alibi is not None for a in attention)

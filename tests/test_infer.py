@@ -148,6 +148,7 @@ SHAPE_INFERABLE = [
             "afmoe",
             "sarvam",
             "dbrx",  # its own names, experts fused by rows
+            "bitnet",  # its sub-norms are refused by name; ReLU squared, which no shape tells
             "flint",
             "lfm3",
             "axk1",

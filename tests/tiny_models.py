@@ -256,6 +256,12 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "ArceeForCausalLM",
         dict(intermediate_size=128, head_dim=16, bos_token_id=1, eos_token_id=2),
     ),
+    # BitNet b1.58 (its bf16 master weights): sub-norms before o_proj and down_proj, a gated ReLU-squared MLP.
+    "bitnet": (
+        "BitNetConfig",
+        "BitNetForCausalLM",
+        dict(intermediate_size=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+    ),
     # EXAONE 3.5: Llama's model under its own tensor and config names, llama3 rope scaling.
     "exaone": (
         "ExaoneConfig",

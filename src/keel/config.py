@@ -455,6 +455,10 @@ class ModelConfig:
     attention_k_eq_v: bool = False
     # Gemma 4: values divided by their root mean square over each head (no weight), as stored and attended.
     v_norm: bool = False
+    # BitNet's sub-norms: an RMSNorm (the block's eps) over the attention's output before o_proj
+    # (`self_attn.attn_sub_norm`), and one over the gated MLP's act(gate) * up before down_proj (`mlp.ffn_sub_norm`).
+    attn_sub_norm: bool = False
+    ffn_sub_norm: bool = False
     # Gemma 4: each layer's output (residual stream included) multiplied by a stored scalar (the `layer_scalar` buffer).
     layer_scalar: bool = False
     # Gemma 4 E2B/E4B's per-layer input embeddings: a table of per_layer_input_size channels per layer and token
@@ -800,6 +804,8 @@ class ModelConfig:
             "position_embedding 'sinusoidal' needs hidden_size >= 4 (fairseq's frequencies divide by d/2 - 1)",
         )
         need(not (self.is_mla and self.attention_sinks), "attention_sinks are not read by MLA")
+        need(not (self.is_mla and self.attn_sub_norm), "attn_sub_norm is not read by MLA")
+        need(not (self.is_moe and self.ffn_sub_norm), "ffn_sub_norm is read by dense MLPs only, not by experts")
         need(self.alibi_bias_max > 0, f"alibi_bias_max must be positive, got {self.alibi_bias_max}")
         need(
             not self.kv_shared_layers or self.position_embedding != "alibi",
@@ -1159,6 +1165,8 @@ class ModelConfig:
             attn += 2 * norms if self.qk_norm_bias else norms
         if self.layer_has_sinks(layer):
             attn += self.num_heads
+        if self.attn_sub_norm:
+            attn += self.num_heads * self.layer_v_head_dim(layer)  # over the values the heads give o_proj
         return attn
 
     def param_counts(self) -> dict[str, int]:
@@ -1172,6 +1180,7 @@ class ModelConfig:
 
         def dense_mlp(width: int) -> int:
             params = mats * h * width + ((mats - 1) * width + h if self.mlp_bias else 0)
+            params += width if self.ffn_sub_norm else 0
             return params + (2 if self.hidden_act == "xielu" else 0)  # xIELU's alpha_p and alpha_n
 
         width = self.moe_intermediate_size
@@ -1447,6 +1456,8 @@ def _refuse_quantized(family: str, hf: dict[str, Any], source: str) -> None:
     quant = hf.get("quantization_config")
     if family == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
         return
+    if family == "bitnet" and isinstance(quant, dict) and quant.get("quant_method") == "bitnet":
+        return  # keel.quant.bitnet runs its ternary layers (the family checks the options)
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise ConfigError(

@@ -29,6 +29,7 @@ from keel.families import (
     axk1,
     bamba,
     biogpt,
+    bitnet,
     bloom,
     codegen,
     cohere,
@@ -221,6 +222,7 @@ FAMILIES: dict[str, ModuleType] = {
         xglm,
         biogpt,
         mimo_v2_flash,
+        bitnet,
     )
 }
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.layers import apply_partial_rotary, l2_norm, qk_norm
+from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm, qk_norm
 
 if TYPE_CHECKING:
     from keel.model.recurrent import RecurrentSpans
@@ -252,6 +252,9 @@ class Attention(nn.Module):
         v_size = config.layer_v_size(layer)
         self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, v_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.o_bias)
+        # BitNet's RMSNorm over the attention's output before o_proj
+        attn_out = config.num_heads * self.v_head_dim
+        self.attn_sub_norm = RMSNorm(attn_out, config.rms_norm_eps) if config.attn_sub_norm else None
         # Qwen3.5: the output scaled by sigmoid of a gate per query channel, before o_proj; LFM3: one per query head
         self.gate_per_head = config.attention_gate_per_head
         self.gate_softplus = config.attention_gate_activation == "softplus"  # Laguna's
@@ -358,6 +361,8 @@ class Attention(nn.Module):
                 out = (out.unflatten(-1, (gate.shape[-1], -1)) * gate.unsqueeze(-1)).flatten(-2)
             else:
                 out = out * gate
+        if self.attn_sub_norm is not None:
+            out = self.attn_sub_norm(out)
         return self.o_proj(out)
 
     def _projections(self, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:

@@ -121,6 +121,8 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
         return None
     if attn.output_gate is not None:  # Qwen3.5's gated output: the modules'
         return None
+    if attn.attn_sub_norm is not None or mlp.ffn_sub_norm is not None:  # BitNet's sub-norms: the modules'
+        return None
     if attn.k_eq_v or attn.v_norm_eps is not None or layer.layer_scalar is not None:  # Gemma 4's: the modules'
         return None
     if layer.per_layer_input_gate is not None or attn.kv_source != attn.layer:  # Gemma 4's PLE, KV sharing

@@ -396,8 +396,11 @@ class SwiGLU(nn.Module):
         gate_multiplier: float = 1.0,
         down_multiplier: float = 1.0,
         sparsity: float = 0.0,
+        sub_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
+        # BitNet's RMSNorm over act(gate) * up before down_proj (`ffn_sub_norm`; None: none)
+        self.ffn_sub_norm = RMSNorm(intermediate_size, sub_norm_eps) if sub_norm_eps is not None else None
         # Falcon-H1's mlp_multipliers: the gate projection's output and the MLP's output times these
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         # Gemma 3n's activation sparsity: the gate's cut-off lies this many standard deviations above its mean
@@ -424,7 +427,7 @@ class SwiGLU(nn.Module):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         elif self.gate_proj is None:
-            return self.down_proj(self._act(self.up_proj(x)))
+            return self.down_proj(self._sub_norm(self._act(self.up_proj(x))))
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.gate_multiplier != 1.0:
@@ -433,5 +436,8 @@ class SwiGLU(nn.Module):
             mean, std = gate.mean(-1, keepdim=True), gate.std(-1, keepdim=True, unbiased=False)
             gate = torch.relu(gate - (mean + std * self.sparsity_std))
         if self.act == "silu" and kernels.fused_ops(gate):  # one call; the same in fused and separate projections
-            return self.down_proj(torch.ops.keel.fused_silu_mul(gate, up))
-        return self.down_proj(self._act(gate) * up)
+            return self.down_proj(self._sub_norm(torch.ops.keel.fused_silu_mul(gate, up)))
+        return self.down_proj(self._sub_norm(self._act(gate) * up))
+
+    def _sub_norm(self, x: Tensor) -> Tensor:
+        return x if self.ffn_sub_norm is None else self.ffn_sub_norm(x)

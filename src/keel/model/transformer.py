@@ -94,6 +94,7 @@ class DecoderLayer(nn.Module):
                     config.mlp_gate_multiplier,
                     config.mlp_down_multiplier,
                     config.layer_activation_sparsity(layer),
+                    config.rms_norm_eps if config.ffn_sub_norm else None,
                 )
             )
         if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:

@@ -15,6 +15,7 @@ import torch
 from keel.errors import KeelError
 from keel.model.transformer import Transformer
 from keel.quant.apply import GGUF, check_keep, quantize_kept, set_activations
+from keel.quant.bitnet import load_bitnet_layers
 from keel.quant.config import AUTO, FLOAT, keep_for
 from keel.quant.on_load import quantize_while_loading, stores_integer_blocks
 from keel.weights.checkpoint import Checkpoint, LoadedModel
@@ -46,7 +47,8 @@ def load_model(
     as a whole; "gguf" takes a GGUF file's integer blocks (Q4_0 ... Q6_K) as they are, without expanding them
     to float. quant_keep: layers left in float (names or shell patterns; None: the scheme's default, `keep_for`),
     or in `quant_keep_as` ("int8"/"int4") when given: a second tier of the plan (e.g. int4 with an int8 head).
-    A directory written by `keel quantize save` is always loaded quantized. The statistics are in `model.quantization`.
+    A directory written by `keel quantize save` is always loaded quantized, a BitNet release with its ternary
+    layers (keel.quant.bitnet). The statistics are in `model.quantization`.
     quant_activations: how keel's CPU kernels quantize activations (keel.quant.apply.set_activations).
     check_kept: refuse a quant_keep entry that names no layer of this model (off for a speculative draft, which
     takes its target's list).
@@ -65,6 +67,13 @@ def load_model(
         net = Transformer(checkpoint.config)
     if given_keep:
         check_keep(net, quant_keep)
+    if checkpoint.bitnet is not None:  # BitNet's ternary layers with int8 activations, as its release runs them
+        if quantize is not None:
+            raise KeelError(
+                f"{checkpoint.path}: --quantize {quantize}: a BitNet checkpoint's ternary layers "
+                "(quantization_config, quant_method 'bitnet') run as stored"
+            )
+        load_bitnet_layers(net, checkpoint, checkpoint.bitnet, torch_dtype, device)
     if quantize is not None or checkpoint.quantization is not None:
         quantize_while_loading(net, checkpoint, torch_dtype, device, quantize, quant_group_size, set(quant_keep))
     load_weights(net, checkpoint, torch_dtype)

@@ -34,6 +34,8 @@ def check_loadable(checkpoint: Checkpoint, source: str) -> None:
     """Refuse sources whose tensors are not the model's float weights."""
     if checkpoint.quantization is not None:
         raise KeelError(f"model.source = {source}: a quantized checkpoint cannot be trained; start from its float one")
+    if checkpoint.bitnet is not None:
+        raise KeelError(f"model.source = {source}: BitNet's ternary layers (quant_method 'bitnet') cannot be trained")
 
 
 @torch.no_grad()

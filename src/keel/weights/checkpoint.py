@@ -51,6 +51,9 @@ class Checkpoint:
     # A directory written by `keel quantize save`: its config.json `quantization_config` (quant_method
     # "keel"); load_model rebuilds the quantized layers from its integer tensors.
     quantization: dict | None = None
+    # A BitNet b1.58 release: its checked `quantization_config` (quant_method "bitnet"; keel.families.bitnet), whose
+    # ternary layers only load_model runs (keel.quant.bitnet); None for float weights.
+    bitnet: dict | None = None
 
 
 @dataclass

@@ -72,6 +72,11 @@ def convert(
     if max_shard_bytes <= 0:
         raise KeelError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     checkpoint = open_checkpoint(model, head_dim=head_dim, num_heads=num_heads)
+    if checkpoint.bitnet is not None:  # its float tensors without the int8 activations would be another model
+        raise KeelError(
+            f"{model}: a BitNet checkpoint's ternary layers (quantization_config, quant_method 'bitnet') are not "
+            "converted; load or serve it with keel itself"
+        )
     write_model_dir(
         checkpoint,
         dst,

@@ -96,7 +96,8 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
         for d in reader.shape(name):
             numel *= d
         sizes[dtype] = sizes.get(dtype, 0) + numel * _SAFETENSORS_BYTES.get(dtype, 4)
-    return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes, quantization)
+    bitnet = _bitnet_quantization(config_path, config) if fmt == "hf" else None
+    return Checkpoint(path, fmt, config, reader, tokenizer, provenance, sizes, quantization, bitnet)
 
 
 TEXT_MODEL_PREFIX = "language_model."
@@ -168,6 +169,17 @@ def _transposed_experts(reader: TensorReader, config: ModelConfig) -> TensorRead
         and tuple(reader.shape(name)) != expected[name.rsplit(".", 1)[-1]]
     }
     return GptOssReader(reader, interleaved=False, only=flipped) if flipped else reader
+
+
+def _bitnet_quantization(path: Path, config: ModelConfig) -> dict | None:
+    """A BitNet release's checked bitnet `quantization_config` ({linear_class, quantization_mode,
+    modules_to_not_convert}), or None (its float weights, or another family)."""
+    if config.architecture != "bitnet":
+        return None
+    from keel.families.bitnet import check_quantization
+
+    quant = json.loads(path.read_text()).get("quantization_config")
+    return check_quantization(quant, str(path)) if quant else None
 
 
 def _outer_architectures(path: Path) -> set[str]:

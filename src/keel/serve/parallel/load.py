@@ -64,6 +64,10 @@ def load_tensor_parallel(
     config = checkpoint.config
     if checkpoint.quantization is not None:
         raise KeelError(f"{model}: a pre-quantized checkpoint cannot be served tensor/pipeline-parallel yet")
+    if checkpoint.bitnet is not None:
+        raise KeelError(
+            f"{model}: BitNet's ternary layers (quant_method 'bitnet') cannot be served tensor/pipeline-parallel"
+        )
     check_parallel_model(config, model, tp, num_stages, expert_parallel)
     reader = checkpoint.reader
     if not hasattr(reader, "get_shard"):
