@@ -286,6 +286,27 @@ def test_opt_350m_projections_go_with_the_embedding_and_the_head(tmp_path):
         assert torch.equal(last(first(tokens)), full(tokens))
 
 
+def test_opt_350m_refuses_sequence_parallel_training_by_name(tmp_path):
+    """OPT-350m's projections and post-residual norms are plain modules between a sequence-sharded residual and the
+    parallel styles: a training config with tp > 1 and sequence parallelism is refused at config time, naming the
+    setting to change; without sequence parallelism it passes."""
+    from types import SimpleNamespace
+
+    from keel.train import config as train_config
+
+    config = ModelConfig.from_hf(json.loads(save_hf_model("opt-350m", tmp_path).config.to_json_string()))
+    fail = ConfigError
+    for sp in (True, False):
+        cfg = SimpleNamespace(
+            parallel=train_config.ParallelSection(tp=2, sequence_parallel=sp), moe=train_config.MoESection()
+        )
+        if sp:
+            with pytest.raises(ConfigError, match="sequence_parallel = false"):
+                train_config._check_model_fits(cfg, config, 1, fail)
+        else:
+            train_config._check_model_fits(cfg, config, 1, fail)
+
+
 @pytest.mark.parametrize(
     "name, options, field",
     [

@@ -666,6 +666,15 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for per-layer inputs (Gemma 4) yet")
     if par.tp > 1 and model.laurel_rank:
         raise fail("parallel: tp > 1 is not supported for LAuReL (laurel_rank: Gemma 3n) yet")
+    if (
+        par.tp > 1
+        and par.sequence_parallel
+        and (model.embedding_size or model.norm_placement == "post_residual" or not model.final_norm)
+    ):  # plain modules between the sequence-sharded residual and the parallel styles (keel.train.parallel)
+        raise fail(
+            "parallel: sequence_parallel is not supported for OPT-350m's block (embedding_size, norm_placement "
+            "'post_residual' or no final norm); set sequence_parallel = false"
+        )
     if par.tp > 1 and any(model.activation_sparsity):  # the gate's mean and spread over its whole width
         raise fail("parallel: tp > 1 is not supported for the MLP gate's activation sparsity (Gemma 3n) yet")
     if par.tp > 1 and model.moe_branch_norms:
