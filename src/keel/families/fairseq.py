@@ -2,7 +2,7 @@
 token embedding times sqrt(hidden_size) where `scale_embedding`, biased LayerNorms of eps 1e-5 (torch's default:
 neither model reads a key for it) before each sublayer and a final one, multi-head attention with biases on q/k/v
 and `out_proj`, an ungated biased MLP `fc1` / `fc2`, a head tied by default; what the two families share of their
-translation."""
+translation (OPT's layers carry the same names)."""
 
 from __future__ import annotations
 
@@ -60,11 +60,12 @@ def scale_embedding(config: Any, name: str) -> bool:
     return scaled
 
 
-def layer_layout(config: Any, prefix: str) -> dict[str, dict[str, None]]:
-    """The stored names of the layers and the final norm under `prefix` (`model`, `biogpt`) -> keel's."""
+def layer_layout(config: Any, prefix: str, final_norm: str = "layer_norm") -> dict[str, dict[str, None]]:
+    """The stored names of the layers and the final norm (`final_norm`: OPT's is `final_layer_norm`) under `prefix`
+    (`model`, `biogpt`, OPT's `decoder`) -> keel's."""
     layout: dict[str, dict[str, None]] = {}
     for kind in ("weight", "bias"):
-        layout[f"{prefix}.layer_norm.{kind}"] = {f"model.norm.{kind}": None}
+        layout[f"{prefix}.{final_norm}.{kind}"] = {f"model.norm.{kind}": None}
         for layer in range(config.num_layers):
             src, dst = f"{prefix}.layers.{layer}", f"model.layers.{layer}"
             for stored, name in LAYER_NAMES.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families import fairseq
 
 FAMILY = "opt"
 HF_ARCHITECTURE = "OPTForCausalLM"
@@ -83,19 +84,6 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# OPT's names inside each decoder layer -> keel's (Llama's)
-_LAYER_NAMES = {
-    "self_attn_layer_norm": "input_layernorm",
-    "final_layer_norm": "post_attention_layernorm",
-    "self_attn.q_proj": "self_attn.q_proj",
-    "self_attn.k_proj": "self_attn.k_proj",
-    "self_attn.v_proj": "self_attn.v_proj",
-    "self_attn.out_proj": "self_attn.o_proj",
-    "fc1": "mlp.up_proj",
-    "fc2": "mlp.down_proj",
-}
-
-
 def _layout(config: Any, prefix: str) -> dict[str, dict[str, None]]:
     layout: dict[str, dict[str, None]] = {
         f"{prefix}decoder.embed_tokens.weight": {"model.embed_tokens.weight": None},
@@ -103,12 +91,7 @@ def _layout(config: Any, prefix: str) -> dict[str, dict[str, None]]:
         f"{prefix}decoder.project_in.weight": {"model.project_in.weight": None},
         f"{prefix}decoder.project_out.weight": {"model.project_out.weight": None},
     }
-    for kind in ("weight", "bias"):
-        layout[f"{prefix}decoder.final_layer_norm.{kind}"] = {f"model.norm.{kind}": None}
-        for layer in range(config.num_layers):
-            src, dst = f"{prefix}decoder.layers.{layer}", f"model.layers.{layer}"
-            for stored, name in _LAYER_NAMES.items():
-                layout[f"{src}.{stored}.{kind}"] = {f"{dst}.{name}.{kind}": None}
+    layout.update(fairseq.layer_layout(config, f"{prefix}decoder", final_norm="final_layer_norm"))
     return layout
 
 
