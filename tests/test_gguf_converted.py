@@ -540,13 +540,13 @@ def _mimo2_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
 
 
 # The tiny MiMo-V2-Flash as a mimo2 file can hold it: one rotary share for both kinds (rope.dimension_count), the
-# values unscaled and no routed scale (llama.cpp's graph applies neither), the release's one group.
+# release's value scale (no key: keel reads the config's default) and no routed scale, the release's one group.
 _MIMO2_BUILD = {
     "rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
     },
-    "attention_value_scale": None,
+    "attention_value_scale": 0.707,  # the release's (the converter writes none: keel reads the config's default)
     "routed_scaling_factor": None,
     "n_group": 1,
     "topk_group": 1,
@@ -950,7 +950,7 @@ def assert_family_features(name: str, loaded, hf) -> None:
         assert reader.gguf_names("model.layers.2.mlp.gate.e_score_correction_bias") == ["blk.2.exp_probs_b.bias"]
     if name == "mimo_v2_flash":  # narrower values, twice the KV heads and sinks in the sliding layers, their own base
         assert (c.head_dim, c.v_head_dim, c.num_kv_heads, c.global_num_kv_heads) == (16, 12, 2, 1)
-        assert (c.attention_sinks, c.attention_sinks_sliding_only, c.attention_value_scale) == (True, True, 1.0)
+        assert (c.attention_sinks, c.attention_sinks_sliding_only, c.attention_value_scale) == (True, True, 0.707)
         assert (c.rope_theta, c.sliding_rope_theta, c.partial_rotary_factor, c.sliding_partial_rotary_factor) == (
             10000.0,
             100.0,

@@ -213,9 +213,10 @@ per-kind shares apart) at each kind's base (`rope.freq_base`, `rope.freq_base_sw
 sinks as `attn_sinks.weight` in the sliding layers (a full layer with them, or a sliding one without, refused), the
 dense layers those without a router, the experts stacked, the selection bias as `exp_probs_b.bias`. llama.cpp's graph
 routes by sigmoid, renormalised and unscaled (another gating, `expert_weights_norm` false or an `expert_weights_scale`
-other than 1 are refused), and scales no values: the converter writes no attention_value_scale (the release's 0.707),
-so keel runs the file as llama.cpp does, unscaled (`attention.output_scale`, the same product before o_proj, where a
-file has it). The multi-token-prediction layers are not written.
+other than 1 are refused). The converter writes no attention_value_scale and llama.cpp's graph scales no values;
+keel scales them by MiMoV2FlashConfig's default, the release's 0.707, as transformers, vLLM and Megatron-Bridge run
+the model (`attention.output_scale`, the same product before o_proj, where a file has it): on a release file keel's
+tokens follow transformers', not llama.cpp's. The multi-token-prediction layers are not written.
 
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
@@ -1495,6 +1496,10 @@ def _afmoe_hf_config(f: _Fields, common: dict[str, Any]) -> tuple[dict[str, Any]
     return hf, read
 
 
+# MiMoV2FlashConfig's attention_value_scale (the release's), which llama.cpp's converter does not write
+_MIMO2_VALUE_SCALE = 0.707
+
+
 def _mimo2_full_kv_heads(f: _Fields, kv_heads: list[Any], path: Path) -> int:
     """MimoV2Model's `head_count_kv` per layer (the sliding layers' swa_num_key_value_heads, the full layers'
     num_key_value_heads) as the full layers' count, which keel.families.mimo_v2_flash doubles for the sliding layers:
@@ -1522,8 +1527,9 @@ def _mimo2_hf_config(
     1 = sliding), one rotary width for both kinds (`rope.dimension_count`), each kind's base (`rope.freq_base`,
     `rope.freq_base_swa`), the experts' counts and width, groups where written. llama.cpp fixes the rest: sigmoid
     gating renormalised, no routed scale (the release's null), sinks in the sliding layers (their `attn_sinks`), the
-    dense layers those without a router, and no value scale (the file has none: llama.cpp runs the values unscaled;
-    `attention.output_scale`, the same product before o_proj, where a file has it). A file saying otherwise (another
+    dense layers those without a router. The value scale: `attention.output_scale` where a file has it (the same
+    product before o_proj), else MiMoV2FlashConfig's default 0.707 (the release's; llama.cpp's graph runs the values
+    unscaled, transformers and vLLM scale them). A file saying otherwise (another
     gating, weights not renormalised, a routed scale, sinks in a full layer or a sliding layer without them) is
     refused by name."""
     path, layers = f.meta.path, common["num_layers"]
@@ -1556,7 +1562,7 @@ def _mimo2_hf_config(
     hf = dict(
         head_dim=head_dim,
         v_head_dim=int(f.key(_KA.VALUE_LENGTH, head_dim)),
-        attention_value_scale=_f32(output_scale) if output_scale is not None else 1.0,
+        attention_value_scale=_f32(output_scale) if output_scale is not None else _MIMO2_VALUE_SCALE,
         num_key_value_heads=common["num_kv_heads"],
         sliding_window=int(window) if window else None,
         layer_types=kinds,
