@@ -1,7 +1,7 @@
 """GGUF files of the families whose llama.cpp converters write TextModel's keys and little more (keel.weights.gguf):
 Gemma 3n, OLMoE, OLMo, Phi-3.5-MoE, Seed-OSS, Arcee AFM, Apertus, Nemotron, MiniMax-M2, Ministral 3, MiniCPM3,
 Hunyuan dense and MoE, K-EXAONE, Jais 2, EXAONE 3, Mamba, Mamba 2, GPT-BigCode (StarCoder), GPT-2, Falcon, Jamba,
-DBRX, BLOOM, MPT and ChatGLM (GLM-4-9B).
+DBRX, BLOOM, MPT, ChatGLM (GLM-4-9B) and MiMo-V2-Flash.
 
 Each tiny HF model is written the way llama.cpp's convert_hf_to_gguf.py writes its architecture (`write_converted`:
 TextModel's keys from the config as the converter reads it, the family's own keys, the checkpoint as saved with each
@@ -518,6 +518,41 @@ def _afmoe_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[s
     return out
 
 
+def _mimo2_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MimoV2Model's keys over TextModel's, from the release's config.json names (given here from transformers'
+    equivalents: hybrid_layer_pattern 1 where a layer slides, swa_num_key_value_heads twice the full layers'): the
+    KV heads per layer, the window and pattern, the value width, the experts' count and width, the rotary width (one
+    share for both kinds), layernorm_epsilon as the RMS eps; the sinks named `attn_sinks.weight`."""
+    pattern = [int(kind == "sliding_attention") for kind in hp["layer_types"]]
+    w.add_head_count_kv([2 * hp["num_key_value_heads"] if p else hp["num_key_value_heads"] for p in pattern])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_sliding_window_pattern(pattern)
+    w.add_value_length(hp["v_head_dim"])
+    w.add_expert_count(hp["n_routed_experts"])
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_rope_dimension_count(int(hp["head_dim"] * hp["rope_parameters"]["full_attention"]["partial_rotary_factor"]))
+    w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", hp["rms_norm_eps"]))  # (the release's name for it)
+    # TextModel's RoPE keys from the per-kind parameters: the full layers' base, the sliding layers'
+    w.add_rope_freq_base(hp["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(hp["rope_parameters"]["sliding_attention"]["rope_theta"])
+    w.add_expert_group_count(hp["n_group"])
+    w.add_expert_group_used_count(hp["topk_group"])
+
+
+# The tiny MiMo-V2-Flash as a mimo2 file can hold it: one rotary share for both kinds (rope.dimension_count), the
+# release's value scale (no key: keel reads the config's default) and no routed scale, the release's one group.
+_MIMO2_BUILD = {
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+    },
+    "attention_value_scale": 0.707,  # the release's (the converter writes none: keel reads the config's default)
+    "routed_scaling_factor": None,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
 def _gptj_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     """GPTJModel's keys (none of TextModel's): the feed-forward length 4 x hidden whatever the model's, the rotary
     width only where it is part of the head."""
@@ -544,7 +579,7 @@ def _chatglm_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
     w.add_block_count(hp["num_hidden_layers"])
     w.add_head_count(heads)
     w.add_head_count_kv(hp.get("multi_query_group_num", hp.get("num_key_value_heads", heads)))
-    w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", 1e-5))
+    w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", hp["rms_norm_eps"]))  # (the release's name for it)
     w.add_rope_dimension_count(int(hp.get("attention_dim", hidden // heads) * hp.get("partial_rotary_factor", 0.5)))
     w.add_add_bos_token(False)
     w.add_rope_freq_base(10000 * hp.get("rope_ratio", 1))
@@ -629,6 +664,13 @@ CONVERTERS = {
     },
     # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
     "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
+    "mimo_v2_flash": Converter(
+        gguf.MODEL_ARCH.MIMO2,
+        keys=_mimo2_keys,
+        build=_MIMO2_BUILD,
+        rename=lambda name: f"{name}.weight" if name.endswith("attention_sink_bias") else name,  # as MimoV2Model
+        probe="qkv_proj",  # (o_proj's rows, 4 heads x 12 value channels, split into no blocks of 32)
+    ),
     # OlmoeModel: the eps fixed at 1e-5 over TextModel's; experts stacked as Qwen2MoeModel's
     "olmoe": Converter(gguf.MODEL_ARCH.OLMOE, keys=lambda w, hp: w.add_layer_norm_rms_eps(1e-5)),
     # OlmoModel: LayerNorm eps 1e-5, clamp_kqv; q/k weights permuted (not their biases)
@@ -905,6 +947,19 @@ def assert_family_features(name: str, loaded, hf) -> None:
         )
         assert (c.mlp_only_layers, c.shared_expert_intermediate_size, c.embedding_multiplier) == ([0], 64, 8.0)
         assert reader.gguf_names("model.layers.1.self_attn.output_gate.weight") == ["blk.1.attn_gate.weight"]
+        assert reader.gguf_names("model.layers.2.mlp.gate.e_score_correction_bias") == ["blk.2.exp_probs_b.bias"]
+    if name == "mimo_v2_flash":  # narrower values, twice the KV heads and sinks in the sliding layers, their own base
+        assert (c.head_dim, c.v_head_dim, c.num_kv_heads, c.global_num_kv_heads) == (16, 12, 2, 1)
+        assert (c.attention_sinks, c.attention_sinks_sliding_only, c.attention_value_scale) == (True, True, 0.707)
+        assert (c.rope_theta, c.sliding_rope_theta, c.partial_rotary_factor, c.sliding_partial_rotary_factor) == (
+            10000.0,
+            100.0,
+            0.5,
+            0.5,
+        )
+        assert (c.sliding_window, c.layer_types, c.mlp_only_layers) == (8, cfg.layer_types, [0])
+        assert (c.router_scoring, c.router_bias, c.num_experts, c.moe_intermediate_size) == ("sigmoid", True, 8, 32)
+        assert reader.gguf_names("model.layers.1.self_attn.sinks") == ["blk.1.attn_sinks.weight"]
         assert reader.gguf_names("model.layers.2.mlp.gate.e_score_correction_bias") == ["blk.2.exp_probs_b.bias"]
     if name == "gptj":  # the parallel block, one biased LayerNorm, partial rotary, the MLP's width from ffn_up
         assert (c.parallel_residual, c.norm_type, c.norm_bias, c.lm_head_bias, c.mlp_gated) == (
@@ -1199,6 +1254,32 @@ def test_afmoe_gguf_without_renormalised_sigmoid_experts_is_refused(tmp_path, ex
     write_converted(build("afmoe"), tmp_path / "a.gguf", dataclasses.replace(CONVERTERS["afmoe"], keys=keys))
     with pytest.raises(ConfigError, match=re.escape(message)):
         open_gguf(tmp_path / "a.gguf")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda w: w.add_head_count_kv([1, 3, 3, 1]),
+            "sliding layers' 3 KV heads other than twice the full layers' 1 are not supported",
+        ),
+        (lambda w: w.add_expert_weights_norm(False), "mimo2.expert_weights_norm false is not supported for mimo2"),
+        (lambda w: w.add_expert_weights_scale(2.5), "mimo2.expert_weights_scale 2.5 is not supported for mimo2"),
+        (
+            lambda w: (w.add_sliding_window_pattern([0, 0, 1, 0]), w.add_head_count_kv([1, 1, 2, 1])),
+            "a full-attention layer with blk.1.attn_sinks.weight is not supported for mimo2",
+        ),
+    ],
+)
+def test_mimo2_gguf_beyond_what_llama_cpp_runs_is_refused(tmp_path, edit, message):
+    """llama.cpp's mimo2 graph runs renormalised sigmoid experts unscaled and sinks in the sliding layers alone, with
+    one KV count per kind (keel's: the sliding layers twice the full ones'): a file saying otherwise is refused by
+    name, not read with it dropped."""
+    keys = lambda w, hp: (_mimo2_keys(w, hp), edit(w))  # noqa: E731
+    converter = dataclasses.replace(CONVERTERS["mimo_v2_flash"], keys=keys)
+    write_converted(build("mimo_v2_flash"), tmp_path / "m.gguf", converter)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_gguf(tmp_path / "m.gguf")
 
 
 def _gate_and_up_apart(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:

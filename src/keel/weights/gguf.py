@@ -22,7 +22,8 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4mo
 llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj and afmoe (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe and mimo2 (MiMo-V2-Flash) (others are refused by
+name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
 one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -205,6 +206,17 @@ count, route_scale as `expert_weights_scale`, the dense layers as `leading_dense
 selection bias as `exp_probs_b.bias`, the experts stacked per kind, the output gate as `attn_gate`. llama.cpp fixes one
 global layer (no position encoding) in four and the embedding times sqrt(hidden) (mup_enabled), which keel takes; a file
 without a window, with other gating than sigmoid, or with `expert_weights_norm` false is refused.
+MiMo-V2-Flash (`mimo2`; MimoV2Model): the KV heads per layer (`head_count_kv`, the sliding layers twice the full ones'
+as keel runs them; other counts refused), the pattern as a list (1 = sliding) and the window, the value width as
+`attention.value_length`, one rotary width for both kinds (`rope.dimension_count`: the file cannot hold transformers'
+per-kind shares apart) at each kind's base (`rope.freq_base`, `rope.freq_base_swa`, absent: llama.cpp's 10000), the
+sinks as `attn_sinks.weight` in the sliding layers (a full layer with them, or a sliding one without, refused), the
+dense layers those without a router, the experts stacked, the selection bias as `exp_probs_b.bias`. llama.cpp's graph
+routes by sigmoid, renormalised and unscaled (another gating, `expert_weights_norm` false or an `expert_weights_scale`
+other than 1 are refused). The converter writes no attention_value_scale and llama.cpp's graph scales no values;
+keel scales them by MiMoV2FlashConfig's default, the release's 0.707, as transformers, vLLM and Megatron-Bridge run
+the model (`attention.output_scale`, the same product before o_proj, where a file has it): on a release file keel's
+tokens follow transformers', not llama.cpp's. The multi-token-prediction layers are not written.
 
 Jamba (`jamba`; JambaModel): the attention layers from the per-layer KV head count (0 for a Mamba layer), the expert
 layers by tensor (those with a router: no key), each every k-th layer from an offset as config.json's keys give them
@@ -336,6 +348,7 @@ _FAMILIES = {
     _A.MPT: "mpt",
     _A.GPTJ: "gptj",
     _A.AFMOE: "afmoe",
+    _A.MIMO2: "mimo_v2_flash",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -362,6 +375,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
+_ROTARY_WIDTH_KEY |= {"mimo_v2_flash"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
@@ -670,6 +684,11 @@ def _family_fields(
         if family == "gemma3n":  # the sliding layers' RoPE base (absent: llama.cpp's 10000, unscaled)
             local = f.key(_KR.FREQ_BASE_SWA)
             own["sliding_rope_theta"] = f.read("sliding_rope_theta", _f32(local)) if local else _GEMMA3_LOCAL_THETA
+        if family == "mimo_v2_flash" and "sliding_attention" in own["layer_types"]:  # the sliding layers' base
+            local = hf["rope_parameters"]["sliding_attention"]["rope_theta"]
+            own["sliding_rope_theta"] = f.read(
+                "sliding_rope_theta", local, "read" if f.key(_KR.FREQ_BASE_SWA) else "default"
+            )
         if family == "gpt_oss" and common["rope_scaling"].type == "yarn":
             # GPT-OSS's YaRN leaves the correction range unrounded (transformers' truncate false, the model's own;
             # llama.cpp rounds it for every model).
@@ -1025,6 +1044,10 @@ def _family_hf_config(
         read |= {"clip_qkv"} if family == "mpt" and f.key(_KA.CLAMP_KQV) is not None else set()
     if family == "afmoe":
         own, own_read = _afmoe_hf_config(f, common)
+        hf.update(own)
+        read |= own_read
+    if family == "mimo_v2_flash":
+        own, own_read = _mimo2_hf_config(f, common, tensors)
         hf.update(own)
         read |= own_read
     if family == "gptj":
@@ -1473,6 +1496,98 @@ def _afmoe_hf_config(f: _Fields, common: dict[str, Any]) -> tuple[dict[str, Any]
     return hf, read
 
 
+# MiMoV2FlashConfig's attention_value_scale (the release's), which llama.cpp's converter does not write
+_MIMO2_VALUE_SCALE = 0.707
+
+
+def _mimo2_full_kv_heads(f: _Fields, kv_heads: list[Any], path: Path) -> int:
+    """MimoV2Model's `head_count_kv` per layer (the sliding layers' swa_num_key_value_heads, the full layers'
+    num_key_value_heads) as the full layers' count, which keel.families.mimo_v2_flash doubles for the sliding layers:
+    sliding layers with another multiple are refused by name."""
+    sliding = f.key(_KA.SLIDING_WINDOW_PATTERN)
+    if not isinstance(sliding, list) or len(sliding) != len(kv_heads):
+        raise ConfigError(f"{path}: {f.name(_KA.SLIDING_WINDOW_PATTERN)} must list one entry per layer for mimo2")
+    full = {int(n) for n, slides in zip(kv_heads, sliding, strict=True) if not slides}
+    swa = {int(n) for n, slides in zip(kv_heads, sliding, strict=True) if slides}
+    if len(full) > 1 or len(swa) > 1:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)}: KV heads differing within a kind are not supported")
+    if full and swa and swa != {2 * n for n in full}:
+        raise ConfigError(
+            f"{path}: {f.name(_KA.HEAD_COUNT_KV)}: sliding layers' {swa.pop()} KV heads other than twice the full "
+            f"layers' {full.pop()} are not supported"
+        )
+    return f.read("num_kv_heads", full.pop() if full else swa.pop() // 2)
+
+
+def _mimo2_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """MiMo-V2-Flash's config.json keys as MimoV2Model writes them (and llama.cpp's `mimo2` graph runs them): the
+    value width as `attention.value_length`, the KV heads per layer, the window and which layers slide (the pattern,
+    1 = sliding), one rotary width for both kinds (`rope.dimension_count`), each kind's base (`rope.freq_base`,
+    `rope.freq_base_swa`), the experts' counts and width, groups where written. llama.cpp fixes the rest: sigmoid
+    gating renormalised, no routed scale (the release's null), sinks in the sliding layers (their `attn_sinks`), the
+    dense layers those without a router. The value scale: `attention.output_scale` where a file has it (the same
+    product before o_proj), else MiMoV2FlashConfig's default 0.707 (the release's; llama.cpp's graph runs the values
+    unscaled, transformers and vLLM scale them). A file saying otherwise (another
+    gating, weights not renormalised, a routed scale, sinks in a full layer or a sliding layer without them) is
+    refused by name."""
+    path, layers = f.meta.path, common["num_layers"]
+    gating, norm, scale = (f.key(k) for k in (_K.EXPERT_GATING_FUNC, _K.EXPERT_WEIGHTS_NORM, _K.EXPERT_WEIGHTS_SCALE))
+    if gating is not None and int(gating) != int(ExpertGatingFuncType.SIGMOID):
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_GATING_FUNC)} {gating} is not supported for mimo2 (sigmoid only)")
+    if norm is not None and not norm:
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_WEIGHTS_NORM)} false is not supported for mimo2")
+    if scale is not None and _f32(scale) != 1.0:
+        raise ConfigError(f"{path}: {f.name(_K.EXPERT_WEIGHTS_SCALE)} {scale} is not supported for mimo2 (none)")
+    pattern = f.key(_KA.SLIDING_WINDOW_PATTERN)
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ConfigError(f"{path}: {f.name(_KA.SLIDING_WINDOW_PATTERN)} must list one entry per layer for mimo2")
+    kinds = ["sliding_attention" if p else "full_attention" for p in pattern]
+    for i, kind in enumerate(kinds):
+        if (_tensor(MODEL_TENSOR.ATTN_SINKS, i) in tensors) != (kind == "sliding_attention"):
+            what = "a full-attention layer with" if kind == "full_attention" else "a sliding layer without"
+            raise ConfigError(f"{path}: {what} {_tensor(MODEL_TENSOR.ATTN_SINKS, i)} is not supported for mimo2")
+    head_dim = common["head_dim"]
+    share = _rotary_factor(int(f.require(_KR.DIMENSION_COUNT)), head_dim)
+    local = f.key(_KR.FREQ_BASE_SWA)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": common["rope_theta"], "partial_rotary_factor": share}
+    }
+    if "sliding_attention" in kinds:  # (a file without sliding layers: one kind, as the family reads one)
+        base = _f32(local) if local is not None else 10_000.0  # llama.cpp's default base for SWA
+        rope["sliding_attention"] = {"rope_type": "default", "rope_theta": base, "partial_rotary_factor": share}
+    output_scale = f.key(_KA.OUTPUT_SCALE)
+    window = f.key(_KA.SLIDING_WINDOW)
+    hf = dict(
+        head_dim=head_dim,
+        v_head_dim=int(f.key(_KA.VALUE_LENGTH, head_dim)),
+        attention_value_scale=_f32(output_scale) if output_scale is not None else _MIMO2_VALUE_SCALE,
+        num_key_value_heads=common["num_kv_heads"],
+        sliding_window=int(window) if window else None,
+        layer_types=kinds,
+        rope_parameters=rope,
+        n_routed_experts=int(f.require(_K.EXPERT_COUNT)),
+        num_experts_per_tok=int(f.require(_K.EXPERT_USED_COUNT)),
+        moe_intermediate_size=int(f.require(_K.EXPERT_FEED_FORWARD_LENGTH)),
+        n_group=int(f.key(_K.EXPERT_GROUP_COUNT, 1) or 1),
+        topk_group=int(f.key(_K.EXPERT_GROUP_USED_COUNT, 1) or 1),
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        mlp_layer_types=[
+            "sparse" if _tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors else "dense" for i in range(layers)
+        ],
+    )
+    read = {"v_head_dim", "num_kv_heads", "global_num_kv_heads", "layer_types", "partial_rotary_factor"}
+    read |= {"sliding_partial_rotary_factor", "num_experts", "num_experts_per_tok", "moe_intermediate_size"}
+    read |= {"sliding_window"} if window else set()
+    read |= {"sliding_rope_theta"} if local is not None else set()
+    read |= {"attention_value_scale"} if output_scale is not None else set()
+    read |= {"n_group"} if f.key(_K.EXPERT_GROUP_COUNT) is not None else set()
+    read |= {"topk_group"} if f.key(_K.EXPERT_GROUP_USED_COUNT) is not None else set()
+    return hf, read
+
+
 def _gemma4_hf_config(
     f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
 ) -> tuple[dict[str, Any], set[str]]:
@@ -1710,6 +1825,8 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
         sliding = f.key(_KA.SLIDING_WINDOW_PATTERN)
         if isinstance(sliding, list) and len(sliding) == len(kv_heads):
             kv_heads = [n for n, slides in zip(kv_heads, sliding, strict=True) if slides] or kv_heads
+    if family == "mimo_v2_flash" and isinstance(kv_heads, list):  # MimoV2Model: per layer; the full layers' count
+        kv_heads = _mimo2_full_kv_heads(f, kv_heads, path)
     if kv_heads is None:
         kv_heads = f.read("num_kv_heads", num_heads, "default")
     else:
