@@ -53,6 +53,9 @@ def _siblings(path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
 
+LIGHTNING_TABLES = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_round_trip(name, tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -68,6 +71,9 @@ def test_round_trip(name, tmp_path):
 
     # Same hub names (per-expert MoE weights, no lm_head when tied) and the same float32 values.
     before, after = _tensors(src / "model.safetensors"), _tensors(dst / "model.safetensors")
+    # MiniMax's lightning layers: transformers saves its decay tables, functions of the layer's place that keel
+    # computes (keel.model.lightning.slopes) and does not write; transformers computes them when absent
+    before = {n: t for n, t in before.items() if not n.endswith(LIGHTNING_TABLES)}
     assert sorted(after) == sorted(before)
     assert all(torch.equal(after[n], before[n]) for n in before)
 

@@ -140,6 +140,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("mamba", marks=SLOW),
         pytest.param("falcon_mamba", marks=SLOW),
         pytest.param("jamba", marks=SLOW),
+        pytest.param("minimax", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -368,6 +369,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [type(a).__name__ for a in attention] == ["Mamba1Mixer", "Attention", "Mamba1Mixer", "Mamba1Mixer"]
         assert not attention[1].rotates and attention[0].dt_layernorm.weight is not None
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    elif name == "minimax":  # lightning attention in layers 1 and 2 (a state each, no KV), experts everywhere
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == [
+            "Attention",
+            "LightningAttention",
+            "LightningAttention",
+            "Attention",
+        ]
+        assert config.normed_residual and all(config.is_moe_layer(i) for i in range(4))
+        assert [llm.engine.cache.keys[i].numel() == 0 for i in range(4)] == [False, True, True, False]
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -130,13 +130,15 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         "granitemoehybrid",
         pytest.param("falcon_h1", marks=pytest.mark.slow),
         pytest.param("jamba", marks=pytest.mark.slow),
+        pytest.param("minimax", marks=pytest.mark.slow),
     ],
 )
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
     recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers, Jamba's
-    Mamba 1 mixers) hold no KV blocks, Falcon-H1's hybrid layers both blocks and a state, and prefix caching is off."""
+    Mamba 1 mixers, MiniMax's lightning attention) hold no KV blocks, Falcon-H1's hybrid layers both blocks and a
+    state, and prefix caching is off."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
@@ -204,8 +206,10 @@ def test_what_a_model_with_linear_attention_refuses(tmp_path, option, message):
         LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64, **option))
 
 
-def test_parallel_layouts_are_refused_by_name(tmp_path):
-    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet layers yet."""
+@pytest.mark.parametrize("family", ["qwen3_5", "minimax"])
+def test_parallel_layouts_are_refused_by_name(tmp_path, family):
+    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet or lightning
+    layers yet."""
     from types import SimpleNamespace
 
     from keel.config import ModelConfig
@@ -213,7 +217,7 @@ def test_parallel_layouts_are_refused_by_name(tmp_path):
     from keel.serve.parallel.load import check_parallel_model
     from keel.train import config as train_config
 
-    save_hf_model("qwen3_5", tmp_path)
+    save_hf_model(family, tmp_path)
     config = ModelConfig.from_json_file(tmp_path / "config.json")
     for tp, pp in ((2, 1), (1, 2)):
         with pytest.raises(KeelError, match="linear_attention"):

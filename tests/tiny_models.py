@@ -586,6 +586,29 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # MiniMax-Text-01: lightning attention (a fixed decay per head) in layers 1 and 2, full attention in 0 and 3,
+    # Mixtral's experts everywhere, each residual the sublayer's normed input scaled by factors away from 1.
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            full_attn_alpha_factor=0.9,
+            full_attn_beta_factor=1.2,
+            linear_attn_alpha_factor=1.1,
+            linear_attn_beta_factor=0.8,
+            mlp_alpha_factor=0.7,
+            mlp_beta_factor=1.3,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # K-EXAONE: EXAONE 4's attention (sliding layers rotate, the global ones do not) in a pre-norm block, DeepSeek-V3's
     # experts (2 groups of 4, one used) with the dense layer where mlp_layer_types puts it.
     "exaone_moe": (

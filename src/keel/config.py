@@ -197,7 +197,7 @@ class RopeScaling:
 
 
 # The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
-RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1")
+RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1", "lightning")
 
 
 @dataclass
@@ -236,7 +236,8 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     # Per layer: "full_attention", "sliding_attention", "chunked_attention" or "linear_attention" (HF's
-    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "conv", "mamba", "mamba1",
+    # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "lightning" (MiniMax's lightning
+    # attention, keel.model.lightning: num_heads heads of head_dim), "conv", "mamba", "mamba1",
     # "hybrid" (attention and a Mamba 2 mixer side by side: Falcon-H1), or "mlp": a layer without a token mixer, its
     # MLP (dense or MoE) alone (Nemotron-H's "-" and "E" layers).
     layer_types: list[str] = field(default_factory=list)
@@ -374,6 +375,16 @@ class ModelConfig:
     # Scalars of the block (Granite's four; 1.0 / None: not there).
     embedding_multiplier: float = 1.0  # the embedding's output is multiplied by this
     residual_multiplier: float = 1.0  # each sublayer's output is multiplied by this before the residual add
+    # MiniMax's block: each sublayer's residual is its *normed* input, x = alpha norm(x) + beta sublayer(norm(x)),
+    # with alpha and beta of the attention ("full"/other kinds), lightning and MLP sublayers (its
+    # full_attn_alpha_factor ...: 1.0 each still differs from the pre-norm block, whose residual is unnormed).
+    normed_residual: bool = False
+    attn_residual_alpha: float = 1.0
+    attn_residual_beta: float = 1.0
+    lightning_residual_alpha: float = 1.0
+    lightning_residual_beta: float = 1.0
+    mlp_residual_alpha: float = 1.0
+    mlp_residual_beta: float = 1.0
     attention_scale: float | None = None  # the softmax scale of q.k; None: 1/sqrt(head_dim)
     # GPT-2's scale_attn_by_inverse_layer_idx: layer i's softmax scale (above) further divided by i + 1.
     attention_scale_by_layer: bool = False
@@ -752,6 +763,26 @@ class ModelConfig:
         )
         if self.has_linear_attention:
             self._validate_linear(need)
+        if "lightning" in self.layer_types:
+            need(not self.is_mla, "lightning layers beside multi-head latent attention are not supported")
+        scales = ("attn", "lightning", "mlp")
+        if self.normed_residual:
+            need(
+                self.norm_placement == "pre"
+                and not self.linear_norm_placement
+                and not self.parallel_residual
+                and not self.has_partial_layers
+                and "hybrid" not in self.layer_types
+                and self.residual_multiplier == 1.0
+                and not (self.altup_num_inputs or self.laurel_rank or self.per_layer_input_size),
+                "normed_residual needs the pre-norm block with both sublayers in every layer (no parallel_residual, "
+                "hybrid layers, residual_multiplier, AltUp, LAuReL or per-layer inputs)",
+            )
+        else:
+            need(
+                all(getattr(self, f"{k}_residual_{ab}") == 1.0 for k in scales for ab in ("alpha", "beta")),
+                "attn/lightning/mlp_residual_alpha and _beta need normed_residual",
+            )
         need(self.mamba_norm in ("gate_norm", "norm_gate", "gate"), f"mamba_norm {self.mamba_norm!r} is not known")
         need(len(self.mamba_proj_multipliers) in (0, 5), "mamba_proj_multipliers: none or one for each of 5 segments")
         if any(self.has_mamba(i) for i in range(self.num_layers)):
@@ -1201,7 +1232,9 @@ class ModelConfig:
         conv = (4 * h + self.short_conv_kernel) * h + (5 * h if self.short_conv_bias else 0)  # in, conv, out
         mamba = self._mamba_params() if any(self.has_mamba(i) for i in range(self.num_layers)) else 0
         mamba1 = self._mamba1_params() if "mamba1" in self.layer_types else 0
-        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1}
+        inner = self.num_heads * self.head_dim  # lightning: qkv_proj, output_gate, the norm, out_proj
+        lightning = 5 * h * inner + inner
+        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1, "lightning": lightning}
         for layer in range(self.num_layers):
             kind = self.layer_types[layer]
             mixer_norms, mlp_norms = sublayer_norms(layer)

@@ -93,7 +93,7 @@ def _layer_parts(layer: nn.Module, tokens: int) -> tuple | None:
     attn, mlp = children.get("self_attn"), children.get("mlp")  # None where a layer lacks one (not a child)
     if type(attn) is not Attention or type(mlp) is not SwiGLU:  # a layer without one of the two (None) too
         return None
-    if attn.q_multiplier is not None or layer.residual_multiplier != 1.0:
+    if attn.q_multiplier is not None or layer.residual_multiplier != 1.0 or layer.normed_residual is not None:
         return None  # Granite's scalars: the modules run them
     if children.get("mamba") is not None or (mlp.gate_multiplier, mlp.down_multiplier) != (1.0, 1.0):
         return None  # Falcon-H1's mixer beside the attention and its MLP multipliers: the modules'

@@ -2,9 +2,10 @@
 DeltaNet (keel.model.linear_attention: "linear_attention" layers, Qwen3.5), the gated short convolution
 (keel.model.short_conv: "conv" layers, LFM2), Mamba 2's mixer (keel.model.mamba: "mamba" layers, Granite 4.0-H;
 beside the attention of Falcon-H1's "hybrid" layers, which keep keys and values too) and Mamba 1's
-(keel.model.mamba1: "mamba1" layers, Mamba, Falcon Mamba, Jamba). Each runs a causal depthwise convolution whose
-last K - 1 inputs it keeps; Gated DeltaNet also keeps its delta rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N]
-state, Mamba 1 its [channels, N] state.
+(keel.model.mamba1: "mamba1" layers, Mamba, Falcon Mamba, Jamba) and MiniMax's lightning attention
+(keel.model.lightning: "lightning" layers). Each but the last runs a causal depthwise convolution whose last K - 1
+inputs it keeps; Gated DeltaNet also keeps its delta rule's [Hv, Dk, Dv] matrix, Mamba 2 its [H, P, N] state,
+Mamba 1 its [channels, N] state, lightning attention its [H, D, D] state alone.
 
 Without a cache each row of a batch is a whole sequence from an empty state. With one, the cache's
 `recurrent_spans` says which tokens belong to which sequence and hands out that sequence's states, which the layer
@@ -42,6 +43,8 @@ class RecurrentSpans:
 def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
     """(channels, kernel) of a recurrent layer's causal convolution."""
     kind = config.layer_types[layer]
+    if kind == "lightning":  # no convolution: an empty store ([slots, 0, 0]) keeps every recurrent layer's slots alike
+        return 0, 1
     if kind == "conv":
         return config.hidden_size, config.short_conv_kernel
     if config.has_mamba(layer):
@@ -55,8 +58,10 @@ def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
 
 def state_shape(config: ModelConfig, layer: int) -> tuple[int, ...] | None:
     """A recurrent layer's float32 state beside its convolution's inputs, per sequence: Gated DeltaNet's [Hv, Dk, Dv],
-    Mamba 2's [H, P, N], Mamba 1's [channels, N]; None for a short convolution."""
+    Mamba 2's [H, P, N], Mamba 1's [channels, N], lightning attention's [H, D, D]; None for a short convolution."""
     kind = config.layer_types[layer]
+    if kind == "lightning":
+        return (config.num_heads, config.head_dim, config.head_dim)
     if kind == "linear_attention":
         return (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
     if config.has_mamba(layer):

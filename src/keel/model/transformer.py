@@ -25,6 +25,7 @@ from keel.model.layers import (
     block_norm,
     building_on_meta,
 )
+from keel.model.lightning import LightningAttention
 from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mamba import Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
@@ -38,6 +39,7 @@ RECURRENT_MIXERS: dict[str, type[nn.Module]] = {
     "conv": ShortConv,
     "mamba": Mamba2Mixer,
     "mamba1": Mamba1Mixer,
+    "lightning": LightningAttention,
 }
 
 
@@ -79,6 +81,14 @@ class DecoderLayer(nn.Module):
             config.mamba_out_multiplier,
         )
         self.residual_multiplier = config.residual_multiplier  # Granite: sublayer outputs scaled before the add
+        # MiniMax: (alpha, beta) of the mixer's and the MLP's residual adds, whose residual is the normed input
+        self.normed_residual: tuple[tuple[float, float], tuple[float, float]] | None = None
+        if config.normed_residual:
+            mixer_kind = "lightning" if config.layer_types[layer] == "lightning" else "attn"
+            self.normed_residual = (
+                (getattr(config, f"{mixer_kind}_residual_alpha"), getattr(config, f"{mixer_kind}_residual_beta")),
+                (config.mlp_residual_alpha, config.mlp_residual_beta),
+            )
         self.parallel_residual = config.parallel_residual
         self.mlp: nn.Module | None = None
         if mlp:
@@ -152,6 +162,12 @@ class DecoderLayer(nn.Module):
             mixed = self.self_attn(h * attn_in, meta) * attn_out + self.mamba(h * mamba_in, meta) * mamba_out
             x = x + mixed
             return x + self.mlp(self.post_attention_layernorm(x))
+        if self.normed_residual is not None:  # MiniMax: x = alpha norm(x) + beta sublayer(norm(x)), twice
+            (a1, b1), (a2, b2) = self.normed_residual
+            h = self.input_layernorm(x)
+            x = h * a1 + self.self_attn(h, meta) * b1
+            h = self.post_attention_layernorm(x)
+            return h * a2 + self.mlp(h) * b2
         m = self.residual_multiplier  # on every block shape: each sublayer's output (after its output norm)
         if self.norm_after_residual:  # OPT-350m: x = norm(x + sublayer(x)), attention then the MLP
             out = self.self_attn(x, meta)

@@ -34,7 +34,9 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     ]
     for asked, what in refused:
         if asked:
-            raise KeelError(f"{what} does not run with recurrent (linear_attention, conv, mamba, hybrid) layers yet")
+            raise KeelError(
+                f"{what} does not run with recurrent (linear_attention, lightning, conv, mamba, hybrid) layers yet"
+            )
 
 
 def states_only(model: ModelConfig) -> bool:

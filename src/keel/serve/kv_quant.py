@@ -96,7 +96,8 @@ def make_paged_kv_cache(
     if kv_cache_dtype == "int8":
         if config.has_recurrent_layers:
             raise KeelError(
-                "--kv-cache-dtype int8 does not run with recurrent (linear_attention, conv, mamba, hybrid) layers"
+                "--kv-cache-dtype int8 does not run with recurrent "
+                "(linear_attention, lightning, conv, mamba, hybrid) layers"
             )
         if not config.is_mla and any(
             config.layer_v_head_dim(i) != config.layer_head_dim(i) for i in config.kv_layers()

@@ -682,7 +682,10 @@ def _check_model_fits(
     if par.tp > 1 and model.moe_output_norm:
         raise fail("parallel: tp > 1 is not supported for the MoE block's output norm (A.X-K1) yet")
     if par.tp > 1 and model.has_recurrent_layers:
-        raise fail("parallel: tp > 1 is not supported for recurrent (linear_attention, conv, mamba, hybrid) layers yet")
+        raise fail(
+            "parallel: tp > 1 is not supported for recurrent "
+            "(linear_attention, lightning, conv, mamba, hybrid) layers yet"
+        )
     if par.tp > 1 and model.has_partial_layers:
         raise fail("parallel: tp > 1 is not supported for layers without a token mixer or an MLP yet")
     if par.ep > 1 and not model.is_moe:
