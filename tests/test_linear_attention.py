@@ -45,6 +45,26 @@ def test_delta_rule_matches_transformers(length, heads):
         torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_per_channel_delta_rule_matches_transformers_kda(length):
+    """Kimi Delta Attention's decay per key channel (g [B, H, T, Dk]), chunked and token by token, from a given
+    state: transformers' chunk_kimi_delta_attention and recurrent_kimi_delta_attention (their torch references)."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, length, 3, 16, generator=gen) for _ in range(3))
+    decay = -torch.rand(2, length, 3, 16, generator=gen) * 2
+    beta = torch.rand(2, length, 3, generator=gen)
+    state = torch.randn(2, 3, 16, 16, generator=gen) * 0.1
+    kwargs = dict(g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qp, kp, vp = prepare(q, k, v)
+    for reference in (kimi.chunk_kimi_delta_attention, kimi.recurrent_kimi_delta_attention):
+        want, want_state = reference(q, k, v, **kwargs)
+        for rule in (delta_rule_chunked, delta_rule_steps):
+            out, final = rule(qp, kp, vp, decay.transpose(1, 2), beta.transpose(1, 2), state)
+            torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
+
+
 def test_a_sequence_continues_from_its_state_across_chunks():
     q, k, v, decay, beta, state = _inputs(100)
     qp, kp, vp = prepare(q, k, v)
