@@ -337,6 +337,32 @@ def test_a_conv_activation_other_than_silu_is_refused(tmp_path):
         ModelConfig.from_hf({**data, "hidden_act": "gelu"})
 
 
+def test_kimi_linear_reads_moonshot_config_and_refuses_what_it_cannot_run(tmp_path):
+    """Kimi Linear's released config.json nests its linear layers (1-indexed kda_layers / full_attn_layers) and names
+    its dense layers by first_k_dense_replace: read as transformers reads them. A rotating latent attention
+    (mla_use_nope false) and a router other than sigmoid are refused by name."""
+    import json
+
+    from keel.config import ModelConfig
+    from keel.errors import ConfigError
+
+    save_hf_model("kimi_linear", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        del data[key]
+    nested = dict(kda_layers=[1, 2, 4], full_attn_layers=[3], head_dim=8, num_heads=4, short_conv_kernel_size=2)
+    config = ModelConfig.from_hf({**data, "linear_attn_config": nested, "first_k_dense_replace": 2})
+    assert config.layer_types == ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert (config.linear_num_value_heads, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (4, 8, 2)
+    assert config.mlp_only_layers == [0, 1] and config.linear_variant == "kda" and not any(config.rope_layers)
+    with pytest.raises(ConfigError, match="mla_use_nope"):
+        ModelConfig.from_hf({**data, "mla_use_nope": False})
+    with pytest.raises(ConfigError, match="moe_router_activation_func 'softmax'"):
+        ModelConfig.from_hf({**data, "moe_router_activation_func": "softmax"})
+    with pytest.raises(ConfigError, match="linear_variant 'kda'"):
+        ModelConfig(**{**config.to_dict(), "linear_num_key_heads": 2}).validate()
+
+
 def test_mamba2_steps_are_clamped_in_the_chunked_scan_only(tmp_path):
     """`time_step_limit` binds the chunked scan (prefill) and not a one-token step continuing a state (decode), as
     transformers' recurrent form runs it: with a limit that binds, each decode step's logprob is transformers'."""

@@ -78,6 +78,7 @@ from keel.families import (
     iquestcoder,
     jais2,
     jamba,
+    kimi_linear,
     kolibri1,
     laguna,
     lfm2,
@@ -223,6 +224,7 @@ FAMILIES: dict[str, ModuleType] = {
         biogpt,
         mimo_v2_flash,
         bitnet,
+        kimi_linear,
     )
 }
 
