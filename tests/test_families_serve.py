@@ -182,6 +182,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("xglm", marks=SLOW),
         pytest.param("biogpt", marks=SLOW),
         pytest.param("mimo_v2_flash", marks=SLOW),
+        pytest.param("kimi_linear", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -383,6 +384,13 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
         assert config.router_bias and config.routed_scaling_factor == 1.5 and config.has_recurrent_layers
+    elif name == "kimi_linear":  # Kimi Delta Attention around unrotated latent attention; layer 0 dense
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == [
+            "KimiDeltaAttention", "MLAttention", "KimiDeltaAttention", "KimiDeltaAttention"
+        ]  # fmt: skip
+        assert not attention[1].rotates and config.linear_variant == "kda"
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     elif name in ("qwen3_5_moe", "qwen3_next"):  # the same hybrid with gated shared experts (Qwen3-Next: layer 1 dense)
         config = llm.engine.model.config
         assert config.has_linear_attention and config.shared_expert_gated

@@ -156,6 +156,7 @@ SHAPE_INFERABLE = [
             "axk1",
             "laguna",
             "mimo",  # the sliding layers' KV heads and sinks, values narrower than keys
+            "kimi_linear",  # its latent attention unrotated, which no shape tells
         )
     )
 ]

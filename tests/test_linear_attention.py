@@ -45,6 +45,26 @@ def test_delta_rule_matches_transformers(length, heads):
         torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_per_channel_delta_rule_matches_transformers_kda(length):
+    """Kimi Delta Attention's decay per key channel (g [B, H, T, Dk]), chunked and token by token, from a given
+    state: transformers' chunk_kimi_delta_attention and recurrent_kimi_delta_attention (their torch references)."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, length, 3, 16, generator=gen) for _ in range(3))
+    decay = -torch.rand(2, length, 3, 16, generator=gen) * 2
+    beta = torch.rand(2, length, 3, generator=gen)
+    state = torch.randn(2, 3, 16, 16, generator=gen) * 0.1
+    kwargs = dict(g=decay, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qp, kp, vp = prepare(q, k, v)
+    for reference in (kimi.chunk_kimi_delta_attention, kimi.recurrent_kimi_delta_attention):
+        want, want_state = reference(q, k, v, **kwargs)
+        for rule in (delta_rule_chunked, delta_rule_steps):
+            out, final = rule(qp, kp, vp, decay.transpose(1, 2), beta.transpose(1, 2), state)
+            torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(final, want_state, atol=1e-5, rtol=1e-5)
+
+
 def test_a_sequence_continues_from_its_state_across_chunks():
     q, k, v, decay, beta, state = _inputs(100)
     qp, kp, vp = prepare(q, k, v)
@@ -319,6 +339,32 @@ def test_a_conv_activation_other_than_silu_is_refused(tmp_path):
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf({**data, "hidden_act": "gelu"})
+
+
+def test_kimi_linear_reads_moonshot_config_and_refuses_what_it_cannot_run(tmp_path):
+    """Kimi Linear's released config.json nests its linear layers (1-indexed kda_layers / full_attn_layers) and names
+    its dense layers by first_k_dense_replace: read as transformers reads them. A rotating latent attention
+    (mla_use_nope false) and a router other than sigmoid are refused by name."""
+    import json
+
+    from keel.config import ModelConfig
+    from keel.errors import ConfigError
+
+    save_hf_model("kimi_linear", tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        del data[key]
+    nested = dict(kda_layers=[1, 2, 4], full_attn_layers=[3], head_dim=8, num_heads=4, short_conv_kernel_size=2)
+    config = ModelConfig.from_hf({**data, "linear_attn_config": nested, "first_k_dense_replace": 2})
+    assert config.layer_types == ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert (config.linear_num_value_heads, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (4, 8, 2)
+    assert config.mlp_only_layers == [0, 1] and config.linear_variant == "kda" and not any(config.rope_layers)
+    with pytest.raises(ConfigError, match="mla_use_nope"):
+        ModelConfig.from_hf({**data, "mla_use_nope": False})
+    with pytest.raises(ConfigError, match="moe_router_activation_func 'softmax'"):
+        ModelConfig.from_hf({**data, "moe_router_activation_func": "softmax"})
+    with pytest.raises(ConfigError, match="linear_variant 'kda'"):
+        ModelConfig(**{**config.to_dict(), "linear_num_key_heads": 2}).validate()
 
 
 def test_mamba2_steps_are_clamped_in_the_chunked_scan_only(tmp_path):

@@ -1267,6 +1267,36 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # Kimi Linear: Kimi Delta Attention layers (a decay per key channel, kernel 3) around an unrotated latent-attention
+    # layer (q_lora_rank set), DeepSeek-V3's experts in two groups with layer 0 dense.
+    "kimi_linear": (
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            num_key_value_heads=4,  # latent attention: every head its own key and value
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            linear_head_dim=16,
+            linear_num_heads=2,
+            linear_conv_kernel_dim=3,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # LFM2: gated short convolutions in layers 0, 1 and 3 (biased, kernel 3), attention with q/k norms in layer 2; the
     # MLP's width adjusted from intermediate_size (2/3, rounded up to 32).
     "lfm2": (

@@ -33,7 +33,17 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "sarvam_mla", "minicpm3", "axk1"}
+MLA_FAMILIES = {
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "kimi_linear",
+    "mistral4",
+    "youtu",
+    "sarvam_mla",
+    "minicpm3",
+    "axk1",
+}
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
@@ -42,6 +52,7 @@ DEEPSEEK_MOE_FAMILIES = {
     "deepseek_v3",
     "glm4_moe",
     "glm4_moe_lite",
+    "kimi_linear",
     "dots1",
     "solar_open",
     "mistral4",
@@ -51,7 +62,7 @@ DEEPSEEK_MOE_FAMILIES = {
     "axk1",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "kimi_linear"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
@@ -257,6 +268,10 @@ class ModelConfig:
     linear_beta_scale: float = 1.0
     linear_norm_eps: float | None = None
     linear_norm_placement: str = ""
+    # Which layer a "linear_attention" layer is: "gated_deltanet" (Qwen3.5, Qwen3-Next, OLMo Hybrid: a decay per
+    # head, keel.model.linear_attention) or "kda" (Kimi Linear's Kimi Delta Attention, keel.model.kda: a decay per key
+    # channel, low-rank decay and output-gate projections, a sigmoid-gated output norm; key and value heads alike).
+    linear_variant: str = "gated_deltanet"
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
@@ -815,7 +830,6 @@ class ModelConfig:
             not self.rope_layers or len(self.rope_layers) == self.num_layers,
             "rope_layers must have one entry per layer",
         )
-        need(not self.is_mla or all(self.rope_layers), "MLA layers always rotate their rope key")
         need(
             self.position_embedding in ("rope", "learned", "alibi", "sinusoidal"),
             f"position_embedding {self.position_embedding!r} is not supported (rope, learned, alibi, sinusoidal)",
@@ -1129,7 +1143,17 @@ class ModelConfig:
             self.linear_norm_eps is None or self.linear_norm_eps > 0,
             f"linear_norm_eps must be positive or None, got {self.linear_norm_eps}",
         )
-        need(not self.is_mla, "linear_attention layers beside multi-head latent attention are not supported")
+        need(
+            self.linear_variant in ("gated_deltanet", "kda"),
+            f"linear_variant {self.linear_variant!r} is not known (gated_deltanet, kda)",
+        )
+        if self.linear_variant == "kda":
+            need(
+                self.linear_num_key_heads == self.linear_num_value_heads
+                and self.linear_key_head_dim == self.linear_value_head_dim,
+                "linear_variant 'kda' has one head count and one width for keys and values",
+            )
+            need(self.linear_beta_scale == 1.0, "linear_beta_scale is Gated DeltaNet's (linear_variant 'kda' has none)")
 
     # ------------------------------------------------------------- parameters
     def _linear_attention_params(self) -> int:
@@ -1137,6 +1161,10 @@ class ModelConfig:
         the decay's A_log and dt_bias; the gated norm; the output projection."""
         h, keys = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim
         heads, values = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
+        if self.linear_variant == "kda":  # q/k/v, beta, the low-rank decay and gate, dt_bias per channel, A_log
+            d = self.linear_value_head_dim
+            projections = 3 * h * values + h * heads + 2 * (h * d + d * values) + values * h
+            return projections + 3 * values * self.linear_conv_kernel_dim + values + heads + d
         conv = 2 * keys + values
         projections = h * conv + h * values + 2 * h * heads + values * h
         return projections + conv * self.linear_conv_kernel_dim + 2 * heads + self.linear_value_head_dim

@@ -78,6 +78,7 @@ from keel.families import (
     iquestcoder,
     jais2,
     jamba,
+    kimi_linear,
     kolibri1,
     laguna,
     lfm2,
@@ -225,6 +226,7 @@ FAMILIES: dict[str, ModuleType] = {
         biogpt,
         mimo_v2_flash,
         bitnet,
+        kimi_linear,
     )
 }
 

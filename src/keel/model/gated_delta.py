@@ -6,6 +6,10 @@ Each value head keeps a state S [Dk, Dv]. For each token, with decay a = exp(g) 
 many sequences); `delta_rule_chunked` runs a sequence in chunks, each chunk's updates condensed into matmuls by
 solving one unit lower-triangular system (the WY form of the DeltaNet papers), then scanned chunk to chunk. Both
 take and return the state, so a sequence can be continued across forwards (chunked prefill, then decode).
+
+The decay is per head (g [B, H, T]: Gated DeltaNet) or per key channel (g [B, H, T, Dk]: Kimi Delta Attention, whose
+a = exp(g) scales each row of S on its own). Per channel, the chunk's pairwise decays e^(c_i - c_j) differ by channel,
+so they are formed as [C, C, Dk] per chunk (exact, and free of the e^-c overflow a factored form would risk).
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ def prepare(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def delta_rule_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """Token by token. q, k [B, H, T, Dk], v [B, H, T, Dv] (from `prepare`), g and beta [B, H, T] float32, state
-    [B, H, Dk, Dv] float32 -> (out [B, H, T, Dv], the state after the last token)."""
+    """Token by token. q, k [B, H, T, Dk], v [B, H, T, Dv] (from `prepare`), g [B, H, T] or [B, H, T, Dk] and beta
+    [B, H, T] float32, state [B, H, Dk, Dv] float32 -> (out [B, H, T, Dv], the state after the last token)."""
     outs = []
     for t in range(q.shape[2]):
-        state = state * g[:, :, t].exp()[..., None, None]
+        a = g[:, :, t].exp()
+        state = state * (a[..., None] if g.dim() == 4 else a[..., None, None])
         k_t = k[:, :, t]
         remembered = (k_t.unsqueeze(-1) * state).sum(dim=-2)  # k^T S: [B, H, Dv]
         delta = (v[:, :, t] - remembered) * beta[:, :, t].unsqueeze(-1)
@@ -54,6 +59,8 @@ def delta_rule_chunked(
     """The same result as `delta_rule_steps`, chunk by chunk: within a chunk, with cumulative log decays c_t, the
     writes u solve (I + L) u = beta v and the decayed keys w solve (I + L) w = beta e^c k, where L is the strictly lower
     part of beta_i (k_i . k_j) e^(c_i - c_j); each chunk then reads the state once and updates it once."""
+    if g.dim() == 4:
+        return _per_channel_chunked(q, k, v, g, beta, state, chunk)
     b, h, length, dk = k.shape
     pad = (chunk - length % chunk) % chunk
     if pad:
@@ -81,4 +88,37 @@ def delta_rule_chunked(
         fresh = writes[:, :, i] - decayed_keys[:, :, i] @ state  # what the state does not already predict
         out[:, :, i] = q_decayed[:, :, i] @ state + within[:, :, i] @ fresh
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ fresh
+    return out.reshape(b, h, n * chunk, -1)[:, :, :length], state
+
+
+def _per_channel_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """`delta_rule_chunked` with a decay per key channel (g [B, H, T, Dk]): the same systems, each pairwise product
+    summed over channels with that channel's decay; a chunk's [C, C, Dk] decays are formed one chunk at a time to
+    bound memory."""
+    b, h, length, dk = k.shape
+    pad = (chunk - length % chunk) % chunk
+    if pad:
+        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    n = (length + pad) // chunk
+    q, k, v, g = (t.reshape(b, h, n, chunk, t.shape[-1]) for t in (q, k, v, g))
+    beta = beta.reshape(b, h, n, chunk).unsqueeze(-1)
+    cum = g.cumsum(dim=-2)  # [B, H, n, C, Dk]
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    out = v.new_empty(b, h, n, chunk, v.shape[-1])
+    for i in range(n):
+        c, k_i, q_i = cum[:, :, i], k[:, :, i], q[:, :, i]
+        # e^(c_i - c_j) per channel for j <= i, 0 above the diagonal: [B, H, C, C, Dk]
+        decay = (c.unsqueeze(-2) - c.unsqueeze(-3)).masked_fill(future[..., None], float("-inf")).exp()
+        k_beta = k_i * beta[:, :, i]
+        system = (k_beta.unsqueeze(-2) * k_i.unsqueeze(-3) * decay).sum(-1)
+        writes = torch.linalg.solve_triangular(system, v[:, :, i] * beta[:, :, i], upper=False, unitriangular=True)
+        decayed_keys = torch.linalg.solve_triangular(system, k_beta * c.exp(), upper=False, unitriangular=True)
+        within = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay).sum(-1)
+        fresh = writes - decayed_keys @ state
+        out[:, :, i] = (q_i * c.exp()) @ state + within @ fresh
+        end = c[..., -1:, :]  # [B, H, 1, Dk]
+        state = state * end.transpose(-1, -2).exp() + (k_i * (end - c).exp()).transpose(-1, -2) @ fresh
     return out.reshape(b, h, n * chunk, -1)[:, :, :length], state

@@ -61,6 +61,10 @@ class GatedDeltaNet(nn.Module):
         random there), the same on every layout."""
         return torch.linspace(1.0, 16.0, self.value_heads).log()
 
+    def conv_weight(self) -> Tensor:
+        """The causal convolution's weight over [q, k, v] ([C, 1, K])."""
+        return self.conv1d.weight
+
     def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
         b, s, _ = x.shape
         mixed = self.in_proj_qkv(x)
@@ -71,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         if spans is None:  # whole sequences from an empty state, the batch at once
-            out, _ = self._mix(F.silu(causal_conv(mixed, self.conv1d.weight, None)), decay, beta, None)
+            out, _ = self._mix(F.silu(causal_conv(mixed, self.conv_weight(), None)), decay, beta, None)
         else:
             out = self._continue(mixed.reshape(b * s, -1), decay.reshape(b * s, -1), beta.reshape(b * s, -1), spans)
             out = out.view(b, s, self.value_heads, self.value_dim)
@@ -94,6 +98,6 @@ class GatedDeltaNet(nn.Module):
 
     def _continue(self, mixed: Tensor, decay: Tensor, beta: Tensor, spans: RecurrentSpans) -> Tensor:
         """Each sequence's tokens continued from its states, which are updated in place."""
-        conv = F.silu(causal_conv_continued(mixed, self.conv1d.weight, None, spans))
+        conv = F.silu(causal_conv_continued(mixed, self.conv_weight(), None, spans))
         out = mixed.new_empty(mixed.shape[0], self.value_heads, self.value_dim, dtype=torch.float32)
         return continue_sequences(self._mix, spans, (conv, decay, beta), out)

@@ -54,6 +54,8 @@ class MLAttention(nn.Module):
         self.qk_nope = config.qk_nope_head_dim
         self.qk_rope = config.qk_rope_head_dim
         self.qk_head_dim = config.head_dim
+        # False (`rope_layers`): the rope part of q and k left unrotated, no position encoding (Kimi Linear's NoPE)
+        self.rotates = config.layer_rotates(layer)
         self.v_head_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.interleaved = config.rope_interleave
@@ -84,9 +86,11 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(b, s, -1, self.qk_head_dim).split([self.qk_nope, self.qk_rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, R]
-        cos, sin = meta.rope
-        q_rope = self._rotate(q_rope, cos, sin)  # [B, S, H, P]
-        k_rope = self._rotate(k_rope.unsqueeze(2), cos, sin)  # [B, S, 1, P]: one rope key for all heads
+        k_rope = k_rope.unsqueeze(2)  # [B, S, 1, P]: one rope key for all heads
+        if self.rotates:
+            cos, sin = meta.rope
+            q_rope = self._rotate(q_rope, cos, sin)  # [B, S, H, P]
+            k_rope = self._rotate(k_rope, cos, sin)
         if meta.query_scale is not None:  # Llama 4's temperature by position (Mistral 4): the whole query
             q_nope, q_rope = q_nope * meta.query_scale, q_rope * meta.query_scale
         if meta.cache is None:

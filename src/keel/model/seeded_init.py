@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from keel.model.kda import SigmoidGatedRMSNorm
 from keel.model.layers import XIELU, HeadNorm, RMSNorm
 from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
@@ -124,7 +125,7 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             name = f"{prefix}.{param_name}" if prefix else param_name
             if name == "lm_head.weight" and tied:
                 name = "embed_tokens.weight"  # a stage's untied head starts as the tied model's
-            if isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm) or (
+            if isinstance(module, GatedRMSNorm | GroupedGatedRMSNorm | SigmoidGatedRMSNorm) or (
                 isinstance(module, GatedDeltaNet | Mamba2Mixer | Mamba1Mixer) and param_name in ("dt_bias", "D")
             ):
                 param.fill_(1.0)  # before the generic bias rule: dt_bias starts at 1, as transformers starts it

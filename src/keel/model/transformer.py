@@ -15,6 +15,7 @@ from keel.config import ModelConfig
 from keel.model.altup import SQRT2, AltUp, Laurel, merge, spread
 from keel.model.attention import Attention, AttentionMetadata, KVCache, query_scale
 from keel.model.fused_layer import fused_forward, fused_layers
+from keel.model.kda import KimiDeltaAttention
 from keel.model.layers import (
     HeadNorm,
     RMSNorm,
@@ -47,6 +48,8 @@ def token_mixer(config: ModelConfig, layer: int) -> nn.Module:
     """A layer's token mixer (keel's `self_attn`): its recurrent kind's module, else attention (multi-head latent
     attention where the config has it)."""
     recurrent = RECURRENT_MIXERS.get(config.layer_types[layer])
+    if recurrent is GatedDeltaNet and config.linear_variant == "kda":
+        recurrent = KimiDeltaAttention
     if recurrent is not None:
         return recurrent(config, layer)
     return MLAttention(config, layer) if config.is_mla else Attention(config, layer)

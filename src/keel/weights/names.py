@@ -38,7 +38,7 @@ class Source:
 # Families whose checkpoints call the shared experts `mlp.shared_experts` (keel: `mlp.shared_expert`).
 _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe", "cohere2_moe", "kolibri1"}
 # Families whose checkpoints name their experts as Mixtral's (`block_sparse_moe.experts.E.w1/w3/w2`, its router `gate`).
-MIXTRAL_NAMED = {"mixtral", "minimax", "minimax_m2", "phimoe"}
+MIXTRAL_NAMED = {"mixtral", "minimax", "minimax_m2", "phimoe", "kimi_linear"}
 # Families whose checkpoints store each layer's experts stacked: under names their checkpoint_layout renames
 # (Granite MoE), or as transformers 5 holds them where it has no per-expert form to save (Mistral 4).
 STACKED_EXPERTS = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid", "mistral4", "gemma4"}
