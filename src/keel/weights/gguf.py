@@ -1042,12 +1042,8 @@ def _family_hf_config(
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
         read |= {"alibi_bias_max"} if family == "mpt" else set()
         read |= {"clip_qkv"} if family == "mpt" and f.key(_KA.CLAMP_KQV) is not None else set()
-    if family == "afmoe":
-        own, own_read = _afmoe_hf_config(f, common)
-        hf.update(own)
-        read |= own_read
-    if family == "mimo_v2_flash":
-        own, own_read = _mimo2_hf_config(f, common, tensors)
+    if family in _OWN_HF_CONFIG:  # the family's keys and the fields they give, from a reader of its own
+        own, own_read = _OWN_HF_CONFIG[family](f, common, tensors)
         hf.update(own)
         read |= own_read
     if family == "gptj":
@@ -1061,18 +1057,6 @@ def _family_hf_config(
         )
         read |= {"partial_rotary_factor"} if rope_dims is not None else set()
         read |= {"rms_norm_eps"} if f.key(_KA.LAYERNORM_EPS) is not None else set()
-    if family == "gemma4":
-        own, own_read = _gemma4_hf_config(f, common, tensors)
-        hf.update(own)
-        read |= own_read
-    if family == "gemma3n":
-        own, own_read = _gemma3n_hf_config(f, common, tensors)
-        hf.update(own)
-        read |= own_read
-    if family == "nemotron_h":
-        own, own_read = _nemotron_h_hf_config(f, common, tensors)
-        hf.update(own)
-        read |= own_read
     if family in ("mamba", "mamba2"):
         hf.update(_mamba_hf_config(f, family, common, tensors))
         read |= {"mamba_d_state", "mamba_d_conv", "rms_norm_eps"}
@@ -1755,6 +1739,18 @@ def _nemotron_h_hf_config(
         read |= {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"}
         read |= {"norm_topk_prob", "routed_scaling_factor", "n_group"}
     return hf, read
+
+
+# Families whose config.json keys a reader of their own builds from the file: (its keys, the fields they give).
+_OWN_HF_CONFIG: dict[
+    str, Callable[[_Fields, dict[str, Any], dict[str, GGUFTensor]], tuple[dict[str, Any], set[str]]]
+] = {
+    "afmoe": lambda f, common, tensors: _afmoe_hf_config(f, common),
+    "mimo_v2_flash": _mimo2_hf_config,
+    "gemma4": _gemma4_hf_config,
+    "gemma3n": _gemma3n_hf_config,
+    "nemotron_h": _nemotron_h_hf_config,
+}
 
 
 def _mamba_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
