@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.gpt_neox import qkv_rows
 
 FAMILY = "bloom"
 HF_ARCHITECTURE = "BloomForCausalLM"
@@ -69,10 +70,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layout(config: Any, prefix: str) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
-    d, heads = config.head_dim, config.num_heads
-
-    def head_rows(part: int) -> list[tuple[int, int]]:  # q (0), k (1) or v (2) of every head, in head order
-        return [(h * 3 * d + part * d, h * 3 * d + (part + 1) * d) for h in range(heads)]
+    qkv = qkv_rows(config)
 
     layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {
         f"{prefix}word_embeddings.weight": {"model.embed_tokens.weight": None},
@@ -86,7 +84,7 @@ def _layout(config: Any, prefix: str) -> dict[str, dict[str, list[tuple[int, int
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 layout[f"{src}.{norm}.{kind}"] = {f"{dst}.{norm}.{kind}": None}
             layout[f"{src}.self_attention.query_key_value.{kind}"] = {
-                f"{dst}.self_attn.{name}.{kind}": head_rows(i) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))
+                f"{dst}.self_attn.{name}.{kind}": rows for name, rows in qkv.items()
             }
             layout[f"{src}.self_attention.dense.{kind}"] = {f"{dst}.self_attn.o_proj.{kind}": None}
             layout[f"{src}.mlp.dense_h_to_4h.{kind}"] = {f"{dst}.mlp.up_proj.{kind}": None}

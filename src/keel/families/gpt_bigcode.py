@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel.errors import ConfigError
+from keel.families.gpt_neox import qkv_rows as per_head_qkv_rows
 from keel.families.parts import Transposed
 
 Layout = dict[str, dict[str, Any]]
@@ -91,10 +92,7 @@ def qkv_rows(config: Any) -> dict[str, list[tuple[int, int]]]:
     if config.num_kv_heads == 1:
         q = heads * d
         return {"q_proj": [(0, q)], "k_proj": [(q, q + d)], "v_proj": [(q + d, q + 2 * d)]}
-    return {
-        name: [(h * 3 * d + part * d, h * 3 * d + (part + 1) * d) for h in range(heads)]
-        for part, name in enumerate(("q_proj", "k_proj", "v_proj"))
-    }
+    return per_head_qkv_rows(config)
 
 
 # GPT-2's names inside each block -> keel's (Llama's)

@@ -58,12 +58,19 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def qkv_rows(config: Any) -> dict[str, list[tuple[int, int]]]:
+    """keel's q/k/v projections -> their rows of a fused `query_key_value` that holds each head's q, k and v in turn
+    (GPT-NeoX's layout; BLOOM's, Persimmon's and multi-head GPT-BigCode's too)."""
+    d, heads = config.head_dim, config.num_heads
+    return {
+        name: [(h * 3 * d + part * d, h * 3 * d + (part + 1) * d) for h in range(heads)]
+        for part, name in enumerate(("q_proj", "k_proj", "v_proj"))
+    }
+
+
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
     """Stored tensor -> {the HF-style (Llama) name keel reads: its rows of it, or None: all of it}."""
-    d, heads = config.head_dim, config.num_heads
-
-    def head_rows(part: int) -> list[tuple[int, int]]:  # q (0), k (1) or v (2) of every head, in head order
-        return [(h * 3 * d + part * d, h * 3 * d + (part + 1) * d) for h in range(heads)]
+    qkv = qkv_rows(config)
 
     layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {
         "gpt_neox.embed_in.weight": {"model.embed_tokens.weight": None},
@@ -77,7 +84,7 @@ def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] 
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 layout[f"{src}.{norm}.{kind}"] = {f"{dst}.{norm}.{kind}": None}
             layout[f"{src}.attention.query_key_value.{kind}"] = {
-                f"{dst}.self_attn.{name}.{kind}": head_rows(i) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))
+                f"{dst}.self_attn.{name}.{kind}": rows for name, rows in qkv.items()
             }
             layout[f"{src}.attention.dense.{kind}"] = {f"{dst}.self_attn.o_proj.{kind}": None}
             layout[f"{src}.mlp.dense_h_to_4h.{kind}"] = {f"{dst}.mlp.up_proj.{kind}": None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from keel.families.gpt_neox import qkv_rows
 from keel.families.rope import partial_rotary_factor
 
 FAMILY = "persimmon"
@@ -61,10 +62,7 @@ COMPUTED_KEYS = ("head_dim", "num_key_value_heads")
 
 def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] | None]]:
     """Stored tensor -> {the HF-style (Llama) name keel reads: its rows of it, or None: all of it}."""
-    d, heads = config.head_dim, config.num_heads
-
-    def head_rows(part: int) -> list[tuple[int, int]]:  # q (0), k (1) or v (2) of every head, in head order
-        return [(h * 3 * d + part * d, h * 3 * d + (part + 1) * d) for h in range(heads)]
+    qkv = qkv_rows(config)
 
     layout: dict[str, dict[str, list[tuple[int, int]] | None]] = {}
     for kind in ("weight", "bias"):
@@ -73,7 +71,7 @@ def checkpoint_layout(config: Any) -> dict[str, dict[str, list[tuple[int, int]] 
         p = f"model.layers.{layer}"
         for kind in ("weight", "bias"):
             layout[f"{p}.self_attn.query_key_value.{kind}"] = {
-                f"{p}.self_attn.{name}.{kind}": head_rows(i) for i, name in enumerate(("q_proj", "k_proj", "v_proj"))
+                f"{p}.self_attn.{name}.{kind}": rows for name, rows in qkv.items()
             }
             layout[f"{p}.self_attn.dense.{kind}"] = {f"{p}.self_attn.o_proj.{kind}": None}
             layout[f"{p}.mlp.dense_h_to_4h.{kind}"] = {f"{p}.mlp.up_proj.{kind}": None}
