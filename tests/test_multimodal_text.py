@@ -1,7 +1,8 @@
 """The text model of multimodal releases (keel.config.TEXT_MODEL_OF): Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE),
 GLM-4V, GLM-4.5V, ERNIE-4.5-VL, HunYuan-VL, Mistral 3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, FastVLM, InternVL3(.5),
-Aya Vision, LFM2-VL, LFM3-VL, Idefics3 and SmolVLM read as the text families they pair with a vision tower (the
-tower, and ERNIE-4.5-VL's vision experts, left unread; PaliGemma, a prefix LM, refused); transformers' multimodal
+Aya Vision, LFM2-VL, LFM3-VL, Idefics3, SmolVLM and Llama 3.2 Vision (its self-attention layers) read as the text
+families they pair with a vision tower (the tower, ERNIE-4.5-VL's vision experts and Llama 3.2 Vision's cross-attention
+layers left unread; PaliGemma, a prefix LM, refused); transformers' multimodal
 model's logits on text alone, the older file layouts transformers still loads, `keel convert` to the text model, and
 the engine's greedy tokens. M-RoPE is the plain rotary on text (its position components are the same there), which
 the Qwen-VL, GLM-4V, ERNIE-4.5-VL and HunYuan-VL comparisons check."""
@@ -24,6 +25,34 @@ TOKENS = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(
 _SIGLIP = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28)
 _TOWER = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 _PIXTRAL = dict(_SIGLIP, head_dim=16, patch_size=14, model_type="pixtral")
+
+
+_MLLAMA_TEXT = dict(
+    num_hidden_layers=5,
+    intermediate_size=128,
+    cross_attention_layers=[1, 3],
+    max_position_embeddings=128,
+    pad_token_id=0,  # MllamaTextConfig's 128004 is past the tiny vocab
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 5000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    },
+)
+_MLLAMA_VISION = dict(
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_global_layers=1,
+    attention_heads=2,
+    image_size=28,
+    patch_size=14,
+    vision_output_dim=64,
+    intermediate_layers_indices=[0],
+)
 
 
 def _mrope(sections: list[int], **extra) -> dict:
@@ -252,6 +281,16 @@ RELEASES = {
         dict(tie_word_embeddings=False, projector_hidden_size=32),
         "lfm3",
     ),
+    # Llama 3.2 Vision: on text, the Llama of its self-attention layers (its cross-attention layers 1 and 3 skipped),
+    # its embedding 8 rows longer than its head, never tied (whatever the outer config says)
+    "mllama": (
+        "MllamaConfig",
+        "MllamaForConditionalGeneration",
+        {**COMMON, **_MLLAMA_TEXT},
+        _MLLAMA_VISION,
+        dict(tie_word_embeddings=True),
+        "llama",
+    ),
 }
 
 
@@ -273,7 +312,7 @@ def _rel(ours: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # by default the releases whose reading has a part of its own (sparse defaults, M-RoPE, interleaved M-RoPE, experts)
-_DEFAULT = ("gemma3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "internvl-qwen3", "lfm2_vl", "aya_vision")
+_DEFAULT = ("gemma3", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "internvl-qwen3", "lfm2_vl", "aya_vision", "mllama")
 
 
 @pytest.mark.parametrize("name", [n if n in _DEFAULT else pytest.param(n, marks=SLOW) for n in RELEASES])
@@ -296,6 +335,36 @@ def _rewrite(directory, rename) -> None:  # noqa: ANN001
         if out is not None:
             tensors[out[0]] = out[1].contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_mllama_text_model_on_its_own_is_read(tmp_path):
+    """MllamaForCausalLM (config model_type mllama_text_model, tensors under `model.`), with cross-attention layers at
+    the ends: the same Llama; transformers' greedy tokens too."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MllamaTextConfig(**{**COMMON, **_MLLAMA_TEXT, "cross_attention_layers": [0, 4]})
+    hf = transformers.MllamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    save_byte_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, "float32")
+    assert loaded.config.architecture == "llama" and loaded.config.num_layers == 3
+    assert not loaded.config.tie_word_embeddings and loaded.config.vocab_size == 256
+    with torch.no_grad():
+        assert _rel(loaded.model(TOKENS), hf(input_ids=TOKENS).logits) < 1e-5
+        want = hf.generate(TOKENS[:, :8], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        tokens = TOKENS[:, :8]
+        for _ in range(6):  # greedy by whole forward passes
+            tokens = torch.cat([tokens, loaded.model(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert tokens.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("layers", [[5], [-1], [0, 1, 2, 3, 4], "3"])
+def test_mllama_cross_attention_layers_keel_cannot_read_are_refused_by_name(layers):
+    text = {**COMMON, **_MLLAMA_TEXT, "model_type": "mllama_text_model", "cross_attention_layers": layers}
+    data = {"architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "text_config": text}
+    with pytest.raises(ConfigError, match="cross_attention_layers"):
+        ModelConfig.from_hf({**data, "vision_config": {}})
 
 
 def test_gemma3_in_the_layout_of_transformers_4_52(tmp_path):
@@ -441,6 +510,7 @@ def test_m_rope_with_a_scaling_keel_lacks_is_refused_by_name():
     "name",
     [
         "gemma3",
+        "mllama",
         *[
             pytest.param(n, marks=SLOW)
             for n in (
@@ -470,7 +540,7 @@ def test_convert_writes_the_text_model(tmp_path, name):
         assert _rel(exported(TOKENS).logits, hf(input_ids=TOKENS).logits) < 1e-5
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW) for n in ("gemma3", "qwen3_vl", "mistral3")])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW) for n in ("gemma3", "qwen3_vl", "mistral3", "mllama")])
 def test_the_engine_serves_the_text_model(tmp_path, name):
     """The engine's greedy tokens are transformers' multimodal model's on a text prompt."""
     from keel.serve import LLM, EngineConfig, SamplingParams

@@ -1567,6 +1567,8 @@ TEXT_MODEL_OF: dict[str, str | None] = {
     "Lfm3VlForConditionalGeneration": None,
     "Apertus1p5ForConditionalGeneration": "Apertus1p5TextForCausalLM",
     "Gemma4UnifiedForConditionalGeneration": "Gemma4UnifiedForCausalLM",
+    # Llama 3.2 Vision: a Llama over its self-attention layers on text (_mllama_text)
+    "MllamaForConditionalGeneration": "LlamaForCausalLM",
 }
 
 # The text config class's defaults of the keys keel requires, by the text config's `model_type`, where releases leave
@@ -1588,6 +1590,18 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     },
+    # MllamaTextConfig's (Llama 3.2 11B Vision's): its eps and theta are not LlamaConfig's
+    "mllama_text_model": {
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+    },
 }
 # What a multimodal release's text model does whatever its text config says (given the text config): Qwen3-VL-MoE's
 # router always renormalises its top k (transformers' Qwen3VLMoeTextTopKRouter; Qwen3-MoE's own follows
@@ -1597,6 +1611,7 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
 TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Qwen3VLMoeForConditionalGeneration": lambda text: {"norm_topk_prob": True},
     "AyaVisionForConditionalGeneration": lambda text: {"logit_scale": 1.0},
+    "MllamaForConditionalGeneration": lambda text: _mllama_text(text),
     "Ernie4_5_VLMoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
     "Ernie4_5_VL_MoeForConditionalGeneration": lambda text: _ernie_vl_text(text),
     "Glm4vForConditionalGeneration": lambda text: {
@@ -1604,6 +1619,39 @@ TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "head_dim": int(text["hidden_size"]) // int(text["num_attention_heads"]),
     },
 }
+
+
+# MllamaTextConfig's cross-attention layers where its config names none (Llama 3.2 11B Vision's)
+MLLAMA_CROSS_ATTENTION_LAYERS = [3, 8, 13, 18, 23, 28, 33, 38]
+
+
+def mllama_cross_attention_layers(text: dict[str, Any]) -> list[int]:
+    """Llama 3.2 Vision's cross-attention layers (`cross_attention_layers`, MllamaTextConfig's default where absent)."""
+    layers = text.get("cross_attention_layers")
+    layers = MLLAMA_CROSS_ATTENTION_LAYERS if layers is None else layers
+    count = int(text.get("num_hidden_layers", 40))
+    if not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < count for i in layers):
+        raise ConfigError(f"Llama 3.2 Vision: cross_attention_layers {layers!r} are not layer indices below {count}")
+    return sorted(set(layers))
+
+
+def _mllama_text(text: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.2 Vision's text model (MllamaTextModel) as a Llama: transformers skips its cross-attention layers when
+    there is no image (nor cached image states), so on text it is the Llama of its self-attention layers, renumbered
+    (keel.weights.loader reads them so). Its heads are hidden_size / num_attention_heads wide, its projections have no
+    biases, and its head is never tied to its embedding (which holds 8 rows past vocab_size, for the image tokens:
+    read are the first vocab_size)."""
+    layers = int(text.get("num_hidden_layers", 40))
+    kept = layers - len(mllama_cross_attention_layers(text))
+    if kept < 1:
+        raise ConfigError("Llama 3.2 Vision: cross_attention_layers leave no self-attention layer to run on text")
+    return {
+        "num_hidden_layers": kept,
+        "head_dim": int(text["hidden_size"]) // int(text["num_attention_heads"]),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
 
 
 def _ernie_vl_text(text: dict[str, Any]) -> dict[str, Any]:
@@ -1661,6 +1709,10 @@ def _text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     refused = next((a for a in archs if a in TEXT_MODEL_REFUSED), None) if isinstance(archs, list) else None
     if refused is not None:
         raise ConfigError(f"{source}: {refused} is not supported: {TEXT_MODEL_REFUSED[refused]}")
+    if hf.get("model_type") == "mllama_text_model" or (isinstance(archs, list) and "MllamaForCausalLM" in archs):
+        # Llama 3.2 Vision's text model on its own (MllamaForCausalLM): the same Llama on text
+        text = {**TEXT_CONFIG_DEFAULTS["mllama_text_model"], **hf}
+        return {**text, **_mllama_text(text), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     outer = next((a for a in archs if a in TEXT_MODEL_OF), None) if isinstance(archs, list) else None
     if outer is None:
         return hf

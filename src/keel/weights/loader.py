@@ -74,6 +74,8 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             reader = _transposed_experts(reader, config)
         if _outer_architectures(config_path) & ERNIE_VL:
             reader = _ernie_vl_text_experts(reader)
+        if _outer_architectures(config_path) & MLLAMA:
+            reader = _mllama_self_attention_layers(reader, config_path, config)
         layout = checkpoint_layout(config)
         if layout:
             reader = PartsReader(reader, layout)
@@ -148,6 +150,33 @@ def _ernie_vl_text_experts(reader: TensorReader) -> TensorReader:
             layout[name] = {name: Transposed()}
         elif name.endswith(".mlp.moe_statics.e_score_correction_bias") and tuple(reader.shape(name))[0] == 2:
             layout[name] = {name: [(0, 1)]}
+    return PartsReader(reader, layout)
+
+
+# Llama 3.2 Vision (keel.config._mllama_text): on text, the Llama of its self-attention layers
+MLLAMA = {"MllamaForConditionalGeneration", "MllamaForCausalLM"}
+
+
+def _mllama_self_attention_layers(reader: TensorReader, config_path: Path, config: ModelConfig) -> TensorReader:
+    """`reader` with Llama 3.2 Vision's self-attention layers numbered as keel's Llama layers and the first
+    vocab_size rows of its embedding (8 more rows hold the image tokens'); the cross-attention layers' tensors are
+    listed under `cross_attention_layers.<i>.` (never read: transformers skips those layers on text)."""
+    from keel.config import mllama_cross_attention_layers
+
+    data = json.loads(config_path.read_text())
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    cross = set(mllama_cross_attention_layers(text))
+    kept = [i for i in range(int(text.get("num_hidden_layers", 40))) if i not in cross]
+    number = {str(source): own for own, source in enumerate(kept)}
+    layout: dict = {"model.embed_tokens.weight": {"model.embed_tokens.weight": [(0, config.vocab_size)]}}
+    for name in reader.names():
+        if not name.startswith("model.layers."):
+            continue
+        index, rest = name[len("model.layers.") :].split(".", 1)
+        if index in number:
+            layout[name] = {f"model.layers.{number[index]}.{rest}": None}
+        else:
+            layout[name] = {f"cross_attention_layers.{index}.{rest}": None}
     return PartsReader(reader, layout)
 
 
