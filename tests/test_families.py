@@ -1240,3 +1240,41 @@ def test_codegen_refuses_what_it_cannot_run_by_name(tmp_path, extra, message):
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**data, **extra}, source="config.json")
+
+
+def test_gpt_neox_japanese_reads_its_release_config_as_transformers():
+    """abeja/gpt-neox-japanese-2.7b's config.json (its rotary under `rotary_pct` / `rotary_emb_base`, no
+    rope_parameters, the MLP width as `intermediate_multiple_size`); the head tied where the file says nothing, as
+    the config class's default; the last layer's attention output bias alone; the export read back the same."""
+    import transformers
+
+    data = dict(
+        architectures=["GPTNeoXJapaneseForCausalLM"],
+        model_type="gpt_neox_japanese",
+        hidden_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        intermediate_multiple_size=4,
+        rotary_pct=0.5,
+        rotary_emb_base=20000,
+        layer_norm_eps=1e-5,
+        vocab_size=32000,
+    )
+    config = ModelConfig.from_hf(data)
+    want = transformers.GPTNeoXJapaneseConfig(**{k: v for k, v in data.items() if k != "architectures"})
+    assert config.intermediate_size == 10240 and config.head_dim == 80 and config.num_kv_heads == 32
+    assert config.partial_rotary_factor == want.rope_parameters["partial_rotary_factor"] == 0.5
+    assert config.rope_theta == want.rope_parameters["rope_theta"] == 20000
+    assert config.tie_word_embeddings == want.tie_word_embeddings is True
+    assert (config.o_bias, config.o_bias_layers, config.parallel_residual) == (False, [31], False)
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_o_bias_layers_out_of_range_are_refused_by_name():
+    config = ModelConfig.from_hf(
+        dict(architectures=["GPTNeoXJapaneseForCausalLM"], hidden_size=64, num_hidden_layers=2, vocab_size=256)
+    )
+    with pytest.raises(ConfigError, match="o_bias_layers"):
+        dataclasses.replace(config, o_bias_layers=[2]).validate()
+    with pytest.raises(ConfigError, match="o_bias_layers"):
+        dataclasses.replace(config, o_bias=True).to_hf()

@@ -35,6 +35,7 @@ SLOW = pytest.mark.slow
         pytest.param("stablelm-parallel", marks=SLOW),
         pytest.param("stablelm-qk-norm", marks=SLOW),
         "gpt_neox",
+        pytest.param("gpt_neox_japanese", marks=SLOW),  # its last layer's attention output bias alone
         "olmo2",
         pytest.param("olmo3", marks=SLOW),
         pytest.param("exaone4", marks=SLOW),

@@ -154,6 +154,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # GPT-NeoX: its own names, q/k/v interleaved per head in one tensor, parallel residual with two
     # LayerNorms, an ungated GELU MLP with biases, a quarter of each head rotated.
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=128, num_key_value_heads=4)),
+    # GPT-NeoX-Japanese: a sequential residual, the last layer's attention output bias alone, an MLP 3x wide without
+    # biases, rotary over half of each head at its own base, an untied head
+    "gpt_neox_japanese": (
+        "GPTNeoXJapaneseConfig",
+        "GPTNeoXJapaneseForCausalLM",
+        dict(
+            intermediate_multiple_size=3,
+            rotary_pct=0.5,
+            rotary_emb_base=5000,
+            layer_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            attention_dropout=0.0,
+        ),
+    ),
     # NanoChat: weightless RMSNorms (the final one on the embedding too), q/k rotated the other way then L2-normed
     # per head, a relu2 MLP named fc1 / fc2, the logits (|l| < 1 here) soft-capped at 1, biased attention.
     "nanochat": (

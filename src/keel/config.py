@@ -242,6 +242,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    # The layers whose o_proj has a bias beside those o_bias gives one (GPT-NeoX-Japanese: the last layer's alone)
+    o_bias_layers: list[int] = field(default_factory=list)
     mlp_bias: bool = False
     lm_head_bias: bool = False  # Phi: the LM head adds a bias per vocabulary entry
     qk_norm: bool = False
@@ -769,6 +771,11 @@ class ModelConfig:
         need(set(self.layer_types) <= kinds, f"layer_types must be among {sorted(kinds)}, got {set(self.layer_types)}")
         need(not self.mlp_layers or len(self.mlp_layers) == self.num_layers, "mlp_layers must have one entry per layer")
         need(
+            all(0 <= i < self.num_layers for i in self.o_bias_layers),
+            f"o_bias_layers must be layer indices below num_layers ({self.num_layers}), got {self.o_bias_layers}",
+        )
+        need(not (self.o_bias_layers and self.is_mla), "o_bias_layers with multi-head latent attention")
+        need(
             all(self.has_mixer(i) or self.has_mlp(i) for i in range(self.num_layers)),
             "a layer needs a token mixer or an MLP (an mlp layer with mlp_layers False has neither)",
         )
@@ -1099,6 +1106,10 @@ class ModelConfig:
             need(all(0.0 <= s < 1.0 for s in self.activation_sparsity), "activation_sparsity values must be in [0, 1)")
             need(self.mlp_gated, "activation_sparsity needs a gated MLP")
 
+    def layer_o_bias(self, layer: int) -> bool:
+        """Whether `layer`'s attention output projection has a bias (o_bias, or o_bias_layers)."""
+        return self.o_bias or layer in self.o_bias_layers
+
     def layer_activation_sparsity(self, layer: int) -> float:
         """`layer`'s MLP gate target sparsity (`activation_sparsity`; 0: dense)."""
         return self.activation_sparsity[layer] if self.activation_sparsity else 0.0
@@ -1211,7 +1222,7 @@ class ModelConfig:
         attn = h * q_size + h * (kv_size + v_size) + o_size * h
         if self.qkv_bias:
             attn += q_size + kv_size + v_size
-        if self.o_bias:
+        if self.layer_o_bias(layer):
             attn += h
         if self.attention_output_gate and self.attention_gate_per_head:
             attn += h * self.num_heads

@@ -251,7 +251,7 @@ class Attention(nn.Module):
         self.k_eq_v = config.layer_k_eq_v(layer)
         v_size = config.layer_v_size(layer)
         self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, v_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.o_bias)
+        self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.layer_o_bias(layer))
         # BitNet's RMSNorm over the attention's output before o_proj
         attn_out = config.num_heads * self.v_head_dim
         self.attn_sub_norm = RMSNorm(attn_out, config.rms_norm_eps) if config.attn_sub_norm else None
