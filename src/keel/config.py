@@ -1632,6 +1632,8 @@ TEXT_MODEL_FIXED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+# Llama 3.2 Vision's text model saved on its own (its config the text config, model_type mllama_text_model)
+MLLAMA_TEXT_ALONE = {"MllamaForCausalLM"}
 # MllamaTextConfig's cross-attention layers where its config names none (Llama 3.2 11B Vision's)
 MLLAMA_CROSS_ATTENTION_LAYERS = [3, 8, 13, 18, 23, 28, 33, 38]
 
@@ -1720,7 +1722,7 @@ def _text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
     refused = next((a for a in archs if a in TEXT_MODEL_REFUSED), None) if isinstance(archs, list) else None
     if refused is not None:
         raise ConfigError(f"{source}: {refused} is not supported: {TEXT_MODEL_REFUSED[refused]}")
-    if hf.get("model_type") == "mllama_text_model" or (isinstance(archs, list) and "MllamaForCausalLM" in archs):
+    if hf.get("model_type") == "mllama_text_model" or (isinstance(archs, list) and set(archs) & MLLAMA_TEXT_ALONE):
         # Llama 3.2 Vision's text model on its own (MllamaForCausalLM): the same Llama on text
         text = {**TEXT_CONFIG_DEFAULTS["mllama_text_model"], **hf}
         return {**text, **_mllama_text(text), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from keel.config import HF_ARCHITECTURES, TEXT_MODEL_OF
+from keel.config import HF_ARCHITECTURES, MLLAMA_TEXT_ALONE, TEXT_MODEL_OF
 from keel.weights.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from keel.weights.gguf import KEYS_READ as GGUF_KEYS_READ
 
@@ -68,7 +68,7 @@ def unknown_family(path: Path) -> dict[str, Any] | None:
         if not isinstance(hf, dict):
             return None
         archs = hf.get("architectures") or []
-        if any(a in HF_ARCHITECTURES or a in TEXT_MODEL_OF for a in archs):
+        if any(a in HF_ARCHITECTURES or a in TEXT_MODEL_OF or a in MLLAMA_TEXT_ALONE for a in archs):
             return None
         from keel.weights.safetensors import SafetensorsReader
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from keel.catalog import CATALOG, resolve_catalog
-from keel.config import ModelConfig
+from keel.config import MLLAMA_TEXT_ALONE, ModelConfig
 from keel.errors import KeelError, WeightsError
 from keel.families import checkpoint_layout, zero_when_absent
 from keel.families.parts import Transposed
@@ -74,7 +74,7 @@ def open_checkpoint(model: str | Path, head_dim: int | None = None, num_heads: i
             reader = _transposed_experts(reader, config)
         if _outer_architectures(config_path) & ERNIE_VL:
             reader = _ernie_vl_text_experts(reader)
-        if _outer_architectures(config_path) & MLLAMA:
+        if _is_mllama(config_path):
             reader = _mllama_self_attention_layers(reader, config_path, config)
         layout = checkpoint_layout(config)
         if layout:
@@ -154,7 +154,17 @@ def _ernie_vl_text_experts(reader: TensorReader) -> TensorReader:
 
 
 # Llama 3.2 Vision (keel.config._mllama_text): on text, the Llama of its self-attention layers
-MLLAMA = {"MllamaForConditionalGeneration", "MllamaForCausalLM"}
+MLLAMA = {"MllamaForConditionalGeneration", *MLLAMA_TEXT_ALONE}
+
+
+def _is_mllama(config_path: Path) -> bool:
+    """Whether config.json is Llama 3.2 Vision's (MLLAMA, or its text model's model_type, as keel.config reads it)."""
+    if _outer_architectures(config_path) & MLLAMA:
+        return True
+    try:
+        return json.loads(config_path.read_text()).get("model_type") == "mllama_text_model"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _mllama_self_attention_layers(reader: TensorReader, config_path: Path, config: ModelConfig) -> TensorReader:
