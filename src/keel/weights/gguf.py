@@ -22,10 +22,10 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4mo
 llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe and mimo2 (MiMo-V2-Flash) (others are refused by
-name);
-tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
-one-line error naming these); byte-level BPE vocabularies
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash) and bitnet (BitNet b1.58)
+(others are refused by name);
+tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 TQ1_0 TQ2_0 (others, e.g.
+IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
 Gemma 4's (`"gemma4"`), tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -227,6 +227,16 @@ feed_forward_length, the LayerNorms' eps), q/k/v fused in `attn_qkv` as in HF, `
 experts stacked from HF's fused rows as [E, I, H] (gate, up) and [E, H, I] (down), read as keel's stacked experts. No
 key for moe_normalize_expert_weights or the activation: llama.cpp always divides the top-k weights by their sum and
 runs SiLU (the releases' 1 and silu), and so does keel.
+BitNet b1.58 (`bitnet`; BitnetModel): TextModel's keys (a linear rope scaling of 1; rotary pairs as HF's, llama.cpp's
+NEOX order, no permutation), the sub-norms `attn_sub_norm` / `ffn_sub_norm`, the head the embedding (llama.cpp reads
+no `output.weight`). The converter ternarizes each projection as AutoBitLinear's online mode does (round(w / s) clamped
+to -1..1, times s = mean |w|) and stores the products (F16/F32, or TQ1_0 / TQ2_0 after llama-quantize, whose block
+scale is then s in fp16); older files hold the ternary values with a `.scale` tensor [1] that llama.cpp's graph
+multiplies in after the product. keel runs the projections as keel.quant.bitnet's AutoBitLinear offline layers
+(BITNET_LAYERS): y = (x' W^T) * scale (1 without a `.scale` tensor), x' the activations rounded to int8 per token as
+BitNet was trained and transformers runs it. llama.cpp instead rounds activations as its vec_dot type asks: Q8_K
+blocks of 256 for TQ1_0 / TQ2_0, none for F16/F32 files. TQ blocks are dequantized at load (gguf.quants), not kept as
+codes. bitnet.cpp's I2_S (type id 36, and its bitnet-b1.58 / bitnet-25 architectures) is refused by name.
 """
 
 from __future__ import annotations
@@ -263,7 +273,7 @@ from keel.families import FAMILIES, checkpoint_layout
 from keel.families.parts import Columns, Transposed
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
-from keel.weights.gguf_file import GGUFFile, GGUFTensor
+from keel.weights.gguf_file import ForeignTypeError, GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.names import MIXTRAL_NAMED
 from keel.weights.shard import Shard, narrow
@@ -349,6 +359,7 @@ _FAMILIES = {
     _A.GPTJ: "gptj",
     _A.AFMOE: "afmoe",
     _A.MIMO2: "mimo_v2_flash",
+    _A.BITNET: "bitnet",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -404,6 +415,7 @@ _T = GGMLQuantizationType
 SUPPORTED_TYPES = (
     *(_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1),
     *(_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.MXFP4),
+    *(_T.TQ1_0, _T.TQ2_0),  # BitNet's ternary blocks, dequantized at load (gguf's own dequantize)
 )
 
 # The one key keel reads that gguf-py does not name: older files' linear RoPE factor (llama.cpp still
@@ -471,6 +483,8 @@ def open_gguf(path: Path) -> Checkpoint:
         raise WeightsError(f"{path}: file not found")
     try:
         reader = GGUFFile(path)
+    except ForeignTypeError as e:
+        raise WeightsError(f"{path}: {e}, which keel cannot read") from None
     except Exception as e:  # ValueError (truncated, bad magic), UnicodeDecodeError, an unknown type id, ...
         raise WeightsError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
     meta = _Metadata(reader, path)
@@ -484,7 +498,8 @@ def open_gguf(path: Path) -> Checkpoint:
     sizes: dict[str, int] = {}
     for t in reader.tensors:
         sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    return Checkpoint(path, "gguf", config, tensor_reader, tokenizer, provenance, sizes)
+    bitnet = dict(BITNET_LAYERS) if config.architecture == "bitnet" else None
+    return Checkpoint(path, "gguf", config, tensor_reader, tokenizer, provenance, sizes, bitnet=bitnet)
 
 
 def _one_line(e: BaseException) -> str:
@@ -2161,6 +2176,19 @@ _DELTANET_TENSORS = {
 }
 
 
+# BitNet's sub-norms under keel's (and transformers') names, and its ternary projections (llama.cpp's build_bitnet
+# multiplies each one's output by its optional `.scale` tensor).
+_BITNET_SUB_NORMS = {
+    MODEL_TENSOR.ATTN_SUB_NORM: "self_attn.attn_sub_norm",
+    MODEL_TENSOR.FFN_SUB_NORM: "mlp.ffn_sub_norm",
+}
+_BITNET_TERNARY = {MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT}
+_BITNET_TERNARY |= {MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN}
+# How keel.quant.bitnet runs a `bitnet` file's projections: AutoBitLinear's offline form, y = (x' W^T) * weight_scale
+# with x' the activations rounded to int8 per token (BitNet's own), W as stored; the head (the embedding) in float.
+BITNET_LAYERS = {"linear_class": "autobitlinear", "quantization_mode": "offline", "modules_to_not_convert": ["lm_head"]}
+
+
 # A Mamba 2 layer's llama.cpp tensors -> keel's names under the mixer's module (`_MAMBA2_MIXER`).
 _MAMBA2_TENSORS = {
     MODEL_TENSOR.SSM_IN: "in_proj",
@@ -2404,6 +2432,10 @@ class GGUFTensorReader:
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
+            elif arch == _A.BITNET and kind in _BITNET_SUB_NORMS:  # (TensorNameMap knows older releases' names)
+                self._add(f"model.layers.{layer}.{_BITNET_SUB_NORMS[kind]}.weight", (t,), shape, _single)
+            elif arch == _A.BITNET and suffix == "scale" and base in names:  # [1], multiplied in after the product
+                self._add(f"{names[base]}.weight_scale", (t,), (1,), _flattened)
             elif kind == MODEL_TENSOR.ATTN_QKV and arch == _A.CHATGLM:
                 self._add_chatglm_qkv(config, layout, layer, suffix, t, shape)
             elif base in names:
@@ -2449,6 +2481,10 @@ class GGUFTensorReader:
                 else:
                     self._add(hf, (t,), shape, _stored(config, arch, hf, kind, suffix))
             # else: rope_freqs (read into the config), up experts (with the gate's) and tensors keel has no use for
+        if arch == _A.BITNET:  # no `.scale` tensor (the converter folds the scale into the weights): 1
+            for base, hf in names.items():
+                if kinds.get(base, (None,))[0] in _BITNET_TERNARY and f"{hf}.weight_scale" not in self._entries:
+                    self._add(f"{hf}.weight_scale", (), (1,), _constant(1.0, (1,)))
         if arch == _A.APERTUS:  # xIELU's parameters, per layer in metadata (ApertusModel): tensors of their own in HF
             for key, param in _XIELU.items():
                 for layer, value in enumerate(reader.fields[key]):
