@@ -22,8 +22,8 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4mo
 llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash) and bitnet (BitNet b1.58)
-(others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash), bitnet (BitNet b1.58) and
+kimi-linear (others are refused by name);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 TQ1_0 TQ2_0 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -237,6 +237,14 @@ multiplies in after the product. keel runs the projections as keel.quant.bitnet'
 BitNet was trained and transformers runs it. llama.cpp instead rounds activations as its vec_dot type asks: Q8_K
 blocks of 256 for TQ1_0 / TQ2_0, none for F16/F32 files. TQ blocks are dequantized at load (gguf.quants), not kept as
 codes. bitnet.cpp's I2_S (type id 36, and its bitnet-b1.58 / bitnet-25 architectures) is refused by name.
+Kimi Linear (`kimi-linear`; KimiLinearModel): the layer kinds from the per-layer `head_count_kv` (0: a KDA layer; the
+latent-attention layers' 1, their MQA form), the KDA head size `kda.head_dim` and kernel `ssm.conv_kernel`, the KDA head
+count (no key: llama.cpp takes `head_count`) from `ssm_a`'s shape; the KDA tensors under Moonshot's names, the short
+convolutions stored [1, C, 1, K] (read back as [C, 1, K]), A_log as -exp(A_log), dt_bias as `ssm_dt.bias`; the
+latent attention as DeepSeek-V3's MQA form (`attn_k_b` / `attn_v_b`, `key_length_mla`, `value_length_mla`), unrotated
+(rope_layers all false, as keel.families.kimi_linear); DeepSeek-V3's experts, the dense layers first
+(`leading_dense_block_count`). The converter writes no gating function, renormalisation or group keys: sigmoid,
+renormalised (the release's moe_renormalize) and one group unless the file says otherwise.
 """
 
 from __future__ import annotations
@@ -360,6 +368,7 @@ _FAMILIES = {
     _A.AFMOE: "afmoe",
     _A.MIMO2: "mimo_v2_flash",
     _A.BITNET: "bitnet",
+    _A.KIMI_LINEAR: "kimi_linear",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -386,7 +395,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= {"mimo_v2_flash"}
+_ROTARY_WIDTH_KEY |= {"mimo_v2_flash", "kimi_linear"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
@@ -440,6 +449,7 @@ KEYS_READ = (
     *(_KA.SHARED_KV_LAYERS, _KA.KEY_LENGTH_SWA, _KR.DIMENSION_COUNT_SWA),
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
+    Keys.KDA.HEAD_DIM,
     Keys.SSM.DT_B_C_RMS,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
@@ -675,9 +685,9 @@ def _family_fields(
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
     if family == "glm":
         _check_chatglm(common, tensors, path)
-    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe"):
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe", "kimi_linear"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
-    if family in ("deepseek_v2", "deepseek_v3"):
+    if family in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
         own.update(_mla_fields(f, common, tensors, path))
     if family == "minicpm3":
         # latent attention as DeepSeek-V2's older files (kv_b_proj whole); LongRoPE's factors as Phi-3's tensors
@@ -769,7 +779,8 @@ def _mla_fields(
     value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH, value))
     if value is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_KA.VALUE_LENGTH)!r} is missing")
-    low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
+    # (any layer's: Kimi Linear's first latent-attention layer need not be the first)
+    low_rank_q = any(_tensor(MODEL_TENSOR.ATTN_Q_A, i) in tensors for i in range(common["num_layers"]))
     out: dict[str, Any] = {
         "num_kv_heads": read("num_kv_heads", common["num_heads"], "inferred"),
         "q_lora_rank": read("q_lora_rank", int(f.require(_KA.Q_LORA_RANK))) if low_rank_q else None,
@@ -1765,7 +1776,38 @@ _OWN_HF_CONFIG: dict[
     "gemma4": _gemma4_hf_config,
     "gemma3n": _gemma3n_hf_config,
     "nemotron_h": _nemotron_h_hf_config,
+    "kimi_linear": lambda f, common, tensors: _kimi_linear_hf_config(f, common, tensors),
 }
+
+
+def _kimi_linear_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Kimi Linear's config.json keys as KimiLinearModel writes them: the layer kinds by the per-layer KV head count
+    (0 for a KDA layer, 1 for a latent-attention one in MQA form), the KDA head size as `kda.head_dim` and the short
+    convolutions' kernel as `ssm.conv_kernel`, the dense layers first (`leading_dense_block_count`). No key holds the
+    KDA head count (llama.cpp takes `head_count`): read from the first KDA layer's `ssm_a` ([1, 1, H, 1])."""
+    path = f.meta.path
+    kv_heads = f.require(_KA.HEAD_COUNT_KV)
+    if not isinstance(kv_heads, list) or len(kv_heads) != common["num_layers"]:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)} must list each layer's count (0: a KDA layer)")
+    kinds = ["full_attention" if n else "linear_attention" for n in kv_heads]
+    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    heads = common["num_heads"]
+    if linear:
+        a = tensors.get(_tensor(MODEL_TENSOR.SSM_A, linear[0]).removesuffix(".weight"))
+        if a is None:
+            raise ConfigError(f"{path}: tensor {_tensor(MODEL_TENSOR.SSM_A, linear[0])!r} is missing")
+        heads = int(np.prod(_hf_shape(a)))
+    dense = int(f.key(_K.LEADING_DENSE_BLOCK_COUNT, 0) or 0)
+    hf = dict(
+        layer_types=kinds,
+        linear_num_heads=heads,
+        linear_head_dim=int(f.require(Keys.KDA.HEAD_DIM)),
+        linear_conv_kernel_dim=int(f.require(Keys.SSM.CONV_KERNEL)),
+        mlp_layer_types=["dense" if i < dense else "sparse" for i in range(common["num_layers"])],
+    )
+    return hf, {"layer_types", "linear_head_dim", "linear_conv_kernel_dim"}
 
 
 def _mamba_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -1828,7 +1870,9 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba") and isinstance(kv_heads, list):
+    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear") and isinstance(
+        kv_heads, list
+    ):
         # LFM2Model and GraniteHybridModel (NemotronHModel on it too) write 0 for their other layers (how they mark
         # them): the attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
@@ -2176,6 +2220,32 @@ _DELTANET_TENSORS = {
 }
 
 
+# A Kimi Delta Attention layer's llama.cpp tensors that keel does not find by TensorNameMap's names (the rest, q/k/v,
+# f_a/f_b, b, g_a/g_b, o_norm and o_proj, are HF's names mapped): KimiLinearModel stores each short convolution
+# [C, 1, K] as [1, C, 1, K], A_log [1, 1, H, 1] as -exp(A_log) (no suffix), dt_bias as `ssm_dt.bias`.
+_KDA_TENSORS = {
+    MODEL_TENSOR.SSM_CONV1D_Q: "q_conv1d",
+    MODEL_TENSOR.SSM_CONV1D_K: "k_conv1d",
+    MODEL_TENSOR.SSM_CONV1D_V: "v_conv1d",
+    MODEL_TENSOR.SSM_A: "A_log",
+    MODEL_TENSOR.SSM_DT: "dt_bias",
+}
+
+
+def _kda(
+    config: ModelConfig, kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A KDA tensor's keel name (under self_attn), HF shape and how to make it from the stored one."""
+    if kind == MODEL_TENSOR.SSM_A:
+        return "A_log", shape, _log_of_negated
+    if kind == MODEL_TENSOR.SSM_DT:
+        return "dt_bias", (math.prod(shape),), _flattened
+    channels, kernel = math.prod(shape[:-1]), shape[-1]
+    conv = lambda arrays: arrays[0].reshape(channels, 1, kernel)  # noqa: E731
+    conv.moves_rows = False  # type: ignore[attr-defined]  # reshaped: no integer blocks (get_blocks)
+    return f"{_KDA_TENSORS[kind]}.{suffix}", (channels, 1, kernel), conv
+
+
 # BitNet's sub-norms under keel's (and transformers') names, and its ternary projections (llama.cpp's build_bitnet
 # multiplies each one's output by its optional `.scale` tensor).
 _BITNET_SUB_NORMS = {
@@ -2432,6 +2502,9 @@ class GGUFTensorReader:
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
+            elif arch == _A.KIMI_LINEAR and kind in _KDA_TENSORS and _linear_layer(config, layer):
+                keel_name, hf_shape, combine = _kda(config, kind, suffix, shape)
+                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
             elif arch == _A.BITNET and kind in _BITNET_SUB_NORMS:  # (TensorNameMap knows older releases' names)
                 self._add(f"model.layers.{layer}.{_BITNET_SUB_NORMS[kind]}.weight", (t,), shape, _single)
             elif arch == _A.BITNET and suffix == "scale" and base in names:  # [1], multiplied in after the product
