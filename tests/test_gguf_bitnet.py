@@ -12,9 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from keel.errors import WeightsError
+from keel.errors import KeelError, WeightsError
 from keel.quant.bitnet import BitNetLinear
 from keel.quant.loading import load_model
+from keel.weights.convert import convert
 from keel.weights.gguf import open_gguf
 from test_bitnet import _eager_transformers  # noqa: F401  (autouse: transformers' BitNet helpers run eagerly)
 from test_gguf import TOKENS, add_mini_vocab, rel_err
@@ -105,6 +106,8 @@ def test_bitnet_gguf_matches_transformers_on_the_files_weights(tmp_path, qtype, 
     scale = layers[0].weight_scale.item()
     assert scale == pytest.approx(state["model.layers.0.self_attn.q_proj.weight_scale"].item(), rel=1e-6)
     assert (scale != 1.0) == scale_tensors
+    with pytest.raises(KeelError, match="BitNet"):  # float tensors without the int8 activations: another model
+        convert(tmp_path / "b.gguf", tmp_path / "back")
     ref = _transformers_bitnet(hf, state)
     with torch.no_grad():
         assert rel_err(ref(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4

@@ -121,6 +121,13 @@ def test_kimi_linear_gguf_matches_transformers(tmp_path):
         torch.testing.assert_close(reader.get(name), saved[name], rtol=1e-6, atol=0)
     with torch.no_grad():
         assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+    from keel.weights.convert import convert
+
+    out = convert(tmp_path / "k.gguf", tmp_path / "back", dtype="float32")  # the HF checkpoint back (A_log to 1e-6)
+    written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(written) == set(saved)
+    for key, tensor in saved.items():
+        torch.testing.assert_close(written[key], tensor, rtol=1e-6, atol=1e-6)
 
 
 def test_kimi_linear_gguf_without_per_layer_kv_heads_is_refused(tmp_path):
@@ -144,3 +151,20 @@ def test_kimi_linear_gguf_without_per_layer_kv_heads_is_refused(tmp_path):
     finish_writer(w)
     with pytest.raises(ConfigError, match="head_count_kv"):
         load_model(tmp_path / "bad.gguf", "float32")
+
+
+@pytest.mark.slow
+def test_kimi_linear_gguf_greedy_tokens_match_transformers(tmp_path):
+    """The KDA states and latent-attention cache step by step from the file: transformers' greedy tokens."""
+    from keel.serve.sampling import SamplingParams
+    from reference_generate import stream_tokens
+
+    hf = build_hf_model("kimi_linear", **_BUILD)
+    write_kimi_linear(hf, tmp_path / "k.gguf")
+    model = load_model(tmp_path / "k.gguf", "float32").model
+    prompt = TOKENS[0, :8].tolist()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ours = list(stream_tokens(model, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    assert ours == expected[0, 8:].tolist()
