@@ -6,8 +6,8 @@ The -bf16 release (no `quantization_config`) holds plain float weights, which tr
 The 1.58-bit release's `quantization_config` (quant_method bitnet: ternary weights, 4 to a byte, times a
 `weight_scale`; activations quantized per token to int8 inside every linear layer) is read by keel.quant.bitnet:
 this module checks its options and refuses by name what keel does not run (`use_rms_norm`: an RMSNorm inside each
-layer, with weights of its own, which the releases do not use). Its GGUF files (llama.cpp's `bitnet`, ternary
-TQ1_0 / TQ2_0 / I2_S blocks) are not read.
+layer, with weights of its own, which the releases do not use). llama.cpp's `bitnet` GGUF files (F16/F32 or ternary
+TQ1_0 / TQ2_0 blocks) are read by keel.weights.gguf as AutoBitLinear offline layers; bitnet.cpp's I2_S is refused.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ ATTRIBUTE_MAP) and Moonshot's released files nest the linear layers' in `linear_
 Its checkpoints keep transformers' pre-conversion names: experts as Mixtral's (`block_sparse_moe.experts.E.w1/w3/w2`),
 the dense layers' MLPs under `block_sparse_moe.` too (`checkpoint_layout`), the three short convolutions apart. Refused
 by name: `mla_use_nope` false (a latent attention that rotates, which transformers does not run) and a router other than
-sigmoid (`moe_router_activation_func`).
+sigmoid (`moe_router_activation_func`). llama.cpp's `kimi-linear` GGUF files are read by keel.weights.gguf.
 """
 
 from __future__ import annotations

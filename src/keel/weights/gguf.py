@@ -22,10 +22,10 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4mo
 llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe and mimo2 (MiMo-V2-Flash) (others are refused by
-name);
-tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 (others, e.g. IQ2_XXS, are a
-one-line error naming these); byte-level BPE vocabularies
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash), bitnet (BitNet b1.58) and
+kimi-linear (others are refused by name);
+tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 TQ1_0 TQ2_0 (others, e.g.
+IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
 Gemma 4's (`"gemma4"`), tokenized as llama.cpp does (keel.weights.gguf_tokenizer).
 
@@ -227,6 +227,24 @@ feed_forward_length, the LayerNorms' eps), q/k/v fused in `attn_qkv` as in HF, `
 experts stacked from HF's fused rows as [E, I, H] (gate, up) and [E, H, I] (down), read as keel's stacked experts. No
 key for moe_normalize_expert_weights or the activation: llama.cpp always divides the top-k weights by their sum and
 runs SiLU (the releases' 1 and silu), and so does keel.
+BitNet b1.58 (`bitnet`; BitnetModel): TextModel's keys (a linear rope scaling of 1; rotary pairs as HF's, llama.cpp's
+NEOX order, no permutation), the sub-norms `attn_sub_norm` / `ffn_sub_norm`, the head the embedding (llama.cpp reads
+no `output.weight`). The converter ternarizes each projection as AutoBitLinear's online mode does (round(w / s) clamped
+to -1..1, times s = mean |w|) and stores the products (F16/F32, or TQ1_0 / TQ2_0 after llama-quantize, whose block
+scale is then s in fp16); older files hold the ternary values with a `.scale` tensor [1] that llama.cpp's graph
+multiplies in after the product. keel runs the projections as keel.quant.bitnet's AutoBitLinear offline layers
+(BITNET_LAYERS): y = (x' W^T) * scale (1 without a `.scale` tensor), x' the activations rounded to int8 per token as
+BitNet was trained and transformers runs it. llama.cpp instead rounds activations as its vec_dot type asks: Q8_K
+blocks of 256 for TQ1_0 / TQ2_0, none for F16/F32 files. TQ blocks are dequantized at load (gguf.quants), not kept as
+codes. bitnet.cpp's I2_S (type id 36, and its bitnet-b1.58 / bitnet-25 architectures) is refused by name.
+Kimi Linear (`kimi-linear`; KimiLinearModel): the layer kinds from the per-layer `head_count_kv` (0: a KDA layer; the
+latent-attention layers' 1, their MQA form), the KDA head size `kda.head_dim` and kernel `ssm.conv_kernel`, the KDA head
+count (no key: llama.cpp takes `head_count`) from `ssm_a`'s shape; the KDA tensors under Moonshot's names, the short
+convolutions stored [1, C, 1, K] (read back as [C, 1, K]), A_log as -exp(A_log), dt_bias as `ssm_dt.bias`; the
+latent attention as DeepSeek-V3's MQA form (`attn_k_b` / `attn_v_b`, `key_length_mla`, `value_length_mla`), unrotated
+(rope_layers all false, as keel.families.kimi_linear); DeepSeek-V3's experts, the dense layers first
+(`leading_dense_block_count`). The converter writes no gating function, renormalisation or group keys: sigmoid,
+renormalised (the release's moe_renormalize) and one group unless the file says otherwise.
 """
 
 from __future__ import annotations
@@ -263,7 +281,7 @@ from keel.families import FAMILIES, checkpoint_layout
 from keel.families.parts import Columns, Transposed
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.gguf_blocks import BLOCK_TYPES, QuantBlocks, decode_blocks
-from keel.weights.gguf_file import GGUFFile, GGUFTensor
+from keel.weights.gguf_file import ForeignTypeError, GGUFFile, GGUFTensor
 from keel.weights.gguf_tokenizer import tokenizer_from_gguf
 from keel.weights.names import MIXTRAL_NAMED
 from keel.weights.shard import Shard, narrow
@@ -349,6 +367,8 @@ _FAMILIES = {
     _A.GPTJ: "gptj",
     _A.AFMOE: "afmoe",
     _A.MIMO2: "mimo_v2_flash",
+    _A.BITNET: "bitnet",
+    _A.KIMI_LINEAR: "kimi_linear",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -375,7 +395,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= {"mimo_v2_flash"}
+_ROTARY_WIDTH_KEY |= {"mimo_v2_flash", "kimi_linear"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
@@ -404,6 +424,7 @@ _T = GGMLQuantizationType
 SUPPORTED_TYPES = (
     *(_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1),
     *(_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.IQ4_NL, _T.MXFP4),
+    *(_T.TQ1_0, _T.TQ2_0),  # BitNet's ternary blocks, dequantized at load (gguf's own dequantize)
 )
 
 # The one key keel reads that gguf-py does not name: older files' linear RoPE factor (llama.cpp still
@@ -428,6 +449,7 @@ KEYS_READ = (
     *(_KA.SHARED_KV_LAYERS, _KA.KEY_LENGTH_SWA, _KR.DIMENSION_COUNT_SWA),
     *(Keys.xIELU.ALPHA_P, Keys.xIELU.ALPHA_N, Keys.xIELU.BETA, Keys.xIELU.EPS),
     Keys.ShortConv.L_CACHE,
+    Keys.KDA.HEAD_DIM,
     Keys.SSM.DT_B_C_RMS,
     *(Keys.SSM.CONV_KERNEL, Keys.SSM.INNER_SIZE, Keys.SSM.STATE_SIZE, Keys.SSM.TIME_STEP_RANK, Keys.SSM.GROUP_COUNT),
     *(_KR.DIMENSION_COUNT, _KR.FREQ_BASE, _KR.FREQ_BASE_SWA, _KR.SCALING_TYPE, _KR.SCALING_FACTOR),
@@ -471,6 +493,8 @@ def open_gguf(path: Path) -> Checkpoint:
         raise WeightsError(f"{path}: file not found")
     try:
         reader = GGUFFile(path)
+    except ForeignTypeError as e:
+        raise WeightsError(f"{path}: {e}, which keel cannot read") from None
     except Exception as e:  # ValueError (truncated, bad magic), UnicodeDecodeError, an unknown type id, ...
         raise WeightsError(f"{path}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from None
     meta = _Metadata(reader, path)
@@ -484,7 +508,8 @@ def open_gguf(path: Path) -> Checkpoint:
     sizes: dict[str, int] = {}
     for t in reader.tensors:
         sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
-    return Checkpoint(path, "gguf", config, tensor_reader, tokenizer, provenance, sizes)
+    bitnet = dict(BITNET_LAYERS) if config.architecture == "bitnet" else None
+    return Checkpoint(path, "gguf", config, tensor_reader, tokenizer, provenance, sizes, bitnet=bitnet)
 
 
 def _one_line(e: BaseException) -> str:
@@ -660,9 +685,9 @@ def _family_fields(
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
     if family == "glm":
         _check_chatglm(common, tensors, path)
-    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe"):
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe", "kimi_linear"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
-    if family in ("deepseek_v2", "deepseek_v3"):
+    if family in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
         own.update(_mla_fields(f, common, tensors, path))
     if family == "minicpm3":
         # latent attention as DeepSeek-V2's older files (kv_b_proj whole); LongRoPE's factors as Phi-3's tensors
@@ -754,7 +779,8 @@ def _mla_fields(
     value = f.key(_KA.VALUE_LENGTH_MLA, f.key(_KA.VALUE_LENGTH, value))
     if value is None:
         raise ConfigError(f"{path}: GGUF metadata key {f.name(_KA.VALUE_LENGTH)!r} is missing")
-    low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
+    # (any layer's: Kimi Linear's first latent-attention layer need not be the first)
+    low_rank_q = any(_tensor(MODEL_TENSOR.ATTN_Q_A, i) in tensors for i in range(common["num_layers"]))
     out: dict[str, Any] = {
         "num_kv_heads": read("num_kv_heads", common["num_heads"], "inferred"),
         "q_lora_rank": read("q_lora_rank", int(f.require(_KA.Q_LORA_RANK))) if low_rank_q else None,
@@ -1750,7 +1776,38 @@ _OWN_HF_CONFIG: dict[
     "gemma4": _gemma4_hf_config,
     "gemma3n": _gemma3n_hf_config,
     "nemotron_h": _nemotron_h_hf_config,
+    "kimi_linear": lambda f, common, tensors: _kimi_linear_hf_config(f, common, tensors),
 }
+
+
+def _kimi_linear_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """Kimi Linear's config.json keys as KimiLinearModel writes them: the layer kinds by the per-layer KV head count
+    (0 for a KDA layer, 1 for a latent-attention one in MQA form), the KDA head size as `kda.head_dim` and the short
+    convolutions' kernel as `ssm.conv_kernel`, the dense layers first (`leading_dense_block_count`). No key holds the
+    KDA head count (llama.cpp takes `head_count`): read from the first KDA layer's `ssm_a` ([1, 1, H, 1])."""
+    path = f.meta.path
+    kv_heads = f.require(_KA.HEAD_COUNT_KV)
+    if not isinstance(kv_heads, list) or len(kv_heads) != common["num_layers"]:
+        raise ConfigError(f"{path}: {f.name(_KA.HEAD_COUNT_KV)} must list each layer's count (0: a KDA layer)")
+    kinds = ["full_attention" if n else "linear_attention" for n in kv_heads]
+    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    heads = common["num_heads"]
+    if linear:
+        a = tensors.get(_tensor(MODEL_TENSOR.SSM_A, linear[0]).removesuffix(".weight"))
+        if a is None:
+            raise ConfigError(f"{path}: tensor {_tensor(MODEL_TENSOR.SSM_A, linear[0])!r} is missing")
+        heads = int(np.prod(_hf_shape(a)))
+    dense = int(f.key(_K.LEADING_DENSE_BLOCK_COUNT, 0) or 0)
+    hf = dict(
+        layer_types=kinds,
+        linear_num_heads=heads,
+        linear_head_dim=int(f.require(Keys.KDA.HEAD_DIM)),
+        linear_conv_kernel_dim=int(f.require(Keys.SSM.CONV_KERNEL)),
+        mlp_layer_types=["dense" if i < dense else "sparse" for i in range(common["num_layers"])],
+    )
+    return hf, {"layer_types", "linear_head_dim", "linear_conv_kernel_dim"}
 
 
 def _mamba_hf_config(f: _Fields, family: str, common: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
@@ -1813,7 +1870,9 @@ def _attention_shape(f: _Fields, family: str, path: Path) -> tuple[int, int, int
     heads = _per_layer_constant(f.require(_KA.HEAD_COUNT), f.name(_KA.HEAD_COUNT), path)
     num_heads = f.read("num_heads", heads)
     kv_heads = f.key(_KA.HEAD_COUNT_KV)
-    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba") and isinstance(kv_heads, list):
+    if family in ("lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba", "kimi_linear") and isinstance(
+        kv_heads, list
+    ):
         # LFM2Model and GraniteHybridModel (NemotronHModel on it too) write 0 for their other layers (how they mark
         # them): the attention layers' count is the one keel needs (none at all: any will do).
         kv_heads = [n for n in kv_heads if n] or [num_heads]
@@ -2161,6 +2220,45 @@ _DELTANET_TENSORS = {
 }
 
 
+# A Kimi Delta Attention layer's llama.cpp tensors that keel does not find by TensorNameMap's names (the rest, q/k/v,
+# f_a/f_b, b, g_a/g_b, o_norm and o_proj, are HF's names mapped): KimiLinearModel stores each short convolution
+# [C, 1, K] as [1, C, 1, K], A_log [1, 1, H, 1] as -exp(A_log) (no suffix), dt_bias as `ssm_dt.bias`.
+_KDA_TENSORS = {
+    MODEL_TENSOR.SSM_CONV1D_Q: "q_conv1d",
+    MODEL_TENSOR.SSM_CONV1D_K: "k_conv1d",
+    MODEL_TENSOR.SSM_CONV1D_V: "v_conv1d",
+    MODEL_TENSOR.SSM_A: "A_log",
+    MODEL_TENSOR.SSM_DT: "dt_bias",
+}
+
+
+def _kda(
+    config: ModelConfig, kind: MODEL_TENSOR, suffix: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...], Callable[[list[np.ndarray]], np.ndarray]]:
+    """A KDA tensor's keel name (under self_attn), HF shape and how to make it from the stored one."""
+    if kind == MODEL_TENSOR.SSM_A:
+        return "A_log", shape, _log_of_negated
+    if kind == MODEL_TENSOR.SSM_DT:
+        return "dt_bias", (math.prod(shape),), _flattened
+    channels, kernel = math.prod(shape[:-1]), shape[-1]
+    conv = lambda arrays: arrays[0].reshape(channels, 1, kernel)  # noqa: E731
+    conv.moves_rows = False  # type: ignore[attr-defined]  # reshaped: no integer blocks (get_blocks)
+    return f"{_KDA_TENSORS[kind]}.{suffix}", (channels, 1, kernel), conv
+
+
+# BitNet's sub-norms under keel's (and transformers') names, and its ternary projections (llama.cpp's build_bitnet
+# multiplies each one's output by its optional `.scale` tensor).
+_BITNET_SUB_NORMS = {
+    MODEL_TENSOR.ATTN_SUB_NORM: "self_attn.attn_sub_norm",
+    MODEL_TENSOR.FFN_SUB_NORM: "mlp.ffn_sub_norm",
+}
+_BITNET_TERNARY = {MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V, MODEL_TENSOR.ATTN_OUT}
+_BITNET_TERNARY |= {MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN}
+# How keel.quant.bitnet runs a `bitnet` file's projections: AutoBitLinear's offline form, y = (x' W^T) * weight_scale
+# with x' the activations rounded to int8 per token (BitNet's own), W as stored; the head (the embedding) in float.
+BITNET_LAYERS = {"linear_class": "autobitlinear", "quantization_mode": "offline", "modules_to_not_convert": ["lm_head"]}
+
+
 # A Mamba 2 layer's llama.cpp tensors -> keel's names under the mixer's module (`_MAMBA2_MIXER`).
 _MAMBA2_TENSORS = {
     MODEL_TENSOR.SSM_IN: "in_proj",
@@ -2404,6 +2502,13 @@ class GGUFTensorReader:
             elif kind in _DELTANET_TENSORS and arch in _GATED_DELTANET and _linear_layer(config, layer):
                 hf_shape, combine = _gated_deltanet(config, arch, kind, shape)
                 self._add(f"model.layers.{layer}.self_attn.{_DELTANET_TENSORS[kind]}", (t,), hf_shape, combine)
+            elif arch == _A.KIMI_LINEAR and kind in _KDA_TENSORS and _linear_layer(config, layer):
+                keel_name, hf_shape, combine = _kda(config, kind, suffix, shape)
+                self._add(f"model.layers.{layer}.self_attn.{keel_name}", (t,), hf_shape, combine)
+            elif arch == _A.BITNET and kind in _BITNET_SUB_NORMS:  # (TensorNameMap knows older releases' names)
+                self._add(f"model.layers.{layer}.{_BITNET_SUB_NORMS[kind]}.weight", (t,), shape, _single)
+            elif arch == _A.BITNET and suffix == "scale" and base in names:  # [1], multiplied in after the product
+                self._add(f"{names[base]}.weight_scale", (t,), (1,), _flattened)
             elif kind == MODEL_TENSOR.ATTN_QKV and arch == _A.CHATGLM:
                 self._add_chatglm_qkv(config, layout, layer, suffix, t, shape)
             elif base in names:
@@ -2449,6 +2554,10 @@ class GGUFTensorReader:
                 else:
                     self._add(hf, (t,), shape, _stored(config, arch, hf, kind, suffix))
             # else: rope_freqs (read into the config), up experts (with the gate's) and tensors keel has no use for
+        if arch == _A.BITNET:  # no `.scale` tensor (the converter folds the scale into the weights): 1
+            for base, hf in names.items():
+                if kinds.get(base, (None,))[0] in _BITNET_TERNARY and f"{hf}.weight_scale" not in self._entries:
+                    self._add(f"{hf}.weight_scale", (), (1,), _constant(1.0, (1,)))
         if arch == _A.APERTUS:  # xIELU's parameters, per layer in metadata (ApertusModel): tensors of their own in HF
             for key, param in _XIELU.items():
                 for layer, value in enumerate(reader.fields[key]):

@@ -44,6 +44,13 @@ _PLAIN = {
     GGMLQuantizationType.I32: np.int32,
     GGMLQuantizationType.I64: np.int64,
 }
+# Tensor type ids that other forks of ggml give types gguf-py does not define, refused by name (else an id is only
+# "not a valid GGMLQuantizationType"): bitnet.cpp's I2_S (2-bit ternary codes with one scale per tensor).
+FOREIGN_TYPES = {36: "I2_S (bitnet.cpp's ternary type, not llama.cpp's; requantize to TQ1_0 / TQ2_0 or F16)"}
+
+
+class ForeignTypeError(ValueError):
+    """A tensor of a type id another ggml fork defines (FOREIGN_TYPES)."""
 
 
 class GGUFTensor(NamedTuple):
@@ -135,7 +142,10 @@ class GGUFFile:
         name = self._string()
         n_dims = self._scalar(GGUFValueType.UINT32)
         dims = self._take(8 * n_dims).view("<u8").copy()
-        kind = GGMLQuantizationType(self._scalar(GGUFValueType.UINT32))
+        type_id = self._scalar(GGUFValueType.UINT32)
+        if type_id in FOREIGN_TYPES and type_id not in GGMLQuantizationType._value2member_map_:
+            raise ForeignTypeError(f"tensor {name!r} has type {FOREIGN_TYPES[type_id]}")
+        kind = GGMLQuantizationType(type_id)
         return name, dims, kind, self._scalar(GGUFValueType.UINT64)
 
     def _tensor(self, start: int, name: str, dims: np.ndarray, kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
