@@ -1,0 +1,102 @@
+"""Griffin's recurrent block with its Real-Gated Linear Recurrent Unit (`layer_types` "rglru": RecurrentGemma;
+transformers' RecurrentGemmaRecurrentBlock and RecurrentGemmaRglru, its "recurrent" blocks).
+
+x [.., hidden] takes two branches: y = act(`linear_y`(x)), and `linear_x`(x) through a causal depthwise convolution
+of `lru_conv_kernel` taps (`conv_1d`, biased) into the RG-LRU; their product goes through `linear_out`. The RG-LRU,
+over u [.., W] split in num_heads blocks, has block-diagonal gates (`input_gate_weight` [H, W/H, W/H] and biases)
+    i = sigmoid(u Wi + bi),  r = sigmoid(u Wr + br),  log a = -8 r softplus(`recurrent_param`)
+    h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t u_t)
+and outputs h_t. A token at position 0 resets: its a is taken as 0 and its input is not scaled by sqrt(1 - a^2)
+(transformers' `reset`, what also separates packed sequences). The gates are computed in the activations' dtype and
+the recurrence accumulates in float32, each output rounded back, as transformers does; the state kept between calls
+(keel.model.recurrent) is the convolution's last K - 1 inputs and h [W] in float32. Parameter names are
+transformers' (its `temporal_block.` is keel's `self_attn.`: the family's checkpoint layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from keel.config import ModelConfig
+from keel.model.layers import activation
+from keel.model.recurrent import causal_conv, causal_conv_continued, continue_sequences
+
+
+def lru_scan(a: Tensor, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """h_t = a_t h_{t-1} + x_t token by token in float32: a, x [B, L, W], state [B, W] float32 -> (h [B, L, W] in
+    x's dtype, the last h float32)."""
+    out = torch.empty_like(x)
+    for t in range(x.shape[1]):
+        state = a[:, t].float() * state + x[:, t].float()
+        out[:, t] = state.to(x.dtype)
+    return out, state
+
+
+class RGLRU(nn.Module):
+    """The Real-Gated Linear Recurrent Unit (module doc): its parameters, named as transformers' `rg_lru.*`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads = config.num_heads
+        width = config.lru_width
+        block = width // self.heads
+        self.recurrent_param = nn.Parameter(torch.empty(width))
+        self.input_gate_weight = nn.Parameter(torch.empty(self.heads, block, block))
+        self.input_gate_bias = nn.Parameter(torch.empty(self.heads, block))
+        self.recurrent_gate_weight = nn.Parameter(torch.empty(self.heads, block, block))
+        self.recurrent_gate_bias = nn.Parameter(torch.empty(self.heads, block))
+
+    def _gate(self, u: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        """sigmoid(u W + b) per block: u [B, L, W] -> [B, L, W]."""
+        b, s, w = u.shape
+        blocks = u.reshape(b, s, self.heads, w // self.heads)
+        return torch.sigmoid(torch.einsum("blhi,hij->blhj", blocks, weight) + bias).reshape(b, s, w)
+
+    def forward(self, u: Tensor, positions: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """u [B, L, W] (the convolution's output), positions [B, L], state [B, W] float32 (None: empty) ->
+        (h [B, L, W] in u's dtype, the last state)."""
+        reset = (positions == 0).unsqueeze(-1)
+        gate_in = self._gate(u, self.input_gate_weight, self.input_gate_bias)
+        gate_a = self._gate(u, self.recurrent_gate_weight, self.recurrent_gate_bias)
+        log_a = -8.0 * gate_a * F.softplus(self.recurrent_param)
+        # sqrt(1 - a^2) normalises the input so that h keeps unit scale; not at a reset, where there is no past
+        scale = torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
+        x = u * gate_in * scale.to(u.dtype)
+        a = torch.exp(log_a) * ~reset
+        if state is None:
+            state = u.new_zeros(u.shape[0], u.shape[-1], dtype=torch.float32)
+        return lru_scan(a, x, state)
+
+
+class RGLRUBlock(nn.Module):
+    """Griffin's recurrent block (module doc), keel's `self_attn` of an "rglru" layer."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        h, width = config.hidden_size, config.lru_width
+        self.linear_y = nn.Linear(h, width)
+        self.linear_x = nn.Linear(h, width)
+        self.linear_out = nn.Linear(width, h)
+        self.conv_1d = nn.Conv1d(width, width, config.lru_conv_kernel, groups=width)
+        self.rg_lru = RGLRU(config)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
+        b, s, _ = x.shape
+        gate = self.act(self.linear_y(x))
+        u = self.linear_x(x)
+        width = u.shape[-1]
+        positions = meta.positions.expand(b, s)
+        spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
+        if spans is None:  # whole sequences from empty states, the batch at once
+            conv = causal_conv(u, self.conv_1d.weight, self.conv_1d.bias)
+            out, _ = self.rg_lru(conv, positions, None)
+        else:
+            flat = u.reshape(b * s, width)
+            conv = causal_conv_continued(flat, self.conv_1d.weight, self.conv_1d.bias, spans)
+            out = continue_sequences(self.rg_lru, spans, (conv, positions.reshape(b * s)), torch.empty_like(flat))
+            out = out.view(b, s, width)
+        return self.linear_out(out * gate)
