@@ -49,10 +49,11 @@ class RGLRU(nn.Module):
         self.recurrent_gate_bias = nn.Parameter(torch.empty(self.heads, block))
 
     def _gate(self, u: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        """sigmoid(u W + b) per block: u [B, L, W] -> [B, L, W]."""
+        """sigmoid(u W + b) per block: u [B, L, W] -> [B, L, W]. One baddbmm, as transformers (the bias added before
+        the product is rounded: in bfloat16 a separate add rounds twice)."""
         b, s, w = u.shape
-        blocks = u.reshape(b, s, self.heads, w // self.heads)
-        return torch.sigmoid(torch.einsum("blhi,hij->blhj", blocks, weight) + bias).reshape(b, s, w)
+        blocks = u.reshape(b * s, self.heads, w // self.heads).transpose(0, 1)  # [H, B*L, W/H]
+        return torch.sigmoid(torch.baddbmm(bias[:, None, :], blocks, weight).transpose(0, 1).reshape(b, s, w))
 
     def forward(self, u: Tensor, positions: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
         """u [B, L, W] (the convolution's output), positions [B, L], state [B, W] float32 (None: empty) ->
