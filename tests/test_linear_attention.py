@@ -241,10 +241,10 @@ def test_what_a_model_with_linear_attention_refuses(tmp_path, option, message):
         LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64, **option))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "minimax"])
+@pytest.mark.parametrize("family", ["qwen3_5", "minimax", "recurrent_gemma"])
 def test_parallel_layouts_are_refused_by_name(tmp_path, family):
-    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet or lightning
-    layers yet."""
+    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet, lightning or
+    RG-LRU layers yet."""
     from types import SimpleNamespace
 
     from keel.config import ModelConfig
@@ -252,7 +252,8 @@ def test_parallel_layouts_are_refused_by_name(tmp_path, family):
     from keel.serve.parallel.load import check_parallel_model
     from keel.train import config as train_config
 
-    save_hf_model(family, tmp_path)
+    # RecurrentGemma's one KV head would be refused first for tp = 2
+    save_hf_model(family, tmp_path, **({"num_key_value_heads": 2} if family == "recurrent_gemma" else {}))
     config = ModelConfig.from_json_file(tmp_path / "config.json")
     for tp, pp in ((2, 1), (1, 2)):
         with pytest.raises(KeelError, match="linear_attention"):
