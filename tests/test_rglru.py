@@ -12,7 +12,7 @@ from keel.config import ModelConfig
 from keel.errors import ConfigError, KeelError
 from keel.model.attention import AttentionMetadata
 from keel.model.recurrent import RecurrentStates
-from keel.model.rglru import RGLRUBlock
+from keel.model.rglru import RGLRUBlock, lru_chunked, lru_scan
 from tiny_models import COMMON, TINY_CONFIGS, build_hf_model
 
 
@@ -63,6 +63,31 @@ def test_a_token_at_position_0_resets_the_recurrence_as_transformers_does():
         unreset = ours(x, AttentionMetadata(positions=torch.arange(20)[None]))
     assert _rel(got, want) < 1e-5
     assert _rel(unreset, want) > 1e-3  # the reset shows
+
+
+def test_the_chunked_scan_is_the_token_loop():
+    """Over several chunks (of 7 here), from a given state, with a reset mid-chunk (log a = -inf: a = 0)."""
+    g = torch.Generator().manual_seed(4)
+    log_a = -torch.rand(2, 40, 12, generator=g) * 2
+    log_a[0, 17] = float("-inf")
+    x, state = torch.randn(2, 40, 12, generator=g), torch.randn(2, 12, generator=g)
+    want, want_state = lru_scan(log_a.exp(), x, state)
+    got, got_state = lru_chunked(log_a, x, state, chunk=7)
+    assert _rel(got, want) < 1e-5 and _rel(got_state, want_state) < 1e-5
+
+
+def test_gradients_are_transformers_through_resets():
+    """Training: the block's gradients (the chunked scan, the reset's -inf, the bounded sqrt's derivative) equal
+    transformers' where packed sequences restart at position 0; none is NaN."""
+    _, block, ours = _blocks()
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(25), torch.arange(15)])[None]
+    block(x, positions, None, use_cache=False)[0].square().sum().backward()
+    ours(x, AttentionMetadata(positions=positions)).square().sum().backward()
+    theirs = dict(block.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.isfinite(param.grad).all(), name
+        assert _rel(param.grad, theirs[name].grad) < 1e-4, name
 
 
 class _Cache:

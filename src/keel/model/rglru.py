@@ -8,7 +8,8 @@ over u [.., W] split in num_heads blocks, has block-diagonal gates (`input_gate_
     h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t u_t)
 and outputs h_t. A token at position 0 resets: its a is taken as 0 and its input is not scaled by sqrt(1 - a^2)
 (transformers' `reset`, what also separates packed sequences). The gates are computed in the activations' dtype and
-the recurrence accumulates in float32, each output rounded back, as transformers does; the state kept between calls
+the recurrence accumulates in float32, each output rounded back, as transformers does (a decode token is one step,
+a prefill goes by chunks of 32 tokens: `lru_chunked`); the state kept between calls
 (keel.model.recurrent) is the convolution's last K - 1 inputs and h [W] in float32. Parameter names are
 transformers' (its `temporal_block.` is keel's `self_attn.`: the family's checkpoint layout).
 """
@@ -23,15 +24,54 @@ from keel.config import ModelConfig
 from keel.model.layers import activation
 from keel.model.recurrent import causal_conv, causal_conv_continued, continue_sequences
 
+CHUNK = 32
+MAX_SQRT_GRADIENT = 1000.0
+
 
 def lru_scan(a: Tensor, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """h_t = a_t h_{t-1} + x_t token by token in float32: a, x [B, L, W], state [B, W] float32 -> (h [B, L, W] in
-    x's dtype, the last h float32)."""
+    """h_t = a_t h_{t-1} + x_t token by token in float32 (transformers' loop; keel's decode step): a, x [B, L, W],
+    state [B, W] float32 -> (h [B, L, W] in x's dtype, the last h float32)."""
     out = torch.empty_like(x)
     for t in range(x.shape[1]):
         state = a[:, t].float() * state + x[:, t].float()
         out[:, t] = state.to(x.dtype)
     return out, state
+
+
+def lru_chunked(log_a: Tensor, x: Tensor, state: Tensor, chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """`lru_scan` given log a [B, L, W] float32 (-inf: a = 0, a reset), chunk by chunk in float32 (a prefill's chunk
+    at once, not a Python step per token): h_t = sum_{s<=t} (prod_{s<r<=t} a_r) x_s + (prod_{r<=t} a_r) h_0, the
+    products as exponentials of sums of log a within each chunk (a masked cumulative sum: no large sums subtracted).
+    A reset's -inf is an exact zero with finite gradients (no log of 0)."""
+    b, length, width = x.shape
+    log_a = log_a.transpose(1, 2)  # [B, W, L]
+    steps = torch.arange(chunk, device=x.device)
+    below = steps[:, None] > steps[None, :]  # [t, s]: t > s
+    outs = []
+    for first in range(0, length, chunk):
+        n = min(chunk, length - first)
+        la, xc = log_a[..., first : first + n], x[:, first : first + n].float().transpose(1, 2)
+        # [B, W, t, s]: sum of log a_r over s < r <= t; -inf above the diagonal (s after t)
+        seg = la[..., :, None].expand(b, width, n, n).masked_fill(~below[:n, :n], 0).cumsum(-2)
+        seg = seg.masked_fill(below[:n, :n].T, float("-inf"))
+        h = (seg.exp() @ xc[..., None])[..., 0] + la.cumsum(-1).exp() * state[..., None]
+        outs.append(h)
+        state = h[..., -1]
+    return torch.cat(outs, dim=-1).transpose(1, 2).to(x.dtype), state
+
+
+class BoundedSqrt(torch.autograd.Function):
+    """sqrt with its gradient bounded at 1000 (transformers' SqrtBoundDerivative: 1 - a^2 nears 0 as a nears 1)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        return grad / torch.sqrt(torch.clip(4.0 * x, min=1 / MAX_SQRT_GRADIENT**2))
 
 
 class RGLRU(nn.Module):
@@ -63,12 +103,16 @@ class RGLRU(nn.Module):
         gate_a = self._gate(u, self.recurrent_gate_weight, self.recurrent_gate_bias)
         log_a = -8.0 * gate_a * F.softplus(self.recurrent_param)
         # sqrt(1 - a^2) normalises the input so that h keeps unit scale; not at a reset, where there is no past
-        scale = torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
+        scale = torch.where(reset, torch.ones_like(log_a), BoundedSqrt.apply(1 - torch.exp(2 * log_a)))
         x = u * gate_in * scale.to(u.dtype)
-        a = torch.exp(log_a) * ~reset
         if state is None:
             state = u.new_zeros(u.shape[0], u.shape[-1], dtype=torch.float32)
-        return lru_scan(a, x, state)
+        a = torch.exp(log_a)  # in the activations' dtype, as transformers rounds it
+        if u.shape[1] == 1:  # a decode step, as transformers takes it
+            return lru_scan(a * ~reset, x, state)
+        # the log of the rounded a (kept from 0, whose log's gradient is infinite), a reset's -inf put in apart
+        log_a = torch.log(a.float().clamp_min(torch.finfo(torch.float32).tiny)).masked_fill(reset, float("-inf"))
+        return lru_chunked(log_a, x, state)
 
 
 class RGLRUBlock(nn.Module):
