@@ -87,6 +87,19 @@ class RGLRU(nn.Module):
         self.input_gate_bias = nn.Parameter(torch.empty(self.heads, block))
         self.recurrent_gate_weight = nn.Parameter(torch.empty(self.heads, block, block))
         self.recurrent_gate_bias = nn.Parameter(torch.empty(self.heads, block))
+        with torch.no_grad():  # transformers' initialisation (its default w_init_variance_scale, 0.01)
+            self.recurrent_param.copy_(self.initial_recurrent_param())
+            for weight in (self.input_gate_weight, self.recurrent_gate_weight):
+                nn.init.normal_(weight, std=(0.01 / block) ** 0.5)
+            nn.init.zeros_(self.input_gate_bias)
+            nn.init.zeros_(self.recurrent_gate_bias)
+
+    def initial_recurrent_param(self) -> Tensor:
+        """`recurrent_param`'s start: softplus^-1(-log c) per channel for base decays c over [0.9, 0.999] (a = c^(8 r)),
+        c^2 spread evenly where transformers draws it uniformly, so that every layout starts alike."""
+        width = self.recurrent_param.shape[0]
+        squared = torch.linspace(0.9**2 + 1e-8, 0.999**2 + 1e-8, width, device="cpu")
+        return (1 / squared.sqrt() - 1).log()
 
     def _gate(self, u: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         """sigmoid(u W + b) per block: u [B, L, W] -> [B, L, W]. One baddbmm, as transformers (the bias added before
