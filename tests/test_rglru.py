@@ -175,6 +175,50 @@ def test_recurrent_gemma_config_readings_and_refusals():
         dataclasses.replace(config, lru_conv_kernel=1).validate()
 
 
+# google/recurrentgemma-2b's config.json (transformers 4.40's keys: the rotary share and base at the top level)
+RELEASE_2B = {
+    "architectures": ["RecurrentGemmaForCausalLM"],
+    "attention_bias": False,
+    "attention_window_size": 2048,
+    "block_types": ["recurrent", "recurrent", "attention"],
+    "bos_token_id": 2,
+    "conv1d_width": 4,
+    "embeddings_scale_by_sqrt_dim": True,
+    "eos_token_id": 1,
+    "final_w_init_variance_scale": 0.07692307692307693,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2560,
+    "intermediate_size": 15360,
+    "logits_soft_cap": 30.0,
+    "lru_width": 2560,
+    "model_type": "recurrent_gemma",
+    "num_attention_heads": 10,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+    "vocab_size": 256000,
+    "w_init_variance_scale": 0.01,
+}
+
+
+def test_the_2b_release_config_is_read_as_transformers_builds_it():
+    """Half of each 256-wide head rotated, a window of 2048, 7680-wide MLPs, the embedding times 50.5; the parameter
+    count of transformers' model built from the same file (on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    config = ModelConfig.from_hf(RELEASE_2B)
+    assert (config.rotary_dim, config.sliding_window, config.intermediate_size) == (128, 2048, 7680)
+    assert config.embedding_multiplier == 50.5 and config.eos_token_id == [1] and config.tie_word_embeddings
+    kwargs = {k: v for k, v in RELEASE_2B.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    with torch.device("meta"):
+        hf = transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(**kwargs))
+    assert config.param_counts()["total"] == sum(p.numel() for p in hf.parameters()) == 2_682_862_080
+
+
 @pytest.mark.slow
 def test_a_recurrent_gemma_engine_refuses_what_recurrent_layers_do_not_run(tmp_path):
     """Speculative decoding and an int8 KV cache are refused by name; prefix caching is off, decode not compiled."""
