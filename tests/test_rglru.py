@@ -159,6 +159,9 @@ def test_recurrent_gemma_config_readings_and_refusals():
     # transformers' normalizer is a bfloat16 buffer: sqrt(2560) = 50.596 is 50.5
     release = ModelConfig.from_hf({**hf, "hidden_size": 2560, "num_attention_heads": 10, "lru_width": 2560})
     assert release.embedding_multiplier == 50.5 and release.head_dim == 256
+    # transformers' alias of the window (its attribute_map)
+    aliased = {k: v for k, v in hf.items() if k != "attention_window_size"}
+    assert ModelConfig.from_hf({**aliased, "sliding_window": 4}).sliding_window == 4
     # the block types cycle over the layers
     assert ModelConfig.from_hf({**hf, "num_hidden_layers": 5}).layer_types[3:] == ["rglru", "rglru"]
     refused = [
