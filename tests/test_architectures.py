@@ -78,6 +78,7 @@ def test_keel_align_passes(tiny_dirs, name, capsys):
         "gemma3",
         "gemma2",
         "gpt_oss",
+        "recurrent_gemma",
     ],
 )
 def test_align_bfloat16_passes(tiny_dirs, name, capsys):

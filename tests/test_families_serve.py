@@ -142,6 +142,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("falcon_mamba", marks=SLOW),
         pytest.param("jamba", marks=SLOW),
         pytest.param("minimax", marks=SLOW),
+        pytest.param("recurrent_gemma", marks=SLOW),
         pytest.param("hunyuan_v1_moe", marks=SLOW),
         pytest.param("phimoe", marks=SLOW),
         pytest.param("olmo", marks=SLOW),
@@ -381,6 +382,11 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         ]
         assert config.normed_residual and all(config.is_moe_layer(i) for i in range(4))
         assert [llm.engine.cache.keys[i].numel() == 0 for i in range(4)] == [False, True, True, False]
+    elif name == "recurrent_gemma":  # RG-LRU blocks (a state each, no KV) then windowed multi-query attention
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == ["RGLRUBlock", "RGLRUBlock", "Attention"]
+        assert config.layer_types[2] == "sliding_attention" and config.sliding_window == 8
+        assert [llm.engine.cache.keys[i].numel() == 0 for i in range(3)] == [True, True, False]
     elif name == "lfm2_moe":  # short convolutions; a dense first layer, then a biased sigmoid choice, scaled
         config = llm.engine.model.config
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]

@@ -84,6 +84,8 @@ SHAPE_INFERABLE = [
     for name in TINY_CONFIGS
     # MiniMax: its lightning layers and residual factors (normed_residual's alphas and betas) no shape tells
     if name != "minimax"
+    # RecurrentGemma: its recurrent blocks, window, soft cap and bfloat16-rounded embedding scale under its own names
+    and name != "recurrent_gemma"
     and not name.startswith(
         (
             "deepseek",

@@ -142,6 +142,14 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         ]
 
 
+def _uncached_greedy(hf, ids: list[int], tokens: int) -> list[int]:
+    out = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(tokens):
+            out = torch.cat([out, hf(out, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    return out[0, len(ids) :].tolist()
+
+
 @pytest.mark.parametrize(
     "family",
     [
@@ -151,18 +159,25 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         pytest.param("falcon_h1", marks=pytest.mark.slow),
         pytest.param("jamba", marks=pytest.mark.slow),
         pytest.param("minimax", marks=pytest.mark.slow),
+        pytest.param("recurrent_gemma", marks=pytest.mark.slow),
     ],
 )
 def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, family):
     """Six sequences, four state slots and a cache too small for all of them: prompts split into chunks of a
     16-token step, sequences preempted and recomputed, slots freed and reused; transformers' greedy tokens. The
     recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite 4.0-H's Mamba 2 mixers, Jamba's
-    Mamba 1 mixers, MiniMax's lightning attention) hold no KV blocks, Falcon-H1's hybrid layers both blocks and a
-    state, and prefix caching is off."""
+    Mamba 1 mixers, MiniMax's lightning attention, RecurrentGemma's RG-LRU blocks) hold no KV blocks, Falcon-H1's
+    hybrid layers both blocks and a state, and prefix caching is off. RecurrentGemma's 40-token prompts pass its
+    8-position attention window, whose keys are kept as any attention layer's."""
     hf = save_hf_model(family, tmp_path)
     save_byte_tokenizer(tmp_path)
     prompts = [list(range(40 + i, 80 + i)) for i in range(5)] + [[9]]
     expected = _expected(hf, prompts, 32)
+    if family == "recurrent_gemma":
+        # transformers' recurrent block runs a one-token prompt on its decode path, whose convolution past is the
+        # previous generate call's (or, on a fresh model, a hidden_size-wide zero state that fails beside a narrower
+        # lru_width): its uncached forward gives the tokens of an empty past
+        expected[-1] = _uncached_greedy(hf, prompts[-1], 32)
     config = EngineConfig.of(
         dtype="float32",
         compile=False,
@@ -177,7 +192,7 @@ def test_engine_serves_states_through_chunked_prefill_and_preemption(tmp_path, f
     assert not engine.kv.enable_prefix_caching
     kinds = engine.model.config.layer_types
     assert [engine.cache.keys[i].numel() == 0 for i in range(len(kinds))] == [
-        k not in ("full_attention", "hybrid") for k in kinds
+        k not in ("full_attention", "sliding_attention", "hybrid") for k in kinds
     ]
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -226,10 +241,10 @@ def test_what_a_model_with_linear_attention_refuses(tmp_path, option, message):
         LLM(str(tmp_path), EngineConfig.of(dtype="float32", compile=False, max_model_len=64, **option))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "minimax"])
+@pytest.mark.parametrize("family", ["qwen3_5", "minimax", "recurrent_gemma"])
 def test_parallel_layouts_are_refused_by_name(tmp_path, family):
-    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet or lightning
-    layers yet."""
+    """Tensor parallelism (training and serving) and pipelined serving do not cut Gated DeltaNet, lightning or
+    RG-LRU layers yet."""
     from types import SimpleNamespace
 
     from keel.config import ModelConfig
@@ -237,7 +252,8 @@ def test_parallel_layouts_are_refused_by_name(tmp_path, family):
     from keel.serve.parallel.load import check_parallel_model
     from keel.train import config as train_config
 
-    save_hf_model(family, tmp_path)
+    # RecurrentGemma's one KV head would be refused first for tp = 2
+    save_hf_model(family, tmp_path, **({"num_key_value_heads": 2} if family == "recurrent_gemma" else {}))
     config = ModelConfig.from_json_file(tmp_path / "config.json")
     for tp, pp in ((2, 1), (1, 2)):
         with pytest.raises(KeelError, match="linear_attention"):

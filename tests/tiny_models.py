@@ -625,6 +625,26 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # RecurrentGemma (Griffin): two RG-LRU blocks then local multi-query attention over a window of 8 (shorter than
+    # the tests' sequences), an LRU narrower than the model, a 3-tap convolution, biased q/k/v, a low soft cap.
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            intermediate_size=128,
+            lru_width=48,
+            conv1d_width=3,
+            attention_window_size=8,
+            logits_soft_cap=5.0,
+            attention_bias=True,
+            block_types=["recurrent", "recurrent", "attention"],
+            w_init_variance_scale=1.0,  # initialisation only: livelier weights, so greedy decoding does not settle
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # K-EXAONE: EXAONE 4's attention (sliding layers rotate, the global ones do not) in a pre-norm block, DeepSeek-V3's
     # experts (2 groups of 4, one used) with the dense layer where mlp_layer_types puts it.
     "exaone_moe": (

@@ -208,7 +208,7 @@ class RopeScaling:
 
 
 # The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
-RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1", "lightning")
+RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1", "lightning", "rglru")
 
 
 @dataclass
@@ -250,7 +250,8 @@ class ModelConfig:
     sliding_window: int | None = None
     # Per layer: "full_attention", "sliding_attention", "chunked_attention" or "linear_attention" (HF's
     # `layer_types`; the last a Gated DeltaNet layer, keel.model.linear_attention), "lightning" (MiniMax's lightning
-    # attention, keel.model.lightning: num_heads heads of head_dim), "conv", "mamba", "mamba1",
+    # attention, keel.model.lightning: num_heads heads of head_dim), "rglru" (Griffin's recurrent block with its
+    # Real-Gated Linear Recurrent Unit, keel.model.rglru: RecurrentGemma), "conv", "mamba", "mamba1",
     # "hybrid" (attention and a Mamba 2 mixer side by side: Falcon-H1), or "mlp": a layer without a token mixer, its
     # MLP (dense or MoE) alone (Nemotron-H's "-" and "E" layers).
     layer_types: list[str] = field(default_factory=list)
@@ -313,6 +314,10 @@ class ModelConfig:
     attention_out_multiplier: float = 1.0
     mamba_in_multiplier: float = 1.0
     mamba_out_multiplier: float = 1.0
+    # Griffin's recurrent blocks ("rglru" layers, keel.model.rglru: RecurrentGemma): the LRU's width (its gates
+    # block-diagonal, num_heads blocks) and the causal convolution's kernel.
+    lru_width: int = 0
+    lru_conv_kernel: int = 4
     # Mamba 1's mixers ("mamba1" layers, keel.model.mamba1; with mamba_d_state, mamba_d_conv and the biases above): its
     # channels (expand x hidden), the rank of its step projection, and RMS norms of the step, B and C after x_proj:
     # "none" (Mamba), "weightless" (Falcon Mamba, eps mamba_dt_bc_norm_eps) or "rms" (Jamba: with weights).
@@ -785,6 +790,12 @@ class ModelConfig:
         )
         if self.has_linear_attention:
             self._validate_linear(need)
+        if "rglru" in self.layer_types:
+            need(
+                self.lru_width > 0 and self.lru_width % self.num_heads == 0,
+                f"lru_width ({self.lru_width}) must be a positive multiple of num_heads ({self.num_heads})",
+            )
+            need(self.lru_conv_kernel >= 2, f"lru_conv_kernel must be at least 2, got {self.lru_conv_kernel}")
         if "lightning" in self.layer_types:
             need(not self.is_mla, "lightning layers beside multi-head latent attention are not supported")
         scales = ("attn", "lightning", "mlp")
@@ -1273,7 +1284,18 @@ class ModelConfig:
         mamba1 = self._mamba1_params() if "mamba1" in self.layer_types else 0
         inner = self.num_heads * self.head_dim  # lightning: qkv_proj, output_gate, the norm, out_proj
         lightning = 5 * h * inner + inner
-        mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1, "lightning": lightning}
+        # rglru: linear_x, linear_y, linear_out and the convolution (all biased), the LRU's decay parameter and its
+        # two block-diagonal gates with their biases
+        w = self.lru_width
+        rglru = 3 * h * w + 2 * w + h + w * (self.lru_conv_kernel + 1) + w + 2 * (w * (w // self.num_heads) + w)
+        mixers = {
+            "linear_attention": linear,
+            "conv": conv,
+            "mamba": mamba,
+            "mamba1": mamba1,
+            "lightning": lightning,
+            "rglru": rglru,
+        }
         for layer in range(self.num_layers):
             kind = self.layer_types[layer]
             mixer_norms, mlp_norms = sublayer_norms(layer)

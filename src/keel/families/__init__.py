@@ -113,6 +113,7 @@ from keel.families import (
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
+    recurrent_gemma,
     sarvam_mla,
     sarvam_moe,
     seed_oss,
@@ -229,6 +230,7 @@ FAMILIES: dict[str, ModuleType] = {
         mimo_v2_flash,
         bitnet,
         kimi_linear,
+        recurrent_gemma,
     )
 }
 

@@ -47,6 +47,8 @@ def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
         return 0, 1
     if kind == "conv":
         return config.hidden_size, config.short_conv_kernel
+    if kind == "rglru":
+        return config.lru_width, config.lru_conv_kernel
     if config.has_mamba(layer):
         inner = config.mamba_n_heads * config.mamba_d_head
         return inner + 2 * config.mamba_n_groups * config.mamba_d_state, config.mamba_d_conv
@@ -58,8 +60,11 @@ def conv_shape(config: ModelConfig, layer: int) -> tuple[int, int]:
 
 def state_shape(config: ModelConfig, layer: int) -> tuple[int, ...] | None:
     """A recurrent layer's float32 state beside its convolution's inputs, per sequence: Gated DeltaNet's [Hv, Dk, Dv],
-    Mamba 2's [H, P, N], Mamba 1's [channels, N], lightning attention's [H, D, D]; None for a short convolution."""
+    Mamba 2's [H, P, N], Mamba 1's [channels, N], lightning attention's [H, D, D], the RG-LRU's [lru_width]; None for
+    a short convolution."""
     kind = config.layer_types[layer]
+    if kind == "rglru":
+        return (config.lru_width,)
     if kind == "lightning":
         return (config.num_heads, config.head_dim, config.head_dim)
     if kind == "linear_attention":

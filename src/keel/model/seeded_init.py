@@ -29,6 +29,7 @@ from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
 from keel.model.moe import GroupedExperts, Router
+from keel.model.rglru import RGLRU
 
 # Elements per generator block: large enough that seeding costs nothing next to the draw, small
 # enough that a rank holding a few rows of a matrix draws little beyond them.
@@ -131,6 +132,8 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.fill_(1.0)  # before the generic bias rule: dt_bias starts at 1, as transformers starts it
             elif isinstance(module, GatedDeltaNet | Mamba2Mixer | Mamba1Mixer) and param_name == "A_log":
                 fill_vector(param, module.initial_a_log())
+            elif isinstance(module, RGLRU) and param_name == "recurrent_param":
+                fill_vector(param, module.initial_recurrent_param())
             elif isinstance(module, RMSNorm | nn.LayerNorm | HeadNorm) and param_name == "weight":
                 param.fill_(1.0 - getattr(module, "offset", 0.0))  # a scale of 1 ((offset + weight) for Gemma's)
             elif param_name == "bias" or param_name.endswith("_bias"):  # GPT-OSS's experts: gate_up_proj_bias
@@ -138,7 +141,7 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             elif isinstance(module, XIELU):  # its initial shape, the same on every layout
                 param.fill_(module.INITIAL[param_name])
             elif (
-                isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | Router | GroupedExperts)
+                isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | Router | GroupedExperts | RGLRU)
                 or param_name == "sinks"
             ):
                 fill_normal(param, name, seed, std)

@@ -32,6 +32,7 @@ from keel.model.mamba import Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
 from keel.model.mla import MLAttention
 from keel.model.moe import MoE
+from keel.model.rglru import RGLRUBlock
 from keel.model.short_conv import ShortConv
 
 # Recurrent layers by their `layer_types` kind (keel.model.recurrent): a state per sequence instead of K/V.
@@ -41,6 +42,7 @@ RECURRENT_MIXERS: dict[str, type[nn.Module]] = {
     "mamba": Mamba2Mixer,
     "mamba1": Mamba1Mixer,
     "lightning": LightningAttention,
+    "rglru": RGLRUBlock,
 }
 
 

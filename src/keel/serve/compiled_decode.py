@@ -210,7 +210,7 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
     if config.is_mla:
         return "multi-head latent attention"
     if config.has_recurrent_layers:
-        return "recurrent (linear_attention, lightning, conv, mamba, hybrid) layers"
+        return "recurrent (linear_attention, lightning, rglru, conv, mamba, hybrid) layers"
     if any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "mixture-of-experts layers"
     if config.kv_shared_layers:  # the compiled step writes and attends in one operator, every layer

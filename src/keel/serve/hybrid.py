@@ -35,7 +35,8 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     for asked, what in refused:
         if asked:
             raise KeelError(
-                f"{what} does not run with recurrent (linear_attention, lightning, conv, mamba, hybrid) layers yet"
+                f"{what} does not run with recurrent "
+                "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
             )
 
 

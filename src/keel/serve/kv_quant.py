@@ -97,7 +97,7 @@ def make_paged_kv_cache(
         if config.has_recurrent_layers:
             raise KeelError(
                 "--kv-cache-dtype int8 does not run with recurrent "
-                "(linear_attention, lightning, conv, mamba, hybrid) layers"
+                "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers"
             )
         if not config.is_mla and any(
             config.layer_v_head_dim(i) != config.layer_head_dim(i) for i in config.kv_layers()

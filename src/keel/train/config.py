@@ -684,7 +684,7 @@ def _check_model_fits(
     if par.tp > 1 and model.has_recurrent_layers:
         raise fail(
             "parallel: tp > 1 is not supported for recurrent "
-            "(linear_attention, lightning, conv, mamba, hybrid) layers yet"
+            "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
         )
     if par.tp > 1 and model.has_partial_layers:
         raise fail("parallel: tp > 1 is not supported for layers without a token mixer or an MLP yet")
