@@ -123,6 +123,7 @@ from keel.families import (
     vaultgemma,
     xglm,
     youtu,
+    zamba2,
 )
 
 FAMILIES: dict[str, ModuleType] = {
@@ -229,6 +230,7 @@ FAMILIES: dict[str, ModuleType] = {
         mimo_v2_flash,
         bitnet,
         kimi_linear,
+        zamba2,
     )
 }
 
