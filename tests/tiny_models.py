@@ -1431,8 +1431,8 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             time_step_min=0.01,
         ),
     ),
-    # Zamba 2's other form: no q/k/v adapters (grouped keys and values then), no rotary, one shared block, an untied
-    # head, no biases, a hybrid layer first.
+    # Zamba 2's other form: no q/k/v adapters (grouped keys and values then), no rotary, an untied head (each hybrid
+    # layer a block of its own in transformers: num_mem_blocks as many), no biases, a hybrid layer first.
     "zamba2-plain": (
         "Zamba2Config",
         "Zamba2ForCausalLM",
@@ -1443,7 +1443,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             n_mamba_heads=8,
             mamba_d_state=8,
             chunk_size=4,
-            num_mem_blocks=1,
+            num_mem_blocks=2,
             adapter_rank=4,
             tie_word_embeddings=False,
         ),

@@ -1340,7 +1340,9 @@ class ModelConfig:
         mixers = {"linear_attention": linear, "conv": conv, "mamba": mamba, "mamba1": mamba1, "lightning": lightning}
         # Zamba 2: each shared block's weights are stored once (in the first hybrid layer running it), run by each
         # hybrid layer of its turn: the total counts them once, the active parameters at each run
-        stored_blocks = {layers[0] for layers in self.shared_block_layers() if layers} if self.hybrid_block == "shared" else set()
+        stored_blocks = (
+            {layers[0] for layers in self.shared_block_layers() if layers} if self.hybrid_block == "shared" else set()
+        )
         for layer in range(self.num_layers):
             kind = self.layer_types[layer]
             mixer_norms, mlp_norms = sublayer_norms(layer)

@@ -19,7 +19,8 @@ As transformers builds them: the mixers' convolutions always have a bias (`use_c
 eps is 1e-5 whatever `rms_norm_eps` says (another value is refused), the step is clamped below at `time_step_min`,
 `add_bias_linear` gives in_proj, out_proj and the MLP's projections biases. transformers (5.24) ties the shared
 blocks only along with the embedding: with `tie_word_embeddings` false each hybrid layer loads a block of its own
-(keel reads that as num_mem_blocks = the hybrid layers, and writes it so). `use_long_context` sets the context to
+(keel reads that as num_mem_blocks = the hybrid layers, and writes it so), and a file with fewer num_mem_blocks than
+hybrid layers is refused (each block would store adapters of other layers' turns, which it never runs). `use_long_context` sets the context to
 16384 (transformers changes no rotary frequency).
 """
 
@@ -56,7 +57,13 @@ COMPUTED_KEYS = (
 KINDS = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
 # transformers' default layers: 54, a hybrid one every sixth or so
 DEFAULT_LAYERS = (
-    ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"] + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2
+    ["mamba"]
+    + (["mamba"] * 5 + ["hybrid"]) * 7
+    + ["mamba"] * 4
+    + ["hybrid"]
+    + ["mamba"] * 3
+    + ["hybrid"]
+    + ["mamba"] * 2
 )
 # A shared block's stored tensors (under `shared_transformer.`) and keel's names in each hybrid layer.
 SHARED = {
@@ -98,8 +105,15 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     bias = bool(hf.get("add_bias_linear", False))
     tied = bool(hf.get("tie_word_embeddings", True))
     # transformers ties the shared blocks along with the embedding alone: untied, each hybrid layer loads a block of
-    # its own (and its adapters from that block's lists), which is num_mem_blocks = the hybrid layers
-    blocks = int(hf.get("num_mem_blocks", 1)) if tied else max(1, kinds.count("hybrid"))
+    # its own (and its adapters from that block's lists), which is num_mem_blocks = the hybrid layers where each
+    # block's lists hold its own layer's adapters alone
+    blocks, hybrid = int(hf.get("num_mem_blocks", 1)), kinds.count("hybrid")
+    if not tied and blocks < hybrid:
+        raise ConfigError(
+            f"{source}: tie_word_embeddings false with num_mem_blocks ({blocks}) below the hybrid layers ({hybrid}) is "
+            "not supported (transformers then unties the shared blocks too, each storing adapters it never runs)"
+        )
+    blocks = blocks if tied else max(1, hybrid)
     fields: dict[str, Any] = {
         "layer_types": kinds,
         "mlp_layers": [kind == "hybrid" for kind in kinds],
