@@ -9,9 +9,10 @@ Each hybrid layer has its own low-rank adapters (`adapter_rank`) added to the sh
 and to q, k and v with `use_shared_attention_adapter`.
 
 keel holds a copy of the shared block in each hybrid layer that runs it (keel's layers are modules of their own):
-a shared block's stored tensors are read into every layer of its turn (keel.families.parts.Copy), so the weights
-take (hybrid layers / num_mem_blocks) times the shared blocks' memory; the parameter count is the stored one (each
-block once), as transformers counts it. Export writes each block once and refuses copies that differ. Training is
+a shared block's stored tensors are read into every layer of its turn (keel.families.parts.Copy). Loaded in the
+checkpoint's dtype the copies share the file's mapped bytes; cast to another, each takes memory of its own, so the
+shared blocks' weights take (hybrid layers / num_mem_blocks) times what they are stored in (Zamba2-2.7B: 9 hybrid
+layers over 2 blocks). The parameter count is the stored one (each block once), as transformers counts it. Export writes each block once and refuses copies that differ. Training is
 refused (the copies would train apart; keel.train.config), as are tensor and pipeline parallelism, speculative
 decoding and int8 KV caches (the recurrent families' refusals).
 
@@ -20,8 +21,8 @@ eps is 1e-5 whatever `rms_norm_eps` says (another value is refused), the step is
 `add_bias_linear` gives in_proj, out_proj and the MLP's projections biases. transformers (5.24) ties the shared
 blocks only along with the embedding: with `tie_word_embeddings` false each hybrid layer loads a block of its own
 (keel reads that as num_mem_blocks = the hybrid layers, and writes it so), and a file with fewer num_mem_blocks than
-hybrid layers is refused (each block would store adapters of other layers' turns, which it never runs). `use_long_context` sets the context to
-16384 (transformers changes no rotary frequency).
+hybrid layers is refused (each block would store adapters of other layers' turns, which it never runs).
+`use_long_context` sets the context to 16384 (transformers changes no rotary frequency).
 """
 
 from __future__ import annotations
