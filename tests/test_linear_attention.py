@@ -149,6 +149,7 @@ def _expected(hf, prompts: list[list[int]], tokens: int) -> list[list[int]]:
         "lfm2",
         "granitemoehybrid",
         pytest.param("falcon_h1", marks=pytest.mark.slow),
+        pytest.param("zamba2", marks=pytest.mark.slow),
         pytest.param("jamba", marks=pytest.mark.slow),
         pytest.param("minimax", marks=pytest.mark.slow),
     ],

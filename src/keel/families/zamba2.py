@@ -12,9 +12,10 @@ keel holds a copy of the shared block in each hybrid layer that runs it (keel's 
 a shared block's stored tensors are read into every layer of its turn (keel.families.parts.Copy). Loaded in the
 checkpoint's dtype the copies share the file's mapped bytes; cast to another, each takes memory of its own, so the
 shared blocks' weights take (hybrid layers / num_mem_blocks) times what they are stored in (Zamba2-2.7B: 9 hybrid
-layers over 2 blocks). The parameter count is the stored one (each block once), as transformers counts it. Export writes each block once and refuses copies that differ. Training is
-refused (the copies would train apart; keel.train.config), as are tensor and pipeline parallelism, speculative
-decoding and int8 KV caches (the recurrent families' refusals).
+layers over 2 blocks). The parameter count is the stored one (each block once), as transformers counts it. Export
+writes each block once and refuses copies that differ. Training is refused (the copies would train apart;
+keel.train.config), as are tensor and pipeline parallelism, speculative decoding and int8 KV caches (the recurrent
+families' refusals).
 
 As transformers builds them: the mixers' convolutions always have a bias (`use_conv_bias` is unread), the gated norm's
 eps is 1e-5 whatever `rms_norm_eps` says (another value is refused), the step is clamped below at `time_step_min`,
