@@ -1331,3 +1331,21 @@ def test_zamba2_configs_keel_cannot_run_are_refused_by_name(overrides, message):
     assert ModelConfig.from_hf(data).shared_block_layers() == [[1, 2]]
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**data, **overrides})
+
+
+def test_shared_block_fields_need_zamba2s_hybrid_block():
+    """The shared blocks' fields mean nothing beside Falcon-H1's hybrid layers, and need adapters and blocks."""
+    base = dict(
+        architecture="zamba2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=2, head_dim=32, layer_types=["mamba", "hybrid"], mlp_layers=[False, True], mamba_n_heads=2,
+        mamba_d_head=32, mamba_d_state=8,
+    )  # fmt: skip
+    ModelConfig(**base, hybrid_block="shared", shared_blocks=1, adapter_rank=4).validate()
+    for fields, message in (
+        ({"shared_blocks": 1}, "need hybrid_block 'shared'"),
+        ({"hybrid_block": "shared", "adapter_rank": 4}, "shared_blocks >= 1"),
+        ({"hybrid_block": "shared", "shared_blocks": 1}, "adapter_rank > 0"),
+        ({"hybrid_block": "serial"}, "hybrid_block 'serial'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig(**base, **fields).validate()
