@@ -1278,3 +1278,74 @@ def test_o_bias_layers_out_of_range_are_refused_by_name():
         dataclasses.replace(config, o_bias_layers=[2]).validate()
     with pytest.raises(ConfigError, match="o_bias_layers"):
         dataclasses.replace(config, o_bias=True).to_hf()
+
+
+def test_zamba2_shared_blocks_are_copies_read_once_and_written_once(tmp_path):
+    """Zamba 2's shared block is read into each hybrid layer of its turn (blocks 0, 1, 0 in the tiny model's hybrid
+    layers 1, 3 and 4); keel_to_hf writes each block once, and refuses copies that differ (trained apart)."""
+    from keel.errors import WeightsError
+    from keel.weights.names import keel_to_hf
+
+    save_hf_model("zamba2", tmp_path)
+    model = load_model(tmp_path, "float32").model
+    config = model.config
+    assert config.shared_block_layers() == [[1, 4], [3]]
+    q = {i: model.layers[str(i)].self_attn.q_proj.weight for i in (1, 3, 4)}
+    assert torch.equal(q[1], q[4]) and q[1] is not q[4] and not torch.equal(q[1], q[3])
+    stored = SafetensorsReader(tmp_path)
+    out = keel_to_hf(config, model.state_dict().items())
+    assert sorted(out) == sorted(n for n in stored.names())
+    for name in out:
+        assert torch.equal(out[name], stored.get(name)), name
+    # (in the checkpoint's dtype the copies share the file's mapped bytes: one of them made apart)
+    weight = model.layers["4"].mlp.down_proj.weight
+    weight.data = weight.data + 1e-3
+    with pytest.raises(WeightsError, match="shared_transformer.feed_forward.down_proj.weight: keel's copies"):
+        keel_to_hf(config, model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"use_shared_attention_adapter": True, "num_key_value_heads": 1}, "use_shared_attention_adapter"),
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps"),
+        ({"tie_word_embeddings": False, "num_mem_blocks": 1}, "tie_word_embeddings false"),
+        ({"layers_block_type": ["mamba", "attention", "hybrid"]}, "layers_block_type"),
+    ],
+)
+def test_zamba2_configs_keel_cannot_run_are_refused_by_name(overrides, message):
+    import transformers
+
+    data = transformers.Zamba2Config(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        n_mamba_heads=2,
+        mamba_d_state=8,
+        layers_block_type=["mamba", "hybrid", "hybrid"],
+        adapter_rank=4,
+    ).to_dict()
+    data["architectures"] = ["Zamba2ForCausalLM"]
+    assert ModelConfig.from_hf(data).shared_block_layers() == [[1, 2]]
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**data, **overrides})
+
+
+def test_shared_block_fields_need_zamba2s_hybrid_block():
+    """The shared blocks' fields mean nothing beside Falcon-H1's hybrid layers, and need adapters and blocks."""
+    base = dict(
+        architecture="zamba2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=2, head_dim=32, layer_types=["mamba", "hybrid"], mlp_layers=[False, True], mamba_n_heads=2,
+        mamba_d_head=32, mamba_d_state=8,
+    )  # fmt: skip
+    ModelConfig(**base, hybrid_block="shared", shared_blocks=1, adapter_rank=4).validate()
+    for fields, message in (
+        ({"shared_blocks": 1}, "need hybrid_block 'shared'"),
+        ({"hybrid_block": "shared", "adapter_rank": 4}, "shared_blocks >= 1"),
+        ({"hybrid_block": "shared", "shared_blocks": 1}, "adapter_rank > 0"),
+        ({"hybrid_block": "serial"}, "hybrid_block 'serial'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig(**base, **fields).validate()

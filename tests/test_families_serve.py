@@ -137,6 +137,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("bamba", marks=SLOW),
         pytest.param("nemotron_h", marks=SLOW),
         pytest.param("falcon_h1", marks=SLOW),
+        pytest.param("zamba2", marks=SLOW),
         pytest.param("mamba2", marks=SLOW),
         pytest.param("mamba", marks=SLOW),
         pytest.param("falcon_mamba", marks=SLOW),
@@ -359,6 +360,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert all(llm.engine.cache.keys[i].numel() > 0 for i in range(len(layers)))
         assert set(llm.engine.cache.recurrent.state) == set(range(len(layers)))
         assert attention[0].q_multiplier is not None and layers[0].mlp.gate_multiplier != 1.0
+    elif name == "zamba2":  # a copy of a shared block before the mixer of hybrid layers 1, 3, 4: KV rows and a state
+        cache = llm.engine.cache
+        assert [layer.shared_linear is not None for layer in layers] == [False, True, False, True, True]
+        assert [cache.slots_of(i) > 0 for i in range(5)] == [False, True, False, True, True]
+        assert sorted(cache.recurrent.state) == list(range(5))
+        assert layers[1].self_attn.q_adapter is not None and layers[1].mlp.gate_up_adapter is not None
     elif name == "mamba2":  # Mamba 2 mixers alone: no feed-forward sublayer, no KV cache, a block a sequence
         assert all(type(a).__name__ == "Mamba2Mixer" for a in attention)
         assert all(layer.mlp is None and layer.post_attention_layernorm is None for layer in layers)

@@ -159,6 +159,7 @@ SHAPE_INFERABLE = [
             "laguna",
             "mimo",  # the sliding layers' KV heads and sinks, values narrower than keys
             "kimi_linear",  # its latent attention unrotated, which no shape tells
+            "zamba2",  # its shared blocks, adapters and softmax scale, read through its config.json
         )
     )
 ]

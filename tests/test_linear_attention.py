@@ -157,6 +157,7 @@ def _uncached_greedy(hf, ids: list[int], tokens: int) -> list[int]:
         "lfm2",
         "granitemoehybrid",
         pytest.param("falcon_h1", marks=pytest.mark.slow),
+        pytest.param("zamba2", marks=pytest.mark.slow),
         pytest.param("jamba", marks=pytest.mark.slow),
         pytest.param("minimax", marks=pytest.mark.slow),
         pytest.param("recurrent_gemma", marks=pytest.mark.slow),

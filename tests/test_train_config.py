@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.config import ModelConfig
 from keel.errors import ConfigError, KeelError
 from keel.train.config import (
     TrainConfig,
@@ -293,3 +294,28 @@ def test_layout_model_checks_need_the_model(tmp_path: Path) -> None:
     model = model_config_from(load_config(write(tmp_path)).model.config or {})
     with pytest.raises(ConfigError, match="num_key_value_heads = 2"):
         resolve_layout(cfg, 4, model)
+
+
+def test_training_zamba2s_shared_blocks_is_refused(tmp_path: Path) -> None:
+    """keel holds a copy of Zamba 2's shared block in each hybrid layer: trained, the copies would part."""
+    cfg = load_config(write(tmp_path), ["model.source=x"])
+    model = ModelConfig(
+        architecture="zamba2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=32,
+        layer_types=["mamba", "hybrid"],
+        mlp_layers=[False, True],
+        mamba_n_heads=2,
+        mamba_d_head=32,
+        mamba_d_state=8,
+        hybrid_block="shared",
+        shared_blocks=1,
+        adapter_rank=4,
+    )
+    with pytest.raises(ConfigError, match="shared transformer blocks is not supported"):
+        resolve_layout(cfg, 1, model)

@@ -1428,6 +1428,46 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             routed_scaling_factor=2.5,
         ),
     ),
+    # Zamba 2: Mamba 2 mixers (4 heads of 32, 2 groups) in every layer, a shared transformer block before the mixer of
+    # the three hybrid layers, two blocks taken in turn (the first runs twice), adapters of rank 8 on gate/up and
+    # q/k/v, rotary, biases (add_bias_linear), the step's lower limit away from its default.
+    "zamba2": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            num_key_value_heads=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+            intermediate_size=96,
+            n_mamba_heads=4,
+            mamba_d_state=16,
+            mamba_ngroups=2,
+            chunk_size=8,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            add_bias_linear=True,
+            time_step_min=0.01,
+        ),
+    ),
+    # Zamba 2's other form: no q/k/v adapters (grouped keys and values then), no rotary, an untied head (each hybrid
+    # layer a block of its own in transformers: num_mem_blocks as many), no biases, a hybrid layer first.
+    "zamba2-plain": (
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["hybrid", "mamba", "mamba", "hybrid"],
+            intermediate_size=80,
+            n_mamba_heads=8,
+            mamba_d_state=8,
+            chunk_size=4,
+            num_mem_blocks=2,
+            adapter_rank=4,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Nemotron Nano 2 / Nemotron-H dense: M, * and - layers from the older hybrid_override_pattern, no conv bias.
     "nemotron_h-dense": (
         "NemotronHConfig",
@@ -1893,6 +1933,9 @@ def build_hf_model(name: str, seed: int = 0, **overrides):
             # a wrong q/k layout (rotary, llama.cpp's permutation) shows in the logits.
             if pname.endswith(SHARPENED):
                 p.mul_(10)
+            # Zamba 2's adapters, near 0 at std 0.02 squared: scaled up, so that a wrong layer's shows.
+            if "_adapter_list." in pname:
+                p.mul_(5)
         for bname, b in model.named_buffers():
             # DeepSeek's router selection bias starts at zero: perturb it so that it counts too.
             # Gemma 4's layer scalars start at 1 too.

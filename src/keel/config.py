@@ -318,6 +318,17 @@ class ModelConfig:
     # block-diagonal, num_heads blocks) and the causal convolution's kernel.
     lru_width: int = 0
     lru_conv_kernel: int = 4
+    # What a "hybrid" layer is: "parallel" (Falcon-H1's, above) or "shared" (Zamba 2's: a transformer block shared
+    # between hybrid layers, its attention over the stream and the embedding side by side (2 x hidden_size wide in),
+    # then its MLP, without residuals; its output projected (`shared_linear`) and added to the input of the layer's
+    # Mamba 2 mixer). keel holds a copy of the shared block in each hybrid layer that runs it.
+    hybrid_block: str = "parallel"
+    # Zamba 2's num_mem_blocks: the number of shared blocks, the i-th hybrid layer running block i % shared_blocks
+    shared_blocks: int = 0
+    # The rank of the adapters (a low-rank pair per hybrid layer, added to the shared projection's output) on the
+    # shared block's gate/up projection, and on its q/k/v where `attention_adapters`; 0: none.
+    adapter_rank: int = 0
+    attention_adapters: bool = False
     # Mamba 1's mixers ("mamba1" layers, keel.model.mamba1; with mamba_d_state, mamba_d_conv and the biases above): its
     # channels (expand x hidden), the rank of its step projection, and RMS norms of the step, B and C after x_proj:
     # "none" (Mamba), "weightless" (Falcon Mamba, eps mamba_dt_bc_norm_eps) or "rms" (Jamba: with weights).
@@ -728,6 +739,20 @@ class ModelConfig:
         """Whether `layer` runs a Mamba 2 mixer: as its token mixer ("mamba") or beside its attention ("hybrid")."""
         return self.layer_types[layer] in ("mamba", "hybrid")
 
+    def shared_hybrid(self, layer: int) -> bool:
+        """Whether `layer` is a Zamba 2 hybrid layer: a copy of a shared transformer block before its Mamba 2 mixer."""
+        return self.hybrid_block == "shared" and self.layer_types[layer] == "hybrid"
+
+    def shared_block_layers(self) -> list[list[int]]:
+        """Per shared block (`shared_blocks`), the hybrid layers that run it (a copy each), in order."""
+        hybrid = [i for i in range(self.num_layers) if self.shared_hybrid(i)]
+        return [hybrid[b :: self.shared_blocks] for b in range(self.shared_blocks)]
+
+    def attention_input_size(self, layer: int) -> int:
+        """The width q/k/v project from: hidden_size, twice that in a Zamba 2 hybrid layer (the stream and the
+        embedding side by side)."""
+        return 2 * self.hidden_size if self.shared_hybrid(layer) else self.hidden_size
+
     def has_mixer(self, layer: int) -> bool:
         """Whether `layer` has a token mixer (attention or a recurrent one); an "mlp" layer has its MLP alone."""
         return self.layer_types[layer] != "mlp"
@@ -796,6 +821,7 @@ class ModelConfig:
                 f"lru_width ({self.lru_width}) must be a positive multiple of num_heads ({self.num_heads})",
             )
             need(self.lru_conv_kernel >= 2, f"lru_conv_kernel must be at least 2, got {self.lru_conv_kernel}")
+        self._validate_shared_block(need)
         if "lightning" in self.layer_types:
             need(not self.is_mla, "lightning layers beside multi-head latent attention are not supported")
         scales = ("attn", "lightning", "mlp")
@@ -1093,6 +1119,32 @@ class ModelConfig:
             others = self.qk_norm_scope == "all" or self.qk_norm_after_rope or self.clip_qkv or self.qk_l2_norm
             need(not others, "kv_shared_layers beside whole-projection, after-rope or L2 q/k norms or clip_qkv")
 
+    def _validate_shared_block(self, need: Callable[[bool, str], None]) -> None:
+        """Zamba 2's shared transformer blocks (`hybrid_block` "shared") on the block they are defined on."""
+        need(self.hybrid_block in ("parallel", "shared"), f"hybrid_block {self.hybrid_block!r}: parallel or shared")
+        need(self.adapter_rank >= 0, f"adapter_rank must be >= 0, got {self.adapter_rank}")
+        if self.hybrid_block != "shared":
+            need(
+                not (self.shared_blocks or self.adapter_rank or self.attention_adapters),
+                "shared_blocks, adapter_rank and attention_adapters need hybrid_block 'shared'",
+            )
+            return
+        hybrid = [i for i in range(self.num_layers) if self.layer_types[i] == "hybrid"]
+        need(self.shared_blocks >= 1, f"hybrid_block 'shared' needs shared_blocks >= 1, got {self.shared_blocks}")
+        need(
+            all(self.has_mlp(i) for i in hybrid) and self.mlp_gated and not self.is_moe and not self.is_mla,
+            "hybrid_block 'shared' needs a gated dense MLP and plain attention in every hybrid layer",
+        )
+        need(self.adapter_rank > 0, f"hybrid_block 'shared' needs adapter_rank > 0, got {self.adapter_rank}")
+        need(
+            self.norm_placement == "pre" and not self.parallel_residual and self.residual_multiplier == 1.0,
+            "hybrid_block 'shared' needs the pre-norm block without parallel_residual or residual_multiplier",
+        )
+        need(
+            not (self.altup_num_inputs or self.laurel_rank or self.per_layer_input_size or self.embedding_size),
+            "hybrid_block 'shared' beside AltUp, LAuReL, per-layer inputs or embedding_size is not supported",
+        )
+
     def _validate_gemma3n(self, need: Callable[[bool, str], None]) -> None:
         """AltUp, LAuReL and the MLPs' activation sparsity (Gemma 3n's) on the blocks they are defined on."""
         need(self.altup_num_inputs >= 0 and self.laurel_rank >= 0, "altup_num_inputs and laurel_rank must be >= 0")
@@ -1191,6 +1243,17 @@ class ModelConfig:
         projections = h * conv + h * values + 2 * h * heads + values * h
         return projections + conv * self.linear_conv_kernel_dim + 2 * heads + self.linear_value_head_dim
 
+    def _adapter_params(self, layer: int) -> int:
+        """A Zamba 2 hybrid layer's adapters: the low-rank pairs on the shared gate/up projection and on q/k/v."""
+        rank, h = self.adapter_rank, self.hidden_size
+        if not rank:
+            return 0
+        total = rank * (h + 2 * self.intermediate_size)
+        if self.attention_adapters:
+            q, kv, v = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_v_size(layer)
+            total += rank * (3 * 2 * h + q + kv + v)
+        return total
+
     def _mamba_params(self) -> int:
         """A Mamba 2 mixer's: in_proj (gate, x/B/C, steps), the convolution, dt_bias / A_log / D, the norm, out_proj."""
         h, heads, inner = self.hidden_size, self.mamba_n_heads, self.mamba_n_heads * self.mamba_d_head
@@ -1230,11 +1293,12 @@ class ModelConfig:
         o_size = self.num_heads * self.layer_v_head_dim(layer)
         if self.kv_source(layer) != layer:  # attends over another layer's K/V: q and o only (and q's norm)
             v_size, kv_size = 0, 0
-        attn = h * q_size + h * (kv_size + v_size) + o_size * h
+        h_out, h = h, self.attention_input_size(layer)  # Zamba 2's hybrid layers: q/k/v read 2 x hidden_size
+        attn = h * q_size + h * (kv_size + v_size) + o_size * h_out
         if self.qkv_bias:
             attn += q_size + kv_size + v_size
         if self.layer_o_bias(layer):
-            attn += h
+            attn += h_out
         if self.attention_output_gate and self.attention_gate_per_head:
             attn += h * self.num_heads
         elif self.attention_output_gate:
@@ -1296,9 +1360,20 @@ class ModelConfig:
             "lightning": lightning,
             "rglru": rglru,
         }
+        # Zamba 2: each shared block's weights are stored once (in the first hybrid layer running it), run by each
+        # hybrid layer of its turn: the total counts them once, the active parameters at each run
+        stored_blocks = (
+            {layers[0] for layers in self.shared_block_layers() if layers} if self.hybrid_block == "shared" else set()
+        )
         for layer in range(self.num_layers):
             kind = self.layer_types[layer]
             mixer_norms, mlp_norms = sublayer_norms(layer)
+            if self.shared_hybrid(layer):  # the layer's own: its mixer and norm, the projection back, the adapters
+                own = mamba + norm + h * h + self._adapter_params(layer)
+                block = self._attention_params(layer) + 3 * norm + dense_mlp(self.intermediate_size)
+                total += own + (block if layer in stored_blocks else 0)
+                active += own + block
+                continue
             if not self.has_mixer(layer):
                 base = 0
             elif kind in mixers:

@@ -124,6 +124,7 @@ from keel.families import (
     vaultgemma,
     xglm,
     youtu,
+    zamba2,
 )
 
 FAMILIES: dict[str, ModuleType] = {
@@ -231,6 +232,7 @@ FAMILIES: dict[str, ModuleType] = {
         bitnet,
         kimi_linear,
         recurrent_gemma,
+        zamba2,
     )
 }
 

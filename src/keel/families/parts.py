@@ -50,3 +50,10 @@ class RowsTransposed:
     tensor."""
 
     rows: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A stored tensor that several of keel's tensors each hold whole (Zamba 2's shared transformer blocks, a copy in
+    each hybrid layer that runs one): every read gives the stored tensor; export writes it once, and refuses copies
+    that differ (trained apart)."""

@@ -199,6 +199,7 @@ class AttentionMetadata:
     sliding_rope: tuple[Tensor, Tensor] | None = None  # the sliding layers' own (cos, sin), where they have one
     query_scale: Tensor | None = None  # [B, S, 1, 1]: each query's temperature (config.query_scale_beta), or None
     per_layer_inputs: Tensor | None = None  # [B, S, layers, P]: Gemma 4's per-layer inputs (per_layer_input_size)
+    embeddings: Tensor | None = None  # [B, S, H]: the token embeddings Zamba 2's hybrid layers read (hybrid_block)
     # Without a cache: the keys and values [B, S, H_kv, D] of the layers others attend over (kv_shared_layers)
     shared_kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
@@ -226,6 +227,11 @@ class AttentionMetadata:
         return visible(q, k, window).unsqueeze(1)
 
 
+def low_rank_pair(width_in: int, rank: int, width_out: int) -> nn.Sequential:
+    """An adapter: two projections without biases through `rank` channels (Zamba 2's, transformers' layout)."""
+    return nn.Sequential(nn.Linear(width_in, rank, bias=False), nn.Linear(rank, width_out, bias=False))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -240,6 +246,7 @@ class Attention(nn.Module):
         self.rotary_dim = config.layer_rotary_dim(layer)
         self.window = config.layer_window(layer)
         h, q_size, kv_size = config.hidden_size, config.layer_q_size(layer), config.layer_kv_size(layer)
+        h_out, h = h, config.attention_input_size(layer)  # Zamba 2's hybrid layers read 2 x hidden_size
         self.q_proj = nn.Linear(h, q_size, bias=config.qkv_bias)
         # Gemma 4's KV sharing: a layer attending over an earlier layer's keys and values has no k/v projections
         # or k norm; the layers others attend over hand theirs on (AttentionMetadata.shared_kv, without a cache).
@@ -251,7 +258,16 @@ class Attention(nn.Module):
         self.k_eq_v = config.layer_k_eq_v(layer)
         v_size = config.layer_v_size(layer)
         self.v_proj = None if self.k_eq_v or not own_kv else nn.Linear(h, v_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.layer_o_bias(layer))
+        self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h_out, bias=config.layer_o_bias(layer))
+        # Zamba 2's adapters: a low-rank pair of the layer's own added to each of q, k and v as projected
+        self.q_adapter: nn.Sequential | None = None
+        self.k_adapter: nn.Sequential | None = None
+        self.v_adapter: nn.Sequential | None = None
+        if config.attention_adapters and config.shared_hybrid(layer):
+            rank = config.adapter_rank
+            self.q_adapter, self.k_adapter, self.v_adapter = (
+                low_rank_pair(h, rank, width) for width in (q_size, kv_size, config.layer_v_size(layer))
+            )
         # BitNet's RMSNorm over the attention's output before o_proj
         attn_out = config.num_heads * self.v_head_dim
         self.attn_sub_norm = RMSNorm(attn_out, config.rms_norm_eps) if config.attn_sub_norm else None
@@ -374,6 +390,8 @@ class Attention(nn.Module):
         else:
             q, k, *v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None)
         v = k if self.k_eq_v else v[0]
+        if self.q_adapter is not None:
+            q, k, v = q + self.q_adapter(x), k + self.k_adapter(x), v + self.v_adapter(x)
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

@@ -397,7 +397,10 @@ class SwiGLU(nn.Module):
         down_multiplier: float = 1.0,
         sparsity: float = 0.0,
         sub_norm_eps: float | None = None,
+        adapter_rank: int = 0,
     ) -> None:
+        """`adapter_rank`: Zamba 2's shared MLP, its gate and up as one projection (`gate_up_proj`, as stored) plus a
+        low-rank adapter of the layer's own on it (`gate_up_adapter`)."""
         super().__init__()
         # BitNet's RMSNorm over act(gate) * up before down_proj (`ffn_sub_norm`; None: none)
         self.ffn_sub_norm = RMSNorm(intermediate_size, sub_norm_eps) if sub_norm_eps is not None else None
@@ -418,13 +421,23 @@ class SwiGLU(nn.Module):
         self._act = self.act_fn if self.act_fn is not None else _ACTIVATIONS[act]
         # Serving fuses gate and up into one projection at load (keel.model.fuse); None otherwise.
         self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_adapter: nn.Sequential | None = None
+        if adapter_rank:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+            self.gate_proj = self.up_proj = None
+            self.gate_up_adapter = nn.Sequential(
+                nn.Linear(hidden_size, adapter_rank, bias=False),
+                nn.Linear(adapter_rank, 2 * intermediate_size, bias=False),
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         out = self._forward(x)
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def _forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None:
+        if self.gate_up_adapter is not None:
+            gate, up = (self.gate_up_proj(x) + self.gate_up_adapter(x)).chunk(2, dim=-1)
+        elif self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         elif self.gate_proj is None:
             return self.down_proj(self._sub_norm(self._act(self.up_proj(x))))

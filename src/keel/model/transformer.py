@@ -110,8 +110,18 @@ class DecoderLayer(nn.Module):
                     config.mlp_down_multiplier,
                     config.layer_activation_sparsity(layer),
                     config.rms_norm_eps if config.ffn_sub_norm else None,
+                    config.adapter_rank if config.shared_hybrid(layer) else 0,
                 )
             )
+        # Zamba 2's hybrid layers: a copy of a shared transformer block (its attention's norm over the stream and the
+        # embedding side by side), its output projected back (`shared_linear`) and added to the input of the
+        # layer's Mamba 2 mixer (`mamba`, normed by `mamba_layernorm`)
+        self.shared_linear: nn.Linear | None = None
+        self.mamba_layernorm: nn.Module | None = None
+        if config.shared_hybrid(layer):
+            self.input_layernorm = block_norm(config, 2 * h)
+            self.shared_linear = nn.Linear(h, h, bias=False)
+            self.mamba_layernorm = block_norm(config, h)
         if isinstance(self.mlp, MoE) and self.mlp.shared_input_norm is not None:
             self.post_attention_layernorm = None  # Gemma 4: the MoE block norms its branches' inputs itself
         # Gemma 4 E2B/E4B: a residual branch after the MLP that gates the layer's per-layer input
@@ -161,6 +171,10 @@ class DecoderLayer(nn.Module):
         return torch.cat([corrected[:1], corrected[1:] + branch])
 
     def _block(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self.shared_linear is not None:  # Zamba 2: the shared block (no residuals), then the mixer on x plus it
+            out = self.self_attn(self.input_layernorm(torch.cat((x, meta.embeddings), dim=-1)), meta)
+            out = self.shared_linear(self.mlp(self.post_attention_layernorm(out)))
+            return x + self.mamba(self.mamba_layernorm(x + out), meta)
         if self.mamba is not None:  # Falcon-H1: attention and the mixer side by side, each with its multipliers
             h = self.input_layernorm(x)
             attn_in, attn_out, mamba_in, mamba_out = self.branch_multipliers
@@ -338,6 +352,8 @@ class Transformer(nn.Module):
                 h = self.embedding_norm(h)
             if self.embed_tokens_per_layer is not None:
                 meta.per_layer_inputs = self._per_layer_inputs(tokens, h)
+            if self.config.hybrid_block == "shared":  # Zamba 2's hybrid layers read the embedding beside the stream
+                meta.embeddings = h
         else:
             h = tokens
         if self.altup_projections is not None:  # Gemma 3n: the stream's copies [n, B, S, H] through the layers

@@ -681,6 +681,11 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for the MoE block's branch norms (Gemma 4) yet")
     if par.tp > 1 and model.moe_output_norm:
         raise fail("parallel: tp > 1 is not supported for the MoE block's output norm (A.X-K1) yet")
+    if model.hybrid_block == "shared":  # keel.families.zamba2
+        raise fail(
+            "model: training Zamba 2's shared transformer blocks is not supported: keel holds a copy in each hybrid "
+            "layer, and the copies would train apart"
+        )
     if par.tp > 1 and model.has_recurrent_layers:
         raise fail(
             "parallel: tp > 1 is not supported for recurrent "

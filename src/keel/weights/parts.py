@@ -30,16 +30,16 @@ import torch
 from torch import Tensor
 
 from keel.errors import WeightsError
-from keel.families.parts import Block, Columns, RowsTransposed, Stacked, Transposed
+from keel.families.parts import Block, Columns, Copy, RowsTransposed, Stacked, Transposed
 from keel.weights.shard import Shard
 
-Rows = list[tuple[int, int]] | Transposed | RowsTransposed | Stacked | Block | Columns | None
+Rows = list[tuple[int, int]] | Transposed | RowsTransposed | Stacked | Block | Columns | Copy | None
 Layout = dict[str, dict[str, Rows]]
 
 
 def _rows(part: Rows) -> tuple[list[tuple[int, int]] | None, bool]:
     """(the part's row ranges or None, whether the stored tensor is transposed)."""
-    if isinstance(part, Stacked | Block | Columns):  # whole stored tensors (PartsReader reads them apart)
+    if isinstance(part, Stacked | Block | Columns | Copy):  # whole stored tensors (PartsReader reads them apart)
         return None, False
     return (part.rows, True) if isinstance(part, Transposed) else (_ranges(part), False)
 
@@ -241,6 +241,19 @@ def fused_stream(layout: Layout, tensors: Iterable[tuple[str, Tensor]]) -> Itera
     owner = {name: stored for stored, parts in layout.items() for name in parts}
     held: dict[str, dict[str, Tensor]] = {}
     for name, tensor in tensors:
+        stored = owner.get(name)
+        if stored is not None and isinstance(layout[stored][name], Copy):  # written once all copies agree
+            copies = held.setdefault(stored, {})
+            copies[name] = tensor
+            if len(copies) == len(layout[stored]):
+                first = next(iter(held.pop(stored).values()))
+                if any(not torch.equal(first, copy) for copy in copies.values()):
+                    raise WeightsError(
+                        f"{stored}: keel's copies of this shared tensor ({', '.join(sorted(copies))}) differ; "
+                        "a checkpoint stores it once"
+                    )
+                yield stored, first
+            continue
         if name in stacks:  # split into its rows, one stored tensor each
             for index, stored in sorted(stacks[name].items()):
                 yield stored, tensor[index].clone()
