@@ -340,6 +340,74 @@ def test_logprob_and_stream_rules_as_vllm_takes_them(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_context_length_errors_read_as_openai_and_vllm_word_them(server):
+    """Clients (LiteLLM, LangChain, agents that trim history) tell a prompt that does not fit from other 400s by
+    OpenAI's wording, "This model's maximum context length is N tokens", or its code context_length_exceeded."""
+    c = client(server)
+    for ask in (
+        lambda: c.completions.create(model="tiny", prompt="x" * (CONTEXT + 5), max_tokens=1),
+        lambda: c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x" * 300}], max_tokens=8000
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask()
+        assert f"This model's maximum context length is {CONTEXT} tokens" in e.value.message
+        assert e.value.code == "context_length_exceeded"
+
+
+def test_x_request_id_names_the_response_and_is_echoed(server):
+    """vLLM's: a client's X-Request-Id header is the completion's id (chatcmpl-<id>, streamed or not, before the
+    body's request_id); keel echoes the header back, as vLLM does with --enable-request-id-headers."""
+    c = client(server)
+    hi = [{"role": "user", "content": "hi"}]
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=hi,
+        max_tokens=2,
+        extra_headers={"X-Request-Id": "trace-7"},
+        extra_body={"request_id": "b"},
+    )
+    assert raw.headers["x-request-id"] == "trace-7" and raw.parse().id == "chatcmpl-trace-7"
+    stream = c.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, stream=True, extra_headers={"X-Request-Id": "trace-8"}
+    )
+    assert {chunk.id for chunk in stream} == {"cmpl-trace-8"}
+    plain = c.chat.completions.with_raw_response.create(model="tiny", messages=hi, max_tokens=2)
+    assert "x-request-id" not in plain.headers and len(plain.parse().id) > len("chatcmpl-")
+
+
+def test_cors_preflight_and_headers_as_vllm_defaults(server):
+    """vLLM answers browsers from any origin by default (--allowed-origins '["*"]'): a preflight is a 200 that
+    allows the method and headers asked for, and responses carry Access-Control-Allow-Origin."""
+    url = server.base_url + "/v1/chat/completions"
+    origin = {"Origin": "http://localhost:3000"}
+    asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(url, headers={**origin, **asked})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(url, json=body, headers=origin)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_and_request_id_flags():
+    from keel.errors import KeelError
+    from keel.serve.openai.options import ServeOptions
+
+    settings = ServeOptions(
+        allowed_origins=['["https://a.example", "https://b.example"]'], enable_request_id_headers=True
+    ).settings("m")
+    assert settings.cors.allowed_origins == ["https://a.example", "https://b.example"]
+    assert settings.cors.allowed_methods == ["*"] and settings.request_id_headers
+    assert ServeOptions(allowed_origins=["https://a.example"]).settings("m").cors.allowed_origins == [
+        "https://a.example"
+    ]
+    with pytest.raises(KeelError, match="JSON list"):
+        ServeOptions(allowed_origins=["[1, 2]"]).settings("m")
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),

@@ -137,6 +137,8 @@ class OpenAIServing:
         """The prepared call, once the queue and the tenant's limits let it in (APIError otherwise)."""
         body = await read_json(request, self.settings.max_body_bytes)
         call = self._prepare(body, tenant)
+        # vLLM's: the client's X-Request-Id header names the response (chatcmpl-<it>), before the body's request_id
+        call.response_id = request.headers.get("x-request-id") or call.response_id
         await self._compile_grammars(call)
         self._check_queue(call)
         timeout = self.settings.request_timeout
@@ -274,9 +276,16 @@ class OpenAIServing:
         cap, model_len = self.settings.max_tokens_cap, self.max_model_len
         if requested is not None and cap is not None and requested > cap:
             raise APIError(400, f"{name} ({requested}) exceeds this server's cap of {cap}", param=name)
+        # The messages begin with OpenAI's (and vLLM's) "This model's maximum context length is N tokens", and
+        # carry OpenAI's code: clients (LiteLLM, LangChain, agents that trim history) match either to tell a
+        # prompt that does not fit from other 400s.
         if prompt_len >= model_len:
             raise APIError(
-                400, f"the prompt has {prompt_len} tokens; the model's length is {model_len}", param=self.prompt_param
+                400,
+                f"This model's maximum context length is {model_len} tokens. However, your request has {prompt_len} "
+                "input tokens. Please reduce the length of the input.",
+                param=self.prompt_param,
+                code="context_length_exceeded",
             )
         max_tokens = requested if requested is not None else model_len - prompt_len
         default = self.settings.default_sampling.get("max_tokens")  # the model's max_new_tokens, as vLLM's
@@ -287,9 +296,11 @@ class OpenAIServing:
         if prompt_len + max_tokens > model_len:
             raise APIError(
                 400,
-                f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds the "
-                f"model's length of {model_len} tokens",
+                f"This model's maximum context length is {model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in {name}). "
+                f"Please reduce the length of the input or {name}.",
                 param=name,
+                code="context_length_exceeded",
             )
         return max_tokens
 
