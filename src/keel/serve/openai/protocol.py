@@ -129,11 +129,15 @@ class _SamplingFields(BaseModel):
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        temperature = pick(self.temperature, defaults.temperature)
+        if self.n > 1 and temperature < 1e-5:  # vLLM's rule (SamplingParams._verify_greedy_sampling)
+            raise APIError(400, f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
+
         return SamplingParams(
             n=1,  # the server fans n out into n engine requests
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=pick(self.temperature, defaults.temperature),
+            temperature=temperature,
             top_p=pick(self.top_p, defaults.top_p),
             top_k=pick(self.top_k, defaults.top_k),
             min_p=pick(self.min_p, defaults.min_p),
