@@ -377,6 +377,23 @@ def test_x_request_id_names_the_response_and_is_echoed(server):
     assert "x-request-id" not in plain.headers and len(plain.parse().id) > len("chatcmpl-")
 
 
+def test_explicit_nulls_mean_the_defaults(server):
+    """OpenAI's and vLLM's optional fields are nullable: clients that serialise their whole request type send
+    `"n": null`, `"stream": null`, `"logprobs": null`; each means the default. (Fields that take null keep it:
+    completions' `max_tokens: null` is the rest of the context, not 16.)"""
+    nulls = {"n": None, "stream": None, "logprobs": None, "echo": None, "temperature": None, "stop": None}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": None}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, **nulls, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(
+        server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, **nulls}
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, "messages": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
 def test_cors_preflight_and_headers_as_vllm_defaults(server):
     """vLLM answers browsers from any origin by default (--allowed-origins '["*"]'): a preflight is a 200 that
     allows the method and headers asked for, and responses carry Access-Control-Allow-Origin."""
