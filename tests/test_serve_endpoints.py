@@ -156,11 +156,14 @@ def test_version_and_ping(server):
 
 
 # ---------------------------------------------------------------- --served-model-name A B
-def test_every_served_name_is_accepted_and_listed(server):
+def test_every_served_name_is_accepted_and_listed(server, model_dir):
     c = client(server)
     listed = c.models.list().data
     assert [m.id for m in listed] == ["tiny", "alias"]
     assert time.time() - 3600 < listed[0].created <= time.time()  # when the server started, not 0
+    card = httpx.get(server.base_url + "/v1/models").json()["data"][1]  # vLLM's card: what it serves, no parent
+    assert card["root"] == str(model_dir) and card["parent"] is None and card["max_model_len"] == CONTEXT
+    assert card["permission"][0]["object"] == "model_permission"
     assert c.models.retrieve("alias").id == "alias"  # OpenAI's retrieve, each served name
     with pytest.raises(openai.NotFoundError) as missing:
         c.models.retrieve("tin")

@@ -46,7 +46,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
     app.state.serving_responses = OpenAIServingResponses(state)
-    app.state.serving_models = OpenAIServingModels(settings.served_model_names, engine.engine.max_model_len, tenants)
+    app.state.serving_models = OpenAIServingModels(
+        settings.served_model_names, engine.engine.max_model_len, tenants, settings.model_root
+    )
     app.state.serving_tokens = OpenAIServingTokens(state)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _unexpected)

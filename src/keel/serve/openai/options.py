@@ -121,6 +121,7 @@ class ServeOptions:
         return ServerSettings(
             served_model_name=names[0],
             served_model_names=names,
+            model_root=str(model),
             default_sampling=dict(default_sampling or {}),
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,

@@ -28,6 +28,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # keel.serve.openai.tool_parsers' name
     reasoning_parser: str | None = None  # keel.serve.openai.reasoning_parsers' name
     served_model_names: tuple[str, ...] = ()  # every name a request may send (default: served_model_name)
+    model_root: str = ""  # the model as given on the command line (the model cards' `root`, as vLLM's)
     # SamplingParams fields a request that omits them gets (generation_config.json; keel.serve.generation_config)
     default_sampling: dict[str, Any] = field(default_factory=dict)
     cors: CorsSettings = field(default_factory=CorsSettings)
