@@ -394,6 +394,22 @@ def test_explicit_nulls_mean_the_defaults(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_sampling_bounds_are_vllms(server):
+    """vLLM takes any temperature >= 0 (OpenAI stops at 2) and clamps a logit bias to [-100, 100] rather than
+    refusing it: a bias of 1000 forces its token as 100 does."""
+    c = client(server)
+    hot = c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=2.5, seed=1)
+    assert hot.usage.completion_tokens <= 2
+    forced = [
+        c.completions.create(model="tiny", prompt="hi", max_tokens=3, logit_bias={"65": b}, **GREEDY)
+        for b in (100, 1000)
+    ]
+    text = forced[0].choices[0].text
+    assert text == forced[1].choices[0].text and len(text) == 3 and len(set(text)) == 1, text
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-0.5)
+
+
 def test_cors_preflight_and_headers_as_vllm_defaults(server):
     """vLLM answers browsers from any origin by default (--allowed-origins '["*"]'): a preflight is a 200 that
     allows the method and headers asked for, and responses carry Access-Control-Allow-Origin."""

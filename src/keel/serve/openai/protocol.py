@@ -64,7 +64,8 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    # vLLM's bounds, not OpenAI's: any temperature >= 0 (OpenAI stops at 2)
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -82,7 +83,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # Token constraints and scheduling (vLLM's extensions; logit_bias is OpenAI's, keyed by token id strings)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # clamped to [-100, 100]
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
     bad_words: list[StrictStr] | None = None
     priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
@@ -114,7 +115,8 @@ class _SamplingFields(BaseModel):
         if self.logit_bias is None:
             return None
         try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
+            # vLLM clamps a bias to [-100, 100] rather than refusing it (either end already forces or bans)
+            return {int(token): min(100.0, max(-100.0, bias)) for token, bias in self.logit_bias.items()}
         except ValueError:
             raise APIError(400, "'logit_bias' keys must be token ids", param="logit_bias") from None
 
