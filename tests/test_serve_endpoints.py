@@ -290,6 +290,18 @@ def test_vllm_spellings_of_engine_flags():
     assert parse("--no-enable-prefix-caching")[1].cache.enable_prefix_caching is False
     assert parse("--enforce-eager")[1].load.compile is False and parse()[1].load.compile is None
     assert parse("--compile")[1].load.compile is True
+    # a `vllm serve` command line's flags that change nothing here are taken (and --seed seeds unseeded draws)
+    vllm_line = (
+        "--trust-remote-code",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+    )
+    args = parse(*vllm_line, "--max-log-len", "100", "--enable-prompt-tokens-details", "--seed", "0")[0]
+    assert (
+        dataclass_from_args(ServeOptions, args).seed == 0 and dataclass_from_args(ServeOptions, parse()[0]).seed is None
+    )
     assert parse("-q", "gguf")[1].quant.quantize == "gguf"
     assert parse("--quantization", "gguf", "--quantize", "gguf")[1].quant.quantize == "gguf"
     with pytest.raises(KeelError, match="--quantization gguf means --quantize gguf, not --quantize int8"):

@@ -66,6 +66,9 @@ class ServeOptions:
     threads: int | None = None
     """torch CPU threads"""
 
+    seed: int | None = None
+    """vLLM's: seed the random draws of requests that give no seed of their own (default: unseeded)"""
+
     auto_parallel: str | None = field(default=None, metadata={"nargs": "?", "const": "local", "metavar": "COUNTxTYPE"})
     """take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, e.g. 8xH200)"""
 

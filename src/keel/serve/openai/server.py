@@ -174,6 +174,8 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     _setup_logging(options.audit_log)
     if options.threads:
         torch.set_num_threads(options.threads)
+    if options.seed is not None:  # requests without a seed draw from torch's global generator
+        torch.manual_seed(options.seed)
     # Read before loading, so that a bad keys file, generation config or template fails fast.
     tenants = Tenants.from_options(options.api_keys(), options.api_keys_file)
     default_sampling = sampling_defaults(source.model, options.generation_config)
