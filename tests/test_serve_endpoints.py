@@ -172,6 +172,9 @@ def test_every_served_name_is_accepted_and_listed(server, model_dir):
     assert r.model == "tiny" and r.usage.completion_tokens <= 2  # vLLM's responses name the first
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="tin", messages=MESSAGES, max_tokens=1)
+    for unnamed in ({}, {"model": None}, {"model": ""}):  # vLLM's: no name is the served model
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, **unnamed})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
 
 # ---------------------------------------------------------------- --generation-config
