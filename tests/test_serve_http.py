@@ -408,6 +408,10 @@ def test_sampling_bounds_are_vllms(server):
     assert text == forced[1].choices[0].text and len(text) == 3 and len(set(text)) == 1, text
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-0.5)
+    url = server.base_url + "/v1/completions"
+    for field, value in (("logit_bias", {"999999": 1}), ("stop_token_ids", [999999]), ("allowed_token_ids", [999999])):
+        r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_cors_preflight_and_headers_as_vllm_defaults(server):

@@ -257,8 +257,11 @@ class OpenAIServing:
                 # prompt logprobs are complete once that token exists: every prefill chunk is done.
                 params = dataclasses.replace(params, max_tokens=1)
             params.validate()
+            params.check_vocabulary(self.vocab_size)  # here, before queueing: a 400 naming the field
         except KeelError as e:
-            raise APIError(400, str(e)) from None
+            # the messages begin with the field's name ("logit_bias: token id ...", "top_k must be ...")
+            name = str(e).replace(":", " ").split(" ", 1)[0]
+            raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
         return params
 
     def _with_defaults(self, req: GenerationRequest) -> GenerationRequest:
