@@ -135,16 +135,16 @@ class ServeOptions:
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=reasoning,
             cors=CorsSettings(
-                _json_list(self.allowed_origins),
-                _json_list(self.allowed_methods),
-                _json_list(self.allowed_headers),
+                json_list(self.allowed_origins),
+                json_list(self.allowed_methods),
+                json_list(self.allowed_headers),
                 self.allow_credentials,
             ),
             request_id_headers=self.enable_request_id_headers,
         )
 
 
-def _json_list(values: list[str]) -> list[str]:
+def json_list(values: list[str]) -> list[str]:
     """A flag's values, where vLLM's spelling gives one JSON list (--allowed-origins '["https://a.example"]')."""
     if isinstance(values, str):
         values = [values]

@@ -17,7 +17,7 @@ import threading
 from keel.errors import KeelError
 from keel.platform import resolve_device
 from keel.serve.config import EngineConfig
-from keel.serve.openai.options import ModelSource, ServeOptions
+from keel.serve.openai.options import ModelSource, ServeOptions, json_list
 
 log = logging.getLogger("keel.serve")
 
@@ -36,6 +36,11 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
     if options.request_timeout < 0 or options.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
     _check_parsers(options)
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        try:
+            json_list(getattr(options, name))
+        except KeelError as e:
+            raise KeelError(f"--{name.replace('_', '-')}: {e}") from None
     if options.engine != "naive":
         return
     keel_only = [
