@@ -80,6 +80,7 @@ def metric(samples: dict, name: str, **labels) -> float:
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+GREEDY_BODY = {"temperature": 0, "ignore_eos": True}  # the same, in a raw body
 
 
 # ---------------------------------------------------------------- the official client
@@ -412,6 +413,26 @@ def test_sampling_bounds_are_vllms(server):
     for field, value in (("logit_bias", {"999999": 1}), ("stop_token_ids", [999999]), ("allowed_token_ids", [999999])):
         r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_stream_options_default_to_usage_as_vllms(server):
+    """vLLM's StreamOptions: include_usage defaults to true once stream_options is given, so `{}` or
+    `{"continuous_usage_stats": true}` alone bring the usage chunk (and usage in every chunk with the latter)."""
+    url = server.base_url + "/v1/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_BODY}
+
+    def chunks(options) -> list[dict]:
+        with httpx.stream("POST", url, json={**body, "stream_options": options}) as r:
+            lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    final = chunks({})[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3
+    every = chunks({"continuous_usage_stats": True})
+    assert all("usage" in c for c in every) and every[-1]["choices"] == []
+    assert all("usage" not in c for c in chunks({"include_usage": False}))
+    assert all("usage" not in c for c in chunks({"include_usage": None}))
 
 
 def test_cors_preflight_and_headers_as_vllm_defaults(server):

@@ -54,8 +54,9 @@ def refuse_fields(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]]) ->
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk
+    # vLLM's defaults: stream_options given at all ({} or only continuous_usage_stats) asks for the usage chunk
+    include_usage: StrictBool | None = True
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: usage in every chunk
 
 
 class _SamplingFields(BaseModel):
