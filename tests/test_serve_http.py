@@ -604,6 +604,8 @@ def limited(model_dir, tmp_path_factory):
         "2",
         "--request-timeout",
         "2",
+        "--enable-force-include-usage",
+        "--enable-request-id-headers",
         log_path=d / "server.log",
     ).wait_ready()
     yield proc
@@ -626,6 +628,18 @@ def test_api_keys(limited):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert client(limited, "key-c").completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens
     assert httpx.get(limited.base_url + "/health").status_code == 200  # health and metrics need no key
+
+
+def test_forced_usage_and_request_id_headers(limited):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage still ends with it;
+    --enable-request-id-headers: every response carries an X-Request-Id, a new one where the client sent none."""
+    c = client(limited, "key-c")
+    chunks = list(c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    raw = c.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=1)
+    given = raw.headers["x-request-id"]
+    assert len(given) >= 16 and raw.parse().id.startswith("cmpl-")
+    assert len(httpx.get(limited.base_url + "/health").headers["x-request-id"]) >= 16
 
 
 def test_tenant_limits_429_with_retry_after(limited):

@@ -101,6 +101,9 @@ class ServeOptions:
     allow_credentials: bool = False
     """CORS: allow credentials (cookies, Authorization) on cross-origin requests"""
 
+    enable_force_include_usage: bool = False
+    """vLLM's: every stream ends with the usage chunk, as if it asked for stream_options.include_usage"""
+
     enable_request_id_headers: bool = False
     """send an X-Request-Id header with every response (the client's own, or a new one); a client's X-Request-Id is
     echoed, and names the completion (chatcmpl-<id>), without it too"""
@@ -141,6 +144,7 @@ class ServeOptions:
                 self.allow_credentials,
             ),
             request_id_headers=self.enable_request_id_headers,
+            force_include_usage=self.enable_force_include_usage,
         )
 
 

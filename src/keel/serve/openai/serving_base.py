@@ -212,11 +212,12 @@ class OpenAIServing:
             for j in range(req.n):
                 child = params if req.n == 1 else child_params(params, j)
                 jobs.append(Job(p_index * req.n + j, p_index, prompt_ids, child))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage) or self.settings.force_include_usage
         call = Call(self.kind, tenant, jobs, spec.prompts, spec.texts, req.stream, include_usage)
         call.echo, call.logprobs, call.prompt_only = spec.echo, spec.logprobs, spec.prompt_only
         # vLLM's: per-chunk usage only where the final usage chunk was asked for too
-        call.continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
+        call.continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
         call.prompt_logprobs = req.prompt_logprobs
         call.priority = self._priority(req)
         call.request = req

@@ -32,6 +32,7 @@ class ServerSettings:
     # SamplingParams fields a request that omits them gets (generation_config.json; keel.serve.generation_config)
     default_sampling: dict[str, Any] = field(default_factory=dict)
     cors: CorsSettings = field(default_factory=CorsSettings)
+    force_include_usage: bool = False  # every stream sends the usage chunk (vLLM's --enable-force-include-usage)
     request_id_headers: bool = False  # an X-Request-Id header on every response (vLLM's --enable-request-id-headers)
 
     def __post_init__(self) -> None:
