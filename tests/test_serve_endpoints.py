@@ -156,11 +156,14 @@ def test_version_and_ping(server):
 
 
 # ---------------------------------------------------------------- --served-model-name A B
-def test_every_served_name_is_accepted_and_listed(server):
+def test_every_served_name_is_accepted_and_listed(server, model_dir):
     c = client(server)
     listed = c.models.list().data
     assert [m.id for m in listed] == ["tiny", "alias"]
     assert time.time() - 3600 < listed[0].created <= time.time()  # when the server started, not 0
+    card = httpx.get(server.base_url + "/v1/models").json()["data"][1]  # vLLM's card: what it serves, no parent
+    assert card["root"] == str(model_dir) and card["parent"] is None and card["max_model_len"] == CONTEXT
+    assert card["permission"][0]["object"] == "model_permission"
     assert c.models.retrieve("alias").id == "alias"  # OpenAI's retrieve, each served name
     with pytest.raises(openai.NotFoundError) as missing:
         c.models.retrieve("tin")
@@ -169,6 +172,9 @@ def test_every_served_name_is_accepted_and_listed(server):
     assert r.model == "tiny" and r.usage.completion_tokens <= 2  # vLLM's responses name the first
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="tin", messages=MESSAGES, max_tokens=1)
+    for unnamed in ({}, {"model": None}, {"model": ""}):  # vLLM's: no name is the served model
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, **unnamed})
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
 
 # ---------------------------------------------------------------- --generation-config
@@ -287,6 +293,18 @@ def test_vllm_spellings_of_engine_flags():
     assert parse("--no-enable-prefix-caching")[1].cache.enable_prefix_caching is False
     assert parse("--enforce-eager")[1].load.compile is False and parse()[1].load.compile is None
     assert parse("--compile")[1].load.compile is True
+    # a `vllm serve` command line's flags that change nothing here are taken (and --seed seeds unseeded draws)
+    vllm_line = (
+        "--trust-remote-code",
+        "--disable-log-requests",
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+    )
+    args = parse(*vllm_line, "--max-log-len", "100", "--enable-prompt-tokens-details", "--seed", "0")[0]
+    assert (
+        dataclass_from_args(ServeOptions, args).seed == 0 and dataclass_from_args(ServeOptions, parse()[0]).seed is None
+    )
     assert parse("-q", "gguf")[1].quant.quantize == "gguf"
     assert parse("--quantization", "gguf", "--quantize", "gguf")[1].quant.quantize == "gguf"
     with pytest.raises(KeelError, match="--quantization gguf means --quantize gguf, not --quantize int8"):
@@ -314,3 +332,4 @@ def test_parser_flags_are_checked_before_loading():
     assert_one_line_error(run_keel("serve", "m", "--tool-call-parser", "nope"), "--tool-call-parser", "hermes")
     assert_one_line_error(run_keel("serve", "m", "--reasoning-parser", "nope"), "--reasoning-parser", "deepseek_r1")
     assert_one_line_error(run_keel("serve", "m", "--enable-auto-tool-choice"), "--tool-call-parser")
+    assert_one_line_error(run_keel("serve", "m", "--allowed-origins", "[1]"), "--allowed-origins", "JSON list")

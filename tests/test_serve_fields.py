@@ -187,9 +187,16 @@ def check(api: Api, field: str, baseline: dict) -> None:  # noqa: C901, PLR0912,
     elif field in ("max_tokens", "max_completion_tokens"):
         assert api.ok(**{field: 3})["usage"]["completion_tokens"] == 3
     elif field == "n":
-        assert len(api.ok(n=2)["choices"]) == 2
+        assert len(api.ok(n=2, temperature=1.0)["choices"]) == 2
+        # vLLM's rule: n copies of one greedy answer are a 400 naming n
+        assert api.post(n=2).json()["error"] == {
+            "message": "n must be 1 when using greedy sampling, got 2.",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": None,
+        }
     elif field == "best_of":
-        assert len(api.ok(best_of=2, n=2)["choices"]) == 2
+        assert len(api.ok(best_of=2, n=2, temperature=1.0)["choices"]) == 2
         assert api.post(best_of=3, n=1).json()["error"]["param"] == "best_of"
     elif field == "seed":
         a, b = (api.ok(seed=7, temperature=1.5, max_tokens=16) for _ in range(2))
@@ -235,8 +242,11 @@ def check(api: Api, field: str, baseline: dict) -> None:  # noqa: C901, PLR0912,
         assert running == sorted(running) and 0 < running[-1] == chunks[-1]["usage"]["completion_tokens"]
         assert len(set(running)) > 2
         assert all(c["usage"]["prompt_tokens"] == baseline["usage"]["prompt_tokens"] for c in chunks)
-        # without include_usage, no usage at all (vLLM sends continuous usage only beside the final one)
-        assert not any("usage" in c for c in api.stream(stream_options={"continuous_usage_stats": True}))
+        # include_usage false: no usage at all (vLLM sends continuous usage only beside the final one)
+        off = {"include_usage": False, "continuous_usage_stats": True}
+        assert not any("usage" in c for c in api.stream(stream_options=off))
+        # vLLM's StreamOptions default include_usage to true: continuous_usage_stats alone brings both
+        assert all("usage" in c for c in api.stream(stream_options={"continuous_usage_stats": True}))
     elif field == "response_format":
         ask = [{"role": "user", "content": "Give a JSON object with the key ok set to true."}]
         body = api.ok(response_format={"type": "json_object"}, max_tokens=60, **({"messages": ask} if chat else {}))

@@ -80,6 +80,7 @@ def metric(samples: dict, name: str, **labels) -> float:
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+GREEDY_BODY = {"temperature": 0, "ignore_eos": True}  # the same, in a raw body
 
 
 # ---------------------------------------------------------------- the official client
@@ -340,6 +341,131 @@ def test_logprob_and_stream_rules_as_vllm_takes_them(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_context_length_errors_read_as_openai_and_vllm_word_them(server):
+    """Clients (LiteLLM, LangChain, agents that trim history) tell a prompt that does not fit from other 400s by
+    OpenAI's wording, "This model's maximum context length is N tokens", or its code context_length_exceeded."""
+    c = client(server)
+    for ask in (
+        lambda: c.completions.create(model="tiny", prompt="x" * (CONTEXT + 5), max_tokens=1),
+        lambda: c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x" * 300}], max_tokens=8000
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask()
+        assert f"This model's maximum context length is {CONTEXT} tokens" in e.value.message
+        assert e.value.code == "context_length_exceeded"
+
+
+def test_x_request_id_names_the_response_and_is_echoed(server):
+    """vLLM's: a client's X-Request-Id header is the completion's id (chatcmpl-<id>, streamed or not, before the
+    body's request_id); keel echoes the header back, as vLLM does with --enable-request-id-headers."""
+    c = client(server)
+    hi = [{"role": "user", "content": "hi"}]
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=hi,
+        max_tokens=2,
+        extra_headers={"X-Request-Id": "trace-7"},
+        extra_body={"request_id": "b"},
+    )
+    assert raw.headers["x-request-id"] == "trace-7" and raw.parse().id == "chatcmpl-trace-7"
+    stream = c.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, stream=True, extra_headers={"X-Request-Id": "trace-8"}
+    )
+    assert {chunk.id for chunk in stream} == {"cmpl-trace-8"}
+    plain = c.chat.completions.with_raw_response.create(model="tiny", messages=hi, max_tokens=2)
+    assert "x-request-id" not in plain.headers and len(plain.parse().id) > len("chatcmpl-")
+
+
+def test_explicit_nulls_mean_the_defaults(server):
+    """OpenAI's and vLLM's optional fields are nullable: clients that serialise their whole request type send
+    `"n": null`, `"stream": null`, `"logprobs": null`; each means the default. (Fields that take null keep it:
+    completions' `max_tokens: null` is the rest of the context, not 16.)"""
+    nulls = {"n": None, "stream": None, "logprobs": None, "echo": None, "temperature": None, "stop": None}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": None}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, **nulls, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(
+        server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, **nulls}
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, "messages": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_sampling_bounds_are_vllms(server):
+    """vLLM takes any temperature >= 0 (OpenAI stops at 2) and clamps a logit bias to [-100, 100] rather than
+    refusing it: a bias of 1000 forces its token as 100 does."""
+    c = client(server)
+    hot = c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=2.5, seed=1)
+    assert hot.usage.completion_tokens <= 2
+    forced = [
+        c.completions.create(model="tiny", prompt="hi", max_tokens=3, logit_bias={"65": b}, **GREEDY)
+        for b in (100, 1000)
+    ]
+    text = forced[0].choices[0].text
+    assert text == forced[1].choices[0].text and len(text) == 3 and len(set(text)) == 1, text
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-0.5)
+    url = server.base_url + "/v1/completions"
+    for field, value in (("logit_bias", {"999999": 1}), ("stop_token_ids", [999999]), ("allowed_token_ids", [999999])):
+        r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_stream_options_default_to_usage_as_vllms(server):
+    """vLLM's StreamOptions: include_usage defaults to true once stream_options is given, so `{}` or
+    `{"continuous_usage_stats": true}` alone bring the usage chunk (and usage in every chunk with the latter)."""
+    url = server.base_url + "/v1/completions"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True, **GREEDY_BODY}
+
+    def chunks(options) -> list[dict]:
+        with httpx.stream("POST", url, json={**body, "stream_options": options}) as r:
+            lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    final = chunks({})[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3
+    every = chunks({"continuous_usage_stats": True})
+    assert all("usage" in c for c in every) and every[-1]["choices"] == []
+    assert all("usage" not in c for c in chunks({"include_usage": False}))
+    assert all("usage" not in c for c in chunks({"include_usage": None}))
+
+
+def test_cors_preflight_and_headers_as_vllm_defaults(server):
+    """vLLM answers browsers from any origin by default (--allowed-origins '["*"]'): a preflight is a 200 that
+    allows the method and headers asked for, and responses carry Access-Control-Allow-Origin."""
+    url = server.base_url + "/v1/chat/completions"
+    origin = {"Origin": "http://localhost:3000"}
+    asked = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(url, headers={**origin, **asked})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = httpx.post(url, json=body, headers=origin)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_and_request_id_flags():
+    from keel.errors import KeelError
+    from keel.serve.openai.options import ServeOptions
+
+    settings = ServeOptions(
+        allowed_origins=['["https://a.example", "https://b.example"]'], enable_request_id_headers=True
+    ).settings("m")
+    assert settings.cors.allowed_origins == ["https://a.example", "https://b.example"]
+    assert settings.cors.allowed_methods == ["*"] and settings.request_id_headers
+    assert ServeOptions(allowed_origins=["https://a.example"]).settings("m").cors.allowed_origins == [
+        "https://a.example"
+    ]
+    with pytest.raises(KeelError, match="JSON list"):
+        ServeOptions(allowed_origins=["[1, 2]"]).settings("m")
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
@@ -478,6 +604,8 @@ def limited(model_dir, tmp_path_factory):
         "2",
         "--request-timeout",
         "2",
+        "--enable-force-include-usage",
+        "--enable-request-id-headers",
         log_path=d / "server.log",
     ).wait_ready()
     yield proc
@@ -500,6 +628,18 @@ def test_api_keys(limited):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert client(limited, "key-c").completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens
     assert httpx.get(limited.base_url + "/health").status_code == 200  # health and metrics need no key
+
+
+def test_forced_usage_and_request_id_headers(limited):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage still ends with it;
+    --enable-request-id-headers: every response carries an X-Request-Id, a new one where the client sent none."""
+    c = client(limited, "key-c")
+    chunks = list(c.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    raw = c.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=1)
+    given = raw.headers["x-request-id"]
+    assert len(given) >= 16 and raw.parse().id.startswith("cmpl-")
+    assert len(httpx.get(limited.base_url + "/health").headers["x-request-id"]) >= 16
 
 
 def test_tenant_limits_429_with_retry_after(limited):

@@ -164,7 +164,9 @@ def traffic(server) -> Traffic:
     )
     b = [chunk for chunk in stream][-1].usage
     after_hit = scrape(server)
-    cc = c.completions.create(model=MODEL, prompt="two of them", n=2, max_tokens=4, **GREEDY)
+    # n > 1 samples (vLLM refuses it greedy); ignore_eos keeps both choices 4 tokens long
+    sampled = {"temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}
+    cc = c.completions.create(model=MODEL, prompt="two of them", n=2, max_tokens=4, **sampled)
     stream = c.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hello"}],

@@ -11,11 +11,13 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from keel.serve.async_engine import AsyncEngine
 from keel.serve.openai.errors import APIError, error_body
 from keel.serve.openai.http_io import ClientDisconnected
+from keel.serve.openai.request_id import RequestIdMiddleware
 from keel.serve.openai.serving_chat import OpenAIServingChat
 from keel.serve.openai.serving_completion import OpenAIServingCompletion
 from keel.serve.openai.serving_models import OpenAIServingModels
@@ -44,13 +46,24 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, tenants: Tenants) 
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
     app.state.serving_responses = OpenAIServingResponses(state)
-    app.state.serving_models = OpenAIServingModels(settings.served_model_names, engine.engine.max_model_len, tenants)
+    app.state.serving_models = OpenAIServingModels(
+        settings.served_model_names, engine.engine.max_model_len, tenants, settings.model_root
+    )
     app.state.serving_tokens = OpenAIServingTokens(state)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
     app.include_router(router)
+    cors = settings.cors
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.allowed_origins,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+        allow_credentials=cors.allow_credentials,
+    )
+    app.add_middleware(RequestIdMiddleware, always=settings.request_id_headers)
     return app
 
 

@@ -58,8 +58,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def check_model_name(model: str | None, served: tuple[str, ...], param: str | None = "model") -> None:
-    """404 unless the request's model is one of the served names (or left out)."""
-    if model is not None and model not in served:
+    """404 unless the request's model is one of the served names (or left out: absent, null or "", as vLLM's
+    _is_model_supported takes any falsy name for the served model)."""
+    if model and model not in served:
         names = ", ".join(repr(name) for name in served)
         raise APIError(
             404, f"model {model!r} does not exist; this server serves {names}", param=param, code="model_not_found"

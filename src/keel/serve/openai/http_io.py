@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import typing
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -37,6 +39,27 @@ async def read_json(request: Request, limit: int) -> object:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
 
 
+@functools.cache
+def _defaults_not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The optional fields of `model` whose type has no None (`n`, `stream`, `logprobs`, `echo`, ...): a JSON null
+    there means "the default", as OpenAI's API and vLLM take it (its fields are Optional with these defaults);
+    clients that serialise every field of their own request type send `"n": null`, `"stream": null`. Fields that
+    take None keep it: completions' `"max_tokens": null` asks for the rest of the context, not 16."""
+    names = set()
+    for name, info in model.model_fields.items():
+        if not info.is_required() and not _takes_none(info.annotation):
+            names.add(name)
+            if info.alias:
+                names.add(info.alias)
+    return frozenset(names)
+
+
+def _takes_none(annotation: object) -> bool:
+    if annotation is None or annotation is type(None) or annotation is typing.Any:
+        return True
+    return any(_takes_none(arg) for arg in typing.get_args(annotation) if arg is not Ellipsis)
+
+
 def validation_error(error: ValidationError) -> APIError:
     """The first pydantic error as one OpenAI-style message naming the field."""
     first = error.errors()[0]
@@ -50,6 +73,9 @@ def parse_body(body: object, model: type[M]) -> M:
     """A JSON body as the route's pydantic model; a 400 naming the field otherwise."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    not_nullable = _defaults_not_nullable(model)
+    if not_nullable:
+        body = {name: value for name, value in body.items() if value is not None or name not in not_nullable}
     try:
         return model.model_validate(body)
     except ValidationError as e:

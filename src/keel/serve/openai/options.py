@@ -5,11 +5,13 @@ Each field's docstring is its command-line help (keel.cli derives the options fr
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from keel.serve.openai.settings import ServerSettings
+from keel.errors import KeelError
+from keel.serve.openai.settings import CorsSettings, ServerSettings
 
 # Environment variables holding an API key, when no --api-key or --api-keys-file is given: vLLM's, and keel's own.
 API_KEY_ENV = ("VLLM_API_KEY", "KEEL_API_KEY")
@@ -64,6 +66,9 @@ class ServeOptions:
     threads: int | None = None
     """torch CPU threads"""
 
+    seed: int | None = None
+    """vLLM's: seed the random draws of requests that give no seed of their own (default: unseeded)"""
+
     auto_parallel: str | None = field(default=None, metadata={"nargs": "?", "const": "local", "metavar": "COUNTxTYPE"})
     """take tp and pp from `keel plan serve` for this machine's GPUs (or the given cluster, e.g. 8xH200)"""
 
@@ -84,6 +89,25 @@ class ServeOptions:
     chat_template: str | None = field(default=None, metadata={"metavar": "PATH"})
     """a Jinja chat template file (or the template itself) used instead of the model's"""
 
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata={"nargs": "+", "metavar": "ORIGIN"})
+    """CORS: origins browsers may call from (vLLM's default: *); a JSON list, as vLLM takes it, is read too"""
+
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], metadata={"nargs": "+", "metavar": "METHOD"})
+    """CORS: allowed methods"""
+
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={"nargs": "+", "metavar": "HEADER"})
+    """CORS: allowed request headers"""
+
+    allow_credentials: bool = False
+    """CORS: allow credentials (cookies, Authorization) on cross-origin requests"""
+
+    enable_force_include_usage: bool = False
+    """vLLM's: every stream ends with the usage chunk, as if it asked for stream_options.include_usage"""
+
+    enable_request_id_headers: bool = False
+    """send an X-Request-Id header with every response (the client's own, or a new one); a client's X-Request-Id is
+    echoed, and names the completion (chatcmpl-<id>), without it too"""
+
     def api_keys(self) -> list[str]:
         """--api-key's keys; without them and without --api-keys-file, the key of the environment (vLLM reads
         VLLM_API_KEY; KEEL_API_KEY is keel's own name for it)."""
@@ -103,6 +127,7 @@ class ServeOptions:
         return ServerSettings(
             served_model_name=names[0],
             served_model_names=names,
+            model_root=str(model),
             default_sampling=dict(default_sampling or {}),
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,
@@ -112,7 +137,30 @@ class ServeOptions:
             enable_auto_tool_choice=self.enable_auto_tool_choice,
             tool_call_parser=self.tool_call_parser,
             reasoning_parser=reasoning,
+            cors=CorsSettings(
+                json_list(self.allowed_origins),
+                json_list(self.allowed_methods),
+                json_list(self.allowed_headers),
+                self.allow_credentials,
+            ),
+            request_id_headers=self.enable_request_id_headers,
+            force_include_usage=self.enable_force_include_usage,
         )
+
+
+def json_list(values: list[str]) -> list[str]:
+    """A flag's values, where vLLM's spelling gives one JSON list (--allowed-origins '["https://a.example"]')."""
+    if isinstance(values, str):
+        values = [values]
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise KeelError(f"not a JSON list of strings: {values[0]!r} ({e.msg})") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise KeelError(f"not a JSON list of strings: {values[0]!r}")
+        return parsed
+    return list(values)
 
 
 @dataclass

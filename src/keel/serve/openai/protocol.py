@@ -54,8 +54,9 @@ def refuse_fields(extra: dict[str, Any], refused: dict[str, tuple[Any, ...]]) ->
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's: usage in every chunk
+    # vLLM's defaults: stream_options given at all ({} or only continuous_usage_stats) asks for the usage chunk
+    include_usage: StrictBool | None = True
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: usage in every chunk
 
 
 class _SamplingFields(BaseModel):
@@ -64,7 +65,8 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    # vLLM's bounds, not OpenAI's: any temperature >= 0 (OpenAI stops at 2)
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -82,7 +84,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # Token constraints and scheduling (vLLM's extensions; logit_bias is OpenAI's, keyed by token id strings)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # clamped to [-100, 100]
     allowed_token_ids: list[Annotated[int, Field(ge=0, lt=INT64)]] | None = None
     bad_words: list[StrictStr] | None = None
     priority: Annotated[int, Field(ge=-INT64, lt=INT64)] = 0
@@ -114,7 +116,8 @@ class _SamplingFields(BaseModel):
         if self.logit_bias is None:
             return None
         try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
+            # vLLM clamps a bias to [-100, 100] rather than refusing it (either end already forces or bans)
+            return {int(token): min(100.0, max(-100.0, bias)) for token, bias in self.logit_bias.items()}
         except ValueError:
             raise APIError(400, "'logit_bias' keys must be token ids", param="logit_bias") from None
 
@@ -129,11 +132,15 @@ class _SamplingFields(BaseModel):
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        temperature = pick(self.temperature, defaults.temperature)
+        if self.n > 1 and temperature < 1e-5:  # vLLM's rule (SamplingParams._verify_greedy_sampling)
+            raise APIError(400, f"n must be 1 when using greedy sampling, got {self.n}.", param="n")
+
         return SamplingParams(
             n=1,  # the server fans n out into n engine requests
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=pick(self.temperature, defaults.temperature),
+            temperature=temperature,
             top_p=pick(self.top_p, defaults.top_p),
             top_k=pick(self.top_k, defaults.top_k),
             min_p=pick(self.min_p, defaults.min_p),

@@ -17,7 +17,7 @@ import threading
 from keel.errors import KeelError
 from keel.platform import resolve_device
 from keel.serve.config import EngineConfig
-from keel.serve.openai.options import ModelSource, ServeOptions
+from keel.serve.openai.options import ModelSource, ServeOptions, json_list
 
 log = logging.getLogger("keel.serve")
 
@@ -36,6 +36,11 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
     if options.request_timeout < 0 or options.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
     _check_parsers(options)
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        try:
+            json_list(getattr(options, name))
+        except KeelError as e:
+            raise KeelError(f"--{name.replace('_', '-')}: {e}") from None
     if options.engine != "naive":
         return
     keel_only = [
@@ -174,6 +179,8 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
     _setup_logging(options.audit_log)
     if options.threads:
         torch.set_num_threads(options.threads)
+    if options.seed is not None:  # requests without a seed draw from torch's global generator
+        torch.manual_seed(options.seed)
     # Read before loading, so that a bad keys file, generation config or template fails fast.
     tenants = Tenants.from_options(options.api_keys(), options.api_keys_file)
     default_sampling = sampling_defaults(source.model, options.generation_config)

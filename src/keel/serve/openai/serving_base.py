@@ -137,6 +137,8 @@ class OpenAIServing:
         """The prepared call, once the queue and the tenant's limits let it in (APIError otherwise)."""
         body = await read_json(request, self.settings.max_body_bytes)
         call = self._prepare(body, tenant)
+        # vLLM's: the client's X-Request-Id header names the response (chatcmpl-<it>), before the body's request_id
+        call.response_id = request.headers.get("x-request-id") or call.response_id
         await self._compile_grammars(call)
         self._check_queue(call)
         timeout = self.settings.request_timeout
@@ -210,11 +212,12 @@ class OpenAIServing:
             for j in range(req.n):
                 child = params if req.n == 1 else child_params(params, j)
                 jobs.append(Job(p_index * req.n + j, p_index, prompt_ids, child))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage) or self.settings.force_include_usage
         call = Call(self.kind, tenant, jobs, spec.prompts, spec.texts, req.stream, include_usage)
         call.echo, call.logprobs, call.prompt_only = spec.echo, spec.logprobs, spec.prompt_only
         # vLLM's: per-chunk usage only where the final usage chunk was asked for too
-        call.continuous_usage = include_usage and bool(req.stream_options.continuous_usage_stats)
+        call.continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
         call.prompt_logprobs = req.prompt_logprobs
         call.priority = self._priority(req)
         call.request = req
@@ -255,8 +258,11 @@ class OpenAIServing:
                 # prompt logprobs are complete once that token exists: every prefill chunk is done.
                 params = dataclasses.replace(params, max_tokens=1)
             params.validate()
+            params.check_vocabulary(self.vocab_size)  # here, before queueing: a 400 naming the field
         except KeelError as e:
-            raise APIError(400, str(e)) from None
+            # the messages begin with the field's name ("logit_bias: token id ...", "top_k must be ...")
+            name = str(e).replace(":", " ").split(" ", 1)[0]
+            raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
         return params
 
     def _with_defaults(self, req: GenerationRequest) -> GenerationRequest:
@@ -274,9 +280,16 @@ class OpenAIServing:
         cap, model_len = self.settings.max_tokens_cap, self.max_model_len
         if requested is not None and cap is not None and requested > cap:
             raise APIError(400, f"{name} ({requested}) exceeds this server's cap of {cap}", param=name)
+        # The messages begin with OpenAI's (and vLLM's) "This model's maximum context length is N tokens", and
+        # carry OpenAI's code: clients (LiteLLM, LangChain, agents that trim history) match either to tell a
+        # prompt that does not fit from other 400s.
         if prompt_len >= model_len:
             raise APIError(
-                400, f"the prompt has {prompt_len} tokens; the model's length is {model_len}", param=self.prompt_param
+                400,
+                f"This model's maximum context length is {model_len} tokens. However, your request has {prompt_len} "
+                "input tokens. Please reduce the length of the input.",
+                param=self.prompt_param,
+                code="context_length_exceeded",
             )
         max_tokens = requested if requested is not None else model_len - prompt_len
         default = self.settings.default_sampling.get("max_tokens")  # the model's max_new_tokens, as vLLM's
@@ -287,9 +300,11 @@ class OpenAIServing:
         if prompt_len + max_tokens > model_len:
             raise APIError(
                 400,
-                f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) = {prompt_len + max_tokens} exceeds the "
-                f"model's length of {model_len} tokens",
+                f"This model's maximum context length is {model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in {name}). "
+                f"Please reduce the length of the input or {name}.",
                 param=name,
+                code="context_length_exceeded",
             )
         return max_tokens
 

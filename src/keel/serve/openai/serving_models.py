@@ -12,8 +12,9 @@ from keel.serve.openai.tenants import Tenants
 
 
 class OpenAIServingModels:
-    def __init__(self, model_names: tuple[str, ...], max_model_len: int, tenants: Tenants) -> None:
+    def __init__(self, model_names: tuple[str, ...], max_model_len: int, tenants: Tenants, root: str = "") -> None:
         self.model_names = model_names
+        self.root = root or model_names[0]
         self.max_model_len = max_model_len
         self.tenants = tenants
         self.created = int(time.time())  # when the server started serving, as vLLM's cards say
@@ -24,7 +25,27 @@ class OpenAIServingModels:
             "object": "model",
             "created": self.created,
             "owned_by": "keel",
+            # vLLM's card: the model it serves (`root`), no parent (a base model, not a LoRA adapter), and
+            # OpenAI's legacy permission object, which some clients still read
+            "root": self.root,
+            "parent": None,
             "max_model_len": self.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     def list_models(self, authorization: str | None) -> JSONResponse:

@@ -7,6 +7,16 @@ from typing import Any
 
 
 @dataclass
+class CorsSettings:
+    """Cross-origin requests from browsers (Starlette's CORSMiddleware), with vLLM's defaults: any origin."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+@dataclass
 class ServerSettings:
     served_model_name: str  # the name responses and metrics report
     max_queue: int = 256  # accepted requests not yet running (engine queue + tenant queues)
@@ -18,8 +28,12 @@ class ServerSettings:
     tool_call_parser: str | None = None  # keel.serve.openai.tool_parsers' name
     reasoning_parser: str | None = None  # keel.serve.openai.reasoning_parsers' name
     served_model_names: tuple[str, ...] = ()  # every name a request may send (default: served_model_name)
+    model_root: str = ""  # the model as given on the command line (the model cards' `root`, as vLLM's)
     # SamplingParams fields a request that omits them gets (generation_config.json; keel.serve.generation_config)
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    cors: CorsSettings = field(default_factory=CorsSettings)
+    force_include_usage: bool = False  # every stream sends the usage chunk (vLLM's --enable-force-include-usage)
+    request_id_headers: bool = False  # an X-Request-Id header on every response (vLLM's --enable-request-id-headers)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
