@@ -37,6 +37,7 @@ from keel.families import (
     cohere2_moe,
     cwm,
     dbrx,
+    deepseek_v32,
     dots1,
     ernie4_5,
     ernie4_5_moe,
@@ -58,6 +59,7 @@ from keel.families import (
     glm4,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     gpt2,
     gpt_bigcode,
     gpt_neo,
@@ -227,6 +229,8 @@ FAMILIES: dict[str, ModuleType] = {
         mimo_v2_flash,
         bitnet,
         kimi_linear,
+        deepseek_v32,
+        glm_moe_dsa,
     )
 }
 
