@@ -1164,7 +1164,10 @@ class ModelConfig:
     def _validate_dsa(self, need: Callable[[bool, str], None]) -> None:
         need(self.index_topk > 0, f"index_topk must be positive with an indexer, got {self.index_topk}")
         need(self.is_mla, "index_topk (DeepSeek Sparse Attention) needs multi-head latent attention (kv_lora_rank)")
-        need(self.q_lora_rank is not None, "index_topk (DeepSeek Sparse Attention) needs a low-rank query (q_lora_rank)")
+        need(
+            self.q_lora_rank is not None,
+            "index_topk (DeepSeek Sparse Attention) needs a low-rank query (q_lora_rank)",
+        )
         need(self.index_n_heads > 0, f"index_n_heads must be positive, got {self.index_n_heads}")
         need(
             self.index_head_dim >= self.qk_rope_head_dim > 0,

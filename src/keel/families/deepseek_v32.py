@@ -52,7 +52,9 @@ COMPUTED_KEYS = ("rope_interleave",)
 def dsa_fields(hf: dict[str, Any], source: str, defaults: dict[str, Any]) -> dict[str, Any]:
     """The DSA layers' and the block's fields, shared with GLM-5 (keel.families.glm_moe_dsa)."""
     if "q_lora_rank" in hf and hf["q_lora_rank"] is None:
-        raise ConfigError(f"{source}: q_lora_rank null (a full-rank q_proj) is not supported (the indexer reads the query latent)")
+        raise ConfigError(
+            f"{source}: q_lora_rank null (a full-rank q_proj) is not supported (the indexer reads the query latent)"
+        )
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types") or ["indexed_attention"] * layers
     if list(kinds) != ["indexed_attention"] * layers:

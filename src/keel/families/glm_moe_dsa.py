@@ -49,7 +49,9 @@ def indexer_types(hf: dict[str, Any], source: str) -> list[str]:
         offset = int(hf.get("index_skip_topk_offset", 2))
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
     if len(types) != layers or not set(types) <= {"full", "shared"} or types[0] != "full":
-        raise ConfigError(f"{source}: indexer_types must give full or shared for each of the {layers} layers, the first full")
+        raise ConfigError(
+            f"{source}: indexer_types must give full or shared for each of the {layers} layers, the first full"
+        )
     return list(types)
 
 
