@@ -6,8 +6,8 @@ token mixer; a tensor-parallel rank passes its own share of the heads): K and V 
 head width (Gemma 4's full-attention layers: `ModelConfig.layer_head_dim`), or for multi-head latent attention
 (config.is_mla) one row per layer of the latent and the rope key (kv_lora_rank + qk_rope_head_dim values) and no
 values; DeepSeek Sparse Attention's layers with an indexer of their own one index key more (index_head_dim values,
-`ModelConfig.dsa_index_layers`). Sliding-window layers count in full: the paged cache stores every layer's rows for every block, windowed or
-not.
+`ModelConfig.dsa_index_layers`). Sliding-window layers count in full: the paged cache stores every layer's rows for
+every block, windowed or not.
 
 kv_cache_dtype "auto" stores rows in the model's `dtype`; "bfloat16" in bfloat16 whatever the compute
 dtype (vLLM's option: half a float32 model's cache bytes, which decode attention streams every step);
