@@ -157,6 +157,7 @@ SHAPE_INFERABLE = [
             "laguna",
             "mimo",  # the sliding layers' KV heads and sinks, values narrower than keys
             "kimi_linear",  # its latent attention unrotated, which no shape tells
+            "glm_moe_dsa",  # latent attention (deepseek_v32 too, by its prefix) with the indexer's top-k
         )
     )
 ]

@@ -18,6 +18,7 @@ HF_ARCHITECTURE = "DeepseekV32ForCausalLM"
 # transformers' DeepseekV32Config defaults (the MoE and MLA ones are read by keel.config's DeepSeek-style readers).
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 129280,
+    "head_dim": 64,  # the rotary width (keel reads qk_rope_head_dim)
     "num_key_value_heads": 128,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
