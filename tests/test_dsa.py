@@ -180,3 +180,28 @@ def test_training_leaves_the_indexer_frozen_and_trains_the_rest(tmp_path):
     attention = model.layers["1"].self_attn
     assert all(p.grad is None for p in attention.indexer.parameters())
     assert attention.q_b_proj.weight.grad is not None and attention.q_a_proj.weight.grad.abs().sum() > 0
+
+
+def test_parallel_serving_and_tensor_parallel_training_are_refused_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+    from keel.weights.shard import TensorParallelLayout
+
+    save_hf_model("glm_moe_dsa", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    for tp, pp in ((2, 1), (1, 2)):
+        with pytest.raises(KeelError, match="parallel serving does not run DeepSeek Sparse Attention"):
+            check_parallel_model(config, tmp_path, tp, pp)
+    with pytest.raises(KeelError, match="indexer"):
+        TensorParallelLayout(config, 2, 0)
+
+    def check(**parallel: int) -> None:
+        cfg = SimpleNamespace(parallel=train_config.ParallelSection(**parallel), moe=train_config.MoESection())
+        train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+    with pytest.raises(ConfigError, match="tp > 1 is not supported for DeepSeek Sparse Attention"):
+        check(tp=2)
+    with pytest.raises(ConfigError, match="pp > 1 is not supported for DSA layers sharing"):
+        check(pp=2)
