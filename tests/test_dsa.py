@@ -205,3 +205,17 @@ def test_parallel_serving_and_tensor_parallel_training_are_refused_by_name(tmp_p
         check(tp=2)
     with pytest.raises(ConfigError, match="pp > 1 is not supported for DSA layers sharing"):
         check(pp=2)
+
+
+def test_the_multi_token_prediction_layer_after_the_last_is_not_read(tmp_path):
+    """DeepSeek-V3.2 stores its MTP layer as model.layers.61 (GLM-5: 78), which transformers ignores on load: so
+    does keel."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model("deepseek_v32", tmp_path)
+    file = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(file)
+    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, file, metadata={"format": "pt"})
+    assert load_model(tmp_path, "float32").config.num_layers == 3
