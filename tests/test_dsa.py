@@ -159,14 +159,42 @@ def test_the_engine_gives_transformers_sparse_greedy_tokens(tmp_path, name):
     assert rest[0].num_cached_tokens >= 16  # the shared blocks (and their index keys) came from the prefix cache
 
 
-def test_serving_refuses_what_it_has_not_built_by_name(tmp_path):
-    save_hf_model("deepseek_v32", tmp_path)
-    config = EngineConfig.of(
-        dtype="float32", compile=False, num_blocks=16, max_model_len=64, block_size=4,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-    )  # fmt: skip
-    with pytest.raises(KeelError, match="speculative decoding does not run with DeepSeek Sparse Attention"):
-        LLM(str(tmp_path), config)
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3},
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": "DRAFT"},
+    ],
+    ids=["ngram", "draft-model"],
+)
+def test_speculative_decoding_gives_the_plain_greedy_tokens(tmp_path, spec):
+    """Drafts verified as multi-token chunks, each query masked to its own selection; rejected drafts' index keys
+    overwritten; few blocks, so requests are preempted and recomputed."""
+    import random
+
+    from keel.serve.engine import LLMEngine
+    from test_speculative import copying_prompts, run
+
+    save_hf_model("glm_moe_dsa", tmp_path / "target")
+    save_byte_tokenizer(tmp_path / "target")
+    if spec.get("model") == "DRAFT":
+        save_hf_model("glm_moe_dsa", tmp_path / "draft", seed=1)  # another random model: drafts rejected
+        save_byte_tokenizer(tmp_path / "draft")
+        spec = {**spec, "model": str(tmp_path / "draft")}
+    target = load_model(tmp_path / "target", "float32")
+    prompts = copying_prompts(8)
+    rng = random.Random(1)
+    params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0.0, ignore_eos=True) for _ in prompts]
+    config = dict(num_blocks=30, block_size=4, max_num_batched_tokens=64, max_model_len=96, dtype="float32")
+    plain = run(LLMEngine(target, EngineConfig.of(**config)), prompts, params)
+    engine = LLMEngine(target, EngineConfig.of(**config, speculative_config={**spec, "disable_by_batch_size": 64}))
+    fast = run(engine, prompts, params, check_blocks=True)
+    assert {r: o.outputs[0].token_ids for r, o in fast.items()} == {r: o.outputs[0].token_ids for r, o in plain.items()}
+    stats = engine.stats()
+    assert stats["num_preemptions_total"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    if spec["method"] == "ngram":
+        assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_training_leaves_the_indexer_frozen_and_trains_the_rest(tmp_path):

@@ -46,7 +46,6 @@ from keel.serve.sampling import (
     sample_dummy_rows,
 )
 from keel.serve.scheduler import Scheduler, step_budget
-from keel.serve.sparse_attention import check_sparse_attention
 from keel.serve.speculative import SpeculativeConfig
 from keel.serve.speculative.ngram import propose_ngram
 from keel.serve.step_tokens import TokenHistogram
@@ -128,7 +127,6 @@ class LLMEngine:
         check_model_len(self.max_model_len, self.model.config)
         self.spec: SpeculativeConfig | None = config.speculative
         check_recurrent_layers(self.model.config, config)
-        check_sparse_attention(self.model.config, config)
         self.draft_model: Transformer | None = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft_model = self._load_draft(model, device)
