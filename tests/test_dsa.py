@@ -247,3 +247,22 @@ def test_the_multi_token_prediction_layer_after_the_last_is_not_read(tmp_path):
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file({**tensors, **mtp}, file, metadata={"format": "pt"})
     assert load_model(tmp_path, "float32").config.num_layers == 3
+
+
+def test_steps_whose_queries_see_at_most_index_topk_keys_attend_densely(tmp_path, monkeypatch):
+    """With index_topk 64 and prompts and outputs within it, every step takes the dense path (any backend; the
+    indexed one is never called) and gives transformers' tokens; the index keys are still stored for later steps."""
+    from keel.serve.kv_cache import PagedKVCache
+
+    hf = save_hf_model("deepseek_v32", tmp_path, index_topk=64)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    prompt = list(range(40, 60))
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    monkeypatch.setattr(PagedKVCache, "_attend_indexed", lambda *args: pytest.fail("the indexed path ran"))
+    config = EngineConfig.of(dtype="float32", compile=False, num_blocks=32, max_model_len=64, block_size=8)
+    llm = LLM(str(tmp_path), config)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0, 20:].tolist()
+    assert llm.engine.cache.index_keys[0].abs().sum() > 0

@@ -326,7 +326,8 @@ class PagedKVCache:
     DeepSeek Sparse Attention (config.is_dsa, keel.model.dsa): each layer with an indexer of its own also keeps a
     store of [1, slots, index_head_dim] index keys in the same slots (so blocks, the prefix cache and their
     accounting cover them), and its queries attend through `_attend_indexed` (torch, each query masked to the keys
-    its indexer selects; the selection memoised per step for the layers sharing it).
+    its indexer selects; the selection memoised per step for the layers sharing it), or, in a step where no query
+    sees more than index_topk keys (every key selected), as dense latent attention through any backend.
     """
 
     def __init__(
@@ -458,7 +459,19 @@ class PagedKVCache:
             return self._attend(q, store, None, None, scale)
         if index.k is not None:
             self._write(self.index_keys[layer], index.k)
+        if self._within_top_k(index.topk):  # every visible key selected: dense latent attention, on any backend
+            return self._attend(q, store, None, None, scale)
         return self._attend_indexed(q, store, index, scale)
+
+    def _within_top_k(self, topk: int) -> bool:
+        """Whether no query of this step can see more than `topk` keys, from host-side bounds only (a decode group's
+        table width, a chunk's key count): then each query's selection is every key it sees. Memoised per step."""
+        plan = self.plan
+        memo = ("index_dense", topk)
+        if memo not in plan._masks:
+            widths = [dec.tables.shape[1] * self.block_size for dec in plan.decodes]
+            plan._masks[memo] = max([*widths, *(chunk.keys for chunk in plan.prefills)], default=0) <= topk
+        return plan._masks[memo]
 
     def _attend_indexed(self, q: Tensor, store: Tensor, index: IndexQuery, scale: float) -> Tensor:
         """DeepSeek Sparse Attention over latent rows: each decode group and prefill chunk gathers its rows, and each
