@@ -1707,8 +1707,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
-    # DeepSeek-V3.2: DeepSeek-V3's latent attention and experts (the first layer dense) with DeepSeek Sparse Attention:
-    # each query attends to the 4 keys its indexer picks (fewer than the tests' prompts: the selection matters).
+    # DeepSeek-V3.2: DeepSeek-V3's latent attention and experts (the first layer dense) under YaRN with DeepSeek Sparse
+    # Attention: each query attends to the 4 keys its indexer picks (fewer than the tests' prompts: the selection
+    # matters).
     "deepseek_v32": (
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
@@ -1727,6 +1728,18 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             qk_rope_head_dim=8,
             v_head_dim=16,
             first_k_dense_replace=1,
+            max_position_embeddings=256,
+            # YaRN: its cos/sin attention factor reaches the indexer's rotary too (transformers rotates with them)
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
             index_topk=4,
             index_n_heads=16,  # many heads: few keys whose score is exactly 0 (a tie topk may break either way)
             index_head_dim=16,
