@@ -709,6 +709,25 @@ def test_deepseek_v32_trains_with_its_indexer_frozen(root, no_torchrun):
     torch.testing.assert_close(loaded.layers["1"].self_attn.indexer.wk.weight, indexer["wk.weight"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["--set", "parallel.pp=2"]], ids=["fsdp2", "pp2"])
+def test_deepseek_v32_trains_on_two_ranks_as_in_one_process(root, layout):
+    """DSA through `keel train --nproc 2`: FSDP (the indexer's unused gradients) and two pipeline stages (each
+    layer's selection its own) give the one-process losses."""
+    model = DEEPSEEK_MODEL.format(tok=root / "tok").replace("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    model += "index_topk = 4\nindex_n_heads = 4\nindex_head_dim = 8\n"
+    name = "dsa-two-" + ("pp" if layout else "fsdp")
+    paths = [config(root, name + "-single"), config(root, name)]
+    for path in paths:
+        path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), model))
+    _, single = run(paths[0], "training.steps=4", "checkpoint.interval=0")
+    args = ["--set", "training.steps=4", "--set", "checkpoint.interval=0", *layout]
+    r = keel_train(paths[1], "--nproc", "2", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = losses(root / f"runs/{name}")
+    assert [two[step] for step in range(1, 5)] == pytest.approx([single.losses[step] for step in range(1, 5)], rel=1e-5)
+
+
 # In make test-slow (21 s on the 2-core AVX2 machine), to keep make test within its budget.
 @pytest.mark.slow
 def test_expert_parallel_training_matches_one_process_and_reshards(root, capsys, no_torchrun):
