@@ -210,7 +210,9 @@ def test_training_leaves_the_indexer_frozen_and_trains_the_rest(tmp_path):
     assert attention.q_b_proj.weight.grad is not None and attention.q_a_proj.weight.grad.abs().sum() > 0
 
 
-def test_parallel_serving_and_tensor_parallel_training_are_refused_by_name(tmp_path):
+def test_pipelines_of_shared_selections_and_tensor_parallel_training_are_refused_by_name(tmp_path):
+    """Tensor-parallel serving replicates the indexer (tests/test_serve_parallel_engine.py); a pipeline stage may not
+    hold the layer whose selection a GLM-5 layer shares, and keel's training plan does not place the indexer."""
     from types import SimpleNamespace
 
     from keel.serve.parallel.load import check_parallel_model
@@ -219,11 +221,11 @@ def test_parallel_serving_and_tensor_parallel_training_are_refused_by_name(tmp_p
 
     save_hf_model("glm_moe_dsa", tmp_path)
     config = ModelConfig.from_json_file(tmp_path / "config.json")
-    for tp, pp in ((2, 1), (1, 2)):
-        with pytest.raises(KeelError, match="parallel serving does not run DeepSeek Sparse Attention"):
-            check_parallel_model(config, tmp_path, tp, pp)
-    with pytest.raises(KeelError, match="indexer"):
-        TensorParallelLayout(config, 2, 0)
+    with pytest.raises(KeelError, match="pipeline-parallel serving does not run DSA layers sharing"):
+        check_parallel_model(config, tmp_path, 1, 2)
+    check_parallel_model(config, tmp_path, 2, 1)
+    assert TensorParallelLayout(config, 2, 0).shard_of("layers.0.self_attn.indexer.wq_b.weight") is None
+    check_parallel_model(dataclasses.replace(config, indexer_types=[]), tmp_path, 1, 2)
 
     def check(**parallel: int) -> None:
         cfg = SimpleNamespace(parallel=train_config.ParallelSection(**parallel), moe=train_config.MoESection())
