@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from keel.config import ModelConfig
-from keel.model.attention import AttentionMetadata, sdpa, visible
+from keel.model.attention import AttentionMetadata, sdpa
 from keel.model.dsa import Indexer, IndexQuery, select_keys
 from keel.model.layers import RMSNorm, apply_rotary, yarn_get_mscale
 
@@ -101,7 +101,9 @@ class MLAttention(nn.Module):
             k_rope = self._rotate(k_rope, cos, sin)
         if meta.query_scale is not None:  # Llama 4's temperature by position (Mistral 4): the whole query
             q_nope, q_rope = q_nope * meta.query_scale, q_rope * meta.query_scale
-        index = self._index_query(x, q_latent, meta) if self.index_topk else None
+        # DSA: without a cache, no longer than index_topk, every key is selected: dense, the indexer not run
+        sparse = self.index_topk and (meta.cache is not None or s > self.index_topk)
+        index = self._index_query(x, q_latent, meta) if sparse else None
         if meta.cache is None:
             out = self._expanded(q_nope, q_rope, latent, k_rope, meta, index)
         else:
@@ -130,8 +132,7 @@ class MLAttention(nn.Module):
         causal ones, or (a shared layer) its source layer's, which that layer left in `meta.index_masks`."""
         if index.q is None:
             return meta.index_masks[index.source]
-        pos = meta.positions
-        allowed = visible(pos.unsqueeze(-1), pos.unsqueeze(-2), None)  # [B, S, S]
+        allowed = meta.mask(meta.positions, None)[:, 0]  # [B, S, S]: causal
         keep = select_keys(index, index.k[:, :, 0], allowed).unsqueeze(1)
         meta.index_masks[self.layer] = keep
         return keep
