@@ -24,6 +24,8 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata, alibi_bias, explicit_attention, sdpa
+from keel.model.attention import visible as visible_to
+from keel.model.dsa import IndexQuery, select_keys
 from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.model.transformer import Transformer
 from keel.serve.sampling import RowState, Sampler, SamplingParams, request_generator
@@ -56,6 +58,11 @@ class ContiguousKVCache:
             else []
         )
         self._key_positions = torch.arange(max_len, device=device)
+        # DeepSeek Sparse Attention: each indexing layer's index keys [B, 1, max_len, index_head_dim]
+        self.index_keys = {
+            i: torch.zeros(batch, 1, max_len, config.index_head_dim, dtype=dtype, device=device)
+            for i in config.dsa_index_layers()
+        }
         # recurrent layers (Qwen3.5, LFM2): one state slot per row
         self.recurrent = RecurrentStates(config, batch, dtype, device) if config.has_recurrent_layers else None
 
@@ -129,12 +136,21 @@ class ContiguousKVCache:
             return self.recurrent.spans(layer, [], rows, rows)
         return self.recurrent.spans(layer, [(b * length, (b + 1) * length, b) for b in range(batch)])
 
-    def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend_latent(
+        self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float, index: IndexQuery | None = None
+    ) -> Tensor:
         visible, rows = self._prepare(meta)
         cache = self.keys[layer]
         self._store(cache, kv, meta, rows)
         rows_seen = cache[:, :, :visible]
         mask = meta.mask(self._key_positions[:visible], None)
+        if index is not None:  # DSA: the visible keys the indexer selects (its source layer's, kept per forward)
+            if index.source not in meta.index_masks:
+                self._store(self.index_keys[layer], index.k, meta, rows)
+                allowed = visible_to(meta.positions.unsqueeze(-1), self._key_positions[:visible], None)
+                keep = select_keys(index, self.index_keys[layer][:, 0, :visible], allowed)
+                meta.index_masks[index.source] = keep.unsqueeze(1)
+            mask = meta.index_masks[index.source]
         # The value of a token is its latent: the first R channels of its row.
         return sdpa(q, rows_seen, rows_seen[..., : self.latent_rank], mask, scale=scale)
 

@@ -186,6 +186,8 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("biogpt", marks=SLOW),
         pytest.param("mimo_v2_flash", marks=SLOW),
         pytest.param("kimi_linear", marks=SLOW),
+        pytest.param("deepseek_v32", marks=SLOW),
+        pytest.param("glm_moe_dsa", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -529,6 +531,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         ]
         assert all(s.shape[-1] == 12 for s in stores)
         assert [llm.engine.model.config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    elif name in ("deepseek_v32", "glm_moe_dsa"):  # latent attention over the keys each query's indexer selects
+        cache = llm.engine.cache
+        indexing = [0, 1, 2] if name == "deepseek_v32" else [0, 3]  # GLM-5's layers 1 and 2 reuse layer 0's
+        assert [a.indexer is not None for a in attention] == [i in indexing for i in range(len(attention))]
+        assert [i for i, k in enumerate(cache.index_keys) if k.shape[1]] == indexing
+        assert [a.index_source for a in attention] == ([0, 1, 2] if name == "deepseek_v32" else [0, 0, 0, 3])
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

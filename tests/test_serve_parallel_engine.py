@@ -84,6 +84,11 @@ def _params() -> list[SamplingParams]:
         # GLM-4.7-Flash's and Mistral 4's latent attention (Mistral 4's queries scaled by position) cut by heads
         pytest.param("glm4_moe_lite", 2, 1, marks=pytest.mark.slow),
         pytest.param("mistral4", 2, 1, marks=pytest.mark.slow),
+        # DeepSeek-V3.2 / GLM-5: the indexer replicated (every rank selects the same keys for its heads, its index
+        # keys cached whole on each); two stages, each layer's selection its own
+        pytest.param("deepseek_v32", 2, 1, marks=pytest.mark.slow),
+        pytest.param("glm_moe_dsa", 2, 1, marks=pytest.mark.slow),
+        pytest.param("deepseek_v32", 1, 2, marks=pytest.mark.slow),
         # OLMo: q, k and v clamped on each rank's heads, weightless LayerNorms (no tensors to read)
         pytest.param("olmo", 2, 1, marks=pytest.mark.slow),
         # NanoChat: the embedding's weightless norm on the first stage of two, reversed rotation

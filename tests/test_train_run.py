@@ -683,6 +683,51 @@ def test_deepseek_v3_trains_with_aux_loss_free_balancing_and_is_served(root, cap
         torch.testing.assert_close(loaded.model(tokens), module.eval()(tokens))
 
 
+@pytest.mark.slow
+def test_deepseek_v32_trains_with_its_indexer_frozen(root, no_torchrun):
+    """DeepSeek Sparse Attention (index_topk 4 of 32 tokens) trains: the attention learns through the selection, the
+    indexer (no gradients, as transformers computes it) keeps its initial weights, which the checkpoint holds."""
+    from keel.quant.loading import load_model
+
+    path = config(root, "dsa")
+    model = DEEPSEEK_MODEL.format(tok=root / "tok").replace("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    model += "index_topk = 4\nindex_n_heads = 4\nindex_head_dim = 8\n"
+    path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), model))
+    trainer = Trainer(load_config(path, ["training.steps=10"]))
+    try:
+        attention = trainer.modules[0].layers["1"].self_attn
+        indexer = {k: v.detach().clone() for k, v in attention.indexer.state_dict().items()}
+        q_b = attention.q_b_proj.weight.detach().clone()
+        result = trainer.run()
+    finally:
+        trainer.close()
+    assert result.losses[10] < result.losses[1]
+    assert not torch.equal(attention.q_b_proj.weight, q_b)
+    for key, value in attention.indexer.state_dict().items():
+        torch.testing.assert_close(value, indexer[key], rtol=0, atol=0)
+    loaded = load_model(latest_checkpoint(root / "runs/dsa/checkpoints"), "float32").model
+    torch.testing.assert_close(loaded.layers["1"].self_attn.indexer.wk.weight, indexer["wk.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["--set", "parallel.pp=2"]], ids=["fsdp2", "pp2"])
+def test_deepseek_v32_trains_on_two_ranks_as_in_one_process(root, layout):
+    """DSA through `keel train --nproc 2`: FSDP (the indexer's unused gradients) and two pipeline stages (each
+    layer's selection its own) give the one-process losses."""
+    model = DEEPSEEK_MODEL.format(tok=root / "tok").replace("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    model += "index_topk = 4\nindex_n_heads = 4\nindex_head_dim = 8\n"
+    name = "dsa-two-" + ("pp" if layout else "fsdp")
+    paths = [config(root, name + "-single"), config(root, name)]
+    for path in paths:
+        path.write_text(path.read_text().replace(MODEL.format(tok=root / "tok"), model))
+    _, single = run(paths[0], "training.steps=4", "checkpoint.interval=0")
+    args = ["--set", "training.steps=4", "--set", "checkpoint.interval=0", *layout]
+    r = keel_train(paths[1], "--nproc", "2", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = losses(root / f"runs/{name}")
+    assert [two[step] for step in range(1, 5)] == pytest.approx([single.losses[step] for step in range(1, 5)], rel=1e-5)
+
+
 # In make test-slow (21 s on the 2-core AVX2 machine), to keep make test within its budget.
 @pytest.mark.slow
 def test_expert_parallel_training_matches_one_process_and_reshards(root, capsys, no_torchrun):

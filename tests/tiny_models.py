@@ -1783,6 +1783,76 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # DeepSeek-V3.2: DeepSeek-V3's latent attention and experts (the first layer dense) under YaRN with DeepSeek Sparse
+    # Attention: each query attends to the 4 keys its indexer picks (fewer than the tests' prompts: the selection
+    # matters).
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            max_position_embeddings=256,
+            # YaRN: its cos/sin attention factor reaches the indexer's rotary too (transformers rotates with them)
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            index_topk=4,
+            index_n_heads=16,  # many heads: few keys whose score is exactly 0 (a tie topk may break either way)
+            index_head_dim=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    # GLM-5: DeepSeek-V3.2's block, its indexer rotating interleaved pairs; layers 1 and 2 reuse layer 0's choice of
+    # keys (cross-layer sharing), layer 3 has its own; biased attention, the middle layers' MLPs dense.
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            attention_bias=True,
+            mlp_layer_types=["sparse", "dense", "dense", "sparse"],
+            index_topk=5,
+            index_n_heads=16,
+            index_head_dim=12,
+            indexer_types=["full", "shared", "shared", "full"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # Laguna: sliding layers (window 8) rotating whole heads at their own base around a full one rotating a quarter,
     # biased attention with q/k norms, the output gated by a softplus per head, experts after a dense first layer
     # (a biased sigmoid choice, capped logits, renormalised, scaled) with an ungated shared expert.

@@ -38,6 +38,8 @@ MLA_FAMILIES = {
     "deepseek_v3",
     "glm4_moe_lite",
     "kimi_linear",
+    "deepseek_v32",
+    "glm_moe_dsa",
     "mistral4",
     "youtu",
     "sarvam_mla",
@@ -53,6 +55,8 @@ DEEPSEEK_MOE_FAMILIES = {
     "glm4_moe",
     "glm4_moe_lite",
     "kimi_linear",
+    "deepseek_v32",
+    "glm_moe_dsa",
     "dots1",
     "solar_open",
     "mistral4",
@@ -62,7 +66,7 @@ DEEPSEEK_MOE_FAMILIES = {
     "axk1",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "kimi_linear"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "kimi_linear", "deepseek_v32", "glm_moe_dsa"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
@@ -405,6 +409,16 @@ class ModelConfig:
     # The values times this as projected (MiMo-V2-Flash's attention_value_scale), before the cache keeps them.
     attention_value_scale: float = 1.0
     rope_interleave: bool = False  # DeepSeek's checkpoints store rotary pairs interleaved
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; keel.model.dsa): multi-head latent attention whose queries
+    # each attend only to the index_topk earlier keys a lightning indexer (index_n_heads heads of index_head_dim
+    # channels, its first qk_rope_head_dim rotated) scores highest; index_topk 0: dense latent attention.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False  # GLM-5's indexer rotates interleaved pairs, DeepSeek-V3.2's halves
+    # Per layer, "full" (the layer's own indexer selects its keys) or "shared" (it attends to the keys the last
+    # full layer before it selected: GLM-5's cross-layer sharing); empty: every layer full.
+    indexer_types: list[str] = field(default_factory=list)
     # Scalars of the block (Granite's four; 1.0 / None: not there).
     embedding_multiplier: float = 1.0  # the embedding's output is multiplied by this
     residual_multiplier: float = 1.0  # each sublayer's output is multiplied by this before the residual add
@@ -569,6 +583,22 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek Sparse Attention: latent attention over the keys an indexer selects (keel.model.dsa)."""
+        return self.index_topk > 0
+
+    def index_source(self, layer: int) -> int:
+        """The layer whose indexer selects `layer`'s keys: itself, or for a "shared" layer the last full one
+        before it."""
+        while self.indexer_types and self.indexer_types[layer] == "shared" and layer > 0:
+            layer -= 1
+        return layer
+
+    def dsa_index_layers(self) -> list[int]:
+        """The DSA layers with an indexer of their own (whose index keys a cache keeps)."""
+        return [i for i in self.kv_layers() if self.is_dsa and self.index_source(i) == i]
 
     @property
     def rotary_dim(self) -> int:
@@ -794,7 +824,9 @@ class ModelConfig:
         self._validate_layer_geometry(need)
         if self.is_mla:
             self._validate_mla(need)
-        else:
+        if self.is_dsa or self.index_n_heads or self.index_head_dim or self.indexer_types:
+            self._validate_dsa(need)
+        if not self.is_mla:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
         kinds = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "mlp", *RECURRENT_KINDS}
@@ -1203,6 +1235,28 @@ class ModelConfig:
         need(self.sliding_window is None, "multi-head latent attention has no sliding-window variant")
         need(not self.qk_norm, "multi-head latent attention has no q/k norm")
 
+    def _validate_dsa(self, need: Callable[[bool, str], None]) -> None:
+        need(self.index_topk > 0, f"index_topk must be positive with an indexer, got {self.index_topk}")
+        need(self.is_mla, "index_topk (DeepSeek Sparse Attention) needs multi-head latent attention (kv_lora_rank)")
+        need(
+            self.q_lora_rank is not None,
+            "index_topk (DeepSeek Sparse Attention) needs a low-rank query (q_lora_rank)",
+        )
+        need(self.index_n_heads > 0, f"index_n_heads must be positive, got {self.index_n_heads}")
+        need(
+            self.index_head_dim >= self.qk_rope_head_dim > 0,
+            f"index_head_dim ({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim})",
+        )
+        types = self.indexer_types
+        need(not types or len(types) == self.num_layers, "indexer_types must have one entry per layer")
+        need(set(types) <= {"full", "shared"}, f"indexer_types must be full or shared, got {sorted(set(types))}")
+        need(not types or types[0] == "full", "indexer_types: the first layer must be full (a shared one reuses it)")
+        need(
+            all(self.is_attention_layer(i) for i in range(self.num_layers)),
+            "index_topk (DeepSeek Sparse Attention) needs every layer to be attention",
+        )
+        need(not self.rope_layers or all(self.rope_layers), "DeepSeek Sparse Attention rotates every layer")
+
     def _validate_linear(self, need: Callable[[bool, str], None]) -> None:
         for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
             need(getattr(self, name) > 0, f"{name} must be positive with linear_attention layers")
@@ -1287,6 +1341,9 @@ class ModelConfig:
                 attn += self.q_lora_rank if self.qkv_bias else 0
             attn += h * (rank + rope) + ((rank + rope) if self.qkv_bias else 0)  # kv_a_proj_with_mqa
             attn += rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_layernorm, kv_b_proj
+            if self.is_dsa and self.index_source(layer) == layer:  # wq_b, wk, k_norm (LayerNorm), weights_proj
+                n, d = self.index_n_heads, self.index_head_dim
+                attn += self.q_lora_rank * n * d + h * d + 2 * d + h * n
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
         v_size = 0 if self.layer_k_eq_v(layer) else self.layer_v_size(layer)  # k = v: no v_proj

@@ -37,6 +37,7 @@ from keel.families import (
     cohere2_moe,
     cwm,
     dbrx,
+    deepseek_v32,
     dots1,
     ernie4_5,
     ernie4_5_moe,
@@ -58,6 +59,7 @@ from keel.families import (
     glm4,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     gpt2,
     gpt_bigcode,
     gpt_neo,
@@ -233,6 +235,8 @@ FAMILIES: dict[str, ModuleType] = {
         kimi_linear,
         recurrent_gemma,
         zamba2,
+        deepseek_v32,
+        glm_moe_dsa,
     )
 }
 

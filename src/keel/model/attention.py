@@ -21,6 +21,7 @@ from keel.config import ModelConfig
 from keel.model.layers import RMSNorm, apply_partial_rotary, l2_norm, qk_norm
 
 if TYPE_CHECKING:
+    from keel.model.dsa import IndexQuery
     from keel.model.recurrent import RecurrentSpans
 
 
@@ -66,13 +67,17 @@ class KVCache(Protocol):
         it starts at position 0)."""
         ...
 
-    def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend_latent(
+        self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float, index: IndexQuery | None = None
+    ) -> Tensor:
         """Multi-head latent attention (keel.model.mla), with kv_b_proj absorbed into q and o.
 
         Store `kv` ([B, S, 1, R + P]: each token's normed latent, then its rotated shared rope key;
         R = kv_lora_rank, P = qk_rope_head_dim) and return [B, H, S, R]: softmax(scale * q.k) over
         the visible tokens' rows, times their first R channels (the latent is both key and value).
-        q is [B, H, S, R + P]. This is multi-query attention over one stored row per token."""
+        q is [B, H, S, R + P]. This is multi-query attention over one stored row per token. With `index` (DeepSeek
+        Sparse Attention, keel.model.dsa) store its index keys too and let each query see only the keys its
+        indexer selects (the source layer's selection on a shared layer)."""
         ...
 
 
@@ -202,6 +207,8 @@ class AttentionMetadata:
     embeddings: Tensor | None = None  # [B, S, H]: the token embeddings Zamba 2's hybrid layers read (hybrid_block)
     # Without a cache: the keys and values [B, S, H_kv, D] of the layers others attend over (kv_shared_layers)
     shared_kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    # Without a cache: each DSA indexer's choice of keys [B, 1, S, S], for the layers sharing it (keel.model.dsa)
+    index_masks: dict[int, Tensor] = field(default_factory=dict, repr=False)
     # Whatever the cache works out once per forward (e.g. visible length, slot indices), reused by layers.
     cache_plan: object | None = None
     _masks: dict[int | None, Tensor | None] = field(default_factory=dict, repr=False)

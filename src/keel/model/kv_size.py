@@ -5,8 +5,9 @@ Over all attention layers of `config` (`ModelConfig.attention_layers`: not its r
 token mixer; a tensor-parallel rank passes its own share of the heads): K and V of every KV head, at each layer's own
 head width (Gemma 4's full-attention layers: `ModelConfig.layer_head_dim`), or for multi-head latent attention
 (config.is_mla) one row per layer of the latent and the rope key (kv_lora_rank + qk_rope_head_dim values) and no
-values. Sliding-window layers count in full: the paged cache stores every layer's rows for every block, windowed or
-not.
+values; DeepSeek Sparse Attention's layers with an indexer of their own one index key more (index_head_dim values,
+`ModelConfig.dsa_index_layers`). Sliding-window layers count in full: the paged cache stores every layer's rows for
+every block, windowed or not.
 
 kv_cache_dtype "auto" stores rows in the model's `dtype`; "bfloat16" in bfloat16 whatever the compute
 dtype (vLLM's option: half a float32 model's cache bytes, which decode attention streams every step);
@@ -49,7 +50,8 @@ def _bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: st
     if kv_cache_dtype != "int8":
         dtype = kv_store_dtype(dtype, kv_cache_dtype)
         if config.is_mla:
-            return len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
+            index = len(config.dsa_index_layers()) * config.index_head_dim  # DSA's index keys
+            return (len(layers) * (config.kv_lora_rank + config.qk_rope_head_dim) + index) * dtype.itemsize
         # each layer's own geometry, its values at their own width (MiMo-V2-Flash's are narrower than its keys)
         return sum((config.layer_kv_size(i) + config.layer_v_size(i)) * dtype.itemsize for i in layers)
     scale = SCALE_DTYPE.itemsize

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from keel.config import ModelConfig
 from keel.model.attention import AttentionMetadata, sdpa
+from keel.model.dsa import Indexer, IndexQuery, select_keys
 from keel.model.layers import RMSNorm, apply_rotary, yarn_get_mscale
 
 # transformers and DeepSeek's own code build q_a_layernorm and kv_a_layernorm with the RMSNorm
@@ -75,13 +76,20 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, config.num_heads * (self.qk_nope + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.o_bias)
+        # DeepSeek Sparse Attention (keel.model.dsa): the keys each query attends to picked by this layer's indexer,
+        # or by the one of `index_source` (GLM-5's shared layers have none)
+        self.index_topk = config.index_topk
+        self.index_source = config.index_source(layer) if config.is_dsa else layer
+        self.indexer = Indexer(config) if config.is_dsa and self.index_source == layer else None
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
+        q_latent = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
         # -1 heads: under tensor parallelism the projections may hold a subset of the heads.
         q_nope, q_rope = q.view(b, s, -1, self.qk_head_dim).split([self.qk_nope, self.qk_rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
@@ -93,10 +101,13 @@ class MLAttention(nn.Module):
             k_rope = self._rotate(k_rope, cos, sin)
         if meta.query_scale is not None:  # Llama 4's temperature by position (Mistral 4): the whole query
             q_nope, q_rope = q_nope * meta.query_scale, q_rope * meta.query_scale
+        # DSA: without a cache, no longer than index_topk, every key is selected: dense, the indexer not run
+        sparse = self.index_topk and (meta.cache is not None or s > self.index_topk)
+        index = self._index_query(x, q_latent, meta) if sparse else None
         if meta.cache is None:
-            out = self._expanded(q_nope, q_rope, latent, k_rope, meta)
+            out = self._expanded(q_nope, q_rope, latent, k_rope, meta, index)
         else:
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, meta)
+            out = self._absorbed(q_nope, q_rope, latent, k_rope, meta, index)
         return self.o_proj(out.reshape(b, s, -1))
 
     def _rotate(self, x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -107,8 +118,33 @@ class MLAttention(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rotary(x, cos, signed_sin)
 
+    def _index_query(self, x: Tensor, q_latent: Tensor, meta: AttentionMetadata) -> IndexQuery:
+        """The indexer's queries, weights and keys for this step (computed without gradients, as transformers
+        does: keel trains the attention with the indexer frozen); nothing of its own on a shared layer."""
+        if self.indexer is None:
+            return IndexQuery(None, None, None, self.index_source, self.index_topk)
+        with torch.no_grad():
+            q, k, w = self.indexer(x, q_latent, meta.rope)
+        return IndexQuery(q, w, k, self.layer, self.index_topk)
+
+    def _selection(self, index: IndexQuery, meta: AttentionMetadata) -> Tensor:
+        """Without a cache: the keys [B, 1, S, S] each query attends to, this layer's indexer's choice among the
+        causal ones, or (a shared layer) its source layer's, which that layer left in `meta.index_masks`."""
+        if index.q is None:
+            return meta.index_masks[index.source]
+        allowed = meta.mask(meta.positions, None)[:, 0]  # [B, S, S]: causal
+        keep = select_keys(index, index.k[:, :, 0], allowed).unsqueeze(1)
+        meta.index_masks[self.layer] = keep
+        return keep
+
     def _expanded(
-        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, meta: AttentionMetadata
+        self,
+        q_nope: Tensor,
+        q_rope: Tensor,
+        latent: Tensor,
+        k_rope: Tensor,
+        meta: AttentionMetadata,
+        index: IndexQuery | None = None,
     ) -> Tensor:
         """Full keys and values per head, then SDPA -> [B, S, H, V]."""
         b, s = latent.shape[:2]
@@ -120,14 +156,22 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, S, nope + P]
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
-        if meta.plain_causal:
+        if index is not None:
+            out = sdpa(q, k, v, self._selection(index, meta), scale=self.scale)
+        elif meta.plain_causal:
             out = sdpa(q, k, v, causal=True, scale=self.scale)
         else:
             out = sdpa(q, k, v, meta.mask(meta.positions, None), scale=self.scale)
         return out.transpose(1, 2)
 
     def _absorbed(
-        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, meta: AttentionMetadata
+        self,
+        q_nope: Tensor,
+        q_rope: Tensor,
+        latent: Tensor,
+        k_rope: Tensor,
+        meta: AttentionMetadata,
+        index: IndexQuery | None = None,
     ) -> Tensor:
         """kv_b_proj folded into the query and the output; the cache attends over latents -> [B, S, H, V]."""
         w = self.kv_b_proj.weight.view(-1, self.qk_nope + self.v_head_dim, self.kv_lora_rank)
@@ -135,5 +179,8 @@ class MLAttention(nn.Module):
         q_latent = torch.einsum("bshn,hnr->bhsr", q_nope, w_uk)
         q = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, H, S, R + P]
         kv = torch.cat((latent.unsqueeze(2), k_rope), dim=-1)  # [B, S, 1, R + P]: what the cache keeps
-        out = meta.cache.attend_latent(self.layer, q, kv, meta, self.scale)  # [B, H, S, R]
+        if index is None:
+            out = meta.cache.attend_latent(self.layer, q, kv, meta, self.scale)  # [B, H, S, R]
+        else:
+            out = meta.cache.attend_latent(self.layer, q, kv, meta, self.scale, index)
         return torch.einsum("bhsr,hvr->bshv", out, w_uv)

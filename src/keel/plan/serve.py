@@ -85,8 +85,9 @@ class ServeLayout:
 def kv_bytes_per_token_per_gpu(config: ModelConfig, tp: int, pp: int, kv_dtype: str) -> float:
     per_value = KV_BYTES[kv_dtype]
     layers = config.kv_layers()  # the layers with stores of their own (kv_shared_layers reuse another's)
-    if config.is_mla:  # one latent + rope key per token, replicated on every tp rank
-        return (config.kv_lora_rank + config.qk_rope_head_dim) * per_value * len(layers) / pp
+    if config.is_mla:  # one latent + rope key per token, replicated on every tp rank (and DSA's index keys)
+        index = len(config.dsa_index_layers()) * config.index_head_dim
+        return ((config.kv_lora_rank + config.qk_rope_head_dim) * len(layers) + index) * per_value / pp
     # each layer's KV heads (a rank's share, at least one) at its head width
     return (
         sum(2 * max(1, config.layer_num_kv_heads(i) // tp) * config.layer_head_dim(i) for i in layers) * per_value / pp

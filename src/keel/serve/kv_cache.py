@@ -17,6 +17,7 @@ from torch import Tensor
 from keel.config import ModelConfig
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata, alibi_bias, sink_softmax, softcap_scores, visible
+from keel.model.dsa import IndexQuery, select_keys
 from keel.model.recurrent import RecurrentSpans, RecurrentStates
 from keel.serve.attention_backends import attend_causal, attend_chunk, attention_backend
 from keel.serve.staging import to_device
@@ -321,6 +322,12 @@ class PagedKVCache:
     Multi-head latent attention (config.is_mla): one store per layer of [1, slots, R + P] rows (the
     latent, then the rope key) and no value store; `attend_latent` attends with the first R channels
     of each row as its value. Blocks, prefix hashes and plans are the same as for K/V.
+
+    DeepSeek Sparse Attention (config.is_dsa, keel.model.dsa): each layer with an indexer of its own also keeps a
+    store of [1, slots, index_head_dim] index keys in the same slots (so blocks, the prefix cache and their
+    accounting cover them), and its queries attend through `_attend_indexed` (torch, each query masked to the keys
+    its indexer selects; the selection memoised per step for the layers sharing it), or, in a step where no query
+    sees more than index_topk keys (every key selected), as dense latent attention through any backend.
     """
 
     def __init__(
@@ -370,6 +377,11 @@ class PagedKVCache:
             ]
         )
         self.recurrent = RecurrentStates(config, sequences, dtype, device) if config.has_recurrent_layers else None
+        indexed = set(config.dsa_index_layers())
+        self.index_keys = [
+            torch.zeros(1, self.slots_of(i) if i in indexed else 0, config.index_head_dim, dtype=dtype, device=device)
+            for i in range(config.num_layers)
+        ]
         self.plan: StepPlan | None = None
 
     def attention_backend(self) -> str:
@@ -393,7 +405,7 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         """Bytes of cache storage actually allocated (all layers, all blocks)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.index_keys))
 
     def _gather(self, store: Tensor, tables: Tensor) -> Tensor:
         return gather_blocks(store, tables, self.block_size)
@@ -438,10 +450,66 @@ class PagedKVCache:
             return False
         return kernel_attends(self.keys[layer], self.head_dims[layer], self.block_size)
 
-    def attend_latent(self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attend_latent(
+        self, layer: int, q: Tensor, kv: Tensor, meta: AttentionMetadata, scale: float, index: IndexQuery | None = None
+    ) -> Tensor:
         store = self.keys[layer]
         self._write(store, kv)
-        return self._attend(q, store, None, None, scale)
+        if index is None:
+            return self._attend(q, store, None, None, scale)
+        if index.k is not None:
+            self._write(self.index_keys[layer], index.k)
+        if self._within_top_k(index.topk):  # every visible key selected: dense latent attention, on any backend
+            return self._attend(q, store, None, None, scale)
+        return self._attend_indexed(q, store, index, scale)
+
+    def _within_top_k(self, topk: int) -> bool:
+        """Whether no query of this step can see more than `topk` keys, from host-side bounds only (a decode group's
+        table width, a chunk's key count): then each query's selection is every key it sees. Memoised per step."""
+        plan = self.plan
+        memo = ("index_dense", topk)
+        if memo not in plan._masks:
+            widths = [dec.tables.shape[1] * self.block_size for dec in plan.decodes]
+            plan._masks[memo] = max([*widths, *(chunk.keys for chunk in plan.prefills)], default=0) <= topk
+        return plan._masks[memo]
+
+    def _attend_indexed(self, q: Tensor, store: Tensor, index: IndexQuery, scale: float) -> Tensor:
+        """DeepSeek Sparse Attention over latent rows: each decode group and prefill chunk gathers its rows, and each
+        query attends (torch: keel's paged kernels take no mask) to the visible keys its indexer selects ->
+        [1, H, T, R]."""
+        plan = self.plan
+        queries = q[0]  # [H, T, R + P]
+        out = queries.new_empty(queries.shape[0], queries.shape[1], self.latent_rank)
+        for g, dec in enumerate(plan.decodes):
+            rows = queries.index_select(1, dec.index)
+            keys = self._gather(store, dec.tables)  # [1, B, L, R + P]
+            allowed = plan.mask(("decode", g), dec.positions, keys.shape[2], None)  # [B, L]
+            keep = self._selection(index, ("decode", g), dec.index, dec.tables, allowed[:, None])[:, 0]
+            od = attend_decode_rows(rows, keys, keys[..., : self.latent_rank], keep, scale)
+            out.index_copy_(1, dec.index, od)
+        for i, chunk in enumerate(plan.prefills):
+            keys = self._gather(store, chunk.table[None]).transpose(0, 1)[:, :, : chunk.keys]  # [1, 1, L, R + P]
+            allowed = plan.mask(i, chunk.positions, chunk.keys, None)  # [C, L]
+            rows = torch.arange(chunk.start, chunk.end, device=queries.device)
+            keep = self._selection(index, i, rows, chunk.table[None], allowed[None])  # [1, C, L]
+            out[:, chunk.start : chunk.end] = attend_chunk(
+                queries[None, :, chunk.start : chunk.end], keys, keys[..., : self.latent_rank], keep[:, None], scale
+            )[0]
+        return out.unsqueeze(0)
+
+    def _selection(self, index: IndexQuery, part: object, rows: Tensor, tables: Tensor, allowed: Tensor) -> Tensor:
+        """The keys [B, Q, L] that the queries of one decode group (B rows, Q = 1) or prefill chunk (B = 1, Q rows)
+        attend to: the indexer of `index.source` scored over its stored keys, memoised per step, so that the layers
+        sharing that indexer's choice (GLM-5's) reuse it."""
+        memo = ("index", index.source, part)
+        masks = self.plan._masks
+        if memo not in masks:
+            keys = self._gather(self.index_keys[index.source], tables)[0][:, : allowed.shape[-1]]  # [B, L, D]
+            q, w = index.q[0].index_select(0, rows), index.w[0].index_select(0, rows)  # [n, Hi, D], [n, Hi]
+            shape = (keys.shape[0], allowed.shape[1])
+            query = IndexQuery(q.view(*shape, *q.shape[1:]), w.view(*shape, -1), None, index.source, index.topk)
+            masks[memo] = select_keys(query, keys, allowed)
+        return masks[memo]
 
     def _write(self, store: Tensor, rows: Tensor) -> None:
         """The step's new rows [1, T, H_kv, D] into their slots of one layer's store (the KV writes;

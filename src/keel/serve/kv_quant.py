@@ -94,6 +94,8 @@ def make_paged_kv_cache(
     layers: a pipeline stage's layers (default: all). sequences: the recurrent layers' state slots."""
     check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "int8":
+        if config.is_dsa:
+            raise KeelError("--kv-cache-dtype int8 does not run with DeepSeek Sparse Attention (index_topk)")
         if config.has_recurrent_layers:
             raise KeelError(
                 "--kv-cache-dtype int8 does not run with recurrent "

@@ -42,6 +42,8 @@ def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_pa
             f"{source}: parallel serving does not run recurrent "
             "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
         )
+    if pp > 1 and config.is_dsa and "shared" in config.indexer_types:  # a stage may not hold the source layer
+        raise KeelError(f"{source}: pipeline-parallel serving does not run DSA layers sharing another's selection yet")
     if tp > 1 and config.has_partial_layers:
         raise KeelError(f"{source}: tensor-parallel serving does not run layers without a token mixer or an MLP yet")
     if tp > 1:
