@@ -32,7 +32,8 @@ def test_packed_product_is_bit_identical(bias, shape):
         assert torch.equal(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])  # tied head; q/k/v biases
+# tied head; q/k/v biases; latent attention, whose kv_b_proj weight is read as a matrix (left unpacked)
+@pytest.mark.parametrize("name", ["llama", "qwen2", "deepseek_v3-mla"])
 def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
     save_hf_model(name, tmp_path)
     save_byte_tokenizer(tmp_path)
@@ -44,6 +45,10 @@ def test_engine_outputs_unchanged_and_float32_left_alone(tmp_path, name):
         )
         packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
         assert (len(packed) > 0) == (prepack and prepack_available())
+        latent = [m for n, m in llm.engine.model.named_modules() if n.endswith("kv_b_proj")]
+        assert all(type(m) is nn.Linear for m in latent) and len(latent) == ("mla" in name) * len(
+            llm.engine.model.layers
+        )
         outs = llm.generate(["hello world", "abc abc"], params, use_tqdm=False)
         outputs[prepack] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
     assert outputs[True] == outputs[False]

@@ -34,6 +34,10 @@ from keel.model.layers import RMSNorm, apply_rotary, yarn_get_mscale
 # transformers and DeepSeek's own code build q_a_layernorm and kv_a_layernorm with the RMSNorm
 # default eps, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# Linear layers whose weight is read as a matrix (`_absorbed` folds kv_b_proj.weight into the query and the
+# output when attending over the cache), as shell patterns of module names: they stay plain float nn.Linear
+# layers, never quantized (keel.quant.apply) nor pre-packed (keel.model.prepack).
+WEIGHT_READ_LINEARS = ("*kv_b_proj",)
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:

@@ -21,10 +21,13 @@ BLAS, rounding the output to bf16.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from keel.model.mla import WEIGHT_READ_LINEARS
 from keel.platform import bf16_upcast_rows, host
 
 
@@ -128,9 +131,14 @@ class UpcastLinear(nn.Module):
 
 
 def _replace_bf16_linears(model: nn.Module, make) -> int:
+    """Replace the plain bf16 CPU linears by `make(linear)`, but those whose weight is read as a matrix
+    (keel.model.mla.WEIGHT_READ_LINEARS: a packed layer has no `weight`)."""
     replaced = 0
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
+            qualified = f"{prefix}.{name}" if prefix else name
+            if any(fnmatchcase(qualified, pattern) for pattern in WEIGHT_READ_LINEARS):
+                continue
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
                 setattr(module, name, make(child))
                 replaced += 1

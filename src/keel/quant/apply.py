@@ -15,15 +15,15 @@ from torch import nn
 
 from keel.errors import KeelError
 from keel.model import fused_layer
+from keel.model.mla import WEIGHT_READ_LINEARS
 from keel.model.moe import GroupedExperts, MoE, _local
 from keel.quant.experts import QuantizedGroupedExperts, experts_fit, float_parts
 from keel.quant.linear import INT4_GROUP_SIZES, SCHEMES, QuantizedLinear, int4_fits, int8_fits
 
 GGUF = "gguf"  # run a GGUF file's own Q4_0 ... Q6_K and MXFP4 blocks on the integer kernels (load time only)
 LOAD_SCHEMES = (*SCHEMES, GGUF)
-# Linear layers whose weight is also read as a matrix elsewhere, so they must stay float: multi-head
-# latent attention folds kv_b_proj.weight into the query and output when attending over the cache.
-ALWAYS_FLOAT = ("*kv_b_proj",)
+# Linear layers whose weight is also read as a matrix elsewhere, so they must stay float (keel.model.mla)
+ALWAYS_FLOAT = WEIGHT_READ_LINEARS
 
 
 def check_scheme(scheme: str, group_size: int) -> None:
