@@ -556,6 +556,17 @@ def test_full_queue_is_503_at_once(limited):
     assert outcomes[-1] == 503, outcomes
 
 
+def test_request_larger_than_the_queue_is_400_not_503(limited):
+    """n x prompts over --max-queue can never be admitted: a 400 naming the limit, not a retryable 503."""
+    body = {"model": "tiny", "prompt": ["x", "y"], "n": 2, "max_tokens": 1}
+    r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 400, r.text
+    assert "4 sequences" in r.json()["error"]["message"] and "--max-queue" in r.json()["error"]["message"]
+    body = {"model": "tiny", "prompt": ["x", "y"], "max_tokens": 1}  # 2 fit
+    r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 200, r.text
+
+
 def test_deadline_aborts_and_frees_blocks(limited):
     wait_idle(limited)
     start = time.monotonic()

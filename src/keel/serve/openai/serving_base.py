@@ -167,6 +167,13 @@ class OpenAIServing:
     def _check_queue(self, call: Call) -> None:
         waiting = self.state.engine.stats()["num_requests_waiting"] + self.state.tenants.num_queued
         limit = self.settings.max_queue
+        if len(call.jobs) > limit:  # never admitted, however empty the queue: a 503 would invite retries forever
+            raise APIError(
+                400,
+                f"the request has {len(call.jobs)} sequences (prompts x n); this server queues at most {limit} "
+                "(--max-queue)",
+                param="n",
+            )
         if waiting + len(call.jobs) > limit:
             raise APIError(
                 503, f"server queue is full ({int(waiting)} waiting, limit {limit})", code="queue_full", retry_after=1
