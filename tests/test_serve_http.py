@@ -611,6 +611,44 @@ def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
         httpx.get(proc.base_url + "/health")
 
 
+def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_dir, tmp_path):
+    """Requests still running when --shutdown-timeout passes end with a 503 (a stream: its error event, then
+    [DONE]) instead of tasks cancelled under them (a 500, a cut stream, a traceback each in the log)."""
+    proc = start_server(
+        model_dir, "--num-blocks", "2048", "--shutdown-timeout", "1", log_path=tmp_path / "server.log"
+    ).wait_ready()
+    body = {"prompt": "hold", "max_tokens": 6000, "ignore_eos": True}
+    plain: list = []
+    stream_lines: list[str] = []
+    started = threading.Event()
+
+    def post() -> None:
+        plain.append(httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60))
+
+    def stream() -> None:
+        with httpx.stream("POST", proc.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                started.set()
+                stream_lines.append(line)
+
+    threads = [threading.Thread(target=post), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    assert started.wait(10)
+    deadline = time.monotonic() + 5
+    while metric(metrics(proc), "vllm:num_requests_running") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code = proc.terminate(timeout=30)
+    for t in threads:
+        t.join(30)
+    log = proc.log_path.read_text()
+    assert code == 0 and "Traceback" not in log, proc.tail(40)
+    assert plain and plain[0].status_code == 503, proc.tail(40)
+    assert "--shutdown-timeout 1 s" in plain[0].json()["error"]["message"]
+    events = [line for line in stream_lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+
+
 # ---------------------------------------------------------------- keel bench serve against keel serve
 def test_bench_serve_against_keel_serve(server, tmp_path, capsys):
     from keel.cli import main

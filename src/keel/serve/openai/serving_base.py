@@ -95,7 +95,7 @@ class OpenAIServing:
         self.max_model_len: int = core.max_model_len
         self.vocab_size: int = core.model.config.vocab_size
         self.model_name = state.settings.served_model_name
-        self.runner = CallRunner(state.engine, state.metrics, state.settings.request_timeout)
+        self.runner = CallRunner(state.engine, state.metrics, state.settings.request_timeout, state.in_flight)
 
     # ------------------------------------------------------------ the route's hooks
     def _prompt_spec(self, req: GenerationRequest) -> PromptSpec:
