@@ -647,6 +647,10 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_
     assert "--shutdown-timeout 1 s" in plain[0].json()["error"]["message"]
     events = [line for line in stream_lines if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    # The audit line of the cut stream counts the tokens it sent (one a chunk here: the byte tokenizer).
+    audit = [json.loads(line.split("keel.audit: ", 1)[1]) for line in log.splitlines() if "keel.audit: {" in line]
+    cut = [a for a in audit if a["stream"] and a["status"] == 503]
+    assert len(cut) == 1 and cut[0]["completion_tokens"] >= len(events) - 3 > 0, cut
 
 
 # ---------------------------------------------------------------- keel bench serve against keel serve
