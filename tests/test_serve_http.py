@@ -614,30 +614,39 @@ def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
 def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_dir, tmp_path):
     """Requests still running when --shutdown-timeout passes end with a 503 (a stream: its error event, then
     [DONE]) instead of tasks cancelled under them (a 500, a cut stream, a traceback each in the log)."""
+    (tmp_path / "keys.toml").write_text('[[keys]]\nkey = "k"\ntenant = "t"\nmax_concurrent = 2\nmax_queued = 1\n')
     proc = start_server(
-        model_dir, "--num-blocks", "2048", "--shutdown-timeout", "1", log_path=tmp_path / "server.log"
+        model_dir,
+        *("--num-blocks", "2048", "--shutdown-timeout", "1", "--api-keys-file", str(tmp_path / "keys.toml")),
+        log_path=tmp_path / "server.log",
     ).wait_ready()
     body = {"prompt": "hold", "max_tokens": 6000, "ignore_eos": True}
+    auth = {"Authorization": "Bearer k"}
     plain: list = []
+    queued: list = []  # waits for the tenant's slot: gets a 503 too, not a start once a slot frees
     stream_lines: list[str] = []
     started = threading.Event()
 
-    def post() -> None:
-        plain.append(httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60))
+    def post(into: list) -> None:
+        into.append(httpx.post(proc.base_url + "/v1/completions", json=body, headers=auth, timeout=60))
 
     def stream() -> None:
-        with httpx.stream("POST", proc.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        json_body = {**body, "stream": True}
+        with httpx.stream("POST", proc.base_url + "/v1/completions", json=json_body, headers=auth, timeout=60) as r:
             for line in r.iter_lines():
                 started.set()
                 stream_lines.append(line)
 
-    threads = [threading.Thread(target=post), threading.Thread(target=stream)]
+    threads = [threading.Thread(target=post, args=(plain,)), threading.Thread(target=stream)]
     for t in threads:
         t.start()
     assert started.wait(10)
     deadline = time.monotonic() + 5
     while metric(metrics(proc), "vllm:num_requests_running") < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
+    threads.append(threading.Thread(target=post, args=(queued,)))
+    threads[-1].start()
+    time.sleep(0.5)  # it reaches the tenant's queue (no gauge shows it)
     code = proc.terminate(timeout=30)
     for t in threads:
         t.join(30)
@@ -645,11 +654,12 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_
     assert code == 0 and "Traceback" not in log, proc.tail(40)
     assert plain and plain[0].status_code == 503, proc.tail(40)
     assert "--shutdown-timeout 1 s" in plain[0].json()["error"]["message"]
+    assert queued and queued[0].status_code == 503, proc.tail(40)
     events = [line for line in stream_lines if line.startswith("data:")]
     assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
     # The audit line of the cut stream counts the tokens it sent (one a chunk here: the byte tokenizer).
     audit = [json.loads(line.split("keel.audit: ", 1)[1]) for line in log.splitlines() if "keel.audit: {" in line]
-    cut = [a for a in audit if a["stream"] and a["status"] == 503]
+    cut = [a for a in audit if a.get("stream") and a["status"] == 503]
     assert len(cut) == 1 and cut[0]["completion_tokens"] >= len(events) - 3 > 0, cut
 
 

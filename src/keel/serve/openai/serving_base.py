@@ -142,6 +142,9 @@ class OpenAIServing:
         timeout = self.settings.request_timeout
         call.deadline = None if timeout is None else started + timeout
         admission = await self.state.tenants.admit(tenant, call.cost(), call.deadline)
+        if self.state.draining:  # the shutdown's drain ended while it waited for its tenant's slot
+            admission.release(call.unused_tokens())
+            raise APIError(503, "server is shutting down")
         return call, admission
 
     async def _compile_grammars(self, call: Call) -> None:
