@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import string
 import threading
 import time
@@ -661,6 +662,31 @@ def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_
     audit = [json.loads(line.split("keel.audit: ", 1)[1]) for line in log.splitlines() if "keel.audit: {" in line]
     cut = [a for a in audit if a.get("stream") and a["status"] == 503]
     assert len(cut) == 1 and cut[0]["completion_tokens"] >= len(events) - 3 > 0, cut
+
+
+def test_second_sigint_answers_the_running_requests_before_quitting(model_dir, tmp_path):
+    """Ctrl+C twice (uvicorn's force quit) during a long drain: the request still running gets a 503 at once,
+    not a 500 from a task cancelled under it."""
+    proc = start_server(
+        model_dir, "--num-blocks", "2048", "--shutdown-timeout", "60", log_path=tmp_path / "server.log"
+    ).wait_ready()
+    answers: list = []
+    body = {"prompt": "hold", "max_tokens": 6000, "ignore_eos": True}
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60))
+    )
+    thread.start()
+    deadline = time.monotonic() + 5
+    while metric(metrics(proc), "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # the drain has begun
+    proc.proc.send_signal(signal.SIGINT)
+    code = proc.terminate(timeout=30)
+    thread.join(30)
+    assert code == 130, proc.tail(40)  # interrupted, as keel reports Ctrl+C
+    assert answers and answers[0].status_code == 503, proc.tail(40)
+    assert "forced to quit" in answers[0].json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- keel bench serve against keel serve

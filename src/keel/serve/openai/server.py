@@ -165,27 +165,33 @@ def _server_class():
 
         drain_timeout: float = 30.0
         end_in_flight = None  # (why: str) -> int
+        _loop: asyncio.AbstractEventLoop | None = None  # set once the drain starts
 
         def handle_exit(self, sig: int, frame) -> None:
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
+            if self.force_exit and self._loop is not None:  # a second Ctrl+C: answer now what still runs
+                # A signal handler runs between any two bytecodes: hand the work to the loop.
+                self._loop.call_soon_threadsafe(self._end_in_flight, "server forced to quit during its drain")
 
         async def shutdown(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
             timer = None
             if self.end_in_flight is not None:
-                timer = asyncio.get_running_loop().call_later(self.drain_timeout, self._end_in_flight)
+                why = "server shutting down: the request did not finish within --shutdown-timeout "
+                why += f"{self.drain_timeout:g} s"
+                timer = self._loop.call_later(self.drain_timeout, self._end_in_flight, why)
             try:
                 await super().shutdown(sockets)
             finally:
                 if timer is not None:
                     timer.cancel()
 
-        def _end_in_flight(self) -> None:
-            why = f"server shutting down: the request did not finish within --shutdown-timeout {self.drain_timeout:g} s"
-            ended = self.end_in_flight(why)
+        def _end_in_flight(self, why: str) -> None:
+            ended = self.end_in_flight(why) if self.end_in_flight is not None else 0
             if ended:
-                log.warning("shutdown: ended %d request(s) still running after %g s", ended, self.drain_timeout)
+                log.warning("shutdown: ended %d request(s) still running (%s)", ended, why)
 
     return Server
 
