@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import string
 import threading
 import time
@@ -696,6 +697,17 @@ def test_full_queue_is_503_at_once(limited):
     assert outcomes[-1] == 503, outcomes
 
 
+def test_request_larger_than_the_queue_is_400_not_503(limited):
+    """n x prompts over --max-queue can never be admitted: a 400 naming the limit, not a retryable 503."""
+    body = {"model": "tiny", "prompt": ["x", "y"], "n": 2, "max_tokens": 1}
+    r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 400, r.text
+    assert "4 sequences" in r.json()["error"]["message"] and "--max-queue" in r.json()["error"]["message"]
+    body = {"model": "tiny", "prompt": ["x", "y"], "max_tokens": 1}  # 2 fit
+    r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 200, r.text
+
+
 def test_deadline_aborts_and_frees_blocks(limited):
     wait_idle(limited)
     start = time.monotonic()
@@ -738,6 +750,83 @@ def test_sigterm_finishes_accepted_requests_and_exits_0(model_dir, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == tokens
     with pytest.raises(httpx.ConnectError):
         httpx.get(proc.base_url + "/health")
+
+
+def test_sigterm_past_the_shutdown_timeout_answers_503_without_tracebacks(model_dir, tmp_path):
+    """Requests still running when --shutdown-timeout passes end with a 503 (a stream: its error event, then
+    [DONE]) instead of tasks cancelled under them (a 500, a cut stream, a traceback each in the log)."""
+    (tmp_path / "keys.toml").write_text('[[keys]]\nkey = "k"\ntenant = "t"\nmax_concurrent = 2\nmax_queued = 1\n')
+    proc = start_server(
+        model_dir,
+        *("--num-blocks", "2048", "--shutdown-timeout", "1", "--api-keys-file", str(tmp_path / "keys.toml")),
+        log_path=tmp_path / "server.log",
+    ).wait_ready()
+    body = {"prompt": "hold", "max_tokens": 6000, "ignore_eos": True}
+    auth = {"Authorization": "Bearer k"}
+    plain: list = []
+    queued: list = []  # waits for the tenant's slot: gets a 503 too, not a start once a slot frees
+    stream_lines: list[str] = []
+    started = threading.Event()
+
+    def post(into: list) -> None:
+        into.append(httpx.post(proc.base_url + "/v1/completions", json=body, headers=auth, timeout=60))
+
+    def stream() -> None:
+        json_body = {**body, "stream": True}
+        with httpx.stream("POST", proc.base_url + "/v1/completions", json=json_body, headers=auth, timeout=60) as r:
+            for line in r.iter_lines():
+                started.set()
+                stream_lines.append(line)
+
+    threads = [threading.Thread(target=post, args=(plain,)), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    assert started.wait(10)
+    deadline = time.monotonic() + 5
+    while metric(metrics(proc), "vllm:num_requests_running") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    threads.append(threading.Thread(target=post, args=(queued,)))
+    threads[-1].start()
+    time.sleep(0.5)  # it reaches the tenant's queue (no gauge shows it)
+    code = proc.terminate(timeout=30)
+    for t in threads:
+        t.join(30)
+    log = proc.log_path.read_text()
+    assert code == 0 and "Traceback" not in log, proc.tail(40)
+    assert plain and plain[0].status_code == 503, proc.tail(40)
+    assert "--shutdown-timeout 1 s" in plain[0].json()["error"]["message"]
+    assert queued and queued[0].status_code == 503, proc.tail(40)
+    events = [line for line in stream_lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    # The audit line of the cut stream counts the tokens it sent (one a chunk here: the byte tokenizer).
+    audit = [json.loads(line.split("keel.audit: ", 1)[1]) for line in log.splitlines() if "keel.audit: {" in line]
+    cut = [a for a in audit if a.get("stream") and a["status"] == 503]
+    assert len(cut) == 1 and cut[0]["completion_tokens"] >= len(events) - 3 > 0, cut
+
+
+def test_second_sigint_answers_the_running_requests_before_quitting(model_dir, tmp_path):
+    """Ctrl+C twice (uvicorn's force quit) during a long drain: the request still running gets a 503 at once,
+    not a 500 from a task cancelled under it."""
+    proc = start_server(
+        model_dir, "--num-blocks", "2048", "--shutdown-timeout", "60", log_path=tmp_path / "server.log"
+    ).wait_ready()
+    answers: list = []
+    body = {"prompt": "hold", "max_tokens": 6000, "ignore_eos": True}
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60))
+    )
+    thread.start()
+    deadline = time.monotonic() + 5
+    while metric(metrics(proc), "vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # the drain has begun
+    proc.proc.send_signal(signal.SIGINT)
+    code = proc.terminate(timeout=30)
+    thread.join(30)
+    assert code == 130, proc.tail(40)  # interrupted, as keel reports Ctrl+C
+    assert answers and answers[0].status_code == 503, proc.tail(40)
+    assert "forced to quit" in answers[0].json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- keel bench serve against keel serve

@@ -70,9 +70,8 @@ class Call:
 
     def usage(self) -> Usage:
         usage = Usage(prompt_tokens=self.prompt_tokens)
-        for job in self.jobs:
-            if job.final is not None and not self.prompt_only:
-                usage.completion_tokens += job.generated
+        if not self.prompt_only:  # an unfinished job's tokens too: the audit line of an aborted call counts them
+            usage.completion_tokens = sum(job.generated for job in self.jobs)
         cached: dict[int, int] = {}  # the choices of one prompt share its cached prefix: count it once
         for job in self.jobs:
             if job.final is not None:

@@ -14,8 +14,9 @@ from keel.serve.openai.metrics import ServerMetrics
 from keel.serve.outputs import RequestOutput
 from keel.serve.sampling import RequestOutputKind
 
-# (job, output, None) for an output, (job, None, error) when the job's generation failed
-_Item = tuple[Job, RequestOutput | None, BaseException | None]
+# (job, output, None) for an output, (job, None, error) when the job's generation failed, (None, None, error)
+# when the server ends the call (end_all)
+_Item = tuple[Job | None, RequestOutput | None, BaseException | None]
 
 
 def generated_so_far(job: Job, out: RequestOutput) -> int:
@@ -27,16 +28,25 @@ def generated_so_far(job: Job, out: RequestOutput) -> int:
 class CallRunner:
     """Generates every job of one call; counts tokens and finished requests in the server metrics."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, request_timeout: float | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        request_timeout: float | None,
+        in_flight: set[asyncio.Queue] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_timeout = request_timeout  # for the 504 message; the call carries its deadline
+        # The merged queues of the calls generating now, shared by the server's runners: `end_all` ends them.
+        self.in_flight: set[asyncio.Queue] = set() if in_flight is None else in_flight
 
     async def outputs(self, call: Call) -> AsyncIterator[tuple[Job, RequestOutput]]:
         """Every job's outputs, merged in arrival order; aborts the unfinished ones on exit."""
         merged: asyncio.Queue[_Item] = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(call, job, merged)) for job in call.jobs]
         remaining = len(call.jobs)
+        self.in_flight.add(merged)
         try:
             while remaining:
                 job, out = await self._next(call, merged)
@@ -52,6 +62,7 @@ class CallRunner:
                 yield job, out
                 job.sent_tokens += new
         finally:
+            self.in_flight.discard(merged)
             for task in tasks:
                 task.cancel()  # an unfinished job's generate() aborts its engine request
             for job in call.jobs:
@@ -82,6 +93,8 @@ class CallRunner:
         except TimeoutError:
             raise APIError(504, f"request deadline of {self.request_timeout:g} s passed") from None
         if error is not None:
+            if isinstance(error, APIError):  # the server ended the call (end_all)
+                raise error
             if isinstance(error, KeelError):
                 raise APIError(400, str(error))
             if isinstance(error, EngineDeadError):
@@ -89,3 +102,12 @@ class CallRunner:
             raise error
         assert out is not None
         return job, out
+
+
+def end_all(in_flight: set[asyncio.Queue], error: APIError) -> int:
+    """End every call generating now with `error` (its engine requests are aborted as the call's handler
+    leaves): the client gets a response, a stream its error event, instead of a cancelled task. Returns how
+    many calls were ended."""
+    for merged in in_flight:
+        merged.put_nowait((None, None, error))
+    return len(in_flight)

@@ -2,12 +2,13 @@
 
 The model is loaded before the port opens, so a bad model path is a one-line error and /health
 answers only once the model is ready. On SIGTERM uvicorn stops accepting connections, lets
-in-flight requests finish for up to `shutdown_timeout` seconds, then cancels the rest (which
-aborts their engine requests); the engine thread stops and the process exits 0.
+in-flight requests finish for up to `shutdown_timeout` seconds, then ends the rest with a 503 (a
+stream with its error event; their engine requests are aborted); the engine thread stops and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -20,6 +21,10 @@ from keel.serve.config import EngineConfig
 from keel.serve.openai.options import ModelSource, ServeOptions, json_list
 
 log = logging.getLogger("keel.serve")
+
+# Seconds uvicorn waits, after --shutdown-timeout has ended the requests still running, for their handlers to
+# send the answer before it cancels them.
+DRAIN_BACKSTOP_S = 5.0
 
 
 def check_options(options: ServeOptions, config: EngineConfig) -> None:
@@ -156,12 +161,42 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn re-raises a handled SIGTERM after its graceful shutdown (the process then dies
-        of the signal); a completed drain should exit 0, which is what orchestrators expect."""
+        of the signal); a completed drain should exit 0, which is what orchestrators expect.
+
+        When the drain's `drain_timeout` passes, `end_in_flight` ends the requests still generating with a
+        503 (a stream with its error event), so that every client gets an answer; uvicorn's own graceful
+        timeout, DRAIN_BACKSTOP_S later, then finds them done instead of cancelling their tasks (a 500 or a cut
+        stream for the client, a traceback for each in the log)."""
+
+        drain_timeout: float = 30.0
+        end_in_flight = None  # (why: str) -> int
+        _loop: asyncio.AbstractEventLoop | None = None  # set once the drain starts
 
         def handle_exit(self, sig: int, frame) -> None:
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
+            if self.force_exit and self._loop is not None:  # a second Ctrl+C: answer now what still runs
+                # A signal handler runs between any two bytecodes: hand the work to the loop.
+                self._loop.call_soon_threadsafe(self._end_in_flight, "server forced to quit during its drain")
+
+        async def shutdown(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            timer = None
+            if self.end_in_flight is not None:
+                why = "server shutting down: the request did not finish within --shutdown-timeout "
+                why += f"{self.drain_timeout:g} s"
+                timer = self._loop.call_later(self.drain_timeout, self._end_in_flight, why)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        def _end_in_flight(self, why: str) -> None:
+            ended = self.end_in_flight(why) if self.end_in_flight is not None else 0
+            if ended:
+                log.warning("shutdown: ended %d request(s) still running (%s)", ended, why)
 
     return Server
 
@@ -219,10 +254,12 @@ def serve(source: ModelSource, options: ServeOptions, config: EngineConfig) -> i
         port=options.port,
         log_level="info",
         access_log=False,  # the audit line covers every request
-        timeout_graceful_shutdown=options.shutdown_timeout,
+        timeout_graceful_shutdown=options.shutdown_timeout + DRAIN_BACKSTOP_S,
         log_config=None,
     )
     server = _server_class()(uvicorn_config)
+    server.drain_timeout = options.shutdown_timeout
+    server.end_in_flight = app.state.server.end_in_flight
     if failure:  # failed before the server existed: stop it as soon as it runs
         server.should_exit = True
     log.info(

@@ -95,7 +95,7 @@ class OpenAIServing:
         self.max_model_len: int = core.max_model_len
         self.vocab_size: int = core.model.config.vocab_size
         self.model_name = state.settings.served_model_name
-        self.runner = CallRunner(state.engine, state.metrics, state.settings.request_timeout)
+        self.runner = CallRunner(state.engine, state.metrics, state.settings.request_timeout, state.in_flight)
 
     # ------------------------------------------------------------ the route's hooks
     def _prompt_spec(self, req: GenerationRequest) -> PromptSpec:
@@ -144,6 +144,9 @@ class OpenAIServing:
         timeout = self.settings.request_timeout
         call.deadline = None if timeout is None else started + timeout
         admission = await self.state.tenants.admit(tenant, call.cost(), call.deadline)
+        if self.state.draining:  # the shutdown's drain ended while it waited for its tenant's slot
+            admission.release(call.unused_tokens())
+            raise APIError(503, "server is shutting down")
         return call, admission
 
     async def _compile_grammars(self, call: Call) -> None:
@@ -169,6 +172,13 @@ class OpenAIServing:
     def _check_queue(self, call: Call) -> None:
         waiting = self.state.engine.stats()["num_requests_waiting"] + self.state.tenants.num_queued
         limit = self.settings.max_queue
+        if len(call.jobs) > limit:  # never admitted, however empty the queue: a 503 would invite retries forever
+            raise APIError(
+                400,
+                f"the request has {len(call.jobs)} sequences (prompts x n); this server queues at most {limit} "
+                "(--max-queue)",
+                param="n",
+            )
         if waiting + len(call.jobs) > limit:
             raise APIError(
                 503, f"server queue is full ({int(waiting)} waiting, limit {limit})", code="queue_full", retry_after=1

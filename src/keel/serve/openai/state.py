@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.responses import JSONResponse
 
 from keel.serve.async_engine import AsyncEngine
 from keel.serve.openai.audit import AuditLog
 from keel.serve.openai.errors import APIError
+from keel.serve.openai.generation import end_all
 from keel.serve.openai.metrics import ServerMetrics
 from keel.serve.openai.settings import ServerSettings
 from keel.serve.openai.tenants import Tenants
@@ -26,6 +29,13 @@ class ServerState:
         self.audit = AuditLog(settings.audit_prompts)
         self.tokens = TokenRenderer(engine.engine.tokenizer)
         self.draining = False  # set when the server shuts down: new requests get 503
+        self.in_flight: set[asyncio.Queue] = set()  # the calls generating now (CallRunner)
+
+    def end_in_flight(self, why: str) -> int:
+        """The drain's time is up: new requests get 503, and every call generating now ends with a 503 (a
+        stream with its error event) rather than a task cancelled under it. Returns how many were ended."""
+        self.draining = True
+        return end_all(self.in_flight, APIError(503, why))
 
     def shutdown(self) -> None:
         self.draining = True
