@@ -76,6 +76,13 @@ def test_what_the_families_cannot_run_is_refused_by_name(tmp_path, edit, message
         ModelConfig.from_hf(hf)
 
 
+def test_layer_types_of_the_wrong_length_are_one_line_beside_an_indexer(tmp_path):
+    save_hf_model("glm_moe_dsa", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="layer_types must have one entry per layer"):  # not an IndexError
+        dataclasses.replace(config, layer_types=config.layer_types[:-1]).validate()
+
+
 def test_an_indexer_needs_latent_attention():
     with pytest.raises(ConfigError, match="needs multi-head latent attention"):
         ModelConfig(

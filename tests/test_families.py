@@ -1276,6 +1276,9 @@ def test_o_bias_layers_out_of_range_are_refused_by_name():
     )
     with pytest.raises(ConfigError, match="o_bias_layers"):
         dataclasses.replace(config, o_bias_layers=[2]).validate()
+    # a layer without attention has no o_proj to give a bias: refused, not dropped
+    with pytest.raises(ConfigError, match="o_bias_layers must name attention layers"):
+        dataclasses.replace(config, layer_types=["mamba", "full_attention"], o_bias_layers=[0]).validate()
     with pytest.raises(ConfigError, match="o_bias_layers"):
         dataclasses.replace(config, o_bias=True).to_hf()
 

@@ -824,8 +824,6 @@ class ModelConfig:
         self._validate_layer_geometry(need)
         if self.is_mla:
             self._validate_mla(need)
-        if self.is_dsa or self.index_n_heads or self.index_head_dim or self.indexer_types:
-            self._validate_dsa(need)
         if not self.is_mla:
             need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(len(self.layer_types) == self.num_layers, "layer_types must have one entry per layer")
@@ -837,6 +835,13 @@ class ModelConfig:
             f"o_bias_layers must be layer indices below num_layers ({self.num_layers}), got {self.o_bias_layers}",
         )
         need(not (self.o_bias_layers and self.is_mla), "o_bias_layers with multi-head latent attention")
+        need(
+            all(self.has_mixer(i) and self.layer_types[i] not in RECURRENT_KINDS for i in self.o_bias_layers),
+            f"o_bias_layers must name attention layers (not recurrent or mlp ones), got {self.o_bias_layers}",
+        )
+        # after the layer kinds' checks: it reads each layer's kind
+        if self.is_dsa or self.index_n_heads or self.index_head_dim or self.indexer_types:
+            self._validate_dsa(need)
         need(
             all(self.has_mixer(i) or self.has_mlp(i) for i in range(self.num_layers)),
             "a layer needs a token mixer or an MLP (an mlp layer with mlp_layers False has neither)",
