@@ -213,6 +213,8 @@ class RopeScaling:
 
 # The layer kinds whose past is a state per sequence, not keys and values (keel.model.recurrent).
 RECURRENT_KINDS = ("linear_attention", "conv", "mamba", "mamba1", "lightning", "rglru")
+# How refusals name them (with Falcon-H1's and Zamba 2's "hybrid" layers, which keep a state too)
+RECURRENT_LAYERS = f"recurrent ({', '.join(RECURRENT_KINDS)}, hybrid) layers"
 
 
 @dataclass

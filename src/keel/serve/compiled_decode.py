@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from keel import kernels
+from keel.config import RECURRENT_LAYERS
 from keel.errors import KeelError
 from keel.kernels import triton_paged
 from keel.model.attention import AttentionMetadata
@@ -210,7 +211,7 @@ def compile_unsupported(model: Transformer, cache: PagedKVCache) -> str | None:
     if config.is_mla:
         return "multi-head latent attention"
     if config.has_recurrent_layers:
-        return "recurrent (linear_attention, lightning, rglru, conv, mamba, hybrid) layers"
+        return RECURRENT_LAYERS
     if any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "mixture-of-experts layers"
     if config.kv_shared_layers:  # the compiled step writes and attends in one operator, every layer

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from keel.config import ModelConfig
+from keel.config import RECURRENT_LAYERS, ModelConfig
 from keel.errors import KeelError
 from keel.serve.config import EngineConfig
 
@@ -34,10 +34,7 @@ def check_recurrent_layers(model: ModelConfig, config: EngineConfig) -> None:
     ]
     for asked, what in refused:
         if asked:
-            raise KeelError(
-                f"{what} does not run with recurrent "
-                "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
-            )
+            raise KeelError(f"{what} does not run with {RECURRENT_LAYERS} yet")
 
 
 def states_only(model: ModelConfig) -> bool:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from keel.config import ModelConfig
+from keel.config import RECURRENT_LAYERS, ModelConfig
 from keel.errors import KeelError
 from keel.model.attention import AttentionMetadata, alibi_bias, sink_softmax, softcap_scores
 from keel.model.kv_size import SCALE_DTYPE, check_kv_cache_dtype, kv_store_dtype
@@ -97,10 +97,7 @@ def make_paged_kv_cache(
         if config.is_dsa:
             raise KeelError("--kv-cache-dtype int8 does not run with DeepSeek Sparse Attention (index_topk)")
         if config.has_recurrent_layers:
-            raise KeelError(
-                "--kv-cache-dtype int8 does not run with recurrent "
-                "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers"
-            )
+            raise KeelError(f"--kv-cache-dtype int8 does not run with {RECURRENT_LAYERS}")
         if not config.is_mla and any(
             config.layer_v_head_dim(i) != config.layer_head_dim(i) for i in config.kv_layers()
         ):

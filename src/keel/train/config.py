@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from keel.config import ModelConfig
+from keel.config import RECURRENT_LAYERS, ModelConfig
 from keel.errors import ConfigError, KeelError
 from keel.train.trackers import missing_package
 
@@ -691,10 +691,7 @@ def _check_model_fits(
             "layer, and the copies would train apart"
         )
     if par.tp > 1 and model.has_recurrent_layers:
-        raise fail(
-            "parallel: tp > 1 is not supported for recurrent "
-            "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
-        )
+        raise fail(f"parallel: tp > 1 is not supported for {RECURRENT_LAYERS} yet")
     if par.tp > 1 and model.has_partial_layers:
         raise fail("parallel: tp > 1 is not supported for layers without a token mixer or an MLP yet")
     if par.ep > 1 and not model.is_moe:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from keel.config import RECURRENT_LAYERS
 from keel.errors import KeelError
 from keel.model.stages import split_stage
 from keel.model.transformer import Transformer
@@ -38,10 +39,7 @@ def check_parallel_model(config, source: str | Path, tp: int, pp: int, expert_pa
     if tp > 1 and config.qk_norm and config.qk_norm_scope == "each_head":
         raise KeelError(f"{source}: tensor-parallel serving does not shard q/k norms with a weight per head yet")
     if (tp > 1 or pp > 1) and config.has_recurrent_layers:
-        raise KeelError(
-            f"{source}: parallel serving does not run recurrent "
-            "(linear_attention, lightning, rglru, conv, mamba, hybrid) layers yet"
-        )
+        raise KeelError(f"{source}: parallel serving does not run {RECURRENT_LAYERS} yet")
     if pp > 1 and config.is_dsa and "shared" in config.indexer_types:  # a stage may not hold the source layer
         raise KeelError(f"{source}: pipeline-parallel serving does not run DSA layers sharing another's selection yet")
     if tp > 1 and config.has_partial_layers:
