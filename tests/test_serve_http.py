@@ -703,6 +703,10 @@ def test_request_larger_than_the_queue_is_400_not_503(limited):
     r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
     assert r.status_code == 400, r.text
     assert "4 sequences" in r.json()["error"]["message"] and "--max-queue" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "n"
+    body = {"model": "tiny", "prompt": ["x", "y", "z", "w"], "max_tokens": 1}  # n 1: the prompts are too many
+    r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     body = {"model": "tiny", "prompt": ["x", "y"], "max_tokens": 1}  # 2 fit
     r = httpx.post(limited.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-c"})
     assert r.status_code == 200, r.text

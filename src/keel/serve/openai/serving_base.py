@@ -177,7 +177,8 @@ class OpenAIServing:
                 400,
                 f"the request has {len(call.jobs)} sequences (prompts x n); this server queues at most {limit} "
                 "(--max-queue)",
-                param="n",
+                # the field to lower: n where it multiplies the prompts, else the prompts themselves
+                param="n" if getattr(call.request, "n", 1) > 1 else self.prompt_param,
             )
         if waiting + len(call.jobs) > limit:
             raise APIError(
