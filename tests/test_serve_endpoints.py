@@ -333,3 +333,4 @@ def test_parser_flags_are_checked_before_loading():
     assert_one_line_error(run_keel("serve", "m", "--reasoning-parser", "nope"), "--reasoning-parser", "deepseek_r1")
     assert_one_line_error(run_keel("serve", "m", "--enable-auto-tool-choice"), "--tool-call-parser")
     assert_one_line_error(run_keel("serve", "m", "--allowed-origins", "[1]"), "--allowed-origins", "JSON list")
+    assert_one_line_error(run_keel("serve", "m", "--seed", str(2**64)), "--seed", "64-bit")

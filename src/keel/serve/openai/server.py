@@ -40,6 +40,8 @@ def check_options(options: ServeOptions, config: EngineConfig) -> None:
         raise KeelError(f"--max-tokens-cap must be >= 1, got {options.max_tokens_cap}")
     if options.request_timeout < 0 or options.shutdown_timeout < 0:
         raise KeelError("--request-timeout and --shutdown-timeout must be >= 0")
+    if options.seed is not None and not -(2**63) <= options.seed < 2**64:  # what torch.manual_seed takes
+        raise KeelError(f"--seed must be a 64-bit integer, got {options.seed}")
     _check_parsers(options)
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         try:
