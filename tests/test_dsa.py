@@ -83,6 +83,23 @@ def test_layer_types_of_the_wrong_length_are_one_line_beside_an_indexer(tmp_path
         dataclasses.replace(config, layer_types=config.layer_types[:-1]).validate()
 
 
+def test_what_a_familys_config_cannot_hold_is_refused_on_export(tmp_path):
+    """DeepSeek-V3.2's indexer rotates halves and every layer has one; GLM-5's rotates pairs: a config otherwise
+    is refused by name when written, not written as another model."""
+    save_hf_model("glm_moe_dsa", tmp_path / "glm")
+    glm = ModelConfig.from_json_file(tmp_path / "glm" / "config.json")
+    v32 = dataclasses.replace(glm, architecture="deepseek_v32", index_rope_interleave=False)
+    with pytest.raises(ConfigError, match="indexer_types with shared layers"):
+        v32.to_hf()
+    assert ModelConfig.from_hf(dataclasses.replace(v32, indexer_types=[]).to_hf()).indexer_types == []
+    for config in (
+        dataclasses.replace(v32, indexer_types=[], index_rope_interleave=True),
+        dataclasses.replace(glm, index_rope_interleave=False),
+    ):
+        with pytest.raises(ConfigError, match="index_rope_interleave"):
+            config.to_hf()
+
+
 def test_an_indexer_needs_latent_attention():
     with pytest.raises(ConfigError, match="needs multi-head latent attention"):
         ModelConfig(

@@ -80,7 +80,16 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return dsa_fields(hf, source, DEFAULTS)
 
 
-def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+def dsa_hf_fields(config: Any, interleaved: bool, shared: bool) -> dict[str, Any]:
+    """The keys `dsa_fields` reads, refusing what the family's config cannot hold: an indexer rotating the other
+    way (`index_rope_interleave`), or shared selections where its layers all have an indexer (`indexer_types`)."""
+    if config.index_rope_interleave != interleaved:
+        raise ConfigError(
+            f"{config.architecture}: index_rope_interleave {config.index_rope_interleave} cannot be written (its "
+            "indexer's rotary is fixed)"
+        )
+    if not shared and "shared" in config.indexer_types:
+        raise ConfigError(f"{config.architecture}: indexer_types with shared layers cannot be written (no config key)")
     return {
         "mlp_layer_types": mlp_layer_types(config),
         "attention_bias": config.o_bias,
@@ -88,3 +97,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "index_n_heads": config.index_n_heads,
         "index_head_dim": config.index_head_dim,
     }
+
+
+def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return dsa_hf_fields(config, interleaved=False, shared=False)

@@ -66,4 +66,4 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     types = config.indexer_types or ["full"] * config.num_layers
-    return {**deepseek_v32.hf_fields(config, hf), "indexer_types": list(types)}
+    return {**deepseek_v32.dsa_hf_fields(config, interleaved=True, shared=True), "indexer_types": list(types)}
