@@ -188,6 +188,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("kimi_linear", marks=SLOW),
         pytest.param("deepseek_v32", marks=SLOW),
         pytest.param("glm_moe_dsa", marks=SLOW),
+        pytest.param("axk2", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -537,6 +538,16 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
         assert [a.indexer is not None for a in attention] == [i in indexing for i in range(len(attention))]
         assert [i for i, k in enumerate(cache.index_keys) if k.shape[1]] == indexing
         assert [a.index_source for a in attention] == ([0, 1, 2] if name == "deepseek_v32" else [0, 0, 0, 3])
+    elif name == "axk2":  # DSA in every layer with the gated query; gated norms before the attention and the experts
+        config = llm.engine.model.config
+        assert all(a.indexer is not None and a.q_gate_proj is not None and a.q_b_proj is None for a in attention)
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+        assert [type(layer.post_attention_layernorm).__name__ for layer in layers] == [
+            "RMSNorm",
+            "RMSNorm",
+            "LowRankGatedRMSNorm",
+            "RMSNorm",
+        ]
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]

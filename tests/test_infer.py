@@ -156,6 +156,7 @@ SHAPE_INFERABLE = [
             "flint",
             "lfm3",
             "axk1",
+            "axk2",  # its gated query and norms, read through its config.json
             "laguna",
             "mimo",  # the sliding layers' KV heads and sinks, values narrower than keys
             "kimi_linear",  # its latent attention unrotated, which no shape tells

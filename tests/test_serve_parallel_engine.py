@@ -89,6 +89,8 @@ def _params() -> list[SamplingParams]:
         pytest.param("deepseek_v32", 2, 1, marks=pytest.mark.slow),
         pytest.param("glm_moe_dsa", 2, 1, marks=pytest.mark.slow),
         pytest.param("deepseek_v32", 1, 2, marks=pytest.mark.slow),
+        # A.X-K2: the gated query's projection cut by heads (each head's query and gate rows), gated norms replicated
+        pytest.param("axk2", 2, 1, marks=pytest.mark.slow),
         # OLMo: q, k and v clamped on each rank's heads, weightless LayerNorms (no tensors to read)
         pytest.param("olmo", 2, 1, marks=pytest.mark.slow),
         # NanoChat: the embedding's weightless norm on the first stage of two, reversed rotation

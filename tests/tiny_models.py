@@ -1824,6 +1824,41 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # A.X-K2: DeepSeek-V3.2's block (each query attending to the 4 keys its indexer picks) with the gated query (one
+    # q_gate_proj: query and output gate from the latent normed and raw), gated norms (rank 8) before the attention
+    # and before the experts, grouped routing (2 groups, 1 used: the others' experts scored 0); biased attention;
+    # layers 0 and 2 dense from first_k_dense_replace and moe_layer_freq.
+    "axk2": (
+        "AXK2Config",
+        "AXK2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            attention_bias=True,
+            first_k_dense_replace=1,
+            moe_layer_freq=2,
+            index_topk=4,
+            index_n_heads=16,
+            index_head_dim=12,
+            gated_norm_rank=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # GLM-5: DeepSeek-V3.2's block, its indexer rotating interleaved pairs; layers 1 and 2 reuse layer 0's choice of
     # keys (cross-layer sharing), layer 3 has its own; biased attention, the middle layers' MLPs dense.
     "glm_moe_dsa": (

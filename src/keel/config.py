@@ -45,6 +45,7 @@ MLA_FAMILIES = {
     "sarvam_mla",
     "minicpm3",
     "axk1",
+    "axk2",
 }
 # Families whose experts DeepSeek's reader and writer describe (V3: sigmoid router, selection bias, groups; V2: a
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
@@ -64,9 +65,10 @@ DEEPSEEK_MOE_FAMILIES = {
     "sarvam_moe",
     "sarvam_mla",
     "axk1",
+    "axk2",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "kimi_linear", "deepseek_v32", "glm_moe_dsa"}
+LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "axk2", "kimi_linear", "deepseek_v32", "glm_moe_dsa"}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
@@ -380,6 +382,9 @@ class ModelConfig:
     # A group's score for group-limited selection: "top2_sum" (DeepSeek-V3: the sum of its two best experts' scores)
     # or "max" (DeepSeek-V2's group_limited_greedy: its best expert's).
     router_group_score: str = "top2_sum"
+    # A.X-K2's grouped routing: the experts outside the chosen groups score 0 for the choice (its reference's
+    # masked_fill(0.0)) instead of -inf, so a chosen group's expert whose biased score is negative may lose to them.
+    router_group_mask_zero: bool = False
     n_group: int = 1  # experts split into n_group groups; tokens pick experts from topk_group of them
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -411,6 +416,10 @@ class ModelConfig:
     # The values times this as projected (MiMo-V2-Flash's attention_value_scale), before the cache keeps them.
     attention_value_scale: float = 1.0
     rope_interleave: bool = False  # DeepSeek's checkpoints store rotary pairs interleaved
+    # A.X-K2's gated latent query: one `q_gate_proj` (no q_b_proj) from the query latent normed and raw side by side
+    # (2 x q_lora_rank) to each head's query and a gate per value channel; the heads' outputs times its sigmoid
+    # before o_proj.
+    mla_query_gate: bool = False
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; keel.model.dsa): multi-head latent attention whose queries
     # each attend only to the index_topk earlier keys a lightning indexer (index_n_heads heads of index_head_dim
     # channels, its first qk_rope_head_dim rotated) scores highest; index_topk 0: dense latent attention.
@@ -456,6 +465,9 @@ class ModelConfig:
     # the pre-norm block's two norms (input_layernorm after the attention's add, post_attention_layernorm after the
     # MLP's)
     norm_placement: str = "pre"
+    # A.X-K2's gated norms: input_layernorm in every layer and post_attention_layernorm before the experts are an
+    # RMSNorm times sigmoid(fc2(silu(fc1(y)))) of its output y, fc1/fc2 a low-rank pair of this rank (0: plain norms).
+    gated_norm_rank: int = 0
     # False: no norm after the last layer (OPT-350m's post_residual block ends normed; OPT's _remove_final_layer_norm)
     final_norm: bool = True
     # The token embedding's (and the LM head's) width where other than hidden_size (OPT-350m's word_embed_proj_dim):
@@ -845,6 +857,26 @@ class ModelConfig:
         if self.is_dsa or self.index_n_heads or self.index_head_dim or self.indexer_types:
             self._validate_dsa(need)
         need(
+            not self.mla_query_gate or (self.is_mla and self.q_lora_rank is not None),
+            "mla_query_gate needs multi-head latent attention with a low-rank query (q_lora_rank)",
+        )
+        need(self.gated_norm_rank >= 0, f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
+        need(
+            not self.gated_norm_rank
+            or (
+                self.norm_type == "rms"
+                and self.norm_affine
+                and not self.norm_weight_offset
+                and self.norm_placement == "pre"
+                and not self.linear_norm_placement
+                and not self.parallel_residual
+                and not self.normed_residual
+                and not self.has_partial_layers
+            ),
+            "gated_norm_rank needs the pre-norm block with affine RMSNorms (no offset, parallel or normed residual) "
+            "and a mixer and an MLP in every layer",
+        )
+        need(
             all(self.has_mixer(i) or self.has_mlp(i) for i in range(self.num_layers)),
             "a layer needs a token mixer or an MLP (an mlp layer with mlp_layers False has neither)",
         )
@@ -1086,6 +1118,10 @@ class ModelConfig:
                 "router_bias_on_logits needs the sigmoid router with a selection bias (router_bias)",
             )
             need(self.n_group >= 1 and self.num_experts % self.n_group == 0, "n_group must divide num_experts")
+            need(
+                not self.router_group_mask_zero or self.router_scoring == "sigmoid",
+                "router_group_mask_zero needs the sigmoid router",
+            )
             need(
                 self.router_group_score in ("top2_sum", "max"),
                 f"router_group_score {self.router_group_score!r} is not supported (top2_sum, max)",
@@ -1343,8 +1379,11 @@ class ModelConfig:
             heads, rank, rope = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
             if self.q_lora_rank is None:
                 attn = h * self.q_size  # q_proj (never biased)
-            else:  # q_a_proj (+ bias), q_a_layernorm, q_b_proj
-                attn = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * self.q_size
+            else:  # q_a_proj (+ bias), q_a_layernorm, q_b_proj (A.X-K2: q_gate_proj, the query and the gate)
+                q_b = self.q_lora_rank * self.q_size
+                if self.mla_query_gate:
+                    q_b = 2 * self.q_lora_rank * heads * (self.head_dim + self.v_head_dim)
+                attn = h * self.q_lora_rank + self.q_lora_rank + q_b
                 attn += self.q_lora_rank if self.qkv_bias else 0
             attn += h * (rank + rope) + ((rank + rope) if self.qkv_bias else 0)  # kv_a_proj_with_mqa
             attn += rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a_layernorm, kv_b_proj
@@ -1449,6 +1488,8 @@ class ModelConfig:
                 active += base
                 continue
             base += mlp_norms
+            if self.gated_norm_rank:  # A.X-K2: fc1/fc2 of the input norm's gate, and of the norm before the experts
+                base += 2 * h * self.gated_norm_rank * (1 + self.is_moe_layer(layer))
             if self.is_moe_layer(layer):
                 router = (h + (1 if self.router_linear_bias else 0)) * self.num_experts
                 if self.architecture in SELECTION_BIAS_PARAMETER:

@@ -47,7 +47,7 @@ ATTRIBUTE_MAP = {"num_local_experts": "n_routed_experts"}
 ZERO_WHEN_ABSENT = ("e_score_correction_bias",)
 
 
-def _dense_layers(hf: dict[str, Any], source: str) -> list[int]:
+def dense_layers(hf: dict[str, Any], source: str) -> list[int]:
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("mlp_layer_types")
     if kinds is None:  # the config class's rule from DeepSeek's keys
@@ -63,7 +63,7 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if "q_lora_rank" in hf and hf["q_lora_rank"] is None:
         raise ConfigError(f"{source}: q_lora_rank null (a full-rank q_proj) is not supported (A.X-K1's is low-rank)")
     return {
-        "mlp_only_layers": _dense_layers(hf, source),
+        "mlp_only_layers": dense_layers(hf, source),
         # DeepSeek-V3's attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
         "o_bias": bool(hf.get("attention_bias", False)),
         "moe_output_norm": True,

@@ -55,6 +55,32 @@ class RMSNorm(nn.Module):
         return self.weight * normed
 
 
+class GateMLP(nn.Module):
+    """A.X-K2's gate: fc2(silu(fc1(y))), a low-rank pair without biases (transformers' names)."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, rank, bias=False)
+        self.fc2 = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, y: Tensor) -> Tensor:
+        return self.fc2(F.silu(self.fc1(y)))
+
+
+class LowRankGatedRMSNorm(nn.Module):
+    """A.X-K2's gated norm (Megatron's GatedNormWrapper): y = RMSNorm(x), then y * sigmoid(gate(y)), the product in
+    float32 rounded once (as transformers computes it); `norm.*` and `mlp.fc1/fc2` as transformers names them."""
+
+    def __init__(self, dim: int, eps: float, rank: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.mlp = GateMLP(dim, rank)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm(x)
+        return (y * torch.sigmoid(self.mlp(y).float())).to(y.dtype)
+
+
 class OffsetLayerNorm(nn.LayerNorm):
     """LayerNorm scaling by (offset + weight) (Nemotron's LayerNorm1P: offset 1), in the input's dtype as
     transformers computes it; the weight starts at 1 - offset, a scale of 1."""

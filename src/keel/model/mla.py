@@ -70,12 +70,19 @@ class MLAttention(nn.Module):
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: nn.Linear | None = None
+        # A.X-K2 (mla_query_gate): instead of q_b_proj, each head's query and output gate from the latent normed and
+        # raw side by side, [q (qk_head_dim), gate (v_head_dim)] per head
+        self.q_gate_proj: nn.Linear | None = None
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(h, q_width, bias=False)
         else:  # low-rank query: down, norm, up
             self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=config.qkv_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_width, bias=False)
+            if config.mla_query_gate:
+                width = config.num_heads * (self.qk_head_dim + self.v_head_dim)
+                self.q_gate_proj = nn.Linear(2 * config.q_lora_rank, width, bias=False)
+            else:
+                self.q_b_proj = nn.Linear(config.q_lora_rank, q_width, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope, bias=config.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, config.num_heads * (self.qk_nope + self.v_head_dim), bias=False)
@@ -88,14 +95,21 @@ class MLAttention(nn.Module):
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
         b, s, _ = x.shape
-        q_latent = None
+        q_latent, gate = None, None
         if self.q_proj is not None:
             q = self.q_proj(x)
+        elif self.q_gate_proj is not None:
+            compressed = self.q_a_proj(x)
+            q_latent = self.q_a_layernorm(compressed)
+            q_gate = self.q_gate_proj(torch.cat((q_latent, compressed), dim=-1))
+            q, gate = q_gate.view(b, s, -1, self.qk_head_dim + self.v_head_dim).split(
+                [self.qk_head_dim, self.v_head_dim], dim=-1
+            )
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
         # -1 heads: under tensor parallelism the projections may hold a subset of the heads.
-        q_nope, q_rope = q.view(b, s, -1, self.qk_head_dim).split([self.qk_nope, self.qk_rope], dim=-1)
+        q_nope, q_rope = q.reshape(b, s, -1, self.qk_head_dim).split([self.qk_nope, self.qk_rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, R]
         k_rope = k_rope.unsqueeze(2)  # [B, S, 1, P]: one rope key for all heads
@@ -112,6 +126,8 @@ class MLAttention(nn.Module):
             out = self._expanded(q_nope, q_rope, latent, k_rope, meta, index)
         else:
             out = self._absorbed(q_nope, q_rope, latent, k_rope, meta, index)
+        if gate is not None:  # [B, S, H, V]: in float32, rounded once, as transformers gates it
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.o_proj(out.reshape(b, s, -1))
 
     def _rotate(self, x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -72,6 +72,7 @@ class Router(nn.Module):
         self.n_group = config.n_group
         self.topk_group = config.topk_group
         self.group_score = config.router_group_score
+        self.group_fill = 0.0 if config.router_group_mask_zero else float("-inf")  # A.X-K2's 0
         self.float32 = config.router_float32
         self.scaling = config.routed_scaling_factor
         self.jitter_eps = config.router_jitter_eps
@@ -156,7 +157,7 @@ class Router(nn.Module):
         return Routing(ids=ids, weights=weights, logits=logits, probs=probs)
 
     def _limit_groups(self, choice: Tensor) -> Tensor:
-        """Mask (-inf) the experts outside each token's topk_group best groups (group score: the sum
+        """Mask (-inf, or A.X-K2's 0) the experts outside each token's topk_group best groups (group score: the sum
         of its top-2 expert scores, or its best one's)."""
         t = choice.shape[0]
         grouped = choice.view(t, self.n_group, -1)
@@ -166,7 +167,7 @@ class Router(nn.Module):
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
         best = torch.topk(group_scores, self.topk_group, dim=-1).indices
         allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(t, -1)
+        return grouped.masked_fill(~allowed.unsqueeze(-1), self.group_fill).view(t, -1)
 
 
 def sparsemixer(logits: Tensor, top_k: int, jitter_eps: float) -> tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ from keel.model.fused_layer import fused_forward, fused_layers
 from keel.model.kda import KimiDeltaAttention
 from keel.model.layers import (
     HeadNorm,
+    LowRankGatedRMSNorm,
     RMSNorm,
     RotaryEmbedding,
     SinusoidalPositions,
@@ -75,6 +76,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm: nn.Module | None = (
             block_norm(config, h) if pre and mlp and config.post_attention_norm else None
         )
+        if config.gated_norm_rank:  # A.X-K2: the input norm gated in every layer, the experts' input norm too
+            rank = config.gated_norm_rank
+            self.input_layernorm = LowRankGatedRMSNorm(h, config.rms_norm_eps, rank)
+            if config.is_moe_layer(layer):
+                self.post_attention_layernorm = LowRankGatedRMSNorm(h, config.rms_norm_eps, rank)
         self.attn_output_norm: nn.Module | None = block_norm(config, h) if post and mixer else None
         self.mlp_output_norm: nn.Module | None = block_norm(config, h) if post and mlp else None
         # Falcon-H1's "hybrid" layers: a Mamba 2 mixer beside the attention, on the same normed input

@@ -182,6 +182,9 @@ class TensorParallelLayout:
         d = c.head_dim
         if module in ("self_attn.q_proj", "self_attn.q_b_proj"):  # q_b_proj: latent attention's low-rank query
             return Shard(0, self.rank * self.local_heads * d, (self.rank + 1) * self.local_heads * d)
+        if module == "self_attn.q_gate_proj":  # A.X-K2's gated latent query: each head's query and gate rows, by head
+            per_head = d + c.v_head_dim
+            return Shard(0, self.rank * self.local_heads * per_head, (self.rank + 1) * self.local_heads * per_head)
         if module == "self_attn.kv_b_proj":  # latent attention: each head's key and value rows, by head
             per_head = c.qk_nope_head_dim + c.v_head_dim
             return Shard(0, self.rank * self.local_heads * per_head, (self.rank + 1) * self.local_heads * per_head)
