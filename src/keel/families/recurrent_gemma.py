@@ -22,9 +22,8 @@ block types other than "recurrent" and "attention", a null `logits_soft_cap`.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
-
-import torch
 
 from keel.errors import ConfigError
 from keel.families.gemma import gemma2_activation, gemma2_activation_to_hf
@@ -46,7 +45,11 @@ KINDS = {"recurrent": "rglru", "attention": "sliding_attention"}
 
 
 def _bfloat16(value: float) -> float:
-    return float(torch.tensor(value, dtype=torch.bfloat16))
+    """`value` rounded to bfloat16 (to nearest, ties to even) without torch: keel.families stays torch-free, so that
+    `keel train --nproc N` validates a run before its ranks import torch."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
