@@ -36,6 +36,10 @@ def test_logits_match_transformers(tiny_dirs, name):
     with torch.no_grad():
         ref, ours = hf(tokens).logits, keel(tokens)
     assert _max_rel(ours, ref) <= 1e-4
+    # Declared widths are the weights' (a tied head's too): UpcastLinear, quantization and sharding read them.
+    for module_name, m in keel.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            assert tuple(m.weight.shape) == (m.out_features, m.in_features), module_name
 
 
 @pytest.mark.parametrize("name", ARCHS)

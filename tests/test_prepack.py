@@ -68,6 +68,23 @@ def test_prepacking_follows_the_platform(tmp_path, force_isa):
     assert upcast and model.lm_head in upcast and model.lm_head.weight is model.embed_tokens.weight  # still tied
 
 
+def test_upcast_head_takes_every_prompt_row(tmp_path, force_isa):
+    """At AVX2 a head product of 16+ rows (prompt logprobs: every prompt row) runs on the upcast weights,
+    shaped by the layer's declared width: Gemma 4's per-layer inputs once gave the tied head theirs."""
+    force_isa("avx2")
+    save_hf_model("gemma4-e", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    prompt, outputs = "Once upon a time, in a land far away", {}
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(tmp_path), EngineConfig.of(dtype=dtype, num_blocks=16, max_model_len=128))
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outputs[dtype] = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    assert isinstance(llm.engine.model.lm_head, nn.Linear)  # float32: left alone
+    assert len(outputs["bfloat16"]) == len(prompt) - 1
+    torch.testing.assert_close(outputs["bfloat16"], outputs["float32"], rtol=0, atol=0.05)
+
+
 @needs_prepack
 def test_streamed_bytes_count_packed_weights(tmp_path):
     save_hf_model("qwen2", tmp_path)

@@ -257,9 +257,10 @@ class Transformer(nn.Module):
         # Gemma 4 E2B/E4B's per-layer inputs (config.per_layer_input_size), held with embed_tokens
         self.embed_tokens_per_layer: nn.Embedding | None = None
         if config.per_layer_input_size:
-            width = config.num_layers * config.per_layer_input_size
-            self.embed_tokens_per_layer = _embedding(config.ple_vocab_size, width)
-            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            # (its own name: `width` is still the head's, below)
+            per_layer_width = config.num_layers * config.per_layer_input_size
+            self.embed_tokens_per_layer = _embedding(config.ple_vocab_size, per_layer_width)
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, per_layer_width, bias=False)
             self.per_layer_projection_norm = block_norm(config, config.per_layer_input_size)
         # Gemma 3n's AltUp: the projections making the stream's copies from the embedding and merging them back
         self.altup_projections: nn.ModuleList | None = None
