@@ -228,7 +228,8 @@ def _gguf_keys() -> set[str]:
 
 def test_every_key_keel_reads_is_a_gguf_constant():
     keys = _gguf_keys()
-    assert set(keel_gguf.KEYS_READ) - keys == {keel_gguf.ROPE_SCALE_LINEAR}  # the one legacy key, named once
+    # the one legacy key and the one newer than gguf 0.19, each named once
+    assert set(keel_gguf.KEYS_READ) - keys == {keel_gguf.ROPE_SCALE_LINEAR, keel_gguf.INDEXER_TYPES}
 
 
 @pytest.mark.parametrize("module", [keel_gguf, gguf_file, gguf_blocks])
@@ -281,7 +282,8 @@ def test_keys_read_at_run_time_are_gguf_constants(tmp_path, monkeypatch):
     for name in ("llama3-rope", "llama-linear-rope", "qwen2_moe", "granite", "phi3"):
         open_gguf(write_gguf(build_hf_model(name, 0, num_hidden_layers=2), tmp_path / f"{name}.gguf"))
     archs = [keel_gguf.MODEL_ARCH_NAMES[a] for a in keel_gguf._FAMILIES]
-    templates = {k for k in _gguf_keys() | {keel_gguf.ROPE_SCALE_LINEAR} if "{" not in k.replace("{arch}", "")}
+    own = {keel_gguf.ROPE_SCALE_LINEAR, keel_gguf.INDEXER_TYPES}
+    templates = {k for k in _gguf_keys() | own if "{" not in k.replace("{arch}", "")}
     allowed = {k.format(arch=a) for k in templates for a in archs}
     assert asked and asked <= allowed, sorted(asked - allowed)
     registered = {k.format(arch=a) for k in keel_gguf.KEYS_READ for a in archs}  # KEYS_READ lists them all

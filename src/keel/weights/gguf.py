@@ -369,6 +369,7 @@ _FAMILIES = {
     _A.MIMO2: "mimo_v2_flash",
     _A.BITNET: "bitnet",
     _A.KIMI_LINEAR: "kimi_linear",
+    _A.GLM_DSA: "glm_moe_dsa",  # GLM-5: DeepSeek-V2's latent attention and experts with the DSA indexer
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -395,7 +396,7 @@ _QWEN_HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _PARTIAL_ROTARY = {"stablelm", "gpt_neox", "phi", "nemotron"}
 # Families whose rope.dimension_count is the rotary width, never the head size (Phi-4-mini's 3/4 of each head too).
 _ROTARY_WIDTH_KEY = _PARTIAL_ROTARY | {"phi3", "glm", "glm4", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2"}
-_ROTARY_WIDTH_KEY |= {"mimo_v2_flash", "kimi_linear"}
+_ROTARY_WIDTH_KEY |= {"mimo_v2_flash", "kimi_linear", "glm_moe_dsa"}
 _ROTARY_WIDTH_KEY |= {"minicpm3", "gemma4", "gptj", *_QWEN_HYBRID}
 # Families with LayerNorms: their eps is attention.layer_norm_epsilon, not layer_norm_rms_epsilon.
 _LAYER_NORM = {"stablelm", "gpt_neox", "starcoder2", "cohere", "cohere2", "phi", "olmo", "nemotron", "jais2"}
@@ -430,6 +431,9 @@ SUPPORTED_TYPES = (
 # The one key keel reads that gguf-py does not name: older files' linear RoPE factor (llama.cpp still
 # reads it as LLM_KV_ROPE_SCALE_LINEAR; newer converters write rope.scaling.type/factor).
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"
+# And one gguf 0.19 does not name yet: GLM-5's indexer per layer (true: "full", false: "shared"), which llama.cpp's
+# converter writes from indexer_types since gguf-py gained `add_indexer_types` (older files: the tensors tell).
+INDEXER_TYPES = "{arch}.attention.indexer.types"
 _K, _KA, _KR, _KT = Keys.LLM, Keys.Attention, Keys.Rope, Keys.Tokenizer
 # Every metadata key keel reads here (gguf_tokenizer reads the tokenizer.* ones it needs besides): a test
 # checks that each is one of gguf's Keys (but ROPE_SCALE_LINEAR) and that no key is spelled out in this file.
@@ -456,7 +460,9 @@ KEYS_READ = (
     *(_KR.SCALING_ORIG_CTX_LEN, _KR.SCALING_FINETUNED),
     *(_KR.SCALING_YARN_BETA_FAST, _KR.SCALING_YARN_BETA_SLOW, _KR.SCALING_YARN_ATTN_FACTOR, _KR.SCALING_ATTN_FACTOR),
     _KR.SCALING_YARN_LOG_MUL,
+    *(Keys.Attention.Indexer.HEAD_COUNT, Keys.Attention.Indexer.KEY_LENGTH, Keys.Attention.Indexer.TOP_K),
     ROPE_SCALE_LINEAR,
+    INDEXER_TYPES,
     *(_KT.LIST, _KT.BOS_ID, _KT.EOS_ID, _KT.EOT_ID, _KT.EOM_ID, _KT.PAD_ID),
 )
 
@@ -685,9 +691,9 @@ def _family_fields(
         own["sliding_window"] = f.read("sliding_window", window, "read") if window else None
     if family == "glm":
         _check_chatglm(common, tensors, path)
-    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe", "kimi_linear"):
+    if family in ("glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "exaone_moe", "kimi_linear", "glm_moe_dsa"):
         own.update(_deepseek_moe_fields(f, family, common, tensors, path))
-    if family in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
+    if family in ("deepseek_v2", "deepseek_v3", "kimi_linear", "glm_moe_dsa"):
         own.update(_mla_fields(f, common, tensors, path))
     if family == "minicpm3":
         # latent attention as DeepSeek-V2's older files (kv_b_proj whole); LongRoPE's factors as Phi-3's tensors
@@ -1777,7 +1783,49 @@ _OWN_HF_CONFIG: dict[
     "gemma3n": _gemma3n_hf_config,
     "nemotron_h": _nemotron_h_hf_config,
     "kimi_linear": lambda f, common, tensors: _kimi_linear_hf_config(f, common, tensors),
+    "glm_moe_dsa": lambda f, common, tensors: _glm_dsa_hf_config(f, common, tensors),
 }
+
+
+def _glm_dsa_hf_config(
+    f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> tuple[dict[str, Any], set[str]]:
+    """GLM-5's config.json keys as GlmMoeDsaModel (on DeepseekV2Model) writes them: the latent attention's and the
+    experts' keys (_mla_fields, _deepseek_moe_fields; the multi-token-prediction layers counted in block_count and
+    unread), the indexer's heads, width and top-k under `attention.indexer.*`, its tensors as HF's (no rotary
+    permutation). Each layer's indexer, "full" or "shared" (the layer reuses the last full one's selection and has no
+    indexer tensors of its own), from `attention.indexer.types` where the file has it, else from which layers hold
+    indexer tensors; the two must agree. The dense layers by tensor (no router), as for K-EXAONE."""
+    path, layers = f.meta.path, common["num_layers"]
+    idx = Keys.Attention.Indexer
+    own = [_tensor(MODEL_TENSOR.INDEXER_ATTN_K, i) in tensors for i in range(layers)]
+    written = f.key(INDEXER_TYPES)
+    if written is not None and (not isinstance(written, list) or len(written) != layers):
+        raise ConfigError(f"{path}: {f.name(INDEXER_TYPES)} must list each of the {layers} layers' indexer")
+    full = own if written is None else [bool(v) for v in written]
+    if full != own:
+        raise ConfigError(
+            f"{path}: {f.name(INDEXER_TYPES)} {full} disagrees with the layers holding indexer tensors {own}"
+        )
+    rope, kv_rank, key_width = (f.require(k) for k in (_KR.DIMENSION_COUNT, _KA.KV_LORA_RANK, _KA.KEY_LENGTH))
+    if int(key_width) != int(kv_rank) + int(rope):  # GlmMoeDsaModel writes qk_rope_head_dim x partial_rotary_factor
+        raise ConfigError(
+            f"{path}: {f.name(_KR.DIMENSION_COUNT)} {rope} is not the keys' rotary width "
+            f"({f.name(_KA.KEY_LENGTH)} - kv_lora_rank = {int(key_width) - int(kv_rank)}): partial rotary not supported"
+        )
+    low_rank_q = _tensor(MODEL_TENSOR.ATTN_Q_A, 0) in tensors
+    routed = [_tensor(MODEL_TENSOR.FFN_GATE_INP, i) in tensors for i in range(layers)]
+    hf = dict(
+        attention_bias=common["o_bias"],
+        q_lora_rank=int(f.require(_KA.Q_LORA_RANK)) if low_rank_q else None,
+        index_n_heads=int(f.require(idx.HEAD_COUNT)),
+        index_head_dim=int(f.require(idx.KEY_LENGTH)),
+        index_topk=int(f.require(idx.TOP_K)),
+        indexer_types=["full" if own_indexer else "shared" for own_indexer in full],
+        mlp_layer_types=["sparse" if r else "dense" for r in routed],
+    )
+    read = {"index_n_heads", "index_head_dim", "index_topk"} | ({"indexer_types"} if written is not None else set())
+    return hf, read
 
 
 def _kimi_linear_hf_config(
