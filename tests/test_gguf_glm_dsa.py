@@ -150,7 +150,7 @@ def test_glm_dsa_gguf_matches_transformers(tmp_path, types):
 
 
 def _rewritten(path, out, key: str, value) -> None:
-    """The file at `path` with metadata `key` set to `value` (a list of bools)."""
+    """The file at `path` with metadata `key` set to `value` (a list of bools, or an integer)."""
     reader = gguf.GGUFReader(str(path))
     w = gguf.GGUFWriter(str(out), _ARCH)
     for field in reader.fields.values():
@@ -158,7 +158,7 @@ def _rewritten(path, out, key: str, value) -> None:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    w.add_array(key, value)
+    w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))))
     finish_writer(w)
@@ -175,6 +175,17 @@ def test_glm_dsa_gguf_refuses_indexer_types_against_its_tensors(tmp_path):
     _rewritten(tmp_path / "g.gguf", tmp_path / "short.gguf", key, [True, False])
     with pytest.raises(ConfigError, match="indexer.types must list each of the 4 layers"):
         load_model(tmp_path / "short.gguf", "float32")
+
+
+def test_glm_dsa_gguf_with_partial_rotary_is_refused(tmp_path):
+    """GlmMoeDsaModel writes qk_rope_head_dim x partial_rotary_factor as the rotary width (transformers rotates
+    qk_rope_head_dim): a width other than the keys' is refused, not read as a narrower rotary."""
+    hf = build_hf_model("glm_moe_dsa", **_BUILD)
+    write_glm_dsa(hf, tmp_path / "g.gguf", mtp=False)
+    key = gguf.Keys.Rope.DIMENSION_COUNT.format(arch=_ARCH)
+    _rewritten(tmp_path / "g.gguf", tmp_path / "half.gguf", key, 4)
+    with pytest.raises(ConfigError, match="partial rotary not supported"):
+        load_model(tmp_path / "half.gguf", "float32")
 
 
 @pytest.mark.slow

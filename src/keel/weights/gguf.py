@@ -22,8 +22,8 @@ smollm3, starcoder2, exaone4, command-r, cohere2, gpt-oss, chatglm, glm4, glm4mo
 llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3next, granitehybrid, falcon-h1, olmoe,
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
-(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash), bitnet (BitNet b1.58) and
-kimi-linear (others are refused by name);
+(GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash), bitnet (BitNet b1.58),
+kimi-linear and glm-dsa (GLM-5) (others are refused by name; DeepSeek-V3.2 has no architecture gguf 0.19 names);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 TQ1_0 TQ2_0 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -245,6 +245,14 @@ latent attention as DeepSeek-V3's MQA form (`attn_k_b` / `attn_v_b`, `key_length
 (rope_layers all false, as keel.families.kimi_linear); DeepSeek-V3's experts, the dense layers first
 (`leading_dense_block_count`). The converter writes no gating function, renormalisation or group keys: sigmoid,
 renormalised (the release's moe_renormalize) and one group unless the file says otherwise.
+GLM-5 (`glm-dsa`; GlmMoeDsaModel on DeepseekV2Model), read into keel.families.glm_moe_dsa: the latent attention and
+experts as `deepseek2`'s (the NextN layer counted in block_count, unread); DeepSeek Sparse Attention's indexer from
+`attention.indexer.head_count` / `key_length` / `top_k` and its tensors (`indexer.attn_q_b`, `indexer.attn_k`,
+`indexer.k_norm` with its bias, `indexer.proj`) as HF's rows (no permutation; its interleaved rotary is the family's).
+Each layer's indexer is "full" or "shared" by `attention.indexer.types` (a bool per layer, true: full; newer converters
+write it, gguf 0.19 has no name for it), else by which layers hold indexer tensors (transformers gives a shared layer
+none); a key that disagrees with the tensors is refused. The dense layers by tensor (no router). A rotary width
+(`rope.dimension_count`, the converter's qk_rope_head_dim x partial_rotary_factor) other than the keys' is refused.
 """
 
 from __future__ import annotations
