@@ -253,6 +253,9 @@ Each layer's indexer is "full" or "shared" by `attention.indexer.types` (a bool 
 write it, gguf 0.19 has no name for it), else by which layers hold indexer tensors (transformers gives a shared layer
 none); a key that disagrees with the tensors is refused. The dense layers by tensor (no router). A rotary width
 (`rope.dimension_count`, the converter's qk_rope_head_dim x partial_rotary_factor) other than the keys' is refused.
+keel selects keys as transformers does; llama.cpp of gguf 0.19's day builds glm-dsa as deepseek2 (the indexer loaded,
+unused: dense attention), so its logits differ from keel's past `top_k` keys. (Newer llama.cpp's `deepseek32`,
+DeepSeek-V3.2, is no architecture gguf 0.19 names: refused as unsupported.)
 """
 
 from __future__ import annotations
