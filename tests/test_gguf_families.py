@@ -330,6 +330,38 @@ def finish_writer(w) -> None:
     w.close()
 
 
+def rewritten_gguf(path, out, key: str, value) -> None:
+    """The GGUF file at `path` copied to `out` with metadata `key` set to `value` (a list, or an unsigned
+    integer): a file a converter could have written otherwise, for the readers' refusals."""
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in (gguf.Keys.General.ARCHITECTURE, key):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))))
+    finish_writer(w)
+
+
+def assert_gguf_greedy_tokens_match(hf, path) -> None:
+    """keel's model read from the GGUF at `path` decodes 12 greedy tokens after an 8-token prompt, step by step
+    through its caches and states, as transformers' `hf` does."""
+    from keel.serve.sampling import SamplingParams
+    from reference_generate import stream_tokens
+
+    model = load_model(path, "float32").model
+    prompt = TOKENS[0, :8].tolist()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ours = list(stream_tokens(model, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    assert ours == expected[0, 8:].tolist()
+
+
 def write_gpt_oss_gguf(hf, path, experts: Q = Q.F32):
     """A GPT-OSS model as llama.cpp's GptOssModel converter writes it (then `llama-quantize` for `experts`):
     metadata of TextModel plus the window and the expert width, YaRN's keys, the o200k pre-tokenizer; gate and

@@ -18,7 +18,7 @@ from keel.errors import ConfigError
 from keel.quant.loading import load_model
 from keel.weights import gguf as keel_gguf
 from test_gguf import TOKENS, add_mini_vocab, rel_err
-from test_gguf_families import finish_writer
+from test_gguf_families import assert_gguf_greedy_tokens_match, finish_writer, rewritten_gguf
 from tiny_models import build_hf_model
 
 pytest.importorskip("transformers")
@@ -149,30 +149,15 @@ def test_glm_dsa_gguf_matches_transformers(tmp_path, types):
     assert back["indexer_types"] == ["full", "shared", "shared", "full"] and back["index_topk"] == 5
 
 
-def _rewritten(path, out, key: str, value) -> None:
-    """The file at `path` with metadata `key` set to `value` (a list of bools, or an integer)."""
-    reader = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(out), _ARCH)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in (gguf.Keys.General.ARCHITECTURE, key):
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))))
-    finish_writer(w)
-
-
 def test_glm_dsa_gguf_refuses_indexer_types_against_its_tensors(tmp_path):
     """A file whose `attention.indexer.types` calls a layer without indexer tensors full (or the reverse)."""
     hf = build_hf_model("glm_moe_dsa", **_BUILD)
     write_glm_dsa(hf, tmp_path / "g.gguf", mtp=False)
     key = keel_gguf.INDEXER_TYPES.format(arch=_ARCH)
-    _rewritten(tmp_path / "g.gguf", tmp_path / "bad.gguf", key, [True, True, False, True])
+    rewritten_gguf(tmp_path / "g.gguf", tmp_path / "bad.gguf", key, [True, True, False, True])
     with pytest.raises(ConfigError, match="indexer.types .* disagrees"):
         load_model(tmp_path / "bad.gguf", "float32")
-    _rewritten(tmp_path / "g.gguf", tmp_path / "short.gguf", key, [True, False])
+    rewritten_gguf(tmp_path / "g.gguf", tmp_path / "short.gguf", key, [True, False])
     with pytest.raises(ConfigError, match="indexer.types must list each of the 4 layers"):
         load_model(tmp_path / "short.gguf", "float32")
 
@@ -183,7 +168,7 @@ def test_glm_dsa_gguf_with_partial_rotary_is_refused(tmp_path):
     hf = build_hf_model("glm_moe_dsa", **_BUILD)
     write_glm_dsa(hf, tmp_path / "g.gguf", mtp=False)
     key = gguf.Keys.Rope.DIMENSION_COUNT.format(arch=_ARCH)
-    _rewritten(tmp_path / "g.gguf", tmp_path / "half.gguf", key, 4)
+    rewritten_gguf(tmp_path / "g.gguf", tmp_path / "half.gguf", key, 4)
     with pytest.raises(ConfigError, match="partial rotary not supported"):
         load_model(tmp_path / "half.gguf", "float32")
 
@@ -191,15 +176,6 @@ def test_glm_dsa_gguf_with_partial_rotary_is_refused(tmp_path):
 @pytest.mark.slow
 def test_glm_dsa_gguf_greedy_tokens_match_transformers(tmp_path):
     """The latent cache and the indexer's keys step by step from the file, past index_topk: transformers' tokens."""
-    from keel.serve.sampling import SamplingParams
-    from reference_generate import stream_tokens
-
     hf = build_hf_model("glm_moe_dsa", **_BUILD)
     write_glm_dsa(hf, tmp_path / "g.gguf")
-    model = load_model(tmp_path / "g.gguf", "float32").model
-    prompt = TOKENS[0, :8].tolist()
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ours = list(stream_tokens(model, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
-    assert ours == expected[0, 8:].tolist()
+    assert_gguf_greedy_tokens_match(hf, tmp_path / "g.gguf")

@@ -17,7 +17,7 @@ import torch
 from keel.errors import ConfigError
 from keel.quant.loading import load_model
 from test_gguf import TOKENS, add_mini_vocab, rel_err
-from test_gguf_families import finish_writer
+from test_gguf_families import assert_gguf_greedy_tokens_match, finish_writer, rewritten_gguf
 from tiny_models import build_hf_model
 
 pytest.importorskip("transformers")
@@ -134,21 +134,8 @@ def test_kimi_linear_gguf_without_per_layer_kv_heads_is_refused(tmp_path):
     hf = build_hf_model("kimi_linear", **_BUILD)
     path = tmp_path / "k.gguf"
     write_kimi_linear(hf, path)
-    reader = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "kimi-linear")
     key = gguf.Keys.Attention.HEAD_COUNT_KV.format(arch="kimi-linear")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE:
-            continue
-        if field.name == key:
-            w.add_uint32(key, 1)
-            continue
-        value = field.contents()
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(field.name, value, field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data).reshape(tuple(reversed([int(d) for d in t.shape]))))
-    finish_writer(w)
+    rewritten_gguf(path, tmp_path / "bad.gguf", key, 1)
     with pytest.raises(ConfigError, match="head_count_kv"):
         load_model(tmp_path / "bad.gguf", "float32")
 
@@ -156,15 +143,6 @@ def test_kimi_linear_gguf_without_per_layer_kv_heads_is_refused(tmp_path):
 @pytest.mark.slow
 def test_kimi_linear_gguf_greedy_tokens_match_transformers(tmp_path):
     """The KDA states and latent-attention cache step by step from the file: transformers' greedy tokens."""
-    from keel.serve.sampling import SamplingParams
-    from reference_generate import stream_tokens
-
     hf = build_hf_model("kimi_linear", **_BUILD)
     write_kimi_linear(hf, tmp_path / "k.gguf")
-    model = load_model(tmp_path / "k.gguf", "float32").model
-    prompt = TOKENS[0, :8].tolist()
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ours = list(stream_tokens(model, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
-    assert ours == expected[0, 8:].tolist()
+    assert_gguf_greedy_tokens_match(hf, tmp_path / "k.gguf")
