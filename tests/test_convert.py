@@ -228,3 +228,23 @@ def test_olmo_hybrid_convolutions_saved_in_thirds_are_read_and_written_by_width(
     assert [after[f"model.layers.0.linear_attn.{p}_conv1d.weight"].shape[0] for p in "qkv"] == [32, 32, 64]
     assert sorted(after) == sorted(before)
     assert _rel_err(_hf_logits(dst), reference) <= 1e-4
+
+
+def test_a_model_its_config_json_cannot_hold_is_not_exported(tmp_path):
+    """A keel option set on a config built by hand (a q/k norm on a Llama) is not written as Llama's config.json,
+    which would read back as another model: the export names the field and writes nothing."""
+    import dataclasses
+
+    from keel.errors import ConfigError
+    from keel.model.transformer import Transformer
+    from keel.weights.convert import save_model
+
+    save_hf_model("llama", tmp_path / "hf")
+    config = ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert ModelConfig.from_hf(config.exported_hf()) == dataclasses.replace(config, dtype=ModelConfig.dtype)
+    normed = dataclasses.replace(config, qk_norm=True)
+    with pytest.raises(ConfigError, match="qk_norm True"):
+        normed.exported_hf()
+    with pytest.raises(ConfigError, match="cannot hold"):
+        save_model(Transformer(normed), None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1722,6 +1722,23 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def exported_hf(self) -> dict[str, Any]:
+        """`to_hf()`, checked to read back as this config: a field its family's config.json cannot hold (a keel
+        option set on a config built by hand, say) is refused by name instead of written as another model."""
+        hf = self.to_hf()
+        back = ModelConfig.from_hf(json.loads(json.dumps(hf)), source=f"{self.architecture} config.json")
+        lost = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "dtype" and getattr(back, f.name) != getattr(self, f.name)
+        ]
+        if lost:
+            shown = ", ".join(
+                f"{name} {getattr(self, name)!r} (read back as {getattr(back, name)!r})" for name in lost[:4]
+            )
+            raise ConfigError(f"{self.architecture}'s config.json cannot hold this model's {shown}; not exported")
+        return hf
+
 
 def _refuse_quantized(family: str, hf: dict[str, Any], source: str) -> None:
     """Quantized HF checkpoints (DeepSeek-V3's FP8 release: float8 weights with per-block

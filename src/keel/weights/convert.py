@@ -155,7 +155,7 @@ def _write(checkpoint: Checkpoint, out: Path, dtype: str, max_shard_bytes: int) 
 
 
 def _write_metadata(config: ModelConfig, tokenizer: Tokenizer | None, out: Path) -> None:
-    hf = config.to_hf()
+    hf = config.exported_hf()
     hf["dtype"] = config.dtype
     _write_json(out / "config.json", hf)
     _write_json(out / "generation_config.json", _generation_config(config))
