@@ -265,8 +265,9 @@ scaling is no key the converter writes (TextModel skips "dynamic"): llama.cpp ru
 the dynamic ones up to max_position_embeddings, and so does keel; a linear factor, where written, is read.
 MiniCPM 1/2/4 (`minicpm`; MiniCPMModel) is read as keel's `granite`: llama.cpp builds it with Granite's graph, the
 embedding times `embedding_scale` (scale_emb), each sublayer's output times `residual_scale` (scale_depth /
-sqrt(layers)), the logits over `logit_scale` (hidden / dim_model_base), the softmax scale 1/sqrt(head size) (no
-attention.scale key: Granite's attention_multiplier; a file with one refused); keys absent (older files): llama.cpp's
+sqrt(layers)), the logits over `logit_scale` (hidden / dim_model_base), the softmax scale 1/sqrt(head size) (as
+Granite's attention_multiplier; MiniCPMModel writes no attention.scale and llama.cpp reads none for minicpm: a file
+with one is refused); keys absent (older files): llama.cpp's
 12, 1.4 / sqrt(layers) and hidden / 256, the releases'. q/k weights permuted (not biases); LongRoPE (MiniCPM4) as
 TextModel's `rope.scaling.type` with the factors as Phi-3's tensors and no other key, read as MiniCPM3's (pre-trained
 on the whole context: the short factors, no factor on cos/sin). MiniCPM-MoE (`expert_count`) is refused by name.
@@ -858,7 +859,7 @@ def _minicpm_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFT
     own: dict[str, Any] = {}
     for key, _, field in _GRANITE_SCALARS:
         if field == "attention_scale":
-            if f.key(key) is not None:  # MiniCPMModel writes none; llama.cpp's graph would read one
+            if f.key(key) is not None:  # MiniCPMModel writes none, and llama.cpp does not read one for minicpm
                 raise ConfigError(f"{path}: {f.name(key)} is not written for MiniCPM and not supported")
             own[field] = common["head_dim"] ** -0.5
         elif f.key(key) is not None:
