@@ -598,6 +598,37 @@ _CHATGLM_NAMES = (
 )
 
 
+def _minicpm_keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """MiniCPMModel's keys beyond TextModel's: scale_emb, scale_depth / sqrt(layers) and hidden / dim_model_base (here
+    from the Granite config that computes as MiniCPM: its embedding, residual and logits multipliers), LongRoPE's type
+    (TextModel's) and factors as tensors."""
+    w.add_embedding_scale(hp["embedding_multiplier"])
+    w.add_residual_scale(hp["residual_multiplier"])
+    w.add_logit_scale(hp["logits_scaling"])
+    rope = hp["rope_parameters"]
+    if rope.get("rope_type") == "longrope":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+# MiniCPM as transformers' Granite computes it: muP's scalars as Granite's multipliers, the softmax scale 1/sqrt(16)
+# (llama.cpp's without an attention.scale key), no biases, LongRoPE pre-trained on the whole context (MiniCPM4's)
+_MINICPM_BUILD = {
+    "attention_multiplier": 0.25,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "max_position_embeddings": 64,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.5, 4.0],
+        "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 9.0, 12.0],
+        "original_max_position_embeddings": 64,
+    },
+}
+
+
 def _chatglm_prepare(state: dict[str, torch.Tensor], hp: dict[str, Any]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -662,6 +693,13 @@ CONVERTERS = {
         )
         for name, prepare in (("glm", lambda state, hp: state), ("glm-qkv", _chatglm_prepare))
     },
+    # InternLM2Model (TextModel's keys): wqkv split into q, k and v with q/k permuted as LlamaModel's, the rest under
+    # llama's names; read as keel's llama (the tiny Llama stands in for the remote-code InternLM2)
+    "llama-internlm2": Converter(gguf.MODEL_ARCH.INTERNLM2, permute=("weight",)),
+    # MiniCPMModel (TextModel's keys and muP's scalars): q/k weights permuted; read as keel's granite
+    "granite-minicpm": Converter(
+        gguf.MODEL_ARCH.MINICPM, keys=_minicpm_keys, permute=("weight",), build=_MINICPM_BUILD
+    ),
     # GPTJModel: its own keys; q/k rows as in HF (llama.cpp rotates their interleaved pairs)
     "gptj": Converter(gguf.MODEL_ARCH.GPTJ, keys=_gptj_keys, text_model=False),
     "mimo_v2_flash": Converter(
@@ -871,12 +909,29 @@ def build(name: str, **extra: Any):
         hp = build_hf_model(name).config.to_dict()
         factor = llama_cpp_attn_factor(hp)
         overrides["rope_parameters"] = {**hp["rope_parameters"], "short_mscale": factor, "long_mscale": factor}
-    return build_hf_model("glm" if name == "glm-qkv" else name, **overrides)  # (the same model, stored fused)
+    # (glm-qkv: the same model, stored fused; InternLM2 and MiniCPM as the families keel reads them into)
+    return build_hf_model(_BUILT_AS.get(name, name), **overrides)
+
+
+_BUILT_AS = {"glm-qkv": "glm", "llama-internlm2": "llama", "granite-minicpm": "granite"}
 
 
 def assert_family_features(name: str, loaded, hf) -> None:
     """What distinguishes the family, as read from its file."""
     c, reader, cfg = loaded.config, loaded.checkpoint.reader, hf.config
+    if name == "llama-internlm2":  # q/k un-permuted, the head size hidden / heads (no key)
+        assert (c.head_dim, c.num_kv_heads, c.rope_scaling.type) == (16, 2, "default")
+        k = "model.layers.1.self_attn.k_proj.weight"
+        assert torch.equal(loaded.checkpoint.reader.get(k), hf.state_dict()[k])
+    if name == "granite-minicpm":  # muP's scalars as Granite's, llama.cpp's softmax scale, LongRoPE's short factors
+        assert (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling, c.attention_scale) == (
+            12.0,
+            pytest.approx(0.22),
+            4.0,
+            0.25,
+        )
+        assert c.rope_scaling.type == "longrope" and c.rope_scaling.short_factor[:3] == pytest.approx((1.0, 1.1, 1.25))
+        assert loaded.checkpoint.provenance["residual_multiplier"] == "read"
     if name == "olmoe":  # whole-projection q/k norms, softmax experts not renormalised (llama.cpp's fixed choice)
         assert (c.qk_norm_scope, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == ("all", 8, 2, False)
         assert c.moe_intermediate_size == 32 and c.clip_qkv is None
@@ -1309,3 +1364,44 @@ def test_chatglm_gguf_with_what_llama_cpp_does_not_load_is_refused(tmp_path, mon
     write_converted(build("glm"), tmp_path / "glm.gguf", converter)
     with pytest.raises(ConfigError, match=message):
         open_gguf(tmp_path / "glm.gguf")
+
+
+def test_minicpm_gguf_without_its_scalar_keys_takes_llama_cpps(tmp_path):
+    """An older MiniCPM file without embedding_scale / residual_scale / logit_scale: llama.cpp's defaults, the
+    releases' scale_emb 12, scale_depth 1.4 and dim_model_base 256 (logits over hidden / 256)."""
+    hf = build(
+        "granite-minicpm",
+        embedding_multiplier=12.0,
+        residual_multiplier=1.4 / math.sqrt(3),
+        logits_scaling=64 / 256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    converter = dataclasses.replace(CONVERTERS["granite-minicpm"], keys=lambda w, hp: None)
+    write_converted(hf, tmp_path / "m.gguf", converter)
+    loaded = load_model(tmp_path / "m.gguf")
+    c = loaded.config
+    assert (c.embedding_multiplier, c.logits_scaling, c.rope_scaling.type) == (12.0, 0.25, "default")
+    assert loaded.checkpoint.provenance["embedding_multiplier"] == "default"
+    with torch.no_grad():
+        assert rel_err(hf(TOKENS).logits, loaded.model(TOKENS)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (lambda w: w.add_expert_count(4), "MiniCPM with experts"),
+        (lambda w: w.add_attention_scale(0.5), "attention.scale"),
+        (lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), "without its rope_factors"),
+    ],
+)
+def test_minicpm_gguf_beyond_what_keel_reads_is_refused(tmp_path, key, message):
+    hf = build("granite-minicpm", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+    def keys(w: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+        _minicpm_keys(w, hp)
+        key(w)
+
+    write_converted(hf, tmp_path / "m.gguf", dataclasses.replace(CONVERTERS["granite-minicpm"], keys=keys))
+    with pytest.raises(ConfigError, match=message) as e:
+        open_gguf(tmp_path / "m.gguf")
+    assert "\n" not in str(e.value)

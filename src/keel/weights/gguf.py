@@ -23,7 +23,8 @@ llama4, deepseek2 (DeepSeek-V2 / V3), lfm2, lfm2moe, qwen35, qwen35moe, qwen3nex
 olmo, phimoe, seed_oss, arcee, apertus, nemotron, minimax-m2, mistral3 (Ministral 3), exaone (EXAONE 3.0 / 3.5),
 minicpm3, hunyuan-dense, hunyuan-moe, exaone-moe (K-EXAONE), jais2, mamba, mamba2, nemotron_h, nemotron_h_moe, starcoder
 (GPT-BigCode), gpt2, falcon, jamba, dbrx, bloom, mpt, gptj, afmoe, mimo2 (MiMo-V2-Flash), bitnet (BitNet b1.58),
-kimi-linear and glm-dsa (GLM-5) (others are refused by name; DeepSeek-V3.2 has no architecture gguf 0.19 names);
+kimi-linear, glm-dsa (GLM-5), internlm2 (read as llama) and minicpm (read as granite) (others are refused by name;
+DeepSeek-V3.2 has no architecture gguf 0.19 names);
 tensor types F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL MXFP4 TQ1_0 TQ2_0 (others, e.g.
 IQ2_XXS, are a one-line error naming these); byte-level BPE vocabularies
 (`tokenizer.ggml.model == "gpt2"`), SentencePiece ones (`"llama"`: Llama 2, Mistral v0.1, TinyLlama, Phi-3) and
@@ -256,6 +257,20 @@ none); a key that disagrees with the tensors is refused. The dense layers by ten
 keel selects keys as transformers does; llama.cpp of gguf 0.19's day builds glm-dsa as deepseek2 (the indexer loaded,
 unused: dense attention), so its logits differ from keel's past `top_k` keys. (Newer llama.cpp's `deepseek32`,
 DeepSeek-V3.2, is no architecture gguf 0.19 names: refused as unsupported.)
+
+InternLM2 / 2.5 (`internlm2`; InternLM2Model) is read as keel's `llama` (its HF class is remote code; `keel convert`
+writes LlamaForCausalLM): TextModel's keys, the head size hidden / heads (no key), wqkv split by the converter into
+`attn_q` / `attn_k` / `attn_v` with q/k permuted as Llama's, the rest under Llama's names. InternLM2.5's dynamic NTK
+scaling is no key the converter writes (TextModel skips "dynamic"): llama.cpp runs the plain frequencies, which are
+the dynamic ones up to max_position_embeddings, and so does keel; a linear factor, where written, is read.
+MiniCPM 1/2/4 (`minicpm`; MiniCPMModel) is read as keel's `granite`: llama.cpp builds it with Granite's graph, the
+embedding times `embedding_scale` (scale_emb), each sublayer's output times `residual_scale` (scale_depth /
+sqrt(layers)), the logits over `logit_scale` (hidden / dim_model_base), the softmax scale 1/sqrt(head size) (as
+Granite's attention_multiplier; MiniCPMModel writes no attention.scale and llama.cpp reads none for minicpm: a file
+with one is refused); keys absent (older files): llama.cpp's
+12, 1.4 / sqrt(layers) and hidden / 256, the releases'. q/k weights permuted (not biases); LongRoPE (MiniCPM4) as
+TextModel's `rope.scaling.type` with the factors as Phi-3's tensors and no other key, read as MiniCPM3's (pre-trained
+on the whole context: the short factors, no factor on cos/sin). MiniCPM-MoE (`expert_count`) is refused by name.
 """
 
 from __future__ import annotations
@@ -381,6 +396,11 @@ _FAMILIES = {
     _A.BITNET: "bitnet",
     _A.KIMI_LINEAR: "kimi_linear",
     _A.GLM_DSA: "glm_moe_dsa",  # GLM-5: DeepSeek-V2's latent attention and experts with the DSA indexer
+    # InternLM2 / 2.5 (InternLM2Model: wqkv split into llama's q/k/v, q/k permuted): Llama's computation; its HF
+    # class is remote code, so the export is LlamaForCausalLM
+    _A.INTERNLM2: "llama",
+    # MiniCPM 1/2/4 (MiniCPMModel): llama with muP's three scalars, which llama.cpp runs through Granite's graph
+    _A.MINICPM: "granite",
 }
 # general.architecture (its name in the file) -> keel family.
 ARCHITECTURES = {MODEL_ARCH_NAMES[arch]: family for arch, family in _FAMILIES.items()}
@@ -392,7 +412,9 @@ _ARCH_BY_NAME = {MODEL_ARCH_NAMES[arch]: arch for arch in _FAMILIES}
 # False) keeps HF's rows.
 _PERMUTED = {_A.LLAMA, _A.GRANITE, _A.GRANITE_MOE, _A.GRANITE_HYBRID, _A.SMOLLM3, _A.ARCEE, _A.OLMO, _A.MISTRAL3}
 _PERMUTED |= {_A.NEMOTRON_H, _A.NEMOTRON_H_MOE}  # (NemotronHModel, on GraniteHybridModel: no position encoding)
-_PERMUTED_WEIGHTS_ONLY = {_A.OLMO}
+# InternLM2Model permutes the q/k rows it splits out of wqkv; MiniCPMModel permutes q/k weights (not biases).
+_PERMUTED |= {_A.INTERNLM2, _A.MINICPM}
+_PERMUTED_WEIGHTS_ONLY = {_A.OLMO, _A.MINICPM}
 # Gemma's converter adds 1 to every `*norm.weight` (llama.cpp's RMSNorm scales by w, Gemma's by 1 + w), and so does
 # Nemotron's (its LayerNorm1P scales by 1 + w; llama.cpp's LayerNorm by w).
 _NORM_PLUS_ONE = {_A.GEMMA, _A.GEMMA2, _A.GEMMA3, _A.NEMOTRON}
@@ -691,7 +713,9 @@ def _family_fields(
     """The config fields of the family beyond the Llama block: Granite's multipliers, Phi-3's sliding
     window, and what a keel.families module sets for its family (OLMo 2's norm placement and q/k norms)."""
     own: dict[str, Any] = {}
-    if family == "granite":
+    if family == "granite" and f.arch == MODEL_ARCH_NAMES[_A.MINICPM]:
+        own = _minicpm_fields(f, common, tensors, path)
+    elif family == "granite":
         # The converter writes each only when config.json has it; absent, transformers' default 1.0 holds.
         own = {
             field: f.read(field, _f32(f.key(key)), "read") if f.key(key) else 1.0 for key, _, field in _GRANITE_SCALARS
@@ -812,6 +836,41 @@ def _mla_fields(
         mscale = float(f"{_f32(log_mul) / 0.1:.6g}")  # to the digits a float32 of 0.1 x mscale keeps
         out["rope_scaling"] = dataclasses.replace(common["rope_scaling"], mscale=mscale, mscale_all_dim=mscale)
     return out
+
+
+# llama.cpp's MiniCPM scalars where an older file has no keys (the releases' scale_emb 12, scale_depth 1.4 and
+# dim_model_base 256): the embedding's factor, the residual's over sqrt(layers), and hidden / the logits' divisor.
+_MINICPM_EMBEDDING_SCALE, _MINICPM_SCALE_DEPTH, _MINICPM_DIM_BASE = 12.0, 1.4, 256
+
+
+def _minicpm_fields(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
+    """MiniCPM (`minicpm`) as Granite: llama.cpp builds it with Granite's graph, the embedding times
+    `embedding_scale` (scale_emb), each block's output times `residual_scale` (scale_depth / sqrt(layers)), the
+    logits over `logit_scale` (hidden / dim_model_base) and the softmax scale 1/sqrt(head size) (no attention.scale
+    key: GraniteModel's attention_multiplier); LongRoPE's factors as MiniCPM3's. MiniCPM-MoE is refused."""
+    if int(f.key(_K.EXPERT_COUNT, 0) or 0):
+        raise ConfigError(f"{path}: MiniCPM with experts ({f.name(_K.EXPERT_COUNT)}) is not supported")
+    layers, hidden = common["num_layers"], common["hidden_size"]
+    defaults = {
+        "embedding_multiplier": _MINICPM_EMBEDDING_SCALE,
+        "residual_multiplier": _MINICPM_SCALE_DEPTH / math.sqrt(layers),
+        "logits_scaling": hidden / _MINICPM_DIM_BASE,
+    }
+    own: dict[str, Any] = {}
+    for key, _, field in _GRANITE_SCALARS:
+        if field == "attention_scale":
+            if f.key(key) is not None:  # MiniCPMModel writes none, and llama.cpp does not read one for minicpm
+                raise ConfigError(f"{path}: {f.name(key)} is not written for MiniCPM and not supported")
+            own[field] = common["head_dim"] ** -0.5
+        elif f.key(key) is not None:
+            own[field] = f.read(field, _f32(f.key(key)))
+        else:
+            own[field] = defaults[field]
+    kind = f.key(_KR.SCALING_TYPE)
+    longrope = _phi3_longrope(f, common, tensors, path)
+    if kind == "longrope" and not longrope:
+        raise ConfigError(f"{path}: LongRoPE ({f.name(_KR.SCALING_TYPE)}) without its rope_factors tensors")
+    return own | longrope
 
 
 def _phi3_longrope(f: _Fields, common: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> dict[str, Any]:
@@ -2049,6 +2108,8 @@ def _rope_scaling(f: _Fields, tensors: dict[str, GGUFTensor], head_dim: int, the
             beta_slow=_f32(f.key(_KR.SCALING_YARN_BETA_SLOW, 1.0)),
             attention_factor=None if attention is None else _f32(attention),
         )
+    if kind == "longrope" and f.arch == MODEL_ARCH_NAMES[_A.MINICPM]:
+        return RopeScaling()  # the factors are tensors, read with the family (_minicpm_fields)
     if kind not in (None, "none", "linear"):
         raise ConfigError(f"{path}: rope scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
     freqs = tensors.get(_ROPE_FREQS)
