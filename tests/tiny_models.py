@@ -493,6 +493,22 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # JetMoE: attention experts (top 2 of 4, each 2 heads of 16 over the 2 shared KV heads: 4 query heads) and MLP
+    # experts of width 32, each with an output bias; untied head; rope base away from its default.
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            kv_channels=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # Ministral (8B): Mistral's block, a sliding window of 8 in the first and last layers, the middle one global.
     "ministral": (
         "MinistralConfig",
@@ -1996,6 +2012,8 @@ SHARPENED = (
     "self_attention.query_key_value.weight",  # Falcon's and Bloom's
     "attn.Wqkv.weight",  # DBRX's and MPT's
     ".attn.qkv_proj.weight",  # CodeGen's (not Phi-3's self_attn.qkv_proj)
+    "self_attention.kv_proj.weight",  # JetMoE's shared k/v (v sharpened too: no matter)
+    "self_attention.experts.input_linear.weight",  # JetMoE's query experts
 )
 
 
