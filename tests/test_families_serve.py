@@ -189,6 +189,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("deepseek_v32", marks=SLOW),
         pytest.param("glm_moe_dsa", marks=SLOW),
         pytest.param("axk2", marks=SLOW),
+        pytest.param("jetmoe", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -548,6 +549,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
             "LowRankGatedRMSNorm",
             "RMSNorm",
         ]
+    elif (
+        name == "jetmoe"
+    ):  # attention experts over the shared KV heads (the cache keeps those only), experts in every layer
+        assert all(type(a).__name__ == "MixtureOfAttention" and a.q_proj is None for a in attention)
+        assert all(a.num_heads == 4 and a.num_kv_heads == 2 for a in attention)
+        assert all(layer.mlp.output_bias is not None for layer in layers)
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]
