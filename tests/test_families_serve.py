@@ -569,3 +569,22 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     # Gated DeltaNet layers (Qwen3.5) keep a state per sequence: prefix caching is off for them
     hybrid = llm.engine.model.config.has_recurrent_layers
     assert second.num_cached_tokens >= 32 or (hybrid and not llm.engine.kv.enable_prefix_caching)
+
+
+@pytest.mark.slow
+def test_jetmoe_is_served_with_an_int8_kv_cache(tmp_path):
+    """JetMoE's attention experts attend as grouped-query attention over the shared KV heads, so the int8 cache
+    stores those heads as any other layer's: transformers' greedy tokens (keel's float cache gives them too)."""
+    hf = save_hf_model("jetmoe", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    ids = list(range(40, 80)) + [7, 9, 11]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    config = EngineConfig.of(
+        dtype="float32", compile=False, num_blocks=64, max_model_len=256, block_size=8, kv_cache_dtype="int8"
+    )
+    llm = LLM(str(tmp_path), config)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out = llm.generate([ids], greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()

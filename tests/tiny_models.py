@@ -501,6 +501,9 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         dict(
             intermediate_size=32,
             kv_channels=16,
+            # its default 0.01 leaves the hidden states far smaller than the output biases (perturbed to 0.1):
+            # every token would predict the same
+            initializer_range=0.1,
             num_local_experts=4,
             num_experts_per_tok=2,
             tie_word_embeddings=False,
@@ -2012,8 +2015,6 @@ SHARPENED = (
     "self_attention.query_key_value.weight",  # Falcon's and Bloom's
     "attn.Wqkv.weight",  # DBRX's and MPT's
     ".attn.qkv_proj.weight",  # CodeGen's (not Phi-3's self_attn.qkv_proj)
-    "self_attention.kv_proj.weight",  # JetMoE's shared k/v (v sharpened too: no matter)
-    "self_attention.experts.input_linear.weight",  # JetMoE's query experts
 )
 
 
