@@ -1352,3 +1352,59 @@ def test_shared_block_fields_need_zamba2s_hybrid_block():
     ):
         with pytest.raises(ConfigError, match=message):
             ModelConfig(**base, **fields).validate()
+
+
+def test_jetmoe_reads_its_config_classs_derived_keys_and_refuses_what_it_cannot_run(tmp_path):
+    """JetMoE's config class derives the query heads (num_key_value_heads x top-k) and takes kv_channels as the head
+    width (128 by default), ties the head by default; a final-norm eps other than its layers' fixed 1e-6, attention
+    experts beside options they do not read, and tensor or expert parallelism are refused by name."""
+    import transformers
+
+    from keel.errors import KeelError
+    from keel.serve.parallel.load import check_parallel_model
+    from keel.train import config as train_config
+
+    hf = {"architectures": ["JetMoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}
+    hf.update(num_key_value_heads=2, num_experts_per_tok=3, num_local_experts=4)
+    config = ModelConfig.from_hf(hf)
+    reference = transformers.JetMoeConfig(**{k: v for k, v in hf.items() if k != "architectures"})
+    assert (config.num_heads, config.num_kv_heads) == (reference.num_attention_heads, 2) == (6, 2)
+    assert config.head_dim == reference.kv_channels == 128 and config.tie_word_embeddings
+    assert config.mixture_of_attention and config.o_bias and config.moe_output_bias
+    assert ModelConfig.from_hf(config.to_hf()) == config
+    with pytest.raises(ConfigError, match="rms_norm_eps"):
+        ModelConfig.from_hf({**hf, "rms_norm_eps": 1e-5})
+    with pytest.raises(ConfigError, match="qkv_bias"):
+        dataclasses.replace(config, qkv_bias=True)
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        dataclasses.replace(config, num_heads=4)
+    save_hf_model("jetmoe", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with pytest.raises(KeelError, match="mixture_of_attention"):
+        check_parallel_model(config, tmp_path, 2, 1)
+    check_parallel_model(config, tmp_path, 1, 2)  # pipeline stages cut whole layers
+    for parallel in (train_config.ParallelSection(tp=2), train_config.ParallelSection(ep=2)):
+        cfg = SimpleNamespace(parallel=parallel, moe=train_config.MoESection())
+        with pytest.raises(ConfigError, match="mixture_of_attention"):
+            train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+
+def test_jetmoe_trains_from_the_layout_independent_initialisation(tmp_path):
+    """Built on the meta device for training, JetMoE's attention experts and output biases have initialisation rules
+    (keel.model.seeded_init: normal experts, zero biases), and a loss's gradient reaches every one of them."""
+    from keel.model.seeded_init import init_weights_seeded
+    from keel.model.transformer import Transformer
+
+    save_hf_model("jetmoe", tmp_path)
+    config = ModelConfig.from_json_file(tmp_path / "config.json")
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cpu")
+    init_weights_seeded(model, 0)
+    attention, mlp = model.layers["0"].self_attn, model.layers["0"].mlp
+    assert attention.q_experts.std().item() == pytest.approx(0.02, rel=0.2)
+    assert not attention.output_bias.any() and not mlp.output_bias.any()
+    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).logsumexp(-1).mean().backward()
+    for param in (attention.q_experts, attention.o_experts, attention.router.weight, attention.output_bias):
+        assert param.grad.abs().sum() > 0
+    assert mlp.output_bias.grad.abs().sum() > 0

@@ -189,6 +189,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("deepseek_v32", marks=SLOW),
         pytest.param("glm_moe_dsa", marks=SLOW),
         pytest.param("axk2", marks=SLOW),
+        pytest.param("jetmoe", marks=SLOW),
     ],
 )
 def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path, name):
@@ -548,6 +549,12 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
             "LowRankGatedRMSNorm",
             "RMSNorm",
         ]
+    elif (
+        name == "jetmoe"
+    ):  # attention experts over the shared KV heads (the cache keeps those only), experts in every layer
+        assert all(type(a).__name__ == "MixtureOfAttention" and a.q_proj is None for a in attention)
+        assert all(a.num_heads == 4 and a.num_kv_heads == 2 for a in attention)
+        assert all(layer.mlp.output_bias is not None for layer in layers)
     elif name in ("olmoe", "granitemoe", "granitemoeshared"):  # Granite's scalars around experts in every layer
         assert all(llm.engine.model.config.is_moe_layer(i) for i in range(len(attention)))
         shared = [layer.mlp.shared_expert for layer in llm.engine.model.layers.values()]
@@ -562,3 +569,22 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
     # Gated DeltaNet layers (Qwen3.5) keep a state per sequence: prefix caching is off for them
     hybrid = llm.engine.model.config.has_recurrent_layers
     assert second.num_cached_tokens >= 32 or (hybrid and not llm.engine.kv.enable_prefix_caching)
+
+
+@pytest.mark.slow
+def test_jetmoe_is_served_with_an_int8_kv_cache(tmp_path):
+    """JetMoE's attention experts attend as grouped-query attention over the shared KV heads, so the int8 cache
+    stores those heads as any other layer's: transformers' greedy tokens (keel's float cache gives them too)."""
+    hf = save_hf_model("jetmoe", tmp_path)
+    save_byte_tokenizer(tmp_path)
+    hf.generation_config.eos_token_id = None
+    ids = list(range(40, 80)) + [7, 9, 11]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    config = EngineConfig.of(
+        dtype="float32", compile=False, num_blocks=64, max_model_len=256, block_size=8, kv_cache_dtype="int8"
+    )
+    llm = LLM(str(tmp_path), config)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out = llm.generate([ids], greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist()

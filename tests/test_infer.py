@@ -162,6 +162,7 @@ SHAPE_INFERABLE = [
             "kimi_linear",  # its latent attention unrotated, which no shape tells
             "zamba2",  # its shared blocks, adapters and softmax scale, read through its config.json
             "glm_moe_dsa",  # latent attention (deepseek_v32 too, by its prefix) with the indexer's top-k
+            "jetmoe",  # attention experts under its own names, read through its config.json
         )
     )
 ]

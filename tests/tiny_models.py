@@ -493,6 +493,25 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # JetMoE: attention experts (top 2 of 4, each 2 heads of 16 over the 2 shared KV heads: 4 query heads) and MLP
+    # experts of width 32, each with an output bias; untied head; rope base away from its default.
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(
+            intermediate_size=32,
+            kv_channels=16,
+            # its default 0.01 leaves the hidden states far smaller than the output biases (perturbed to 0.1):
+            # every token would predict the same
+            initializer_range=0.1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+            pad_token_id=0,
+            eos_token_id=2,
+        ),
+    ),
     # Ministral (8B): Mistral's block, a sliding window of 8 in the first and last layers, the middle one global.
     "ministral": (
         "MinistralConfig",

@@ -399,6 +399,13 @@ class ModelConfig:
     # A.X-K1: the MoE block's output (routed plus shared experts) normed by a norm of its own (`mlp.output_norm`),
     # in the sparse layers only, before the residual add.
     moe_output_norm: bool = False
+    # JetMoE: one bias [hidden] added to the MoE block's summed expert outputs (`mlp.output_bias`).
+    moe_output_bias: bool = False
+    # JetMoE's mixture of attention heads (MoA, keel.model.moa): the router (the MoE's routing: num_experts,
+    # num_experts_per_tok, router_scoring) picks each token's top-k attention experts, each with its own query
+    # and output projections over num_kv_heads heads, keys and values shared (num_heads = top-k x num_kv_heads);
+    # o_bias: one bias [hidden] after the weighted sum of the experts' outputs.
+    mixture_of_attention: bool = False
     router_linear_bias: bool = False  # GPT-OSS: the router's linear layer has a bias (it moves the logits)
     expert_bias: bool = False  # GPT-OSS: each expert's gate/up and down projections have biases
     # The experts' gated activation: "silu" (act(gate) * up) or "swiglu_clamped" (GPT-OSS: gate clamped above
@@ -861,6 +868,9 @@ class ModelConfig:
             "mla_query_gate needs multi-head latent attention with a low-rank query (q_lora_rank)",
         )
         need(self.gated_norm_rank >= 0, f"gated_norm_rank must be >= 0, got {self.gated_norm_rank}")
+        if self.mixture_of_attention:
+            self._validate_moa(need)
+        need(not self.moe_output_bias or self.is_moe, "moe_output_bias needs experts (num_experts)")
         need(
             not self.gated_norm_rank
             or (
@@ -1252,6 +1262,42 @@ class ModelConfig:
         """`layer`'s MLP gate target sparsity (`activation_sparsity`; 0: dense)."""
         return self.activation_sparsity[layer] if self.activation_sparsity else 0.0
 
+    def _validate_moa(self, need: Callable[[bool, str], None]) -> None:
+        """JetMoE's mixture of attention heads (keel.model.moa): its router is the MoE's, its queries top-k experts'
+        over the shared K/V heads; the attention options it does not read are refused by name."""
+        need(self.is_moe, "mixture_of_attention needs experts (num_experts, num_experts_per_tok)")
+        need(
+            self.num_heads == self.num_kv_heads * self.num_experts_per_tok,
+            f"mixture_of_attention: num_heads ({self.num_heads}) must be num_kv_heads ({self.num_kv_heads}) x "
+            f"num_experts_per_tok ({self.num_experts_per_tok})",
+        )
+        need(not self.is_mla, "mixture_of_attention with multi-head latent attention (kv_lora_rank)")
+        need(
+            all(self.layer_types[i] in ("full_attention", "sliding_attention") for i in range(self.num_layers)),
+            "mixture_of_attention needs attention in every layer (layer_types)",
+        )
+        need(self.uniform_attention, "mixture_of_attention with layers of their own head geometry")
+        unread = {
+            "qkv_bias": self.qkv_bias,
+            "o_bias_layers": self.o_bias_layers,
+            "qk_norm": self.qk_norm,
+            "attention_output_gate": self.attention_output_gate,
+            "attention_adapters": self.attention_adapters,
+            "attn_sub_norm": self.attn_sub_norm,
+            "attention_sinks": self.attention_sinks,
+            "kv_shared_layers": self.kv_shared_layers,
+            "clip_qkv": self.clip_qkv is not None,
+            "v_norm": self.v_norm,
+            "attention_k_eq_v": self.attention_k_eq_v,
+            "qk_l2_norm": self.qk_l2_norm,
+            "router_linear_bias": self.router_linear_bias,
+            "router_bias": self.router_bias,
+            "router_input_norm": self.router_input_norm,
+            "router_expert_scale": self.router_expert_scale,
+        }
+        for name, value in unread.items():
+            need(not value, f"{name} is not read by mixture_of_attention")
+
     def _validate_mla(self, need: Callable[[bool, str], None]) -> None:
         need(
             self.rope_interleave or self.architecture != "deepseek_v2",
@@ -1373,6 +1419,14 @@ class ModelConfig:
         total += (2 * inner if self.mamba_proj_bias else 0) + (h if self.mamba_out_bias else 0)
         return total + (rank + 2 * n if self.mamba_dt_bc_norm == "rms" else 0)
 
+    def _moa_params(self) -> tuple[int, int]:
+        """(total, active) of a mixture-of-attention layer (keel.model.moa): the shared k/v projections, the router,
+        each expert's query and output projections (top-k of them active) and the output bias."""
+        h, width = self.hidden_size, self.kv_size
+        shared = 2 * h * width + self.num_experts * h + (h if self.o_bias else 0)
+        expert = 2 * h * width
+        return shared + self.num_experts * expert, shared + self.num_experts_per_tok * expert
+
     def _attention_params(self, layer: int) -> int:
         h = self.hidden_size
         if self.is_mla:
@@ -1481,6 +1535,10 @@ class ModelConfig:
                 base = 0
             elif kind in mixers:
                 base = mixers[kind] + mixer_norms
+            elif self.mixture_of_attention:  # the attention experts: top-k of them active
+                moa_total, moa_active = self._moa_params()
+                total += moa_total - moa_active
+                base = moa_active + mixer_norms
             else:  # attention at the layer's own geometry; a hybrid layer's Mamba 2 mixer beside it
                 base = self._attention_params(layer) + (mamba if kind == "hybrid" else 0) + mixer_norms
             if not self.has_mlp(layer):
@@ -1499,6 +1557,7 @@ class ModelConfig:
                     router += 3 * norm
                 if self.moe_output_norm:
                     router += norm
+                router += h if self.moe_output_bias else 0
                 total += base + router + shared + self.num_experts * expert
                 active += base + router + shared + self.num_experts_per_tok * expert
             else:

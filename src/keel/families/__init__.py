@@ -82,6 +82,7 @@ from keel.families import (
     iquestcoder,
     jais2,
     jamba,
+    jetmoe,
     kimi_linear,
     kolibri1,
     laguna,
@@ -239,6 +240,7 @@ FAMILIES: dict[str, ModuleType] = {
         zamba2,
         deepseek_v32,
         glm_moe_dsa,
+        jetmoe,
     )
 }
 

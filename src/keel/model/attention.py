@@ -341,6 +341,21 @@ class Attention(nn.Module):
             q, k, v = self._queries(x, meta), None, None
         else:
             q, k, v = self._projections(x, meta)
+        out = self._attend(q, k, v, meta)
+        if self.output_gate is not None:
+            raw = self.output_gate(x)
+            gate = F.softplus(raw.float()).to(raw.dtype) if self.gate_softplus else torch.sigmoid(raw)
+            if self.gate_per_head:  # each head's channels times its one gate
+                out = (out.unflatten(-1, (gate.shape[-1], -1)) * gate.unsqueeze(-1)).flatten(-2)
+            else:
+                out = out * gate
+        if self.attn_sub_norm is not None:
+            out = self.attn_sub_norm(out)
+        return self.o_proj(out)
+
+    def _attend(self, q: Tensor, k: Tensor | None, v: Tensor | None, meta: AttentionMetadata) -> Tensor:
+        """The attention of q [B, S, H, D] over k, v [B, S, H_kv, D] (None: the source layer's, kv_shared_layers)
+        and what the cache holds -> [B, S, H * Dv], before any output gate and o_proj (keel.model.moa reuses it)."""
         if self.scales_queries and meta.query_scale is not None:  # Llama 4's temperature by position
             q = (q * meta.query_scale).to(q.dtype)
         if self.q_multiplier is not None:
@@ -376,17 +391,7 @@ class Attention(nn.Module):
             else:
                 mask = meta.mask(meta.positions, self.window)
                 out = sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        out = out.transpose(1, 2).reshape(*x.shape[:2], -1)
-        if self.output_gate is not None:
-            raw = self.output_gate(x)
-            gate = F.softplus(raw.float()).to(raw.dtype) if self.gate_softplus else torch.sigmoid(raw)
-            if self.gate_per_head:  # each head's channels times its one gate
-                out = (out.unflatten(-1, (gate.shape[-1], -1)) * gate.unsqueeze(-1)).flatten(-2)
-            else:
-                out = out * gate
-        if self.attn_sub_norm is not None:
-            out = self.attn_sub_norm(out)
-        return self.o_proj(out)
+        return out.transpose(1, 2).flatten(2)
 
     def _projections(self, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v [B, S, heads, D]: projected, clamped, normed and rotated as the config says."""

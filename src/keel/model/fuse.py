@@ -43,7 +43,13 @@ def fuse_projections(model: nn.Module) -> int:
     """Fuse every attention's q/k/v and every dense MLP's gate/up in place; the number fused."""
     fused = 0
     for module in model.modules():
-        if isinstance(module, Attention) and module.qkv_proj is None and module.kv_source == module.layer:
+        # (no q_proj: JetMoE's attention experts project the queries, keel.model.moa)
+        if (
+            isinstance(module, Attention)
+            and module.qkv_proj is None
+            and module.q_proj is not None
+            and module.kv_source == module.layer
+        ):
             parts = [p for p in (module.q_proj, module.k_proj, module.v_proj) if p is not None]  # k = v: no v_proj
             qkv = _concat(parts)
             if qkv is not None:

@@ -368,6 +368,8 @@ class MoE(nn.Module):
         self.expert_input_norm, self.expert_output_norm = branch_norm(), branch_norm()
         # A.X-K1: a norm of the block's whole output (routed plus shared experts)
         self.output_norm = block_norm(config, h) if config.moe_output_norm else None
+        # JetMoE: one bias on the summed expert outputs
+        self.output_bias = nn.Parameter(torch.empty(h)) if config.moe_output_bias else None
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps in an all-to-all dispatcher
         self.scales_input = config.router_scales_input  # Llama 4: the weight scales the expert's input
         self.averages_shared = config.shared_expert_combination == "average"  # Cohere 2 MoE: (routed + shared) / 2
@@ -431,6 +433,8 @@ class MoE(nn.Module):
                 out = out * 0.5
         if self.output_norm is not None:
             out = self.output_norm(out)
+        if self.output_bias is not None:
+            out = out + self.output_bias
         return out.view(shape)
 
     def _aux_loss(self, routing: Routing, counts: Tensor, num_tokens: int) -> Tensor:

@@ -28,6 +28,7 @@ from keel.model.layers import XIELU, HeadNorm, RMSNorm
 from keel.model.linear_attention import GatedDeltaNet, GatedRMSNorm
 from keel.model.mamba import GroupedGatedRMSNorm, Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
+from keel.model.moa import MixtureOfAttention
 from keel.model.moe import GroupedExperts, Router
 from keel.model.rglru import RGLRU
 
@@ -143,6 +144,7 @@ def init_weights_seeded(model: nn.Module, seed: int, std: float = 0.02) -> None:
             elif (
                 isinstance(module, nn.Linear | nn.Embedding | nn.Conv1d | Router | GroupedExperts | RGLRU)
                 or param_name == "sinks"
+                or (isinstance(module, MixtureOfAttention) and param_name in ("q_experts", "o_experts"))
             ):
                 fill_normal(param, name, seed, std)
             else:

@@ -32,6 +32,7 @@ from keel.model.linear_attention import GatedDeltaNet
 from keel.model.mamba import Mamba2Mixer
 from keel.model.mamba1 import Mamba1Mixer
 from keel.model.mla import MLAttention
+from keel.model.moa import MixtureOfAttention
 from keel.model.moe import MoE
 from keel.model.rglru import RGLRUBlock
 from keel.model.short_conv import ShortConv
@@ -55,6 +56,8 @@ def token_mixer(config: ModelConfig, layer: int) -> nn.Module:
         recurrent = KimiDeltaAttention
     if recurrent is not None:
         return recurrent(config, layer)
+    if config.mixture_of_attention:  # JetMoE's attention experts
+        return MixtureOfAttention(config, layer)
     return MLAttention(config, layer) if config.is_mla else Attention(config, layer)
 
 
@@ -436,8 +439,18 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
                     nn.init.ones_(scale)
             nn.init.normal_(module.experts.gate_up_proj, std=std)
             nn.init.normal_(module.experts.down_proj, std=std)
-            for bias in (module.router.bias, module.experts.gate_up_proj_bias, module.experts.down_proj_bias):
+            for bias in (
+                module.router.bias,
+                module.experts.gate_up_proj_bias,
+                module.experts.down_proj_bias,
+                module.output_bias,
+            ):
                 if bias is not None:
                     nn.init.zeros_(bias)
+        elif isinstance(module, MixtureOfAttention):  # JetMoE's attention experts (before Attention's sinks)
+            for weight in (module.router.weight, module.q_experts, module.o_experts):
+                nn.init.normal_(weight, std=std)
+            if module.output_bias is not None:
+                nn.init.zeros_(module.output_bias)
         elif isinstance(module, Attention) and module.sinks is not None:
             nn.init.normal_(module.sinks, std=std)  # GPT-OSS's sinks start as transformers initialises them

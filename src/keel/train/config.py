@@ -683,6 +683,11 @@ def _check_model_fits(
         raise fail("parallel: tp > 1 is not supported for DeepSeek Sparse Attention's indexer (index_topk) yet")
     if par.pp > 1 and model.is_dsa and "shared" in model.indexer_types:
         raise fail("parallel: pp > 1 is not supported for DSA layers sharing another's selection (indexer_types) yet")
+    if (par.tp > 1 or par.ep > 1) and (model.mixture_of_attention or model.moe_output_bias):
+        raise fail(
+            "parallel: tp > 1 and ep > 1 are not supported for JetMoE's attention experts and output biases "
+            "(mixture_of_attention, moe_output_bias) yet"
+        )
     if par.tp > 1 and model.moe_output_norm:
         raise fail("parallel: tp > 1 is not supported for the MoE block's output norm (A.X-K1) yet")
     if model.hybrid_block == "shared":  # keel.families.zamba2

@@ -41,7 +41,15 @@ _SHARED_EXPERTS = DEEPSEEK_MOE_FAMILIES | {"ernie4_5_moe", "cohere2_moe", "kolib
 MIXTRAL_NAMED = {"mixtral", "minimax", "minimax_m2", "phimoe", "kimi_linear"}
 # Families whose checkpoints store each layer's experts stacked: under names their checkpoint_layout renames
 # (Granite MoE), or as transformers 5 holds them where it has no per-expert form to save (Mistral 4).
-STACKED_EXPERTS = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid", "mistral4", "gemma4"}
+STACKED_EXPERTS = {
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoe_swa",
+    "granitemoehybrid",
+    "mistral4",
+    "gemma4",
+    "jetmoe",
+}
 # Families whose checkpoints store each layer's experts stacked and transposed (keel.weights.gpt_oss), by whether
 # their gate and up columns alternate.
 TRANSPOSED_EXPERTS = {"gpt_oss": True, "llama4": False}

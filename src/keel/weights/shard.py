@@ -118,6 +118,11 @@ class TensorParallelLayout:
                 f"--tensor-parallel-size {tp}: BitNet's sub-norms (attn_sub_norm, ffn_sub_norm) need the whole input "
                 "of o_proj / down_proj, which tensor parallelism splits over the ranks"
             )
+        if c.mixture_of_attention or c.moe_output_bias:
+            raise KeelError(
+                f"--tensor-parallel-size {tp}: JetMoE's attention experts and output biases (mixture_of_attention, "
+                "moe_output_bias) are not cut by tensor parallelism yet"
+            )
         if c.moe_output_norm:
             raise KeelError(
                 f"--tensor-parallel-size {tp}: the MoE block's output norm (moe_output_norm: A.X-K1) needs its whole "
