@@ -1356,8 +1356,8 @@ def test_shared_block_fields_need_zamba2s_hybrid_block():
 
 def test_jetmoe_reads_its_config_classs_derived_keys_and_refuses_what_it_cannot_run(tmp_path):
     """JetMoE's config class derives the query heads (num_key_value_heads x top-k) and takes kv_channels as the head
-    width (128 by default), ties the head by default; a final-norm eps other than its layers' fixed 1e-6, attention
-    experts beside options they do not read, and tensor or expert parallelism are refused by name."""
+    width (128 by default), ties the head by default; the file's eps is the final norm's (its layers' are 1e-6);
+    attention experts beside options they do not read, and tensor or expert parallelism are refused by name."""
     import transformers
 
     from keel.errors import KeelError
@@ -1372,8 +1372,8 @@ def test_jetmoe_reads_its_config_classs_derived_keys_and_refuses_what_it_cannot_
     assert config.head_dim == reference.kv_channels == 128 and config.tie_word_embeddings
     assert config.mixture_of_attention and config.o_bias and config.moe_output_bias
     assert ModelConfig.from_hf(config.to_hf()) == config
-    with pytest.raises(ConfigError, match="rms_norm_eps"):
-        ModelConfig.from_hf({**hf, "rms_norm_eps": 1e-5})
+    wide = ModelConfig.from_hf({**hf, "rms_norm_eps": 1e-5})
+    assert (wide.rms_norm_eps, wide.final_norm_eps) == (1e-6, 1e-5) and ModelConfig.from_hf(wide.to_hf()) == wide
     with pytest.raises(ConfigError, match="qkv_bias"):
         dataclasses.replace(config, qkv_bias=True)
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
@@ -1387,6 +1387,18 @@ def test_jetmoe_reads_its_config_classs_derived_keys_and_refuses_what_it_cannot_
         cfg = SimpleNamespace(parallel=parallel, moe=train_config.MoESection())
         with pytest.raises(ConfigError, match="mixture_of_attention"):
             train_config._check_model_fits(cfg, config, 1, lambda message: ConfigError(message))
+
+
+def test_jetmoe_final_norm_takes_the_files_eps_and_its_layers_1e_6(tmp_path):
+    """transformers' JetMoE builds its layers' norms at 1e-6 and the final norm alone at rms_norm_eps: a large eps
+    shows in the logits, which match transformers'."""
+    hf = save_hf_model("jetmoe", tmp_path, rms_norm_eps=0.5)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    model = load_model(tmp_path, "float32").model
+    with torch.no_grad():
+        ref, ours = hf(tokens).logits, model(tokens)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert model.norm.eps == 0.5 and model.layers["0"].input_layernorm.eps == 1e-6
 
 
 def test_jetmoe_trains_from_the_layout_independent_initialisation(tmp_path):

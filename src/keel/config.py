@@ -477,6 +477,9 @@ class ModelConfig:
     gated_norm_rank: int = 0
     # False: no norm after the last layer (OPT-350m's post_residual block ends normed; OPT's _remove_final_layer_norm)
     final_norm: bool = True
+    # The final norm's eps where other than rms_norm_eps (JetMoE's: its layers' norms are built at 1e-6 whatever the
+    # file says, the final one at rms_norm_eps); None: rms_norm_eps
+    final_norm_eps: float | None = None
     # The token embedding's (and the LM head's) width where other than hidden_size (OPT-350m's word_embed_proj_dim):
     # `project_in` [hidden, E] maps the embedding to the model's width and `project_out` [E, hidden] the last hidden
     # state (after the final norm) to the head's, Linear without bias; 0: hidden_size, no projections.
@@ -838,6 +841,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             need(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")  # NaN too
+        need(
+            self.final_norm_eps is None or self.final_norm_eps > 0,
+            f"final_norm_eps must be positive, got {self.final_norm_eps}",
+        )
         need(
             self.num_heads % self.num_kv_heads == 0,
             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",

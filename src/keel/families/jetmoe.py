@@ -11,8 +11,8 @@ Checkpoint names (under model.layers.N): `self_attention.kv_proj` (split into ke
 `self_attention.experts.input_linear` [E, kv, H] / `output_linear` [E, H, kv] / `router.layer` / `bias`,
 `mlp.input_linear` [E, 2I, H] / `output_linear` [E, H, I] / `router.layer` / `bias`; read as keel's and written back.
 
-Refused by name: `rms_norm_eps` other than 1e-6 (transformers' JetMoE norms every layer at 1e-6 whatever the file
-says, the final norm alone at rms_norm_eps; keel has one eps for both).
+transformers' JetMoE norms every layer at 1e-6 whatever the file says and the final norm alone at `rms_norm_eps`:
+keel reads the file's eps as `final_norm_eps`, the layers' as 1e-6.
 """
 
 from __future__ import annotations
@@ -56,11 +56,6 @@ def upgrade_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
     eps = float(hf.get("rms_norm_eps", DEFAULTS["rms_norm_eps"]))
-    if eps != _LAYER_NORM_EPS:
-        raise ConfigError(
-            f"{source}: rms_norm_eps {eps} is not supported: transformers' JetMoE norms its layers at 1e-6 whatever "
-            "the file says and the final norm alone at rms_norm_eps, and keel has one eps for both"
-        )
     width = int(hf.get("intermediate_size", _WIDTH))
     return {
         "num_experts": int(hf.get("num_local_experts", _EXPERTS)),
@@ -73,6 +68,8 @@ def config_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "o_bias": True,
         "qkv_bias": False,
         "moe_output_bias": True,
+        "rms_norm_eps": _LAYER_NORM_EPS,
+        "final_norm_eps": None if eps == _LAYER_NORM_EPS else eps,
     }
 
 
@@ -89,7 +86,7 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     if not held:
         raise ConfigError(
             f"{config.architecture}: JetMoE's config holds attention experts and experts in every layer, both with "
-            "an output bias, the top-k softmax router and norms of eps 1e-6 only"
+            "an output bias, the top-k softmax router and its layers' norms at eps 1e-6"
         )
     return {
         "kv_channels": config.head_dim,
@@ -97,6 +94,8 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": config.num_experts_per_tok,
         "intermediate_size": config.moe_intermediate_size,
         "activation_function": hf["hidden_act"],
+        # the final norm's (the layers' are 1e-6 whatever the file says)
+        "rms_norm_eps": _LAYER_NORM_EPS if config.final_norm_eps is None else config.final_norm_eps,
     }
 
 
