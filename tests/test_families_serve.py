@@ -186,6 +186,7 @@ def test_engine_gives_transformers_greedy_tokens(tmp_path, name):
         pytest.param("biogpt", marks=SLOW),
         pytest.param("mimo_v2_flash", marks=SLOW),
         pytest.param("kimi_linear", marks=SLOW),
+        pytest.param("bailing_hybrid", marks=SLOW),
         pytest.param("deepseek_v32", marks=SLOW),
         pytest.param("glm_moe_dsa", marks=SLOW),
         pytest.param("axk2", marks=SLOW),
@@ -408,6 +409,14 @@ def test_uncompiled_families_are_served_with_transformers_greedy_tokens(tmp_path
             "KimiDeltaAttention", "MLAttention", "KimiDeltaAttention", "KimiDeltaAttention"
         ]  # fmt: skip
         assert not attention[1].rotates and config.linear_variant == "kda"
+        assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    elif name == "bailing_hybrid":  # full-rank, bounded KDA between gated latent attention; layer 0 dense
+        config = llm.engine.model.config
+        assert [type(a).__name__ for a in attention] == [
+            "KimiDeltaAttention", "MLAttention", "KimiDeltaAttention", "MLAttention"
+        ]  # fmt: skip
+        assert attention[1].rotates and attention[1].output_gate is not None and attention[0].full_rank
+        assert config.kda_gate_lower_bound == -3.0
         assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     elif name in ("qwen3_5_moe", "qwen3_next"):  # the same hybrid with gated shared experts (Qwen3-Next: layer 1 dense)
         config = llm.engine.model.config

@@ -163,6 +163,7 @@ SHAPE_INFERABLE = [
             "zamba2",  # its shared blocks, adapters and softmax scale, read through its config.json
             "glm_moe_dsa",  # latent attention (deepseek_v32 too, by its prefix) with the indexer's top-k
             "jetmoe",  # attention experts under its own names, read through its config.json
+            "bailing_hybrid",  # KDA's safe gate bound and Ling's names, read through its config.json
         )
     )
 ]

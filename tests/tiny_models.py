@@ -1352,6 +1352,39 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # Bailing Hybrid (Ling 3): KDA layers with full-rank decay and gate, the decay bounded at -3 (kda_safe_gate), every
+    # second layer latent attention with a gate per head (low-rank query); DeepSeek-V3's experts in two groups with
+    # layer 0 dense; Ling's names in the checkpoint (transformers writes them back on save).
+    "bailing_hybrid": (
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            layer_group_size=2,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=16,
+            short_conv_kernel_size=3,
+            kda_lower_bound=-3.0,
+            rope_theta=10000.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     # LFM2: gated short convolutions in layers 0, 1 and 3 (biased, kernel 3), attention with q/k norms in layer 2; the
     # MLP's width adjusted from intermediate_size (2/3, rounded up to 32).
     "lfm2": (

@@ -34,6 +34,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 FAMILY_TO_HF = {family: arch for arch, family in HF_ARCHITECTURES.items()}
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
 MLA_FAMILIES = {
+    "bailing_hybrid",
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe_lite",
@@ -51,6 +52,7 @@ MLA_FAMILIES = {
 # float32 softmax router, groups by their best expert; shared experts, first k layers dense), whose checkpoints
 # name the router `mlp.gate`, the shared ones `mlp.shared_experts`.
 DEEPSEEK_MOE_FAMILIES = {
+    "bailing_hybrid",
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
@@ -68,7 +70,16 @@ DEEPSEEK_MOE_FAMILIES = {
     "axk2",
 }
 # DeepSeek-style families whose config lists each layer's MLP kind instead of DeepSeek's first_k_dense_replace.
-LAYER_KINDS_LISTED = {"glm4_moe_lite", "exaone_moe", "axk1", "axk2", "kimi_linear", "deepseek_v32", "glm_moe_dsa"}
+LAYER_KINDS_LISTED = {
+    "bailing_hybrid",
+    "glm4_moe_lite",
+    "exaone_moe",
+    "axk1",
+    "axk2",
+    "kimi_linear",
+    "deepseek_v32",
+    "glm_moe_dsa",
+}
 # Granite MoE and its shared-expert and sliding-window variants: their experts' keys are their own
 # (keel.families.granitemoe).
 GRANITE_MOE_FAMILIES = {"granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid"}
@@ -283,6 +294,13 @@ class ModelConfig:
     # head, keel.model.linear_attention) or "kda" (Kimi Linear's Kimi Delta Attention, keel.model.kda: a decay per key
     # channel, low-rank decay and output-gate projections, a sigmoid-gated output norm; key and value heads alike).
     linear_variant: str = "gated_deltanet"
+    # Bailing Hybrid's KDA (Ling/Ring): the decay's and the output gate's projections full rank (`f_proj`, `g_proj`:
+    # hidden -> heads x width, instead of Kimi's low-rank f_a/f_b and g_a/g_b), A_log one value per head ([H], not
+    # Kimi's [1, 1, H, 1]).
+    kda_full_rank_gates: bool = False
+    # Bailing Hybrid's kda_safe_gate: the log decay bound * sigmoid(exp(A_log) (f + dt_bias)), in (bound, 0), instead
+    # of -exp(A_log) softplus(f + dt_bias). None: the unbounded one.
+    kda_gate_lower_bound: float | None = None
     # Qwen3.5: attention's output times sigmoid of a per-head gate, projected with the queries (keel's
     # `self_attn.output_gate`).
     attention_output_gate: bool = False
@@ -993,6 +1011,14 @@ class ModelConfig:
             "attention_gate_per_head needs attention_output_gate",
         )
         need(
+            not (self.is_mla and self.attention_output_gate)
+            or (
+                self.attention_gate_per_head and self.attention_gate_activation == "sigmoid" and not self.mla_query_gate
+            ),
+            "attention_output_gate with multi-head latent attention is a sigmoid gate per head "
+            "(attention_gate_per_head), without mla_query_gate",
+        )
+        need(
             self.attention_gate_activation in ("sigmoid", "softplus"),
             f"attention_gate_activation {self.attention_gate_activation!r}: sigmoid or softplus",
         )
@@ -1378,6 +1404,15 @@ class ModelConfig:
                 "linear_variant 'kda' has one head count and one width for keys and values",
             )
             need(self.linear_beta_scale == 1.0, "linear_beta_scale is Gated DeltaNet's (linear_variant 'kda' has none)")
+        kda = self.kda_full_rank_gates or self.kda_gate_lower_bound is not None
+        need(
+            not kda or self.linear_variant == "kda",
+            "kda_full_rank_gates and kda_gate_lower_bound need linear_variant 'kda'",
+        )
+        need(
+            self.kda_gate_lower_bound is None or self.kda_gate_lower_bound < 0,
+            f"kda_gate_lower_bound must be negative (a log decay), got {self.kda_gate_lower_bound}",
+        )
 
     # ------------------------------------------------------------- parameters
     def _linear_attention_params(self) -> int:
@@ -1387,7 +1422,8 @@ class ModelConfig:
         heads, values = self.linear_num_value_heads, self.linear_num_value_heads * self.linear_value_head_dim
         if self.linear_variant == "kda":  # q/k/v, beta, the low-rank decay and gate, dt_bias per channel, A_log
             d = self.linear_value_head_dim
-            projections = 3 * h * values + h * heads + 2 * (h * d + d * values) + values * h
+            gates = 2 * h * values if self.kda_full_rank_gates else 2 * (h * d + d * values)  # f and g
+            projections = 3 * h * values + h * heads + gates + values * h
             return projections + 3 * values * self.linear_conv_kernel_dim + values + heads + d
         conv = 2 * keys + values
         projections = h * conv + h * values + 2 * h * heads + values * h
@@ -1451,6 +1487,7 @@ class ModelConfig:
             if self.is_dsa and self.index_source(layer) == layer:  # wq_b, wk, k_norm (LayerNorm), weights_proj
                 n, d = self.index_n_heads, self.index_head_dim
                 attn += self.q_lora_rank * n * d + h * d + 2 * d + h * n
+            attn += h * heads if self.attention_output_gate else 0  # Bailing Hybrid's gate per head
             return attn + heads * self.v_head_dim * h + (h if self.o_bias else 0)  # o_proj
         q_size, kv_size, head_dim = self.layer_q_size(layer), self.layer_kv_size(layer), self.layer_head_dim(layer)
         v_size = 0 if self.layer_k_eq_v(layer) else self.layer_v_size(layer)  # k = v: no v_proj

@@ -28,6 +28,7 @@ from keel.families import (
     arcee,
     axk1,
     axk2,
+    bailing_hybrid,
     bamba,
     biogpt,
     bitnet,
@@ -241,6 +242,7 @@ FAMILIES: dict[str, ModuleType] = {
         deepseek_v32,
         glm_moe_dsa,
         jetmoe,
+        bailing_hybrid,
     )
 }
 

@@ -9,6 +9,10 @@ tokens; each head's output is RMS-normed and scaled by sigmoid of a low-rank gat
 `o_norm`), then projected back (`o_proj`). Parameter names and shapes are those of Moonshot's checkpoints (which
 transformers renames and fuses on load). The mixing, the states and their continuation are Gated DeltaNet's
 (keel.model.linear_attention).
+
+Bailing Hybrid's variant: `kda_full_rank_gates` projects the decay and the gate at full rank (`f_proj`, `g_proj`;
+A_log [H], as its checkpoints store it); `kda_gate_lower_bound` bounds the decay, g = bound *
+sigmoid(exp(A_log) (f + dt_bias)) (its `kda_safe_gate`).
 """
 
 from __future__ import annotations
@@ -53,38 +57,56 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
             nn.Conv1d(width, width, kernel, groups=width, bias=False) for _ in range(3)
         )
-        self.f_a_proj = nn.Linear(h, dim, bias=False)
-        self.f_b_proj = nn.Linear(dim, width, bias=False)
+        self.full_rank = config.kda_full_rank_gates
+        self.lower_bound = config.kda_gate_lower_bound
+        if self.full_rank:  # Bailing Hybrid: hidden -> heads x width at once
+            self.f_proj = nn.Linear(h, width, bias=False)
+            self.g_proj = nn.Linear(h, width, bias=False)
+        else:  # Kimi: low rank through one head's width
+            self.f_a_proj = nn.Linear(h, dim, bias=False)
+            self.f_b_proj = nn.Linear(dim, width, bias=False)
+            self.g_a_proj = nn.Linear(h, dim, bias=False)
+            self.g_b_proj = nn.Linear(dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(width))
-        # the checkpoints' shape, [1, 1, H, 1]
-        self.A_log = nn.Parameter(torch.empty(1, 1, heads, 1) if building_on_meta() else self.initial_a_log())
+        # the checkpoints' shape: Kimi's [1, 1, H, 1], Bailing Hybrid's [H]
+        self.a_shape = (heads,) if self.full_rank else (1, 1, heads, 1)
+        self.A_log = nn.Parameter(torch.empty(self.a_shape) if building_on_meta() else self.initial_a_log())
         self.b_proj = nn.Linear(h, heads, bias=False)
-        self.g_a_proj = nn.Linear(h, dim, bias=False)
-        self.g_b_proj = nn.Linear(dim, width, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(dim, config.linear_norm_eps or config.rms_norm_eps)
         self.o_proj = nn.Linear(width, h, bias=False)
 
     def initial_a_log(self) -> Tensor:
         """Decay rates A spread over [1, 16] across the heads (transformers draws them at random there)."""
-        return super().initial_a_log().view(1, 1, -1, 1)
+        return super().initial_a_log().view(self.a_shape)
 
     def conv_weight(self) -> Tensor:
         """The three convolutions as one over [q, k, v] ([3 H D, 1, K])."""
         return torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
 
+    def log_decay(self, x: Tensor) -> Tensor:
+        """The log decay per head and key channel, in float32: [B, S, H, Dk]."""
+        b, s, _ = x.shape
+        raw = self.f_proj(x) if self.full_rank else self.f_b_proj(self.f_a_proj(x))
+        raw = (raw.float() + self.dt_bias.float()).view(b, s, self.value_heads, -1)
+        rate = self.A_log.float().exp().view(1, 1, -1, 1)
+        if self.lower_bound is not None:  # Bailing Hybrid's safe gate: bounded below
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        return -rate * F.softplus(raw)
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        return self.g_proj(x) if self.full_rank else self.g_b_proj(self.g_a_proj(x))
+
     def forward(self, x: Tensor, meta) -> Tensor:  # meta: keel.model.attention.AttentionMetadata
         b, s, _ = x.shape
         mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         beta = self.b_proj(x).sigmoid().float()
-        # the log decay per head and key channel, in float32: [B, S, H, Dk]
-        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(b, s, self.value_heads, -1)
-        decay = -self.A_log.float().exp() * F.softplus(raw)
+        decay = self.log_decay(x)
         spans = None if meta.cache is None else meta.cache.recurrent_spans(self.layer, meta)
         if spans is None:  # whole sequences from an empty state, the batch at once
             out, _ = self._mix(F.silu(causal_conv(mixed, self.conv_weight(), None)), decay, beta, None)
         else:
             flat = (t.reshape(b * s, *t.shape[2:]) for t in (mixed, decay, beta))
             out = self._continue(*flat, spans).view(b, s, self.value_heads, self.value_dim)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(b, s, self.value_heads, self.value_dim)
+        gate = self.output_gate(x).view(b, s, self.value_heads, self.value_dim)
         out = self.o_norm(out.to(x.dtype), gate)
         return self.o_proj(out.reshape(b, s, -1))

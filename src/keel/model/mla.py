@@ -87,6 +87,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, config.num_heads * (self.qk_nope + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(config.num_heads * self.v_head_dim, h, bias=config.o_bias)
+        # Bailing Hybrid (attention_output_gate, per head): each head's output times sigmoid of its unit
+        self.output_gate = nn.Linear(h, config.num_heads, bias=False) if config.attention_output_gate else None
         # DeepSeek Sparse Attention (keel.model.dsa): the keys each query attends to picked by this layer's indexer,
         # or by the one of `index_source` (GLM-5's shared layers have none)
         self.index_topk = config.index_topk
@@ -128,6 +130,8 @@ class MLAttention(nn.Module):
             out = self._absorbed(q_nope, q_rope, latent, k_rope, meta, index)
         if gate is not None:  # [B, S, H, V]: in float32, rounded once, as transformers gates it
             out = (out * torch.sigmoid(gate.float())).to(out.dtype)
+        if self.output_gate is not None:  # rounded to the activations' dtype before the product, as transformers
+            out = out * torch.sigmoid(self.output_gate(x).float()).to(out.dtype).unsqueeze(-1)
         return self.o_proj(out.reshape(b, s, -1))
 
     def _rotate(self, x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
