@@ -1404,15 +1404,14 @@ def test_jetmoe_final_norm_takes_the_files_eps_and_its_layers_1e_6(tmp_path):
 def test_jetmoe_trains_from_the_layout_independent_initialisation(tmp_path):
     """Built on the meta device for training, JetMoE's attention experts and output biases have initialisation rules
     (keel.model.seeded_init: normal experts, zero biases), and a loss's gradient reaches every one of them."""
-    from keel.model.seeded_init import init_weights_seeded
+    from keel.model.seeded_init import init_weights_seeded, materialize
     from keel.model.transformer import Transformer
 
     save_hf_model("jetmoe", tmp_path)
     config = ModelConfig.from_json_file(tmp_path / "config.json")
     with torch.device("meta"):
         model = Transformer(config)
-    model.to_empty(device="cpu")
-    init_weights_seeded(model, 0)
+    materialize(model, "cpu", lambda m: init_weights_seeded(m, 0))  # the buffers (rotary's) recomputed too
     attention, mlp = model.layers["0"].self_attn, model.layers["0"].mlp
     assert attention.q_experts.std().item() == pytest.approx(0.02, rel=0.2)
     assert not attention.output_bias.any() and not mlp.output_bias.any()

@@ -93,14 +93,13 @@ def test_gradients_are_transformers_through_resets():
 def test_a_model_built_for_training_starts_from_transformers_decays():
     """Built on the meta device and filled by the layout-independent initialisation (every parameter has a rule),
     or built plainly: the base decays spread over [0.9, 0.999] as transformers starts them."""
-    from keel.model.seeded_init import init_weights_seeded
+    from keel.model.seeded_init import init_weights_seeded, materialize
     from keel.model.transformer import Transformer
 
     config = ModelConfig.from_hf(_hf_dict())
     with torch.device("meta"):
         model = Transformer(config)
-    model.to_empty(device="cpu")
-    init_weights_seeded(model, 0)
+    materialize(model, "cpu", lambda m: init_weights_seeded(m, 0))  # the buffers (rotary's) recomputed too
     for built in (model, Transformer(config)):
         decay = (-torch.nn.functional.softplus(built.layers["1"].self_attn.rg_lru.recurrent_param)).exp()
         torch.testing.assert_close(decay[[0, -1]], torch.tensor([0.9, 0.999]), atol=1e-6, rtol=0)
