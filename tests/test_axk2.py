@@ -135,3 +135,23 @@ def test_training_reaches_the_gated_query_and_norms_and_leaves_the_indexer(tmp_p
         assert block.input_layernorm.mlp.fc1.weight.grad.abs().sum() > 0
         assert block.self_attn.indexer.wq_b.weight.grad is None
     assert model.layers["2"].post_attention_layernorm.mlp.fc2.weight.grad.abs().sum() > 0
+
+
+def test_training_tensor_parallelism_refuses_sequence_parallel_gated_norms(tmp_path):
+    """Without the indexer (which tp > 1 refuses), the gated query is cut by heads (tests/test_train_parallel.py's
+    axk2_dense layout); the gated norms' fc1/fc2 cannot be replicated by SequenceParallel: refused by name."""
+    from types import SimpleNamespace
+
+    from keel.train import config as train_config
+
+    save_hf_model("axk2", tmp_path)
+    dense = ModelConfig.from_json_file(tmp_path / "config.json")
+    dense = dataclasses.replace(dense, index_topk=0, index_n_heads=0, index_head_dim=0)
+
+    def check(**parallel) -> None:
+        cfg = SimpleNamespace(parallel=train_config.ParallelSection(**parallel), moe=train_config.MoESection())
+        train_config._check_model_fits(cfg, dense, 1, lambda message: ConfigError(message))
+
+    with pytest.raises(ConfigError, match="sequence_parallel is not supported for A.X-K2's gated norms"):
+        check(tp=2)
+    check(tp=2, sequence_parallel=False)

@@ -17,7 +17,7 @@ from keel.tokenizer import Tokenizer
 from keel.tools.align import transformers_model
 from keel.weights.checkpoint import Checkpoint
 from keel.weights.convert import convert, output_dtype
-from tiny_models import TINY_CONFIGS, save_hf_model
+from tiny_models import COMMON, TINY_CONFIGS, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -248,3 +248,20 @@ def test_a_model_its_config_json_cannot_hold_is_not_exported(tmp_path):
     with pytest.raises(ConfigError, match="cannot hold"):
         save_model(Transformer(normed), None, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ],
+    ids=["yarn", "linear"],
+)
+def test_phi3_rope_scaling_other_than_longrope_is_exported(rope):
+    """Phi-3's pre-training context is written at the top level, which keel (as transformers) reads before the rope
+    parameters': written as max_position_embeddings for YaRN, it read back as another model (refused by name)."""
+    hf = {**COMMON, **TINY_CONFIGS["phi3-longrope"][2], "architectures": ["Phi3ForCausalLM"], "rope_parameters": rope}
+    config = ModelConfig.from_hf(hf)
+    assert config.rope_scaling.type == rope["rope_type"]
+    assert ModelConfig.from_hf(config.exported_hf()).rope_scaling == config.rope_scaling

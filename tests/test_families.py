@@ -1376,6 +1376,11 @@ def test_jetmoe_reads_its_config_classs_derived_keys_and_refuses_what_it_cannot_
     assert (wide.rms_norm_eps, wide.final_norm_eps) == (1e-6, 1e-5) and ModelConfig.from_hf(wide.to_hf()) == wide
     with pytest.raises(ConfigError, match="qkv_bias"):
         dataclasses.replace(config, qkv_bias=True)
+    # (keel.model.moa projects its own values and orders its heads kv-head-major: neither would be read)
+    with pytest.raises(ConfigError, match="attention_value_scale is not read by mixture_of_attention"):
+        dataclasses.replace(config, attention_value_scale=0.5)
+    with pytest.raises(ConfigError, match="position_embedding alibi is not read by mixture_of_attention"):
+        dataclasses.replace(config, position_embedding="alibi")
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         dataclasses.replace(config, num_heads=4)
     save_hf_model("jetmoe", tmp_path)

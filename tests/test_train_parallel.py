@@ -69,6 +69,11 @@ MODELS = {
     "laguna": lambda: tiny_config("laguna", num_hidden_layers=3),
     # latent attention (heads cut under tp, the shared rope key's gradient summed), DeepSeek-V3's experts
     "deepseek": lambda: tiny_config("deepseek_v3", num_hidden_layers=2),
+    # A.X-K2's gated latent query (q_gate_proj, cut by heads as q_b_proj) and low-rank gated norms (sequence-parallel),
+    # without its indexer (tp refuses DSA's)
+    "axk2_dense": lambda: dataclasses.replace(
+        tiny_config("axk2", num_hidden_layers=2), index_topk=0, index_n_heads=0, index_head_dim=0
+    ),
     # V2-Lite's full-rank q_proj, YaRN
     "deepseek_v2": lambda: tiny_config("deepseek_v2", num_hidden_layers=2),
     # DeepSeek-V3's router (sigmoid, selection bias, 2 groups) with the router z-loss, whose gradient
@@ -164,6 +169,7 @@ LAYOUTS = [
     Layout("gpt_oss tp=2 sp", model="gpt_oss", tp=2),
     Layout("tp=2 sp laguna", model="laguna", tp=2, more=True),
     Layout("deepseek tp=2 sp", model="deepseek", tp=2),
+    Layout("axk2 tp=2 no-sp", model="axk2_dense", tp=2, sequence_parallel=False, more=True),
     Layout("deepseek_v2 tp=2 no-sp", model="deepseek_v2", tp=2, sequence_parallel=False, more=True),
     Layout("moe sigmoid-router z-loss ep=2", model="moe_aux", dp_shard=2, ep=2),
     Layout("moe ep=4", model="moe", dp_shard=4, ep=4),

@@ -1323,6 +1323,10 @@ class ModelConfig:
             "v_norm": self.v_norm,
             "attention_k_eq_v": self.attention_k_eq_v,
             "qk_l2_norm": self.qk_l2_norm,
+            # its keys and values are projected in keel.model.moa, which does not scale the values
+            "attention_value_scale": self.attention_value_scale != 1.0,
+            # ALiBi's slopes would follow keel's kv-head-major order of the experts' heads, not transformers'
+            "position_embedding alibi": self.position_embedding == "alibi",
             "router_linear_bias": self.router_linear_bias,
             "router_bias": self.router_bias,
             "router_input_norm": self.router_input_norm,

@@ -34,8 +34,9 @@ def hf_fields(config: Any, hf: dict[str, Any]) -> dict[str, Any]:
     """config.json keys of the family, given the common ones keel writes for every family (`hf`)."""
     return {
         "sliding_window": config.sliding_window,
+        # (keel.config reads this key before rope_parameters' own: every scaling with a pre-training context keeps it)
         "original_max_position_embeddings": config.rope_scaling.original_max_position_embeddings
-        if config.rope_scaling.type == "longrope"
+        if config.rope_scaling.type != "default"
         else config.max_position_embeddings,
         "partial_rotary_factor": config.partial_rotary_factor,
     }

@@ -675,6 +675,12 @@ def _check_model_fits(
             "parallel: sequence_parallel is not supported for OPT-350m's block (embedding_size, norm_placement "
             "'post_residual' or no final norm); set sequence_parallel = false"
         )
+    if par.tp > 1 and par.sequence_parallel and model.gated_norm_rank:
+        # SequenceParallel replicates a norm's own parameters only: the gate's fc1/fc2 are a submodule's
+        raise fail(
+            "parallel: sequence_parallel is not supported for A.X-K2's gated norms (gated_norm_rank); "
+            "set sequence_parallel = false"
+        )
     if par.tp > 1 and any(model.activation_sparsity):  # the gate's mean and spread over its whole width
         raise fail("parallel: tp > 1 is not supported for the MLP gate's activation sparsity (Gemma 3n) yet")
     if par.tp > 1 and model.moe_branch_norms:

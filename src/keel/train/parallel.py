@@ -44,10 +44,10 @@ outside the checkpointed region and the recomputation re-gathers nothing it stil
 | `norm`, `embedding_norm` with weights    | SequenceParallel (SP only)                                  |
 | `lm_head`                                | ColwiseParallel; logits vocab-sharded (loss-parallel) or gathered |
 
-Multi-head latent attention (DeepSeek): q_proj / q_b_proj and kv_b_proj Colwise (by heads), o_proj Rowwise; the
-latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms replicated, fed a plain tensor (under SP the
-gathered sequence enters the attention as a local tensor). The rope key, which every head uses, gets each rank's
-heads' share of its gradient: a hook sums it over tp (`_rope_key_gradient_summed`).
+Multi-head latent attention (DeepSeek): q_proj / q_b_proj (A.X-K2: q_gate_proj) and kv_b_proj Colwise (by heads),
+o_proj Rowwise; the latent projections (q_a_proj, kv_a_proj_with_mqa) and their norms replicated, fed a plain tensor
+(under SP the gathered sequence enters the attention as a local tensor). The rope key, which every head uses, gets
+each rank's heads' share of its gradient: a hook sums it over tp (`_rope_key_gradient_summed`).
 
 Qwen2's q/k/v biases are sharded with their weights; Mistral's sliding window and Qwen3's q/k norm
 need nothing else. Requirements: `num_heads % tp == 0`, `num_kv_heads % tp == 0` (checked, ValueError),
@@ -227,7 +227,12 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     mla = isinstance(layer.self_attn, MLAttention)
     plan: dict[str, ParallelStyle] = {"self_attn.o_proj": RowwiseParallel(output_layouts=seq, use_local_output=out)}
     if mla:  # the query and the latent's per-head expansion by heads; the latent projections replicated
-        query = "self_attn.q_proj" if layer.self_attn.q_proj is not None else "self_attn.q_b_proj"
+        # (A.X-K2's q_gate_proj: each head's query and gate rows side by side, so a cut by heads as q_b_proj's)
+        query = next(
+            f"self_attn.{name}"
+            for name in ("q_proj", "q_gate_proj", "q_b_proj")
+            if getattr(layer.self_attn, name) is not None
+        )
         plan |= {query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel()}
     else:
         plan |= {proj: ColwiseParallel() for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}

@@ -267,8 +267,9 @@ MiniCPM 1/2/4 (`minicpm`; MiniCPMModel) is read as keel's `granite`: llama.cpp b
 embedding times `embedding_scale` (scale_emb), each sublayer's output times `residual_scale` (scale_depth /
 sqrt(layers)), the logits over `logit_scale` (hidden / dim_model_base), the softmax scale 1/sqrt(head size) (as
 Granite's attention_multiplier; MiniCPMModel writes no attention.scale and llama.cpp reads none for minicpm: a file
-with one is refused); keys absent (older files): llama.cpp's
-12, 1.4 / sqrt(layers) and hidden / 256, the releases'. q/k weights permuted (not biases); LongRoPE (MiniCPM4) as
+with one is refused); keys absent (older files): 12, 1.4 / sqrt(layers) and a divisor hidden / 256, the releases'
+(llama.cpp's first two; its absent logit_scale, 256 / hidden, is divided by as well: logits hidden^2 / 256^2 times
+keel's, the same greedy tokens). q/k weights permuted (not biases); LongRoPE (MiniCPM4) as
 TextModel's `rope.scaling.type` with the factors as Phi-3's tensors and no other key, read as MiniCPM3's (pre-trained
 on the whole context: the short factors, no factor on cos/sin). MiniCPM-MoE (`expert_count`) is refused by name.
 """
@@ -838,8 +839,9 @@ def _mla_fields(
     return out
 
 
-# llama.cpp's MiniCPM scalars where an older file has no keys (the releases' scale_emb 12, scale_depth 1.4 and
-# dim_model_base 256): the embedding's factor, the residual's over sqrt(layers), and hidden / the logits' divisor.
+# MiniCPM's scalars where an older file has no keys (the releases' scale_emb 12, scale_depth 1.4 and dim_model_base
+# 256): the embedding's factor, the residual's over sqrt(layers), and the logits' divisor hidden / 256 (llama.cpp's
+# default logit_scale is 256 / hidden, which its Granite graph divides by too: the inverse; keel keeps the releases).
 _MINICPM_EMBEDDING_SCALE, _MINICPM_SCALE_DEPTH, _MINICPM_DIM_BASE = 12.0, 1.4, 256
 
 
