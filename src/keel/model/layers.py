@@ -121,16 +121,18 @@ class WeightlessNorm(nn.Module):
         return f"{self.kind}, eps={self.eps}"
 
 
-def block_norm(config: ModelConfig, dim: int) -> nn.Module:
+def block_norm(config: ModelConfig, dim: int, eps: float | None = None) -> nn.Module:
     """The norm the config's blocks and final layer use: RMSNorm, or LayerNorm with or without a bias (each scaling
-    by offset + weight where the config has a `norm_weight_offset`), or either without a weight."""
+    by offset + weight where the config has a `norm_weight_offset`), or either without a weight; at `eps` where
+    given (the final norm's `final_norm_eps`), else rms_norm_eps."""
+    eps = config.rms_norm_eps if eps is None else eps
     if not config.norm_affine:
-        return WeightlessNorm(config.norm_type, config.rms_norm_eps)
+        return WeightlessNorm(config.norm_type, eps)
     if config.norm_type == "layer":
         if config.norm_weight_offset:
-            return OffsetLayerNorm(dim, config.rms_norm_eps, config.norm_bias, config.norm_weight_offset)
-        return nn.LayerNorm(dim, eps=config.rms_norm_eps, bias=config.norm_bias)
-    return RMSNorm(dim, config.rms_norm_eps, config.norm_weight_offset)
+            return OffsetLayerNorm(dim, eps, config.norm_bias, config.norm_weight_offset)
+        return nn.LayerNorm(dim, eps=eps, bias=config.norm_bias)
+    return RMSNorm(dim, eps, config.norm_weight_offset)
 
 
 class HeadNorm(nn.Module):

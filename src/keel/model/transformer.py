@@ -8,8 +8,6 @@ stage is the same class with some parts removed (the torchtitan convention).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor, nn
 
@@ -280,9 +278,9 @@ class Transformer(nn.Module):
         self.sliding_rotary = RotaryEmbedding(config, sliding=True) if config.sliding_rope_theta is not None else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         # (without a final norm, an identity: None marks a pipeline stage without the head)
-        eps = config.final_norm_eps
-        final = config if eps is None else dataclasses.replace(config, rms_norm_eps=eps)
-        self.norm: nn.Module | None = block_norm(final, config.hidden_size) if config.final_norm else nn.Identity()
+        self.norm: nn.Module | None = (
+            block_norm(config, config.hidden_size, config.final_norm_eps) if config.final_norm else nn.Identity()
+        )
         self.lm_head: nn.Linear | None = nn.Linear(width, config.vocab_size, bias=config.lm_head_bias)
         self.tie_weights()
 
