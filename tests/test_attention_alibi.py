@@ -6,7 +6,6 @@ against transformers: tests/test_architectures.py (Bloom, MPT, Falcon-RW)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -14,13 +13,11 @@ import torch
 
 from keel import kernels
 from keel.config import ModelConfig
-from keel.kernels import triton_paged
 from keel.model.attention import alibi_slopes
 from keel.model.transformer import build_model
 from keel.serve.attention_backends import ENV
 from keel.serve.kv_cache import DecodeGroup, PagedKVCache, StepPlan, decode_mask
-from keel.serve.kv_quant import Int8PagedKVCache, dequantize_kv, quantize_kv
-from test_kv_int8 import STEP1, STEP2, packed_plan
+from test_kv_int8 import STEP1, STEP2, both_steps_on_backend
 
 pytestmark = pytest.mark.isa  # the kernels' choice differs by ISA
 
@@ -103,34 +100,9 @@ def test_every_paged_backend_biases_the_scores(backend, int8, window, monkeypatc
     """A decode group of two lengths and a prefill chunk over a cached prefix (tests/test_kv_int8.py's steps),
     against a float64 reference with the slopes, on every backend (float and int8 caches); the bias changes the
     output (the reference without it is far)."""
-    device, block_size = "cpu", 4
-    if backend == "triton":
-        if not triton_paged.available():
-            pytest.skip("Triton is not installed")
-        device, block_size = ("cuda" if torch.cuda.is_available() else "cpu"), 16  # the kernel's smallest block
-    if backend == "kernels" and not kernels.active():
-        pytest.skip("keel's kernels are not active here")
-    monkeypatch.setenv(ENV, backend)
-    inputs = random_inputs(device)
-    make = Int8PagedKVCache if int8 else PagedKVCache
-    cache = make(CONFIG, 10, block_size, torch.float32, device)
-    assert cache.attention_backend() == backend
-    for steps, args in zip((STEP1, STEP2), inputs, strict=True):
-        plan = packed_plan(steps, block_size)
-        cache.plan = StepPlan(
-            plan.slot_mapping.to(device),
-            [dataclasses.replace(g, index=g.index.to(device), tables=g.tables.to(device),
-                                 positions=g.positions.to(device)) for g in plan.decodes],
-            [c._replace(table=c.table.to(device), positions=c.positions.to(device)) for c in plan.prefills],
-        )  # fmt: skip
-        out = cache.attend(0, *args, None, window, None, SLOPES.to(device))
-    inputs = [tuple(t.cpu() for t in step) for step in inputs]
-    if int8:  # the reference reads what the cache stores
-        inputs = [
-            (q, *(dequantize_kv(*quantize_kv(x, None), torch.float32, None) for x in (k, v))) for q, k, v in inputs
-        ]
+    out, inputs = both_steps_on_backend(CONFIG, random_inputs, backend, int8, window, monkeypatch, None, SLOPES)
     want = reference(inputs, SLOPES, window)
-    torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
     assert (want - reference(inputs, None, window)).abs().max() > 0.1
 
 

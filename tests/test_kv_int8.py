@@ -3,6 +3,8 @@ model) and bfloat16 rows under a float32 model (`kv_cache_dtype="bfloat16"`), on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,6 +110,43 @@ BS = 4
 TABLES = {"a": [3, 7, 1, 9], "b": [2, 5, 8], "c": [0, 6, 4]}
 STEP1 = [(TABLES["a"], 0, 10), (TABLES["b"], 0, 9), (TABLES["c"], 0, 7)]
 STEP2 = [(TABLES["b"], 9, 1), (TABLES["a"], 10, 6), (TABLES["c"], 7, 1)]
+
+
+def both_steps_on_backend(config, make_inputs, backend: str, int8: bool, window, monkeypatch, *extra):  # noqa: ANN001, ANN201
+    """STEP1 then STEP2 through a paged cache (int8 or float) on attention `backend` (skipped where it cannot run
+    here: Triton not installed, keel's kernels not active): the second step's output on the CPU, and the (q, k, v)
+    of both steps a float reference should read (what an int8 cache stores). `make_inputs(device)` gives each step's
+    (q, k, v); `extra` follows the window in `attend` (score modifiers: tensors moved to the cache's device)."""
+    from keel.kernels import triton_paged
+    from keel.serve.attention_backends import ENV
+
+    device, block_size = "cpu", 4
+    if backend == "triton":
+        if not triton_paged.available():
+            pytest.skip("Triton is not installed")
+        device, block_size = ("cuda" if torch.cuda.is_available() else "cpu"), 16  # the kernel's smallest block
+    if backend == "kernels" and not kernels.active():
+        pytest.skip("keel's kernels are not active here")
+    monkeypatch.setenv(ENV, backend)
+    inputs = make_inputs(device)
+    cache = (Int8PagedKVCache if int8 else PagedKVCache)(config, 10, block_size, torch.float32, device)
+    assert cache.attention_backend() == backend
+    extra = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in extra)
+    for steps, args in zip((STEP1, STEP2), inputs, strict=True):
+        plan = packed_plan(steps, block_size)
+        cache.plan = StepPlan(
+            plan.slot_mapping.to(device),
+            [dataclasses.replace(g, index=g.index.to(device), tables=g.tables.to(device),
+                                 positions=g.positions.to(device)) for g in plan.decodes],
+            [c._replace(table=c.table.to(device), positions=c.positions.to(device)) for c in plan.prefills],
+        )  # fmt: skip
+        out = cache.attend(0, *args, None, window, *extra)
+    inputs = [tuple(t.cpu() for t in step) for step in inputs]
+    if int8:  # the reference reads what the cache stores
+        inputs = [
+            (q, *(dequantize_kv(*quantize_kv(x, None), torch.float32, None) for x in (k, v))) for q, k, v in inputs
+        ]
+    return out.cpu(), inputs
 
 
 def run_steps(cache: PagedKVCache, inputs: list[tuple], latent: bool, window: int | None) -> torch.Tensor:
